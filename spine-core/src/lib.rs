@@ -1,0 +1,25 @@
+//! Vocabulary of the spine control plane.
+//!
+//! `spine-core` holds the types every other spine crate speaks: identifiers ([`NodeId`],
+//! [`ModelId`], [`RequestId`], [`AccountId`], [`OperatorId`]), token [`Usage`] and where it came
+//! from ([`UsageSource`]), how a request ended ([`StreamOutcome`]), what a node says about itself
+//! ([`NodeDescriptor`]) and the [`RequestPeek`]: the handful of fields the gateway reads from an
+//! OpenAI request body without touching the rest.
+//!
+//! It starts no runtime and does no I/O (design brief §3).
+
+mod ids;
+mod node;
+mod peek;
+mod usage;
+
+pub use ids::{AccountId, ModelId, NodeId, OperatorId, RequestId};
+pub use node::{EngineKind, ModelDescriptor, NodeDescriptor};
+pub use peek::{PeekError, RequestPeek};
+pub use usage::{StreamOutcome, Usage, UsageSource};
+
+/// A type-erased error, as tower and hyper use it.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The body type spine's layers pass between each other: bytes with a boxed error.
+pub type BoxBody = http_body_util::combinators::UnsyncBoxBody<bytes::Bytes, BoxError>;

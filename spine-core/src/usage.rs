@@ -1,0 +1,106 @@
+use serde::{Deserialize, Serialize};
+
+/// Token usage of one request, in tokens.
+///
+/// Same meaning as OpenAI's `usage.prompt_tokens` / `usage.completion_tokens`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Usage {
+    /// Tokens of the rendered prompt, special tokens included.
+    pub prompt_tokens: u64,
+    /// Tokens generated, summed over all choices.
+    pub completion_tokens: u64,
+}
+
+impl Usage {
+    /// `prompt_tokens + completion_tokens`, saturating.
+    pub fn total_tokens(&self) -> u64 {
+        self.prompt_tokens.saturating_add(self.completion_tokens)
+    }
+}
+
+/// Where a usage number came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum UsageSource {
+    /// Counted by the gateway itself with the model's tokenizer and chat template (design §6).
+    Independent,
+    /// Reported by the node in its `usage` object; recorded, never billed alone.
+    NodeClaim,
+}
+
+impl UsageSource {
+    /// The snake_case name used in records and APIs.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Self::Independent => "independent",
+            Self::NodeClaim => "node_claim",
+        }
+    }
+}
+
+/// How a request ended (design brief §6).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum StreamOutcome {
+    /// The node finished the response and the caller received all of it.
+    Completed,
+    /// The caller went away; it pays the prompt plus the tokens delivered.
+    ClientCancelled,
+    /// Error event, node lost or truncated stream: the caller pays nothing, the operator earns
+    /// nothing, the node is penalised.
+    UpstreamFailed,
+    /// The request never reached a node.
+    Rejected,
+}
+
+impl StreamOutcome {
+    /// The snake_case name used in records and APIs.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Self::Completed => "completed",
+            Self::ClientCancelled => "client_cancelled",
+            Self::UpstreamFailed => "upstream_failed",
+            Self::Rejected => "rejected",
+        }
+    }
+
+    /// Parses the snake_case name; `None` for anything else.
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "completed" => Self::Completed,
+            "client_cancelled" => Self::ClientCancelled,
+            "upstream_failed" => Self::UpstreamFailed,
+            "rejected" => Self::Rejected,
+            _ => return None,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn outcome_names_round_trip() {
+        for o in [
+            StreamOutcome::Completed,
+            StreamOutcome::ClientCancelled,
+            StreamOutcome::UpstreamFailed,
+            StreamOutcome::Rejected,
+        ] {
+            assert_eq!(StreamOutcome::parse(o.as_str()), Some(o));
+        }
+        assert_eq!(StreamOutcome::parse("done"), None);
+    }
+
+    #[test]
+    fn total_saturates() {
+        let u = Usage {
+            prompt_tokens: u64::MAX,
+            completion_tokens: 3,
+        };
+        assert_eq!(u.total_tokens(), u64::MAX);
+    }
+}
