@@ -1,1 +1,13 @@
-//! (in progress)
+//! Metering for spine (design brief §6): SSE parsing, usage capture, `include_usage` injection,
+//! independent token counts, prices, the ledger and the metering tower layer.
+
+pub mod gguf;
+pub mod inject;
+pub mod sse;
+pub mod tokenizer;
+
+#[cfg(test)]
+mod test_support;
+
+pub use inject::{inject_include_usage, InjectError};
+pub use tokenizer::{ModelTokenizer, TokenizerError};
