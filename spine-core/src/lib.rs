@@ -19,7 +19,7 @@ pub use peek::{PeekError, RequestPeek};
 pub use usage::{StreamOutcome, Usage, UsageSource};
 
 /// A type-erased error, as tower and hyper use it.
-pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
 /// The body type spine's layers pass between each other: bytes with a boxed error.
 pub type BoxBody = http_body_util::combinators::UnsyncBoxBody<bytes::Bytes, BoxError>;
