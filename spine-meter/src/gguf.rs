@@ -273,7 +273,13 @@ struct Reader<R> {
 const PREALLOC_MAX: usize = 4096;
 
 impl<R: Read> Reader<R> {
-    fn check(&self, what: &'static str, value: u64, limit: u64, offset: u64) -> Result<(), GgufError> {
+    fn check(
+        &self,
+        what: &'static str,
+        value: u64,
+        limit: u64,
+        offset: u64,
+    ) -> Result<(), GgufError> {
         if value > limit {
             Err(GgufError::OverLimit {
                 what,
@@ -514,7 +520,9 @@ mod tests {
             }
         ));
         assert_eq!(
-            GgufMetadata::parse(b"GGUF\x01\0\0\0").unwrap_err().to_string(),
+            GgufMetadata::parse(b"GGUF\x01\0\0\0")
+                .unwrap_err()
+                .to_string(),
             "unsupported gguf version 1"
         );
         assert!(matches!(
@@ -528,7 +536,10 @@ mod tests {
         let path = crate::test_support::model_gguf();
         let m = GgufMetadata::open(&path).unwrap();
         assert_eq!(m.get_str("tokenizer.ggml.pre"), Some("smollm"));
-        assert_eq!(m.get_strings("tokenizer.ggml.tokens").map(<[_]>::len), Some(49152));
+        assert_eq!(
+            m.get_strings("tokenizer.ggml.tokens").map(<[_]>::len),
+            Some(49152)
+        );
         assert!(m.get_str("tokenizer.chat_template").is_some());
         assert_eq!(m.get_u64("llama.context_length"), Some(8192));
     }

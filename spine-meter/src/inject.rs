@@ -66,7 +66,9 @@ mod tests {
     fn merges_with_client_stream_options() {
         // hostile-streams.json H11
         assert_eq!(
-            inj(r#"{"stream":true,"stream_options":{"include_usage":false,"continuous_usage_stats":false},"n":1}"#),
+            inj(
+                r#"{"stream":true,"stream_options":{"include_usage":false,"continuous_usage_stats":false},"n":1}"#
+            ),
             r#"{"stream":true,"stream_options":{"include_usage":true,"continuous_usage_stats":false},"n":1}"#
         );
         assert_eq!(

@@ -11,7 +11,12 @@ use crate::tokenizer::ModelTokenizer;
 /// The shared fixtures directory (`SPINE_FIXTURES`, default `../../shared/fixtures`).
 pub(crate) fn fixtures_dir() -> PathBuf {
     std::env::var_os("SPINE_FIXTURES").map_or_else(
-        || PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/fixtures")),
+        || {
+            PathBuf::from(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/../../shared/fixtures"
+            ))
+        },
         PathBuf::from,
     )
 }

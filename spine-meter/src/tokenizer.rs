@@ -193,12 +193,15 @@ impl ModelTokenizer {
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function("raise_exception", |msg: String| -> Result<String, minijinja::Error> {
-            Err(minijinja::Error::new(
-                minijinja::ErrorKind::InvalidOperation,
-                msg,
-            ))
-        });
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    msg,
+                ))
+            },
+        );
         env.add_template_owned(TEMPLATE_NAME, template)
             .map_err(TokenizerError::Template)?;
         Ok(Self {
@@ -346,10 +349,19 @@ mod tests {
             {"role":"user","content":"List three colors, numbered."}]});
         let prompt = t.count_prompt(&body).unwrap();
         assert!(prompt > 0);
-        assert_eq!(t.completion_tokens("1. Red\n2. Blue\n3. Green", Some("stop")), 12);
-        assert_eq!(t.completion_tokens("1. Red\n2. Blue\n3. Green", Some("length")), 11);
+        assert_eq!(
+            t.completion_tokens("1. Red\n2. Blue\n3. Green", Some("stop")),
+            12
+        );
+        assert_eq!(
+            t.completion_tokens("1. Red\n2. Blue\n3. Green", Some("length")),
+            11
+        );
         // d_tokenize.txt: "Hello world 2024! 你好 🙂" -> 14 ids
-        assert_eq!(t.count_text("Hello world 2024! \u{4f60}\u{597d} \u{1F642}"), 14);
+        assert_eq!(
+            t.count_text("Hello world 2024! \u{4f60}\u{597d} \u{1F642}"),
+            14
+        );
         // d_tokenize_special.txt: specials parsed
         assert_eq!(t.count_text("<|im_start|>user<|im_end|>"), 3);
         assert_eq!(t.count_text(""), 0);
@@ -361,7 +373,10 @@ mod tests {
         let parts = json!({"messages":[{"role":"user","content":[
             {"type":"text","text":"a"},{"type":"image_url","image_url":{"url":"x"}},{"type":"text","text":"b"}]}]});
         let plain = json!({"messages":[{"role":"user","content":"a\nb"}]});
-        assert_eq!(t.render_chat(&parts).unwrap(), t.render_chat(&plain).unwrap());
+        assert_eq!(
+            t.render_chat(&parts).unwrap(),
+            t.render_chat(&plain).unwrap()
+        );
     }
 
     #[test]
