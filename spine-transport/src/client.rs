@@ -1,0 +1,588 @@
+//! Agent side of the tunnel: dial out, hand-shake, serve HTTP/2 to a local service, reconnect.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::{SinkExt as _, StreamExt as _};
+use http::{Request, Response, Uri};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::service::TowerToHyperService;
+use spine_core::{BoxBody, BoxError, NodeDescriptor, NodeId};
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::TcpStream;
+use tokio_tungstenite::tungstenite::protocol::{CloseFrame, WebSocketConfig};
+use tokio_tungstenite::tungstenite::Message;
+use tokio_tungstenite::WebSocketStream;
+use tracing::{debug, info, warn};
+
+use crate::handshake::{decode_gateway_message, AgentMessage, GatewayMessage, Hello};
+use crate::{NodeIdentity, RefusalReason, TunnelError, WsIo};
+
+/// Agent-side tunnel settings.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct TunnelClientConfig {
+    /// `wss://host:port/v1/tunnel`, or `ws://…` with [`allow_insecure_plaintext`]. Without a port,
+    /// 443 for `wss` and 80 for `ws`.
+    ///
+    /// [`allow_insecure_plaintext`]: Self::allow_insecure_plaintext
+    pub gateway_url: String,
+    /// TLS settings for `wss://` (for example [`crate::client_config_with_ca`]). Required for
+    /// `wss://`.
+    pub tls: Option<Arc<rustls::ClientConfig>>,
+    /// Allows a plaintext `ws://` gateway URL. Everything, prompts included, then crosses the
+    /// network in clear text. Default `false`.
+    pub allow_insecure_plaintext: bool,
+    /// The node's key pair.
+    pub identity: NodeIdentity,
+    /// What the node says about itself in the hello.
+    pub descriptor: NodeDescriptor,
+    /// First reconnection delay. Default 1 s.
+    pub backoff_min: Duration,
+    /// Largest reconnection delay. Default 30 s.
+    pub backoff_max: Duration,
+    /// Bound on dialling, TLS, the WebSocket upgrade and the tunnel handshake, each. Default 10 s.
+    pub connect_timeout: Duration,
+    /// HTTP/2 PING interval towards the gateway (the gateway pings too). Default 10 s.
+    pub keepalive_interval: Duration,
+    /// A PING not acknowledged within this ends the tunnel, and the agent reconnects.
+    /// Default 20 s.
+    pub keepalive_timeout: Duration,
+    /// A write to the tunnel blocked this long kills it. Default 5 s.
+    pub write_timeout: Duration,
+    /// Largest WebSocket message (and frame) accepted from the gateway, bytes. Default 1 MiB.
+    pub max_ws_message_bytes: usize,
+    /// Largest binary message written to the gateway, bytes. Default 64 KiB.
+    pub max_write_message_bytes: usize,
+    /// Largest HTTP/2 header list accepted in a request, bytes. Default 64 KiB.
+    pub max_header_list_bytes: u32,
+}
+
+impl TunnelClientConfig {
+    /// Settings with the documented defaults: TLS required, no TLS configuration yet.
+    pub fn new(
+        gateway_url: impl Into<String>,
+        identity: NodeIdentity,
+        descriptor: NodeDescriptor,
+    ) -> Self {
+        Self {
+            gateway_url: gateway_url.into(),
+            tls: None,
+            allow_insecure_plaintext: false,
+            identity,
+            descriptor,
+            backoff_min: Duration::from_secs(1),
+            backoff_max: Duration::from_secs(30),
+            connect_timeout: Duration::from_secs(10),
+            keepalive_interval: Duration::from_secs(10),
+            keepalive_timeout: Duration::from_secs(20),
+            write_timeout: Duration::from_secs(5),
+            max_ws_message_bytes: 1024 * 1024,
+            max_write_message_bytes: crate::ws_io::DEFAULT_MAX_WRITE_MESSAGE_BYTES,
+            max_header_list_bytes: 64 * 1024,
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+struct Target {
+    url: String,
+    host: String,
+    port: u16,
+    tls: Option<Arc<rustls::ClientConfig>>,
+}
+
+fn parse_target(config: &TunnelClientConfig) -> Result<Target, TunnelError> {
+    let uri: Uri = config.gateway_url.parse().map_err(|e| {
+        TunnelError::config()
+            .with_detail("invalid gateway url")
+            .with_source(e)
+    })?;
+    let (tls, default_port) = match uri.scheme_str() {
+        Some("wss") => (true, 443),
+        Some("ws") => (false, 80),
+        _ => {
+            return Err(
+                TunnelError::config().with_detail("gateway url must start with wss:// or ws://")
+            )
+        }
+    };
+    let host = uri
+        .host()
+        .ok_or_else(|| TunnelError::config().with_detail("gateway url has no host"))?;
+    // IPv6 literals come bracketed in URLs; sockets and TLS names want them bare.
+    let host = host
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .to_owned();
+    let tls = if tls {
+        Some(config.tls.clone().ok_or_else(|| {
+            TunnelError::config().with_detail("wss:// gateway url needs a tls configuration")
+        })?)
+    } else {
+        if !config.allow_insecure_plaintext {
+            return Err(TunnelError::config().with_detail(
+                "ws:// gateway url is plaintext; allow it explicitly (insecure) or use wss://",
+            ));
+        }
+        None
+    };
+    Ok(Target {
+        url: config.gateway_url.clone(),
+        port: uri.port_u16().unwrap_or(default_port),
+        host,
+        tls,
+    })
+}
+
+/// Reconnection delays: exponential from a minimum to a maximum (design brief §4: 1 s → 30 s).
+#[derive(Clone, Debug)]
+pub struct Backoff {
+    min: Duration,
+    max: Duration,
+    current: Duration,
+}
+
+impl Backoff {
+    /// Starts at `min`; doubles up to `max` (at least `min`).
+    pub fn new(min: Duration, max: Duration) -> Self {
+        Self {
+            min,
+            max: max.max(min),
+            current: min,
+        }
+    }
+
+    /// Back to the minimum (after a tunnel was established).
+    pub fn reset(&mut self) {
+        self.current = self.min;
+    }
+
+    /// The full current delay; the next one doubles (capped). Used after a refusal: bad
+    /// credentials do not get better quickly.
+    pub fn next_full(&mut self) -> Duration {
+        let delay = self.current;
+        self.current = self.current.saturating_mul(2).min(self.max);
+        delay
+    }
+
+    /// The current delay with "equal jitter": uniformly random in `[delay / 2, delay]`; the next
+    /// one doubles (capped). Spreads reconnections of many agents after a gateway restart.
+    pub fn next_jittered(&mut self) -> Duration {
+        let delay = self.next_full();
+        let half = delay / 2;
+        half + half.mul_f64(rand::random::<f64>())
+    }
+}
+
+trait Io: AsyncRead + AsyncWrite + Unpin + Send {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send> Io for T {}
+
+/// A boxed dialled stream (TLS or plain TCP).
+struct BoxedIo(Box<dyn Io>);
+
+impl AsyncRead for BoxedIo {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut *self.0).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for BoxedIo {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut *self.0).poll_write(cx, buf)
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut *self.0).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut *self.0).poll_shutdown(cx)
+    }
+}
+
+/// The agent's end of the tunnel (design brief §4): dials the gateway, proves its identity, and
+/// serves HTTP/2 requests coming down the tunnel with a local service.
+#[derive(Clone)]
+pub struct TunnelClient {
+    config: Arc<TunnelClientConfig>,
+    target: Target,
+}
+
+impl fmt::Debug for TunnelClient {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TunnelClient")
+            .field("gateway_url", &self.target.url)
+            .field("public_key", &self.config.identity.public_key_text())
+            .finish_non_exhaustive()
+    }
+}
+
+async fn within<T, E>(
+    timeout: Duration,
+    fut: impl std::future::Future<Output = Result<T, E>>,
+    on_err: impl FnOnce(E) -> TunnelError,
+) -> Result<T, TunnelError> {
+    match tokio::time::timeout(timeout, fut).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(on_err(e)),
+        Err(_) => Err(TunnelError::timeout()),
+    }
+}
+
+fn refusal_from_close(frame: Option<&CloseFrame>) -> TunnelError {
+    let Some(frame) = frame else {
+        return TunnelError::closed().with_detail("gateway closed the tunnel during the handshake");
+    };
+    let reason = RefusalReason::from_close_code(u16::from(frame.code))
+        .or_else(|| RefusalReason::parse(frame.reason.as_str()));
+    match reason {
+        Some(reason) => TunnelError::refused(reason),
+        None => TunnelError::closed().with_detail(format!(
+            "gateway closed the tunnel during the handshake (code {}, reason {:?})",
+            u16::from(frame.code),
+            frame.reason.as_str()
+        )),
+    }
+}
+
+/// The next handshake message from the gateway; a close becomes a refusal.
+async fn next_gateway_message(
+    ws: &mut WebSocketStream<BoxedIo>,
+) -> Result<GatewayMessage, TunnelError> {
+    loop {
+        match ws.next().await {
+            Some(Ok(Message::Text(text))) => {
+                return decode_gateway_message(text.as_bytes()).map_err(|e| {
+                    TunnelError::protocol()
+                        .with_detail("malformed gateway handshake message")
+                        .with_source(e)
+                })
+            }
+            Some(Ok(Message::Ping(_) | Message::Pong(_) | Message::Frame(_))) => {}
+            Some(Ok(Message::Binary(_))) => {
+                return Err(
+                    TunnelError::protocol().with_detail("binary message during the handshake")
+                )
+            }
+            Some(Ok(Message::Close(frame))) => return Err(refusal_from_close(frame.as_ref())),
+            Some(Err(e)) => return Err(TunnelError::closed().with_source(e)),
+            None => return Err(TunnelError::closed()),
+        }
+    }
+}
+
+impl TunnelClient {
+    /// A client for `config`.
+    ///
+    /// # Errors
+    ///
+    /// [`TunnelError::is_config`] when the gateway URL is not `wss://` or `ws://`, when `wss://`
+    /// comes without a TLS configuration, or when `ws://` is not explicitly allowed.
+    pub fn new(config: TunnelClientConfig) -> Result<Self, TunnelError> {
+        let target = parse_target(&config)?;
+        if target.tls.is_none() {
+            warn!(
+                gateway = %target.url,
+                "plaintext tunnel: prompts and completions cross the network unencrypted"
+            );
+        }
+        Ok(Self {
+            config: Arc::new(config),
+            target,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &TunnelClientConfig {
+        &self.config
+    }
+
+    /// Dials the gateway and completes the handshake: TCP (`TCP_NODELAY`), TLS, WebSocket
+    /// upgrade, challenge, signed hello, acceptance.
+    ///
+    /// # Errors
+    ///
+    /// [`TunnelError::is_refused`] with [`TunnelError::refusal`] when the gateway refused the
+    /// handshake; [`TunnelError::is_connect`] when dialling, TLS or the upgrade failed;
+    /// [`TunnelError::is_timeout`] when a step took longer than `connect_timeout`;
+    /// [`TunnelError::is_protocol`] / [`TunnelError::is_closed`] when the gateway broke off.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future closes the connection being set up.
+    pub async fn connect(&self) -> Result<TunnelSession, TunnelError> {
+        let config = &self.config;
+        let timeout = config.connect_timeout;
+        let target = &self.target;
+        let tcp = within(
+            timeout,
+            TcpStream::connect((target.host.as_str(), target.port)),
+            |e| TunnelError::connect().with_source(e),
+        )
+        .await?;
+        if let Err(e) = tcp.set_nodelay(true) {
+            debug!(error = %e, "set TCP_NODELAY failed");
+        }
+        let io = match &target.tls {
+            Some(tls) => {
+                let name =
+                    rustls_pki_types::ServerName::try_from(target.host.clone()).map_err(|e| {
+                        TunnelError::config()
+                            .with_detail("gateway host is not a valid tls server name")
+                            .with_source(e)
+                    })?;
+                let connector = tokio_rustls::TlsConnector::from(tls.clone());
+                let stream = within(timeout, connector.connect(name, tcp), |e| {
+                    TunnelError::connect().with_detail("tls").with_source(e)
+                })
+                .await?;
+                BoxedIo(Box::new(stream))
+            }
+            None => BoxedIo(Box::new(tcp)),
+        };
+        let ws_config = WebSocketConfig::default()
+            .max_message_size(Some(config.max_ws_message_bytes))
+            .max_frame_size(Some(config.max_ws_message_bytes));
+        let (mut ws, _resp) = within(
+            timeout,
+            tokio_tungstenite::client_async_with_config(target.url.as_str(), io, Some(ws_config)),
+            |e| {
+                TunnelError::connect()
+                    .with_detail("websocket upgrade")
+                    .with_source(e)
+            },
+        )
+        .await?;
+
+        let challenge = match within(timeout, next_gateway_message(&mut ws), |e| e).await? {
+            GatewayMessage::Challenge(c) => c,
+            _ => {
+                return Err(TunnelError::protocol().with_detail("expected a challenge"));
+            }
+        };
+        let hello = Hello::sign(&config.identity, &challenge, config.descriptor.clone());
+        let hello = serde_json::to_string(&AgentMessage::Hello(hello))
+            .map_err(|e| TunnelError::protocol().with_source(e))?;
+        within(timeout, ws.send(Message::text(hello)), |e| {
+            TunnelError::closed().with_source(e)
+        })
+        .await?;
+        let node_id = match within(timeout, next_gateway_message(&mut ws), |e| e).await? {
+            GatewayMessage::Accepted(a) => a.node_id,
+            _ => return Err(TunnelError::protocol().with_detail("expected an acceptance")),
+        };
+        Ok(TunnelSession {
+            ws,
+            node_id,
+            config: self.config.clone(),
+        })
+    }
+
+    /// [`connect`](Self::connect), then [`TunnelSession::serve`] until the tunnel ends.
+    ///
+    /// # Errors
+    ///
+    /// As [`connect`](Self::connect) and [`TunnelSession::serve`].
+    pub async fn connect_once<S>(&self, service: S) -> Result<(), TunnelError>
+    where
+        S: tower::Service<Request<hyper::body::Incoming>, Response = Response<BoxBody>>
+            + Clone
+            + Send
+            + 'static,
+        S::Future: Send + 'static,
+        S::Error: Into<BoxError>,
+    {
+        let session = self.connect().await?;
+        info!(node = %session.node_id(), gateway = %self.target.url, "tunnel established");
+        session.serve(service).await
+    }
+
+    /// Keeps a tunnel up forever: connect, serve until the tunnel ends, wait, reconnect.
+    ///
+    /// Waits follow [`Backoff`] from `backoff_min` to `backoff_max`: jittered after a failed dial
+    /// or a tunnel that ended, the full delay after a refusal (design brief §4); back to the
+    /// minimum once a tunnel is established. Never returns; drop the future to stop.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future closes the tunnel; requests in flight fail on the gateway side.
+    pub async fn run<S>(self, service: S)
+    where
+        S: tower::Service<Request<hyper::body::Incoming>, Response = Response<BoxBody>>
+            + Clone
+            + Send
+            + 'static,
+        S::Future: Send + 'static,
+        S::Error: Into<BoxError>,
+    {
+        let mut backoff = Backoff::new(self.config.backoff_min, self.config.backoff_max);
+        loop {
+            let delay = match self.connect().await {
+                Ok(session) => {
+                    info!(node = %session.node_id(), gateway = %self.target.url, "tunnel established");
+                    backoff.reset();
+                    match session.serve(service.clone()).await {
+                        Ok(()) => info!("tunnel closed"),
+                        Err(e) => warn!(error = %e, "tunnel ended"),
+                    }
+                    backoff.next_jittered()
+                }
+                Err(e) if e.is_refused() => {
+                    let delay = backoff.next_full();
+                    warn!(
+                        reason = e.refusal().map_or("unknown", |r| r.as_str()),
+                        retry_in_ms = delay.as_millis() as u64,
+                        "gateway refused the tunnel"
+                    );
+                    delay
+                }
+                Err(e) => {
+                    let delay = backoff.next_jittered();
+                    warn!(error = %e, retry_in_ms = delay.as_millis() as u64, "tunnel connect failed");
+                    delay
+                }
+            };
+            tokio::time::sleep(delay).await;
+        }
+    }
+}
+
+/// An accepted tunnel, before it serves.
+pub struct TunnelSession {
+    ws: WebSocketStream<BoxedIo>,
+    node_id: NodeId,
+    config: Arc<TunnelClientConfig>,
+}
+
+impl fmt::Debug for TunnelSession {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TunnelSession")
+            .field("node_id", &self.node_id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl TunnelSession {
+    /// The node id the gateway accepted this key as.
+    pub fn node_id(&self) -> &NodeId {
+        &self.node_id
+    }
+
+    /// Serves HTTP/2 over the tunnel with `service` until the tunnel ends.
+    ///
+    /// Advertises `SETTINGS_MAX_CONCURRENT_STREAMS` = the descriptor's `max_concurrency` (at
+    /// least 1), pings the gateway every `keepalive_interval`. Each request runs in its own task;
+    /// a stream reset by the gateway drops the service's response future and body.
+    ///
+    /// # Errors
+    ///
+    /// [`TunnelError::is_closed`] / [`TunnelError::is_timeout`] when the tunnel ends uncleanly.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future closes the tunnel.
+    pub async fn serve<S>(self, service: S) -> Result<(), TunnelError>
+    where
+        S: tower::Service<Request<hyper::body::Incoming>, Response = Response<BoxBody>>
+            + Clone
+            + Send
+            + 'static,
+        S::Future: Send + 'static,
+        S::Error: Into<BoxError>,
+    {
+        let config = &self.config;
+        let io = WsIo::new(self.ws)
+            .with_write_timeout(config.write_timeout)
+            .with_max_write_message_bytes(config.max_write_message_bytes);
+        let mut builder = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+        builder
+            .timer(TokioTimer::new())
+            .max_concurrent_streams(config.descriptor.max_concurrency.max(1))
+            .keep_alive_interval(config.keepalive_interval)
+            .keep_alive_timeout(config.keepalive_timeout)
+            .max_header_list_size(config.max_header_list_bytes);
+        builder
+            .serve_connection(TokioIo::new(io), TowerToHyperService::new(service))
+            .await
+            .map_err(TunnelError::from_hyper)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use spine_core::EngineKind;
+
+    use super::*;
+
+    fn config(url: &str) -> TunnelClientConfig {
+        TunnelClientConfig::new(
+            url,
+            NodeIdentity::from_seed(&[9u8; 32]),
+            NodeDescriptor {
+                engine: EngineKind::LlamaCpp,
+                models: vec![],
+                vram_mib: 0,
+                max_concurrency: 1,
+                agent_version: "t".into(),
+            },
+        )
+    }
+
+    #[test]
+    fn backoff_doubles_to_the_cap_and_resets() {
+        let mut b = Backoff::new(Duration::from_secs(1), Duration::from_secs(30));
+        let full: Vec<u64> = (0..7).map(|_| b.next_full().as_secs()).collect();
+        assert_eq!(full, vec![1, 2, 4, 8, 16, 30, 30]);
+        b.reset();
+        for expected_max in [1000u128, 2000, 4000, 8000, 16000, 30000, 30000] {
+            let d = b.next_jittered().as_millis();
+            assert!(
+                d >= expected_max / 2 && d <= expected_max,
+                "{d} vs {expected_max}"
+            );
+        }
+    }
+
+    #[test]
+    fn plaintext_needs_the_insecure_flag_and_wss_needs_tls() {
+        let err = TunnelClient::new(config("ws://127.0.0.1:19000/v1/tunnel")).unwrap_err();
+        assert!(err.is_config());
+        let mut c = config("ws://127.0.0.1:19000/v1/tunnel");
+        c.allow_insecure_plaintext = true;
+        assert!(TunnelClient::new(c).is_ok());
+
+        let err = TunnelClient::new(config("wss://gw.example:19000/v1/tunnel")).unwrap_err();
+        assert!(err.is_config());
+        assert_eq!(
+            err.to_string(),
+            "invalid tunnel configuration: wss:// gateway url needs a tls configuration"
+        );
+        let err = TunnelClient::new(config("https://gw.example/v1/tunnel")).unwrap_err();
+        assert!(err.is_config());
+    }
+
+    #[test]
+    fn target_defaults_ports() {
+        let mut c = config("ws://[::1]/v1/tunnel");
+        c.allow_insecure_plaintext = true;
+        let t = parse_target(&c).unwrap();
+        assert_eq!((t.host.as_str(), t.port), ("::1", 80));
+    }
+}

@@ -1,0 +1,165 @@
+//! TLS configuration helpers for the tunnel (rustls with the ring provider).
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use rustls_pki_types::pem::PemObject as _;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+
+/// Errors building TLS configuration.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TlsError {
+    /// Reading a PEM file failed.
+    #[error("failed to read {}: {source}", path.display())]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The PEM text holds no usable certificate or key.
+    #[error("invalid pem: {0}")]
+    Pem(#[source] rustls_pki_types::pem::Error),
+    /// The PEM text holds no certificate.
+    #[error("no certificate in pem")]
+    NoCertificate,
+    /// rustls refused the configuration (for example a key that does not match the certificate).
+    #[error("rustls configuration: {0}")]
+    Rustls(#[source] rustls::Error),
+    /// Certificate generation failed.
+    #[error("certificate generation: {0}")]
+    Generate(#[source] rcgen::Error),
+}
+
+/// A certificate chain and private key on disk, both PEM.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TlsFiles {
+    /// The certificate chain, leaf first.
+    pub cert_path: PathBuf,
+    /// The private key (PKCS#8, PKCS#1 or SEC1).
+    pub key_path: PathBuf,
+}
+
+impl TlsFiles {
+    /// Reads both files and builds a server configuration ([`server_config_from_pem`]).
+    ///
+    /// # Errors
+    ///
+    /// [`TlsError::Io`] when a file cannot be read, otherwise as [`server_config_from_pem`].
+    pub fn server_config(&self) -> Result<Arc<rustls::ServerConfig>, TlsError> {
+        let cert = read(&self.cert_path)?;
+        let key = read(&self.key_path)?;
+        server_config_from_pem(&cert, &key)
+    }
+}
+
+fn read(path: &Path) -> Result<String, TlsError> {
+    std::fs::read_to_string(path).map_err(|source| TlsError::Io {
+        path: path.to_owned(),
+        source,
+    })
+}
+
+fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+/// A self-signed certificate for `subject_alt_names` (DNS names or IP addresses), as
+/// `(cert_pem, key_pem)`; the key is ECDSA P-256 (rcgen's default), PKCS#8.
+///
+/// For tests and for a first deployment; agents then trust the certificate with `--ca-file`.
+///
+/// # Errors
+///
+/// [`TlsError::Generate`] when a name is invalid or key generation fails.
+pub fn self_signed_cert(subject_alt_names: &[String]) -> Result<(String, String), TlsError> {
+    let certified = rcgen::generate_simple_self_signed(subject_alt_names.to_vec())
+        .map_err(TlsError::Generate)?;
+    Ok((certified.cert.pem(), certified.signing_key.serialize_pem()))
+}
+
+fn certs_from_pem(pem: &str) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let certs = CertificateDer::pem_slice_iter(pem.as_bytes())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(TlsError::Pem)?;
+    if certs.is_empty() {
+        return Err(TlsError::NoCertificate);
+    }
+    Ok(certs)
+}
+
+/// A rustls server configuration (TLS 1.2 and 1.3, ring, no client authentication, ALPN
+/// `http/1.1` for the WebSocket upgrade) from a PEM certificate chain and private key.
+///
+/// # Errors
+///
+/// [`TlsError::Pem`] / [`TlsError::NoCertificate`] for unusable PEM, [`TlsError::Rustls`] when the
+/// key does not fit the certificate.
+pub fn server_config_from_pem(
+    cert_pem: &str,
+    key_pem: &str,
+) -> Result<Arc<rustls::ServerConfig>, TlsError> {
+    let certs = certs_from_pem(cert_pem)?;
+    let key = PrivateKeyDer::from_pem_slice(key_pem.as_bytes()).map_err(TlsError::Pem)?;
+    let mut config = rustls::ServerConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(TlsError::Rustls)?
+        .with_no_client_auth()
+        .with_single_cert(certs, key)
+        .map_err(TlsError::Rustls)?;
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(Arc::new(config))
+}
+
+/// A rustls client configuration that trusts exactly the certificates in `ca_pem` (a private CA
+/// or the gateway's self-signed certificate).
+///
+/// # Errors
+///
+/// [`TlsError::Pem`] / [`TlsError::NoCertificate`] for unusable PEM, [`TlsError::Rustls`] when a
+/// certificate cannot be a trust anchor.
+pub fn client_config_with_ca(ca_pem: &str) -> Result<Arc<rustls::ClientConfig>, TlsError> {
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in certs_from_pem(ca_pem)? {
+        roots.add(cert).map_err(TlsError::Rustls)?;
+    }
+    let mut config = rustls::ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(TlsError::Rustls)?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(Arc::new(config))
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+
+    #[test]
+    fn self_signed_cert_builds_both_configs() {
+        let (cert, key) = self_signed_cert(&["localhost".into(), "127.0.0.1".into()]).unwrap();
+        assert!(cert.starts_with("-----BEGIN CERTIFICATE-----"));
+        assert!(key.starts_with("-----BEGIN PRIVATE KEY-----"));
+        let server = server_config_from_pem(&cert, &key).unwrap();
+        assert_eq!(server.alpn_protocols, vec![b"http/1.1".to_vec()]);
+        client_config_with_ca(&cert).unwrap();
+    }
+
+    #[test]
+    fn bad_pem_is_refused() {
+        assert!(matches!(
+            client_config_with_ca("nothing here"),
+            Err(TlsError::NoCertificate)
+        ));
+        let (cert, _) = self_signed_cert(&["localhost".into()]).unwrap();
+        let (_, other_key) = self_signed_cert(&["localhost".into()]).unwrap();
+        assert!(matches!(
+            server_config_from_pem(&cert, &other_key),
+            Err(TlsError::Rustls(_))
+        ));
+    }
+}

@@ -1,0 +1,361 @@
+use std::fmt;
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::task::{ready, Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_util::{Sink, Stream};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio_tungstenite::tungstenite::{self, Message};
+use tokio_tungstenite::WebSocketStream;
+
+/// Default cap on the payload of one binary message [`WsIo`] writes: 64 KiB.
+pub const DEFAULT_MAX_WRITE_MESSAGE_BYTES: usize = 64 * 1024;
+
+/// A byte stream over a WebSocket's binary messages: tokio [`AsyncRead`] + [`AsyncWrite`].
+///
+/// The tunnel runs HTTP/2 over this after the handshake (design brief §4).
+///
+/// - Reading yields the payloads of binary messages, in order, across message boundaries.
+///   Pings are answered with pongs by the WebSocket layer and, like pongs, skipped. A close
+///   message or the end of the stream reads as EOF. A text message is an error
+///   ([`io::ErrorKind::InvalidData`]): after the handshake only binary messages are allowed.
+/// - Writing sends each write as one binary message of at most
+///   [`max_write_message_bytes`](Self::with_max_write_message_bytes) bytes (a longer buffer is
+///   written partially, as `AsyncWrite` allows). Flush flushes the WebSocket; shutdown sends a
+///   close message.
+/// - With a [write timeout](Self::with_write_timeout), a write or flush that stays blocked for
+///   that long fails with [`io::ErrorKind::TimedOut`], which kills the connection above it
+///   (design brief §4: any write blocked 5 s kills the tunnel).
+pub struct WsIo<S> {
+    ws: WebSocketStream<S>,
+    read_buf: Bytes,
+    read_eof: bool,
+    max_write_message_bytes: usize,
+    write_timeout: Option<Duration>,
+    write_deadline: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl<S> WsIo<S> {
+    /// Wraps a WebSocket whose handshake messages (if any) have been exchanged.
+    pub fn new(ws: WebSocketStream<S>) -> Self {
+        Self {
+            ws,
+            read_buf: Bytes::new(),
+            read_eof: false,
+            max_write_message_bytes: DEFAULT_MAX_WRITE_MESSAGE_BYTES,
+            write_timeout: None,
+            write_deadline: None,
+        }
+    }
+
+    /// Fails writes and flushes blocked for longer than `timeout`. Default: no timeout.
+    pub fn with_write_timeout(mut self, timeout: Duration) -> Self {
+        self.write_timeout = Some(timeout);
+        self
+    }
+
+    /// Caps the payload of each binary message written (minimum 1). Default
+    /// [`DEFAULT_MAX_WRITE_MESSAGE_BYTES`]; keep it below the peer's maximum message size.
+    pub fn with_max_write_message_bytes(mut self, max: usize) -> Self {
+        self.max_write_message_bytes = max.max(1);
+        self
+    }
+
+    /// The WebSocket.
+    pub fn get_ref(&self) -> &WebSocketStream<S> {
+        &self.ws
+    }
+
+    /// The WebSocket, mutably. Sending messages on it interleaves with the byte stream.
+    pub fn get_mut(&mut self) -> &mut WebSocketStream<S> {
+        &mut self.ws
+    }
+
+    /// The WebSocket; bytes already received but not yet read are lost.
+    pub fn into_inner(self) -> WebSocketStream<S> {
+        self.ws
+    }
+}
+
+impl<S> fmt::Debug for WsIo<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("WsIo")
+            .field("buffered_read_bytes", &self.read_buf.len())
+            .field("read_eof", &self.read_eof)
+            .field("max_write_message_bytes", &self.max_write_message_bytes)
+            .field("write_timeout", &self.write_timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+fn to_io(err: tungstenite::Error) -> io::Error {
+    match err {
+        tungstenite::Error::Io(e) => e,
+        tungstenite::Error::ConnectionClosed | tungstenite::Error::AlreadyClosed => {
+            io::Error::new(io::ErrorKind::BrokenPipe, err)
+        }
+        other => io::Error::other(other),
+    }
+}
+
+impl<S> WsIo<S>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    /// Handles a `Pending` write-side poll: arms the deadline on first use, fails once it passes.
+    fn poll_blocked(&mut self, cx: &mut Context<'_>) -> Poll<io::Error> {
+        let Some(timeout) = self.write_timeout else {
+            return Poll::Pending;
+        };
+        let deadline = self
+            .write_deadline
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
+        ready!(deadline.as_mut().poll(cx));
+        self.write_deadline = None;
+        tracing::warn!(
+            timeout_ms = timeout.as_millis() as u64,
+            "tunnel write blocked, giving up"
+        );
+        Poll::Ready(io::Error::new(
+            io::ErrorKind::TimedOut,
+            "tunnel write blocked past the write timeout",
+        ))
+    }
+}
+
+impl<S> AsyncRead for WsIo<S>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        loop {
+            if !this.read_buf.is_empty() {
+                let n = this.read_buf.len().min(buf.remaining());
+                buf.put_slice(&this.read_buf.split_to(n));
+                return Poll::Ready(Ok(()));
+            }
+            if this.read_eof {
+                return Poll::Ready(Ok(()));
+            }
+            match ready!(Pin::new(&mut this.ws).poll_next(cx)) {
+                Some(Ok(Message::Binary(bytes))) => this.read_buf = bytes,
+                Some(Ok(Message::Ping(_) | Message::Pong(_) | Message::Frame(_))) => {}
+                Some(Ok(Message::Close(_))) | None => this.read_eof = true,
+                Some(Ok(Message::Text(_))) => {
+                    return Poll::Ready(Err(io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        "text message on the tunnel after the handshake",
+                    )))
+                }
+                Some(Err(tungstenite::Error::ConnectionClosed)) => this.read_eof = true,
+                Some(Err(e)) => return Poll::Ready(Err(to_io(e))),
+            }
+        }
+    }
+}
+
+impl<S> AsyncWrite for WsIo<S>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        if buf.is_empty() {
+            return Poll::Ready(Ok(0));
+        }
+        match Pin::new(&mut this.ws).poll_ready(cx) {
+            Poll::Ready(Ok(())) => this.write_deadline = None,
+            Poll::Ready(Err(e)) => return Poll::Ready(Err(to_io(e))),
+            Poll::Pending => return this.poll_blocked(cx).map(Err),
+        }
+        let n = buf.len().min(this.max_write_message_bytes);
+        Pin::new(&mut this.ws)
+            .start_send(Message::Binary(Bytes::copy_from_slice(&buf[..n])))
+            .map_err(to_io)?;
+        Poll::Ready(Ok(n))
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        match Pin::new(&mut this.ws).poll_flush(cx) {
+            Poll::Ready(r) => {
+                this.write_deadline = None;
+                Poll::Ready(r.map_err(to_io))
+            }
+            Poll::Pending => this.poll_blocked(cx).map(Err),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        match Pin::new(&mut this.ws).poll_close(cx) {
+            Poll::Ready(Ok(()))
+            | Poll::Ready(Err(
+                tungstenite::Error::ConnectionClosed | tungstenite::Error::AlreadyClosed,
+            )) => {
+                this.write_deadline = None;
+                Poll::Ready(Ok(()))
+            }
+            Poll::Ready(Err(e)) => {
+                this.write_deadline = None;
+                Poll::Ready(Err(to_io(e)))
+            }
+            Poll::Pending => this.poll_blocked(cx).map(Err),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use futures_util::{SinkExt as _, StreamExt as _};
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _, DuplexStream};
+    use tokio_tungstenite::tungstenite::protocol::Role;
+
+    use super::*;
+
+    async fn pair(
+        buffer_bytes: usize,
+    ) -> (WebSocketStream<DuplexStream>, WebSocketStream<DuplexStream>) {
+        let (a, b) = tokio::io::duplex(buffer_bytes);
+        let client = WebSocketStream::from_raw_socket(a, Role::Client, None).await;
+        let server = WebSocketStream::from_raw_socket(b, Role::Server, None).await;
+        (client, server)
+    }
+
+    #[tokio::test]
+    async fn binary_messages_read_as_one_byte_stream() {
+        let (mut peer, ws) = pair(64 * 1024).await;
+        let mut io = WsIo::new(ws);
+        peer.send(Message::binary(&b"hello "[..])).await.unwrap();
+        peer.send(Message::binary(&b"world"[..])).await.unwrap();
+        let mut small = [0u8; 4];
+        let n = io.read(&mut small).await.unwrap();
+        assert_eq!(&small[..n], b"hell");
+        let mut rest = vec![0u8; 7];
+        io.read_exact(&mut rest).await.unwrap();
+        assert_eq!(rest, b"o world");
+    }
+
+    #[tokio::test]
+    async fn writes_become_binary_messages_capped_in_size() {
+        let (mut peer, ws) = pair(64 * 1024).await;
+        let mut io = WsIo::new(ws).with_max_write_message_bytes(4);
+        io.write_all(b"abcdefghij").await.unwrap();
+        io.flush().await.unwrap();
+        let mut got = Vec::new();
+        for _ in 0..3 {
+            got.push(peer.next().await.unwrap().unwrap());
+        }
+        assert_eq!(
+            got,
+            vec![
+                Message::binary(&b"abcd"[..]),
+                Message::binary(&b"efgh"[..]),
+                Message::binary(&b"ij"[..]),
+            ]
+        );
+    }
+
+    #[tokio::test]
+    async fn pings_are_answered_and_skipped() {
+        let (mut peer, ws) = pair(64 * 1024).await;
+        let mut io = WsIo::new(ws);
+        peer.send(Message::Ping(Bytes::from_static(b"p1")))
+            .await
+            .unwrap();
+        peer.send(Message::Pong(Bytes::from_static(b"unsolicited")))
+            .await
+            .unwrap();
+        peer.send(Message::binary(&b"data"[..])).await.unwrap();
+        let mut buf = [0u8; 4];
+        io.read_exact(&mut buf).await.unwrap();
+        assert_eq!(&buf, b"data");
+        // the pong goes out on the next write-side activity at the latest
+        io.flush().await.unwrap();
+        assert_eq!(
+            peer.next().await.unwrap().unwrap(),
+            Message::Pong(Bytes::from_static(b"p1"))
+        );
+    }
+
+    #[tokio::test]
+    async fn close_reads_as_eof() {
+        let (mut peer, ws) = pair(64 * 1024).await;
+        let mut io = WsIo::new(ws);
+        peer.send(Message::binary(&b"last"[..])).await.unwrap();
+        peer.close(None).await.unwrap();
+        let mut all = Vec::new();
+        io.read_to_end(&mut all).await.unwrap();
+        assert_eq!(all, b"last");
+        // and EOF is sticky
+        let mut buf = [0u8; 1];
+        assert_eq!(io.read(&mut buf).await.unwrap(), 0);
+    }
+
+    #[tokio::test]
+    async fn dropped_peer_reads_as_eof_or_error_never_hangs() {
+        let (peer, ws) = pair(64 * 1024).await;
+        let mut io = WsIo::new(ws);
+        drop(peer);
+        let mut buf = [0u8; 1];
+        match io.read(&mut buf).await {
+            Ok(n) => assert_eq!(n, 0),
+            Err(e) => assert_ne!(e.kind(), io::ErrorKind::InvalidData),
+        }
+    }
+
+    #[tokio::test]
+    async fn text_after_handshake_is_an_error() {
+        let (mut peer, ws) = pair(64 * 1024).await;
+        let mut io = WsIo::new(ws);
+        peer.send(Message::text("{}")).await.unwrap();
+        let mut buf = [0u8; 8];
+        let err = io.read(&mut buf).await.unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::InvalidData);
+        assert_eq!(
+            err.to_string(),
+            "text message on the tunnel after the handshake"
+        );
+    }
+
+    #[tokio::test]
+    async fn shutdown_sends_close() {
+        let (mut peer, ws) = pair(64 * 1024).await;
+        let mut io = WsIo::new(ws);
+        io.shutdown().await.unwrap();
+        assert!(matches!(
+            peer.next().await.unwrap().unwrap(),
+            Message::Close(_)
+        ));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn blocked_write_times_out() {
+        // The peer never reads; the pipe holds 1 KiB.
+        let (_peer, ws) = pair(1024).await;
+        let mut io = WsIo::new(ws).with_write_timeout(Duration::from_secs(5));
+        let started = tokio::time::Instant::now();
+        let payload = vec![7u8; 512 * 1024];
+        let res = async {
+            io.write_all(&payload).await?;
+            io.flush().await
+        }
+        .await;
+        let err = res.unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::TimedOut);
+        assert_eq!(started.elapsed(), Duration::from_secs(5));
+    }
+}
