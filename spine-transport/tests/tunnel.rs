@@ -1,0 +1,580 @@
+//! End-to-end tunnel tests: real sockets on 127.0.0.1, real TLS with rcgen certificates.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, missing_docs)]
+
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_util::{SinkExt as _, StreamExt as _};
+use http::{Request, Response, StatusCode};
+use http_body_util::{BodyExt as _, Full, StreamBody};
+use hyper::body::{Frame, Incoming};
+use spine_core::{BoxBody, EngineKind, ModelDescriptor, ModelId, NodeDescriptor, NodeId};
+use spine_transport::handshake::{AgentMessage, GatewayMessage, Hello};
+use spine_transport::{
+    client_config_with_ca, self_signed_cert, server_config_from_pem, NodeIdentity, RefusalReason,
+    StaticAuthenticator, TunnelClient, TunnelClientConfig, TunnelEvents, TunnelServer,
+    TunnelServerConfig, Tunnels,
+};
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+use tokio_tungstenite::tungstenite::Message;
+use tower::ServiceExt as _;
+
+const WAIT: Duration = Duration::from_secs(10);
+
+#[derive(Debug, PartialEq)]
+enum Event {
+    Ready(NodeId, NodeDescriptor),
+    Gone(NodeId),
+}
+
+struct Recorder(mpsc::UnboundedSender<Event>);
+
+impl TunnelEvents for Recorder {
+    fn node_ready(&self, node: &NodeId, descriptor: &NodeDescriptor) {
+        let _ = self.0.send(Event::Ready(node.clone(), descriptor.clone()));
+    }
+    fn node_gone(&self, node: &NodeId) {
+        let _ = self.0.send(Event::Gone(node.clone()));
+    }
+}
+
+fn descriptor() -> NodeDescriptor {
+    NodeDescriptor {
+        engine: EngineKind::LlamaCpp,
+        models: vec![ModelDescriptor {
+            id: ModelId::new("smollm2"),
+            max_context_tokens: Some(2048),
+        }],
+        vram_mib: 8192,
+        max_concurrency: 4,
+        agent_version: "test-agent".into(),
+    }
+}
+
+struct Gateway {
+    port: u16,
+    ca_pem: String,
+    tunnels: Tunnels,
+    events: mpsc::UnboundedReceiver<Event>,
+    identity: NodeIdentity,
+    node: NodeId,
+}
+
+impl Gateway {
+    async fn start(config: TunnelServerConfig) -> Self {
+        let (cert, key) = self_signed_cert(&["localhost".into(), "127.0.0.1".into()]).unwrap();
+        let tls = server_config_from_pem(&cert, &key).unwrap();
+        let identity = NodeIdentity::generate().unwrap();
+        let node = NodeId::new("node_1");
+        let auth = StaticAuthenticator::new().with_key(identity.public_key_text(), node.clone());
+        let (tx, events) = mpsc::unbounded_channel();
+        let server = TunnelServer::new(config, Arc::new(auth), Arc::new(Recorder(tx)));
+        let tunnels = server.tunnels();
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        tokio::spawn(server.serve(listener, Some(tls)));
+        Self {
+            port,
+            ca_pem: cert,
+            tunnels,
+            events,
+            identity,
+            node,
+        }
+    }
+
+    fn client(&self, identity: NodeIdentity) -> TunnelClient {
+        let mut config = TunnelClientConfig::new(
+            format!("wss://localhost:{}/v1/tunnel", self.port),
+            identity,
+            descriptor(),
+        );
+        config.tls = Some(client_config_with_ca(&self.ca_pem).unwrap());
+        TunnelClient::new(config).unwrap()
+    }
+
+    async fn next_event(&mut self) -> Event {
+        tokio::time::timeout(WAIT, self.events.recv())
+            .await
+            .expect("event in time")
+            .expect("events open")
+    }
+
+    /// A raw TLS + WebSocket connection, for speaking the handshake by hand.
+    async fn raw_ws(
+        &self,
+    ) -> tokio_tungstenite::WebSocketStream<tokio_rustls::client::TlsStream<TcpStream>> {
+        let tls = self.raw_tls().await;
+        let url = format!("wss://localhost:{}/v1/tunnel", self.port);
+        let (ws, resp) = tokio_tungstenite::client_async(url, tls).await.unwrap();
+        assert_eq!(resp.status(), StatusCode::SWITCHING_PROTOCOLS);
+        ws
+    }
+
+    async fn raw_tls(&self) -> tokio_rustls::client::TlsStream<TcpStream> {
+        let tcp = TcpStream::connect(("127.0.0.1", self.port)).await.unwrap();
+        let connector =
+            tokio_rustls::TlsConnector::from(client_config_with_ca(&self.ca_pem).unwrap());
+        let name = rustls_pki_types::ServerName::try_from("localhost").unwrap();
+        connector.connect(name, tcp).await.unwrap()
+    }
+}
+
+type Chunks = Arc<Mutex<Option<mpsc::Receiver<Bytes>>>>;
+
+/// The agent's local service: `/health` (503 until `healthy`), `POST /echo`, `GET /stream`
+/// (chunks from the test, one by one).
+#[derive(Clone)]
+struct Agent {
+    healthy: Arc<AtomicBool>,
+    chunks: Chunks,
+}
+
+impl Agent {
+    fn new(healthy: bool) -> Self {
+        Self {
+            healthy: Arc::new(AtomicBool::new(healthy)),
+            chunks: Arc::new(Mutex::new(None)),
+        }
+    }
+
+    fn service(
+        &self,
+    ) -> impl tower::Service<
+        Request<Incoming>,
+        Response = Response<BoxBody>,
+        Error = Infallible,
+        Future = impl Send + 'static,
+    > + Clone
+           + Send
+           + 'static {
+        let agent = self.clone();
+        tower::service_fn(move |req: Request<Incoming>| {
+            let agent = agent.clone();
+            async move { Ok::<_, Infallible>(agent.handle(req).await) }
+        })
+    }
+
+    async fn handle(&self, req: Request<Incoming>) -> Response<BoxBody> {
+        let full = |status: StatusCode, body: Bytes| {
+            let mut r = Response::new(Full::new(body).map_err(|e| match e {}).boxed_unsync());
+            *r.status_mut() = status;
+            r
+        };
+        match (req.method().as_str(), req.uri().path()) {
+            ("GET", "/health") => {
+                if self.healthy.load(Ordering::SeqCst) {
+                    full(StatusCode::OK, Bytes::from_static(br#"{"status":"ok"}"#))
+                } else {
+                    full(StatusCode::SERVICE_UNAVAILABLE, Bytes::new())
+                }
+            }
+            ("POST", "/echo") => {
+                let q = req.uri().query().unwrap_or("").to_owned();
+                let body = req.into_body().collect().await.unwrap().to_bytes();
+                let mut out = q.into_bytes();
+                out.push(b'|');
+                out.extend_from_slice(&body);
+                full(StatusCode::OK, Bytes::from(out))
+            }
+            ("GET", "/stream") => {
+                let rx = self.chunks.lock().unwrap().take().unwrap();
+                let stream = futures_util::stream::unfold(rx, |mut rx| async move {
+                    rx.recv()
+                        .await
+                        .map(|b| (Ok::<_, spine_core::BoxError>(Frame::data(b)), rx))
+                });
+                Response::new(StreamBody::new(stream).boxed_unsync())
+            }
+            _ => full(StatusCode::NOT_FOUND, Bytes::new()),
+        }
+    }
+}
+
+fn empty_request(method: &str, uri: &str) -> Request<BoxBody> {
+    Request::builder()
+        .method(method)
+        .uri(uri)
+        .body(
+            Full::new(Bytes::new())
+                .map_err(|e| match e {})
+                .boxed_unsync(),
+        )
+        .unwrap()
+}
+
+async fn expect_close(
+    ws: &mut tokio_tungstenite::WebSocketStream<tokio_rustls::client::TlsStream<TcpStream>>,
+) -> (u16, String) {
+    loop {
+        match tokio::time::timeout(WAIT, ws.next())
+            .await
+            .expect("close in time")
+        {
+            Some(Ok(Message::Close(Some(frame)))) => {
+                return (u16::from(frame.code), frame.reason.as_str().to_owned())
+            }
+            Some(Ok(Message::Text(_) | Message::Ping(_) | Message::Pong(_))) => {}
+            other => panic!("expected a close frame, got {other:?}"),
+        }
+    }
+}
+
+async fn read_challenge(
+    ws: &mut tokio_tungstenite::WebSocketStream<tokio_rustls::client::TlsStream<TcpStream>>,
+) -> spine_transport::handshake::Challenge {
+    match ws.next().await.unwrap().unwrap() {
+        Message::Text(t) => {
+            match spine_transport::handshake::decode_gateway_message(t.as_bytes()).unwrap() {
+                GatewayMessage::Challenge(c) => c,
+                other => panic!("expected a challenge, got {other:?}"),
+            }
+        }
+        other => panic!("expected text, got {other:?}"),
+    }
+}
+
+fn hello_text(hello: Hello) -> Message {
+    Message::text(serde_json::to_string(&AgentMessage::Hello(hello)).unwrap())
+}
+
+#[tokio::test]
+async fn handshake_accepted_and_round_trip_with_streamed_body() {
+    let mut gw = Gateway::start(TunnelServerConfig::default()).await;
+    let agent = Agent::new(true);
+    let client = gw.client(gw.identity.clone());
+    let session = client.connect().await.unwrap();
+    assert_eq!(session.node_id(), &gw.node);
+    let serve = tokio::spawn(session.serve(agent.service()));
+
+    assert_eq!(
+        gw.next_event().await,
+        Event::Ready(gw.node.clone(), descriptor())
+    );
+    assert_eq!(
+        gw.tunnels.connected(),
+        vec![(gw.node.clone(), descriptor())]
+    );
+
+    // request body and query reach the agent; the response comes back, tagged with the node
+    let mut req = Request::builder()
+        .method("POST")
+        .uri("http://gateway.internal/echo?x=1")
+        .body(
+            Full::new(Bytes::from_static(b"ping"))
+                .map_err(|e| match e {})
+                .boxed_unsync(),
+        )
+        .unwrap();
+    req.extensions_mut().insert(gw.node.clone());
+    let resp = gw.tunnels.service().oneshot(req).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    assert_eq!(resp.extensions().get::<NodeId>(), Some(&gw.node));
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(&body[..], b"x=1|ping");
+
+    // a streamed body: each chunk arrives before the next one is even produced
+    let (tx, rx) = mpsc::channel::<Bytes>(1);
+    *agent.chunks.lock().unwrap() = Some(rx);
+    let resp = gw
+        .tunnels
+        .send(&gw.node, empty_request("GET", "/stream"))
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    let mut body = resp.into_body();
+    for chunk in ["data: one\n\n", "data: two\n\n", "data: [DONE]\n\n"] {
+        tx.send(Bytes::from_static(chunk.as_bytes())).await.unwrap();
+        let frame = tokio::time::timeout(WAIT, body.frame())
+            .await
+            .expect("chunk in time")
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            frame.into_data().unwrap(),
+            Bytes::from_static(chunk.as_bytes())
+        );
+    }
+    drop(tx);
+    let rest = tokio::time::timeout(WAIT, body.collect())
+        .await
+        .unwrap()
+        .unwrap()
+        .to_bytes();
+    assert_eq!(rest, Bytes::new());
+
+    serve.abort();
+    assert_eq!(gw.next_event().await, Event::Gone(gw.node.clone()));
+}
+
+#[tokio::test]
+async fn unknown_key_is_refused() {
+    let mut gw = Gateway::start(TunnelServerConfig::default()).await;
+    let stranger = NodeIdentity::generate().unwrap();
+    let err = gw.client(stranger).connect().await.unwrap_err();
+    assert!(err.is_refused());
+    assert_eq!(err.refusal(), Some(RefusalReason::UnknownKey));
+    assert_eq!(err.to_string(), "tunnel handshake refused: unknown_key");
+    assert!(gw.events.try_recv().is_err());
+    assert!(gw.tunnels.connected().is_empty());
+}
+
+#[tokio::test]
+async fn bad_signature_is_refused_with_code_4002() {
+    let gw = Gateway::start(TunnelServerConfig::default()).await;
+    let mut ws = gw.raw_ws().await;
+    let challenge = read_challenge(&mut ws).await;
+    assert_eq!(challenge.gateway_id, "spine-gateway");
+    assert_eq!(challenge.protocol_version, 1);
+    assert_eq!(challenge.nonce.len(), 64);
+    // signed by another key, claiming the registered one
+    let mut hello = Hello::sign(&NodeIdentity::generate().unwrap(), &challenge, descriptor());
+    hello.public_key = gw.identity.public_key_text();
+    ws.send(hello_text(hello)).await.unwrap();
+    assert_eq!(expect_close(&mut ws).await, (4002, "bad_signature".into()));
+}
+
+#[tokio::test]
+async fn replayed_hello_is_refused() {
+    let gw = Gateway::start(TunnelServerConfig::default()).await;
+    let mut first = gw.raw_ws().await;
+    let old_challenge = read_challenge(&mut first).await;
+    let recorded = Hello::sign(&gw.identity, &old_challenge, descriptor());
+    drop(first);
+    let mut ws = gw.raw_ws().await;
+    let _fresh = read_challenge(&mut ws).await;
+    ws.send(hello_text(recorded)).await.unwrap();
+    assert_eq!(expect_close(&mut ws).await, (4002, "bad_signature".into()));
+}
+
+#[tokio::test]
+async fn stale_challenge_is_refused_with_code_4003() {
+    let mut config = TunnelServerConfig::default();
+    config.challenge_max_age = Duration::from_millis(100);
+    let gw = Gateway::start(config).await;
+    let mut ws = gw.raw_ws().await;
+    let challenge = read_challenge(&mut ws).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    ws.send(hello_text(Hello::sign(
+        &gw.identity,
+        &challenge,
+        descriptor(),
+    )))
+    .await
+    .unwrap();
+    assert_eq!(
+        expect_close(&mut ws).await,
+        (4003, "stale_challenge".into())
+    );
+}
+
+#[tokio::test]
+async fn silent_agent_is_refused_with_handshake_timeout() {
+    let mut config = TunnelServerConfig::default();
+    config.handshake_timeout = Duration::from_millis(200);
+    let gw = Gateway::start(config).await;
+    let mut ws = gw.raw_ws().await;
+    let _ = read_challenge(&mut ws).await;
+    assert_eq!(
+        expect_close(&mut ws).await,
+        (4006, "handshake_timeout".into())
+    );
+}
+
+#[tokio::test]
+async fn malformed_and_future_hellos_are_refused() {
+    let gw = Gateway::start(TunnelServerConfig::default()).await;
+
+    let mut ws = gw.raw_ws().await;
+    let _ = read_challenge(&mut ws).await;
+    ws.send(Message::text("{\"type\":\"hello\"")).await.unwrap();
+    assert_eq!(
+        expect_close(&mut ws).await,
+        (4005, "malformed_handshake".into())
+    );
+
+    let mut ws = gw.raw_ws().await;
+    let challenge = read_challenge(&mut ws).await;
+    let mut hello = Hello::sign(&gw.identity, &challenge, descriptor());
+    hello.protocol_version = 2;
+    ws.send(hello_text(hello)).await.unwrap();
+    assert_eq!(
+        expect_close(&mut ws).await,
+        (4004, "unsupported_protocol".into())
+    );
+
+    let mut ws = gw.raw_ws().await;
+    let _ = read_challenge(&mut ws).await;
+    ws.send(Message::binary(&b"\x00"[..])).await.unwrap();
+    assert_eq!(
+        expect_close(&mut ws).await,
+        (4005, "malformed_handshake".into())
+    );
+}
+
+#[tokio::test]
+async fn second_session_for_a_live_node_is_refused() {
+    let mut gw = Gateway::start(TunnelServerConfig::default()).await;
+    let agent = Agent::new(true);
+    let first = gw.client(gw.identity.clone()).connect().await.unwrap();
+    let serve = tokio::spawn(first.serve(agent.service()));
+    assert!(matches!(gw.next_event().await, Event::Ready(..)));
+
+    let err = gw.client(gw.identity.clone()).connect().await.unwrap_err();
+    assert_eq!(err.refusal(), Some(RefusalReason::DuplicateSession));
+
+    // the first session is untouched
+    let resp = gw
+        .tunnels
+        .send(&gw.node, empty_request("GET", "/health"))
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    serve.abort();
+}
+
+#[tokio::test]
+async fn node_ready_only_after_the_health_probe_passes() {
+    let mut config = TunnelServerConfig::default();
+    config.health_probe_interval = Duration::from_millis(50);
+    let mut gw = Gateway::start(config).await;
+    let agent = Agent::new(false);
+    let session = gw.client(gw.identity.clone()).connect().await.unwrap();
+    let serve = tokio::spawn(session.serve(agent.service()));
+
+    // accepted and probed, but unhealthy: not ready, not listed
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert!(gw.events.try_recv().is_err());
+    assert!(gw.tunnels.connected().is_empty());
+    assert!(gw.tunnels.contains(&gw.node));
+
+    agent.healthy.store(true, Ordering::SeqCst);
+    assert_eq!(
+        gw.next_event().await,
+        Event::Ready(gw.node.clone(), descriptor())
+    );
+    assert_eq!(gw.tunnels.connected().len(), 1);
+    serve.abort();
+    assert_eq!(gw.next_event().await, Event::Gone(gw.node.clone()));
+}
+
+#[tokio::test]
+async fn node_gone_when_the_agent_drops_and_it_can_come_back() {
+    let mut gw = Gateway::start(TunnelServerConfig::default()).await;
+    let agent = Agent::new(true);
+    let client = gw.client(gw.identity.clone());
+    let serve = tokio::spawn({
+        let client = client.clone();
+        let service = agent.service();
+        async move { client.connect_once(service).await }
+    });
+    assert!(matches!(gw.next_event().await, Event::Ready(..)));
+
+    // a request in flight when the agent goes away fails as closed
+    let (tx, rx) = mpsc::channel::<Bytes>(1);
+    *agent.chunks.lock().unwrap() = Some(rx);
+    let resp = gw
+        .tunnels
+        .send(&gw.node, empty_request("GET", "/stream"))
+        .await
+        .unwrap();
+    let mut body = resp.into_body();
+    serve.abort();
+    let err = tokio::time::timeout(WAIT, body.frame())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap_err();
+    assert!(!err.to_string().is_empty());
+    drop(tx);
+
+    assert_eq!(gw.next_event().await, Event::Gone(gw.node.clone()));
+    assert!(gw.tunnels.connected().is_empty());
+    let err = gw
+        .tunnels
+        .send(&gw.node, empty_request("GET", "/health"))
+        .await
+        .unwrap_err();
+    assert!(err.is_unknown_node());
+
+    // the node reconnects: a new session is accepted
+    let session = client.connect().await.unwrap();
+    let serve = tokio::spawn(session.serve(agent.service()));
+    assert!(matches!(gw.next_event().await, Event::Ready(..)));
+    serve.abort();
+    assert_eq!(gw.next_event().await, Event::Gone(gw.node.clone()));
+}
+
+#[tokio::test]
+async fn tunnel_service_needs_a_known_target() {
+    let gw = Gateway::start(TunnelServerConfig::default()).await;
+    let err = gw
+        .tunnels
+        .service()
+        .oneshot(empty_request("GET", "/health"))
+        .await
+        .unwrap_err();
+    assert!(err.is_missing_target());
+
+    let mut req = empty_request("GET", "/health");
+    req.extensions_mut().insert(NodeId::new("nobody"));
+    let err = gw.tunnels.service().oneshot(req).await.unwrap_err();
+    assert!(err.is_unknown_node());
+    assert_eq!(err.to_string(), "no live tunnel for node: nobody");
+}
+
+#[tokio::test]
+async fn other_paths_are_404_and_plain_get_needs_upgrade() {
+    let gw = Gateway::start(TunnelServerConfig::default()).await;
+    for (request, status_line) in [
+        (
+            "GET /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n",
+            "HTTP/1.1 404 Not Found",
+        ),
+        (
+            "GET /v1/tunnel HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n",
+            "HTTP/1.1 426 Upgrade Required",
+        ),
+    ] {
+        let mut tls = gw.raw_tls().await;
+        tls.write_all(request.as_bytes()).await.unwrap();
+        let mut out = Vec::new();
+        let _ = tokio::time::timeout(WAIT, tls.read_to_end(&mut out)).await;
+        let text = String::from_utf8_lossy(&out);
+        assert!(text.starts_with(status_line), "{text}");
+    }
+}
+
+#[tokio::test]
+async fn plaintext_tunnel_works_when_explicitly_allowed() {
+    let identity = NodeIdentity::generate().unwrap();
+    let node = NodeId::new("plain");
+    let auth = StaticAuthenticator::new().with_key(identity.public_key_text(), node.clone());
+    let (tx, mut events) = mpsc::unbounded_channel();
+    let server = TunnelServer::new(
+        TunnelServerConfig::default(),
+        Arc::new(auth),
+        Arc::new(Recorder(tx)),
+    );
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(server.serve(listener, None));
+
+    let mut config = TunnelClientConfig::new(
+        format!("ws://127.0.0.1:{port}/v1/tunnel"),
+        identity,
+        descriptor(),
+    );
+    config.allow_insecure_plaintext = true;
+    let client = TunnelClient::new(config).unwrap();
+    let agent = Agent::new(true);
+    let run = tokio::spawn(client.run(agent.service()));
+    let event = tokio::time::timeout(WAIT, events.recv()).await.unwrap();
+    assert_eq!(event, Some(Event::Ready(node, descriptor())));
+    run.abort();
+}
