@@ -3,6 +3,8 @@
 
 pub mod gguf;
 pub mod inject;
+pub mod ledger;
+pub mod price;
 pub mod sse;
 pub mod tokenizer;
 
@@ -10,4 +12,9 @@ pub mod tokenizer;
 mod test_support;
 
 pub use inject::{inject_include_usage, InjectError};
+pub use ledger::{
+    AccountBalance, Ledger, LedgerError, LedgerFuture, RequestRecord, SettleResult, Settlement,
+    SqliteLedger,
+};
+pub use price::Price;
 pub use tokenizer::{ModelTokenizer, TokenizerError};

@@ -35,7 +35,9 @@ fn free_port() -> u16 {
 fn http(port: u16, method: &str, path: &str, body: Option<&Value>) -> (u16, Vec<u8>) {
     let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
-    let body = body.map(|b| serde_json::to_vec(b).unwrap()).unwrap_or_default();
+    let body = body
+        .map(|b| serde_json::to_vec(b).unwrap())
+        .unwrap_or_default();
     let head = format!(
         "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
         body.len()
@@ -61,10 +63,15 @@ fn start(bin: &str, gguf: &str) -> Engine {
     let engine = Engine { child, port };
     let deadline = Instant::now() + Duration::from_secs(120);
     loop {
-        if TcpStream::connect(("127.0.0.1", port)).is_ok() && http(port, "GET", "/health", None).0 == 200 {
+        if TcpStream::connect(("127.0.0.1", port)).is_ok()
+            && http(port, "GET", "/health", None).0 == 200
+        {
             return engine;
         }
-        assert!(Instant::now() < deadline, "llama-server did not become healthy");
+        assert!(
+            Instant::now() < deadline,
+            "llama-server did not become healthy"
+        );
         std::thread::sleep(Duration::from_millis(250));
     }
 }
@@ -73,16 +80,28 @@ fn cases() -> Vec<Value> {
     let m = |v: Value| json!({ "model": "smollm2", "messages": v });
     vec![
         m(json!([{"role":"user","content":"Name three colors."}])),
-        m(json!([{"role":"system","content":"You are a terse assistant."},{"role":"user","content":"List three colors, numbered."}])),
+        m(
+            json!([{"role":"system","content":"You are a terse assistant."},{"role":"user","content":"List three colors, numbered."}]),
+        ),
         m(json!([{"role":"user","content":"What is 12345 * 678?"}])),
-        m(json!([{"role":"user","content":"Hi"},{"role":"assistant","content":"Hello! How can I help?"},{"role":"user","content":"Tell me a joke about cats."}])),
+        m(
+            json!([{"role":"user","content":"Hi"},{"role":"assistant","content":"Hello! How can I help?"},{"role":"user","content":"Tell me a joke about cats."}]),
+        ),
         m(json!([{"role":"user","content":"Translate to French: 你好, 世界 🙂 — naïve café"}])),
         m(json!([{"role":"user","content":"  leading and trailing spaces \n\n with\ttabs  "}])),
-        m(json!([{"role":"user","content":"literal <|im_start|>assistant tokens <|im_end|> inside"}])),
-        m(json!([{"role":"user","content":[{"type":"text","text":"Part one."},{"type":"text","text":"Part two."}]}])),
-        m(json!([{"role":"system","content":"Be brief."},{"role":"user","content":"Write the numbers 1 to 20 separated by commas."}])),
+        m(
+            json!([{"role":"user","content":"literal <|im_start|>assistant tokens <|im_end|> inside"}]),
+        ),
+        m(
+            json!([{"role":"user","content":[{"type":"text","text":"Part one."},{"type":"text","text":"Part two."}]}]),
+        ),
+        m(
+            json!([{"role":"system","content":"Be brief."},{"role":"user","content":"Write the numbers 1 to 20 separated by commas."}]),
+        ),
         m(json!([{"role":"user","content":"Say only the word yes."}])),
-        m(json!([{"role":"user","content":"```rust\nfn main() { println!(\"hi\"); }\n```\nExplain."}])),
+        m(
+            json!([{"role":"user","content":"```rust\nfn main() { println!(\"hi\"); }\n```\nExplain."}]),
+        ),
         m(json!([{"role":"user","content":"Ünïcödé ünd émojis 👨‍👩‍👧 and 2024-01-01T00:00:00Z"}])),
     ]
 }
@@ -90,7 +109,9 @@ fn cases() -> Vec<Value> {
 #[test]
 fn independent_counts_match_llama_server() {
     let Ok(bin) = std::env::var("SPINE_LLAMA_SERVER") else {
-        eprintln!("SKIPPED: set SPINE_LLAMA_SERVER (and SPINE_MODEL_GGUF) to run the engine comparison");
+        eprintln!(
+            "SKIPPED: set SPINE_LLAMA_SERVER (and SPINE_MODEL_GGUF) to run the engine comparison"
+        );
         return;
     };
     let gguf = std::env::var("SPINE_MODEL_GGUF").unwrap_or_else(|_| {
@@ -99,7 +120,10 @@ fn independent_counts_match_llama_server() {
             std::env::var("HOME").unwrap_or_default()
         )
     });
-    assert!(std::path::Path::new(&gguf).is_file(), "model file {gguf} is missing (SPINE_MODEL_GGUF)");
+    assert!(
+        std::path::Path::new(&gguf).is_file(),
+        "model file {gguf} is missing (SPINE_MODEL_GGUF)"
+    );
     let tok = ModelTokenizer::from_gguf(&gguf).unwrap();
     let engine = start(&bin, &gguf);
     let port = engine.port;
@@ -116,14 +140,26 @@ fn independent_counts_match_llama_server() {
             .to_owned();
         let ours = tok.render_chat(&case).unwrap();
         if ours != engine_prompt {
-            failures.push(format!("case {i}: template differs:\nours   {ours:?}\nengine {engine_prompt:?}"));
+            failures.push(format!(
+                "case {i}: template differs:\nours   {ours:?}\nengine {engine_prompt:?}"
+            ));
         }
         // 2. tokenize
-        let (_, body) = http(port, "POST", "/tokenize", Some(&json!({"content": engine_prompt, "add_special": false, "parse_special": true})));
-        let engine_tokens = serde_json::from_slice::<Value>(&body).unwrap()["tokens"].as_array().unwrap().len() as u64;
+        let (_, body) = http(
+            port,
+            "POST",
+            "/tokenize",
+            Some(&json!({"content": engine_prompt, "add_special": false, "parse_special": true})),
+        );
+        let engine_tokens = serde_json::from_slice::<Value>(&body).unwrap()["tokens"]
+            .as_array()
+            .unwrap()
+            .len() as u64;
         let our_prompt = tok.count_prompt(&case).unwrap();
         if engine_tokens != our_prompt {
-            failures.push(format!("case {i}: /tokenize {engine_tokens} vs ours {our_prompt}"));
+            failures.push(format!(
+                "case {i}: /tokenize {engine_tokens} vs ours {our_prompt}"
+            ));
         }
         // 3. real completions, two max_tokens settings
         for max_tokens in [8u64, 48] {
@@ -140,7 +176,10 @@ fn independent_counts_match_llama_server() {
             if usage["prompt_tokens"].as_u64() == Some(our_prompt) {
                 prompt_exact += 1;
             } else {
-                failures.push(format!("case {i}: usage.prompt_tokens {} vs ours {our_prompt}", usage["prompt_tokens"]));
+                failures.push(format!(
+                    "case {i}: usage.prompt_tokens {} vs ours {our_prompt}",
+                    usage["prompt_tokens"]
+                ));
             }
             let ours = tok.completion_tokens(text, finish);
             if usage["completion_tokens"].as_u64() == Some(ours) {
@@ -148,12 +187,22 @@ fn independent_counts_match_llama_server() {
             } else {
                 eprintln!("case {i} max_tokens {max_tokens}: completion engine {} ours {ours} finish {finish:?} text {text:?}", usage["completion_tokens"]);
             }
-            let (_, tb) = http(port, "POST", "/tokenize", Some(&json!({"content": text, "add_special": false, "parse_special": true})));
-            let t = serde_json::from_slice::<Value>(&tb).unwrap()["tokens"].as_array().unwrap().len() as u64;
+            let (_, tb) = http(
+                port,
+                "POST",
+                "/tokenize",
+                Some(&json!({"content": text, "add_special": false, "parse_special": true})),
+            );
+            let t = serde_json::from_slice::<Value>(&tb).unwrap()["tokens"]
+                .as_array()
+                .unwrap()
+                .len() as u64;
             if t + u64::from(finish == Some("stop")) == ours {
                 completion_vs_tokenize += 1;
             } else {
-                failures.push(format!("case {i}: completion via /tokenize {t} vs ours {ours}"));
+                failures.push(format!(
+                    "case {i}: completion via /tokenize {t} vs ours {ours}"
+                ));
             }
         }
     }

@@ -1,0 +1,822 @@
+//! The SQLite ledger store (one file, WAL).
+
+use std::path::Path;
+use std::str::FromStr;
+use std::time::Duration;
+
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteRow,
+    SqliteSynchronous,
+};
+use sqlx::{Row, Sqlite, Transaction};
+
+use spine_core::{
+    AccountId, ModelId, NodeId, OperatorId, RequestId, StreamOutcome, Usage, UsageSource,
+};
+
+use super::{
+    AccountBalance, Ledger, LedgerError, LedgerFuture, RequestRecord, SettleResult, Settlement,
+};
+use crate::price::split;
+
+/// Schema migrations, applied in order, each once (recorded in `spine_schema_migrations`).
+const MIGRATIONS: &[(i64, &str)] = &[(
+    1,
+    r#"
+CREATE TABLE accounts (
+    id TEXT PRIMARY KEY,
+    balance_micros INTEGER NOT NULL DEFAULT 0 CHECK (balance_micros >= 0),
+    held_micros INTEGER NOT NULL DEFAULT 0 CHECK (held_micros >= 0),
+    created_at_ms INTEGER NOT NULL,
+    CHECK (held_micros <= balance_micros)
+);
+CREATE TABLE api_keys (
+    key_hash TEXT PRIMARY KEY,
+    account_id TEXT NOT NULL REFERENCES accounts(id),
+    created_at_ms INTEGER NOT NULL
+);
+CREATE TABLE credits (
+    idempotency_key TEXT PRIMARY KEY,
+    account_id TEXT NOT NULL REFERENCES accounts(id),
+    amount_micros INTEGER NOT NULL CHECK (amount_micros >= 0),
+    created_at_ms INTEGER NOT NULL
+);
+CREATE TABLE operators (
+    id TEXT PRIMARY KEY,
+    earned_micros INTEGER NOT NULL DEFAULT 0 CHECK (earned_micros >= 0),
+    created_at_ms INTEGER NOT NULL
+);
+CREATE TABLE nodes (
+    node_id TEXT PRIMARY KEY,
+    operator_id TEXT NOT NULL REFERENCES operators(id),
+    public_key_text TEXT NOT NULL UNIQUE,
+    created_at_ms INTEGER NOT NULL
+);
+CREATE TABLE holds (
+    request_id TEXT PRIMARY KEY,
+    account_id TEXT NOT NULL REFERENCES accounts(id),
+    amount_micros INTEGER NOT NULL CHECK (amount_micros >= 0),
+    state TEXT NOT NULL CHECK (state IN ('held', 'released', 'settled')),
+    created_at_ms INTEGER NOT NULL
+);
+CREATE TABLE requests (
+    request_id TEXT PRIMARY KEY,
+    account_id TEXT NOT NULL,
+    model TEXT NOT NULL,
+    outcome TEXT NOT NULL,
+    node_id TEXT,
+    operator_id TEXT,
+    billed_prompt_tokens INTEGER NOT NULL,
+    billed_completion_tokens INTEGER NOT NULL,
+    claimed_prompt_tokens INTEGER,
+    claimed_completion_tokens INTEGER,
+    usage_source TEXT NOT NULL,
+    discrepancy INTEGER NOT NULL,
+    input_micros_per_mtok INTEGER NOT NULL,
+    output_micros_per_mtok INTEGER NOT NULL,
+    share_bps INTEGER NOT NULL,
+    cost_micros INTEGER NOT NULL,
+    debit_micros INTEGER NOT NULL,
+    operator_credit_micros INTEGER NOT NULL,
+    fee_micros INTEGER NOT NULL,
+    hold_micros INTEGER NOT NULL,
+    created_at_ms INTEGER NOT NULL
+);
+CREATE TABLE ledger_entries (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    ref TEXT NOT NULL,
+    party_kind TEXT NOT NULL CHECK (party_kind IN ('account', 'operator', 'platform', 'external')),
+    party_id TEXT NOT NULL,
+    amount_micros INTEGER NOT NULL,
+    created_at_ms INTEGER NOT NULL
+);
+CREATE INDEX ledger_entries_ref ON ledger_entries(ref);
+"#,
+)];
+
+/// The ledger and gateway store on SQLite.
+///
+/// Holds accounts, API key hashes (never plaintext keys), idempotent credits, operators, nodes,
+/// holds, request records and double-entry ledger entries. All writes run in `BEGIN IMMEDIATE`
+/// transactions, so concurrent writers queue on SQLite's write lock (5 s busy timeout) instead of
+/// failing on a lock upgrade.
+#[derive(Clone, Debug)]
+pub struct SqliteLedger {
+    pool: SqlitePool,
+}
+
+fn db(e: sqlx::Error) -> LedgerError {
+    LedgerError::Database(e)
+}
+
+fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+}
+
+fn to_i64(v: u64) -> Result<i64, LedgerError> {
+    i64::try_from(v).map_err(|_| LedgerError::OutOfRange)
+}
+
+fn to_u64(v: i64, what: &'static str) -> Result<u64, LedgerError> {
+    u64::try_from(v).map_err(|_| LedgerError::Corrupt(what))
+}
+
+fn is_unique_violation(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(d) if d.is_unique_violation())
+}
+
+fn get_u64(row: &SqliteRow, col: &'static str) -> Result<u64, LedgerError> {
+    to_u64(row.try_get::<i64, _>(col).map_err(db)?, col)
+}
+
+impl SqliteLedger {
+    /// Opens (creating if needed) the database file at `path` and applies migrations.
+    ///
+    /// # Errors
+    ///
+    /// [`LedgerError::Database`] when the file cannot be opened or migrated.
+    pub async fn open(path: impl AsRef<Path>) -> Result<Self, LedgerError> {
+        let opts = SqliteConnectOptions::new()
+            .filename(path)
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .synchronous(SqliteSynchronous::Normal)
+            .busy_timeout(Duration::from_secs(5))
+            .foreign_keys(true);
+        let pool = SqlitePoolOptions::new()
+            .max_connections(4)
+            .connect_with(opts)
+            .await
+            .map_err(db)?;
+        Self::with_pool(pool).await
+    }
+
+    /// An in-memory database (one connection), for tests and ephemeral use.
+    ///
+    /// # Errors
+    ///
+    /// [`LedgerError::Database`].
+    pub async fn in_memory() -> Result<Self, LedgerError> {
+        let opts = SqliteConnectOptions::from_str("sqlite::memory:")
+            .map_err(db)?
+            .foreign_keys(true);
+        let pool = SqlitePoolOptions::new()
+            .max_connections(1)
+            .min_connections(1)
+            .idle_timeout(None)
+            .max_lifetime(None)
+            .connect_with(opts)
+            .await
+            .map_err(db)?;
+        Self::with_pool(pool).await
+    }
+
+    /// Wraps an existing pool and applies migrations (idempotent; safe for several processes
+    /// opening the same file at once).
+    ///
+    /// # Errors
+    ///
+    /// [`LedgerError::Database`].
+    pub async fn with_pool(pool: SqlitePool) -> Result<Self, LedgerError> {
+        let this = Self { pool };
+        this.migrate().await?;
+        Ok(this)
+    }
+
+    async fn migrate(&self) -> Result<(), LedgerError> {
+        let mut tx = self.begin().await?;
+        sqlx::query(
+            "CREATE TABLE IF NOT EXISTS spine_schema_migrations (version INTEGER PRIMARY KEY, applied_at_ms INTEGER NOT NULL)",
+        )
+        .execute(&mut *tx)
+        .await
+        .map_err(db)?;
+        for (version, sql) in MIGRATIONS {
+            let applied: Option<i64> =
+                sqlx::query_scalar("SELECT version FROM spine_schema_migrations WHERE version = ?")
+                    .bind(version)
+                    .fetch_optional(&mut *tx)
+                    .await
+                    .map_err(db)?;
+            if applied.is_none() {
+                sqlx::raw_sql(sql).execute(&mut *tx).await.map_err(db)?;
+                sqlx::query(
+                    "INSERT INTO spine_schema_migrations (version, applied_at_ms) VALUES (?, ?)",
+                )
+                .bind(version)
+                .bind(now_ms())
+                .execute(&mut *tx)
+                .await
+                .map_err(db)?;
+            }
+        }
+        tx.commit().await.map_err(db)
+    }
+
+    async fn begin(&self) -> Result<Transaction<'static, Sqlite>, LedgerError> {
+        self.pool.begin_with("BEGIN IMMEDIATE").await.map_err(db)
+    }
+
+    /// The underlying pool.
+    pub fn pool(&self) -> &SqlitePool {
+        &self.pool
+    }
+
+    /// Creates an account with a zero balance.
+    ///
+    /// # Errors
+    ///
+    /// [`LedgerError::Duplicate`] when it exists.
+    pub async fn create_account(&self, account: &AccountId) -> Result<(), LedgerError> {
+        sqlx::query("INSERT INTO accounts (id, created_at_ms) VALUES (?, ?)")
+            .bind(account.as_str())
+            .bind(now_ms())
+            .execute(&self.pool)
+            .await
+            .map_err(|e| {
+                if is_unique_violation(&e) {
+                    LedgerError::Duplicate { what: "account" }
+                } else {
+                    db(e)
+                }
+            })?;
+        Ok(())
+    }
+
+    /// Adds credits to an account, once per `idempotency_key`. Returns `true` when applied,
+    /// `false` when the key was already used (nothing changes).
+    ///
+    /// # Errors
+    ///
+    /// [`LedgerError::UnknownAccount`], [`LedgerError::OutOfRange`].
+    pub async fn add_credits(
+        &self,
+        account: &AccountId,
+        amount_micros: u64,
+        idempotency_key: &str,
+    ) -> Result<bool, LedgerError> {
+        let amount = to_i64(amount_micros)?;
+        let mut tx = self.begin().await?;
+        let inserted = sqlx::query(
+            "INSERT INTO credits (idempotency_key, account_id, amount_micros, created_at_ms)
+             SELECT ?, id, ?, ? FROM accounts WHERE id = ?
+             ON CONFLICT(idempotency_key) DO NOTHING",
+        )
+        .bind(idempotency_key)
+        .bind(amount)
+        .bind(now_ms())
+        .bind(account.as_str())
+        .execute(&mut *tx)
+        .await
+        .map_err(db)?
+        .rows_affected();
+        if inserted == 0 {
+            let used: Option<i64> =
+                sqlx::query_scalar("SELECT 1 FROM credits WHERE idempotency_key = ?")
+                    .bind(idempotency_key)
+                    .fetch_optional(&mut *tx)
+                    .await
+                    .map_err(db)?;
+            tx.rollback().await.map_err(db)?;
+            return match used {
+                Some(_) => Ok(false),
+                None => Err(LedgerError::UnknownAccount(account.clone())),
+            };
+        }
+        let updated = sqlx::query(
+            "UPDATE accounts SET balance_micros = balance_micros + ? WHERE id = ? AND balance_micros <= 9223372036854775807 - ?",
+        )
+        .bind(amount)
+        .bind(account.as_str())
+        .bind(amount)
+        .execute(&mut *tx)
+        .await
+        .map_err(db)?
+        .rows_affected();
+        if updated == 0 {
+            tx.rollback().await.map_err(db)?;
+            return Err(LedgerError::OutOfRange);
+        }
+        let reference = format!("credit:{idempotency_key}");
+        insert_entry(&mut tx, &reference, "account", account.as_str(), amount).await?;
+        insert_entry(&mut tx, &reference, "external", "deposits", -amount).await?;
+        tx.commit().await.map_err(db)?;
+        Ok(true)
+    }
+
+    /// Maps an API key's hash (e.g. hex SHA-256 of the key) to an account. The plaintext key is
+    /// never stored.
+    ///
+    /// # Errors
+    ///
+    /// [`LedgerError::Duplicate`], [`LedgerError::UnknownAccount`].
+    pub async fn create_api_key(
+        &self,
+        account: &AccountId,
+        key_hash: &str,
+    ) -> Result<(), LedgerError> {
+        let r = sqlx::query(
+            "INSERT INTO api_keys (key_hash, account_id, created_at_ms) SELECT ?, id, ? FROM accounts WHERE id = ?",
+        )
+        .bind(key_hash)
+        .bind(now_ms())
+        .bind(account.as_str())
+        .execute(&self.pool)
+        .await
+        .map_err(|e| {
+            if is_unique_violation(&e) {
+                LedgerError::Duplicate { what: "api key" }
+            } else {
+                db(e)
+            }
+        })?;
+        if r.rows_affected() == 0 {
+            return Err(LedgerError::UnknownAccount(account.clone()));
+        }
+        Ok(())
+    }
+
+    /// The account an API key hash belongs to.
+    ///
+    /// # Errors
+    ///
+    /// [`LedgerError::Database`].
+    pub async fn account_for_key_hash(
+        &self,
+        key_hash: &str,
+    ) -> Result<Option<AccountId>, LedgerError> {
+        let id: Option<String> =
+            sqlx::query_scalar("SELECT account_id FROM api_keys WHERE key_hash = ?")
+                .bind(key_hash)
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(db)?;
+        Ok(id.map(AccountId::from))
+    }
+
+    /// An account's balance, held and available amounts.
+    ///
+    /// # Errors
+    ///
+    /// [`LedgerError::UnknownAccount`].
+    pub async fn account(&self, account: &AccountId) -> Result<AccountBalance, LedgerError> {
+        let row = sqlx::query("SELECT balance_micros, held_micros FROM accounts WHERE id = ?")
+            .bind(account.as_str())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(db)?
+            .ok_or_else(|| LedgerError::UnknownAccount(account.clone()))?;
+        balance_from_row(&row)
+    }
+
+    /// Creates an operator with nothing earned.
+    ///
+    /// # Errors
+    ///
+    /// [`LedgerError::Duplicate`].
+    pub async fn create_operator(&self, operator: &OperatorId) -> Result<(), LedgerError> {
+        sqlx::query("INSERT INTO operators (id, created_at_ms) VALUES (?, ?)")
+            .bind(operator.as_str())
+            .bind(now_ms())
+            .execute(&self.pool)
+            .await
+            .map_err(|e| {
+                if is_unique_violation(&e) {
+                    LedgerError::Duplicate { what: "operator" }
+                } else {
+                    db(e)
+                }
+            })?;
+        Ok(())
+    }
+
+    /// What an operator has earned, micros.
+    ///
+    /// # Errors
+    ///
+    /// [`LedgerError::UnknownOperator`].
+    pub async fn operator_earned_micros(&self, operator: &OperatorId) -> Result<u64, LedgerError> {
+        let v: i64 = sqlx::query_scalar("SELECT earned_micros FROM operators WHERE id = ?")
+            .bind(operator.as_str())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(db)?
+            .ok_or_else(|| LedgerError::UnknownOperator(operator.clone()))?;
+        to_u64(v, "earned_micros")
+    }
+
+    /// Registers a node by its public key (text form) under an operator; the node id is
+    /// `node_<n>`.
+    ///
+    /// # Errors
+    ///
+    /// [`LedgerError::UnknownOperator`]; [`LedgerError::Duplicate`] when the key is registered.
+    pub async fn register_node(
+        &self,
+        operator: &OperatorId,
+        public_key_text: &str,
+    ) -> Result<NodeId, LedgerError> {
+        let mut tx = self.begin().await?;
+        let exists: Option<i64> = sqlx::query_scalar("SELECT 1 FROM operators WHERE id = ?")
+            .bind(operator.as_str())
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(db)?;
+        if exists.is_none() {
+            tx.rollback().await.map_err(db)?;
+            return Err(LedgerError::UnknownOperator(operator.clone()));
+        }
+        let n: i64 = sqlx::query_scalar("SELECT COUNT(*) + 1 FROM nodes")
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(db)?;
+        let node = NodeId::new(format!("node_{n}"));
+        sqlx::query(
+            "INSERT INTO nodes (node_id, operator_id, public_key_text, created_at_ms) VALUES (?, ?, ?, ?)",
+        )
+        .bind(node.as_str())
+        .bind(operator.as_str())
+        .bind(public_key_text)
+        .bind(now_ms())
+        .execute(&mut *tx)
+        .await
+        .map_err(|e| {
+            if is_unique_violation(&e) {
+                LedgerError::Duplicate { what: "node public key" }
+            } else {
+                db(e)
+            }
+        })?;
+        tx.commit().await.map_err(db)?;
+        Ok(node)
+    }
+
+    /// The node registered with this public key.
+    ///
+    /// # Errors
+    ///
+    /// [`LedgerError::Database`].
+    pub async fn node_for_public_key(
+        &self,
+        public_key_text: &str,
+    ) -> Result<Option<NodeId>, LedgerError> {
+        let id: Option<String> =
+            sqlx::query_scalar("SELECT node_id FROM nodes WHERE public_key_text = ?")
+                .bind(public_key_text)
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(db)?;
+        Ok(id.map(NodeId::from))
+    }
+
+    /// The operator a node belongs to.
+    ///
+    /// # Errors
+    ///
+    /// [`LedgerError::UnknownNode`].
+    pub async fn node_operator(&self, node: &NodeId) -> Result<OperatorId, LedgerError> {
+        let id: String = sqlx::query_scalar("SELECT operator_id FROM nodes WHERE node_id = ?")
+            .bind(node.as_str())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(db)?
+            .ok_or_else(|| LedgerError::UnknownNode(node.clone()))?;
+        Ok(OperatorId::from(id))
+    }
+
+    /// Sum of all ledger entries, micros; zero unless the books are broken.
+    ///
+    /// # Errors
+    ///
+    /// [`LedgerError::Database`].
+    pub async fn entries_sum_micros(&self) -> Result<i64, LedgerError> {
+        sqlx::query_scalar("SELECT COALESCE(SUM(amount_micros), 0) FROM ledger_entries")
+            .fetch_one(&self.pool)
+            .await
+            .map_err(db)
+    }
+
+    async fn hold_impl(
+        &self,
+        request_id: RequestId,
+        account: AccountId,
+        amount_micros: u64,
+    ) -> Result<(), LedgerError> {
+        let amount = to_i64(amount_micros)?;
+        let mut tx = self.begin().await?;
+        let updated = sqlx::query(
+            "UPDATE accounts SET held_micros = held_micros + ?1 WHERE id = ?2 AND balance_micros - held_micros >= ?1",
+        )
+        .bind(amount)
+        .bind(account.as_str())
+        .execute(&mut *tx)
+        .await
+        .map_err(db)?
+        .rows_affected();
+        if updated == 0 {
+            let row = sqlx::query("SELECT balance_micros, held_micros FROM accounts WHERE id = ?")
+                .bind(account.as_str())
+                .fetch_optional(&mut *tx)
+                .await
+                .map_err(db)?;
+            tx.rollback().await.map_err(db)?;
+            return match row {
+                None => Err(LedgerError::UnknownAccount(account)),
+                Some(row) => Err(LedgerError::InsufficientCredit {
+                    available_micros: balance_from_row(&row)?.available_micros,
+                    needed_micros: amount_micros,
+                }),
+            };
+        }
+        let r = sqlx::query(
+            "INSERT INTO holds (request_id, account_id, amount_micros, state, created_at_ms) VALUES (?, ?, ?, 'held', ?)",
+        )
+        .bind(request_id.as_str())
+        .bind(account.as_str())
+        .bind(amount)
+        .bind(now_ms())
+        .execute(&mut *tx)
+        .await;
+        if let Err(e) = r {
+            tx.rollback().await.map_err(db)?;
+            return Err(if is_unique_violation(&e) {
+                LedgerError::Duplicate { what: "hold" }
+            } else {
+                db(e)
+            });
+        }
+        tx.commit().await.map_err(db)
+    }
+
+    async fn release_impl(&self, request_id: RequestId) -> Result<(), LedgerError> {
+        let mut tx = self.begin().await?;
+        let row = sqlx::query(
+            "UPDATE holds SET state = 'released' WHERE request_id = ? AND state = 'held' RETURNING account_id, amount_micros",
+        )
+        .bind(request_id.as_str())
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(db)?;
+        if let Some(row) = row {
+            let account: String = row.try_get("account_id").map_err(db)?;
+            let amount: i64 = row.try_get("amount_micros").map_err(db)?;
+            sqlx::query("UPDATE accounts SET held_micros = held_micros - ? WHERE id = ?")
+                .bind(amount)
+                .bind(account)
+                .execute(&mut *tx)
+                .await
+                .map_err(db)?;
+        }
+        tx.commit().await.map_err(db)
+    }
+
+    async fn settle_impl(&self, s: Settlement) -> Result<SettleResult, LedgerError> {
+        let mut tx = self.begin().await?;
+        if let Some(row) = sqlx::query(
+            "SELECT cost_micros, debit_micros, operator_credit_micros, fee_micros, hold_micros FROM requests WHERE request_id = ?",
+        )
+        .bind(s.request_id.as_str())
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(db)?
+        {
+            tx.rollback().await.map_err(db)?;
+            return Ok(SettleResult {
+                cost_micros: get_u64(&row, "cost_micros")?,
+                debit_micros: get_u64(&row, "debit_micros")?,
+                operator_credit_micros: get_u64(&row, "operator_credit_micros")?,
+                fee_micros: get_u64(&row, "fee_micros")?,
+                hold_micros: get_u64(&row, "hold_micros")?,
+                already_settled: true,
+            });
+        }
+        let hold_row = sqlx::query(
+            "UPDATE holds SET state = 'settled' WHERE request_id = ? AND state = 'held' RETURNING account_id, amount_micros",
+        )
+        .bind(s.request_id.as_str())
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(db)?;
+        let (hold_account, hold_micros) = match hold_row {
+            Some(row) => (
+                AccountId::from(row.try_get::<String, _>("account_id").map_err(db)?),
+                get_u64(&row, "amount_micros")?,
+            ),
+            None => (s.account.clone(), 0),
+        };
+        let pays = matches!(
+            s.outcome,
+            StreamOutcome::Completed | StreamOutcome::ClientCancelled
+        );
+        let cost_micros = if pays {
+            s.price.cost_micros(&s.billed)
+        } else {
+            0
+        };
+        let debit_micros = cost_micros.min(hold_micros);
+        let operator: Option<String> = match &s.node {
+            Some(node) => sqlx::query_scalar("SELECT operator_id FROM nodes WHERE node_id = ?")
+                .bind(node.as_str())
+                .fetch_optional(&mut *tx)
+                .await
+                .map_err(db)?,
+            None => None,
+        };
+        let parts = if operator.is_some() {
+            split(debit_micros, s.share_bps)
+        } else {
+            split(debit_micros, 0)
+        };
+        let debit = to_i64(debit_micros)?;
+        let credit = to_i64(parts.operator_credit_micros)?;
+        let fee = to_i64(parts.fee_micros)?;
+        sqlx::query(
+            "UPDATE accounts SET balance_micros = balance_micros - ?, held_micros = held_micros - ? WHERE id = ?",
+        )
+        .bind(debit)
+        .bind(to_i64(hold_micros)?)
+        .bind(hold_account.as_str())
+        .execute(&mut *tx)
+        .await
+        .map_err(db)?;
+        if let Some(op) = &operator {
+            sqlx::query("UPDATE operators SET earned_micros = earned_micros + ? WHERE id = ?")
+                .bind(credit)
+                .bind(op)
+                .execute(&mut *tx)
+                .await
+                .map_err(db)?;
+        }
+        let opt_i64 = |v: Option<u64>| v.map(to_i64).transpose();
+        sqlx::query(
+            "INSERT INTO requests (request_id, account_id, model, outcome, node_id, operator_id,
+                billed_prompt_tokens, billed_completion_tokens, claimed_prompt_tokens, claimed_completion_tokens,
+                usage_source, discrepancy, input_micros_per_mtok, output_micros_per_mtok, share_bps,
+                cost_micros, debit_micros, operator_credit_micros, fee_micros, hold_micros, created_at_ms)
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        )
+        .bind(s.request_id.as_str())
+        .bind(hold_account.as_str())
+        .bind(s.model.as_str())
+        .bind(s.outcome.as_str())
+        .bind(s.node.as_ref().map(NodeId::as_str))
+        .bind(operator.as_deref())
+        .bind(to_i64(s.billed.prompt_tokens)?)
+        .bind(to_i64(s.billed.completion_tokens)?)
+        .bind(opt_i64(s.claimed.map(|u| u.prompt_tokens))?)
+        .bind(opt_i64(s.claimed.map(|u| u.completion_tokens))?)
+        .bind(s.usage_source.as_str())
+        .bind(s.discrepancy)
+        .bind(to_i64(s.price.input_micros_per_mtok)?)
+        .bind(to_i64(s.price.output_micros_per_mtok)?)
+        .bind(i64::from(s.share_bps))
+        .bind(to_i64(cost_micros)?)
+        .bind(debit)
+        .bind(credit)
+        .bind(fee)
+        .bind(to_i64(hold_micros)?)
+        .bind(now_ms())
+        .execute(&mut *tx)
+        .await
+        .map_err(db)?;
+        if debit > 0 {
+            let reference = format!("request:{}", s.request_id);
+            insert_entry(
+                &mut tx,
+                &reference,
+                "account",
+                hold_account.as_str(),
+                -debit,
+            )
+            .await?;
+            if let Some(op) = &operator {
+                insert_entry(&mut tx, &reference, "operator", op, credit).await?;
+            }
+            insert_entry(&mut tx, &reference, "platform", "platform", fee).await?;
+        }
+        tx.commit().await.map_err(db)?;
+        Ok(SettleResult {
+            cost_micros,
+            debit_micros,
+            operator_credit_micros: parts.operator_credit_micros,
+            fee_micros: parts.fee_micros,
+            hold_micros,
+            already_settled: false,
+        })
+    }
+
+    async fn request_record_impl(
+        &self,
+        request_id: RequestId,
+    ) -> Result<Option<RequestRecord>, LedgerError> {
+        let Some(row) = sqlx::query("SELECT * FROM requests WHERE request_id = ?")
+            .bind(request_id.as_str())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(db)?
+        else {
+            return Ok(None);
+        };
+        let outcome: String = row.try_get("outcome").map_err(db)?;
+        let source: String = row.try_get("usage_source").map_err(db)?;
+        let claimed_p: Option<i64> = row.try_get("claimed_prompt_tokens").map_err(db)?;
+        let claimed_c: Option<i64> = row.try_get("claimed_completion_tokens").map_err(db)?;
+        let claimed = match (claimed_p, claimed_c) {
+            (Some(p), Some(c)) => Some(Usage {
+                prompt_tokens: to_u64(p, "claimed_prompt_tokens")?,
+                completion_tokens: to_u64(c, "claimed_completion_tokens")?,
+            }),
+            _ => None,
+        };
+        Ok(Some(RequestRecord {
+            request_id,
+            account: AccountId::from(row.try_get::<String, _>("account_id").map_err(db)?),
+            model: ModelId::from(row.try_get::<String, _>("model").map_err(db)?),
+            outcome: StreamOutcome::parse(&outcome).ok_or(LedgerError::Corrupt("outcome"))?,
+            node: row
+                .try_get::<Option<String>, _>("node_id")
+                .map_err(db)?
+                .map(NodeId::from),
+            operator: row
+                .try_get::<Option<String>, _>("operator_id")
+                .map_err(db)?
+                .map(OperatorId::from),
+            billed: Usage {
+                prompt_tokens: get_u64(&row, "billed_prompt_tokens")?,
+                completion_tokens: get_u64(&row, "billed_completion_tokens")?,
+            },
+            claimed,
+            usage_source: match source.as_str() {
+                "independent" => UsageSource::Independent,
+                "node_claim" => UsageSource::NodeClaim,
+                _ => return Err(LedgerError::Corrupt("usage_source")),
+            },
+            discrepancy: row.try_get::<bool, _>("discrepancy").map_err(db)?,
+            cost_micros: get_u64(&row, "cost_micros")?,
+            debit_micros: get_u64(&row, "debit_micros")?,
+            operator_credit_micros: get_u64(&row, "operator_credit_micros")?,
+            fee_micros: get_u64(&row, "fee_micros")?,
+            hold_micros: get_u64(&row, "hold_micros")?,
+            created_at_ms: row.try_get("created_at_ms").map_err(db)?,
+        }))
+    }
+}
+
+fn balance_from_row(row: &SqliteRow) -> Result<AccountBalance, LedgerError> {
+    let balance_micros = get_u64(row, "balance_micros")?;
+    let held_micros = get_u64(row, "held_micros")?;
+    Ok(AccountBalance {
+        balance_micros,
+        held_micros,
+        available_micros: balance_micros.saturating_sub(held_micros),
+    })
+}
+
+async fn insert_entry(
+    tx: &mut Transaction<'static, Sqlite>,
+    reference: &str,
+    party_kind: &str,
+    party_id: &str,
+    amount_micros: i64,
+) -> Result<(), LedgerError> {
+    sqlx::query(
+        "INSERT INTO ledger_entries (ref, party_kind, party_id, amount_micros, created_at_ms) VALUES (?, ?, ?, ?, ?)",
+    )
+    .bind(reference)
+    .bind(party_kind)
+    .bind(party_id)
+    .bind(amount_micros)
+    .bind(now_ms())
+    .execute(&mut **tx)
+    .await
+    .map_err(db)?;
+    Ok(())
+}
+
+impl Ledger for SqliteLedger {
+    fn hold(
+        &self,
+        request_id: RequestId,
+        account: AccountId,
+        amount_micros: u64,
+    ) -> LedgerFuture<'_, ()> {
+        Box::pin(self.hold_impl(request_id, account, amount_micros))
+    }
+
+    fn release(&self, request_id: RequestId) -> LedgerFuture<'_, ()> {
+        Box::pin(self.release_impl(request_id))
+    }
+
+    fn settle(&self, settlement: Settlement) -> LedgerFuture<'_, SettleResult> {
+        Box::pin(self.settle_impl(settlement))
+    }
+
+    fn request_record(&self, request_id: RequestId) -> LedgerFuture<'_, Option<RequestRecord>> {
+        Box::pin(self.request_record_impl(request_id))
+    }
+}
+
+#[cfg(test)]
+mod tests;
