@@ -1,1 +1,217 @@
-fn main() {}
+//! Reference node agent for spine (design brief §7, §9).
+//!
+//! Dials the gateway's tunnel listener, proves the node's identity, and serves the allowed
+//! inference paths of one local engine over the tunnel. Logs go to stderr (`RUST_LOG`); request
+//! and response bodies are never logged.
+
+mod config;
+mod engine;
+mod proxy;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+use spine_core::NodeDescriptor;
+use spine_transport::{Backoff, NodeIdentity, TunnelClient, TunnelClientConfig};
+use tracing::{error, info, warn};
+
+use crate::config::{EngineArg, RunArgs, Settings};
+use crate::engine::{Engine, LlamaCpp};
+use crate::proxy::EngineProxy;
+
+/// spine reference agent: turns a local inference engine into a spine node.
+#[derive(Debug, Parser)]
+#[command(
+    name = "reference-agent",
+    version,
+    args_conflicts_with_subcommands = true
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    /// Without a subcommand: `run` with these options.
+    #[command(flatten)]
+    run: RunArgs,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Generate a node identity (ed25519) and print its public key, to register with the gateway.
+    Keygen {
+        /// Where to write the identity (32-byte seed, hex, mode 0600). Never overwritten.
+        #[arg(long, env = "SPINE_AGENT_IDENTITY")]
+        out: PathBuf,
+    },
+    /// Connect to the gateway and serve the local engine (the default).
+    Run(RunArgs),
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+    let cli = Cli::parse();
+    let res = match cli.command {
+        Some(Command::Keygen { out }) => keygen(&out),
+        Some(Command::Run(args)) => run(args).await,
+        None => run(cli.run).await,
+    };
+    match res {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            error!("{e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+type AnyError = Box<dyn std::error::Error + Send + Sync>;
+
+#[allow(clippy::print_stdout)] // the public key on stdout is the command's output
+fn keygen(out: &std::path::Path) -> Result<(), AnyError> {
+    let identity = NodeIdentity::generate()?;
+    identity.save(out)?;
+    info!(path = %out.display(), "identity written");
+    println!("{}", identity.public_key_text());
+    Ok(())
+}
+
+/// Total GPU memory from `nvidia-smi`, MiB; `None` when it is absent or says nothing useful.
+async fn detect_vram_mib() -> Option<u64> {
+    let out = tokio::process::Command::new("nvidia-smi")
+        .args(["--query-gpu=memory.total", "--format=csv,noheader,nounits"])
+        .output()
+        .await
+        .ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let total: u64 = text
+        .lines()
+        .filter_map(|l| l.trim().parse::<u64>().ok())
+        .sum();
+    (total > 0).then_some(total)
+}
+
+/// Waits until the engine is healthy, retrying with backoff (0.5 s → 10 s).
+async fn wait_for_engine(engine: &impl Engine, url: &str) {
+    let mut backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(10));
+    let mut attempt = 1u32;
+    loop {
+        match engine.health().await {
+            Ok(()) => {
+                info!(engine = engine.kind().as_str(), %url, "engine healthy");
+                return;
+            }
+            Err(e) => {
+                let delay = backoff.next_full();
+                if attempt == 1 {
+                    info!(%url, error = %e, "waiting for the engine to become healthy");
+                } else {
+                    warn!(%url, attempt, error = %e, retry_in_ms = delay.as_millis() as u64, "engine not healthy yet");
+                }
+                attempt = attempt.saturating_add(1);
+                tokio::time::sleep(delay).await;
+            }
+        }
+    }
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = ctrl_c => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = ctrl_c.await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
+}
+
+async fn run(args: RunArgs) -> Result<(), AnyError> {
+    let settings = Settings::resolve(args)?;
+    tokio::select! {
+        res = serve(settings) => res,
+        () = shutdown_signal() => {
+            info!("shutting down");
+            Ok(())
+        }
+    }
+}
+
+async fn serve(settings: Settings) -> Result<(), AnyError> {
+    let identity = NodeIdentity::load(&settings.identity)?;
+    info!(public_key = %identity.public_key_text(), "identity loaded");
+
+    let client = engine::engine_client();
+    let engine = match settings.engine {
+        EngineArg::LlamaCpp => LlamaCpp::new(settings.engine_url.clone(), client.clone()),
+        EngineArg::Auto => {
+            info!("engine auto-detection supports llama.cpp only for now; using llama.cpp");
+            LlamaCpp::new(settings.engine_url.clone(), client.clone())
+        }
+        other => {
+            return Err(format!(
+                "engine {} is not supported yet (use llama.cpp)",
+                other.as_str()
+            )
+            .into())
+        }
+    };
+    let engine_url = settings.engine_url.to_string();
+    wait_for_engine(&engine, &engine_url).await;
+    let mut models = engine.models().await?;
+    if let Some(wanted) = &settings.model {
+        models.retain(|m| m.id.as_str() == wanted);
+        if models.is_empty() {
+            return Err(format!("the engine does not serve model {wanted:?}").into());
+        }
+    }
+    if models.is_empty() {
+        return Err("the engine reports no models".into());
+    }
+    let vram_mib = match settings.vram_mib {
+        Some(v) if v > 0 => v,
+        _ => detect_vram_mib().await.unwrap_or(0),
+    };
+    let descriptor = NodeDescriptor {
+        engine: engine.kind(),
+        models,
+        vram_mib,
+        max_concurrency: settings.max_concurrency,
+        agent_version: format!("reference-agent/{}", env!("CARGO_PKG_VERSION")),
+    };
+    info!(
+        models = ?descriptor.models.iter().map(|m| m.id.as_str()).collect::<Vec<_>>(),
+        vram_mib,
+        max_concurrency = descriptor.max_concurrency,
+        "serving"
+    );
+
+    let mut config = TunnelClientConfig::new(settings.gateway.clone(), identity, descriptor);
+    config.allow_insecure_plaintext = settings.insecure_plaintext_tunnel;
+    config.tls = settings.tls_config()?;
+    let tunnel = TunnelClient::new(config)?;
+    let proxy = EngineProxy::new(client, settings.engine_url.clone(), engine.health_path());
+    tunnel.run(proxy).await;
+    Ok(())
+}

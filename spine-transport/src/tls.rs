@@ -113,8 +113,9 @@ pub fn server_config_from_pem(
     Ok(Arc::new(config))
 }
 
-/// A rustls client configuration that trusts exactly the certificates in `ca_pem` (a private CA
-/// or the gateway's self-signed certificate).
+/// A rustls client configuration that trusts exactly the certificates in `ca_pem`: a private CA,
+/// the gateway's self-signed certificate, or a bundle such as the system's (entries that cannot
+/// be trust anchors are then skipped).
 ///
 /// # Errors
 ///
@@ -122,8 +123,18 @@ pub fn server_config_from_pem(
 /// certificate cannot be a trust anchor.
 pub fn client_config_with_ca(ca_pem: &str) -> Result<Arc<rustls::ClientConfig>, TlsError> {
     let mut roots = rustls::RootCertStore::empty();
-    for cert in certs_from_pem(ca_pem)? {
-        roots.add(cert).map_err(TlsError::Rustls)?;
+    let certs = certs_from_pem(ca_pem)?;
+    if certs.len() == 1 {
+        // one certificate: report why it cannot be a trust anchor
+        for cert in certs {
+            roots.add(cert).map_err(TlsError::Rustls)?;
+        }
+    } else {
+        // a bundle (such as the system's): skip the odd unparsable entry
+        let (added, _ignored) = roots.add_parsable_certificates(certs);
+        if added == 0 {
+            return Err(TlsError::NoCertificate);
+        }
     }
     let mut config = rustls::ClientConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()

@@ -1,0 +1,335 @@
+//! Agent settings: command-line flags, `SPINE_AGENT_*` environment variables, and an optional
+//! TOML file with the same keys in snake_case. Flags and environment win over the file.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use http::Uri;
+use serde::Deserialize;
+
+/// Default `max_concurrency`.
+pub(crate) const DEFAULT_MAX_CONCURRENCY: u32 = 4;
+
+/// Places a system CA bundle is usually found, for `wss://` without `--ca-file`.
+const SYSTEM_CA_BUNDLES: [&str; 4] = [
+    "/etc/ssl/certs/ca-certificates.crt",
+    "/etc/pki/tls/certs/ca-bundle.crt",
+    "/etc/ssl/cert.pem",
+    "/etc/ssl/ca-bundle.pem",
+];
+
+/// Engine kinds on the command line.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Deserialize)]
+pub(crate) enum EngineArg {
+    /// llama.cpp's `llama-server`.
+    #[value(name = "llama.cpp")]
+    #[serde(rename = "llama.cpp")]
+    LlamaCpp,
+    /// vLLM (not yet supported).
+    #[value(name = "vllm")]
+    #[serde(rename = "vllm")]
+    Vllm,
+    /// Ollama (not yet supported).
+    #[value(name = "ollama")]
+    #[serde(rename = "ollama")]
+    Ollama,
+    /// SGLang (not yet supported).
+    #[value(name = "sglang")]
+    #[serde(rename = "sglang")]
+    Sglang,
+    /// Detect (llama.cpp only for now).
+    #[value(name = "auto")]
+    #[serde(rename = "auto")]
+    Auto,
+}
+
+impl EngineArg {
+    pub(crate) fn as_str(&self) -> &'static str {
+        match self {
+            Self::LlamaCpp => "llama.cpp",
+            Self::Vllm => "vllm",
+            Self::Ollama => "ollama",
+            Self::Sglang => "sglang",
+            Self::Auto => "auto",
+        }
+    }
+}
+
+/// Options of `reference-agent run`.
+#[derive(Debug, Default, clap::Args)]
+pub(crate) struct RunArgs {
+    /// TOML file with the same keys as these flags, in snake_case.
+    #[arg(long, env = "SPINE_AGENT_CONFIG")]
+    pub(crate) config: Option<PathBuf>,
+    /// Gateway tunnel URL, `wss://host:19000/v1/tunnel`.
+    #[arg(long, env = "SPINE_AGENT_GATEWAY")]
+    pub(crate) gateway: Option<String>,
+    /// Identity file written by `reference-agent keygen`.
+    #[arg(long, env = "SPINE_AGENT_IDENTITY")]
+    pub(crate) identity: Option<PathBuf>,
+    /// PEM file of the CA (or self-signed certificate) to trust for the gateway; default: the
+    /// system bundle.
+    #[arg(long, env = "SPINE_AGENT_CA_FILE")]
+    pub(crate) ca_file: Option<PathBuf>,
+    /// Allow a plaintext `ws://` gateway URL. INSECURE: prompts cross the network in clear.
+    #[arg(long, env = "SPINE_AGENT_INSECURE_PLAINTEXT_TUNNEL")]
+    pub(crate) insecure_plaintext_tunnel: bool,
+    /// Engine kind.
+    #[arg(long, env = "SPINE_AGENT_ENGINE", value_enum)]
+    pub(crate) engine: Option<EngineArg>,
+    /// Engine base URL, `http://127.0.0.1:8080`.
+    #[arg(long, env = "SPINE_AGENT_ENGINE_URL")]
+    pub(crate) engine_url: Option<String>,
+    /// Concurrent requests this node accepts (HTTP/2 max concurrent streams). Default 4.
+    #[arg(long, env = "SPINE_AGENT_MAX_CONCURRENCY")]
+    pub(crate) max_concurrency: Option<u32>,
+    /// GPU memory, MiB; 0 or absent: the config file, else `nvidia-smi`, else 0.
+    #[arg(long, env = "SPINE_AGENT_VRAM_MIB")]
+    pub(crate) vram_mib: Option<u64>,
+    /// Advertise only this model id (of those the engine serves).
+    #[arg(long, env = "SPINE_AGENT_MODEL")]
+    pub(crate) model: Option<String>,
+}
+
+/// The TOML file.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct FileConfig {
+    gateway: Option<String>,
+    identity: Option<PathBuf>,
+    ca_file: Option<PathBuf>,
+    insecure_plaintext_tunnel: Option<bool>,
+    engine: Option<EngineArg>,
+    engine_url: Option<String>,
+    max_concurrency: Option<u32>,
+    vram_mib: Option<u64>,
+    model: Option<String>,
+}
+
+/// Errors resolving settings.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum ConfigError {
+    #[error("cannot read config file {}: {source}", path.display())]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("invalid config file {}: {source}", path.display())]
+    Parse {
+        path: PathBuf,
+        #[source]
+        source: toml::de::Error,
+    },
+    #[error("missing setting {0} (flag --{1}, env SPINE_AGENT_{2}, or config key {0})")]
+    Missing(&'static str, &'static str, &'static str),
+    #[error("invalid engine url {url:?}: must be http://host:port")]
+    EngineUrl { url: String },
+    #[error("max_concurrency must be at least 1")]
+    MaxConcurrency,
+    #[error("cannot read ca file {}: {source}", path.display())]
+    CaFile {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("no ca file given and no system ca bundle found; pass --ca-file")]
+    NoSystemRoots,
+    #[error("tls: {0}")]
+    Tls(#[from] spine_transport::TlsError),
+}
+
+/// Resolved settings for `run`.
+#[derive(Debug, Clone)]
+pub(crate) struct Settings {
+    pub(crate) gateway: String,
+    pub(crate) identity: PathBuf,
+    pub(crate) ca_file: Option<PathBuf>,
+    pub(crate) insecure_plaintext_tunnel: bool,
+    pub(crate) engine: EngineArg,
+    pub(crate) engine_url: Uri,
+    pub(crate) max_concurrency: u32,
+    pub(crate) vram_mib: Option<u64>,
+    pub(crate) model: Option<String>,
+}
+
+impl Settings {
+    /// Flags/env over the file over defaults.
+    pub(crate) fn resolve(args: RunArgs) -> Result<Self, ConfigError> {
+        let file = match &args.config {
+            Some(path) => load_file(path)?,
+            None => FileConfig::default(),
+        };
+        Self::merge(args, file)
+    }
+
+    fn merge(args: RunArgs, file: FileConfig) -> Result<Self, ConfigError> {
+        let gateway = args
+            .gateway
+            .or(file.gateway)
+            .ok_or(ConfigError::Missing("gateway", "gateway", "GATEWAY"))?;
+        let identity = args
+            .identity
+            .or(file.identity)
+            .ok_or(ConfigError::Missing("identity", "identity", "IDENTITY"))?;
+        let engine_url = args
+            .engine_url
+            .or(file.engine_url)
+            .ok_or(ConfigError::Missing(
+                "engine_url",
+                "engine-url",
+                "ENGINE_URL",
+            ))?;
+        let parsed: Uri = engine_url.parse().map_err(|_| ConfigError::EngineUrl {
+            url: engine_url.clone(),
+        })?;
+        if parsed.scheme_str() != Some("http") || parsed.authority().is_none() {
+            return Err(ConfigError::EngineUrl { url: engine_url });
+        }
+        let max_concurrency = args
+            .max_concurrency
+            .or(file.max_concurrency)
+            .unwrap_or(DEFAULT_MAX_CONCURRENCY);
+        if max_concurrency == 0 {
+            return Err(ConfigError::MaxConcurrency);
+        }
+        Ok(Self {
+            gateway,
+            identity,
+            ca_file: args.ca_file.or(file.ca_file),
+            insecure_plaintext_tunnel: args.insecure_plaintext_tunnel
+                || file.insecure_plaintext_tunnel.unwrap_or(false),
+            engine: args.engine.or(file.engine).unwrap_or(EngineArg::LlamaCpp),
+            engine_url: parsed,
+            max_concurrency,
+            vram_mib: args.vram_mib.filter(|v| *v > 0).or(file.vram_mib),
+            model: args.model.or(file.model),
+        })
+    }
+
+    /// The TLS client configuration for a `wss://` gateway: the CA file, else the system bundle.
+    /// `None` for `ws://`.
+    pub(crate) fn tls_config(&self) -> Result<Option<Arc<rustls::ClientConfig>>, ConfigError> {
+        if !self.gateway.starts_with("wss://") {
+            return Ok(None);
+        }
+        let path = match &self.ca_file {
+            Some(path) => path.clone(),
+            None => SYSTEM_CA_BUNDLES
+                .iter()
+                .map(PathBuf::from)
+                .find(|p| p.is_file())
+                .ok_or(ConfigError::NoSystemRoots)?,
+        };
+        let pem = std::fs::read_to_string(&path).map_err(|source| ConfigError::CaFile {
+            path: path.clone(),
+            source,
+        })?;
+        Ok(Some(spine_transport::client_config_with_ca(&pem)?))
+    }
+}
+
+fn load_file(path: &Path) -> Result<FileConfig, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        path: path.to_owned(),
+        source,
+    })?;
+    toml::from_str(&text).map_err(|source| ConfigError::Parse {
+        path: path.to_owned(),
+        source,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use clap::Parser as _;
+
+    use super::*;
+
+    #[derive(Debug, clap::Parser)]
+    struct Wrap {
+        #[command(flatten)]
+        run: RunArgs,
+    }
+
+    #[test]
+    fn flags_override_the_file() {
+        let file: FileConfig = toml::from_str(
+            r#"
+            gateway = "wss://gw.example:19000/v1/tunnel"
+            identity = "/var/lib/spine/node.key"
+            engine = "llama.cpp"
+            engine_url = "http://127.0.0.1:8080"
+            max_concurrency = 8
+            vram_mib = 24576
+            model = "smollm2"
+            "#,
+        )
+        .unwrap();
+        let args = Wrap::try_parse_from([
+            "x",
+            "--engine-url",
+            "http://127.0.0.1:9000",
+            "--max-concurrency",
+            "2",
+        ])
+        .unwrap()
+        .run;
+        let s = Settings::merge(args, file).unwrap();
+        assert_eq!(s.gateway, "wss://gw.example:19000/v1/tunnel");
+        assert_eq!(s.engine_url.to_string(), "http://127.0.0.1:9000/");
+        assert_eq!(s.max_concurrency, 2);
+        assert_eq!(s.vram_mib, Some(24576));
+        assert_eq!(s.engine, EngineArg::LlamaCpp);
+        assert_eq!(s.model.as_deref(), Some("smollm2"));
+        assert!(!s.insecure_plaintext_tunnel);
+    }
+
+    #[test]
+    fn defaults_and_errors() {
+        let args = Wrap::try_parse_from([
+            "x",
+            "--gateway",
+            "ws://127.0.0.1:19000/v1/tunnel",
+            "--identity",
+            "k",
+            "--engine-url",
+            "http://127.0.0.1:8080",
+            "--insecure-plaintext-tunnel",
+            "--engine",
+            "vllm",
+        ])
+        .unwrap()
+        .run;
+        let s = Settings::merge(args, FileConfig::default()).unwrap();
+        assert_eq!(s.max_concurrency, 4);
+        assert_eq!(s.vram_mib, None);
+        assert_eq!(s.engine, EngineArg::Vllm);
+        assert!(s.insecure_plaintext_tunnel);
+        assert!(s.tls_config().unwrap().is_none());
+
+        let err = Settings::merge(RunArgs::default(), FileConfig::default()).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "missing setting gateway (flag --gateway, env SPINE_AGENT_GATEWAY, or config key gateway)"
+        );
+        let args = Wrap::try_parse_from([
+            "x",
+            "--gateway",
+            "g",
+            "--identity",
+            "k",
+            "--engine-url",
+            "ftp://x",
+        ])
+        .unwrap()
+        .run;
+        assert!(matches!(
+            Settings::merge(args, FileConfig::default()),
+            Err(ConfigError::EngineUrl { .. })
+        ));
+        assert!(toml::from_str::<FileConfig>("gatway = \"typo\"").is_err());
+        assert!(Wrap::try_parse_from(["x", "--engine", "tgi"]).is_err());
+    }
+}

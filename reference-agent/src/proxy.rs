@@ -1,0 +1,414 @@
+//! The service the agent serves over the tunnel: an allowlisted proxy to the one local engine
+//! (design brief §9).
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Method, Request, Response, StatusCode, Uri};
+use http_body_util::{BodyExt as _, Full};
+use hyper::body::Incoming;
+use spine_core::{BoxBody, BoxError};
+use tracing::{debug, warn};
+
+use crate::engine::{join, EngineClient};
+
+/// Where an allowed request goes on the engine: the path, or the engine's health path.
+fn allowed_target(method: &Method, path: &str, health_path: &'static str) -> Option<&'static str> {
+    match (method, path) {
+        (&Method::POST, "/v1/chat/completions") => Some("/v1/chat/completions"),
+        (&Method::POST, "/v1/completions") => Some("/v1/completions"),
+        (&Method::POST, "/v1/embeddings") => Some("/v1/embeddings"),
+        (&Method::GET, "/v1/models") => Some("/v1/models"),
+        (&Method::GET, "/health") => Some(health_path),
+        _ => None,
+    }
+}
+
+/// Headers never forwarded in either direction: hop-by-hop (RFC 9110 §7.6.1) and proxy headers.
+const HOP_BY_HOP: [&str; 8] = [
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+];
+
+fn is_stripped(name: &HeaderName, request: bool) -> bool {
+    let n = name.as_str();
+    HOP_BY_HOP.contains(&n)
+        || n == "upgrade"
+        || n.starts_with("proxy-")
+        || (request && (n == "authorization" || n == "host" || n.starts_with("x-spine-")))
+}
+
+/// Copies `headers` minus hop-by-hop headers, those the `Connection` header names, and (for
+/// requests) `authorization`, `host` and every `x-spine-*` header.
+fn filter_headers(headers: &HeaderMap, request: bool) -> HeaderMap {
+    let named_by_connection: Vec<String> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(|t| t.trim().to_ascii_lowercase())
+        .filter(|t| !t.is_empty())
+        .collect();
+    let mut out = HeaderMap::with_capacity(headers.len());
+    for (name, value) in headers {
+        if is_stripped(name, request) || named_by_connection.iter().any(|t| t == name.as_str()) {
+            continue;
+        }
+        out.append(name.clone(), value.clone());
+    }
+    out
+}
+
+fn json_error(status: StatusCode, message: &str, kind: &str, code: &str) -> Response<BoxBody> {
+    let body = serde_json::json!({
+        "error": { "message": message, "type": kind, "code": code }
+    });
+    let mut resp = Response::new(
+        Full::new(Bytes::from(body.to_string()))
+            .map_err(|e| match e {})
+            .boxed_unsync(),
+    );
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    resp
+}
+
+/// The allowlisted proxy from the tunnel to the engine.
+#[derive(Clone, Debug)]
+pub(crate) struct EngineProxy {
+    client: EngineClient,
+    engine: Uri,
+    health_path: &'static str,
+}
+
+impl EngineProxy {
+    pub(crate) fn new(client: EngineClient, engine: Uri, health_path: &'static str) -> Self {
+        Self {
+            client,
+            engine,
+            health_path,
+        }
+    }
+
+    /// Forwards an allowed request (query string dropped, headers filtered) and streams the
+    /// engine's response back as it arrives; 403 for anything else, 502 when the engine cannot be
+    /// reached. Never logs bodies.
+    pub(crate) async fn handle(&self, req: Request<Incoming>) -> Response<BoxBody> {
+        let method = req.method().clone();
+        let Some(target) = allowed_target(&method, req.uri().path(), self.health_path) else {
+            let path: String = req.uri().path().chars().take(200).collect();
+            warn!(%method, %path, "refused a tunnel request outside the engine allowlist");
+            return json_error(
+                StatusCode::FORBIDDEN,
+                "this path is not served by the node",
+                "invalid_request_error",
+                "path_not_allowed",
+            );
+        };
+        let uri = match join(&self.engine, target) {
+            Ok(uri) => uri,
+            Err(e) => {
+                warn!(error = %e, "cannot build the engine url");
+                return json_error(
+                    StatusCode::BAD_GATEWAY,
+                    "the node's engine url is invalid",
+                    "server_error",
+                    "engine_unreachable",
+                );
+            }
+        };
+        let (parts, body) = req.into_parts();
+        let mut upstream = Request::new(body.map_err(BoxError::from).boxed_unsync());
+        *upstream.method_mut() = parts.method;
+        *upstream.uri_mut() = uri;
+        *upstream.headers_mut() = filter_headers(&parts.headers, true);
+
+        debug!(%method, path = target, "forwarding to the engine");
+        match self.client.request(upstream).await {
+            Ok(resp) => {
+                let (mut parts, body) = resp.into_parts();
+                parts.headers = filter_headers(&parts.headers, false);
+                debug!(
+                    status = parts.status.as_u16(),
+                    path = target,
+                    "engine answered"
+                );
+                Response::from_parts(parts, body.map_err(BoxError::from).boxed_unsync())
+            }
+            Err(e) => {
+                warn!(error = %e, path = target, "engine unreachable");
+                json_error(
+                    StatusCode::BAD_GATEWAY,
+                    "the node's engine is unreachable",
+                    "server_error",
+                    "engine_unreachable",
+                )
+            }
+        }
+    }
+}
+
+impl tower::Service<Request<Incoming>> for EngineProxy {
+    type Response = Response<BoxBody>;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Response<BoxBody>, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request<Incoming>) -> Self::Future {
+        let this = self.clone();
+        Box::pin(async move { Ok(this.handle(req).await) })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
+
+    use http_body_util::StreamBody;
+    use hyper::body::Frame;
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    use tokio::net::TcpListener;
+    use tokio::sync::mpsc;
+
+    use super::*;
+
+    #[test]
+    fn allowlist_is_exact() {
+        let h = "/health";
+        assert_eq!(
+            allowed_target(&Method::POST, "/v1/chat/completions", h),
+            Some("/v1/chat/completions")
+        );
+        assert_eq!(
+            allowed_target(&Method::GET, "/health", "/healthz"),
+            Some("/healthz")
+        );
+        for (m, p) in [
+            (Method::GET, "/v1/chat/completions"),
+            (Method::POST, "/v1/chat/completions/"),
+            (Method::POST, "/v1/chat/completions/../../slots"),
+            (Method::GET, "/slots"),
+            (Method::GET, "/metrics"),
+            (Method::POST, "/tokenize"),
+            (Method::DELETE, "/v1/models"),
+            (Method::GET, "/V1/models"),
+        ] {
+            assert_eq!(allowed_target(&m, p, h), None, "{m} {p}");
+        }
+    }
+
+    #[test]
+    fn headers_are_scrubbed() {
+        let mut h = HeaderMap::new();
+        for (n, v) in [
+            ("authorization", "Bearer secret"),
+            ("x-spine-node", "n1"),
+            ("x-spine-request-id", "r"),
+            ("connection", "keep-alive, x-custom-hop"),
+            ("x-custom-hop", "1"),
+            ("keep-alive", "timeout=5"),
+            ("proxy-authorization", "p"),
+            ("te", "trailers"),
+            ("trailer", "x"),
+            ("transfer-encoding", "chunked"),
+            ("upgrade", "h2c"),
+            ("host", "gateway"),
+            ("content-type", "application/json"),
+            ("x-request-id", "req-1"),
+            ("accept", "text/event-stream"),
+        ] {
+            h.append(HeaderName::from_static(n), HeaderValue::from_static(v));
+        }
+        let out = filter_headers(&h, true);
+        let mut names: Vec<&str> = out.keys().map(|k| k.as_str()).collect();
+        names.sort_unstable();
+        assert_eq!(names, vec!["accept", "content-type", "x-request-id"]);
+    }
+
+    /// A fake engine on 127.0.0.1: records request heads, streams `/v1/chat/completions` from a
+    /// channel.
+    async fn engine(chunks: mpsc::Receiver<Bytes>) -> (Uri, Arc<Mutex<Vec<(String, HeaderMap)>>>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let chunks = Arc::new(Mutex::new(Some(chunks)));
+        let seen2 = seen.clone();
+        tokio::spawn(async move {
+            loop {
+                let (tcp, _) = listener.accept().await.unwrap();
+                let seen = seen2.clone();
+                let chunks = chunks.clone();
+                let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
+                    seen.lock().unwrap().push((
+                        req.uri().path_and_query().unwrap().to_string(),
+                        req.headers().clone(),
+                    ));
+                    let rx = if req.uri().path() == "/v1/chat/completions" {
+                        chunks.lock().unwrap().take()
+                    } else {
+                        None
+                    };
+                    async move {
+                        let body = match rx {
+                            Some(rx) => {
+                                let s = futures_util::stream::unfold(rx, |mut rx| async move {
+                                    rx.recv()
+                                        .await
+                                        .map(|b| (Ok::<_, Infallible>(Frame::data(b)), rx))
+                                });
+                                StreamBody::new(s).boxed_unsync()
+                            }
+                            None => {
+                                Full::new(Bytes::from_static(b"{\"status\":\"ok\"}")).boxed_unsync()
+                            }
+                        };
+                        Ok::<_, Infallible>(Response::new(body))
+                    }
+                });
+                tokio::spawn(
+                    hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(tcp), svc),
+                );
+            }
+        });
+        (format!("http://{addr}").parse().unwrap(), seen)
+    }
+
+    /// Runs `proxy` behind a local HTTP/1 listener (hyper needs an `Incoming` body) and returns
+    /// its base URL.
+    async fn serve_proxy(proxy: EngineProxy) -> String {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            loop {
+                let (tcp, _) = listener.accept().await.unwrap();
+                let svc = hyper_util::service::TowerToHyperService::new(proxy.clone());
+                tokio::spawn(
+                    hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(tcp), svc),
+                );
+            }
+        });
+        format!("http://{addr}")
+    }
+
+    fn client() -> hyper_util::client::legacy::Client<
+        hyper_util::client::legacy::connect::HttpConnector,
+        Full<Bytes>,
+    > {
+        hyper_util::client::legacy::Client::builder(TokioExecutor::new())
+            .build(hyper_util::client::legacy::connect::HttpConnector::new())
+    }
+
+    #[tokio::test]
+    async fn forwards_allowed_paths_scrubbed_and_streams_the_response() {
+        let (tx, rx) = mpsc::channel(1);
+        let (engine_url, seen) = engine(rx).await;
+        let proxy = EngineProxy::new(crate::engine::engine_client(), engine_url, "/health");
+        let base = serve_proxy(proxy).await;
+
+        let req = Request::post(format!("{base}/v1/chat/completions?debug=1"))
+            .header("authorization", "Bearer sk-secret")
+            .header("x-spine-node", "n1")
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from_static(b"{\"model\":\"smollm2\"}")))
+            .unwrap();
+        let resp = client().request(req).await.unwrap();
+        assert_eq!(resp.status(), StatusCode::OK);
+        let mut body = resp.into_body();
+        for chunk in ["data: {\"a\":1}\n\n", "data: [DONE]\n\n"] {
+            tx.send(Bytes::from_static(chunk.as_bytes())).await.unwrap();
+            let frame = tokio::time::timeout(Duration::from_secs(5), body.frame())
+                .await
+                .unwrap()
+                .unwrap()
+                .unwrap();
+            assert_eq!(
+                frame.into_data().unwrap(),
+                Bytes::from_static(chunk.as_bytes())
+            );
+        }
+        drop(tx);
+
+        let seen = seen.lock().unwrap().clone();
+        assert_eq!(seen.len(), 1);
+        let (path, headers) = &seen[0];
+        assert_eq!(path, "/v1/chat/completions");
+        assert!(headers.get("authorization").is_none());
+        assert!(headers.get("x-spine-node").is_none());
+        assert_eq!(headers.get("content-type").unwrap(), "application/json");
+    }
+
+    #[tokio::test]
+    async fn other_paths_are_403_with_an_openai_error() {
+        let (_tx, rx) = mpsc::channel(1);
+        let (engine_url, seen) = engine(rx).await;
+        let proxy = EngineProxy::new(crate::engine::engine_client(), engine_url, "/health");
+        let base = serve_proxy(proxy).await;
+        let req = Request::get(format!("{base}/slots"))
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        let resp = client().request(req).await.unwrap();
+        assert_eq!(resp.status(), StatusCode::FORBIDDEN);
+        let body = resp.into_body().collect().await.unwrap().to_bytes();
+        let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(
+            v,
+            serde_json::json!({"error":{
+                "message":"this path is not served by the node",
+                "type":"invalid_request_error",
+                "code":"path_not_allowed"}})
+        );
+        assert!(seen.lock().unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn health_maps_to_the_engine_health_path_and_dead_engine_is_502() {
+        let (_tx, rx) = mpsc::channel(1);
+        let (engine_url, seen) = engine(rx).await;
+        let proxy = EngineProxy::new(crate::engine::engine_client(), engine_url, "/healthz");
+        let base = serve_proxy(proxy).await;
+        let req = Request::get(format!("{base}/health"))
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        let resp = client().request(req).await.unwrap();
+        assert_eq!(resp.status(), StatusCode::OK);
+        assert_eq!(seen.lock().unwrap()[0].0, "/healthz");
+
+        // nothing listens on the engine url
+        let dead = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let dead_url: Uri = format!("http://{}", dead.local_addr().unwrap())
+            .parse()
+            .unwrap();
+        drop(dead);
+        let proxy = EngineProxy::new(crate::engine::engine_client(), dead_url, "/health");
+        let base = serve_proxy(proxy).await;
+        let req = Request::get(format!("{base}/v1/models"))
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        let resp = client().request(req).await.unwrap();
+        assert_eq!(resp.status(), StatusCode::BAD_GATEWAY);
+        let body = resp.into_body().collect().await.unwrap().to_bytes();
+        let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["error"]["code"], "engine_unreachable");
+        assert_eq!(v["error"]["type"], "server_error");
+    }
+}
