@@ -66,13 +66,28 @@ async fn main() -> ExitCode {
     match res {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            error!("{e}");
+            error!("{}", Chain(&*e));
             ExitCode::FAILURE
         }
     }
 }
 
 type AnyError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Displays an error with its chain of sources, `a: b: c`, for logs.
+struct Chain<'a>(&'a (dyn std::error::Error + 'static));
+
+impl std::fmt::Display for Chain<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut source = self.0.source();
+        while let Some(e) = source {
+            write!(f, ": {e}")?;
+            source = e.source();
+        }
+        Ok(())
+    }
+}
 
 #[allow(clippy::print_stdout)] // the public key on stdout is the command's output
 fn keygen(out: &std::path::Path) -> Result<(), AnyError> {
@@ -114,9 +129,9 @@ async fn wait_for_engine(engine: &impl Engine, url: &str) {
             Err(e) => {
                 let delay = backoff.next_full();
                 if attempt == 1 {
-                    info!(%url, error = %e, "waiting for the engine to become healthy");
+                    info!(%url, error = %Chain(&e), "waiting for the engine to become healthy");
                 } else {
-                    warn!(%url, attempt, error = %e, retry_in_ms = delay.as_millis() as u64, "engine not healthy yet");
+                    warn!(%url, attempt, error = %Chain(&e), retry_in_ms = delay.as_millis() as u64, "engine not healthy yet");
                 }
                 attempt = attempt.saturating_add(1);
                 tokio::time::sleep(delay).await;

@@ -176,6 +176,21 @@ impl Backoff {
     }
 }
 
+/// Displays an error with its chain of sources, `a: b: c`, for logs.
+struct Chain<'a>(&'a (dyn std::error::Error + 'static));
+
+impl fmt::Display for Chain<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut source = self.0.source();
+        while let Some(e) = source {
+            write!(f, ": {e}")?;
+            source = e.source();
+        }
+        Ok(())
+    }
+}
+
 trait Io: AsyncRead + AsyncWrite + Unpin + Send {}
 impl<T: AsyncRead + AsyncWrite + Unpin + Send> Io for T {}
 
@@ -439,7 +454,7 @@ impl TunnelClient {
                     backoff.reset();
                     match session.serve(service.clone()).await {
                         Ok(()) => info!("tunnel closed"),
-                        Err(e) => warn!(error = %e, "tunnel ended"),
+                        Err(e) => warn!(error = %Chain(&e), "tunnel ended"),
                     }
                     backoff.next_jittered()
                 }
@@ -454,7 +469,7 @@ impl TunnelClient {
                 }
                 Err(e) => {
                     let delay = backoff.next_jittered();
-                    warn!(error = %e, retry_in_ms = delay.as_millis() as u64, "tunnel connect failed");
+                    warn!(error = %Chain(&e), retry_in_ms = delay.as_millis() as u64, "tunnel connect failed");
                     delay
                 }
             };
