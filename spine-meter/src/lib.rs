@@ -4,6 +4,7 @@
 pub mod gguf;
 pub mod inject;
 pub mod ledger;
+pub mod meter;
 pub mod price;
 pub mod sse;
 pub mod tokenizer;

@@ -1,0 +1,588 @@
+use std::collections::{BTreeMap, VecDeque};
+use std::fmt;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use bytes::{Bytes, BytesMut};
+use http_body::{Body, Frame, SizeHint};
+use indexmap::IndexMap;
+use serde_json::value::RawValue;
+use serde_json::Value;
+use spine_core::{BoxError, StreamOutcome, Usage};
+
+use super::settle::SettleCtx;
+use crate::sse::{SseEvent, SseParser};
+
+type JsonMap = IndexMap<String, Box<RawValue>>;
+
+/// The error event sent when the node's stream ends before every choice finished.
+const TRUNCATED_EVENT: &[u8] = b"data: {\"error\":{\"message\":\"the upstream stream ended before the response was complete\",\"type\":\"upstream_error\",\"code\":\"upstream_failed\"}}\n\n";
+const DONE_EVENT: &[u8] = b"data: [DONE]\n\n";
+
+pin_project_lite::pin_project! {
+    /// A response body that meters what it forwards.
+    ///
+    /// **Streamed** (`text/event-stream`): parses SSE incrementally and forwards each complete
+    /// event as its own frame as soon as it is complete. Events are forwarded byte for byte
+    /// unless they must change: a `usage` member on a content chunk is removed, a usage-only
+    /// chunk (`choices` empty or absent) is withheld, events with fields other than `data`
+    /// (comments, `id:`, `retry:`, `event:`) are re-encoded as plain `data:` lines, comments and
+    /// data-less events are dropped. The node's latest non-null `usage` is kept as its claim
+    /// (never summed). When the client asked for usage (`stream_options.include_usage`), exactly
+    /// one usage chunk carrying the BILLED counts is sent just before `[DONE]`. A stream whose
+    /// choices all finished gets a `[DONE]` even when the node did not send one; a stream that
+    /// ends early gets an OpenAI-shaped error event instead.
+    ///
+    /// **Non-streamed**: buffers the JSON (up to the configured limit), counts
+    /// `choices[].message.content` (or `choices[].text`) and rewrites `usage` to the billed
+    /// counts.
+    ///
+    /// # End of stream
+    ///
+    /// The settlement hook fires exactly once for every ending: the node's end of stream
+    /// (`[DONE]`, end of body, or `is_end_stream()` after a data frame), a body error, or drop
+    /// before the end (the client went away: `client_cancelled`, the caller pays the prompt plus
+    /// the completion tokens delivered, without EOS). A stream with an error event, or whose
+    /// choices did not all get a `finish_reason`, settles `upstream_failed`. A completed stream
+    /// bills the independent prompt count plus, per choice, the delivered text's tokens plus one
+    /// EOS for `finish_reason == "stop"`.
+    pub struct MeterBody<B> {
+        #[pin]
+        inner: B,
+        state: State,
+    }
+}
+
+#[derive(Debug, Default)]
+struct Choice {
+    delivered: String,
+    finish_reason: Option<String>,
+}
+
+enum Mode {
+    Stream {
+        parser: SseParser,
+        include_usage: bool,
+        usage_template: Option<JsonMap>,
+        meta: JsonMap,
+        done_raw: Option<Bytes>,
+    },
+    Buffered {
+        buf: BytesMut,
+        limit_bytes: usize,
+    },
+}
+
+struct Out {
+    bytes: Bytes,
+    text: Vec<(u64, String)>,
+}
+
+struct State {
+    mode: Mode,
+    ctx: Option<SettleCtx>,
+    choices: BTreeMap<u64, Choice>,
+    claimed: Option<Usage>,
+    error_seen: bool,
+    upstream_done: bool,
+    queue: VecDeque<Out>,
+    scratch: Vec<SseEvent>,
+}
+
+impl fmt::Debug for State {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MeterBodyState")
+            .field("ctx", &self.ctx)
+            .field("choices", &self.choices)
+            .field("claimed", &self.claimed)
+            .field("error_seen", &self.error_seen)
+            .field("upstream_done", &self.upstream_done)
+            .field("queued", &self.queue.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<B: fmt::Debug> fmt::Debug for MeterBody<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MeterBody")
+            .field("inner", &self.inner)
+            .field("state", &self.state)
+            .finish()
+    }
+}
+
+impl Drop for State {
+    fn drop(&mut self) {
+        // the body went away before the end: the client left
+        if let Some(ctx) = self.ctx.take() {
+            let completion_tokens = self
+                .choices
+                .values()
+                .map(|c| ctx.tokenizer.count_text(&c.delivered))
+                .sum();
+            let billed = Usage {
+                prompt_tokens: ctx.prompt_tokens,
+                completion_tokens,
+            };
+            let outcome = if self.error_seen {
+                StreamOutcome::UpstreamFailed
+            } else {
+                StreamOutcome::ClientCancelled
+            };
+            ctx.settle(outcome, billed, self.claimed);
+        }
+    }
+}
+
+impl<B> MeterBody<B> {
+    pub(crate) fn streaming(inner: B, ctx: SettleCtx, include_usage: bool) -> Self {
+        Self::new(
+            inner,
+            ctx,
+            Mode::Stream {
+                parser: SseParser::new(),
+                include_usage,
+                usage_template: None,
+                meta: JsonMap::new(),
+                done_raw: None,
+            },
+        )
+    }
+
+    pub(crate) fn buffered(inner: B, ctx: SettleCtx, limit_bytes: usize) -> Self {
+        Self::new(
+            inner,
+            ctx,
+            Mode::Buffered {
+                buf: BytesMut::new(),
+                limit_bytes,
+            },
+        )
+    }
+
+    fn new(inner: B, ctx: SettleCtx, mode: Mode) -> Self {
+        Self {
+            inner,
+            state: State {
+                mode,
+                ctx: Some(ctx),
+                choices: BTreeMap::new(),
+                claimed: None,
+                error_seen: false,
+                upstream_done: false,
+                queue: VecDeque::new(),
+                scratch: Vec::new(),
+            },
+        }
+    }
+}
+
+fn usage_claim(raw: &RawValue) -> Option<Usage> {
+    let v: Value = serde_json::from_str(raw.get()).ok()?;
+    let obj = v.as_object()?;
+    Some(Usage {
+        prompt_tokens: obj.get("prompt_tokens").and_then(Value::as_u64).unwrap_or(0),
+        completion_tokens: obj
+            .get("completion_tokens")
+            .and_then(Value::as_u64)
+            .unwrap_or(0),
+    })
+}
+
+fn usage_json(u: &Usage) -> Box<RawValue> {
+    let s = format!(
+        "{{\"prompt_tokens\":{},\"completion_tokens\":{},\"total_tokens\":{}}}",
+        u.prompt_tokens,
+        u.completion_tokens,
+        u.total_tokens()
+    );
+    RawValue::from_string(s).unwrap_or_else(|_| empty_object())
+}
+
+fn empty_object() -> Box<RawValue> {
+    serde_json::from_str("{}").unwrap_or_else(|_| Box::<RawValue>::default())
+}
+
+fn encode_event(data: &str) -> Bytes {
+    let mut out = Vec::with_capacity(data.len() + 8);
+    for line in data.split('\n') {
+        out.extend_from_slice(b"data: ");
+        out.extend_from_slice(line.as_bytes());
+        out.push(b'\n');
+    }
+    out.push(b'\n');
+    Bytes::from(out)
+}
+
+fn encode_map(map: &JsonMap) -> Option<Bytes> {
+    serde_json::to_string(map).ok().map(|s| encode_event(&s))
+}
+
+/// `(index, content, finish_reason)` of each choice in a chunk or completion.
+fn read_choices(raw: &RawValue) -> Vec<(u64, Option<String>, Option<String>)> {
+    let Ok(Value::Array(choices)) = serde_json::from_str::<Value>(raw.get()) else {
+        return Vec::new();
+    };
+    choices
+        .iter()
+        .map(|c| {
+            let index = c.get("index").and_then(Value::as_u64).unwrap_or(0);
+            let content = c
+                .get("delta")
+                .or_else(|| c.get("message"))
+                .and_then(|d| d.get("content"))
+                .or_else(|| c.get("text"))
+                .and_then(Value::as_str)
+                .map(str::to_owned);
+            let finish = c
+                .get("finish_reason")
+                .and_then(Value::as_str)
+                .map(str::to_owned);
+            (index, content, finish)
+        })
+        .collect()
+}
+
+impl State {
+    fn is_null(raw: Option<&RawValue>) -> bool {
+        raw.is_none_or(|r| r.get().trim() == "null")
+    }
+
+    /// One event from the node.
+    fn on_event(&mut self, ev: &SseEvent) {
+        if self.upstream_done {
+            return;
+        }
+        let Mode::Stream {
+            usage_template,
+            meta,
+            done_raw,
+            ..
+        } = &mut self.mode
+        else {
+            return;
+        };
+        if ev.data().trim() == "[DONE]" {
+            *done_raw = Some(if ev.is_data_only() {
+                ev.raw().clone()
+            } else {
+                Bytes::from_static(DONE_EVENT)
+            });
+            self.upstream_done = true;
+            return;
+        }
+        let untouched = || {
+            if ev.is_data_only() {
+                ev.raw().clone()
+            } else {
+                encode_event(ev.data())
+            }
+        };
+        let Ok(mut map) = serde_json::from_str::<JsonMap>(ev.data()) else {
+            // not a JSON object: forwarded, never counted
+            self.queue.push_back(Out {
+                bytes: untouched(),
+                text: Vec::new(),
+            });
+            return;
+        };
+        if !Self::is_null(map.get("error").map(|b| &**b)) {
+            self.error_seen = true;
+        }
+        for key in ["id", "object", "created", "model", "system_fingerprint"] {
+            if let Some(v) = map.get(key) {
+                meta.insert(key.to_owned(), v.clone());
+            }
+        }
+        let choices = map.get("choices").map(|c| read_choices(c)).unwrap_or_default();
+        let mut text = Vec::new();
+        for (index, content, finish) in choices.iter().cloned() {
+            let choice = self.choices.entry(index).or_default();
+            if let Some(f) = finish {
+                choice.finish_reason = Some(f);
+            }
+            if let Some(c) = content.filter(|c| !c.is_empty()) {
+                text.push((index, c));
+            }
+        }
+        let has_usage = !Self::is_null(map.get("usage").map(|b| &**b));
+        if has_usage {
+            if let Some(claim) = map.get("usage").and_then(|u| usage_claim(u)) {
+                self.claimed = Some(claim);
+            }
+            if choices.is_empty() && !map.contains_key("error") {
+                // usage-only chunk: withheld; the billed one goes out at the end if asked
+                *usage_template = Some(map);
+                return;
+            }
+            map.shift_remove("usage");
+            let bytes = encode_map(&map).unwrap_or_else(untouched);
+            self.queue.push_back(Out { bytes, text });
+            return;
+        }
+        self.queue.push_back(Out {
+            bytes: untouched(),
+            text,
+        });
+    }
+
+    fn billed(&self, ctx: &SettleCtx, with_eos: bool) -> Usage {
+        let completion_tokens = self
+            .choices
+            .values()
+            .map(|c| {
+                if with_eos {
+                    ctx.tokenizer
+                        .completion_tokens(&c.delivered, c.finish_reason.as_deref())
+                } else {
+                    ctx.tokenizer.count_text(&c.delivered)
+                }
+            })
+            .sum();
+        Usage {
+            prompt_tokens: ctx.prompt_tokens,
+            completion_tokens,
+        }
+    }
+
+    /// The node's stream ended (every queued event already delivered): decide, queue the tail,
+    /// settle.
+    fn finish_stream(&mut self) {
+        let Some(ctx) = self.ctx.take() else {
+            return;
+        };
+        let completed = !self.error_seen
+            && !self.choices.is_empty()
+            && self.choices.values().all(|c| c.finish_reason.is_some());
+        let billed = self.billed(&ctx, completed);
+        let Mode::Stream {
+            include_usage,
+            usage_template,
+            meta,
+            done_raw,
+            ..
+        } = &mut self.mode
+        else {
+            return;
+        };
+        if completed {
+            if *include_usage {
+                let mut chunk = usage_template.take().unwrap_or_else(|| {
+                    let mut m = meta.clone();
+                    if let Ok(empty) = RawValue::from_string("[]".to_owned()) {
+                        m.insert("choices".to_owned(), empty);
+                    }
+                    m
+                });
+                chunk.insert("usage".to_owned(), usage_json(&billed));
+                if let Some(bytes) = encode_map(&chunk) {
+                    self.queue.push_back(Out {
+                        bytes,
+                        text: Vec::new(),
+                    });
+                }
+            }
+            self.queue.push_back(Out {
+                bytes: done_raw
+                    .take()
+                    .unwrap_or_else(|| Bytes::from_static(DONE_EVENT)),
+                text: Vec::new(),
+            });
+            ctx.settle(StreamOutcome::Completed, billed, self.claimed);
+        } else {
+            if !self.error_seen {
+                self.queue.push_back(Out {
+                    bytes: Bytes::from_static(TRUNCATED_EVENT),
+                    text: Vec::new(),
+                });
+            }
+            ctx.settle(StreamOutcome::UpstreamFailed, billed, self.claimed);
+        }
+    }
+
+    /// The node's non-streamed body is complete.
+    fn finish_buffered(&mut self) {
+        let Some(ctx) = self.ctx.take() else {
+            return;
+        };
+        let Mode::Buffered { buf, .. } = &mut self.mode else {
+            return;
+        };
+        let body = buf.split().freeze();
+        let Ok(mut map) = serde_json::from_slice::<JsonMap>(&body) else {
+            self.queue.push_back(Out {
+                bytes: body,
+                text: Vec::new(),
+            });
+            let billed = self.billed(&ctx, false);
+            ctx.settle(StreamOutcome::UpstreamFailed, billed, None);
+            return;
+        };
+        if let Some(claim) = map.get("usage").and_then(|u| usage_claim(u)) {
+            self.claimed = Some(claim);
+        }
+        let choices = map.get("choices").map(|c| read_choices(c)).unwrap_or_default();
+        for (index, content, finish) in choices {
+            let choice = self.choices.entry(index).or_default();
+            choice.finish_reason = finish;
+            choice.delivered.push_str(content.as_deref().unwrap_or(""));
+        }
+        let completed = !Self::is_null(map.get("error").map(|b| &**b))
+            || self.choices.is_empty()
+            || self.choices.values().any(|c| c.finish_reason.is_none());
+        let completed = !completed;
+        let billed = self.billed(&ctx, completed);
+        if completed {
+            map.insert("usage".to_owned(), usage_json(&billed));
+            let bytes = serde_json::to_vec(&map).map(Bytes::from).unwrap_or(body);
+            self.queue.push_back(Out {
+                bytes,
+                text: Vec::new(),
+            });
+            ctx.settle(StreamOutcome::Completed, billed, self.claimed);
+        } else {
+            self.queue.push_back(Out {
+                bytes: body,
+                text: Vec::new(),
+            });
+            ctx.settle(StreamOutcome::UpstreamFailed, billed, self.claimed);
+        }
+    }
+
+    fn on_data(&mut self, data: &[u8]) {
+        match &mut self.mode {
+            Mode::Stream { parser, .. } => {
+                let mut events = std::mem::take(&mut self.scratch);
+                let res = parser.feed(data, &mut events);
+                for ev in &events {
+                    self.on_event(ev);
+                }
+                events.clear();
+                self.scratch = events;
+                if let Err(e) = res {
+                    tracing::warn!(error = %e, "node stream is not valid sse");
+                    self.on_upstream_error();
+                }
+            }
+            Mode::Buffered { buf, limit_bytes } => {
+                if buf.len() + data.len() > *limit_bytes {
+                    tracing::warn!(limit_bytes = *limit_bytes, "node response body over the limit");
+                    self.on_upstream_error();
+                } else {
+                    buf.extend_from_slice(data);
+                }
+            }
+        }
+    }
+
+    /// The node's body failed or broke the rules: upstream_failed, the client gets an error.
+    fn on_upstream_error(&mut self) {
+        self.upstream_done = true;
+        self.error_seen = true;
+        if let Some(ctx) = self.ctx.take() {
+            let billed = self.billed(&ctx, false);
+            let claimed = self.claimed;
+            ctx.settle(StreamOutcome::UpstreamFailed, billed, claimed);
+        }
+        let bytes = match self.mode {
+            Mode::Stream { .. } => Bytes::from_static(TRUNCATED_EVENT),
+            Mode::Buffered { .. } => Bytes::from_static(
+                b"{\"error\":{\"message\":\"the upstream response was invalid\",\"type\":\"upstream_error\",\"code\":\"upstream_failed\"}}",
+            ),
+        };
+        self.queue.push_back(Out {
+            bytes,
+            text: Vec::new(),
+        });
+    }
+
+    fn on_eof(&mut self) {
+        if let Mode::Stream { parser, .. } = &mut self.mode {
+            let mut events = Vec::new();
+            let res = parser.finish(&mut events);
+            for ev in &events {
+                self.on_event(ev);
+            }
+            if res.is_err() {
+                self.on_upstream_error();
+                return;
+            }
+        }
+        self.upstream_done = true;
+    }
+
+    fn deliver(&mut self, out: Out) -> Bytes {
+        for (index, text) in out.text {
+            self.choices.entry(index).or_default().delivered.push_str(&text);
+        }
+        out.bytes
+    }
+
+    fn ended(&self) -> bool {
+        self.ctx.is_none() && self.queue.is_empty()
+    }
+}
+
+impl<B> Body for MeterBody<B>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let mut this = self.project();
+        let state: &mut State = this.state;
+        loop {
+            if let Some(out) = state.queue.pop_front() {
+                let bytes = state.deliver(out);
+                return Poll::Ready(Some(Ok(Frame::data(bytes))));
+            }
+            if state.ctx.is_none() {
+                return Poll::Ready(None);
+            }
+            if state.upstream_done {
+                match state.mode {
+                    Mode::Stream { .. } => state.finish_stream(),
+                    Mode::Buffered { .. } => state.finish_buffered(),
+                }
+                continue;
+            }
+            match this.inner.as_mut().poll_frame(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(None) => state.on_eof(),
+                Poll::Ready(Some(Err(e))) => {
+                    let e: BoxError = e.into();
+                    tracing::warn!(error = %e, "node body failed");
+                    state.on_upstream_error();
+                }
+                Poll::Ready(Some(Ok(frame))) => {
+                    if let Ok(data) = frame.into_data() {
+                        state.on_data(&data);
+                    }
+                    // hyper may never poll again after an exact Content-Length
+                    if !state.upstream_done && this.inner.is_end_stream() {
+                        state.on_eof();
+                    }
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.state.ended()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        if self.state.ctx.is_none() {
+            let n: usize = self.state.queue.iter().map(|o| o.bytes.len()).sum();
+            SizeHint::with_exact(n as u64)
+        } else {
+            SizeHint::default()
+        }
+    }
+}

@@ -1,0 +1,33 @@
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use spine_core::{BoxBody, BoxError};
+
+type Inner = Pin<Box<dyn Future<Output = Result<http::Response<BoxBody>, BoxError>> + Send>>;
+
+/// The response future of [`Meter`](super::Meter): buffers and counts the request, places the
+/// hold, calls the inner service and wraps its response.
+///
+/// # Cancel safety
+///
+/// Dropped after the hold is placed but before the inner service answered, the hold is released
+/// and a `rejected` record is written, on a spawned task.
+pub struct ResponseFuture {
+    pub(super) inner: Inner,
+}
+
+impl fmt::Debug for ResponseFuture {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ResponseFuture").finish_non_exhaustive()
+    }
+}
+
+impl Future for ResponseFuture {
+    type Output = Result<http::Response<BoxBody>, BoxError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        self.inner.as_mut().poll(cx)
+    }
+}

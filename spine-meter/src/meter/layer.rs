@@ -1,0 +1,123 @@
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::Arc;
+
+use spine_core::ModelId;
+use tower::Layer;
+
+use super::{Meter, MeterEvents};
+use crate::{Ledger, ModelTokenizer, Price};
+
+/// One model the gateway meters.
+#[derive(Clone, Debug)]
+pub struct CatalogEntry {
+    /// The model's tokenizer and chat template.
+    pub tokenizer: Arc<ModelTokenizer>,
+    /// Its price.
+    pub price: Price,
+    /// The context window used for holds when `max_tokens` is absent, tokens.
+    pub max_context_tokens: u64,
+}
+
+/// Models by the id callers use.
+pub type Catalog = HashMap<ModelId, CatalogEntry>;
+
+/// Everything the metering layer needs. Built by [`MeterLayer`]'s setters.
+#[derive(Clone)]
+pub struct MeterConfig {
+    pub(crate) ledger: Arc<dyn Ledger>,
+    pub(crate) catalog: Arc<Catalog>,
+    pub(crate) events: Arc<dyn MeterEvents>,
+    /// The operator's share of each debit, basis points. Default 7 000 (70 %).
+    pub operator_share_bps: u16,
+    /// Largest request body buffered, bytes. Default 4 MiB.
+    pub max_request_body_bytes: usize,
+    /// Largest non-streamed response body buffered, bytes. Default 16 MiB.
+    pub max_response_body_bytes: usize,
+    /// Absolute discrepancy tolerance, tokens. Default 2.
+    pub discrepancy_tolerance_tokens: u64,
+    /// Relative discrepancy tolerance, basis points of the billed count. Default 200 (2 %).
+    pub discrepancy_tolerance_bps: u16,
+}
+
+impl fmt::Debug for MeterConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MeterConfig")
+            .field("ledger", &self.ledger)
+            .field("models", &self.catalog.keys().collect::<Vec<_>>())
+            .field("operator_share_bps", &self.operator_share_bps)
+            .field("max_request_body_bytes", &self.max_request_body_bytes)
+            .field("max_response_body_bytes", &self.max_response_body_bytes)
+            .field("discrepancy_tolerance_tokens", &self.discrepancy_tolerance_tokens)
+            .field("discrepancy_tolerance_bps", &self.discrepancy_tolerance_bps)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Applies [`Meter`] to a service. See the [module docs](super).
+#[derive(Clone, Debug)]
+pub struct MeterLayer {
+    config: MeterConfig,
+}
+
+impl MeterLayer {
+    /// A layer over `ledger` and `catalog` with the documented defaults.
+    pub fn new(ledger: Arc<dyn Ledger>, catalog: Catalog) -> Self {
+        Self {
+            config: MeterConfig {
+                ledger,
+                catalog: Arc::new(catalog),
+                events: Arc::new(()),
+                operator_share_bps: 7_000,
+                max_request_body_bytes: 4 * 1024 * 1024,
+                max_response_body_bytes: 16 * 1024 * 1024,
+                discrepancy_tolerance_tokens: 2,
+                discrepancy_tolerance_bps: 200,
+            },
+        }
+    }
+
+    /// Sets the operator's share, basis points (clamped to 10 000).
+    pub fn operator_share_bps(mut self, bps: u16) -> Self {
+        self.config.operator_share_bps = bps.min(10_000);
+        self
+    }
+
+    /// Sets the request body limit, bytes.
+    pub fn max_request_body_bytes(mut self, limit: usize) -> Self {
+        self.config.max_request_body_bytes = limit;
+        self
+    }
+
+    /// Sets the non-streamed response body limit, bytes.
+    pub fn max_response_body_bytes(mut self, limit: usize) -> Self {
+        self.config.max_response_body_bytes = limit;
+        self
+    }
+
+    /// Sets the discrepancy tolerance: absolute tokens and basis points of the billed count.
+    pub fn discrepancy_tolerance(mut self, tokens: u64, bps: u16) -> Self {
+        self.config.discrepancy_tolerance_tokens = tokens;
+        self.config.discrepancy_tolerance_bps = bps;
+        self
+    }
+
+    /// Sets the event hooks.
+    pub fn events(mut self, events: Arc<dyn MeterEvents>) -> Self {
+        self.config.events = events;
+        self
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &MeterConfig {
+        &self.config
+    }
+}
+
+impl<S> Layer<S> for MeterLayer {
+    type Service = Meter<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Meter::new(inner, self.config.clone())
+    }
+}

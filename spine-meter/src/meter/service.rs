@@ -1,0 +1,231 @@
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use http_body_util::{BodyExt, Full, Limited};
+use spine_core::{AccountId, BoxBody, BoxError, NodeId, RequestId, RequestPeek, StreamOutcome, Usage};
+use tower::Service;
+
+use super::body::MeterBody;
+use super::settle::SettleCtx;
+use super::{MeterConfig, MeterError, ResponseFuture};
+use crate::{inject_include_usage, LedgerError};
+
+/// The metering middleware. See the [module docs](super).
+#[derive(Clone, Debug)]
+pub struct Meter<S> {
+    inner: S,
+    config: MeterConfig,
+}
+
+impl<S> Meter<S> {
+    /// Wraps `inner`.
+    pub fn new(inner: S, config: MeterConfig) -> Self {
+        Self { inner, config }
+    }
+
+    /// The inner service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The inner service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// Unwraps the inner service.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+}
+
+/// Settles `rejected` if dropped armed: the request never reached a node (or the caller left
+/// before it did).
+struct RejectGuard(Option<SettleCtx>);
+
+impl Drop for RejectGuard {
+    fn drop(&mut self) {
+        if let Some(ctx) = self.0.take() {
+            let prompt_tokens = ctx.prompt_tokens;
+            ctx.settle(
+                StreamOutcome::Rejected,
+                Usage {
+                    prompt_tokens,
+                    completion_tokens: 0,
+                },
+                None,
+            );
+        }
+    }
+}
+
+impl<S> Service<http::Request<BoxBody>> for Meter<S>
+where
+    S: Service<http::Request<BoxBody>, Response = http::Response<BoxBody>, Error = BoxError>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+{
+    type Response = http::Response<BoxBody>;
+    type Error = BoxError;
+    type Future = ResponseFuture;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: http::Request<BoxBody>) -> Self::Future {
+        // the ready service goes into the future; a fresh clone stays behind (tower's pattern)
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        let config = self.config.clone();
+        ResponseFuture {
+            inner: Box::pin(call(inner, config, req)),
+        }
+    }
+}
+
+async fn call<S>(
+    mut inner: S,
+    config: MeterConfig,
+    req: http::Request<BoxBody>,
+) -> Result<http::Response<BoxBody>, BoxError>
+where
+    S: Service<http::Request<BoxBody>, Response = http::Response<BoxBody>, Error = BoxError>,
+    S::Future: Send + 'static,
+{
+    let request_id = req
+        .extensions()
+        .get::<RequestId>()
+        .cloned()
+        .ok_or(MeterError::MissingExtension("RequestId"))?;
+    let account = req
+        .extensions()
+        .get::<AccountId>()
+        .cloned()
+        .ok_or(MeterError::MissingExtension("AccountId"))?;
+    let (mut parts, body) = req.into_parts();
+    let limit = config.max_request_body_bytes;
+    let bytes = collect_limited(body, limit).await?;
+    let peek = RequestPeek::from_json(&bytes).map_err(MeterError::BadRequest)?;
+    let entry = config
+        .catalog
+        .get(&peek.model)
+        .ok_or_else(|| MeterError::UnknownModel(peek.model.clone()))?
+        .clone();
+    let json: serde_json::Value = serde_json::from_slice(&bytes)
+        .map_err(|e| MeterError::BadRequest(spine_core::PeekError::NotJson(e.to_string())))?;
+    let prompt_tokens = entry
+        .tokenizer
+        .count_prompt(&json)
+        .map_err(MeterError::Prompt)?;
+    let room = entry.max_context_tokens.saturating_sub(prompt_tokens);
+    let per_choice = peek.max_tokens.map_or(room, |m| m.min(room));
+    let worst = Usage {
+        prompt_tokens,
+        completion_tokens: per_choice.saturating_mul(u64::from(peek.n)),
+    };
+    let hold_micros = entry.price.cost_micros(&worst);
+    let body = if peek.stream {
+        inject_include_usage(&bytes).map_err(MeterError::Inject)?
+    } else {
+        bytes
+    };
+    config
+        .ledger
+        .hold(request_id.clone(), account.clone(), hold_micros)
+        .await
+        .map_err(|e| match e {
+            LedgerError::InsufficientCredit {
+                available_micros,
+                needed_micros,
+            } => MeterError::InsufficientCredit {
+                available_micros,
+                needed_micros,
+            },
+            other => MeterError::Ledger(other),
+        })?;
+    let mut guard = RejectGuard(Some(SettleCtx {
+        ledger: config.ledger.clone(),
+        events: config.events.clone(),
+        runtime: tokio::runtime::Handle::current(),
+        request_id,
+        account,
+        model: peek.model.clone(),
+        node: None,
+        tokenizer: entry.tokenizer.clone(),
+        price: entry.price,
+        share_bps: config.operator_share_bps,
+        prompt_tokens,
+        tolerance_tokens: config.discrepancy_tolerance_tokens,
+        tolerance_bps: config.discrepancy_tolerance_bps,
+    }));
+
+    parts.headers.remove(http::header::CONTENT_LENGTH);
+    parts.headers.insert(
+        http::header::CONTENT_LENGTH,
+        http::HeaderValue::from(body.len()),
+    );
+    let include_usage = peek.include_usage;
+    parts.extensions.insert(peek);
+    let req = http::Request::from_parts(parts, BoxBody::new(Full::new(body).map_err(|never| match never {})));
+
+    // an inner error drops the guard: rejected, hold released
+    // boxed here, where `S::Future: Send` is known for the concrete body type (works around
+    // rustc's higher-ranked lifetime check on `dyn Error` inside async fns)
+    let fut: Pin<Box<dyn Future<Output = Result<http::Response<BoxBody>, BoxError>> + Send>> =
+        Box::pin(inner.call(req));
+    let resp = match fut.await {
+        Ok(resp) => resp,
+        Err(e) => return Err(e),
+    };
+    let Some(mut ctx) = guard.0.take() else {
+        return Err(MeterError::MissingExtension("settlement context").into());
+    };
+    ctx.node = resp.extensions().get::<NodeId>().cloned();
+    if !resp.status().is_success() {
+        let prompt_tokens = ctx.prompt_tokens;
+        ctx.settle(
+            StreamOutcome::UpstreamFailed,
+            Usage {
+                prompt_tokens,
+                completion_tokens: 0,
+            },
+            None,
+        );
+        return Ok(resp);
+    }
+    let streaming = resp
+        .headers()
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.trim_start().starts_with("text/event-stream"));
+    let (mut parts, body) = resp.into_parts();
+    parts.headers.remove(http::header::CONTENT_LENGTH);
+    let body = if streaming {
+        MeterBody::streaming(body, ctx, include_usage)
+    } else {
+        MeterBody::buffered(body, ctx, config.max_response_body_bytes)
+    };
+    Ok(http::Response::from_parts(parts, BoxBody::new(body)))
+}
+
+
+type BytesFuture = Pin<Box<dyn Future<Output = Result<bytes::Bytes, MeterError>> + Send>>;
+
+/// Buffers a request body up to `limit` bytes. A plain function returning a boxed future: the
+/// `Into<BoxError>` bound of `Limited` trips rustc's higher-ranked check inside an async fn.
+fn collect_limited(body: BoxBody, limit: usize) -> BytesFuture {
+    let mut collect = Box::pin(Limited::new(body, limit).collect());
+    Box::pin(std::future::poll_fn(move |cx| {
+        collect.as_mut().poll(cx).map(|r| match r {
+            Ok(c) => Ok(c.to_bytes()),
+            Err(e) if e.is::<http_body_util::LengthLimitError>() => {
+                Err(MeterError::BodyTooLarge { limit_bytes: limit })
+            }
+            Err(e) => Err(MeterError::Body(e)),
+        })
+    }))
+}
