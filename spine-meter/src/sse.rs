@@ -325,7 +325,7 @@ pub fn parse_all(input: &[u8]) -> Result<Vec<SseEvent>, SseError> {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
     use super::*;
 
     fn datas(events: &[SseEvent]) -> Vec<&str> {

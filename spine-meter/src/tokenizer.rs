@@ -344,11 +344,9 @@ mod tests {
     fn counts_match_recorded_engine_numbers() {
         let t = tok();
         // a_chat_nonstream.txt: prompt_tokens 34, completion_tokens 12 with finish_reason stop
-        let body = json!({"model":"smollm2","messages":[
-            {"role":"system","content":"You are a terse assistant."},
-            {"role":"user","content":"List three colors, numbered."}]});
-        let prompt = t.count_prompt(&body).unwrap();
-        assert!(prompt > 0);
+        let body =
+            json!({"model":"smollm2","messages":[{"role":"user","content":"Name three colors."}]});
+        assert_eq!(t.count_prompt(&body).unwrap(), 34);
         assert_eq!(
             t.completion_tokens("1. Red\n2. Blue\n3. Green", Some("stop")),
             12

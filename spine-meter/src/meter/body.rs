@@ -61,7 +61,7 @@ struct Choice {
 
 enum Mode {
     Stream {
-        parser: SseParser,
+        parser: Box<SseParser>,
         include_usage: bool,
         usage_template: Option<JsonMap>,
         meta: JsonMap,
@@ -140,7 +140,7 @@ impl<B> MeterBody<B> {
             inner,
             ctx,
             Mode::Stream {
-                parser: SseParser::new(),
+                parser: Box::new(SseParser::new()),
                 include_usage,
                 usage_template: None,
                 meta: JsonMap::new(),
@@ -181,7 +181,10 @@ fn usage_claim(raw: &RawValue) -> Option<Usage> {
     let v: Value = serde_json::from_str(raw.get()).ok()?;
     let obj = v.as_object()?;
     Some(Usage {
-        prompt_tokens: obj.get("prompt_tokens").and_then(Value::as_u64).unwrap_or(0),
+        prompt_tokens: obj
+            .get("prompt_tokens")
+            .and_then(Value::as_u64)
+            .unwrap_or(0),
         completion_tokens: obj
             .get("completion_tokens")
             .and_then(Value::as_u64)
@@ -294,7 +297,10 @@ impl State {
                 meta.insert(key.to_owned(), v.clone());
             }
         }
-        let choices = map.get("choices").map(|c| read_choices(c)).unwrap_or_default();
+        let choices = map
+            .get("choices")
+            .map(|c| read_choices(c))
+            .unwrap_or_default();
         let mut text = Vec::new();
         for (index, content, finish) in choices.iter().cloned() {
             let choice = self.choices.entry(index).or_default();
@@ -421,7 +427,10 @@ impl State {
         if let Some(claim) = map.get("usage").and_then(|u| usage_claim(u)) {
             self.claimed = Some(claim);
         }
-        let choices = map.get("choices").map(|c| read_choices(c)).unwrap_or_default();
+        let choices = map
+            .get("choices")
+            .map(|c| read_choices(c))
+            .unwrap_or_default();
         for (index, content, finish) in choices {
             let choice = self.choices.entry(index).or_default();
             choice.finish_reason = finish;
@@ -466,7 +475,10 @@ impl State {
             }
             Mode::Buffered { buf, limit_bytes } => {
                 if buf.len() + data.len() > *limit_bytes {
-                    tracing::warn!(limit_bytes = *limit_bytes, "node response body over the limit");
+                    tracing::warn!(
+                        limit_bytes = *limit_bytes,
+                        "node response body over the limit"
+                    );
                     self.on_upstream_error();
                 } else {
                     buf.extend_from_slice(data);
@@ -513,7 +525,11 @@ impl State {
 
     fn deliver(&mut self, out: Out) -> Bytes {
         for (index, text) in out.text {
-            self.choices.entry(index).or_default().delivered.push_str(&text);
+            self.choices
+                .entry(index)
+                .or_default()
+                .delivered
+                .push_str(&text);
         }
         out.bytes
     }

@@ -48,7 +48,10 @@ impl fmt::Debug for MeterConfig {
             .field("operator_share_bps", &self.operator_share_bps)
             .field("max_request_body_bytes", &self.max_request_body_bytes)
             .field("max_response_body_bytes", &self.max_response_body_bytes)
-            .field("discrepancy_tolerance_tokens", &self.discrepancy_tolerance_tokens)
+            .field(
+                "discrepancy_tolerance_tokens",
+                &self.discrepancy_tolerance_tokens,
+            )
             .field("discrepancy_tolerance_bps", &self.discrepancy_tolerance_bps)
             .finish_non_exhaustive()
     }

@@ -3,7 +3,9 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use http_body_util::{BodyExt, Full, Limited};
-use spine_core::{AccountId, BoxBody, BoxError, NodeId, RequestId, RequestPeek, StreamOutcome, Usage};
+use spine_core::{
+    AccountId, BoxBody, BoxError, NodeId, RequestId, RequestPeek, StreamOutcome, Usage,
+};
 use tower::Service;
 
 use super::body::MeterBody;
@@ -170,7 +172,10 @@ where
     );
     let include_usage = peek.include_usage;
     parts.extensions.insert(peek);
-    let req = http::Request::from_parts(parts, BoxBody::new(Full::new(body).map_err(|never| match never {})));
+    let req = http::Request::from_parts(
+        parts,
+        BoxBody::new(Full::new(body).map_err(|never| match never {})),
+    );
 
     // an inner error drops the guard: rejected, hold released
     // boxed here, where `S::Future: Send` is known for the concrete body type (works around
@@ -211,7 +216,6 @@ where
     };
     Ok(http::Response::from_parts(parts, BoxBody::new(body)))
 }
-
 
 type BytesFuture = Pin<Box<dyn Future<Output = Result<bytes::Bytes, MeterError>> + Send>>;
 

@@ -47,13 +47,17 @@ impl SettleCtx {
     pub(crate) fn settle(self, outcome: StreamOutcome, billed: Usage, claimed: Option<Usage>) {
         let discrepancy = outcome == StreamOutcome::Completed
             && claimed.is_some_and(|c| {
-                beyond(c.prompt_tokens, billed.prompt_tokens, self.tolerance_tokens, self.tolerance_bps)
-                    || beyond(
-                        c.completion_tokens,
-                        billed.completion_tokens,
-                        self.tolerance_tokens,
-                        self.tolerance_bps,
-                    )
+                beyond(
+                    c.prompt_tokens,
+                    billed.prompt_tokens,
+                    self.tolerance_tokens,
+                    self.tolerance_bps,
+                ) || beyond(
+                    c.completion_tokens,
+                    billed.completion_tokens,
+                    self.tolerance_tokens,
+                    self.tolerance_bps,
+                )
             });
         if discrepancy {
             if let Some(claimed) = claimed {
