@@ -1,1 +1,222 @@
-fn main() {}
+//! `reference-gateway`: spine's reference gateway (design brief §7).
+//!
+//! Wires the library crates together: API-key auth and the OpenAI-compatible public API, the
+//! metering layer over the SQLite ledger, the router, the tunnel listener agents dial, and the
+//! admin API. Logic a library user would need lives in the libraries, not here.
+#![allow(clippy::print_stdout)] // the binary prints one machine-readable "ready" line
+
+mod admin;
+mod api;
+mod auth;
+mod config;
+mod error;
+mod state;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use axum::serve::ListenerExt;
+use clap::Parser;
+use spine_core::{ModelId, NodeDescriptor, NodeId};
+use spine_meter::meter::{Catalog, CatalogEntry, MeterLayer};
+use spine_meter::{ModelTokenizer, Price, SqliteLedger};
+use spine_router::{NodeRegistry, RouteLayer};
+use spine_transport::{
+    NodeAuthenticator, RefusalReason, TunnelEvents, TunnelServer, TunnelServerConfig, TunnelService,
+};
+use tokio::net::TcpListener;
+use tower::util::BoxCloneSyncService;
+use tower::ServiceBuilder;
+use tracing_subscriber::EnvFilter;
+
+use crate::config::Config;
+use crate::state::AppState;
+
+/// spine's reference gateway: an OpenAI-compatible endpoint in front of community GPU nodes.
+#[derive(Debug, Parser)]
+#[command(version, about)]
+struct Cli {
+    /// Configuration file (TOML). Every top-level key can also be set as `SPINE_<KEY>`.
+    #[arg(long, env = "SPINE_CONFIG")]
+    config: Option<PathBuf>,
+}
+
+type MainError = Box<dyn std::error::Error + Send + Sync>;
+
+#[tokio::main]
+async fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    if let Err(e) = run(cli).await {
+        tracing::error!(error = %e, "gateway failed");
+        eprintln!("reference-gateway: {e}");
+        std::process::exit(1);
+    }
+}
+
+/// Registered public keys are the only nodes let in.
+struct StoreAuthenticator(Arc<SqliteLedger>);
+
+impl NodeAuthenticator for StoreAuthenticator {
+    fn authenticate<'a>(
+        &'a self,
+        public_key_text: &'a str,
+    ) -> std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<NodeId, RefusalReason>> + Send + 'a>,
+    > {
+        Box::pin(async move {
+            match self.0.node_for_public_key(public_key_text).await {
+                Ok(Some(node)) => Ok(node),
+                Ok(None) => Err(RefusalReason::UnknownKey),
+                Err(e) => {
+                    tracing::error!(error = %e, "node lookup failed");
+                    Err(RefusalReason::Internal)
+                }
+            }
+        })
+    }
+}
+
+/// Tunnel lifecycle feeds the router's registry.
+struct RegistryEvents(NodeRegistry);
+
+impl TunnelEvents for RegistryEvents {
+    fn node_ready(&self, node: &NodeId, descriptor: &NodeDescriptor) {
+        self.0.node_ready(node, descriptor);
+    }
+    fn node_gone(&self, node: &NodeId) {
+        self.0.node_gone(node);
+    }
+}
+
+async fn run(cli: Cli) -> Result<(), MainError> {
+    let config = Config::load(cli.config.as_deref())?;
+    std::fs::create_dir_all(&config.data_dir)?;
+
+    let store = Arc::new(SqliteLedger::open(config.database_path()?).await?);
+
+    let mut catalog = Catalog::new();
+    for m in &config.models {
+        let Some(gguf) = &m.gguf else {
+            return Err(format!("model '{}': set `gguf` to load its tokenizer", m.id).into());
+        };
+        let tokenizer = ModelTokenizer::from_gguf(gguf)
+            .map_err(|e| format!("model '{}': loading {}: {e}", m.id, gguf.display()))?;
+        let max_context_tokens = m
+            .max_context_tokens
+            .or(tokenizer.context_length_tokens())
+            .unwrap_or(4096);
+        let entry = CatalogEntry {
+            tokenizer: Arc::new(tokenizer),
+            price: Price {
+                input_micros_per_mtok: m.input_price_micros_per_mtok,
+                output_micros_per_mtok: m.output_price_micros_per_mtok,
+            },
+            max_context_tokens,
+        };
+        if catalog.insert(ModelId::new(m.id.as_str()), entry).is_some() {
+            return Err(format!("model '{}' is configured twice", m.id).into());
+        }
+    }
+    let mut catalog_ids: Vec<ModelId> = catalog.keys().cloned().collect();
+    catalog_ids.sort();
+
+    let registry = NodeRegistry::new();
+    let mut tunnel_config = TunnelServerConfig::default();
+    tunnel_config.gateway_id = config.gateway_id.clone();
+    let tunnel_server = TunnelServer::new(
+        tunnel_config,
+        Arc::new(StoreAuthenticator(store.clone())),
+        Arc::new(RegistryEvents(registry.clone())),
+    );
+    let tunnels = tunnel_server.tunnels();
+
+    let meter = MeterLayer::new(store.clone(), catalog)
+        .operator_share_bps(config.operator_share_bps)
+        .max_request_body_bytes(config.max_request_body_bytes);
+    let stack = ServiceBuilder::new()
+        .layer(meter)
+        .layer(RouteLayer::new(registry.clone()))
+        .service(TunnelService::new(tunnels.clone()));
+    let stack = BoxCloneSyncService::new(stack);
+
+    // Tunnel TLS: the configured files, or a self-signed pair kept in the data dir.
+    let tls = if config.insecure_plaintext_tunnel {
+        tracing::warn!("tunnel listener is PLAINTEXT (insecure_plaintext_tunnel = true)");
+        None
+    } else {
+        Some(state::tunnel_tls(&config)?)
+    };
+
+    let state = Arc::new(AppState {
+        store: store.clone(),
+        registry: registry.clone(),
+        stack,
+        catalog_ids,
+        admin_token: config.admin_token.clone(),
+    });
+
+    let public = TcpListener::bind(config.public_listen).await?;
+    let tunnel = TcpListener::bind(config.tunnel_listen).await?;
+    let admin = TcpListener::bind(config.admin_listen).await?;
+    let ready = serde_json::json!({
+        "event": "ready",
+        "public_addr": public.local_addr()?.to_string(),
+        "tunnel_addr": tunnel.local_addr()?.to_string(),
+        "admin_addr": admin.local_addr()?.to_string(),
+        "tunnel_tls": tls.is_some(),
+        "tunnel_ca_file": tls.as_ref().map(|t| t.ca_file.display().to_string()),
+    });
+    tracing::info!(%ready, "gateway listening");
+    println!("{ready}");
+
+    let public_app = api::router(state.clone());
+    let admin_app = admin::router(state.clone());
+    let public_task = axum::serve(public.tap_io(|s| set_nodelay(s)), public_app)
+        .with_graceful_shutdown(shutdown_signal());
+    let admin_task = axum::serve(admin.tap_io(|s| set_nodelay(s)), admin_app)
+        .with_graceful_shutdown(shutdown_signal());
+    let tunnel_task = tunnel_server.serve(tunnel, tls.map(|t| t.server_config));
+
+    tokio::select! {
+        r = public_task => r?,
+        r = admin_task => r?,
+        r = tunnel_task => r?,
+    }
+    tracing::info!("gateway stopped");
+    Ok(())
+}
+
+fn set_nodelay(s: &tokio::net::TcpStream) {
+    if let Err(e) = s.set_nodelay(true) {
+        tracing::debug!(error = %e, "TCP_NODELAY");
+    }
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(_) => {
+                    let _ = ctrl_c.await;
+                    return;
+                }
+            };
+        tokio::select! {
+            _ = ctrl_c => {},
+            _ = term.recv() => {},
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
+}

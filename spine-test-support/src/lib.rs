@@ -1,1 +1,279 @@
-//! (in progress)
+//! Test helpers shared by spine's integration tests (unpublished, dev-dependency only).
+//!
+//! - [`Engine`]: where the real llama.cpp engine and model are (set up by `scripts/setup.sh`).
+//! - [`LlamaServer`]: a real `llama-server` child process on a free port, killed on drop.
+//! - [`Child`]: a spine binary as a child process whose stderr is kept for assertions.
+#![allow(clippy::print_stdout)]
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::Command;
+
+/// A boxed error for test helpers.
+pub type Error = Box<dyn std::error::Error + Send + Sync>;
+
+/// Paths to the real engine and model, from `SPINE_LLAMA_SERVER`, `SPINE_MODEL_GGUF` and
+/// `SPINE_PYTHON` (written to `~/.cache/spine/env.sh` by `scripts/setup.sh`), falling back to the
+/// default cache locations.
+#[derive(Debug, Clone)]
+pub struct Engine {
+    /// `llama-server` binary.
+    pub llama_server: PathBuf,
+    /// SmolLM2-135M-Instruct Q4_1 GGUF.
+    pub model_gguf: PathBuf,
+    /// Python with the `openai` SDK installed.
+    pub python: PathBuf,
+}
+
+fn cache_dir() -> PathBuf {
+    std::env::var_os("SPINE_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/spine")
+        })
+}
+
+impl Engine {
+    /// Finds the engine, model and Python.
+    ///
+    /// # Errors
+    ///
+    /// Names the missing file and says to run `scripts/setup.sh`: tests that need the real engine
+    /// fail rather than skip.
+    pub fn discover() -> Result<Self, Error> {
+        let cache = cache_dir();
+        let pick = |var: &str, default: PathBuf| -> Result<PathBuf, Error> {
+            let path = std::env::var_os(var).map(PathBuf::from).unwrap_or(default);
+            if path.exists() {
+                Ok(path)
+            } else {
+                Err(format!(
+                    "{} not found (set {var}); run scripts/setup.sh to build the engine and fetch the model",
+                    path.display()
+                )
+                .into())
+            }
+        };
+        Ok(Self {
+            llama_server: pick(
+                "SPINE_LLAMA_SERVER",
+                cache.join("build-llama/bin/llama-server"),
+            )?,
+            model_gguf: pick(
+                "SPINE_MODEL_GGUF",
+                cache.join("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+            )?,
+            python: pick("SPINE_PYTHON", cache.join("venv/bin/python"))?,
+        })
+    }
+}
+
+/// A free TCP port on 127.0.0.1 (bound and released; fine for child processes that cannot bind
+/// port 0 and report it).
+///
+/// # Errors
+///
+/// When no port can be bound.
+pub fn free_port() -> Result<u16, Error> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+/// A child process whose stderr lines are collected; killed on drop.
+#[derive(Debug)]
+pub struct Child {
+    child: tokio::process::Child,
+    stderr: Arc<Mutex<Vec<String>>>,
+    name: String,
+}
+
+impl Child {
+    /// Spawns `cmd` with stdout piped (see [`Child::read_json_line`]) and stderr collected.
+    ///
+    /// # Errors
+    ///
+    /// When the process cannot be started.
+    pub fn spawn(name: &str, mut cmd: Command) -> Result<Self, Error> {
+        cmd.stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .stdin(Stdio::null())
+            .kill_on_drop(true);
+        let mut child = cmd.spawn().map_err(|e| format!("starting {name}: {e}"))?;
+        let stderr = Arc::new(Mutex::new(Vec::new()));
+        if let Some(err) = child.stderr.take() {
+            let sink = stderr.clone();
+            let echo = std::env::var_os("SPINE_TEST_ECHO").is_some();
+            let label = name.to_owned();
+            tokio::spawn(async move {
+                let mut lines = BufReader::new(err).lines();
+                while let Ok(Some(line)) = lines.next_line().await {
+                    if echo {
+                        eprintln!("[{label}] {line}");
+                    }
+                    if let Ok(mut v) = sink.lock() {
+                        v.push(line);
+                    }
+                }
+            });
+        }
+        Ok(Self {
+            child,
+            stderr,
+            name: name.to_owned(),
+        })
+    }
+
+    /// Reads stdout until a line parses as a JSON object, within `timeout`.
+    ///
+    /// # Errors
+    ///
+    /// On timeout or end of output, with the process's stderr tail.
+    pub async fn read_json_line(&mut self, timeout: Duration) -> Result<serde_json::Value, Error> {
+        let Some(out) = self.child.stdout.take() else {
+            return Err(format!("{}: stdout already taken", self.name).into());
+        };
+        let mut lines = BufReader::new(out).lines();
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match tokio::time::timeout(left, lines.next_line()).await {
+                Ok(Ok(Some(line))) => {
+                    if let Ok(v @ serde_json::Value::Object(_)) = serde_json::from_str(&line) {
+                        // keep draining stdout so the child never blocks on a full pipe
+                        tokio::spawn(
+                            async move { while let Ok(Some(_)) = lines.next_line().await {} },
+                        );
+                        return Ok(v);
+                    }
+                }
+                Ok(Ok(None)) | Ok(Err(_)) => {
+                    return Err(format!(
+                        "{} exited before its ready line; stderr:\n{}",
+                        self.name,
+                        self.stderr_tail(40)
+                    )
+                    .into())
+                }
+                Err(_) => {
+                    return Err(format!(
+                        "{} printed no ready line within {timeout:?}; stderr:\n{}",
+                        self.name,
+                        self.stderr_tail(40)
+                    )
+                    .into())
+                }
+            }
+        }
+    }
+
+    /// Every stderr line so far.
+    pub fn stderr_lines(&self) -> Vec<String> {
+        self.stderr.lock().map(|v| v.clone()).unwrap_or_default()
+    }
+
+    /// The last `n` stderr lines, joined.
+    pub fn stderr_tail(&self, n: usize) -> String {
+        let lines = self.stderr_lines();
+        lines[lines.len().saturating_sub(n)..].join("\n")
+    }
+
+    /// Waits until a stderr line contains `needle`, within `timeout`.
+    ///
+    /// # Errors
+    ///
+    /// On timeout, with the stderr tail.
+    pub async fn wait_for_stderr(&self, needle: &str, timeout: Duration) -> Result<String, Error> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(line) = self.stderr_lines().into_iter().find(|l| l.contains(needle)) {
+                return Ok(line);
+            }
+            if Instant::now() >= deadline {
+                return Err(format!(
+                    "{}: no stderr line with {needle:?} within {timeout:?}; stderr:\n{}",
+                    self.name,
+                    self.stderr_tail(40)
+                )
+                .into());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Kills the process and waits for it.
+    pub async fn kill(&mut self) {
+        let _ = self.child.kill().await;
+    }
+
+    /// The process id, while running.
+    pub fn id(&self) -> Option<u32> {
+        self.child.id()
+    }
+}
+
+/// A real llama.cpp `llama-server` on 127.0.0.1, serving the model as `smollm2`.
+#[derive(Debug)]
+pub struct LlamaServer {
+    /// The process.
+    pub child: Child,
+    /// Its base URL, `http://127.0.0.1:<port>`.
+    pub url: String,
+}
+
+impl LlamaServer {
+    /// Starts `llama-server -m <gguf> --alias smollm2 -c 2048 -np <parallel>` and waits until
+    /// `GET /health` answers 200 (at most 120 s).
+    ///
+    /// # Errors
+    ///
+    /// When it does not start or become healthy, with its stderr tail.
+    pub async fn start(engine: &Engine, parallel: u32) -> Result<Self, Error> {
+        let port = free_port()?;
+        let mut cmd = Command::new(&engine.llama_server);
+        cmd.arg("-m")
+            .arg(&engine.model_gguf)
+            .args(["--alias", "smollm2", "--host", "127.0.0.1"])
+            .args(["--port", &port.to_string()])
+            .args(["-c", "4096", "-np", &parallel.to_string(), "-t", "2"]);
+        let child = Child::spawn("llama-server", cmd)?;
+        let url = format!("http://127.0.0.1:{port}");
+        wait_http_ok(&format!("{url}/health"), Duration::from_secs(120))
+            .await
+            .map_err(|e| format!("{e}; llama-server stderr:\n{}", child.stderr_tail(30)))?;
+        Ok(Self { child, url })
+    }
+}
+
+/// Polls `url` until it answers 2xx.
+///
+/// # Errors
+///
+/// On timeout.
+pub async fn wait_http_ok(url: &str, timeout: Duration) -> Result<(), Error> {
+    let client = reqwest::Client::new();
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Ok(r) = client.get(url).timeout(Duration::from_secs(2)).send().await {
+            if r.status().is_success() {
+                return Ok(());
+            }
+        }
+        if Instant::now() >= deadline {
+            return Err(format!("{url} not healthy within {timeout:?}").into());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// `path` relative to the workspace root.
+pub fn workspace_path(path: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(|p| p.join(path))
+        .unwrap_or_else(|| PathBuf::from(path))
+}

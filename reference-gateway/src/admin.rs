@@ -1,0 +1,305 @@
+//! The admin API (design brief §7): accounts, keys, credits, operators, nodes, request records.
+//!
+//! Every route needs `Authorization: Bearer <admin_token>`. Bodies and answers are JSON; errors use
+//! the OpenAI error shape like the public API.
+
+use std::sync::Arc;
+
+use axum::extract::{Path, Request, State};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use http::{header, HeaderMap, StatusCode};
+use serde::Deserialize;
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+use spine_core::{AccountId, OperatorId, RequestId};
+use spine_meter::{Ledger, LedgerError};
+
+use crate::api;
+use crate::auth;
+use crate::error::ApiError;
+use crate::state::AppState;
+
+pub(crate) fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/admin/v1/accounts", post(create_account))
+        .route("/admin/v1/accounts/{id}", get(get_account))
+        .route("/admin/v1/accounts/{id}/keys", post(create_key))
+        .route("/admin/v1/accounts/{id}/credits", post(add_credits))
+        .route("/admin/v1/operators", post(create_operator))
+        .route("/admin/v1/operators/{id}", get(get_operator))
+        .route("/admin/v1/nodes", post(register_node).get(list_nodes))
+        .route("/admin/v1/requests/{id}", get(get_request))
+        .fallback(|req: Request| async move {
+            ApiError::not_found(format!(
+                "Unknown admin URL: {} {}",
+                req.method(),
+                req.uri().path()
+            ))
+        })
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            require_admin,
+        ))
+        .layer(axum::middleware::from_fn(api::request_id))
+        .with_state(state)
+}
+
+async fn require_admin(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    let presented = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    // Compare digests so the comparison time does not depend on how much of the token matched.
+    if Sha256::digest(presented.as_bytes()) != Sha256::digest(state.admin_token.as_bytes()) {
+        return ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "invalid_request_error",
+            "invalid_admin_token",
+            "admin API needs 'Authorization: Bearer <admin token>'",
+        )
+        .into_response();
+    }
+    next.run(req).await
+}
+
+fn ledger_error(e: LedgerError) -> ApiError {
+    match e {
+        LedgerError::UnknownAccount(id) => ApiError::not_found(format!("no account '{id}'")),
+        LedgerError::UnknownOperator(id) => ApiError::not_found(format!("no operator '{id}'")),
+        LedgerError::UnknownNode(id) => ApiError::not_found(format!("no node '{id}'")),
+        LedgerError::Duplicate { what } => ApiError::new(
+            StatusCode::CONFLICT,
+            "invalid_request_error",
+            "conflict",
+            format!("{what} already exists"),
+        ),
+        LedgerError::OutOfRange => ApiError::invalid_request("out_of_range", e.to_string()),
+        other => {
+            tracing::error!(error = %other, "ledger error");
+            ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "api_error",
+                "ledger_unavailable",
+                "the ledger is unavailable",
+            )
+        }
+    }
+}
+
+/// Parses an optional JSON body; an empty body is `{}`.
+fn parse_body<T: for<'de> Deserialize<'de> + Default>(bytes: &[u8]) -> Result<T, ApiError> {
+    if bytes.iter().all(u8::is_ascii_whitespace) {
+        return Ok(T::default());
+    }
+    serde_json::from_slice(bytes)
+        .map_err(|e| ApiError::invalid_request("invalid_json", format!("invalid JSON body: {e}")))
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct CreateBody {
+    #[serde(default)]
+    id: Option<String>,
+}
+
+async fn create_account(State(state): State<Arc<AppState>>, body: axum::body::Bytes) -> Response {
+    let result = async {
+        let body: CreateBody = parse_body(&body)?;
+        let id = AccountId::new(body.id.unwrap_or_else(|| auth::new_id("acct")));
+        state
+            .store
+            .create_account(&id)
+            .await
+            .map_err(ledger_error)?;
+        Ok::<_, ApiError>((StatusCode::CREATED, Json(json!({"id": id}))))
+    };
+    result.await.into_response()
+}
+
+async fn account_json(state: &AppState, id: &AccountId) -> Result<Value, ApiError> {
+    let b = state.store.account(id).await.map_err(ledger_error)?;
+    Ok(json!({
+        "id": id,
+        "balance_micros": b.balance_micros,
+        "held_micros": b.held_micros,
+        "available_micros": b.available_micros,
+    }))
+}
+
+async fn get_account(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
+    account_json(&state, &AccountId::new(id))
+        .await
+        .map(Json)
+        .into_response()
+}
+
+async fn create_key(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
+    let result = async {
+        let account = AccountId::new(id);
+        let key = auth::new_api_key();
+        state
+            .store
+            .create_api_key(&account, &auth::hash_api_key(&key))
+            .await
+            .map_err(ledger_error)?;
+        Ok::<_, ApiError>((
+            StatusCode::CREATED,
+            Json(json!({"account_id": account, "key": key})),
+        ))
+    };
+    result.await.into_response()
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct CreditsBody {
+    amount_micros: u64,
+    #[serde(default)]
+    idempotency_key: Option<String>,
+}
+
+async fn add_credits(
+    State(state): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
+    let result = async {
+        let body: CreditsBody = serde_json::from_slice(&body).map_err(|e| {
+            ApiError::invalid_request(
+                "invalid_json",
+                format!(
+                    "expected {{\"amount_micros\": <u64>, \"idempotency_key\": <string>}}: {e}"
+                ),
+            )
+        })?;
+        let key = body
+            .idempotency_key
+            .or_else(|| {
+                headers
+                    .get("idempotency-key")
+                    .and_then(|v| v.to_str().ok())
+                    .map(str::to_owned)
+            })
+            .ok_or_else(|| {
+                ApiError::invalid_request(
+                    "missing_idempotency_key",
+                    "credits need an idempotency key (body 'idempotency_key' or header 'Idempotency-Key')",
+                )
+            })?;
+        if body.amount_micros == 0 {
+            return Err(ApiError::invalid_request(
+                "invalid_amount",
+                "amount_micros must be positive",
+            ));
+        }
+        let account = AccountId::new(id);
+        let applied = state
+            .store
+            .add_credits(&account, body.amount_micros, &key)
+            .await
+            .map_err(ledger_error)?;
+        let mut out = account_json(&state, &account).await?;
+        out["applied"] = Value::Bool(applied);
+        Ok(Json(out))
+    };
+    result.await.into_response()
+}
+
+async fn create_operator(State(state): State<Arc<AppState>>, body: axum::body::Bytes) -> Response {
+    let result = async {
+        let body: CreateBody = parse_body(&body)?;
+        let id = OperatorId::new(body.id.unwrap_or_else(|| auth::new_id("op")));
+        state
+            .store
+            .create_operator(&id)
+            .await
+            .map_err(ledger_error)?;
+        Ok::<_, ApiError>((StatusCode::CREATED, Json(json!({"id": id}))))
+    };
+    result.await.into_response()
+}
+
+async fn get_operator(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
+    let result = async {
+        let id = OperatorId::new(id);
+        let earned = state
+            .store
+            .operator_earned_micros(&id)
+            .await
+            .map_err(ledger_error)?;
+        Ok::<_, ApiError>(Json(json!({"id": id, "earned_micros": earned})))
+    };
+    result.await.into_response()
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RegisterNodeBody {
+    operator_id: String,
+    public_key: String,
+}
+
+async fn register_node(State(state): State<Arc<AppState>>, body: axum::body::Bytes) -> Response {
+    let result = async {
+        let body: RegisterNodeBody = serde_json::from_slice(&body).map_err(|e| {
+            ApiError::invalid_request(
+                "invalid_json",
+                format!("expected {{\"operator_id\": <id>, \"public_key\": \"ed25519:…\"}}: {e}"),
+            )
+        })?;
+        // Store the canonical text form so the tunnel's lookup matches byte for byte.
+        let key = spine_transport::parse_public_key_text(body.public_key.trim()).map_err(|e| {
+            ApiError::invalid_request("invalid_public_key", format!("public_key: {e}"))
+        })?;
+        let text = spine_transport::public_key_text(&key);
+        let node = state
+            .store
+            .register_node(&OperatorId::new(body.operator_id), &text)
+            .await
+            .map_err(ledger_error)?;
+        Ok::<_, ApiError>((
+            StatusCode::CREATED,
+            Json(json!({"node_id": node, "public_key": text})),
+        ))
+    };
+    result.await.into_response()
+}
+
+async fn list_nodes(State(state): State<Arc<AppState>>) -> Response {
+    let data: Vec<Value> = state
+        .registry
+        .snapshot()
+        .into_iter()
+        .map(|n| {
+            json!({
+                "node_id": n.node_id,
+                "state": "routable",
+                "engine": n.descriptor.engine,
+                "models": n.descriptor.models,
+                "vram_mib": n.descriptor.vram_mib,
+                "max_concurrency": n.descriptor.max_concurrency,
+                "agent_version": n.descriptor.agent_version,
+                "in_flight": n.in_flight,
+            })
+        })
+        .collect();
+    Json(json!({"object": "list", "data": data})).into_response()
+}
+
+async fn get_request(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
+    match state
+        .store
+        .request_record(RequestId::new(id.as_str()))
+        .await
+    {
+        Ok(Some(record)) => Json(record).into_response(),
+        Ok(None) => ApiError::not_found(format!("no settled request '{id}'")).into_response(),
+        Err(e) => ledger_error(e).into_response(),
+    }
+}

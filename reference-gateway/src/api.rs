@@ -1,0 +1,173 @@
+//! The public OpenAI-compatible API: `POST /v1/chat/completions`, `GET /v1/models`.
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use http::header::{self, HeaderName, HeaderValue};
+use http_body_util::BodyExt;
+use serde_json::json;
+use spine_core::{AccountId, BoxBody, BoxError, RequestId};
+use tower::util::BoxCloneSyncService;
+use tower::ServiceExt;
+
+use crate::auth;
+use crate::error::ApiError;
+use crate::state::AppState;
+
+/// The spine service stack as the handlers call it: meter → route → tunnel.
+pub(crate) type Stack =
+    BoxCloneSyncService<http::Request<BoxBody>, http::Response<BoxBody>, BoxError>;
+
+pub(crate) const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+
+pub(crate) fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(list_models))
+        .fallback(unknown_route)
+        .layer(axum::middleware::from_fn(request_id))
+        .with_state(state)
+}
+
+/// Gives every request a fresh [`RequestId`] and every response its `x-request-id` header.
+pub(crate) async fn request_id(mut req: Request, next: Next) -> Response {
+    let id = auth::new_request_id();
+    req.extensions_mut().insert(id.clone());
+    let mut resp = next.run(req).await;
+    if let Ok(v) = HeaderValue::from_str(id.as_str()) {
+        resp.headers_mut().insert(X_REQUEST_ID, v);
+    }
+    resp
+}
+
+async fn unknown_route(req: Request) -> ApiError {
+    ApiError::not_found(format!(
+        "Unknown request URL: {} {}",
+        req.method(),
+        req.uri().path()
+    ))
+}
+
+async fn authenticate(state: &AppState, headers: &http::HeaderMap) -> Result<AccountId, ApiError> {
+    let key_hash = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(|k| auth::hash_api_key(k.trim()))
+        .ok_or_else(ApiError::unauthorized)?;
+    match state.store.account_for_key_hash(&key_hash).await {
+        Ok(Some(account)) => Ok(account),
+        Ok(None) => Err(ApiError::unauthorized()),
+        Err(e) => {
+            tracing::error!(error = %e, "key lookup failed");
+            Err(ApiError::new(
+                http::StatusCode::SERVICE_UNAVAILABLE,
+                "api_error",
+                "ledger_unavailable",
+                "the account store is unavailable",
+            ))
+        }
+    }
+}
+
+async fn list_models(State(state): State<Arc<AppState>>, req: Request) -> Response {
+    if let Err(e) = authenticate(&state, req.headers()).await {
+        return e.into_response();
+    }
+    let served = state.registry.models();
+    let data: Vec<_> = state
+        .catalog_ids
+        .iter()
+        .filter(|id| served.contains(id))
+        .map(|id| json!({"id": id, "object": "model", "created": 0, "owned_by": "spine"}))
+        .collect();
+    Json(json!({"object": "list", "data": data})).into_response()
+}
+
+async fn chat_completions(State(state): State<Arc<AppState>>, req: Request) -> Response {
+    let account = match authenticate(&state, req.headers()).await {
+        Ok(a) => a,
+        Err(e) => return e.into_response(),
+    };
+    let request_id = req.extensions().get::<RequestId>().cloned();
+    let content_type_ok = req
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .map(|v| v.to_ascii_lowercase().starts_with("application/json"))
+        .unwrap_or(true);
+    if !content_type_ok {
+        return ApiError::invalid_request(
+            "invalid_content_type",
+            "request body must be application/json",
+        )
+        .into_response();
+    }
+
+    // A fresh upstream request: only the body and the content type travel to the node; the
+    // caller's key and other headers never do.
+    let (_parts, body) = req.into_parts();
+    let mut upstream = http::Request::builder()
+        .method(http::Method::POST)
+        .uri("/v1/chat/completions")
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(BoxBody::new(body.map_err(BoxError::from)))
+        .unwrap_or_else(|_| http::Request::new(BoxBody::default()));
+    upstream.extensions_mut().insert(account);
+    if let Some(id) = request_id {
+        upstream.extensions_mut().insert(id);
+    }
+
+    match call_stack(state.stack.clone(), upstream).await {
+        Ok(resp) => into_client_response(resp),
+        Err(e) => {
+            let err = ApiError::from_stack(&e);
+            if err.status.is_server_error() {
+                tracing::warn!(error = %e, status = %err.status, "request failed");
+            }
+            err.into_response()
+        }
+    }
+}
+
+/// Calls the stack behind a boxed future, which keeps the `dyn Error` lifetimes inside the
+/// stack's types out of the handler's future (rustc cannot prove the handler `Send` otherwise).
+fn call_stack(
+    stack: Stack,
+    req: http::Request<BoxBody>,
+) -> std::pin::Pin<
+    Box<dyn std::future::Future<Output = Result<http::Response<BoxBody>, BoxError>> + Send>,
+> {
+    Box::pin(stack.oneshot(req))
+}
+
+/// The node's response as the caller gets it: status, content type and body; the node's other
+/// headers (server, keep-alive, length of a body the meter may rewrite) stay behind.
+fn into_client_response(resp: http::Response<BoxBody>) -> Response {
+    let (parts, body) = resp.into_parts();
+    let mut out = Response::new(Body::new(body));
+    *out.status_mut() = parts.status;
+    let content_type = parts.headers.get(header::CONTENT_TYPE).cloned();
+    let is_sse = content_type
+        .as_ref()
+        .and_then(|v| v.to_str().ok())
+        .map(|v| v.starts_with("text/event-stream"))
+        .unwrap_or(false);
+    if let Some(ct) = content_type {
+        out.headers_mut().insert(header::CONTENT_TYPE, ct);
+    }
+    if is_sse {
+        out.headers_mut()
+            .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+        out.headers_mut().insert(
+            HeaderName::from_static("x-accel-buffering"),
+            HeaderValue::from_static("no"),
+        );
+    }
+    out
+}

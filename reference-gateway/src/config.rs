@@ -1,0 +1,219 @@
+//! Gateway configuration: a TOML file, every top-level key overridable by `SPINE_<KEY>` env vars.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+#[derive(Clone, Copy)]
+enum Kind {
+    Str,
+    Int,
+    Bool,
+}
+
+/// Top-level keys that `SPINE_<UPPERCASE KEY>` environment variables may set, with their types.
+const ENV_KEYS: &[(&str, Kind)] = &[
+    ("public_listen", Kind::Str),
+    ("tunnel_listen", Kind::Str),
+    ("admin_listen", Kind::Str),
+    ("admin_token", Kind::Str),
+    ("data_dir", Kind::Str),
+    ("database_url", Kind::Str),
+    ("gateway_id", Kind::Str),
+    ("tunnel_tls_cert_file", Kind::Str),
+    ("tunnel_tls_key_file", Kind::Str),
+    ("insecure_plaintext_tunnel", Kind::Bool),
+    ("operator_share_bps", Kind::Int),
+    ("max_request_body_bytes", Kind::Int),
+];
+
+/// The gateway's configuration (design brief §7).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Config {
+    /// Public OpenAI-compatible API listener.
+    #[serde(default = "default_public_listen")]
+    pub(crate) public_listen: SocketAddr,
+    /// Tunnel listener that agents dial (TLS unless `insecure_plaintext_tunnel`).
+    #[serde(default = "default_tunnel_listen")]
+    pub(crate) tunnel_listen: SocketAddr,
+    /// Admin API listener.
+    #[serde(default = "default_admin_listen")]
+    pub(crate) admin_listen: SocketAddr,
+    /// Bearer token for the admin API. Required.
+    pub(crate) admin_token: String,
+    /// Directory for the SQLite ledger and generated TLS material.
+    #[serde(default = "default_data_dir")]
+    pub(crate) data_dir: PathBuf,
+    /// Ledger database URL; default `sqlite://<data_dir>/spine.db`.
+    #[serde(default)]
+    pub(crate) database_url: Option<String>,
+    /// This gateway's id, sent in tunnel challenges.
+    #[serde(default = "default_gateway_id")]
+    pub(crate) gateway_id: String,
+    /// PEM certificate chain for the tunnel listener; generated (self-signed) when absent.
+    #[serde(default)]
+    pub(crate) tunnel_tls_cert_file: Option<PathBuf>,
+    /// PEM private key for the tunnel listener; generated with the certificate when absent.
+    #[serde(default)]
+    pub(crate) tunnel_tls_key_file: Option<PathBuf>,
+    /// Extra DNS names / IPs for the generated tunnel certificate (`localhost` and `127.0.0.1`
+    /// are always included).
+    #[serde(default)]
+    pub(crate) tunnel_tls_hosts: Vec<String>,
+    /// Serve the tunnel as plain `ws://` without TLS. Only for local experiments.
+    #[serde(default)]
+    pub(crate) insecure_plaintext_tunnel: bool,
+    /// Operator's share of each request's cost, in basis points (8000 = 80 %).
+    #[serde(default = "default_operator_share_bps")]
+    pub(crate) operator_share_bps: u16,
+    /// Largest accepted request body, bytes.
+    #[serde(default = "default_max_request_body_bytes")]
+    pub(crate) max_request_body_bytes: usize,
+    /// The model catalog: what callers may ask for, its tokenizer and its price.
+    #[serde(default)]
+    pub(crate) models: Vec<ModelConfig>,
+}
+
+/// One catalog model.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct ModelConfig {
+    /// The id callers use in `"model"`; nodes must serve it under the same id.
+    pub(crate) id: String,
+    /// GGUF file to read the tokenizer and chat template from.
+    #[serde(default)]
+    pub(crate) gguf: Option<PathBuf>,
+    /// Price per million prompt tokens, micro-units.
+    pub(crate) input_price_micros_per_mtok: u64,
+    /// Price per million completion tokens, micro-units.
+    pub(crate) output_price_micros_per_mtok: u64,
+    /// Context window in tokens; default from the GGUF.
+    #[serde(default)]
+    pub(crate) max_context_tokens: Option<u64>,
+}
+
+fn default_public_listen() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 8080))
+}
+fn default_tunnel_listen() -> SocketAddr {
+    SocketAddr::from(([0, 0, 0, 0], 19000))
+}
+fn default_admin_listen() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 8081))
+}
+fn default_data_dir() -> PathBuf {
+    PathBuf::from(".spine")
+}
+fn default_gateway_id() -> String {
+    "spine-gateway".to_owned()
+}
+fn default_operator_share_bps() -> u16 {
+    8000
+}
+fn default_max_request_body_bytes() -> usize {
+    4 * 1024 * 1024
+}
+
+/// Errors reading the configuration.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum ConfigError {
+    #[error("reading {path}: {source}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("parsing configuration: {0}")]
+    Parse(#[from] toml::de::Error),
+    #[error("invalid configuration: {0}")]
+    Invalid(String),
+}
+
+impl Config {
+    /// Reads `path` (if given), then applies `SPINE_*` environment overrides.
+    pub(crate) fn load(path: Option<&Path>) -> Result<Self, ConfigError> {
+        let text = match path {
+            Some(p) => std::fs::read_to_string(p).map_err(|source| ConfigError::Read {
+                path: p.to_owned(),
+                source,
+            })?,
+            None => String::new(),
+        };
+        let mut table: toml::Table = toml::from_str(&text)?;
+        for (key, kind) in ENV_KEYS {
+            let var = format!("SPINE_{}", key.to_ascii_uppercase());
+            if let Ok(value) = std::env::var(&var) {
+                let value = env_value(&value, *kind)
+                    .ok_or_else(|| ConfigError::Invalid(format!("{var}: bad value {value:?}")))?;
+                table.insert((*key).to_owned(), value);
+            }
+        }
+        let config: Config = toml::Value::Table(table).try_into()?;
+        if config.admin_token.len() < 16 {
+            return Err(ConfigError::Invalid(
+                "admin_token must be at least 16 characters".into(),
+            ));
+        }
+        if config.operator_share_bps > 10_000 {
+            return Err(ConfigError::Invalid(
+                "operator_share_bps must be at most 10000".into(),
+            ));
+        }
+        if config.tunnel_tls_cert_file.is_some() != config.tunnel_tls_key_file.is_some() {
+            return Err(ConfigError::Invalid(
+                "tunnel_tls_cert_file and tunnel_tls_key_file go together".into(),
+            ));
+        }
+        Ok(config)
+    }
+
+    /// The SQLite ledger file: `database_url` without its `sqlite://` prefix, else
+    /// `<data_dir>/spine.db`.
+    pub(crate) fn database_path(&self) -> Result<PathBuf, ConfigError> {
+        match &self.database_url {
+            None => Ok(self.data_dir.join("spine.db")),
+            Some(url) => url
+                .strip_prefix("sqlite://")
+                .map(PathBuf::from)
+                .ok_or_else(|| {
+                    ConfigError::Invalid(format!(
+                        "database_url '{url}': single-instance mode supports only sqlite://<path>"
+                    ))
+                }),
+        }
+    }
+}
+
+/// Parses an environment value as the key's TOML type; `None` when it doesn't parse.
+fn env_value(s: &str, kind: Kind) -> Option<toml::Value> {
+    match kind {
+        Kind::Str => Some(toml::Value::String(s.to_owned())),
+        Kind::Int => s.parse::<i64>().ok().map(toml::Value::Integer),
+        Kind::Bool => match s {
+            "true" | "1" => Some(toml::Value::Boolean(true)),
+            "false" | "0" => Some(toml::Value::Boolean(false)),
+            _ => None,
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn env_values_are_typed() {
+        assert_eq!(env_value("42", Kind::Int), Some(toml::Value::Integer(42)));
+        assert_eq!(env_value("x", Kind::Int), None);
+        assert_eq!(
+            env_value("true", Kind::Bool),
+            Some(toml::Value::Boolean(true))
+        );
+        assert_eq!(
+            env_value("1234567890123456", Kind::Str),
+            Some(toml::Value::String("1234567890123456".into()))
+        );
+    }
+}

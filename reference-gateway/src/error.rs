@@ -1,0 +1,166 @@
+//! OpenAI-shaped errors: `{"error":{"message","type","param","code"}}` with the right status.
+//!
+//! Only this binary maps library errors to HTTP statuses (STYLE.md, Errors).
+
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use http::StatusCode;
+use serde_json::json;
+use spine_core::BoxError;
+use spine_meter::meter::MeterError;
+use spine_router::RouteError;
+use spine_transport::TunnelError;
+
+/// An error as the caller sees it.
+#[derive(Debug, Clone)]
+pub(crate) struct ApiError {
+    pub(crate) status: StatusCode,
+    pub(crate) kind: &'static str,
+    pub(crate) code: &'static str,
+    pub(crate) message: String,
+}
+
+impl ApiError {
+    pub(crate) fn new(
+        status: StatusCode,
+        kind: &'static str,
+        code: &'static str,
+        message: impl Into<String>,
+    ) -> Self {
+        Self {
+            status,
+            kind,
+            code,
+            message: message.into(),
+        }
+    }
+
+    pub(crate) fn invalid_request(code: &'static str, message: impl Into<String>) -> Self {
+        Self::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            code,
+            message,
+        )
+    }
+
+    pub(crate) fn unauthorized() -> Self {
+        Self::new(
+            StatusCode::UNAUTHORIZED,
+            "invalid_request_error",
+            "invalid_api_key",
+            "Incorrect API key provided. Pass it as 'Authorization: Bearer <key>'.",
+        )
+    }
+
+    pub(crate) fn not_found(message: impl Into<String>) -> Self {
+        Self::new(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            "not_found",
+            message,
+        )
+    }
+
+    pub(crate) fn internal(message: impl Into<String>) -> Self {
+        Self::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "api_error",
+            "internal_error",
+            message,
+        )
+    }
+
+    /// Maps an error from the spine service stack (meter → route → tunnel).
+    pub(crate) fn from_stack(err: &BoxError) -> Self {
+        if let Some(e) = err.downcast_ref::<MeterError>() {
+            return Self::from_meter(e);
+        }
+        if let Some(e) = err.downcast_ref::<RouteError>() {
+            return match e {
+                RouteError::NoNodeForModel(m) => Self::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "api_error",
+                    "no_capacity",
+                    format!("no node serving model '{m}' is connected right now; try again later"),
+                ),
+                RouteError::AtCapacity(m) => Self::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "api_error",
+                    "no_capacity",
+                    format!("every node serving model '{m}' is busy; try again later"),
+                ),
+                _ => Self::internal(e.to_string()),
+            };
+        }
+        if let Some(e) = err.downcast_ref::<TunnelError>() {
+            return Self::new(
+                StatusCode::BAD_GATEWAY,
+                "api_error",
+                "node_failure",
+                format!("the node failed before responding: {e}"),
+            );
+        }
+        Self::internal(err.to_string())
+    }
+
+    fn from_meter(e: &MeterError) -> Self {
+        match e {
+            MeterError::BadRequest(inner) => {
+                Self::invalid_request("invalid_request", inner.to_string())
+            }
+            MeterError::BodyTooLarge { .. } => Self::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "invalid_request_error",
+                "request_too_large",
+                e.to_string(),
+            ),
+            MeterError::UnknownModel(m) => Self::new(
+                StatusCode::NOT_FOUND,
+                "invalid_request_error",
+                "model_not_found",
+                format!("The model '{m}' does not exist or you do not have access to it."),
+            ),
+            MeterError::InsufficientCredit { .. } => Self::new(
+                StatusCode::PAYMENT_REQUIRED,
+                "insufficient_quota",
+                "insufficient_quota",
+                format!("{e}; add credits to your account"),
+            ),
+            MeterError::Ledger(_) => Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "api_error",
+                "ledger_unavailable",
+                "the ledger is unavailable; the request was not forwarded",
+            ),
+            MeterError::MissingExtension(_) => Self::internal(e.to_string()),
+            _ => Self::invalid_request("invalid_request", with_sources(e)),
+        }
+    }
+}
+
+/// `error: source: source…`, so a caller sees why (e.g. which template field failed).
+fn with_sources(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut cur = e.source();
+    while let Some(s) = cur {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        cur = s.source();
+    }
+    out
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = json!({
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": null,
+                "code": self.code,
+            }
+        });
+        (self.status, Json(body)).into_response()
+    }
+}

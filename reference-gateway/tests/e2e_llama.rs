@@ -1,0 +1,542 @@
+//! End to end through the real parts: `reference-gateway` → TLS WebSocket tunnel →
+//! `reference-agent` → a real llama.cpp `llama-server` serving SmolLM2-135M-Instruct.
+//!
+//! The test's own token count comes from the ENGINE (`/apply-template` + `/tokenize`), not from
+//! spine's tokenizer, so a tokenizer bug in spine shows up as a billing mismatch here.
+//! Needs `scripts/setup.sh` (engine, model, Python with the OpenAI SDK); fails if they are missing.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, missing_docs)]
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use spine_test_support::{Child, Engine, LlamaServer};
+use tokio::process::Command;
+
+const ADMIN_TOKEN: &str = "test-admin-token-0123456789";
+const INPUT_PRICE: u64 = 150_000; // micros per million prompt tokens
+const OUTPUT_PRICE: u64 = 600_000; // micros per million completion tokens
+const SHARE_BPS: u64 = 8000;
+const CREDITS: u64 = 1_000_000;
+
+fn agent_bin() -> PathBuf {
+    let gw = PathBuf::from(env!("CARGO_BIN_EXE_reference-gateway"));
+    let agent = gw.with_file_name(format!("reference-agent{}", std::env::consts::EXE_SUFFIX));
+    assert!(
+        agent.exists(),
+        "{} missing: build the workspace binaries first (cargo build --workspace --bins)",
+        agent.display()
+    );
+    agent
+}
+
+struct Gateway {
+    child: Child,
+    public: String,
+    admin: String,
+    tunnel: String,
+    ca_file: PathBuf,
+    http: reqwest::Client,
+}
+
+impl Gateway {
+    async fn start(dir: &Path, engine: &Engine) -> Gateway {
+        let config = dir.join("gateway.toml");
+        std::fs::write(
+            &config,
+            format!(
+                r#"public_listen = "127.0.0.1:0"
+tunnel_listen = "127.0.0.1:0"
+admin_listen = "127.0.0.1:0"
+admin_token = "{ADMIN_TOKEN}"
+data_dir = "{data}"
+operator_share_bps = {SHARE_BPS}
+
+[[models]]
+id = "smollm2"
+gguf = "{gguf}"
+input_price_micros_per_mtok = {INPUT_PRICE}
+output_price_micros_per_mtok = {OUTPUT_PRICE}
+"#,
+                data = dir.join("data").display(),
+                gguf = engine.model_gguf.display(),
+            ),
+        )
+        .unwrap();
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_reference-gateway"));
+        cmd.arg("--config").arg(&config).env("RUST_LOG", "info");
+        let mut child = Child::spawn("gateway", cmd).unwrap();
+        let ready = child.read_json_line(Duration::from_secs(60)).await.unwrap();
+        Gateway {
+            public: format!("http://{}", ready["public_addr"].as_str().unwrap()),
+            admin: format!("http://{}", ready["admin_addr"].as_str().unwrap()),
+            tunnel: format!("wss://{}/v1/tunnel", ready["tunnel_addr"].as_str().unwrap()),
+            ca_file: PathBuf::from(ready["tunnel_ca_file"].as_str().unwrap()),
+            child,
+            http: reqwest::Client::new(),
+        }
+    }
+
+    async fn admin_post(&self, path: &str, body: Value) -> (u16, Value) {
+        let r = self
+            .http
+            .post(format!("{}{path}", self.admin))
+            .bearer_auth(ADMIN_TOKEN)
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        (r.status().as_u16(), r.json().await.unwrap())
+    }
+
+    async fn admin_get(&self, path: &str) -> (u16, Value) {
+        let r = self
+            .http
+            .get(format!("{}{path}", self.admin))
+            .bearer_auth(ADMIN_TOKEN)
+            .send()
+            .await
+            .unwrap();
+        (r.status().as_u16(), r.json().await.unwrap())
+    }
+
+    async fn balance(&self, account: &str) -> (u64, u64) {
+        let (_, a) = self
+            .admin_get(&format!("/admin/v1/accounts/{account}"))
+            .await;
+        (
+            a["balance_micros"].as_u64().unwrap(),
+            a["held_micros"].as_u64().unwrap(),
+        )
+    }
+
+    async fn earned(&self, operator: &str) -> u64 {
+        let (_, o) = self
+            .admin_get(&format!("/admin/v1/operators/{operator}"))
+            .await;
+        o["earned_micros"].as_u64().unwrap()
+    }
+
+    /// The settled record; settlement runs after the body ends, so poll briefly.
+    async fn record(&self, request_id: &str) -> Value {
+        for _ in 0..100 {
+            let (status, rec) = self
+                .admin_get(&format!("/admin/v1/requests/{request_id}"))
+                .await;
+            if status == 200 {
+                return rec;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("request {request_id} was never settled");
+    }
+}
+
+async fn keygen(dir: &Path, name: &str) -> (PathBuf, String) {
+    let path = dir.join(name);
+    let out = Command::new(agent_bin())
+        .arg("keygen")
+        .arg("--out")
+        .arg(&path)
+        .output()
+        .await
+        .unwrap();
+    assert!(out.status.success(), "keygen failed: {out:?}");
+    let public = String::from_utf8(out.stdout).unwrap().trim().to_owned();
+    assert!(public.starts_with("ed25519:"), "keygen printed {public:?}");
+    (path, public)
+}
+
+fn start_agent(gw: &Gateway, identity: &Path, engine_url: &str, name: &str) -> Child {
+    let mut cmd = Command::new(agent_bin());
+    cmd.arg("run")
+        .arg("--gateway")
+        .arg(&gw.tunnel)
+        .arg("--identity")
+        .arg(identity)
+        .arg("--ca-file")
+        .arg(&gw.ca_file)
+        .args(["--engine", "llama.cpp", "--engine-url", engine_url])
+        .args(["--max-concurrency", "2"])
+        .env("RUST_LOG", "info");
+    Child::spawn(name, cmd).unwrap()
+}
+
+/// The engine's own count: prompt = tokens of its rendered template (special tokens parsed);
+/// completion = tokens of the text, plus the EOS token when it stopped on it.
+struct EngineCounter {
+    url: String,
+    http: reqwest::Client,
+}
+
+impl EngineCounter {
+    async fn tokens(&self, text: &str) -> u64 {
+        let r: Value = self
+            .http
+            .post(format!("{}/tokenize", self.url))
+            .json(&json!({"content": text, "add_special": false, "parse_special": true}))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        r["tokens"].as_array().unwrap().len() as u64
+    }
+
+    async fn prompt(&self, messages: &Value) -> u64 {
+        let r: Value = self
+            .http
+            .post(format!("{}/apply-template", self.url))
+            .json(&json!({ "messages": messages }))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        self.tokens(r["prompt"].as_str().unwrap()).await
+    }
+
+    async fn completion(&self, text: &str, finish_reason: &str) -> u64 {
+        self.tokens(text).await + u64::from(finish_reason == "stop")
+    }
+}
+
+fn cost(prompt: u64, completion: u64) -> (u64, u64, u64) {
+    let cost = (prompt * INPUT_PRICE + completion * OUTPUT_PRICE).div_ceil(1_000_000);
+    let operator = cost * SHARE_BPS / 10_000;
+    (cost, operator, cost - operator)
+}
+
+/// Parses a complete SSE body into its `data:` payloads.
+fn sse_data(body: &str) -> Vec<String> {
+    body.split("\n\n")
+        .filter_map(|event| {
+            let data: Vec<&str> = event
+                .lines()
+                .filter_map(|l| l.strip_prefix("data:"))
+                .map(|d| d.strip_prefix(' ').unwrap_or(d))
+                .collect();
+            (!data.is_empty()).then(|| data.join("\n"))
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_through_gateway_tunnel_agent_and_llama_cpp() {
+    let engine = Engine::discover().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let llama = LlamaServer::start(&engine, 2).await.unwrap();
+    let gw = Gateway::start(dir.path(), &engine).await;
+    let counter = EngineCounter {
+        url: llama.url.clone(),
+        http: reqwest::Client::new(),
+    };
+
+    // --- accounts, operator, node ------------------------------------------------------------
+    let (s, op) = gw.admin_post("/admin/v1/operators", json!({})).await;
+    assert_eq!(s, 201);
+    let operator = op["id"].as_str().unwrap().to_owned();
+    let (s, acct) = gw.admin_post("/admin/v1/accounts", json!({})).await;
+    assert_eq!(s, 201);
+    let account = acct["id"].as_str().unwrap().to_owned();
+    let (s, key) = gw
+        .admin_post(&format!("/admin/v1/accounts/{account}/keys"), json!({}))
+        .await;
+    assert_eq!(s, 201);
+    let api_key = key["key"].as_str().unwrap().to_owned();
+    let (s, credited) = gw
+        .admin_post(
+            &format!("/admin/v1/accounts/{account}/credits"),
+            json!({"amount_micros": CREDITS, "idempotency_key": "topup-1"}),
+        )
+        .await;
+    assert_eq!((s, credited["applied"].as_bool()), (200, Some(true)));
+    // the same idempotency key again changes nothing
+    let (s, again) = gw
+        .admin_post(
+            &format!("/admin/v1/accounts/{account}/credits"),
+            json!({"amount_micros": CREDITS, "idempotency_key": "topup-1"}),
+        )
+        .await;
+    assert_eq!((s, again["applied"].as_bool()), (200, Some(false)));
+    assert_eq!(gw.balance(&account).await, (CREDITS, 0));
+
+    let (identity, public_key) = keygen(dir.path(), "node.key").await;
+    let (s, node) = gw
+        .admin_post(
+            "/admin/v1/nodes",
+            json!({"operator_id": operator, "public_key": public_key}),
+        )
+        .await;
+    assert_eq!(s, 201, "{node}");
+    let node_id = node["node_id"].as_str().unwrap().to_owned();
+
+    let agent = start_agent(&gw, &identity, &llama.url, "agent");
+    // routable only after the gateway's health probe through the tunnel
+    let mut routable = false;
+    for _ in 0..200 {
+        let (_, nodes) = gw.admin_get("/admin/v1/nodes").await;
+        if nodes["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|n| n["node_id"] == node_id.as_str())
+        {
+            routable = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        routable,
+        "node never became routable; agent stderr:\n{}\ngateway stderr:\n{}",
+        agent.stderr_tail(30),
+        gw.child.stderr_tail(30)
+    );
+
+    let http = reqwest::Client::new();
+    let chat = |body: Value| {
+        http.post(format!("{}/v1/chat/completions", gw.public))
+            .bearer_auth(&api_key)
+            .json(&body)
+            .send()
+    };
+    let messages = json!([{"role": "user", "content": "Name three colors."}]);
+    let mut spent = 0u64;
+    let mut earned = 0u64;
+
+    // --- GET /v1/models ----------------------------------------------------------------------
+    let models: Value = http
+        .get(format!("{}/v1/models", gw.public))
+        .bearer_auth(&api_key)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(models["data"][0]["id"], "smollm2");
+
+    // --- non-streamed ------------------------------------------------------------------------
+    let resp =
+        chat(json!({"model": "smollm2", "messages": messages, "max_tokens": 48, "temperature": 0}))
+            .await
+            .unwrap();
+    assert_eq!(resp.status(), 200);
+    let request_id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
+    let body: Value = resp.json().await.unwrap();
+    let text = body["choices"][0]["message"]["content"].as_str().unwrap();
+    let finish = body["choices"][0]["finish_reason"].as_str().unwrap();
+    assert!(!text.is_empty());
+    let want_prompt = counter.prompt(&messages).await;
+    let want_completion = counter.completion(text, finish).await;
+    assert_eq!(body["usage"]["prompt_tokens"].as_u64(), Some(want_prompt));
+    assert_eq!(
+        body["usage"]["completion_tokens"].as_u64(),
+        Some(want_completion)
+    );
+    let rec = gw.record(&request_id).await;
+    let (c, o, f) = cost(want_prompt, want_completion);
+    assert_eq!(rec["outcome"], "completed");
+    assert_eq!(rec["node"], node_id.as_str());
+    assert_eq!(rec["operator"], operator.as_str());
+    assert_eq!(rec["billed"]["prompt_tokens"].as_u64(), Some(want_prompt));
+    assert_eq!(
+        rec["billed"]["completion_tokens"].as_u64(),
+        Some(want_completion)
+    );
+    assert_eq!(rec["usage_source"], "independent");
+    assert_eq!(rec["cost_micros"].as_u64(), Some(c));
+    assert_eq!(rec["debit_micros"].as_u64(), Some(c));
+    assert_eq!(rec["operator_credit_micros"].as_u64(), Some(o));
+    assert_eq!(rec["fee_micros"].as_u64(), Some(f));
+    spent += c;
+    earned += o;
+    assert_eq!(gw.balance(&account).await, (CREDITS - spent, 0));
+    assert_eq!(gw.earned(&operator).await, earned);
+
+    // --- streamed, without and with include_usage -------------------------------------------
+    for include_usage in [false, true] {
+        let mut req = json!({"model": "smollm2", "messages": messages, "max_tokens": 48,
+                             "temperature": 0, "stream": true});
+        if include_usage {
+            req["stream_options"] = json!({"include_usage": true});
+        }
+        let resp = chat(req).await.unwrap();
+        assert_eq!(resp.status(), 200);
+        assert!(resp.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("text/event-stream"));
+        let request_id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
+        let body = resp.text().await.unwrap();
+        let events = sse_data(&body);
+        assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+        let chunks: Vec<Value> = events[..events.len() - 1]
+            .iter()
+            .map(|e| serde_json::from_str(e).unwrap())
+            .collect();
+        let mut text = String::new();
+        let mut finish = None;
+        for c in &chunks {
+            for choice in c["choices"].as_array().unwrap() {
+                if let Some(t) = choice["delta"]["content"].as_str() {
+                    text.push_str(t);
+                }
+                if let Some(f) = choice["finish_reason"].as_str() {
+                    finish = Some(f.to_owned());
+                }
+            }
+        }
+        let finish = finish.expect("a finish_reason");
+        let usage_chunks: Vec<&Value> = chunks.iter().filter(|c| !c["usage"].is_null()).collect();
+        let want_completion = counter.completion(&text, &finish).await;
+        if include_usage {
+            assert_eq!(usage_chunks.len(), 1, "exactly one usage chunk: {body}");
+            assert_eq!(
+                usage_chunks[0]["usage"]["prompt_tokens"].as_u64(),
+                Some(want_prompt)
+            );
+            assert_eq!(
+                usage_chunks[0]["usage"]["completion_tokens"].as_u64(),
+                Some(want_completion)
+            );
+        } else {
+            assert!(
+                usage_chunks.is_empty(),
+                "no usage chunk unless asked: {body}"
+            );
+        }
+        let rec = gw.record(&request_id).await;
+        let (c, o, f) = cost(want_prompt, want_completion);
+        assert_eq!(rec["outcome"], "completed");
+        assert_eq!(rec["billed"]["prompt_tokens"].as_u64(), Some(want_prompt));
+        assert_eq!(
+            rec["billed"]["completion_tokens"].as_u64(),
+            Some(want_completion)
+        );
+        // the engine's own claim was captured even when the client did not ask for usage
+        assert_eq!(rec["claimed"]["prompt_tokens"].as_u64(), Some(want_prompt));
+        assert_eq!(rec["cost_micros"].as_u64(), Some(c));
+        assert_eq!(rec["operator_credit_micros"].as_u64(), Some(o));
+        assert_eq!(rec["fee_micros"].as_u64(), Some(f));
+        spent += c;
+        earned += o;
+        assert_eq!(gw.balance(&account).await, (CREDITS - spent, 0));
+        assert_eq!(gw.earned(&operator).await, earned);
+    }
+
+    // --- errors in OpenAI's shape ------------------------------------------------------------
+    let resp = chat(json!({"model": "gpt-nope", "messages": messages}))
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 404);
+    assert!(resp.headers().contains_key("x-request-id"));
+    let e: Value = resp.json().await.unwrap();
+    assert_eq!(e["error"]["code"], "model_not_found");
+    let resp = http
+        .post(format!("{}/v1/chat/completions", gw.public))
+        .bearer_auth("sk-spine-wrong")
+        .json(&json!({"model": "smollm2", "messages": messages}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 401);
+    let e: Value = resp.json().await.unwrap();
+    assert_eq!(e["error"]["code"], "invalid_api_key");
+    let resp = http
+        .post(format!("{}/v1/chat/completions", gw.public))
+        .bearer_auth(&api_key)
+        .header("content-type", "application/json")
+        .body("{\"model\": \"smollm2\", \"messages\": [")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 400);
+    let e: Value = resp.json().await.unwrap();
+    assert_eq!(e["error"]["type"], "invalid_request_error");
+    // an account without credit gets 402 before anything is forwarded
+    let (_, poor) = gw.admin_post("/admin/v1/accounts", json!({})).await;
+    let poor = poor["id"].as_str().unwrap().to_owned();
+    let (_, poor_key) = gw
+        .admin_post(&format!("/admin/v1/accounts/{poor}/keys"), json!({}))
+        .await;
+    let resp = http
+        .post(format!("{}/v1/chat/completions", gw.public))
+        .bearer_auth(poor_key["key"].as_str().unwrap())
+        .json(&json!({"model": "smollm2", "messages": messages, "max_tokens": 16}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 402);
+    let e: Value = resp.json().await.unwrap();
+    assert_eq!(e["error"]["code"], "insufficient_quota");
+    assert_eq!(gw.balance(&poor).await, (0, 0));
+
+    // --- the official OpenAI Python SDK, unmodified -------------------------------------------
+    let before = gw.balance(&account).await.0;
+    let out = Command::new(&engine.python)
+        .arg(spine_test_support::workspace_path("scripts/openai_chat.py"))
+        .arg(format!("{}/v1", gw.public))
+        .arg(&api_key)
+        .arg("--json")
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "openai SDK failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let sdk: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(!sdk["nonstream_text"].as_str().unwrap().is_empty(), "{sdk}");
+    assert!(!sdk["stream_text"].as_str().unwrap().is_empty(), "{sdk}");
+    assert_eq!(
+        sdk["stream_usage"]["prompt_tokens"].as_u64(),
+        Some(want_prompt)
+    );
+    assert_eq!(
+        sdk["nonstream_usage"]["prompt_tokens"].as_u64(),
+        Some(want_prompt)
+    );
+    let sdk_cost = |usage: &Value| {
+        cost(
+            usage["prompt_tokens"].as_u64().unwrap(),
+            usage["completion_tokens"].as_u64().unwrap(),
+        )
+        .0
+    };
+    let sdk_spent = sdk_cost(&sdk["nonstream_usage"]) + sdk_cost(&sdk["stream_usage"]);
+    // the usage the SDK saw is exactly what was billed
+    let mut after = before;
+    for _ in 0..100 {
+        after = gw.balance(&account).await.0;
+        if before - after == sdk_spent {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(before - after, sdk_spent);
+
+    // --- an agent whose key was never registered is refused and cannot serve ------------------
+    let (stranger_identity, _) = keygen(dir.path(), "stranger.key").await;
+    let stranger = start_agent(&gw, &stranger_identity, &llama.url, "stranger");
+    let line = stranger
+        .wait_for_stderr("unknown_key", Duration::from_secs(30))
+        .await
+        .unwrap();
+    assert!(line.contains("unknown_key"), "{line}");
+    let (_, nodes) = gw.admin_get("/admin/v1/nodes").await;
+    let ids: Vec<&str> = nodes["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n["node_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, vec![node_id.as_str()]);
+
+    drop(agent);
+    drop(stranger);
+}

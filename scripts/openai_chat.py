@@ -1,0 +1,70 @@
+"""Talk to a spine gateway with the official OpenAI Python SDK, unmodified.
+
+Usage: python openai_chat.py <base_url> <api_key> [--json] [prompt]
+
+Sends one non-streamed and one streamed chat completion (the streamed one asks for usage), prints
+the replies and usage, or with --json one JSON object the tests read.
+"""
+import json
+import sys
+
+from openai import OpenAI
+
+
+def main() -> int:
+    args = [a for a in sys.argv[1:] if a != "--json"]
+    as_json = "--json" in sys.argv
+    base_url, api_key = args[0], args[1]
+    prompt = args[2] if len(args) > 2 else "Name three colors."
+    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": prompt}]
+
+    full = client.chat.completions.create(
+        model="smollm2", messages=messages, max_tokens=48, temperature=0
+    )
+    if not as_json:
+        print("[streamed reply] ", end="", flush=True)
+    raw = client.chat.completions.with_raw_response.create(
+        model="smollm2",
+        messages=messages,
+        max_tokens=48,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    stream_request_id = raw.headers.get("x-request-id")
+    stream = raw.parse()
+    parts, usage, finish = [], None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            if choice.delta.content:
+                parts.append(choice.delta.content)
+                if not as_json:
+                    print(choice.delta.content, end="", flush=True)
+            if choice.finish_reason:
+                finish = choice.finish_reason
+    streamed_text = "".join(parts)
+
+    if as_json:
+        print(json.dumps({
+            "nonstream_text": full.choices[0].message.content,
+            "nonstream_finish_reason": full.choices[0].finish_reason,
+            "nonstream_usage": full.usage.model_dump() if full.usage else None,
+            "stream_text": streamed_text,
+            "stream_finish_reason": finish,
+            "stream_usage": usage.model_dump() if usage else None,
+            "stream_request_id": stream_request_id,
+        }))
+    else:
+        print()
+        print(f"[non-streamed] {full.choices[0].message.content!r}")
+        print(f"[non-streamed usage] {full.usage.prompt_tokens} prompt + {full.usage.completion_tokens} completion tokens")
+        print(f"[streamed usage] {usage.prompt_tokens} prompt + {usage.completion_tokens} completion tokens" if usage else "[streamed] no usage chunk")
+        print(f"[streamed request id] {stream_request_id}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

