@@ -1,7 +1,7 @@
 //! Independent counts against a real llama.cpp `llama-server`.
 //!
-//! Needs `SPINE_LLAMA_SERVER` (the binary) and `SPINE_MODEL_GGUF` (SmolLM2-135M-Instruct); skipped
-//! with a message when `SPINE_LLAMA_SERVER` is not set, fails when it is set and anything is off.
+//! Needs the engine and model from `scripts/setup.sh` (`SPINE_LLAMA_SERVER`, `SPINE_MODEL_GGUF`, or
+//! their default cache paths); fails when they are missing or anything is off.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, missing_docs)]
 
 use std::io::{Read, Write};
@@ -108,22 +108,10 @@ fn cases() -> Vec<Value> {
 
 #[test]
 fn independent_counts_match_llama_server() {
-    let Ok(bin) = std::env::var("SPINE_LLAMA_SERVER") else {
-        eprintln!(
-            "SKIPPED: set SPINE_LLAMA_SERVER (and SPINE_MODEL_GGUF) to run the engine comparison"
-        );
-        return;
-    };
-    let gguf = std::env::var("SPINE_MODEL_GGUF").unwrap_or_else(|_| {
-        format!(
-            "{}/.cache/spine/models/SmolLM2-135M-Instruct.Q4_1.gguf",
-            std::env::var("HOME").unwrap_or_default()
-        )
-    });
-    assert!(
-        std::path::Path::new(&gguf).is_file(),
-        "model file {gguf} is missing (SPINE_MODEL_GGUF)"
-    );
+    // Fails (never skips) when the engine or model is missing: run scripts/setup.sh.
+    let found = spine_test_support::Engine::discover().unwrap();
+    let bin = found.llama_server.display().to_string();
+    let gguf = found.model_gguf.display().to_string();
     let tok = ModelTokenizer::from_gguf(&gguf).unwrap();
     let engine = start(&bin, &gguf);
     let port = engine.port;
