@@ -412,7 +412,8 @@ mod tests {
     }
 
     fn fixture_streams() -> Vec<Vec<u8>> {
-        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/fixtures");
+        let dir = crate::test_support::fixtures_dir();
+        let dir = dir.display();
         let mut out = Vec::new();
         for name in [
             "b_chat_stream_usage.txt",

@@ -8,13 +8,14 @@ use base64::Engine as _;
 
 use crate::tokenizer::ModelTokenizer;
 
-/// The shared fixtures directory (`SPINE_FIXTURES`, default `../../shared/fixtures`).
+/// The fixtures directory (`SPINE_FIXTURES`, default the repository's `fixtures/`, a copy of the
+/// team's shared captures).
 pub(crate) fn fixtures_dir() -> PathBuf {
     std::env::var_os("SPINE_FIXTURES").map_or_else(
         || {
             PathBuf::from(concat!(
                 env!("CARGO_MANIFEST_DIR"),
-                "/../../shared/fixtures"
+                "/../fixtures"
             ))
         },
         PathBuf::from,
