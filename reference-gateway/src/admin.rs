@@ -32,6 +32,14 @@ pub(crate) fn router(state: Arc<AppState>) -> Router {
         .route("/admin/v1/operators/{id}", get(get_operator))
         .route("/admin/v1/nodes", post(register_node).get(list_nodes))
         .route("/admin/v1/requests/{id}", get(get_request))
+        .method_not_allowed_fallback(|req: Request| async move {
+            ApiError::new(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "invalid_request_error",
+                "method_not_allowed",
+                format!("{} is not allowed on {}", req.method(), req.uri().path()),
+            )
+        })
         .fallback(|req: Request| async move {
             ApiError::not_found(format!(
                 "Unknown admin URL: {} {}",
@@ -52,7 +60,7 @@ async fn require_admin(State(state): State<Arc<AppState>>, req: Request, next: N
         .headers()
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
+        .and_then(auth::bearer_token)
         .unwrap_or("");
     // Compare digests so the comparison time does not depend on how much of the token matched.
     if Sha256::digest(presented.as_bytes()) != Sha256::digest(state.admin_token.as_bytes()) {
@@ -100,6 +108,18 @@ fn parse_body<T: for<'de> Deserialize<'de> + Default>(bytes: &[u8]) -> Result<T,
         .map_err(|e| ApiError::invalid_request("invalid_json", format!("invalid JSON body: {e}")))
 }
 
+/// The caller's id if valid, else a fresh `<prefix>_…` id.
+fn checked_id(id: Option<String>, prefix: &str) -> Result<String, ApiError> {
+    match id {
+        None => Ok(auth::new_id(prefix)),
+        Some(id) if auth::valid_id(&id) => Ok(id),
+        Some(_) => Err(ApiError::invalid_request(
+            "invalid_id",
+            "id must be 1-64 characters of [A-Za-z0-9_.-]",
+        )),
+    }
+}
+
 #[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 struct CreateBody {
@@ -110,7 +130,7 @@ struct CreateBody {
 async fn create_account(State(state): State<Arc<AppState>>, body: axum::body::Bytes) -> Response {
     let result = async {
         let body: CreateBody = parse_body(&body)?;
-        let id = AccountId::new(body.id.unwrap_or_else(|| auth::new_id("acct")));
+        let id = AccountId::new(checked_id(body.id, "acct")?);
         state
             .store
             .create_account(&id)
@@ -214,7 +234,7 @@ async fn add_credits(
 async fn create_operator(State(state): State<Arc<AppState>>, body: axum::body::Bytes) -> Response {
     let result = async {
         let body: CreateBody = parse_body(&body)?;
-        let id = OperatorId::new(body.id.unwrap_or_else(|| auth::new_id("op")));
+        let id = OperatorId::new(checked_id(body.id, "op")?);
         state
             .store
             .create_operator(&id)

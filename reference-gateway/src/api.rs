@@ -30,6 +30,7 @@ pub(crate) fn router(state: Arc<AppState>) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(list_models))
         .fallback(unknown_route)
+        .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::middleware::from_fn(request_id))
         .with_state(state)
 }
@@ -53,13 +54,26 @@ async fn unknown_route(req: Request) -> ApiError {
     ))
 }
 
-async fn authenticate(state: &AppState, headers: &http::HeaderMap) -> Result<AccountId, ApiError> {
-    let key_hash = headers
+async fn method_not_allowed(req: Request) -> ApiError {
+    ApiError::new(
+        http::StatusCode::METHOD_NOT_ALLOWED,
+        "invalid_request_error",
+        "method_not_allowed",
+        format!("{} is not allowed on {}", req.method(), req.uri().path()),
+    )
+}
+
+/// SHA-256 of the bearer token, if the request has one.
+fn presented_key_hash(headers: &http::HeaderMap) -> Option<String> {
+    headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(|k| auth::hash_api_key(k.trim()))
-        .ok_or_else(ApiError::unauthorized)?;
+        .and_then(auth::bearer_token)
+        .map(auth::hash_api_key)
+}
+
+async fn authenticate(state: &AppState, key_hash: Option<String>) -> Result<AccountId, ApiError> {
+    let key_hash = key_hash.ok_or_else(ApiError::unauthorized)?;
     match state.store.account_for_key_hash(&key_hash).await {
         Ok(Some(account)) => Ok(account),
         Ok(None) => Err(ApiError::unauthorized()),
@@ -76,7 +90,7 @@ async fn authenticate(state: &AppState, headers: &http::HeaderMap) -> Result<Acc
 }
 
 async fn list_models(State(state): State<Arc<AppState>>, req: Request) -> Response {
-    if let Err(e) = authenticate(&state, req.headers()).await {
+    if let Err(e) = authenticate(&state, presented_key_hash(req.headers())).await {
         return e.into_response();
     }
     let served = state.registry.models();
@@ -90,7 +104,7 @@ async fn list_models(State(state): State<Arc<AppState>>, req: Request) -> Respon
 }
 
 async fn chat_completions(State(state): State<Arc<AppState>>, req: Request) -> Response {
-    let account = match authenticate(&state, req.headers()).await {
+    let account = match authenticate(&state, presented_key_hash(req.headers())).await {
         Ok(a) => a,
         Err(e) => return e.into_response(),
     };
@@ -124,7 +138,7 @@ async fn chat_completions(State(state): State<Arc<AppState>>, req: Request) -> R
     }
 
     match call_stack(state.stack.clone(), upstream).await {
-        Ok(resp) => into_client_response(resp),
+        Ok(resp) => into_client_response(resp).await,
         Err(e) => {
             let err = ApiError::from_stack(&e);
             if err.status.is_server_error() {
@@ -132,6 +146,51 @@ async fn chat_completions(State(state): State<Arc<AppState>>, req: Request) -> R
             }
             err.into_response()
         }
+    }
+}
+
+/// Largest node error body read to extract its message, bytes.
+const MAX_NODE_ERROR_BYTES: usize = 64 * 1024;
+
+/// A node's non-2xx answer in OpenAI's error shape: the node's message is kept, its status mapped
+/// (4xx stays the same 4xx — the engine refused the request; anything else is 502 `node_failure`).
+async fn node_error(resp: http::Response<BoxBody>) -> ApiError {
+    let status = resp.status();
+    let mut body = resp.into_body();
+    let mut buf = Vec::new();
+    while buf.len() < MAX_NODE_ERROR_BYTES {
+        match body.frame().await {
+            Some(Ok(frame)) => {
+                if let Ok(data) = frame.into_data() {
+                    buf.extend_from_slice(&data);
+                }
+            }
+            Some(Err(_)) | None => break,
+        }
+    }
+    let body = buf;
+    let message = serde_json::from_slice::<serde_json::Value>(&body)
+        .ok()
+        .and_then(|v| {
+            v.pointer("/error/message")
+                .and_then(|m| m.as_str())
+                .map(str::to_owned)
+        })
+        .unwrap_or_else(|| String::from_utf8_lossy(&body[..body.len().min(512)]).into_owned());
+    if status.is_client_error() {
+        ApiError::new(
+            status,
+            "invalid_request_error",
+            "upstream_rejected",
+            format!("the node's engine refused the request: {message}"),
+        )
+    } else {
+        ApiError::new(
+            http::StatusCode::BAD_GATEWAY,
+            "api_error",
+            "node_failure",
+            format!("the node's engine failed ({status}): {message}"),
+        )
     }
 }
 
@@ -148,7 +207,10 @@ fn call_stack(
 
 /// The node's response as the caller gets it: status, content type and body; the node's other
 /// headers (server, keep-alive, length of a body the meter may rewrite) stay behind.
-fn into_client_response(resp: http::Response<BoxBody>) -> Response {
+async fn into_client_response(resp: http::Response<BoxBody>) -> Response {
+    if !resp.status().is_success() {
+        return node_error(resp).await.into_response();
+    }
     let (parts, body) = resp.into_parts();
     let mut out = Response::new(Body::new(body));
     *out.status_mut() = parts.status;

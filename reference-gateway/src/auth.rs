@@ -17,6 +17,23 @@ fn random_bytes<const N: usize>() -> [u8; N] {
     buf
 }
 
+/// The token of an `Authorization: Bearer <token>` header value; the scheme is case-insensitive
+/// (RFC 9110 §11.1).
+pub(crate) fn bearer_token(value: &str) -> Option<&str> {
+    let (scheme, token) = value.trim().split_once(' ')?;
+    let token = token.trim();
+    (scheme.eq_ignore_ascii_case("bearer") && !token.is_empty()).then_some(token)
+}
+
+/// Whether `id` is acceptable as a caller-chosen account or operator id: 1–64 of
+/// `[A-Za-z0-9_.-]`.
+pub(crate) fn valid_id(id: &str) -> bool {
+    (1..=64).contains(&id.len())
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'))
+}
+
 /// A fresh API key, shown to its owner once.
 pub(crate) fn new_api_key() -> String {
     format!(
@@ -56,5 +73,24 @@ mod tests {
             "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
         );
         assert_eq!(new_id("acct").len(), "acct_".len() + 24);
+        assert!(valid_id(&new_id("acct")));
+    }
+
+    #[test]
+    fn bearer_scheme_is_case_insensitive() {
+        assert_eq!(bearer_token("Bearer abc"), Some("abc"));
+        assert_eq!(bearer_token("bearer  abc "), Some("abc"));
+        assert_eq!(bearer_token("BEARER abc"), Some("abc"));
+        assert_eq!(bearer_token("Basic abc"), None);
+        assert_eq!(bearer_token("Bearer "), None);
+        assert_eq!(bearer_token("Bearer"), None);
+    }
+
+    #[test]
+    fn ids_are_restricted() {
+        assert!(valid_id("acct_1.a-B"));
+        assert!(!valid_id(""));
+        assert!(!valid_id("../../x y"));
+        assert!(!valid_id(&"a".repeat(65)));
     }
 }

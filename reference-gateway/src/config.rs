@@ -26,6 +26,7 @@ const ENV_KEYS: &[(&str, Kind)] = &[
     ("insecure_plaintext_tunnel", Kind::Bool),
     ("operator_share_bps", Kind::Int),
     ("max_request_body_bytes", Kind::Int),
+    ("shutdown_grace_secs", Kind::Int),
 ];
 
 /// The gateway's configuration (design brief §7).
@@ -68,6 +69,9 @@ pub(crate) struct Config {
     /// Operator's share of each request's cost, in basis points (8000 = 80 %).
     #[serde(default = "default_operator_share_bps")]
     pub(crate) operator_share_bps: u16,
+    /// On SIGTERM, how long streams in flight may take to finish, seconds.
+    #[serde(default = "default_shutdown_grace_secs")]
+    pub(crate) shutdown_grace_secs: u64,
     /// Largest accepted request body, bytes.
     #[serde(default = "default_max_request_body_bytes")]
     pub(crate) max_request_body_bytes: usize,
@@ -111,6 +115,9 @@ fn default_gateway_id() -> String {
 }
 fn default_operator_share_bps() -> u16 {
     8000
+}
+fn default_shutdown_grace_secs() -> u64 {
+    30
 }
 fn default_max_request_body_bytes() -> usize {
     4 * 1024 * 1024

@@ -24,7 +24,10 @@ use spine_router::{NodeRegistry, RouteLayer};
 use spine_transport::{
     NodeAuthenticator, RefusalReason, TunnelEvents, TunnelServer, TunnelServerConfig, TunnelService,
 };
+use std::future::IntoFuture;
+
 use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
 use tower::util::BoxCloneSyncService;
 use tower::ServiceBuilder;
 use tracing_subscriber::EnvFilter;
@@ -43,12 +46,22 @@ struct Cli {
 
 type MainError = Box<dyn std::error::Error + Send + Sync>;
 
+/// `RUST_LOG` (default `info`), with the payload-logging libraries capped at `info`: no prompt or
+/// completion text reaches the log at any level.
+fn log_filter() -> EnvFilter {
+    let mut filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    for target in spine_transport::PAYLOAD_LOGGING_TARGETS {
+        if let Ok(d) = format!("{target}=info").parse() {
+            filter = filter.add_directive(d);
+        }
+    }
+    filter
+}
+
 #[tokio::main]
 async fn main() {
     tracing_subscriber::fmt()
-        .with_env_filter(
-            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
-        )
+        .with_env_filter(log_filter())
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
@@ -175,19 +188,52 @@ async fn run(cli: Cli) -> Result<(), MainError> {
     tracing::info!(%ready, "gateway listening");
     println!("{ready}");
 
+    // Shutdown (SIGTERM / ctrl-c): stop accepting callers and admin calls at once, let streams in
+    // flight finish for up to `shutdown_grace_secs` while tunnels stay up, then stop. Holds of
+    // streams cut off by the deadline are settled `upstream_failed` at the next start.
+    let shutdown = CancellationToken::new();
     let public_app = api::router(state.clone());
     let admin_app = admin::router(state.clone());
-    let public_task = axum::serve(public.tap_io(|s| set_nodelay(s)), public_app)
-        .with_graceful_shutdown(shutdown_signal());
-    let admin_task = axum::serve(admin.tap_io(|s| set_nodelay(s)), admin_app)
-        .with_graceful_shutdown(shutdown_signal());
-    let tunnel_task = tunnel_server.serve(tunnel, tls.map(|t| t.server_config));
+    let mut public_task = tokio::spawn(
+        axum::serve(public.tap_io(|s| set_nodelay(s)), public_app)
+            .with_graceful_shutdown(shutdown.clone().cancelled_owned())
+            .into_future(),
+    );
+    let mut admin_task = tokio::spawn(
+        axum::serve(admin.tap_io(|s| set_nodelay(s)), admin_app)
+            .with_graceful_shutdown(shutdown.clone().cancelled_owned())
+            .into_future(),
+    );
+    let mut tunnel_task = tokio::spawn(tunnel_server.serve(tunnel, tls.map(|t| t.server_config)));
 
-    tokio::select! {
-        r = public_task => r?,
-        r = admin_task => r?,
-        r = tunnel_task => r?,
+    let early_exit = tokio::select! {
+        () = shutdown_signal() => None,
+        r = &mut public_task => Some(("public", r)),
+        r = &mut admin_task => Some(("admin", r)),
+        r = &mut tunnel_task => Some(("tunnel", r)),
+    };
+    if let Some((which, r)) = early_exit {
+        shutdown.cancel();
+        return Err(match r {
+            Ok(Ok(())) => format!("{which} listener stopped unexpectedly").into(),
+            Ok(Err(e)) => format!("{which} listener failed: {e}").into(),
+            Err(e) => format!("{which} listener task failed: {e}").into(),
+        });
     }
+    tracing::info!(
+        grace_secs = config.shutdown_grace_secs,
+        "shutting down: no new requests; waiting for streams in flight"
+    );
+    shutdown.cancel();
+    let grace = std::time::Duration::from_secs(config.shutdown_grace_secs);
+    if tokio::time::timeout(grace, &mut public_task).await.is_err() {
+        tracing::warn!("streams still open after the grace period; closing them");
+        public_task.abort();
+    }
+    admin_task.abort();
+    tunnel_task.abort();
+    // Let settlements spawned by the last streams reach the ledger.
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
     tracing::info!("gateway stopped");
     Ok(())
 }

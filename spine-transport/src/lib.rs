@@ -54,5 +54,17 @@ pub use tls::{
 };
 pub use ws_io::{WsIo, DEFAULT_MAX_WRITE_MESSAGE_BYTES};
 
+/// Log targets of the libraries under the tunnel whose `debug`/`trace` output contains message
+/// payloads (request and response bodies). Applications must cap them at `info` whatever
+/// `RUST_LOG` says, so prompts and completions never reach a log (design brief §9).
+pub const PAYLOAD_LOGGING_TARGETS: &[&str] = &[
+    "tungstenite",
+    "tokio_tungstenite",
+    "h2",
+    "hyper",
+    "hyper_util",
+    "rustls",
+];
+
 /// The tunnel protocol version this crate speaks, sent in challenges and hellos.
 pub const PROTOCOL_VERSION: u32 = 1;
