@@ -3,19 +3,22 @@
 //! `spine-core` holds the types every other spine crate speaks: identifiers ([`NodeId`],
 //! [`ModelId`], [`RequestId`], [`AccountId`], [`OperatorId`]), token [`Usage`] and where it came
 //! from ([`UsageSource`]), how a request ended ([`StreamOutcome`]), what a node says about itself
-//! ([`NodeDescriptor`]) and the [`RequestPeek`]: the handful of fields the gateway reads from an
-//! OpenAI request body without touching the rest.
+//! ([`NodeDescriptor`]), the [`RequestPeek`]: the handful of fields the gateway reads from an
+//! OpenAI request body without touching the rest, [`validate_chat_messages`], and the
+//! [`NodeSlot`] through which the router tells the metering layer which node it picked.
 //!
 //! It starts no runtime and does no I/O (design brief §3).
 
 mod ids;
 mod node;
 mod peek;
+mod slot;
 mod usage;
 
 pub use ids::{AccountId, ModelId, NodeId, OperatorId, RequestId};
 pub use node::{EngineKind, ModelDescriptor, NodeDescriptor};
-pub use peek::{PeekError, RequestPeek};
+pub use peek::{validate_chat_messages, PeekError, RequestPeek};
+pub use slot::NodeSlot;
 pub use usage::{StreamOutcome, Usage, UsageSource};
 
 /// A type-erased error, as tower and hyper use it.

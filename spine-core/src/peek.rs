@@ -1,5 +1,6 @@
 use serde::Deserialize;
 use serde_json::value::RawValue;
+use serde_json::Value;
 
 use crate::ModelId;
 
@@ -44,6 +45,98 @@ pub enum PeekError {
         /// What was expected.
         expected: &'static str,
     },
+    /// A chat `messages` entry is malformed or not supported (see [`validate_chat_messages`]).
+    #[error("invalid value for '{path}': {reason}")]
+    InvalidMessage {
+        /// Where, as OpenAI names it: `messages`, `messages[0].content`,
+        /// `messages[1].content[2].type`, ...
+        path: String,
+        /// What is wrong.
+        reason: &'static str,
+    },
+}
+
+const CONTENT_EXPECTED: &str =
+    "expected a string or an array of content parts (null only for an assistant message with tool_calls)";
+
+fn invalid(path: String, reason: &'static str) -> PeekError {
+    PeekError::InvalidMessage { path, reason }
+}
+
+/// Checks the `messages` of a chat completion body before anything is counted or forwarded
+/// (OpenAI API reference, chat completions; design brief §7: a malformed request is a 400 and is
+/// never forwarded).
+///
+/// `messages` must be a non-empty array of objects, each with a string `role`, and a `content`
+/// that is
+/// - a string, or
+/// - an array of content parts, each `{"type":"text","text":<string>}` — any other part type
+///   (`image_url`, `input_audio`, `file`, ...) is refused, because the text models spine serves
+///   cannot take it, or
+/// - `null` or absent, only for an `assistant` message with a non-empty `tool_calls` array.
+///
+/// # Errors
+///
+/// [`PeekError::InvalidMessage`] naming the first offending path, e.g. `messages[0].content` or
+/// `messages[0].content[1].type` (reason `unsupported content part type for this model`);
+/// [`PeekError::NotObject`] when `body` is not an object.
+pub fn validate_chat_messages(body: &Value) -> Result<(), PeekError> {
+    let body = body.as_object().ok_or(PeekError::NotObject)?;
+    let messages = body
+        .get("messages")
+        .and_then(Value::as_array)
+        .filter(|m| !m.is_empty())
+        .ok_or_else(|| {
+            invalid(
+                "messages".to_owned(),
+                "expected a non-empty array of message objects",
+            )
+        })?;
+    for (i, message) in messages.iter().enumerate() {
+        let message = message
+            .as_object()
+            .ok_or_else(|| invalid(format!("messages[{i}]"), "expected an object"))?;
+        let role = message
+            .get("role")
+            .and_then(Value::as_str)
+            .ok_or_else(|| invalid(format!("messages[{i}].role"), "expected a string"))?;
+        match message.get("content") {
+            Some(Value::String(_)) => {}
+            Some(Value::Array(parts)) => {
+                for (j, part) in parts.iter().enumerate() {
+                    let path = format!("messages[{i}].content[{j}]");
+                    let part = part
+                        .as_object()
+                        .ok_or_else(|| invalid(path.clone(), "expected an object"))?;
+                    match part.get("type").and_then(Value::as_str) {
+                        Some("text") => {
+                            if !part.get("text").is_some_and(Value::is_string) {
+                                return Err(invalid(format!("{path}.text"), "expected a string"));
+                            }
+                        }
+                        Some(_) => {
+                            return Err(invalid(
+                                format!("{path}.type"),
+                                "unsupported content part type for this model",
+                            ))
+                        }
+                        None => return Err(invalid(format!("{path}.type"), "expected a string")),
+                    }
+                }
+            }
+            None | Some(Value::Null) => {
+                let tool_calls = message
+                    .get("tool_calls")
+                    .and_then(Value::as_array)
+                    .is_some_and(|t| !t.is_empty());
+                if role != "assistant" || !tool_calls {
+                    return Err(invalid(format!("messages[{i}].content"), CONTENT_EXPECTED));
+                }
+            }
+            Some(_) => return Err(invalid(format!("messages[{i}].content"), CONTENT_EXPECTED)),
+        }
+    }
+    Ok(())
 }
 
 #[derive(Deserialize)]
@@ -238,6 +331,105 @@ mod tests {
                 field: "max_tokens",
                 expected: "a non-negative integer"
             })
+        );
+    }
+
+    fn msg_err(body: serde_json::Value) -> Result<(), PeekError> {
+        validate_chat_messages(&body)
+    }
+
+    fn at(path: &str, reason: &'static str) -> Result<(), PeekError> {
+        Err(PeekError::InvalidMessage {
+            path: path.to_owned(),
+            reason,
+        })
+    }
+
+    #[test]
+    fn valid_messages_pass() {
+        use serde_json::json;
+        assert_eq!(
+            msg_err(json!({"messages":[
+                {"role":"system","content":"be brief"},
+                {"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]},
+                {"role":"assistant","content":null,"tool_calls":[{"id":"c1","type":"function","function":{"name":"f","arguments":"{}"}}]},
+                {"role":"assistant","tool_calls":[{"id":"c2"}]},
+                {"role":"tool","tool_call_id":"c1","content":"42"}
+            ]})),
+            Ok(())
+        );
+    }
+
+    #[test]
+    fn malformed_messages_name_the_exact_path() {
+        use serde_json::json;
+        let m = "expected a non-empty array of message objects";
+        assert_eq!(msg_err(json!({"model":"m"})), at("messages", m));
+        assert_eq!(msg_err(json!({"messages":[]})), at("messages", m));
+        assert_eq!(msg_err(json!({"messages":"hi"})), at("messages", m));
+        assert_eq!(msg_err(json!([])), Err(PeekError::NotObject));
+        assert_eq!(
+            msg_err(json!({"messages":["hi"]})),
+            at("messages[0]", "expected an object")
+        );
+        assert_eq!(
+            msg_err(json!({"messages":[{"content":"x"}]})),
+            at("messages[0].role", "expected a string")
+        );
+        assert_eq!(
+            msg_err(json!({"messages":[{"role":1,"content":"x"}]})),
+            at("messages[0].role", "expected a string")
+        );
+        assert_eq!(
+            msg_err(
+                json!({"messages":[{"role":"user","content":"ok"},{"role":"user","content":5}]})
+            ),
+            at("messages[1].content", CONTENT_EXPECTED)
+        );
+        assert_eq!(
+            msg_err(json!({"messages":[{"role":"user","content":{"text":"x"}}]})),
+            at("messages[0].content", CONTENT_EXPECTED)
+        );
+        assert_eq!(
+            msg_err(json!({"messages":[{"role":"user"}]})),
+            at("messages[0].content", CONTENT_EXPECTED)
+        );
+        assert_eq!(
+            msg_err(json!({"messages":[{"role":"user","content":null,"tool_calls":[{"id":"c"}]}]})),
+            at("messages[0].content", CONTENT_EXPECTED)
+        );
+        assert_eq!(
+            msg_err(json!({"messages":[{"role":"assistant","content":null,"tool_calls":[]}]})),
+            at("messages[0].content", CONTENT_EXPECTED)
+        );
+        assert_eq!(
+            msg_err(
+                json!({"messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"image_url","image_url":{"url":"x"}}]}]})
+            ),
+            at(
+                "messages[0].content[1].type",
+                "unsupported content part type for this model"
+            )
+        );
+        assert_eq!(
+            msg_err(json!({"messages":[{"role":"user","content":[{"type":"text"}]}]})),
+            at("messages[0].content[0].text", "expected a string")
+        );
+        assert_eq!(
+            msg_err(json!({"messages":[{"role":"user","content":[{"text":"a"}]}]})),
+            at("messages[0].content[0].type", "expected a string")
+        );
+        assert_eq!(
+            msg_err(json!({"messages":[{"role":"user","content":["a"]}]})),
+            at("messages[0].content[0]", "expected an object")
+        );
+        assert_eq!(
+            PeekError::InvalidMessage {
+                path: "messages[0].content[1].type".into(),
+                reason: "unsupported content part type for this model"
+            }
+            .to_string(),
+            "invalid value for 'messages[0].content[1].type': unsupported content part type for this model"
         );
     }
 

@@ -4,7 +4,7 @@ use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
-use spine_core::{BoxBody, BoxError, RequestPeek};
+use spine_core::{BoxBody, BoxError, NodeSlot, RequestPeek};
 use tower::{Layer, Service};
 
 use crate::{InFlightLease, NodeRegistry, RouteError};
@@ -36,8 +36,10 @@ impl<S> Layer<S> for RouteLayer {
 /// Picks a node for each request and hands the request to the inner (transport) service.
 ///
 /// Reads the model from the [`RequestPeek`] request extension, inserts the picked
-/// [`NodeId`](spine_core::NodeId) into the request extensions, and keeps the request counted in
-/// flight on that node until the response body ends or is dropped.
+/// [`NodeId`](spine_core::NodeId) into the request extensions, records it in the request's
+/// [`NodeSlot`] extension when there is one (the metering layer reads it if the caller goes away
+/// before the response head), and keeps the request counted in flight on that node until the
+/// response body ends or is dropped.
 ///
 /// # Errors
 ///
@@ -91,6 +93,9 @@ where
         match lease {
             Ok(lease) => {
                 tracing::debug!(node = %lease.node(), "routed");
+                if let Some(slot) = req.extensions().get::<NodeSlot>() {
+                    slot.set(lease.node().clone());
+                }
                 req.extensions_mut().insert(lease.node().clone());
                 ResponseFuture {
                     state: State::Called {
@@ -236,16 +241,23 @@ mod tests {
         let svc = RouteLayer::new(registry.clone()).layer(inner);
         let mut req = http::Request::new(body(""));
         req.extensions_mut().insert(peek("m"));
+        let slot = NodeSlot::new();
+        req.extensions_mut().insert(slot.clone());
         let resp = svc.clone().oneshot(req).await.unwrap();
+        assert_eq!(slot.get(), Some(NodeId::new("n1")));
         assert_eq!(registry.snapshot()[0].in_flight, 1);
         // capacity 1: a second request is refused while the first body is alive
         let mut req2 = http::Request::new(body(""));
         req2.extensions_mut().insert(peek("m"));
+        let refused_slot = NodeSlot::new();
+        req2.extensions_mut().insert(refused_slot.clone());
         let err = svc.clone().oneshot(req2).await.unwrap_err();
         assert_eq!(
             err.downcast_ref::<RouteError>(),
             Some(&RouteError::AtCapacity(ModelId::new("m")))
         );
+        // no node picked: the slot stays empty
+        assert_eq!(refused_slot.get(), None);
         let bytes = resp.into_body().collect().await.unwrap().to_bytes();
         assert_eq!(&bytes[..], b"ok");
         assert_eq!(registry.snapshot()[0].in_flight, 0);
