@@ -112,6 +112,14 @@ async fn run(cli: Cli) -> Result<(), MainError> {
     std::fs::create_dir_all(&config.data_dir)?;
 
     let store = Arc::new(SqliteLedger::open(config.database_path()?).await?);
+    // single instance: no request of a previous run is in flight; holds it left are stale
+    let stale_holds = store.settle_stale_holds().await?;
+    if stale_holds > 0 {
+        tracing::warn!(
+            stale_holds,
+            "settled holds left active by the previous run as upstream_failed"
+        );
+    }
 
     let mut catalog = Catalog::new();
     for m in &config.models {

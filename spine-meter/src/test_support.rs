@@ -12,12 +12,7 @@ use crate::tokenizer::ModelTokenizer;
 /// team's shared captures).
 pub(crate) fn fixtures_dir() -> PathBuf {
     std::env::var_os("SPINE_FIXTURES").map_or_else(
-        || {
-            PathBuf::from(concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/../fixtures"
-            ))
-        },
+        || PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../fixtures")),
         PathBuf::from,
     )
 }

@@ -9,8 +9,9 @@
 //!
 //! Message normalisation follows llama.cpp's `common/chat.cpp` for templates that only take string
 //! content: a string `content` is used as is; an array of content parts is joined into one string
-//! with `\n` between `{"type":"text"}` parts (other part types are ignored); a missing or `null`
-//! content is `""`.
+//! with `\n` between `{"type":"text"}` parts (other part types are ignored here; the metering
+//! layer refuses them before counting, see `spine_core::validate_chat_messages`); a missing or
+//! `null` content is `""`.
 
 use std::path::Path;
 

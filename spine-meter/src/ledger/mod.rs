@@ -57,6 +57,13 @@ pub enum LedgerError {
         /// What was duplicated.
         what: &'static str,
     },
+    /// An idempotency key was reused for a different operation (a credit to another account,
+    /// or of another amount); nothing was changed.
+    #[error("idempotency key {idempotency_key:?} was already used for a different credit")]
+    IdempotencyConflict {
+        /// The key.
+        idempotency_key: String,
+    },
     /// An amount does not fit the store's signed 64-bit integers.
     #[error("amount out of range")]
     OutOfRange,
@@ -162,7 +169,8 @@ pub struct RequestRecord {
 
 /// What the metering layer needs from a ledger. Object safe: use as `Arc<dyn Ledger>`.
 pub trait Ledger: Send + Sync + std::fmt::Debug + 'static {
-    /// Places a hold of `amount_micros` on `account` for `request_id`.
+    /// Places a hold of `amount_micros` on `account` for `request_id`, a request for `model`
+    /// (recorded so that a hold left active by a crash can be settled with a full record).
     ///
     /// # Errors
     ///
@@ -177,6 +185,7 @@ pub trait Ledger: Send + Sync + std::fmt::Debug + 'static {
         &self,
         request_id: RequestId,
         account: AccountId,
+        model: ModelId,
         amount_micros: u64,
     ) -> LedgerFuture<'_, ()>;
 

@@ -17,12 +17,13 @@ use spine_core::{
 use super::{
     AccountBalance, Ledger, LedgerError, LedgerFuture, RequestRecord, SettleResult, Settlement,
 };
-use crate::price::split;
+use crate::price::{split, Price};
 
 /// Schema migrations, applied in order, each once (recorded in `spine_schema_migrations`).
-const MIGRATIONS: &[(i64, &str)] = &[(
-    1,
-    r#"
+const MIGRATIONS: &[(i64, &str)] = &[
+    (
+        1,
+        r#"
 CREATE TABLE accounts (
     id TEXT PRIMARY KEY,
     balance_micros INTEGER NOT NULL DEFAULT 0 CHECK (balance_micros >= 0),
@@ -92,7 +93,16 @@ CREATE TABLE ledger_entries (
 );
 CREATE INDEX ledger_entries_ref ON ledger_entries(ref);
 "#,
-)];
+    ),
+    (
+        2,
+        // the model of a hold, so a hold left active by a crash can be settled with a full
+        // request record (`SqliteLedger::settle_stale_holds`); NULL for holds placed before
+        r#"
+ALTER TABLE holds ADD COLUMN model TEXT;
+"#,
+    ),
+];
 
 /// The ledger and gateway store on SQLite.
 ///
@@ -246,11 +256,14 @@ impl SqliteLedger {
     }
 
     /// Adds credits to an account, once per `idempotency_key`. Returns `true` when applied,
-    /// `false` when the key was already used (nothing changes).
+    /// `false` when the key was already used for the same account and amount (a retry: nothing
+    /// changes).
     ///
     /// # Errors
     ///
-    /// [`LedgerError::UnknownAccount`], [`LedgerError::OutOfRange`].
+    /// [`LedgerError::IdempotencyConflict`] when the key was already used for a different
+    /// account or amount (nothing changes); [`LedgerError::UnknownAccount`],
+    /// [`LedgerError::OutOfRange`].
     pub async fn add_credits(
         &self,
         account: &AccountId,
@@ -273,16 +286,25 @@ impl SqliteLedger {
         .map_err(db)?
         .rows_affected();
         if inserted == 0 {
-            let used: Option<i64> =
-                sqlx::query_scalar("SELECT 1 FROM credits WHERE idempotency_key = ?")
-                    .bind(idempotency_key)
-                    .fetch_optional(&mut *tx)
-                    .await
-                    .map_err(db)?;
+            let used = sqlx::query(
+                "SELECT account_id, amount_micros FROM credits WHERE idempotency_key = ?",
+            )
+            .bind(idempotency_key)
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(db)?;
             tx.rollback().await.map_err(db)?;
-            return match used {
-                Some(_) => Ok(false),
-                None => Err(LedgerError::UnknownAccount(account.clone())),
+            let Some(row) = used else {
+                return Err(LedgerError::UnknownAccount(account.clone()));
+            };
+            let used_account: String = row.try_get("account_id").map_err(db)?;
+            let used_amount: i64 = row.try_get("amount_micros").map_err(db)?;
+            return if used_account == account.as_str() && used_amount == amount {
+                Ok(false)
+            } else {
+                Err(LedgerError::IdempotencyConflict {
+                    idempotency_key: idempotency_key.to_owned(),
+                })
             };
         }
         let updated = sqlx::query(
@@ -486,6 +508,56 @@ impl SqliteLedger {
         Ok(OperatorId::from(id))
     }
 
+    /// Settles every hold still active as `upstream_failed` and returns how many it settled.
+    ///
+    /// For a gateway starting after a crash or an unclean shutdown: no request of a previous run
+    /// can still be in flight, so each active hold belongs to a request whose ending was never
+    /// recorded. Each is settled through [`Ledger::settle`]'s rules with outcome
+    /// `upstream_failed`, node unknown, billed usage 0: the caller pays nothing, the hold is
+    /// released, nobody is credited, and a request record is written (its model is the one the
+    /// hold recorded, `unknown` for holds placed before schema migration 2).
+    ///
+    /// Call it only when no request is in flight on this store: at start-up, before serving, and
+    /// only in single-instance mode (another instance's holds would be settled too).
+    ///
+    /// # Errors
+    ///
+    /// [`LedgerError::Database`], [`LedgerError::Corrupt`]. Holds settled before the error stay
+    /// settled; calling again settles the rest.
+    pub async fn settle_stale_holds(&self) -> Result<u64, LedgerError> {
+        let rows = sqlx::query(
+            "SELECT request_id, account_id, model FROM holds WHERE state = 'held' ORDER BY created_at_ms, request_id",
+        )
+        .fetch_all(&self.pool)
+        .await
+        .map_err(db)?;
+        let mut settled = 0;
+        for row in rows {
+            let request_id: String = row.try_get("request_id").map_err(db)?;
+            let account: String = row.try_get("account_id").map_err(db)?;
+            let model: Option<String> = row.try_get("model").map_err(db)?;
+            let result = self
+                .settle_impl(Settlement {
+                    request_id: RequestId::from(request_id),
+                    account: AccountId::from(account),
+                    node: None,
+                    model: ModelId::from(model.unwrap_or_else(|| "unknown".to_owned())),
+                    outcome: StreamOutcome::UpstreamFailed,
+                    billed: Usage::default(),
+                    claimed: None,
+                    usage_source: UsageSource::Independent,
+                    discrepancy: false,
+                    price: Price::default(),
+                    share_bps: 0,
+                })
+                .await?;
+            if !result.already_settled {
+                settled += 1;
+            }
+        }
+        Ok(settled)
+    }
+
     /// Sum of all ledger entries, micros; zero unless the books are broken.
     ///
     /// # Errors
@@ -502,6 +574,7 @@ impl SqliteLedger {
         &self,
         request_id: RequestId,
         account: AccountId,
+        model: ModelId,
         amount_micros: u64,
     ) -> Result<(), LedgerError> {
         let amount = to_i64(amount_micros)?;
@@ -531,10 +604,11 @@ impl SqliteLedger {
             };
         }
         let r = sqlx::query(
-            "INSERT INTO holds (request_id, account_id, amount_micros, state, created_at_ms) VALUES (?, ?, ?, 'held', ?)",
+            "INSERT INTO holds (request_id, account_id, model, amount_micros, state, created_at_ms) VALUES (?, ?, ?, ?, 'held', ?)",
         )
         .bind(request_id.as_str())
         .bind(account.as_str())
+        .bind(model.as_str())
         .bind(amount)
         .bind(now_ms())
         .execute(&mut *tx)
@@ -800,9 +874,10 @@ impl Ledger for SqliteLedger {
         &self,
         request_id: RequestId,
         account: AccountId,
+        model: ModelId,
         amount_micros: u64,
     ) -> LedgerFuture<'_, ()> {
-        Box::pin(self.hold_impl(request_id, account, amount_micros))
+        Box::pin(self.hold_impl(request_id, account, model, amount_micros))
     }
 
     fn release(&self, request_id: RequestId) -> LedgerFuture<'_, ()> {

@@ -3,7 +3,7 @@ use std::fmt;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use indexmap::IndexMap;
 use serde_json::value::RawValue;
@@ -11,6 +11,7 @@ use serde_json::Value;
 use spine_core::{BoxError, StreamOutcome, Usage};
 
 use super::settle::SettleCtx;
+use super::MeterError;
 use crate::sse::{SseEvent, SseParser};
 
 type JsonMap = IndexMap<String, Box<RawValue>>;
@@ -33,9 +34,8 @@ pin_project_lite::pin_project! {
     /// choices all finished gets a `[DONE]` even when the node did not send one; a stream that
     /// ends early gets an OpenAI-shaped error event instead.
     ///
-    /// **Non-streamed**: buffers the JSON (up to the configured limit), counts
-    /// `choices[].message.content` (or `choices[].text`) and rewrites `usage` to the billed
-    /// counts.
+    /// Non-streamed responses are not wrapped: [`Meter`](super::Meter) buffers and meters them
+    /// before it returns the response head.
     ///
     /// # End of stream
     ///
@@ -43,9 +43,10 @@ pin_project_lite::pin_project! {
     /// (`[DONE]`, end of body, or `is_end_stream()` after a data frame), a body error, or drop
     /// before the end (the client went away: `client_cancelled`, the caller pays the prompt plus
     /// the completion tokens delivered, without EOS). A stream with an error event, or whose
-    /// choices did not all get a `finish_reason`, settles `upstream_failed`. A completed stream
-    /// bills the independent prompt count plus, per choice, the delivered text's tokens plus one
-    /// EOS for `finish_reason == "stop"`.
+    /// requested choices did not all get a `finish_reason`, settles `upstream_failed`. A
+    /// completed stream bills the independent prompt count plus, per requested choice, the
+    /// delivered text's tokens plus one EOS for `finish_reason == "stop"`, capped as the
+    /// [module docs](super) state. Choices with an index `>= n` are forwarded but never billed.
     pub struct MeterBody<B> {
         #[pin]
         inner: B,
@@ -59,18 +60,12 @@ struct Choice {
     finish_reason: Option<String>,
 }
 
-enum Mode {
-    Stream {
-        parser: Box<SseParser>,
-        include_usage: bool,
-        usage_template: Option<JsonMap>,
-        meta: JsonMap,
-        done_raw: Option<Bytes>,
-    },
-    Buffered {
-        buf: BytesMut,
-        limit_bytes: usize,
-    },
+struct Stream {
+    parser: Box<SseParser>,
+    include_usage: bool,
+    usage_template: Option<JsonMap>,
+    meta: JsonMap,
+    done_raw: Option<Bytes>,
 }
 
 struct Out {
@@ -79,7 +74,7 @@ struct Out {
 }
 
 struct State {
-    mode: Mode,
+    stream: Stream,
     ctx: Option<SettleCtx>,
     choices: BTreeMap<u64, Choice>,
     claimed: Option<Usage>,
@@ -115,15 +110,7 @@ impl Drop for State {
     fn drop(&mut self) {
         // the body went away before the end: the client left
         if let Some(ctx) = self.ctx.take() {
-            let completion_tokens = self
-                .choices
-                .values()
-                .map(|c| ctx.tokenizer.count_text(&c.delivered))
-                .sum();
-            let billed = Usage {
-                prompt_tokens: ctx.prompt_tokens,
-                completion_tokens,
-            };
+            let billed = self.billed(&ctx, false);
             let outcome = if self.error_seen {
                 StreamOutcome::UpstreamFailed
             } else {
@@ -136,35 +123,16 @@ impl Drop for State {
 
 impl<B> MeterBody<B> {
     pub(crate) fn streaming(inner: B, ctx: SettleCtx, include_usage: bool) -> Self {
-        Self::new(
-            inner,
-            ctx,
-            Mode::Stream {
-                parser: Box::new(SseParser::new()),
-                include_usage,
-                usage_template: None,
-                meta: JsonMap::new(),
-                done_raw: None,
-            },
-        )
-    }
-
-    pub(crate) fn buffered(inner: B, ctx: SettleCtx, limit_bytes: usize) -> Self {
-        Self::new(
-            inner,
-            ctx,
-            Mode::Buffered {
-                buf: BytesMut::new(),
-                limit_bytes,
-            },
-        )
-    }
-
-    fn new(inner: B, ctx: SettleCtx, mode: Mode) -> Self {
         Self {
             inner,
             state: State {
-                mode,
+                stream: Stream {
+                    parser: Box::new(SseParser::new()),
+                    include_usage,
+                    usage_template: None,
+                    meta: JsonMap::new(),
+                    done_raw: None,
+                },
                 ctx: Some(ctx),
                 choices: BTreeMap::new(),
                 claimed: None,
@@ -246,6 +214,90 @@ fn read_choices(raw: &RawValue) -> Vec<(u64, Option<String>, Option<String>)> {
         .collect()
 }
 
+/// The usage billed for `choices` (requested choices only): the prompt plus each choice's
+/// capped completion tokens, with EOS only when `with_eos` (a completed response).
+fn billed_usage(ctx: &SettleCtx, choices: &BTreeMap<u64, Choice>, with_eos: bool) -> Usage {
+    let completion_tokens = choices
+        .values()
+        .map(|c| ctx.choice_completion_tokens(&c.delivered, c.finish_reason.as_deref(), with_eos))
+        .fold(0u64, u64::saturating_add);
+    Usage {
+        prompt_tokens: ctx.prompt_tokens,
+        completion_tokens,
+    }
+}
+
+/// Meters a complete non-streamed 2xx response body and settles.
+///
+/// A usable completion (a JSON object without a non-null `error`, with at least one requested
+/// choice, every requested choice with a `finish_reason`) settles `completed` and comes back
+/// with `usage` rewritten to the billed counts. Anything else settles `upstream_failed` (the
+/// caller pays nothing) and is a [`MeterError::UpstreamInvalid`].
+pub(crate) fn meter_json(ctx: SettleCtx, body: &[u8]) -> Result<Bytes, MeterError> {
+    let fail = |ctx: SettleCtx, billed: Usage, claimed: Option<Usage>, why: String| {
+        tracing::warn!(request_id = %ctx.request_id, reason = %why, "invalid node response");
+        ctx.settle(StreamOutcome::UpstreamFailed, billed, claimed);
+        Err(MeterError::UpstreamInvalid(why))
+    };
+    let nothing = Usage {
+        prompt_tokens: ctx.prompt_tokens,
+        completion_tokens: 0,
+    };
+    let Ok(mut map) = serde_json::from_slice::<JsonMap>(body) else {
+        return fail(
+            ctx,
+            nothing,
+            None,
+            "the body is not a JSON object".to_owned(),
+        );
+    };
+    let claimed = map.get("usage").and_then(|u| usage_claim(u));
+    if !State::is_null(map.get("error").map(|b| &**b)) {
+        return fail(
+            ctx,
+            nothing,
+            claimed,
+            "the body carries an error".to_owned(),
+        );
+    }
+    let mut choices: BTreeMap<u64, Choice> = BTreeMap::new();
+    for (index, content, finish) in map
+        .get("choices")
+        .map(|c| read_choices(c))
+        .unwrap_or_default()
+    {
+        if !ctx.is_requested_choice(index) {
+            continue;
+        }
+        let choice = choices.entry(index).or_default();
+        choice.finish_reason = finish;
+        choice.delivered.push_str(content.as_deref().unwrap_or(""));
+    }
+    if choices.is_empty() {
+        return fail(ctx, nothing, claimed, "the body has no choices".to_owned());
+    }
+    if let Some((index, _)) = choices.iter().find(|(_, c)| c.finish_reason.is_none()) {
+        let why = format!("choice {index} has no finish_reason");
+        let billed = billed_usage(&ctx, &choices, false);
+        return fail(ctx, billed, claimed, why);
+    }
+    let billed = billed_usage(&ctx, &choices, true);
+    map.insert("usage".to_owned(), usage_json(&billed));
+    let bytes = match serde_json::to_vec(&map) {
+        Ok(v) => Bytes::from(v),
+        Err(e) => {
+            return fail(
+                ctx,
+                nothing,
+                claimed,
+                format!("cannot re-encode the body: {e}"),
+            )
+        }
+    };
+    ctx.settle(StreamOutcome::Completed, billed, claimed);
+    Ok(bytes)
+}
+
 impl State {
     fn is_null(raw: Option<&RawValue>) -> bool {
         raw.is_none_or(|r| r.get().trim() == "null")
@@ -256,15 +308,12 @@ impl State {
         if self.upstream_done {
             return;
         }
-        let Mode::Stream {
+        let Stream {
             usage_template,
             meta,
             done_raw,
             ..
-        } = &mut self.mode
-        else {
-            return;
-        };
+        } = &mut self.stream;
         if ev.data().trim() == "[DONE]" {
             *done_raw = Some(if ev.is_data_only() {
                 ev.raw().clone()
@@ -303,6 +352,14 @@ impl State {
             .unwrap_or_default();
         let mut text = Vec::new();
         for (index, content, finish) in choices.iter().cloned() {
+            // forwarded, but a choice the caller did not ask for is never billed
+            if !self
+                .ctx
+                .as_ref()
+                .is_some_and(|c| c.is_requested_choice(index))
+            {
+                continue;
+            }
             let choice = self.choices.entry(index).or_default();
             if let Some(f) = finish {
                 choice.finish_reason = Some(f);
@@ -333,22 +390,7 @@ impl State {
     }
 
     fn billed(&self, ctx: &SettleCtx, with_eos: bool) -> Usage {
-        let completion_tokens = self
-            .choices
-            .values()
-            .map(|c| {
-                if with_eos {
-                    ctx.tokenizer
-                        .completion_tokens(&c.delivered, c.finish_reason.as_deref())
-                } else {
-                    ctx.tokenizer.count_text(&c.delivered)
-                }
-            })
-            .sum();
-        Usage {
-            prompt_tokens: ctx.prompt_tokens,
-            completion_tokens,
-        }
+        billed_usage(ctx, &self.choices, with_eos)
     }
 
     /// The node's stream ended (every queued event already delivered): decide, queue the tail,
@@ -361,16 +403,13 @@ impl State {
             && !self.choices.is_empty()
             && self.choices.values().all(|c| c.finish_reason.is_some());
         let billed = self.billed(&ctx, completed);
-        let Mode::Stream {
+        let Stream {
             include_usage,
             usage_template,
             meta,
             done_raw,
             ..
-        } = &mut self.mode
-        else {
-            return;
-        };
+        } = &mut self.stream;
         if completed {
             if *include_usage {
                 let mut chunk = usage_template.take().unwrap_or_else(|| {
@@ -406,84 +445,17 @@ impl State {
         }
     }
 
-    /// The node's non-streamed body is complete.
-    fn finish_buffered(&mut self) {
-        let Some(ctx) = self.ctx.take() else {
-            return;
-        };
-        let Mode::Buffered { buf, .. } = &mut self.mode else {
-            return;
-        };
-        let body = buf.split().freeze();
-        let Ok(mut map) = serde_json::from_slice::<JsonMap>(&body) else {
-            self.queue.push_back(Out {
-                bytes: body,
-                text: Vec::new(),
-            });
-            let billed = self.billed(&ctx, false);
-            ctx.settle(StreamOutcome::UpstreamFailed, billed, None);
-            return;
-        };
-        if let Some(claim) = map.get("usage").and_then(|u| usage_claim(u)) {
-            self.claimed = Some(claim);
-        }
-        let choices = map
-            .get("choices")
-            .map(|c| read_choices(c))
-            .unwrap_or_default();
-        for (index, content, finish) in choices {
-            let choice = self.choices.entry(index).or_default();
-            choice.finish_reason = finish;
-            choice.delivered.push_str(content.as_deref().unwrap_or(""));
-        }
-        let completed = !Self::is_null(map.get("error").map(|b| &**b))
-            || self.choices.is_empty()
-            || self.choices.values().any(|c| c.finish_reason.is_none());
-        let completed = !completed;
-        let billed = self.billed(&ctx, completed);
-        if completed {
-            map.insert("usage".to_owned(), usage_json(&billed));
-            let bytes = serde_json::to_vec(&map).map(Bytes::from).unwrap_or(body);
-            self.queue.push_back(Out {
-                bytes,
-                text: Vec::new(),
-            });
-            ctx.settle(StreamOutcome::Completed, billed, self.claimed);
-        } else {
-            self.queue.push_back(Out {
-                bytes: body,
-                text: Vec::new(),
-            });
-            ctx.settle(StreamOutcome::UpstreamFailed, billed, self.claimed);
-        }
-    }
-
     fn on_data(&mut self, data: &[u8]) {
-        match &mut self.mode {
-            Mode::Stream { parser, .. } => {
-                let mut events = std::mem::take(&mut self.scratch);
-                let res = parser.feed(data, &mut events);
-                for ev in &events {
-                    self.on_event(ev);
-                }
-                events.clear();
-                self.scratch = events;
-                if let Err(e) = res {
-                    tracing::warn!(error = %e, "node stream is not valid sse");
-                    self.on_upstream_error();
-                }
-            }
-            Mode::Buffered { buf, limit_bytes } => {
-                if buf.len() + data.len() > *limit_bytes {
-                    tracing::warn!(
-                        limit_bytes = *limit_bytes,
-                        "node response body over the limit"
-                    );
-                    self.on_upstream_error();
-                } else {
-                    buf.extend_from_slice(data);
-                }
-            }
+        let mut events = std::mem::take(&mut self.scratch);
+        let res = self.stream.parser.feed(data, &mut events);
+        for ev in &events {
+            self.on_event(ev);
+        }
+        events.clear();
+        self.scratch = events;
+        if let Err(e) = res {
+            tracing::warn!(error = %e, "node stream is not valid sse");
+            self.on_upstream_error();
         }
     }
 
@@ -496,29 +468,21 @@ impl State {
             let claimed = self.claimed;
             ctx.settle(StreamOutcome::UpstreamFailed, billed, claimed);
         }
-        let bytes = match self.mode {
-            Mode::Stream { .. } => Bytes::from_static(TRUNCATED_EVENT),
-            Mode::Buffered { .. } => Bytes::from_static(
-                b"{\"error\":{\"message\":\"the upstream response was invalid\",\"type\":\"upstream_error\",\"code\":\"upstream_failed\"}}",
-            ),
-        };
         self.queue.push_back(Out {
-            bytes,
+            bytes: Bytes::from_static(TRUNCATED_EVENT),
             text: Vec::new(),
         });
     }
 
     fn on_eof(&mut self) {
-        if let Mode::Stream { parser, .. } = &mut self.mode {
-            let mut events = Vec::new();
-            let res = parser.finish(&mut events);
-            for ev in &events {
-                self.on_event(ev);
-            }
-            if res.is_err() {
-                self.on_upstream_error();
-                return;
-            }
+        let mut events = Vec::new();
+        let res = self.stream.parser.finish(&mut events);
+        for ev in &events {
+            self.on_event(ev);
+        }
+        if res.is_err() {
+            self.on_upstream_error();
+            return;
         }
         self.upstream_done = true;
     }
@@ -562,10 +526,7 @@ where
                 return Poll::Ready(None);
             }
             if state.upstream_done {
-                match state.mode {
-                    Mode::Stream { .. } => state.finish_stream(),
-                    Mode::Buffered { .. } => state.finish_buffered(),
-                }
+                state.finish_stream();
                 continue;
             }
             match this.inner.as_mut().poll_frame(cx) {

@@ -3,11 +3,13 @@ use spine_core::{BoxError, ModelId, PeekError};
 use crate::{InjectError, LedgerError, TokenizerError};
 
 /// Why the metering layer refused or failed a request. Returned boxed in a
-/// [`BoxError`]; downcast to map it to an HTTP status (400, 413, 404, 402, 500).
+/// [`BoxError`]; downcast to map it to an HTTP status (400, 413, 404, 402, 500, 502). Every
+/// refusal before the node (400, 413, 404, 402) means the request was never forwarded.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum MeterError {
-    /// The body could not be peeked (400).
+    /// The body could not be peeked, or its chat `messages` are malformed or unsupported (400;
+    /// [`PeekError::InvalidMessage`] names the offending path).
     #[error("bad request")]
     BadRequest(#[source] PeekError),
     /// The prompt could not be rendered or counted (400).
@@ -36,6 +38,25 @@ pub enum MeterError {
         /// The hold, micros.
         needed_micros: u64,
     },
+    /// The prompt leaves no room for a completion token in the model's context window:
+    /// `prompt_tokens >= max_context_tokens` (400 `context_length_exceeded`).
+    #[error(
+        "the prompt is {prompt_tokens} tokens and the model's context window is {max_context_tokens} tokens"
+    )]
+    ContextLengthExceeded {
+        /// The prompt, counted independently, tokens.
+        prompt_tokens: u64,
+        /// The catalog's context window for the model, tokens.
+        max_context_tokens: u64,
+    },
+    /// The node answered a non-streamed request with a 2xx body that is not a usable
+    /// completion: not JSON, over `max_response_body_bytes`, an `error` member, no (requested)
+    /// choices, or a choice without `finish_reason` (502). Settled `upstream_failed`.
+    #[error("invalid response from the node: {0}")]
+    UpstreamInvalid(String),
+    /// Reading the node's non-streamed response body failed (502). Settled `upstream_failed`.
+    #[error("cannot read the node's response body")]
+    UpstreamBody(#[source] BoxError),
     /// `RequestId` or `AccountId` is missing from the request extensions (a wiring bug, 500).
     #[error("request extensions lack {0}")]
     MissingExtension(&'static str),

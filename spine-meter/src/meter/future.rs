@@ -12,8 +12,9 @@ type Inner = Pin<Box<dyn Future<Output = Result<http::Response<BoxBody>, BoxErro
 ///
 /// # Cancel safety
 ///
-/// Dropped after the hold is placed but before the inner service answered, the hold is released
-/// and a `rejected` record is written, on a spawned task.
+/// Dropped after the hold is placed but before the response head is returned, the request is
+/// settled on a spawned task: `client_cancelled` with the node (the prompt is billed) when the
+/// router had picked one, `rejected` (the hold released, nothing billed) otherwise.
 pub struct ResponseFuture {
     pub(super) inner: Inner,
 }

@@ -15,7 +15,9 @@ pub struct CatalogEntry {
     pub tokenizer: Arc<ModelTokenizer>,
     /// Its price.
     pub price: Price,
-    /// The context window used for holds when `max_tokens` is absent, tokens.
+    /// The model's context window, tokens: a prompt of this many tokens or more is refused
+    /// ([`MeterError::ContextLengthExceeded`](super::MeterError::ContextLengthExceeded)), and
+    /// `context − prompt` bounds the hold and the completion tokens billed per choice.
     pub max_context_tokens: u64,
 }
 
@@ -32,7 +34,8 @@ pub struct MeterConfig {
     pub operator_share_bps: u16,
     /// Largest request body buffered, bytes. Default 4 MiB.
     pub max_request_body_bytes: usize,
-    /// Largest non-streamed response body buffered, bytes. Default 16 MiB.
+    /// Largest non-streamed response body buffered, bytes; a larger one is
+    /// [`MeterError::UpstreamInvalid`](super::MeterError::UpstreamInvalid). Default 16 MiB.
     pub max_response_body_bytes: usize,
     /// Absolute discrepancy tolerance, tokens. Default 2.
     pub discrepancy_tolerance_tokens: u64,

@@ -4,19 +4,47 @@
 //! 1. reads the caller's [`RequestId`](spine_core::RequestId) and
 //!    [`AccountId`](spine_core::AccountId) from the request extensions (put there by auth);
 //! 2. buffers the body (up to `max_request_body_bytes`), peeks it ([`RequestPeek`]), refuses an
-//!    unknown model, counts the prompt with the model's [`ModelTokenizer`];
-//! 3. places a hold for the worst case: `cost(prompt + n × min(max_tokens, context − prompt))`
-//!    (no `max_tokens`: `context − prompt`), refusing with
-//!    [`MeterError::InsufficientCredit`] when the available balance cannot cover it;
+//!    unknown model, checks chat `messages` ([`validate_chat_messages`]: a malformed or
+//!    unsupported message is [`MeterError::BadRequest`], never forwarded), counts the prompt with
+//!    the model's [`ModelTokenizer`] and refuses a prompt that leaves no room for a completion
+//!    token (`prompt >= max_context_tokens`: [`MeterError::ContextLengthExceeded`]);
+//! 3. places a hold for the worst case: `cost(prompt + n × per_choice)` where
+//!    `per_choice = max(1, min(max_tokens, context − prompt))` (no `max_tokens`:
+//!    `context − prompt`; `max_tokens: 0` still holds one token, llama.cpp generates at least
+//!    one), refusing with [`MeterError::InsufficientCredit`] when the available balance cannot
+//!    cover it;
 //! 4. for `stream: true` sets `stream_options.include_usage = true` upstream, inserts the
-//!    [`RequestPeek`] into the request extensions and calls the inner service;
-//! 5. wraps a 2xx response body in [`MeterBody`], which forwards each SSE event as soon as it is
-//!    complete, captures the node's usage claim, shapes the egress (see [`MeterBody`]) and settles
-//!    the ledger once, on a spawned task, at whatever ending the body has.
+//!    [`RequestPeek`] and a [`NodeSlot`] into the request extensions and calls the inner service;
+//! 5. wraps a streamed (`text/event-stream`) 2xx response body in [`MeterBody`], which forwards
+//!    each SSE event as soon as it is complete, captures the node's usage claim, shapes the
+//!    egress (see [`MeterBody`]) and settles the ledger once, on a spawned task, at whatever
+//!    ending the body has;
+//! 6. reads a non-streamed 2xx response body whole (up to `max_response_body_bytes`) BEFORE
+//!    returning the response head: a usable completion comes back with the node's status and
+//!    `usage` rewritten to the billed counts; a body that is not a JSON object, is over the
+//!    limit, carries an `error`, has no requested choice or a requested choice without
+//!    `finish_reason` settles `upstream_failed` and is returned as
+//!    [`MeterError::UpstreamInvalid`] ([`MeterError::UpstreamBody`] when reading it failed).
 //!
-//! The serving node is read from the RESPONSE extensions ([`NodeId`](spine_core::NodeId)).
-//! Non-2xx responses pass through untouched and settle `upstream_failed`; an inner error settles
-//! `rejected` (the hold is released) and is returned unchanged.
+//! The serving node is read from the RESPONSE extensions ([`NodeId`](spine_core::NodeId)), or,
+//! before there is a response, from the [`NodeSlot`] the router fills when it picks.
+//! Non-2xx responses pass through untouched and settle `upstream_failed`. An inner error settles
+//! `upstream_failed` with the node when one was picked, else `rejected`; the caller pays nothing,
+//! the hold is released, and the error is returned unchanged.
+//!
+//! **Caller gone before the response head.** The response future dropped after the hold is
+//! placed but before the head is returned (the node is still working, or a non-streamed body is
+//! still being read) settles `client_cancelled` with the node when one was picked — the caller
+//! pays the prompt and 0 completion tokens, the operator is credited its share, because the node
+//! already did the prefill — and `rejected` (nothing billed) when none was picked yet.
+//!
+//! **Billing.** Completion tokens are counted per choice the caller asked for: choices with an
+//! index `>= n` are forwarded unchanged but never billed. A choice's completion tokens are the
+//! tokens of its delivered text, plus one EOS token when its `finish_reason` is `"stop"` and the
+//! text is under the per-choice cap, and never more than the cap `per_choice` of step 3 (the
+//! request's `max_tokens`, bounded by the context room, at least 1). So the debit never exceeds
+//! the hold. A caller that leaves mid-stream pays the delivered text without EOS, capped the
+//! same way.
 //!
 //! **Discrepancy.** When a completed request's node claim differs from the billed count by more
 //! than `max(discrepancy_tolerance_tokens, billed × discrepancy_tolerance_bps / 10 000)` for the
@@ -41,6 +69,8 @@
 //! ```
 //!
 //! [`RequestPeek`]: spine_core::RequestPeek
+//! [`NodeSlot`]: spine_core::NodeSlot
+//! [`validate_chat_messages`]: spine_core::validate_chat_messages
 //! [`ModelTokenizer`]: crate::ModelTokenizer
 
 mod body;

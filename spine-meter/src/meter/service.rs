@@ -4,11 +4,12 @@ use std::task::{Context, Poll};
 
 use http_body_util::{BodyExt, Full, Limited};
 use spine_core::{
-    AccountId, BoxBody, BoxError, NodeId, RequestId, RequestPeek, StreamOutcome, Usage,
+    validate_chat_messages, AccountId, BoxBody, BoxError, NodeId, NodeSlot, RequestId, RequestPeek,
+    StreamOutcome, Usage,
 };
 use tower::Service;
 
-use super::body::MeterBody;
+use super::body::{meter_json, MeterBody};
 use super::settle::SettleCtx;
 use super::{MeterConfig, MeterError, ResponseFuture};
 use crate::{inject_include_usage, LedgerError};
@@ -42,16 +43,40 @@ impl<S> Meter<S> {
     }
 }
 
-/// Settles `rejected` if dropped armed: the request never reached a node (or the caller left
-/// before it did).
-struct RejectGuard(Option<SettleCtx>);
+/// Settles the request if dropped armed, before the response head: the caller went away (or
+/// the inner service failed) while the request was on its way to, or at, a node.
+///
+/// - no node picked yet (the [`NodeSlot`] is empty): `rejected`, the hold released, nothing
+///   billed;
+/// - a node picked: `client_cancelled` with that node, billing the prompt and 0 completion
+///   tokens (the node already did the prefill; design brief §6).
+struct PendingGuard {
+    ctx: Option<SettleCtx>,
+    slot: NodeSlot,
+}
 
-impl Drop for RejectGuard {
+impl PendingGuard {
+    /// Disarms the guard, with the node filled in from the slot when the context has none.
+    fn take(&mut self) -> Option<SettleCtx> {
+        let mut ctx = self.ctx.take()?;
+        if ctx.node.is_none() {
+            ctx.node = self.slot.get();
+        }
+        Some(ctx)
+    }
+}
+
+impl Drop for PendingGuard {
     fn drop(&mut self) {
-        if let Some(ctx) = self.0.take() {
+        if let Some(ctx) = self.take() {
+            let outcome = if ctx.node.is_some() {
+                StreamOutcome::ClientCancelled
+            } else {
+                StreamOutcome::Rejected
+            };
             let prompt_tokens = ctx.prompt_tokens;
             ctx.settle(
-                StreamOutcome::Rejected,
+                outcome,
                 Usage {
                     prompt_tokens,
                     completion_tokens: 0,
@@ -119,12 +144,23 @@ where
         .clone();
     let json: serde_json::Value = serde_json::from_slice(&bytes)
         .map_err(|e| MeterError::BadRequest(spine_core::PeekError::NotJson(e.to_string())))?;
+    if json.get("messages").is_some() || parts.uri.path().ends_with("/chat/completions") {
+        validate_chat_messages(&json).map_err(MeterError::BadRequest)?;
+    }
     let prompt_tokens = entry
         .tokenizer
         .count_prompt(&json)
         .map_err(MeterError::Prompt)?;
-    let room = entry.max_context_tokens.saturating_sub(prompt_tokens);
-    let per_choice = peek.max_tokens.map_or(room, |m| m.min(room));
+    if prompt_tokens >= entry.max_context_tokens {
+        return Err(MeterError::ContextLengthExceeded {
+            prompt_tokens,
+            max_context_tokens: entry.max_context_tokens,
+        }
+        .into());
+    }
+    // llama.cpp generates at least one token, even for max_tokens 0
+    let room = entry.max_context_tokens - prompt_tokens;
+    let per_choice = peek.max_tokens.map_or(room, |m| m.min(room)).max(1);
     let worst = Usage {
         prompt_tokens,
         completion_tokens: per_choice.saturating_mul(u64::from(peek.n)),
@@ -137,7 +173,12 @@ where
     };
     config
         .ledger
-        .hold(request_id.clone(), account.clone(), hold_micros)
+        .hold(
+            request_id.clone(),
+            account.clone(),
+            peek.model.clone(),
+            hold_micros,
+        )
         .await
         .map_err(|e| match e {
             LedgerError::InsufficientCredit {
@@ -149,21 +190,27 @@ where
             },
             other => MeterError::Ledger(other),
         })?;
-    let mut guard = RejectGuard(Some(SettleCtx {
-        ledger: config.ledger.clone(),
-        events: config.events.clone(),
-        runtime: tokio::runtime::Handle::current(),
-        request_id,
-        account,
-        model: peek.model.clone(),
-        node: None,
-        tokenizer: entry.tokenizer.clone(),
-        price: entry.price,
-        share_bps: config.operator_share_bps,
-        prompt_tokens,
-        tolerance_tokens: config.discrepancy_tolerance_tokens,
-        tolerance_bps: config.discrepancy_tolerance_bps,
-    }));
+    let slot = NodeSlot::new();
+    let mut guard = PendingGuard {
+        slot: slot.clone(),
+        ctx: Some(SettleCtx {
+            ledger: config.ledger.clone(),
+            events: config.events.clone(),
+            runtime: tokio::runtime::Handle::current(),
+            request_id,
+            account,
+            model: peek.model.clone(),
+            node: None,
+            tokenizer: entry.tokenizer.clone(),
+            price: entry.price,
+            share_bps: config.operator_share_bps,
+            prompt_tokens,
+            n: peek.n,
+            max_completion_tokens_per_choice: per_choice,
+            tolerance_tokens: config.discrepancy_tolerance_tokens,
+            tolerance_bps: config.discrepancy_tolerance_bps,
+        }),
+    };
 
     parts.headers.remove(http::header::CONTENT_LENGTH);
     parts.headers.insert(
@@ -172,34 +219,58 @@ where
     );
     let include_usage = peek.include_usage;
     parts.extensions.insert(peek);
+    // the router records the node it picks here; the guard reads it if the caller leaves first
+    parts.extensions.insert(slot);
     let req = http::Request::from_parts(
         parts,
         BoxBody::new(Full::new(body).map_err(|never| match never {})),
     );
 
-    // an inner error drops the guard: rejected, hold released
     // boxed here, where `S::Future: Send` is known for the concrete body type (works around
     // rustc's higher-ranked lifetime check on `dyn Error` inside async fns)
     let fut: Pin<Box<dyn Future<Output = Result<http::Response<BoxBody>, BoxError>> + Send>> =
         Box::pin(inner.call(req));
     let resp = match fut.await {
         Ok(resp) => resp,
-        Err(e) => return Err(e),
+        Err(e) => {
+            // a node picked and lost (tunnel failure): upstream_failed; none picked: rejected.
+            // Either way the caller pays nothing and the hold is released.
+            if let Some(ctx) = guard.take() {
+                let outcome = if ctx.node.is_some() {
+                    StreamOutcome::UpstreamFailed
+                } else {
+                    StreamOutcome::Rejected
+                };
+                let prompt_tokens = ctx.prompt_tokens;
+                ctx.settle(
+                    outcome,
+                    Usage {
+                        prompt_tokens,
+                        completion_tokens: 0,
+                    },
+                    None,
+                );
+            }
+            return Err(e);
+        }
     };
-    let Some(mut ctx) = guard.0.take() else {
-        return Err(MeterError::MissingExtension("settlement context").into());
-    };
-    ctx.node = resp.extensions().get::<NodeId>().cloned();
+    if let Some(node) = resp.extensions().get::<NodeId>() {
+        if let Some(ctx) = guard.ctx.as_mut() {
+            ctx.node = Some(node.clone());
+        }
+    }
     if !resp.status().is_success() {
-        let prompt_tokens = ctx.prompt_tokens;
-        ctx.settle(
-            StreamOutcome::UpstreamFailed,
-            Usage {
-                prompt_tokens,
-                completion_tokens: 0,
-            },
-            None,
-        );
+        if let Some(ctx) = guard.take() {
+            let prompt_tokens = ctx.prompt_tokens;
+            ctx.settle(
+                StreamOutcome::UpstreamFailed,
+                Usage {
+                    prompt_tokens,
+                    completion_tokens: 0,
+                },
+                None,
+            );
+        }
         return Ok(resp);
     }
     let streaming = resp
@@ -209,12 +280,42 @@ where
         .is_some_and(|v| v.trim_start().starts_with("text/event-stream"));
     let (mut parts, body) = resp.into_parts();
     parts.headers.remove(http::header::CONTENT_LENGTH);
-    let body = if streaming {
-        MeterBody::streaming(body, ctx, include_usage)
-    } else {
-        MeterBody::buffered(body, ctx, config.max_response_body_bytes)
+    if streaming {
+        let Some(ctx) = guard.take() else {
+            return Err(MeterError::MissingExtension("settlement context").into());
+        };
+        let body = MeterBody::streaming(body, ctx, include_usage);
+        return Ok(http::Response::from_parts(parts, BoxBody::new(body)));
+    }
+    // Non-streamed: the whole body is read and checked before the head goes out, so an invalid
+    // body becomes an error instead of a 200. Dropped while reading, the guard settles
+    // client_cancelled with the node.
+    let limit = config.max_response_body_bytes;
+    let read = collect_response(body, limit).await;
+    let Some(ctx) = guard.take() else {
+        return Err(MeterError::MissingExtension("settlement context").into());
     };
-    Ok(http::Response::from_parts(parts, BoxBody::new(body)))
+    let bytes = match read {
+        Ok(bytes) => bytes,
+        Err(e) => {
+            tracing::warn!(request_id = %ctx.request_id, error = %e, "node response body unusable");
+            let prompt_tokens = ctx.prompt_tokens;
+            ctx.settle(
+                StreamOutcome::UpstreamFailed,
+                Usage {
+                    prompt_tokens,
+                    completion_tokens: 0,
+                },
+                None,
+            );
+            return Err(e.into());
+        }
+    };
+    let bytes = meter_json(ctx, &bytes)?;
+    Ok(http::Response::from_parts(
+        parts,
+        BoxBody::new(Full::new(bytes).map_err(|never| match never {})),
+    ))
 }
 
 type BytesFuture = Pin<Box<dyn Future<Output = Result<bytes::Bytes, MeterError>> + Send>>;
@@ -230,6 +331,20 @@ fn collect_limited(body: BoxBody, limit: usize) -> BytesFuture {
                 Err(MeterError::BodyTooLarge { limit_bytes: limit })
             }
             Err(e) => Err(MeterError::Body(e)),
+        })
+    }))
+}
+
+/// Buffers a node's non-streamed response body up to `limit` bytes.
+fn collect_response(body: BoxBody, limit: usize) -> BytesFuture {
+    let mut collect = Box::pin(Limited::new(body, limit).collect());
+    Box::pin(std::future::poll_fn(move |cx| {
+        collect.as_mut().poll(cx).map(|r| match r {
+            Ok(c) => Ok(c.to_bytes()),
+            Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(
+                MeterError::UpstreamInvalid(format!("the body is larger than {limit} bytes")),
+            ),
+            Err(e) => Err(MeterError::UpstreamBody(e)),
         })
     }))
 }

@@ -22,6 +22,11 @@ pub(crate) struct SettleCtx {
     pub(crate) price: Price,
     pub(crate) share_bps: u16,
     pub(crate) prompt_tokens: u64,
+    /// Choices the caller asked for (`n`): choice indexes `>= n` are never billed.
+    pub(crate) n: u32,
+    /// Most completion tokens billed per choice: `max(1, min(max_tokens, context − prompt))`,
+    /// the per-choice part of the hold.
+    pub(crate) max_completion_tokens_per_choice: u64,
     pub(crate) tolerance_tokens: u64,
     pub(crate) tolerance_bps: u16,
 }
@@ -42,6 +47,26 @@ fn beyond(claimed: u64, billed: u64, tokens: u64, bps: u16) -> bool {
 }
 
 impl SettleCtx {
+    /// Whether choice `index` is one the caller asked for (`index < n`).
+    pub(crate) fn is_requested_choice(&self, index: u64) -> bool {
+        index < u64::from(self.n)
+    }
+
+    /// Completion tokens billed for one choice (module docs, "Billing"): the delivered text's
+    /// tokens, plus one EOS when `with_eos`, `finish_reason` is `"stop"` and the text is under
+    /// the per-choice cap; never more than the cap.
+    pub(crate) fn choice_completion_tokens(
+        &self,
+        delivered: &str,
+        finish_reason: Option<&str>,
+        with_eos: bool,
+    ) -> u64 {
+        let cap = self.max_completion_tokens_per_choice;
+        let text = self.tokenizer.count_text(delivered);
+        let eos = u64::from(with_eos && finish_reason == Some("stop") && text < cap);
+        text.saturating_add(eos).min(cap)
+    }
+
     /// Settles on a spawned task. Retries with backoff (capped at 30 s) until the ledger accepts:
     /// settlement is idempotent by request id, so a retry never double-charges.
     pub(crate) fn settle(self, outcome: StreamOutcome, billed: Usage, claimed: Option<Usage>) {

@@ -112,6 +112,19 @@ async fn harness() -> Harness {
     }
 }
 
+fn catalog(max_context_tokens: u64) -> Catalog {
+    let mut catalog = Catalog::new();
+    catalog.insert(
+        ModelId::from("smollm2"),
+        CatalogEntry {
+            tokenizer: smollm_tokenizer(),
+            price: PRICE,
+            max_context_tokens,
+        },
+    );
+    catalog
+}
+
 impl Harness {
     fn service(
         &self,
@@ -121,18 +134,36 @@ impl Harness {
         end: End,
     ) -> impl Service<http::Request<BoxBody>, Response = http::Response<BoxBody>, Error = BoxError>
     {
-        let mut catalog = Catalog::new();
-        catalog.insert(
-            ModelId::from("smollm2"),
-            CatalogEntry {
-                tokenizer: smollm_tokenizer(),
-                price: PRICE,
-                max_context_tokens: 2048,
-            },
-        );
+        self.layer(2048)
+            .layer(self.inner(status, content_type, reads, end))
+    }
+
+    /// The metering layer over the SmolLM2 catalog with a context window of `max_context_tokens`.
+    fn layer(&self, max_context_tokens: u64) -> MeterLayer {
+        MeterLayer::new(self.ledger.clone(), catalog(max_context_tokens))
+            .operator_share_bps(7_000)
+            .events(self.events.clone())
+    }
+
+    /// A fake node: records the upstream body, answers `status` with `reads` then `end`, and
+    /// puts its `NodeId` into the response extensions.
+    fn inner(
+        &self,
+        status: u16,
+        content_type: &'static str,
+        reads: Vec<Bytes>,
+        end: End,
+    ) -> impl Service<
+        http::Request<BoxBody>,
+        Response = http::Response<BoxBody>,
+        Error = BoxError,
+        Future = impl Send + 'static,
+    > + Clone
+           + Send
+           + 'static {
         let node = self.node.clone();
         let upstream = self.upstream.clone();
-        let inner = tower::service_fn(move |req: http::Request<BoxBody>| {
+        tower::service_fn(move |req: http::Request<BoxBody>| {
             let node = node.clone();
             let upstream = upstream.clone();
             let reads = reads.clone();
@@ -152,11 +183,7 @@ impl Harness {
                 resp.extensions_mut().insert(node);
                 Ok::<_, BoxError>(resp)
             }
-        });
-        MeterLayer::new(self.ledger.clone(), catalog)
-            .operator_share_bps(7_000)
-            .events(self.events.clone())
-            .layer(inner)
+        })
     }
 
     async fn settled(&mut self) -> (Settlement, SettleResult) {
@@ -578,4 +605,588 @@ async fn node_errors_and_inner_errors_settle_without_charge() {
     );
     let b = h.ledger.account(&h.account).await.unwrap();
     assert_eq!((b.balance_micros, b.held_micros), (START_MICROS, 0));
+}
+
+// ---- caller gone before the response head ----
+
+/// A fake router + node that never answers: optionally records `node` in the request's
+/// `NodeSlot` (as `spine_router::Route` does when it picks), signals `reached`, then waits
+/// forever — or fails, when `fail` is set.
+fn pending_inner(
+    node: Option<NodeId>,
+    reached: Arc<tokio::sync::Notify>,
+    fail: bool,
+) -> impl Service<
+    http::Request<BoxBody>,
+    Response = http::Response<BoxBody>,
+    Error = BoxError,
+    Future = impl Send + 'static,
+> + Clone
+       + Send
+       + 'static {
+    tower::service_fn(move |req: http::Request<BoxBody>| {
+        let node = node.clone();
+        let reached = reached.clone();
+        async move {
+            let slot = req.extensions().get::<spine_core::NodeSlot>().unwrap();
+            if let Some(node) = node {
+                slot.set(node);
+            }
+            reached.notify_one();
+            if fail {
+                return Err::<http::Response<BoxBody>, BoxError>("tunnel closed".into());
+            }
+            std::future::pending::<()>().await;
+            Ok(http::Response::new(BoxBody::default()))
+        }
+    })
+}
+
+/// Calls `svc` and drops the response future as soon as the inner service was reached.
+async fn drop_when_reached<S>(svc: S, req: http::Request<BoxBody>, reached: &tokio::sync::Notify)
+where
+    S: Service<http::Request<BoxBody>, Response = http::Response<BoxBody>, Error = BoxError>,
+{
+    tokio::select! {
+        _ = svc.oneshot(req) => panic!("the inner service never answers"),
+        () = reached.notified() => {}
+    }
+}
+
+#[tokio::test]
+async fn caller_gone_after_the_node_was_picked_pays_the_prompt() {
+    let mut h = harness().await;
+    let reached = Arc::new(tokio::sync::Notify::new());
+    let svc = h
+        .layer(2048)
+        .layer(pending_inner(Some(h.node.clone()), reached.clone(), false));
+    drop_when_reached(svc, request("gone", &chat(false, None)), &reached).await;
+    let (s, r) = h.settled().await;
+    assert_eq!(s.outcome, StreamOutcome::ClientCancelled);
+    assert_eq!(s.node, Some(h.node.clone()));
+    assert_eq!(
+        (s.billed, s.claimed),
+        (
+            Usage {
+                prompt_tokens: 34,
+                completion_tokens: 0
+            },
+            None
+        )
+    );
+    // 34 × 1 = 34 micros; operator floor(34 × 70 %) = 23, fee 11; hold 34 + 64 × 2 = 162
+    assert_eq!(
+        (
+            r.cost_micros,
+            r.debit_micros,
+            r.operator_credit_micros,
+            r.fee_micros,
+            r.hold_micros
+        ),
+        (34, 34, 23, 11, 162)
+    );
+    let b = h.ledger.account(&h.account).await.unwrap();
+    assert_eq!((b.balance_micros, b.held_micros), (START_MICROS - 34, 0));
+    assert_eq!(
+        h.ledger.operator_earned_micros(&h.operator).await.unwrap(),
+        23
+    );
+    assert_eq!(h.ledger.entries_sum_micros().await.unwrap(), 0);
+    let rec = h
+        .ledger
+        .request_record(RequestId::from("gone"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (rec.outcome, rec.node, rec.operator, rec.debit_micros),
+        (
+            StreamOutcome::ClientCancelled,
+            Some(h.node.clone()),
+            Some(h.operator.clone()),
+            34
+        )
+    );
+}
+
+#[tokio::test]
+async fn caller_gone_before_any_node_was_picked_is_rejected_and_free() {
+    let mut h = harness().await;
+    let reached = Arc::new(tokio::sync::Notify::new());
+    let svc = h
+        .layer(2048)
+        .layer(pending_inner(None, reached.clone(), false));
+    drop_when_reached(svc, request("early", &chat(true, None)), &reached).await;
+    let (s, r) = h.settled().await;
+    assert_eq!(
+        (s.outcome, s.node, r.debit_micros, r.hold_micros),
+        (StreamOutcome::Rejected, None, 0, 162)
+    );
+    let b = h.ledger.account(&h.account).await.unwrap();
+    assert_eq!((b.balance_micros, b.held_micros), (START_MICROS, 0));
+}
+
+#[tokio::test]
+async fn inner_error_after_the_pick_is_upstream_failed_with_the_node_and_free() {
+    let mut h = harness().await;
+    let reached = Arc::new(tokio::sync::Notify::new());
+    let svc = h
+        .layer(2048)
+        .layer(pending_inner(Some(h.node.clone()), reached, true));
+    let err = svc
+        .oneshot(request("lost", &chat(false, None)))
+        .await
+        .unwrap_err();
+    assert_eq!(err.to_string(), "tunnel closed");
+    let (s, r) = h.settled().await;
+    assert_eq!(
+        (s.outcome, s.node, r.debit_micros, r.operator_credit_micros),
+        (StreamOutcome::UpstreamFailed, Some(h.node.clone()), 0, 0)
+    );
+    let b = h.ledger.account(&h.account).await.unwrap();
+    assert_eq!((b.balance_micros, b.held_micros), (START_MICROS, 0));
+}
+
+#[tokio::test]
+async fn non_streamed_head_waits_for_the_whole_body_and_a_drop_meanwhile_pays_the_prompt() {
+    let mut h = harness().await;
+    let body = capture_body("a_chat_nonstream.txt");
+    // the node sends its head and half its body, then stalls
+    let svc = h.service(
+        200,
+        "application/json",
+        vec![Bytes::copy_from_slice(&body[..body.len() / 2])],
+        End::Hang,
+    );
+    let pending = tokio::time::timeout(
+        std::time::Duration::from_millis(200),
+        svc.oneshot(request("half", &chat(false, None))),
+    )
+    .await;
+    assert!(pending.is_err(), "no head before the whole body");
+    let (s, r) = h.settled().await;
+    assert_eq!(
+        (s.outcome, s.node, s.billed, r.debit_micros),
+        (
+            StreamOutcome::ClientCancelled,
+            Some(h.node.clone()),
+            Usage {
+                prompt_tokens: 34,
+                completion_tokens: 0
+            },
+            34
+        )
+    );
+}
+
+// ---- malformed chat requests ----
+
+fn invalid_message(err: &BoxError) -> Option<(String, &'static str)> {
+    match err.downcast_ref::<MeterError>() {
+        Some(MeterError::BadRequest(spine_core::PeekError::InvalidMessage { path, reason })) => {
+            Some((path.clone(), *reason))
+        }
+        _ => None,
+    }
+}
+
+#[tokio::test]
+async fn malformed_or_unsupported_messages_are_400_and_never_forwarded() {
+    let h = harness().await;
+    let content = "expected a string or an array of content parts (null only for an assistant message with tool_calls)";
+    let cases = [
+        (
+            json!({"model":"smollm2","messages":[{"role":"user","content":[
+                {"type":"text","text":"What is this?"},
+                {"type":"image_url","image_url":{"url":"data:image/png;base64,AAAA"}}]}]}),
+            "messages[0].content[1].type",
+            "unsupported content part type for this model",
+        ),
+        (
+            json!({"model":"smollm2","messages":[{"role":"user","content":42}]}),
+            "messages[0].content",
+            content,
+        ),
+        (
+            json!({"model":"smollm2","messages":[{"role":"system","content":"hi"},{"content":"x"}]}),
+            "messages[1].role",
+            "expected a string",
+        ),
+        (
+            json!({"model":"smollm2","messages":[{"role":"user","content":null}]}),
+            "messages[0].content",
+            content,
+        ),
+        (
+            json!({"model":"smollm2","messages":[]}),
+            "messages",
+            "expected a non-empty array of message objects",
+        ),
+        (
+            json!({"model":"smollm2","prompt":"no messages on the chat path"}),
+            "messages",
+            "expected a non-empty array of message objects",
+        ),
+    ];
+    for (i, (body, path, reason)) in cases.into_iter().enumerate() {
+        let svc = h.service(200, "text/event-stream", Vec::new(), End::Eof);
+        let id = format!("m{i}");
+        let err = svc.oneshot(request(&id, &body)).await.unwrap_err();
+        assert_eq!(
+            invalid_message(&err),
+            Some((path.to_owned(), reason)),
+            "{body}"
+        );
+        assert_eq!(
+            h.ledger.request_record(RequestId::from(id)).await.unwrap(),
+            None
+        );
+    }
+    assert_eq!(h.upstream.lock().unwrap().as_ref(), None);
+    let b = h.ledger.account(&h.account).await.unwrap();
+    assert_eq!((b.balance_micros, b.held_micros), (START_MICROS, 0));
+}
+
+#[tokio::test]
+async fn text_content_parts_and_tool_call_messages_are_counted() {
+    let mut h = harness().await;
+    let body = capture_body("a_chat_nonstream.txt");
+    let svc = h.service(200, "application/json", reads_of(&body, 100), End::Eof);
+    let req = json!({"model":"smollm2","max_tokens":64,"messages":[
+        {"role":"user","content":[{"type":"text","text":"Name three colors."}]}]});
+    let resp = svc.oneshot(request("parts", &req)).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    drop(resp);
+    let (s, _) = h.settled().await;
+    // the same prompt as the plain string: 34 tokens
+    assert_eq!(
+        (s.outcome, s.billed.prompt_tokens),
+        (StreamOutcome::Completed, 34)
+    );
+
+    let svc = h.service(200, "application/json", reads_of(&body, 100), End::Eof);
+    let req = json!({"model":"smollm2","max_tokens":64,"messages":[
+        {"role":"user","content":"What is 6 × 7?"},
+        {"role":"assistant","content":null,"tool_calls":[{"id":"c1","type":"function","function":{"name":"calc","arguments":"{}"}}]},
+        {"role":"tool","tool_call_id":"c1","content":"42"}]});
+    let resp = svc.oneshot(request("tools", &req)).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let (s, _) = h.settled().await;
+    assert_eq!(s.outcome, StreamOutcome::Completed);
+}
+
+// ---- context length and max_tokens 0 ----
+
+#[tokio::test]
+async fn prompt_at_or_over_the_context_is_refused_before_the_node() {
+    let h = harness().await;
+    for context in [20, 34] {
+        let svc = h
+            .layer(context)
+            .layer(h.inner(200, "text/event-stream", Vec::new(), End::Eof));
+        let err = svc
+            .oneshot(request("long", &chat(true, None)))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(
+                err.downcast_ref::<MeterError>(),
+                Some(&MeterError::ContextLengthExceeded {
+                    prompt_tokens: 34,
+                    max_context_tokens
+                }) if max_context_tokens == context
+            ),
+            "{err}"
+        );
+    }
+    assert_eq!(
+        MeterError::ContextLengthExceeded {
+            prompt_tokens: 34,
+            max_context_tokens: 34
+        }
+        .to_string(),
+        "the prompt is 34 tokens and the model's context window is 34 tokens"
+    );
+    assert_eq!(h.upstream.lock().unwrap().as_ref(), None);
+    assert_eq!(
+        h.ledger
+            .request_record(RequestId::from("long"))
+            .await
+            .unwrap(),
+        None
+    );
+    let b = h.ledger.account(&h.account).await.unwrap();
+    assert_eq!((b.balance_micros, b.held_micros), (START_MICROS, 0));
+}
+
+#[tokio::test]
+async fn one_token_of_room_or_max_tokens_0_holds_and_bills_one_completion_token() {
+    let body = capture_body("a_chat_nonstream.txt");
+    // (context, max_tokens): one token of room; max_tokens 0 with plenty of room
+    for (context, max_tokens) in [(35u64, 64u64), (2048, 0)] {
+        let mut h = harness().await;
+        let svc = h.layer(context).layer(h.inner(
+            200,
+            "application/json",
+            reads_of(&body, 100),
+            End::Eof,
+        ));
+        let mut req = chat(false, None);
+        req["max_tokens"] = json!(max_tokens);
+        let resp = svc.oneshot(request("one", &req)).await.unwrap();
+        let got: Value = serde_json::from_slice(&frames(resp.into_body()).await.concat()).unwrap();
+        assert_eq!(
+            got["usage"],
+            json!({"prompt_tokens":34,"completion_tokens":1,"total_tokens":35})
+        );
+        let (s, r) = h.settled().await;
+        assert_eq!(
+            s.billed,
+            Usage {
+                prompt_tokens: 34,
+                completion_tokens: 1
+            }
+        );
+        // hold = 34 × 1 + 1 × 2 = 36 = debit: never more than the hold
+        assert_eq!((r.hold_micros, r.cost_micros, r.debit_micros), (36, 36, 36));
+    }
+}
+
+// ---- non-streamed bodies that are not completions ----
+
+#[tokio::test]
+async fn invalid_non_streamed_2xx_bodies_are_errors_and_free() {
+    let capture = capture_body("a_chat_nonstream.txt");
+    let cases: Vec<(Vec<Bytes>, End, usize, &str)> = vec![
+        (
+            vec![Bytes::from_static(b"<html>bad gateway</html>")],
+            End::Eof,
+            1 << 20,
+            "the body is not a JSON object",
+        ),
+        (
+            vec![Bytes::from_static(
+                br#"{"id":"x","object":"chat.completion","usage":{"prompt_tokens":34,"completion_tokens":3}}"#,
+            )],
+            End::Eof,
+            1 << 20,
+            "the body has no choices",
+        ),
+        (
+            vec![Bytes::from_static(br#"{"choices":[]}"#)],
+            End::Eof,
+            1 << 20,
+            "the body has no choices",
+        ),
+        (
+            vec![Bytes::from_static(
+                br#"{"choices":[{"index":0,"message":{"role":"assistant","content":"1. Red"}}]}"#,
+            )],
+            End::Eof,
+            1 << 20,
+            "choice 0 has no finish_reason",
+        ),
+        (
+            vec![Bytes::from_static(
+                br#"{"error":{"message":"out of memory"},"choices":[{"index":0,"message":{"content":""},"finish_reason":"stop"}]}"#,
+            )],
+            End::Eof,
+            1 << 20,
+            "the body carries an error",
+        ),
+        (
+            reads_of(&capture, 100),
+            End::Eof,
+            100,
+            "the body is larger than 100 bytes",
+        ),
+    ];
+    for (i, (reads, end, limit, why)) in cases.into_iter().enumerate() {
+        let mut h = harness().await;
+        let svc = h.layer(2048).max_response_body_bytes(limit).layer(h.inner(
+            200,
+            "application/json",
+            reads,
+            end,
+        ));
+        let err = svc
+            .oneshot(request(&format!("inv{i}"), &chat(false, None)))
+            .await
+            .unwrap_err();
+        match err.downcast_ref::<MeterError>() {
+            Some(MeterError::UpstreamInvalid(got)) => assert_eq!(got, why),
+            _ => panic!("{why}: {err}"),
+        }
+        let (s, r) = h.settled().await;
+        assert_eq!(
+            (s.outcome, s.node, r.debit_micros, r.operator_credit_micros),
+            (StreamOutcome::UpstreamFailed, Some(h.node.clone()), 0, 0),
+            "{why}"
+        );
+        let b = h.ledger.account(&h.account).await.unwrap();
+        assert_eq!((b.balance_micros, b.held_micros), (START_MICROS, 0));
+    }
+    assert_eq!(
+        MeterError::UpstreamInvalid("the body has no choices".into()).to_string(),
+        "invalid response from the node: the body has no choices"
+    );
+
+    // the node's body fails mid-way
+    let mut h = harness().await;
+    let svc = h.service(
+        200,
+        "application/json",
+        vec![Bytes::copy_from_slice(&capture[..50])],
+        End::Error,
+    );
+    let err = svc
+        .oneshot(request("broken", &chat(false, None)))
+        .await
+        .unwrap_err();
+    match err.downcast_ref::<MeterError>() {
+        Some(e @ MeterError::UpstreamBody(_)) => {
+            assert_eq!(
+                std::error::Error::source(e).map(ToString::to_string),
+                Some("node connection reset".to_owned())
+            );
+        }
+        _ => panic!("{err}"),
+    }
+    let (s, r) = h.settled().await;
+    assert_eq!(
+        (s.outcome, r.debit_micros),
+        (StreamOutcome::UpstreamFailed, 0)
+    );
+}
+
+// ---- choices not asked for and the per-choice cap ----
+
+fn completion(choices: Value) -> Vec<Bytes> {
+    vec![Bytes::from(
+        serde_json::to_vec(&json!({"id":"c","object":"chat.completion","choices":choices}))
+            .unwrap(),
+    )]
+}
+
+#[tokio::test]
+async fn choices_beyond_n_are_not_billed() {
+    // non-streamed: n = 1, the node sends two choices
+    let mut h = harness().await;
+    let svc = h.service(
+        200,
+        "application/json",
+        completion(json!([
+            {"index":0,"message":{"role":"assistant","content":"1. Red"},"finish_reason":"stop"},
+            {"index":1,"message":{"role":"assistant","content":"1. Red\n2. Blue\n3. Green"},"finish_reason":"stop"}
+        ])),
+        End::Eof,
+    );
+    let resp = svc
+        .oneshot(request("n1", &chat(false, None)))
+        .await
+        .unwrap();
+    let got: Value = serde_json::from_slice(&frames(resp.into_body()).await.concat()).unwrap();
+    // both choices reach the client; only choice 0 is billed: "1. Red" 3 tokens + EOS
+    assert_eq!(got["choices"].as_array().map(Vec::len), Some(2));
+    assert_eq!(
+        got["usage"],
+        json!({"prompt_tokens":34,"completion_tokens":4,"total_tokens":38})
+    );
+    let (s, r) = h.settled().await;
+    assert_eq!(
+        (s.outcome, s.billed.completion_tokens),
+        (StreamOutcome::Completed, 4)
+    );
+    assert_eq!(r.debit_micros, 34 + 4 * 2);
+
+    // streamed: the extra choice is forwarded byte for byte, never billed, never waited for
+    let events = [
+        "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"1. Red\"},\"finish_reason\":null}]}\n\n",
+        "data: {\"choices\":[{\"index\":1,\"delta\":{\"content\":\"1. Red\\n2. Blue\\n3. Green\"},\"finish_reason\":null}]}\n\n",
+        "data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\n",
+        "data: [DONE]\n\n",
+    ];
+    let mut h = harness().await;
+    let svc = h.service(
+        200,
+        "text/event-stream",
+        events
+            .iter()
+            .map(|e| Bytes::from_static(e.as_bytes()))
+            .collect(),
+        End::Eof,
+    );
+    let resp = svc
+        .oneshot(request("n1s", &chat(true, None)))
+        .await
+        .unwrap();
+    let got: Vec<String> = frames(resp.into_body())
+        .await
+        .iter()
+        .map(|b| String::from_utf8(b.to_vec()).unwrap())
+        .collect();
+    assert_eq!(got, events);
+    let (s, r) = h.settled().await;
+    assert_eq!(
+        (s.outcome, s.billed.completion_tokens, r.debit_micros),
+        (StreamOutcome::Completed, 4, 42)
+    );
+}
+
+#[tokio::test]
+async fn completion_tokens_per_choice_are_capped_at_max_tokens() {
+    // (max_tokens, text, finish_reason, billed completion tokens)
+    let cases = [
+        // 3 text tokens, stop, under the cap: + EOS
+        (4u64, "1. Red", "stop", 4u64),
+        // 3 text tokens, stop, at the cap: no EOS
+        (3, "1. Red", "stop", 3),
+        // 11 text tokens from a node that ignored max_tokens: capped
+        (5, "1. Red\n2. Blue\n3. Green", "length", 5),
+        (5, "1. Red\n2. Blue\n3. Green", "stop", 5),
+    ];
+    for (max_tokens, text, finish, want) in cases {
+        let mut h = harness().await;
+        let svc = h.service(
+            200,
+            "application/json",
+            completion(json!([
+                {"index":0,"message":{"role":"assistant","content":text},"finish_reason":finish}
+            ])),
+            End::Eof,
+        );
+        let mut req = chat(false, None);
+        req["max_tokens"] = json!(max_tokens);
+        let resp = svc.oneshot(request("cap", &req)).await.unwrap();
+        drop(resp);
+        let (s, r) = h.settled().await;
+        assert_eq!(
+            (s.billed.completion_tokens, r.debit_micros),
+            (want, 34 + want * 2),
+            "{max_tokens} {text:?} {finish}"
+        );
+    }
+
+    // streamed capture (11 text tokens + stop) with max_tokens 11: no EOS, 11 billed
+    let mut h = harness().await;
+    let body = capture_body("b_chat_stream_usage.txt");
+    let svc = h.service(200, "text/event-stream", reads_of(&body, 64), End::Eof);
+    let mut req = chat(true, Some(true));
+    req["max_tokens"] = json!(11);
+    let resp = svc.oneshot(request("cap11", &req)).await.unwrap();
+    let all = String::from_utf8(frames(resp.into_body()).await.concat()).unwrap();
+    assert!(
+        all.contains(r#""usage":{"prompt_tokens":34,"completion_tokens":11,"total_tokens":45}"#),
+        "{all}"
+    );
+    let (s, r) = h.settled().await;
+    assert_eq!(
+        (
+            s.outcome,
+            s.billed.completion_tokens,
+            r.debit_micros,
+            r.hold_micros
+        ),
+        (StreamOutcome::Completed, 11, 56, 56)
+    );
 }

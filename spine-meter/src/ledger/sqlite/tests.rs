@@ -101,11 +101,21 @@ async fn store_operations_for_the_gateway() {
 #[tokio::test]
 async fn hold_refuses_past_available_with_exact_numbers() {
     let (l, acct, _, _) = setup().await;
-    l.hold(RequestId::from("r1"), acct.clone(), 700)
-        .await
-        .unwrap();
+    l.hold(
+        RequestId::from("r1"),
+        acct.clone(),
+        ModelId::from("smollm2"),
+        700,
+    )
+    .await
+    .unwrap();
     let err = l
-        .hold(RequestId::from("r2"), acct.clone(), 301)
+        .hold(
+            RequestId::from("r2"),
+            acct.clone(),
+            ModelId::from("smollm2"),
+            301,
+        )
         .await
         .unwrap_err();
     assert!(matches!(
@@ -116,7 +126,13 @@ async fn hold_refuses_past_available_with_exact_numbers() {
         }
     ));
     assert!(matches!(
-        l.hold(RequestId::from("r1"), acct.clone(), 1).await,
+        l.hold(
+            RequestId::from("r1"),
+            acct.clone(),
+            ModelId::from("smollm2"),
+            1
+        )
+        .await,
         Err(LedgerError::Duplicate { what: "hold" })
     ));
     assert_eq!(l.account(&acct).await.unwrap().held_micros, 700);
@@ -128,9 +144,14 @@ async fn hold_refuses_past_available_with_exact_numbers() {
 #[tokio::test]
 async fn settle_moves_exact_amounts_once() {
     let (l, acct, node, op) = setup().await;
-    l.hold(RequestId::from("r1"), acct.clone(), 100)
-        .await
-        .unwrap();
+    l.hold(
+        RequestId::from("r1"),
+        acct.clone(),
+        ModelId::from("smollm2"),
+        100,
+    )
+    .await
+    .unwrap();
     let s = settlement("r1", &acct, Some(node.clone()), StreamOutcome::Completed);
     let first = l.settle(s.clone()).await.unwrap();
     // 34*0.15 + 12*0.6 = 12.3 -> 13; operator 70% floor = 9; fee 4
@@ -184,9 +205,14 @@ async fn settle_moves_exact_amounts_once() {
 #[tokio::test]
 async fn failed_and_rejected_pay_nothing_and_debit_is_capped_by_the_hold() {
     let (l, acct, node, op) = setup().await;
-    l.hold(RequestId::from("f"), acct.clone(), 100)
-        .await
-        .unwrap();
+    l.hold(
+        RequestId::from("f"),
+        acct.clone(),
+        ModelId::from("smollm2"),
+        100,
+    )
+    .await
+    .unwrap();
     let r = l
         .settle(settlement(
             "f",
@@ -200,7 +226,14 @@ async fn failed_and_rejected_pay_nothing_and_debit_is_capped_by_the_hold() {
     l.settle(settlement("rej", &acct, None, StreamOutcome::Rejected))
         .await
         .unwrap();
-    l.hold(RequestId::from("c"), acct.clone(), 5).await.unwrap();
+    l.hold(
+        RequestId::from("c"),
+        acct.clone(),
+        ModelId::from("smollm2"),
+        5,
+    )
+    .await
+    .unwrap();
     let r = l
         .settle(settlement("c", &acct, Some(node), StreamOutcome::Completed))
         .await
@@ -243,7 +276,13 @@ async fn concurrent_holds_on_a_file_never_overdraw() {
         let l = if i % 2 == 0 { l.clone() } else { l2.clone() };
         let acct = acct.clone();
         tasks.push(tokio::spawn(async move {
-            l.hold(RequestId::new(format!("r{i}")), acct, 100).await
+            l.hold(
+                RequestId::new(format!("r{i}")),
+                acct,
+                ModelId::from("smollm2"),
+                100,
+            )
+            .await
         }));
     }
     let mut ok = 0;
@@ -288,7 +327,7 @@ proptest::proptest! {
             let (l, acct, node, op) = setup().await;
             for o in ops {
                 match o {
-                    Op::Hold(r, a) => { let _ = l.hold(RequestId::new(format!("r{r}")), acct.clone(), a).await; }
+                    Op::Hold(r, a) => { let _ = l.hold(RequestId::new(format!("r{r}")), acct.clone(), ModelId::from("smollm2"), a).await; }
                     Op::Release(r) => l.release(RequestId::new(format!("r{r}"))).await.unwrap(),
                     Op::Settle(r, p, c, ok) => {
                         let mut s = settlement(&format!("r{r}"), &acct, Some(node.clone()), if ok { StreamOutcome::Completed } else { StreamOutcome::ClientCancelled });
@@ -306,4 +345,220 @@ proptest::proptest! {
             assert_eq!(1_000 - b.balance_micros, earned + u64::try_from(fees).unwrap());
         });
     }
+}
+
+#[tokio::test]
+async fn credit_key_reused_for_another_account_or_amount_is_a_conflict() {
+    let (l, acct, _, _) = setup().await;
+    let other = AccountId::from("acct_2");
+    l.create_account(&other).await.unwrap();
+    // same account, same amount: a retry, nothing changes
+    assert!(!l.add_credits(&acct, 1_000, "topup-1").await.unwrap());
+    // different amount
+    match l.add_credits(&acct, 999, "topup-1").await {
+        Err(LedgerError::IdempotencyConflict { idempotency_key }) => {
+            assert_eq!(idempotency_key, "topup-1");
+        }
+        other => panic!("{other:?}"),
+    }
+    // different account, same amount
+    assert!(matches!(
+        l.add_credits(&other, 1_000, "topup-1").await,
+        Err(LedgerError::IdempotencyConflict { .. })
+    ));
+    // unknown account with a used key: the key's conflict is reported
+    assert!(matches!(
+        l.add_credits(&AccountId::from("nope"), 1_000, "topup-1")
+            .await,
+        Err(LedgerError::IdempotencyConflict { .. })
+    ));
+    assert_eq!(
+        LedgerError::IdempotencyConflict {
+            idempotency_key: "k".into()
+        }
+        .to_string(),
+        "idempotency key \"k\" was already used for a different credit"
+    );
+    assert_eq!(l.account(&acct).await.unwrap().balance_micros, 1_000);
+    assert_eq!(l.account(&other).await.unwrap().balance_micros, 0);
+    assert_eq!(l.entries_sum_micros().await.unwrap(), 0);
+    let credits: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM credits")
+        .fetch_one(l.pool())
+        .await
+        .unwrap();
+    assert_eq!(credits, 1);
+}
+
+#[tokio::test]
+async fn stale_holds_after_a_crash_settle_upstream_failed_at_no_cost() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ledger.db");
+    let (acct, node, op) = {
+        let l = SqliteLedger::open(&path).await.unwrap();
+        let acct = AccountId::from("a");
+        l.create_account(&acct).await.unwrap();
+        l.add_credits(&acct, 1_000, "k").await.unwrap();
+        let op = OperatorId::from("op");
+        l.create_operator(&op).await.unwrap();
+        let node = l.register_node(&op, "pk").await.unwrap();
+        l.hold(
+            RequestId::from("s1"),
+            acct.clone(),
+            ModelId::from("m1"),
+            300,
+        )
+        .await
+        .unwrap();
+        l.hold(
+            RequestId::from("s2"),
+            acct.clone(),
+            ModelId::from("m2"),
+            200,
+        )
+        .await
+        .unwrap();
+        // a settled and a released request are not stale
+        l.hold(
+            RequestId::from("done"),
+            acct.clone(),
+            ModelId::from("m1"),
+            100,
+        )
+        .await
+        .unwrap();
+        let mut s = settlement("done", &acct, Some(node.clone()), StreamOutcome::Completed);
+        s.model = ModelId::from("m1");
+        l.settle(s).await.unwrap();
+        l.hold(
+            RequestId::from("gone"),
+            acct.clone(),
+            ModelId::from("m1"),
+            50,
+        )
+        .await
+        .unwrap();
+        l.release(RequestId::from("gone")).await.unwrap();
+        l.pool().close().await;
+        (acct, node, op)
+    };
+    // the gateway restarts
+    let l = SqliteLedger::open(&path).await.unwrap();
+    assert_eq!(
+        l.account(&acct).await.unwrap(),
+        AccountBalance {
+            balance_micros: 987,
+            held_micros: 500,
+            available_micros: 487
+        }
+    );
+    assert_eq!(l.settle_stale_holds().await.unwrap(), 2);
+    assert_eq!(l.settle_stale_holds().await.unwrap(), 0);
+    assert_eq!(
+        l.account(&acct).await.unwrap(),
+        AccountBalance {
+            balance_micros: 987,
+            held_micros: 0,
+            available_micros: 987
+        }
+    );
+    assert_eq!(l.operator_earned_micros(&op).await.unwrap(), 9);
+    assert_eq!(l.entries_sum_micros().await.unwrap(), 0);
+    for (id, model, hold) in [("s1", "m1", 300), ("s2", "m2", 200)] {
+        let rec = l
+            .request_record(RequestId::from(id))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            (
+                rec.account.clone(),
+                rec.model.clone(),
+                rec.outcome,
+                rec.node.clone(),
+                rec.operator.clone(),
+                rec.billed,
+                rec.claimed
+            ),
+            (
+                acct.clone(),
+                ModelId::from(model),
+                StreamOutcome::UpstreamFailed,
+                None,
+                None,
+                Usage::default(),
+                None
+            )
+        );
+        assert_eq!(
+            (
+                rec.cost_micros,
+                rec.debit_micros,
+                rec.operator_credit_micros,
+                rec.fee_micros,
+                rec.hold_micros
+            ),
+            (0, 0, 0, 0, hold)
+        );
+    }
+    // the completed request's record is untouched
+    let done = l
+        .request_record(RequestId::from("done"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (done.outcome, done.node, done.debit_micros),
+        (StreamOutcome::Completed, Some(node), 13)
+    );
+    assert_eq!(
+        l.request_record(RequestId::from("gone")).await.unwrap(),
+        None
+    );
+}
+
+#[tokio::test]
+async fn migration_2_upgrades_a_version_1_file_and_old_holds_settle_as_unknown_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ledger.db");
+    {
+        // a file as version 1 left it: no `holds.model`, one hold active
+        let l = SqliteLedger::open(&path).await.unwrap();
+        let acct = AccountId::from("a");
+        l.create_account(&acct).await.unwrap();
+        l.add_credits(&acct, 1_000, "k").await.unwrap();
+        l.hold(RequestId::from("old"), acct, ModelId::from("m"), 400)
+            .await
+            .unwrap();
+        sqlx::raw_sql(
+            "ALTER TABLE holds DROP COLUMN model; DELETE FROM spine_schema_migrations WHERE version = 2;",
+        )
+        .execute(l.pool())
+        .await
+        .unwrap();
+        l.pool().close().await;
+    }
+    let l = SqliteLedger::open(&path).await.unwrap();
+    let versions: Vec<i64> =
+        sqlx::query_scalar("SELECT version FROM spine_schema_migrations ORDER BY version")
+            .fetch_all(l.pool())
+            .await
+            .unwrap();
+    assert_eq!(versions, vec![1, 2]);
+    assert_eq!(l.settle_stale_holds().await.unwrap(), 1);
+    let rec = l
+        .request_record(RequestId::from("old"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (rec.model, rec.outcome, rec.debit_micros, rec.hold_micros),
+        (
+            ModelId::from("unknown"),
+            StreamOutcome::UpstreamFailed,
+            0,
+            400
+        )
+    );
+    let b = l.account(&AccountId::from("a")).await.unwrap();
+    assert_eq!((b.balance_micros, b.held_micros), (1_000, 0));
 }
