@@ -75,7 +75,7 @@ OPERATOR="$(admin POST /admin/v1/operators '{}' | json_get id)"
 ACCOUNT="$(admin POST /admin/v1/accounts '{}' | json_get id)"
 API_KEY="$(admin POST "/admin/v1/accounts/$ACCOUNT/keys" '{}' | json_get key)"
 admin POST "/admin/v1/accounts/$ACCOUNT/credits" '{"amount_micros": 1000000, "idempotency_key": "demo-topup"}' >/dev/null
-PUBKEY="$("$BIN/reference-agent" keygen --out "$WORK/node.key")"
+PUBKEY="$("$BIN/reference-agent" keygen --out "$WORK/node.key" 2>/dev/null)"
 NODE="$(admin POST /admin/v1/nodes "{\"operator_id\": \"$OPERATOR\", \"public_key\": \"$PUBKEY\"}" | json_get node_id)"
 echo "[demo] operator $OPERATOR, account $ACCOUNT (1,000,000 micros of credit), node $NODE ($PUBKEY)" >&2
 

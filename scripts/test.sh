@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # The test suite: set-up (idempotent), formatting, lints, every test including the end-to-end test
-# against the real llama.cpp engine through the real tunnel, and a build check of the fuzz targets
-# and benchmarks.
+# against the real llama.cpp engine through the real tunnel, and a build check of the fuzz targets.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CACHE="${SPINE_CACHE:-$HOME/.cache/spine}"

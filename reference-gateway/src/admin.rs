@@ -86,6 +86,12 @@ fn ledger_error(e: LedgerError) -> ApiError {
             "conflict",
             format!("{what} already exists"),
         ),
+        LedgerError::IdempotencyConflict { .. } => ApiError::new(
+            StatusCode::CONFLICT,
+            "invalid_request_error",
+            "idempotency_conflict",
+            format!("{e}: the key was already used for another account or amount"),
+        ),
         LedgerError::OutOfRange => ApiError::invalid_request("out_of_range", e.to_string()),
         other => {
             tracing::error!(error = %other, "ledger error");

@@ -133,6 +133,15 @@ impl ApiError {
                 "ledger_unavailable",
                 "the ledger is unavailable; the request was not forwarded",
             ),
+            MeterError::ContextLengthExceeded { .. } => {
+                Self::invalid_request("context_length_exceeded", e.to_string())
+            }
+            MeterError::UpstreamInvalid(_) | MeterError::UpstreamBody(_) => Self::new(
+                StatusCode::BAD_GATEWAY,
+                "api_error",
+                "node_failure",
+                format!("the node sent an invalid response: {}", with_sources(e)),
+            ),
             MeterError::MissingExtension(_) => Self::internal(e.to_string()),
             _ => Self::invalid_request("invalid_request", with_sources(e)),
         }

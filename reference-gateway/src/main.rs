@@ -160,6 +160,7 @@ async fn run(cli: Cli) -> Result<(), MainError> {
     let meter = MeterLayer::new(store.clone(), catalog)
         .operator_share_bps(config.operator_share_bps)
         .max_request_body_bytes(config.max_request_body_bytes);
+    let settlements = meter.settlements();
     let stack = ServiceBuilder::new()
         .layer(meter)
         .layer(RouteLayer::new(registry.clone()))
@@ -240,8 +241,16 @@ async fn run(cli: Cli) -> Result<(), MainError> {
     }
     admin_task.abort();
     tunnel_task.abort();
-    // Let settlements spawned by the last streams reach the ledger.
-    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    // Every stream has ended (or was cut); commit their settlements before exiting.
+    if tokio::time::timeout(grace, settlements.drain())
+        .await
+        .is_err()
+    {
+        tracing::error!(
+            pending = settlements.pending(),
+            "settlements still pending; their holds are settled at the next start"
+        );
+    }
     tracing::info!("gateway stopped");
     Ok(())
 }

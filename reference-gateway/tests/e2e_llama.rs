@@ -51,6 +51,7 @@ admin_listen = "127.0.0.1:0"
 admin_token = "{ADMIN_TOKEN}"
 data_dir = "{data}"
 operator_share_bps = {SHARE_BPS}
+shutdown_grace_secs = 120
 
 [[models]]
 id = "smollm2"
@@ -223,17 +224,18 @@ fn sse_data(body: &str) -> Vec<String> {
         .collect()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn chat_through_gateway_tunnel_agent_and_llama_cpp() {
-    let engine = Engine::discover().unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let llama = LlamaServer::start(&engine, 2).await.unwrap();
-    let gw = Gateway::start(dir.path(), &engine).await;
-    let counter = EngineCounter {
-        url: llama.url.clone(),
-        http: reqwest::Client::new(),
-    };
+/// What `setup` made: an operator with one routable node, and a funded account with a key.
+struct Setup {
+    operator: String,
+    account: String,
+    api_key: String,
+    node_id: String,
+    agent: Child,
+}
 
+/// Operator, account (credited `CREDITS` once, idempotently), API key, node key registered, agent
+/// started and routable.
+async fn setup(gw: &Gateway, dir: &Path, llama_url: &str) -> Setup {
     // --- accounts, operator, node ------------------------------------------------------------
     let (s, op) = gw.admin_post("/admin/v1/operators", json!({})).await;
     assert_eq!(s, 201);
@@ -263,7 +265,7 @@ async fn chat_through_gateway_tunnel_agent_and_llama_cpp() {
     assert_eq!((s, again["applied"].as_bool()), (200, Some(false)));
     assert_eq!(gw.balance(&account).await, (CREDITS, 0));
 
-    let (identity, public_key) = keygen(dir.path(), "node.key").await;
+    let (identity, public_key) = keygen(dir, "node.key").await;
     let (s, node) = gw
         .admin_post(
             "/admin/v1/nodes",
@@ -273,7 +275,7 @@ async fn chat_through_gateway_tunnel_agent_and_llama_cpp() {
     assert_eq!(s, 201, "{node}");
     let node_id = node["node_id"].as_str().unwrap().to_owned();
 
-    let agent = start_agent(&gw, &identity, &llama.url, "agent");
+    let agent = start_agent(gw, &identity, llama_url, "agent");
     // routable only after the gateway's health probe through the tunnel
     let mut routable = false;
     for _ in 0..200 {
@@ -295,6 +297,34 @@ async fn chat_through_gateway_tunnel_agent_and_llama_cpp() {
         agent.stderr_tail(30),
         gw.child.stderr_tail(30)
     );
+
+    Setup {
+        operator,
+        account,
+        api_key,
+        node_id,
+        agent,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_through_gateway_tunnel_agent_and_llama_cpp() {
+    let engine = Engine::discover().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let llama = LlamaServer::start(&engine, 2).await.unwrap();
+    let gw = Gateway::start(dir.path(), &engine).await;
+    let counter = EngineCounter {
+        url: llama.url.clone(),
+        http: reqwest::Client::new(),
+    };
+
+    let Setup {
+        operator,
+        account,
+        api_key,
+        node_id,
+        agent,
+    } = setup(&gw, dir.path(), &llama.url).await;
 
     let http = reqwest::Client::new();
     let chat = |body: Value| {
@@ -539,4 +569,89 @@ async fn chat_through_gateway_tunnel_agent_and_llama_cpp() {
 
     drop(agent);
     drop(stranger);
+}
+
+/// SIGTERM while a stream is in flight: the gateway stops taking requests at once, lets the stream
+/// finish, settles it, and exits; after a restart on the same ledger the record is there and no
+/// credit is left held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_lets_streams_in_flight_finish_and_settle() {
+    use futures_util::StreamExt as _;
+
+    let engine = Engine::discover().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let llama = LlamaServer::start(&engine, 2).await.unwrap();
+    let gw = Gateway::start(dir.path(), &engine).await;
+    let s = setup(&gw, dir.path(), &llama.url).await;
+
+    let http = reqwest::Client::new();
+    let resp = http
+        .post(format!("{}/v1/chat/completions", gw.public))
+        .bearer_auth(&s.api_key)
+        .json(&json!({"model": "smollm2", "stream": true, "max_tokens": 200, "ignore_eos": true,
+                      "messages": [{"role": "user", "content": "Write a long story about a dragon."}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let request_id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
+    let mut body = resp.bytes_stream();
+    let mut text = String::from_utf8(body.next().await.unwrap().unwrap().to_vec()).unwrap();
+
+    let pid = gw.child.id().unwrap();
+    let killed = Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()
+        .await
+        .unwrap();
+    assert!(killed.success());
+    gw.child
+        .wait_for_stderr("shutting down", Duration::from_secs(10))
+        .await
+        .unwrap();
+    // no new requests once shutdown began
+    let refused = http
+        .post(format!("{}/v1/chat/completions", gw.public))
+        .bearer_auth(&s.api_key)
+        .json(&json!({"model": "smollm2", "messages": [{"role": "user", "content": "hi"}]}))
+        .timeout(Duration::from_secs(5))
+        .send()
+        .await;
+    assert!(
+        refused.is_err(),
+        "request accepted during shutdown: {refused:?}"
+    );
+
+    while let Some(chunk) = body.next().await {
+        text.push_str(std::str::from_utf8(&chunk.unwrap()).unwrap());
+    }
+    let events = sse_data(&text);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{text}");
+    let finish = events
+        .iter()
+        .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+        .find_map(|c| c["choices"][0]["finish_reason"].as_str().map(str::to_owned));
+    assert_eq!(finish.as_deref(), Some("length"));
+    gw.child
+        .wait_for_stderr("gateway stopped", Duration::from_secs(150))
+        .await
+        .unwrap();
+    drop(gw);
+    drop(s.agent);
+
+    // same data dir, same ledger
+    let gw = Gateway::start(dir.path(), &engine).await;
+    let rec = gw.record(&request_id).await;
+    assert_eq!(rec["outcome"], "completed");
+    assert_eq!(
+        rec["billed"]["prompt_tokens"].as_u64(),
+        rec["claimed"]["prompt_tokens"].as_u64()
+    );
+    let (balance, held) = gw.balance(&s.account).await;
+    assert_eq!(held, 0);
+    assert_eq!(balance, CREDITS - rec["debit_micros"].as_u64().unwrap());
+    assert_eq!(
+        gw.earned(&s.operator).await,
+        rec["operator_credit_micros"].as_u64().unwrap()
+    );
 }

@@ -30,6 +30,7 @@ pub struct MeterConfig {
     pub(crate) ledger: Arc<dyn Ledger>,
     pub(crate) catalog: Arc<Catalog>,
     pub(crate) events: Arc<dyn MeterEvents>,
+    pub(crate) settlements: Settlements,
     /// The operator's share of each debit, basis points. Default 7 000 (70 %).
     pub operator_share_bps: u16,
     /// Largest request body buffered, bytes. Default 4 MiB.
@@ -60,6 +61,37 @@ impl fmt::Debug for MeterConfig {
     }
 }
 
+/// Settlement tasks in flight (spawned when a response body ends); cheap to clone, shared.
+#[derive(Clone, Debug, Default)]
+pub struct Settlements {
+    tracker: tokio_util::task::TaskTracker,
+}
+
+impl Settlements {
+    /// Settlements not yet committed to the ledger.
+    pub fn pending(&self) -> usize {
+        self.tracker.len()
+    }
+
+    /// Waits until every settlement spawned so far, and any spawned while waiting, is committed.
+    /// Call when no new request can arrive (e.g. at shutdown).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: dropping the future stops waiting; settlements carry on.
+    pub async fn drain(&self) {
+        self.tracker.close();
+        self.tracker.wait().await;
+    }
+
+    pub(crate) fn spawn_on<F>(&self, task: F, runtime: &tokio::runtime::Handle)
+    where
+        F: std::future::Future<Output = ()> + Send + 'static,
+    {
+        self.tracker.spawn_on(task, runtime);
+    }
+}
+
 /// Applies [`Meter`] to a service. See the [module docs](super).
 #[derive(Clone, Debug)]
 pub struct MeterLayer {
@@ -74,6 +106,7 @@ impl MeterLayer {
                 ledger,
                 catalog: Arc::new(catalog),
                 events: Arc::new(()),
+                settlements: Settlements::default(),
                 operator_share_bps: 7_000,
                 max_request_body_bytes: 4 * 1024 * 1024,
                 max_response_body_bytes: 16 * 1024 * 1024,
@@ -112,6 +145,12 @@ impl MeterLayer {
     pub fn events(mut self, events: Arc<dyn MeterEvents>) -> Self {
         self.config.events = events;
         self
+    }
+
+    /// The settlements this layer (and every service it made) has in flight: wait for them
+    /// before a process exits so no request is left to the next start's stale-hold sweep.
+    pub fn settlements(&self) -> Settlements {
+        self.config.settlements.clone()
     }
 
     /// The configuration.

@@ -85,7 +85,7 @@ pub use body::MeterBody;
 pub use error::MeterError;
 pub use events::{DiscrepancyReport, MeterEvents};
 pub use future::ResponseFuture;
-pub use layer::{Catalog, CatalogEntry, MeterConfig, MeterLayer};
+pub use layer::{Catalog, CatalogEntry, MeterConfig, MeterLayer, Settlements};
 pub use service::Meter;
 
 #[cfg(test)]

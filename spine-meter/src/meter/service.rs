@@ -197,6 +197,7 @@ where
             ledger: config.ledger.clone(),
             events: config.events.clone(),
             runtime: tokio::runtime::Handle::current(),
+            settlements: config.settlements.clone(),
             request_id,
             account,
             model: peek.model.clone(),

@@ -14,6 +14,7 @@ pub(crate) struct SettleCtx {
     pub(crate) ledger: Arc<dyn Ledger>,
     pub(crate) events: Arc<dyn MeterEvents>,
     pub(crate) runtime: tokio::runtime::Handle,
+    pub(crate) settlements: super::layer::Settlements,
     pub(crate) request_id: RequestId,
     pub(crate) account: AccountId,
     pub(crate) model: ModelId,
@@ -110,28 +111,32 @@ impl SettleCtx {
         };
         let ledger = self.ledger;
         let events = self.events;
-        self.runtime.spawn(async move {
-            let mut backoff = Duration::from_millis(50);
-            loop {
-                match ledger.settle(settlement.clone()).await {
-                    Ok(result) => {
-                        events.on_settled(&settlement, &result);
-                        return;
-                    }
-                    Err(e) => {
-                        tracing::error!(
-                            request_id = %settlement.request_id,
-                            error = %e,
-                            ?settlement,
-                            "settlement failed; retrying"
-                        );
-                        events.on_settle_error(&settlement, &e);
-                        tokio::time::sleep(backoff).await;
-                        backoff = (backoff * 2).min(Duration::from_secs(30));
+        let runtime = self.runtime;
+        self.settlements.spawn_on(
+            async move {
+                let mut backoff = Duration::from_millis(50);
+                loop {
+                    match ledger.settle(settlement.clone()).await {
+                        Ok(result) => {
+                            events.on_settled(&settlement, &result);
+                            return;
+                        }
+                        Err(e) => {
+                            tracing::error!(
+                                request_id = %settlement.request_id,
+                                error = %e,
+                                ?settlement,
+                                "settlement failed; retrying"
+                            );
+                            events.on_settle_error(&settlement, &e);
+                            tokio::time::sleep(backoff).await;
+                            backoff = (backoff * 2).min(Duration::from_secs(30));
+                        }
                     }
                 }
-            }
-        });
+            },
+            &runtime,
+        );
     }
 }
 
