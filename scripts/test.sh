@@ -19,6 +19,6 @@ cargo build --workspace --bins
 echo "[test] cargo test --workspace" >&2
 cargo test --workspace
 echo "[test] fuzz targets build (cargo check)" >&2
-cargo check --quiet --manifest-path fuzz/Cargo.toml --bins --target-dir target
+cargo check --quiet --manifest-path fuzz/Cargo.toml --bins --target-dir "${CARGO_TARGET_DIR:-target}"
 
 echo "[test] all green in $(( $(date +%s) - start )) s" >&2
