@@ -14,8 +14,8 @@ mod test_support;
 
 pub use inject::{inject_include_usage, InjectError};
 pub use ledger::{
-    AccountBalance, Ledger, LedgerError, LedgerFuture, RequestRecord, SettleResult, Settlement,
-    SqliteLedger,
+    AccountBalance, EntryTotals, Ledger, LedgerError, LedgerFuture, PgLedger, RequestRecord,
+    SettleResult, Settlement, SqliteLedger, Store,
 };
 pub use price::Price;
 pub use tokenizer::{ModelTokenizer, TokenizerError};

@@ -12,11 +12,35 @@
 //!   hold (0 when there is none); the hold is released in full;
 //! - the operator is credited from the debit ([`crate::price::split`]); with no node, or a node
 //!   without an operator, the platform keeps the whole debit as fee.
+//!
+//! # Stores
+//!
+//! [`Store`] is everything the gateway needs from its database: the [`Ledger`] the metering layer
+//! uses, plus accounts, API keys, credits, operators, nodes and stale holds for the admin API and
+//! the tunnel. One `Arc<dyn Store>` serves both ([`Store::into_ledger`] hands the meter its
+//! `Arc<dyn Ledger>`). Two implementations, with the same semantics and the same errors, proven by
+//! one test suite run against both (`ledger/tests.rs`):
+//!
+//! - [`SqliteLedger`]: one file (WAL), single instance. Writes run in `BEGIN IMMEDIATE`
+//!   transactions, so writers queue on SQLite's write lock.
+//! - [`PgLedger`]: PostgreSQL, for several gateway instances sharing one database (design brief
+//!   §8). Transactions run at `READ COMMITTED`; a hold locks the account row (`SELECT … FOR NO KEY
+//!   UPDATE`) before it decides, so concurrent holds queue on the row, never take the same credit,
+//!   and a refusal reports the exact `balance − held` it was refused on; settlement takes a
+//!   transaction-level advisory lock on its request id (so a concurrent second settlement waits,
+//!   then sees the first and returns it with `already_settled = true`), and node registration
+//!   locks the node table (node ids are `node_<n>`). Deadlocks and serialization failures are
+//!   retried. Schema migrations run in one transaction under `pg_advisory_xact_lock`, so any number
+//!   of instances starting at once on an empty database all come up.
+//!
+//! Both keep `held ≤ balance` and `balance ≥ 0` as table constraints as well.
 
+mod pg;
 mod sqlite;
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 use spine_core::{
@@ -25,6 +49,7 @@ use spine_core::{
 
 use crate::price::Price;
 
+pub use pg::PgLedger;
 pub use sqlite::SqliteLedger;
 
 /// A boxed future returned by [`Ledger`] methods.
@@ -212,3 +237,164 @@ pub trait Ledger: Send + Sync + std::fmt::Debug + 'static {
     /// [`LedgerError::Database`], [`LedgerError::Corrupt`].
     fn request_record(&self, request_id: RequestId) -> LedgerFuture<'_, Option<RequestRecord>>;
 }
+
+/// Sums of all ledger entries by party kind, micros (design brief §6, double entry).
+///
+/// Credits added to accounts are booked against `external` (negative), settlements move money
+/// from `accounts` (negative) to `operators` and `platform`; the four always sum to zero.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EntryTotals {
+    /// Accounts: credits added minus debits settled.
+    pub accounts_micros: i64,
+    /// Operators: their credits.
+    pub operators_micros: i64,
+    /// The platform: its fees.
+    pub platform_micros: i64,
+    /// Outside money: minus the credits added.
+    pub external_micros: i64,
+}
+
+impl EntryTotals {
+    /// The sum of all four; zero unless the books are broken.
+    #[must_use]
+    pub fn sum_micros(&self) -> i128 {
+        i128::from(self.accounts_micros)
+            + i128::from(self.operators_micros)
+            + i128::from(self.platform_micros)
+            + i128::from(self.external_micros)
+    }
+}
+
+/// Everything the gateway needs from its store: the [`Ledger`] plus accounts, API keys, credits,
+/// operators, nodes and stale holds. Object safe: use as `Arc<dyn Store>`; implemented by
+/// [`SqliteLedger`] and [`PgLedger`] with the same semantics and errors.
+///
+/// Every method is atomic: a future dropped before completion either did its work or none of it.
+pub trait Store: Ledger {
+    /// This store as the metering layer's `Arc<dyn Ledger>`.
+    fn into_ledger(self: Arc<Self>) -> Arc<dyn Ledger>;
+
+    /// Creates an account with a zero balance.
+    ///
+    /// # Errors
+    ///
+    /// [`LedgerError::Duplicate`] (`what = "account"`) when it exists.
+    fn create_account<'a>(&'a self, account: &'a AccountId) -> LedgerFuture<'a, ()>;
+
+    /// Adds credits to an account, once per `idempotency_key`. Returns `true` when applied,
+    /// `false` when the key was already used for the same account and amount (a retry: nothing
+    /// changes). Books `+amount` to the account and `−amount` to `external`.
+    ///
+    /// # Errors
+    ///
+    /// [`LedgerError::IdempotencyConflict`] when the key was already used for a different
+    /// account or amount (nothing changes; also for an unknown account);
+    /// [`LedgerError::UnknownAccount`], [`LedgerError::OutOfRange`] (amount or resulting balance
+    /// above `i64::MAX`).
+    fn add_credits<'a>(
+        &'a self,
+        account: &'a AccountId,
+        amount_micros: u64,
+        idempotency_key: &'a str,
+    ) -> LedgerFuture<'a, bool>;
+
+    /// Maps an API key's hash (e.g. hex SHA-256 of the key) to an account. The plaintext key is
+    /// never stored.
+    ///
+    /// # Errors
+    ///
+    /// [`LedgerError::Duplicate`] (`what = "api key"`), [`LedgerError::UnknownAccount`].
+    fn create_api_key<'a>(
+        &'a self,
+        account: &'a AccountId,
+        key_hash: &'a str,
+    ) -> LedgerFuture<'a, ()>;
+
+    /// The account an API key hash belongs to.
+    ///
+    /// # Errors
+    ///
+    /// [`LedgerError::Database`].
+    fn account_for_key_hash<'a>(&'a self, key_hash: &'a str)
+        -> LedgerFuture<'a, Option<AccountId>>;
+
+    /// An account's balance, held and available amounts.
+    ///
+    /// # Errors
+    ///
+    /// [`LedgerError::UnknownAccount`].
+    fn account<'a>(&'a self, account: &'a AccountId) -> LedgerFuture<'a, AccountBalance>;
+
+    /// Creates an operator with nothing earned.
+    ///
+    /// # Errors
+    ///
+    /// [`LedgerError::Duplicate`] (`what = "operator"`).
+    fn create_operator<'a>(&'a self, operator: &'a OperatorId) -> LedgerFuture<'a, ()>;
+
+    /// What an operator has earned, micros.
+    ///
+    /// # Errors
+    ///
+    /// [`LedgerError::UnknownOperator`].
+    fn operator_earned_micros<'a>(&'a self, operator: &'a OperatorId) -> LedgerFuture<'a, u64>;
+
+    /// Registers a node by its public key (text form) under an operator; the node id is
+    /// `node_<n>`, `n` counting registrations from 1.
+    ///
+    /// # Errors
+    ///
+    /// [`LedgerError::UnknownOperator`]; [`LedgerError::Duplicate`] (`what = "node public key"`)
+    /// when the key is registered.
+    fn register_node<'a>(
+        &'a self,
+        operator: &'a OperatorId,
+        public_key_text: &'a str,
+    ) -> LedgerFuture<'a, NodeId>;
+
+    /// The node registered with this public key.
+    ///
+    /// # Errors
+    ///
+    /// [`LedgerError::Database`].
+    fn node_for_public_key<'a>(
+        &'a self,
+        public_key_text: &'a str,
+    ) -> LedgerFuture<'a, Option<NodeId>>;
+
+    /// The operator a node belongs to.
+    ///
+    /// # Errors
+    ///
+    /// [`LedgerError::UnknownNode`].
+    fn node_operator<'a>(&'a self, node: &'a NodeId) -> LedgerFuture<'a, OperatorId>;
+
+    /// Settles every hold still active as `upstream_failed` and returns how many it settled: the
+    /// caller pays nothing, the hold is released, nobody is credited, a request record is written.
+    ///
+    /// Call it only when no request is in flight on this store: at start-up of a single instance
+    /// (on a store shared by several instances, another instance's holds would be settled too).
+    ///
+    /// # Errors
+    ///
+    /// [`LedgerError::Database`], [`LedgerError::Corrupt`]. Holds settled before the error stay
+    /// settled; calling again settles the rest.
+    fn settle_stale_holds(&self) -> LedgerFuture<'_, u64>;
+
+    /// Sum of all ledger entries, micros; zero unless the books are broken.
+    ///
+    /// # Errors
+    ///
+    /// [`LedgerError::Database`].
+    fn entries_sum_micros(&self) -> LedgerFuture<'_, i64>;
+
+    /// Sums of all ledger entries by party kind.
+    ///
+    /// # Errors
+    ///
+    /// [`LedgerError::Database`].
+    fn entry_totals(&self) -> LedgerFuture<'_, EntryTotals>;
+}
+
+#[cfg(test)]
+mod tests;

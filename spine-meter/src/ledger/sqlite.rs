@@ -2,6 +2,7 @@
 
 use std::path::Path;
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::sqlite::{
@@ -15,7 +16,8 @@ use spine_core::{
 };
 
 use super::{
-    AccountBalance, Ledger, LedgerError, LedgerFuture, RequestRecord, SettleResult, Settlement,
+    AccountBalance, EntryTotals, Ledger, LedgerError, LedgerFuture, RequestRecord, SettleResult,
+    Settlement, Store,
 };
 use crate::price::{split, Price};
 
@@ -195,7 +197,13 @@ impl SqliteLedger {
         Ok(this)
     }
 
-    async fn migrate(&self) -> Result<(), LedgerError> {
+    /// Boxed so that `open`/`connect` futures are `Send` for any caller (spawnable): sqlx's
+    /// executor impls otherwise trip rustc's higher-ranked `Send` inference.
+    fn migrate(&self) -> LedgerFuture<'_, ()> {
+        Box::pin(self.migrate_impl())
+    }
+
+    async fn migrate_impl(&self) -> Result<(), LedgerError> {
         let mut tx = self.begin().await?;
         sqlx::query(
             "CREATE TABLE IF NOT EXISTS spine_schema_migrations (version INTEGER PRIMARY KEY, applied_at_ms INTEGER NOT NULL)",
@@ -203,7 +211,7 @@ impl SqliteLedger {
         .execute(&mut *tx)
         .await
         .map_err(db)?;
-        for (version, sql) in MIGRATIONS {
+        for &(version, sql) in MIGRATIONS {
             let applied: Option<i64> =
                 sqlx::query_scalar("SELECT version FROM spine_schema_migrations WHERE version = ?")
                     .bind(version)
@@ -211,7 +219,7 @@ impl SqliteLedger {
                     .await
                     .map_err(db)?;
             if applied.is_none() {
-                sqlx::raw_sql(sql).execute(&mut *tx).await.map_err(db)?;
+                sqlx::Executor::execute(&mut *tx, sql).await.map_err(db)?;
                 sqlx::query(
                     "INSERT INTO spine_schema_migrations (version, applied_at_ms) VALUES (?, ?)",
                 )
@@ -570,6 +578,33 @@ impl SqliteLedger {
             .map_err(db)
     }
 
+    /// Sums of all ledger entries by party kind.
+    ///
+    /// # Errors
+    ///
+    /// [`LedgerError::Database`], [`LedgerError::Corrupt`] (an unknown party kind).
+    pub async fn entry_totals(&self) -> Result<EntryTotals, LedgerError> {
+        let rows = sqlx::query(
+            "SELECT party_kind, COALESCE(SUM(amount_micros), 0) AS total FROM ledger_entries GROUP BY party_kind",
+        )
+        .fetch_all(&self.pool)
+        .await
+        .map_err(db)?;
+        let mut totals = EntryTotals::default();
+        for row in rows {
+            let kind: String = row.try_get("party_kind").map_err(db)?;
+            let total: i64 = row.try_get("total").map_err(db)?;
+            match kind.as_str() {
+                "account" => totals.accounts_micros = total,
+                "operator" => totals.operators_micros = total,
+                "platform" => totals.platform_micros = total,
+                "external" => totals.external_micros = total,
+                _ => return Err(LedgerError::Corrupt("party_kind")),
+            }
+        }
+        Ok(totals)
+    }
+
     async fn hold_impl(
         &self,
         request_id: RequestId,
@@ -890,6 +925,88 @@ impl Ledger for SqliteLedger {
 
     fn request_record(&self, request_id: RequestId) -> LedgerFuture<'_, Option<RequestRecord>> {
         Box::pin(self.request_record_impl(request_id))
+    }
+}
+
+impl Store for SqliteLedger {
+    fn into_ledger(self: Arc<Self>) -> Arc<dyn Ledger> {
+        self
+    }
+
+    fn create_account<'a>(&'a self, account: &'a AccountId) -> LedgerFuture<'a, ()> {
+        Box::pin(SqliteLedger::create_account(self, account))
+    }
+
+    fn add_credits<'a>(
+        &'a self,
+        account: &'a AccountId,
+        amount_micros: u64,
+        idempotency_key: &'a str,
+    ) -> LedgerFuture<'a, bool> {
+        Box::pin(SqliteLedger::add_credits(
+            self,
+            account,
+            amount_micros,
+            idempotency_key,
+        ))
+    }
+
+    fn create_api_key<'a>(
+        &'a self,
+        account: &'a AccountId,
+        key_hash: &'a str,
+    ) -> LedgerFuture<'a, ()> {
+        Box::pin(SqliteLedger::create_api_key(self, account, key_hash))
+    }
+
+    fn account_for_key_hash<'a>(
+        &'a self,
+        key_hash: &'a str,
+    ) -> LedgerFuture<'a, Option<AccountId>> {
+        Box::pin(SqliteLedger::account_for_key_hash(self, key_hash))
+    }
+
+    fn account<'a>(&'a self, account: &'a AccountId) -> LedgerFuture<'a, AccountBalance> {
+        Box::pin(SqliteLedger::account(self, account))
+    }
+
+    fn create_operator<'a>(&'a self, operator: &'a OperatorId) -> LedgerFuture<'a, ()> {
+        Box::pin(SqliteLedger::create_operator(self, operator))
+    }
+
+    fn operator_earned_micros<'a>(&'a self, operator: &'a OperatorId) -> LedgerFuture<'a, u64> {
+        Box::pin(SqliteLedger::operator_earned_micros(self, operator))
+    }
+
+    fn register_node<'a>(
+        &'a self,
+        operator: &'a OperatorId,
+        public_key_text: &'a str,
+    ) -> LedgerFuture<'a, NodeId> {
+        Box::pin(SqliteLedger::register_node(self, operator, public_key_text))
+    }
+
+    fn node_for_public_key<'a>(
+        &'a self,
+        public_key_text: &'a str,
+    ) -> LedgerFuture<'a, Option<NodeId>> {
+        Box::pin(SqliteLedger::node_for_public_key(self, public_key_text))
+    }
+
+    fn node_operator<'a>(&'a self, node: &'a NodeId) -> LedgerFuture<'a, OperatorId> {
+        Box::pin(SqliteLedger::node_operator(self, node))
+    }
+
+    fn settle_stale_holds(&self) -> LedgerFuture<'_, u64> {
+        Box::pin(SqliteLedger::settle_stale_holds(self))
+    }
+
+    fn entries_sum_micros(&self) -> LedgerFuture<'_, i64> {
+        Box::pin(SqliteLedger::entries_sum_micros(self))
+    }
+
+    fn entry_totals(&self) -> LedgerFuture<'_, EntryTotals> {
+        Box::pin(SqliteLedger::entry_totals(self))
     }
 }
 

@@ -1,22 +1,212 @@
+//! The store suite: every test is a function over a [`Backend`], instantiated for SQLite (a temp
+//! file) and PostgreSQL (a fresh database per test) by `store_tests!` at the bottom, so the two
+//! stores are held to the same behaviour and the same errors.
+//!
+//! PostgreSQL: `SPINE_TEST_PG_URL` (default `postgres://postgres@127.0.0.1:5432`, the server
+//! `scripts/services.sh` starts). Each test creates a database `spine_test_<hex>` and drops it
+//! (`WITH (FORCE)`) when it ends, also when it fails. An unreachable server fails the test.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use sqlx::Connection as _;
+
 use super::*;
-use crate::price::Price;
+use crate::price::{split, Price};
 
 const PRICE: Price = Price {
     input_micros_per_mtok: 150_000,
     output_micros_per_mtok: 600_000,
 };
 
-async fn setup() -> (SqliteLedger, AccountId, NodeId, OperatorId) {
-    let l = SqliteLedger::in_memory().await.unwrap();
-    let acct = AccountId::from("acct_1");
+const DEFAULT_PG_URL: &str = "postgres://postgres@127.0.0.1:5432";
+
+/// Which store a test runs against.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Backend {
+    Sqlite,
+    Postgres,
+}
+
+/// One test's database: a temp SQLite file, or a fresh PostgreSQL database dropped on drop.
+#[derive(Debug)]
+enum TestDb {
+    Sqlite {
+        _dir: tempfile::TempDir,
+        path: PathBuf,
+    },
+    Postgres(PgDatabase),
+}
+
+/// A PostgreSQL database created for one test; `Drop` drops it (`WITH (FORCE)`), also while a
+/// failing test unwinds.
+#[derive(Debug)]
+struct PgDatabase {
+    server_url: String,
+    name: String,
+    url: String,
+}
+
+fn pg_server_url() -> String {
+    std::env::var("SPINE_TEST_PG_URL").unwrap_or_else(|_| DEFAULT_PG_URL.to_owned())
+}
+
+/// `base` with its database (the URL path) replaced by `name`, query kept.
+fn with_database(base: &str, name: &str) -> String {
+    let (main, query) = match base.split_once('?') {
+        Some((m, q)) => (m, Some(q)),
+        None => (base, None),
+    };
+    let authority_start = main.find("://").map_or(0, |i| i + 3);
+    let main = match main[authority_start..].find('/') {
+        Some(i) => &main[..authority_start + i],
+        None => main,
+    };
+    match query {
+        Some(q) => format!("{main}/{name}?{q}"),
+        None => format!("{main}/{name}"),
+    }
+}
+
+fn random_hex() -> String {
+    use std::hash::{BuildHasher as _, Hasher as _};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
+    h.write_u32(std::process::id());
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    format!("{:016x}", h.finish())
+}
+
+impl TestDb {
+    async fn new(backend: Backend) -> Self {
+        match backend {
+            Backend::Sqlite => {
+                let dir = tempfile::tempdir().unwrap();
+                let path = dir.path().join("ledger.db");
+                TestDb::Sqlite { _dir: dir, path }
+            }
+            Backend::Postgres => {
+                let server_url = pg_server_url();
+                let mut conn = match sqlx::PgConnection::connect(&server_url).await {
+                    Ok(c) => c,
+                    Err(e) => panic!(
+                        "PostgreSQL is unreachable at {server_url} ({e}); the store suite runs \
+                         against PostgreSQL too: start it with scripts/services.sh, or point \
+                         SPINE_TEST_PG_URL at a server where this user may CREATE DATABASE"
+                    ),
+                };
+                let name = format!("spine_test_{}", random_hex());
+                sqlx::raw_sql(&format!("CREATE DATABASE \"{name}\""))
+                    .execute(&mut conn)
+                    .await
+                    .unwrap_or_else(|e| panic!("CREATE DATABASE {name} at {server_url}: {e}"));
+                conn.close().await.unwrap();
+                let url = with_database(&server_url, &name);
+                TestDb::Postgres(PgDatabase {
+                    server_url,
+                    name,
+                    url,
+                })
+            }
+        }
+    }
+
+    /// A new store on this database (a new pool; migrations run again, as on a restart).
+    async fn open(&self) -> Arc<dyn Store> {
+        match self {
+            TestDb::Sqlite { path, .. } => Arc::new(SqliteLedger::open(path).await.unwrap()),
+            TestDb::Postgres(db) => Arc::new(PgLedger::connect(&db.url).await.unwrap()),
+        }
+    }
+
+    /// One `BIGINT` from `sql`, on a connection of its own.
+    async fn scalar_i64(&self, sql: &str) -> i64 {
+        match self {
+            TestDb::Sqlite { path, .. } => {
+                let mut c =
+                    sqlx::SqliteConnection::connect(&format!("sqlite://{}", path.display()))
+                        .await
+                        .unwrap();
+                sqlx::query_scalar(sql).fetch_one(&mut c).await.unwrap()
+            }
+            TestDb::Postgres(db) => {
+                let mut c = sqlx::PgConnection::connect(&db.url).await.unwrap();
+                sqlx::query_scalar(sql).fetch_one(&mut c).await.unwrap()
+            }
+        }
+    }
+
+    fn migrations(&self) -> i64 {
+        match self {
+            TestDb::Sqlite { .. } => 2,
+            TestDb::Postgres(_) => 1,
+        }
+    }
+}
+
+impl Drop for PgDatabase {
+    fn drop(&mut self) {
+        let server_url = self.server_url.clone();
+        let name = self.name.clone();
+        // Drop cannot await, and may run on a runtime's worker: drop it from a thread of its own
+        let dropped = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map_err(|e| e.to_string())?;
+            rt.block_on(async {
+                let mut conn = sqlx::PgConnection::connect(&server_url)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                sqlx::raw_sql(&format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)"))
+                    .execute(&mut conn)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                conn.close().await.map_err(|e| e.to_string())
+            })
+        })
+        .join();
+        match dropped {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => eprintln!("warning: DROP DATABASE {}: {e}", self.name),
+            Err(_) => eprintln!(
+                "warning: DROP DATABASE {}: the dropping thread panicked",
+                self.name
+            ),
+        }
+    }
+}
+
+/// An account `<p>acct_1` with 1 000 micros, an operator `<p>op_1` and its node (key
+/// `<p>ed25519:AAAA`).
+async fn setup_with(l: &dyn Store, p: &str) -> (AccountId, NodeId, OperatorId) {
+    let acct = AccountId::new(format!("{p}acct_1"));
     l.create_account(&acct).await.unwrap();
-    assert!(l.add_credits(&acct, 1_000, "topup-1").await.unwrap());
-    let op = OperatorId::from("op_1");
+    assert!(l
+        .add_credits(&acct, 1_000, &format!("{p}topup-1"))
+        .await
+        .unwrap());
+    let op = OperatorId::new(format!("{p}op_1"));
     l.create_operator(&op).await.unwrap();
-    let node = l.register_node(&op, "ed25519:AAAA").await.unwrap();
-    (l, acct, node, op)
+    let node = l
+        .register_node(&op, &format!("{p}ed25519:AAAA"))
+        .await
+        .unwrap();
+    (acct, node, op)
+}
+
+async fn setup(backend: Backend) -> (TestDb, Arc<dyn Store>, AccountId, NodeId, OperatorId) {
+    let db = TestDb::new(backend).await;
+    let l = db.open().await;
+    let (acct, node, op) = setup_with(&*l, "").await;
+    (db, l, acct, node, op)
 }
 
 fn settlement(
@@ -46,9 +236,8 @@ fn settlement(
     }
 }
 
-#[tokio::test]
-async fn store_operations_for_the_gateway() {
-    let (l, acct, node, op) = setup().await;
+async fn store_operations_for_the_gateway(backend: Backend) {
+    let (_db, l, acct, node, op) = setup(backend).await;
     assert_eq!(node, NodeId::from("node_1"));
     // same idempotency key twice: applied once
     assert!(!l.add_credits(&acct, 1_000, "topup-1").await.unwrap());
@@ -63,7 +252,7 @@ async fn store_operations_for_the_gateway() {
     );
     assert!(matches!(
         l.add_credits(&AccountId::from("nope"), 1, "k").await,
-        Err(LedgerError::UnknownAccount(_))
+        Err(LedgerError::UnknownAccount(a)) if a == AccountId::from("nope")
     ));
     assert!(matches!(
         l.create_account(&acct).await,
@@ -79,11 +268,20 @@ async fn store_operations_for_the_gateway() {
         l.create_api_key(&acct, "hash-1").await,
         Err(LedgerError::Duplicate { what: "api key" })
     ));
+    assert!(matches!(
+        l.create_api_key(&AccountId::from("nope"), "hash-3").await,
+        Err(LedgerError::UnknownAccount(_))
+    ));
     assert_eq!(
         l.node_for_public_key("ed25519:AAAA").await.unwrap(),
         Some(node.clone())
     );
+    assert_eq!(l.node_for_public_key("ed25519:BBBB").await.unwrap(), None);
     assert_eq!(l.node_operator(&node).await.unwrap(), op);
+    assert!(matches!(
+        l.node_operator(&NodeId::from("node_9")).await,
+        Err(LedgerError::UnknownNode(n)) if n == NodeId::from("node_9")
+    ));
     assert!(matches!(
         l.register_node(&op, "ed25519:AAAA").await,
         Err(LedgerError::Duplicate {
@@ -92,15 +290,40 @@ async fn store_operations_for_the_gateway() {
     ));
     assert!(matches!(
         l.register_node(&OperatorId::from("x"), "k2").await,
-        Err(LedgerError::UnknownOperator(_))
+        Err(LedgerError::UnknownOperator(o)) if o == OperatorId::from("x")
+    ));
+    // refused registrations do not use up node ids
+    assert_eq!(
+        l.register_node(&op, "ed25519:CCCC").await.unwrap(),
+        NodeId::from("node_2")
+    );
+    assert!(matches!(
+        l.create_operator(&op).await,
+        Err(LedgerError::Duplicate { what: "operator" })
     ));
     assert_eq!(l.operator_earned_micros(&op).await.unwrap(), 0);
+    assert!(matches!(
+        l.operator_earned_micros(&OperatorId::from("x")).await,
+        Err(LedgerError::UnknownOperator(_))
+    ));
+    assert!(matches!(
+        l.account(&AccountId::from("nope")).await,
+        Err(LedgerError::UnknownAccount(_))
+    ));
     assert_eq!(l.entries_sum_micros().await.unwrap(), 0);
+    assert_eq!(
+        l.entry_totals().await.unwrap(),
+        EntryTotals {
+            accounts_micros: 1_500,
+            operators_micros: 0,
+            platform_micros: 0,
+            external_micros: -1_500
+        }
+    );
 }
 
-#[tokio::test]
-async fn hold_refuses_past_available_with_exact_numbers() {
-    let (l, acct, _, _) = setup().await;
+async fn hold_refuses_past_available_with_exact_numbers(backend: Backend) {
+    let (_db, l, acct, _, _) = setup(backend).await;
     l.hold(
         RequestId::from("r1"),
         acct.clone(),
@@ -125,6 +348,10 @@ async fn hold_refuses_past_available_with_exact_numbers() {
             needed_micros: 301
         }
     ));
+    assert_eq!(
+        err.to_string(),
+        "insufficient credit: 300 available, 301 needed"
+    );
     assert!(matches!(
         l.hold(
             RequestId::from("r1"),
@@ -135,15 +362,52 @@ async fn hold_refuses_past_available_with_exact_numbers() {
         .await,
         Err(LedgerError::Duplicate { what: "hold" })
     ));
+    assert!(matches!(
+        l.hold(
+            RequestId::from("r3"),
+            AccountId::from("nope"),
+            ModelId::from("smollm2"),
+            1
+        )
+        .await,
+        Err(LedgerError::UnknownAccount(_))
+    ));
     assert_eq!(l.account(&acct).await.unwrap().held_micros, 700);
     l.release(RequestId::from("r1")).await.unwrap();
     l.release(RequestId::from("r1")).await.unwrap();
+    l.release(RequestId::from("never-held")).await.unwrap();
     assert_eq!(l.account(&acct).await.unwrap().available_micros, 1_000);
 }
 
-#[tokio::test]
-async fn settle_moves_exact_amounts_once() {
-    let (l, acct, node, op) = setup().await;
+async fn amounts_beyond_i64_are_out_of_range(backend: Backend) {
+    let (_db, l, acct, _, _) = setup(backend).await;
+    assert!(matches!(
+        l.add_credits(&acct, u64::MAX, "huge").await,
+        Err(LedgerError::OutOfRange)
+    ));
+    assert!(matches!(
+        l.hold(
+            RequestId::from("r"),
+            acct.clone(),
+            ModelId::from("m"),
+            u64::MAX
+        )
+        .await,
+        Err(LedgerError::OutOfRange)
+    ));
+    // the balance would pass i64::MAX: refused, nothing booked, the key stays unused
+    let max = u64::try_from(i64::MAX).unwrap();
+    assert!(matches!(
+        l.add_credits(&acct, max, "too-much").await,
+        Err(LedgerError::OutOfRange)
+    ));
+    assert!(l.add_credits(&acct, max - 1_000, "too-much").await.unwrap());
+    assert_eq!(l.account(&acct).await.unwrap().balance_micros, max);
+    assert_eq!(l.entries_sum_micros().await.unwrap(), 0);
+}
+
+async fn settle_moves_exact_amounts_once(backend: Backend) {
+    let (_db, l, acct, node, op) = setup(backend).await;
     l.hold(
         RequestId::from("r1"),
         acct.clone(),
@@ -167,8 +431,13 @@ async fn settle_moves_exact_amounts_once() {
         }
     );
     let again = l.settle(s).await.unwrap();
-    assert!(again.already_settled);
-    assert_eq!(again.debit_micros, 13);
+    assert_eq!(
+        again,
+        SettleResult {
+            already_settled: true,
+            ..first
+        }
+    );
     assert_eq!(
         l.account(&acct).await.unwrap(),
         AccountBalance {
@@ -179,15 +448,38 @@ async fn settle_moves_exact_amounts_once() {
     );
     assert_eq!(l.operator_earned_micros(&op).await.unwrap(), 9);
     assert_eq!(l.entries_sum_micros().await.unwrap(), 0);
+    assert_eq!(
+        l.entry_totals().await.unwrap(),
+        EntryTotals {
+            accounts_micros: 987,
+            operators_micros: 9,
+            platform_micros: 4,
+            external_micros: -1_000
+        }
+    );
     let rec = l
         .request_record(RequestId::from("r1"))
         .await
         .unwrap()
         .unwrap();
+    assert_eq!(rec.request_id, RequestId::from("r1"));
+    assert_eq!(rec.account, acct);
+    assert_eq!(rec.model, ModelId::from("smollm2"));
     assert_eq!(rec.outcome, StreamOutcome::Completed);
     assert_eq!(rec.node, Some(node));
     assert_eq!(rec.operator, Some(op));
     assert_eq!(rec.billed.total_tokens(), 46);
+    assert_eq!(
+        rec.claimed,
+        Some(Usage {
+            prompt_tokens: 34,
+            completion_tokens: 12
+        })
+    );
+    assert_eq!(
+        (rec.usage_source, rec.discrepancy),
+        (UsageSource::Independent, false)
+    );
     assert_eq!(
         (
             rec.cost_micros,
@@ -202,9 +494,8 @@ async fn settle_moves_exact_amounts_once() {
     assert_eq!(l.request_record(RequestId::from("zz")).await.unwrap(), None);
 }
 
-#[tokio::test]
-async fn failed_and_rejected_pay_nothing_and_debit_is_capped_by_the_hold() {
-    let (l, acct, node, op) = setup().await;
+async fn failed_and_rejected_pay_nothing_and_debit_is_capped_by_the_hold(backend: Backend) {
+    let (_db, l, acct, node, op) = setup(backend).await;
     l.hold(
         RequestId::from("f"),
         acct.clone(),
@@ -247,7 +538,25 @@ async fn failed_and_rejected_pay_nothing_and_debit_is_capped_by_the_hold() {
         ),
         (13, 5, 3, 2)
     );
-    assert_eq!(l.account(&acct).await.unwrap().balance_micros, 995);
+    // no node: the platform keeps the whole debit
+    l.hold(
+        RequestId::from("n"),
+        acct.clone(),
+        ModelId::from("smollm2"),
+        50,
+    )
+    .await
+    .unwrap();
+    let mut s = settlement("n", &acct, None, StreamOutcome::ClientCancelled);
+    s.claimed = None;
+    s.usage_source = UsageSource::NodeClaim;
+    s.discrepancy = true;
+    let r = l.settle(s).await.unwrap();
+    assert_eq!(
+        (r.debit_micros, r.operator_credit_micros, r.fee_micros),
+        (13, 0, 13)
+    );
+    assert_eq!(l.account(&acct).await.unwrap().balance_micros, 982);
     assert_eq!(l.operator_earned_micros(&op).await.unwrap(), 3);
     assert_eq!(l.entries_sum_micros().await.unwrap(), 0);
     let rec = l
@@ -259,15 +568,34 @@ async fn failed_and_rejected_pay_nothing_and_debit_is_capped_by_the_hold() {
         (rec.outcome, rec.node, rec.debit_micros),
         (StreamOutcome::Rejected, None, 0)
     );
+    let rec = l
+        .request_record(RequestId::from("n"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (
+            rec.outcome,
+            rec.operator,
+            rec.claimed,
+            rec.usage_source,
+            rec.discrepancy
+        ),
+        (
+            StreamOutcome::ClientCancelled,
+            None,
+            None,
+            UsageSource::NodeClaim,
+            true
+        )
+    );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn concurrent_holds_on_a_file_never_overdraw() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("ledger.db");
-    let l = SqliteLedger::open(&path).await.unwrap();
-    // migrations are idempotent: open the same file again
-    let l2 = SqliteLedger::open(&path).await.unwrap();
+async fn concurrent_holds_through_two_stores_never_overdraw(backend: Backend) {
+    let db = TestDb::new(backend).await;
+    let l = db.open().await;
+    // migrations are idempotent: open the same database again
+    let l2 = db.open().await;
     let acct = AccountId::from("a");
     l.create_account(&acct).await.unwrap();
     l.add_credits(&acct, 1_000, "k").await.unwrap();
@@ -289,7 +617,10 @@ async fn concurrent_holds_on_a_file_never_overdraw() {
     for t in tasks {
         match t.await.unwrap() {
             Ok(()) => ok += 1,
-            Err(LedgerError::InsufficientCredit { .. }) => {}
+            Err(LedgerError::InsufficientCredit {
+                available_micros,
+                needed_micros: 100,
+            }) => assert!(available_micros < 100),
             Err(e) => panic!("{e}"),
         }
     }
@@ -301,55 +632,124 @@ async fn concurrent_holds_on_a_file_never_overdraw() {
     );
 }
 
-#[derive(Debug, Clone)]
-enum Op {
-    Hold(u8, u64),
-    Settle(u8, u16, u16, bool),
-    Release(u8),
-}
-
-fn op() -> impl proptest::strategy::Strategy<Value = Op> {
-    use proptest::prelude::*;
-    prop_oneof![
-        (0u8..12, 0u64..400).prop_map(|(r, a)| Op::Hold(r, a)),
-        (0u8..12, 0u16..3000, 0u16..3000, any::<bool>())
-            .prop_map(|(r, p, c, ok)| Op::Settle(r, p, c, ok)),
-        (0u8..12).prop_map(Op::Release),
-    ]
-}
-
-proptest::proptest! {
-    #![proptest_config(proptest::test_runner::Config { cases: 32, ..Default::default() })]
-    #[test]
-    fn random_holds_settles_releases_keep_the_books(ops in proptest::collection::vec(op(), 1..40)) {
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-        rt.block_on(async {
-            let (l, acct, node, op) = setup().await;
-            for o in ops {
-                match o {
-                    Op::Hold(r, a) => { let _ = l.hold(RequestId::new(format!("r{r}")), acct.clone(), ModelId::from("smollm2"), a).await; }
-                    Op::Release(r) => l.release(RequestId::new(format!("r{r}"))).await.unwrap(),
-                    Op::Settle(r, p, c, ok) => {
-                        let mut s = settlement(&format!("r{r}"), &acct, Some(node.clone()), if ok { StreamOutcome::Completed } else { StreamOutcome::ClientCancelled });
-                        s.billed = Usage { prompt_tokens: u64::from(p) * 1000, completion_tokens: u64::from(c) * 1000 };
-                        l.settle(s).await.unwrap();
-                    }
-                }
-                let b = l.account(&acct).await.unwrap();
-                assert!(b.held_micros <= b.balance_micros);
-                assert_eq!(l.entries_sum_micros().await.unwrap(), 0);
+async fn concurrent_opens_on_an_empty_database_all_come_up(backend: Backend) {
+    let db = TestDb::new(backend).await;
+    // as separate processes would: each task connects on its own, all at once
+    let opens: Vec<tokio::task::JoinHandle<Arc<dyn Store>>> = (0..4)
+        .map(|_| match &db {
+            TestDb::Sqlite { path, .. } => {
+                let path = path.clone();
+                tokio::spawn(async move {
+                    Arc::new(SqliteLedger::open(path).await.unwrap()) as Arc<dyn Store>
+                })
             }
-            let b = l.account(&acct).await.unwrap();
-            let earned = l.operator_earned_micros(&op).await.unwrap();
-            let fees: i64 = sqlx::query_scalar("SELECT COALESCE(SUM(amount_micros),0) FROM ledger_entries WHERE party_kind = 'platform'").fetch_one(l.pool()).await.unwrap();
-            assert_eq!(1_000 - b.balance_micros, earned + u64::try_from(fees).unwrap());
-        });
+            TestDb::Postgres(pg) => {
+                let url = pg.url.clone();
+                tokio::spawn(async move {
+                    Arc::new(PgLedger::connect(&url).await.unwrap()) as Arc<dyn Store>
+                })
+            }
+        })
+        .collect();
+    let mut stores = Vec::new();
+    for o in opens {
+        stores.push(o.await.unwrap());
     }
+    assert_eq!(
+        db.scalar_i64("SELECT COUNT(*) FROM spine_schema_migrations")
+            .await,
+        db.migrations()
+    );
+    for (i, l) in stores.iter().enumerate() {
+        l.create_account(&AccountId::new(format!("a{i}")))
+            .await
+            .unwrap();
+    }
+    assert_eq!(
+        db.scalar_i64("SELECT COUNT(*) FROM accounts").await,
+        4,
+        "every store writes to the one schema"
+    );
 }
 
-#[tokio::test]
-async fn credit_key_reused_for_another_account_or_amount_is_a_conflict() {
-    let (l, acct, _, _) = setup().await;
+async fn concurrent_settles_of_one_request_move_money_once(backend: Backend) {
+    let (_db, l, acct, node, op) = setup(backend).await;
+    l.hold(
+        RequestId::from("r"),
+        acct.clone(),
+        ModelId::from("smollm2"),
+        100,
+    )
+    .await
+    .unwrap();
+    let s = settlement("r", &acct, Some(node), StreamOutcome::Completed);
+    let tasks: Vec<_> = (0..8)
+        .map(|_| {
+            let l = l.clone();
+            let s = s.clone();
+            tokio::spawn(async move { l.settle(s).await })
+        })
+        .collect();
+    let mut first = 0;
+    for t in tasks {
+        let r = t.await.unwrap().unwrap();
+        assert_eq!(
+            (
+                r.debit_micros,
+                r.operator_credit_micros,
+                r.fee_micros,
+                r.hold_micros
+            ),
+            (13, 9, 4, 100)
+        );
+        if !r.already_settled {
+            first += 1;
+        }
+    }
+    assert_eq!(first, 1);
+    assert_eq!(l.account(&acct).await.unwrap().balance_micros, 987);
+    assert_eq!(l.operator_earned_micros(&op).await.unwrap(), 9);
+    assert_eq!(l.entries_sum_micros().await.unwrap(), 0);
+}
+
+async fn concurrent_credits_and_registrations_apply_once(backend: Backend) {
+    let (_db, l, acct, _, op) = setup(backend).await;
+    let credits: Vec<_> = (0..8)
+        .map(|_| {
+            let l = l.clone();
+            let acct = acct.clone();
+            tokio::spawn(async move { l.add_credits(&acct, 250, "same-key").await })
+        })
+        .collect();
+    let mut applied = 0;
+    for t in credits {
+        if t.await.unwrap().unwrap() {
+            applied += 1;
+        }
+    }
+    assert_eq!(applied, 1);
+    assert_eq!(l.account(&acct).await.unwrap().balance_micros, 1_250);
+    let nodes: Vec<_> = (0..6)
+        .map(|i| {
+            let l = l.clone();
+            let op = op.clone();
+            tokio::spawn(async move { l.register_node(&op, &format!("pk{i}")).await })
+        })
+        .collect();
+    let mut ids = Vec::new();
+    for t in nodes {
+        ids.push(t.await.unwrap().unwrap().to_string());
+    }
+    ids.sort();
+    assert_eq!(
+        ids,
+        ["node_2", "node_3", "node_4", "node_5", "node_6", "node_7"]
+    );
+    assert_eq!(l.entries_sum_micros().await.unwrap(), 0);
+}
+
+async fn credit_key_reused_for_another_account_or_amount_is_a_conflict(backend: Backend) {
+    let (db, l, acct, _, _) = setup(backend).await;
     let other = AccountId::from("acct_2");
     l.create_account(&other).await.unwrap();
     // same account, same amount: a retry, nothing changes
@@ -382,19 +782,13 @@ async fn credit_key_reused_for_another_account_or_amount_is_a_conflict() {
     assert_eq!(l.account(&acct).await.unwrap().balance_micros, 1_000);
     assert_eq!(l.account(&other).await.unwrap().balance_micros, 0);
     assert_eq!(l.entries_sum_micros().await.unwrap(), 0);
-    let credits: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM credits")
-        .fetch_one(l.pool())
-        .await
-        .unwrap();
-    assert_eq!(credits, 1);
+    assert_eq!(db.scalar_i64("SELECT COUNT(*) FROM credits").await, 1);
 }
 
-#[tokio::test]
-async fn stale_holds_after_a_crash_settle_upstream_failed_at_no_cost() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("ledger.db");
+async fn stale_holds_after_a_crash_settle_upstream_failed_at_no_cost(backend: Backend) {
+    let db = TestDb::new(backend).await;
     let (acct, node, op) = {
-        let l = SqliteLedger::open(&path).await.unwrap();
+        let l = db.open().await;
         let acct = AccountId::from("a");
         l.create_account(&acct).await.unwrap();
         l.add_credits(&acct, 1_000, "k").await.unwrap();
@@ -438,11 +832,10 @@ async fn stale_holds_after_a_crash_settle_upstream_failed_at_no_cost() {
         .await
         .unwrap();
         l.release(RequestId::from("gone")).await.unwrap();
-        l.pool().close().await;
         (acct, node, op)
     };
     // the gateway restarts
-    let l = SqliteLedger::open(&path).await.unwrap();
+    let l = db.open().await;
     assert_eq!(
         l.account(&acct).await.unwrap(),
         AccountBalance {
@@ -516,49 +909,417 @@ async fn stale_holds_after_a_crash_settle_upstream_failed_at_no_cost() {
     );
 }
 
-#[tokio::test]
-async fn migration_2_upgrades_a_version_1_file_and_old_holds_settle_as_unknown_model() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("ledger.db");
-    {
-        // a file as version 1 left it: no `holds.model`, one hold active
-        let l = SqliteLedger::open(&path).await.unwrap();
-        let acct = AccountId::from("a");
-        l.create_account(&acct).await.unwrap();
-        l.add_credits(&acct, 1_000, "k").await.unwrap();
-        l.hold(RequestId::from("old"), acct, ModelId::from("m"), 400)
-            .await
-            .unwrap();
-        sqlx::raw_sql(
-            "ALTER TABLE holds DROP COLUMN model; DELETE FROM spine_schema_migrations WHERE version = 2;",
-        )
-        .execute(l.pool())
-        .await
-        .unwrap();
-        l.pool().close().await;
-    }
-    let l = SqliteLedger::open(&path).await.unwrap();
-    let versions: Vec<i64> =
-        sqlx::query_scalar("SELECT version FROM spine_schema_migrations ORDER BY version")
-            .fetch_all(l.pool())
-            .await
-            .unwrap();
-    assert_eq!(versions, vec![1, 2]);
-    assert_eq!(l.settle_stale_holds().await.unwrap(), 1);
-    let rec = l
-        .request_record(RequestId::from("old"))
-        .await
+// ---- property tests (one database per test, fresh rows per case) ----
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
         .unwrap()
-        .unwrap();
-    assert_eq!(
-        (rec.model, rec.outcome, rec.debit_micros, rec.hold_micros),
-        (
-            ModelId::from("unknown"),
-            StreamOutcome::UpstreamFailed,
-            0,
-            400
+}
+
+fn runner(cases: u32) -> proptest::test_runner::TestRunner {
+    proptest::test_runner::TestRunner::new(proptest::test_runner::Config {
+        cases,
+        failure_persistence: None,
+        ..Default::default()
+    })
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Hold(u8, u64),
+    Settle(u8, u16, u16, bool),
+    Release(u8),
+}
+
+fn op() -> impl proptest::strategy::Strategy<Value = Op> {
+    use proptest::prelude::*;
+    prop_oneof![
+        (0u8..12, 0u64..400).prop_map(|(r, a)| Op::Hold(r, a)),
+        (0u8..12, 0u16..3000, 0u16..3000, any::<bool>())
+            .prop_map(|(r, p, c, ok)| Op::Settle(r, p, c, ok)),
+        (0u8..12).prop_map(Op::Release),
+    ]
+}
+
+/// Random sequences of holds, settles and releases on one account: `held ≤ balance` and the
+/// entries sum to zero after every step; what left the account is what the operator earned plus
+/// the platform's fees.
+fn random_holds_settles_releases_keep_the_books(backend: Backend) {
+    let rt = runtime();
+    let (db, l) = rt.block_on(async {
+        let db = TestDb::new(backend).await;
+        let l = db.open().await;
+        (db, l)
+    });
+    let case = AtomicU64::new(0);
+    let strategy = proptest::collection::vec(op(), 1..40);
+    let result = runner(32).run(&strategy, |ops| {
+        let p = format!("c{}_", case.fetch_add(1, Ordering::Relaxed));
+        rt.block_on(async {
+            let (acct, node, op) = setup_with(&*l, &p).await;
+            let before = l.entry_totals().await.unwrap();
+            let req = |r: u8| RequestId::new(format!("{p}r{r}"));
+            for o in ops {
+                match o {
+                    Op::Hold(r, a) => {
+                        let _ = l
+                            .hold(req(r), acct.clone(), ModelId::from("smollm2"), a)
+                            .await;
+                    }
+                    Op::Release(r) => l.release(req(r)).await.unwrap(),
+                    Op::Settle(r, p, c, ok) => {
+                        let mut s = settlement(
+                            req(r).as_str(),
+                            &acct,
+                            Some(node.clone()),
+                            if ok {
+                                StreamOutcome::Completed
+                            } else {
+                                StreamOutcome::ClientCancelled
+                            },
+                        );
+                        s.billed = Usage {
+                            prompt_tokens: u64::from(p) * 1000,
+                            completion_tokens: u64::from(c) * 1000,
+                        };
+                        l.settle(s).await.unwrap();
+                    }
+                }
+                let b = l.account(&acct).await.unwrap();
+                assert!(b.held_micros <= b.balance_micros);
+                assert_eq!(l.entries_sum_micros().await.unwrap(), 0);
+            }
+            let b = l.account(&acct).await.unwrap();
+            let earned = l.operator_earned_micros(&op).await.unwrap();
+            let after = l.entry_totals().await.unwrap();
+            let fees = u64::try_from(after.platform_micros - before.platform_micros).unwrap();
+            assert_eq!(1_000 - b.balance_micros, earned + fees);
+            assert_eq!(
+                i64::try_from(earned).unwrap(),
+                after.operators_micros - before.operators_micros
+            );
+        });
+        Ok(())
+    });
+    if let Err(e) = result {
+        panic!("{e}");
+    }
+    drop(l);
+    drop(db);
+}
+
+/// One request of the concurrency property: its hold, how it is billed, how it ends.
+#[derive(Debug, Clone)]
+struct Req {
+    hold_micros: u64,
+    prompt_tokens: u64,
+    completion_tokens: u64,
+    outcome: StreamOutcome,
+    on_node: bool,
+    /// 0: settle; 1: settle twice at once; 2: release (the caller never started).
+    ending: u8,
+}
+
+fn req() -> impl proptest::strategy::Strategy<Value = Req> {
+    use proptest::prelude::*;
+    (
+        0u64..600,
+        0u64..2_000,
+        0u64..2_000,
+        prop_oneof![
+            4 => Just(StreamOutcome::Completed),
+            2 => Just(StreamOutcome::ClientCancelled),
+            1 => Just(StreamOutcome::UpstreamFailed),
+        ],
+        any::<bool>(),
+        0u8..3,
+    )
+        .prop_map(
+            |(hold_micros, prompt_tokens, completion_tokens, outcome, on_node, ending)| Req {
+                hold_micros,
+                prompt_tokens,
+                completion_tokens,
+                outcome,
+                on_node,
+                ending,
+            },
         )
+}
+
+/// What the concurrency property saw over all its cases.
+#[derive(Debug, Default)]
+struct Seen {
+    cases: AtomicU64,
+    requests: AtomicU64,
+    holds_placed: AtomicU64,
+    holds_refused: AtomicU64,
+    double_settles: AtomicU64,
+    debited_micros: AtomicU64,
+    capped_by_hold: AtomicU64,
+    balance_samples: AtomicU64,
+}
+
+/// Many concurrent requests (hold, then settle — sometimes twice at once — or release) from two
+/// stores against a small balance, while a watcher samples the account: the balance never goes
+/// negative or up, `held ≤ balance` at every sample, every refusal names exact numbers, each
+/// request is debited once and at most its hold, and Σ debits = Σ operator credits + Σ fees, in the
+/// records, in the operator's earnings and in the entries (which sum to zero).
+fn concurrent_requests_on_a_small_balance_never_overdraw_and_keep_the_books(backend: Backend) {
+    let rt = runtime();
+    let (db, l1, l2) = rt.block_on(async {
+        let db = TestDb::new(backend).await;
+        let l1 = db.open().await;
+        let l2 = db.open().await;
+        (db, l1, l2)
+    });
+    let seen = Arc::new(Seen::default());
+    let case = AtomicU64::new(0);
+    let strategy = (1u64..2_000, proptest::collection::vec(req(), 1..48));
+    let result = runner(24).run(&strategy, |(credit_micros, reqs)| {
+        let c = case.fetch_add(1, Ordering::Relaxed);
+        let p = format!("k{c}_");
+        let seen = seen.clone();
+        let (l1, l2) = (l1.clone(), l2.clone());
+        rt.block_on(async move {
+            let acct = AccountId::new(format!("{p}acct"));
+            l1.create_account(&acct).await.unwrap();
+            assert!(l1.add_credits(&acct, credit_micros, &p).await.unwrap());
+            let op = OperatorId::new(format!("{p}op"));
+            l1.create_operator(&op).await.unwrap();
+            let node = l1.register_node(&op, &format!("{p}pk")).await.unwrap();
+            let before = l1.entry_totals().await.unwrap();
+
+            let done = Arc::new(AtomicBool::new(false));
+            let watcher = {
+                let (l, acct, done, seen) = (l2.clone(), acct.clone(), done.clone(), seen.clone());
+                tokio::spawn(async move {
+                    let mut last = credit_micros;
+                    while !done.load(Ordering::Relaxed) {
+                        let b = l.account(&acct).await.unwrap();
+                        assert!(b.held_micros <= b.balance_micros, "{b:?}");
+                        assert!(b.balance_micros <= last, "balance went up: {b:?}");
+                        last = b.balance_micros;
+                        seen.balance_samples.fetch_add(1, Ordering::Relaxed);
+                        tokio::task::yield_now().await;
+                    }
+                })
+            };
+
+            let tasks: Vec<_> = reqs
+                .iter()
+                .enumerate()
+                .map(|(i, r)| {
+                    let l = if i % 2 == 0 { l1.clone() } else { l2.clone() };
+                    let other = if i % 2 == 0 { l2.clone() } else { l1.clone() };
+                    let (acct, node, seen, r) =
+                        (acct.clone(), node.clone(), seen.clone(), r.clone());
+                    let id = RequestId::new(format!("{p}r{i}"));
+                    tokio::spawn(async move {
+                        let held = match l
+                            .hold(id.clone(), acct.clone(), ModelId::from("m"), r.hold_micros)
+                            .await
+                        {
+                            Ok(()) => {
+                                seen.holds_placed.fetch_add(1, Ordering::Relaxed);
+                                true
+                            }
+                            Err(LedgerError::InsufficientCredit {
+                                available_micros,
+                                needed_micros,
+                            }) => {
+                                assert_eq!(needed_micros, r.hold_micros);
+                                assert!(available_micros < needed_micros);
+                                seen.holds_refused.fetch_add(1, Ordering::Relaxed);
+                                false
+                            }
+                            Err(e) => panic!("hold: {e}"),
+                        };
+                        let mut s = settlement(
+                            id.as_str(),
+                            &acct,
+                            r.on_node.then_some(node),
+                            if held {
+                                r.outcome
+                            } else {
+                                StreamOutcome::Rejected
+                            },
+                        );
+                        s.model = ModelId::from("m");
+                        s.billed = Usage {
+                            prompt_tokens: r.prompt_tokens,
+                            completion_tokens: r.completion_tokens,
+                        };
+                        let result = match (held, r.ending) {
+                            (true, 2) => {
+                                l.release(id).await.unwrap();
+                                return None;
+                            }
+                            (true, 1) => {
+                                seen.double_settles.fetch_add(1, Ordering::Relaxed);
+                                let (a, b) = tokio::join!(l.settle(s.clone()), other.settle(s));
+                                let (a, b) = (a.unwrap(), b.unwrap());
+                                assert_ne!(a.already_settled, b.already_settled);
+                                assert_eq!(
+                                    SettleResult {
+                                        already_settled: false,
+                                        ..a
+                                    },
+                                    SettleResult {
+                                        already_settled: false,
+                                        ..b
+                                    }
+                                );
+                                a
+                            }
+                            _ => l.settle(s).await.unwrap(),
+                        };
+                        Some((held, result))
+                    })
+                })
+                .collect();
+            let mut results = Vec::new();
+            for t in tasks {
+                results.push(t.await.unwrap());
+            }
+            done.store(true, Ordering::Relaxed);
+            watcher.await.unwrap();
+
+            let (mut debits, mut credits, mut fees) = (0u64, 0u64, 0u64);
+            for (r, res) in reqs.iter().zip(&results) {
+                let Some((held, res)) = res else { continue };
+                let pays = *held
+                    && matches!(
+                        r.outcome,
+                        StreamOutcome::Completed | StreamOutcome::ClientCancelled
+                    );
+                let cost = PRICE.cost_micros(&Usage {
+                    prompt_tokens: r.prompt_tokens,
+                    completion_tokens: r.completion_tokens,
+                });
+                let hold = if *held { r.hold_micros } else { 0 };
+                assert_eq!(
+                    (res.cost_micros, res.hold_micros, res.debit_micros),
+                    (
+                        if pays { cost } else { 0 },
+                        hold,
+                        if pays { cost.min(hold) } else { 0 }
+                    )
+                );
+                assert_eq!(
+                    res.debit_micros,
+                    res.operator_credit_micros + res.fee_micros
+                );
+                if r.on_node {
+                    assert_eq!(
+                        split(res.debit_micros, 7_000).operator_credit_micros,
+                        res.operator_credit_micros
+                    );
+                } else {
+                    assert_eq!(res.operator_credit_micros, 0);
+                }
+                if res.cost_micros > res.hold_micros {
+                    seen.capped_by_hold.fetch_add(1, Ordering::Relaxed);
+                }
+                debits += res.debit_micros;
+                credits += res.operator_credit_micros;
+                fees += res.fee_micros;
+            }
+            let b = l1.account(&acct).await.unwrap();
+            assert_eq!(b.held_micros, 0);
+            assert_eq!(credit_micros - b.balance_micros, debits, "never overdrawn");
+            assert_eq!(debits, credits + fees);
+            assert_eq!(l1.operator_earned_micros(&op).await.unwrap(), credits);
+            let after = l1.entry_totals().await.unwrap();
+            assert_eq!(
+                (
+                    before.accounts_micros - after.accounts_micros,
+                    after.operators_micros - before.operators_micros,
+                    after.platform_micros - before.platform_micros,
+                ),
+                (
+                    i64::try_from(debits).unwrap(),
+                    i64::try_from(credits).unwrap(),
+                    i64::try_from(fees).unwrap()
+                )
+            );
+            assert_eq!(l1.entries_sum_micros().await.unwrap(), 0);
+            seen.cases.fetch_add(1, Ordering::Relaxed);
+            seen.requests
+                .fetch_add(reqs.len() as u64, Ordering::Relaxed);
+            seen.debited_micros.fetch_add(debits, Ordering::Relaxed);
+        });
+        Ok(())
+    });
+    if let Err(e) = result {
+        panic!("{e}");
+    }
+    eprintln!("{backend:?}: {seen:?}");
+    let placed = seen.holds_placed.load(Ordering::Relaxed);
+    let refused = seen.holds_refused.load(Ordering::Relaxed);
+    assert!(
+        placed > 0 && refused > 0,
+        "holds placed and refused: {seen:?}"
     );
-    let b = l.account(&AccountId::from("a")).await.unwrap();
-    assert_eq!((b.balance_micros, b.held_micros), (1_000, 0));
+    drop((l1, l2));
+    drop(db);
+}
+
+/// Instantiates each test function for both stores: `ledger::tests::sqlite::<name>` and
+/// `ledger::tests::postgres::<name>`.
+macro_rules! store_tests {
+    (async: [$($t:ident),* $(,)?], blocking: [$($b:ident),* $(,)?]) => {
+        store_tests!(@mod sqlite, Sqlite, [$($t),*], [$($b),*]);
+        store_tests!(@mod postgres, Postgres, [$($t),*], [$($b),*]);
+    };
+    (@mod $m:ident, $backend:ident, [$($t:ident),*], [$($b:ident),*]) => {
+        mod $m {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $t() {
+                    super::$t(super::Backend::$backend).await;
+                }
+            )*
+            $(
+                #[test]
+                fn $b() {
+                    super::$b(super::Backend::$backend);
+                }
+            )*
+        }
+    };
+}
+
+store_tests!(
+    async: [
+        store_operations_for_the_gateway,
+        hold_refuses_past_available_with_exact_numbers,
+        amounts_beyond_i64_are_out_of_range,
+        settle_moves_exact_amounts_once,
+        failed_and_rejected_pay_nothing_and_debit_is_capped_by_the_hold,
+        concurrent_holds_through_two_stores_never_overdraw,
+        concurrent_opens_on_an_empty_database_all_come_up,
+        concurrent_settles_of_one_request_move_money_once,
+        concurrent_credits_and_registrations_apply_once,
+        credit_key_reused_for_another_account_or_amount_is_a_conflict,
+        stale_holds_after_a_crash_settle_upstream_failed_at_no_cost,
+    ],
+    blocking: [
+        random_holds_settles_releases_keep_the_books,
+        concurrent_requests_on_a_small_balance_never_overdraw_and_keep_the_books,
+    ]
+);
+
+#[test]
+fn database_urls_get_the_test_database() {
+    assert_eq!(
+        with_database("postgres://postgres@127.0.0.1:5432", "x"),
+        "postgres://postgres@127.0.0.1:5432/x"
+    );
+    assert_eq!(
+        with_database("postgres://u:p@h/postgres?sslmode=disable", "x"),
+        "postgres://u:p@h/x?sslmode=disable"
+    );
 }

@@ -1,0 +1,983 @@
+//! The PostgreSQL ledger store (several gateway instances, one database).
+
+use std::str::FromStr;
+use std::sync::Arc;
+
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgRow};
+use sqlx::{Postgres, Row, Transaction};
+
+use spine_core::{
+    AccountId, ModelId, NodeId, OperatorId, RequestId, StreamOutcome, Usage, UsageSource,
+};
+
+use super::{
+    AccountBalance, EntryTotals, Ledger, LedgerError, LedgerFuture, RequestRecord, SettleResult,
+    Settlement, Store,
+};
+use crate::price::{split, Price};
+
+/// Schema migrations, applied in order, each once (recorded in `spine_schema_migrations`), all in
+/// one transaction under [`MIGRATION_LOCK`].
+///
+/// Version 1 is SQLite's versions 1 and 2 together (PostgreSQL support started there).
+const MIGRATIONS: &[(i64, &str)] = &[(
+    1,
+    r#"
+CREATE TABLE accounts (
+    id TEXT PRIMARY KEY,
+    balance_micros BIGINT NOT NULL DEFAULT 0 CHECK (balance_micros >= 0),
+    held_micros BIGINT NOT NULL DEFAULT 0 CHECK (held_micros >= 0),
+    created_at_ms BIGINT NOT NULL,
+    CHECK (held_micros <= balance_micros)
+);
+CREATE TABLE api_keys (
+    key_hash TEXT PRIMARY KEY,
+    account_id TEXT NOT NULL REFERENCES accounts(id),
+    created_at_ms BIGINT NOT NULL
+);
+CREATE TABLE credits (
+    idempotency_key TEXT PRIMARY KEY,
+    account_id TEXT NOT NULL REFERENCES accounts(id),
+    amount_micros BIGINT NOT NULL CHECK (amount_micros >= 0),
+    created_at_ms BIGINT NOT NULL
+);
+CREATE TABLE operators (
+    id TEXT PRIMARY KEY,
+    earned_micros BIGINT NOT NULL DEFAULT 0 CHECK (earned_micros >= 0),
+    created_at_ms BIGINT NOT NULL
+);
+CREATE TABLE nodes (
+    node_id TEXT PRIMARY KEY,
+    operator_id TEXT NOT NULL REFERENCES operators(id),
+    public_key_text TEXT NOT NULL UNIQUE,
+    created_at_ms BIGINT NOT NULL
+);
+CREATE TABLE holds (
+    request_id TEXT PRIMARY KEY,
+    account_id TEXT NOT NULL REFERENCES accounts(id),
+    model TEXT,
+    amount_micros BIGINT NOT NULL CHECK (amount_micros >= 0),
+    state TEXT NOT NULL CHECK (state IN ('held', 'released', 'settled')),
+    created_at_ms BIGINT NOT NULL
+);
+CREATE INDEX holds_held ON holds(created_at_ms, request_id) WHERE state = 'held';
+CREATE TABLE requests (
+    request_id TEXT PRIMARY KEY,
+    account_id TEXT NOT NULL,
+    model TEXT NOT NULL,
+    outcome TEXT NOT NULL,
+    node_id TEXT,
+    operator_id TEXT,
+    billed_prompt_tokens BIGINT NOT NULL,
+    billed_completion_tokens BIGINT NOT NULL,
+    claimed_prompt_tokens BIGINT,
+    claimed_completion_tokens BIGINT,
+    usage_source TEXT NOT NULL,
+    discrepancy BOOLEAN NOT NULL,
+    input_micros_per_mtok BIGINT NOT NULL,
+    output_micros_per_mtok BIGINT NOT NULL,
+    share_bps BIGINT NOT NULL,
+    cost_micros BIGINT NOT NULL,
+    debit_micros BIGINT NOT NULL,
+    operator_credit_micros BIGINT NOT NULL,
+    fee_micros BIGINT NOT NULL,
+    hold_micros BIGINT NOT NULL,
+    created_at_ms BIGINT NOT NULL
+);
+CREATE TABLE ledger_entries (
+    id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    ref TEXT NOT NULL,
+    party_kind TEXT NOT NULL CHECK (party_kind IN ('account', 'operator', 'platform', 'external')),
+    party_id TEXT NOT NULL,
+    amount_micros BIGINT NOT NULL,
+    created_at_ms BIGINT NOT NULL
+);
+CREATE INDEX ledger_entries_ref ON ledger_entries(ref);
+"#,
+)];
+
+/// The advisory lock key migrations run under (`pg_advisory_xact_lock`): "spine" + schema.
+const MIGRATION_LOCK: i64 = 0x7370_696e_6500_0001;
+
+/// The first key of the two-key advisory lock a settlement takes on its request id
+/// (`pg_advisory_xact_lock(SETTLE_LOCK_CLASS, hashtext(request_id))`).
+const SETTLE_LOCK_CLASS: i32 = 0x7370_6e01;
+
+/// How many times a transaction that failed on a deadlock or a serialization failure is run.
+const ATTEMPTS: u32 = 5;
+
+/// The ledger and gateway store on PostgreSQL, for several gateway instances sharing one database
+/// (design brief §8).
+///
+/// The same tables, semantics and errors as [`super::SqliteLedger`] (see the module docs for how
+/// concurrency is handled). Transactions run at PostgreSQL's default `READ COMMITTED`; one that
+/// fails on a deadlock (`40P01`) or a serialization failure (`40001`) is run again, up to 5 times.
+#[derive(Clone, Debug)]
+pub struct PgLedger {
+    pool: PgPool,
+}
+
+fn db(e: sqlx::Error) -> LedgerError {
+    LedgerError::Database(e)
+}
+
+fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+}
+
+fn to_i64(v: u64) -> Result<i64, LedgerError> {
+    i64::try_from(v).map_err(|_| LedgerError::OutOfRange)
+}
+
+fn to_u64(v: i64, what: &'static str) -> Result<u64, LedgerError> {
+    u64::try_from(v).map_err(|_| LedgerError::Corrupt(what))
+}
+
+fn is_unique_violation(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(d) if d.is_unique_violation())
+}
+
+/// A deadlock or a serialization failure: the transaction was rolled back and may be run again.
+fn is_retryable(e: &LedgerError) -> bool {
+    match e {
+        LedgerError::Database(sqlx::Error::Database(d)) => {
+            matches!(d.code().as_deref(), Some("40P01" | "40001"))
+        }
+        _ => false,
+    }
+}
+
+fn get_u64(row: &PgRow, col: &'static str) -> Result<u64, LedgerError> {
+    to_u64(row.try_get::<i64, _>(col).map_err(db)?, col)
+}
+
+fn balance_from_row(row: &PgRow) -> Result<AccountBalance, LedgerError> {
+    let balance_micros = get_u64(row, "balance_micros")?;
+    let held_micros = get_u64(row, "held_micros")?;
+    Ok(AccountBalance {
+        balance_micros,
+        held_micros,
+        available_micros: balance_micros.saturating_sub(held_micros),
+    })
+}
+
+async fn insert_entry(
+    tx: &mut Transaction<'static, Postgres>,
+    reference: &str,
+    party_kind: &str,
+    party_id: &str,
+    amount_micros: i64,
+) -> Result<(), LedgerError> {
+    sqlx::query(
+        "INSERT INTO ledger_entries (ref, party_kind, party_id, amount_micros, created_at_ms) VALUES ($1, $2, $3, $4, $5)",
+    )
+    .bind(reference)
+    .bind(party_kind)
+    .bind(party_id)
+    .bind(amount_micros)
+    .bind(now_ms())
+    .execute(&mut **tx)
+    .await
+    .map_err(db)?;
+    Ok(())
+}
+
+/// Runs `$body` (an expression evaluating to a `Result`) again while it fails on a deadlock or a
+/// serialization failure, up to [`ATTEMPTS`] times.
+macro_rules! retrying {
+    ($body:expr) => {{
+        let mut attempt = 1;
+        loop {
+            match $body {
+                Err(e) if attempt < ATTEMPTS && is_retryable(&e) => {
+                    tracing::debug!(attempt, error = %e, "ledger transaction retried");
+                    attempt += 1;
+                }
+                r => break r,
+            }
+        }
+    }};
+}
+
+impl PgLedger {
+    /// Connects to the database at `url` (`postgres://user:password@host:port/database`; a pool
+    /// of up to 10 connections) and applies migrations.
+    ///
+    /// Any number of processes may connect to the same (even empty) database at once: migrations
+    /// run under a PostgreSQL advisory lock, the first applies them, the others wait and find
+    /// them applied.
+    ///
+    /// # Errors
+    ///
+    /// [`LedgerError::Database`] when the URL does not parse, the database cannot be reached or
+    /// the migrations fail.
+    pub async fn connect(url: &str) -> Result<Self, LedgerError> {
+        let options = PgConnectOptions::from_str(url).map_err(db)?;
+        Self::connect_with(options).await
+    }
+
+    /// [`PgLedger::connect`] with parsed options.
+    ///
+    /// # Errors
+    ///
+    /// As [`PgLedger::connect`].
+    pub async fn connect_with(options: PgConnectOptions) -> Result<Self, LedgerError> {
+        let pool = PgPoolOptions::new()
+            .max_connections(10)
+            .connect_with(options)
+            .await
+            .map_err(db)?;
+        Self::with_pool(pool).await
+    }
+
+    /// Wraps an existing pool and applies migrations (idempotent; safe for any number of
+    /// processes at once).
+    ///
+    /// # Errors
+    ///
+    /// [`LedgerError::Database`].
+    pub async fn with_pool(pool: PgPool) -> Result<Self, LedgerError> {
+        let this = Self { pool };
+        this.migrate().await?;
+        Ok(this)
+    }
+
+    /// The underlying pool.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// Boxed so that `open`/`connect` futures are `Send` for any caller (spawnable): sqlx's
+    /// executor impls otherwise trip rustc's higher-ranked `Send` inference.
+    fn migrate(&self) -> LedgerFuture<'_, ()> {
+        Box::pin(self.migrate_impl())
+    }
+
+    async fn migrate_impl(&self) -> Result<(), LedgerError> {
+        let mut tx = self.pool.begin().await.map_err(db)?;
+        // held until commit or rollback, also when this future is dropped (the connection's
+        // transaction is rolled back before it is reused)
+        sqlx::query("SELECT pg_advisory_xact_lock($1)")
+            .bind(MIGRATION_LOCK)
+            .execute(&mut *tx)
+            .await
+            .map_err(db)?;
+        sqlx::query(
+            "CREATE TABLE IF NOT EXISTS spine_schema_migrations (version BIGINT PRIMARY KEY, applied_at_ms BIGINT NOT NULL)",
+        )
+        .execute(&mut *tx)
+        .await
+        .map_err(db)?;
+        for &(version, sql) in MIGRATIONS {
+            let applied: Option<i64> = sqlx::query_scalar(
+                "SELECT version FROM spine_schema_migrations WHERE version = $1",
+            )
+            .bind(version)
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(db)?;
+            if applied.is_none() {
+                sqlx::Executor::execute(&mut *tx, sql).await.map_err(db)?;
+                sqlx::query(
+                    "INSERT INTO spine_schema_migrations (version, applied_at_ms) VALUES ($1, $2)",
+                )
+                .bind(version)
+                .bind(now_ms())
+                .execute(&mut *tx)
+                .await
+                .map_err(db)?;
+                tracing::info!(version, "applied ledger schema migration");
+            }
+        }
+        tx.commit().await.map_err(db)
+    }
+
+    async fn begin(&self) -> Result<Transaction<'static, Postgres>, LedgerError> {
+        self.pool.begin().await.map_err(db)
+    }
+
+    async fn create_account_impl(&self, account: &AccountId) -> Result<(), LedgerError> {
+        sqlx::query("INSERT INTO accounts (id, created_at_ms) VALUES ($1, $2)")
+            .bind(account.as_str())
+            .bind(now_ms())
+            .execute(&self.pool)
+            .await
+            .map_err(|e| {
+                if is_unique_violation(&e) {
+                    LedgerError::Duplicate { what: "account" }
+                } else {
+                    db(e)
+                }
+            })?;
+        Ok(())
+    }
+
+    async fn add_credits_once(
+        &self,
+        account: &AccountId,
+        amount_micros: u64,
+        idempotency_key: &str,
+    ) -> Result<bool, LedgerError> {
+        let amount = to_i64(amount_micros)?;
+        let mut tx = self.begin().await?;
+        // a concurrent credit with the same key makes this wait for it, then do nothing
+        let inserted = sqlx::query(
+            "INSERT INTO credits (idempotency_key, account_id, amount_micros, created_at_ms)
+             SELECT $1, id, $2, $3 FROM accounts WHERE id = $4
+             ON CONFLICT (idempotency_key) DO NOTHING",
+        )
+        .bind(idempotency_key)
+        .bind(amount)
+        .bind(now_ms())
+        .bind(account.as_str())
+        .execute(&mut *tx)
+        .await
+        .map_err(db)?
+        .rows_affected();
+        if inserted == 0 {
+            let used = sqlx::query(
+                "SELECT account_id, amount_micros FROM credits WHERE idempotency_key = $1",
+            )
+            .bind(idempotency_key)
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(db)?;
+            tx.rollback().await.map_err(db)?;
+            let Some(row) = used else {
+                return Err(LedgerError::UnknownAccount(account.clone()));
+            };
+            let used_account: String = row.try_get("account_id").map_err(db)?;
+            let used_amount: i64 = row.try_get("amount_micros").map_err(db)?;
+            return if used_account == account.as_str() && used_amount == amount {
+                Ok(false)
+            } else {
+                Err(LedgerError::IdempotencyConflict {
+                    idempotency_key: idempotency_key.to_owned(),
+                })
+            };
+        }
+        let updated = sqlx::query(
+            "UPDATE accounts SET balance_micros = balance_micros + $1 WHERE id = $2 AND balance_micros <= 9223372036854775807 - $1",
+        )
+        .bind(amount)
+        .bind(account.as_str())
+        .execute(&mut *tx)
+        .await
+        .map_err(db)?
+        .rows_affected();
+        if updated == 0 {
+            tx.rollback().await.map_err(db)?;
+            return Err(LedgerError::OutOfRange);
+        }
+        let reference = format!("credit:{idempotency_key}");
+        insert_entry(&mut tx, &reference, "account", account.as_str(), amount).await?;
+        insert_entry(&mut tx, &reference, "external", "deposits", -amount).await?;
+        tx.commit().await.map_err(db)?;
+        Ok(true)
+    }
+
+    async fn create_api_key_impl(
+        &self,
+        account: &AccountId,
+        key_hash: &str,
+    ) -> Result<(), LedgerError> {
+        let r = sqlx::query(
+            "INSERT INTO api_keys (key_hash, account_id, created_at_ms) SELECT $1, id, $2 FROM accounts WHERE id = $3",
+        )
+        .bind(key_hash)
+        .bind(now_ms())
+        .bind(account.as_str())
+        .execute(&self.pool)
+        .await
+        .map_err(|e| {
+            if is_unique_violation(&e) {
+                LedgerError::Duplicate { what: "api key" }
+            } else {
+                db(e)
+            }
+        })?;
+        if r.rows_affected() == 0 {
+            return Err(LedgerError::UnknownAccount(account.clone()));
+        }
+        Ok(())
+    }
+
+    async fn account_for_key_hash_impl(
+        &self,
+        key_hash: &str,
+    ) -> Result<Option<AccountId>, LedgerError> {
+        let id: Option<String> =
+            sqlx::query_scalar("SELECT account_id FROM api_keys WHERE key_hash = $1")
+                .bind(key_hash)
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(db)?;
+        Ok(id.map(AccountId::from))
+    }
+
+    async fn account_impl(&self, account: &AccountId) -> Result<AccountBalance, LedgerError> {
+        let row = sqlx::query("SELECT balance_micros, held_micros FROM accounts WHERE id = $1")
+            .bind(account.as_str())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(db)?
+            .ok_or_else(|| LedgerError::UnknownAccount(account.clone()))?;
+        balance_from_row(&row)
+    }
+
+    async fn create_operator_impl(&self, operator: &OperatorId) -> Result<(), LedgerError> {
+        sqlx::query("INSERT INTO operators (id, created_at_ms) VALUES ($1, $2)")
+            .bind(operator.as_str())
+            .bind(now_ms())
+            .execute(&self.pool)
+            .await
+            .map_err(|e| {
+                if is_unique_violation(&e) {
+                    LedgerError::Duplicate { what: "operator" }
+                } else {
+                    db(e)
+                }
+            })?;
+        Ok(())
+    }
+
+    async fn operator_earned_micros_impl(&self, operator: &OperatorId) -> Result<u64, LedgerError> {
+        let v: i64 = sqlx::query_scalar("SELECT earned_micros FROM operators WHERE id = $1")
+            .bind(operator.as_str())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(db)?
+            .ok_or_else(|| LedgerError::UnknownOperator(operator.clone()))?;
+        to_u64(v, "earned_micros")
+    }
+
+    async fn register_node_once(
+        &self,
+        operator: &OperatorId,
+        public_key_text: &str,
+    ) -> Result<NodeId, LedgerError> {
+        let mut tx = self.begin().await?;
+        // node ids count registrations: one registration at a time (reads are not blocked)
+        sqlx::query("LOCK TABLE nodes IN SHARE ROW EXCLUSIVE MODE")
+            .execute(&mut *tx)
+            .await
+            .map_err(db)?;
+        let exists: Option<i64> =
+            sqlx::query_scalar("SELECT 1::BIGINT FROM operators WHERE id = $1")
+                .bind(operator.as_str())
+                .fetch_optional(&mut *tx)
+                .await
+                .map_err(db)?;
+        if exists.is_none() {
+            tx.rollback().await.map_err(db)?;
+            return Err(LedgerError::UnknownOperator(operator.clone()));
+        }
+        let n: i64 = sqlx::query_scalar("SELECT COUNT(*) + 1 FROM nodes")
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(db)?;
+        let node = NodeId::new(format!("node_{n}"));
+        let r = sqlx::query(
+            "INSERT INTO nodes (node_id, operator_id, public_key_text, created_at_ms) VALUES ($1, $2, $3, $4)",
+        )
+        .bind(node.as_str())
+        .bind(operator.as_str())
+        .bind(public_key_text)
+        .bind(now_ms())
+        .execute(&mut *tx)
+        .await;
+        if let Err(e) = r {
+            tx.rollback().await.map_err(db)?;
+            return Err(if is_unique_violation(&e) {
+                LedgerError::Duplicate {
+                    what: "node public key",
+                }
+            } else {
+                db(e)
+            });
+        }
+        tx.commit().await.map_err(db)?;
+        Ok(node)
+    }
+
+    async fn node_for_public_key_impl(
+        &self,
+        public_key_text: &str,
+    ) -> Result<Option<NodeId>, LedgerError> {
+        let id: Option<String> =
+            sqlx::query_scalar("SELECT node_id FROM nodes WHERE public_key_text = $1")
+                .bind(public_key_text)
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(db)?;
+        Ok(id.map(NodeId::from))
+    }
+
+    async fn node_operator_impl(&self, node: &NodeId) -> Result<OperatorId, LedgerError> {
+        let id: String = sqlx::query_scalar("SELECT operator_id FROM nodes WHERE node_id = $1")
+            .bind(node.as_str())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(db)?
+            .ok_or_else(|| LedgerError::UnknownNode(node.clone()))?;
+        Ok(OperatorId::from(id))
+    }
+
+    async fn settle_stale_holds_impl(&self) -> Result<u64, LedgerError> {
+        let rows = sqlx::query(
+            "SELECT request_id, account_id, model FROM holds WHERE state = 'held' ORDER BY created_at_ms, request_id",
+        )
+        .fetch_all(&self.pool)
+        .await
+        .map_err(db)?;
+        let mut settled = 0;
+        for row in rows {
+            let request_id: String = row.try_get("request_id").map_err(db)?;
+            let account: String = row.try_get("account_id").map_err(db)?;
+            let model: Option<String> = row.try_get("model").map_err(db)?;
+            let result = self
+                .settle_impl(Settlement {
+                    request_id: RequestId::from(request_id),
+                    account: AccountId::from(account),
+                    node: None,
+                    model: ModelId::from(model.unwrap_or_else(|| "unknown".to_owned())),
+                    outcome: StreamOutcome::UpstreamFailed,
+                    billed: Usage::default(),
+                    claimed: None,
+                    usage_source: UsageSource::Independent,
+                    discrepancy: false,
+                    price: Price::default(),
+                    share_bps: 0,
+                })
+                .await?;
+            if !result.already_settled {
+                settled += 1;
+            }
+        }
+        Ok(settled)
+    }
+
+    async fn entries_sum_micros_impl(&self) -> Result<i64, LedgerError> {
+        sqlx::query_scalar("SELECT COALESCE(SUM(amount_micros), 0)::BIGINT FROM ledger_entries")
+            .fetch_one(&self.pool)
+            .await
+            .map_err(db)
+    }
+
+    async fn entry_totals_impl(&self) -> Result<EntryTotals, LedgerError> {
+        let rows = sqlx::query(
+            "SELECT party_kind, COALESCE(SUM(amount_micros), 0)::BIGINT AS total FROM ledger_entries GROUP BY party_kind",
+        )
+        .fetch_all(&self.pool)
+        .await
+        .map_err(db)?;
+        let mut totals = EntryTotals::default();
+        for row in rows {
+            let kind: String = row.try_get("party_kind").map_err(db)?;
+            let total: i64 = row.try_get("total").map_err(db)?;
+            match kind.as_str() {
+                "account" => totals.accounts_micros = total,
+                "operator" => totals.operators_micros = total,
+                "platform" => totals.platform_micros = total,
+                "external" => totals.external_micros = total,
+                _ => return Err(LedgerError::Corrupt("party_kind")),
+            }
+        }
+        Ok(totals)
+    }
+
+    async fn hold_once(
+        &self,
+        request_id: &RequestId,
+        account: &AccountId,
+        model: &ModelId,
+        amount_micros: u64,
+    ) -> Result<(), LedgerError> {
+        let amount = to_i64(amount_micros)?;
+        let mut tx = self.begin().await?;
+        // the account row stays locked until commit: the decision and the numbers a refusal
+        // reports are those of one moment, and no concurrent hold can take the same credit
+        let row = sqlx::query(
+            "SELECT balance_micros, held_micros FROM accounts WHERE id = $1 FOR NO KEY UPDATE",
+        )
+        .bind(account.as_str())
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(db)?;
+        let Some(row) = row else {
+            tx.rollback().await.map_err(db)?;
+            return Err(LedgerError::UnknownAccount(account.clone()));
+        };
+        let available_micros = balance_from_row(&row)?.available_micros;
+        if available_micros < amount_micros {
+            tx.rollback().await.map_err(db)?;
+            return Err(LedgerError::InsufficientCredit {
+                available_micros,
+                needed_micros: amount_micros,
+            });
+        }
+        sqlx::query("UPDATE accounts SET held_micros = held_micros + $1 WHERE id = $2")
+            .bind(amount)
+            .bind(account.as_str())
+            .execute(&mut *tx)
+            .await
+            .map_err(db)?;
+        let r = sqlx::query(
+            "INSERT INTO holds (request_id, account_id, model, amount_micros, state, created_at_ms) VALUES ($1, $2, $3, $4, 'held', $5)",
+        )
+        .bind(request_id.as_str())
+        .bind(account.as_str())
+        .bind(model.as_str())
+        .bind(amount)
+        .bind(now_ms())
+        .execute(&mut *tx)
+        .await;
+        if let Err(e) = r {
+            tx.rollback().await.map_err(db)?;
+            return Err(if is_unique_violation(&e) {
+                LedgerError::Duplicate { what: "hold" }
+            } else {
+                db(e)
+            });
+        }
+        tx.commit().await.map_err(db)
+    }
+
+    async fn release_once(&self, request_id: &RequestId) -> Result<(), LedgerError> {
+        let mut tx = self.begin().await?;
+        let row = sqlx::query(
+            "UPDATE holds SET state = 'released' WHERE request_id = $1 AND state = 'held' RETURNING account_id, amount_micros",
+        )
+        .bind(request_id.as_str())
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(db)?;
+        if let Some(row) = row {
+            let account: String = row.try_get("account_id").map_err(db)?;
+            let amount: i64 = row.try_get("amount_micros").map_err(db)?;
+            sqlx::query("UPDATE accounts SET held_micros = held_micros - $1 WHERE id = $2")
+                .bind(amount)
+                .bind(account)
+                .execute(&mut *tx)
+                .await
+                .map_err(db)?;
+        }
+        tx.commit().await.map_err(db)
+    }
+
+    async fn settle_impl(&self, s: Settlement) -> Result<SettleResult, LedgerError> {
+        retrying!(self.settle_once(&s).await)
+    }
+
+    async fn settle_once(&self, s: &Settlement) -> Result<SettleResult, LedgerError> {
+        let mut tx = self.begin().await?;
+        // one settlement of a request at a time; the next one waits here, then its reads see the
+        // first one's record (READ COMMITTED takes a new snapshot per statement)
+        sqlx::query("SELECT pg_advisory_xact_lock($1, hashtext($2))")
+            .bind(SETTLE_LOCK_CLASS)
+            .bind(s.request_id.as_str())
+            .execute(&mut *tx)
+            .await
+            .map_err(db)?;
+        if let Some(row) = sqlx::query(
+            "SELECT cost_micros, debit_micros, operator_credit_micros, fee_micros, hold_micros FROM requests WHERE request_id = $1",
+        )
+        .bind(s.request_id.as_str())
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(db)?
+        {
+            tx.rollback().await.map_err(db)?;
+            return Ok(SettleResult {
+                cost_micros: get_u64(&row, "cost_micros")?,
+                debit_micros: get_u64(&row, "debit_micros")?,
+                operator_credit_micros: get_u64(&row, "operator_credit_micros")?,
+                fee_micros: get_u64(&row, "fee_micros")?,
+                hold_micros: get_u64(&row, "hold_micros")?,
+                already_settled: true,
+            });
+        }
+        let hold_row = sqlx::query(
+            "UPDATE holds SET state = 'settled' WHERE request_id = $1 AND state = 'held' RETURNING account_id, amount_micros",
+        )
+        .bind(s.request_id.as_str())
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(db)?;
+        let (hold_account, hold_micros) = match hold_row {
+            Some(row) => (
+                AccountId::from(row.try_get::<String, _>("account_id").map_err(db)?),
+                get_u64(&row, "amount_micros")?,
+            ),
+            None => (s.account.clone(), 0),
+        };
+        let pays = matches!(
+            s.outcome,
+            StreamOutcome::Completed | StreamOutcome::ClientCancelled
+        );
+        let cost_micros = if pays {
+            s.price.cost_micros(&s.billed)
+        } else {
+            0
+        };
+        let debit_micros = cost_micros.min(hold_micros);
+        let operator: Option<String> = match &s.node {
+            Some(node) => sqlx::query_scalar("SELECT operator_id FROM nodes WHERE node_id = $1")
+                .bind(node.as_str())
+                .fetch_optional(&mut *tx)
+                .await
+                .map_err(db)?,
+            None => None,
+        };
+        let parts = if operator.is_some() {
+            split(debit_micros, s.share_bps)
+        } else {
+            split(debit_micros, 0)
+        };
+        let debit = to_i64(debit_micros)?;
+        let credit = to_i64(parts.operator_credit_micros)?;
+        let fee = to_i64(parts.fee_micros)?;
+        sqlx::query(
+            "UPDATE accounts SET balance_micros = balance_micros - $1, held_micros = held_micros - $2 WHERE id = $3",
+        )
+        .bind(debit)
+        .bind(to_i64(hold_micros)?)
+        .bind(hold_account.as_str())
+        .execute(&mut *tx)
+        .await
+        .map_err(db)?;
+        if let Some(op) = &operator {
+            sqlx::query("UPDATE operators SET earned_micros = earned_micros + $1 WHERE id = $2")
+                .bind(credit)
+                .bind(op)
+                .execute(&mut *tx)
+                .await
+                .map_err(db)?;
+        }
+        let opt_i64 = |v: Option<u64>| v.map(to_i64).transpose();
+        sqlx::query(
+            "INSERT INTO requests (request_id, account_id, model, outcome, node_id, operator_id,
+                billed_prompt_tokens, billed_completion_tokens, claimed_prompt_tokens, claimed_completion_tokens,
+                usage_source, discrepancy, input_micros_per_mtok, output_micros_per_mtok, share_bps,
+                cost_micros, debit_micros, operator_credit_micros, fee_micros, hold_micros, created_at_ms)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21)",
+        )
+        .bind(s.request_id.as_str())
+        .bind(hold_account.as_str())
+        .bind(s.model.as_str())
+        .bind(s.outcome.as_str())
+        .bind(s.node.as_ref().map(NodeId::as_str))
+        .bind(operator.as_deref())
+        .bind(to_i64(s.billed.prompt_tokens)?)
+        .bind(to_i64(s.billed.completion_tokens)?)
+        .bind(opt_i64(s.claimed.map(|u| u.prompt_tokens))?)
+        .bind(opt_i64(s.claimed.map(|u| u.completion_tokens))?)
+        .bind(s.usage_source.as_str())
+        .bind(s.discrepancy)
+        .bind(to_i64(s.price.input_micros_per_mtok)?)
+        .bind(to_i64(s.price.output_micros_per_mtok)?)
+        .bind(i64::from(s.share_bps))
+        .bind(to_i64(cost_micros)?)
+        .bind(debit)
+        .bind(credit)
+        .bind(fee)
+        .bind(to_i64(hold_micros)?)
+        .bind(now_ms())
+        .execute(&mut *tx)
+        .await
+        .map_err(db)?;
+        if debit > 0 {
+            let reference = format!("request:{}", s.request_id);
+            insert_entry(
+                &mut tx,
+                &reference,
+                "account",
+                hold_account.as_str(),
+                -debit,
+            )
+            .await?;
+            if let Some(op) = &operator {
+                insert_entry(&mut tx, &reference, "operator", op, credit).await?;
+            }
+            insert_entry(&mut tx, &reference, "platform", "platform", fee).await?;
+        }
+        tx.commit().await.map_err(db)?;
+        Ok(SettleResult {
+            cost_micros,
+            debit_micros,
+            operator_credit_micros: parts.operator_credit_micros,
+            fee_micros: parts.fee_micros,
+            hold_micros,
+            already_settled: false,
+        })
+    }
+
+    async fn request_record_impl(
+        &self,
+        request_id: RequestId,
+    ) -> Result<Option<RequestRecord>, LedgerError> {
+        let Some(row) = sqlx::query("SELECT * FROM requests WHERE request_id = $1")
+            .bind(request_id.as_str())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(db)?
+        else {
+            return Ok(None);
+        };
+        let outcome: String = row.try_get("outcome").map_err(db)?;
+        let source: String = row.try_get("usage_source").map_err(db)?;
+        let claimed_p: Option<i64> = row.try_get("claimed_prompt_tokens").map_err(db)?;
+        let claimed_c: Option<i64> = row.try_get("claimed_completion_tokens").map_err(db)?;
+        let claimed = match (claimed_p, claimed_c) {
+            (Some(p), Some(c)) => Some(Usage {
+                prompt_tokens: to_u64(p, "claimed_prompt_tokens")?,
+                completion_tokens: to_u64(c, "claimed_completion_tokens")?,
+            }),
+            _ => None,
+        };
+        Ok(Some(RequestRecord {
+            request_id,
+            account: AccountId::from(row.try_get::<String, _>("account_id").map_err(db)?),
+            model: ModelId::from(row.try_get::<String, _>("model").map_err(db)?),
+            outcome: StreamOutcome::parse(&outcome).ok_or(LedgerError::Corrupt("outcome"))?,
+            node: row
+                .try_get::<Option<String>, _>("node_id")
+                .map_err(db)?
+                .map(NodeId::from),
+            operator: row
+                .try_get::<Option<String>, _>("operator_id")
+                .map_err(db)?
+                .map(OperatorId::from),
+            billed: Usage {
+                prompt_tokens: get_u64(&row, "billed_prompt_tokens")?,
+                completion_tokens: get_u64(&row, "billed_completion_tokens")?,
+            },
+            claimed,
+            usage_source: match source.as_str() {
+                "independent" => UsageSource::Independent,
+                "node_claim" => UsageSource::NodeClaim,
+                _ => return Err(LedgerError::Corrupt("usage_source")),
+            },
+            discrepancy: row.try_get::<bool, _>("discrepancy").map_err(db)?,
+            cost_micros: get_u64(&row, "cost_micros")?,
+            debit_micros: get_u64(&row, "debit_micros")?,
+            operator_credit_micros: get_u64(&row, "operator_credit_micros")?,
+            fee_micros: get_u64(&row, "fee_micros")?,
+            hold_micros: get_u64(&row, "hold_micros")?,
+            created_at_ms: row.try_get("created_at_ms").map_err(db)?,
+        }))
+    }
+}
+
+impl Ledger for PgLedger {
+    fn hold(
+        &self,
+        request_id: RequestId,
+        account: AccountId,
+        model: ModelId,
+        amount_micros: u64,
+    ) -> LedgerFuture<'_, ()> {
+        Box::pin(async move {
+            retrying!(
+                self.hold_once(&request_id, &account, &model, amount_micros)
+                    .await
+            )
+        })
+    }
+
+    fn release(&self, request_id: RequestId) -> LedgerFuture<'_, ()> {
+        Box::pin(async move { retrying!(self.release_once(&request_id).await) })
+    }
+
+    fn settle(&self, settlement: Settlement) -> LedgerFuture<'_, SettleResult> {
+        Box::pin(self.settle_impl(settlement))
+    }
+
+    fn request_record(&self, request_id: RequestId) -> LedgerFuture<'_, Option<RequestRecord>> {
+        Box::pin(self.request_record_impl(request_id))
+    }
+}
+
+impl Store for PgLedger {
+    fn into_ledger(self: Arc<Self>) -> Arc<dyn Ledger> {
+        self
+    }
+
+    fn create_account<'a>(&'a self, account: &'a AccountId) -> LedgerFuture<'a, ()> {
+        Box::pin(self.create_account_impl(account))
+    }
+
+    fn add_credits<'a>(
+        &'a self,
+        account: &'a AccountId,
+        amount_micros: u64,
+        idempotency_key: &'a str,
+    ) -> LedgerFuture<'a, bool> {
+        Box::pin(async move {
+            retrying!(
+                self.add_credits_once(account, amount_micros, idempotency_key)
+                    .await
+            )
+        })
+    }
+
+    fn create_api_key<'a>(
+        &'a self,
+        account: &'a AccountId,
+        key_hash: &'a str,
+    ) -> LedgerFuture<'a, ()> {
+        Box::pin(self.create_api_key_impl(account, key_hash))
+    }
+
+    fn account_for_key_hash<'a>(
+        &'a self,
+        key_hash: &'a str,
+    ) -> LedgerFuture<'a, Option<AccountId>> {
+        Box::pin(self.account_for_key_hash_impl(key_hash))
+    }
+
+    fn account<'a>(&'a self, account: &'a AccountId) -> LedgerFuture<'a, AccountBalance> {
+        Box::pin(self.account_impl(account))
+    }
+
+    fn create_operator<'a>(&'a self, operator: &'a OperatorId) -> LedgerFuture<'a, ()> {
+        Box::pin(self.create_operator_impl(operator))
+    }
+
+    fn operator_earned_micros<'a>(&'a self, operator: &'a OperatorId) -> LedgerFuture<'a, u64> {
+        Box::pin(self.operator_earned_micros_impl(operator))
+    }
+
+    fn register_node<'a>(
+        &'a self,
+        operator: &'a OperatorId,
+        public_key_text: &'a str,
+    ) -> LedgerFuture<'a, NodeId> {
+        Box::pin(async move { retrying!(self.register_node_once(operator, public_key_text).await) })
+    }
+
+    fn node_for_public_key<'a>(
+        &'a self,
+        public_key_text: &'a str,
+    ) -> LedgerFuture<'a, Option<NodeId>> {
+        Box::pin(self.node_for_public_key_impl(public_key_text))
+    }
+
+    fn node_operator<'a>(&'a self, node: &'a NodeId) -> LedgerFuture<'a, OperatorId> {
+        Box::pin(self.node_operator_impl(node))
+    }
+
+    fn settle_stale_holds(&self) -> LedgerFuture<'_, u64> {
+        Box::pin(self.settle_stale_holds_impl())
+    }
+
+    fn entries_sum_micros(&self) -> LedgerFuture<'_, i64> {
+        Box::pin(self.entries_sum_micros_impl())
+    }
+
+    fn entry_totals(&self) -> LedgerFuture<'_, EntryTotals> {
+        Box::pin(self.entry_totals_impl())
+    }
+}
