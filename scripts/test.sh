@@ -16,6 +16,8 @@ echo "[test] cargo clippy --all-targets -- -D warnings" >&2
 cargo clippy --workspace --all-targets -- -D warnings
 echo "[test] cargo build --workspace --bins (the end-to-end test runs both binaries)" >&2
 cargo build --workspace --bins
+echo "[test] services the tests use: PostgreSQL and Redis on 127.0.0.1 (scripts/services.sh)" >&2
+scripts/services.sh
 echo "[test] cargo test --workspace" >&2
 cargo test --workspace
 echo "[test] fuzz targets build (cargo check)" >&2
