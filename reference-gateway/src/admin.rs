@@ -15,7 +15,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 use spine_core::{AccountId, OperatorId, RequestId};
-use spine_meter::{Ledger, LedgerError};
+use spine_meter::LedgerError;
 
 use crate::api;
 use crate::auth;

@@ -176,19 +176,42 @@ impl Config {
         Ok(config)
     }
 
-    /// The SQLite ledger file: `database_url` without its `sqlite://` prefix, else
+    /// The ledger store `database_url` names: `sqlite://<path>` (a file; single instance),
+    /// `postgres://…` or `postgresql://…` (PostgreSQL; any number of instances), else the file
     /// `<data_dir>/spine.db`.
-    pub(crate) fn database_path(&self) -> Result<PathBuf, ConfigError> {
+    pub(crate) fn database(&self) -> Result<Database, ConfigError> {
         match &self.database_url {
-            None => Ok(self.data_dir.join("spine.db")),
-            Some(url) => url
-                .strip_prefix("sqlite://")
-                .map(PathBuf::from)
-                .ok_or_else(|| {
-                    ConfigError::Invalid(format!(
-                        "database_url '{url}': single-instance mode supports only sqlite://<path>"
+            None => Ok(Database::Sqlite(self.data_dir.join("spine.db"))),
+            Some(url) => {
+                if let Some(path) = url.strip_prefix("sqlite://") {
+                    Ok(Database::Sqlite(PathBuf::from(path)))
+                } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+                    Ok(Database::Postgres(url.clone()))
+                } else {
+                    Err(ConfigError::Invalid(
+                        "database_url: expected sqlite://<path> or postgres://user@host:port/database"
+                            .into(),
                     ))
-                }),
+                }
+            }
+        }
+    }
+}
+
+/// Where the ledger lives (`database_url`).
+#[derive(Clone, PartialEq, Eq)]
+pub(crate) enum Database {
+    /// An SQLite file (`SqliteLedger`).
+    Sqlite(PathBuf),
+    /// A PostgreSQL URL (`PgLedger`); may hold a password, so it is never logged.
+    Postgres(String),
+}
+
+impl std::fmt::Debug for Database {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Database::Sqlite(path) => f.debug_tuple("Sqlite").field(path).finish(),
+            Database::Postgres(_) => f.write_str("Postgres(..)"),
         }
     }
 }
@@ -209,6 +232,42 @@ fn env_value(s: &str, kind: Kind) -> Option<toml::Value> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn database_url_names_sqlite_or_postgres() {
+        let mut config: Config = toml::from_str("data_dir = \"/d\"\nadmin_token = \"t\"")
+            .unwrap_or_else(|e| {
+                unreachable!("{e}");
+            });
+        assert_eq!(
+            config.database().ok(),
+            Some(Database::Sqlite(PathBuf::from("/d/spine.db")))
+        );
+        config.database_url = Some("sqlite:///var/lib/spine/l.db".into());
+        assert_eq!(
+            config.database().ok(),
+            Some(Database::Sqlite(PathBuf::from("/var/lib/spine/l.db")))
+        );
+        for url in ["postgres://u:p@db:5432/spine", "postgresql://db/spine"] {
+            config.database_url = Some(url.into());
+            assert_eq!(config.database().ok(), Some(Database::Postgres(url.into())));
+        }
+        config.database_url = Some("mysql://u:secret@db/spine".into());
+        let err = config
+            .database()
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(err.contains("postgres://"), "{err}");
+        assert!(!err.contains("secret"), "{err}");
+        assert_eq!(
+            format!(
+                "{:?}",
+                Database::Postgres("postgres://u:secret@db/x".into())
+            ),
+            "Postgres(..)"
+        );
+    }
 
     #[test]
     fn env_values_are_typed() {

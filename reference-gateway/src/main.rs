@@ -19,7 +19,7 @@ use axum::serve::ListenerExt;
 use clap::Parser;
 use spine_core::{ModelId, NodeDescriptor, NodeId};
 use spine_meter::meter::{Catalog, CatalogEntry, MeterLayer};
-use spine_meter::{ModelTokenizer, Price, SqliteLedger};
+use spine_meter::{ModelTokenizer, PgLedger, Price, SqliteLedger, Store};
 use spine_router::{NodeRegistry, RouteLayer};
 use spine_transport::{
     NodeAuthenticator, RefusalReason, TunnelEvents, TunnelServer, TunnelServerConfig, TunnelService,
@@ -32,7 +32,7 @@ use tower::util::BoxCloneSyncService;
 use tower::ServiceBuilder;
 use tracing_subscriber::EnvFilter;
 
-use crate::config::Config;
+use crate::config::{Config, Database};
 use crate::state::AppState;
 
 /// spine's reference gateway: an OpenAI-compatible endpoint in front of community GPU nodes.
@@ -73,7 +73,7 @@ async fn main() {
 }
 
 /// Registered public keys are the only nodes let in.
-struct StoreAuthenticator(Arc<SqliteLedger>);
+struct StoreAuthenticator(Arc<dyn Store>);
 
 impl NodeAuthenticator for StoreAuthenticator {
     fn authenticate<'a>(
@@ -111,15 +111,27 @@ async fn run(cli: Cli) -> Result<(), MainError> {
     let config = Config::load(cli.config.as_deref())?;
     std::fs::create_dir_all(&config.data_dir)?;
 
-    let store = Arc::new(SqliteLedger::open(config.database_path()?).await?);
-    // single instance: no request of a previous run is in flight; holds it left are stale
-    let stale_holds = store.settle_stale_holds().await?;
-    if stale_holds > 0 {
-        tracing::warn!(
-            stale_holds,
-            "settled holds left active by the previous run as upstream_failed"
-        );
-    }
+    let store: Arc<dyn Store> = match config.database()? {
+        Database::Sqlite(path) => {
+            let store = Arc::new(SqliteLedger::open(path).await?);
+            // single instance: no request of a previous run is in flight; holds it left are stale
+            let stale_holds = store.settle_stale_holds().await?;
+            if stale_holds > 0 {
+                tracing::warn!(
+                    stale_holds,
+                    "settled holds left active by the previous run as upstream_failed"
+                );
+            }
+            store
+        }
+        Database::Postgres(url) => {
+            // shared by any number of instances: an active hold may be another instance's
+            // request in flight, so none is settled here
+            let store = Arc::new(PgLedger::connect(&url).await?);
+            tracing::info!("ledger on PostgreSQL");
+            store
+        }
+    };
 
     let mut catalog = Catalog::new();
     for m in &config.models {
@@ -157,7 +169,7 @@ async fn run(cli: Cli) -> Result<(), MainError> {
     );
     let tunnels = tunnel_server.tunnels();
 
-    let meter = MeterLayer::new(store.clone(), catalog)
+    let meter = MeterLayer::new(store.clone().into_ledger(), catalog)
         .operator_share_bps(config.operator_share_bps)
         .max_request_body_bytes(config.max_request_body_bytes);
     let settlements = meter.settlements();

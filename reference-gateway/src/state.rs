@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use spine_core::ModelId;
-use spine_meter::SqliteLedger;
+use spine_meter::Store;
 use spine_router::NodeRegistry;
 
 use crate::api::Stack;
@@ -12,7 +12,7 @@ use crate::config::Config;
 
 /// What the public and admin handlers share.
 pub(crate) struct AppState {
-    pub(crate) store: Arc<SqliteLedger>,
+    pub(crate) store: Arc<dyn Store>,
     pub(crate) registry: NodeRegistry,
     pub(crate) stack: Stack,
     pub(crate) catalog_ids: Vec<ModelId>,
