@@ -4,8 +4,16 @@
 //! - **prompt tokens**: the chat template rendered the way llama.cpp renders it (messages,
 //!   `add_generation_prompt = true`, `bos_token`/`eos_token`), then tokenized with special tokens
 //!   parsed and no BOS added (measured against `llama-server`, see `fixtures/README.md`);
-//! - **completion tokens**: the delivered text tokenized the same way, plus one EOS token when the
-//!   choice's `finish_reason` is `"stop"` (llama.cpp counts the EOS it sampled).
+//! - **completion tokens**: the text the engine generated, as delivered ([`GeneratedText`]:
+//!   `content`, `reasoning_content` and each tool call's function `name` and `arguments`),
+//!   tokenized the same way, plus one EOS token when the choice's `finish_reason` is `"stop"` or
+//!   `"tool_calls"` (llama.cpp counts the EOS it sampled); a `"length"` finish bills exactly
+//!   `max_tokens` when the delivered text supports it ([`ModelTokenizer::bill_completion`]).
+//!
+//! **Tools.** A request's `tools` array is handed to the chat template, as llama.cpp does with
+//! `--jinja` (its default): a template that describes tools counts them; a template that ignores
+//! them (SmolLM2's) does not, and neither does the engine (measured: the same prompt count with
+//! and without `tools`). Prompt counts for tool requests follow the template.
 //!
 //! Message normalisation follows llama.cpp's `common/chat.cpp` for templates that only take string
 //! content: a string `content` is used as is; an array of content parts is joined into one string
@@ -13,6 +21,7 @@
 //! layer refuses them before counting, see `spine_core::validate_chat_messages`); a missing or
 //! `null` content is `""`.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 
 use serde_json::Value;
@@ -214,6 +223,18 @@ impl ModelTokenizer {
         })
     }
 
+    /// Replaces the chat template (as llama.cpp's `--chat-template` does), keeping the tokenizer.
+    ///
+    /// # Errors
+    ///
+    /// [`TokenizerError::Template`] when the template does not compile.
+    pub fn with_chat_template(mut self, template: &str) -> Result<Self, TokenizerError> {
+        self.env
+            .add_template_owned(TEMPLATE_NAME, template.to_owned())
+            .map_err(TokenizerError::Template)?;
+        Ok(self)
+    }
+
     /// The model's context window from the GGUF (`<arch>.context_length`), tokens.
     pub fn context_length_tokens(&self) -> Option<u64> {
         self.context_length_tokens
@@ -292,6 +313,235 @@ impl ModelTokenizer {
     /// engine sampled when `finish_reason` is `"stop"` (llama.cpp's convention).
     pub fn completion_tokens(&self, text: &str, finish_reason: Option<&str>) -> u64 {
         self.count_text(text) + u64::from(finish_reason == Some("stop"))
+    }
+
+    /// Tokens of everything a choice generated: `content`, `reasoning_content`, and each tool
+    /// call's `name` and `arguments`, each piece tokenized on its own (see [`GeneratedText`] for
+    /// what this leaves out).
+    pub fn count_generated(&self, generated: &GeneratedText) -> u64 {
+        let calls = generated
+            .tool_calls
+            .values()
+            .map(|c| self.count_text(&c.name) + self.count_text(&c.arguments))
+            .fold(0u64, u64::saturating_add);
+        self.count_text(&generated.content)
+            .saturating_add(self.count_text(&generated.reasoning))
+            .saturating_add(calls)
+    }
+
+    /// Completion tokens billed for one choice (the metering rules, `docs/metering.md`).
+    ///
+    /// With `T` = [`count_generated`](Self::count_generated), `B` = the generated text's UTF-8
+    /// bytes and `cap` = [`CompletionRule::cap_tokens`]:
+    /// - not completed (the caller left, the node failed): `min(T, cap)`, no EOS;
+    /// - `"stop"` or `"tool_calls"`: `T + 1` (the EOS the engine sampled and counts), unless
+    ///   `T >= cap`; at most `cap`;
+    /// - `"length"` with an explicit `max_tokens`: exactly `L = cap` when the text supports it,
+    ///   `T <= L <= B + 3` — every generated token yields at least one byte, and llama.cpp
+    ///   holds back an incomplete UTF-8 tail (at most 3 bytes) that it never sends once
+    ///   generation stops; otherwise `min(T, cap)` with [`CompletionCount::length_unsupported`];
+    /// - anything else (`"length"` without `max_tokens`, where the engine's own context may
+    ///   have stopped it, or an unknown reason): `min(T, cap)`.
+    pub fn bill_completion(
+        &self,
+        generated: &GeneratedText,
+        finish_reason: Option<&str>,
+        rule: CompletionRule,
+    ) -> CompletionCount {
+        let cap = rule.cap_tokens;
+        let text_tokens = self.count_generated(generated);
+        let plain = text_tokens.min(cap);
+        let mut count = CompletionCount {
+            tokens: plain,
+            text_tokens,
+            length_unsupported: false,
+        };
+        if !rule.completed {
+            return count;
+        }
+        match finish_reason {
+            Some("stop" | "tool_calls") if text_tokens < cap => count.tokens = text_tokens + 1,
+            Some("length") if rule.max_tokens.is_some() => {
+                let bytes = generated.len_bytes();
+                if text_tokens <= cap && cap <= bytes.saturating_add(MAX_HELD_BACK_BYTES) {
+                    count.tokens = cap;
+                } else {
+                    count.length_unsupported = true;
+                }
+            }
+            _ => {}
+        }
+        count
+    }
+}
+
+/// Most bytes of an incomplete UTF-8 character llama.cpp holds back (a 4-byte character less
+/// one): when generation stops on a limit they are never sent, though their tokens count.
+pub const MAX_HELD_BACK_BYTES: u64 = 3;
+
+/// The request's limits, for [`ModelTokenizer::bill_completion`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CompletionRule {
+    /// The request's `max_tokens` / `max_completion_tokens`, when it set one.
+    pub max_tokens: Option<u64>,
+    /// Most completion tokens billable for one choice: `max(1, min(max_tokens, context −
+    /// prompt))`, the per-choice part of the hold.
+    pub cap_tokens: u64,
+    /// Whether the response completed (every requested choice finished, no error); otherwise no
+    /// EOS and no `length` rule apply.
+    pub completed: bool,
+}
+
+/// What [`ModelTokenizer::bill_completion`] decided for one choice.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CompletionCount {
+    /// Completion tokens billed.
+    pub tokens: u64,
+    /// Tokens of the generated text alone ([`ModelTokenizer::count_generated`]).
+    pub text_tokens: u64,
+    /// The choice finished with `"length"` but its text cannot be `max_tokens` tokens (fewer
+    /// bytes than that, or more tokens): billed by its text and flagged as a discrepancy.
+    pub length_unsupported: bool,
+}
+
+/// Everything one choice generated, as the node delivered it.
+///
+/// llama.cpp generates plain text and parses it into `content`, `reasoning_content` (the text
+/// between the template's thinking tags) and `tool_calls` (the function name and the arguments
+/// text) before sending; its `completion_tokens` counts every generated token. spine counts the
+/// parsed pieces, each tokenized on its own. **Known approximation:** the syntax the parser
+/// removed (thinking tags, the tool-call wrapper such as `<tool_call>{"name": …,
+/// "arguments": …}</tool_call>`) is not counted, so for reasoning and tool-call output the
+/// independent count is a few tokens BELOW the engine's; the metering layer widens the
+/// discrepancy tolerance by [`GeneratedText::wrapper_allowance_tokens`] for such choices.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct GeneratedText {
+    content: String,
+    reasoning: String,
+    tool_calls: BTreeMap<u64, ToolCallText>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+struct ToolCallText {
+    name: String,
+    arguments: String,
+}
+
+/// Tokens allowed per tool call for the wrapper syntax the engine's parser removed.
+const TOOL_CALL_WRAPPER_TOKENS: u64 = 24;
+/// Tokens allowed for the thinking tags the engine's parser removed.
+const REASONING_WRAPPER_TOKENS: u64 = 8;
+
+impl GeneratedText {
+    /// Nothing generated yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Plain `content` text.
+    pub fn from_content(content: &str) -> Self {
+        Self {
+            content: content.to_owned(),
+            ..Self::default()
+        }
+    }
+
+    /// Appends what one choice object carries: its `delta` (a stream chunk) or `message` (a
+    /// complete response) — `content`, `reasoning_content`, `tool_calls[].function.{name,
+    /// arguments}` (a tool call's position is its `index`, else its place in the array) — or
+    /// its `text` (`/v1/completions`). Values of the wrong type are ignored.
+    pub fn push_choice_json(&mut self, choice: &Value) {
+        let Some(part) = choice.get("delta").or_else(|| choice.get("message")) else {
+            if let Some(t) = choice.get("text").and_then(Value::as_str) {
+                self.content.push_str(t);
+            }
+            return;
+        };
+        if let Some(t) = part.get("content").and_then(Value::as_str) {
+            self.content.push_str(t);
+        }
+        if let Some(t) = part.get("reasoning_content").and_then(Value::as_str) {
+            self.reasoning.push_str(t);
+        }
+        if let Some(calls) = part.get("tool_calls").and_then(Value::as_array) {
+            for (pos, call) in calls.iter().enumerate() {
+                let index = call
+                    .get("index")
+                    .and_then(Value::as_u64)
+                    .unwrap_or(pos as u64);
+                let function = call.get("function");
+                let field = |k: &str| function.and_then(|f| f.get(k)).and_then(Value::as_str);
+                self.push_tool_call(index, field("name"), field("arguments"));
+            }
+        }
+    }
+
+    /// Appends `content` text.
+    pub fn push_content(&mut self, text: &str) {
+        self.content.push_str(text);
+    }
+
+    /// Appends `reasoning_content` text.
+    pub fn push_reasoning(&mut self, text: &str) {
+        self.reasoning.push_str(text);
+    }
+
+    /// Appends to tool call `index`: pieces of its function name and arguments text.
+    pub fn push_tool_call(&mut self, index: u64, name: Option<&str>, arguments: Option<&str>) {
+        let call = self.tool_calls.entry(index).or_default();
+        call.name.push_str(name.unwrap_or(""));
+        call.arguments.push_str(arguments.unwrap_or(""));
+    }
+
+    /// Appends everything `other` holds.
+    pub fn append(&mut self, other: &GeneratedText) {
+        self.content.push_str(&other.content);
+        self.reasoning.push_str(&other.reasoning);
+        for (index, call) in &other.tool_calls {
+            self.push_tool_call(*index, Some(&call.name), Some(&call.arguments));
+        }
+    }
+
+    /// The `content` text.
+    pub fn content(&self) -> &str {
+        &self.content
+    }
+
+    /// The `reasoning_content` text.
+    pub fn reasoning(&self) -> &str {
+        &self.reasoning
+    }
+
+    /// How many tool calls.
+    pub fn tool_call_count(&self) -> usize {
+        self.tool_calls.len()
+    }
+
+    /// Whether nothing was generated.
+    pub fn is_empty(&self) -> bool {
+        self.len_bytes() == 0 && self.tool_calls.is_empty()
+    }
+
+    /// UTF-8 bytes of everything generated.
+    pub fn len_bytes(&self) -> u64 {
+        let calls: usize = self
+            .tool_calls
+            .values()
+            .map(|c| c.name.len() + c.arguments.len())
+            .sum();
+        (self.content.len() + self.reasoning.len() + calls) as u64
+    }
+
+    /// Tokens the engine may count above [`ModelTokenizer::count_generated`] for syntax its
+    /// parser removed: 24 per tool call, 8 when there is reasoning text, else 0.
+    pub fn wrapper_allowance_tokens(&self) -> u64 {
+        let calls = self.tool_calls.len() as u64 * TOOL_CALL_WRAPPER_TOKENS;
+        let reasoning = if self.reasoning.is_empty() {
+            0
+        } else {
+            REASONING_WRAPPER_TOKENS
+        };
+        calls + reasoning
     }
 }
 
@@ -391,5 +641,153 @@ mod tests {
             t.count_prompt(&json!({"model":"m"})),
             Err(TokenizerError::NoPrompt)
         ));
+    }
+
+    fn rule(max_tokens: Option<u64>, cap_tokens: u64) -> CompletionRule {
+        CompletionRule {
+            max_tokens,
+            cap_tokens,
+            completed: true,
+        }
+    }
+
+    #[test]
+    fn tool_calls_and_reasoning_are_generated_text() {
+        let t = tok();
+        // a non-streamed message with reasoning and one tool call
+        let mut g = GeneratedText::new();
+        g.push_choice_json(&json!({"index":0,"finish_reason":"tool_calls","message":{
+            "role":"assistant","content":null,"reasoning_content":"The user wants weather.",
+            "tool_calls":[{"id":"c1","type":"function","function":{
+                "name":"get_weather","arguments":"{\"city\":\"Paris\"}"}}]}}));
+        let want = t.count_text("The user wants weather.")
+            + t.count_text("get_weather")
+            + t.count_text("{\"city\":\"Paris\"}");
+        assert!(want > 10, "{want}");
+        assert_eq!(t.count_generated(&g), want);
+        assert_eq!(g.tool_call_count(), 1);
+        assert_eq!(g.wrapper_allowance_tokens(), 24 + 8);
+        // tool_calls finishes like stop: + EOS
+        assert_eq!(
+            t.bill_completion(&g, Some("tool_calls"), rule(Some(200), 200))
+                .tokens,
+            want + 1
+        );
+
+        // the same call streamed in pieces (name first, arguments split) counts the same
+        let mut s = GeneratedText::new();
+        for delta in [
+            json!({"tool_calls":[{"index":0,"id":"c1","type":"function","function":{"name":"get_weather","arguments":""}}]}),
+            json!({"tool_calls":[{"index":0,"function":{"arguments":"{\"city\":"}}]}),
+            json!({"tool_calls":[{"index":0,"function":{"arguments":"\"Paris\"}"}}]}),
+            json!({"reasoning_content":"The user "}),
+            json!({"reasoning_content":"wants weather."}),
+        ] {
+            s.push_choice_json(&json!({"index":0,"delta":delta}));
+        }
+        assert_eq!(t.count_generated(&s), want);
+        assert_eq!(s.len_bytes(), g.len_bytes());
+
+        // two calls in one array without index: positions
+        let mut two = GeneratedText::new();
+        two.push_choice_json(&json!({"message":{"tool_calls":[
+            {"function":{"name":"a","arguments":"{}"}},{"function":{"name":"b","arguments":"{}"}}]}}));
+        assert_eq!(two.tool_call_count(), 2);
+        // /v1/completions text
+        let mut c = GeneratedText::new();
+        c.push_choice_json(&json!({"index":0,"text":"Paris."}));
+        assert_eq!(c.content(), "Paris.");
+    }
+
+    #[test]
+    fn the_length_rule_bills_max_tokens_when_the_text_supports_it() {
+        let t = tok();
+        let text = GeneratedText::from_content("1. Red\n2. Blue\n3. Green"); // 11 tokens, 23 bytes
+        assert_eq!((t.count_generated(&text), text.len_bytes()), (11, 23));
+        let bill = |finish: &str, r: CompletionRule| t.bill_completion(&text, Some(finish), r);
+        // supported: 11 <= L <= 23 + 3
+        for l in [11u64, 12, 20, 26] {
+            assert_eq!(
+                bill("length", rule(Some(l), l)),
+                CompletionCount {
+                    tokens: l,
+                    text_tokens: 11,
+                    length_unsupported: false
+                },
+                "{l}"
+            );
+        }
+        // more than the bytes (plus a held-back tail) could hold: the text's count, flagged
+        assert_eq!(
+            bill("length", rule(Some(27), 27)),
+            CompletionCount {
+                tokens: 11,
+                text_tokens: 11,
+                length_unsupported: true
+            }
+        );
+        // fewer than the text's tokens: capped at L, flagged
+        assert_eq!(
+            bill("length", rule(Some(5), 5)),
+            CompletionCount {
+                tokens: 5,
+                text_tokens: 11,
+                length_unsupported: true
+            }
+        );
+        // no max_tokens (the engine's own context may have stopped it): the text's count
+        assert_eq!(bill("length", rule(None, 8000)).tokens, 11);
+        // stop: + EOS under the cap, never over it
+        assert_eq!(bill("stop", rule(Some(64), 64)).tokens, 12);
+        assert_eq!(bill("stop", rule(Some(11), 11)).tokens, 11);
+        // not completed: neither EOS nor the length rule
+        let cut = CompletionRule {
+            completed: false,
+            ..rule(Some(20), 20)
+        };
+        assert_eq!(bill("length", cut).tokens, 11);
+        assert_eq!(bill("stop", cut).tokens, 11);
+        // a held-back tail: 3 bytes of text can stand for up to 6 tokens
+        let short = GeneratedText::from_content("abc");
+        assert!(
+            !t.bill_completion(&short, Some("length"), rule(Some(6), 6))
+                .length_unsupported
+        );
+        assert!(
+            t.bill_completion(&short, Some("length"), rule(Some(7), 7))
+                .length_unsupported
+        );
+    }
+
+    #[test]
+    fn tools_reach_the_template_and_count_when_it_uses_them() {
+        let base = json!({"messages":[{"role":"user","content":"Weather in Paris?"}]});
+        let mut with_tools = base.clone();
+        with_tools["tools"] = json!([{"type":"function","function":{"name":"get_weather",
+            "parameters":{"type":"object","properties":{"city":{"type":"string"}}}}}]);
+        // SmolLM2's template ignores tools, and so does the engine (measured: same prompt_tokens)
+        let t = tok();
+        assert_eq!(
+            t.count_prompt(&with_tools).unwrap(),
+            t.count_prompt(&base).unwrap()
+        );
+        // a template that describes tools counts them
+        let meta = crate::gguf::GgufMetadata::open(crate::test_support::model_gguf()).unwrap();
+        let tooled = ModelTokenizer::from_gguf_metadata(&meta)
+            .unwrap()
+            .with_chat_template(
+                "{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{% endif %}\
+{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}\
+{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+            )
+            .unwrap();
+        let rendered = tooled.render_chat(&with_tools).unwrap();
+        assert!(rendered.contains("get_weather"), "{rendered}");
+        let plain = tooled.count_prompt(&base).unwrap();
+        assert_eq!(
+            tooled.count_prompt(&with_tools).unwrap(),
+            tooled.count_text(&rendered)
+        );
+        assert!(tooled.count_prompt(&with_tools).unwrap() > plain + 10);
     }
 }

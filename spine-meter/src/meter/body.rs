@@ -1,7 +1,9 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::fmt;
+use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
@@ -10,15 +12,21 @@ use serde_json::value::RawValue;
 use serde_json::Value;
 use spine_core::{BoxError, StreamOutcome, Usage};
 
-use super::settle::SettleCtx;
+use super::settle::{BillNotes, SettleCtx};
 use super::MeterError;
 use crate::sse::{SseEvent, SseParser};
+use crate::tokenizer::GeneratedText;
 
 type JsonMap = IndexMap<String, Box<RawValue>>;
 
 /// The error event sent when the node's stream ends before every choice finished.
 const TRUNCATED_EVENT: &[u8] = b"data: {\"error\":{\"message\":\"the upstream stream ended before the response was complete\",\"type\":\"upstream_error\",\"code\":\"upstream_failed\"}}\n\n";
 const DONE_EVENT: &[u8] = b"data: [DONE]\n\n";
+/// The SSE comment the gateway writes while the node is silent.
+const KEEPALIVE_EVENT: &[u8] = b": keepalive\n\n";
+/// Longest the client waits without a byte while the node is silent (long prefill, slow
+/// node): [`MeterBody`] writes an SSE comment keepalive after this much quiet.
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(15);
 
 pin_project_lite::pin_project! {
     /// A response body that meters what it forwards.
@@ -32,7 +40,13 @@ pin_project_lite::pin_project! {
     /// (never summed). When the client asked for usage (`stream_options.include_usage`), exactly
     /// one usage chunk carrying the BILLED counts is sent just before `[DONE]`. A stream whose
     /// choices all finished gets a `[DONE]` even when the node did not send one; a stream that
-    /// ends early gets an OpenAI-shaped error event instead.
+    /// ends early gets an OpenAI-shaped error event instead. The gateway never writes `id:`,
+    /// `event:` or `retry:` lines.
+    ///
+    /// **Keepalive.** While the node is silent the client gets an SSE comment,
+    /// `: keepalive\n\n`, after every [`KEEPALIVE_INTERVAL`] without a frame (the node's own
+    /// comment pings are dropped; these are the gateway's). Needs a tokio runtime with time
+    /// enabled; without one no keepalive is sent.
     ///
     /// Non-streamed responses are not wrapped: [`Meter`](super::Meter) buffers and meters them
     /// before it returns the response head.
@@ -45,8 +59,10 @@ pin_project_lite::pin_project! {
     /// the completion tokens delivered, without EOS). A stream with an error event, or whose
     /// requested choices did not all get a `finish_reason`, settles `upstream_failed`. A
     /// completed stream bills the independent prompt count plus, per requested choice, the
-    /// delivered text's tokens plus one EOS for `finish_reason == "stop"`, capped as the
-    /// [module docs](super) state. Choices with an index `>= n` are forwarded but never billed.
+    /// generated text's tokens (content, reasoning, tool calls) with the EOS and `length` rules
+    /// of [`ModelTokenizer::bill_completion`](crate::ModelTokenizer::bill_completion), capped
+    /// as the [module docs](super) state. Choices with an index `>= n` are forwarded but never
+    /// billed.
     pub struct MeterBody<B> {
         #[pin]
         inner: B,
@@ -56,7 +72,7 @@ pin_project_lite::pin_project! {
 
 #[derive(Debug, Default)]
 struct Choice {
-    delivered: String,
+    delivered: GeneratedText,
     finish_reason: Option<String>,
 }
 
@@ -70,7 +86,7 @@ struct Stream {
 
 struct Out {
     bytes: Bytes,
-    text: Vec<(u64, String)>,
+    text: Vec<(u64, GeneratedText)>,
 }
 
 struct State {
@@ -82,6 +98,7 @@ struct State {
     upstream_done: bool,
     queue: VecDeque<Out>,
     scratch: Vec<SseEvent>,
+    keepalive: Option<Pin<Box<tokio::time::Sleep>>>,
 }
 
 impl fmt::Debug for State {
@@ -140,6 +157,7 @@ impl<B> MeterBody<B> {
                 upstream_done: false,
                 queue: VecDeque::new(),
                 scratch: Vec::new(),
+                keepalive: None,
             },
         }
     }
@@ -189,8 +207,9 @@ fn encode_map(map: &JsonMap) -> Option<Bytes> {
     serde_json::to_string(map).ok().map(|s| encode_event(&s))
 }
 
-/// `(index, content, finish_reason)` of each choice in a chunk or completion.
-fn read_choices(raw: &RawValue) -> Vec<(u64, Option<String>, Option<String>)> {
+/// `(index, generated, finish_reason)` of each choice in a chunk or completion: what its
+/// `delta` / `message` / `text` carries ([`GeneratedText::push_choice_json`]).
+fn read_choices(raw: &RawValue) -> Vec<(u64, GeneratedText, Option<String>)> {
     let Ok(Value::Array(choices)) = serde_json::from_str::<Value>(raw.get()) else {
         return Vec::new();
     };
@@ -198,33 +217,42 @@ fn read_choices(raw: &RawValue) -> Vec<(u64, Option<String>, Option<String>)> {
         .iter()
         .map(|c| {
             let index = c.get("index").and_then(Value::as_u64).unwrap_or(0);
-            let content = c
-                .get("delta")
-                .or_else(|| c.get("message"))
-                .and_then(|d| d.get("content"))
-                .or_else(|| c.get("text"))
-                .and_then(Value::as_str)
-                .map(str::to_owned);
+            let mut generated = GeneratedText::new();
+            generated.push_choice_json(c);
             let finish = c
                 .get("finish_reason")
                 .and_then(Value::as_str)
                 .map(str::to_owned);
-            (index, content, finish)
+            (index, generated, finish)
         })
         .collect()
 }
 
 /// The usage billed for `choices` (requested choices only): the prompt plus each choice's
-/// capped completion tokens, with EOS only when `with_eos` (a completed response).
-fn billed_usage(ctx: &SettleCtx, choices: &BTreeMap<u64, Choice>, with_eos: bool) -> Usage {
-    let completion_tokens = choices
-        .values()
-        .map(|c| ctx.choice_completion_tokens(&c.delivered, c.finish_reason.as_deref(), with_eos))
-        .fold(0u64, u64::saturating_add);
-    Usage {
+/// capped completion tokens, with the EOS and `length` rules only when `completed`.
+fn billed_usage(
+    ctx: &SettleCtx,
+    choices: &BTreeMap<u64, Choice>,
+    completed: bool,
+) -> (Usage, BillNotes) {
+    let mut notes = BillNotes::default();
+    let mut completion_tokens = 0u64;
+    for (i, c) in choices.values().enumerate() {
+        let count = ctx.choice_completion(&c.delivered, c.finish_reason.as_deref(), completed);
+        completion_tokens = completion_tokens.saturating_add(count.tokens);
+        if i == 0 && choices.len() > 1 {
+            notes.first_choice_completion_tokens = Some(count.tokens);
+        }
+        notes.length_unsupported |= count.length_unsupported;
+        notes.wrapper_allowance_tokens = notes
+            .wrapper_allowance_tokens
+            .saturating_add(c.delivered.wrapper_allowance_tokens());
+    }
+    let usage = Usage {
         prompt_tokens: ctx.prompt_tokens,
         completion_tokens,
-    }
+    };
+    (usage, notes)
 }
 
 /// Meters a complete non-streamed 2xx response body and settles.
@@ -271,17 +299,17 @@ pub(crate) fn meter_json(ctx: SettleCtx, body: &[u8]) -> Result<Bytes, MeterErro
         }
         let choice = choices.entry(index).or_default();
         choice.finish_reason = finish;
-        choice.delivered.push_str(content.as_deref().unwrap_or(""));
+        choice.delivered.append(&content);
     }
     if choices.is_empty() {
         return fail(ctx, nothing, claimed, "the body has no choices".to_owned());
     }
     if let Some((index, _)) = choices.iter().find(|(_, c)| c.finish_reason.is_none()) {
         let why = format!("choice {index} has no finish_reason");
-        let billed = billed_usage(&ctx, &choices, false);
+        let (billed, _) = billed_usage(&ctx, &choices, false);
         return fail(ctx, billed, claimed, why);
     }
-    let billed = billed_usage(&ctx, &choices, true);
+    let (billed, notes) = billed_usage(&ctx, &choices, true);
     map.insert("usage".to_owned(), usage_json(&billed));
     let bytes = match serde_json::to_vec(&map) {
         Ok(v) => Bytes::from(v),
@@ -294,7 +322,7 @@ pub(crate) fn meter_json(ctx: SettleCtx, body: &[u8]) -> Result<Bytes, MeterErro
             )
         }
     };
-    ctx.settle(StreamOutcome::Completed, billed, claimed);
+    ctx.settle_checked(StreamOutcome::Completed, billed, claimed, notes);
     Ok(bytes)
 }
 
@@ -364,8 +392,8 @@ impl State {
             if let Some(f) = finish {
                 choice.finish_reason = Some(f);
             }
-            if let Some(c) = content.filter(|c| !c.is_empty()) {
-                text.push((index, c));
+            if !content.is_empty() {
+                text.push((index, content));
             }
         }
         let has_usage = !Self::is_null(map.get("usage").map(|b| &**b));
@@ -389,8 +417,8 @@ impl State {
         });
     }
 
-    fn billed(&self, ctx: &SettleCtx, with_eos: bool) -> Usage {
-        billed_usage(ctx, &self.choices, with_eos)
+    fn billed(&self, ctx: &SettleCtx, completed: bool) -> Usage {
+        billed_usage(ctx, &self.choices, completed).0
     }
 
     /// The node's stream ended (every queued event already delivered): decide, queue the tail,
@@ -402,7 +430,7 @@ impl State {
         let completed = !self.error_seen
             && !self.choices.is_empty()
             && self.choices.values().all(|c| c.finish_reason.is_some());
-        let billed = self.billed(&ctx, completed);
+        let (billed, notes) = billed_usage(&ctx, &self.choices, completed);
         let Stream {
             include_usage,
             usage_template,
@@ -433,7 +461,7 @@ impl State {
                     .unwrap_or_else(|| Bytes::from_static(DONE_EVENT)),
                 text: Vec::new(),
             });
-            ctx.settle(StreamOutcome::Completed, billed, self.claimed);
+            ctx.settle_checked(StreamOutcome::Completed, billed, self.claimed, notes);
         } else {
             if !self.error_seen {
                 self.queue.push_back(Out {
@@ -493,9 +521,42 @@ impl State {
                 .entry(index)
                 .or_default()
                 .delivered
-                .push_str(&text);
+                .append(&text);
         }
+        self.reset_keepalive();
         out.bytes
+    }
+
+    /// The keepalive timer restarts after every frame the client gets.
+    fn reset_keepalive(&mut self) {
+        if let Some(sleep) = self.keepalive.as_mut() {
+            sleep
+                .as_mut()
+                .reset(tokio::time::Instant::now() + KEEPALIVE_INTERVAL);
+        }
+    }
+
+    /// Polls the keepalive timer (started on first use, when a tokio runtime is there): true
+    /// when the client has had no frame for [`KEEPALIVE_INTERVAL`].
+    fn keepalive_due(&mut self, cx: &mut Context<'_>) -> bool {
+        if self.keepalive.is_none() {
+            if tokio::runtime::Handle::try_current().is_err() {
+                return false;
+            }
+            self.keepalive = Some(Box::pin(tokio::time::sleep(KEEPALIVE_INTERVAL)));
+        }
+        let Some(sleep) = self.keepalive.as_mut() else {
+            return false;
+        };
+        if sleep.as_mut().poll(cx).is_ready() {
+            self.reset_keepalive();
+            // register the waker on the restarted timer
+            if let Some(sleep) = self.keepalive.as_mut() {
+                let _ = sleep.as_mut().poll(cx);
+            }
+            return true;
+        }
+        false
     }
 
     fn ended(&self) -> bool {
@@ -530,7 +591,14 @@ where
                 continue;
             }
             match this.inner.as_mut().poll_frame(cx) {
-                Poll::Pending => return Poll::Pending,
+                Poll::Pending => {
+                    if state.keepalive_due(cx) {
+                        return Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(
+                            KEEPALIVE_EVENT,
+                        )))));
+                    }
+                    return Poll::Pending;
+                }
                 Poll::Ready(None) => state.on_eof(),
                 Poll::Ready(Some(Err(e))) => {
                     let e: BoxError = e.into();

@@ -81,7 +81,7 @@ mod layer;
 mod service;
 mod settle;
 
-pub use body::MeterBody;
+pub use body::{MeterBody, KEEPALIVE_INTERVAL};
 pub use error::MeterError;
 pub use events::{DiscrepancyReport, MeterEvents};
 pub use future::ResponseFuture;
@@ -90,3 +90,5 @@ pub use service::Meter;
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_billing;

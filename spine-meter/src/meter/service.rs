@@ -208,6 +208,7 @@ where
             prompt_tokens,
             n: peek.n,
             max_completion_tokens_per_choice: per_choice,
+            max_tokens: peek.max_tokens,
             tolerance_tokens: config.discrepancy_tolerance_tokens,
             tolerance_bps: config.discrepancy_tolerance_bps,
         }),

@@ -6,6 +6,7 @@ use std::time::Duration;
 use spine_core::{AccountId, ModelId, NodeId, RequestId, StreamOutcome, Usage, UsageSource};
 
 use super::{DiscrepancyReport, MeterEvents};
+use crate::tokenizer::{CompletionCount, CompletionRule, GeneratedText};
 use crate::{Ledger, ModelTokenizer, Price, Settlement};
 
 /// What the end hook needs to settle one request.
@@ -28,6 +29,9 @@ pub(crate) struct SettleCtx {
     /// Most completion tokens billed per choice: `max(1, min(max_tokens, context − prompt))`,
     /// the per-choice part of the hold.
     pub(crate) max_completion_tokens_per_choice: u64,
+    /// The request's own `max_tokens` / `max_completion_tokens`, when it set one (the `length`
+    /// rule applies only then).
+    pub(crate) max_tokens: Option<u64>,
     pub(crate) tolerance_tokens: u64,
     pub(crate) tolerance_bps: u16,
 }
@@ -42,6 +46,20 @@ impl std::fmt::Debug for SettleCtx {
     }
 }
 
+/// What the per-choice billing noticed, for the discrepancy check.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct BillNotes {
+    /// A requested choice finished with `length` and its text cannot be `max_tokens` tokens.
+    pub(crate) length_unsupported: bool,
+    /// Tokens the engine may count above the billed completion for parser-removed syntax
+    /// (tool-call wrappers, thinking tags): [`GeneratedText::wrapper_allowance_tokens`], summed.
+    pub(crate) wrapper_allowance_tokens: u64,
+    /// With more than one requested choice: the first choice's billed completion tokens.
+    /// llama.cpp's `usage` for `n > 1` is the first choice's alone (measured; its server copies
+    /// the first result's usage), so a claim matching it is not a discrepancy either.
+    pub(crate) first_choice_completion_tokens: Option<u64>,
+}
+
 fn beyond(claimed: u64, billed: u64, tokens: u64, bps: u16) -> bool {
     let rel = u64::try_from(u128::from(billed) * u128::from(bps) / 10_000).unwrap_or(u64::MAX);
     claimed.abs_diff(billed) > tokens.max(rel)
@@ -53,48 +71,81 @@ impl SettleCtx {
         index < u64::from(self.n)
     }
 
-    /// Completion tokens billed for one choice (module docs, "Billing"): the delivered text's
-    /// tokens, plus one EOS when `with_eos`, `finish_reason` is `"stop"` and the text is under
-    /// the per-choice cap; never more than the cap.
-    pub(crate) fn choice_completion_tokens(
+    /// Completion tokens billed for one choice (module docs, "Billing";
+    /// [`ModelTokenizer::bill_completion`]): EOS and the `length` rule only when `completed`;
+    /// never more than the per-choice cap.
+    pub(crate) fn choice_completion(
         &self,
-        delivered: &str,
+        generated: &GeneratedText,
         finish_reason: Option<&str>,
-        with_eos: bool,
-    ) -> u64 {
-        let cap = self.max_completion_tokens_per_choice;
-        let text = self.tokenizer.count_text(delivered);
-        let eos = u64::from(with_eos && finish_reason == Some("stop") && text < cap);
-        text.saturating_add(eos).min(cap)
+        completed: bool,
+    ) -> CompletionCount {
+        self.tokenizer.bill_completion(
+            generated,
+            finish_reason,
+            CompletionRule {
+                max_tokens: self.max_tokens,
+                cap_tokens: self.max_completion_tokens_per_choice,
+                completed,
+            },
+        )
+    }
+
+    /// Settles on a spawned task (see [`SettleCtx::settle_checked`]) with no extra flags.
+    pub(crate) fn settle(self, outcome: StreamOutcome, billed: Usage, claimed: Option<Usage>) {
+        self.settle_checked(outcome, billed, claimed, BillNotes::default());
     }
 
     /// Settles on a spawned task. Retries with backoff (capped at 30 s) until the ledger accepts:
     /// settlement is idempotent by request id, so a retry never double-charges.
-    pub(crate) fn settle(self, outcome: StreamOutcome, billed: Usage, claimed: Option<Usage>) {
-        let discrepancy = outcome == StreamOutcome::Completed
-            && claimed.is_some_and(|c| {
-                beyond(
-                    c.prompt_tokens,
-                    billed.prompt_tokens,
-                    self.tolerance_tokens,
-                    self.tolerance_bps,
-                ) || beyond(
-                    c.completion_tokens,
-                    billed.completion_tokens,
-                    self.tolerance_tokens,
-                    self.tolerance_bps,
-                )
-            });
+    ///
+    /// A completed request is a discrepancy when the claim differs from the billed count beyond
+    /// the tolerance (a claimed completion ABOVE the billed one may exceed it by
+    /// `notes.wrapper_allowance_tokens` more: syntax the engine's parser removed), or when a
+    /// `length` finish was not supported by its text.
+    pub(crate) fn settle_checked(
+        self,
+        outcome: StreamOutcome,
+        billed: Usage,
+        claimed: Option<Usage>,
+        notes: BillNotes,
+    ) {
+        let completed = outcome == StreamOutcome::Completed;
+        let discrepancy = completed
+            && (notes.length_unsupported
+                || claimed.is_some_and(|c| {
+                    let over = c
+                        .completion_tokens
+                        .saturating_sub(billed.completion_tokens)
+                        .min(notes.wrapper_allowance_tokens);
+                    let completion_off = |billed_completion: u64| {
+                        beyond(
+                            c.completion_tokens - over,
+                            billed_completion,
+                            self.tolerance_tokens,
+                            self.tolerance_bps,
+                        )
+                    };
+                    beyond(
+                        c.prompt_tokens,
+                        billed.prompt_tokens,
+                        self.tolerance_tokens,
+                        self.tolerance_bps,
+                    ) || (completion_off(billed.completion_tokens)
+                        && notes
+                            .first_choice_completion_tokens
+                            .is_none_or(completion_off))
+                }));
         if discrepancy {
-            if let Some(claimed) = claimed {
-                self.events.on_discrepancy(&DiscrepancyReport {
-                    request_id: self.request_id.clone(),
-                    node: self.node.clone(),
-                    model: self.model.clone(),
-                    billed,
-                    claimed,
-                });
-            }
+            self.events.on_discrepancy(&DiscrepancyReport {
+                request_id: self.request_id.clone(),
+                node: self.node.clone(),
+                model: self.model.clone(),
+                billed,
+                // a `length` finish the text cannot support, with no claim: the node still
+                // claimed `max_tokens` by saying `length`
+                claimed: claimed.unwrap_or(billed),
+            });
         }
         let settlement = Settlement {
             request_id: self.request_id,

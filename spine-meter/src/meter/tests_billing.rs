@@ -1,0 +1,409 @@
+//! Billing of tool calls, reasoning and `length` finishes through the layer, and the SSE
+//! keepalive on tokio's paused clock.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body::{Body, Frame};
+use http_body_util::BodyExt;
+use serde_json::{json, Value};
+use spine_core::{AccountId, BoxBody, BoxError, ModelId, OperatorId, RequestId, StreamOutcome};
+use tokio::sync::mpsc;
+use tower::{Layer, ServiceExt};
+
+use super::*;
+use crate::ledger::{SettleResult, Settlement};
+use crate::test_support::smollm_tokenizer;
+use crate::{Price, SqliteLedger};
+
+const PRICE: Price = Price {
+    input_micros_per_mtok: 1_000_000,
+    output_micros_per_mtok: 2_000_000,
+};
+
+/// A node body fed from a channel: each message is one read; the sender dropped ends it.
+struct Fed(mpsc::UnboundedReceiver<Bytes>);
+
+impl Body for Fed {
+    type Data = Bytes;
+    type Error = BoxError;
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        self.0.poll_recv(cx).map(|o| o.map(|b| Ok(Frame::data(b))))
+    }
+}
+
+struct Events(
+    mpsc::UnboundedSender<(Settlement, SettleResult)>,
+    Mutex<Vec<DiscrepancyReport>>,
+);
+
+impl MeterEvents for Events {
+    fn on_settled(&self, s: &Settlement, r: &SettleResult) {
+        let _ = self.0.send((s.clone(), *r));
+    }
+    fn on_discrepancy(&self, report: &DiscrepancyReport) {
+        self.1.lock().unwrap().push(report.clone());
+    }
+}
+
+struct Setup {
+    layer: MeterLayer,
+    settled: mpsc::UnboundedReceiver<(Settlement, SettleResult)>,
+    events: Arc<Events>,
+    node: spine_core::NodeId,
+}
+
+async fn setup() -> Setup {
+    let ledger = Arc::new(SqliteLedger::in_memory().await.unwrap());
+    let account = AccountId::from("acct");
+    ledger.create_account(&account).await.unwrap();
+    ledger.add_credits(&account, 1_000_000, "k").await.unwrap();
+    let operator = OperatorId::from("op");
+    ledger.create_operator(&operator).await.unwrap();
+    let node = ledger.register_node(&operator, "pk").await.unwrap();
+    let (tx, settled) = mpsc::unbounded_channel();
+    let events = Arc::new(Events(tx, Mutex::new(Vec::new())));
+    let mut catalog = Catalog::new();
+    catalog.insert(
+        ModelId::from("smollm2"),
+        CatalogEntry {
+            tokenizer: smollm_tokenizer(),
+            price: PRICE,
+            max_context_tokens: 2048,
+        },
+    );
+    let layer = MeterLayer::new(ledger, catalog).events(events.clone());
+    Setup {
+        layer,
+        settled,
+        events,
+        node,
+    }
+}
+
+impl Setup {
+    /// Sends `req` through the layer to a node answering `content_type` with `body`.
+    async fn send(
+        &self,
+        req: &Value,
+        content_type: &'static str,
+        body: BoxBody,
+    ) -> http::Response<BoxBody> {
+        let node = self.node.clone();
+        let body = Arc::new(Mutex::new(Some(body)));
+        let inner = tower::service_fn(move |req: http::Request<BoxBody>| {
+            let node = node.clone();
+            let body = body.lock().unwrap().take().unwrap();
+            async move {
+                drop(req.into_body().collect().await?);
+                let mut resp = http::Response::new(body);
+                resp.headers_mut().insert(
+                    http::header::CONTENT_TYPE,
+                    http::HeaderValue::from_static(content_type),
+                );
+                resp.extensions_mut().insert(node);
+                Ok::<_, BoxError>(resp)
+            }
+        });
+        let bytes = Bytes::from(serde_json::to_vec(req).unwrap());
+        let mut req = http::Request::post("/v1/chat/completions")
+            .body(BoxBody::new(
+                http_body_util::Full::new(bytes).map_err(|never| match never {}),
+            ))
+            .unwrap();
+        req.extensions_mut().insert(RequestId::from("r1"));
+        req.extensions_mut().insert(AccountId::from("acct"));
+        self.layer.layer(inner).oneshot(req).await.unwrap()
+    }
+
+    async fn settled(&mut self) -> Settlement {
+        tokio::time::timeout(Duration::from_secs(10), self.settled.recv())
+            .await
+            .unwrap()
+            .unwrap()
+            .0
+    }
+}
+
+fn full(v: &Value) -> BoxBody {
+    BoxBody::new(
+        http_body_util::Full::new(Bytes::from(serde_json::to_vec(v).unwrap()))
+            .map_err(|never| match never {}),
+    )
+}
+
+fn sse(events: &[Value]) -> BoxBody {
+    let mut text = String::new();
+    for e in events {
+        text.push_str(&format!("data: {e}\n\n"));
+    }
+    text.push_str("data: [DONE]\n\n");
+    BoxBody::new(http_body_util::Full::new(Bytes::from(text)).map_err(|never| match never {}))
+}
+
+const PROMPT: u64 = 34; // "Name three colors." rendered
+
+fn chat(max_tokens: Option<u64>, stream: bool) -> Value {
+    let mut v =
+        json!({"model":"smollm2","messages":[{"role":"user","content":"Name three colors."}]});
+    if let Some(m) = max_tokens {
+        v["max_tokens"] = json!(m);
+    }
+    if stream {
+        v["stream"] = json!(true);
+    }
+    v
+}
+
+#[tokio::test]
+async fn non_streamed_tool_calls_and_reasoning_are_billed() {
+    let mut s = setup().await;
+    let t = smollm_tokenizer();
+    let args = r#"{"city":"Paris","unit":"celsius"}"#;
+    let resp = s
+        .send(
+            &chat(Some(200), false),
+            "application/json",
+            full(&json!({"id":"c1","object":"chat.completion","choices":[{"index":0,
+                "finish_reason":"tool_calls","message":{"role":"assistant","content":null,
+                "reasoning_content":"Need the weather tool.",
+                "tool_calls":[{"id":"t1","type":"function","function":{"name":"get_weather","arguments":args}}]}}],
+                "usage":{"prompt_tokens":34,"completion_tokens":40,"total_tokens":74}})),
+        )
+        .await;
+    let body: Value =
+        serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap();
+    let want = t.count_text("Need the weather tool.")
+        + t.count_text("get_weather")
+        + t.count_text(args)
+        + 1;
+    assert!(want > 15, "{want}");
+    assert_eq!(body["usage"]["completion_tokens"].as_u64(), Some(want));
+    let st = s.settled().await;
+    assert_eq!(
+        (
+            st.outcome,
+            st.billed.prompt_tokens,
+            st.billed.completion_tokens
+        ),
+        (StreamOutcome::Completed, PROMPT, want)
+    );
+    // the engine's 40 includes the wrapper syntax its parser removed: within the allowance
+    assert!(!st.discrepancy, "{want} vs 40");
+    assert!(s.events.1.lock().unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn streamed_tool_call_deltas_are_billed() {
+    let mut s = setup().await;
+    let t = smollm_tokenizer();
+    let chunk = |delta: Value, finish: Value| json!({"id":"c1","object":"chat.completion.chunk","choices":[{"index":0,"delta":delta,"finish_reason":finish}]});
+    let resp = s
+        .send(
+            &chat(Some(200), true),
+            "text/event-stream",
+            sse(&[
+                chunk(json!({"role":"assistant","content":null}), Value::Null),
+                chunk(json!({"reasoning_content":"Use the tool."}), Value::Null),
+                chunk(
+                    json!({"tool_calls":[{"index":0,"id":"t1","type":"function","function":{"name":"get_weather","arguments":""}}]}),
+                    Value::Null,
+                ),
+                chunk(json!({"tool_calls":[{"index":0,"function":{"arguments":"{\"city\":"}}]}), Value::Null),
+                chunk(json!({"tool_calls":[{"index":0,"function":{"arguments":"\"Paris\"}"}}]}), Value::Null),
+                chunk(json!({}), json!("tool_calls")),
+            ]),
+        )
+        .await;
+    let out = resp.into_body().collect().await.unwrap().to_bytes();
+    assert!(out.ends_with(b"data: [DONE]\n\n"));
+    let want = t.count_text("Use the tool.")
+        + t.count_text("get_weather")
+        + t.count_text(r#"{"city":"Paris"}"#)
+        + 1;
+    let st = s.settled().await;
+    assert_eq!(
+        (st.outcome, st.billed.completion_tokens),
+        (StreamOutcome::Completed, want)
+    );
+}
+
+#[tokio::test]
+async fn a_caller_gone_mid_tool_call_pays_the_arguments_delivered() {
+    let mut s = setup().await;
+    let t = smollm_tokenizer();
+    let (tx, rx) = mpsc::unbounded_channel();
+    tx.send(Bytes::from(
+        "data: {\"choices\":[{\"index\":0,\"delta\":{\"tool_calls\":[{\"index\":0,\"function\":{\"name\":\"get_weather\",\"arguments\":\"{\\\"city\\\":\"}}]},\"finish_reason\":null}]}\n\n",
+    ))
+    .unwrap();
+    let resp = s
+        .send(
+            &chat(Some(200), true),
+            "text/event-stream",
+            BoxBody::new(Fed(rx)),
+        )
+        .await;
+    let mut body = resp.into_body();
+    let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
+    assert!(first.starts_with(b"data: "));
+    drop(body);
+    let st = s.settled().await;
+    assert_eq!(
+        (st.outcome, st.billed.completion_tokens),
+        (
+            StreamOutcome::ClientCancelled,
+            t.count_text("get_weather") + t.count_text(r#"{"city":"#)
+        )
+    );
+    drop(tx);
+}
+
+#[tokio::test]
+async fn a_length_finish_bills_max_tokens_when_the_text_supports_it() {
+    let t = smollm_tokenizer();
+    let text = "1. Red\n2. Blue\n3. Green"; // 11 tokens, 23 bytes
+    assert_eq!(t.count_text(text), 11);
+    // (max_tokens, billed completion, discrepancy)
+    for (max_tokens, want, flagged) in [
+        (11u64, 11u64, false),
+        (14, 14, false),
+        (26, 26, false),
+        (40, 11, true),
+    ] {
+        for stream in [false, true] {
+            let mut s = setup().await;
+            let body = if stream {
+                sse(&[
+                    json!({"choices":[{"index":0,"delta":{"content":text},"finish_reason":null}]}),
+                    json!({"choices":[{"index":0,"delta":{},"finish_reason":"length"}]}),
+                    json!({"choices":[],"usage":{"prompt_tokens":34,"completion_tokens":max_tokens,"total_tokens":34 + max_tokens}}),
+                ])
+            } else {
+                full(&json!({"choices":[{"index":0,"finish_reason":"length",
+                    "message":{"role":"assistant","content":text}}],
+                    "usage":{"prompt_tokens":34,"completion_tokens":max_tokens,"total_tokens":34 + max_tokens}}))
+            };
+            let ct = if stream {
+                "text/event-stream"
+            } else {
+                "application/json"
+            };
+            let resp = s.send(&chat(Some(max_tokens), stream), ct, body).await;
+            drop(resp.into_body().collect().await.unwrap());
+            let st = s.settled().await;
+            assert_eq!(
+                (st.outcome, st.billed.completion_tokens, st.discrepancy),
+                (StreamOutcome::Completed, want, flagged),
+                "max_tokens {max_tokens} stream {stream}"
+            );
+            assert_eq!(s.events.1.lock().unwrap().len(), usize::from(flagged));
+        }
+    }
+    // no max_tokens: the engine's own context may have stopped it; the text's count
+    let mut s = setup().await;
+    let resp = s
+        .send(
+            &chat(None, false),
+            "application/json",
+            full(&json!({"choices":[{"index":0,"finish_reason":"length",
+                "message":{"role":"assistant","content":text}}]})),
+        )
+        .await;
+    drop(resp.into_body().collect().await.unwrap());
+    let st = s.settled().await;
+    assert_eq!((st.billed.completion_tokens, st.discrepancy), (11, false));
+}
+
+/// `elapsed` is `secs` seconds, give or take the timer wheel's millisecond rounding.
+fn assert_near(elapsed: Duration, secs: u64) {
+    let want = Duration::from_secs(secs);
+    assert!(
+        elapsed >= want && elapsed <= want + Duration::from_millis(5),
+        "{elapsed:?} vs {want:?}"
+    );
+}
+
+async fn next(body: &mut BoxBody) -> Bytes {
+    body.frame().await.unwrap().unwrap().into_data().unwrap()
+}
+
+#[tokio::test]
+async fn keepalive_comments_while_the_node_is_silent() {
+    let s = setup().await;
+    let (tx, rx) = mpsc::unbounded_channel();
+    let resp = s
+        .send(
+            &chat(Some(64), true),
+            "text/event-stream",
+            BoxBody::new(Fed(rx)),
+        )
+        .await;
+    // the hold is placed; from here on time is tokio's paused clock
+    tokio::time::pause();
+    let start = tokio::time::Instant::now();
+    let mut body = resp.into_body();
+    // long prefill: nothing from the node; a comment after 15 s, and again 15 s later
+    assert_eq!(&next(&mut body).await[..], b": keepalive\n\n");
+    assert_near(start.elapsed(), 15);
+    assert_eq!(&next(&mut body).await[..], b": keepalive\n\n");
+    assert_near(start.elapsed(), 30);
+    // the node's own ping comments are dropped, its events forwarded
+    tokio::time::advance(Duration::from_secs(10)).await;
+    tx.send(Bytes::from_static(b": ping\n\ndata: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hi\"},\"finish_reason\":null}]}\n\n")).unwrap();
+    let ev = next(&mut body).await;
+    assert!(ev.starts_with(b"data: {"), "{ev:?}");
+    assert_near(start.elapsed(), 40);
+    // the timer restarts after every frame: the next comment is 15 s after the event
+    assert_eq!(&next(&mut body).await[..], b": keepalive\n\n");
+    assert_near(start.elapsed(), 55);
+    // then the stream ends: [DONE] written by the gateway, no id: lines anywhere
+    tx.send(Bytes::from_static(
+        b"id: 7\ndata: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\n",
+    ))
+    .unwrap();
+    drop(tx);
+    let mut rest = Vec::new();
+    while let Some(f) = body.frame().await {
+        rest.extend_from_slice(&f.unwrap().into_data().unwrap());
+    }
+    let rest = String::from_utf8(rest).unwrap();
+    assert_eq!(
+        rest,
+        "data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\ndata: [DONE]\n\n"
+    );
+}
+
+#[tokio::test]
+async fn a_node_failing_mid_stream_gets_an_openai_error_event() {
+    let mut s = setup().await;
+    let (tx, rx) = mpsc::unbounded_channel();
+    tx.send(Bytes::from_static(
+        b"data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hi\"},\"finish_reason\":null}]}\n\n",
+    ))
+    .unwrap();
+    drop(tx);
+    let resp = s
+        .send(
+            &chat(Some(64), true),
+            "text/event-stream",
+            BoxBody::new(Fed(rx)),
+        )
+        .await;
+    let all = resp.into_body().collect().await.unwrap().to_bytes();
+    let all = String::from_utf8(all.to_vec()).unwrap();
+    let last = all.trim_end().rsplit("\n\n").next().unwrap();
+    let err: Value = serde_json::from_str(last.strip_prefix("data: ").unwrap()).unwrap();
+    assert_eq!(err["error"]["code"], "upstream_failed");
+    assert_eq!(err["error"]["type"], "upstream_error");
+    assert!(!all.contains("[DONE]"));
+    let st = s.settled().await;
+    assert_eq!(st.outcome, StreamOutcome::UpstreamFailed);
+}
