@@ -3,6 +3,7 @@
 //! - [`Engine`]: where the real llama.cpp engine and model are (set up by `scripts/setup.sh`).
 //! - [`LlamaServer`]: a real `llama-server` child process on a free port, killed on drop.
 //! - [`Child`]: a spine binary as a child process whose stderr is kept for assertions.
+//! - [`ReplayEngine`]: a fake engine on a real socket replaying recorded bytes in given reads.
 #![allow(clippy::print_stdout)]
 
 use std::path::{Path, PathBuf};
@@ -12,6 +13,9 @@ use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Command;
+
+mod replay;
+pub use replay::{ReplayEngine, Scripted};
 
 /// A boxed error for test helpers.
 pub type Error = Box<dyn std::error::Error + Send + Sync>;
