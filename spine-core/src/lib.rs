@@ -4,7 +4,9 @@
 //! [`ModelId`], [`RequestId`], [`AccountId`], [`OperatorId`]), token [`Usage`] and where it came
 //! from ([`UsageSource`]), how a request ended ([`StreamOutcome`]), what a node says about itself
 //! ([`NodeDescriptor`]), the [`RequestPeek`]: the handful of fields the gateway reads from an
-//! OpenAI request body without touching the rest, [`validate_chat_messages`], and the
+//! OpenAI request body without touching the rest, the [`RequestKind`] (which endpoint),
+//! [`prompt_inputs`] (the prompts of a completions or embeddings body), [`validate_chat_messages`],
+//! and the
 //! [`NodeSlot`] through which the router tells the metering layer which node it picked.
 //!
 //! It starts no runtime and does no I/O (design brief §3).
@@ -17,7 +19,9 @@ mod usage;
 
 pub use ids::{AccountId, ModelId, NodeId, OperatorId, RequestId};
 pub use node::{EngineKind, ModelDescriptor, NodeDescriptor};
-pub use peek::{validate_chat_messages, PeekError, RequestPeek};
+pub use peek::{
+    prompt_inputs, validate_chat_messages, PeekError, PromptSegment, RequestKind, RequestPeek,
+};
 pub use slot::NodeSlot;
 pub use usage::{StreamOutcome, Usage, UsageSource};
 

@@ -25,7 +25,7 @@ pub struct RequestPeek {
 }
 
 /// Why a request body could not be peeked. Every variant is a 400 for the caller.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[derive(Clone, Debug, thiserror::Error, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum PeekError {
     /// The body is not valid JSON.
@@ -137,6 +137,124 @@ pub fn validate_chat_messages(body: &Value) -> Result<(), PeekError> {
         }
     }
     Ok(())
+}
+
+/// Which OpenAI endpoint a request is for: it decides how the prompt is counted and how the
+/// response is metered (design brief §6, §7).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum RequestKind {
+    /// `POST /v1/chat/completions`: `messages` rendered with the model's chat template.
+    ChatCompletions,
+    /// `POST /v1/completions`: `prompt` counted as is, without a chat template.
+    Completions,
+    /// `POST /v1/embeddings`: `input` counted as is; no completion tokens.
+    Embeddings,
+}
+
+impl RequestKind {
+    /// The kind served at `path` (`/v1/chat/completions`, `/v1/completions`, `/v1/embeddings`).
+    pub fn from_path(path: &str) -> Option<Self> {
+        match path {
+            "/v1/chat/completions" => Some(Self::ChatCompletions),
+            "/v1/completions" => Some(Self::Completions),
+            "/v1/embeddings" => Some(Self::Embeddings),
+            _ => None,
+        }
+    }
+
+    /// The endpoint's path.
+    pub fn path(self) -> &'static str {
+        match self {
+            Self::ChatCompletions => "/v1/chat/completions",
+            Self::Completions => "/v1/completions",
+            Self::Embeddings => "/v1/embeddings",
+        }
+    }
+}
+
+/// One piece of a `/v1/completions` `prompt` or `/v1/embeddings` `input`, as llama.cpp reads it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PromptSegment<'a> {
+    /// Text the engine tokenizes (special tokens parsed).
+    Text(&'a str),
+    /// This many token ids, passed through untokenized: each counts as one token.
+    TokenIds(u64),
+}
+
+const PROMPT_EXPECTED: &str =
+    "a string, an array of strings, an array of token ids, or an array of token-id arrays";
+
+fn token_id(v: &Value) -> bool {
+    v.as_u64().is_some_and(|id| id <= u64::from(u32::MAX))
+}
+
+fn one_prompt<'a>(
+    items: &'a [Value],
+    field: &'static str,
+) -> Result<Vec<PromptSegment<'a>>, PeekError> {
+    let bad = PeekError::InvalidField {
+        field,
+        expected: PROMPT_EXPECTED,
+    };
+    if items.is_empty() {
+        return Err(bad);
+    }
+    let mut out: Vec<PromptSegment<'a>> = Vec::new();
+    for item in items {
+        match item {
+            Value::String(s) => out.push(PromptSegment::Text(s)),
+            v if token_id(v) => match out.last_mut() {
+                Some(PromptSegment::TokenIds(n)) => *n += 1,
+                _ => out.push(PromptSegment::TokenIds(1)),
+            },
+            _ => return Err(bad),
+        }
+    }
+    Ok(out)
+}
+
+/// The prompts of a `/v1/completions` body (`field = "prompt"`) or the inputs of a
+/// `/v1/embeddings` body (`field = "input"`), split the way llama.cpp splits them
+/// (`tokenize_input_prompts`; OpenAI API reference):
+///
+/// - a string is one prompt;
+/// - an array that holds any number is ONE prompt of token ids (llama.cpp also accepts strings
+///   mixed in, each tokenized on its own);
+/// - any other array is one prompt per element: a string, or a non-empty array of token ids
+///   (optionally mixed with strings).
+///
+/// Each returned prompt is its segments in order. Token ids must be integers in `0..=u32::MAX`.
+///
+/// # Errors
+///
+/// [`PeekError::InvalidField`] naming `field` when it is missing, empty or of another shape;
+/// [`PeekError::NotObject`] when `body` is not an object.
+pub fn prompt_inputs<'a>(
+    body: &'a Value,
+    field: &'static str,
+) -> Result<Vec<Vec<PromptSegment<'a>>>, PeekError> {
+    let body = body.as_object().ok_or(PeekError::NotObject)?;
+    let bad = PeekError::InvalidField {
+        field,
+        expected: PROMPT_EXPECTED,
+    };
+    match body.get(field) {
+        Some(Value::String(s)) => Ok(vec![vec![PromptSegment::Text(s)]]),
+        Some(Value::Array(items)) if items.is_empty() => Err(bad),
+        Some(Value::Array(items)) if items.iter().any(Value::is_number) => {
+            Ok(vec![one_prompt(items, field)?])
+        }
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|item| match item {
+                Value::String(s) => Ok(vec![PromptSegment::Text(s)]),
+                Value::Array(inner) => one_prompt(inner, field),
+                _ => Err(bad.clone()),
+            })
+            .collect(),
+        _ => Err(bad),
+    }
 }
 
 #[derive(Deserialize)]
@@ -431,6 +549,70 @@ mod tests {
             .to_string(),
             "invalid value for 'messages[0].content[1].type': unsupported content part type for this model"
         );
+    }
+
+    #[test]
+    fn prompt_shapes_split_like_llama_cpp() {
+        use serde_json::json;
+        use PromptSegment::{Text, TokenIds};
+        let b = json!({"prompt": "hi"});
+        assert_eq!(prompt_inputs(&b, "prompt"), Ok(vec![vec![Text("hi")]]));
+        let b = json!({"prompt": ["a", "b"]});
+        assert_eq!(
+            prompt_inputs(&b, "prompt"),
+            Ok(vec![vec![Text("a")], vec![Text("b")]])
+        );
+        let b = json!({"input": [1, 2, 3]});
+        assert_eq!(prompt_inputs(&b, "input"), Ok(vec![vec![TokenIds(3)]]));
+        let b = json!({"prompt": [[1, 2], [3], ["x", 4, 5]]});
+        assert_eq!(
+            prompt_inputs(&b, "prompt"),
+            Ok(vec![
+                vec![TokenIds(2)],
+                vec![TokenIds(1)],
+                vec![Text("x"), TokenIds(2)]
+            ])
+        );
+        let b = json!({"prompt": [7, "x", 8]});
+        assert_eq!(
+            prompt_inputs(&b, "prompt"),
+            Ok(vec![vec![TokenIds(1), Text("x"), TokenIds(1)]])
+        );
+        let bad = |field| {
+            Err(PeekError::InvalidField {
+                field,
+                expected: PROMPT_EXPECTED,
+            })
+        };
+        for b in [
+            json!({}),
+            json!({"prompt": null}),
+            json!({"prompt": 5}),
+            json!({"prompt": []}),
+            json!({"prompt": [[]]}),
+            json!({"prompt": [{"a": 1}]}),
+            json!({"prompt": [-1]}),
+            json!({"prompt": [1.5]}),
+            json!({"prompt": [[1, [2]]]}),
+        ] {
+            assert_eq!(prompt_inputs(&b, "prompt"), bad("prompt"), "{b}");
+        }
+        assert_eq!(
+            prompt_inputs(&json!([1]), "input"),
+            Err(PeekError::NotObject)
+        );
+    }
+
+    #[test]
+    fn kinds_by_path() {
+        for k in [
+            RequestKind::ChatCompletions,
+            RequestKind::Completions,
+            RequestKind::Embeddings,
+        ] {
+            assert_eq!(RequestKind::from_path(k.path()), Some(k));
+        }
+        assert_eq!(RequestKind::from_path("/v1/models"), None);
     }
 
     proptest::proptest! {
