@@ -35,6 +35,8 @@ struct NodeEntry {
 #[derive(Debug, Clone, Default)]
 pub struct NodeRegistry {
     nodes: Arc<RwLock<HashMap<NodeId, NodeEntry>>>,
+    /// Usage discrepancies per node since this process started; kept across reconnects.
+    discrepancies: Arc<RwLock<HashMap<NodeId, u64>>>,
 }
 
 /// A point-in-time view of one node, for admin APIs.
@@ -46,6 +48,9 @@ pub struct NodeSnapshot {
     pub descriptor: NodeDescriptor,
     /// Requests currently being served by the node through this gateway.
     pub in_flight: u32,
+    /// Usage discrepancies recorded against the node since the gateway started
+    /// ([`NodeRegistry::record_discrepancy`]).
+    pub discrepancies: u64,
 }
 
 /// One request counted against a node's capacity; the count drops when this is dropped.
@@ -117,6 +122,28 @@ impl NodeRegistry {
         models
     }
 
+    /// Records that `node`'s usage claim disagreed with the independent count beyond the
+    /// tolerance (design brief §5, §6: it feeds the node's score). Counted whether or not the
+    /// node is routable now.
+    pub fn record_discrepancy(&self, node: &NodeId) {
+        *self
+            .discrepancies
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(node.clone())
+            .or_default() += 1;
+    }
+
+    /// Usage discrepancies recorded against `node` since the gateway started.
+    pub fn discrepancies(&self, node: &NodeId) -> u64 {
+        self.discrepancies
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(node)
+            .copied()
+            .unwrap_or(0)
+    }
+
     /// Every routable node, sorted by id.
     pub fn snapshot(&self) -> Vec<NodeSnapshot> {
         let nodes = self.nodes.read().unwrap_or_else(|e| e.into_inner());
@@ -126,6 +153,7 @@ impl NodeRegistry {
                 node_id: id.clone(),
                 descriptor: e.descriptor.clone(),
                 in_flight: e.in_flight.load(Ordering::Acquire),
+                discrepancies: self.discrepancies(id),
             })
             .collect();
         out.sort_by(|a, b| a.node_id.cmp(&b.node_id));
@@ -260,5 +288,21 @@ mod tests {
         }
         // 400 fair coin flips: P(outside 140..=260) < 1e-9
         assert!((140..=260).contains(&a), "a got {a} of 400");
+    }
+
+    #[test]
+    fn discrepancies_are_counted_per_node_across_reconnects() {
+        let r = NodeRegistry::new();
+        let a = NodeId::new("a");
+        r.node_ready(&a, &desc(&["m"], 1));
+        r.record_discrepancy(&a);
+        r.record_discrepancy(&a);
+        r.record_discrepancy(&NodeId::new("b"));
+        assert_eq!(r.snapshot()[0].discrepancies, 2);
+        r.node_gone(&a);
+        r.node_ready(&a, &desc(&["m"], 1));
+        assert_eq!(r.snapshot()[0].discrepancies, 2);
+        assert_eq!(r.discrepancies(&NodeId::new("b")), 1);
+        assert_eq!(r.discrepancies(&NodeId::new("c")), 0);
     }
 }
