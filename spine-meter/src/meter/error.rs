@@ -63,4 +63,8 @@ pub enum MeterError {
     /// The ledger failed (500).
     #[error("ledger error")]
     Ledger(#[source] LedgerError),
+    /// The [`Admission`](super::Admission) hook refused the request (e.g. a tokens-per-minute
+    /// limit; 429). Nothing was held or forwarded.
+    #[error("request not admitted: {0}")]
+    AdmissionRefused(#[source] super::AdmissionRefusal),
 }

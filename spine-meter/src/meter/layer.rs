@@ -5,7 +5,7 @@ use std::sync::Arc;
 use spine_core::ModelId;
 use tower::Layer;
 
-use super::{Meter, MeterEvents};
+use super::{Admission, Meter, MeterEvents};
 use crate::{Ledger, ModelTokenizer, Price};
 
 /// One model the gateway meters.
@@ -30,6 +30,7 @@ pub struct MeterConfig {
     pub(crate) ledger: Arc<dyn Ledger>,
     pub(crate) catalog: Arc<Catalog>,
     pub(crate) events: Arc<dyn MeterEvents>,
+    pub(crate) admission: Option<Arc<dyn Admission>>,
     pub(crate) settlements: Settlements,
     /// The operator's share of each debit, basis points. Default 7 000 (70 %).
     pub operator_share_bps: u16,
@@ -106,6 +107,7 @@ impl MeterLayer {
                 ledger,
                 catalog: Arc::new(catalog),
                 events: Arc::new(()),
+                admission: None,
                 settlements: Settlements::default(),
                 operator_share_bps: 7_000,
                 max_request_body_bytes: 4 * 1024 * 1024,
@@ -144,6 +146,13 @@ impl MeterLayer {
     /// Sets the event hooks.
     pub fn events(mut self, events: Arc<dyn MeterEvents>) -> Self {
         self.config.events = events;
+        self
+    }
+
+    /// Sets the admission hook, consulted after a request is counted and before its hold
+    /// (see [`Admission`]). Default: none, everything is admitted.
+    pub fn admission(mut self, admission: Arc<dyn Admission>) -> Self {
+        self.config.admission = Some(admission);
         self
     }
 

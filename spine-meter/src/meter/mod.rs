@@ -26,6 +26,19 @@
 //!    `finish_reason` settles `upstream_failed` and is returned as
 //!    [`MeterError::UpstreamInvalid`] ([`MeterError::UpstreamBody`] when reading it failed).
 //!
+//! **Endpoints.** The request path picks the [`RequestKind`](spine_core::RequestKind):
+//! `/v1/completions` and `/v1/embeddings` count their `prompt` / `input`
+//! ([`prompt_inputs`](spine_core::prompt_inputs): a string, strings, token ids or token-id
+//! arrays) without a chat template, each text segment with
+//! [`ModelTokenizer::count_text`](crate::ModelTokenizer::count_text) and each
+//! token id as one token; completions hold and bill `n` choices per prompt; embeddings hold and
+//! bill the input tokens only and their non-streamed answer must carry one vector per input
+//! (its `usage` becomes `{prompt_tokens, total_tokens}` = the billed count).
+//!
+//! **Admission.** With [`MeterLayer::admission`], an [`Admission`] hook sees the worst case the
+//! hold covers after counting and may refuse ([`MeterError::AdmissionRefused`], nothing held or
+//! forwarded); it is released with the tokens paid for when the settlement commits.
+//!
 //! The serving node is read from the RESPONSE extensions ([`NodeId`](spine_core::NodeId)), or,
 //! before there is a response, from the [`NodeSlot`] the router fills when it picks.
 //! Non-2xx responses pass through untouched and settle `upstream_failed`. An inner error settles
@@ -73,7 +86,9 @@
 //! [`validate_chat_messages`]: spine_core::validate_chat_messages
 //! [`ModelTokenizer`]: crate::ModelTokenizer
 
+mod admission;
 mod body;
+mod embeddings;
 mod error;
 mod events;
 mod future;
@@ -81,6 +96,7 @@ mod layer;
 mod service;
 mod settle;
 
+pub use admission::{Admission, AdmissionRefusal, AdmissionRequest};
 pub use body::{MeterBody, KEEPALIVE_INTERVAL};
 pub use error::MeterError;
 pub use events::{DiscrepancyReport, MeterEvents};

@@ -1,18 +1,21 @@
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use http_body_util::{BodyExt, Full, Limited};
 use spine_core::{
-    validate_chat_messages, AccountId, BoxBody, BoxError, NodeId, NodeSlot, RequestId, RequestPeek,
-    StreamOutcome, Usage,
+    prompt_inputs, validate_chat_messages, AccountId, BoxBody, BoxError, NodeId, NodeSlot,
+    PeekError, PromptSegment, RequestId, RequestKind, RequestPeek, StreamOutcome, Usage,
 };
 use tower::Service;
 
+use super::admission::{AdmissionEvents, AdmitGuard};
 use super::body::{meter_json, MeterBody};
+use super::embeddings::meter_embeddings;
 use super::settle::SettleCtx;
-use super::{MeterConfig, MeterError, ResponseFuture};
-use crate::{inject_include_usage, LedgerError};
+use super::{AdmissionRequest, MeterConfig, MeterError, ResponseFuture};
+use crate::{inject_include_usage, LedgerError, ModelTokenizer};
 
 /// The metering middleware. See the [module docs](super).
 #[derive(Clone, Debug)]
@@ -144,33 +147,69 @@ where
         .clone();
     let json: serde_json::Value = serde_json::from_slice(&bytes)
         .map_err(|e| MeterError::BadRequest(spine_core::PeekError::NotJson(e.to_string())))?;
-    if json.get("messages").is_some() || parts.uri.path().ends_with("/chat/completions") {
-        validate_chat_messages(&json).map_err(MeterError::BadRequest)?;
-    }
-    let prompt_tokens = entry
-        .tokenizer
-        .count_prompt(&json)
-        .map_err(MeterError::Prompt)?;
-    if prompt_tokens >= entry.max_context_tokens {
+    let kind = RequestKind::from_path(parts.uri.path()).unwrap_or(
+        if json.get("messages").is_some() || json.get("prompt").is_none() {
+            RequestKind::ChatCompletions
+        } else {
+            RequestKind::Completions
+        },
+    );
+    let prompts = count_prompts(&entry.tokenizer, kind, &json)?;
+    // every prompt must leave room for a completion token (embeddings: fit the context)
+    let longest = prompts.iter().copied().max().unwrap_or(0);
+    if longest >= entry.max_context_tokens {
         return Err(MeterError::ContextLengthExceeded {
-            prompt_tokens,
+            prompt_tokens: longest,
             max_context_tokens: entry.max_context_tokens,
         }
         .into());
     }
-    // llama.cpp generates at least one token, even for max_tokens 0
-    let room = entry.max_context_tokens - prompt_tokens;
-    let per_choice = peek.max_tokens.map_or(room, |m| m.min(room)).max(1);
+    let prompt_tokens = prompts.iter().copied().fold(0u64, u64::saturating_add);
+    let prompt_count = u32::try_from(prompts.len()).unwrap_or(u32::MAX);
+    // choices: n per prompt (OpenAI; llama.cpp indexes them prompt-major: p·n + j);
+    // embeddings: one vector per input, no completion tokens
+    let (choices, per_choice) = if kind == RequestKind::Embeddings {
+        (prompt_count, 0)
+    } else {
+        // llama.cpp generates at least one token, even for max_tokens 0; the shortest prompt
+        // has the most room, so this caps every choice
+        let shortest = prompts.iter().copied().min().unwrap_or(0);
+        let room = entry.max_context_tokens - shortest;
+        (
+            peek.n.saturating_mul(prompt_count),
+            peek.max_tokens.map_or(room, |m| m.min(room)).max(1),
+        )
+    };
     let worst = Usage {
         prompt_tokens,
-        completion_tokens: per_choice.saturating_mul(u64::from(peek.n)),
+        completion_tokens: per_choice.saturating_mul(u64::from(choices)),
     };
     let hold_micros = entry.price.cost_micros(&worst);
-    let body = if peek.stream {
+    let streamed = peek.stream && kind != RequestKind::Embeddings;
+    let body = if streamed {
         inject_include_usage(&bytes).map_err(MeterError::Inject)?
     } else {
         bytes
     };
+    let mut admitted = AdmitGuard { armed: None };
+    let mut events = config.events.clone();
+    if let Some(admission) = &config.admission {
+        admission
+            .admit(&AdmissionRequest {
+                request_id: &request_id,
+                account: &account,
+                model: &peek.model,
+                kind,
+                reserved_tokens: worst.total_tokens(),
+                extensions: &parts.extensions,
+            })
+            .map_err(MeterError::AdmissionRefused)?;
+        admitted.armed = Some((admission.clone(), request_id.clone()));
+        events = Arc::new(AdmissionEvents {
+            inner: events,
+            admission: admission.clone(),
+        });
+    }
     config
         .ledger
         .hold(
@@ -190,12 +229,14 @@ where
             },
             other => MeterError::Ledger(other),
         })?;
+    // from here every ending settles, and the settlement releases the admission
+    admitted.disarm();
     let slot = NodeSlot::new();
     let mut guard = PendingGuard {
         slot: slot.clone(),
         ctx: Some(SettleCtx {
             ledger: config.ledger.clone(),
-            events: config.events.clone(),
+            events,
             runtime: tokio::runtime::Handle::current(),
             settlements: config.settlements.clone(),
             request_id,
@@ -206,7 +247,7 @@ where
             price: entry.price,
             share_bps: config.operator_share_bps,
             prompt_tokens,
-            n: peek.n,
+            n: choices,
             max_completion_tokens_per_choice: per_choice,
             max_tokens: peek.max_tokens,
             tolerance_tokens: config.discrepancy_tolerance_tokens,
@@ -282,7 +323,7 @@ where
         .is_some_and(|v| v.trim_start().starts_with("text/event-stream"));
     let (mut parts, body) = resp.into_parts();
     parts.headers.remove(http::header::CONTENT_LENGTH);
-    if streaming {
+    if streaming && kind != RequestKind::Embeddings {
         let Some(ctx) = guard.take() else {
             return Err(MeterError::MissingExtension("settlement context").into());
         };
@@ -313,7 +354,11 @@ where
             return Err(e.into());
         }
     };
-    let bytes = meter_json(ctx, &bytes)?;
+    let bytes = if kind == RequestKind::Embeddings {
+        meter_embeddings(ctx, &bytes, prompts.len())?
+    } else {
+        meter_json(ctx, &bytes)?
+    };
     Ok(http::Response::from_parts(
         parts,
         BoxBody::new(Full::new(bytes).map_err(|never| match never {})),
@@ -349,4 +394,49 @@ fn collect_response(body: BoxBody, limit: usize) -> BytesFuture {
             Err(e) => Err(MeterError::UpstreamBody(e)),
         })
     }))
+}
+
+/// The independent prompt count of each prompt of a request (design brief §6):
+///
+/// - chat completions: `messages` checked ([`validate_chat_messages`]), rendered with the model's
+///   chat template and counted ([`ModelTokenizer::count_prompt`]); one prompt;
+/// - completions (`prompt`) and embeddings (`input`): each prompt of [`prompt_inputs`] counted
+///   WITHOUT a chat template, as llama.cpp counts it: each text segment tokenized on its own
+///   (special tokens parsed, no BOS: measured against `llama-server`, which adds none for this
+///   kind of model), each token id one token. A prompt of 0 tokens is refused (llama.cpp refuses
+///   empty embedding inputs, and an empty completion prompt has nothing to condition on).
+fn count_prompts(
+    tokenizer: &ModelTokenizer,
+    kind: RequestKind,
+    json: &serde_json::Value,
+) -> Result<Vec<u64>, MeterError> {
+    let field = match kind {
+        RequestKind::Embeddings => "input",
+        RequestKind::Completions => "prompt",
+        _ => {
+            validate_chat_messages(json).map_err(MeterError::BadRequest)?;
+            let n = tokenizer.count_prompt(json).map_err(MeterError::Prompt)?;
+            return Ok(vec![n]);
+        }
+    };
+    let prompts = prompt_inputs(json, field).map_err(MeterError::BadRequest)?;
+    let counts: Vec<u64> = prompts
+        .iter()
+        .map(|segments| {
+            segments
+                .iter()
+                .map(|s| match s {
+                    PromptSegment::Text(t) => tokenizer.count_text(t),
+                    PromptSegment::TokenIds(n) => *n,
+                })
+                .fold(0u64, u64::saturating_add)
+        })
+        .collect();
+    if counts.contains(&0) {
+        return Err(MeterError::BadRequest(PeekError::InvalidField {
+            field,
+            expected: "non-empty prompts (each at least one token)",
+        }));
+    }
+    Ok(counts)
 }
