@@ -1,4 +1,5 @@
-//! The admin API (design brief §7): accounts, keys, credits, operators, nodes, request records.
+//! The admin API (design brief §7): accounts, keys (with their rate limits), credits, operators,
+//! nodes, request records, and `GET /metrics` (Prometheus).
 //!
 //! Every route needs `Authorization: Bearer <admin_token>`. Bodies and answers are JSON; errors use
 //! the OpenAI error shape like the public API.
@@ -20,6 +21,7 @@ use spine_meter::LedgerError;
 use crate::api;
 use crate::auth;
 use crate::error::ApiError;
+use crate::limits::{KeyHash, KeyLimits};
 use crate::state::AppState;
 
 pub(crate) fn router(state: Arc<AppState>) -> Router {
@@ -32,6 +34,7 @@ pub(crate) fn router(state: Arc<AppState>) -> Router {
         .route("/admin/v1/operators/{id}", get(get_operator))
         .route("/admin/v1/nodes", post(register_node).get(list_nodes))
         .route("/admin/v1/requests/{id}", get(get_request))
+        .route("/metrics", get(render_metrics))
         .method_not_allowed_fallback(|req: Request| async move {
             ApiError::new(
                 StatusCode::METHOD_NOT_ALLOWED,
@@ -164,18 +167,55 @@ async fn get_account(State(state): State<Arc<AppState>>, Path(id): Path<String>)
         .into_response()
 }
 
-async fn create_key(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct CreateKeyBody {
+    /// Requests per minute; absent: the gateway default; 0: unlimited.
+    #[serde(default)]
+    rpm_limit: Option<u32>,
+    /// Tokens per minute; absent: the gateway default; 0: unlimited.
+    #[serde(default)]
+    tpm_limit: Option<u64>,
+}
+
+async fn create_key(
+    State(state): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    body: axum::body::Bytes,
+) -> Response {
     let result = async {
+        let body: CreateKeyBody = parse_body(&body)?;
         let account = AccountId::new(id);
         let key = auth::new_api_key();
+        let key_hash = auth::hash_api_key(&key);
         state
             .store
-            .create_api_key(&account, &auth::hash_api_key(&key))
+            .create_api_key(&account, &key_hash)
             .await
             .map_err(ledger_error)?;
+        let key_hash = KeyHash(key_hash);
+        state
+            .limits
+            .set_key_limits(
+                &key_hash,
+                KeyLimits {
+                    rpm_limit: body.rpm_limit,
+                    tpm_limit: body.tpm_limit,
+                },
+            )
+            .map_err(|e| {
+                tracing::error!(error = %e, "cannot save key limits");
+                ApiError::internal("the key was created but its limits could not be saved")
+            })?;
+        let (rpm_limit, tpm_limit) = state.limits.effective(&key_hash);
         Ok::<_, ApiError>((
             StatusCode::CREATED,
-            Json(json!({"account_id": account, "key": key})),
+            Json(json!({
+                "account_id": account,
+                "key": key,
+                "rpm_limit": rpm_limit,
+                "tpm_limit": tpm_limit,
+            })),
         ))
     };
     result.await.into_response()
@@ -312,6 +352,7 @@ async fn list_nodes(State(state): State<Arc<AppState>>) -> Response {
                 "max_concurrency": n.descriptor.max_concurrency,
                 "agent_version": n.descriptor.agent_version,
                 "in_flight": n.in_flight,
+                "discrepancies": n.discrepancies,
             })
         })
         .collect();
@@ -328,4 +369,16 @@ async fn get_request(State(state): State<Arc<AppState>>, Path(id): Path<String>)
         Ok(None) => ApiError::not_found(format!("no settled request '{id}'")).into_response(),
         Err(e) => ledger_error(e).into_response(),
     }
+}
+
+/// `GET /metrics`: Prometheus text format (see `metrics.rs` for the series).
+async fn render_metrics(State(state): State<Arc<AppState>>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        state.metrics.render(),
+    )
+        .into_response()
 }

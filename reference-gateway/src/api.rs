@@ -1,4 +1,5 @@
-//! The public OpenAI-compatible API: `POST /v1/chat/completions`, `GET /v1/models`.
+//! The public OpenAI-compatible API: `POST /v1/chat/completions`, `POST /v1/completions`,
+//! `POST /v1/embeddings` (all metered), `GET /v1/models`.
 
 use std::sync::Arc;
 
@@ -11,12 +12,14 @@ use axum::{Json, Router};
 use http::header::{self, HeaderName, HeaderValue};
 use http_body_util::BodyExt;
 use serde_json::json;
-use spine_core::{AccountId, BoxBody, BoxError, RequestId};
+use spine_core::{AccountId, BoxBody, BoxError, RequestId, RequestKind};
 use tower::util::BoxCloneSyncService;
 use tower::ServiceExt;
 
 use crate::auth;
 use crate::error::ApiError;
+use crate::limits::KeyHash;
+use crate::metrics::{TtftBody, HTTP_REQUESTS, RATE_LIMITED};
 use crate::state::AppState;
 
 /// The spine service stack as the handlers call it: meter → route → tunnel.
@@ -28,11 +31,34 @@ pub(crate) const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-i
 pub(crate) fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions))
+        .route("/v1/embeddings", post(embeddings))
         .route("/v1/models", get(list_models))
         .fallback(unknown_route)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::middleware::from_fn(request_id))
+        .layer(axum::middleware::from_fn(count_http))
         .with_state(state)
+}
+
+/// The `route` label of a public path: one of the served routes, else `other`.
+fn route_label(path: &str) -> &'static str {
+    match path {
+        "/v1/chat/completions" => "/v1/chat/completions",
+        "/v1/completions" => "/v1/completions",
+        "/v1/embeddings" => "/v1/embeddings",
+        "/v1/models" => "/v1/models",
+        _ => "other",
+    }
+}
+
+/// Counts every public answer in `spine_http_requests_total{route,status}`.
+async fn count_http(req: Request, next: Next) -> Response {
+    let route = route_label(req.uri().path());
+    let resp = next.run(req).await;
+    metrics::counter!(HTTP_REQUESTS, "route" => route, "status" => resp.status().as_u16().to_string())
+        .increment(1);
+    resp
 }
 
 /// Gives every request a fresh [`RequestId`] and every response its `x-request-id` header.
@@ -104,10 +130,33 @@ async fn list_models(State(state): State<Arc<AppState>>, req: Request) -> Respon
 }
 
 async fn chat_completions(State(state): State<Arc<AppState>>, req: Request) -> Response {
-    let account = match authenticate(&state, presented_key_hash(req.headers())).await {
+    proxy(&state, req, RequestKind::ChatCompletions).await
+}
+
+async fn completions(State(state): State<Arc<AppState>>, req: Request) -> Response {
+    proxy(&state, req, RequestKind::Completions).await
+}
+
+async fn embeddings(State(state): State<Arc<AppState>>, req: Request) -> Response {
+    proxy(&state, req, RequestKind::Embeddings).await
+}
+
+/// Authenticates, applies the key's RPM limit, and sends the request through the metered stack
+/// to a node at `kind`'s path.
+async fn proxy(state: &AppState, req: Request, kind: RequestKind) -> Response {
+    let started = std::time::Instant::now();
+    let key_hash = presented_key_hash(req.headers());
+    let account = match authenticate(state, key_hash.clone()).await {
         Ok(a) => a,
         Err(e) => return e.into_response(),
     };
+    // authenticated, so the key is known
+    let key = KeyHash(key_hash.unwrap_or_default());
+    if let Err(refused) = state.limits.check_rpm(&key) {
+        metrics::counter!(RATE_LIMITED, "limit" => "requests").increment(1);
+        return ApiError::rate_limited("requests", refused.message, refused.retry_after_secs)
+            .into_response();
+    }
     let request_id = req.extensions().get::<RequestId>().cloned();
     let content_type_ok = req
         .headers()
@@ -128,19 +177,23 @@ async fn chat_completions(State(state): State<Arc<AppState>>, req: Request) -> R
     let (_parts, body) = req.into_parts();
     let mut upstream = http::Request::builder()
         .method(http::Method::POST)
-        .uri("/v1/chat/completions")
+        .uri(kind.path())
         .header(header::CONTENT_TYPE, "application/json")
         .body(BoxBody::new(body.map_err(BoxError::from)))
         .unwrap_or_else(|_| http::Request::new(BoxBody::default()));
     upstream.extensions_mut().insert(account);
+    upstream.extensions_mut().insert(key);
     if let Some(id) = request_id {
         upstream.extensions_mut().insert(id);
     }
 
     match call_stack(state.stack.clone(), upstream).await {
-        Ok(resp) => into_client_response(resp).await,
+        Ok(resp) => into_client_response(resp, started, kind.path()).await,
         Err(e) => {
             let err = ApiError::from_stack(&e);
+            if err.code == "rate_limit_exceeded" {
+                metrics::counter!(RATE_LIMITED, "limit" => "tokens").increment(1);
+            }
             if err.status.is_server_error() {
                 tracing::warn!(error = %e, status = %err.status, "request failed");
             }
@@ -207,12 +260,16 @@ fn call_stack(
 
 /// The node's response as the caller gets it: status, content type and body; the node's other
 /// headers (server, keep-alive, length of a body the meter may rewrite) stay behind.
-async fn into_client_response(resp: http::Response<BoxBody>) -> Response {
+async fn into_client_response(
+    resp: http::Response<BoxBody>,
+    started: std::time::Instant,
+    route: &'static str,
+) -> Response {
     if !resp.status().is_success() {
         return node_error(resp).await.into_response();
     }
     let (parts, body) = resp.into_parts();
-    let mut out = Response::new(Body::new(body));
+    let mut out = Response::new(Body::new(TtftBody::new(body, started, route)));
     *out.status_mut() = parts.status;
     let content_type = parts.headers.get(header::CONTENT_TYPE).cloned();
     let is_sse = content_type

@@ -27,6 +27,8 @@ const ENV_KEYS: &[(&str, Kind)] = &[
     ("operator_share_bps", Kind::Int),
     ("max_request_body_bytes", Kind::Int),
     ("shutdown_grace_secs", Kind::Int),
+    ("default_rpm_limit", Kind::Int),
+    ("default_tpm_limit", Kind::Int),
 ];
 
 /// The gateway's configuration (design brief §7).
@@ -75,6 +77,13 @@ pub(crate) struct Config {
     /// Largest accepted request body, bytes.
     #[serde(default = "default_max_request_body_bytes")]
     pub(crate) max_request_body_bytes: usize,
+    /// Requests per minute allowed per API key without its own `rpm_limit`; 0 = unlimited.
+    #[serde(default)]
+    pub(crate) default_rpm_limit: u32,
+    /// Tokens per minute (worst case reserved before forwarding, trued up at settlement) allowed
+    /// per API key without its own `tpm_limit`; 0 = unlimited.
+    #[serde(default)]
+    pub(crate) default_tpm_limit: u64,
     /// The model catalog: what callers may ask for, its tokenizer and its price.
     #[serde(default)]
     pub(crate) models: Vec<ModelConfig>,

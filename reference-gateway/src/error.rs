@@ -18,6 +18,8 @@ pub(crate) struct ApiError {
     pub(crate) kind: &'static str,
     pub(crate) code: &'static str,
     pub(crate) message: String,
+    /// `Retry-After`, seconds: set on 429s; 503s get 1 when unset.
+    pub(crate) retry_after_secs: Option<u64>,
 }
 
 impl ApiError {
@@ -32,6 +34,25 @@ impl ApiError {
             kind,
             code,
             message: message.into(),
+            retry_after_secs: None,
+        }
+    }
+
+    /// 429 in OpenAI's shape: `type` is the limit hit (`requests` or `tokens`), `code`
+    /// `rate_limit_exceeded`, with `Retry-After` when waiting helps.
+    pub(crate) fn rate_limited(
+        limit: &'static str,
+        message: impl Into<String>,
+        retry_after_secs: Option<u64>,
+    ) -> Self {
+        Self {
+            retry_after_secs,
+            ..Self::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                limit,
+                "rate_limit_exceeded",
+                message,
+            )
         }
     }
 
@@ -143,6 +164,13 @@ impl ApiError {
                 format!("the node sent an invalid response: {}", with_sources(e)),
             ),
             MeterError::MissingExtension(_) => Self::internal(e.to_string()),
+            MeterError::AdmissionRefused(refusal) => Self::rate_limited(
+                "tokens",
+                refusal.reason.clone(),
+                refusal
+                    .retry_after
+                    .map(|d| (d.as_secs() + u64::from(d.subsec_nanos() > 0)).max(1)),
+            ),
             _ => Self::invalid_request("invalid_request", with_sources(e)),
         }
     }
@@ -171,13 +199,14 @@ impl IntoResponse for ApiError {
             }
         });
         let mut resp = (self.status, Json(body)).into_response();
-        if self.status == StatusCode::SERVICE_UNAVAILABLE
-            || self.status == StatusCode::TOO_MANY_REQUESTS
-        {
-            resp.headers_mut().insert(
-                http::header::RETRY_AFTER,
-                http::HeaderValue::from_static("1"),
-            );
+        let retry_after = match self.retry_after_secs {
+            Some(secs) => Some(secs),
+            None if self.status == StatusCode::SERVICE_UNAVAILABLE => Some(1),
+            None => None,
+        };
+        if let Some(secs) = retry_after {
+            resp.headers_mut()
+                .insert(http::header::RETRY_AFTER, http::HeaderValue::from(secs));
         }
         resp
     }

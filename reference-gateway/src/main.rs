@@ -10,6 +10,8 @@ mod api;
 mod auth;
 mod config;
 mod error;
+mod limits;
+mod metrics;
 mod state;
 
 use std::path::PathBuf;
@@ -169,9 +171,19 @@ async fn run(cli: Cli) -> Result<(), MainError> {
     );
     let tunnels = tunnel_server.tunnels();
 
+    let metrics = metrics::install()?;
+    let limits = Arc::new(limits::RateLimits::load(
+        config.default_rpm_limit,
+        config.default_tpm_limit,
+        Some(config.data_dir.join("key_limits.json")),
+    )?);
     let meter = MeterLayer::new(store.clone().into_ledger(), catalog)
         .operator_share_bps(config.operator_share_bps)
-        .max_request_body_bytes(config.max_request_body_bytes);
+        .max_request_body_bytes(config.max_request_body_bytes)
+        .events(Arc::new(metrics::GatewayEvents {
+            registry: registry.clone(),
+        }))
+        .admission(limits.clone());
     let settlements = meter.settlements();
     let stack = ServiceBuilder::new()
         .layer(meter)
@@ -193,6 +205,8 @@ async fn run(cli: Cli) -> Result<(), MainError> {
         stack,
         catalog_ids,
         admin_token: config.admin_token.clone(),
+        limits,
+        metrics,
     });
 
     let public = TcpListener::bind(config.public_listen).await?;

@@ -9,6 +9,7 @@ use spine_router::NodeRegistry;
 
 use crate::api::Stack;
 use crate::config::Config;
+use crate::limits::RateLimits;
 
 /// What the public and admin handlers share.
 pub(crate) struct AppState {
@@ -17,6 +18,10 @@ pub(crate) struct AppState {
     pub(crate) stack: Stack,
     pub(crate) catalog_ids: Vec<ModelId>,
     pub(crate) admin_token: String,
+    /// Per-key RPM/TPM limits (TPM also sits in the stack as the meter's admission hook).
+    pub(crate) limits: Arc<RateLimits>,
+    /// Renders `GET /metrics`.
+    pub(crate) metrics: metrics_exporter_prometheus::PrometheusHandle,
 }
 
 /// The tunnel listener's TLS configuration and the certificate agents should trust.
