@@ -237,13 +237,30 @@ impl LlamaServer {
     ///
     /// When it does not start or become healthy, with its stderr tail.
     pub async fn start(engine: &Engine, parallel: u32) -> Result<Self, Error> {
+        Self::start_with_args(engine, parallel, &[]).await
+    }
+
+    /// As [`LlamaServer::start`], with `extra` arguments, e.g.
+    /// `["--embeddings", "--pooling", "mean"]`: one server then serves chat, completions and
+    /// `/v1/embeddings` (llama.cpp refuses embeddings without `--embeddings`, and OpenAI-style
+    /// embeddings with the model's default pooling `none`).
+    ///
+    /// # Errors
+    ///
+    /// As [`LlamaServer::start`].
+    pub async fn start_with_args(
+        engine: &Engine,
+        parallel: u32,
+        extra: &[&str],
+    ) -> Result<Self, Error> {
         let port = free_port()?;
         let mut cmd = Command::new(&engine.llama_server);
         cmd.arg("-m")
             .arg(&engine.model_gguf)
             .args(["--alias", "smollm2", "--host", "127.0.0.1"])
             .args(["--port", &port.to_string()])
-            .args(["-c", "4096", "-np", &parallel.to_string(), "-t", "2"]);
+            .args(["-c", "4096", "-np", &parallel.to_string(), "-t", "2"])
+            .args(extra);
         let child = Child::spawn("llama-server", cmd)?;
         let url = format!("http://127.0.0.1:{port}");
         wait_http_ok(&format!("{url}/health"), Duration::from_secs(120))

@@ -1,0 +1,366 @@
+//! The harness the end-to-end tests share: a real `reference-gateway` process, its admin API,
+//! a node (keygen, registration, `reference-agent`) and the engine's own token count.
+#![allow(
+    dead_code,
+    unreachable_pub,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    missing_docs
+)]
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use spine_test_support::{Child, Engine};
+use tokio::process::Command;
+
+pub const ADMIN_TOKEN: &str = "test-admin-token-0123456789";
+pub const INPUT_PRICE: u64 = 150_000; // micros per million prompt tokens
+pub const OUTPUT_PRICE: u64 = 600_000; // micros per million completion tokens
+pub const SHARE_BPS: u64 = 8000;
+pub const CREDITS: u64 = 1_000_000;
+
+pub fn agent_bin() -> PathBuf {
+    let gw = PathBuf::from(env!("CARGO_BIN_EXE_reference-gateway"));
+    let agent = gw.with_file_name(format!("reference-agent{}", std::env::consts::EXE_SUFFIX));
+    assert!(
+        agent.exists(),
+        "{} missing: build the workspace binaries first (cargo build --workspace --bins)",
+        agent.display()
+    );
+    agent
+}
+
+pub struct Gateway {
+    pub child: Child,
+    pub public: String,
+    pub admin: String,
+    pub tunnel: String,
+    pub ca_file: PathBuf,
+    pub http: reqwest::Client,
+}
+
+impl Gateway {
+    pub async fn start(dir: &Path, engine: &Engine) -> Gateway {
+        Self::start_with(dir, engine, "").await
+    }
+
+    /// Starts with `extra` top-level TOML keys (e.g. `default_rpm_limit = 5`).
+    pub async fn start_with(dir: &Path, engine: &Engine, extra: &str) -> Gateway {
+        let config = dir.join("gateway.toml");
+        std::fs::write(
+            &config,
+            format!(
+                r#"public_listen = "127.0.0.1:0"
+tunnel_listen = "127.0.0.1:0"
+admin_listen = "127.0.0.1:0"
+admin_token = "{ADMIN_TOKEN}"
+data_dir = "{data}"
+operator_share_bps = {SHARE_BPS}
+shutdown_grace_secs = 120
+{extra}
+
+[[models]]
+id = "smollm2"
+gguf = "{gguf}"
+input_price_micros_per_mtok = {INPUT_PRICE}
+output_price_micros_per_mtok = {OUTPUT_PRICE}
+"#,
+                data = dir.join("data").display(),
+                gguf = engine.model_gguf.display(),
+            ),
+        )
+        .unwrap();
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_reference-gateway"));
+        cmd.arg("--config").arg(&config).env("RUST_LOG", "info");
+        let mut child = Child::spawn("gateway", cmd).unwrap();
+        let ready = child.read_json_line(Duration::from_secs(60)).await.unwrap();
+        Gateway {
+            public: format!("http://{}", ready["public_addr"].as_str().unwrap()),
+            admin: format!("http://{}", ready["admin_addr"].as_str().unwrap()),
+            tunnel: format!("wss://{}/v1/tunnel", ready["tunnel_addr"].as_str().unwrap()),
+            ca_file: PathBuf::from(ready["tunnel_ca_file"].as_str().unwrap()),
+            child,
+            http: reqwest::Client::new(),
+        }
+    }
+
+    pub async fn admin_post(&self, path: &str, body: Value) -> (u16, Value) {
+        let r = self
+            .http
+            .post(format!("{}{path}", self.admin))
+            .bearer_auth(ADMIN_TOKEN)
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        (r.status().as_u16(), r.json().await.unwrap())
+    }
+
+    pub async fn admin_get(&self, path: &str) -> (u16, Value) {
+        let r = self
+            .http
+            .get(format!("{}{path}", self.admin))
+            .bearer_auth(ADMIN_TOKEN)
+            .send()
+            .await
+            .unwrap();
+        (r.status().as_u16(), r.json().await.unwrap())
+    }
+
+    pub async fn balance(&self, account: &str) -> (u64, u64) {
+        let (_, a) = self
+            .admin_get(&format!("/admin/v1/accounts/{account}"))
+            .await;
+        (
+            a["balance_micros"].as_u64().unwrap(),
+            a["held_micros"].as_u64().unwrap(),
+        )
+    }
+
+    pub async fn earned(&self, operator: &str) -> u64 {
+        let (_, o) = self
+            .admin_get(&format!("/admin/v1/operators/{operator}"))
+            .await;
+        o["earned_micros"].as_u64().unwrap()
+    }
+
+    /// `GET /metrics` (Prometheus text).
+    pub async fn metrics(&self) -> String {
+        let r = self
+            .http
+            .get(format!("{}/metrics", self.admin))
+            .bearer_auth(ADMIN_TOKEN)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        r.text().await.unwrap()
+    }
+
+    /// POST `body` to the public API at `path` with `key`.
+    pub async fn api_post(&self, key: &str, path: &str, body: &Value) -> reqwest::Response {
+        self.http
+            .post(format!("{}{path}", self.public))
+            .bearer_auth(key)
+            .json(body)
+            .send()
+            .await
+            .unwrap()
+    }
+
+    /// The settled record; settlement runs after the body ends, so poll briefly.
+    pub async fn record(&self, request_id: &str) -> Value {
+        for _ in 0..100 {
+            let (status, rec) = self
+                .admin_get(&format!("/admin/v1/requests/{request_id}"))
+                .await;
+            if status == 200 {
+                return rec;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("request {request_id} was never settled");
+    }
+}
+
+pub async fn keygen(dir: &Path, name: &str) -> (PathBuf, String) {
+    let path = dir.join(name);
+    let out = Command::new(agent_bin())
+        .arg("keygen")
+        .arg("--out")
+        .arg(&path)
+        .output()
+        .await
+        .unwrap();
+    assert!(out.status.success(), "keygen failed: {out:?}");
+    let public = String::from_utf8(out.stdout).unwrap().trim().to_owned();
+    assert!(public.starts_with("ed25519:"), "keygen printed {public:?}");
+    (path, public)
+}
+
+pub fn start_agent(gw: &Gateway, identity: &Path, engine_url: &str, name: &str) -> Child {
+    let mut cmd = Command::new(agent_bin());
+    cmd.arg("run")
+        .arg("--gateway")
+        .arg(&gw.tunnel)
+        .arg("--identity")
+        .arg(identity)
+        .arg("--ca-file")
+        .arg(&gw.ca_file)
+        .args(["--engine", "llama.cpp", "--engine-url", engine_url])
+        .args(["--max-concurrency", "2"])
+        .env("RUST_LOG", "info");
+    Child::spawn(name, cmd).unwrap()
+}
+
+/// The engine's own count: prompt = tokens of its rendered template (special tokens parsed);
+/// completion = tokens of the text, plus the EOS token when it stopped on it.
+pub struct EngineCounter {
+    pub url: String,
+    pub http: reqwest::Client,
+}
+
+impl EngineCounter {
+    pub async fn tokens(&self, text: &str) -> u64 {
+        let r: Value = self
+            .http
+            .post(format!("{}/tokenize", self.url))
+            .json(&json!({"content": text, "add_special": false, "parse_special": true}))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        r["tokens"].as_array().unwrap().len() as u64
+    }
+
+    /// Tokens of `text` as `/v1/completions` and `/v1/embeddings` tokenize a prompt: special
+    /// tokens parsed, and BOS/EOS added when the model's vocabulary asks for them.
+    pub async fn prompt_tokens(&self, text: &str) -> u64 {
+        let r: Value = self
+            .http
+            .post(format!("{}/tokenize", self.url))
+            .json(&json!({"content": text, "add_special": true, "parse_special": true}))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        r["tokens"].as_array().unwrap().len() as u64
+    }
+
+    pub async fn prompt(&self, messages: &Value) -> u64 {
+        let r: Value = self
+            .http
+            .post(format!("{}/apply-template", self.url))
+            .json(&json!({ "messages": messages }))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        self.tokens(r["prompt"].as_str().unwrap()).await
+    }
+
+    pub async fn completion(&self, text: &str, finish_reason: &str) -> u64 {
+        self.tokens(text).await + u64::from(finish_reason == "stop")
+    }
+}
+
+pub fn cost(prompt: u64, completion: u64) -> (u64, u64, u64) {
+    let cost = (prompt * INPUT_PRICE + completion * OUTPUT_PRICE).div_ceil(1_000_000);
+    let operator = cost * SHARE_BPS / 10_000;
+    (cost, operator, cost - operator)
+}
+
+/// Parses a complete SSE body into its `data:` payloads.
+pub fn sse_data(body: &str) -> Vec<String> {
+    body.split("\n\n")
+        .filter_map(|event| {
+            let data: Vec<&str> = event
+                .lines()
+                .filter_map(|l| l.strip_prefix("data:"))
+                .map(|d| d.strip_prefix(' ').unwrap_or(d))
+                .collect();
+            (!data.is_empty()).then(|| data.join("\n"))
+        })
+        .collect()
+}
+
+/// What `setup` made: an operator with one routable node, and a funded account with a key.
+pub struct Setup {
+    pub operator: String,
+    pub account: String,
+    pub api_key: String,
+    pub node_id: String,
+    pub agent: Child,
+}
+
+/// Operator, account (credited `CREDITS` once, idempotently), API key, node key registered, agent
+/// started and routable.
+pub async fn setup(gw: &Gateway, dir: &Path, llama_url: &str) -> Setup {
+    // --- accounts, operator, node ------------------------------------------------------------
+    let (s, op) = gw.admin_post("/admin/v1/operators", json!({})).await;
+    assert_eq!(s, 201);
+    let operator = op["id"].as_str().unwrap().to_owned();
+    let (s, acct) = gw.admin_post("/admin/v1/accounts", json!({})).await;
+    assert_eq!(s, 201);
+    let account = acct["id"].as_str().unwrap().to_owned();
+    let (s, key) = gw
+        .admin_post(&format!("/admin/v1/accounts/{account}/keys"), json!({}))
+        .await;
+    assert_eq!(s, 201);
+    let api_key = key["key"].as_str().unwrap().to_owned();
+    let (s, credited) = gw
+        .admin_post(
+            &format!("/admin/v1/accounts/{account}/credits"),
+            json!({"amount_micros": CREDITS, "idempotency_key": "topup-1"}),
+        )
+        .await;
+    assert_eq!((s, credited["applied"].as_bool()), (200, Some(true)));
+    // the same idempotency key again changes nothing
+    let (s, again) = gw
+        .admin_post(
+            &format!("/admin/v1/accounts/{account}/credits"),
+            json!({"amount_micros": CREDITS, "idempotency_key": "topup-1"}),
+        )
+        .await;
+    assert_eq!((s, again["applied"].as_bool()), (200, Some(false)));
+    assert_eq!(gw.balance(&account).await, (CREDITS, 0));
+
+    let (identity, public_key) = keygen(dir, "node.key").await;
+    let (s, node) = gw
+        .admin_post(
+            "/admin/v1/nodes",
+            json!({"operator_id": operator, "public_key": public_key}),
+        )
+        .await;
+    assert_eq!(s, 201, "{node}");
+    let node_id = node["node_id"].as_str().unwrap().to_owned();
+
+    let agent = start_agent(gw, &identity, llama_url, "agent");
+    // routable only after the gateway's health probe through the tunnel
+    let mut routable = false;
+    for _ in 0..200 {
+        let (_, nodes) = gw.admin_get("/admin/v1/nodes").await;
+        if nodes["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|n| n["node_id"] == node_id.as_str())
+        {
+            routable = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        routable,
+        "node never became routable; agent stderr:\n{}\ngateway stderr:\n{}",
+        agent.stderr_tail(30),
+        gw.child.stderr_tail(30)
+    );
+
+    Setup {
+        operator,
+        account,
+        api_key,
+        node_id,
+        agent,
+    }
+}
+
+/// The value of the series `series` (name and labels exactly as rendered, e.g.
+/// `spine_http_requests_total{route="/v1/completions",status="200"}`) in a Prometheus text
+/// body; 0 when absent.
+pub fn metric(text: &str, series: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series).and_then(|v| v.strip_prefix(' ')))
+        .map_or(0.0, |v| v.trim().parse().unwrap())
+}
