@@ -337,9 +337,11 @@ impl ModelTokenizer {
     /// - `"stop"` or `"tool_calls"`: `T + 1` (the EOS the engine sampled and counts), unless
     ///   `T >= cap`; at most `cap`;
     /// - `"length"` with an explicit `max_tokens`: exactly `L = cap` when the text supports it,
-    ///   `T <= L <= B + 3` — every generated token yields at least one byte, and llama.cpp
-    ///   holds back an incomplete UTF-8 tail (at most 3 bytes) that it never sends once
-    ///   generation stops; otherwise `min(T, cap)` with [`CompletionCount::length_unsupported`];
+    ///   `T <= L + max(2, L / 50)` and `L <= B + 3` — every generated token yields at least one
+    ///   byte, llama.cpp holds back an incomplete UTF-8 tail (at most 3 bytes) that it never
+    ///   sends once generation stops, and the text's canonical tokenization may be a little
+    ///   LONGER than the tokens generated (measured: 65 for 64); otherwise `min(T, cap)` with
+    ///   [`CompletionCount::length_unsupported`];
     /// - anything else (`"length"` without `max_tokens`, where the engine's own context may
     ///   have stopped it, or an unknown reason): `min(T, cap)`.
     pub fn bill_completion(
@@ -363,7 +365,10 @@ impl ModelTokenizer {
             Some("stop" | "tool_calls") if text_tokens < cap => count.tokens = text_tokens + 1,
             Some("length") if rule.max_tokens.is_some() => {
                 let bytes = generated.len_bytes();
-                if text_tokens <= cap && cap <= bytes.saturating_add(MAX_HELD_BACK_BYTES) {
+                let slack = LENGTH_SLACK_TOKENS.max(cap / 50);
+                if text_tokens <= cap.saturating_add(slack)
+                    && cap <= bytes.saturating_add(MAX_HELD_BACK_BYTES)
+                {
                     count.tokens = cap;
                 } else {
                     count.length_unsupported = true;
@@ -378,6 +383,11 @@ impl ModelTokenizer {
 /// Most bytes of an incomplete UTF-8 character llama.cpp holds back (a 4-byte character less
 /// one): when generation stops on a limit they are never sent, though their tokens count.
 pub const MAX_HELD_BACK_BYTES: u64 = 3;
+
+/// How many tokens the delivered text of a `length` finish may count above `max_tokens`
+/// (at least; 2 % of `max_tokens` when that is more) and still support it: the model may
+/// generate a text as fewer tokens than its canonical tokenization.
+pub const LENGTH_SLACK_TOKENS: u64 = 2;
 
 /// The request's limits, for [`ModelTokenizer::bill_completion`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -726,7 +736,16 @@ mod tests {
                 length_unsupported: true
             }
         );
-        // fewer than the text's tokens: capped at L, flagged
+        // a little fewer than the text's tokens (generated non-canonically): L
+        assert_eq!(
+            bill("length", rule(Some(9), 9)),
+            CompletionCount {
+                tokens: 9,
+                text_tokens: 11,
+                length_unsupported: false
+            }
+        );
+        // far fewer (a node that ignored max_tokens): capped at L, flagged
         assert_eq!(
             bill("length", rule(Some(5), 5)),
             CompletionCount {
