@@ -1,0 +1,319 @@
+//! Every handed fixture through the real binaries: `reference-gateway` → TLS tunnel →
+//! `reference-agent` → a [`ReplayEngine`] that writes the fixture's exact upstream bytes in its
+//! reads. For each llama.cpp streaming capture and each case of `fixtures/hostile-streams.json`,
+//! the client stream and the request record (outcome, billed, claimed, discrepancy, cost) are
+//! checked against the case's stated expectation (DESIGN.md §6) and the billing rules.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, missing_docs)]
+
+mod common;
+
+use std::time::Duration;
+
+use common::{cost, Gateway};
+use serde_json::{json, Value};
+use spine_meter::tokenizer::{CompletionRule, GeneratedText};
+use spine_meter::ModelTokenizer;
+use spine_test_support::{workspace_path, Engine, ReplayEngine, Scripted};
+
+/// One fixture: the request the client sends, the upstream reads, what must happen.
+struct Fixture {
+    id: String,
+    request: Value,
+    reads: Vec<Vec<u8>>,
+    expect: Value,
+}
+
+fn b64(text: &str) -> Vec<u8> {
+    const A: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = Vec::new();
+    let (mut acc, mut bits) = (0u32, 0);
+    for c in text.bytes().filter(|&c| c != b'=') {
+        acc = (acc << 6) | A.iter().position(|&a| a == c).unwrap() as u32;
+        bits += 6;
+        if bits >= 8 {
+            bits -= 8;
+            out.push((acc >> bits) as u8);
+        }
+    }
+    out
+}
+
+fn base_request() -> Value {
+    json!({"model": "smollm2", "messages": [{"role": "user", "content": "Name three colors."}]})
+}
+
+fn fixtures() -> Vec<Fixture> {
+    let mut out = Vec::new();
+    // llama.cpp captures: the body after the HTTP head, in 37-byte reads (events split anywhere)
+    for (name, include_usage, max_tokens) in [
+        ("b_chat_stream_usage.txt", Some(true), 64),
+        ("b2_chat_stream_usage_stop.txt", Some(true), 64),
+        ("b3_chat_stream_usage_length.txt", Some(true), 5),
+        ("b4_stream_with_sse_ping.txt", Some(true), 8),
+        ("c_chat_stream_nousage.txt", None, 64),
+        ("c2_chat_stream_usage_false.txt", Some(false), 64),
+    ] {
+        let raw = std::fs::read(workspace_path(&format!("fixtures/llama.cpp/{name}"))).unwrap();
+        let start = raw
+            .windows(4)
+            .position(|w| w == b"\r\n\r\n")
+            .map(|p| p + 4)
+            .or_else(|| raw.windows(2).position(|w| w == b"\n\n").map(|p| p + 2))
+            .unwrap();
+        let mut request = base_request();
+        request["stream"] = json!(true);
+        request["max_tokens"] = json!(max_tokens);
+        if let Some(u) = include_usage {
+            request["stream_options"] = json!({"include_usage": u});
+        }
+        out.push(Fixture {
+            id: name.to_owned(),
+            request,
+            reads: raw[start..].chunks(37).map(<[u8]>::to_vec).collect(),
+            expect: json!({"outcome": "completed", "client_gets_usage": include_usage == Some(true)}),
+        });
+    }
+    let hostile: Value = serde_json::from_slice(
+        &std::fs::read(workspace_path("fixtures/hostile-streams.json")).unwrap(),
+    )
+    .unwrap();
+    for case in hostile["cases"].as_array().unwrap() {
+        let mut request = base_request();
+        request["stream"] = json!(true);
+        if let Some(extra) = case["request"].as_object() {
+            for (k, v) in extra {
+                request[k] = v.clone();
+            }
+        }
+        out.push(Fixture {
+            id: case["id"].as_str().unwrap().to_owned(),
+            request,
+            reads: case["reads_b64"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|r| b64(r.as_str().unwrap()))
+                .collect(),
+            expect: case["expect"].clone(),
+        });
+    }
+    out
+}
+
+/// What the client saw: the text, finish reasons, usage chunks, error events, `[DONE]`.
+#[derive(Debug, Default)]
+struct ClientStream {
+    generated: GeneratedText,
+    finish: Option<String>,
+    usage: Vec<Value>,
+    errors: Vec<Value>,
+    non_json: Vec<String>,
+    done: bool,
+}
+
+/// The `data` of each event, parsed as a conforming SSE client does.
+fn sse_data(body: &str) -> Vec<String> {
+    spine_meter::sse::parse_all(body.as_bytes())
+        .unwrap()
+        .iter()
+        .map(|e| e.data().to_owned())
+        .collect()
+}
+
+fn read_client_stream(body: &str) -> ClientStream {
+    let mut out = ClientStream::default();
+    for data in sse_data(body) {
+        assert!(!out.done, "an event after [DONE]: {body:?}");
+        if data == "[DONE]" {
+            out.done = true;
+            continue;
+        }
+        let Ok(chunk) = serde_json::from_str::<Value>(&data) else {
+            out.non_json.push(data);
+            continue;
+        };
+        if !chunk["error"].is_null() {
+            out.errors.push(chunk["error"].clone());
+        }
+        if !chunk["usage"].is_null() {
+            out.usage.push(chunk["usage"].clone());
+        }
+        for c in chunk["choices"].as_array().into_iter().flatten() {
+            out.generated.push_choice_json(c);
+            if let Some(f) = c["finish_reason"].as_str() {
+                out.finish = Some(f.to_owned());
+            }
+        }
+    }
+    out
+}
+
+/// The egress rules every stream from the gateway follows (hostile case H05).
+fn assert_egress_rules(id: &str, body: &str) {
+    for line in body.split(['\r', '\n']) {
+        let ok = line.is_empty()
+            || line.starts_with("data: ")
+            || line == ": keepalive"
+            || line == "data:";
+        assert!(ok, "{id}: the gateway wrote {line:?}");
+        if let Some(data) = line.strip_prefix("data: ") {
+            assert!(!data.starts_with(':'), "{id}: data starting with ':'");
+        }
+        assert!(
+            line != "data:" && line != "data: ",
+            "{id}: an empty data line"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_fixture_through_gateway_tunnel_and_agent() {
+    let engine = Engine::discover().unwrap();
+    let tok = ModelTokenizer::from_gguf(&engine.model_gguf).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let replay = ReplayEngine::start().await.unwrap();
+    let gw = Gateway::start(dir.path(), &engine).await;
+    let s = common::setup(&gw, dir.path(), &replay.url).await;
+    let http = reqwest::Client::new();
+    let context = tok.context_length_tokens().unwrap();
+
+    let mut checked = Vec::new();
+    for f in fixtures() {
+        replay.push(Scripted {
+            delay: Duration::from_millis(2),
+            ..Scripted::sse(f.reads.clone())
+        });
+        let resp = http
+            .post(format!("{}/v1/chat/completions", gw.public))
+            .bearer_auth(&s.api_key)
+            .json(&f.request)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200, "{}", f.id);
+        let request_id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
+        let body = resp.text().await.unwrap();
+        let id = f.id.as_str();
+        let client = read_client_stream(&body);
+        let e = &f.expect;
+        assert_egress_rules(id, &body);
+
+        // --- what the node received ------------------------------------------------------------
+        let upstream: Value = serde_json::from_slice(replay.requests().last().unwrap()).unwrap();
+        assert_eq!(upstream["stream_options"]["include_usage"], true, "{id}");
+        if let Some(want) = e.get("upstream_stream_options") {
+            assert_eq!(&upstream["stream_options"], want, "{id}");
+        }
+
+        // --- the client stream -------------------------------------------------------------------
+        if let Some(text) = e["client_text"].as_str() {
+            assert_eq!(client.generated.content(), text, "{id}: {body}");
+        }
+        if let Some(events) = e["events"].as_array() {
+            // parser-level case: the events reach the client as they were, then an error event
+            // (no choice ever finished)
+            let data: Vec<String> = sse_data(&body);
+            assert_eq!(data[0], events[0].as_str().unwrap(), "{id}: {body}");
+        }
+        let outcome = e["outcome"].as_str().unwrap_or(if client.finish.is_some() {
+            "completed"
+        } else {
+            "upstream_failed"
+        });
+        if outcome == "completed" {
+            assert!(client.done, "{id}: the gateway writes [DONE]: {body}");
+            assert!(client.errors.is_empty(), "{id}: {body}");
+        } else {
+            assert!(
+                !client.done,
+                "{id}: no fake [DONE] on a failed stream: {body}"
+            );
+            let last = client
+                .errors
+                .last()
+                .unwrap_or_else(|| panic!("{id}: {body}"));
+            assert!(
+                last["message"].is_string(),
+                "{id}: OpenAI-shaped error: {body}"
+            );
+        }
+        let asked_usage = f.request["stream_options"]["include_usage"] == true;
+        if let Some(gets) = e["client_gets_usage"].as_bool() {
+            assert_eq!(gets, asked_usage, "{id}: the case's own expectation");
+        }
+
+        // --- the record ----------------------------------------------------------------------
+        let rec = gw.record(&request_id).await;
+        assert_eq!(rec["outcome"], outcome, "{id}: {rec}");
+        let prompt = tok.count_prompt(&f.request).unwrap();
+        let max_tokens = f.request["max_tokens"].as_u64();
+        let cap = max_tokens.map_or(context - prompt, |m| m.min(context - prompt));
+        let completed = outcome == "completed";
+        let bill = tok.bill_completion(
+            &client.generated,
+            client.finish.as_deref(),
+            CompletionRule {
+                max_tokens,
+                cap_tokens: cap,
+                completed,
+            },
+        );
+        assert_eq!(
+            rec["billed"]["prompt_tokens"].as_u64(),
+            Some(prompt),
+            "{id}: {rec}"
+        );
+        assert_eq!(
+            rec["billed"]["completion_tokens"].as_u64(),
+            Some(bill.tokens),
+            "{id}: {rec}"
+        );
+        if let Some(claim) = e.get("claimed_usage") {
+            assert_eq!(
+                rec["claimed"]["prompt_tokens"], claim["prompt_tokens"],
+                "{id}"
+            );
+            assert_eq!(
+                rec["claimed"]["completion_tokens"], claim["completion_tokens"],
+                "{id}"
+            );
+        }
+        if let Some(d) = e["discrepancy"].as_bool() {
+            assert_eq!(rec["discrepancy"].as_bool(), Some(d), "{id}: {rec}");
+        }
+        let (c, o, fee) = if completed {
+            cost(prompt, bill.tokens)
+        } else {
+            (0, 0, 0)
+        };
+        assert_eq!(rec["cost_micros"].as_u64(), Some(c), "{id}: {rec}");
+        assert_eq!(rec["debit_micros"].as_u64(), Some(c), "{id}: {rec}");
+        assert_eq!(
+            rec["operator_credit_micros"].as_u64(),
+            Some(o),
+            "{id}: {rec}"
+        );
+        assert_eq!(rec["fee_micros"].as_u64(), Some(fee), "{id}: {rec}");
+        // the usage chunk the client gets carries the billed counts, once, only when asked
+        if asked_usage && completed {
+            assert_eq!(client.usage.len(), 1, "{id}: {body}");
+            assert_eq!(
+                client.usage[0]["prompt_tokens"].as_u64(),
+                Some(prompt),
+                "{id}"
+            );
+            assert_eq!(
+                client.usage[0]["completion_tokens"].as_u64(),
+                Some(bill.tokens),
+                "{id}"
+            );
+        } else {
+            assert!(client.usage.is_empty(), "{id}: usage not asked for: {body}");
+        }
+        checked.push(format!("{id}: {outcome}, billed {prompt}+{}", bill.tokens));
+    }
+    let (_, held) = gw.balance(&s.account).await;
+    assert_eq!(held, 0, "every hold released");
+    eprintln!("{}", checked.join("\n"));
+    assert_eq!(checked.len(), 6 + 12);
+}
