@@ -66,7 +66,9 @@ fn billing_rules_match_the_engine_on_the_ci_subset() {
         let original = c.body["max_tokens"].as_u64().unwrap();
         let m = original.min(16);
         c.body["max_tokens"] = json!(m);
-        c.name = c.name.replace(&format!("max={original}"), &format!("max={m}"));
+        c.name = c
+            .name
+            .replace(&format!("max={original}"), &format!("max={m}"));
     }
     let results = exactness::run_all(port, &tok, &cases, 2);
     eprintln!("{}", exactness::table(&results));
