@@ -138,6 +138,46 @@ pub struct Settlement {
     pub share_bps: u16,
 }
 
+/// The amounts one settlement moves, micros: the module docs' rules, computed in one place for
+/// every store.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct SettleAmounts {
+    /// Price of the billed usage; 0 when the outcome is not paid for.
+    pub(crate) cost_micros: u64,
+    /// `min(cost, hold)`: what leaves the caller's balance.
+    pub(crate) debit_micros: u64,
+    /// The operator's share of the debit (0 without an operator).
+    pub(crate) operator_credit_micros: u64,
+    /// The rest of the debit.
+    pub(crate) fee_micros: u64,
+}
+
+impl Settlement {
+    /// What this settlement moves given the request's active hold and whether the serving node
+    /// has an operator: the caller pays only `completed` and `client_cancelled`; the debit never
+    /// exceeds the hold; the operator gets `floor(debit · share_bps / 10 000)`.
+    pub(crate) fn amounts(&self, hold_micros: u64, has_operator: bool) -> SettleAmounts {
+        let pays = matches!(
+            self.outcome,
+            StreamOutcome::Completed | StreamOutcome::ClientCancelled
+        );
+        let cost_micros = if pays {
+            self.price.cost_micros(&self.billed)
+        } else {
+            0
+        };
+        let debit_micros = cost_micros.min(hold_micros);
+        let parts =
+            crate::price::split(debit_micros, if has_operator { self.share_bps } else { 0 });
+        SettleAmounts {
+            cost_micros,
+            debit_micros,
+            operator_credit_micros: parts.operator_credit_micros,
+            fee_micros: parts.fee_micros,
+        }
+    }
+}
+
 /// The money moved by one settlement, micros.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SettleResult {

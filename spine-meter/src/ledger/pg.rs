@@ -11,10 +11,10 @@ use spine_core::{
 };
 
 use super::{
-    AccountBalance, EntryTotals, Ledger, LedgerError, LedgerFuture, RequestRecord, SettleResult,
-    Settlement, Store,
+    AccountBalance, EntryTotals, Ledger, LedgerError, LedgerFuture, RequestRecord, SettleAmounts,
+    SettleResult, Settlement, Store,
 };
-use crate::price::{split, Price};
+use crate::price::Price;
 
 /// Schema migrations, applied in order, each once (recorded in `spine_schema_migrations`), all in
 /// one transaction under [`MIGRATION_LOCK`].
@@ -713,16 +713,6 @@ impl PgLedger {
             ),
             None => (s.account.clone(), 0),
         };
-        let pays = matches!(
-            s.outcome,
-            StreamOutcome::Completed | StreamOutcome::ClientCancelled
-        );
-        let cost_micros = if pays {
-            s.price.cost_micros(&s.billed)
-        } else {
-            0
-        };
-        let debit_micros = cost_micros.min(hold_micros);
         let operator: Option<String> = match &s.node {
             Some(node) => sqlx::query_scalar("SELECT operator_id FROM nodes WHERE node_id = $1")
                 .bind(node.as_str())
@@ -731,14 +721,15 @@ impl PgLedger {
                 .map_err(db)?,
             None => None,
         };
-        let parts = if operator.is_some() {
-            split(debit_micros, s.share_bps)
-        } else {
-            split(debit_micros, 0)
-        };
+        let SettleAmounts {
+            cost_micros,
+            debit_micros,
+            operator_credit_micros,
+            fee_micros,
+        } = s.amounts(hold_micros, operator.is_some());
         let debit = to_i64(debit_micros)?;
-        let credit = to_i64(parts.operator_credit_micros)?;
-        let fee = to_i64(parts.fee_micros)?;
+        let credit = to_i64(operator_credit_micros)?;
+        let fee = to_i64(fee_micros)?;
         sqlx::query(
             "UPDATE accounts SET balance_micros = balance_micros - $1, held_micros = held_micros - $2 WHERE id = $3",
         )
@@ -807,8 +798,8 @@ impl PgLedger {
         Ok(SettleResult {
             cost_micros,
             debit_micros,
-            operator_credit_micros: parts.operator_credit_micros,
-            fee_micros: parts.fee_micros,
+            operator_credit_micros,
+            fee_micros,
             hold_micros,
             already_settled: false,
         })
