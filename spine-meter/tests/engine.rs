@@ -4,77 +4,11 @@
 //! their default cache paths); fails when they are missing or anything is off.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, missing_docs)]
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+#[path = "support/exactness.rs"]
+mod exactness;
 
 use serde_json::{json, Value};
 use spine_meter::ModelTokenizer;
-
-struct Engine {
-    child: Child,
-    port: u16,
-}
-
-impl Drop for Engine {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-fn http(port: u16, method: &str, path: &str, body: Option<&Value>) -> (u16, Vec<u8>) {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
-    let body = body
-        .map(|b| serde_json::to_vec(b).unwrap())
-        .unwrap_or_default();
-    let head = format!(
-        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len()
-    );
-    s.write_all(head.as_bytes()).unwrap();
-    s.write_all(&body).unwrap();
-    let mut resp = Vec::new();
-    s.read_to_end(&mut resp).unwrap();
-    let split = resp.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4;
-    let status: u16 = String::from_utf8_lossy(&resp[9..12]).parse().unwrap();
-    (status, resp[split..].to_vec())
-}
-
-fn start(bin: &str, gguf: &str) -> Engine {
-    let port = free_port();
-    let child = Command::new(bin)
-        .args(["-m", gguf, "--alias", "smollm2", "--host", "127.0.0.1"])
-        .args(["--port", &port.to_string(), "-c", "2048", "-np", "2"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap_or_else(|e| panic!("cannot start {bin}: {e}"));
-    let engine = Engine { child, port };
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        if TcpStream::connect(("127.0.0.1", port)).is_ok()
-            && http(port, "GET", "/health", None).0 == 200
-        {
-            return engine;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "llama-server did not become healthy"
-        );
-        std::thread::sleep(Duration::from_millis(250));
-    }
-}
 
 fn cases() -> Vec<Value> {
     let m = |v: Value| json!({ "model": "smollm2", "messages": v });
@@ -110,17 +44,15 @@ fn cases() -> Vec<Value> {
 fn independent_counts_match_llama_server() {
     // Fails (never skips) when the engine or model is missing: run scripts/setup.sh.
     let found = spine_test_support::Engine::discover().unwrap();
-    let bin = found.llama_server.display().to_string();
-    let gguf = found.model_gguf.display().to_string();
-    let tok = ModelTokenizer::from_gguf(&gguf).unwrap();
-    let engine = start(&bin, &gguf);
+    let tok = ModelTokenizer::from_gguf(&found.model_gguf).unwrap();
+    let engine = exactness::start_engine(&found.llama_server, &found.model_gguf);
     let port = engine.port;
 
     let (mut n, mut prompt_exact, mut completion_exact, mut completion_vs_tokenize) = (0, 0, 0, 0);
     let mut failures = Vec::new();
     for (i, case) in cases().into_iter().enumerate() {
         // 1. template
-        let (st, body) = http(port, "POST", "/apply-template", Some(&case));
+        let (st, body) = exactness::http(port, "POST", "/apply-template", Some(&case));
         assert_eq!(st, 200);
         let engine_prompt = serde_json::from_slice::<Value>(&body).unwrap()["prompt"]
             .as_str()
@@ -133,7 +65,7 @@ fn independent_counts_match_llama_server() {
             ));
         }
         // 2. tokenize
-        let (_, body) = http(
+        let (_, body) = exactness::http(
             port,
             "POST",
             "/tokenize",
@@ -154,7 +86,7 @@ fn independent_counts_match_llama_server() {
             let mut req = case.clone();
             req["max_tokens"] = json!(max_tokens);
             req["temperature"] = json!(0);
-            let (st, body) = http(port, "POST", "/v1/chat/completions", Some(&req));
+            let (st, body) = exactness::http(port, "POST", "/v1/chat/completions", Some(&req));
             assert_eq!(st, 200, "{}", String::from_utf8_lossy(&body));
             let v: Value = serde_json::from_slice(&body).unwrap();
             let text = v["choices"][0]["message"]["content"].as_str().unwrap_or("");
@@ -175,7 +107,7 @@ fn independent_counts_match_llama_server() {
             } else {
                 eprintln!("case {i} max_tokens {max_tokens}: completion engine {} ours {ours} finish {finish:?} text {text:?}", usage["completion_tokens"]);
             }
-            let (_, tb) = http(
+            let (_, tb) = exactness::http(
                 port,
                 "POST",
                 "/tokenize",

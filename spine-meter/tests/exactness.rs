@@ -10,57 +10,15 @@
 #[path = "support/exactness.rs"]
 mod exactness;
 
-use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
-
 use serde_json::json;
 use spine_meter::ModelTokenizer;
-
-struct Kill(Child);
-
-impl Drop for Kill {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 #[test]
 fn billing_rules_match_the_engine_on_the_ci_subset() {
     let found = spine_test_support::Engine::discover().unwrap();
     let tok = ModelTokenizer::from_gguf(&found.model_gguf).unwrap();
-    let port = spine_test_support::free_port().unwrap();
-    let _engine = Kill(
-        Command::new(&found.llama_server)
-            .arg("-m")
-            .arg(&found.model_gguf)
-            .args(["--alias", "smollm2", "--host", "127.0.0.1"])
-            .args([
-                "--port",
-                &port.to_string(),
-                "-c",
-                "4096",
-                "-np",
-                "2",
-                "-t",
-                "2",
-            ])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while TcpStream::connect(("127.0.0.1", port)).is_err()
-        || exactness::http(port, "GET", "/health", None).0 != 200
-    {
-        assert!(
-            Instant::now() < deadline,
-            "llama-server did not become healthy"
-        );
-        std::thread::sleep(Duration::from_millis(250));
-    }
+    let engine = exactness::start_engine(&found.llama_server, &found.model_gguf);
+    let port = engine.port;
     let mut cases = exactness::cases(40);
     for c in &mut cases {
         let original = c.body["max_tokens"].as_u64().unwrap();

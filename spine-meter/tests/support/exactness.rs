@@ -13,7 +13,9 @@
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::time::Duration;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use spine_meter::tokenizer::{CompletionRule, GeneratedText};
@@ -181,6 +183,60 @@ pub fn cases(count: usize) -> Vec<Case> {
             Case { name, body }
         })
         .collect()
+}
+
+/// A real `llama-server` child process (`--alias smollm2 -c 4096 -np 2 -t 2`) on a free port;
+/// killed on drop.
+pub struct Engine {
+    child: Child,
+    /// Its port on 127.0.0.1.
+    pub port: u16,
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts `bin` serving `gguf` and waits (at most 120 s) until `/health` answers 200.
+pub fn start_engine(bin: &Path, gguf: &Path) -> Engine {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let child = Command::new(bin)
+        .arg("-m")
+        .arg(gguf)
+        .args(["--alias", "smollm2", "--host", "127.0.0.1"])
+        .args([
+            "--port",
+            &port.to_string(),
+            "-c",
+            "4096",
+            "-np",
+            "2",
+            "-t",
+            "2",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start {}: {e}", bin.display()));
+    let engine = Engine { child, port };
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while TcpStream::connect(("127.0.0.1", port)).is_err()
+        || http(port, "GET", "/health", None).0 != 200
+    {
+        assert!(
+            Instant::now() < deadline,
+            "llama-server did not become healthy"
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    engine
 }
 
 /// A blocking HTTP/1.1 request to `127.0.0.1:port`; the response body, de-chunked.
