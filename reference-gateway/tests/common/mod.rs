@@ -204,11 +204,12 @@ pub struct EngineCounter {
 }
 
 impl EngineCounter {
-    pub async fn tokens(&self, text: &str) -> u64 {
+    /// Tokens of `text` by the engine's `/tokenize`, special tokens parsed.
+    async fn tokenize(&self, text: &str, add_special: bool) -> u64 {
         let r: Value = self
             .http
             .post(format!("{}/tokenize", self.url))
-            .json(&json!({"content": text, "add_special": false, "parse_special": true}))
+            .json(&json!({"content": text, "add_special": add_special, "parse_special": true}))
             .send()
             .await
             .unwrap()
@@ -218,20 +219,14 @@ impl EngineCounter {
         r["tokens"].as_array().unwrap().len() as u64
     }
 
+    pub async fn tokens(&self, text: &str) -> u64 {
+        self.tokenize(text, false).await
+    }
+
     /// Tokens of `text` as `/v1/completions` and `/v1/embeddings` tokenize a prompt: special
     /// tokens parsed, and BOS/EOS added when the model's vocabulary asks for them.
     pub async fn prompt_tokens(&self, text: &str) -> u64 {
-        let r: Value = self
-            .http
-            .post(format!("{}/tokenize", self.url))
-            .json(&json!({"content": text, "add_special": true, "parse_special": true}))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        r["tokens"].as_array().unwrap().len() as u64
+        self.tokenize(text, true).await
     }
 
     pub async fn prompt(&self, messages: &Value) -> u64 {

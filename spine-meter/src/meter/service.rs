@@ -77,15 +77,7 @@ impl Drop for PendingGuard {
             } else {
                 StreamOutcome::Rejected
             };
-            let prompt_tokens = ctx.prompt_tokens;
-            ctx.settle(
-                outcome,
-                Usage {
-                    prompt_tokens,
-                    completion_tokens: 0,
-                },
-                None,
-            );
+            ctx.settle_prompt_only(outcome);
         }
     }
 }
@@ -284,15 +276,7 @@ where
                 } else {
                     StreamOutcome::Rejected
                 };
-                let prompt_tokens = ctx.prompt_tokens;
-                ctx.settle(
-                    outcome,
-                    Usage {
-                        prompt_tokens,
-                        completion_tokens: 0,
-                    },
-                    None,
-                );
+                ctx.settle_prompt_only(outcome);
             }
             return Err(e);
         }
@@ -304,15 +288,7 @@ where
     }
     if !resp.status().is_success() {
         if let Some(ctx) = guard.take() {
-            let prompt_tokens = ctx.prompt_tokens;
-            ctx.settle(
-                StreamOutcome::UpstreamFailed,
-                Usage {
-                    prompt_tokens,
-                    completion_tokens: 0,
-                },
-                None,
-            );
+            ctx.settle_prompt_only(StreamOutcome::UpstreamFailed);
         }
         return Ok(resp);
     }
@@ -342,15 +318,7 @@ where
         Ok(bytes) => bytes,
         Err(e) => {
             tracing::warn!(request_id = %ctx.request_id, error = %e, "node response body unusable");
-            let prompt_tokens = ctx.prompt_tokens;
-            ctx.settle(
-                StreamOutcome::UpstreamFailed,
-                Usage {
-                    prompt_tokens,
-                    completion_tokens: 0,
-                },
-                None,
-            );
+            ctx.settle_prompt_only(StreamOutcome::UpstreamFailed);
             return Err(e.into());
         }
     };

@@ -96,6 +96,16 @@ impl SettleCtx {
         self.settle_checked(outcome, billed, claimed, BillNotes::default());
     }
 
+    /// Settles a request that ended before any response body: the prompt as counted, no
+    /// completion tokens, no node claim (what is paid depends on `outcome`).
+    pub(crate) fn settle_prompt_only(self, outcome: StreamOutcome) {
+        let billed = Usage {
+            prompt_tokens: self.prompt_tokens,
+            completion_tokens: 0,
+        };
+        self.settle(outcome, billed, None);
+    }
+
     /// Settles on a spawned task. Retries with backoff (capped at 30 s) until the ledger accepts:
     /// settlement is idempotent by request id, so a retry never double-charges.
     ///
