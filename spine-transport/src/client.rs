@@ -6,12 +6,13 @@ use std::time::Duration;
 
 use futures_util::{SinkExt as _, StreamExt as _};
 use http::{Request, Response, Uri};
+use http_body_util::BodyExt as _;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use spine_core::{BoxBody, BoxError, NodeDescriptor, NodeId};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
-use tokio_tungstenite::tungstenite::protocol::{CloseFrame, WebSocketConfig};
+use tokio_tungstenite::tungstenite::protocol::CloseFrame;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::WebSocketStream;
 use tracing::{debug, info, warn};
@@ -47,7 +48,7 @@ pub struct TunnelClientConfig {
     /// HTTP/2 PING interval towards the gateway (the gateway pings too). Default 10 s.
     pub keepalive_interval: Duration,
     /// A PING not acknowledged within this ends the tunnel, and the agent reconnects.
-    /// Default 20 s.
+    /// Default 5 s (a dead gateway is noticed within 15 s).
     pub keepalive_timeout: Duration,
     /// A write to the tunnel blocked this long kills it. Default 5 s.
     pub write_timeout: Duration,
@@ -57,6 +58,17 @@ pub struct TunnelClientConfig {
     pub max_write_message_bytes: usize,
     /// Largest HTTP/2 header list accepted in a request, bytes. Default 64 KiB.
     pub max_header_list_bytes: u32,
+    /// The WebSocket read buffer, bytes (a chunk size, not a message limit). Default 4 KiB.
+    pub ws_read_buffer_bytes: usize,
+    /// WebSocket ping interval towards the gateway, for middleboxes. Default 20 s.
+    pub ws_ping_interval: Duration,
+    /// Local address to dial from (for example to pick an interface, or to spread many
+    /// simulated nodes over several `127.0.0.x` sources in a load test). Default: any.
+    pub local_addr: Option<std::net::IpAddr>,
+    /// Graceful shutdown ([`TunnelClient::run_until`], [`TunnelSession::serve_until`]): how
+    /// long requests in flight may take to finish after GOAWAY before the tunnel is closed
+    /// anyway. Default 30 s.
+    pub drain_timeout: Duration,
 }
 
 impl TunnelClientConfig {
@@ -76,11 +88,15 @@ impl TunnelClientConfig {
             backoff_max: Duration::from_secs(30),
             connect_timeout: Duration::from_secs(10),
             keepalive_interval: Duration::from_secs(10),
-            keepalive_timeout: Duration::from_secs(20),
+            keepalive_timeout: Duration::from_secs(5),
             write_timeout: Duration::from_secs(5),
             max_ws_message_bytes: 1024 * 1024,
             max_write_message_bytes: crate::ws_io::DEFAULT_MAX_WRITE_MESSAGE_BYTES,
             max_header_list_bytes: 64 * 1024,
+            ws_read_buffer_bytes: 4 * 1024,
+            ws_ping_interval: Duration::from_secs(20),
+            local_addr: None,
+            drain_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -276,6 +292,39 @@ fn refusal_from_close(frame: Option<&CloseFrame>) -> TunnelError {
     }
 }
 
+/// TCP connection to `host:port`, from `local` when given.
+async fn dial(
+    host: &str,
+    port: u16,
+    local: Option<std::net::IpAddr>,
+) -> std::io::Result<TcpStream> {
+    let Some(local) = local else {
+        return TcpStream::connect((host, port)).await;
+    };
+    let mut last = None;
+    for addr in tokio::net::lookup_host((host, port)).await? {
+        if addr.is_ipv4() != local.is_ipv4() {
+            continue;
+        }
+        let socket = if addr.is_ipv4() {
+            tokio::net::TcpSocket::new_v4()?
+        } else {
+            tokio::net::TcpSocket::new_v6()?
+        };
+        socket.bind(std::net::SocketAddr::new(local, 0))?;
+        match socket.connect(addr).await {
+            Ok(tcp) => return Ok(tcp),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| {
+        std::io::Error::new(
+            std::io::ErrorKind::AddrNotAvailable,
+            "no gateway address of the local address's family",
+        )
+    }))
+}
+
 /// The next handshake message from the gateway; a close becomes a refusal.
 async fn next_gateway_message(
     ws: &mut WebSocketStream<BoxedIo>,
@@ -347,7 +396,7 @@ impl TunnelClient {
         let target = &self.target;
         let tcp = within(
             timeout,
-            TcpStream::connect((target.host.as_str(), target.port)),
+            dial(&target.host, target.port, config.local_addr),
             |e| TunnelError::connect().with_source(e),
         )
         .await?;
@@ -371,9 +420,8 @@ impl TunnelClient {
             }
             None => BoxedIo(Box::new(tcp)),
         };
-        let ws_config = WebSocketConfig::default()
-            .max_message_size(Some(config.max_ws_message_bytes))
-            .max_frame_size(Some(config.max_ws_message_bytes));
+        let ws_config =
+            crate::server::ws_config(config.max_ws_message_bytes, config.ws_read_buffer_bytes);
         let (mut ws, _resp) = within(
             timeout,
             tokio_tungstenite::client_async_with_config(target.url.as_str(), io, Some(ws_config)),
@@ -432,7 +480,8 @@ impl TunnelClient {
     ///
     /// Waits follow [`Backoff`] from `backoff_min` to `backoff_max`: jittered after a failed dial
     /// or a tunnel that ended, the full delay after a refusal (design brief §4); back to the
-    /// minimum once a tunnel is established. Never returns; drop the future to stop.
+    /// minimum once a tunnel is established. Never returns; drop the future to stop (abruptly:
+    /// see [`run_until`](Self::run_until) for a graceful stop).
     ///
     /// # Cancel safety
     ///
@@ -446,15 +495,48 @@ impl TunnelClient {
         S::Future: Send + 'static,
         S::Error: Into<BoxError>,
     {
+        self.run_until(service, std::future::pending::<()>()).await;
+    }
+
+    /// As [`run`](Self::run), until `shutdown` completes; then stops gracefully: the live tunnel
+    /// (if any) sends HTTP/2 GOAWAY so the gateway opens no new stream, requests in flight get
+    /// up to `drain_timeout` to finish, and the WebSocket is closed with a close frame.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future closes the tunnel at once; requests in flight fail on the gateway
+    /// side.
+    pub async fn run_until<S, F>(self, service: S, shutdown: F)
+    where
+        S: tower::Service<Request<hyper::body::Incoming>, Response = Response<BoxBody>>
+            + Clone
+            + Send
+            + 'static,
+        S::Future: Send + 'static,
+        S::Error: Into<BoxError>,
+        F: std::future::Future<Output = ()>,
+    {
+        let shutdown = Shutdown::new(shutdown);
+        tokio::pin!(shutdown);
         let mut backoff = Backoff::new(self.config.backoff_min, self.config.backoff_max);
         loop {
-            let delay = match self.connect().await {
+            let connected = tokio::select! {
+                res = self.connect() => res,
+                () = shutdown.as_mut().wait() => return,
+            };
+            let delay = match connected {
                 Ok(session) => {
                     info!(node = %session.node_id(), gateway = %self.target.url, "tunnel established");
                     backoff.reset();
-                    match session.serve(service.clone()).await {
+                    match session
+                        .serve_until(service.clone(), shutdown.as_mut().wait())
+                        .await
+                    {
                         Ok(()) => info!("tunnel closed"),
                         Err(e) => warn!(error = %Chain(&e), "tunnel ended"),
+                    }
+                    if shutdown.is_done() {
+                        return;
                     }
                     backoff.next_jittered()
                 }
@@ -473,8 +555,52 @@ impl TunnelClient {
                     delay
                 }
             };
-            tokio::time::sleep(delay).await;
+            tokio::select! {
+                () = tokio::time::sleep(delay) => {}
+                () = shutdown.as_mut().wait() => return,
+            }
         }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// A shutdown future that can be awaited many times and remembers that it fired.
+    struct Shutdown<F> {
+        #[pin]
+        inner: F,
+        done: bool,
+    }
+}
+
+impl<F: std::future::Future<Output = ()>> Shutdown<F> {
+    fn new(inner: F) -> Self {
+        Self { inner, done: false }
+    }
+
+    fn is_done(&self) -> bool {
+        self.done
+    }
+
+    /// Completes when the shutdown future has (now or earlier).
+    fn wait(self: std::pin::Pin<&mut Self>) -> impl std::future::Future<Output = ()> + '_ {
+        let mut this = Some(self);
+        std::future::poll_fn(move |cx| {
+            let Some(s) = this.as_mut() else {
+                return std::task::Poll::Ready(());
+            };
+            let p = s.as_mut().project();
+            if *p.done {
+                return std::task::Poll::Ready(());
+            }
+            match p.inner.poll(cx) {
+                std::task::Poll::Ready(()) => {
+                    *p.done = true;
+                    this = None;
+                    std::task::Poll::Ready(())
+                }
+                std::task::Poll::Pending => std::task::Poll::Pending,
+            }
+        })
     }
 }
 
@@ -502,8 +628,11 @@ impl TunnelSession {
     /// Serves HTTP/2 over the tunnel with `service` until the tunnel ends.
     ///
     /// Advertises `SETTINGS_MAX_CONCURRENT_STREAMS` = the descriptor's `max_concurrency` (at
-    /// least 1), pings the gateway every `keepalive_interval`. Each request runs in its own task;
-    /// a stream reset by the gateway drops the service's response future and body.
+    /// least 1), pings the gateway every `keepalive_interval` of silence, sends WebSocket pings
+    /// every `ws_ping_interval`. Each request runs in its own task; a stream reset by the gateway
+    /// drops the service's response future and body (cancelling the engine request). The
+    /// gateway's liveness probe ([`crate::PROBE_PATH`]) is answered here, never reaching
+    /// `service`.
     ///
     /// # Errors
     ///
@@ -521,21 +650,108 @@ impl TunnelSession {
         S::Future: Send + 'static,
         S::Error: Into<BoxError>,
     {
+        self.serve_until(service, std::future::pending::<()>())
+            .await
+    }
+
+    /// As [`serve`](Self::serve), until `shutdown` completes; then drains gracefully: HTTP/2
+    /// GOAWAY (the gateway opens no new stream), requests in flight get up to `drain_timeout`
+    /// to finish, then the WebSocket is closed with a close frame.
+    ///
+    /// # Errors
+    ///
+    /// As [`serve`](Self::serve); [`TunnelError::is_timeout`] when requests were still in
+    /// flight at the end of `drain_timeout` (the tunnel is closed anyway).
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future closes the tunnel at once.
+    pub async fn serve_until<S, F>(self, service: S, shutdown: F) -> Result<(), TunnelError>
+    where
+        S: tower::Service<Request<hyper::body::Incoming>, Response = Response<BoxBody>>
+            + Clone
+            + Send
+            + 'static,
+        S::Future: Send + 'static,
+        S::Error: Into<BoxError>,
+        F: std::future::Future<Output = ()>,
+    {
         let config = &self.config;
         let io = WsIo::new(self.ws)
             .with_write_timeout(config.write_timeout)
-            .with_max_write_message_bytes(config.max_write_message_bytes);
+            .with_max_write_message_bytes(config.max_write_message_bytes)
+            .with_ping_interval(config.ws_ping_interval);
         let mut builder = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
         builder
             .timer(TokioTimer::new())
             .max_concurrent_streams(config.descriptor.max_concurrency.max(1))
             .keep_alive_interval(config.keepalive_interval)
             .keep_alive_timeout(config.keepalive_timeout)
-            .max_header_list_size(config.max_header_list_bytes);
-        builder
-            .serve_connection(TokioIo::new(io), TowerToHyperService::new(service))
-            .await
-            .map_err(TunnelError::from_hyper)
+            .max_header_list_size(config.max_header_list_bytes)
+            .max_send_buf_size(256 * 1024);
+        let conn = builder.serve_connection(
+            TokioIo::new(io),
+            TowerToHyperService::new(ProbeAnswer { inner: service }),
+        );
+        tokio::pin!(conn);
+        tokio::pin!(shutdown);
+        tokio::select! {
+            res = conn.as_mut() => return res.map_err(TunnelError::from_hyper),
+            () = &mut shutdown => {}
+        }
+        info!(
+            drain_timeout_ms = config.drain_timeout.as_millis() as u64,
+            "draining the tunnel: GOAWAY sent, finishing requests in flight"
+        );
+        conn.as_mut().graceful_shutdown();
+        match tokio::time::timeout(config.drain_timeout, conn.as_mut()).await {
+            Ok(res) => res.map_err(TunnelError::from_hyper),
+            Err(_) => {
+                warn!("requests still in flight after the drain timeout; closing the tunnel");
+                Err(TunnelError::timeout().with_detail("drain timeout"))
+            }
+        }
+    }
+}
+
+/// Answers the gateway's liveness probe ([`crate::PROBE_PATH`]) with 204; passes everything
+/// else to the inner service.
+#[derive(Clone)]
+struct ProbeAnswer<S> {
+    inner: S,
+}
+
+impl<S> tower::Service<Request<hyper::body::Incoming>> for ProbeAnswer<S>
+where
+    S: tower::Service<Request<hyper::body::Incoming>, Response = Response<BoxBody>>,
+    S::Future: Send + 'static,
+    S::Error: Into<BoxError>,
+{
+    type Response = Response<BoxBody>;
+    type Error = BoxError;
+    type Future = std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<Response<BoxBody>, BoxError>> + Send>,
+    >;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), BoxError>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, req: Request<hyper::body::Incoming>) -> Self::Future {
+        if req.uri().path() == crate::PROBE_PATH {
+            let mut resp = Response::new(
+                http_body_util::Empty::<bytes::Bytes>::new()
+                    .map_err(|e| match e {})
+                    .boxed_unsync(),
+            );
+            *resp.status_mut() = http::StatusCode::NO_CONTENT;
+            return Box::pin(std::future::ready(Ok(resp)));
+        }
+        let fut = self.inner.call(req);
+        Box::pin(async move { fut.await.map_err(Into::into) })
     }
 }
 

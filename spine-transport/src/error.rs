@@ -19,6 +19,7 @@ pub struct TunnelError {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Kind {
     UnknownNode,
+    NodeFull,
     MissingTarget,
     Closed,
     Timeout,
@@ -50,6 +51,10 @@ impl TunnelError {
 
     pub(crate) fn unknown_node() -> Self {
         Self::new(Kind::UnknownNode)
+    }
+
+    pub(crate) fn node_full() -> Self {
+        Self::new(Kind::NodeFull)
     }
 
     pub(crate) fn missing_target() -> Self {
@@ -95,6 +100,13 @@ impl TunnelError {
     /// The request named a node that has no live tunnel on this gateway.
     pub fn is_unknown_node(&self) -> bool {
         self.kind == Kind::UnknownNode
+    }
+
+    /// The node already has as many streams open as it advertised (its `max_concurrency`); the
+    /// request was refused before any byte went down the tunnel, so another node may serve it
+    /// (a gateway answers 503 when none can).
+    pub fn is_node_full(&self) -> bool {
+        self.kind == Kind::NodeFull
     }
 
     /// The request carried no target [`NodeId`](spine_core::NodeId) in its extensions.
@@ -144,6 +156,7 @@ impl TunnelError {
     fn description(&self) -> &'static str {
         match self.kind {
             Kind::UnknownNode => "no live tunnel for node",
+            Kind::NodeFull => "node has no free stream (max concurrency reached)",
             Kind::MissingTarget => "request has no target node",
             Kind::Closed => "tunnel closed",
             Kind::Timeout => "tunnel timed out",

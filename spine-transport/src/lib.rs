@@ -33,6 +33,7 @@ mod client;
 mod error;
 pub mod handshake;
 mod identity;
+pub mod metric;
 mod refusal;
 mod server;
 mod tls;
@@ -46,8 +47,9 @@ pub use identity::{
 };
 pub use refusal::RefusalReason;
 pub use server::{
-    NodeAuthenticator, StaticAuthenticator, TunnelEvents, TunnelServer, TunnelServerConfig,
-    TunnelService, Tunnels, HEALTH_PATH, TUNNEL_PATH,
+    serve_listener, ModelStatus, NodeAuthenticator, StaticAuthenticator, TunnelEvents,
+    TunnelServer, TunnelServerConfig, TunnelService, TunnelState, TunnelStatus, TunnelUpgrade,
+    Tunnels, UpgradeBody, HEALTH_PATH, PROBE_PATH, TUNNEL_PATH,
 };
 pub use tls::{
     client_config_with_ca, self_signed_cert, server_config_from_pem, TlsError, TlsFiles,

@@ -5,7 +5,7 @@ use std::convert::Infallible;
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -13,12 +13,15 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures_util::StreamExt as _;
 use http::{header, HeaderValue, Method, Request, Response, StatusCode, Uri};
-use http_body_util::{BodyExt as _, Empty, Full};
+use http_body_util::{BodyExt as _, Empty, Full, Limited};
+use hyper::body::Incoming;
 use hyper::client::conn::http2::SendRequest;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use spine_core::{BoxBody, BoxError, NodeDescriptor, NodeId};
+use hyper_util::service::TowerToHyperService;
+use spine_core::{BoxBody, BoxError, ModelId, NodeDescriptor, NodeId};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpListener;
+use tokio::sync::Notify;
 use tokio::time::Instant;
 use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
@@ -28,7 +31,7 @@ use tokio_tungstenite::WebSocketStream;
 use tracing::{debug, info, warn, Instrument as _};
 
 use crate::handshake::{decode_hello, Accepted, Challenge, GatewayMessage};
-use crate::{RefusalReason, TunnelError, WsIo};
+use crate::{metric, RefusalReason, TunnelError, WsIo};
 
 /// The path agents upgrade on.
 pub const TUNNEL_PATH: &str = "/v1/tunnel";
@@ -36,6 +39,11 @@ pub const TUNNEL_PATH: &str = "/v1/tunnel";
 /// The path of the health probe sent through a new tunnel; the agent maps it to its engine's
 /// health endpoint.
 pub const HEALTH_PATH: &str = "/health";
+
+/// The path of the liveness probe the gateway sends down an existing tunnel when a new session
+/// for the same node arrives (reconnection race, design brief §4). The agent's tunnel layer
+/// answers it itself with `204 No Content`, without involving its engine.
+pub const PROBE_PATH: &str = "/_spine/probe";
 
 /// Authority put in the URI of every request sent down a tunnel (the agent ignores it and talks
 /// to its one configured engine).
@@ -93,16 +101,26 @@ impl NodeAuthenticator for StaticAuthenticator {
 
 /// Tunnel lifecycle notifications, for the router's registry.
 ///
-/// For one node, calls alternate: `node_ready`, then `node_gone`, then (after a reconnection)
-/// `node_ready` again. Calls are made from the tunnel's own task; keep them short and
-/// non-blocking.
+/// For one node, `node_ready` and `node_gone` alternate: `node_ready` (routable), then
+/// `node_gone` (not routable: the tunnel closed, was found dead, was taken over by a new session,
+/// or its health probes failed), then `node_ready` again (probes recovered, or a new session
+/// warmed up). Both are called while the tunnel server holds its session table's lock, which is
+/// what keeps them ordered: keep them short, non-blocking, and never call back into
+/// [`Tunnels`] from them.
 pub trait TunnelEvents: Send + Sync + 'static {
-    /// The node's tunnel is up and its first health probe through the tunnel (`GET /health`)
+    /// The node's tunnel is up and its health probe through the tunnel (`GET /health`)
     /// returned 2xx: the node may be routed to (design brief §4).
     fn node_ready(&self, node: &NodeId, descriptor: &NodeDescriptor);
 
-    /// The node's tunnel closed or was found dead; called once after each `node_ready`.
+    /// The node may no longer be routed to; called once after each `node_ready`.
     fn node_gone(&self, node: &NodeId);
+
+    /// Liveness of `node` was just confirmed: a health probe passed or a response head came
+    /// back through its tunnel. At most about once per second per node; never before the
+    /// node's first `node_ready`. For a reliability score's uptime part. Default: ignored.
+    fn node_heartbeat(&self, node: &NodeId) {
+        let _ = node;
+    }
 }
 
 /// Ignores every event.
@@ -111,7 +129,8 @@ impl TunnelEvents for () {
     fn node_gone(&self, _node: &NodeId) {}
 }
 
-/// Gateway-side tunnel settings (design brief §4 limits).
+/// Gateway-side tunnel settings (design brief §4 limits). Defaults are listed per field and in
+/// `docs/operations.md`.
 #[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct TunnelServerConfig {
@@ -123,22 +142,41 @@ pub struct TunnelServerConfig {
     /// A hello that arrives later than this after its challenge is refused as
     /// `stale_challenge`. Default 5 s.
     pub challenge_max_age: Duration,
-    /// HTTP/2 PING interval, sent even when the tunnel is idle. Default 10 s.
+    /// HTTP/2 PING interval, sent when nothing was received for this long (any received frame
+    /// counts as liveness). Default 10 s.
     pub keepalive_interval: Duration,
-    /// A PING not acknowledged within this closes the tunnel as dead. Default 20 s.
+    /// A PING not acknowledged within this closes the tunnel as dead. Default 5 s, so a silent
+    /// agent is detected within `keepalive_interval + keepalive_timeout` = 15 s, under the
+    /// 2 × interval the design brief asks.
     pub keepalive_timeout: Duration,
+    /// WebSocket ping interval, for middleboxes that watch WebSocket traffic. Default 20 s.
+    pub ws_ping_interval: Duration,
     /// A write to the tunnel blocked this long kills it. Default 5 s.
     pub write_timeout: Duration,
     /// Largest WebSocket message (and frame) accepted from an agent, bytes. Default 1 MiB.
     pub max_ws_message_bytes: usize,
     /// Largest binary message written to an agent, bytes. Default 64 KiB.
     pub max_write_message_bytes: usize,
+    /// The WebSocket read buffer, bytes (tungstenite's default is 128 KiB per connection, the
+    /// main cost of an idle tunnel). Default 4 KiB; it is a chunk size, not a message limit.
+    pub ws_read_buffer_bytes: usize,
     /// Largest HTTP/2 header list accepted in a response, bytes. Default 64 KiB.
     pub max_header_list_bytes: u32,
+    /// Cap on the streams one node may have open at once, whatever it advertises; the effective
+    /// per-node limit is `min(advertised max_concurrency, this)`, at least 1. Default 256.
+    pub max_streams_per_node: u32,
     /// Wait between health probes until the first one succeeds. Default 1 s.
     pub health_probe_interval: Duration,
     /// Bound on one health probe. Default 5 s.
     pub health_probe_timeout: Duration,
+    /// Wait between health probes of a node that has become ready. Default 10 s.
+    pub health_check_interval: Duration,
+    /// Consecutive failed probes after which a ready node leaves routing (its tunnel stays up
+    /// and probing continues; one passing probe brings it back). Default 2.
+    pub health_failures_to_leave: u32,
+    /// Reconnection race: how long a new session waits for the old session of the same node to
+    /// answer a liveness probe before replacing it. Default 2 s.
+    pub takeover_probe_timeout: Duration,
 }
 
 impl Default for TunnelServerConfig {
@@ -148,15 +186,96 @@ impl Default for TunnelServerConfig {
             handshake_timeout: Duration::from_secs(10),
             challenge_max_age: Duration::from_secs(5),
             keepalive_interval: Duration::from_secs(10),
-            keepalive_timeout: Duration::from_secs(20),
+            keepalive_timeout: Duration::from_secs(5),
+            ws_ping_interval: Duration::from_secs(20),
             write_timeout: Duration::from_secs(5),
             max_ws_message_bytes: 1024 * 1024,
             max_write_message_bytes: crate::ws_io::DEFAULT_MAX_WRITE_MESSAGE_BYTES,
+            ws_read_buffer_bytes: 4 * 1024,
             max_header_list_bytes: 64 * 1024,
+            max_streams_per_node: 256,
             health_probe_interval: Duration::from_secs(1),
             health_probe_timeout: Duration::from_secs(5),
+            health_check_interval: Duration::from_secs(10),
+            health_failures_to_leave: 2,
+            takeover_probe_timeout: Duration::from_secs(2),
         }
     }
+}
+
+impl TunnelServerConfig {
+    /// The WebSocket settings for accepted tunnels: message and frame limits, a small read
+    /// buffer, and writes flushed per message.
+    pub(crate) fn ws_config(&self) -> WebSocketConfig {
+        ws_config(self.max_ws_message_bytes, self.ws_read_buffer_bytes)
+    }
+}
+
+/// The WebSocket settings both ends use: `max_message_bytes` for messages and frames,
+/// `read_buffer_bytes` read chunks, no write batching (each message is written at once; the
+/// HTTP/2 layer above batches), and at most 4 × the message limit queued for writing.
+pub(crate) fn ws_config(max_message_bytes: usize, read_buffer_bytes: usize) -> WebSocketConfig {
+    WebSocketConfig::default()
+        .max_message_size(Some(max_message_bytes))
+        .max_frame_size(Some(max_message_bytes))
+        .read_buffer_size(read_buffer_bytes.max(256))
+        .write_buffer_size(0)
+        .max_write_buffer_size(max_message_bytes.saturating_mul(4).max(64 * 1024))
+}
+
+/// Where a tunnel stands, as shown in [`TunnelStatus::state`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum TunnelState {
+    /// Accepted; no health probe has passed yet (not routable).
+    Warming,
+    /// The last health probes passed: routable.
+    Ready,
+    /// Was ready, then `health_failures_to_leave` probes in a row failed (not routable; probing
+    /// continues).
+    Unhealthy,
+}
+
+/// One model of a node, as its last health probe saw it.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct ModelStatus {
+    /// The model id, as in the node's descriptor.
+    pub model: ModelId,
+    /// Whether the engine is up and lists this model in `GET /v1/models` (when the engine's
+    /// model list cannot be read, whether the engine's health probe passed).
+    pub running: bool,
+}
+
+/// A node's tunnel as the gateway sees it ([`Tunnels::status`]); serialises to JSON for admin
+/// APIs.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct TunnelStatus {
+    /// Warming, ready or unhealthy.
+    pub state: TunnelState,
+    /// When the tunnel was accepted, milliseconds since the Unix epoch.
+    pub connected_at_unix_ms: u64,
+    /// When a health probe last passed, milliseconds since the Unix epoch.
+    pub last_probe_ok_unix_ms: Option<u64>,
+    /// Health probes failed in a row since the last one that passed.
+    pub consecutive_probe_failures: u32,
+    /// HTTP/2 streams open now (requests in flight through this tunnel).
+    pub streams_open: u32,
+    /// The per-node stream limit the gateway enforces.
+    pub max_streams: u32,
+    /// Per-model running status.
+    pub models: Vec<ModelStatus>,
+}
+
+/// Per-session state shared between the session task, the table, and requests in flight.
+struct SessionShared {
+    streams_open: AtomicU32,
+    max_streams: u32,
+    /// Incremented for every WebSocket message received.
+    activity: Arc<AtomicU64>,
+    last_heartbeat_ms: AtomicU64,
+    /// Fired to end the session (it was taken over).
+    kill: Notify,
 }
 
 struct Session {
@@ -164,7 +283,14 @@ struct Session {
     descriptor: NodeDescriptor,
     /// `None` while the session is reserved (accepted, HTTP/2 not yet set up).
     sender: Option<SendRequest<BoxBody>>,
-    ready: bool,
+    /// Reported with `node_ready` and not yet `node_gone`.
+    routable: bool,
+    state: TunnelState,
+    connected_at_unix_ms: u64,
+    last_probe_ok_unix_ms: Option<u64>,
+    consecutive_probe_failures: u32,
+    models_running: Vec<bool>,
+    shared: Arc<SessionShared>,
 }
 
 struct Shared {
@@ -183,13 +309,28 @@ impl Shared {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
+
+    /// Emits `node_heartbeat`, at most once per second per session.
+    fn heartbeat(&self, node: &NodeId, session: &SessionShared) {
+        let now = now_ms();
+        let last = session.last_heartbeat_ms.load(Ordering::Relaxed);
+        if now.saturating_sub(last) >= 1000
+            && session
+                .last_heartbeat_ms
+                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            self.events.node_heartbeat(node);
+        }
+    }
 }
 
 /// The gateway's tunnel listener (design brief §4).
 ///
-/// Accepts TLS (or, only when the caller passes no TLS configuration, plaintext) connections,
-/// answers `GET /v1/tunnel` WebSocket upgrades, verifies the signed handshake, and keeps one
-/// HTTP/2 client connection per node, reachable through [`Tunnels`].
+/// Answers `GET /v1/tunnel` WebSocket upgrades, verifies the signed handshake, and keeps one
+/// HTTP/2 client connection per node, reachable through [`Tunnels`]. Serve it alone with
+/// [`serve`](Self::serve), or mount [`upgrade_service`](Self::upgrade_service) in an axum (or any
+/// tower) router and serve that with [`serve_listener`].
 #[derive(Clone)]
 pub struct TunnelServer {
     shared: Arc<Shared>,
@@ -228,18 +369,26 @@ impl TunnelServer {
         }
     }
 
-    /// Runs the accept loop on `listener`.
+    /// The tower service answering the tunnel's WebSocket upgrade, to mount at [`TUNNEL_PATH`]
+    /// in a router, e.g. `axum::Router::new().route_service(TUNNEL_PATH, server.upgrade_service())`.
+    ///
+    /// The HTTP server it runs under must support upgrades (hyper's `with_upgrades`,
+    /// [`serve_listener`], `axum::serve`).
+    pub fn upgrade_service(&self) -> TunnelUpgrade {
+        TunnelUpgrade {
+            shared: self.shared.clone(),
+        }
+    }
+
+    /// Runs the accept loop on `listener`, answering only [`TUNNEL_PATH`] (404 elsewhere); see
+    /// [`serve_listener`] to serve other routes beside it.
     ///
     /// `tls = None` serves plaintext `ws://`; the reference gateway passes `None` only behind an
-    /// explicitly insecure flag. Every accepted socket gets `TCP_NODELAY`. Each connection runs in
-    /// its own task; errors of one connection are logged and never end the loop, nor do accept
-    /// errors (such as running out of file descriptors), which are logged and retried after
-    /// 100 ms.
+    /// explicitly insecure flag.
     ///
     /// # Errors
     ///
-    /// None today: the loop runs until the future is dropped. The `Result` leaves room for fatal
-    /// listener errors.
+    /// As [`serve_listener`].
     ///
     /// # Cancel safety
     ///
@@ -249,66 +398,121 @@ impl TunnelServer {
         listener: TcpListener,
         tls: Option<Arc<rustls::ServerConfig>>,
     ) -> std::io::Result<()> {
-        let acceptor = tls.map(tokio_rustls::TlsAcceptor::from);
-        if let Ok(addr) = listener.local_addr() {
-            info!(%addr, tls = acceptor.is_some(), "tunnel listener started");
-        }
-        loop {
-            let (tcp, peer) = match listener.accept().await {
-                Ok(conn) => conn,
-                Err(e) => {
-                    warn!(error = %e, "tunnel accept failed");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    continue;
+        let timeout = self.shared.config.handshake_timeout;
+        let upgrade = self.upgrade_service();
+        let service = tower::service_fn(move |req: Request<Incoming>| {
+            let mut upgrade = upgrade.clone();
+            async move {
+                if req.uri().path() != TUNNEL_PATH {
+                    return Ok::<_, Infallible>(plain(StatusCode::NOT_FOUND, "not found\n"));
                 }
-            };
-            if let Err(e) = tcp.set_nodelay(true) {
-                debug!(%peer, error = %e, "set TCP_NODELAY failed");
+                tower::Service::call(&mut upgrade, req).await
             }
-            let shared = self.shared.clone();
-            let acceptor = acceptor.clone();
-            let span = tracing::info_span!("tunnel", %peer, node = tracing::field::Empty);
-            tokio::spawn(
-                async move {
-                    match acceptor {
-                        Some(acceptor) => {
-                            let timeout = shared.config.handshake_timeout;
-                            match tokio::time::timeout(timeout, acceptor.accept(tcp)).await {
-                                Ok(Ok(tls)) => serve_http1(shared, tls).await,
-                                Ok(Err(e)) => debug!(error = %e, "tls handshake failed"),
-                                Err(_) => debug!("tls handshake timed out"),
-                            }
-                        }
-                        None => serve_http1(shared, tcp).await,
-                    }
-                }
-                .instrument(span),
-            );
-        }
+        });
+        serve_listener(listener, tls, timeout, service).await
     }
 }
 
-type UpgradeBody = Full<Bytes>;
+/// Serves HTTP/1.1 with upgrades on `listener` (TLS unless `tls` is `None`) with `service`, for
+/// example an axum `Router` holding [`TunnelServer::upgrade_service`] at [`TUNNEL_PATH`] beside
+/// other routes.
+///
+/// Every accepted socket gets `TCP_NODELAY`; the TLS handshake and the request head must each
+/// arrive within `handshake_timeout`. Each connection runs in its own task; its errors are
+/// logged and never end the loop, nor do accept errors (such as running out of file
+/// descriptors), which are logged and retried after 100 ms. TLS failures count in
+/// [`crate::metric::HANDSHAKES_REJECTED`] with reason `tls`.
+///
+/// # Errors
+///
+/// None today: the loop runs until the future is dropped. The `Result` leaves room for fatal
+/// listener errors.
+///
+/// # Cancel safety
+///
+/// Dropping the future stops accepting; connections already accepted keep running.
+pub async fn serve_listener<S, B>(
+    listener: TcpListener,
+    tls: Option<Arc<rustls::ServerConfig>>,
+    handshake_timeout: Duration,
+    service: S,
+) -> std::io::Result<()>
+where
+    S: tower::Service<Request<Incoming>, Response = Response<B>, Error = Infallible>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    let acceptor = tls.map(tokio_rustls::TlsAcceptor::from);
+    if let Ok(addr) = listener.local_addr() {
+        info!(%addr, tls = acceptor.is_some(), "tunnel listener started");
+    }
+    loop {
+        let (tcp, peer) = match listener.accept().await {
+            Ok(conn) => conn,
+            Err(e) => {
+                warn!(error = %e, "tunnel accept failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        if let Err(e) = tcp.set_nodelay(true) {
+            debug!(%peer, error = %e, "set TCP_NODELAY failed");
+        }
+        let acceptor = acceptor.clone();
+        let service = service.clone();
+        let span = tracing::info_span!("tunnel", %peer, node = tracing::field::Empty);
+        tokio::spawn(
+            async move {
+                match acceptor {
+                    Some(acceptor) => {
+                        match tokio::time::timeout(handshake_timeout, acceptor.accept(tcp)).await {
+                            Ok(Ok(tls)) => serve_http1(tls, handshake_timeout, service).await,
+                            Ok(Err(e)) => {
+                                metric::rejected("tls");
+                                debug!(error = %e, "tls handshake failed");
+                            }
+                            Err(_) => {
+                                metric::rejected("tls");
+                                debug!("tls handshake timed out");
+                            }
+                        }
+                    }
+                    None => serve_http1(tcp, handshake_timeout, service).await,
+                }
+            }
+            .instrument(span),
+        );
+    }
+}
 
-async fn serve_http1<IO>(shared: Arc<Shared>, io: IO)
+async fn serve_http1<IO, S, B>(io: IO, header_timeout: Duration, service: S)
 where
     IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    S: tower::Service<Request<Incoming>, Response = Response<B>, Error = Infallible>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
 {
-    let header_timeout = shared.config.handshake_timeout;
-    let service = hyper::service::service_fn(move |req| {
-        let resp = upgrade(shared.clone(), req);
-        std::future::ready(Ok::<_, Infallible>(resp))
-    });
     let res = hyper::server::conn::http1::Builder::new()
         .timer(TokioTimer::new())
         .header_read_timeout(header_timeout)
-        .serve_connection(TokioIo::new(io), service)
+        .serve_connection(TokioIo::new(io), TowerToHyperService::new(service))
         .with_upgrades()
         .await;
     if let Err(e) = res {
         debug!(error = %e, "tunnel http/1 connection ended with error");
     }
 }
+
+/// Body of the upgrade service's responses.
+pub type UpgradeBody = Full<Bytes>;
 
 fn plain(status: StatusCode, text: &'static str) -> Response<UpgradeBody> {
     let mut resp = Response::new(Full::new(Bytes::from_static(text.as_bytes())));
@@ -320,11 +524,7 @@ fn plain(status: StatusCode, text: &'static str) -> Response<UpgradeBody> {
     resp
 }
 
-fn header_has_token(
-    req: &Request<hyper::body::Incoming>,
-    name: header::HeaderName,
-    token: &str,
-) -> bool {
+fn header_has_token<B>(req: &Request<B>, name: header::HeaderName, token: &str) -> bool {
     req.headers().get_all(name).iter().any(|v| {
         v.to_str().is_ok_and(|s| {
             s.split(',')
@@ -333,13 +533,41 @@ fn header_has_token(
     })
 }
 
-/// Answers one HTTP/1.1 request on the tunnel listener: 101 for a valid upgrade on
-/// [`TUNNEL_PATH`], an error status otherwise.
-fn upgrade(shared: Arc<Shared>, mut req: Request<hyper::body::Incoming>) -> Response<UpgradeBody> {
-    if req.uri().path() != TUNNEL_PATH {
-        return plain(StatusCode::NOT_FOUND, "not found\n");
+/// The tunnel's WebSocket upgrade as a tower service ([`TunnelServer::upgrade_service`]).
+///
+/// Answers `101 Switching Protocols` to a valid `GET` WebSocket upgrade (whatever the path it
+/// is mounted at) and runs the tunnel on the upgraded connection; `405` for other methods, `426`
+/// without a WebSocket upgrade, `400` without a key. Works for any request body type, so it
+/// mounts in axum as is.
+#[derive(Clone)]
+pub struct TunnelUpgrade {
+    shared: Arc<Shared>,
+}
+
+impl fmt::Debug for TunnelUpgrade {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TunnelUpgrade").finish_non_exhaustive()
     }
+}
+
+impl<B: Send + 'static> tower::Service<Request<B>> for TunnelUpgrade {
+    type Response = Response<UpgradeBody>;
+    type Error = Infallible;
+    type Future = std::future::Ready<Result<Response<UpgradeBody>, Infallible>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request<B>) -> Self::Future {
+        std::future::ready(Ok(upgrade(self.shared.clone(), req)))
+    }
+}
+
+/// Answers one upgrade request: 101 for a valid upgrade, an error status otherwise.
+fn upgrade<B>(shared: Arc<Shared>, mut req: Request<B>) -> Response<UpgradeBody> {
     if req.method() != Method::GET {
+        metric::rejected("bad_upgrade");
         let mut resp = plain(StatusCode::METHOD_NOT_ALLOWED, "method not allowed\n");
         resp.headers_mut()
             .insert(header::ALLOW, HeaderValue::from_static("GET"));
@@ -352,6 +580,7 @@ fn upgrade(shared: Arc<Shared>, mut req: Request<hyper::body::Incoming>) -> Resp
         .get(header::SEC_WEBSOCKET_VERSION)
         .is_some_and(|v| v.as_bytes() == b"13");
     if !is_upgrade || !version_ok {
+        metric::rejected("bad_upgrade");
         let mut resp = plain(StatusCode::UPGRADE_REQUIRED, "websocket upgrade required\n");
         resp.headers_mut()
             .insert(header::UPGRADE, HeaderValue::from_static("websocket"));
@@ -362,9 +591,11 @@ fn upgrade(shared: Arc<Shared>, mut req: Request<hyper::body::Incoming>) -> Resp
         return resp;
     }
     let Some(key) = req.headers().get(header::SEC_WEBSOCKET_KEY) else {
+        metric::rejected("bad_upgrade");
         return plain(StatusCode::BAD_REQUEST, "missing sec-websocket-key\n");
     };
     let Ok(accept) = HeaderValue::from_str(&derive_accept_key(key.as_bytes())) else {
+        metric::rejected("bad_upgrade");
         return plain(StatusCode::BAD_REQUEST, "bad sec-websocket-key\n");
     };
 
@@ -373,13 +604,10 @@ fn upgrade(shared: Arc<Shared>, mut req: Request<hyper::body::Incoming>) -> Resp
         async move {
             match on_upgrade.await {
                 Ok(upgraded) => {
-                    let ws_config = WebSocketConfig::default()
-                        .max_message_size(Some(shared.config.max_ws_message_bytes))
-                        .max_frame_size(Some(shared.config.max_ws_message_bytes));
                     let ws = WebSocketStream::from_raw_socket(
                         TokioIo::new(upgraded),
                         Role::Server,
-                        Some(ws_config),
+                        Some(shared.config.ws_config()),
                     )
                     .await;
                     run_session(shared, ws).await;
@@ -413,6 +641,7 @@ where
     S: AsyncRead + AsyncWrite + Unpin,
 {
     info!(reason = reason.as_str(), "tunnel refused");
+    metric::rejected(reason.as_str());
     let frame = CloseFrame {
         code: CloseCode::from(reason.close_code()),
         reason: Utf8Bytes::from_static(reason.as_str()),
@@ -445,6 +674,20 @@ where
             Some(Ok(Message::Close(_))) | Some(Err(_)) | None => return HelloWait::Gone,
         }
     }
+}
+
+/// What a new session found in the table for its node.
+enum Slot {
+    /// Reserved for the new session.
+    Reserved(Arc<SessionShared>),
+    /// Another session is still setting up: refuse.
+    Busy,
+    /// A live-looking session to probe first.
+    Probe {
+        id: u64,
+        sender: SendRequest<BoxBody>,
+        old: Arc<SessionShared>,
+    },
 }
 
 /// The tunnel after the upgrade: handshake, then the HTTP/2 session.
@@ -500,30 +743,49 @@ where
     };
     tracing::Span::current().record("node", tracing::field::display(&node));
 
-    // One session per node. Minimal rule for now: a second session for a node with a live one is
-    // refused. Design brief §4 asks for more: probe the old session and let the new one take over
-    // when the old one does not answer promptly (dirty loss not yet detected by keepalive). That
-    // takeover is a later change; until then a reconnecting agent is refused for up to
-    // ~keepalive_interval + keepalive_timeout after a dirty loss, and retries after its backoff.
+    // One session per node (design brief §4, reconnection race). When the node already has a
+    // session, probe it: if it answers (or anything arrives on it) within the takeover probe
+    // timeout it is live and this one is refused; otherwise it is closed and this one takes over.
     let session_id = shared.next_session_id.fetch_add(1, Ordering::Relaxed);
-    let reserved = {
-        let mut sessions = shared.sessions();
-        match sessions.entry(node.clone()) {
-            std::collections::hash_map::Entry::Occupied(_) => false,
-            std::collections::hash_map::Entry::Vacant(slot) => {
-                slot.insert(Session {
-                    id: session_id,
-                    descriptor: hello.descriptor.clone(),
-                    sender: None,
-                    ready: false,
-                });
-                true
+    let max_streams = hello
+        .descriptor
+        .max_concurrency
+        .clamp(1, config.max_streams_per_node.max(1));
+    let session_shared = loop {
+        match reserve(&shared, &node, session_id, &hello.descriptor, max_streams) {
+            Slot::Reserved(s) => break s,
+            Slot::Busy => return refuse(&mut ws, RefusalReason::DuplicateSession).await,
+            Slot::Probe { id, sender, old } => {
+                if probe_alive(sender, &old, config.takeover_probe_timeout).await {
+                    info!(%node, "node already has a live tunnel; refusing the new one");
+                    return refuse(&mut ws, RefusalReason::DuplicateSession).await;
+                }
+                let replaced = {
+                    let mut sessions = shared.sessions();
+                    match sessions.get(&node) {
+                        Some(s) if s.id == id => {
+                            let old = sessions.remove(&node);
+                            if let Some(old) = old {
+                                metrics::gauge!(metric::TUNNELS_CONNECTED).decrement(1.0);
+                                if old.routable {
+                                    metrics::gauge!(metric::NODES_ROUTABLE).decrement(1.0);
+                                    shared.events.node_gone(&node);
+                                }
+                                old.shared.kill.notify_one();
+                            }
+                            true
+                        }
+                        _ => false,
+                    }
+                };
+                if replaced {
+                    metrics::counter!(metric::TAKEOVERS).increment(1);
+                    info!(%node, "old tunnel did not answer its probe; the new one takes over");
+                }
+                // loop: reserve again (another racer may have taken the slot meanwhile)
             }
         }
     };
-    if !reserved {
-        return refuse(&mut ws, RefusalReason::DuplicateSession).await;
-    }
 
     let session = SessionGuard {
         shared: shared.clone(),
@@ -543,6 +805,7 @@ where
         debug!(error = %e, "sending acceptance failed");
         return session.end();
     }
+    metrics::counter!(metric::HANDSHAKES_ACCEPTED).increment(1);
     info!(
         %node,
         engine = hello.descriptor.engine.as_str(),
@@ -553,14 +816,22 @@ where
 
     let io = WsIo::new(ws)
         .with_write_timeout(config.write_timeout)
-        .with_max_write_message_bytes(config.max_write_message_bytes);
+        .with_max_write_message_bytes(config.max_write_message_bytes)
+        .with_ping_interval(config.ws_ping_interval)
+        .with_activity(session_shared.activity.clone())
+        .with_kill({
+            let session_shared = session_shared.clone();
+            async move { session_shared.kill.notified().await }
+        });
     let mut builder = hyper::client::conn::http2::Builder::new(TokioExecutor::new());
     builder
         .timer(TokioTimer::new())
         .keep_alive_interval(config.keepalive_interval)
         .keep_alive_timeout(config.keepalive_timeout)
         .keep_alive_while_idle(true)
-        .max_header_list_size(config.max_header_list_bytes);
+        .max_header_list_size(config.max_header_list_bytes)
+        // bounded per-stream send buffering towards a slow node
+        .max_send_buf_size(256 * 1024);
     let (sender, conn) = match builder.handshake::<_, BoxBody>(TokioIo::new(io)).await {
         Ok(pair) => pair,
         Err(e) => {
@@ -576,39 +847,107 @@ where
         }
     }
 
-    // Routable only after the first health probe through the tunnel succeeds.
-    let ready = tokio::select! {
-        healthy = probe_until_healthy(&shared, sender) => healthy,
-        _ = &mut conn => false,
-    };
-    if ready {
-        let descriptor = {
-            let mut sessions = shared.sessions();
-            sessions
-                .get_mut(&node)
-                .filter(|s| s.id == session_id)
-                .map(|s| {
-                    s.ready = true;
-                    s.descriptor.clone()
-                })
-        };
-        if let Some(descriptor) = descriptor {
-            info!(%node, "node ready");
-            shared.events.node_ready(&node, &descriptor);
-        }
-        match conn.await {
+    tokio::select! {
+        res = &mut conn => match res {
             Ok(Ok(())) => info!(%node, "tunnel closed"),
             Ok(Err(e)) => info!(%node, error = %e, "tunnel ended"),
             Err(e) => warn!(%node, error = %e, "tunnel task failed"),
+        },
+        () = maintain(&shared, &node, session_id, &session_shared, sender) => {
+            // replaced by a new session: the killed stream fails the requests in flight and
+            // ends the connection
+            info!(%node, "tunnel replaced by a new session");
+            if tokio::time::timeout(Duration::from_secs(1), &mut conn).await.is_err() {
+                conn.abort();
+            }
         }
-    } else {
-        info!(%node, "tunnel ended before the node became ready");
     }
     session.end();
 }
 
-/// Removes a session from the map (only if it is still this one) when the session ends, and
-/// reports `node_gone` if it had been reported ready.
+/// Reserves `node`'s slot in the table for a new session, or says what is in the way.
+fn reserve(
+    shared: &Shared,
+    node: &NodeId,
+    session_id: u64,
+    descriptor: &NodeDescriptor,
+    max_streams: u32,
+) -> Slot {
+    let mut sessions = shared.sessions();
+    match sessions.get(node) {
+        Some(s) => match &s.sender {
+            None => Slot::Busy,
+            Some(sender) => Slot::Probe {
+                id: s.id,
+                sender: sender.clone(),
+                old: s.shared.clone(),
+            },
+        },
+        None => {
+            let session_shared = Arc::new(SessionShared {
+                streams_open: AtomicU32::new(0),
+                max_streams,
+                activity: Arc::new(AtomicU64::new(0)),
+                last_heartbeat_ms: AtomicU64::new(0),
+                kill: Notify::new(),
+            });
+            sessions.insert(
+                node.clone(),
+                Session {
+                    id: session_id,
+                    descriptor: descriptor.clone(),
+                    sender: None,
+                    routable: false,
+                    state: TunnelState::Warming,
+                    connected_at_unix_ms: now_ms(),
+                    last_probe_ok_unix_ms: None,
+                    consecutive_probe_failures: 0,
+                    models_running: vec![false; descriptor.models.len()],
+                    shared: session_shared.clone(),
+                },
+            );
+            metrics::gauge!(metric::TUNNELS_CONNECTED).increment(1.0);
+            Slot::Reserved(session_shared)
+        }
+    }
+}
+
+/// Whether the old session answers a liveness probe (`GET` [`PROBE_PATH`], answered by the
+/// agent's tunnel layer itself) or receives anything at all within `timeout`.
+async fn probe_alive(
+    mut sender: SendRequest<BoxBody>,
+    old: &SessionShared,
+    timeout: Duration,
+) -> bool {
+    if sender.is_closed() {
+        return false;
+    }
+    let before = old.activity.load(Ordering::Relaxed);
+    let probe = async {
+        sender.ready().await?;
+        let resp = sender.send_request(get_request(PROBE_PATH)).await?;
+        let _ = resp.into_body().collect().await;
+        Ok::<_, hyper::Error>(())
+    };
+    match tokio::time::timeout(timeout, probe).await {
+        Ok(Ok(())) => true,
+        // a busy node may have no free stream for the probe, but its data keeps arriving
+        Ok(Err(_)) | Err(_) => old.activity.load(Ordering::Relaxed) != before,
+    }
+}
+
+fn get_request(path: &'static str) -> Request<BoxBody> {
+    let mut req = Request::new(Empty::<Bytes>::new().map_err(|e| match e {}).boxed_unsync());
+    *req.uri_mut() = Uri::from_static(match path {
+        PROBE_PATH => "http://spine-node/_spine/probe",
+        "/v1/models" => "http://spine-node/v1/models",
+        _ => "http://spine-node/health",
+    });
+    req
+}
+
+/// Removes a session from the table (only if it is still this one) when the session ends, and
+/// reports `node_gone` if it was routable.
 struct SessionGuard {
     shared: Arc<Shared>,
     node: NodeId,
@@ -623,50 +962,171 @@ impl SessionGuard {
 
 impl Drop for SessionGuard {
     fn drop(&mut self) {
-        let removed = {
-            let mut sessions = self.shared.sessions();
-            match sessions.get(&self.node) {
-                Some(s) if s.id == self.id => sessions.remove(&self.node),
-                _ => None,
-            }
+        let mut sessions = self.shared.sessions();
+        let removed = match sessions.get(&self.node) {
+            Some(s) if s.id == self.id => sessions.remove(&self.node),
+            _ => None,
         };
-        if removed.is_some_and(|s| s.ready) {
-            info!(node = %self.node, "node gone");
-            self.shared.events.node_gone(&self.node);
+        if let Some(s) = removed {
+            metrics::gauge!(metric::TUNNELS_CONNECTED).decrement(1.0);
+            if s.routable {
+                metrics::gauge!(metric::NODES_ROUTABLE).decrement(1.0);
+                info!(node = %self.node, "node gone");
+                self.shared.events.node_gone(&self.node);
+            }
         }
     }
 }
 
-/// Probes `GET /health` through the tunnel until it answers 2xx (`true`) or the tunnel closes
-/// (`false`).
-async fn probe_until_healthy(shared: &Shared, mut sender: SendRequest<BoxBody>) -> bool {
+/// The result of one health probe.
+struct ProbeResult {
+    healthy: bool,
+    /// The model ids `GET /v1/models` listed, when it could be read.
+    listed: Option<Vec<String>>,
+}
+
+/// Largest `GET /v1/models` answer read from a node, bytes.
+const MAX_MODELS_BODY_BYTES: usize = 1024 * 1024;
+
+/// `GET /health`, then (when healthy) `GET /v1/models`, through the tunnel.
+async fn probe_health(sender: &mut SendRequest<BoxBody>, timeout: Duration) -> ProbeResult {
+    let health = async {
+        sender.ready().await?;
+        let resp = sender.send_request(get_request(HEALTH_PATH)).await?;
+        let status = resp.status();
+        // read the (small) body so the stream ends cleanly
+        let _ = Limited::new(resp.into_body(), 64 * 1024).collect().await;
+        Ok::<_, hyper::Error>(status)
+    };
+    let healthy = match tokio::time::timeout(timeout, health).await {
+        Ok(Ok(status)) if status.is_success() => true,
+        Ok(Ok(status)) => {
+            debug!(status = status.as_u16(), "health probe not ok");
+            false
+        }
+        Ok(Err(e)) => {
+            debug!(error = %e, "health probe failed");
+            false
+        }
+        Err(_) => {
+            debug!("health probe timed out");
+            false
+        }
+    };
+    if !healthy {
+        return ProbeResult {
+            healthy,
+            listed: None,
+        };
+    }
+    let models = async {
+        sender.ready().await.ok()?;
+        let resp = sender.send_request(get_request("/v1/models")).await.ok()?;
+        if !resp.status().is_success() {
+            return None;
+        }
+        let body = Limited::new(resp.into_body(), MAX_MODELS_BODY_BYTES)
+            .collect()
+            .await
+            .ok()?
+            .to_bytes();
+        #[derive(serde::Deserialize)]
+        struct List {
+            data: Vec<Entry>,
+        }
+        #[derive(serde::Deserialize)]
+        struct Entry {
+            id: String,
+        }
+        let list: List = serde_json::from_slice(&body).ok()?;
+        Some(list.data.into_iter().map(|e| e.id).collect::<Vec<_>>())
+    };
+    let listed = tokio::time::timeout(timeout, models).await.ok().flatten();
+    ProbeResult { healthy, listed }
+}
+
+/// The session's health loop (design brief §4): probe every `health_probe_interval` until the
+/// first success (then the node is ready), then every `health_check_interval`; after
+/// `health_failures_to_leave` failures in a row the node leaves routing until a probe passes.
+/// Never returns; the session ends by its connection ending or being replaced.
+async fn maintain(
+    shared: &Shared,
+    node: &NodeId,
+    session_id: u64,
+    session: &SessionShared,
+    mut sender: SendRequest<BoxBody>,
+) {
     let config = &shared.config;
     loop {
-        if sender.is_closed() {
-            return false;
-        }
-        let probe = async {
-            sender.ready().await?;
-            let req = Request::get(Uri::from_static("http://spine-node/health"))
-                .body(Empty::<Bytes>::new().map_err(|e| match e {}).boxed_unsync());
-            let req = match req {
-                Ok(req) => req,
-                // a static request always builds
-                Err(_) => return Ok(StatusCode::INTERNAL_SERVER_ERROR),
-            };
-            let resp = sender.send_request(req).await?;
-            let status = resp.status();
-            // read the (small) body so the stream ends cleanly
-            let _ = resp.into_body().collect().await;
-            Ok::<_, hyper::Error>(status)
+        let result = if sender.is_closed() {
+            ProbeResult {
+                healthy: false,
+                listed: None,
+            }
+        } else {
+            probe_health(&mut sender, config.health_probe_timeout).await
         };
-        match tokio::time::timeout(config.health_probe_timeout, probe).await {
-            Ok(Ok(status)) if status.is_success() => return true,
-            Ok(Ok(status)) => debug!(status = status.as_u16(), "health probe not ok"),
-            Ok(Err(e)) => debug!(error = %e, "health probe failed"),
-            Err(_) => debug!("health probe timed out"),
+        if !result.healthy {
+            metrics::counter!(metric::HEALTH_PROBE_FAILURES).increment(1);
         }
-        tokio::time::sleep(config.health_probe_interval).await;
+        let mut heartbeat = false;
+        let warming = {
+            let mut sessions = shared.sessions();
+            let Some(s) = sessions.get_mut(node).filter(|s| s.id == session_id) else {
+                return;
+            };
+            if result.healthy {
+                s.consecutive_probe_failures = 0;
+                s.last_probe_ok_unix_ms = Some(now_ms());
+                s.models_running = s
+                    .descriptor
+                    .models
+                    .iter()
+                    .map(|m| {
+                        result
+                            .listed
+                            .as_ref()
+                            .is_none_or(|l| l.iter().any(|id| id == m.id.as_str()))
+                    })
+                    .collect();
+                s.state = TunnelState::Ready;
+                if !s.routable {
+                    s.routable = true;
+                    metrics::gauge!(metric::NODES_ROUTABLE).increment(1.0);
+                    info!(%node, "node ready");
+                    shared.events.node_ready(node, &s.descriptor);
+                }
+                heartbeat = true;
+            } else {
+                s.consecutive_probe_failures = s.consecutive_probe_failures.saturating_add(1);
+                s.models_running.iter_mut().for_each(|r| *r = false);
+                if s.state != TunnelState::Warming
+                    && s.consecutive_probe_failures >= config.health_failures_to_leave.max(1)
+                {
+                    s.state = TunnelState::Unhealthy;
+                    if s.routable {
+                        s.routable = false;
+                        metrics::gauge!(metric::NODES_ROUTABLE).decrement(1.0);
+                        warn!(
+                            %node,
+                            failures = s.consecutive_probe_failures,
+                            "health probes failing; node leaves routing"
+                        );
+                        shared.events.node_gone(node);
+                    }
+                }
+            }
+            s.state == TunnelState::Warming
+        };
+        if heartbeat {
+            shared.heartbeat(node, session);
+        }
+        let wait = if warming {
+            config.health_probe_interval
+        } else {
+            config.health_check_interval
+        };
+        tokio::time::sleep(wait).await;
     }
 }
 
@@ -685,35 +1145,72 @@ impl fmt::Debug for Tunnels {
 }
 
 impl Tunnels {
-    /// The nodes that are ready (reported by [`TunnelEvents::node_ready`] and not yet gone) with
-    /// the descriptor each sent in its handshake, sorted by node id.
+    /// The nodes that are routable (reported by [`TunnelEvents::node_ready`] and not gone
+    /// since) with the descriptor each sent in its handshake, sorted by node id.
     pub fn connected(&self) -> Vec<(NodeId, NodeDescriptor)> {
         let mut nodes: Vec<_> = self
             .shared
             .sessions()
             .iter()
-            .filter(|(_, s)| s.ready)
+            .filter(|(_, s)| s.routable)
             .map(|(n, s)| (n.clone(), s.descriptor.clone()))
             .collect();
         nodes.sort_by(|a, b| a.0.cmp(&b.0));
         nodes
     }
 
-    /// Whether `node` has a live tunnel (ready or still being probed).
+    /// Whether `node` has a live tunnel (warming, ready or unhealthy).
     pub fn contains(&self, node: &NodeId) -> bool {
         self.shared.sessions().contains_key(node)
+    }
+
+    /// How many tunnels are up (past the handshake).
+    pub fn len(&self) -> usize {
+        self.shared.sessions().len()
+    }
+
+    /// Whether no tunnel is up.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// `node`'s tunnel state, stream counts and per-model running status; `None` when it has no
+    /// tunnel.
+    pub fn status(&self, node: &NodeId) -> Option<TunnelStatus> {
+        let sessions = self.shared.sessions();
+        let s = sessions.get(node)?;
+        Some(TunnelStatus {
+            state: s.state,
+            connected_at_unix_ms: s.connected_at_unix_ms,
+            last_probe_ok_unix_ms: s.last_probe_ok_unix_ms,
+            consecutive_probe_failures: s.consecutive_probe_failures,
+            streams_open: s.shared.streams_open.load(Ordering::Relaxed),
+            max_streams: s.shared.max_streams,
+            models: s
+                .descriptor
+                .models
+                .iter()
+                .zip(s.models_running.iter())
+                .map(|(m, running)| ModelStatus {
+                    model: m.id.clone(),
+                    running: *running,
+                })
+                .collect(),
+        })
     }
 
     /// Sends `req` down `node`'s tunnel as a new HTTP/2 stream and returns the node's response,
     /// whose body streams as the node sends it.
     ///
     /// The request's URI is rewritten to `http://spine-node/<path and query>`; hyper strips
-    /// connection-specific headers, which HTTP/2 forbids. When the node's advertised
-    /// `SETTINGS_MAX_CONCURRENT_STREAMS` is reached, the request waits for a free stream.
+    /// connection-specific headers, which HTTP/2 forbids. The gateway enforces the node's stream
+    /// limit itself (`min(max_concurrency, max_streams_per_node)`): a request for a full node is
+    /// refused at once, before any byte goes down the tunnel.
     ///
     /// # Errors
     ///
     /// [`TunnelError::is_unknown_node`] when the node has no live tunnel;
+    /// [`TunnelError::is_node_full`] when its streams are all in use;
     /// [`TunnelError::is_closed`] when the tunnel closes before the response head arrives;
     /// [`TunnelError::is_timeout`] when keepalive declares the tunnel dead. Errors after the head
     /// arrive as body errors (a boxed [`hyper::Error`]).
@@ -727,12 +1224,19 @@ impl Tunnels {
         node: &NodeId,
         mut req: Request<BoxBody>,
     ) -> Result<Response<BoxBody>, TunnelError> {
-        let sender = {
+        let found = {
             let sessions = self.shared.sessions();
-            sessions.get(node).and_then(|s| s.sender.clone())
+            sessions
+                .get(node)
+                .and_then(|s| Some((s.sender.clone()?, s.shared.clone())))
         };
-        let Some(mut sender) = sender else {
+        let Some((mut sender, session)) = found else {
+            metrics::counter!(metric::REQUESTS_FAILED, "reason" => "unknown_node").increment(1);
             return Err(TunnelError::unknown_node().with_detail(node.as_str()));
+        };
+        let Some(stream) = StreamGuard::acquire(session.clone()) else {
+            metrics::counter!(metric::REQUESTS_FAILED, "reason" => "node_full").increment(1);
+            return Err(TunnelError::node_full().with_detail(node.as_str()));
         };
         let path_and_query = req
             .uri()
@@ -745,12 +1249,37 @@ impl Tunnels {
             .path_and_query(path_and_query)
             .build()
             .map_err(|e| TunnelError::protocol().with_source(e))?;
-        sender.ready().await.map_err(TunnelError::from_hyper)?;
-        let resp = sender
-            .send_request(req)
-            .await
-            .map_err(TunnelError::from_hyper)?;
-        Ok(resp.map(|body| body.map_err(|e| Box::new(e) as BoxError).boxed_unsync()))
+        let started = Instant::now();
+        let res = async {
+            sender.ready().await?;
+            sender.send_request(req).await
+        }
+        .await;
+        let resp = match res {
+            Ok(resp) => resp,
+            Err(e) => {
+                let err = TunnelError::from_hyper(e);
+                let reason = if err.is_closed() {
+                    "closed"
+                } else if err.is_timeout() {
+                    "timeout"
+                } else {
+                    "error"
+                };
+                metrics::counter!(metric::REQUESTS_FAILED, "reason" => reason).increment(1);
+                return Err(err);
+            }
+        };
+        metrics::histogram!(metric::FORWARD_SECONDS).record(started.elapsed().as_secs_f64());
+        metrics::counter!(metric::REQUESTS_FORWARDED).increment(1);
+        self.shared.heartbeat(node, &session);
+        Ok(resp.map(|body| {
+            StreamBody {
+                inner: body,
+                _stream: stream,
+            }
+            .boxed_unsync()
+        }))
     }
 
     /// A tower [`Service`](tower::Service) over these tunnels.
@@ -758,6 +1287,69 @@ impl Tunnels {
         TunnelService {
             tunnels: self.clone(),
         }
+    }
+}
+
+/// One stream counted against its node's limit and the open-streams gauge until dropped.
+struct StreamGuard {
+    session: Arc<SessionShared>,
+}
+
+impl StreamGuard {
+    fn acquire(session: Arc<SessionShared>) -> Option<Self> {
+        let max = session.max_streams;
+        session
+            .streams_open
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < max).then_some(n + 1)
+            })
+            .ok()?;
+        metrics::gauge!(metric::STREAMS_OPEN).increment(1.0);
+        Some(Self { session })
+    }
+}
+
+impl Drop for StreamGuard {
+    fn drop(&mut self) {
+        self.session.streams_open.fetch_sub(1, Ordering::AcqRel);
+        metrics::gauge!(metric::STREAMS_OPEN).decrement(1.0);
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// A response body from a tunnel: holds its stream's slot until it ends or is dropped, and
+    /// counts a body that breaks off.
+    struct StreamBody {
+        #[pin]
+        inner: Incoming,
+        _stream: StreamGuard,
+    }
+}
+
+impl http_body::Body for StreamBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, BoxError>>> {
+        let this = self.project();
+        match this.inner.poll_frame(cx) {
+            Poll::Ready(Some(Err(e))) => {
+                metrics::counter!(metric::REQUESTS_FAILED, "reason" => "body").increment(1);
+                Poll::Ready(Some(Err(Box::new(e))))
+            }
+            other => other.map_err(|e| Box::new(e) as BoxError),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
     }
 }
 
@@ -797,5 +1389,27 @@ impl tower::Service<Request<BoxBody>> for TunnelService {
             resp.extensions_mut().insert(node);
             Ok(resp)
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    /// Every idle tunnel keeps its session task's state alive: keep it small (the scale budget
+    /// in docs/benchmarks.md counts it).
+    #[tokio::test]
+    async fn session_task_state_stays_small() {
+        let (a, _b) = tokio::io::duplex(64);
+        let ws = WebSocketStream::from_raw_socket(a, Role::Server, None).await;
+        let server = TunnelServer::new(
+            TunnelServerConfig::default(),
+            Arc::new(StaticAuthenticator::new()),
+            Arc::new(()),
+        );
+        let fut = run_session(server.shared.clone(), ws);
+        let bytes = std::mem::size_of_val(&fut);
+        assert!(bytes <= 6 * 1024, "run_session future is {bytes} bytes");
     }
 }

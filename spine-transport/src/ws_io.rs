@@ -2,6 +2,8 @@ use std::fmt;
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
@@ -28,7 +30,12 @@ pub const DEFAULT_MAX_WRITE_MESSAGE_BYTES: usize = 64 * 1024;
 ///   close message.
 /// - With a [write timeout](Self::with_write_timeout), a write or flush that stays blocked for
 ///   that long fails with [`io::ErrorKind::TimedOut`], which kills the connection above it
-///   (design brief §4: any write blocked 5 s kills the tunnel).
+///   (design brief §4: any write blocked 5 s kills the tunnel); the stall is counted in the
+///   [`crate::metric::WRITE_STALLS`] metric.
+/// - With a [ping interval](Self::with_ping_interval), a WebSocket ping is sent every interval
+///   while the stream is being read, so middleboxes that watch WebSocket traffic see it alive.
+/// - With an [activity counter](Self::with_activity), every message received (data, ping, pong)
+///   increments it: activity in either direction counts as liveness.
 pub struct WsIo<S> {
     ws: WebSocketStream<S>,
     read_buf: Bytes,
@@ -36,6 +43,11 @@ pub struct WsIo<S> {
     max_write_message_bytes: usize,
     write_timeout: Option<Duration>,
     write_deadline: Option<Pin<Box<tokio::time::Sleep>>>,
+    activity: Option<Arc<AtomicU64>>,
+    ping_interval: Option<tokio::time::Interval>,
+    ping_due: bool,
+    kill: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
+    killed: bool,
 }
 
 impl<S> WsIo<S> {
@@ -48,7 +60,52 @@ impl<S> WsIo<S> {
             max_write_message_bytes: DEFAULT_MAX_WRITE_MESSAGE_BYTES,
             write_timeout: None,
             write_deadline: None,
+            activity: None,
+            ping_interval: None,
+            ping_due: false,
+            kill: None,
+            killed: false,
         }
+    }
+
+    /// Breaks the stream once `kill` completes: reads and writes then fail with
+    /// [`io::ErrorKind::ConnectionAborted`], so the connection above fails every request in
+    /// flight at once (used when a new session takes a node over). Default: none.
+    pub fn with_kill(mut self, kill: impl Future<Output = ()> + Send + 'static) -> Self {
+        self.kill = Some(Box::pin(kill));
+        self
+    }
+
+    fn poll_killed(&mut self, cx: &mut Context<'_>) -> Option<io::Error> {
+        if !self.killed {
+            let kill = self.kill.as_mut()?;
+            if kill.as_mut().poll(cx).is_pending() {
+                return None;
+            }
+            // a completed future must not be polled again
+            self.kill = None;
+            self.killed = true;
+        }
+        Some(io::Error::new(
+            io::ErrorKind::ConnectionAborted,
+            "tunnel closed: replaced by a new session",
+        ))
+    }
+
+    /// Sends a WebSocket ping every `interval` (the first one `interval` after this call) while
+    /// the stream is read. Default: none.
+    pub fn with_ping_interval(mut self, interval: Duration) -> Self {
+        let interval = interval.max(Duration::from_millis(1));
+        let mut timer = tokio::time::interval_at(tokio::time::Instant::now() + interval, interval);
+        timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        self.ping_interval = Some(timer);
+        self
+    }
+
+    /// Increments `counter` for every WebSocket message received. Default: none.
+    pub fn with_activity(mut self, counter: Arc<AtomicU64>) -> Self {
+        self.activity = Some(counter);
+        self
     }
 
     /// Fails writes and flushes blocked for longer than `timeout`. Default: no timeout.
@@ -115,6 +172,7 @@ where
             .get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
         ready!(deadline.as_mut().poll(cx));
         self.write_deadline = None;
+        metrics::counter!(crate::metric::WRITE_STALLS).increment(1);
         tracing::warn!(
             timeout_ms = timeout.as_millis() as u64,
             "tunnel write blocked, giving up"
@@ -123,6 +181,35 @@ where
             io::ErrorKind::TimedOut,
             "tunnel write blocked past the write timeout",
         ))
+    }
+}
+
+impl<S> WsIo<S>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    /// Queues a WebSocket ping when one is due and the sink has room; never blocks the read.
+    fn poll_ping(&mut self, cx: &mut Context<'_>) {
+        let Some(timer) = self.ping_interval.as_mut() else {
+            return;
+        };
+        while timer.poll_tick(cx).is_ready() {
+            self.ping_due = true;
+        }
+        if !self.ping_due {
+            return;
+        }
+        if let Poll::Ready(Ok(())) = Pin::new(&mut self.ws).poll_ready(cx) {
+            if Pin::new(&mut self.ws)
+                .start_send(Message::Ping(Bytes::new()))
+                .is_ok()
+            {
+                self.ping_due = false;
+                // a pending flush completes on the next read or write; tungstenite flushes
+                // queued frames whenever it is polled
+                let _ = Pin::new(&mut self.ws).poll_flush(cx);
+            }
+        }
     }
 }
 
@@ -136,6 +223,12 @@ where
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = self.get_mut();
+        if let Some(e) = this.poll_killed(cx) {
+            return Poll::Ready(Err(e));
+        }
+        if !this.read_eof {
+            this.poll_ping(cx);
+        }
         loop {
             if !this.read_buf.is_empty() {
                 let n = this.read_buf.len().min(buf.remaining());
@@ -145,7 +238,11 @@ where
             if this.read_eof {
                 return Poll::Ready(Ok(()));
             }
-            match ready!(Pin::new(&mut this.ws).poll_next(cx)) {
+            let msg = ready!(Pin::new(&mut this.ws).poll_next(cx));
+            if let (Some(Ok(_)), Some(counter)) = (&msg, &this.activity) {
+                counter.fetch_add(1, Ordering::Relaxed);
+            }
+            match msg {
                 Some(Ok(Message::Binary(bytes))) => this.read_buf = bytes,
                 Some(Ok(Message::Ping(_) | Message::Pong(_) | Message::Frame(_))) => {}
                 Some(Ok(Message::Close(_))) | None => this.read_eof = true,
@@ -172,6 +269,9 @@ where
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
+        if let Some(e) = this.poll_killed(cx) {
+            return Poll::Ready(Err(e));
+        }
         if buf.is_empty() {
             return Poll::Ready(Ok(0));
         }
@@ -340,6 +440,45 @@ mod tests {
             peer.next().await.unwrap().unwrap(),
             Message::Close(_)
         ));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn pings_go_out_on_the_interval_while_reading_and_activity_counts() {
+        let (mut peer, ws) = pair(64 * 1024).await;
+        let activity = Arc::new(AtomicU64::new(0));
+        let mut io = WsIo::new(ws)
+            .with_ping_interval(Duration::from_secs(20))
+            .with_activity(activity.clone());
+        let reader = tokio::spawn(async move {
+            let mut buf = [0u8; 4];
+            io.read_exact(&mut buf).await.unwrap();
+            buf
+        });
+        tokio::time::sleep(Duration::from_secs(21)).await;
+        assert_eq!(
+            peer.next().await.unwrap().unwrap(),
+            Message::Ping(Bytes::new())
+        );
+        peer.send(Message::binary(&b"data"[..])).await.unwrap();
+        assert_eq!(&reader.await.unwrap(), b"data");
+        // the pong the peer sent back is not counted (it is still queued); the data message is
+        assert!(activity.load(Ordering::Relaxed) >= 1);
+    }
+
+    #[tokio::test]
+    async fn kill_fails_reads_and_writes() {
+        let (_peer, ws) = pair(64 * 1024).await;
+        let kill = Arc::new(tokio::sync::Notify::new());
+        let mut io = WsIo::new(ws).with_kill({
+            let kill = kill.clone();
+            async move { kill.notified().await }
+        });
+        kill.notify_one();
+        let mut buf = [0u8; 1];
+        let err = io.read(&mut buf).await.unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::ConnectionAborted);
+        let err = io.write(b"x").await.unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::ConnectionAborted);
     }
 
     #[tokio::test(start_paused = true)]

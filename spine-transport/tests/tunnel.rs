@@ -32,9 +32,15 @@ enum Event {
     Gone(NodeId),
 }
 
-struct Recorder(mpsc::UnboundedSender<Event>);
+struct Recorder(
+    mpsc::UnboundedSender<Event>,
+    Arc<std::sync::atomic::AtomicUsize>,
+);
 
 impl TunnelEvents for Recorder {
+    fn node_heartbeat(&self, _node: &NodeId) {
+        self.1.fetch_add(1, Ordering::SeqCst);
+    }
     fn node_ready(&self, node: &NodeId, descriptor: &NodeDescriptor) {
         let _ = self.0.send(Event::Ready(node.clone(), descriptor.clone()));
     }
@@ -63,6 +69,7 @@ struct Gateway {
     events: mpsc::UnboundedReceiver<Event>,
     identity: NodeIdentity,
     node: NodeId,
+    heartbeats: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl Gateway {
@@ -73,7 +80,12 @@ impl Gateway {
         let node = NodeId::new("node_1");
         let auth = StaticAuthenticator::new().with_key(identity.public_key_text(), node.clone());
         let (tx, events) = mpsc::unbounded_channel();
-        let server = TunnelServer::new(config, Arc::new(auth), Arc::new(Recorder(tx)));
+        let heartbeats = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let server = TunnelServer::new(
+            config,
+            Arc::new(auth),
+            Arc::new(Recorder(tx, heartbeats.clone())),
+        );
         let tunnels = server.tunnels();
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
@@ -85,6 +97,7 @@ impl Gateway {
             events,
             identity,
             node,
+            heartbeats,
         }
     }
 
@@ -559,7 +572,7 @@ async fn plaintext_tunnel_works_when_explicitly_allowed() {
     let server = TunnelServer::new(
         TunnelServerConfig::default(),
         Arc::new(auth),
-        Arc::new(Recorder(tx)),
+        Arc::new(Recorder(tx, Arc::default())),
     );
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
@@ -577,4 +590,305 @@ async fn plaintext_tunnel_works_when_explicitly_allowed() {
     let event = tokio::time::timeout(WAIT, events.recv()).await.unwrap();
     assert_eq!(event, Some(Event::Ready(node, descriptor())));
     run.abort();
+}
+
+/// A TCP relay in front of the gateway that can be frozen: once frozen it stops moving bytes
+/// in both directions without closing anything, as a SIGSTOPped agent or a dead path does.
+struct FreezableRelay {
+    port: u16,
+    frozen: Arc<AtomicBool>,
+}
+
+impl FreezableRelay {
+    async fn start(gateway_port: u16) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let frozen = Arc::new(AtomicBool::new(false));
+        let flag = frozen.clone();
+        tokio::spawn(async move {
+            loop {
+                let (down, _) = listener.accept().await.unwrap();
+                let up = TcpStream::connect(("127.0.0.1", gateway_port))
+                    .await
+                    .unwrap();
+                let (dr, dw) = down.into_split();
+                let (ur, uw) = up.into_split();
+                tokio::spawn(Self::pump(dr, uw, flag.clone()));
+                tokio::spawn(Self::pump(ur, dw, flag.clone()));
+            }
+        });
+        Self { port, frozen }
+    }
+
+    async fn pump(
+        mut from: tokio::net::tcp::OwnedReadHalf,
+        mut to: tokio::net::tcp::OwnedWriteHalf,
+        frozen: Arc<AtomicBool>,
+    ) {
+        let mut buf = vec![0u8; 16 * 1024];
+        loop {
+            let n = match from.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => n,
+            };
+            if frozen.load(Ordering::SeqCst) {
+                // hold both sockets open, move nothing
+                std::future::pending::<()>().await;
+            }
+            if to.write_all(&buf[..n]).await.is_err() {
+                return;
+            }
+        }
+    }
+
+    fn freeze(&self) {
+        self.frozen.store(true, Ordering::SeqCst);
+    }
+}
+
+fn client_via(gw: &Gateway, port: u16) -> TunnelClient {
+    let mut config = TunnelClientConfig::new(
+        format!("wss://localhost:{port}/v1/tunnel"),
+        gw.identity.clone(),
+        descriptor(),
+    );
+    config.tls = Some(client_config_with_ca(&gw.ca_pem).unwrap());
+    TunnelClient::new(config).unwrap()
+}
+
+#[tokio::test]
+async fn frozen_agent_is_detected_within_two_ping_intervals_and_in_flight_fails() {
+    let ping = Duration::from_millis(1000);
+    let mut config = TunnelServerConfig::default();
+    config.keepalive_interval = ping;
+    config.keepalive_timeout = Duration::from_millis(500);
+    // keep the health loop quiet so only keepalive can notice
+    config.health_check_interval = Duration::from_secs(600);
+    let mut gw = Gateway::start(config).await;
+    let relay = FreezableRelay::start(gw.port).await;
+    let agent = Agent::new(true);
+    let session = client_via(&gw, relay.port).connect().await.unwrap();
+    let serve = tokio::spawn(session.serve(agent.service()));
+    assert!(matches!(gw.next_event().await, Event::Ready(..)));
+
+    let (_tx, rx) = mpsc::channel::<Bytes>(1);
+    *agent.chunks.lock().unwrap() = Some(rx);
+    let resp = gw
+        .tunnels
+        .send(&gw.node, empty_request("GET", "/stream"))
+        .await
+        .unwrap();
+    let mut body = resp.into_body();
+
+    relay.freeze();
+    let frozen_at = tokio::time::Instant::now();
+    // the in-flight body fails with an error (never hangs), and the node is gone
+    let err = tokio::time::timeout(WAIT, body.frame())
+        .await
+        .expect("body fails in time")
+        .expect("a frame result")
+        .expect_err("an error, not data");
+    let failed_after = frozen_at.elapsed();
+    assert_eq!(gw.next_event().await, Event::Gone(gw.node.clone()));
+    let gone_after = frozen_at.elapsed();
+    assert!(
+        gone_after <= 2 * ping + Duration::from_millis(300),
+        "detected after {gone_after:?}, ping interval {ping:?}"
+    );
+    assert!(failed_after <= gone_after + Duration::from_millis(100));
+    assert!(!err.to_string().is_empty());
+    serve.abort();
+}
+
+#[tokio::test]
+async fn dead_old_session_is_taken_over_by_the_reconnecting_node() {
+    let mut config = TunnelServerConfig::default();
+    config.takeover_probe_timeout = Duration::from_millis(500);
+    config.health_probe_interval = Duration::from_millis(50);
+    let mut gw = Gateway::start(config).await;
+    let relay = FreezableRelay::start(gw.port).await;
+    let agent = Agent::new(true);
+    let old = client_via(&gw, relay.port).connect().await.unwrap();
+    let old_serve = tokio::spawn(old.serve(agent.service()));
+    assert!(matches!(gw.next_event().await, Event::Ready(..)));
+
+    // a stream in flight on the old session
+    let (_tx, rx) = mpsc::channel::<Bytes>(1);
+    *agent.chunks.lock().unwrap() = Some(rx);
+    let resp = gw
+        .tunnels
+        .send(&gw.node, empty_request("GET", "/stream"))
+        .await
+        .unwrap();
+    let mut old_body = resp.into_body();
+
+    // the old path dies silently; the agent reconnects directly before keepalive notices
+    relay.freeze();
+    let started = tokio::time::Instant::now();
+    let new = gw.client(gw.identity.clone()).connect().await.unwrap();
+    let accepted_after = started.elapsed();
+    // the replaced session's stream fails at once, not at keepalive
+    let err = tokio::time::timeout(Duration::from_secs(1), old_body.frame())
+        .await
+        .expect("old stream fails promptly")
+        .expect("a frame result")
+        .expect_err("an error");
+    assert!(!err.to_string().is_empty());
+    let new_serve = tokio::spawn(new.serve(agent.service()));
+    assert_eq!(gw.next_event().await, Event::Gone(gw.node.clone()));
+    assert_eq!(
+        gw.next_event().await,
+        Event::Ready(gw.node.clone(), descriptor())
+    );
+    let serving_after = started.elapsed();
+    assert!(
+        accepted_after >= Duration::from_millis(500),
+        "{accepted_after:?}"
+    );
+    assert!(serving_after < Duration::from_secs(5), "{serving_after:?}");
+
+    // one session, and it serves
+    assert_eq!(gw.tunnels.len(), 1);
+    let resp = gw
+        .tunnels
+        .send(&gw.node, empty_request("GET", "/health"))
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    old_serve.abort();
+    new_serve.abort();
+}
+
+#[tokio::test]
+async fn failing_probes_take_the_node_out_of_routing_and_back() {
+    let mut config = TunnelServerConfig::default();
+    config.health_probe_interval = Duration::from_millis(50);
+    config.health_check_interval = Duration::from_millis(100);
+    config.health_failures_to_leave = 2;
+    let mut gw = Gateway::start(config).await;
+    let agent = Agent::new(true);
+    let session = gw.client(gw.identity.clone()).connect().await.unwrap();
+    let serve = tokio::spawn(session.serve(agent.service()));
+    assert!(matches!(gw.next_event().await, Event::Ready(..)));
+    let status = gw.tunnels.status(&gw.node).unwrap();
+    assert_eq!(status.state, spine_transport::TunnelState::Ready);
+    assert_eq!(status.max_streams, 4);
+    assert_eq!(status.streams_open, 0);
+    assert_eq!(
+        status.models,
+        vec![spine_transport::ModelStatus {
+            model: ModelId::new("smollm2"),
+            running: true
+        }]
+    );
+
+    agent.healthy.store(false, Ordering::SeqCst);
+    assert_eq!(gw.next_event().await, Event::Gone(gw.node.clone()));
+    let status = gw.tunnels.status(&gw.node).unwrap();
+    assert_eq!(status.state, spine_transport::TunnelState::Unhealthy);
+    assert!(status.consecutive_probe_failures >= 2);
+    assert!(!status.models[0].running);
+    assert!(gw.tunnels.connected().is_empty());
+    assert!(gw.tunnels.contains(&gw.node));
+
+    agent.healthy.store(true, Ordering::SeqCst);
+    assert_eq!(
+        gw.next_event().await,
+        Event::Ready(gw.node.clone(), descriptor())
+    );
+    serve.abort();
+    assert_eq!(gw.next_event().await, Event::Gone(gw.node.clone()));
+}
+
+#[tokio::test]
+async fn heartbeats_come_with_probes_at_most_once_a_second() {
+    let mut config = TunnelServerConfig::default();
+    config.health_probe_interval = Duration::from_millis(20);
+    config.health_check_interval = Duration::from_millis(20);
+    let mut gw = Gateway::start(config).await;
+    let agent = Agent::new(true);
+    let session = gw.client(gw.identity.clone()).connect().await.unwrap();
+    let serve = tokio::spawn(session.serve(agent.service()));
+    assert!(matches!(gw.next_event().await, Event::Ready(..)));
+    // ~75 probes pass in 1.5 s; heartbeats are capped at one per second
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let beats = gw.heartbeats.load(Ordering::SeqCst);
+    assert!((1..=2).contains(&beats), "{beats} heartbeats");
+    serve.abort();
+}
+
+#[tokio::test]
+async fn a_full_node_is_refused_before_any_byte_and_frees_its_stream() {
+    let mut config = TunnelServerConfig::default();
+    config.max_streams_per_node = 1;
+    let mut gw = Gateway::start(config).await;
+    let agent = Agent::new(true);
+    let session = gw.client(gw.identity.clone()).connect().await.unwrap();
+    let serve = tokio::spawn(session.serve(agent.service()));
+    assert!(matches!(gw.next_event().await, Event::Ready(..)));
+
+    let (tx, rx) = mpsc::channel::<Bytes>(1);
+    *agent.chunks.lock().unwrap() = Some(rx);
+    let resp = gw
+        .tunnels
+        .send(&gw.node, empty_request("GET", "/stream"))
+        .await
+        .unwrap();
+    assert_eq!(gw.tunnels.status(&gw.node).unwrap().streams_open, 1);
+    let err = gw
+        .tunnels
+        .send(&gw.node, empty_request("GET", "/health"))
+        .await
+        .unwrap_err();
+    assert!(err.is_node_full(), "{err}");
+
+    tx.send(Bytes::from_static(b"x")).await.unwrap();
+    drop(tx);
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(&body[..], b"x");
+    assert_eq!(gw.tunnels.status(&gw.node).unwrap().streams_open, 0);
+    let resp = gw
+        .tunnels
+        .send(&gw.node, empty_request("GET", "/health"))
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    serve.abort();
+}
+
+#[tokio::test]
+async fn graceful_shutdown_finishes_in_flight_then_closes() {
+    let mut gw = Gateway::start(TunnelServerConfig::default()).await;
+    let agent = Agent::new(true);
+    let session = gw.client(gw.identity.clone()).connect().await.unwrap();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let serve = tokio::spawn(session.serve_until(agent.service(), async move {
+        let _ = stop_rx.await;
+    }));
+    assert!(matches!(gw.next_event().await, Event::Ready(..)));
+
+    let (tx, rx) = mpsc::channel::<Bytes>(1);
+    *agent.chunks.lock().unwrap() = Some(rx);
+    let resp = gw
+        .tunnels
+        .send(&gw.node, empty_request("GET", "/stream"))
+        .await
+        .unwrap();
+    stop_tx.send(()).unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // after GOAWAY no new stream is accepted
+    let err = gw
+        .tunnels
+        .send(&gw.node, empty_request("GET", "/health"))
+        .await
+        .unwrap_err();
+    assert!(!err.is_node_full(), "{err}");
+    // the stream in flight still completes
+    tx.send(Bytes::from_static(b"last")).await.unwrap();
+    drop(tx);
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(&body[..], b"last");
+    let res = tokio::time::timeout(WAIT, serve).await.unwrap().unwrap();
+    assert!(res.is_ok(), "{res:?}");
+    assert_eq!(gw.next_event().await, Event::Gone(gw.node.clone()));
 }
