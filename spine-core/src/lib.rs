@@ -7,20 +7,25 @@
 //! OpenAI request body without touching the rest, the [`RequestKind`] (which endpoint),
 //! [`prompt_inputs`] (the prompts of a completions or embeddings body), [`validate_chat_messages`],
 //! and the
-//! [`NodeSlot`] through which the router tells the metering layer which node it picked.
+//! [`NodeSlot`] through which the router tells the metering layer which node it picked, and the
+//! [`ClassifyBody`] hook through which the router asks the metering crate whether a response body
+//! has started (retries before the first byte, design brief §5).
 //!
 //! It starts no runtime and does no I/O (design brief §3).
 
+mod classify;
 mod ids;
 mod node;
 mod peek;
 mod slot;
 mod usage;
 
+pub use classify::{BodyClassifier, BodySignal, ClassifyBody, FirstBytes};
 pub use ids::{AccountId, ModelId, NodeId, OperatorId, RequestId};
 pub use node::{EngineKind, ModelDescriptor, NodeDescriptor};
 pub use peek::{
-    prompt_inputs, validate_chat_messages, PeekError, PromptSegment, RequestKind, RequestPeek,
+    conversation_key, prompt_inputs, validate_chat_messages, PeekError, PromptSegment, RequestKind,
+    RequestPeek,
 };
 pub use slot::NodeSlot;
 pub use usage::{StreamOutcome, Usage, UsageSource};

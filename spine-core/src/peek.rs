@@ -22,6 +22,9 @@ pub struct RequestPeek {
     pub max_tokens: Option<u64>,
     /// `prompt_cache_key`, the caller's conversation key for affinity.
     pub prompt_cache_key: Option<String>,
+    /// The automatic conversation key for affinity (design brief §5), `None` when the body has no
+    /// well-formed `messages` array. See [`conversation_key`].
+    pub conversation_key: Option<u64>,
 }
 
 /// Why a request body could not be peeked. Every variant is a 400 for the caller.
@@ -273,6 +276,78 @@ struct Fields<'a> {
     max_completion_tokens: Option<&'a RawValue>,
     #[serde(borrow, default)]
     prompt_cache_key: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    messages: Option<&'a RawValue>,
+}
+
+/// One chat message, as far as the conversation key reads it.
+#[derive(Deserialize)]
+struct OpeningMessage {
+    #[serde(default)]
+    role: Option<String>,
+    #[serde(default)]
+    content: Option<Value>,
+}
+
+const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+const FNV_PRIME: u64 = 0x0000_0100_0000_01b3;
+
+/// FNV-1a, 64 bits: stable across processes, builds and instances (unlike std's `RandomState`).
+fn fnv1a(mut hash: u64, bytes: &[u8]) -> u64 {
+    for b in bytes {
+        hash ^= u64::from(*b);
+        hash = hash.wrapping_mul(FNV_PRIME);
+    }
+    hash
+}
+
+/// Hashes one field with its length first, so that field boundaries are unambiguous.
+fn hash_field(hash: u64, bytes: &[u8]) -> u64 {
+    let len = u64::try_from(bytes.len()).unwrap_or(u64::MAX);
+    fnv1a(fnv1a(hash, &len.to_le_bytes()), bytes)
+}
+
+/// The automatic affinity key of a chat request: a 64-bit FNV-1a hash of the model id and the
+/// conversation's opening — its messages up to and including the first `user` message (all of
+/// them when there is none), each as its role and its text (a string content as is, each text
+/// part's text in order — one text part hashes like the same string —, any other content as its
+/// JSON).
+///
+/// Every turn of one chat resends the same opening, so the key is the same on every turn with no
+/// client change (design brief §5). Two chats that share an opening (same system prompt, same
+/// first question) get the same key, and also share the engine's cached KV prefix, so sending
+/// them to the same node is right anyway. The key is only a routing preference: a collision costs
+/// a cache miss, never a wrong answer.
+///
+/// `messages` is the raw JSON of the body's `messages` field. Returns `None` when it is not an
+/// array of objects (the metering layer refuses such a body with a 400 before routing).
+pub fn conversation_key(model: &str, messages: &RawValue) -> Option<u64> {
+    let messages: Vec<&RawValue> = serde_json::from_str(messages.get()).ok()?;
+    let mut hash = hash_field(FNV_OFFSET, model.as_bytes());
+    for raw in messages {
+        let message: OpeningMessage = serde_json::from_str(raw.get()).ok()?;
+        let role = message.role.unwrap_or_default();
+        hash = hash_field(hash, role.as_bytes());
+        hash = match &message.content {
+            None | Some(Value::Null) => hash_field(hash, b""),
+            Some(Value::String(text)) => hash_field(hash, text.as_bytes()),
+            Some(Value::Array(parts)) => {
+                let mut h = hash;
+                for part in parts {
+                    h = match part.get("text").and_then(Value::as_str) {
+                        Some(text) => hash_field(h, text.as_bytes()),
+                        None => hash_field(h, part.to_string().as_bytes()),
+                    };
+                }
+                h
+            }
+            Some(other) => hash_field(hash, other.to_string().as_bytes()),
+        };
+        if role == "user" {
+            break;
+        }
+    }
+    Some(hash)
 }
 
 #[derive(Deserialize)]
@@ -307,6 +382,8 @@ impl RequestPeek {
     /// [`PeekError`] when the body is not a JSON object, `model` is missing or not a non-empty
     /// string, or `stream`, `stream_options.include_usage`, `n`, `max_tokens`,
     /// `max_completion_tokens` or `prompt_cache_key` has the wrong type (`n` must be ≥ 1).
+    /// A malformed `messages` is not an error here (it only leaves
+    /// [`RequestPeek::conversation_key`] empty); [`validate_chat_messages`] refuses it.
     pub fn from_json(body: &[u8]) -> Result<Self, PeekError> {
         let value: &RawValue =
             serde_json::from_slice(body).map_err(|e| PeekError::NotJson(e.to_string()))?;
@@ -357,6 +434,9 @@ impl RequestPeek {
             parse_opt(fields.max_tokens, "max_tokens", "a non-negative integer")?;
         let prompt_cache_key: Option<String> =
             parse_opt(fields.prompt_cache_key, "prompt_cache_key", "a string")?;
+        let conversation_key = fields
+            .messages
+            .and_then(|messages| conversation_key(&model, messages));
         Ok(Self {
             model: ModelId::new(model),
             stream,
@@ -364,6 +444,7 @@ impl RequestPeek {
             n,
             max_tokens: max_completion_tokens.or(max_tokens),
             prompt_cache_key,
+            conversation_key,
         })
     }
 }
@@ -384,8 +465,10 @@ mod tests {
                 n: 1,
                 max_tokens: None,
                 prompt_cache_key: None,
+                conversation_key: p.as_ref().ok().and_then(|p| p.conversation_key),
             })
         );
+        assert!(p.is_ok_and(|p| p.conversation_key.is_some()));
         let p = RequestPeek::from_json(
             br#"{"model":"m","stream":true,"stream_options":{"include_usage":true},"n":2,
                 "max_tokens":10,"max_completion_tokens":7,"prompt_cache_key":"k"}"#,
@@ -399,6 +482,7 @@ mod tests {
                 n: 2,
                 max_tokens: Some(7),
                 prompt_cache_key: Some("k".into()),
+                conversation_key: None,
             })
         );
     }
@@ -613,6 +697,63 @@ mod tests {
             assert_eq!(RequestKind::from_path(k.path()), Some(k));
         }
         assert_eq!(RequestKind::from_path("/v1/models"), None);
+    }
+
+    fn key(body: serde_json::Value) -> Option<u64> {
+        RequestPeek::from_json(body.to_string().as_bytes())
+            .ok()
+            .and_then(|p| p.conversation_key)
+    }
+
+    #[test]
+    fn conversation_key_is_the_same_on_every_turn_of_one_chat() {
+        use serde_json::json;
+        let sys = json!({"role":"system","content":"You are terse."});
+        let u1 = json!({"role":"user","content":"Tell me about Rust."});
+        let a1 = json!({"role":"assistant","content":"A systems language."});
+        let u2 = json!({"role":"user","content":"And tokio?"});
+        let turn1 = key(json!({"model":"m","messages":[sys, u1]}));
+        let turn2 = key(json!({"model":"m","stream":true,"messages":[sys, u1, a1, u2]}));
+        assert!(turn1.is_some());
+        assert_eq!(turn1, turn2);
+        // text parts hash like the same string split in parts, whitespace in the JSON is ignored
+        let parts = json!({"role":"user","content":[{"type":"text","text":"Tell me about Rust."}]});
+        assert_eq!(key(json!({"model":"m","messages":[sys, parts]})), turn1);
+        let spaced =
+            br#"{ "model" : "m", "messages" : [ {"role":"system","content":"You are terse."},
+            {"content":"Tell me about Rust.","role":"user"} ] }"#;
+        assert_eq!(
+            RequestPeek::from_json(spaced)
+                .ok()
+                .and_then(|p| p.conversation_key),
+            turn1
+        );
+    }
+
+    #[test]
+    fn conversation_key_differs_by_model_and_opening() {
+        use serde_json::json;
+        let u1 = json!({"role":"user","content":"hi"});
+        let base = key(json!({"model":"m","messages":[u1]}));
+        assert_ne!(key(json!({"model":"m2","messages":[u1]})), base);
+        assert_ne!(
+            key(json!({"model":"m","messages":[{"role":"user","content":"hi!"}]})),
+            base
+        );
+        assert_ne!(
+            key(json!({"model":"m","messages":[{"role":"system","content":"x"}, u1]})),
+            base
+        );
+        // field boundaries: role "us"+"er..." must not equal role "user"
+        assert_ne!(
+            key(json!({"model":"m","messages":[{"role":"us","content":"erhi"}]})),
+            key(json!({"model":"m","messages":[{"role":"user","content":"hi"}]}))
+        );
+        // no messages, or a malformed array: no key, and no error from the peek
+        assert_eq!(key(json!({"model":"m","prompt":"hi"})), None);
+        assert_eq!(key(json!({"model":"m","messages":"hi"})), None);
+        assert_eq!(key(json!({"model":"m","messages":[1]})), None);
+        assert!(RequestPeek::from_json(br#"{"model":"m","messages":[1]}"#).is_ok());
     }
 
     proptest::proptest! {

@@ -1,15 +1,21 @@
-//! Routing for spine: which node serves a request.
+//! Routing for spine (design brief §5): which node serves a request.
 //!
-//! - [`NodeRegistry`]: the nodes this gateway can route to, their models, capacity and in-flight
-//!   count. The tunnel tells it when a node becomes routable (after its first health probe) and
-//!   when it is gone.
+//! - [`NodeRegistry`]: the nodes this gateway can route to, their models, capacity, in-flight
+//!   count and reliability score ([`score`]), and the conversation affinity table. The tunnel
+//!   tells it when a node becomes routable (after its first health probe), when its keepalive is
+//!   answered ([`NodeRegistry::heartbeat`]) and when it is gone.
 //! - [`RouteLayer`] / [`Route`]: a tower middleware that reads the requested model from the
-//!   [`RequestPeek`](spine_core::RequestPeek) in the request's extensions, picks a node, puts its
-//!   [`NodeId`](spine_core::NodeId) into the request's extensions for the transport below, and
-//!   counts the request in flight until its response body ends.
+//!   [`RequestPeek`](spine_core::RequestPeek) in the request's extensions, picks a node (sticky
+//!   node of the conversation if it can take the request, else a weighted random pick by
+//!   `max(vram_mib, 1)·(0.2 + 0.8·score)`), puts its [`NodeId`](spine_core::NodeId) into the
+//!   request's extensions for the transport below, retries on another node while nothing has
+//!   reached the caller, and counts the request in flight until its response body ends.
 //!
-//! This is the minimal router of design brief §5: a uniform random pick among routable nodes that
-//! serve the model and have free capacity. Scores, affinity and retries build on these types.
+//! `Route` works over any tower service that takes an `http::Request<BoxBody>` carrying a
+//! `NodeId` extension; see `examples/route_alone.rs` for two plain HTTP upstreams.
+//!
+//! Metrics (the `metrics` facade): `spine_router_sticky_total{result="hit|miss|new"}` for picks
+//! with an affinity key, `spine_router_attempts_total{result="success|failure|disconnect"}`.
 //!
 //! ```
 //! use spine_core::{EngineKind, ModelDescriptor, ModelId, NodeDescriptor, NodeId};
@@ -30,8 +36,15 @@
 //! assert_eq!(picked.ok(), Some(NodeId::new("n1")));
 //! ```
 
+mod affinity;
 mod registry;
 mod route;
+pub mod score;
 
-pub use registry::{InFlightLease, NodeRegistry, NodeSnapshot, RouteError};
-pub use route::{ResponseFuture, Route, RouteLayer};
+pub use affinity::{AffinityKey, SessionId, StickyOutcome};
+pub use registry::{
+    InFlightLease, NodeRegistry, NodeSnapshot, Pick, RegistryConfig, RouteError, ATTEMPTS_METRIC,
+    STICKY_METRIC,
+};
+pub use route::{ResponseFuture, Route, RouteConfig, RouteLayer};
+pub use score::{ScoreConfig, ScoreParts};

@@ -1,10 +1,20 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::time::Duration;
 
 use rand::Rng;
 use serde::Serialize;
 use spine_core::{ModelId, NodeDescriptor, NodeId};
+use tokio::time::Instant;
+
+use crate::affinity::{AffinityKey, AffinityTable, StickyOutcome};
+use crate::score::{weight, ScoreConfig, ScoreParts, ScoreState};
+
+/// Name of the sticky counter (`result` = `hit`, `miss`, `new`; design brief §5).
+pub const STICKY_METRIC: &str = "spine_router_sticky_total";
+/// Name of the attempt counter (`result` = `success`, `failure`, `disconnect`).
+pub const ATTEMPTS_METRIC: &str = "spine_router_attempts_total";
 
 /// Why no node could be picked.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -22,25 +32,87 @@ pub enum RouteError {
     AtCapacity(ModelId),
 }
 
+/// Settings of a [`NodeRegistry`]. [`Default`] gives the documented values.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RegistryConfig {
+    /// The score's constants (see [`ScoreConfig`]).
+    pub score: ScoreConfig,
+    /// How long a conversation sticks to its node after its last request. Default 30 min;
+    /// `Duration::ZERO` disables affinity.
+    pub affinity_ttl: Duration,
+    /// Most affinity entries kept (about 100 bytes each). Default 1,000,000.
+    pub max_affinity_entries: usize,
+}
+
+impl Default for RegistryConfig {
+    fn default() -> Self {
+        Self {
+            score: ScoreConfig::default(),
+            affinity_ttl: Duration::from_secs(30 * 60),
+            max_affinity_entries: 1_000_000,
+        }
+    }
+}
+
+/// Per-node statistics, kept across reconnects (a node cannot reset its score by reconnecting).
+#[derive(Debug)]
+struct NodeStats {
+    score: ScoreState,
+    attempts: u64,
+    failures: u64,
+    disconnects: u64,
+    discrepancies: u64,
+    sticky_hits: u64,
+    sticky_misses: u64,
+}
+
+impl NodeStats {
+    fn new(now: Instant) -> Self {
+        Self {
+            score: ScoreState::new(now),
+            attempts: 0,
+            failures: 0,
+            disconnects: 0,
+            discrepancies: 0,
+            sticky_hits: 0,
+            sticky_misses: 0,
+        }
+    }
+}
+
 #[derive(Debug)]
 struct NodeEntry {
     descriptor: NodeDescriptor,
     in_flight: Arc<AtomicU32>,
+    stats: Arc<Mutex<NodeStats>>,
 }
 
-/// The nodes this gateway instance can route to.
+#[derive(Debug)]
+struct Inner {
+    config: RegistryConfig,
+    nodes: RwLock<HashMap<NodeId, NodeEntry>>,
+    stats: Mutex<HashMap<NodeId, Arc<Mutex<NodeStats>>>>,
+    affinity: Mutex<AffinityTable>,
+}
+
+/// The nodes this gateway instance can route to, their reliability scores (design brief §5) and
+/// the conversation affinity table.
 ///
-/// Cheap to clone (shared state). All methods are synchronous and never block on I/O; the lock is
-/// held only for map operations.
-#[derive(Debug, Clone, Default)]
+/// Cheap to clone (shared state). All methods are synchronous and never block on I/O; locks are
+/// held only for map operations. Time is `tokio::time::Instant` (tests use the paused clock).
+#[derive(Debug, Clone)]
 pub struct NodeRegistry {
-    nodes: Arc<RwLock<HashMap<NodeId, NodeEntry>>>,
-    /// Usage discrepancies per node since this process started; kept across reconnects.
-    discrepancies: Arc<RwLock<HashMap<NodeId, u64>>>,
+    inner: Arc<Inner>,
+}
+
+impl Default for NodeRegistry {
+    fn default() -> Self {
+        Self::with_config(RegistryConfig::default())
+    }
 }
 
 /// A point-in-time view of one node, for admin APIs.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct NodeSnapshot {
     /// The node.
     pub node_id: NodeId,
@@ -48,9 +120,25 @@ pub struct NodeSnapshot {
     pub descriptor: NodeDescriptor,
     /// Requests currently being served by the node through this gateway.
     pub in_flight: u32,
+    /// The score and its parts now.
+    pub score: ScoreParts,
+    /// `max(vram_mib, 1)·(0.2 + 0.8·score)`: the node's relative chance in a pick.
+    pub weight: f64,
+    /// Attempts sent to the node (each retry is its own attempt).
+    pub attempts: u64,
+    /// Attempts that failed (before or after the first byte, disconnects included).
+    pub failures: u64,
+    /// Mid-request disconnects (the body broke after the response head).
+    pub disconnects: u64,
     /// Usage discrepancies recorded against the node since the gateway started
     /// ([`NodeRegistry::record_discrepancy`]).
     pub discrepancies: u64,
+    /// Requests routed here because their conversation was sticky to this node.
+    pub sticky_hits: u64,
+    /// Keyed requests whose sticky node was this one but could not take them.
+    pub sticky_misses: u64,
+    /// Live affinity entries pointing at this node.
+    pub affinity_entries: u64,
 }
 
 /// One request counted against a node's capacity; the count drops when this is dropped.
@@ -73,17 +161,76 @@ impl Drop for InFlightLease {
     }
 }
 
+/// The result of [`NodeRegistry::pick_for`].
+#[derive(Debug)]
+pub struct Pick {
+    /// The node's in-flight lease.
+    pub lease: InFlightLease,
+    /// What the affinity table said.
+    pub sticky: StickyOutcome,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn reserve(entry: &NodeEntry) -> bool {
+    let max = entry.descriptor.max_concurrency;
+    entry
+        .in_flight
+        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+            (n < max).then_some(n + 1)
+        })
+        .is_ok()
+}
+
 impl NodeRegistry {
-    /// An empty registry.
+    /// An empty registry with [`RegistryConfig::default`].
     pub fn new() -> Self {
         Self::default()
     }
 
-    /// Makes `node` routable with `descriptor`, replacing what was known about it.
+    /// An empty registry with `config`.
+    pub fn with_config(config: RegistryConfig) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                affinity: Mutex::new(AffinityTable::new(
+                    config.affinity_ttl,
+                    config.max_affinity_entries,
+                )),
+                config,
+                nodes: RwLock::default(),
+                stats: Mutex::default(),
+            }),
+        }
+    }
+
+    /// The registry's settings.
+    pub fn config(&self) -> &RegistryConfig {
+        &self.inner.config
+    }
+
+    fn stats_of(&self, node: &NodeId) -> Arc<Mutex<NodeStats>> {
+        lock(&self.inner.stats)
+            .entry(node.clone())
+            .or_insert_with(|| Arc::new(Mutex::new(NodeStats::new(Instant::now()))))
+            .clone()
+    }
+
+    fn with_stats(&self, node: &NodeId, f: impl FnOnce(&mut NodeStats, &ScoreConfig, Instant)) {
+        let stats = self.stats_of(node);
+        let mut s = lock(&stats);
+        f(&mut s, &self.inner.config.score, Instant::now());
+    }
+
+    /// Makes `node` routable with `descriptor`, replacing what was known about it. Counts as a
+    /// liveness confirmation; the node's score history is kept from earlier sessions.
     ///
     /// Requests already in flight on the node keep counting against it.
     pub fn node_ready(&self, node: &NodeId, descriptor: &NodeDescriptor) {
-        let mut nodes = self.nodes.write().unwrap_or_else(|e| e.into_inner());
+        let stats = self.stats_of(node);
+        lock(&stats).score.seen(Instant::now());
+        let mut nodes = self.inner.nodes.write().unwrap_or_else(|e| e.into_inner());
         let in_flight = nodes
             .get(node)
             .map(|e| e.in_flight.clone())
@@ -93,14 +240,16 @@ impl NodeRegistry {
             NodeEntry {
                 descriptor: descriptor.clone(),
                 in_flight,
+                stats,
             },
         );
         tracing::info!(node = %node, models = descriptor.models.len(), "node routable");
     }
 
-    /// Removes `node` from routing.
+    /// Removes `node` from routing. Its statistics are kept for when it comes back.
     pub fn node_gone(&self, node: &NodeId) {
         let removed = self
+            .inner
             .nodes
             .write()
             .unwrap_or_else(|e| e.into_inner())
@@ -110,9 +259,15 @@ impl NodeRegistry {
         }
     }
 
+    /// The node's liveness was confirmed now (a tunnel keepalive answered): feeds
+    /// `uptime_score(last_seen)`.
+    pub fn heartbeat(&self, node: &NodeId) {
+        self.with_stats(node, |s, _, now| s.score.seen(now));
+    }
+
     /// Models served by at least one routable node, sorted.
     pub fn models(&self) -> Vec<ModelId> {
-        let nodes = self.nodes.read().unwrap_or_else(|e| e.into_inner());
+        let nodes = self.inner.nodes.read().unwrap_or_else(|e| e.into_inner());
         let mut models: Vec<ModelId> = nodes
             .values()
             .flat_map(|e| e.descriptor.models.iter().map(|m| m.id.clone()))
@@ -123,82 +278,216 @@ impl NodeRegistry {
     }
 
     /// Records that `node`'s usage claim disagreed with the independent count beyond the
-    /// tolerance (design brief §5, §6: it feeds the node's score). Counted whether or not the
-    /// node is routable now.
+    /// tolerance (design brief §5, §6). Counted whether or not the node is routable now, and fed
+    /// to the score as one failed sample of `success_rate_ema`.
     pub fn record_discrepancy(&self, node: &NodeId) {
-        *self
-            .discrepancies
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .entry(node.clone())
-            .or_default() += 1;
+        self.with_stats(node, |s, cfg, _| {
+            s.discrepancies += 1;
+            s.score.failure(cfg);
+        });
     }
 
     /// Usage discrepancies recorded against `node` since the gateway started.
     pub fn discrepancies(&self, node: &NodeId) -> u64 {
-        self.discrepancies
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
+        lock(&self.inner.stats)
             .get(node)
-            .copied()
-            .unwrap_or(0)
+            .map_or(0, |s| lock(s).discrepancies)
+    }
+
+    /// An attempt on `node` succeeded. `ttft` is its time to first token when the response was
+    /// streamed (feeds the TTFT EMA); a success is also a liveness confirmation.
+    pub fn record_success(&self, node: &NodeId, ttft: Option<Duration>) {
+        metrics::counter!(ATTEMPTS_METRIC, "result" => "success").increment(1);
+        self.with_stats(node, |s, cfg, now| {
+            s.attempts += 1;
+            s.score.success(cfg, now);
+            if let Some(ttft) = ttft {
+                s.score.ttft(cfg, ttft);
+            }
+        });
+    }
+
+    /// An attempt on `node` failed without a mid-request disconnect: connect failure, non-2xx
+    /// answer, error event, empty stream.
+    pub fn record_failure(&self, node: &NodeId) {
+        metrics::counter!(ATTEMPTS_METRIC, "result" => "failure").increment(1);
+        self.with_stats(node, |s, cfg, _| {
+            s.attempts += 1;
+            s.failures += 1;
+            s.score.failure(cfg);
+        });
+    }
+
+    /// The node's response body broke after its head (a mid-request disconnect): a failure, and
+    /// the score is halved (floor 0.05, recovering; see [`crate::score`]).
+    pub fn record_disconnect(&self, node: &NodeId) {
+        metrics::counter!(ATTEMPTS_METRIC, "result" => "disconnect").increment(1);
+        self.with_stats(node, |s, cfg, now| {
+            s.attempts += 1;
+            s.failures += 1;
+            s.disconnects += 1;
+            s.score.disconnect(cfg, now);
+        });
+    }
+
+    /// The score of `node` now; `None` for a node never seen.
+    pub fn score(&self, node: &NodeId) -> Option<ScoreParts> {
+        let stats = lock(&self.inner.stats).get(node).cloned()?;
+        let parts = lock(&stats)
+            .score
+            .parts(&self.inner.config.score, Instant::now());
+        Some(parts)
     }
 
     /// Every routable node, sorted by id.
     pub fn snapshot(&self) -> Vec<NodeSnapshot> {
-        let nodes = self.nodes.read().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        let per_node = lock(&self.inner.affinity).entries_per_node(now);
+        let nodes = self.inner.nodes.read().unwrap_or_else(|e| e.into_inner());
         let mut out: Vec<NodeSnapshot> = nodes
             .iter()
-            .map(|(id, e)| NodeSnapshot {
-                node_id: id.clone(),
-                descriptor: e.descriptor.clone(),
-                in_flight: e.in_flight.load(Ordering::Acquire),
-                discrepancies: self.discrepancies(id),
+            .map(|(id, e)| {
+                let s = lock(&e.stats);
+                let score = s.score.parts(&self.inner.config.score, now);
+                NodeSnapshot {
+                    node_id: id.clone(),
+                    descriptor: e.descriptor.clone(),
+                    in_flight: e.in_flight.load(Ordering::Acquire),
+                    weight: weight(e.descriptor.vram_mib, score.score),
+                    score,
+                    attempts: s.attempts,
+                    failures: s.failures,
+                    disconnects: s.disconnects,
+                    discrepancies: s.discrepancies,
+                    sticky_hits: s.sticky_hits,
+                    sticky_misses: s.sticky_misses,
+                    affinity_entries: per_node.get(id).copied().unwrap_or(0),
+                }
             })
             .collect();
         out.sort_by(|a, b| a.node_id.cmp(&b.node_id));
         out
     }
 
-    /// Picks a routable node that serves `model` and has free capacity, uniformly at random, and
-    /// counts one request in flight on it until the returned lease is dropped.
+    /// Picks a routable node that serves `model` and has free capacity, at random with
+    /// probability proportional to its weight `max(vram_mib, 1)·(0.2 + 0.8·score)` (design brief
+    /// §5), and counts one request in flight on it until the returned lease is dropped.
     ///
     /// # Errors
     ///
     /// [`RouteError::NoNodeForModel`] when no routable node serves the model,
     /// [`RouteError::AtCapacity`] when all that do are at their `max_concurrency`.
     pub fn pick(&self, model: &ModelId) -> Result<InFlightLease, RouteError> {
-        let nodes = self.nodes.read().unwrap_or_else(|e| e.into_inner());
+        self.pick_for(model, None, &[]).map(|p| p.lease)
+    }
+
+    /// [`NodeRegistry::pick`] with conversation affinity and exclusions: when `key` maps to a
+    /// routable node that serves `model`, is not in `exclude` and has a free slot, that node
+    /// (a sticky hit); otherwise a weighted pick among the other candidates not in `exclude`.
+    /// Counts `spine_router_sticky_total{result}` for keyed picks.
+    ///
+    /// The table is written by [`NodeRegistry::remember`] once a node has answered.
+    ///
+    /// # Errors
+    ///
+    /// As [`NodeRegistry::pick`]; excluded nodes count as not serving the model.
+    pub fn pick_for(
+        &self,
+        model: &ModelId,
+        key: Option<&AffinityKey>,
+        exclude: &[NodeId],
+    ) -> Result<Pick, RouteError> {
+        let now = Instant::now();
+        let preferred = match key {
+            Some(key) => {
+                let mut table = lock(&self.inner.affinity);
+                if table.enabled() {
+                    Some(table.get(AffinityTable::slot(model, key), now))
+                } else {
+                    None
+                }
+            }
+            None => None,
+        };
+        let nodes = self.inner.nodes.read().unwrap_or_else(|e| e.into_inner());
+        let sticky = match &preferred {
+            None => StickyOutcome::NoKey,
+            Some(None) => StickyOutcome::New,
+            Some(Some(_)) => StickyOutcome::Miss,
+        };
+        if let Some(Some(node)) = &preferred {
+            if let Some(entry) = nodes.get(node) {
+                if entry.descriptor.serves(model) && !exclude.contains(node) && reserve(entry) {
+                    lock(&entry.stats).sticky_hits += 1;
+                    metrics::counter!(STICKY_METRIC, "result" => "hit").increment(1);
+                    return Ok(Pick {
+                        lease: InFlightLease {
+                            node: node.clone(),
+                            counter: entry.in_flight.clone(),
+                        },
+                        sticky: StickyOutcome::Hit,
+                    });
+                }
+                lock(&entry.stats).sticky_misses += 1;
+            }
+        }
+        if sticky != StickyOutcome::NoKey {
+            metrics::counter!(STICKY_METRIC, "result" => sticky.as_str()).increment(1);
+        }
         let serving: Vec<(&NodeId, &NodeEntry)> = nodes
             .iter()
-            .filter(|(_, e)| e.descriptor.serves(model))
+            .filter(|(id, e)| e.descriptor.serves(model) && !exclude.contains(id))
             .collect();
         if serving.is_empty() {
             return Err(RouteError::NoNodeForModel(model.clone()));
         }
-        let mut free: Vec<(&NodeId, &NodeEntry)> = serving
+        let mut free: Vec<(&NodeId, &NodeEntry, f64)> = serving
             .into_iter()
             .filter(|(_, e)| e.in_flight.load(Ordering::Acquire) < e.descriptor.max_concurrency)
+            .map(|(id, e)| {
+                let score = lock(&e.stats)
+                    .score
+                    .parts(&self.inner.config.score, now)
+                    .score;
+                (id, e, weight(e.descriptor.vram_mib, score))
+            })
             .collect();
-        // Try in random order; a compare-and-swap loses only to a concurrent pick of the same node.
+        // Weighted draw; a compare-and-swap loses only to a concurrent pick of the same node,
+        // and then that node is dropped from this draw.
         while !free.is_empty() {
-            let i = rand::rng().random_range(0..free.len());
-            let (id, entry) = free.swap_remove(i);
-            let max = entry.descriptor.max_concurrency;
-            let reserved = entry
-                .in_flight
-                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                    (n < max).then_some(n + 1)
-                })
-                .is_ok();
-            if reserved {
-                return Ok(InFlightLease {
-                    node: id.clone(),
-                    counter: entry.in_flight.clone(),
+            let total: f64 = free.iter().map(|(_, _, w)| w).sum();
+            let mut i = 0;
+            if total.is_finite() && total > 0.0 {
+                let mut r = rand::rng().random_range(0.0..total);
+                while i + 1 < free.len() && r >= free[i].2 {
+                    r -= free[i].2;
+                    i += 1;
+                }
+            } else {
+                i = rand::rng().random_range(0..free.len());
+            }
+            let (id, entry, _) = free.swap_remove(i);
+            if reserve(entry) {
+                return Ok(Pick {
+                    lease: InFlightLease {
+                        node: id.clone(),
+                        counter: entry.in_flight.clone(),
+                    },
+                    sticky,
                 });
             }
         }
         Err(RouteError::AtCapacity(model.clone()))
+    }
+
+    /// Records that `node` served the conversation `key` of `model`: later picks with the key
+    /// prefer it for the affinity TTL (refreshed on each hit). No-op when affinity is disabled.
+    pub fn remember(&self, model: &ModelId, key: &AffinityKey, node: &NodeId) {
+        lock(&self.inner.affinity).insert(
+            AffinityTable::slot(model, key),
+            node.clone(),
+            Instant::now(),
+        );
     }
 }
 
@@ -207,7 +496,7 @@ mod tests {
     use super::*;
     use spine_core::{EngineKind, ModelDescriptor};
 
-    fn desc(models: &[&str], max_concurrency: u32) -> NodeDescriptor {
+    pub(crate) fn desc(models: &[&str], max_concurrency: u32) -> NodeDescriptor {
         NodeDescriptor {
             engine: EngineKind::LlamaCpp,
             models: models
@@ -269,40 +558,132 @@ mod tests {
     }
 
     #[test]
-    fn both_nodes_get_traffic() {
+    fn excluded_nodes_are_not_picked() {
         let r = NodeRegistry::new();
-        r.node_ready(&NodeId::new("a"), &desc(&["m"], 1000));
-        r.node_ready(&NodeId::new("b"), &desc(&["m"], 1000));
-        let mut a = 0;
-        let mut leases = Vec::new();
-        for _ in 0..400 {
-            let lease = r.pick(&ModelId::new("m"));
-            if lease
-                .as_ref()
-                .map(|l| l.node().as_str() == "a")
-                .unwrap_or(false)
-            {
-                a += 1;
-            }
-            leases.push(lease);
+        r.node_ready(&NodeId::new("a"), &desc(&["m"], 9));
+        r.node_ready(&NodeId::new("b"), &desc(&["m"], 9));
+        for _ in 0..50 {
+            let p = r.pick_for(&ModelId::new("m"), None, &[NodeId::new("a")]);
+            assert_eq!(p.map(|p| p.lease.node().clone()), Ok(NodeId::new("b")));
         }
-        // 400 fair coin flips: P(outside 140..=260) < 1e-9
-        assert!((140..=260).contains(&a), "a got {a} of 400");
+        assert_eq!(
+            r.pick_for(
+                &ModelId::new("m"),
+                None,
+                &[NodeId::new("a"), NodeId::new("b")]
+            )
+            .map(|p| p.sticky),
+            Err(RouteError::NoNodeForModel(ModelId::new("m")))
+        );
     }
 
-    #[test]
-    fn discrepancies_are_counted_per_node_across_reconnects() {
+    #[tokio::test(start_paused = true)]
+    async fn affinity_hit_miss_and_overwrite() {
+        let r = NodeRegistry::new();
+        let m = ModelId::new("m");
+        r.node_ready(&NodeId::new("a"), &desc(&["m"], 1));
+        r.node_ready(&NodeId::new("b"), &desc(&["m"], 1));
+        let key = AffinityKey::PromptCacheKey("chat-1".into());
+        let first = r.pick_for(&m, Some(&key), &[]);
+        let Ok(first) = first else {
+            unreachable!("two free nodes")
+        };
+        assert_eq!(first.sticky, StickyOutcome::New);
+        let node = first.lease.node().clone();
+        r.remember(&m, &key, &node);
+        drop(first);
+        for _ in 0..20 {
+            let p = r
+                .pick_for(&m, Some(&key), &[])
+                .map(|p| (p.lease.node().clone(), p.sticky));
+            assert_eq!(p, Ok((node.clone(), StickyOutcome::Hit)));
+        }
+        // sticky node full: miss, the other node, the entry still points at the old node
+        let busy = r.pick_for(&m, Some(&key), &[]);
+        assert!(busy.is_ok());
+        let other = r
+            .pick_for(&m, Some(&key), &[])
+            .map(|p| (p.lease.node().clone(), p.sticky));
+        assert!(matches!(&other, Ok((n, StickyOutcome::Miss)) if *n != node));
+        drop(busy);
+        drop(other);
+        // sticky node gone: miss, and the caller overwrites
+        r.node_gone(&node);
+        let p = r.pick_for(&m, Some(&key), &[]);
+        let Ok(p) = p else {
+            unreachable!("one free node")
+        };
+        assert_eq!(p.sticky, StickyOutcome::Miss);
+        let new_node = p.lease.node().clone();
+        assert_ne!(new_node, node);
+        r.remember(&m, &key, &new_node);
+        drop(p);
+        let p = r
+            .pick_for(&m, Some(&key), &[])
+            .map(|p| (p.lease.node().clone(), p.sticky));
+        assert_eq!(p, Ok((new_node.clone(), StickyOutcome::Hit)));
+        // the key is per model
+        r.node_ready(&NodeId::new("c"), &desc(&["m2"], 1));
+        let p = r
+            .pick_for(&ModelId::new("m2"), Some(&key), &[])
+            .map(|p| p.sticky);
+        assert_eq!(p, Ok(StickyOutcome::New));
+        let snap = r.snapshot();
+        let b = snap.iter().find(|s| s.node_id == new_node);
+        assert_eq!(b.map(|s| (s.sticky_hits, s.affinity_entries)), Some((1, 1)));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn affinity_expires_after_ttl() {
+        let r = NodeRegistry::with_config(RegistryConfig {
+            affinity_ttl: Duration::from_secs(60),
+            ..RegistryConfig::default()
+        });
+        let m = ModelId::new("m");
+        r.node_ready(&NodeId::new("a"), &desc(&["m"], 4));
+        let key = AffinityKey::Conversation(1);
+        r.remember(&m, &key, &NodeId::new("a"));
+        tokio::time::advance(Duration::from_secs(59)).await;
+        assert_eq!(
+            r.pick_for(&m, Some(&key), &[]).map(|p| p.sticky),
+            Ok(StickyOutcome::Hit)
+        );
+        tokio::time::advance(Duration::from_secs(61)).await;
+        assert_eq!(
+            r.pick_for(&m, Some(&key), &[]).map(|p| p.sticky),
+            Ok(StickyOutcome::New)
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn stats_feed_the_score_and_survive_reconnects() {
         let r = NodeRegistry::new();
         let a = NodeId::new("a");
         r.node_ready(&a, &desc(&["m"], 1));
         r.record_discrepancy(&a);
         r.record_discrepancy(&a);
         r.record_discrepancy(&NodeId::new("b"));
-        assert_eq!(r.snapshot()[0].discrepancies, 2);
+        let s = &r.snapshot()[0];
+        assert_eq!(s.discrepancies, 2);
+        assert!((s.score.success_rate_ema - 0.64).abs() < 1e-9);
+        r.record_success(&a, Some(Duration::from_millis(500)));
+        r.record_failure(&a);
+        r.record_disconnect(&a);
         r.node_gone(&a);
         r.node_ready(&a, &desc(&["m"], 1));
-        assert_eq!(r.snapshot()[0].discrepancies, 2);
+        let s = &r.snapshot()[0];
+        assert_eq!(
+            (s.discrepancies, s.attempts, s.failures, s.disconnects),
+            (2, 3, 2, 1)
+        );
+        assert_eq!(s.score.ttft_ema_ms, Some(500.0));
+        assert!(s.score.disconnect_penalty < 0.51);
         assert_eq!(r.discrepancies(&NodeId::new("b")), 1);
         assert_eq!(r.discrepancies(&NodeId::new("c")), 0);
+        // heartbeats keep uptime at 1; silence lowers it
+        tokio::time::advance(Duration::from_secs(60)).await;
+        assert!((r.snapshot()[0].score.uptime_score - 0.5).abs() < 1e-6);
+        r.heartbeat(&a);
+        assert!((r.snapshot()[0].score.uptime_score - 1.0).abs() < 1e-9);
     }
 }

@@ -1,24 +1,74 @@
+use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use http_body::{Body, Frame, SizeHint};
-use spine_core::{BoxBody, BoxError, NodeSlot, RequestPeek};
-use tower::{Layer, Service};
+use http_body_util::{BodyExt, Full};
+use spine_core::{
+    BodyClassifier, BodySignal, BoxBody, BoxError, ClassifyBody, FirstBytes, NodeId, NodeSlot,
+    RequestPeek,
+};
+use tokio::time::Instant;
+use tower::{Layer, Service, ServiceExt};
 
+use crate::affinity::{AffinityKey, SessionId};
 use crate::{InFlightLease, NodeRegistry, RouteError};
 
-/// Applies [`Route`] to a service: picks the node for each request.
+/// Settings of [`Route`]. [`Default`] gives the documented values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RouteConfig {
+    /// Further attempts after the first, each on a node not tried yet for this request. Default 2.
+    pub max_retries: u32,
+    /// Bytes of a 2xx body buffered while waiting for its first content event. Past this the
+    /// attempt is committed as is (forwarded, no longer retried). Default 1 MiB.
+    pub max_buffered_bytes: usize,
+}
+
+impl Default for RouteConfig {
+    fn default() -> Self {
+        Self {
+            max_retries: 2,
+            max_buffered_bytes: 1024 * 1024,
+        }
+    }
+}
+
+/// Applies [`Route`] to a service: picks the node for each request, retries before the first
+/// byte.
 #[derive(Debug, Clone)]
 pub struct RouteLayer {
     registry: NodeRegistry,
+    classify: Arc<dyn ClassifyBody>,
+    config: RouteConfig,
 }
 
 impl RouteLayer {
-    /// A layer that picks nodes from `registry`.
+    /// A layer that picks nodes from `registry`, with [`RouteConfig::default`] and the
+    /// [`FirstBytes`] classifier (any first byte commits; use [`RouteLayer::classify`] to give it
+    /// an SSE-aware one).
     pub fn new(registry: NodeRegistry) -> Self {
-        Self { registry }
+        Self {
+            registry,
+            classify: Arc::new(FirstBytes::default()),
+            config: RouteConfig::default(),
+        }
+    }
+
+    /// Decides when a 2xx body has started (its first content) or failed before it; the metering
+    /// crate provides `spine_meter::classify::SseClassify`.
+    pub fn classify(mut self, classify: Arc<dyn ClassifyBody>) -> Self {
+        self.classify = classify;
+        self
+    }
+
+    /// Sets the retry bound and buffer limit.
+    pub fn config(mut self, config: RouteConfig) -> Self {
+        self.config = config;
+        self
     }
 }
 
@@ -29,31 +79,57 @@ impl<S> Layer<S> for RouteLayer {
         Route {
             inner,
             registry: self.registry.clone(),
+            classify: self.classify.clone(),
+            config: self.config,
         }
     }
 }
 
-/// Picks a node for each request and hands the request to the inner (transport) service.
+/// Picks a node for each request (conversation affinity, then a weighted pick by reliability
+/// score; design brief §5) and hands the request to the inner (transport) service, retrying on
+/// another node while nothing has reached the caller.
 ///
-/// Reads the model from the [`RequestPeek`] request extension, inserts the picked
-/// [`NodeId`](spine_core::NodeId) into the request extensions, records it in the request's
-/// [`NodeSlot`] extension when there is one (the metering layer reads it if the caller goes away
-/// before the response head), and keeps the request counted in flight on that node until the
-/// response body ends or is dropped.
+/// Per request:
+/// 1. Reads the model from the [`RequestPeek`] request extension and the affinity key
+///    ([`AffinityKey::for_request`]: `prompt_cache_key`, else [`SessionId`] extension or
+///    `x-session-id` header, else the automatic conversation key).
+/// 2. Collects the request body to `Bytes` once (the metering layer above has it buffered), so
+///    that every attempt sends the same bytes.
+/// 3. Each attempt: picks a node not tried yet, inserts its [`NodeId`] into the request
+///    extensions (the transport reads it) and records it in the [`NodeSlot`] extension, calls the
+///    inner service, then
+///    - inner error (connect failure, tunnel gone, node full) or non-2xx head: failure, retry;
+///    - 2xx: buffers body frames and feeds them to the classifier until it says
+///      [`BodySignal::Content`] (commit) or [`BodySignal::Failed`] (error event, empty stream,
+///      body broken before content: failure, retry).
+/// 4. At most [`RouteConfig::max_retries`] retries; when none is left (or no untried node has a
+///    slot) the last failed answer is returned as it came (a non-2xx response, the buffered error
+///    stream) or its error.
+///
+/// A committed response carries the [`NodeId`] in its extensions and the node's in-flight lease in
+/// its body until the body ends or is dropped. The body keeps feeding the classifier: at its end
+/// the attempt is recorded as a success (with its TTFT if streamed) or, after an error event, a
+/// failure; a body that breaks is a mid-request disconnect (score halved). It is never retried
+/// after commit: the caller's stream ends with the error (the metering layer turns it into an
+/// OpenAI-shaped error event). A body dropped early (the caller left, or the layer above
+/// stopped after the last event) counts as a success unless a failure was seen.
 ///
 /// # Errors
 ///
-/// A [`RouteError`] (boxed) when no node can be picked; the inner service's error otherwise.
+/// A [`RouteError`] (boxed) when no node can be picked for the first attempt; otherwise the last
+/// attempt's inner error or body error.
 #[derive(Debug, Clone)]
 pub struct Route<S> {
     inner: S,
     registry: NodeRegistry,
+    classify: Arc<dyn ClassifyBody>,
+    config: RouteConfig,
 }
 
 impl<S> Route<S> {
-    /// Wraps `inner`.
+    /// Wraps `inner` with the defaults of [`RouteLayer::new`].
     pub fn new(inner: S, registry: NodeRegistry) -> Self {
-        Self { inner, registry }
+        RouteLayer::new(registry).layer(inner)
     }
 
     /// The inner service.
@@ -72,106 +148,359 @@ impl<S> Route<S> {
     }
 }
 
-impl<S, E> Service<http::Request<BoxBody>> for Route<S>
-where
-    S: Service<http::Request<BoxBody>, Response = http::Response<BoxBody>, Error = E>,
-    E: Into<BoxError>,
-{
-    type Response = http::Response<BoxBody>;
-    type Error = BoxError;
-    type Future = ResponseFuture<S::Future>;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx).map_err(Into::into)
-    }
-
-    fn call(&mut self, mut req: http::Request<BoxBody>) -> Self::Future {
-        let lease = match req.extensions().get::<RequestPeek>() {
-            None => Err(RouteError::MissingPeek),
-            Some(peek) => self.registry.pick(&peek.model),
-        };
-        match lease {
-            Ok(lease) => {
-                tracing::debug!(node = %lease.node(), "routed");
-                if let Some(slot) = req.extensions().get::<NodeSlot>() {
-                    slot.set(lease.node().clone());
-                }
-                req.extensions_mut().insert(lease.node().clone());
-                ResponseFuture {
-                    state: State::Called {
-                        fut: self.inner.call(req),
-                        lease: Some(lease),
-                    },
-                }
-            }
-            Err(e) => ResponseFuture {
-                state: State::Refused { error: Some(e) },
-            },
-        }
-    }
+/// Response future of [`Route`].
+pub struct ResponseFuture {
+    inner: Pin<Box<dyn Future<Output = Result<http::Response<BoxBody>, BoxError>> + Send>>,
 }
 
-pin_project_lite::pin_project! {
-    /// Response future of [`Route`].
-    pub struct ResponseFuture<F> {
-        #[pin]
-        state: State<F>,
-    }
-}
-
-pin_project_lite::pin_project! {
-    #[project = StateProj]
-    enum State<F> {
-        Called { #[pin] fut: F, lease: Option<InFlightLease> },
-        Refused { error: Option<RouteError> },
-    }
-}
-
-impl<F> std::fmt::Debug for ResponseFuture<F> {
+impl std::fmt::Debug for ResponseFuture {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ResponseFuture").finish_non_exhaustive()
     }
 }
 
-impl<F, E> Future for ResponseFuture<F>
-where
-    F: Future<Output = Result<http::Response<BoxBody>, E>>,
-    E: Into<BoxError>,
-{
+impl Future for ResponseFuture {
     type Output = Result<http::Response<BoxBody>, BoxError>;
 
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        match self.project().state.project() {
-            StateProj::Refused { error } => Poll::Ready(Err(match error.take() {
-                Some(e) => e.into(),
-                None => "route future polled after completion".into(),
-            })),
-            StateProj::Called { fut, lease } => {
-                let resp = match std::task::ready!(fut.poll(cx)) {
-                    Ok(resp) => resp,
-                    Err(e) => return Poll::Ready(Err(e.into())),
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        self.inner.as_mut().poll(cx)
+    }
+}
+
+impl<S, E> Service<http::Request<BoxBody>> for Route<S>
+where
+    S: Service<http::Request<BoxBody>, Response = http::Response<BoxBody>, Error = E>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+    E: Into<BoxError> + 'static,
+{
+    type Response = http::Response<BoxBody>;
+    type Error = BoxError;
+    type Future = ResponseFuture;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, req: http::Request<BoxBody>) -> Self::Future {
+        // the ready service goes into the future; a fresh clone stays behind (tower's pattern)
+        let clone = self.inner.clone();
+        let inner =
+            std::mem::replace(&mut self.inner, clone).map_err(Into::into as fn(E) -> BoxError);
+        ResponseFuture {
+            inner: Box::pin(route(
+                inner,
+                self.registry.clone(),
+                self.classify.clone(),
+                self.config,
+                req,
+            )),
+        }
+    }
+}
+
+/// How one attempt ended before commit.
+enum Attempt {
+    Committed(http::Response<BoxBody>),
+    Failed(Result<http::Response<BoxBody>, BoxError>),
+}
+
+async fn route<S>(
+    mut inner: S,
+    registry: NodeRegistry,
+    classify: Arc<dyn ClassifyBody>,
+    config: RouteConfig,
+    req: http::Request<BoxBody>,
+) -> Result<http::Response<BoxBody>, BoxError>
+where
+    S: Service<http::Request<BoxBody>, Response = http::Response<BoxBody>, Error = BoxError>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+{
+    let peek = req
+        .extensions()
+        .get::<RequestPeek>()
+        .cloned()
+        .ok_or(RouteError::MissingPeek)?;
+    let session = req
+        .extensions()
+        .get::<SessionId>()
+        .map(|s| s.0.clone())
+        .or_else(|| {
+            req.headers()
+                .get("x-session-id")
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned)
+        });
+    let key = AffinityKey::for_request(&peek, session.as_deref());
+    let (parts, body) = req.into_parts();
+    let body_bytes = body.collect().await?.to_bytes();
+
+    let mut tried: Vec<NodeId> = Vec::new();
+    let mut last: Option<Result<http::Response<BoxBody>, BoxError>> = None;
+    for attempt in 0..=config.max_retries {
+        let pick = match registry.pick_for(&peek.model, key.as_ref(), &tried) {
+            Ok(pick) => pick,
+            Err(e) => match last {
+                Some(last) => return last,
+                None => return Err(e.into()),
+            },
+        };
+        let node = pick.lease.node().clone();
+        tracing::debug!(node = %node, attempt, sticky = pick.sticky.as_str(), "routed");
+        if let Some(slot) = parts.extensions.get::<NodeSlot>() {
+            slot.set(node.clone());
+        }
+        let mut req = http::Request::new(BoxBody::new(
+            Full::new(body_bytes.clone()).map_err(|never| match never {}),
+        ));
+        *req.method_mut() = parts.method.clone();
+        *req.uri_mut() = parts.uri.clone();
+        *req.version_mut() = parts.version;
+        *req.headers_mut() = parts.headers.clone();
+        *req.extensions_mut() = parts.extensions.clone();
+        req.extensions_mut().insert(node.clone());
+
+        if attempt > 0 {
+            inner = inner.clone();
+        }
+        let started = Instant::now();
+        let result = call_once(&mut inner, req).await;
+        match try_commit(result, pick.lease, &registry, &*classify, &config, started).await {
+            Attempt::Committed(resp) => {
+                if let Some(key) = &key {
+                    registry.remember(&peek.model, key, &node);
+                }
+                return Ok(resp);
+            }
+            Attempt::Failed(answer) => {
+                tracing::info!(node = %node, attempt, "attempt failed before the first byte");
+                tried.push(node);
+                last = Some(answer);
+            }
+        }
+    }
+    match last {
+        Some(last) => last,
+        None => Err(RouteError::NoNodeForModel(peek.model).into()),
+    }
+}
+
+type AttemptFuture =
+    Pin<Box<dyn Future<Output = Result<http::Response<BoxBody>, BoxError>> + Send>>;
+
+/// Waits for `inner` to be ready, then calls it. Boxed where `S::Future: Send` is known (works
+/// around rustc's higher-ranked check on `dyn Error` inside async fns).
+async fn call_once<S>(
+    inner: &mut S,
+    req: http::Request<BoxBody>,
+) -> Result<http::Response<BoxBody>, BoxError>
+where
+    S: Service<http::Request<BoxBody>, Response = http::Response<BoxBody>, Error = BoxError>,
+    S::Future: Send + 'static,
+{
+    std::future::poll_fn(|cx| inner.poll_ready(cx)).await?;
+    let fut: AttemptFuture = Box::pin(inner.call(req));
+    fut.await
+}
+
+/// Reads a 2xx body up to its first content; records a failed attempt.
+async fn try_commit(
+    result: Result<http::Response<BoxBody>, BoxError>,
+    lease: InFlightLease,
+    registry: &NodeRegistry,
+    classify: &dyn ClassifyBody,
+    config: &RouteConfig,
+    started: Instant,
+) -> Attempt {
+    let node = lease.node().clone();
+    let resp = match result {
+        Ok(resp) => resp,
+        Err(e) => {
+            registry.record_failure(&node);
+            return Attempt::Failed(Err(e));
+        }
+    };
+    if !resp.status().is_success() {
+        registry.record_failure(&node);
+        // the body (usually a short error) goes to the caller if this was the last attempt; the
+        // lease rides with it
+        return Attempt::Failed(Ok(
+            resp.map(|inner| BoxBody::new(RoutedBody::passthrough(inner, lease)))
+        ));
+    }
+    let content_type = resp
+        .headers()
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    let streamed = content_type
+        .as_deref()
+        .is_some_and(|v| v.trim_start().starts_with("text/event-stream"));
+    let mut classifier = classify.classifier(content_type.as_deref());
+    let (mut parts, mut body) = resp.into_parts();
+    parts.extensions.insert(node.clone());
+    let mut prefix: VecDeque<Frame<Bytes>> = VecDeque::new();
+    let mut buffered_bytes = 0usize;
+    let mut ended = false;
+    let signal = loop {
+        match body.frame().await {
+            Some(Ok(frame)) => {
+                let signal = match frame.data_ref() {
+                    Some(data) => {
+                        buffered_bytes = buffered_bytes.saturating_add(data.len());
+                        classifier.feed(data)
+                    }
+                    None => {
+                        // trailers end the body
+                        ended = true;
+                        classifier.finish()
+                    }
                 };
-                let Some(lease) = lease.take() else {
-                    return Poll::Ready(Err("route future polled after completion".into()));
-                };
-                Poll::Ready(Ok(resp.map(|inner| {
-                    BoxBody::new(LeasedBody {
-                        inner,
-                        _lease: lease,
-                    })
-                })))
+                prefix.push_back(frame);
+                if signal != BodySignal::Pending {
+                    break signal;
+                }
+                if body.is_end_stream() {
+                    ended = true;
+                    break classifier.finish();
+                }
+                if buffered_bytes > config.max_buffered_bytes {
+                    break BodySignal::Content;
+                }
+            }
+            None => {
+                ended = true;
+                break classifier.finish();
+            }
+            Some(Err(e)) => {
+                // broken before anything reached the caller: still retryable
+                registry.record_disconnect(&node);
+                return Attempt::Failed(Err(e));
+            }
+        }
+    };
+    match signal {
+        BodySignal::Failed => {
+            registry.record_failure(&node);
+            // what the node sent (its error event) is the answer if no retry is left
+            let mut bytes = BytesMut::new();
+            for frame in prefix {
+                if let Ok(data) = frame.into_data() {
+                    bytes.extend_from_slice(&data);
+                }
+            }
+            drop(lease);
+            Attempt::Failed(Ok(http::Response::from_parts(
+                parts,
+                BoxBody::new(Full::new(bytes.freeze()).map_err(|never| match never {})),
+            )))
+        }
+        _ => {
+            let ttft = streamed.then(|| started.elapsed());
+            let mut body = RoutedBody {
+                prefix,
+                inner: body,
+                inner_ended: ended,
+                lease: Some(lease),
+                watch: Some(Watch {
+                    classifier,
+                    registry: registry.clone(),
+                    ttft,
+                    failed: false,
+                }),
+            };
+            if ended {
+                // the whole body is already here: the attempt's outcome is known now
+                body.finish();
+            }
+            Attempt::Committed(http::Response::from_parts(parts, BoxBody::new(body)))
+        }
+    }
+}
+
+/// What a committed body reports at its end.
+struct Watch {
+    classifier: Box<dyn BodyClassifier>,
+    registry: NodeRegistry,
+    ttft: Option<Duration>,
+    failed: bool,
+}
+
+/// A response body that replays the buffered prefix, then the node's body; holds the node's
+/// in-flight lease until it ends or is dropped, and records a committed attempt's outcome once.
+///
+/// # End of stream
+///
+/// The outcome is recorded exactly once, at the first of: `None`, a trailers frame, a data frame
+/// after which the inner body reports `is_end_stream()`, an error (a disconnect), or a drop (a
+/// success unless a failure was seen: see `Drop`). The lease is released at the same moment.
+struct RoutedBody {
+    prefix: VecDeque<Frame<Bytes>>,
+    inner: BoxBody,
+    inner_ended: bool,
+    lease: Option<InFlightLease>,
+    /// `None` for a non-2xx answer (its failure is recorded already) and after the end.
+    watch: Option<Watch>,
+}
+
+impl RoutedBody {
+    /// A body that only holds the lease (a non-2xx answer).
+    fn passthrough(inner: BoxBody, lease: InFlightLease) -> Self {
+        Self {
+            prefix: VecDeque::new(),
+            inner,
+            inner_ended: false,
+            lease: Some(lease),
+            watch: None,
+        }
+    }
+
+    /// The body ended cleanly: success, unless the classifier saw a failure.
+    fn finish(&mut self) {
+        self.inner_ended = true;
+        let lease = self.lease.take();
+        if let (Some(mut watch), Some(lease)) = (self.watch.take(), lease) {
+            let failed = watch.failed || watch.classifier.finish() == BodySignal::Failed;
+            if failed {
+                watch.registry.record_failure(lease.node());
+            } else {
+                watch.registry.record_success(lease.node(), watch.ttft);
+            }
+        }
+    }
+
+    /// The node's body broke after commit: a mid-request disconnect.
+    fn broke(&mut self) {
+        self.inner_ended = true;
+        let lease = self.lease.take();
+        if let (Some(watch), Some(lease)) = (self.watch.take(), lease) {
+            watch.registry.record_disconnect(lease.node());
+        }
+    }
+}
+
+impl Drop for RoutedBody {
+    /// Dropped before its end: the caller went away, or the layer above stopped reading after
+    /// the answer's last event. The node did nothing wrong by that, so a committed attempt
+    /// counts as a success unless the classifier saw a failure.
+    fn drop(&mut self) {
+        let lease = self.lease.take();
+        if let (Some(watch), Some(lease)) = (self.watch.take(), lease) {
+            if watch.failed {
+                watch.registry.record_failure(lease.node());
+            } else {
+                watch.registry.record_success(lease.node(), watch.ttft);
             }
         }
     }
 }
 
-/// A response body that holds the node's in-flight lease until it ends or is dropped.
-struct LeasedBody {
-    inner: BoxBody,
-    _lease: InFlightLease,
-}
-
-impl Body for LeasedBody {
+impl Body for RoutedBody {
     type Data = Bytes;
     type Error = BoxError;
 
@@ -179,94 +508,62 @@ impl Body for LeasedBody {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        Pin::new(&mut self.inner).poll_frame(cx)
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    #![allow(clippy::unwrap_used, clippy::expect_used)]
-    use super::*;
-    use http_body_util::{BodyExt, Full};
-    use spine_core::{EngineKind, ModelDescriptor, ModelId, NodeDescriptor, NodeId};
-    use tower::ServiceExt;
-
-    fn body(s: &'static str) -> BoxBody {
-        BoxBody::new(Full::new(Bytes::from(s)).map_err(|e| match e {}))
-    }
-
-    fn peek(model: &str) -> RequestPeek {
-        RequestPeek {
-            model: ModelId::new(model),
-            stream: false,
-            include_usage: false,
-            n: 1,
-            max_tokens: None,
-            prompt_cache_key: None,
+        let this = &mut *self;
+        if let Some(frame) = this.prefix.pop_front() {
+            return Poll::Ready(Some(Ok(frame)));
+        }
+        if this.inner_ended {
+            this.finish();
+            return Poll::Ready(None);
+        }
+        match std::task::ready!(Pin::new(&mut this.inner).poll_frame(cx)) {
+            Some(Ok(frame)) => {
+                match frame.data_ref() {
+                    Some(data) => {
+                        if let Some(watch) = this.watch.as_mut() {
+                            if watch.classifier.feed(data) == BodySignal::Failed {
+                                watch.failed = true;
+                            }
+                        }
+                        if this.inner.is_end_stream() {
+                            this.finish();
+                        }
+                    }
+                    None => this.finish(),
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+            None => {
+                this.finish();
+                Poll::Ready(None)
+            }
+            Some(Err(e)) => {
+                this.broke();
+                Poll::Ready(Some(Err(e)))
+            }
         }
     }
 
-    #[tokio::test]
-    async fn inserts_node_and_holds_lease_until_body_is_done() {
-        let registry = NodeRegistry::new();
-        registry.node_ready(
-            &NodeId::new("n1"),
-            &NodeDescriptor {
-                engine: EngineKind::LlamaCpp,
-                models: vec![ModelDescriptor {
-                    id: ModelId::new("m"),
-                    max_context_tokens: None,
-                }],
-                vram_mib: 0,
-                max_concurrency: 1,
-                agent_version: "t".into(),
-            },
-        );
-        let inner = tower::service_fn(|req: http::Request<BoxBody>| async move {
-            let node = req.extensions().get::<NodeId>().cloned().unwrap();
-            Ok::<_, BoxError>(http::Response::new(body(if node.as_str() == "n1" {
-                "ok"
-            } else {
-                "wrong"
-            })))
-        });
-        let svc = RouteLayer::new(registry.clone()).layer(inner);
-        let mut req = http::Request::new(body(""));
-        req.extensions_mut().insert(peek("m"));
-        let slot = NodeSlot::new();
-        req.extensions_mut().insert(slot.clone());
-        let resp = svc.clone().oneshot(req).await.unwrap();
-        assert_eq!(slot.get(), Some(NodeId::new("n1")));
-        assert_eq!(registry.snapshot()[0].in_flight, 1);
-        // capacity 1: a second request is refused while the first body is alive
-        let mut req2 = http::Request::new(body(""));
-        req2.extensions_mut().insert(peek("m"));
-        let refused_slot = NodeSlot::new();
-        req2.extensions_mut().insert(refused_slot.clone());
-        let err = svc.clone().oneshot(req2).await.unwrap_err();
-        assert_eq!(
-            err.downcast_ref::<RouteError>(),
-            Some(&RouteError::AtCapacity(ModelId::new("m")))
-        );
-        // no node picked: the slot stays empty
-        assert_eq!(refused_slot.get(), None);
-        let bytes = resp.into_body().collect().await.unwrap().to_bytes();
-        assert_eq!(&bytes[..], b"ok");
-        assert_eq!(registry.snapshot()[0].in_flight, 0);
+    fn is_end_stream(&self) -> bool {
+        self.prefix.is_empty() && (self.inner_ended || self.inner.is_end_stream())
+    }
 
-        let req3 = http::Request::new(body(""));
-        let err = svc.oneshot(req3).await.unwrap_err();
-        assert_eq!(
-            err.downcast_ref::<RouteError>(),
-            Some(&RouteError::MissingPeek)
-        );
+    fn size_hint(&self) -> SizeHint {
+        let buffered: u64 = self
+            .prefix
+            .iter()
+            .filter_map(|f| f.data_ref())
+            .map(|d| d.len() as u64)
+            .sum();
+        if self.inner_ended {
+            return SizeHint::with_exact(buffered);
+        }
+        let inner = self.inner.size_hint();
+        let mut hint = SizeHint::new();
+        hint.set_lower(inner.lower().saturating_add(buffered));
+        if let Some(upper) = inner.upper() {
+            hint.set_upper(upper.saturating_add(buffered));
+        }
+        hint
     }
 }

@@ -1,0 +1,589 @@
+//! Routing end to end (issue 5): a real gateway, real agents over real tunnels, real llama.cpp
+//! engines, and a hostile node — a real agent in front of a fake engine that speaks real HTTP —
+//! for the retry rules of design brief §5:
+//!
+//! - fails before the first byte (an error event inside a 200 stream) → retried transparently on
+//!   the healthy node; the caller is charged once;
+//! - fails after the first byte (one token, then the connection breaks) → the caller's stream
+//!   ends with an OpenAI-shaped error event, no retry, nothing charged;
+//! - a 10-turn chat sticks to one node with no client change; when that node dies, the next turn
+//!   is served by the other one with no error.
+//!
+//! `affinity_ttft_bench` (ignored; see docs/benchmarks.md) measures TTFT per turn with and
+//! without affinity on a ~2,000-token history.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::print_stdout,
+    missing_docs
+)]
+
+mod common;
+
+use std::convert::Infallible;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use common::{keygen, sse_data, start_agent, Gateway, CREDITS};
+use http_body_util::{BodyExt as _, Full, StreamBody};
+use hyper::body::{Frame, Incoming};
+use hyper_util::rt::TokioIo;
+use serde_json::{json, Value};
+use spine_test_support::{Child, Engine, LlamaServer};
+use tokio::net::TcpListener;
+
+/// How the hostile engine answers chat completions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Hostile {
+    /// 200 `text/event-stream` whose first event is an error: fails before the first byte.
+    ErrorEventFirst,
+    /// A role chunk and one token, then (200 ms later) the connection is cut: fails after the
+    /// first byte.
+    BreakAfterFirstToken,
+}
+
+/// A fake llama-server on a real socket: `/health`, `/v1/models`, and a misbehaving
+/// `/v1/chat/completions`. Counts the chat requests it received.
+struct HostileEngine {
+    url: String,
+    chats: Arc<AtomicU64>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for HostileEngine {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+type FakeBody = http_body_util::combinators::BoxBody<Bytes, std::io::Error>;
+
+fn full(status: u16, content_type: &str, body: String) -> hyper::Response<FakeBody> {
+    hyper::Response::builder()
+        .status(status)
+        .header("content-type", content_type)
+        .body(Full::new(Bytes::from(body)).map_err(|n| match n {}).boxed())
+        .unwrap()
+}
+
+async fn hostile_answer(
+    mode: Hostile,
+    chats: Arc<AtomicU64>,
+    req: hyper::Request<Incoming>,
+) -> Result<hyper::Response<FakeBody>, Infallible> {
+    let path = req.uri().path().to_owned();
+    let _ = req.into_body().collect().await;
+    Ok(match path.as_str() {
+        "/health" => full(200, "application/json", r#"{"status":"ok"}"#.into()),
+        "/v1/models" => full(
+            200,
+            "application/json",
+            json!({"object":"list","data":[{"id":"smollm2","object":"model","owned_by":"llamacpp","meta":{"n_ctx":4096}}]})
+                .to_string(),
+        ),
+        "/v1/chat/completions" => {
+            chats.fetch_add(1, Ordering::SeqCst);
+            let role = "data: {\"id\":\"x\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"smollm2\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":null},\"finish_reason\":null}]}\n\n";
+            let frames: Vec<Result<Frame<Bytes>, std::io::Error>> = match mode {
+                Hostile::ErrorEventFirst => vec![
+                    Ok(Frame::data(Bytes::from_static(role.as_bytes()))),
+                    Ok(Frame::data(Bytes::from_static(
+                        b"data: {\"error\":{\"code\":500,\"message\":\"engine exploded\",\"type\":\"server_error\"}}\n\n",
+                    ))),
+                ],
+                Hostile::BreakAfterFirstToken => vec![
+                    Ok(Frame::data(Bytes::from_static(role.as_bytes()))),
+                    Ok(Frame::data(Bytes::from_static(
+                        b"data: {\"id\":\"x\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"smollm2\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hello\"},\"finish_reason\":null}]}\n\n",
+                    ))),
+                    Err(std::io::Error::other("node vanished")),
+                ],
+            };
+            // each frame 200 ms after the previous one, so that the token reaches the gateway
+            // before the break (an HTTP/2 reset may drop DATA still queued at the agent)
+            let stream = futures_util::stream::unfold(frames.into_iter(), |mut rest| async move {
+                let next = rest.next()?;
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                Some((next, rest))
+            });
+            hyper::Response::builder()
+                .status(200)
+                .header("content-type", "text/event-stream")
+                .body(StreamBody::new(stream).boxed())
+                .unwrap()
+        }
+        _ => full(404, "application/json", r#"{"error":"not found"}"#.into()),
+    })
+}
+
+impl HostileEngine {
+    async fn start(mode: Hostile) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let chats = Arc::new(AtomicU64::new(0));
+        let counter = chats.clone();
+        let task = tokio::spawn(async move {
+            while let Ok((tcp, _)) = listener.accept().await {
+                let counter = counter.clone();
+                tokio::spawn(async move {
+                    let svc = hyper::service::service_fn(move |req| {
+                        hostile_answer(mode, counter.clone(), req)
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(tcp), svc)
+                        .await;
+                });
+            }
+        });
+        Self { url, chats, task }
+    }
+}
+
+/// An operator and a funded account with a key on `gw`.
+struct Tenant {
+    operator: String,
+    account: String,
+    api_key: String,
+}
+
+async fn tenant(gw: &Gateway) -> Tenant {
+    let (_, op) = gw.admin_post("/admin/v1/operators", json!({})).await;
+    let operator = op["id"].as_str().unwrap().to_owned();
+    let (_, acct) = gw.admin_post("/admin/v1/accounts", json!({})).await;
+    let account = acct["id"].as_str().unwrap().to_owned();
+    let (_, key) = gw
+        .admin_post(&format!("/admin/v1/accounts/{account}/keys"), json!({}))
+        .await;
+    let api_key = key["key"].as_str().unwrap().to_owned();
+    let (s, _) = gw
+        .admin_post(
+            &format!("/admin/v1/accounts/{account}/credits"),
+            json!({"amount_micros": CREDITS, "idempotency_key": "topup"}),
+        )
+        .await;
+    assert_eq!(s, 200);
+    Tenant {
+        operator,
+        account,
+        api_key,
+    }
+}
+
+/// Registers a node key for `operator`, starts its agent against `engine_url`, waits until the
+/// node is routable; returns (node id, agent).
+async fn add_node(
+    gw: &Gateway,
+    dir: &Path,
+    operator: &str,
+    engine_url: &str,
+    name: &str,
+) -> (String, Child) {
+    let (identity, public_key) = keygen(dir, &format!("{name}.key")).await;
+    let (s, node) = gw
+        .admin_post(
+            "/admin/v1/nodes",
+            json!({"operator_id": operator, "public_key": public_key}),
+        )
+        .await;
+    assert_eq!(s, 201, "{node}");
+    let node_id = node["node_id"].as_str().unwrap().to_owned();
+    let agent = start_agent(gw, &identity, engine_url, name);
+    for _ in 0..300 {
+        if node_view(gw, &node_id).await.is_some() {
+            return (node_id, agent);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!(
+        "node {name} never routable; agent stderr:\n{}",
+        agent.stderr_tail(30)
+    );
+}
+
+/// The node's entry in `GET /admin/v1/nodes`, if routable.
+async fn node_view(gw: &Gateway, node_id: &str) -> Option<Value> {
+    let (_, nodes) = gw.admin_get("/admin/v1/nodes").await;
+    nodes["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|n| n["node_id"] == node_id)
+        .cloned()
+}
+
+/// One streamed chat turn: (request id, status, SSE data events, TTFT of the first content).
+async fn chat(
+    gw: &Gateway,
+    key: &str,
+    messages: &Value,
+    max_tokens: u64,
+) -> (String, u16, Vec<String>, Duration) {
+    let started = Instant::now();
+    let mut resp = gw
+        .api_post(
+            key,
+            "/v1/chat/completions",
+            &json!({"model":"smollm2","messages":messages,"stream":true,"max_tokens":max_tokens,"temperature":0}),
+        )
+        .await;
+    let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
+    let status = resp.status().as_u16();
+    let mut body = Vec::new();
+    let mut ttft = None;
+    while let Ok(Some(chunk)) = resp.chunk().await {
+        body.extend_from_slice(&chunk);
+        if ttft.is_none() && String::from_utf8_lossy(&body).contains("\"content\":\"") {
+            ttft = Some(started.elapsed());
+        }
+    }
+    let events = sse_data(&String::from_utf8_lossy(&body));
+    (
+        id,
+        status,
+        events,
+        ttft.unwrap_or_else(|| started.elapsed()),
+    )
+}
+
+fn text_of(events: &[String]) -> String {
+    events
+        .iter()
+        .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+        .filter_map(|v| {
+            v["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(str::to_owned)
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retries_before_the_first_byte_never_after_and_charges_once() {
+    let engine = Engine::discover().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let llama = LlamaServer::start(&engine, 2).await.unwrap();
+    let gw = Gateway::start(dir.path(), &engine).await;
+    let t = tenant(&gw).await;
+    let (good, _good_agent) = add_node(&gw, dir.path(), &t.operator, &llama.url, "good").await;
+    let before_first = HostileEngine::start(Hostile::ErrorEventFirst).await;
+    let (bad, _bad_agent) = add_node(
+        &gw,
+        dir.path(),
+        &t.operator,
+        &before_first.url,
+        "bad-before",
+    )
+    .await;
+
+    // --- fails before the first byte: every request succeeds, the hostile node is tried --------
+    let messages = json!([{"role":"user","content":"Say hi."}]);
+    let mut ids = Vec::new();
+    for i in 0..40 {
+        // a fresh conversation each time (no affinity): each request is a weighted pick
+        let messages = json!([{"role":"user","content":format!("Say hi, number {i}.")}]);
+        let (id, status, events, _) = chat(&gw, &t.api_key, &messages, 4).await;
+        assert_eq!(status, 200);
+        assert_eq!(
+            events.last().map(String::as_str),
+            Some("[DONE]"),
+            "{events:?}"
+        );
+        assert!(
+            events.iter().all(|e| !e.contains("\"error\"")),
+            "the caller saw the hostile node's error: {events:?}"
+        );
+        assert!(!text_of(&events).is_empty());
+        ids.push(id);
+        if before_first.chats.load(Ordering::SeqCst) >= 2 {
+            break;
+        }
+    }
+    let _ = messages;
+    let hostile_attempts = before_first.chats.load(Ordering::SeqCst);
+    assert!(hostile_attempts >= 1, "the hostile node was never picked");
+    let bad_view = node_view(&gw, &bad).await.unwrap();
+    assert_eq!(bad_view["attempts"], hostile_attempts);
+    assert_eq!(bad_view["failures"], hostile_attempts);
+    assert!(
+        bad_view["score_parts"]["success_rate_ema"]
+            .as_f64()
+            .unwrap()
+            < 0.9
+    );
+    let good_view = node_view(&gw, &good).await.unwrap();
+    assert_eq!(good_view["attempts"].as_u64().unwrap(), ids.len() as u64);
+    assert_eq!(good_view["failures"], 0);
+    // one record per request, all on the good node, completed; the debits add up to what left
+    // the account: nobody was charged twice
+    let mut debits = 0;
+    for id in &ids {
+        let rec = gw.record(id).await;
+        assert_eq!(rec["outcome"], "completed", "{rec}");
+        assert_eq!(rec["node"], good.as_str(), "{rec}");
+        debits += rec["debit_micros"].as_u64().unwrap();
+    }
+    let (balance, held) = gw.balance(&t.account).await;
+    assert_eq!((CREDITS - balance, held), (debits, 0));
+
+    // --- fails after the first byte: error event to the caller, no retry, nothing charged -----
+    let after_first = HostileEngine::start(Hostile::BreakAfterFirstToken).await;
+    let (breaker, _breaker_agent) =
+        add_node(&gw, dir.path(), &t.operator, &after_first.url, "bad-after").await;
+    let good_before = node_view(&gw, &good).await.unwrap()["attempts"]
+        .as_u64()
+        .unwrap();
+    let bad_before = node_view(&gw, &bad).await.unwrap()["attempts"]
+        .as_u64()
+        .unwrap();
+    let mut broken = None;
+    let mut sent = 0u64;
+    for i in 0..60 {
+        let messages = json!([{"role":"user","content":format!("Count to {i}.")}]);
+        let (id, status, events, _) = chat(&gw, &t.api_key, &messages, 4).await;
+        sent += 1;
+        assert_eq!(status, 200);
+        if after_first.chats.load(Ordering::SeqCst) > 0 {
+            broken = Some((id, events));
+            break;
+        }
+    }
+    let (broken_id, events) = broken.expect("the breaking node was never picked");
+    assert_eq!(text_of(&events), "Hello", "{events:?}");
+    let last: Value = serde_json::from_str(events.last().unwrap()).unwrap();
+    assert!(last["error"]["message"].is_string(), "{events:?}");
+    assert!(!events.iter().any(|e| e == "[DONE]"));
+    assert_eq!(after_first.chats.load(Ordering::SeqCst), 1);
+    // no retry: the attempts of all nodes grew by exactly the requests sent (the hostile
+    // before-first-byte node may have been tried, and then retried, in the earlier requests)
+    let good_after = node_view(&gw, &good).await.unwrap()["attempts"]
+        .as_u64()
+        .unwrap();
+    let bad_after = node_view(&gw, &bad).await.unwrap()["attempts"]
+        .as_u64()
+        .unwrap();
+    let breaker_view = node_view(&gw, &breaker).await.unwrap();
+    assert_eq!(breaker_view["attempts"], 1);
+    assert_eq!(breaker_view["disconnects"], 1);
+    assert!(
+        breaker_view["score_parts"]["disconnect_penalty"]
+            .as_f64()
+            .unwrap()
+            < 0.51
+    );
+    assert_eq!(
+        (good_after - good_before) + 1,
+        sent,
+        "the broken request was retried"
+    );
+    let _ = (bad_after, bad_before);
+    let rec = gw.record(&broken_id).await;
+    assert_eq!(rec["outcome"], "upstream_failed", "{rec}");
+    assert_eq!(rec["debit_micros"], 0, "{rec}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_sticks_to_its_node_and_moves_when_the_node_dies() {
+    let engine = Engine::discover().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let llama_a = LlamaServer::start(&engine, 1).await.unwrap();
+    let llama_b = LlamaServer::start(&engine, 1).await.unwrap();
+    let gw = Gateway::start(dir.path(), &engine).await;
+    let t = tenant(&gw).await;
+    let (node_a, agent_a) = add_node(&gw, dir.path(), &t.operator, &llama_a.url, "a").await;
+    let (node_b, agent_b) = add_node(&gw, dir.path(), &t.operator, &llama_b.url, "b").await;
+    let mut agents = vec![(node_a.clone(), agent_a), (node_b.clone(), agent_b)];
+
+    let mut messages = vec![
+        json!({"role":"system","content":"You are a terse assistant."}),
+        json!({"role":"user","content":"Name a colour."}),
+    ];
+    let mut served = Vec::new();
+    for turn in 0..6 {
+        let (id, status, events, _) = chat(&gw, &t.api_key, &json!(messages), 6).await;
+        assert_eq!(status, 200, "turn {turn}: {events:?}");
+        let rec = gw.record(&id).await;
+        assert_eq!(rec["outcome"], "completed");
+        served.push(rec["node"].as_str().unwrap().to_owned());
+        messages.push(json!({"role":"assistant","content":text_of(&events)}));
+        messages.push(json!({"role":"user","content":format!("Another one, turn {turn}.")}));
+    }
+    assert!(served.iter().all(|n| *n == served[0]), "{served:?}");
+    let sticky = served[0].clone();
+    let view = node_view(&gw, &sticky).await.unwrap();
+    assert_eq!(view["sticky"]["hits"], 5, "{view}");
+    assert_eq!(view["sticky"]["affinity_entries"], 1, "{view}");
+    let metrics = gw.metrics().await;
+    assert_eq!(
+        common::metric(&metrics, "spine_router_sticky_total{result=\"hit\"}"),
+        5.0
+    );
+
+    // the sticky node dies: the next turn is served by the other node, with no error
+    let i = agents.iter().position(|(n, _)| *n == sticky).unwrap();
+    agents[i].1.kill().await;
+    for _ in 0..100 {
+        if node_view(&gw, &sticky).await.is_none() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (id, status, events, _) = chat(&gw, &t.api_key, &json!(messages), 6).await;
+    assert_eq!(status, 200, "{events:?}");
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let rec = gw.record(&id).await;
+    assert_eq!(rec["outcome"], "completed");
+    assert_ne!(rec["node"], sticky.as_str());
+    let metrics = gw.metrics().await;
+    assert_eq!(
+        common::metric(&metrics, "spine_router_sticky_total{result=\"miss\"}"),
+        1.0
+    );
+    drop(agents);
+}
+
+/// A ~2,000-token opening: a system prompt and a long first user message (distinct per `seed`,
+/// so two conversations share no prefix beyond the chat template's first tokens).
+fn long_opening(seed: &str) -> Vec<Value> {
+    let mut text =
+        format!("Conversation {seed}. Here are my notes; read them, then answer briefly.\n");
+    for i in 0..95 {
+        text.push_str(&format!(
+            "Note {i} of {seed}: the shipment {i} left warehouse {} on day {} with {} crates.\n",
+            i * 7 % 13,
+            i * 3 % 29,
+            i * 11 % 17 + 1
+        ));
+    }
+    vec![
+        json!({"role":"system","content":format!("You are assistant {seed}. Be terse.")}),
+        json!({"role":"user","content":text}),
+    ]
+}
+
+/// Runs `turns` turns of one conversation on `gw`; returns (TTFT, node) per turn. `kill_after`:
+/// after that turn, kill the agent of the node that served it.
+async fn conversation(
+    gw: &Gateway,
+    key: &str,
+    seed: &str,
+    turns: usize,
+    kill_after: Option<(usize, &mut Vec<(String, Child)>)>,
+) -> Vec<(Duration, String, u16)> {
+    let mut messages = long_opening(seed);
+    let mut out = Vec::new();
+    let mut kill_after = kill_after;
+    for turn in 0..turns {
+        let (id, status, events, ttft) = chat(gw, key, &json!(messages), 8).await;
+        let rec = gw.record(&id).await;
+        let node = rec["node"].as_str().unwrap_or("-").to_owned();
+        out.push((ttft, node.clone(), status));
+        messages.push(json!({"role":"assistant","content":text_of(&events)}));
+        messages.push(json!({"role":"user","content":format!("And shipment {turn}?")}));
+        if let Some((after, agents)) = kill_after.as_mut() {
+            if *after == turn {
+                let i = agents.iter().position(|(n, _)| *n == node).unwrap();
+                agents[i].1.kill().await;
+                for _ in 0..100 {
+                    if node_view(gw, &node).await.is_none() {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The affinity TTFT benchmark (issue 5): two llama.cpp engines, two gateways — affinity on
+/// (default TTL) and off (`affinity_ttl_secs = 0`) — each with one agent per engine; a 10-turn
+/// chat with a ~2,000-token history on each, one after the other; then a chat whose sticky node
+/// is killed after turn 4. Prints a table. Run:
+/// `cargo test --release -p reference-gateway --test e2e_routing -- --ignored --nocapture affinity_ttft_bench`
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "benchmark: minutes of llama.cpp prefill; see docs/benchmarks.md"]
+async fn affinity_ttft_bench() {
+    let engine = Engine::discover().unwrap();
+    let dir_on = tempfile::tempdir().unwrap();
+    let dir_off = tempfile::tempdir().unwrap();
+    let llama_a = LlamaServer::start(&engine, 1).await.unwrap();
+    let llama_b = LlamaServer::start(&engine, 1).await.unwrap();
+    let on = Gateway::start(dir_on.path(), &engine).await;
+    let off = Gateway::start_with(dir_off.path(), &engine, "affinity_ttl_secs = 0").await;
+    let t_on = tenant(&on).await;
+    let t_off = tenant(&off).await;
+    let mut agents_on = Vec::new();
+    let mut agents_off = Vec::new();
+    for (name, url) in [("a", &llama_a.url), ("b", &llama_b.url)] {
+        agents_on.push(
+            add_node(
+                &on,
+                dir_on.path(),
+                &t_on.operator,
+                url,
+                &format!("on-{name}"),
+            )
+            .await,
+        );
+        agents_off.push(
+            add_node(
+                &off,
+                dir_off.path(),
+                &t_off.operator,
+                url,
+                &format!("off-{name}"),
+            )
+            .await,
+        );
+    }
+    let turns = 10;
+    let with = conversation(&on, &t_on.api_key, "alpha", turns, None).await;
+    let without = conversation(&off, &t_off.api_key, "bravo", turns, None).await;
+    println!("| turn | TTFT with affinity (ms) | node | TTFT without (ms) | node |");
+    println!("|---:|---:|---|---:|---|");
+    for turn in 0..turns {
+        println!(
+            "| {} | {} | {} | {} | {} |",
+            turn + 1,
+            with[turn].0.as_millis(),
+            &with[turn].1[..with[turn].1.len().min(12)],
+            without[turn].0.as_millis(),
+            &without[turn].1[..without[turn].1.len().min(12)],
+        );
+    }
+    let mean = |v: &[(Duration, String, u16)]| {
+        v.iter().map(|t| t.0.as_secs_f64()).sum::<f64>() / v.len() as f64
+    };
+    let (w, wo) = (mean(&with[1..]), mean(&without[1..]));
+    let hits = with[1..].iter().filter(|t| t.1 == with[0].1).count();
+    println!(
+        "turns 2-{turns}: mean TTFT with {:.0} ms, without {:.0} ms, ratio {:.2}x; sticky hit rate {}/{}",
+        w * 1000.0,
+        wo * 1000.0,
+        wo / w,
+        hits,
+        turns - 1
+    );
+    let (_, nodes) = on.admin_get("/admin/v1/nodes").await;
+    for n in nodes["data"].as_array().unwrap() {
+        println!("affinity-on node {}: sticky {}", n["node_id"], n["sticky"]);
+    }
+
+    let killed = conversation(&on, &t_on.api_key, "charlie", 6, Some((3, &mut agents_on))).await;
+    println!("| turn | TTFT (ms) | node | status |  (sticky node killed after turn 4)");
+    for (i, (ttft, node, status)) in killed.iter().enumerate() {
+        println!(
+            "| {} | {} | {} | {} |",
+            i + 1,
+            ttft.as_millis(),
+            &node[..node.len().min(12)],
+            status
+        );
+    }
+    assert!(killed.iter().all(|t| t.2 == 200));
+    drop(agents_off);
+}

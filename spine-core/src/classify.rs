@@ -1,0 +1,90 @@
+/// What the bytes of a response body seen so far say about one attempt on a node.
+///
+/// The router (design brief §5) may retry a request on another node only before the first content
+/// byte reaches the caller. It buffers the body's first frames and feeds them to a
+/// [`BodyClassifier`] until the classifier answers [`BodySignal::Content`] (commit: forward and
+/// never retry) or [`BodySignal::Failed`] (retry elsewhere if allowed).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum BodySignal {
+    /// Nothing decisive yet (SSE: only role, usage or keepalive events so far).
+    Pending,
+    /// The node produced content (a token, a finish, a complete non-streamed body): the attempt
+    /// is committed. Returned again for every later chunk while no failure is seen.
+    Content,
+    /// The node failed: an error event, an empty stream, bytes that cannot be parsed.
+    Failed,
+}
+
+/// Classifies one response body, chunk by chunk (see [`BodySignal`]).
+///
+/// Implementations keep their own state; once they return [`BodySignal::Failed`] they keep
+/// returning it. The router keeps feeding a committed body so that a failure after the first
+/// byte (an error event mid-stream) still counts against the node's score.
+pub trait BodyClassifier: Send {
+    /// The next chunk of body bytes, exactly as they arrived.
+    fn feed(&mut self, chunk: &[u8]) -> BodySignal;
+
+    /// The body ended cleanly; what does the whole body say?
+    fn finish(&mut self) -> BodySignal;
+}
+
+/// Makes a [`BodyClassifier`] for each 2xx response, from its `Content-Type`.
+///
+/// The metering crate provides one that parses SSE (`spine_meter::classify::SseClassify`); the
+/// router's default is [`FirstBytes`] for every body.
+pub trait ClassifyBody: Send + Sync + std::fmt::Debug + 'static {
+    /// A classifier for a body with this `Content-Type` header value (`None` when absent).
+    fn classifier(&self, content_type: Option<&str>) -> Box<dyn BodyClassifier>;
+}
+
+/// Classifies without parsing: the first non-empty chunk is content, a body that ends with no
+/// byte failed.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct FirstBytes {
+    seen_bytes: bool,
+}
+
+impl BodyClassifier for FirstBytes {
+    fn feed(&mut self, chunk: &[u8]) -> BodySignal {
+        if !chunk.is_empty() {
+            self.seen_bytes = true;
+        }
+        if self.seen_bytes {
+            BodySignal::Content
+        } else {
+            BodySignal::Pending
+        }
+    }
+
+    fn finish(&mut self) -> BodySignal {
+        if self.seen_bytes {
+            BodySignal::Content
+        } else {
+            BodySignal::Failed
+        }
+    }
+}
+
+impl ClassifyBody for FirstBytes {
+    fn classifier(&self, _content_type: Option<&str>) -> Box<dyn BodyClassifier> {
+        Box::new(FirstBytes::default())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn first_bytes_commits_on_the_first_byte_and_fails_an_empty_body() {
+        let mut c = FirstBytes::default().classifier(Some("application/json"));
+        assert_eq!(c.feed(b""), BodySignal::Pending);
+        assert_eq!(c.feed(b"{"), BodySignal::Content);
+        assert_eq!(c.feed(b""), BodySignal::Content);
+        assert_eq!(c.finish(), BodySignal::Content);
+        let mut empty = FirstBytes::default();
+        assert_eq!(empty.feed(b""), BodySignal::Pending);
+        assert_eq!(empty.finish(), BodySignal::Failed);
+    }
+}

@@ -1,0 +1,236 @@
+//! Conversation affinity (design brief §5): a conversation key maps to the node that last served
+//! it, for a TTL.
+
+use std::collections::HashMap;
+use std::hash::{DefaultHasher, Hash, Hasher};
+use std::time::Duration;
+
+use spine_core::{ModelId, NodeId, RequestPeek};
+use tokio::time::Instant;
+
+/// Where a request's conversation key came from, in the order the router looks for one.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum AffinityKey {
+    /// The body's `prompt_cache_key` (OpenAI's own conversation/cache key).
+    PromptCacheKey(String),
+    /// The caller's `X-Session-Id` header (see [`SessionId`]).
+    SessionId(String),
+    /// The automatic key: a hash of the conversation's opening
+    /// ([`spine_core::conversation_key`]).
+    Conversation(u64),
+}
+
+impl AffinityKey {
+    /// The key of a request: `prompt_cache_key`, else `session` (the `X-Session-Id` header),
+    /// else the automatic conversation key; `None` when there is none of them (a completions or
+    /// embeddings body without `prompt_cache_key` or session).
+    pub fn for_request(peek: &RequestPeek, session: Option<&str>) -> Option<Self> {
+        if let Some(key) = &peek.prompt_cache_key {
+            return Some(Self::PromptCacheKey(key.clone()));
+        }
+        if let Some(session) = session {
+            return Some(Self::SessionId(session.to_owned()));
+        }
+        peek.conversation_key.map(Self::Conversation)
+    }
+
+    /// The label metrics use for this kind of key: `prompt_cache_key`, `session_id`,
+    /// `conversation`.
+    pub fn source(&self) -> &'static str {
+        match self {
+            Self::PromptCacheKey(_) => "prompt_cache_key",
+            Self::SessionId(_) => "session_id",
+            Self::Conversation(_) => "conversation",
+        }
+    }
+}
+
+/// The caller's `X-Session-Id`, carried as a request extension.
+///
+/// [`Route`](crate::Route) reads this extension, else the `x-session-id` request header. An
+/// application that builds a fresh upstream request (as the reference gateway does, so that no
+/// caller header reaches a node) puts the caller's header value here.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SessionId(pub String);
+
+/// What the affinity table said about one pick.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum StickyOutcome {
+    /// The request had no affinity key (or affinity is disabled).
+    NoKey,
+    /// The key had no live entry: a normal pick (the first turn of a conversation).
+    New,
+    /// The key's node was routable, served the model and had a free slot: picked.
+    Hit,
+    /// The key's node was gone, lacked the model, was full or had failed this request: a normal
+    /// pick instead, and the entry is overwritten when the new node answers.
+    Miss,
+}
+
+impl StickyOutcome {
+    /// `no_key`, `new`, `hit`, `miss` (the `result` label of `spine_router_sticky_total`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::NoKey => "no_key",
+            Self::New => "new",
+            Self::Hit => "hit",
+            Self::Miss => "miss",
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Entry {
+    node: NodeId,
+    expires: Instant,
+}
+
+/// Key → node, each entry living `ttl` after its last use. Bounded: when full, expired entries
+/// are swept, then the tenth that expires soonest is dropped.
+#[derive(Debug)]
+pub(crate) struct AffinityTable {
+    ttl: Duration,
+    max_entries: usize,
+    entries: HashMap<u64, Entry>,
+}
+
+impl AffinityTable {
+    pub(crate) fn new(ttl: Duration, max_entries: usize) -> Self {
+        Self {
+            ttl,
+            max_entries: max_entries.max(1),
+            entries: HashMap::new(),
+        }
+    }
+
+    pub(crate) fn enabled(&self) -> bool {
+        !self.ttl.is_zero()
+    }
+
+    /// The table's key: the affinity key within one model. SipHash with fixed keys; a collision
+    /// only costs a cache miss.
+    pub(crate) fn slot(model: &ModelId, key: &AffinityKey) -> u64 {
+        let mut h = DefaultHasher::new();
+        model.as_str().hash(&mut h);
+        key.hash(&mut h);
+        h.finish()
+    }
+
+    /// The live node for `slot`, refreshing its TTL.
+    pub(crate) fn get(&mut self, slot: u64, now: Instant) -> Option<NodeId> {
+        let ttl = self.ttl;
+        match self.entries.get_mut(&slot) {
+            Some(e) if e.expires > now => {
+                e.expires = now + ttl;
+                Some(e.node.clone())
+            }
+            Some(_) => {
+                self.entries.remove(&slot);
+                None
+            }
+            None => None,
+        }
+    }
+
+    pub(crate) fn insert(&mut self, slot: u64, node: NodeId, now: Instant) {
+        if !self.enabled() {
+            return;
+        }
+        if self.entries.len() >= self.max_entries && !self.entries.contains_key(&slot) {
+            self.entries.retain(|_, e| e.expires > now);
+            if self.entries.len() >= self.max_entries {
+                let mut expiries: Vec<Instant> = self.entries.values().map(|e| e.expires).collect();
+                expiries.sort_unstable();
+                let cut = expiries[(expiries.len() / 10).min(expiries.len() - 1)];
+                self.entries.retain(|_, e| e.expires > cut);
+            }
+        }
+        self.entries.insert(
+            slot,
+            Entry {
+                node,
+                expires: now + self.ttl,
+            },
+        );
+    }
+
+    /// Live entries per node.
+    pub(crate) fn entries_per_node(&self, now: Instant) -> HashMap<NodeId, u64> {
+        let mut out: HashMap<NodeId, u64> = HashMap::new();
+        for e in self.entries.values().filter(|e| e.expires > now) {
+            *out.entry(e.node.clone()).or_default() += 1;
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn entries_expire_after_ttl_since_last_use() {
+        let mut t = AffinityTable::new(Duration::from_secs(1_800), 10);
+        let now = Instant::now();
+        let k = AffinityTable::slot(&ModelId::new("m"), &AffinityKey::Conversation(7));
+        assert_eq!(t.get(k, now), None);
+        t.insert(k, NodeId::new("a"), now);
+        let later = now + Duration::from_secs(1_700);
+        assert_eq!(t.get(k, later), Some(NodeId::new("a")));
+        // refreshed at `later`: alive 1,799 s after it, gone at 1,800 s
+        assert_eq!(
+            t.get(k, later + Duration::from_secs(1_799)),
+            Some(NodeId::new("a"))
+        );
+        assert_eq!(t.get(k, later + Duration::from_secs(1_799 + 1_800)), None);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn bounded_and_disabled_at_zero_ttl() {
+        let now = Instant::now();
+        let mut t = AffinityTable::new(Duration::from_secs(60), 20);
+        for i in 0..100u64 {
+            t.insert(i, NodeId::new("a"), now + Duration::from_millis(i));
+        }
+        assert!(t.entries.len() <= 20, "{}", t.entries.len());
+        // the newest entry is always kept
+        assert_eq!(
+            t.get(99, now + Duration::from_millis(99)),
+            Some(NodeId::new("a"))
+        );
+        let mut off = AffinityTable::new(Duration::ZERO, 20);
+        off.insert(1, NodeId::new("a"), now);
+        assert_eq!(off.get(1, now), None);
+    }
+
+    #[test]
+    fn key_precedence() {
+        let mut peek = RequestPeek {
+            model: ModelId::new("m"),
+            stream: false,
+            include_usage: false,
+            n: 1,
+            max_tokens: None,
+            prompt_cache_key: Some("pck".into()),
+            conversation_key: Some(9),
+        };
+        assert_eq!(
+            AffinityKey::for_request(&peek, Some("s")),
+            Some(AffinityKey::PromptCacheKey("pck".into()))
+        );
+        peek.prompt_cache_key = None;
+        assert_eq!(
+            AffinityKey::for_request(&peek, Some("s")),
+            Some(AffinityKey::SessionId("s".into()))
+        );
+        assert_eq!(
+            AffinityKey::for_request(&peek, None),
+            Some(AffinityKey::Conversation(9))
+        );
+        peek.conversation_key = None;
+        assert_eq!(AffinityKey::for_request(&peek, None), None);
+    }
+}

@@ -1,0 +1,275 @@
+//! The reliability score of one node (design brief §5).
+//!
+//! ```text
+//! score  = 0.5·success_rate_ema + 0.3·latency_score(ttft_ema_ms) + 0.2·uptime_score(last_seen)
+//!          then, while a disconnect penalty p < 1 is in force: min(score, max(0.05, score·p))
+//! weight = max(vram_mib, 1) · (0.2 + 0.8·score)
+//! ```
+//!
+//! - **EMAs** use the factor [`ScoreConfig::ema_alpha`] (default 0.2): `ema ← ema + α·(x − ema)`,
+//!   so the last sample weighs 20 % and a sample's weight halves after about 3 samples.
+//!   `success_rate_ema` takes `x = 1` for a successful attempt and `x = 0` for a failed one (and
+//!   for each usage discrepancy, design brief §6); it starts at 1 (an optimistic prior: a new node
+//!   gets its full share at once and earns its score from there).
+//! - **latency_score** (dimensionless, in (0, 1], higher is better) of the TTFT EMA in
+//!   milliseconds: `ref / (ref + ttft_ema_ms)` with `ref` = [`ScoreConfig::latency_ref_ms`]
+//!   (default 1,000 ms): 1 at 0 ms, 0.5 at 1 s, 0.17 at 5 s. A node with no TTFT sample yet scores 1.
+//!   TTFT samples come from streamed responses only (time from sending the attempt to its first
+//!   content event); a non-streamed body's first byte is the whole answer, not a TTFT.
+//! - **uptime_score** (in [0, 1]) of the age of the node's last liveness confirmation (a tunnel
+//!   heartbeat, the node becoming routable, or a successful response): 1 up to
+//!   [`ScoreConfig::uptime_full_secs`] (default 30 s, a missed 10 s keepalive plus its 20 s
+//!   timeout), then linear down to 0 at [`ScoreConfig::uptime_zero_secs`] (default 90 s).
+//! - **mid-request disconnect** (the node's body broke after the response head): the penalty `p`
+//!   (start 1) is halved; it recovers towards 1 with a half-life of
+//!   [`ScoreConfig::disconnect_half_life_secs`] (default 60 s): `p(t) = 1 − (1 − p₀)·2^(−t/h)`.
+//!   While `p < 1` the score is `min(score, max(0.05, score·p))`: each disconnect halves it,
+//!   never below the floor 0.05 (and never above the unpenalised score).
+//!
+//! Time is `tokio::time::Instant`, so tests run the score on tokio's paused clock.
+
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+/// Floor of a disconnect-penalised score (design brief §5).
+pub const DISCONNECT_SCORE_FLOOR: f64 = 0.05;
+
+/// Constants of the score. [`Default`] gives the values stated in the module docs.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ScoreConfig {
+    /// EMA factor α in (0, 1]: the weight of the newest sample. Default 0.2.
+    pub ema_alpha: f64,
+    /// TTFT at which `latency_score` is 0.5, milliseconds. Default 1,000.
+    pub latency_ref_ms: f64,
+    /// Liveness age up to which `uptime_score` is 1, seconds. Default 30.
+    pub uptime_full_secs: f64,
+    /// Liveness age at which `uptime_score` reaches 0, seconds. Default 90.
+    pub uptime_zero_secs: f64,
+    /// Half-life of the disconnect penalty's recovery, seconds. Default 60.
+    pub disconnect_half_life_secs: f64,
+}
+
+impl Default for ScoreConfig {
+    fn default() -> Self {
+        Self {
+            ema_alpha: 0.2,
+            latency_ref_ms: 1_000.0,
+            uptime_full_secs: 30.0,
+            uptime_zero_secs: 90.0,
+            disconnect_half_life_secs: 60.0,
+        }
+    }
+}
+
+impl ScoreConfig {
+    /// `ref / (ref + ttft_ms)`; 1 when there is no sample yet.
+    pub fn latency_score(&self, ttft_ema_ms: Option<f64>) -> f64 {
+        match ttft_ema_ms {
+            None => 1.0,
+            Some(ms) => {
+                let reference = self.latency_ref_ms.max(f64::MIN_POSITIVE);
+                reference / (reference + ms.max(0.0))
+            }
+        }
+    }
+
+    /// 1 up to `uptime_full_secs`, linear to 0 at `uptime_zero_secs`.
+    pub fn uptime_score(&self, age: Duration) -> f64 {
+        let age_secs = age.as_secs_f64();
+        if age_secs <= self.uptime_full_secs {
+            1.0
+        } else if age_secs >= self.uptime_zero_secs {
+            0.0
+        } else {
+            1.0 - (age_secs - self.uptime_full_secs)
+                / (self.uptime_zero_secs - self.uptime_full_secs)
+        }
+    }
+
+    fn alpha(&self) -> f64 {
+        if self.ema_alpha.is_finite() {
+            self.ema_alpha.clamp(f64::MIN_POSITIVE, 1.0)
+        } else {
+            0.2
+        }
+    }
+}
+
+/// The score and its parts at one instant, as the admin API shows them.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+pub struct ScoreParts {
+    /// The final score in [0, 1], higher is better.
+    pub score: f64,
+    /// Success rate EMA in [0, 1].
+    pub success_rate_ema: f64,
+    /// TTFT EMA in milliseconds; `None` before the first streamed sample.
+    pub ttft_ema_ms: Option<f64>,
+    /// `latency_score(ttft_ema_ms)` in (0, 1].
+    pub latency_score: f64,
+    /// `uptime_score(last_seen)` in [0, 1].
+    pub uptime_score: f64,
+    /// Seconds since the last liveness confirmation.
+    pub last_seen_secs: f64,
+    /// The disconnect penalty now, in (0, 1]; 1 = none.
+    pub disconnect_penalty: f64,
+}
+
+/// The mutable state behind one node's score.
+#[derive(Clone, Debug)]
+pub(crate) struct ScoreState {
+    success_rate_ema: f64,
+    ttft_ema_ms: Option<f64>,
+    last_seen: Instant,
+    penalty: f64,
+    penalty_at: Instant,
+}
+
+impl ScoreState {
+    pub(crate) fn new(now: Instant) -> Self {
+        Self {
+            success_rate_ema: 1.0,
+            ttft_ema_ms: None,
+            last_seen: now,
+            penalty: 1.0,
+            penalty_at: now,
+        }
+    }
+
+    pub(crate) fn seen(&mut self, now: Instant) {
+        self.last_seen = self.last_seen.max(now);
+    }
+
+    pub(crate) fn success(&mut self, cfg: &ScoreConfig, now: Instant) {
+        self.success_rate_ema += cfg.alpha() * (1.0 - self.success_rate_ema);
+        self.seen(now);
+    }
+
+    pub(crate) fn failure(&mut self, cfg: &ScoreConfig) {
+        self.success_rate_ema += cfg.alpha() * (0.0 - self.success_rate_ema);
+    }
+
+    pub(crate) fn ttft(&mut self, cfg: &ScoreConfig, ttft: Duration) {
+        let ms = ttft.as_secs_f64() * 1_000.0;
+        self.ttft_ema_ms = Some(match self.ttft_ema_ms {
+            None => ms,
+            Some(ema) => ema + cfg.alpha() * (ms - ema),
+        });
+    }
+
+    pub(crate) fn disconnect(&mut self, cfg: &ScoreConfig, now: Instant) {
+        self.failure(cfg);
+        self.penalty = self.penalty_at(cfg, now) * 0.5;
+        self.penalty_at = now;
+    }
+
+    fn penalty_at(&self, cfg: &ScoreConfig, now: Instant) -> f64 {
+        if self.penalty >= 1.0 {
+            return 1.0;
+        }
+        let elapsed = now.saturating_duration_since(self.penalty_at).as_secs_f64();
+        let half_life = cfg.disconnect_half_life_secs.max(f64::MIN_POSITIVE);
+        1.0 - (1.0 - self.penalty) * (-elapsed / half_life).exp2()
+    }
+
+    pub(crate) fn parts(&self, cfg: &ScoreConfig, now: Instant) -> ScoreParts {
+        let age = now.saturating_duration_since(self.last_seen);
+        let latency_score = cfg.latency_score(self.ttft_ema_ms);
+        let uptime_score = cfg.uptime_score(age);
+        let base = 0.5 * self.success_rate_ema + 0.3 * latency_score + 0.2 * uptime_score;
+        let penalty = self.penalty_at(cfg, now);
+        let score = if penalty < 1.0 {
+            base.min((base * penalty).max(DISCONNECT_SCORE_FLOOR))
+        } else {
+            base
+        };
+        ScoreParts {
+            score: score.clamp(0.0, 1.0),
+            success_rate_ema: self.success_rate_ema,
+            ttft_ema_ms: self.ttft_ema_ms,
+            latency_score,
+            uptime_score,
+            last_seen_secs: age.as_secs_f64(),
+            disconnect_penalty: penalty,
+        }
+    }
+}
+
+/// `max(vram_mib, 1) · (0.2 + 0.8·score)` (design brief §5).
+pub fn weight(vram_mib: u64, score: f64) -> f64 {
+    // u64 → f64 loses precision only above 2^53 MiB
+    #[allow(clippy::cast_precision_loss)]
+    let vram = vram_mib.max(1) as f64;
+    vram * (0.2 + 0.8 * score.clamp(0.0, 1.0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn close(a: f64, b: f64) -> bool {
+        (a - b).abs() < 1e-9
+    }
+
+    #[test]
+    fn curves_have_the_documented_values() {
+        let c = ScoreConfig::default();
+        assert!(close(c.latency_score(None), 1.0));
+        assert!(close(c.latency_score(Some(0.0)), 1.0));
+        assert!(close(c.latency_score(Some(1_000.0)), 0.5));
+        assert!(close(c.latency_score(Some(4_000.0)), 0.2));
+        assert!(close(c.uptime_score(Duration::from_secs(30)), 1.0));
+        assert!(close(c.uptime_score(Duration::from_secs(60)), 0.5));
+        assert!(close(c.uptime_score(Duration::from_secs(90)), 0.0));
+        assert!(close(c.uptime_score(Duration::from_secs(900)), 0.0));
+        assert!(close(weight(0, 1.0), 1.0));
+        assert!(close(weight(8_192, 0.0), 8_192.0 * 0.2));
+        assert!(close(weight(8_192, 0.5), 8_192.0 * 0.6));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn score_formula_and_ema() {
+        let c = ScoreConfig::default();
+        let t0 = Instant::now();
+        let mut s = ScoreState::new(t0);
+        // new node: optimistic prior
+        assert!(close(s.parts(&c, t0).score, 1.0));
+        s.failure(&c);
+        assert!(close(s.parts(&c, t0).success_rate_ema, 0.8));
+        s.success(&c, t0);
+        assert!(close(s.parts(&c, t0).success_rate_ema, 0.84));
+        s.ttft(&c, Duration::from_millis(1_000));
+        s.ttft(&c, Duration::from_millis(2_000));
+        assert!(close(s.parts(&c, t0).ttft_ema_ms.unwrap_or(0.0), 1_200.0));
+        let p = s.parts(&c, t0);
+        assert!(close(p.score, 0.5 * 0.84 + 0.3 * (1_000.0 / 2_200.0) + 0.2));
+        let later = t0 + Duration::from_secs(60);
+        assert!(close(
+            s.parts(&c, later).score,
+            0.5 * 0.84 + 0.3 * (1_000.0 / 2_200.0) + 0.2 * 0.5
+        ));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn disconnect_halves_with_floor_and_recovers() {
+        let c = ScoreConfig::default();
+        let t0 = Instant::now();
+        let mut s = ScoreState::new(t0);
+        s.disconnect(&c, t0);
+        // success 0.8 → base 0.9, halved
+        assert!(close(s.parts(&c, t0).score, 0.45));
+        for _ in 0..10 {
+            s.disconnect(&c, t0);
+        }
+        assert!(close(s.parts(&c, t0).score, DISCONNECT_SCORE_FLOOR));
+        // one half-life later the missing part of the penalty is halved
+        let p0 = s.parts(&c, t0).disconnect_penalty;
+        let p1 = s.parts(&c, t0 + Duration::from_secs(60)).disconnect_penalty;
+        assert!(close(1.0 - p1, (1.0 - p0) / 2.0));
+        assert!(
+            s.parts(&c, t0 + Duration::from_secs(600))
+                .disconnect_penalty
+                > 0.99
+        );
+    }
+}

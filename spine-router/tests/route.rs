@@ -1,0 +1,354 @@
+//! `Route` over scripted upstream services: retries before the first byte, never after; the
+//! same body on every attempt; each attempt recorded against its own node.
+#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
+
+use std::collections::{HashMap, VecDeque};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use spine_core::{
+    BodyClassifier, BodySignal, BoxBody, BoxError, ClassifyBody, EngineKind, ModelDescriptor,
+    ModelId, NodeDescriptor, NodeId, NodeSlot, RequestPeek,
+};
+use spine_router::{NodeRegistry, RouteConfig, RouteError, RouteLayer};
+use tower::{Layer, ServiceExt};
+
+/// Test classifier: an event `data: tok` is content, `data: err` a failure.
+#[derive(Debug)]
+struct Words;
+
+#[derive(Default)]
+struct WordsClassifier {
+    content: bool,
+    failed: bool,
+}
+
+impl BodyClassifier for WordsClassifier {
+    fn feed(&mut self, chunk: &[u8]) -> BodySignal {
+        let text = String::from_utf8_lossy(chunk);
+        if text.contains("data: err") {
+            self.failed = true;
+        } else if text.contains("data: tok") {
+            self.content = true;
+        }
+        self.signal()
+    }
+    fn finish(&mut self) -> BodySignal {
+        if !self.content {
+            self.failed = true;
+        }
+        self.signal()
+    }
+}
+
+impl WordsClassifier {
+    fn signal(&self) -> BodySignal {
+        if self.failed {
+            BodySignal::Failed
+        } else if self.content {
+            BodySignal::Content
+        } else {
+            BodySignal::Pending
+        }
+    }
+}
+
+impl ClassifyBody for Words {
+    fn classifier(&self, _content_type: Option<&str>) -> Box<dyn BodyClassifier> {
+        Box::new(WordsClassifier::default())
+    }
+}
+
+/// What a scripted node does.
+#[derive(Clone, Copy, Debug)]
+enum Script {
+    Ok,
+    Status503,
+    ConnectError,
+    ErrorEvent,
+    EmptyStream,
+    /// One token, then the body breaks.
+    BreakAfterToken,
+}
+
+/// A body of scripted frames: `Ok` is a data frame, `Err` a body error.
+struct Frames(VecDeque<Result<&'static str, &'static str>>);
+
+impl http_body::Body for Frames {
+    type Data = Bytes;
+    type Error = BoxError;
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, BoxError>>> {
+        Poll::Ready(self.0.pop_front().map(|c| match c {
+            Ok(s) => Ok(http_body::Frame::data(Bytes::from_static(s.as_bytes()))),
+            Err(e) => Err(e.into()),
+        }))
+    }
+}
+
+fn sse(chunks: Vec<Result<&'static str, &'static str>>) -> http::Response<BoxBody> {
+    http::Response::builder()
+        .header("content-type", "text/event-stream")
+        .body(BoxBody::new(Frames(chunks.into_iter().collect())))
+        .unwrap()
+}
+
+#[derive(Clone, Default)]
+struct Log(Arc<Mutex<Vec<(NodeId, Bytes)>>>);
+
+fn upstream(
+    scripts: HashMap<&'static str, Script>,
+    log: Log,
+) -> impl tower::Service<
+    http::Request<BoxBody>,
+    Response = http::Response<BoxBody>,
+    Error = BoxError,
+    Future = impl Send,
+> + Clone
+       + Send
+       + 'static {
+    let scripts = Arc::new(scripts);
+    tower::service_fn(move |req: http::Request<BoxBody>| {
+        let scripts = scripts.clone();
+        let log = log.clone();
+        async move {
+            let node = req.extensions().get::<NodeId>().cloned().unwrap();
+            let body = req.into_body().collect().await?.to_bytes();
+            log.0.lock().unwrap().push((node.clone(), body));
+            match scripts[node.as_str()] {
+                Script::Ok => Ok(sse(vec![
+                    Ok("data: role\n\n"),
+                    Ok("data: tok\n\n"),
+                    Ok("data: end\n\n"),
+                ])),
+                Script::Status503 => Ok(http::Response::builder()
+                    .status(503)
+                    .body(BoxBody::new(
+                        Full::new(Bytes::from_static(b"busy")).map_err(|n| match n {}),
+                    ))
+                    .unwrap()),
+                Script::ConnectError => Err::<_, BoxError>("connect refused".into()),
+                Script::ErrorEvent => Ok(sse(vec![Ok("data: role\n\n"), Ok("data: err\n\n")])),
+                Script::EmptyStream => Ok(sse(vec![])),
+                Script::BreakAfterToken => Ok(sse(vec![Ok("data: tok\n\n"), Err("tunnel lost")])),
+            }
+        }
+    })
+}
+
+fn registry(nodes: &[&str]) -> NodeRegistry {
+    let r = NodeRegistry::new();
+    for n in nodes {
+        r.node_ready(
+            &NodeId::new(*n),
+            &NodeDescriptor {
+                engine: EngineKind::LlamaCpp,
+                models: vec![ModelDescriptor {
+                    id: ModelId::new("m"),
+                    max_context_tokens: None,
+                }],
+                vram_mib: 1,
+                max_concurrency: 4,
+                agent_version: "t".into(),
+            },
+        );
+    }
+    r
+}
+
+fn request(key: Option<&str>) -> (http::Request<BoxBody>, NodeSlot) {
+    let mut req = http::Request::post("/v1/chat/completions")
+        .body(BoxBody::new(
+            Full::new(Bytes::from_static(b"{\"model\":\"m\"}")).map_err(|n| match n {}),
+        ))
+        .unwrap();
+    req.extensions_mut().insert(RequestPeek {
+        model: ModelId::new("m"),
+        stream: true,
+        include_usage: false,
+        n: 1,
+        max_tokens: None,
+        prompt_cache_key: key.map(str::to_owned),
+        conversation_key: None,
+    });
+    let slot = NodeSlot::new();
+    req.extensions_mut().insert(slot.clone());
+    (req, slot)
+}
+
+fn stats(r: &NodeRegistry, node: &str) -> (u64, u64, u64) {
+    let s = r
+        .snapshot()
+        .into_iter()
+        .find(|s| s.node_id.as_str() == node)
+        .unwrap();
+    (s.attempts, s.failures, s.disconnects)
+}
+
+async fn run_one(
+    scripts: &[(&'static str, Script)],
+    max_retries: u32,
+) -> (
+    NodeRegistry,
+    Log,
+    Result<(NodeId, Result<Bytes, BoxError>), BoxError>,
+    NodeSlot,
+) {
+    let names: Vec<&str> = scripts.iter().map(|(n, _)| *n).collect();
+    let r = registry(&names);
+    let log = Log::default();
+    let svc = RouteLayer::new(r.clone())
+        .classify(Arc::new(Words))
+        .config(RouteConfig {
+            max_retries,
+            ..RouteConfig::default()
+        })
+        .layer(upstream(scripts.iter().copied().collect(), log.clone()));
+    let (req, slot) = request(None);
+    let out = match svc.oneshot(req).await {
+        Ok(resp) => {
+            let node = resp
+                .extensions()
+                .get::<NodeId>()
+                .cloned()
+                .unwrap_or(NodeId::new("?"));
+            let body = resp.into_body().collect().await.map(|c| c.to_bytes());
+            Ok((node, body))
+        }
+        Err(e) => Err(e),
+    };
+    (r, log, out, slot)
+}
+
+#[tokio::test]
+async fn failures_before_the_first_byte_are_retried_on_another_node() {
+    for bad in [
+        Script::Status503,
+        Script::ConnectError,
+        Script::ErrorEvent,
+        Script::EmptyStream,
+    ] {
+        // every failing node is tried at most once; the healthy one answers in the end
+        let (r, log, out, slot) =
+            run_one(&[("bad1", bad), ("bad2", bad), ("good", Script::Ok)], 2).await;
+        let (node, body) = out.unwrap();
+        assert_eq!(node.as_str(), "good", "{bad:?}");
+        assert_eq!(
+            &body.unwrap()[..],
+            b"data: role\n\ndata: tok\n\ndata: end\n\n"
+        );
+        assert_eq!(slot.get(), Some(NodeId::new("good")));
+        let log = log.0.lock().unwrap().clone();
+        // the same bytes on every attempt, each on a different node
+        assert!(log.iter().all(|(_, b)| &b[..] == b"{\"model\":\"m\"}"));
+        let mut nodes: Vec<&str> = log.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(nodes.last(), Some(&"good"));
+        nodes.sort_unstable();
+        nodes.dedup();
+        assert_eq!(nodes.len(), log.len(), "{bad:?}: a node tried twice");
+        assert_eq!(stats(&r, "good"), (1, 0, 0));
+        for n in ["bad1", "bad2"] {
+            let (attempts, failures, _) = stats(&r, n);
+            assert_eq!(attempts, failures, "{bad:?} {n}");
+        }
+        // all leases released
+        assert!(r.snapshot().iter().all(|s| s.in_flight == 0));
+    }
+}
+
+#[tokio::test]
+async fn failure_after_the_first_byte_is_not_retried() {
+    let (r, log, out, _) = run_one(
+        &[
+            ("a", Script::BreakAfterToken),
+            ("b", Script::BreakAfterToken),
+        ],
+        2,
+    )
+    .await;
+    let (_, body) = out.unwrap();
+    let err = body.unwrap_err();
+    assert_eq!(err.to_string(), "tunnel lost");
+    assert_eq!(
+        log.0.lock().unwrap().len(),
+        1,
+        "retried after a byte was forwarded"
+    );
+    let total: (u64, u64, u64) = ["a", "b"]
+        .iter()
+        .map(|n| stats(&r, n))
+        .fold((0, 0, 0), |a, s| (a.0 + s.0, a.1 + s.1, a.2 + s.2));
+    assert_eq!(total, (1, 1, 1));
+    let halved = r
+        .snapshot()
+        .into_iter()
+        .find(|s| s.disconnects == 1)
+        .unwrap();
+    assert!(halved.score.disconnect_penalty < 0.51);
+}
+
+#[tokio::test]
+async fn retries_are_bounded_and_the_last_answer_is_returned() {
+    let scripts = [
+        ("a", Script::Status503),
+        ("b", Script::Status503),
+        ("c", Script::Status503),
+        ("d", Script::Status503),
+    ];
+    let (_, log, out, _) = run_one(&scripts, 2).await;
+    let (_, body) = out.unwrap();
+    assert_eq!(&body.unwrap()[..], b"busy");
+    assert_eq!(log.0.lock().unwrap().len(), 3);
+    // no retry at all
+    let (_, log, out, _) = run_one(
+        &[("a", Script::ConnectError), ("b", Script::ConnectError)],
+        0,
+    )
+    .await;
+    assert_eq!(out.unwrap_err().to_string(), "connect refused");
+    assert_eq!(log.0.lock().unwrap().len(), 1);
+    // an error stream is handed back as it came when no node is left
+    let (_, _, out, _) = run_one(&[("a", Script::ErrorEvent)], 2).await;
+    assert_eq!(&out.unwrap().1.unwrap()[..], b"data: role\n\ndata: err\n\n");
+}
+
+#[tokio::test]
+async fn the_answering_node_becomes_sticky() {
+    let r = registry(&["a", "b", "c"]);
+    let log = Log::default();
+    let scripts: HashMap<&str, Script> = [("a", Script::Ok), ("b", Script::Ok), ("c", Script::Ok)]
+        .into_iter()
+        .collect();
+    let svc = RouteLayer::new(r.clone())
+        .classify(Arc::new(Words))
+        .layer(upstream(scripts, log.clone()));
+    for _ in 0..10 {
+        let (req, _) = request(Some("chat-1"));
+        let resp = svc.clone().oneshot(req).await.unwrap();
+        resp.into_body().collect().await.unwrap();
+    }
+    let log = log.0.lock().unwrap();
+    assert!(log.iter().all(|(n, _)| *n == log[0].0), "{log:?}");
+    let hits: u64 = r.snapshot().iter().map(|s| s.sticky_hits).sum();
+    assert_eq!(hits, 9);
+}
+
+#[tokio::test]
+async fn no_peek_is_refused() {
+    let r = registry(&["a"]);
+    let svc = RouteLayer::new(r).layer(upstream(
+        [("a", Script::Ok)].into_iter().collect(),
+        Log::default(),
+    ));
+    let req = http::Request::new(BoxBody::default());
+    let err = svc.oneshot(req).await.unwrap_err();
+    assert_eq!(
+        err.downcast_ref::<RouteError>(),
+        Some(&RouteError::MissingPeek)
+    );
+}
