@@ -1,11 +1,14 @@
 //! Agent settings: command-line flags, `SPINE_AGENT_*` environment variables, and an optional
 //! TOML file with the same keys in snake_case. Flags and environment win over the file.
+//!
+//! `reference-agent join` writes that file (default [`default_config_path`]); `run` without
+//! `--config` and without `--gateway` reads it from there, and `status` always does.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use http::Uri;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 /// Default `max_concurrency`.
 pub(crate) const DEFAULT_MAX_CONCURRENCY: u32 = 4;
@@ -19,40 +22,28 @@ const SYSTEM_CA_BUNDLES: [&str; 4] = [
 ];
 
 /// Engine kinds on the command line.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Deserialize, Serialize)]
 pub(crate) enum EngineArg {
     /// llama.cpp's `llama-server`.
     #[value(name = "llama.cpp")]
     #[serde(rename = "llama.cpp")]
     LlamaCpp,
-    /// vLLM (not yet supported).
+    /// vLLM's OpenAI-compatible server.
     #[value(name = "vllm")]
     #[serde(rename = "vllm")]
     Vllm,
-    /// Ollama (not yet supported).
+    /// Ollama (its OpenAI-compatible `/v1` paths).
     #[value(name = "ollama")]
     #[serde(rename = "ollama")]
     Ollama,
-    /// SGLang (not yet supported).
+    /// SGLang.
     #[value(name = "sglang")]
     #[serde(rename = "sglang")]
     Sglang,
-    /// Detect (llama.cpp only for now).
+    /// Detect which of the four answers at the engine URL (`engine::detect`).
     #[value(name = "auto")]
     #[serde(rename = "auto")]
     Auto,
-}
-
-impl EngineArg {
-    pub(crate) fn as_str(&self) -> &'static str {
-        match self {
-            Self::LlamaCpp => "llama.cpp",
-            Self::Vllm => "vllm",
-            Self::Ollama => "ollama",
-            Self::Sglang => "sglang",
-            Self::Auto => "auto",
-        }
-    }
 }
 
 /// Options of `reference-agent run`.
@@ -92,18 +83,42 @@ pub(crate) struct RunArgs {
 }
 
 /// The TOML file.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct FileConfig {
-    gateway: Option<String>,
-    identity: Option<PathBuf>,
-    ca_file: Option<PathBuf>,
-    insecure_plaintext_tunnel: Option<bool>,
-    engine: Option<EngineArg>,
-    engine_url: Option<String>,
-    max_concurrency: Option<u32>,
-    vram_mib: Option<u64>,
-    model: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) gateway: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) identity: Option<PathBuf>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) ca_file: Option<PathBuf>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) insecure_plaintext_tunnel: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) engine: Option<EngineArg>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) engine_url: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) max_concurrency: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) vram_mib: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) model: Option<String>,
+}
+
+/// Where `join` writes the config and `status` / `run` look for it:
+/// `$XDG_CONFIG_HOME/spine/agent.toml`, else `$HOME/.config/spine/agent.toml`; `None` when
+/// neither variable is set.
+pub(crate) fn default_config_path() -> Option<PathBuf> {
+    let base = std::env::var_os("XDG_CONFIG_HOME")
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("HOME")
+                .filter(|v| !v.is_empty())
+                .map(|h| PathBuf::from(h).join(".config"))
+        })?;
+    Some(base.join("spine").join("agent.toml"))
 }
 
 /// Errors resolving settings.
@@ -154,10 +169,15 @@ pub(crate) struct Settings {
 }
 
 impl Settings {
-    /// Flags/env over the file over defaults.
+    /// Flags/env over the file over defaults. Without `--config` and `--gateway`, the file
+    /// `join` wrote ([`default_config_path`]) is read when it exists.
     pub(crate) fn resolve(args: RunArgs) -> Result<Self, ConfigError> {
         let file = match &args.config {
             Some(path) => load_file(path)?,
+            None if args.gateway.is_none() => match default_config_path() {
+                Some(path) if path.is_file() => load_file(&path)?,
+                _ => FileConfig::default(),
+            },
             None => FileConfig::default(),
         };
         Self::merge(args, file)
@@ -213,8 +233,17 @@ impl Settings {
         if !self.gateway.starts_with("wss://") {
             return Ok(None);
         }
-        let path = match &self.ca_file {
-            Some(path) => path.clone(),
+        tls_client_config(self.ca_file.as_deref()).map(Some)
+    }
+}
+
+/// A rustls client configuration trusting `ca_file` (PEM), else the system CA bundle.
+pub(crate) fn tls_client_config(
+    ca_file: Option<&Path>,
+) -> Result<Arc<rustls::ClientConfig>, ConfigError> {
+    {
+        let path = match ca_file {
+            Some(path) => path.to_owned(),
             None => SYSTEM_CA_BUNDLES
                 .iter()
                 .map(PathBuf::from)
@@ -225,11 +254,11 @@ impl Settings {
             path: path.clone(),
             source,
         })?;
-        Ok(Some(spine_transport::client_config_with_ca(&pem)?))
+        Ok(spine_transport::client_config_with_ca(&pem)?)
     }
 }
 
-fn load_file(path: &Path) -> Result<FileConfig, ConfigError> {
+pub(crate) fn load_file(path: &Path) -> Result<FileConfig, ConfigError> {
     let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
         path: path.to_owned(),
         source,

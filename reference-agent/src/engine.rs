@@ -1,15 +1,40 @@
-//! Engine adapters: what the agent asks its local inference engine (health, models).
+//! Engine adapters: what the agent asks its local inference engine (health, served models, max
+//! context) and each engine's quirks, behind one [`Engine`] trait (design brief §7, §9).
+//!
+//! | engine | health | models | max context |
+//! |---|---|---|---|
+//! | llama.cpp `llama-server` | `GET /health` (503 while loading) | `GET /v1/models` `data[].id` (the `--alias`) | `data[].meta.n_ctx` |
+//! | vLLM | `GET /health` | `GET /v1/models` | `data[].max_model_len` |
+//! | SGLang | `GET /health` | `GET /v1/models` | `data[].max_model_len` |
+//! | Ollama | `GET /api/version` | `GET /v1/models` (OpenAI paths under `/v1`) | `GET /api/ps` `context_length` of the loaded model, else `num_ctx` from `POST /api/show`, else unknown |
+//!
+//! Quirk handled here: llama.cpp answers *any* model name with its loaded model and answers
+//! malformed JSON with 500 (which the gateway would count against the node), so for llama.cpp
+//! the agent's proxy checks the body itself ([`RequestGuard`]): malformed JSON → 400, a model the
+//! engine does not serve → 404, both in OpenAI's error shape. vLLM, SGLang and Ollama refuse
+//! unknown models and bad JSON themselves.
+//!
+//! `--engine auto` ([`detect`]): `GET /api/version` answering `{"version"}` → Ollama;
+//! `GET /get_model_info` answering `{"model_path"}` → SGLang; `GET /v1/models` entries owned by
+//! `llamacpp` (or carrying llama.cpp's `meta`) → llama.cpp, owned by `vllm` → vLLM.
+//!
+//! VRAM: [`detect_vram_mib`] runs `nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits`
+//! and sums the GPUs; an absent binary or unusable output leaves the configured value.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Request, StatusCode, Uri};
-use http_body_util::{BodyExt as _, Empty};
+use http_body_util::{BodyExt as _, Empty, Full};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use serde::Deserialize;
 use spine_core::{BoxBody, EngineKind, ModelDescriptor, ModelId};
+
+use crate::config::EngineArg;
 
 /// The HTTP client the agent uses towards its engine (HTTP/1.1, `TCP_NODELAY`).
 pub(crate) type EngineClient = Client<HttpConnector, BoxBody>;
@@ -49,43 +74,58 @@ pub(crate) enum EngineError {
     },
     #[error("engine url is invalid: {0}")]
     Url(#[source] http::Error),
+    #[error("could not tell which engine answers at {url} (llama.cpp, vLLM, Ollama or SGLang); pass --engine")]
+    Undetected { url: String },
 }
 
-/// What the agent needs from an inference engine.
-pub(crate) trait Engine: Send + Sync + 'static {
+/// A boxed future returned by [`Engine`] methods.
+pub(crate) type EngineFuture<'a, T> =
+    Pin<Box<dyn Future<Output = Result<T, EngineError>> + Send + 'a>>;
+
+/// How the proxy must check request bodies before the engine sees them (an engine quirk).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct RequestGuard {
+    /// Buffer `POST` bodies and answer malformed JSON with 400 and a model the engine does not
+    /// serve with 404, instead of forwarding (llama.cpp).
+    pub(crate) check_json_and_model: bool,
+}
+
+/// What the agent needs from an inference engine. Object safe: `Box<dyn Engine>`.
+pub(crate) trait Engine: Send + Sync + std::fmt::Debug + 'static {
     /// The engine kind advertised to the gateway.
     fn kind(&self) -> EngineKind;
 
     /// The engine's health path, to which the tunnel's `GET /health` is mapped.
     fn health_path(&self) -> &'static str;
 
+    /// The checks the proxy makes for this engine (see [`RequestGuard`]).
+    fn request_guard(&self) -> RequestGuard {
+        RequestGuard::default()
+    }
+
     /// `Ok` when the engine is up and its model loaded.
-    fn health(&self) -> impl std::future::Future<Output = Result<(), EngineError>> + Send;
+    fn health(&self) -> EngineFuture<'_, ()>;
 
     /// The models the engine serves, with their context windows when known.
-    fn models(
-        &self,
-    ) -> impl std::future::Future<Output = Result<Vec<ModelDescriptor>, EngineError>> + Send;
+    fn models(&self) -> EngineFuture<'_, Vec<ModelDescriptor>>;
 }
 
-/// llama.cpp's `llama-server`: `GET /health` (200 once the model is loaded, 503 while loading),
-/// `GET /v1/models` (`data[].id`, the `--alias` when given; `data[].meta.n_ctx`).
+/// GETs and POSTs small JSON documents from the engine.
 #[derive(Clone, Debug)]
-pub(crate) struct LlamaCpp {
+struct Probe {
     base: Uri,
     client: EngineClient,
 }
 
-impl LlamaCpp {
-    pub(crate) fn new(base: Uri, client: EngineClient) -> Self {
-        Self { base, client }
-    }
-
-    async fn get(&self, path: &'static str) -> Result<Bytes, EngineError> {
+impl Probe {
+    async fn send(
+        &self,
+        path: &'static str,
+        req: http::request::Builder,
+        body: BoxBody,
+    ) -> Result<Bytes, EngineError> {
         let uri = join(&self.base, path).map_err(EngineError::Url)?;
-        let req = Request::get(uri)
-            .body(Empty::<Bytes>::new().map_err(|e| match e {}).boxed_unsync())
-            .map_err(EngineError::Url)?;
+        let req = req.uri(uri).body(body).map_err(EngineError::Url)?;
         let resp = self
             .client
             .request(req)
@@ -101,6 +141,38 @@ impl LlamaCpp {
             .map_err(|source| EngineError::Body { path, source })?;
         Ok(body.to_bytes())
     }
+
+    async fn get(&self, path: &'static str) -> Result<Bytes, EngineError> {
+        let body = Empty::<Bytes>::new().map_err(|e| match e {}).boxed_unsync();
+        self.send(path, Request::get(path), body).await
+    }
+
+    async fn post_json(
+        &self,
+        path: &'static str,
+        json: &serde_json::Value,
+    ) -> Result<Bytes, EngineError> {
+        let body = Full::new(Bytes::from(json.to_string()))
+            .map_err(|e| match e {})
+            .boxed_unsync();
+        let req = Request::post(path).header(http::header::CONTENT_TYPE, "application/json");
+        self.send(path, req, body).await
+    }
+
+    async fn get_json<T: for<'de> Deserialize<'de>>(
+        &self,
+        path: &'static str,
+    ) -> Result<T, EngineError> {
+        let body = self.get(path).await?;
+        serde_json::from_slice(&body).map_err(|source| EngineError::Json { path, source })
+    }
+
+    /// `GET /v1/models` as model descriptors.
+    async fn openai_models(&self) -> Result<Vec<ModelDescriptor>, EngineError> {
+        const PATH: &str = "/v1/models";
+        let body = self.get(PATH).await?;
+        parse_models(&body).map_err(|source| EngineError::Json { path: PATH, source })
+    }
 }
 
 #[derive(Deserialize)]
@@ -112,7 +184,13 @@ struct ModelList {
 struct ModelEntry {
     id: String,
     #[serde(default)]
+    owned_by: Option<String>,
+    /// llama.cpp
+    #[serde(default)]
     meta: Option<ModelMeta>,
+    /// vLLM, SGLang
+    #[serde(default)]
+    max_model_len: Option<u64>,
 }
 
 #[derive(Deserialize)]
@@ -121,7 +199,8 @@ struct ModelMeta {
     n_ctx: Option<u64>,
 }
 
-/// Parses an OpenAI-style `/v1/models` body, reading llama.cpp's `meta.n_ctx` when present.
+/// Parses an OpenAI-style `/v1/models` body: `data[].id`, with the context window from
+/// llama.cpp's `meta.n_ctx` or vLLM/SGLang's `max_model_len` when present.
 pub(crate) fn parse_models(body: &[u8]) -> Result<Vec<ModelDescriptor>, serde_json::Error> {
     let list: ModelList = serde_json::from_slice(body)?;
     Ok(list
@@ -129,10 +208,28 @@ pub(crate) fn parse_models(body: &[u8]) -> Result<Vec<ModelDescriptor>, serde_js
         .into_iter()
         .map(|m| ModelDescriptor {
             id: ModelId::new(m.id),
-            max_context_tokens: m.meta.and_then(|meta| meta.n_ctx),
+            max_context_tokens: m.meta.and_then(|meta| meta.n_ctx).or(m.max_model_len),
         })
         .collect())
 }
+
+/// llama.cpp's `llama-server`: `GET /health` (200 once the model is loaded, 503 while loading),
+/// `GET /v1/models` (`data[].id`, the `--alias` when given; `data[].meta.n_ctx`).
+#[derive(Clone, Debug)]
+pub(crate) struct LlamaCpp(Probe);
+
+/// vLLM's OpenAI-compatible server: `GET /health`, `GET /v1/models` with `max_model_len`.
+#[derive(Clone, Debug)]
+pub(crate) struct Vllm(Probe);
+
+/// SGLang: `GET /health`, `GET /v1/models` with `max_model_len`.
+#[derive(Clone, Debug)]
+pub(crate) struct Sglang(Probe);
+
+/// Ollama: `GET /api/version` for health, OpenAI paths under `/v1`, the context window from
+/// `/api/ps` or `/api/show`.
+#[derive(Clone, Debug)]
+pub(crate) struct Ollama(Probe);
 
 impl Engine for LlamaCpp {
     fn kind(&self) -> EngineKind {
@@ -143,15 +240,266 @@ impl Engine for LlamaCpp {
         "/health"
     }
 
-    async fn health(&self) -> Result<(), EngineError> {
-        self.get("/health").await.map(|_| ())
+    fn request_guard(&self) -> RequestGuard {
+        RequestGuard {
+            check_json_and_model: true,
+        }
     }
 
-    async fn models(&self) -> Result<Vec<ModelDescriptor>, EngineError> {
-        const PATH: &str = "/v1/models";
-        let body = self.get(PATH).await?;
-        parse_models(&body).map_err(|source| EngineError::Json { path: PATH, source })
+    fn health(&self) -> EngineFuture<'_, ()> {
+        Box::pin(async move { self.0.get("/health").await.map(|_| ()) })
     }
+
+    fn models(&self) -> EngineFuture<'_, Vec<ModelDescriptor>> {
+        Box::pin(self.0.openai_models())
+    }
+}
+
+impl Engine for Vllm {
+    fn kind(&self) -> EngineKind {
+        EngineKind::Vllm
+    }
+
+    fn health_path(&self) -> &'static str {
+        "/health"
+    }
+
+    fn health(&self) -> EngineFuture<'_, ()> {
+        Box::pin(async move { self.0.get("/health").await.map(|_| ()) })
+    }
+
+    fn models(&self) -> EngineFuture<'_, Vec<ModelDescriptor>> {
+        Box::pin(self.0.openai_models())
+    }
+}
+
+impl Engine for Sglang {
+    fn kind(&self) -> EngineKind {
+        EngineKind::Sglang
+    }
+
+    fn health_path(&self) -> &'static str {
+        "/health"
+    }
+
+    fn health(&self) -> EngineFuture<'_, ()> {
+        Box::pin(async move { self.0.get("/health").await.map(|_| ()) })
+    }
+
+    fn models(&self) -> EngineFuture<'_, Vec<ModelDescriptor>> {
+        Box::pin(self.0.openai_models())
+    }
+}
+
+#[derive(Deserialize)]
+struct OllamaPs {
+    #[serde(default)]
+    models: Vec<OllamaPsEntry>,
+}
+
+#[derive(Deserialize)]
+struct OllamaPsEntry {
+    #[serde(default)]
+    name: String,
+    #[serde(default)]
+    model: String,
+    #[serde(default)]
+    context_length: Option<u64>,
+}
+
+#[derive(Deserialize)]
+struct OllamaShow {
+    #[serde(default)]
+    parameters: Option<String>,
+}
+
+/// `num_ctx` from Ollama's `/api/show` `parameters` text (`"num_ctx   4096\nstop …"`).
+pub(crate) fn ollama_num_ctx(parameters: &str) -> Option<u64> {
+    parameters.lines().find_map(|line| {
+        let mut words = line.split_whitespace();
+        (words.next() == Some("num_ctx"))
+            .then(|| words.next())
+            .flatten()
+            .and_then(|v| v.parse().ok())
+    })
+}
+
+impl Ollama {
+    /// The context window Ollama runs `model` with: the loaded model's `context_length`
+    /// (`/api/ps`), else the model's `num_ctx` parameter (`/api/show`), else unknown (Ollama's
+    /// default depends on its version and the GPU's memory).
+    async fn context_tokens(&self, model: &str) -> Option<u64> {
+        if let Ok(ps) = self.0.get_json::<OllamaPs>("/api/ps").await {
+            if let Some(n) = ps
+                .models
+                .iter()
+                .find(|m| m.name == model || m.model == model)
+                .and_then(|m| m.context_length)
+            {
+                return Some(n);
+            }
+        }
+        let body = self
+            .0
+            .post_json("/api/show", &serde_json::json!({ "model": model }))
+            .await
+            .ok()?;
+        let show: OllamaShow = serde_json::from_slice(&body).ok()?;
+        show.parameters.as_deref().and_then(ollama_num_ctx)
+    }
+}
+
+impl Engine for Ollama {
+    fn kind(&self) -> EngineKind {
+        EngineKind::Ollama
+    }
+
+    fn health_path(&self) -> &'static str {
+        "/api/version"
+    }
+
+    fn health(&self) -> EngineFuture<'_, ()> {
+        Box::pin(async move { self.0.get("/api/version").await.map(|_| ()) })
+    }
+
+    fn models(&self) -> EngineFuture<'_, Vec<ModelDescriptor>> {
+        Box::pin(async move {
+            let mut models = self.0.openai_models().await?;
+            for m in &mut models {
+                if m.max_context_tokens.is_none() {
+                    m.max_context_tokens = self.context_tokens(m.id.as_str()).await;
+                }
+            }
+            Ok(models)
+        })
+    }
+}
+
+/// The adapter for an explicit engine kind; `None` for `auto` (use [`detect`]).
+pub(crate) fn adapter(kind: EngineArg, base: Uri, client: EngineClient) -> Option<Box<dyn Engine>> {
+    let probe = Probe { base, client };
+    Some(match kind {
+        EngineArg::LlamaCpp => Box::new(LlamaCpp(probe)),
+        EngineArg::Vllm => Box::new(Vllm(probe)),
+        EngineArg::Ollama => Box::new(Ollama(probe)),
+        EngineArg::Sglang => Box::new(Sglang(probe)),
+        EngineArg::Auto => return None,
+    })
+}
+
+#[derive(Deserialize)]
+struct VersionDoc {
+    version: String,
+}
+
+#[derive(Deserialize)]
+struct SglangModelInfo {
+    model_path: String,
+}
+
+/// Tells which engine answers at `base` (see the module docs for the probes).
+///
+/// # Errors
+///
+/// [`EngineError::Unreachable`] when nothing answers; [`EngineError::Undetected`] when something
+/// answers that looks like none of the four.
+pub(crate) async fn detect(
+    base: Uri,
+    client: EngineClient,
+) -> Result<Box<dyn Engine>, EngineError> {
+    let probe = Probe {
+        base: base.clone(),
+        client,
+    };
+    // Ollama: /api/version → {"version": "…"}
+    match probe.get_json::<VersionDoc>("/api/version").await {
+        Ok(v) if !v.version.is_empty() => return Ok(Box::new(Ollama(probe))),
+        Err(e @ EngineError::Unreachable(_)) => return Err(e),
+        _ => {}
+    }
+    // SGLang: /get_model_info → {"model_path": …}
+    if probe
+        .get_json::<SglangModelInfo>("/get_model_info")
+        .await
+        .is_ok_and(|i| !i.model_path.is_empty())
+    {
+        return Ok(Box::new(Sglang(probe)));
+    }
+    // llama.cpp and vLLM: who owns the models
+    if let Ok(list) = probe.get_json::<ModelList>("/v1/models").await {
+        if list
+            .data
+            .iter()
+            .any(|m| m.meta.is_some() || m.owned_by.as_deref() == Some("llamacpp"))
+        {
+            return Ok(Box::new(LlamaCpp(probe)));
+        }
+        if list
+            .data
+            .iter()
+            .any(|m| m.owned_by.as_deref() == Some("vllm"))
+        {
+            return Ok(Box::new(Vllm(probe)));
+        }
+    }
+    Err(EngineError::Undetected {
+        url: base.to_string(),
+    })
+}
+
+/// The adapter for `kind`; for `auto`, detects the engine, retrying with backoff (0.5 s → 10 s)
+/// while nothing answers or the answer is not recognised (the engine may still be starting).
+pub(crate) async fn select(kind: EngineArg, base: Uri, client: EngineClient) -> Box<dyn Engine> {
+    if let Some(engine) = adapter(kind, base.clone(), client.clone()) {
+        return engine;
+    }
+    let mut backoff =
+        spine_transport::Backoff::new(Duration::from_millis(500), Duration::from_secs(10));
+    loop {
+        match detect(base.clone(), client.clone()).await {
+            Ok(engine) => {
+                tracing::info!(engine = engine.kind().as_str(), url = %base, "engine detected");
+                return engine;
+            }
+            Err(e) => {
+                let delay = backoff.next_full();
+                tracing::warn!(url = %base, error = %e, retry_in_ms = delay.as_millis() as u64, "engine not detected yet");
+                tokio::time::sleep(delay).await;
+            }
+        }
+    }
+}
+
+/// Total GPU memory of the lines of `nvidia-smi --query-gpu=memory.total --format=csv,…`, MiB:
+/// one value per GPU, summed; a header line and a ` MiB` unit are accepted; `None` when no line
+/// holds a number or the total is 0.
+pub(crate) fn parse_nvidia_smi_memory_total(csv: &str) -> Option<u64> {
+    let total = csv
+        .lines()
+        .filter_map(|line| {
+            let field = line.split(',').next()?.trim();
+            let number = field.strip_suffix("MiB").unwrap_or(field).trim();
+            number.parse::<u64>().ok()
+        })
+        .try_fold(0u64, u64::checked_add)?;
+    (total > 0).then_some(total)
+}
+
+/// Total GPU memory from `nvidia-smi`, MiB; `None` when it is absent, fails, or says nothing
+/// useful (5 s limit).
+pub(crate) async fn detect_vram_mib() -> Option<u64> {
+    let run = tokio::process::Command::new("nvidia-smi")
+        .args(["--query-gpu=memory.total", "--format=csv,noheader,nounits"])
+        .kill_on_drop(true)
+        .output();
+    let out = tokio::time::timeout(Duration::from_secs(5), run)
+        .await
+        .ok()?
+        .ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    parse_nvidia_smi_memory_total(&String::from_utf8_lossy(&out.stdout))
 }
 
 /// `base` (scheme, authority, optional path prefix) joined with an absolute `path`.
@@ -170,6 +518,8 @@ pub(crate) fn join(base: &Uri, path: &str) -> Result<Uri, http::Error> {
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use spine_test_support::{FakeEngine, FakeKind, LlamaServer};
+
     use super::*;
 
     /// The body of `GET /v1/models` as captured from llama-server
@@ -177,7 +527,7 @@ mod tests {
     const MODELS: &str = r#"{"models":[{"name":"smollm2","model":"smollm2","modified_at":"","size":"","digest":"","type":"model","description":"","tags":[""],"capabilities":["completion"],"parameters":"","details":{"parent_model":"","format":"gguf","family":"","families":[""],"parameter_size":"","quantization_level":""}}],"object":"list","data":[{"id":"smollm2","aliases":["smollm2"],"tags":[],"object":"model","created":1795965210,"owned_by":"llamacpp","meta":{"vocab_type":2,"n_vocab":49152,"n_ctx":8192,"n_ctx_train":8192,"n_embd":576,"n_params":134515008,"size":96576768,"ftype":"Q4_1"}}]}"#;
 
     #[test]
-    fn parses_llama_cpp_models_with_context() {
+    fn parses_models_with_context() {
         assert_eq!(
             parse_models(MODELS.as_bytes()).unwrap(),
             vec![ModelDescriptor {
@@ -185,7 +535,16 @@ mod tests {
                 max_context_tokens: Some(8192),
             }]
         );
-        // other engines: no meta
+        assert_eq!(
+            parse_models(
+                br#"{"object":"list","data":[{"id":"Qwen/Qwen2.5-1.5B","object":"model","owned_by":"vllm","max_model_len":32768}]}"#
+            )
+            .unwrap(),
+            vec![ModelDescriptor {
+                id: ModelId::new("Qwen/Qwen2.5-1.5B"),
+                max_context_tokens: Some(32768),
+            }]
+        );
         assert_eq!(
             parse_models(br#"{"object":"list","data":[{"id":"m","object":"model"}]}"#).unwrap(),
             vec![ModelDescriptor {
@@ -194,6 +553,52 @@ mod tests {
             }]
         );
         assert!(parse_models(b"{}").is_err());
+        assert!(parse_models(b"<html>").is_err());
+    }
+
+    #[test]
+    fn nvidia_smi_csv() {
+        assert_eq!(parse_nvidia_smi_memory_total("24564\n"), Some(24564));
+        assert_eq!(parse_nvidia_smi_memory_total("24564\n24564\n"), Some(49128));
+        assert_eq!(
+            parse_nvidia_smi_memory_total("memory.total [MiB]\n8192 MiB\n"),
+            Some(8192)
+        );
+        assert_eq!(parse_nvidia_smi_memory_total("8192 MiB, x\r\n"), Some(8192));
+        assert_eq!(parse_nvidia_smi_memory_total(""), None);
+        assert_eq!(parse_nvidia_smi_memory_total("0\n"), None);
+        assert_eq!(
+            parse_nvidia_smi_memory_total(
+                "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.\n"
+            ),
+            None
+        );
+        assert_eq!(
+            parse_nvidia_smi_memory_total(&format!("{}\n{}\n", u64::MAX, 1)),
+            None
+        );
+    }
+
+    proptest::proptest! {
+        /// The engine's answers are parsed without panicking whatever their bytes.
+        #[test]
+        fn engine_answer_parsers_never_panic(bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..512), text in ".{0,256}") {
+            let _ = parse_models(&bytes);
+            let _ = parse_models(text.as_bytes());
+            let _ = parse_nvidia_smi_memory_total(&text);
+            let _ = ollama_num_ctx(&text);
+        }
+    }
+
+    #[test]
+    fn ollama_parameters() {
+        assert_eq!(
+            ollama_num_ctx("num_ctx                        4096\nstop \"<|im_end|>\""),
+            Some(4096)
+        );
+        assert_eq!(ollama_num_ctx("stop \"x\"\nnum_ctx 2048"), Some(2048));
+        assert_eq!(ollama_num_ctx("temperature 0.7"), None);
+        assert_eq!(ollama_num_ctx("num_ctx"), None);
     }
 
     #[test]
@@ -208,5 +613,145 @@ mod tests {
             join(&base, "/v1/models").unwrap().to_string(),
             "http://127.0.0.1:11434/ollama/v1/models"
         );
+    }
+
+    async fn check_adapter(
+        engine: &dyn Engine,
+        kind: EngineKind,
+        health_path: &str,
+        model: &str,
+        ctx: Option<u64>,
+    ) {
+        assert_eq!(engine.kind(), kind);
+        assert_eq!(engine.health_path(), health_path);
+        engine.health().await.unwrap();
+        assert_eq!(
+            engine.models().await.unwrap(),
+            vec![ModelDescriptor {
+                id: ModelId::new(model),
+                max_context_tokens: ctx,
+            }]
+        );
+    }
+
+    /// vLLM, SGLang and Ollama adapters (explicit and detected) against fakes that follow their
+    /// documented shapes.
+    #[tokio::test]
+    async fn adapters_and_detection_against_engine_fakes() {
+        for (fake, arg, kind, health, model) in [
+            (
+                FakeKind::Vllm,
+                EngineArg::Vllm,
+                EngineKind::Vllm,
+                "/health",
+                "Qwen/Qwen2.5-0.5B-Instruct",
+            ),
+            (
+                FakeKind::Sglang,
+                EngineArg::Sglang,
+                EngineKind::Sglang,
+                "/health",
+                "qwen/qwen2.5-0.5b-instruct",
+            ),
+            (
+                FakeKind::Ollama,
+                EngineArg::Ollama,
+                EngineKind::Ollama,
+                "/api/version",
+                "smollm2:135m",
+            ),
+        ] {
+            let engine = FakeEngine::start(fake, model, 4096).await.unwrap();
+            let url: Uri = engine.url.parse().unwrap();
+            let explicit = adapter(arg, url.clone(), engine_client()).unwrap();
+            check_adapter(&*explicit, kind, health, model, Some(4096)).await;
+            assert_eq!(explicit.request_guard(), RequestGuard::default());
+            let detected = detect(url, engine_client()).await.unwrap();
+            check_adapter(&*detected, kind, health, model, Some(4096)).await;
+        }
+        // Ollama: the context comes from /api/ps (the loaded model's window)
+        let engine = FakeEngine::start(FakeKind::Ollama, "smollm2:135m", 2048)
+            .await
+            .unwrap();
+        let ollama = adapter(
+            EngineArg::Ollama,
+            engine.url.parse().unwrap(),
+            engine_client(),
+        )
+        .unwrap();
+        assert_eq!(
+            ollama.models().await.unwrap()[0].max_context_tokens,
+            Some(2048)
+        );
+        assert!(engine
+            .seen()
+            .iter()
+            .any(|r| r.method == "GET" && r.path == "/api/ps"));
+    }
+
+    #[tokio::test]
+    async fn nothing_listening_is_unreachable_and_a_stranger_is_undetected() {
+        let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url: Uri = format!("http://{}", dead.local_addr().unwrap())
+            .parse()
+            .unwrap();
+        drop(dead);
+        assert!(matches!(
+            detect(url.clone(), engine_client()).await,
+            Err(EngineError::Unreachable(_))
+        ));
+        let llama = adapter(EngineArg::LlamaCpp, url, engine_client()).unwrap();
+        assert!(matches!(
+            llama.health().await,
+            Err(EngineError::Unreachable(_))
+        ));
+        // an HTTP server that answers 404 to everything
+        let stranger = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let stranger_url = format!("http://{}", stranger.local_addr().unwrap());
+        tokio::spawn(async move {
+            use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+            while let Ok((mut sock, _)) = stranger.accept().await {
+                let mut buf = [0u8; 4096];
+                let _ = sock.read(&mut buf).await;
+                let _ = sock
+                    .write_all(
+                        b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n",
+                    )
+                    .await;
+            }
+        });
+        let e = detect(stranger_url.parse().unwrap(), engine_client())
+            .await
+            .err()
+            .unwrap();
+        assert!(matches!(e, EngineError::Undetected { .. }), "{e}");
+    }
+
+    /// The llama.cpp adapter and auto-detection against the real `llama-server`.
+    #[tokio::test]
+    async fn llama_cpp_adapter_against_the_real_engine() {
+        let engine = spine_test_support::Engine::discover().unwrap();
+        let server = LlamaServer::start(&engine, 1).await.unwrap();
+        let url: Uri = server.url.parse().unwrap();
+        let explicit = adapter(EngineArg::LlamaCpp, url.clone(), engine_client()).unwrap();
+        // LlamaServer runs with -c 4096 and one slot
+        check_adapter(
+            &*explicit,
+            EngineKind::LlamaCpp,
+            "/health",
+            "smollm2",
+            Some(4096),
+        )
+        .await;
+        assert!(explicit.request_guard().check_json_and_model);
+        let detected = detect(url, engine_client()).await.unwrap();
+        check_adapter(
+            &*detected,
+            EngineKind::LlamaCpp,
+            "/health",
+            "smollm2",
+            Some(4096),
+        )
+        .await;
     }
 }

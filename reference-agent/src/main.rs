@@ -6,6 +6,8 @@
 
 mod config;
 mod engine;
+mod gateway;
+mod operator;
 mod proxy;
 
 use std::path::PathBuf;
@@ -17,8 +19,8 @@ use spine_core::NodeDescriptor;
 use spine_transport::{Backoff, NodeIdentity, TunnelClient, TunnelClientConfig};
 use tracing::{error, info, warn};
 
-use crate::config::{EngineArg, RunArgs, Settings};
-use crate::engine::{Engine, LlamaCpp};
+use crate::config::{RunArgs, Settings};
+use crate::engine::Engine;
 use crate::proxy::EngineProxy;
 
 /// spine reference agent: turns a local inference engine into a spine node.
@@ -46,6 +48,12 @@ enum Command {
     },
     /// Connect to the gateway and serve the local engine (the default).
     Run(RunArgs),
+    /// Join a gateway in one command: find the engine, create the node key, redeem the
+    /// enrollment token, write the config, and start serving.
+    Join(Box<operator::JoinArgs>),
+    /// Show what the gateway sees of this node: connection, routable models, requests served,
+    /// earnings.
+    Status(operator::StatusArgs),
 }
 
 /// `RUST_LOG` (default `info`), with the payload-logging libraries capped at `info`: no prompt or
@@ -71,6 +79,8 @@ async fn main() -> ExitCode {
     let res = match cli.command {
         Some(Command::Keygen { out }) => keygen(&out),
         Some(Command::Run(args)) => run(args).await,
+        Some(Command::Join(args)) => operator::join(*args).await,
+        Some(Command::Status(args)) => operator::status(args).await,
         None => run(cli.run).await,
     };
     match res {
@@ -108,26 +118,8 @@ fn keygen(out: &std::path::Path) -> Result<(), AnyError> {
     Ok(())
 }
 
-/// Total GPU memory from `nvidia-smi`, MiB; `None` when it is absent or says nothing useful.
-async fn detect_vram_mib() -> Option<u64> {
-    let out = tokio::process::Command::new("nvidia-smi")
-        .args(["--query-gpu=memory.total", "--format=csv,noheader,nounits"])
-        .output()
-        .await
-        .ok()?;
-    if !out.status.success() {
-        return None;
-    }
-    let text = String::from_utf8_lossy(&out.stdout);
-    let total: u64 = text
-        .lines()
-        .filter_map(|l| l.trim().parse::<u64>().ok())
-        .sum();
-    (total > 0).then_some(total)
-}
-
 /// Waits until the engine is healthy, retrying with backoff (0.5 s → 10 s).
-async fn wait_for_engine(engine: &impl Engine, url: &str) {
+async fn wait_for_engine(engine: &dyn Engine, url: &str) {
     let mut backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(10));
     let mut attempt = 1u32;
     loop {
@@ -172,38 +164,54 @@ async fn shutdown_signal() {
     }
 }
 
+/// Longest wait for a graceful stop after SIGTERM / ctrl-c: the tunnel's drain bound
+/// (`TunnelClientConfig::drain_timeout`, 30 s) plus time for the WebSocket close. A second signal
+/// stops at once.
+const SHUTDOWN_BOUND: Duration = Duration::from_secs(35);
+
 async fn run(args: RunArgs) -> Result<(), AnyError> {
     let settings = Settings::resolve(args)?;
+    // Graceful shutdown (design brief §4): on SIGTERM the tunnel sends GOAWAY, requests in
+    // flight finish (up to the drain timeout), then the WebSocket closes cleanly.
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let stop = async move {
+        let mut rx = stop_rx;
+        let _ = rx.wait_for(|stop| *stop).await;
+    };
+    let serving = serve(settings, stop);
+    tokio::pin!(serving);
     tokio::select! {
-        res = serve(settings) => res,
+        res = &mut serving => return res,
+        () = shutdown_signal() => {}
+    }
+    info!("shutting down: draining the tunnel");
+    let _ = stop_tx.send(true);
+    tokio::select! {
+        res = tokio::time::timeout(SHUTDOWN_BOUND, &mut serving) => match res {
+            Ok(res) => res,
+            Err(_) => {
+                warn!("graceful shutdown took too long; stopping");
+                Ok(())
+            }
+        },
         () = shutdown_signal() => {
-            info!("shutting down");
+            warn!("second signal; stopping at once");
             Ok(())
         }
     }
 }
 
-async fn serve(settings: Settings) -> Result<(), AnyError> {
+async fn serve(
+    settings: Settings,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<(), AnyError> {
     let identity = NodeIdentity::load(&settings.identity)?;
     info!(public_key = %identity.public_key_text(), "identity loaded");
 
     let client = engine::engine_client();
-    let engine = match settings.engine {
-        EngineArg::LlamaCpp => LlamaCpp::new(settings.engine_url.clone(), client.clone()),
-        EngineArg::Auto => {
-            info!("engine auto-detection supports llama.cpp only for now; using llama.cpp");
-            LlamaCpp::new(settings.engine_url.clone(), client.clone())
-        }
-        other => {
-            return Err(format!(
-                "engine {} is not supported yet (use llama.cpp)",
-                other.as_str()
-            )
-            .into())
-        }
-    };
+    let engine = engine::select(settings.engine, settings.engine_url.clone(), client.clone()).await;
     let engine_url = settings.engine_url.to_string();
-    wait_for_engine(&engine, &engine_url).await;
+    wait_for_engine(&*engine, &engine_url).await;
     let mut models = engine.models().await?;
     if let Some(wanted) = &settings.model {
         models.retain(|m| m.id.as_str() == wanted);
@@ -216,8 +224,9 @@ async fn serve(settings: Settings) -> Result<(), AnyError> {
     }
     let vram_mib = match settings.vram_mib {
         Some(v) if v > 0 => v,
-        _ => detect_vram_mib().await.unwrap_or(0),
+        _ => engine::detect_vram_mib().await.unwrap_or(0),
     };
+    let served: Vec<spine_core::ModelId> = models.iter().map(|m| m.id.clone()).collect();
     let descriptor = NodeDescriptor {
         engine: engine.kind(),
         models,
@@ -236,7 +245,9 @@ async fn serve(settings: Settings) -> Result<(), AnyError> {
     config.allow_insecure_plaintext = settings.insecure_plaintext_tunnel;
     config.tls = settings.tls_config()?;
     let tunnel = TunnelClient::new(config)?;
-    let proxy = EngineProxy::new(client, settings.engine_url.clone(), engine.health_path());
-    tunnel.run(proxy).await;
+    let proxy = EngineProxy::new(client, settings.engine_url.clone(), engine.health_path())
+        .with_guard(engine.request_guard(), served);
+    tunnel.run_until(proxy, shutdown).await;
+    info!("tunnel drained and closed");
     Ok(())
 }

@@ -14,7 +14,17 @@ use hyper::body::Incoming;
 use spine_core::{BoxBody, BoxError};
 use tracing::{debug, warn};
 
-use crate::engine::{join, EngineClient};
+use crate::engine::{join, EngineClient, RequestGuard};
+
+/// Largest request body the proxy buffers to check it ([`RequestGuard`]), bytes (64 MiB).
+const MAX_CHECKED_BODY_BYTES: usize = 64 * 1024 * 1024;
+
+/// The one field of a request body the guard reads; serde_json still checks the whole document.
+#[derive(serde::Deserialize)]
+struct ModelField {
+    #[serde(default)]
+    model: Option<String>,
+}
 
 /// Where an allowed request goes on the engine: the path, or the engine's health path.
 fn allowed_target(method: &Method, path: &str, health_path: &'static str) -> Option<&'static str> {
@@ -92,6 +102,9 @@ pub(crate) struct EngineProxy {
     client: EngineClient,
     engine: Uri,
     health_path: &'static str,
+    guard: RequestGuard,
+    /// The model ids the engine serves (for the guard).
+    models: std::sync::Arc<[spine_core::ModelId]>,
 }
 
 impl EngineProxy {
@@ -100,7 +113,81 @@ impl EngineProxy {
             client,
             engine,
             health_path,
+            guard: RequestGuard::default(),
+            models: std::sync::Arc::from(Vec::new()),
         }
+    }
+
+    /// Checks `POST` bodies as `guard` says before the engine sees them (an engine quirk, see
+    /// [`RequestGuard`]): malformed JSON → 400 `invalid_json`, a `model` not among `models` →
+    /// 404 `model_not_found`, a body over 64 MiB → 413.
+    pub(crate) fn with_guard(
+        mut self,
+        guard: RequestGuard,
+        models: Vec<spine_core::ModelId>,
+    ) -> Self {
+        self.guard = guard;
+        self.models = std::sync::Arc::from(models);
+        self
+    }
+
+    /// The checked body, or the error answer (see [`EngineProxy::with_guard`]). Never logs the
+    /// body.
+    async fn checked_body(&self, body: Incoming) -> Result<BoxBody, Response<BoxBody>> {
+        let bytes = match http_body_util::Limited::new(body, MAX_CHECKED_BODY_BYTES)
+            .collect()
+            .await
+        {
+            Ok(c) => c.to_bytes(),
+            Err(e) => {
+                let too_large = e
+                    .downcast_ref::<http_body_util::LengthLimitError>()
+                    .is_some();
+                return Err(if too_large {
+                    json_error(
+                        StatusCode::PAYLOAD_TOO_LARGE,
+                        "the request body is too large for this node",
+                        "invalid_request_error",
+                        "request_too_large",
+                    )
+                } else {
+                    json_error(
+                        StatusCode::BAD_REQUEST,
+                        "the request body could not be read",
+                        "invalid_request_error",
+                        "invalid_body",
+                    )
+                });
+            }
+        };
+        // an object (serde would also read a struct from an array)
+        let is_object = bytes.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{');
+        let model = match serde_json::from_slice::<ModelField>(&bytes) {
+            Ok(f) if is_object => f.model,
+            _ => {
+                warn!("refused a request body that is not a JSON object");
+                return Err(json_error(
+                    StatusCode::BAD_REQUEST,
+                    "the request body is not a valid JSON object",
+                    "invalid_request_error",
+                    "invalid_json",
+                ));
+            }
+        };
+        if !model
+            .as_deref()
+            .is_some_and(|m| self.models.iter().any(|s| s.as_str() == m))
+        {
+            let model: String = model.unwrap_or_default().chars().take(100).collect();
+            warn!(%model, "refused a request for a model this node's engine does not serve");
+            return Err(json_error(
+                StatusCode::NOT_FOUND,
+                "this node does not serve the requested model",
+                "invalid_request_error",
+                "model_not_found",
+            ));
+        }
+        Ok(Full::new(bytes).map_err(|e| match e {}).boxed_unsync())
     }
 
     /// Forwards an allowed request (query string dropped, headers filtered) and streams the
@@ -131,7 +218,15 @@ impl EngineProxy {
             }
         };
         let (parts, body) = req.into_parts();
-        let mut upstream = Request::new(body.map_err(BoxError::from).boxed_unsync());
+        let body = if self.guard.check_json_and_model && parts.method == Method::POST {
+            match self.checked_body(body).await {
+                Ok(body) => body,
+                Err(refusal) => return refusal,
+            }
+        } else {
+            body.map_err(BoxError::from).boxed_unsync()
+        };
+        let mut upstream = Request::new(body);
         *upstream.method_mut() = parts.method;
         *upstream.uri_mut() = uri;
         *upstream.headers_mut() = filter_headers(&parts.headers, true);

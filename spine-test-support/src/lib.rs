@@ -4,6 +4,7 @@
 //! - [`LlamaServer`]: a real `llama-server` child process on a free port, killed on drop.
 //! - [`Child`]: a spine binary as a child process whose stderr is kept for assertions.
 //! - [`ReplayEngine`]: a fake engine on a real socket replaying recorded bytes in given reads.
+//! - [`FakeEngine`]: fakes of vLLM, Ollama and SGLang following their documented API shapes.
 #![allow(clippy::print_stdout)]
 
 use std::path::{Path, PathBuf};
@@ -14,7 +15,9 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Command;
 
+pub mod fakes;
 mod replay;
+pub use fakes::{FakeEngine, FakeKind, SeenRequest};
 pub use replay::{ReplayEngine, Scripted};
 
 /// A boxed error for test helpers.

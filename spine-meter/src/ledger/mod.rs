@@ -16,8 +16,8 @@
 //! # Stores
 //!
 //! [`Store`] is everything the gateway needs from its database: the [`Ledger`] the metering layer
-//! uses, plus accounts, API keys, credits, operators, nodes and stale holds for the admin API and
-//! the tunnel. One `Arc<dyn Store>` serves both ([`Store::into_ledger`] hands the meter its
+//! uses, plus accounts, API keys, credits, operators, nodes, one-time enrollment tokens (hash,
+//! expiry, single use) and stale holds for the admin API and the tunnel. One `Arc<dyn Store>` serves both ([`Store::into_ledger`] hands the meter its
 //! `Arc<dyn Ledger>`). Two implementations, with the same semantics and the same errors, proven by
 //! one test suite run against both (`ledger/tests.rs`):
 //!
@@ -89,6 +89,15 @@ pub enum LedgerError {
         /// The key.
         idempotency_key: String,
     },
+    /// No enrollment token with this hash was ever issued.
+    #[error("unknown enrollment token")]
+    UnknownEnrollment,
+    /// The enrollment token's validity ended before it was redeemed.
+    #[error("enrollment token expired")]
+    EnrollmentExpired,
+    /// The enrollment token was already redeemed, by another node key.
+    #[error("enrollment token already used")]
+    EnrollmentUsed,
     /// An amount does not fit the store's signed 64-bit integers.
     #[error("amount out of range")]
     OutOfRange,
@@ -278,6 +287,34 @@ pub trait Ledger: Send + Sync + std::fmt::Debug + 'static {
     fn request_record(&self, request_id: RequestId) -> LedgerFuture<'_, Option<RequestRecord>>;
 }
 
+/// What redeeming an enrollment token registered ([`Store::redeem_enrollment`]).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Enrollment {
+    /// The node now registered with the presented public key.
+    pub node: NodeId,
+    /// The operator the token was issued for; the node belongs to it.
+    pub operator: OperatorId,
+}
+
+/// A registered node as its operator sees it ([`Store::operator_nodes`]).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeRecord {
+    /// The node.
+    pub node_id: NodeId,
+    /// Its operator.
+    pub operator: OperatorId,
+    /// Its public key, text form (`ed25519:<base64url>`).
+    pub public_key_text: String,
+    /// The name given at enrollment, if any.
+    pub name: Option<String>,
+    /// When it was registered, Unix milliseconds.
+    pub created_at_ms: i64,
+    /// Settled requests it served to the end (outcome `completed`).
+    pub requests_served: u64,
+    /// Operator credits from the requests it served, micros (every outcome).
+    pub earned_micros: u64,
+}
+
 /// Sums of all ledger entries by party kind, micros (design brief §6, double entry).
 ///
 /// Credits added to accounts are booked against `external` (negative), settlements move money
@@ -408,6 +445,45 @@ pub trait Store: Ledger {
     ///
     /// [`LedgerError::UnknownNode`].
     fn node_operator<'a>(&'a self, node: &'a NodeId) -> LedgerFuture<'a, OperatorId>;
+
+    /// Stores a one-time enrollment token for `operator`: only its hash (e.g. hex SHA-256 of the
+    /// token; the plaintext is never stored), valid until `expires_at_ms` (Unix milliseconds).
+    ///
+    /// # Errors
+    ///
+    /// [`LedgerError::UnknownOperator`]; [`LedgerError::Duplicate`]
+    /// (`what = "enrollment token"`) when the hash exists.
+    fn create_enrollment<'a>(
+        &'a self,
+        operator: &'a OperatorId,
+        token_hash: &'a str,
+        expires_at_ms: i64,
+    ) -> LedgerFuture<'a, ()>;
+
+    /// Redeems an enrollment token in one transaction: registers `public_key_text` as a new node
+    /// of the token's operator (as [`Store::register_node`], with an optional `name`) and marks
+    /// the token used by that node. Redeeming a used token again with the same public key
+    /// returns the same node (a retry after a lost answer); with another key it is refused.
+    ///
+    /// # Errors
+    ///
+    /// [`LedgerError::UnknownEnrollment`], [`LedgerError::EnrollmentExpired`] (checked against
+    /// the store's clock), [`LedgerError::EnrollmentUsed`]; [`LedgerError::Duplicate`]
+    /// (`what = "node public key"`) when the key is already registered (the token stays unused).
+    fn redeem_enrollment<'a>(
+        &'a self,
+        token_hash: &'a str,
+        public_key_text: &'a str,
+        name: Option<&'a str>,
+    ) -> LedgerFuture<'a, Enrollment>;
+
+    /// An operator's nodes, by registration order, each with the requests it served and the
+    /// credits they earned.
+    ///
+    /// # Errors
+    ///
+    /// [`LedgerError::UnknownOperator`].
+    fn operator_nodes<'a>(&'a self, operator: &'a OperatorId) -> LedgerFuture<'a, Vec<NodeRecord>>;
 
     /// Settles every hold still active as `upstream_failed` and returns how many it settled: the
     /// caller pays nothing, the hold is released, nobody is credited, a request record is written.

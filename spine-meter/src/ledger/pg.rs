@@ -11,8 +11,8 @@ use spine_core::{
 };
 
 use super::{
-    AccountBalance, EntryTotals, Ledger, LedgerError, LedgerFuture, RequestRecord, SettleAmounts,
-    SettleResult, Settlement, Store,
+    AccountBalance, Enrollment, EntryTotals, Ledger, LedgerError, LedgerFuture, NodeRecord,
+    RequestRecord, SettleAmounts, SettleResult, Settlement, Store,
 };
 use crate::price::Price;
 
@@ -20,9 +20,10 @@ use crate::price::Price;
 /// one transaction under [`MIGRATION_LOCK`].
 ///
 /// Version 1 is SQLite's versions 1 and 2 together (PostgreSQL support started there).
-const MIGRATIONS: &[(i64, &str)] = &[(
-    1,
-    r#"
+const MIGRATIONS: &[(i64, &str)] = &[
+    (
+        1,
+        r#"
 CREATE TABLE accounts (
     id TEXT PRIMARY KEY,
     balance_micros BIGINT NOT NULL DEFAULT 0 CHECK (balance_micros >= 0),
@@ -94,7 +95,25 @@ CREATE TABLE ledger_entries (
 );
 CREATE INDEX ledger_entries_ref ON ledger_entries(ref);
 "#,
-)];
+    ),
+    (
+        2,
+        // SQLite's version 3: one-time enrollment tokens (hash only), node names, and the
+        // per-node request counts the operator view reads
+        r#"
+ALTER TABLE nodes ADD COLUMN name TEXT;
+CREATE TABLE enrollments (
+    token_hash TEXT PRIMARY KEY,
+    operator_id TEXT NOT NULL REFERENCES operators(id),
+    expires_at_ms BIGINT NOT NULL,
+    created_at_ms BIGINT NOT NULL,
+    node_id TEXT REFERENCES nodes(node_id),
+    redeemed_at_ms BIGINT
+);
+CREATE INDEX requests_node ON requests(node_id);
+"#,
+    ),
+];
 
 /// The advisory lock key migrations run under (`pg_advisory_xact_lock`): "spine" + schema.
 const MIGRATION_LOCK: i64 = 0x7370_696e_6500_0001;
@@ -182,6 +201,106 @@ async fn insert_entry(
     .await
     .map_err(db)?;
     Ok(())
+}
+
+/// Inserts a node of `operator` inside `tx`, under the node table lock (node ids count
+/// registrations: one registration at a time; reads are not blocked).
+async fn insert_node(
+    tx: &mut Transaction<'static, Postgres>,
+    operator: &OperatorId,
+    public_key_text: &str,
+    name: Option<&str>,
+) -> Result<NodeId, LedgerError> {
+    sqlx::query("LOCK TABLE nodes IN SHARE ROW EXCLUSIVE MODE")
+        .execute(&mut **tx)
+        .await
+        .map_err(db)?;
+    let exists: Option<i64> = sqlx::query_scalar("SELECT 1::BIGINT FROM operators WHERE id = $1")
+        .bind(operator.as_str())
+        .fetch_optional(&mut **tx)
+        .await
+        .map_err(db)?;
+    if exists.is_none() {
+        return Err(LedgerError::UnknownOperator(operator.clone()));
+    }
+    let n: i64 = sqlx::query_scalar("SELECT COUNT(*) + 1 FROM nodes")
+        .fetch_one(&mut **tx)
+        .await
+        .map_err(db)?;
+    let node = NodeId::new(format!("node_{n}"));
+    sqlx::query(
+        "INSERT INTO nodes (node_id, operator_id, public_key_text, name, created_at_ms) VALUES ($1, $2, $3, $4, $5)",
+    )
+    .bind(node.as_str())
+    .bind(operator.as_str())
+    .bind(public_key_text)
+    .bind(name)
+    .bind(now_ms())
+    .execute(&mut **tx)
+    .await
+    .map_err(|e| {
+        if is_unique_violation(&e) {
+            LedgerError::Duplicate {
+                what: "node public key",
+            }
+        } else {
+            db(e)
+        }
+    })?;
+    Ok(node)
+}
+
+/// The body of [`PgLedger::redeem_enrollment_once`]: the enrollment row is locked
+/// (`FOR UPDATE`), so two redemptions of one token queue and the second sees the first. Returns
+/// the enrollment and whether anything was written (to commit).
+async fn redeem_in(
+    tx: &mut Transaction<'static, Postgres>,
+    token_hash: &str,
+    public_key_text: &str,
+    name: Option<&str>,
+) -> Result<(Enrollment, bool), LedgerError> {
+    let row = sqlx::query(
+        "SELECT operator_id, expires_at_ms, node_id FROM enrollments WHERE token_hash = $1 FOR UPDATE",
+    )
+    .bind(token_hash)
+    .fetch_optional(&mut **tx)
+    .await
+    .map_err(db)?
+    .ok_or(LedgerError::UnknownEnrollment)?;
+    let operator = OperatorId::from(row.try_get::<String, _>("operator_id").map_err(db)?);
+    if let Some(node) = row.try_get::<Option<String>, _>("node_id").map_err(db)? {
+        let key: Option<String> =
+            sqlx::query_scalar("SELECT public_key_text FROM nodes WHERE node_id = $1")
+                .bind(node.as_str())
+                .fetch_optional(&mut **tx)
+                .await
+                .map_err(db)?;
+        return if key.as_deref() == Some(public_key_text) {
+            Ok((
+                Enrollment {
+                    node: NodeId::from(node),
+                    operator,
+                },
+                false,
+            ))
+        } else {
+            Err(LedgerError::EnrollmentUsed)
+        };
+    }
+    let expires_at_ms: i64 = row.try_get("expires_at_ms").map_err(db)?;
+    let now = now_ms();
+    if now >= expires_at_ms {
+        return Err(LedgerError::EnrollmentExpired);
+    }
+    let node = insert_node(tx, &operator, public_key_text, name).await?;
+    sqlx::query("UPDATE enrollments SET node_id = $1, redeemed_at_ms = $2 WHERE token_hash = $3")
+        .bind(node.as_str())
+        .bind(now)
+        .bind(token_hash)
+        .execute(&mut **tx)
+        .await
+        .map_err(db)?;
+    Ok((Enrollment { node, operator }, true))
 }
 
 /// Runs `$body` (an expression evaluating to a `Result`) again while it fails on a deadlock or a
@@ -459,47 +578,111 @@ impl PgLedger {
         public_key_text: &str,
     ) -> Result<NodeId, LedgerError> {
         let mut tx = self.begin().await?;
-        // node ids count registrations: one registration at a time (reads are not blocked)
-        sqlx::query("LOCK TABLE nodes IN SHARE ROW EXCLUSIVE MODE")
-            .execute(&mut *tx)
-            .await
-            .map_err(db)?;
-        let exists: Option<i64> =
-            sqlx::query_scalar("SELECT 1::BIGINT FROM operators WHERE id = $1")
-                .bind(operator.as_str())
-                .fetch_optional(&mut *tx)
-                .await
-                .map_err(db)?;
-        if exists.is_none() {
-            tx.rollback().await.map_err(db)?;
-            return Err(LedgerError::UnknownOperator(operator.clone()));
+        match insert_node(&mut tx, operator, public_key_text, None).await {
+            Ok(node) => {
+                tx.commit().await.map_err(db)?;
+                Ok(node)
+            }
+            Err(e) => {
+                tx.rollback().await.map_err(db)?;
+                Err(e)
+            }
         }
-        let n: i64 = sqlx::query_scalar("SELECT COUNT(*) + 1 FROM nodes")
-            .fetch_one(&mut *tx)
-            .await
-            .map_err(db)?;
-        let node = NodeId::new(format!("node_{n}"));
+    }
+
+    async fn create_enrollment_impl(
+        &self,
+        operator: &OperatorId,
+        token_hash: &str,
+        expires_at_ms: i64,
+    ) -> Result<(), LedgerError> {
         let r = sqlx::query(
-            "INSERT INTO nodes (node_id, operator_id, public_key_text, created_at_ms) VALUES ($1, $2, $3, $4)",
+            "INSERT INTO enrollments (token_hash, operator_id, expires_at_ms, created_at_ms)
+             SELECT $1, id, $3, $4 FROM operators WHERE id = $2",
         )
-        .bind(node.as_str())
+        .bind(token_hash)
         .bind(operator.as_str())
-        .bind(public_key_text)
+        .bind(expires_at_ms)
         .bind(now_ms())
-        .execute(&mut *tx)
-        .await;
-        if let Err(e) = r {
-            tx.rollback().await.map_err(db)?;
-            return Err(if is_unique_violation(&e) {
+        .execute(&self.pool)
+        .await
+        .map_err(|e| {
+            if is_unique_violation(&e) {
                 LedgerError::Duplicate {
-                    what: "node public key",
+                    what: "enrollment token",
                 }
             } else {
                 db(e)
+            }
+        })?;
+        if r.rows_affected() == 0 {
+            return Err(LedgerError::UnknownOperator(operator.clone()));
+        }
+        Ok(())
+    }
+
+    async fn redeem_enrollment_once(
+        &self,
+        token_hash: &str,
+        public_key_text: &str,
+        name: Option<&str>,
+    ) -> Result<Enrollment, LedgerError> {
+        let mut tx = self.begin().await?;
+        let result = redeem_in(&mut tx, token_hash, public_key_text, name).await;
+        match result {
+            Ok((enrollment, true)) => {
+                tx.commit().await.map_err(db)?;
+                Ok(enrollment)
+            }
+            Ok((enrollment, false)) => {
+                tx.rollback().await.map_err(db)?;
+                Ok(enrollment)
+            }
+            Err(e) => {
+                tx.rollback().await.map_err(db)?;
+                Err(e)
+            }
+        }
+    }
+
+    async fn operator_nodes_impl(
+        &self,
+        operator: &OperatorId,
+    ) -> Result<Vec<NodeRecord>, LedgerError> {
+        // one statement, one snapshot: the operator row and its nodes
+        let rows = sqlx::query(
+            "SELECT o.id AS operator_id, n.node_id, n.public_key_text, n.name, n.created_at_ms,
+                    (SELECT COUNT(*) FROM requests r
+                      WHERE r.node_id = n.node_id AND r.outcome = 'completed') AS served,
+                    (SELECT COALESCE(SUM(r.operator_credit_micros), 0)::BIGINT FROM requests r
+                      WHERE r.node_id = n.node_id) AS earned
+             FROM operators o LEFT JOIN nodes n ON n.operator_id = o.id
+             WHERE o.id = $1
+             ORDER BY n.created_at_ms, n.node_id",
+        )
+        .bind(operator.as_str())
+        .fetch_all(&self.pool)
+        .await
+        .map_err(db)?;
+        if rows.is_empty() {
+            return Err(LedgerError::UnknownOperator(operator.clone()));
+        }
+        let mut nodes = Vec::with_capacity(rows.len());
+        for row in &rows {
+            let Some(node_id) = row.try_get::<Option<String>, _>("node_id").map_err(db)? else {
+                continue; // the operator has no node: one row of NULLs
+            };
+            nodes.push(NodeRecord {
+                node_id: NodeId::from(node_id),
+                operator: operator.clone(),
+                public_key_text: row.try_get("public_key_text").map_err(db)?,
+                name: row.try_get("name").map_err(db)?,
+                created_at_ms: row.try_get("created_at_ms").map_err(db)?,
+                requests_served: get_u64(row, "served")?,
+                earned_micros: get_u64(row, "earned")?,
             });
         }
-        tx.commit().await.map_err(db)?;
-        Ok(node)
+        Ok(nodes)
     }
 
     async fn node_for_public_key_impl(
@@ -958,6 +1141,33 @@ impl Store for PgLedger {
 
     fn node_operator<'a>(&'a self, node: &'a NodeId) -> LedgerFuture<'a, OperatorId> {
         Box::pin(self.node_operator_impl(node))
+    }
+
+    fn create_enrollment<'a>(
+        &'a self,
+        operator: &'a OperatorId,
+        token_hash: &'a str,
+        expires_at_ms: i64,
+    ) -> LedgerFuture<'a, ()> {
+        Box::pin(self.create_enrollment_impl(operator, token_hash, expires_at_ms))
+    }
+
+    fn redeem_enrollment<'a>(
+        &'a self,
+        token_hash: &'a str,
+        public_key_text: &'a str,
+        name: Option<&'a str>,
+    ) -> LedgerFuture<'a, Enrollment> {
+        Box::pin(async move {
+            retrying!(
+                self.redeem_enrollment_once(token_hash, public_key_text, name)
+                    .await
+            )
+        })
+    }
+
+    fn operator_nodes<'a>(&'a self, operator: &'a OperatorId) -> LedgerFuture<'a, Vec<NodeRecord>> {
+        Box::pin(self.operator_nodes_impl(operator))
     }
 
     fn settle_stale_holds(&self) -> LedgerFuture<'_, u64> {

@@ -16,8 +16,8 @@ use spine_core::{
 };
 
 use super::{
-    AccountBalance, EntryTotals, Ledger, LedgerError, LedgerFuture, RequestRecord, SettleAmounts,
-    SettleResult, Settlement, Store,
+    AccountBalance, Enrollment, EntryTotals, Ledger, LedgerError, LedgerFuture, NodeRecord,
+    RequestRecord, SettleAmounts, SettleResult, Settlement, Store,
 };
 use crate::price::Price;
 
@@ -102,6 +102,23 @@ CREATE INDEX ledger_entries_ref ON ledger_entries(ref);
         // request record (`SqliteLedger::settle_stale_holds`); NULL for holds placed before
         r#"
 ALTER TABLE holds ADD COLUMN model TEXT;
+"#,
+    ),
+    (
+        3,
+        // one-time enrollment tokens (hash only), node names, and the per-node request counts
+        // the operator view reads
+        r#"
+ALTER TABLE nodes ADD COLUMN name TEXT;
+CREATE TABLE enrollments (
+    token_hash TEXT PRIMARY KEY,
+    operator_id TEXT NOT NULL REFERENCES operators(id),
+    expires_at_ms INTEGER NOT NULL,
+    created_at_ms INTEGER NOT NULL,
+    node_id TEXT REFERENCES nodes(node_id),
+    redeemed_at_ms INTEGER
+);
+CREATE INDEX requests_node ON requests(node_id);
 "#,
     ),
 ];
@@ -449,6 +466,23 @@ impl SqliteLedger {
         public_key_text: &str,
     ) -> Result<NodeId, LedgerError> {
         let mut tx = self.begin().await?;
+        let node = insert_node(&mut tx, operator, public_key_text, None).await?;
+        tx.commit().await.map_err(db)?;
+        Ok(node)
+    }
+
+    /// Stores a one-time enrollment token's hash for an operator, valid until `expires_at_ms`.
+    ///
+    /// # Errors
+    ///
+    /// [`LedgerError::UnknownOperator`]; [`LedgerError::Duplicate`] when the hash exists.
+    pub async fn create_enrollment(
+        &self,
+        operator: &OperatorId,
+        token_hash: &str,
+        expires_at_ms: i64,
+    ) -> Result<(), LedgerError> {
+        let mut tx = self.begin().await?;
         let exists: Option<i64> = sqlx::query_scalar("SELECT 1 FROM operators WHERE id = ?")
             .bind(operator.as_str())
             .fetch_optional(&mut *tx)
@@ -458,29 +492,129 @@ impl SqliteLedger {
             tx.rollback().await.map_err(db)?;
             return Err(LedgerError::UnknownOperator(operator.clone()));
         }
-        let n: i64 = sqlx::query_scalar("SELECT COUNT(*) + 1 FROM nodes")
-            .fetch_one(&mut *tx)
-            .await
-            .map_err(db)?;
-        let node = NodeId::new(format!("node_{n}"));
         sqlx::query(
-            "INSERT INTO nodes (node_id, operator_id, public_key_text, created_at_ms) VALUES (?, ?, ?, ?)",
+            "INSERT INTO enrollments (token_hash, operator_id, expires_at_ms, created_at_ms) VALUES (?, ?, ?, ?)",
         )
-        .bind(node.as_str())
+        .bind(token_hash)
         .bind(operator.as_str())
-        .bind(public_key_text)
+        .bind(expires_at_ms)
         .bind(now_ms())
         .execute(&mut *tx)
         .await
         .map_err(|e| {
             if is_unique_violation(&e) {
-                LedgerError::Duplicate { what: "node public key" }
+                LedgerError::Duplicate { what: "enrollment token" }
             } else {
                 db(e)
             }
         })?;
+        tx.commit().await.map_err(db)
+    }
+
+    /// Redeems an enrollment token: registers the node and marks the token used, atomically
+    /// (see [`Store::redeem_enrollment`]).
+    ///
+    /// # Errors
+    ///
+    /// As [`Store::redeem_enrollment`].
+    pub async fn redeem_enrollment(
+        &self,
+        token_hash: &str,
+        public_key_text: &str,
+        name: Option<&str>,
+    ) -> Result<Enrollment, LedgerError> {
+        let mut tx = self.begin().await?;
+        let row = sqlx::query(
+            "SELECT e.operator_id, e.expires_at_ms, e.node_id, n.public_key_text
+             FROM enrollments e LEFT JOIN nodes n ON n.node_id = e.node_id
+             WHERE e.token_hash = ?",
+        )
+        .bind(token_hash)
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(db)?;
+        let Some(row) = row else {
+            tx.rollback().await.map_err(db)?;
+            return Err(LedgerError::UnknownEnrollment);
+        };
+        let operator = OperatorId::from(row.try_get::<String, _>("operator_id").map_err(db)?);
+        let used_by: Option<String> = row.try_get("node_id").map_err(db)?;
+        let used_key: Option<String> = row.try_get("public_key_text").map_err(db)?;
+        if let Some(node) = used_by {
+            tx.rollback().await.map_err(db)?;
+            return if used_key.as_deref() == Some(public_key_text) {
+                Ok(Enrollment {
+                    node: NodeId::from(node),
+                    operator,
+                })
+            } else {
+                Err(LedgerError::EnrollmentUsed)
+            };
+        }
+        let expires_at_ms: i64 = row.try_get("expires_at_ms").map_err(db)?;
+        let now = now_ms();
+        if now >= expires_at_ms {
+            tx.rollback().await.map_err(db)?;
+            return Err(LedgerError::EnrollmentExpired);
+        }
+        let node = insert_node(&mut tx, &operator, public_key_text, name).await?;
+        sqlx::query("UPDATE enrollments SET node_id = ?, redeemed_at_ms = ? WHERE token_hash = ?")
+            .bind(node.as_str())
+            .bind(now)
+            .bind(token_hash)
+            .execute(&mut *tx)
+            .await
+            .map_err(db)?;
         tx.commit().await.map_err(db)?;
-        Ok(node)
+        Ok(Enrollment { node, operator })
+    }
+
+    /// An operator's nodes with what each served and earned (see [`Store::operator_nodes`]).
+    ///
+    /// # Errors
+    ///
+    /// [`LedgerError::UnknownOperator`].
+    pub async fn operator_nodes(
+        &self,
+        operator: &OperatorId,
+    ) -> Result<Vec<NodeRecord>, LedgerError> {
+        // one read transaction: the operator check and the node rows see the same snapshot
+        let mut tx = self.pool.begin().await.map_err(db)?;
+        let exists: Option<i64> = sqlx::query_scalar("SELECT 1 FROM operators WHERE id = ?")
+            .bind(operator.as_str())
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(db)?;
+        if exists.is_none() {
+            return Err(LedgerError::UnknownOperator(operator.clone()));
+        }
+        let rows = sqlx::query(
+            "SELECT n.node_id, n.public_key_text, n.name, n.created_at_ms,
+                    COALESCE(SUM(CASE WHEN r.outcome = 'completed' THEN 1 ELSE 0 END), 0) AS served,
+                    COALESCE(SUM(r.operator_credit_micros), 0) AS earned
+             FROM nodes n LEFT JOIN requests r ON r.node_id = n.node_id
+             WHERE n.operator_id = ?
+             GROUP BY n.node_id, n.public_key_text, n.name, n.created_at_ms
+             ORDER BY n.created_at_ms, n.node_id",
+        )
+        .bind(operator.as_str())
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(db)?;
+        tx.commit().await.map_err(db)?;
+        rows.iter()
+            .map(|row| {
+                Ok(NodeRecord {
+                    node_id: NodeId::from(row.try_get::<String, _>("node_id").map_err(db)?),
+                    operator: operator.clone(),
+                    public_key_text: row.try_get("public_key_text").map_err(db)?,
+                    name: row.try_get("name").map_err(db)?,
+                    created_at_ms: row.try_get("created_at_ms").map_err(db)?,
+                    requests_served: get_u64(row, "served")?,
+                    earned_micros: get_u64(row, "earned")?,
+                })
+            })
+            .collect()
     }
 
     /// The node registered with this public key.
@@ -864,6 +998,48 @@ impl SqliteLedger {
     }
 }
 
+/// Inserts a node of `operator` inside `tx`; the id is `node_<n>`, `n` counting registrations.
+async fn insert_node(
+    tx: &mut Transaction<'static, Sqlite>,
+    operator: &OperatorId,
+    public_key_text: &str,
+    name: Option<&str>,
+) -> Result<NodeId, LedgerError> {
+    let exists: Option<i64> = sqlx::query_scalar("SELECT 1 FROM operators WHERE id = ?")
+        .bind(operator.as_str())
+        .fetch_optional(&mut **tx)
+        .await
+        .map_err(db)?;
+    if exists.is_none() {
+        return Err(LedgerError::UnknownOperator(operator.clone()));
+    }
+    let n: i64 = sqlx::query_scalar("SELECT COUNT(*) + 1 FROM nodes")
+        .fetch_one(&mut **tx)
+        .await
+        .map_err(db)?;
+    let node = NodeId::new(format!("node_{n}"));
+    sqlx::query(
+        "INSERT INTO nodes (node_id, operator_id, public_key_text, name, created_at_ms) VALUES (?, ?, ?, ?, ?)",
+    )
+    .bind(node.as_str())
+    .bind(operator.as_str())
+    .bind(public_key_text)
+    .bind(name)
+    .bind(now_ms())
+    .execute(&mut **tx)
+    .await
+    .map_err(|e| {
+        if is_unique_violation(&e) {
+            LedgerError::Duplicate {
+                what: "node public key",
+            }
+        } else {
+            db(e)
+        }
+    })?;
+    Ok(node)
+}
+
 fn balance_from_row(row: &SqliteRow) -> Result<AccountBalance, LedgerError> {
     let balance_micros = get_u64(row, "balance_micros")?;
     let held_micros = get_u64(row, "held_micros")?;
@@ -986,6 +1162,38 @@ impl Store for SqliteLedger {
 
     fn node_operator<'a>(&'a self, node: &'a NodeId) -> LedgerFuture<'a, OperatorId> {
         Box::pin(SqliteLedger::node_operator(self, node))
+    }
+
+    fn create_enrollment<'a>(
+        &'a self,
+        operator: &'a OperatorId,
+        token_hash: &'a str,
+        expires_at_ms: i64,
+    ) -> LedgerFuture<'a, ()> {
+        Box::pin(SqliteLedger::create_enrollment(
+            self,
+            operator,
+            token_hash,
+            expires_at_ms,
+        ))
+    }
+
+    fn redeem_enrollment<'a>(
+        &'a self,
+        token_hash: &'a str,
+        public_key_text: &'a str,
+        name: Option<&'a str>,
+    ) -> LedgerFuture<'a, Enrollment> {
+        Box::pin(SqliteLedger::redeem_enrollment(
+            self,
+            token_hash,
+            public_key_text,
+            name,
+        ))
+    }
+
+    fn operator_nodes<'a>(&'a self, operator: &'a OperatorId) -> LedgerFuture<'a, Vec<NodeRecord>> {
+        Box::pin(SqliteLedger::operator_nodes(self, operator))
     }
 
     fn settle_stale_holds(&self) -> LedgerFuture<'_, u64> {

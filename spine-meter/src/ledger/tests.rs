@@ -145,8 +145,8 @@ impl TestDb {
 
     fn migrations(&self) -> i64 {
         match self {
-            TestDb::Sqlite { .. } => 2,
-            TestDb::Postgres(_) => 1,
+            TestDb::Sqlite { .. } => 3,
+            TestDb::Postgres(_) => 2,
         }
     }
 }
@@ -1267,6 +1267,153 @@ fn concurrent_requests_on_a_small_balance_never_overdraw_and_keep_the_books(back
     drop(db);
 }
 
+async fn enrollment_tokens_register_one_node_once(backend: Backend) {
+    let (_db, l, _, _, op) = setup(backend).await;
+    let far = now_ms_for_tests() + 3_600_000;
+    l.create_enrollment(&op, "tok-1", far).await.unwrap();
+    assert!(matches!(
+        l.create_enrollment(&op, "tok-1", far).await,
+        Err(LedgerError::Duplicate {
+            what: "enrollment token"
+        })
+    ));
+    assert!(matches!(
+        l.create_enrollment(&OperatorId::from("nope"), "tok-x", far).await,
+        Err(LedgerError::UnknownOperator(o)) if o == OperatorId::from("nope")
+    ));
+    assert!(matches!(
+        l.redeem_enrollment("tok-unknown", "ed25519:NEW1", None)
+            .await,
+        Err(LedgerError::UnknownEnrollment)
+    ));
+    // a key already registered is refused and leaves the token unused
+    assert!(matches!(
+        l.redeem_enrollment("tok-1", "ed25519:AAAA", None).await,
+        Err(LedgerError::Duplicate {
+            what: "node public key"
+        })
+    ));
+    let e = l
+        .redeem_enrollment("tok-1", "ed25519:NEW1", Some("desk-4090"))
+        .await
+        .unwrap();
+    assert_eq!(
+        e,
+        Enrollment {
+            node: NodeId::from("node_2"),
+            operator: op.clone()
+        }
+    );
+    assert_eq!(
+        l.node_for_public_key("ed25519:NEW1").await.unwrap(),
+        Some(NodeId::from("node_2"))
+    );
+    assert_eq!(l.node_operator(&e.node).await.unwrap(), op);
+    // the same key again: the same node (a retry); another key: used
+    assert_eq!(
+        l.redeem_enrollment("tok-1", "ed25519:NEW1", None)
+            .await
+            .unwrap(),
+        e
+    );
+    assert!(matches!(
+        l.redeem_enrollment("tok-1", "ed25519:NEW2", None).await,
+        Err(LedgerError::EnrollmentUsed)
+    ));
+    assert_eq!(l.node_for_public_key("ed25519:NEW2").await.unwrap(), None);
+    // expired
+    l.create_enrollment(&op, "tok-old", now_ms_for_tests() - 1)
+        .await
+        .unwrap();
+    assert!(matches!(
+        l.redeem_enrollment("tok-old", "ed25519:NEW3", None).await,
+        Err(LedgerError::EnrollmentExpired)
+    ));
+    assert_eq!(l.node_for_public_key("ed25519:NEW3").await.unwrap(), None);
+
+    // concurrent redemptions of one token by different keys: exactly one node
+    l.create_enrollment(&op, "tok-race", far).await.unwrap();
+    let tasks: Vec<_> = (0..6)
+        .map(|i| {
+            let l = l.clone();
+            tokio::spawn(async move {
+                l.redeem_enrollment("tok-race", &format!("race{i}"), None)
+                    .await
+            })
+        })
+        .collect();
+    let (mut ok, mut used) = (0, 0);
+    for t in tasks {
+        match t.await.unwrap() {
+            Ok(e) => {
+                assert_eq!(e.node, NodeId::from("node_3"));
+                ok += 1;
+            }
+            Err(LedgerError::EnrollmentUsed) => used += 1,
+            Err(other) => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!((ok, used), (1, 5));
+    let nodes = l.operator_nodes(&op).await.unwrap();
+    let ids: Vec<&str> = nodes.iter().map(|n| n.node_id.as_str()).collect();
+    assert_eq!(ids, ["node_1", "node_2", "node_3"]);
+    assert_eq!(nodes[1].name.as_deref(), Some("desk-4090"));
+    assert_eq!(nodes[1].public_key_text, "ed25519:NEW1");
+    assert_eq!(nodes[0].name, None);
+}
+
+async fn operator_nodes_count_served_requests_and_earnings(backend: Backend) {
+    let (_db, l, acct, node, op) = setup(backend).await;
+    let other = l.register_node(&op, "ed25519:BBBB").await.unwrap();
+    let lonely = OperatorId::from("op_lonely");
+    l.create_operator(&lonely).await.unwrap();
+    assert_eq!(l.operator_nodes(&lonely).await.unwrap(), vec![]);
+    assert!(matches!(
+        l.operator_nodes(&OperatorId::from("nope")).await,
+        Err(LedgerError::UnknownOperator(_))
+    ));
+    let mut credited = 0;
+    for (req, outcome) in [
+        ("r1", StreamOutcome::Completed),
+        ("r2", StreamOutcome::Completed),
+        ("r3", StreamOutcome::ClientCancelled),
+        ("r4", StreamOutcome::UpstreamFailed),
+    ] {
+        l.hold(
+            RequestId::from(req),
+            acct.clone(),
+            ModelId::from("smollm2"),
+            100,
+        )
+        .await
+        .unwrap();
+        let r = l
+            .settle(settlement(req, &acct, Some(node.clone()), outcome))
+            .await
+            .unwrap();
+        credited += r.operator_credit_micros;
+    }
+    // 34 prompt + 12 completion tokens at 0.15/0.60 per Mtok: ceil(12.3) = 13 micros; 70 %: 9
+    assert_eq!(credited, 27);
+    let nodes = l.operator_nodes(&op).await.unwrap();
+    assert_eq!(nodes.len(), 2);
+    assert_eq!(nodes[0].node_id, node);
+    assert_eq!(nodes[0].operator, op);
+    assert_eq!(nodes[0].requests_served, 2);
+    assert_eq!(nodes[0].earned_micros, 27);
+    assert_eq!(nodes[1].node_id, other);
+    assert_eq!(nodes[1].requests_served, 0);
+    assert_eq!(nodes[1].earned_micros, 0);
+    assert_eq!(l.operator_earned_micros(&op).await.unwrap(), 27);
+}
+
+fn now_ms_for_tests() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64
+}
+
 /// Instantiates each test function for both stores: `ledger::tests::sqlite::<name>` and
 /// `ledger::tests::postgres::<name>`.
 macro_rules! store_tests {
@@ -1305,6 +1452,8 @@ store_tests!(
         concurrent_credits_and_registrations_apply_once,
         credit_key_reused_for_another_account_or_amount_is_a_conflict,
         stale_holds_after_a_crash_settle_upstream_failed_at_no_cost,
+        enrollment_tokens_register_one_node_once,
+        operator_nodes_count_served_requests_and_earnings,
     ],
     blocking: [
         random_holds_settles_releases_keep_the_books,

@@ -1,0 +1,310 @@
+//! Plain HTTP/1.1 requests from the agent to the gateway's tunnel listener, beside the tunnel:
+//! `POST /v1/enroll` (`join`) and `GET /v1/node/status` (`status`). Same host, port and TLS trust
+//! as the tunnel itself.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use base64::Engine as _;
+use bytes::Bytes;
+use http::{Method, Request, StatusCode, Uri};
+use http_body_util::{BodyExt as _, Full};
+use hyper_util::rt::TokioIo;
+use spine_transport::NodeIdentity;
+use tokio::net::TcpStream;
+
+/// Largest answer read from the gateway, bytes.
+const MAX_ANSWER_BYTES: usize = 1024 * 1024;
+/// Connect + TLS + answer, at most.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// Errors talking to the gateway's tunnel listener.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum GatewayError {
+    #[error("gateway url {0:?} is not ws(s)://host[:port][/path] or http(s)://host[:port]")]
+    Url(String),
+    #[error("cannot reach the gateway at {addr}: {source}")]
+    Connect {
+        addr: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("tls with the gateway failed: {0}")]
+    Tls(#[source] std::io::Error),
+    #[error("http with the gateway failed: {0}")]
+    Http(#[source] hyper::Error),
+    #[error("the gateway did not answer within {0:?}")]
+    Timeout(Duration),
+    #[error("invalid request: {0}")]
+    Request(#[source] http::Error),
+    #[error("the gateway's answer is not the expected json: {0}")]
+    Json(#[source] serde_json::Error),
+    #[error("the gateway refused: {status} {code}: {message}")]
+    Refused {
+        status: StatusCode,
+        code: String,
+        message: String,
+    },
+}
+
+/// The gateway's tunnel listener: where `join` and `status` send their requests.
+#[derive(Clone, Debug)]
+pub(crate) struct GatewayEndpoint {
+    host: String,
+    port: u16,
+    tls: Option<Arc<rustls::ClientConfig>>,
+}
+
+/// The parts of a gateway URL: `wss://host:port/…`, `ws://…`, `https://…` or `http://…`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct GatewayUrl {
+    /// Whether the listener speaks TLS (`wss`/`https`).
+    pub(crate) tls: bool,
+    /// Host (brackets stripped from IPv6).
+    pub(crate) host: String,
+    /// Port; default 19000 (the tunnel listener's).
+    pub(crate) port: u16,
+}
+
+impl GatewayUrl {
+    /// Parses any of the accepted forms; the path is ignored.
+    pub(crate) fn parse(url: &str) -> Result<Self, GatewayError> {
+        let bad = || GatewayError::Url(url.to_owned());
+        let uri: Uri = url.trim().parse().map_err(|_| bad())?;
+        let tls = match uri.scheme_str() {
+            Some("wss" | "https") => true,
+            Some("ws" | "http") => false,
+            _ => return Err(bad()),
+        };
+        let authority = uri.authority().ok_or_else(bad)?;
+        let host = authority
+            .host()
+            .trim_start_matches('[')
+            .trim_end_matches(']');
+        if host.is_empty() {
+            return Err(bad());
+        }
+        Ok(Self {
+            tls,
+            host: host.to_owned(),
+            port: authority.port_u16().unwrap_or(19000),
+        })
+    }
+
+    /// The tunnel URL agents dial: `wss://host:port/v1/tunnel` (`ws://` without TLS).
+    pub(crate) fn tunnel_url(&self) -> String {
+        let scheme = if self.tls { "wss" } else { "ws" };
+        let host = if self.host.contains(':') {
+            format!("[{}]", self.host)
+        } else {
+            self.host.clone()
+        };
+        format!(
+            "{scheme}://{host}:{}{}",
+            self.port,
+            spine_transport::TUNNEL_PATH
+        )
+    }
+}
+
+/// Refusal answers in OpenAI's error shape.
+#[derive(serde::Deserialize)]
+struct ErrorBody {
+    error: ErrorFields,
+}
+
+#[derive(serde::Deserialize)]
+struct ErrorFields {
+    #[serde(default)]
+    message: String,
+    #[serde(default)]
+    code: Option<String>,
+}
+
+impl GatewayEndpoint {
+    /// The endpoint for `url`, trusting `tls` (required for `wss`/`https`).
+    pub(crate) fn new(
+        url: &GatewayUrl,
+        tls: Option<Arc<rustls::ClientConfig>>,
+    ) -> Result<Self, GatewayError> {
+        if url.tls && tls.is_none() {
+            return Err(GatewayError::Url(url.tunnel_url()));
+        }
+        Ok(Self {
+            host: url.host.clone(),
+            port: url.port,
+            tls: if url.tls { tls } else { None },
+        })
+    }
+
+    /// Sends one request and reads the JSON answer; non-2xx answers become
+    /// [`GatewayError::Refused`] with the gateway's error code and message.
+    pub(crate) async fn request_json(
+        &self,
+        method: Method,
+        path: &str,
+        headers: &[(&str, String)],
+        body: Option<&serde_json::Value>,
+    ) -> Result<serde_json::Value, GatewayError> {
+        let (status, bytes) =
+            tokio::time::timeout(REQUEST_TIMEOUT, self.request(method, path, headers, body))
+                .await
+                .map_err(|_| GatewayError::Timeout(REQUEST_TIMEOUT))??;
+        if !status.is_success() {
+            let (code, message) = match serde_json::from_slice::<ErrorBody>(&bytes) {
+                Ok(e) => (e.error.code.unwrap_or_default(), e.error.message),
+                Err(_) => (
+                    String::new(),
+                    String::from_utf8_lossy(&bytes).chars().take(200).collect(),
+                ),
+            };
+            return Err(GatewayError::Refused {
+                status,
+                code,
+                message,
+            });
+        }
+        serde_json::from_slice(&bytes).map_err(GatewayError::Json)
+    }
+
+    async fn request(
+        &self,
+        method: Method,
+        path: &str,
+        headers: &[(&str, String)],
+        body: Option<&serde_json::Value>,
+    ) -> Result<(StatusCode, Bytes), GatewayError> {
+        let addr = format!("{}:{}", self.host, self.port);
+        let tcp = TcpStream::connect((self.host.as_str(), self.port))
+            .await
+            .map_err(|source| GatewayError::Connect {
+                addr: addr.clone(),
+                source,
+            })?;
+        let _ = tcp.set_nodelay(true);
+        let authority = if self.host.contains(':') {
+            format!("[{}]:{}", self.host, self.port)
+        } else {
+            addr
+        };
+        let mut req = Request::builder()
+            .method(method)
+            .uri(path)
+            .header(http::header::HOST, authority);
+        for (name, value) in headers {
+            req = req.header(*name, value.as_str());
+        }
+        let bytes = match body {
+            Some(v) => {
+                req = req.header(http::header::CONTENT_TYPE, "application/json");
+                Bytes::from(v.to_string())
+            }
+            None => Bytes::new(),
+        };
+        let req = req.body(Full::new(bytes)).map_err(GatewayError::Request)?;
+        match &self.tls {
+            Some(config) => {
+                let name = rustls_pki_types::ServerName::try_from(self.host.clone())
+                    .map_err(|_| GatewayError::Url(self.host.clone()))?;
+                let stream = tokio_rustls::TlsConnector::from(config.clone())
+                    .connect(name, tcp)
+                    .await
+                    .map_err(GatewayError::Tls)?;
+                send(stream, req).await
+            }
+            None => send(tcp, req).await,
+        }
+    }
+}
+
+async fn send<S>(io: S, req: Request<Full<Bytes>>) -> Result<(StatusCode, Bytes), GatewayError>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(io))
+        .await
+        .map_err(GatewayError::Http)?;
+    let conn = tokio::spawn(conn);
+    let resp = sender.send_request(req).await.map_err(GatewayError::Http)?;
+    let status = resp.status();
+    let body = http_body_util::Limited::new(resp.into_body(), MAX_ANSWER_BYTES)
+        .collect()
+        .await
+        .map_err(|e| GatewayError::Tls(std::io::Error::other(format!("reading the answer: {e}"))))?
+        .to_bytes();
+    conn.abort();
+    Ok((status, body))
+}
+
+/// The bytes a node signs for `GET /v1/node/status` (must match the gateway's
+/// `enroll::status_signing_message`): `spine-node-status/v1\n<timestamp_ms>\n<public key text>`.
+pub(crate) fn status_signing_message(timestamp_ms: i64, public_key_text: &str) -> String {
+    format!("spine-node-status/v1\n{timestamp_ms}\n{public_key_text}")
+}
+
+/// The three headers that authenticate a status request: `x-spine-node-key`,
+/// `x-spine-timestamp-ms` (now, Unix ms) and `x-spine-signature` (base64url ed25519).
+pub(crate) fn status_headers(identity: &NodeIdentity) -> Vec<(&'static str, String)> {
+    let timestamp_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
+    let key = identity.public_key_text();
+    let signature = identity.sign(status_signing_message(timestamp_ms, &key).as_bytes());
+    vec![
+        ("x-spine-node-key", key),
+        ("x-spine-timestamp-ms", timestamp_ms.to_string()),
+        (
+            "x-spine-signature",
+            base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(signature.to_bytes()),
+        ),
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+
+    #[test]
+    fn gateway_urls() {
+        let u = GatewayUrl::parse("wss://gw.example:19000/v1/tunnel").unwrap();
+        assert_eq!(
+            u,
+            GatewayUrl {
+                tls: true,
+                host: "gw.example".into(),
+                port: 19000
+            }
+        );
+        assert_eq!(u.tunnel_url(), "wss://gw.example:19000/v1/tunnel");
+        let u = GatewayUrl::parse("https://gw.example").unwrap();
+        assert_eq!(u.port, 19000);
+        assert_eq!(u.tunnel_url(), "wss://gw.example:19000/v1/tunnel");
+        let u = GatewayUrl::parse("ws://127.0.0.1:4000").unwrap();
+        assert_eq!(u.tunnel_url(), "ws://127.0.0.1:4000/v1/tunnel");
+        let u = GatewayUrl::parse("wss://[::1]:19000").unwrap();
+        assert_eq!(u.host, "::1");
+        assert_eq!(u.tunnel_url(), "wss://[::1]:19000/v1/tunnel");
+        for bad in ["ftp://x", "gw.example:19000", "", "wss://"] {
+            assert!(GatewayUrl::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn status_headers_sign_the_documented_message() {
+        let id = NodeIdentity::generate().unwrap();
+        let h = status_headers(&id);
+        assert_eq!(h[0], ("x-spine-node-key", id.public_key_text()));
+        let ts: i64 = h[1].1.parse().unwrap();
+        let sig = base64::engine::general_purpose::URL_SAFE_NO_PAD
+            .decode(&h[2].1)
+            .unwrap();
+        let sig = ed25519_dalek::Signature::from_slice(&sig).unwrap();
+        id.verifying_key()
+            .verify_strict(
+                format!("spine-node-status/v1\n{ts}\n{}", id.public_key_text()).as_bytes(),
+                &sig,
+            )
+            .unwrap();
+    }
+}

@@ -1,0 +1,492 @@
+//! Node enrollment and the node's own view of itself (design brief §7, issue 8).
+//!
+//! - Admin: `POST /admin/v1/operators/{id}/enrollments` → a one-time enrollment token. Only its
+//!   SHA-256 is stored, with an expiry (default 24 h, at most 30 days); it registers one node.
+//! - Tunnel listener: `POST /v1/enroll` `{"token", "public_key", "node_name"?}` redeems a token:
+//!   the public key becomes a node of the token's operator (`201 {"node_id", "operator_id",
+//!   "public_key", "catalog_models"}`). Unknown or expired token → 401, used → 409, key already
+//!   registered → 409, all in OpenAI's error shape. Redeeming again with the same key returns the
+//!   same node, so an agent that lost the answer can retry.
+//! - Tunnel listener: `GET /v1/node/status`, authenticated by the node's own key (the agent has
+//!   no admin token): headers `x-spine-node-key` (`ed25519:<base64url>`),
+//!   `x-spine-timestamp-ms` (Unix ms, within ±[`STATUS_SIGNATURE_WINDOW_MS`] of the gateway's
+//!   clock) and `x-spine-signature` (base64url ed25519 signature over
+//!   [`status_signing_message`]). It answers this node's state as the gateway sees it: connected,
+//!   routable, the routable models, requests served and earnings. The request is read-only, so a
+//!   replay inside the window discloses only what the node itself may read.
+//!
+//! The catalog is the gateway's: a node advertises every model its engine serves, but only those
+//! in the catalog are ever routed to it (a request for another model is refused with 404 before
+//! routing); `catalog_models` in the enrollment answer and the status lets the agent and its owner
+//! see which ones count.
+
+use std::sync::Arc;
+
+use axum::extract::{Path, State};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use base64::Engine as _;
+use http::{HeaderMap, StatusCode};
+use serde::Deserialize;
+use serde_json::json;
+use spine_core::{NodeId, OperatorId};
+use spine_meter::LedgerError;
+
+use crate::api;
+use crate::auth;
+use crate::error::ApiError;
+use crate::state::AppState;
+
+/// Default validity of an enrollment token, seconds (24 h).
+pub(crate) const DEFAULT_ENROLLMENT_TTL_SECS: u64 = 24 * 3600;
+/// Longest validity of an enrollment token, seconds (30 days).
+pub(crate) const MAX_ENROLLMENT_TTL_SECS: u64 = 30 * 24 * 3600;
+/// How far a status request's timestamp may be from the gateway's clock, ms (either way).
+pub(crate) const STATUS_SIGNATURE_WINDOW_MS: i64 = 60_000;
+/// Prefix of enrollment tokens.
+const TOKEN_PREFIX: &str = "spine-enroll-";
+
+/// The bytes a node signs for `GET /v1/node/status`:
+/// `spine-node-status/v1\n<timestamp_ms>\n<public key text>`.
+pub(crate) fn status_signing_message(timestamp_ms: i64, public_key_text: &str) -> String {
+    format!("spine-node-status/v1\n{timestamp_ms}\n{public_key_text}")
+}
+
+fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+}
+
+/// `/v1/enroll` and `/v1/node/status`, for the tunnel listener.
+pub(crate) fn tunnel_router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/v1/enroll", post(enroll))
+        .route("/v1/node/status", get(node_status))
+        .layer(axum::middleware::from_fn(api::request_id))
+        .with_state(state)
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct CreateEnrollmentBody {
+    /// Validity, seconds; default 24 h.
+    #[serde(default)]
+    ttl_secs: Option<u64>,
+}
+
+/// `POST /admin/v1/operators/{id}/enrollments` (admin listener; the admin router checks the
+/// token).
+pub(crate) async fn create_enrollment(
+    State(state): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    body: axum::body::Bytes,
+) -> Response {
+    let result = async {
+        let body: CreateEnrollmentBody = if body.iter().all(u8::is_ascii_whitespace) {
+            CreateEnrollmentBody::default()
+        } else {
+            serde_json::from_slice(&body).map_err(|e| {
+                ApiError::invalid_request(
+                    "invalid_json",
+                    format!("expected {{\"ttl_secs\": <seconds>}} or no body: {e}"),
+                )
+            })?
+        };
+        let ttl_secs = body.ttl_secs.unwrap_or(DEFAULT_ENROLLMENT_TTL_SECS);
+        if ttl_secs == 0 || ttl_secs > MAX_ENROLLMENT_TTL_SECS {
+            return Err(ApiError::invalid_request(
+                "invalid_ttl",
+                format!("ttl_secs must be 1..={MAX_ENROLLMENT_TTL_SECS}"),
+            ));
+        }
+        let operator = OperatorId::new(id);
+        let token = format!(
+            "{TOKEN_PREFIX}{}",
+            auth::new_api_key().trim_start_matches("sk-spine-")
+        );
+        // ttl ≤ 30 days: no overflow
+        let expires_at_ms = now_ms().saturating_add((ttl_secs * 1000) as i64);
+        state
+            .store
+            .create_enrollment(&operator, &auth::hash_api_key(&token), expires_at_ms)
+            .await
+            .map_err(crate::admin::ledger_error)?;
+        tracing::info!(operator = %operator, expires_at_ms, "enrollment token issued");
+        Ok::<_, ApiError>((
+            StatusCode::CREATED,
+            Json(json!({
+                "token": token,
+                "operator_id": operator,
+                "expires_at_ms": expires_at_ms,
+                "ttl_secs": ttl_secs,
+            })),
+        ))
+    };
+    result.await.into_response()
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct EnrollBody {
+    token: String,
+    public_key: String,
+    #[serde(default)]
+    node_name: Option<String>,
+}
+
+/// A node name: 1–64 characters, no control characters.
+fn valid_node_name(name: &str) -> bool {
+    (1..=64).contains(&name.chars().count()) && !name.chars().any(char::is_control)
+}
+
+fn enroll_error(e: LedgerError) -> ApiError {
+    match e {
+        LedgerError::UnknownEnrollment => ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "invalid_request_error",
+            "invalid_enrollment_token",
+            "the enrollment token is not valid; ask the gateway's operator for a new one",
+        ),
+        LedgerError::EnrollmentExpired => ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "invalid_request_error",
+            "enrollment_token_expired",
+            "the enrollment token has expired; ask for a new one",
+        ),
+        LedgerError::EnrollmentUsed => ApiError::new(
+            StatusCode::CONFLICT,
+            "invalid_request_error",
+            "enrollment_token_used",
+            "the enrollment token was already used by another node",
+        ),
+        LedgerError::Duplicate {
+            what: "node public key",
+        } => ApiError::new(
+            StatusCode::CONFLICT,
+            "invalid_request_error",
+            "node_key_registered",
+            "this node key is already registered",
+        ),
+        other => crate::admin::ledger_error(other),
+    }
+}
+
+/// `POST /v1/enroll` (tunnel listener).
+async fn enroll(State(state): State<Arc<AppState>>, body: axum::body::Bytes) -> Response {
+    let result = async {
+        let body: EnrollBody = serde_json::from_slice(&body).map_err(|e| {
+            ApiError::invalid_request(
+                "invalid_json",
+                format!(
+                    "expected {{\"token\": <enrollment token>, \"public_key\": \"ed25519:…\", \"node_name\": <optional>}}: {e}"
+                ),
+            )
+        })?;
+        let key = spine_transport::parse_public_key_text(body.public_key.trim()).map_err(|e| {
+            ApiError::invalid_request("invalid_public_key", format!("public_key: {e}"))
+        })?;
+        if let Some(name) = &body.node_name {
+            if !valid_node_name(name) {
+                return Err(ApiError::invalid_request(
+                    "invalid_node_name",
+                    "node_name must be 1-64 characters without control characters",
+                ));
+            }
+        }
+        let text = spine_transport::public_key_text(&key);
+        let enrollment = state
+            .store
+            .redeem_enrollment(
+                &auth::hash_api_key(body.token.trim()),
+                &text,
+                body.node_name.as_deref(),
+            )
+            .await
+            .map_err(enroll_error)?;
+        tracing::info!(node = %enrollment.node, operator = %enrollment.operator, "node enrolled");
+        Ok::<_, ApiError>((
+            StatusCode::CREATED,
+            Json(json!({
+                "node_id": enrollment.node,
+                "operator_id": enrollment.operator,
+                "public_key": text,
+                "catalog_models": state.catalog_ids,
+            })),
+        ))
+    };
+    result.await.into_response()
+}
+
+fn signature_error(code: &'static str, message: &str) -> ApiError {
+    ApiError::new(
+        StatusCode::UNAUTHORIZED,
+        "invalid_request_error",
+        code,
+        message.to_owned(),
+    )
+}
+
+/// Checks the status request's signature headers at `now_ms`; returns the public key text.
+fn verify_status_headers(headers: &HeaderMap, now_ms: i64) -> Result<String, ApiError> {
+    let header = |name: &str| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::trim)
+            .ok_or_else(|| {
+                signature_error(
+                    "invalid_node_signature",
+                    "send x-spine-node-key, x-spine-timestamp-ms and x-spine-signature",
+                )
+            })
+    };
+    let key_text = header("x-spine-node-key")?;
+    let timestamp_ms: i64 = header("x-spine-timestamp-ms")?.parse().map_err(|_| {
+        signature_error(
+            "invalid_node_signature",
+            "x-spine-timestamp-ms must be Unix milliseconds",
+        )
+    })?;
+    let signature = header("x-spine-signature")?;
+    if now_ms.abs_diff(timestamp_ms) > STATUS_SIGNATURE_WINDOW_MS.unsigned_abs() {
+        return Err(signature_error(
+            "stale_node_signature",
+            "the signed timestamp is more than 60 s from the gateway's clock; check the node's clock",
+        ));
+    }
+    let key = spine_transport::parse_public_key_text(key_text)
+        .map_err(|_| signature_error("invalid_node_signature", "x-spine-node-key is not a key"))?;
+    let sig_bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(signature)
+        .map_err(|_| {
+            signature_error(
+                "invalid_node_signature",
+                "x-spine-signature is not base64url",
+            )
+        })?;
+    let sig = ed25519_dalek::Signature::from_slice(&sig_bytes).map_err(|_| {
+        signature_error(
+            "invalid_node_signature",
+            "x-spine-signature is not a signature",
+        )
+    })?;
+    let text = spine_transport::public_key_text(&key);
+    key.verify_strict(status_signing_message(timestamp_ms, &text).as_bytes(), &sig)
+        .map_err(|_| signature_error("invalid_node_signature", "the signature does not verify"))?;
+    Ok(text)
+}
+
+/// `GET /v1/node/status` (tunnel listener): this node as the gateway sees it.
+async fn node_status(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+    let result = async {
+        let key_text = verify_status_headers(&headers, now_ms())?;
+        let node = state
+            .store
+            .node_for_public_key(&key_text)
+            .await
+            .map_err(crate::admin::ledger_error)?
+            .ok_or_else(|| {
+                signature_error(
+                    "unknown_node",
+                    "this node key is not registered with the gateway",
+                )
+            })?;
+        let operator = state
+            .store
+            .node_operator(&node)
+            .await
+            .map_err(crate::admin::ledger_error)?;
+        let view = node_view(&state, &operator, &node).await?;
+        let operator_earned = state
+            .store
+            .operator_earned_micros(&operator)
+            .await
+            .map_err(crate::admin::ledger_error)?;
+        let mut out = view;
+        out["operator_id"] = json!(operator);
+        out["operator_earned_micros"] = json!(operator_earned);
+        out["catalog_models"] = json!(state.catalog_ids);
+        out["server_time_ms"] = json!(now_ms());
+        Ok::<_, ApiError>(Json(out))
+    };
+    result.await.into_response()
+}
+
+/// One node of an operator as JSON: stored record (name, requests served, earnings) and live
+/// state (connected, routable, models), for the status endpoint and `GET /admin/v1/operators/{id}`.
+async fn node_view(
+    state: &AppState,
+    operator: &OperatorId,
+    node: &NodeId,
+) -> Result<serde_json::Value, ApiError> {
+    let nodes = nodes_json(state, operator).await?;
+    nodes
+        .into_iter()
+        .find(|n| n["node_id"] == json!(node))
+        .ok_or_else(|| ApiError::internal("the node vanished from its operator's list"))
+}
+
+/// Every node of `operator` as JSON: `node_id`, `name`, `connected` (a live tunnel, routable or
+/// still in its warm-up probe), `routable`, `models` (the catalog models it is routed for),
+/// `unlisted_models` (served by its engine but not in the catalog: never routed), `in_flight`,
+/// `requests_served`, `earned_micros`, `created_at_ms`.
+pub(crate) async fn nodes_json(
+    state: &AppState,
+    operator: &OperatorId,
+) -> Result<Vec<serde_json::Value>, ApiError> {
+    let records = state
+        .store
+        .operator_nodes(operator)
+        .await
+        .map_err(crate::admin::ledger_error)?;
+    let live = state.registry.snapshot();
+    let connected = state.tunnels.connected();
+    Ok(records
+        .into_iter()
+        .map(|r| {
+            let snap = live.iter().find(|s| s.node_id == r.node_id);
+            // the registry holds only the catalog models (main.rs `RegistryEvents`); the tunnel
+            // keeps what the node advertised
+            let models: Vec<_> = snap
+                .map(|s| s.descriptor.models.iter().map(|m| m.id.clone()).collect())
+                .unwrap_or_default();
+            let unlisted: Vec<_> = connected
+                .iter()
+                .find(|(n, _)| *n == r.node_id)
+                .map(|(_, d)| {
+                    d.models
+                        .iter()
+                        .map(|m| m.id.clone())
+                        .filter(|id| !state.catalog_ids.contains(id))
+                        .collect()
+                })
+                .unwrap_or_default();
+            json!({
+                "node_id": r.node_id,
+                "name": r.name,
+                "connected": state.tunnels.contains(&r.node_id),
+                "routable": snap.is_some(),
+                "models": models,
+                "unlisted_models": unlisted,
+                "in_flight": snap.map_or(0, |s| s.in_flight),
+                "requests_served": r.requests_served,
+                "earned_micros": r.earned_micros,
+                "created_at_ms": r.created_at_ms,
+            })
+        })
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+    use http::HeaderValue;
+    use spine_transport::NodeIdentity;
+
+    fn signed(identity: &NodeIdentity, ts: i64) -> HeaderMap {
+        let key = identity.public_key_text();
+        let sig = identity.sign(status_signing_message(ts, &key).as_bytes());
+        let mut h = HeaderMap::new();
+        h.insert("x-spine-node-key", HeaderValue::from_str(&key).unwrap());
+        h.insert(
+            "x-spine-timestamp-ms",
+            HeaderValue::from_str(&ts.to_string()).unwrap(),
+        );
+        h.insert(
+            "x-spine-signature",
+            HeaderValue::from_str(
+                &base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(sig.to_bytes()),
+            )
+            .unwrap(),
+        );
+        h
+    }
+
+    #[test]
+    fn status_signatures_verify_only_fresh_and_own() {
+        let id = NodeIdentity::generate().unwrap();
+        let now = 1_800_000_000_000;
+        assert_eq!(
+            verify_status_headers(&signed(&id, now - 59_000), now).unwrap(),
+            id.public_key_text()
+        );
+        let stale = verify_status_headers(&signed(&id, now - 61_000), now).unwrap_err();
+        assert_eq!(
+            (stale.status, stale.code),
+            (StatusCode::UNAUTHORIZED, "stale_node_signature")
+        );
+        let future = verify_status_headers(&signed(&id, now + 61_000), now).unwrap_err();
+        assert_eq!(future.code, "stale_node_signature");
+        // another key's signature under this key
+        let other = NodeIdentity::generate().unwrap();
+        let mut h = signed(&other, now);
+        h.insert(
+            "x-spine-node-key",
+            HeaderValue::from_str(&id.public_key_text()).unwrap(),
+        );
+        assert_eq!(
+            verify_status_headers(&h, now).unwrap_err().code,
+            "invalid_node_signature"
+        );
+        // a signed timestamp moved
+        let mut h = signed(&id, now);
+        h.insert(
+            "x-spine-timestamp-ms",
+            HeaderValue::from_str(&(now + 1).to_string()).unwrap(),
+        );
+        assert_eq!(
+            verify_status_headers(&h, now).unwrap_err().code,
+            "invalid_node_signature"
+        );
+        for missing in [
+            "x-spine-node-key",
+            "x-spine-timestamp-ms",
+            "x-spine-signature",
+        ] {
+            let mut h = signed(&id, now);
+            h.remove(missing);
+            assert_eq!(
+                verify_status_headers(&h, now).unwrap_err().code,
+                "invalid_node_signature"
+            );
+        }
+        let mut h = signed(&id, now);
+        h.insert("x-spine-signature", HeaderValue::from_static("!!"));
+        assert_eq!(
+            verify_status_headers(&h, now).unwrap_err().code,
+            "invalid_node_signature"
+        );
+    }
+
+    proptest::proptest! {
+        /// Arbitrary header values are refused with 401, never a panic.
+        #[test]
+        fn any_status_headers_are_refused_not_panicking(
+            key in "[ -~]{0,80}",
+            ts in "[ -~]{0,24}",
+            sig in "[ -~]{0,120}",
+            now in proptest::num::i64::ANY,
+        ) {
+            let mut h = HeaderMap::new();
+            for (name, v) in [("x-spine-node-key", &key), ("x-spine-timestamp-ms", &ts), ("x-spine-signature", &sig)] {
+                if let Ok(v) = HeaderValue::from_str(v) {
+                    h.insert(name, v);
+                }
+            }
+            let e = verify_status_headers(&h, now).unwrap_err();
+            proptest::prop_assert_eq!(e.status, StatusCode::UNAUTHORIZED);
+        }
+    }
+
+    #[test]
+    fn node_names() {
+        assert!(valid_node_name("desk-4090"));
+        assert!(valid_node_name("Ünïcode ok"));
+        assert!(!valid_node_name(""));
+        assert!(!valid_node_name("a\nb"));
+        assert!(!valid_node_name(&"x".repeat(65)));
+    }
+}
