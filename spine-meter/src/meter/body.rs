@@ -203,6 +203,54 @@ fn encode_event(data: &str) -> Bytes {
     Bytes::from(out)
 }
 
+/// The chunk members kept to build a usage chunk when the node sent none.
+const META_KEYS: [&str; 5] = ["id", "object", "created", "model", "system_fingerprint"];
+
+/// A member's raw JSON when present, `null` included (`Option<&RawValue>` would turn `null`
+/// into `None`).
+#[derive(Default)]
+struct MaybeRaw<'a>(Option<&'a RawValue>);
+
+impl<'de: 'a, 'a> serde::Deserialize<'de> for MaybeRaw<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        <&'a RawValue as serde::Deserialize<'de>>::deserialize(d).map(|r| MaybeRaw(Some(r)))
+    }
+}
+
+/// The members of a chunk the meter reads, borrowed from the event's data: the same values
+/// a [`JsonMap`] parse gives for an object without duplicate members (serde refuses
+/// duplicates of these fields, and the caller then falls back to the map).
+#[derive(serde::Deserialize)]
+struct ChunkView<'a> {
+    #[serde(default, borrow)]
+    error: MaybeRaw<'a>,
+    #[serde(default, borrow)]
+    usage: MaybeRaw<'a>,
+    #[serde(default, borrow)]
+    choices: MaybeRaw<'a>,
+    #[serde(default, borrow)]
+    id: MaybeRaw<'a>,
+    #[serde(default, borrow)]
+    object: MaybeRaw<'a>,
+    #[serde(default, borrow)]
+    created: MaybeRaw<'a>,
+    #[serde(default, borrow)]
+    model: MaybeRaw<'a>,
+    #[serde(default, borrow)]
+    system_fingerprint: MaybeRaw<'a>,
+}
+
+impl<'a> ChunkView<'a> {
+    /// The view of a JSON object; `None` for anything else (a derived struct would also
+    /// accept an array) or on any parse error.
+    fn parse(data: &'a str) -> Option<Self> {
+        if !data.trim_start().starts_with('{') {
+            return None;
+        }
+        serde_json::from_str(data).ok()
+    }
+}
+
 fn encode_map(map: &JsonMap) -> Option<Bytes> {
     serde_json::to_string(map).ok().map(|s| encode_event(&s))
 }
@@ -336,14 +384,8 @@ impl State {
         if self.upstream_done {
             return;
         }
-        let Stream {
-            usage_template,
-            meta,
-            done_raw,
-            ..
-        } = &mut self.stream;
         if ev.data().trim() == "[DONE]" {
-            *done_raw = Some(if ev.is_data_only() {
+            self.stream.done_raw = Some(if ev.is_data_only() {
                 ev.raw().clone()
             } else {
                 Bytes::from_static(DONE_EVENT)
@@ -358,6 +400,22 @@ impl State {
                 encode_event(ev.data())
             }
         };
+        // fast path: a chunk without a non-null `usage` (every chunk but the last) is read
+        // through a borrowed view, without building a map; anything else (usage, duplicate
+        // keys, not an object) takes the general path below, which means the same
+        if let Some(view) = ChunkView::parse(ev.data()) {
+            if Self::is_null(view.usage.0) {
+                self.error_seen |= !Self::is_null(view.error.0);
+                self.remember_meta(&view);
+                let choices = view.choices.0.map(read_choices).unwrap_or_default();
+                let text = self.take_choices(choices);
+                self.queue.push_back(Out {
+                    bytes: untouched(),
+                    text,
+                });
+                return;
+            }
+        }
         let Ok(mut map) = serde_json::from_str::<JsonMap>(ev.data()) else {
             // not a JSON object: forwarded, never counted
             self.queue.push_back(Out {
@@ -369,17 +427,47 @@ impl State {
         if !Self::is_null(map.get("error").map(|b| &**b)) {
             self.error_seen = true;
         }
-        for key in ["id", "object", "created", "model", "system_fingerprint"] {
+        for key in META_KEYS {
             if let Some(v) = map.get(key) {
-                meta.insert(key.to_owned(), v.clone());
+                self.stream.meta.insert(key.to_owned(), v.clone());
             }
         }
         let choices = map
             .get("choices")
             .map(|c| read_choices(c))
             .unwrap_or_default();
+        let choices_empty = choices.is_empty();
+        let text = self.take_choices(choices);
+        let Stream { usage_template, .. } = &mut self.stream;
+        let has_usage = !Self::is_null(map.get("usage").map(|b| &**b));
+        if has_usage {
+            if let Some(claim) = map.get("usage").and_then(|u| usage_claim(u)) {
+                self.claimed = Some(claim);
+            }
+            if choices_empty && !map.contains_key("error") {
+                // usage-only chunk: withheld; the billed one goes out at the end if asked
+                *usage_template = Some(map);
+                return;
+            }
+            map.shift_remove("usage");
+            let bytes = encode_map(&map).unwrap_or_else(untouched);
+            self.queue.push_back(Out { bytes, text });
+            return;
+        }
+        self.queue.push_back(Out {
+            bytes: untouched(),
+            text,
+        });
+    }
+
+    /// Records each choice's `finish_reason` (requested choices only) and returns the text of
+    /// those that carry some, to be billed once delivered.
+    fn take_choices(
+        &mut self,
+        choices: Vec<(u64, GeneratedText, Option<String>)>,
+    ) -> Vec<(u64, GeneratedText)> {
         let mut text = Vec::new();
-        for (index, content, finish) in choices.iter().cloned() {
+        for (index, content, finish) in choices {
             // forwarded, but a choice the caller did not ask for is never billed
             if !self
                 .ctx
@@ -396,25 +484,25 @@ impl State {
                 text.push((index, content));
             }
         }
-        let has_usage = !Self::is_null(map.get("usage").map(|b| &**b));
-        if has_usage {
-            if let Some(claim) = map.get("usage").and_then(|u| usage_claim(u)) {
-                self.claimed = Some(claim);
+        text
+    }
+
+    /// Keeps the latest value of each [`META_KEYS`] member the chunk has (allocating only
+    /// when a value changes: they are the same on every chunk of a stream).
+    fn remember_meta(&mut self, view: &ChunkView<'_>) {
+        let fields = [
+            view.id.0,
+            view.object.0,
+            view.created.0,
+            view.model.0,
+            view.system_fingerprint.0,
+        ];
+        for (key, value) in META_KEYS.iter().zip(fields) {
+            let Some(value) = value else { continue };
+            if self.stream.meta.get(*key).map(|m| m.get()) != Some(value.get()) {
+                self.stream.meta.insert((*key).to_owned(), value.to_owned());
             }
-            if choices.is_empty() && !map.contains_key("error") {
-                // usage-only chunk: withheld; the billed one goes out at the end if asked
-                *usage_template = Some(map);
-                return;
-            }
-            map.shift_remove("usage");
-            let bytes = encode_map(&map).unwrap_or_else(untouched);
-            self.queue.push_back(Out { bytes, text });
-            return;
         }
-        self.queue.push_back(Out {
-            bytes: untouched(),
-            text,
-        });
     }
 
     fn billed(&self, ctx: &SettleCtx, completed: bool) -> Usage {
@@ -629,5 +717,74 @@ where
         } else {
             SizeHint::default()
         }
+    }
+}
+
+#[cfg(test)]
+mod view_tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+    use super::*;
+
+    /// What the general path reads from a chunk: the members the meter uses, raw.
+    fn via_map(data: &str) -> Option<Vec<Option<String>>> {
+        let map = serde_json::from_str::<JsonMap>(data).ok()?;
+        let keys = ["error", "usage", "choices"].into_iter().chain(META_KEYS);
+        Some(
+            keys.map(|k| map.get(k).map(|v| v.get().to_owned()))
+                .collect(),
+        )
+    }
+
+    fn via_view(data: &str) -> Option<Vec<Option<String>>> {
+        let v = ChunkView::parse(data)?;
+        let fields = [
+            v.error.0,
+            v.usage.0,
+            v.choices.0,
+            v.id.0,
+            v.object.0,
+            v.created.0,
+            v.model.0,
+            v.system_fingerprint.0,
+        ];
+        Some(
+            fields
+                .iter()
+                .map(|f| f.map(|r| r.get().to_owned()))
+                .collect(),
+        )
+    }
+
+    #[test]
+    fn the_view_reads_what_the_map_reads_or_declines() {
+        let cases = [
+            r#"{"choices":[{"index":0,"delta":{"content":"x"},"finish_reason":null}],"created":1,"id":"c","model":"m","system_fingerprint":"b0","object":"chat.completion.chunk"}"#,
+            r#"{"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":4}}"#,
+            r#"{"error":null,"usage":null,"choices":null,"id":null}"#,
+            r#" { "us\u0061ge" : { "prompt_tokens" : 1 } , "error" : {"message":"x"} } "#,
+            r#"{"choices":[1],"choices":[2]}"#,
+            r#"{"usage":null,"usage":{"prompt_tokens":9}}"#,
+            r#"[{"choices":[]}]"#,
+            r#""a string""#,
+            r#"{"choices":[{"text":"é\n"}],"extra":{"nested":[1,2,{"a":null}]}}"#,
+            r#"{"choices":[]} trailing"#,
+            "{}",
+        ];
+        for data in cases {
+            match via_view(data) {
+                // when the view reads a chunk, it reads exactly what the map reads
+                Some(view) => assert_eq!(Some(view), via_map(data), "{data}"),
+                // it declines only what the general path must decide (duplicates, non-objects,
+                // invalid json)
+                None => assert!(
+                    via_map(data).is_none()
+                        || data.matches("\"choices\"").count() > 1
+                        || data.matches("\"usage\"").count() > 1,
+                    "{data}"
+                ),
+            }
+        }
+        assert!(via_view(r#"{"choices":[1],"choices":[2]}"#).is_none());
+        assert!(via_view(r#"[{"choices":[]}]"#).is_none());
     }
 }

@@ -1,0 +1,259 @@
+//! criterion micro-benchmarks of the metering hot paths (issue 7):
+//!
+//! - `sse_parse`: [`SseParser`] over a real llama.cpp stream capture
+//!   (`fixtures/llama.cpp/b_chat_stream_usage.txt`), fed whole and one event per read;
+//!   throughput in events;
+//! - `meter_body`: one streamed request through the public [`MeterLayer`] (SQLite ledger in
+//!   memory, the real SmolLM2 tokenizer): hold, every event through `MeterBody` (SSE parse,
+//!   usage capture, egress shaping), independent completion count, settlement. Two stream
+//!   lengths: the marginal cost per event is `(t(256) − t(16)) / 240`;
+//! - `token_counting`: [`ModelTokenizer::count_text`] on English prose with the real SmolLM2
+//!   tokenizer; throughput in tokens.
+//!
+//! The tokenizer comes from `SPINE_MODEL_GGUF` (default
+//! `~/.cache/spine/models/SmolLM2-135M-Instruct.Q4_1.gguf`); without it the groups that need it
+//! are skipped with a message. Run: `cargo bench -p spine-meter --bench meter`.
+#![allow(missing_docs, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::collections::VecDeque;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use http_body::{Body, Frame};
+use http_body_util::BodyExt;
+use spine_core::{AccountId, BoxBody, BoxError, ModelId, OperatorId, RequestId};
+use spine_meter::meter::{Catalog, CatalogEntry, MeterLayer};
+use spine_meter::sse::{SseEvent, SseParser};
+use spine_meter::{ModelTokenizer, Price, SqliteLedger};
+use tower::{Layer, Service, ServiceExt};
+
+fn fixture(name: &str) -> Vec<u8> {
+    let path = PathBuf::from(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../fixtures/llama.cpp"
+    ))
+    .join(name);
+    let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let head_end = bytes
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .map_or(0, |p| p + 4);
+    bytes[head_end..].to_vec()
+}
+
+fn model_gguf() -> Option<PathBuf> {
+    let path = std::env::var_os("SPINE_MODEL_GGUF").map_or_else(
+        || {
+            PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
+                .join(".cache/spine/models/SmolLM2-135M-Instruct.Q4_1.gguf")
+        },
+        PathBuf::from,
+    );
+    if path.is_file() {
+        Some(path)
+    } else {
+        eprintln!(
+            "{} is missing (set SPINE_MODEL_GGUF): skipping the tokenizer benchmarks",
+            path.display()
+        );
+        None
+    }
+}
+
+fn sse_parse(c: &mut Criterion) {
+    let body = fixture("b_chat_stream_usage.txt");
+    let mut events = Vec::new();
+    let mut p = SseParser::new();
+    p.feed(&body, &mut events).unwrap();
+    p.finish(&mut events).unwrap();
+    let n = events.len() as u64;
+    let per_event: Vec<Bytes> = events.iter().map(|e| e.raw().clone()).collect();
+    let mut group = c.benchmark_group("sse_parse");
+    group.throughput(Throughput::Elements(n));
+    group.bench_function("whole_stream_one_read", |b| {
+        let mut out: Vec<SseEvent> = Vec::with_capacity(64);
+        b.iter(|| {
+            let mut p = SseParser::new();
+            p.feed(std::hint::black_box(&body), &mut out).unwrap();
+            p.finish(&mut out).unwrap();
+            assert_eq!(out.len() as u64, n);
+            out.clear();
+        });
+    });
+    group.bench_function("one_event_per_read", |b| {
+        let mut out: Vec<SseEvent> = Vec::with_capacity(4);
+        b.iter(|| {
+            let mut p = SseParser::new();
+            let mut count = 0u64;
+            for read in &per_event {
+                p.feed(std::hint::black_box(read), &mut out).unwrap();
+                count += out.len() as u64;
+                out.clear();
+            }
+            p.finish(&mut out).unwrap();
+            assert_eq!(count + out.len() as u64, n);
+            out.clear();
+        });
+    });
+    group.finish();
+}
+
+/// A node body that yields each event as its own frame.
+struct Replay(VecDeque<Bytes>);
+
+impl Body for Replay {
+    type Data = Bytes;
+    type Error = BoxError;
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        Poll::Ready(self.0.pop_front().map(|b| Ok(Frame::data(b))))
+    }
+}
+
+/// llama.cpp-shaped stream of `tokens` content chunks, a finish chunk, a usage chunk, `[DONE]`.
+fn node_stream(tokens: usize) -> Vec<Bytes> {
+    let chunk = |choices: &str, extra: &str| {
+        Bytes::from(format!(
+            "data: {{\"choices\":{choices},\"created\":1795965209,\"id\":\"chatcmpl-8hnb48W3uKhiu0bQMqLfFb285dUrBiZK\",\"model\":\"smollm2\",\"system_fingerprint\":\"b0-unknown\",\"object\":\"chat.completion.chunk\"{extra}}}\n\n"
+        ))
+    };
+    let mut out = Vec::with_capacity(tokens + 3);
+    for _ in 0..tokens {
+        out.push(chunk(
+            r#"[{"finish_reason":null,"index":0,"delta":{"content":" the"}}]"#,
+            "",
+        ));
+    }
+    out.push(chunk(
+        r#"[{"finish_reason":"length","index":0,"delta":{}}]"#,
+        "",
+    ));
+    out.push(chunk(
+        "[]",
+        &format!(
+            r#","usage":{{"completion_tokens":{tokens},"prompt_tokens":15,"total_tokens":{}}}"#,
+            tokens + 15
+        ),
+    ));
+    out.push(Bytes::from_static(b"data: [DONE]\n\n"));
+    out
+}
+
+fn meter_body(c: &mut Criterion) {
+    let Some(gguf) = model_gguf() else { return };
+    let tokenizer = Arc::new(ModelTokenizer::from_gguf(&gguf).unwrap());
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let account = AccountId::from("bench");
+    let (layer, node) = rt.block_on(async {
+        let ledger = Arc::new(SqliteLedger::in_memory().await.unwrap());
+        ledger.create_account(&account).await.unwrap();
+        ledger
+            .add_credits(&account, 1_000_000_000_000_000, "bench")
+            .await
+            .unwrap();
+        let operator = OperatorId::from("op");
+        ledger.create_operator(&operator).await.unwrap();
+        let node = ledger.register_node(&operator, "pk").await.unwrap();
+        let mut catalog = Catalog::new();
+        catalog.insert(
+            ModelId::from("smollm2"),
+            CatalogEntry {
+                tokenizer,
+                price: Price {
+                    input_micros_per_mtok: 1,
+                    output_micros_per_mtok: 1,
+                },
+                max_context_tokens: 8192,
+            },
+        );
+        (MeterLayer::new(ledger, catalog), node)
+    });
+    let mut group = c.benchmark_group("meter_body");
+    // request ids must be unique across the whole run (the ledger refuses a second hold)
+    let mut i = 0u64;
+    for tokens in [16usize, 256] {
+        let reads = node_stream(tokens);
+        let request_body = Bytes::from(format!(
+            r#"{{"model":"smollm2","max_tokens":{tokens},"stream":true,"messages":[{{"role":"user","content":"Say the word the, many times."}}]}}"#
+        ));
+        group.throughput(Throughput::Elements(reads.len() as u64));
+        let node = node.clone();
+        let inner = tower::service_fn(move |req: http::Request<BoxBody>| {
+            let reads = reads.clone();
+            let node = node.clone();
+            async move {
+                let _ = req.into_body().collect().await?;
+                let mut resp = http::Response::new(BoxBody::new(Replay(reads.into())));
+                resp.headers_mut().insert(
+                    http::header::CONTENT_TYPE,
+                    http::HeaderValue::from_static("text/event-stream"),
+                );
+                resp.extensions_mut().insert(node);
+                Ok::<_, BoxError>(resp)
+            }
+        });
+        let mut svc = layer.layer(inner);
+        let settlements = layer.settlements();
+        group.bench_with_input(
+            BenchmarkId::new("streamed_request_events", tokens + 3),
+            &tokens,
+            |b, _| {
+                b.iter(|| {
+                    rt.block_on(async {
+                        i += 1;
+                        let mut req = http::Request::post("/v1/chat/completions")
+                            .body(BoxBody::new(
+                                http_body_util::Full::new(request_body.clone())
+                                    .map_err(|never| match never {}),
+                            ))
+                            .unwrap();
+                        req.extensions_mut()
+                            .insert(RequestId::from(format!("req_{i}")));
+                        req.extensions_mut().insert(account.clone());
+                        let resp = svc.ready().await.unwrap().call(req).await.unwrap();
+                        let mut body = resp.into_body();
+                        let mut frames = 0usize;
+                        while let Some(f) = body.frame().await {
+                            f.unwrap();
+                            frames += 1;
+                        }
+                        assert!(frames >= tokens + 2);
+                        drop(body);
+                        settlements.drain().await;
+                    });
+                });
+            },
+        );
+    }
+    group.finish();
+}
+
+fn token_counting(c: &mut Criterion) {
+    let Some(gguf) = model_gguf() else { return };
+    let tokenizer = ModelTokenizer::from_gguf(&gguf).unwrap();
+    let paragraph = "The gateway meters every token against its own count, using the model's \
+        tokenizer and chat template, holds the caller's prepaid credit before forwarding, and \
+        settles after the stream ends. Nodes dial out over a WebSocket tunnel that carries HTTP/2. ";
+    let text = paragraph.repeat(20);
+    let tokens = tokenizer.count_text(&text);
+    let mut group = c.benchmark_group("token_counting");
+    group.throughput(Throughput::Elements(tokens));
+    group.bench_function(BenchmarkId::new("count_text_tokens", tokens), |b| {
+        b.iter(|| {
+            assert_eq!(tokenizer.count_text(std::hint::black_box(&text)), tokens);
+        });
+    });
+    group.finish();
+}
+
+criterion_group!(benches, sse_parse, meter_body, token_counting);
+criterion_main!(benches);
