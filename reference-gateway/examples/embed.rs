@@ -21,6 +21,9 @@ impl TunnelEvents for Registry {
     fn node_gone(&self, node: &NodeId) {
         self.0.node_gone(node)
     }
+    fn node_heartbeat(&self, node: &NodeId) {
+        self.0.heartbeat(node)
+    }
 }
 
 #[tokio::main]
@@ -49,7 +52,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // server.serve(listener, Some(tls)) accepts agents; this stack serves callers:
     let stack = tower::ServiceBuilder::new()
         .layer(MeterLayer::new(ledger, catalog).operator_share_bps(8_000))
-        .layer(RouteLayer::new(registry))
+        // SseClassify: lets the router tell an error event from the first token (retries before it)
+        .layer(RouteLayer::new(registry).classify(Arc::new(spine_meter::classify::SseClassify)))
         .service(TunnelService::new(server.tunnels()));
     // Call it with an http::Request<spine_core::BoxBody> that carries RequestId and AccountId.
     let _ = stack;

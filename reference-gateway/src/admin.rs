@@ -32,6 +32,10 @@ pub(crate) fn router(state: Arc<AppState>) -> Router {
         .route("/admin/v1/accounts/{id}/credits", post(add_credits))
         .route("/admin/v1/operators", post(create_operator))
         .route("/admin/v1/operators/{id}", get(get_operator))
+        .route(
+            "/admin/v1/operators/{id}/enrollments",
+            post(crate::enroll::create_enrollment),
+        )
         .route("/admin/v1/nodes", post(register_node).get(list_nodes))
         .route("/admin/v1/requests/{id}", get(get_request))
         .route("/metrics", get(render_metrics))
@@ -78,7 +82,7 @@ async fn require_admin(State(state): State<Arc<AppState>>, req: Request, next: N
     next.run(req).await
 }
 
-fn ledger_error(e: LedgerError) -> ApiError {
+pub(crate) fn ledger_error(e: LedgerError) -> ApiError {
     match e {
         LedgerError::UnknownAccount(id) => ApiError::not_found(format!("no account '{id}'")),
         LedgerError::UnknownOperator(id) => ApiError::not_found(format!("no operator '{id}'")),
@@ -299,7 +303,18 @@ async fn get_operator(State(state): State<Arc<AppState>>, Path(id): Path<String>
             .operator_earned_micros(&id)
             .await
             .map_err(ledger_error)?;
-        Ok::<_, ApiError>(Json(json!({"id": id, "earned_micros": earned})))
+        // each node: connected / routable / models now, requests served and credits so far
+        let nodes = crate::enroll::nodes_json(&state, &id).await?;
+        let requests_served: u64 = nodes
+            .iter()
+            .filter_map(|n| n["requests_served"].as_u64())
+            .sum();
+        Ok::<_, ApiError>(Json(json!({
+            "id": id,
+            "earned_micros": earned,
+            "requests_served": requests_served,
+            "nodes": nodes,
+        })))
     };
     result.await.into_response()
 }
@@ -353,6 +368,21 @@ async fn list_nodes(State(state): State<Arc<AppState>>) -> Response {
                 "agent_version": n.descriptor.agent_version,
                 "in_flight": n.in_flight,
                 "discrepancies": n.discrepancies,
+                // routing (design brief §5): the score, its parts, the pick weight, attempts
+                // and sticky stats (spine-router)
+                "score": n.score.score,
+                "score_parts": n.score,
+                "weight": n.weight,
+                "attempts": n.attempts,
+                "failures": n.failures,
+                "disconnects": n.disconnects,
+                "sticky": {
+                    "hits": n.sticky_hits,
+                    "misses": n.sticky_misses,
+                    "affinity_entries": n.affinity_entries,
+                },
+                // tunnel state, streams open and per-model running status (spine-transport)
+                "tunnel": state.tunnels.status(&n.node_id),
             })
         })
         .collect();

@@ -173,8 +173,15 @@ async fn proxy(state: &AppState, req: Request, kind: RequestKind) -> Response {
     }
 
     // A fresh upstream request: only the body and the content type travel to the node; the
-    // caller's key and other headers never do.
-    let (_parts, body) = req.into_parts();
+    // caller's key and other headers never do. `X-Session-Id` rides as an extension for the
+    // router's conversation affinity (design brief §5).
+    let (parts, body) = req.into_parts();
+    let session = parts
+        .headers
+        .get("x-session-id")
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| !v.is_empty())
+        .map(|v| spine_router::SessionId(v.to_owned()));
     let mut upstream = http::Request::builder()
         .method(http::Method::POST)
         .uri(kind.path())
@@ -185,6 +192,9 @@ async fn proxy(state: &AppState, req: Request, kind: RequestKind) -> Response {
     upstream.extensions_mut().insert(key);
     if let Some(id) = request_id {
         upstream.extensions_mut().insert(id);
+    }
+    if let Some(session) = session {
+        upstream.extensions_mut().insert(session);
     }
 
     match call_stack(state.stack.clone(), upstream).await {

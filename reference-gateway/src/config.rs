@@ -29,6 +29,8 @@ const ENV_KEYS: &[(&str, Kind)] = &[
     ("shutdown_grace_secs", Kind::Int),
     ("default_rpm_limit", Kind::Int),
     ("default_tpm_limit", Kind::Int),
+    ("affinity_ttl_secs", Kind::Int),
+    ("route_max_retries", Kind::Int),
 ];
 
 /// The gateway's configuration (design brief §7).
@@ -84,6 +86,13 @@ pub(crate) struct Config {
     /// per API key without its own `tpm_limit`; 0 = unlimited.
     #[serde(default)]
     pub(crate) default_tpm_limit: u64,
+    /// How long a conversation sticks to the node that last served it, seconds (design brief
+    /// §5); 0 disables affinity.
+    #[serde(default = "default_affinity_ttl_secs")]
+    pub(crate) affinity_ttl_secs: u64,
+    /// Retries on another node before the first response byte (design brief §5).
+    #[serde(default = "default_route_max_retries")]
+    pub(crate) route_max_retries: u32,
     /// The model catalog: what callers may ask for, its tokenizer and its price.
     #[serde(default)]
     pub(crate) models: Vec<ModelConfig>,
@@ -127,6 +136,12 @@ fn default_operator_share_bps() -> u16 {
 }
 fn default_shutdown_grace_secs() -> u64 {
     30
+}
+fn default_affinity_ttl_secs() -> u64 {
+    30 * 60
+}
+fn default_route_max_retries() -> u32 {
+    2
 }
 fn default_max_request_body_bytes() -> usize {
     4 * 1024 * 1024

@@ -115,6 +115,15 @@ impl ApiError {
             };
         }
         if let Some(e) = err.downcast_ref::<TunnelError>() {
+            if e.is_node_full() {
+                // refused before any byte went down the tunnel
+                return Self::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "api_error",
+                    "no_capacity",
+                    format!("the chosen node is at its concurrency limit; try again later: {e}"),
+                );
+            }
             return Self::new(
                 StatusCode::BAD_GATEWAY,
                 "api_error",

@@ -9,6 +9,7 @@ mod admin;
 mod api;
 mod auth;
 mod config;
+mod enroll;
 mod error;
 mod limits;
 mod metrics;
@@ -20,9 +21,10 @@ use std::sync::Arc;
 use axum::serve::ListenerExt;
 use clap::Parser;
 use spine_core::{ModelId, NodeDescriptor, NodeId};
+use spine_meter::classify::SseClassify;
 use spine_meter::meter::{Catalog, CatalogEntry, MeterLayer};
 use spine_meter::{ModelTokenizer, PgLedger, Price, SqliteLedger, Store};
-use spine_router::{NodeRegistry, RouteLayer};
+use spine_router::{NodeRegistry, RegistryConfig, RouteConfig, RouteLayer};
 use spine_transport::{
     NodeAuthenticator, RefusalReason, TunnelEvents, TunnelServer, TunnelServerConfig, TunnelService,
 };
@@ -98,14 +100,21 @@ impl NodeAuthenticator for StoreAuthenticator {
 }
 
 /// Tunnel lifecycle feeds the router's registry.
-struct RegistryEvents(NodeRegistry);
+/// The second field is the catalog: a node is registered only with the catalog models its engine
+/// serves (the others could never be billed; `GET /v1/node/status` lists them as unlisted).
+struct RegistryEvents(NodeRegistry, Vec<ModelId>);
 
 impl TunnelEvents for RegistryEvents {
     fn node_ready(&self, node: &NodeId, descriptor: &NodeDescriptor) {
-        self.0.node_ready(node, descriptor);
+        let mut listed = descriptor.clone();
+        listed.models.retain(|m| self.1.contains(&m.id));
+        self.0.node_ready(node, &listed);
     }
     fn node_gone(&self, node: &NodeId) {
         self.0.node_gone(node);
+    }
+    fn node_heartbeat(&self, node: &NodeId) {
+        self.0.heartbeat(node);
     }
 }
 
@@ -161,17 +170,22 @@ async fn run(cli: Cli) -> Result<(), MainError> {
     let mut catalog_ids: Vec<ModelId> = catalog.keys().cloned().collect();
     catalog_ids.sort();
 
-    let registry = NodeRegistry::new();
+    let registry = NodeRegistry::with_config(RegistryConfig {
+        affinity_ttl: std::time::Duration::from_secs(config.affinity_ttl_secs),
+        ..RegistryConfig::default()
+    });
     let mut tunnel_config = TunnelServerConfig::default();
     tunnel_config.gateway_id = config.gateway_id.clone();
+    let tunnel_handshake_timeout = tunnel_config.handshake_timeout;
     let tunnel_server = TunnelServer::new(
         tunnel_config,
         Arc::new(StoreAuthenticator(store.clone())),
-        Arc::new(RegistryEvents(registry.clone())),
+        Arc::new(RegistryEvents(registry.clone(), catalog_ids.clone())),
     );
     let tunnels = tunnel_server.tunnels();
 
     let metrics = metrics::install()?;
+    spine_transport::metric::describe();
     let limits = Arc::new(limits::RateLimits::load(
         config.default_rpm_limit,
         config.default_tpm_limit,
@@ -187,7 +201,14 @@ async fn run(cli: Cli) -> Result<(), MainError> {
     let settlements = meter.settlements();
     let stack = ServiceBuilder::new()
         .layer(meter)
-        .layer(RouteLayer::new(registry.clone()))
+        .layer(
+            RouteLayer::new(registry.clone())
+                .classify(Arc::new(SseClassify))
+                .config(RouteConfig {
+                    max_retries: config.route_max_retries,
+                    ..RouteConfig::default()
+                }),
+        )
         .service(TunnelService::new(tunnels.clone()));
     let stack = BoxCloneSyncService::new(stack);
 
@@ -202,6 +223,7 @@ async fn run(cli: Cli) -> Result<(), MainError> {
     let state = Arc::new(AppState {
         store: store.clone(),
         registry: registry.clone(),
+        tunnels: tunnels.clone(),
         stack,
         catalog_ids,
         admin_token: config.admin_token.clone(),
@@ -239,7 +261,21 @@ async fn run(cli: Cli) -> Result<(), MainError> {
             .with_graceful_shutdown(shutdown.clone().cancelled_owned())
             .into_future(),
     );
-    let mut tunnel_task = tokio::spawn(tunnel_server.serve(tunnel, tls.map(|t| t.server_config)));
+    // The tunnel listener: agents' WebSocket upgrade on `GET /v1/tunnel` (TLS unless the
+    // insecure flag is set); other routes on the same listener are merged into `tunnel_app`.
+    let tunnel_app: axum::Router = axum::Router::new()
+        .route_service(
+            spine_transport::TUNNEL_PATH,
+            tunnel_server.upgrade_service(),
+        )
+        // node enrollment and the node's own status (enroll.rs)
+        .merge(enroll::tunnel_router(state.clone()));
+    let mut tunnel_task = tokio::spawn(spine_transport::serve_listener(
+        tunnel,
+        tls.map(|t| t.server_config),
+        tunnel_handshake_timeout,
+        tunnel_app,
+    ));
 
     let early_exit = tokio::select! {
         () = shutdown_signal() => None,

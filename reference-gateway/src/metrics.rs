@@ -41,6 +41,10 @@ const TTFT_BUCKETS: &[f64] = &[0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 pub(crate) fn install() -> Result<PrometheusHandle, Box<dyn std::error::Error + Send + Sync>> {
     let handle = PrometheusBuilder::new()
         .set_buckets_for_metric(Matcher::Full(TTFT.to_owned()), TTFT_BUCKETS)?
+        .set_buckets_for_metric(
+            Matcher::Full(spine_transport::metric::FORWARD_SECONDS.to_owned()),
+            spine_transport::metric::FORWARD_SECONDS_BUCKETS,
+        )?
         .install_recorder()?;
     // every series the dashboards expect exists from the start, at 0
     for limit in ["requests", "tokens"] {

@@ -15,6 +15,8 @@ use crate::limits::RateLimits;
 pub(crate) struct AppState {
     pub(crate) store: Arc<dyn Store>,
     pub(crate) registry: NodeRegistry,
+    /// The live tunnels (connected nodes, routable or still in their warm-up probe).
+    pub(crate) tunnels: spine_transport::Tunnels,
     pub(crate) stack: Stack,
     pub(crate) catalog_ids: Vec<ModelId>,
     pub(crate) admin_token: String,

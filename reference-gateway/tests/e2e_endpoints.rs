@@ -416,9 +416,11 @@ async fn limits(gw: &Gateway, s: &Setup, t: &mut Traffic) -> (u64, u64) {
         .await;
     assert_eq!(status, 201);
     let tpm_key = key["key"].as_str().unwrap().to_owned();
-    // 5 + 60 = 65 of 100 reserved; ignore_eos makes it use them all
+    // 5 + 90 = 95 of 100 reserved; ignore_eos makes it use them all. The bucket refills at
+    // 100/60 tokens/s, so the second request below fits only after ~54 s: far longer than the
+    // first request takes even on a loaded machine.
     let long = json!({"model": "smollm2", "prompt": "The capital of France is",
-                      "max_tokens": 60, "ignore_eos": true});
+                      "max_tokens": 90, "ignore_eos": true});
     let resp = gw.api_post(&tpm_key, "/v1/completions", &long).await;
     assert_eq!(resp.status(), 200);
     let id = request_id(&resp);
@@ -426,10 +428,10 @@ async fn limits(gw: &Gateway, s: &Setup, t: &mut Traffic) -> (u64, u64) {
     let rec = gw.record(&id).await;
     let used = rec["billed"]["prompt_tokens"].as_u64().unwrap()
         + rec["billed"]["completion_tokens"].as_u64().unwrap();
-    assert!(used > 50, "{rec}");
+    assert!(used > 80, "{rec}");
     t.settled(&rec);
     t.completions_200 += 1;
-    // the same again needs 65; at most 100 − used + refill is there
+    // the same again needs 95; at most 100 − used + refill is there
     let before = gw.balance(&s.account).await;
     let resp = gw.api_post(&tpm_key, "/v1/completions", &long).await;
     assert_eq!(resp.status(), 429);

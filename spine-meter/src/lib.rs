@@ -1,6 +1,7 @@
 //! Metering for spine (design brief §6): SSE parsing, usage capture, `include_usage` injection,
 //! independent token counts, prices, the ledger and the metering tower layer.
 
+pub mod classify;
 pub mod gguf;
 pub mod inject;
 pub mod ledger;
@@ -14,8 +15,8 @@ mod test_support;
 
 pub use inject::{inject_include_usage, InjectError};
 pub use ledger::{
-    AccountBalance, EntryTotals, Ledger, LedgerError, LedgerFuture, PgLedger, RequestRecord,
-    SettleResult, Settlement, SqliteLedger, Store,
+    AccountBalance, Enrollment, EntryTotals, Ledger, LedgerError, LedgerFuture, NodeRecord,
+    PgLedger, RequestRecord, SettleResult, Settlement, SqliteLedger, Store,
 };
 pub use price::Price;
 pub use tokenizer::{ModelTokenizer, TokenizerError};
