@@ -31,7 +31,9 @@ pub const DEFAULT_MAX_WRITE_MESSAGE_BYTES: usize = 64 * 1024;
 /// - With a [write timeout](Self::with_write_timeout), a write or flush that stays blocked for
 ///   that long fails with [`io::ErrorKind::TimedOut`], which kills the connection above it
 ///   (design brief §4: any write blocked 5 s kills the tunnel); the stall is counted in the
-///   [`crate::metric::WRITE_STALLS`] metric.
+///   [`crate::metric::WRITE_STALLS`] metric. Only a flush that completes counts as progress:
+///   messages the WebSocket (or TLS) layer still takes into its buffers while the socket is
+///   blocked do not restart the timeout.
 /// - With a [ping interval](Self::with_ping_interval), a WebSocket ping is sent every interval
 ///   while the stream is being read, so middleboxes that watch WebSocket traffic see it alive.
 /// - With an [activity counter](Self::with_activity), every message received (data, ping, pong)
@@ -43,6 +45,8 @@ pub struct WsIo<S> {
     max_write_message_bytes: usize,
     write_timeout: Option<Duration>,
     write_deadline: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// The sink's last `poll_ready` was `Pending`: its next `Ready` means a flush completed.
+    sink_blocked: bool,
     activity: Option<Arc<AtomicU64>>,
     ping_interval: Option<tokio::time::Interval>,
     ping_due: bool,
@@ -60,6 +64,7 @@ impl<S> WsIo<S> {
             max_write_message_bytes: DEFAULT_MAX_WRITE_MESSAGE_BYTES,
             write_timeout: None,
             write_deadline: None,
+            sink_blocked: false,
             activity: None,
             ping_interval: None,
             ping_due: false,
@@ -276,9 +281,20 @@ where
             return Poll::Ready(Ok(0));
         }
         match Pin::new(&mut this.ws).poll_ready(cx) {
-            Poll::Ready(Ok(())) => this.write_deadline = None,
+            Poll::Ready(Ok(())) => {
+                // `Ready` alone is no progress: the sink stays ready after a flush that blocked
+                // (TLS holds the bytes) and takes one more message into its buffers without a
+                // byte reaching the socket. Only `Ready` after `Pending` (its flush completed)
+                // is, as is a completed `poll_flush`.
+                if std::mem::take(&mut this.sink_blocked) {
+                    this.write_deadline = None;
+                }
+            }
             Poll::Ready(Err(e)) => return Poll::Ready(Err(to_io(e))),
-            Poll::Pending => return this.poll_blocked(cx).map(Err),
+            Poll::Pending => {
+                this.sink_blocked = true;
+                return this.poll_blocked(cx).map(Err);
+            }
         }
         let n = buf.len().min(this.max_write_message_bytes);
         Pin::new(&mut this.ws)
@@ -292,6 +308,7 @@ where
         match Pin::new(&mut this.ws).poll_flush(cx) {
             Poll::Ready(r) => {
                 this.write_deadline = None;
+                this.sink_blocked = false;
                 Poll::Ready(r.map_err(to_io))
             }
             Poll::Pending => this.poll_blocked(cx).map(Err),
