@@ -21,8 +21,9 @@
 //! `Arc<dyn Ledger>`). Two implementations, with the same semantics and the same errors, proven by
 //! one test suite run against both (`ledger/tests.rs`):
 //!
-//! - [`SqliteLedger`]: one file (WAL), single instance. Writes run in `BEGIN IMMEDIATE`
-//!   transactions, so writers queue on SQLite's write lock.
+//! - [`SqliteLedger`]: one file (WAL), single instance. Every write goes through one writer
+//!   connection in a `BEGIN IMMEDIATE` transaction, so writers queue in process (not in SQLite's
+//!   busy handler); reads use a separate read-only pool.
 //! - [`PgLedger`]: PostgreSQL, for several gateway instances sharing one database (design brief
 //!   §8). Transactions run at `READ COMMITTED`; a hold locks the account row (`SELECT … FOR NO KEY
 //!   UPDATE`) before it decides, so concurrent holds queue on the row, never take the same credit,
@@ -35,6 +36,7 @@
 //!
 //! Both keep `held ≤ balance` and `balance ≥ 0` as table constraints as well.
 
+mod convert;
 mod pg;
 mod sqlite;
 

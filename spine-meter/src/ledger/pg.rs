@@ -10,6 +10,7 @@ use spine_core::{
     AccountId, ModelId, NodeId, OperatorId, RequestId, StreamOutcome, Usage, UsageSource,
 };
 
+use super::convert::{db, now_ms, to_i64, to_u64};
 use super::{
     AccountBalance, Enrollment, EntryTotals, Ledger, LedgerError, LedgerFuture, NodeRecord,
     RequestRecord, SettleAmounts, SettleResult, Settlement, Store,
@@ -134,24 +135,6 @@ const ATTEMPTS: u32 = 5;
 #[derive(Clone, Debug)]
 pub struct PgLedger {
     pool: PgPool,
-}
-
-fn db(e: sqlx::Error) -> LedgerError {
-    LedgerError::Database(e)
-}
-
-fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
-}
-
-fn to_i64(v: u64) -> Result<i64, LedgerError> {
-    i64::try_from(v).map_err(|_| LedgerError::OutOfRange)
-}
-
-fn to_u64(v: i64, what: &'static str) -> Result<u64, LedgerError> {
-    u64::try_from(v).map_err(|_| LedgerError::Corrupt(what))
 }
 
 fn is_unique_violation(e: &sqlx::Error) -> bool {

@@ -6,15 +6,16 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::sqlite::{
-    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteRow,
-    SqliteSynchronous,
+    SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
+    SqliteRow, SqliteSynchronous,
 };
-use sqlx::{Row, Sqlite, Transaction};
+use sqlx::{Connection as _, Row, Sqlite, Transaction};
 
 use spine_core::{
     AccountId, ModelId, NodeId, OperatorId, RequestId, StreamOutcome, Usage, UsageSource,
 };
 
+use super::convert::{db, now_ms, to_i64, to_u64};
 use super::{
     AccountBalance, Enrollment, EntryTotals, Ledger, LedgerError, LedgerFuture, NodeRecord,
     RequestRecord, SettleAmounts, SettleResult, Settlement, Store,
@@ -126,30 +127,88 @@ CREATE INDEX requests_node ON requests(node_id);
 /// The ledger and gateway store on SQLite.
 ///
 /// Holds accounts, API key hashes (never plaintext keys), idempotent credits, operators, nodes,
-/// holds, request records and double-entry ledger entries. All writes run in `BEGIN IMMEDIATE`
-/// transactions, so concurrent writers queue on SQLite's write lock (5 s busy timeout) instead of
-/// failing on a lock upgrade.
+/// holds, request records and double-entry ledger entries.
+///
+/// # Writers and readers
+///
+/// SQLite lets one connection write at a time. A file store ([`SqliteLedger::open`]) therefore
+/// sends every write through **one writer connection** (a pool of exactly one): concurrent holds,
+/// settlements and credits wait for it in the pool's asynchronous FIFO queue, in process, instead
+/// of each taking its own connection, hitting `SQLITE_BUSY` on `BEGIN IMMEDIATE` and sleeping in
+/// SQLite's busy handler (1, 2, 5, 10 … ms per retry, measured as the gateway's bottleneck in
+/// `docs/benchmarks.md`). Write transactions still start with `BEGIN IMMEDIATE` and the 5 s busy
+/// timeout stays, for another process opening the same file (a second gateway on the same
+/// file, a migration). Reads (balances, key lookups, request records, entry sums) run on a
+/// separate pool of four `query_only` connections: in WAL mode readers run beside the
+/// writer and see every transaction committed before their statement began.
+///
+/// # Durability
+///
+/// `journal_mode = WAL`, `synchronous = NORMAL`. A commit returns once its WAL frames are written
+/// to the file (in the OS page cache), so **an application crash (panic, `kill -9`, OOM) never
+/// loses a committed hold or settlement**: the next open replays the WAL. The WAL is fsynced
+/// before each checkpoint and the database after it, not at every commit; so on **power loss or
+/// an OS crash** the transactions committed since the last checkpoint's fsync (about the last
+/// quarter second's worth) can be rolled back. The file stays consistent either way:
+/// each transaction is whole or absent, so double entry, `held ≤ balance` and idempotency hold
+/// after recovery; a settlement lost this way leaves its hold active, and
+/// [`Store::settle_stale_holds`] at start-up settles it as `upstream_failed` (the caller is not
+/// charged for that request). `synchronous = FULL` would fsync every commit (≈ 10 ms on the
+/// benchmark machine's disk, one writer: ≈ 100 writes/s); deployments that need power-loss
+/// durability of every single settlement should use the PostgreSQL store with its default
+/// `synchronous_commit = on`.
+///
+/// Checkpoints (copying the WAL into the database file, two fsyncs) run on a background task
+/// with its own connection every 250 ms (`PRAGMA wal_checkpoint(PASSIVE)`,
+/// which never blocks the writer), so the writer does not stall for them after a commit; the
+/// writer's own automatic checkpoint stays as a safety net at 16,384 WAL pages.
 #[derive(Clone, Debug)]
 pub struct SqliteLedger {
-    pool: SqlitePool,
+    /// Every write: one connection (or the one shared pool of [`SqliteLedger::with_pool`]).
+    writer: SqlitePool,
+    /// Reads; the same pool as `writer` for [`SqliteLedger::in_memory`] and
+    /// [`SqliteLedger::with_pool`].
+    reader: SqlitePool,
+    /// The background checkpointer of a file store; aborted when the last clone is dropped.
+    checkpointer: Option<Arc<AbortOnDrop>>,
 }
 
-fn db(e: sqlx::Error) -> LedgerError {
-    LedgerError::Database(e)
+/// Reader connections of a file store.
+const READERS: u32 = 4;
+
+/// How often a file store's background task checkpoints the WAL.
+const CHECKPOINT_INTERVAL: Duration = Duration::from_millis(250);
+
+/// The writer connection's `wal_autocheckpoint` (pages): a safety net, reached only when the
+/// background checkpoints fall behind (SQLite's default is 1,000).
+const WRITER_AUTOCHECKPOINT_PAGES: u32 = 16_384;
+
+/// Aborts a task when dropped.
+#[derive(Debug)]
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
-fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
-}
-
-fn to_i64(v: u64) -> Result<i64, LedgerError> {
-    i64::try_from(v).map_err(|_| LedgerError::OutOfRange)
-}
-
-fn to_u64(v: i64, what: &'static str) -> Result<u64, LedgerError> {
-    u64::try_from(v).map_err(|_| LedgerError::Corrupt(what))
+/// Checkpoints the WAL every [`CHECKPOINT_INTERVAL`] on its own connection until aborted.
+fn spawn_checkpointer(mut conn: SqliteConnection) -> AbortOnDrop {
+    let task = async move {
+        let mut tick = tokio::time::interval(CHECKPOINT_INTERVAL);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            if let Err(e) = sqlx::query("PRAGMA wal_checkpoint(PASSIVE)")
+                .execute(&mut conn)
+                .await
+            {
+                tracing::debug!(error = %e, "ledger WAL checkpoint failed; retried next tick");
+            }
+        }
+    };
+    AbortOnDrop(tokio::spawn(task))
 }
 
 fn is_unique_violation(e: &sqlx::Error) -> bool {
@@ -161,28 +220,57 @@ fn get_u64(row: &SqliteRow, col: &'static str) -> Result<u64, LedgerError> {
 }
 
 impl SqliteLedger {
-    /// Opens (creating if needed) the database file at `path` and applies migrations.
+    /// Opens (creating if needed) the database file at `path` and applies migrations: one
+    /// writer connection, four reader connections and a background checkpointer (see
+    /// the type's docs). Call it inside a Tokio runtime.
     ///
     /// # Errors
     ///
     /// [`LedgerError::Database`] when the file cannot be opened or migrated.
     pub async fn open(path: impl AsRef<Path>) -> Result<Self, LedgerError> {
-        let opts = SqliteConnectOptions::new()
+        let base = SqliteConnectOptions::new()
             .filename(path)
-            .create_if_missing(true)
             .journal_mode(SqliteJournalMode::Wal)
             .synchronous(SqliteSynchronous::Normal)
             .busy_timeout(Duration::from_secs(5))
             .foreign_keys(true);
-        let pool = SqlitePoolOptions::new()
-            .max_connections(4)
-            .connect_with(opts)
+        // the writer first: it creates the file, switches it to WAL and migrates it
+        let writer = SqlitePoolOptions::new()
+            .max_connections(1)
+            .min_connections(1)
+            .idle_timeout(None)
+            .max_lifetime(None)
+            // one connection: a liveness ping per acquire would be one more hand-off to its
+            // worker thread per transaction, for nothing
+            .test_before_acquire(false)
+            .acquire_timeout(Duration::from_secs(30))
+            .connect_with(base.clone().create_if_missing(true).pragma(
+                "wal_autocheckpoint",
+                WRITER_AUTOCHECKPOINT_PAGES.to_string(),
+            ))
             .await
             .map_err(db)?;
-        Self::with_pool(pool).await
+        let migrated = Self {
+            writer: writer.clone(),
+            reader: writer.clone(),
+            checkpointer: None,
+        };
+        migrated.migrate().await?;
+        let reader = SqlitePoolOptions::new()
+            .max_connections(READERS)
+            .test_before_acquire(false)
+            .connect_with(base.clone().pragma("query_only", "ON"))
+            .await
+            .map_err(db)?;
+        let checkpointer = SqliteConnection::connect_with(&base).await.map_err(db)?;
+        Ok(Self {
+            writer,
+            reader,
+            checkpointer: Some(Arc::new(spawn_checkpointer(checkpointer))),
+        })
     }
 
-    /// An in-memory database (one connection), for tests and ephemeral use.
+    /// An in-memory database (one connection for reads and writes), for tests and ephemeral use.
     ///
     /// # Errors
     ///
@@ -196,20 +284,28 @@ impl SqliteLedger {
             .min_connections(1)
             .idle_timeout(None)
             .max_lifetime(None)
+            .test_before_acquire(false)
             .connect_with(opts)
             .await
             .map_err(db)?;
         Self::with_pool(pool).await
     }
 
-    /// Wraps an existing pool and applies migrations (idempotent; safe for several processes
-    /// opening the same file at once).
+    /// Wraps an existing pool, used for reads and writes alike, and applies migrations
+    /// (idempotent; safe for several processes opening the same file at once). Writers queue
+    /// in process only if the pool has one connection; with more, concurrent writes wait in
+    /// SQLite's busy handler (see the type's docs). No background checkpointer: SQLite's
+    /// automatic checkpoints apply.
     ///
     /// # Errors
     ///
     /// [`LedgerError::Database`].
     pub async fn with_pool(pool: SqlitePool) -> Result<Self, LedgerError> {
-        let this = Self { pool };
+        let this = Self {
+            writer: pool.clone(),
+            reader: pool,
+            checkpointer: None,
+        };
         this.migrate().await?;
         Ok(this)
     }
@@ -251,12 +347,27 @@ impl SqliteLedger {
     }
 
     async fn begin(&self) -> Result<Transaction<'static, Sqlite>, LedgerError> {
-        self.pool.begin_with("BEGIN IMMEDIATE").await.map_err(db)
+        self.writer.begin_with("BEGIN IMMEDIATE").await.map_err(db)
     }
 
-    /// The underlying pool.
+    /// The pool every write goes through (one connection for a file store).
     pub fn pool(&self) -> &SqlitePool {
-        &self.pool
+        &self.writer
+    }
+
+    /// The pool reads go through (`query_only` connections for a file store).
+    pub fn reader_pool(&self) -> &SqlitePool {
+        &self.reader
+    }
+
+    /// Closes the writer and reader pools and stops the background checkpointer; waits for
+    /// checked-out connections to be returned. Clones of this store see closed pools.
+    pub async fn close(&self) {
+        if let Some(c) = &self.checkpointer {
+            c.0.abort();
+        }
+        self.writer.close().await;
+        self.reader.close().await;
     }
 
     /// Creates an account with a zero balance.
@@ -268,7 +379,7 @@ impl SqliteLedger {
         sqlx::query("INSERT INTO accounts (id, created_at_ms) VALUES (?, ?)")
             .bind(account.as_str())
             .bind(now_ms())
-            .execute(&self.pool)
+            .execute(&self.writer)
             .await
             .map_err(|e| {
                 if is_unique_violation(&e) {
@@ -347,8 +458,15 @@ impl SqliteLedger {
             return Err(LedgerError::OutOfRange);
         }
         let reference = format!("credit:{idempotency_key}");
-        insert_entry(&mut tx, &reference, "account", account.as_str(), amount).await?;
-        insert_entry(&mut tx, &reference, "external", "deposits", -amount).await?;
+        insert_entries(
+            &mut tx,
+            &reference,
+            &[
+                ("account", account.as_str(), amount),
+                ("external", "deposits", -amount),
+            ],
+        )
+        .await?;
         tx.commit().await.map_err(db)?;
         Ok(true)
     }
@@ -370,7 +488,7 @@ impl SqliteLedger {
         .bind(key_hash)
         .bind(now_ms())
         .bind(account.as_str())
-        .execute(&self.pool)
+        .execute(&self.writer)
         .await
         .map_err(|e| {
             if is_unique_violation(&e) {
@@ -397,7 +515,7 @@ impl SqliteLedger {
         let id: Option<String> =
             sqlx::query_scalar("SELECT account_id FROM api_keys WHERE key_hash = ?")
                 .bind(key_hash)
-                .fetch_optional(&self.pool)
+                .fetch_optional(&self.reader)
                 .await
                 .map_err(db)?;
         Ok(id.map(AccountId::from))
@@ -411,7 +529,7 @@ impl SqliteLedger {
     pub async fn account(&self, account: &AccountId) -> Result<AccountBalance, LedgerError> {
         let row = sqlx::query("SELECT balance_micros, held_micros FROM accounts WHERE id = ?")
             .bind(account.as_str())
-            .fetch_optional(&self.pool)
+            .fetch_optional(&self.reader)
             .await
             .map_err(db)?
             .ok_or_else(|| LedgerError::UnknownAccount(account.clone()))?;
@@ -427,7 +545,7 @@ impl SqliteLedger {
         sqlx::query("INSERT INTO operators (id, created_at_ms) VALUES (?, ?)")
             .bind(operator.as_str())
             .bind(now_ms())
-            .execute(&self.pool)
+            .execute(&self.writer)
             .await
             .map_err(|e| {
                 if is_unique_violation(&e) {
@@ -447,7 +565,7 @@ impl SqliteLedger {
     pub async fn operator_earned_micros(&self, operator: &OperatorId) -> Result<u64, LedgerError> {
         let v: i64 = sqlx::query_scalar("SELECT earned_micros FROM operators WHERE id = ?")
             .bind(operator.as_str())
-            .fetch_optional(&self.pool)
+            .fetch_optional(&self.reader)
             .await
             .map_err(db)?
             .ok_or_else(|| LedgerError::UnknownOperator(operator.clone()))?;
@@ -579,7 +697,7 @@ impl SqliteLedger {
         operator: &OperatorId,
     ) -> Result<Vec<NodeRecord>, LedgerError> {
         // one read transaction: the operator check and the node rows see the same snapshot
-        let mut tx = self.pool.begin().await.map_err(db)?;
+        let mut tx = self.reader.begin().await.map_err(db)?;
         let exists: Option<i64> = sqlx::query_scalar("SELECT 1 FROM operators WHERE id = ?")
             .bind(operator.as_str())
             .fetch_optional(&mut *tx)
@@ -629,7 +747,7 @@ impl SqliteLedger {
         let id: Option<String> =
             sqlx::query_scalar("SELECT node_id FROM nodes WHERE public_key_text = ?")
                 .bind(public_key_text)
-                .fetch_optional(&self.pool)
+                .fetch_optional(&self.reader)
                 .await
                 .map_err(db)?;
         Ok(id.map(NodeId::from))
@@ -643,7 +761,7 @@ impl SqliteLedger {
     pub async fn node_operator(&self, node: &NodeId) -> Result<OperatorId, LedgerError> {
         let id: String = sqlx::query_scalar("SELECT operator_id FROM nodes WHERE node_id = ?")
             .bind(node.as_str())
-            .fetch_optional(&self.pool)
+            .fetch_optional(&self.reader)
             .await
             .map_err(db)?
             .ok_or_else(|| LedgerError::UnknownNode(node.clone()))?;
@@ -670,7 +788,7 @@ impl SqliteLedger {
         let rows = sqlx::query(
             "SELECT request_id, account_id, model FROM holds WHERE state = 'held' ORDER BY created_at_ms, request_id",
         )
-        .fetch_all(&self.pool)
+        .fetch_all(&self.reader)
         .await
         .map_err(db)?;
         let mut settled = 0;
@@ -707,7 +825,7 @@ impl SqliteLedger {
     /// [`LedgerError::Database`].
     pub async fn entries_sum_micros(&self) -> Result<i64, LedgerError> {
         sqlx::query_scalar("SELECT COALESCE(SUM(amount_micros), 0) FROM ledger_entries")
-            .fetch_one(&self.pool)
+            .fetch_one(&self.reader)
             .await
             .map_err(db)
     }
@@ -721,7 +839,7 @@ impl SqliteLedger {
         let rows = sqlx::query(
             "SELECT party_kind, COALESCE(SUM(amount_micros), 0) AS total FROM ledger_entries GROUP BY party_kind",
         )
-        .fetch_all(&self.pool)
+        .fetch_all(&self.reader)
         .await
         .map_err(db)?;
         let mut totals = EntryTotals::default();
@@ -917,18 +1035,12 @@ impl SqliteLedger {
         .map_err(db)?;
         if debit > 0 {
             let reference = format!("request:{}", s.request_id);
-            insert_entry(
-                &mut tx,
-                &reference,
-                "account",
-                hold_account.as_str(),
-                -debit,
-            )
-            .await?;
+            let mut entries = vec![("account", hold_account.as_str(), -debit)];
             if let Some(op) = &operator {
-                insert_entry(&mut tx, &reference, "operator", op, credit).await?;
+                entries.push(("operator", op, credit));
             }
-            insert_entry(&mut tx, &reference, "platform", "platform", fee).await?;
+            entries.push(("platform", "platform", fee));
+            insert_entries(&mut tx, &reference, &entries).await?;
         }
         tx.commit().await.map_err(db)?;
         Ok(SettleResult {
@@ -947,7 +1059,7 @@ impl SqliteLedger {
     ) -> Result<Option<RequestRecord>, LedgerError> {
         let Some(row) = sqlx::query("SELECT * FROM requests WHERE request_id = ?")
             .bind(request_id.as_str())
-            .fetch_optional(&self.pool)
+            .fetch_optional(&self.reader)
             .await
             .map_err(db)?
         else {
@@ -1050,24 +1162,34 @@ fn balance_from_row(row: &SqliteRow) -> Result<AccountBalance, LedgerError> {
     })
 }
 
-async fn insert_entry(
+/// Inserts ledger entries `(party kind, party id, amount)` under one reference, in order, with
+/// one statement (one round trip to the connection's worker thread).
+async fn insert_entries(
     tx: &mut Transaction<'static, Sqlite>,
     reference: &str,
-    party_kind: &str,
-    party_id: &str,
-    amount_micros: i64,
+    entries: &[(&str, &str, i64)],
 ) -> Result<(), LedgerError> {
-    sqlx::query(
-        "INSERT INTO ledger_entries (ref, party_kind, party_id, amount_micros, created_at_ms) VALUES (?, ?, ?, ?, ?)",
-    )
-    .bind(reference)
-    .bind(party_kind)
-    .bind(party_id)
-    .bind(amount_micros)
-    .bind(now_ms())
-    .execute(&mut **tx)
-    .await
-    .map_err(db)?;
+    let mut sql = String::from(
+        "INSERT INTO ledger_entries (ref, party_kind, party_id, amount_micros, created_at_ms) VALUES ",
+    );
+    for i in 0..entries.len() {
+        sql.push_str(if i == 0 {
+            "(?, ?, ?, ?, ?)"
+        } else {
+            ", (?, ?, ?, ?, ?)"
+        });
+    }
+    let now = now_ms();
+    let mut q = sqlx::query(&sql);
+    for &(party_kind, party_id, amount_micros) in entries {
+        q = q
+            .bind(reference)
+            .bind(party_kind)
+            .bind(party_id)
+            .bind(amount_micros)
+            .bind(now);
+    }
+    q.execute(&mut **tx).await.map_err(db)?;
     Ok(())
 }
 

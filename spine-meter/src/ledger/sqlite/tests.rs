@@ -1,4 +1,5 @@
-//! SQLite-only tests: upgrading files written by earlier schema versions. Everything else is in
+//! SQLite-only tests: upgrading files written by earlier schema versions, the writer/reader
+//! split, background checkpoints and what an abrupt stop leaves. Everything else is in
 //! the store suite (`ledger/tests.rs`), run against SQLite and PostgreSQL alike.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -23,7 +24,7 @@ async fn migration_2_upgrades_a_version_1_file_and_old_holds_settle_as_unknown_m
         .execute(l.pool())
         .await
         .unwrap();
-        l.pool().close().await;
+        l.close().await;
     }
     let l = SqliteLedger::open(&path).await.unwrap();
     let versions: Vec<i64> =
@@ -49,4 +50,125 @@ async fn migration_2_upgrades_a_version_1_file_and_old_holds_settle_as_unknown_m
     );
     let b = l.account(&AccountId::from("a")).await.unwrap();
     assert_eq!((b.balance_micros, b.held_micros), (1_000, 0));
+}
+
+#[tokio::test]
+async fn a_file_store_writes_through_one_connection_and_reads_through_query_only_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    let l = SqliteLedger::open(dir.path().join("ledger.db"))
+        .await
+        .unwrap();
+    assert_eq!(l.pool().options().get_max_connections(), 1);
+    let journal: String = sqlx::query_scalar("PRAGMA journal_mode")
+        .fetch_one(l.reader_pool())
+        .await
+        .unwrap();
+    assert_eq!(journal, "wal");
+    let e = sqlx::query("INSERT INTO operators (id, created_at_ms) VALUES ('x', 0)")
+        .execute(l.reader_pool())
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("readonly"), "{e}");
+    // many concurrent writers: all queue on the one connection, none fails on a busy database
+    let acct = AccountId::from("a");
+    l.create_account(&acct).await.unwrap();
+    l.add_credits(&acct, 1_000_000, "k").await.unwrap();
+    let tasks: Vec<_> = (0..200)
+        .map(|i| {
+            let l = l.clone();
+            let acct = acct.clone();
+            tokio::spawn(async move {
+                let id = RequestId::from(format!("r{i}"));
+                l.hold(id.clone(), acct, ModelId::from("m"), 10).await?;
+                l.release(id).await
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap().unwrap();
+    }
+    let b = l.account(&acct).await.unwrap();
+    assert_eq!((b.balance_micros, b.held_micros), (1_000_000, 0));
+    l.close().await;
+}
+
+#[tokio::test]
+async fn the_background_task_checkpoints_the_wal_into_the_database_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ledger.db");
+    let l = SqliteLedger::open(&path).await.unwrap();
+    l.create_account(&AccountId::from("a")).await.unwrap();
+    // the writer's own automatic checkpoint is far away (16,384 pages): the schema and the
+    // account reach the database file only through the background checkpoint
+    let page: u64 = sqlx::query_scalar::<_, i64>("PRAGMA page_size")
+        .fetch_one(l.reader_pool())
+        .await
+        .unwrap()
+        .try_into()
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        if std::fs::metadata(&path).unwrap().len() >= 8 * page {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "never checkpointed");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    l.close().await;
+}
+
+/// What an application crash leaves is what the files hold while the store is open: a copy of
+/// them then must have every committed settlement (the WAL is replayed on open).
+#[tokio::test]
+async fn a_copy_of_the_files_of_an_open_store_has_every_committed_settlement() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ledger.db");
+    let l = SqliteLedger::open(&path).await.unwrap();
+    // no checkpoint from now on: the settlement stays in the WAL only
+    l.checkpointer.as_ref().unwrap().0.abort();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let acct = AccountId::from("a");
+    l.create_account(&acct).await.unwrap();
+    l.add_credits(&acct, 1_000_000, "k").await.unwrap();
+    let id = RequestId::from("r1");
+    l.hold(id.clone(), acct.clone(), ModelId::from("m"), 500_000)
+        .await
+        .unwrap();
+    let settled = l
+        .settle(Settlement {
+            request_id: id.clone(),
+            account: acct.clone(),
+            node: None,
+            model: ModelId::from("m"),
+            outcome: StreamOutcome::Completed,
+            billed: Usage {
+                prompt_tokens: 1_000,
+                completion_tokens: 1_000,
+            },
+            claimed: None,
+            usage_source: UsageSource::Independent,
+            discrepancy: false,
+            price: Price {
+                input_micros_per_mtok: 150_000,
+                output_micros_per_mtok: 600_000,
+            },
+            share_bps: 0,
+        })
+        .await
+        .unwrap();
+    assert_eq!(settled.debit_micros, 750);
+    let copy = tempfile::tempdir().unwrap();
+    for name in ["ledger.db", "ledger.db-wal"] {
+        std::fs::copy(dir.path().join(name), copy.path().join(name)).unwrap();
+    }
+    let c = SqliteLedger::open(copy.path().join("ledger.db"))
+        .await
+        .unwrap();
+    let rec = c.request_record(id).await.unwrap().unwrap();
+    assert_eq!(rec.debit_micros, 750);
+    let b = c.account(&acct).await.unwrap();
+    assert_eq!((b.balance_micros, b.held_micros), (1_000_000 - 750, 0));
+    assert_eq!(c.entries_sum_micros().await.unwrap(), 0);
+    c.close().await;
+    l.close().await;
 }

@@ -1,0 +1,20 @@
+//! Conversions shared by the SQL stores: database errors, integer columns, timestamps.
+
+use super::LedgerError;
+
+pub(super) fn db(e: sqlx::Error) -> LedgerError {
+    LedgerError::Database(e)
+}
+
+/// Wall-clock time in Unix milliseconds, as stored in the ledger's `*_at_ms` columns.
+pub(super) use spine_core::unix_time_ms as now_ms;
+
+/// A `u64` amount or count as the `BIGINT` both stores keep; above `i64::MAX` is out of range.
+pub(super) fn to_i64(v: u64) -> Result<i64, LedgerError> {
+    i64::try_from(v).map_err(|_| LedgerError::OutOfRange)
+}
+
+/// A stored `BIGINT` back to `u64`; a negative value means the row is corrupt (`what` names it).
+pub(super) fn to_u64(v: i64, what: &'static str) -> Result<u64, LedgerError> {
+    u64::try_from(v).map_err(|_| LedgerError::Corrupt(what))
+}
