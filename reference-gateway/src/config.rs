@@ -31,6 +31,8 @@ const ENV_KEYS: &[(&str, Kind)] = &[
     ("default_tpm_limit", Kind::Int),
     ("affinity_ttl_secs", Kind::Int),
     ("route_max_retries", Kind::Int),
+    ("first_token_timeout_secs", Kind::Int),
+    ("max_vram_mib", Kind::Int),
 ];
 
 /// The gateway's configuration (design brief §7).
@@ -93,6 +95,13 @@ pub(crate) struct Config {
     /// Retries on another node before the first response byte (design brief §5).
     #[serde(default = "default_route_max_retries")]
     pub(crate) route_max_retries: u32,
+    /// How long a node may take to send its first content (or an error answer) before the
+    /// attempt counts as its failure and is retried elsewhere, seconds; 0 disables the deadline.
+    #[serde(default = "default_first_token_timeout_secs")]
+    pub(crate) first_token_timeout_secs: u64,
+    /// Most VRAM, MiB, a node's self-reported `vram_mib` counts for in its routing weight.
+    #[serde(default = "default_max_vram_mib")]
+    pub(crate) max_vram_mib: u64,
     /// The model catalog: what callers may ask for, its tokenizer and its price.
     #[serde(default)]
     pub(crate) models: Vec<ModelConfig>,
@@ -142,6 +151,12 @@ fn default_affinity_ttl_secs() -> u64 {
 }
 fn default_route_max_retries() -> u32 {
     2
+}
+fn default_first_token_timeout_secs() -> u64 {
+    120
+}
+fn default_max_vram_mib() -> u64 {
+    196_608
 }
 fn default_max_request_body_bytes() -> usize {
     4 * 1024 * 1024

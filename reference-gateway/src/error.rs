@@ -111,6 +111,15 @@ impl ApiError {
                     "no_capacity",
                     format!("every node serving model '{m}' is busy; try again later"),
                 ),
+                RouteError::FirstContentTimeout(d) => Self::new(
+                    StatusCode::GATEWAY_TIMEOUT,
+                    "api_error",
+                    "node_timeout",
+                    format!(
+                        "no node started answering within {} s; try again later",
+                        d.as_secs()
+                    ),
+                ),
                 _ => Self::internal(e.to_string()),
             };
         }
@@ -121,7 +130,9 @@ impl ApiError {
                     StatusCode::SERVICE_UNAVAILABLE,
                     "api_error",
                     "no_capacity",
-                    format!("the chosen node is at its concurrency limit; try again later: {e}"),
+                    // the internal node id stays out of the caller's answer
+                    "every node that could serve this request is at its concurrency limit; try \
+                     again later",
                 );
             }
             return Self::new(

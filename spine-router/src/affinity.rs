@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::time::Duration;
 
+use hashlink::LinkedHashMap;
 use spine_core::{ModelId, NodeId, RequestPeek};
 use tokio::time::Instant;
 
@@ -88,13 +89,23 @@ struct Entry {
     expires: Instant,
 }
 
-/// Key → node, each entry living `ttl` after its last use. Bounded: when full, expired entries
-/// are swept, then the tenth that expires soonest is dropped.
+/// Expired entries removed per insert, besides the one evicted when full: keeps each insert's
+/// work under the mutex bounded while the table drains itself.
+const SWEEP_PER_INSERT: usize = 16;
+
+/// Key → node, each entry living `ttl` after its last use. Bounded at `max_entries`.
+///
+/// Entries are kept in order of last use (a linked hash map: every use moves its entry to the
+/// back). With one `ttl` for all, that is also the order of expiry, so expired entries are swept
+/// from the front and, when the table is full, the least recently used entry (the one that
+/// expires soonest) is evicted: O(1) per operation, never a scan. Live entries per node are
+/// counted as entries come and go, so [`AffinityTable::entries_per_node`] needs no scan either.
 #[derive(Debug)]
 pub(crate) struct AffinityTable {
     ttl: Duration,
     max_entries: usize,
-    entries: HashMap<u64, Entry>,
+    entries: LinkedHashMap<u64, Entry>,
+    per_node: HashMap<NodeId, u64>,
 }
 
 impl AffinityTable {
@@ -102,7 +113,8 @@ impl AffinityTable {
         Self {
             ttl,
             max_entries: max_entries.max(1),
-            entries: HashMap::new(),
+            entries: LinkedHashMap::new(),
+            per_node: HashMap::new(),
         }
     }
 
@@ -122,16 +134,14 @@ impl AffinityTable {
     /// The live node for `slot`, refreshing its TTL.
     pub(crate) fn get(&mut self, slot: u64, now: Instant) -> Option<NodeId> {
         let ttl = self.ttl;
-        match self.entries.get_mut(&slot) {
-            Some(e) if e.expires > now => {
-                e.expires = now + ttl;
-                Some(e.node.clone())
-            }
-            Some(_) => {
-                self.entries.remove(&slot);
-                None
-            }
-            None => None,
+        let live = self.entries.get(&slot).map(|e| e.expires > now)?;
+        if live {
+            let e = self.entries.to_back(&slot)?;
+            e.expires = now + ttl;
+            Some(e.node.clone())
+        } else {
+            self.remove(slot);
+            None
         }
     }
 
@@ -139,15 +149,14 @@ impl AffinityTable {
         if !self.enabled() {
             return;
         }
-        if self.entries.len() >= self.max_entries && !self.entries.contains_key(&slot) {
-            self.entries.retain(|_, e| e.expires > now);
-            if self.entries.len() >= self.max_entries {
-                let mut expiries: Vec<Instant> = self.entries.values().map(|e| e.expires).collect();
-                expiries.sort_unstable();
-                let cut = expiries[(expiries.len() / 10).min(expiries.len() - 1)];
-                self.entries.retain(|_, e| e.expires > cut);
+        self.remove(slot);
+        self.sweep(now, SWEEP_PER_INSERT);
+        if self.entries.len() >= self.max_entries {
+            if let Some((_, e)) = self.entries.pop_front() {
+                self.uncount(&e.node);
             }
         }
+        *self.per_node.entry(node.clone()).or_default() += 1;
         self.entries.insert(
             slot,
             Entry {
@@ -157,13 +166,40 @@ impl AffinityTable {
         );
     }
 
-    /// Live entries per node.
-    pub(crate) fn entries_per_node(&self, now: Instant) -> HashMap<NodeId, u64> {
-        let mut out: HashMap<NodeId, u64> = HashMap::new();
-        for e in self.entries.values().filter(|e| e.expires > now) {
-            *out.entry(e.node.clone()).or_default() += 1;
+    /// Live entries per node. Sweeps the expired entries first (each entry is swept once in its
+    /// life, so this costs O(nodes) plus the entries that expired since the last sweep).
+    pub(crate) fn entries_per_node(&mut self, now: Instant) -> HashMap<NodeId, u64> {
+        self.sweep(now, usize::MAX);
+        self.per_node.clone()
+    }
+
+    fn remove(&mut self, slot: u64) {
+        if let Some(e) = self.entries.remove(&slot) {
+            self.uncount(&e.node);
         }
-        out
+    }
+
+    /// Removes up to `budget` expired entries from the front (the least recently used).
+    fn sweep(&mut self, now: Instant, budget: usize) {
+        for _ in 0..budget {
+            match self.entries.front() {
+                Some((_, e)) if e.expires <= now => {
+                    if let Some((_, e)) = self.entries.pop_front() {
+                        self.uncount(&e.node);
+                    }
+                }
+                _ => break,
+            }
+        }
+    }
+
+    fn uncount(&mut self, node: &NodeId) {
+        if let Some(n) = self.per_node.get_mut(node) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.per_node.remove(node);
+            }
+        }
     }
 }
 
@@ -204,6 +240,48 @@ mod tests {
         let mut off = AffinityTable::new(Duration::ZERO, 20);
         off.insert(1, NodeId::new("a"), now);
         assert_eq!(off.get(1, now), None);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn full_table_evicts_the_least_recently_used() {
+        let now = Instant::now();
+        let mut t = AffinityTable::new(Duration::from_secs(60), 3);
+        t.insert(1, NodeId::new("a"), now);
+        t.insert(2, NodeId::new("b"), now + Duration::from_millis(1));
+        t.insert(3, NodeId::new("b"), now + Duration::from_millis(2));
+        // 1 used again: 2 is now the least recently used
+        let t3 = now + Duration::from_millis(3);
+        assert_eq!(t.get(1, t3), Some(NodeId::new("a")));
+        t.insert(4, NodeId::new("c"), t3);
+        assert_eq!(t.get(2, t3), None);
+        assert_eq!(t.get(1, t3), Some(NodeId::new("a")));
+        let counts = t.entries_per_node(t3);
+        assert_eq!(counts.get(&NodeId::new("a")), Some(&1));
+        assert_eq!(counts.get(&NodeId::new("b")), Some(&1));
+        assert_eq!(counts.get(&NodeId::new("c")), Some(&1));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn per_node_counts_follow_overwrites_and_expiry() {
+        let now = Instant::now();
+        let mut t = AffinityTable::new(Duration::from_secs(60), 100);
+        for i in 0..10u64 {
+            t.insert(i, NodeId::new("a"), now);
+        }
+        // moved to another node
+        for i in 0..4u64 {
+            t.insert(i, NodeId::new("b"), now + Duration::from_secs(30));
+        }
+        let counts = t.entries_per_node(now + Duration::from_secs(30));
+        assert_eq!(counts.get(&NodeId::new("a")), Some(&6));
+        assert_eq!(counts.get(&NodeId::new("b")), Some(&4));
+        // a's entries expire at 60 s, b's at 90 s
+        let counts = t.entries_per_node(now + Duration::from_secs(61));
+        assert_eq!(counts.get(&NodeId::new("a")), None);
+        assert_eq!(counts.get(&NodeId::new("b")), Some(&4));
+        assert_eq!(t.entries.len(), 4);
+        assert!(t.entries_per_node(now + Duration::from_secs(91)).is_empty());
+        assert!(t.entries.is_empty());
     }
 
     #[test]

@@ -7,7 +7,7 @@
 //! - [`RouteLayer`] / [`Route`]: a tower middleware that reads the requested model from the
 //!   [`RequestPeek`](spine_core::RequestPeek) in the request's extensions, picks a node (sticky
 //!   node of the conversation if it can take the request, else a weighted random pick by
-//!   `max(vram_mib, 1)·(0.2 + 0.8·score)`), puts its [`NodeId`](spine_core::NodeId) into the
+//!   `max(min(vram_mib, max_vram_mib), 1)·(0.2 + 0.8·score)`), puts its [`NodeId`](spine_core::NodeId) into the
 //!   request's extensions for the transport below, retries on another node while nothing has
 //!   reached the caller, and counts the request in flight until its response body ends.
 //!
@@ -46,5 +46,5 @@ pub use registry::{
     InFlightLease, NodeRegistry, NodeSnapshot, Pick, RegistryConfig, RouteError, ATTEMPTS_METRIC,
     STICKY_METRIC,
 };
-pub use route::{ResponseFuture, Route, RouteConfig, RouteLayer};
+pub use route::{NotNodeFault, ResponseFuture, Route, RouteConfig, RouteLayer};
 pub use score::{ScoreConfig, ScoreParts};

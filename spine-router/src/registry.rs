@@ -30,6 +30,10 @@ pub enum RouteError {
     /// Nodes serve the model but all of them are at their concurrency limit.
     #[error("all nodes serving model '{0}' are at capacity")]
     AtCapacity(ModelId),
+    /// The last attempt's node sent nothing the caller could get (no head, or no first content)
+    /// within the first-content deadline ([`RouteConfig::first_content_timeout`](crate::RouteConfig)).
+    #[error("no first content from the node within {0:?}")]
+    FirstContentTimeout(Duration),
 }
 
 /// Settings of a [`NodeRegistry`]. [`Default`] gives the documented values.
@@ -42,6 +46,10 @@ pub struct RegistryConfig {
     pub affinity_ttl: Duration,
     /// Most affinity entries kept (about 100 bytes each). Default 1,000,000.
     pub max_affinity_entries: usize,
+    /// Most VRAM, MiB, a node's self-reported `vram_mib` counts for in its pick weight: a node
+    /// cannot take nearly all traffic by claiming huge VRAM in its hello. Default 196,608
+    /// (192 GiB).
+    pub max_vram_mib: u64,
 }
 
 impl Default for RegistryConfig {
@@ -50,6 +58,7 @@ impl Default for RegistryConfig {
             score: ScoreConfig::default(),
             affinity_ttl: Duration::from_secs(30 * 60),
             max_affinity_entries: 1_000_000,
+            max_vram_mib: 196_608,
         }
     }
 }
@@ -122,7 +131,8 @@ pub struct NodeSnapshot {
     pub in_flight: u32,
     /// The score and its parts now.
     pub score: ScoreParts,
-    /// `max(vram_mib, 1)·(0.2 + 0.8·score)`: the node's relative chance in a pick.
+    /// `max(min(vram_mib, max_vram_mib), 1)·(0.2 + 0.8·score)`: the node's relative chance in a
+    /// pick.
     pub weight: f64,
     /// Attempts sent to the node (each retry is its own attempt).
     pub attempts: u64,
@@ -307,8 +317,8 @@ impl NodeRegistry {
         });
     }
 
-    /// An attempt on `node` failed without a mid-request disconnect: connect failure, non-2xx
-    /// answer, error event, empty stream.
+    /// An attempt on `node` failed without a mid-request disconnect: connect failure, 5xx / 408 /
+    /// 429 answer, error event, empty stream, no first content in time.
     pub fn record_failure(&self, node: &NodeId) {
         metrics::counter!(ATTEMPTS_METRIC, "result" => "failure").increment(1);
         self.with_stats(node, |s, cfg, _| {
@@ -339,6 +349,11 @@ impl NodeRegistry {
         Some(parts)
     }
 
+    /// The node's advertised VRAM, capped at [`RegistryConfig::max_vram_mib`].
+    fn capped_vram(&self, e: &NodeEntry) -> u64 {
+        e.descriptor.vram_mib.min(self.inner.config.max_vram_mib)
+    }
+
     /// Every routable node, sorted by id.
     pub fn snapshot(&self) -> Vec<NodeSnapshot> {
         let now = Instant::now();
@@ -353,7 +368,7 @@ impl NodeRegistry {
                     node_id: id.clone(),
                     descriptor: e.descriptor.clone(),
                     in_flight: e.in_flight.load(Ordering::Acquire),
-                    weight: weight(e.descriptor.vram_mib, score.score),
+                    weight: weight(self.capped_vram(e), score.score),
                     score,
                     attempts: s.attempts,
                     failures: s.failures,
@@ -370,7 +385,7 @@ impl NodeRegistry {
     }
 
     /// Picks a routable node that serves `model` and has free capacity, at random with
-    /// probability proportional to its weight `max(vram_mib, 1)·(0.2 + 0.8·score)` (design brief
+    /// probability proportional to its weight `max(min(vram_mib, max_vram_mib), 1)·(0.2 + 0.8·score)` (design brief
     /// §5), and counts one request in flight on it until the returned lease is dropped.
     ///
     /// # Errors
@@ -449,7 +464,7 @@ impl NodeRegistry {
                     .score
                     .parts(&self.inner.config.score, now)
                     .score;
-                (id, e, weight(e.descriptor.vram_mib, score))
+                (id, e, weight(self.capped_vram(e), score))
             })
             .collect();
         // Weighted draw; a compare-and-swap loses only to a concurrent pick of the same node,
@@ -575,6 +590,36 @@ mod tests {
             .map(|p| p.sticky),
             Err(RouteError::NoNodeForModel(ModelId::new("m")))
         );
+    }
+
+    #[test]
+    fn claimed_vram_is_capped_in_the_weight() {
+        let r = NodeRegistry::with_config(RegistryConfig {
+            max_vram_mib: 1024,
+            ..RegistryConfig::default()
+        });
+        let mut liar = desc(&["m"], 10_000);
+        liar.vram_mib = u64::MAX / 2;
+        let mut honest = desc(&["m"], 10_000);
+        honest.vram_mib = 1024;
+        r.node_ready(&NodeId::new("liar"), &liar);
+        r.node_ready(&NodeId::new("honest"), &honest);
+        let snap = r.snapshot();
+        assert_eq!(snap[0].weight, snap[1].weight, "{snap:?}");
+        // the claim counts up to the cap and no further: about half the picks each
+        let mut liar_picks = 0u32;
+        let mut leases = Vec::new();
+        for _ in 0..2000 {
+            let lease = r.pick(&ModelId::new("m"));
+            assert!(lease.is_ok());
+            if let Ok(lease) = lease {
+                liar_picks += u32::from(lease.node().as_str() == "liar");
+                leases.push(lease);
+            }
+        }
+        assert!((800..1200).contains(&liar_picks), "{liar_picks}");
+        // the default cap is 192 GiB
+        assert_eq!(RegistryConfig::default().max_vram_mib, 196_608);
     }
 
     #[tokio::test(start_paused = true)]

@@ -26,6 +26,11 @@ pub struct RouteConfig {
     /// Bytes of a 2xx body buffered while waiting for its first content event. Past this the
     /// attempt is committed as is (forwarded, no longer retried). Default 1 MiB.
     pub max_buffered_bytes: usize,
+    /// How long an attempt may take, from the moment it is sent, to reach its commit (a non-2xx
+    /// head, or a 2xx head and its first content). Past it the attempt is a failure of the node
+    /// and is retried on another node while retries are left; otherwise the request fails with
+    /// [`RouteError::FirstContentTimeout`]. Default 120 s; `Duration::ZERO` disables it.
+    pub first_content_timeout: Duration,
 }
 
 impl Default for RouteConfig {
@@ -33,6 +38,7 @@ impl Default for RouteConfig {
         Self {
             max_retries: 2,
             max_buffered_bytes: 1024 * 1024,
+            first_content_timeout: Duration::from_secs(120),
         }
     }
 }
@@ -44,6 +50,16 @@ pub struct RouteLayer {
     registry: NodeRegistry,
     classify: Arc<dyn ClassifyBody>,
     config: RouteConfig,
+    not_node_fault: NotNodeFault,
+}
+
+/// Tells whether an inner service error is the gateway's own refusal (e.g. the tunnel's per-node
+/// stream limit) rather than a fault of the node: such an attempt is retried on another node but
+/// not scored against the node.
+pub type NotNodeFault = fn(&BoxError) -> bool;
+
+fn never_not_node_fault(_: &BoxError) -> bool {
+    false
 }
 
 impl RouteLayer {
@@ -55,6 +71,7 @@ impl RouteLayer {
             registry,
             classify: Arc::new(FirstBytes::default()),
             config: RouteConfig::default(),
+            not_node_fault: never_not_node_fault,
         }
     }
 
@@ -70,6 +87,14 @@ impl RouteLayer {
         self.config = config;
         self
     }
+
+    /// Recognises inner errors that are the gateway's own refusal, not the node's fault (the
+    /// gateway passes `TunnelError::is_node_full`): retried elsewhere, never scored. By default
+    /// every inner error counts against the node.
+    pub fn not_node_fault(mut self, not_node_fault: NotNodeFault) -> Self {
+        self.not_node_fault = not_node_fault;
+        self
+    }
 }
 
 impl<S> Layer<S> for RouteLayer {
@@ -81,6 +106,7 @@ impl<S> Layer<S> for RouteLayer {
             registry: self.registry.clone(),
             classify: self.classify.clone(),
             config: self.config,
+            not_node_fault: self.not_node_fault,
         }
     }
 }
@@ -98,10 +124,16 @@ impl<S> Layer<S> for RouteLayer {
 /// 3. Each attempt: picks a node not tried yet, inserts its [`NodeId`] into the request
 ///    extensions (the transport reads it) and records it in the [`NodeSlot`] extension, calls the
 ///    inner service, then
-///    - inner error (connect failure, tunnel gone, node full) or non-2xx head: failure, retry;
+///    - inner error (connect failure, tunnel gone) or a 5xx, 408 or 429 head: failure, retry;
+///    - an inner error recognised by [`RouteLayer::not_node_fault`] (the tunnel's per-node stream
+///      limit): retry, not scored against the node;
+///    - any other 4xx head (the caller's fault): returned to the caller as is, no retry, not
+///      scored;
 ///    - 2xx: buffers body frames and feeds them to the classifier until it says
 ///      [`BodySignal::Content`] (commit) or [`BodySignal::Failed`] (error event, empty stream,
 ///      body broken before content: failure, retry).
+///    - nothing committed within [`RouteConfig::first_content_timeout`] of sending: failure,
+///      retry ([`RouteError::FirstContentTimeout`] when no retry is left);
 /// 4. At most [`RouteConfig::max_retries`] retries; when none is left (or no untried node has a
 ///    slot) the last failed answer is returned as it came (a non-2xx response, the buffered error
 ///    stream) or its error.
@@ -124,6 +156,7 @@ pub struct Route<S> {
     registry: NodeRegistry,
     classify: Arc<dyn ClassifyBody>,
     config: RouteConfig,
+    not_node_fault: NotNodeFault,
 }
 
 impl<S> Route<S> {
@@ -195,6 +228,7 @@ where
                 self.registry.clone(),
                 self.classify.clone(),
                 self.config,
+                self.not_node_fault,
                 req,
             )),
         }
@@ -204,6 +238,8 @@ where
 /// How one attempt ended before commit.
 enum Attempt {
     Committed(http::Response<BoxBody>),
+    /// The caller's own fault (a 4xx other than 408/429): returned as is, not retried.
+    Final(http::Response<BoxBody>),
     Failed(Result<http::Response<BoxBody>, BoxError>),
 }
 
@@ -212,6 +248,7 @@ async fn route<S>(
     registry: NodeRegistry,
     classify: Arc<dyn ClassifyBody>,
     config: RouteConfig,
+    not_node_fault: NotNodeFault,
     req: http::Request<BoxBody>,
 ) -> Result<http::Response<BoxBody>, BoxError>
 where
@@ -269,8 +306,22 @@ where
             inner = inner.clone();
         }
         let started = Instant::now();
-        let result = call_once(&mut inner, req).await;
-        match try_commit(result, pick.lease, &registry, &*classify, &config, started).await {
+        let deadline = (!config.first_content_timeout.is_zero())
+            .then(|| started + config.first_content_timeout);
+        let result = match within(deadline, call_once(&mut inner, req)).await {
+            Some(result) => result,
+            None => Err(first_content_timeout(&config)),
+        };
+        let ctx = CommitCtx {
+            registry: &registry,
+            classify: &*classify,
+            config: &config,
+            not_node_fault,
+            started,
+            deadline,
+        };
+        match try_commit(result, pick.lease, ctx).await {
+            Attempt::Final(resp) => return Ok(resp),
             Attempt::Committed(resp) => {
                 if let Some(key) = &key {
                     registry.remember(&peek.model, key, &node);
@@ -308,23 +359,72 @@ where
     fut.await
 }
 
+/// Awaits `fut` until `deadline` (none: no limit); `None` when the deadline passed first.
+async fn within<F: Future>(deadline: Option<Instant>, fut: F) -> Option<F::Output> {
+    match deadline {
+        Some(deadline) => tokio::time::timeout_at(deadline, fut).await.ok(),
+        None => Some(fut.await),
+    }
+}
+
+fn first_content_timeout(config: &RouteConfig) -> BoxError {
+    RouteError::FirstContentTimeout(config.first_content_timeout).into()
+}
+
+/// Whether a non-2xx status is the node's (or a transient) failure worth another node: 5xx, 408
+/// and 429. Any other 4xx is the caller's fault.
+fn retryable_status(status: http::StatusCode) -> bool {
+    status.is_server_error()
+        || status == http::StatusCode::REQUEST_TIMEOUT
+        || status == http::StatusCode::TOO_MANY_REQUESTS
+        || !status.is_client_error()
+}
+
+/// What [`try_commit`] needs besides the attempt itself.
+struct CommitCtx<'a> {
+    registry: &'a NodeRegistry,
+    classify: &'a dyn ClassifyBody,
+    config: &'a RouteConfig,
+    not_node_fault: NotNodeFault,
+    started: Instant,
+    deadline: Option<Instant>,
+}
+
 /// Reads a 2xx body up to its first content; records a failed attempt.
 async fn try_commit(
     result: Result<http::Response<BoxBody>, BoxError>,
     lease: InFlightLease,
-    registry: &NodeRegistry,
-    classify: &dyn ClassifyBody,
-    config: &RouteConfig,
-    started: Instant,
+    ctx: CommitCtx<'_>,
 ) -> Attempt {
+    let CommitCtx {
+        registry,
+        classify,
+        config,
+        not_node_fault,
+        started,
+        deadline,
+    } = ctx;
     let node = lease.node().clone();
     let resp = match result {
         Ok(resp) => resp,
         Err(e) => {
-            registry.record_failure(&node);
+            if not_node_fault(&e) {
+                tracing::debug!(node = %node, error = %e, "refused by the gateway; not scored");
+            } else {
+                registry.record_failure(&node);
+            }
             return Attempt::Failed(Err(e));
         }
     };
+    if !resp.status().is_success() && !retryable_status(resp.status()) {
+        // the caller's own fault: the node did its job; the lease rides with the body
+        let (mut parts, body) = resp.into_parts();
+        parts.extensions.insert(node.clone());
+        return Attempt::Final(http::Response::from_parts(
+            parts,
+            BoxBody::new(RoutedBody::passthrough(body, lease)),
+        ));
+    }
     if !resp.status().is_success() {
         registry.record_failure(&node);
         // the body (usually a short error) goes to the caller if this was the last attempt; the
@@ -348,7 +448,12 @@ async fn try_commit(
     let mut buffered_bytes = 0usize;
     let mut ended = false;
     let signal = loop {
-        match body.frame().await {
+        let Some(next) = within(deadline, body.frame()).await else {
+            // accepted, then silent: the node's fault, retried elsewhere
+            registry.record_failure(&node);
+            return Attempt::Failed(Err(first_content_timeout(config)));
+        };
+        match next {
             Some(Ok(frame)) => {
                 let signal = match frame.data_ref() {
                     Some(data) => {
@@ -444,7 +549,8 @@ struct RoutedBody {
     inner: BoxBody,
     inner_ended: bool,
     lease: Option<InFlightLease>,
-    /// `None` for a non-2xx answer (its failure is recorded already) and after the end.
+    /// `None` for a non-2xx answer (its failure is recorded already, or a caller's 4xx that is
+    /// not scored) and after the end.
     watch: Option<Watch>,
 }
 

@@ -3,7 +3,7 @@
 //! ```text
 //! score  = 0.5·success_rate_ema + 0.3·latency_score(ttft_ema_ms) + 0.2·uptime_score(last_seen)
 //!          then, while a disconnect penalty p < 1 is in force: min(score, max(0.05, score·p))
-//! weight = max(vram_mib, 1) · (0.2 + 0.8·score)
+//! weight = max(min(vram_mib, max_vram_mib), 1) · (0.2 + 0.8·score)
 //! ```
 //!
 //! - **EMAs** use the factor [`ScoreConfig::ema_alpha`] (default 0.2): `ema ← ema + α·(x − ema)`,
@@ -196,6 +196,11 @@ impl ScoreState {
 }
 
 /// `max(vram_mib, 1) · (0.2 + 0.8·score)` (design brief §5).
+///
+/// `vram_mib` is the node's own claim from its hello and is not verified: callers must cap it
+/// first. [`NodeRegistry`](crate::NodeRegistry) passes `min(vram_mib, max_vram_mib)`
+/// ([`RegistryConfig::max_vram_mib`](crate::RegistryConfig), default 192 GiB), so a node
+/// claiming huge VRAM weighs no more than one with the cap.
 pub fn weight(vram_mib: u64, score: f64) -> f64 {
     // u64 → f64 loses precision only above 2^53 MiB
     #[allow(clippy::cast_precision_loss)]

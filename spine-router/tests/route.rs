@@ -72,6 +72,55 @@ enum Script {
     EmptyStream,
     /// One token, then the body breaks.
     BreakAfterToken,
+    /// A 400 (the caller's fault).
+    Status400,
+    /// A 429 (transient: another node may take it).
+    Status429,
+    /// The gateway's own per-node limit (a [`GatewayFull`] error).
+    NodeFull,
+    /// A 2xx head, then nothing.
+    SilentBody,
+    /// Never answers at all.
+    SilentHead,
+}
+
+/// The test's stand-in for the tunnel's node-full refusal.
+#[derive(Debug)]
+struct GatewayFull;
+
+impl std::fmt::Display for GatewayFull {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("node full")
+    }
+}
+
+impl std::error::Error for GatewayFull {}
+
+fn is_gateway_full(e: &BoxError) -> bool {
+    e.downcast_ref::<GatewayFull>().is_some()
+}
+
+/// A body that never yields a frame.
+struct Silent;
+
+impl http_body::Body for Silent {
+    type Data = Bytes;
+    type Error = BoxError;
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, BoxError>>> {
+        Poll::Pending
+    }
+}
+
+fn status(code: u16, body: &'static str) -> http::Response<BoxBody> {
+    http::Response::builder()
+        .status(code)
+        .body(BoxBody::new(
+            Full::new(Bytes::from_static(body.as_bytes())).map_err(|n| match n {}),
+        ))
+        .unwrap()
 }
 
 /// A body of scripted frames: `Ok` is a data frame, `Err` a body error.
@@ -136,6 +185,14 @@ fn upstream(
                 Script::ErrorEvent => Ok(sse(vec![Ok("data: role\n\n"), Ok("data: err\n\n")])),
                 Script::EmptyStream => Ok(sse(vec![])),
                 Script::BreakAfterToken => Ok(sse(vec![Ok("data: tok\n\n"), Err("tunnel lost")])),
+                Script::Status400 => Ok(status(400, "bad request")),
+                Script::Status429 => Ok(status(429, "slow down")),
+                Script::NodeFull => Err(BoxError::from(GatewayFull)),
+                Script::SilentBody => Ok(http::Response::builder()
+                    .header("content-type", "text/event-stream")
+                    .body(BoxBody::new(Silent))
+                    .unwrap()),
+                Script::SilentHead => std::future::pending().await,
             }
         }
     })
@@ -208,6 +265,7 @@ async fn run_one(
             max_retries,
             ..RouteConfig::default()
         })
+        .not_node_fault(is_gateway_full)
         .layer(upstream(scripts.iter().copied().collect(), log.clone()));
     let (req, slot) = request(None);
     let out = match svc.oneshot(req).await {
@@ -351,4 +409,78 @@ async fn no_peek_is_refused() {
         err.downcast_ref::<RouteError>(),
         Some(&RouteError::MissingPeek)
     );
+}
+
+#[tokio::test]
+async fn a_client_error_is_passed_through_without_retry_or_penalty() {
+    let (r, log, out, _) = run_one(&[("a", Script::Status400), ("b", Script::Status400)], 2).await;
+    let (node, body) = out.unwrap();
+    assert_eq!(&body.unwrap()[..], b"bad request");
+    assert_eq!(log.0.lock().unwrap().len(), 1, "a 400 was retried");
+    let (attempts, failures, _) = stats(&r, node.as_str());
+    assert_eq!(
+        (attempts, failures),
+        (0, 0),
+        "a 400 was scored against the node"
+    );
+    assert!(r.snapshot().iter().all(|s| s.score.score > 0.99));
+    assert!(r.snapshot().iter().all(|s| s.in_flight == 0));
+}
+
+#[tokio::test]
+async fn a_429_is_retried_and_scored() {
+    let (r, log, out, _) = run_one(&[("a", Script::Status429), ("b", Script::Status429)], 1).await;
+    assert_eq!(&out.unwrap().1.unwrap()[..], b"slow down");
+    assert_eq!(log.0.lock().unwrap().len(), 2);
+    assert_eq!(stats(&r, "a"), (1, 1, 0));
+    assert_eq!(stats(&r, "b"), (1, 1, 0));
+}
+
+#[tokio::test]
+async fn node_full_is_retried_but_not_scored() {
+    let (r, log, out, _) = run_one(&[("f1", Script::NodeFull), ("f2", Script::NodeFull)], 1).await;
+    assert!(out.unwrap_err().downcast_ref::<GatewayFull>().is_some());
+    assert_eq!(
+        log.0.lock().unwrap().len(),
+        2,
+        "not retried on the other node"
+    );
+    assert_eq!(stats(&r, "f1"), (0, 0, 0));
+    assert_eq!(stats(&r, "f2"), (0, 0, 0));
+    let (r, _, out, _) = run_one(&[("full", Script::NodeFull), ("good", Script::Ok)], 2).await;
+    assert_eq!(out.unwrap().0.as_str(), "good");
+    assert_eq!(stats(&r, "full"), (0, 0, 0));
+    assert!(r.snapshot().iter().all(|s| s.in_flight == 0));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_silent_node_times_out_and_is_retried_elsewhere() {
+    for silent in [Script::SilentBody, Script::SilentHead] {
+        // both silent: each tried once, each failed after the deadline, then a timeout error
+        let started = tokio::time::Instant::now();
+        let (r, log, out, _) = run_one(&[("m1", silent), ("m2", silent)], 1).await;
+        let err = out.unwrap_err();
+        assert!(
+            matches!(
+                err.downcast_ref::<RouteError>(),
+                Some(RouteError::FirstContentTimeout(_))
+            ),
+            "{silent:?}: {err}"
+        );
+        assert_eq!(log.0.lock().unwrap().len(), 2, "{silent:?}");
+        assert_eq!(stats(&r, "m1"), (1, 1, 0), "{silent:?}");
+        assert_eq!(stats(&r, "m2"), (1, 1, 0), "{silent:?}");
+        assert!(started.elapsed() >= std::time::Duration::from_secs(240));
+        assert!(r.snapshot().iter().all(|s| s.in_flight == 0));
+        // with a healthy node the request ends there, whichever order the nodes are tried in
+        let (r, _, out, _) =
+            run_one(&[("m1", silent), ("m2", silent), ("good", Script::Ok)], 2).await;
+        let (node, body) = out.unwrap();
+        assert_eq!(node.as_str(), "good", "{silent:?}");
+        body.unwrap();
+        for n in ["m1", "m2"] {
+            let (attempts, failures, _) = stats(&r, n);
+            assert_eq!(attempts, failures, "{silent:?} {n}");
+        }
+    }
 }
