@@ -245,9 +245,7 @@ pub(crate) fn status_signing_message(timestamp_ms: i64, public_key_text: &str) -
 /// The three headers that authenticate a status request: `x-spine-node-key`,
 /// `x-spine-timestamp-ms` (now, Unix ms) and `x-spine-signature` (base64url ed25519).
 pub(crate) fn status_headers(identity: &NodeIdentity) -> Vec<(&'static str, String)> {
-    let timestamp_ms = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
+    let timestamp_ms = spine_core::unix_time_ms();
     let key = identity.public_key_text();
     let signature = identity.sign(status_signing_message(timestamp_ms, &key).as_bytes());
     vec![

@@ -53,11 +53,7 @@ pub(crate) fn status_signing_message(timestamp_ms: i64, public_key_text: &str) -
     format!("spine-node-status/v1\n{timestamp_ms}\n{public_key_text}")
 }
 
-fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
-}
+use spine_core::unix_time_ms as now_ms;
 
 /// `/v1/enroll` and `/v1/node/status`, for the tunnel listener.
 pub(crate) fn tunnel_router(state: Arc<AppState>) -> Router {

@@ -50,6 +50,24 @@ struct Cli {
 
 type MainError = Box<dyn std::error::Error + Send + Sync>;
 
+/// Logs to stderr through [`log_filter`], and drops `debug`/`trace` events of the libraries that
+/// may log payloads whatever `RUST_LOG` says, even a directive naming one of their modules
+/// (design brief §9).
+fn init_logging() {
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    let cap = tracing_subscriber::filter::filter_fn(|meta| {
+        *meta.level() <= tracing::Level::INFO
+            || !spine_transport::is_payload_logging_target(meta.target())
+    });
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(log_filter())
+        .finish()
+        .with(cap)
+        .init();
+}
+
 /// `RUST_LOG` (default `info`), with the payload-logging libraries capped at `info`: no prompt or
 /// completion text reaches the log at any level.
 fn log_filter() -> EnvFilter {
@@ -64,10 +82,7 @@ fn log_filter() -> EnvFilter {
 
 #[tokio::main]
 async fn main() {
-    tracing_subscriber::fmt()
-        .with_env_filter(log_filter())
-        .with_writer(std::io::stderr)
-        .init();
+    init_logging();
     let cli = Cli::parse();
     if let Err(e) = run(cli).await {
         tracing::error!(error = %e, "gateway failed");
@@ -172,6 +187,7 @@ async fn run(cli: Cli) -> Result<(), MainError> {
 
     let registry = NodeRegistry::with_config(RegistryConfig {
         affinity_ttl: std::time::Duration::from_secs(config.affinity_ttl_secs),
+        max_vram_mib: config.max_vram_mib,
         ..RegistryConfig::default()
     });
     let mut tunnel_config = TunnelServerConfig::default();
@@ -206,7 +222,15 @@ async fn run(cli: Cli) -> Result<(), MainError> {
                 .classify(Arc::new(SseClassify))
                 .config(RouteConfig {
                     max_retries: config.route_max_retries,
+                    first_content_timeout: std::time::Duration::from_secs(
+                        config.first_token_timeout_secs,
+                    ),
                     ..RouteConfig::default()
+                })
+                // the tunnel's per-node stream limit is the gateway's own: retried, not scored
+                .not_node_fault(|e| {
+                    e.downcast_ref::<spine_transport::TunnelError>()
+                        .is_some_and(spine_transport::TunnelError::is_node_full)
                 }),
         )
         .service(TunnelService::new(tunnels.clone()));

@@ -18,6 +18,7 @@ mod ids;
 mod node;
 mod peek;
 mod slot;
+mod time;
 mod usage;
 
 pub use classify::{BodyClassifier, BodySignal, ClassifyBody, FirstBytes};
@@ -28,6 +29,7 @@ pub use peek::{
     RequestPeek,
 };
 pub use slot::NodeSlot;
+pub use time::unix_time_ms;
 pub use usage::{StreamOutcome, Usage, UsageSource};
 
 /// A type-erased error, as tower and hyper use it.

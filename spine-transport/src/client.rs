@@ -20,6 +20,11 @@ use tracing::{debug, info, warn};
 use crate::handshake::{decode_gateway_message, AgentMessage, GatewayMessage, Hello};
 use crate::{NodeIdentity, RefusalReason, TunnelError, WsIo};
 
+/// HTTP/2 streams the agent allows beyond its descriptor's `max_concurrency`, kept for the
+/// gateway's probes (`GET /health`, `GET /v1/models`, the takeover probe). The gateway admits at
+/// most `max_concurrency` requests itself.
+const PROBE_STREAMS: u32 = 1;
+
 /// Agent-side tunnel settings.
 #[derive(Clone, Debug)]
 #[non_exhaustive]
@@ -684,7 +689,15 @@ impl TunnelSession {
         let mut builder = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
         builder
             .timer(TokioTimer::new())
-            .max_concurrent_streams(config.descriptor.max_concurrency.max(1))
+            // one stream more than the gateway uses for requests: the gateway's health and
+            // liveness probes never wait behind a full node's requests
+            .max_concurrent_streams(
+                config
+                    .descriptor
+                    .max_concurrency
+                    .max(1)
+                    .saturating_add(PROBE_STREAMS),
+            )
             .keep_alive_interval(config.keepalive_interval)
             .keep_alive_timeout(config.keepalive_timeout)
             .max_header_list_size(config.max_header_list_bytes)

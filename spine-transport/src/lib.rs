@@ -56,9 +56,19 @@ pub use tls::{
 };
 pub use ws_io::{WsIo, DEFAULT_MAX_WRITE_MESSAGE_BYTES};
 
-/// Log targets of the libraries under the tunnel whose `debug`/`trace` output contains message
-/// payloads (request and response bodies). Applications must cap them at `info` whatever
-/// `RUST_LOG` says, so prompts and completions never reach a log (design brief §9).
+/// Log targets of the libraries in the gateway and the agent whose `debug`/`trace` output may
+/// contain message payloads. Applications must cap them at `info` whatever `RUST_LOG` says, so
+/// prompts and completions never reach a log (design brief §9):
+///
+/// - the tunnel and HTTP stack (`tungstenite`, `h2`, `hyper`, `rustls`, `reqwest`, `axum`,
+///   `tower_http`): frames, bodies, and rejections quoting the JSON that failed to parse;
+/// - `tokenizers`: its normalizer traces every character of the text it counts, so a prompt or
+///   completion can be read back from a `trace` log;
+/// - `minijinja`: chat templates render the messages.
+///
+/// `sqlx` is not capped: it logs SQL statements at `debug`, never bound values, and the ledger
+/// holds no prompt text. A directive matches a target and the targets under it (`hyper` also
+/// matches `hyper_util`); the list names each crate anyway.
 pub const PAYLOAD_LOGGING_TARGETS: &[&str] = &[
     "tungstenite",
     "tokio_tungstenite",
@@ -66,7 +76,44 @@ pub const PAYLOAD_LOGGING_TARGETS: &[&str] = &[
     "hyper",
     "hyper_util",
     "rustls",
+    "tokio_rustls",
+    "reqwest",
+    "axum",
+    "tower_http",
+    "tokenizers",
+    "minijinja",
+    "minijinja_contrib",
 ];
+
+/// Whether `target` is one of [`PAYLOAD_LOGGING_TARGETS`] or a module under one. Log filters use
+/// it to drop `debug`/`trace` events from these targets even when a more specific `RUST_LOG`
+/// directive (`tokenizers::tokenizer=trace`) would let them through.
+pub fn is_payload_logging_target(target: &str) -> bool {
+    PAYLOAD_LOGGING_TARGETS.iter().any(|t| {
+        target
+            .strip_prefix(t)
+            .is_some_and(|rest| rest.is_empty() || rest.starts_with("::"))
+    })
+}
 
 /// The tunnel protocol version this crate speaks, sent in challenges and hellos.
 pub const PROTOCOL_VERSION: u32 = 1;
+
+#[cfg(test)]
+mod tests {
+    use super::is_payload_logging_target;
+
+    #[test]
+    fn payload_logging_targets_match_the_crate_and_its_modules_only() {
+        assert!(is_payload_logging_target("tokenizers"));
+        assert!(is_payload_logging_target(
+            "tokenizers::tokenizer::normalizer"
+        ));
+        assert!(is_payload_logging_target("minijinja::vm"));
+        assert!(is_payload_logging_target("h2::codec::framed_read"));
+        assert!(is_payload_logging_target("hyper_util::client"));
+        assert!(!is_payload_logging_target("h2o"));
+        assert!(!is_payload_logging_target("spine_transport::server"));
+        assert!(!is_payload_logging_target("reference_gateway"));
+    }
+}

@@ -109,7 +109,10 @@ impl NodeAuthenticator for StaticAuthenticator {
 /// [`Tunnels`] from them.
 pub trait TunnelEvents: Send + Sync + 'static {
     /// The node's tunnel is up and its health probe through the tunnel (`GET /health`)
-    /// returned 2xx: the node may be routed to (design brief §4).
+    /// returned 2xx: the node may be routed to (design brief §4). `descriptor` is the one the
+    /// node sent, except that its `max_concurrency` is clamped to the tunnel's stream limit
+    /// (`min(advertised, max_streams_per_node)`, at least 1), so a router admitting up to it
+    /// never sends a request the tunnel refuses as full.
     fn node_ready(&self, node: &NodeId, descriptor: &NodeDescriptor);
 
     /// The node may no longer be routed to; called once after each `node_ready`.
@@ -628,10 +631,7 @@ fn upgrade<B>(shared: Arc<Shared>, mut req: Request<B>) -> Response<UpgradeBody>
 }
 
 fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-        .unwrap_or(0)
+    u64::try_from(spine_core::unix_time_ms()).unwrap_or(0)
 }
 
 /// Closes `ws` with the refusal's code and reason, then drains it briefly so the close
@@ -751,8 +751,12 @@ where
         .descriptor
         .max_concurrency
         .clamp(1, config.max_streams_per_node.max(1));
+    // The router admits up to the descriptor's max_concurrency: hand it (events, `connected`)
+    // the limit the tunnel enforces, not the one the node advertised.
+    let mut descriptor = hello.descriptor.clone();
+    descriptor.max_concurrency = max_streams;
     let session_shared = loop {
-        match reserve(&shared, &node, session_id, &hello.descriptor, max_streams) {
+        match reserve(&shared, &node, session_id, &descriptor, max_streams) {
             Slot::Reserved(s) => break s,
             Slot::Busy => return refuse(&mut ws, RefusalReason::DuplicateSession).await,
             Slot::Probe { id, sender, old } => {
@@ -811,6 +815,7 @@ where
         engine = hello.descriptor.engine.as_str(),
         models = hello.descriptor.models.len(),
         max_concurrency = hello.descriptor.max_concurrency,
+        max_streams,
         "tunnel accepted"
     );
 
@@ -983,6 +988,8 @@ struct ProbeResult {
     healthy: bool,
     /// The model ids `GET /v1/models` listed, when it could be read.
     listed: Option<Vec<String>>,
+    /// The health probe got no answer in time (rather than a bad status or an error).
+    timed_out: bool,
 }
 
 /// Largest `GET /v1/models` answer read from a node, bytes.
@@ -998,6 +1005,7 @@ async fn probe_health(sender: &mut SendRequest<BoxBody>, timeout: Duration) -> P
         let _ = Limited::new(resp.into_body(), 64 * 1024).collect().await;
         Ok::<_, hyper::Error>(status)
     };
+    let mut timed_out = false;
     let healthy = match tokio::time::timeout(timeout, health).await {
         Ok(Ok(status)) if status.is_success() => true,
         Ok(Ok(status)) => {
@@ -1010,6 +1018,7 @@ async fn probe_health(sender: &mut SendRequest<BoxBody>, timeout: Duration) -> P
         }
         Err(_) => {
             debug!("health probe timed out");
+            timed_out = true;
             false
         }
     };
@@ -1017,6 +1026,7 @@ async fn probe_health(sender: &mut SendRequest<BoxBody>, timeout: Duration) -> P
         return ProbeResult {
             healthy,
             listed: None,
+            timed_out,
         };
     }
     let models = async {
@@ -1042,7 +1052,11 @@ async fn probe_health(sender: &mut SendRequest<BoxBody>, timeout: Duration) -> P
         Some(list.data.into_iter().map(|e| e.id).collect::<Vec<_>>())
     };
     let listed = tokio::time::timeout(timeout, models).await.ok().flatten();
-    ProbeResult { healthy, listed }
+    ProbeResult {
+        healthy,
+        listed,
+        timed_out: false,
+    }
 }
 
 /// The session's health loop (design brief §4): probe every `health_probe_interval` until the
@@ -1062,11 +1076,21 @@ async fn maintain(
             ProbeResult {
                 healthy: false,
                 listed: None,
+                timed_out: false,
             }
         } else {
             probe_health(&mut sender, config.health_probe_timeout).await
         };
-        if !result.healthy {
+        // A probe that timed out while every request stream was in use says the node is busy,
+        // not that it is sick: an agent of this crate keeps a stream free for probes, but a
+        // busy node must not leave routing even when it does not. PING keepalive still finds a
+        // dead tunnel.
+        let inconclusive = !result.healthy
+            && result.timed_out
+            && session.streams_open.load(Ordering::Relaxed) >= session.max_streams;
+        if inconclusive {
+            debug!(%node, "health probe timed out while the node is full; not counted");
+        } else if !result.healthy {
             metrics::counter!(metric::HEALTH_PROBE_FAILURES).increment(1);
         }
         let mut heartbeat = false;
@@ -1075,7 +1099,9 @@ async fn maintain(
             let Some(s) = sessions.get_mut(node).filter(|s| s.id == session_id) else {
                 return;
             };
-            if result.healthy {
+            if inconclusive {
+                // neither a pass nor a failure
+            } else if result.healthy {
                 s.consecutive_probe_failures = 0;
                 s.last_probe_ok_unix_ms = Some(now_ms());
                 s.models_running = s
@@ -1146,7 +1172,9 @@ impl fmt::Debug for Tunnels {
 
 impl Tunnels {
     /// The nodes that are routable (reported by [`TunnelEvents::node_ready`] and not gone
-    /// since) with the descriptor each sent in its handshake, sorted by node id.
+    /// since) with the descriptor each sent in its handshake, sorted by node id. As in
+    /// `node_ready`, the descriptor's `max_concurrency` is the limit the tunnel enforces:
+    /// `min(advertised, max_streams_per_node)`, at least 1.
     pub fn connected(&self) -> Vec<(NodeId, NodeDescriptor)> {
         let mut nodes: Vec<_> = self
             .shared

@@ -818,6 +818,87 @@ async fn heartbeats_come_with_probes_at_most_once_a_second() {
 }
 
 #[tokio::test]
+async fn events_and_connected_carry_the_tunnels_clamped_stream_limit() {
+    let mut config = TunnelServerConfig::default();
+    config.max_streams_per_node = 2; // the node advertises 4
+    let mut gw = Gateway::start(config).await;
+    let agent = Agent::new(true);
+    let session = gw.client(gw.identity.clone()).connect().await.unwrap();
+    let serve = tokio::spawn(session.serve(agent.service()));
+    let Event::Ready(node, ready) = gw.next_event().await else {
+        panic!("expected node_ready");
+    };
+    assert_eq!(node, gw.node);
+    assert_eq!(ready.max_concurrency, 2);
+    let connected = gw.tunnels.connected();
+    assert_eq!(connected.len(), 1);
+    assert_eq!(connected[0].1.max_concurrency, 2);
+    assert_eq!(gw.tunnels.status(&gw.node).unwrap().max_streams, 2);
+    serve.abort();
+}
+
+#[tokio::test]
+async fn a_busy_node_still_answers_probes_and_stays_routable() {
+    let mut config = TunnelServerConfig::default();
+    config.health_probe_interval = Duration::from_millis(20);
+    config.health_check_interval = Duration::from_millis(20);
+    config.health_probe_timeout = Duration::from_millis(200);
+    config.health_failures_to_leave = 2;
+    let mut gw = Gateway::start(config).await;
+    let agent = Agent::new(true);
+    let mut client_config = TunnelClientConfig::new(
+        format!("wss://localhost:{}/v1/tunnel", gw.port),
+        gw.identity.clone(),
+        NodeDescriptor {
+            max_concurrency: 1,
+            ..descriptor()
+        },
+    );
+    client_config.tls = Some(client_config_with_ca(&gw.ca_pem).unwrap());
+    let session = TunnelClient::new(client_config)
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let serve = tokio::spawn(session.serve(agent.service()));
+    assert!(matches!(gw.next_event().await, Event::Ready(..)));
+
+    // the node's one request stream, held open
+    let (tx, rx) = mpsc::channel::<Bytes>(1);
+    *agent.chunks.lock().unwrap() = Some(rx);
+    let resp = gw
+        .tunnels
+        .send(&gw.node, empty_request("GET", "/stream"))
+        .await
+        .unwrap();
+    let status = gw.tunnels.status(&gw.node).unwrap();
+    assert_eq!((status.streams_open, status.max_streams), (1, 1));
+    let ok_before = status.last_probe_ok_unix_ms.unwrap();
+    // the gateway still refuses a second request
+    let err = gw
+        .tunnels
+        .send(&gw.node, empty_request("GET", "/health"))
+        .await
+        .unwrap_err();
+    assert!(err.is_node_full(), "{err}");
+
+    // many probe rounds (and probe timeouts) later, probes still pass: the node kept a stream
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let status = gw.tunnels.status(&gw.node).unwrap();
+    assert_eq!(status.state, spine_transport::TunnelState::Ready);
+    assert_eq!(status.consecutive_probe_failures, 0);
+    assert!(status.last_probe_ok_unix_ms.unwrap() > ok_before);
+    assert_eq!(gw.tunnels.connected().len(), 1);
+    assert!(gw.events.try_recv().is_err(), "no node_gone while busy");
+
+    tx.send(Bytes::from_static(b"x")).await.unwrap();
+    drop(tx);
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(&body[..], b"x");
+    serve.abort();
+}
+
+#[tokio::test]
 async fn a_full_node_is_refused_before_any_byte_and_frees_its_stream() {
     let mut config = TunnelServerConfig::default();
     config.max_streams_per_node = 1;

@@ -1,0 +1,17 @@
+//! Wall-clock time as the ledger, the tunnel and the gateway record it.
+
+/// Milliseconds since the Unix epoch, now: 0 for a clock before 1970, `i64::MAX` past the
+/// year 292 million.
+pub fn unix_time_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn unix_time_ms_is_after_2020() {
+        assert!(super::unix_time_ms() > 1_577_836_800_000);
+    }
+}
