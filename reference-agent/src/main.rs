@@ -56,40 +56,9 @@ enum Command {
     Status(operator::StatusArgs),
 }
 
-/// Logs to stderr through [`log_filter`], and drops `debug`/`trace` events of the libraries that
-/// may log payloads whatever `RUST_LOG` says, even a directive naming one of their modules
-/// (design brief §9).
-fn init_logging() {
-    use tracing_subscriber::layer::SubscriberExt;
-    use tracing_subscriber::util::SubscriberInitExt;
-    let cap = tracing_subscriber::filter::filter_fn(|meta| {
-        *meta.level() <= tracing::Level::INFO
-            || !spine_transport::is_payload_logging_target(meta.target())
-    });
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter(log_filter())
-        .finish()
-        .with(cap)
-        .init();
-}
-
-/// `RUST_LOG` (default `info`), with the payload-logging libraries capped at `info`: no prompt or
-/// completion text reaches the log at any level.
-fn log_filter() -> tracing_subscriber::EnvFilter {
-    let mut filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    for target in spine_transport::PAYLOAD_LOGGING_TARGETS {
-        if let Ok(d) = format!("{target}=info").parse() {
-            filter = filter.add_directive(d);
-        }
-    }
-    filter
-}
-
 #[tokio::main]
 async fn main() -> ExitCode {
-    init_logging();
+    spine_transport::logging::init();
     let cli = Cli::parse();
     let res = match cli.command {
         Some(Command::Keygen { out }) => keygen(&out),

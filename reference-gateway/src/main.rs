@@ -34,7 +34,6 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tower::util::BoxCloneSyncService;
 use tower::ServiceBuilder;
-use tracing_subscriber::EnvFilter;
 
 use crate::config::{Config, Database};
 use crate::state::AppState;
@@ -50,39 +49,9 @@ struct Cli {
 
 type MainError = Box<dyn std::error::Error + Send + Sync>;
 
-/// Logs to stderr through [`log_filter`], and drops `debug`/`trace` events of the libraries that
-/// may log payloads whatever `RUST_LOG` says, even a directive naming one of their modules
-/// (design brief §9).
-fn init_logging() {
-    use tracing_subscriber::layer::SubscriberExt;
-    use tracing_subscriber::util::SubscriberInitExt;
-    let cap = tracing_subscriber::filter::filter_fn(|meta| {
-        *meta.level() <= tracing::Level::INFO
-            || !spine_transport::is_payload_logging_target(meta.target())
-    });
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter(log_filter())
-        .finish()
-        .with(cap)
-        .init();
-}
-
-/// `RUST_LOG` (default `info`), with the payload-logging libraries capped at `info`: no prompt or
-/// completion text reaches the log at any level.
-fn log_filter() -> EnvFilter {
-    let mut filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    for target in spine_transport::PAYLOAD_LOGGING_TARGETS {
-        if let Ok(d) = format!("{target}=info").parse() {
-            filter = filter.add_directive(d);
-        }
-    }
-    filter
-}
-
 #[tokio::main]
 async fn main() {
-    init_logging();
+    spine_transport::logging::init();
     let cli = Cli::parse();
     if let Err(e) = run(cli).await {
         tracing::error!(error = %e, "gateway failed");

@@ -33,6 +33,8 @@ mod client;
 mod error;
 pub mod handshake;
 mod identity;
+#[cfg(feature = "logging")]
+pub mod logging;
 pub mod metric;
 mod refusal;
 mod server;
