@@ -306,7 +306,9 @@ where
             inner = inner.clone();
         }
         let started = Instant::now();
-        let deadline = (!config.first_content_timeout.is_zero())
+        // Streamed answers only: a non-streamed answer's head and body come when generation is
+        // done, which for a long completion may rightly take longer than any first-token bound.
+        let deadline = (peek.stream && !config.first_content_timeout.is_zero())
             .then(|| started + config.first_content_timeout);
         let result = match within(deadline, call_once(&mut inner, req)).await {
             Some(result) => result,
@@ -371,13 +373,18 @@ fn first_content_timeout(config: &RouteConfig) -> BoxError {
     RouteError::FirstContentTimeout(config.first_content_timeout).into()
 }
 
-/// Whether a non-2xx status is the node's (or a transient) failure worth another node: 5xx, 408
-/// and 429. Any other 4xx is the caller's fault.
+/// Whether a non-2xx status is the node's (or a transient) failure worth another node. Only the
+/// statuses that say the caller's request itself is wrong — 400, 413 and 422 — are the caller's
+/// fault and go back as they are; anything else (5xx, 408, 429, and 401/403/404/405…, which from
+/// a node mean it is misconfigured or does not serve what it advertised) counts against the node
+/// and is retried elsewhere.
 fn retryable_status(status: http::StatusCode) -> bool {
-    status.is_server_error()
-        || status == http::StatusCode::REQUEST_TIMEOUT
-        || status == http::StatusCode::TOO_MANY_REQUESTS
-        || !status.is_client_error()
+    !matches!(
+        status,
+        http::StatusCode::BAD_REQUEST
+            | http::StatusCode::PAYLOAD_TOO_LARGE
+            | http::StatusCode::UNPROCESSABLE_ENTITY
+    )
 }
 
 /// What [`try_commit`] needs besides the attempt itself.

@@ -76,6 +76,10 @@ enum Script {
     Status400,
     /// A 429 (transient: another node may take it).
     Status429,
+    /// A 404 from the node: it does not serve what it advertised (its fault, not the caller's).
+    Status404,
+    /// The whole answer after 121 s, as a non-streamed answer comes when generation is done.
+    SlowWholeAnswer,
     /// The gateway's own per-node limit (a [`GatewayFull`] error).
     NodeFull,
     /// A 2xx head, then nothing.
@@ -187,6 +191,11 @@ fn upstream(
                 Script::BreakAfterToken => Ok(sse(vec![Ok("data: tok\n\n"), Err("tunnel lost")])),
                 Script::Status400 => Ok(status(400, "bad request")),
                 Script::Status429 => Ok(status(429, "slow down")),
+                Script::Status404 => Ok(status(404, "model not found")),
+                Script::SlowWholeAnswer => {
+                    tokio::time::sleep(std::time::Duration::from_secs(121)).await;
+                    Ok(sse(vec![Ok("data: tok\n\n"), Ok("data: end\n\n")]))
+                }
                 Script::NodeFull => Err(BoxError::from(GatewayFull)),
                 Script::SilentBody => Ok(http::Response::builder()
                     .header("content-type", "text/event-stream")
@@ -219,6 +228,10 @@ fn registry(nodes: &[&str]) -> NodeRegistry {
 }
 
 fn request(key: Option<&str>) -> (http::Request<BoxBody>, NodeSlot) {
+    request_streamed(key, true)
+}
+
+fn request_streamed(key: Option<&str>, stream: bool) -> (http::Request<BoxBody>, NodeSlot) {
     let mut req = http::Request::post("/v1/chat/completions")
         .body(BoxBody::new(
             Full::new(Bytes::from_static(b"{\"model\":\"m\"}")).map_err(|n| match n {}),
@@ -226,7 +239,7 @@ fn request(key: Option<&str>) -> (http::Request<BoxBody>, NodeSlot) {
         .unwrap();
     req.extensions_mut().insert(RequestPeek {
         model: ModelId::new("m"),
-        stream: true,
+        stream,
         include_usage: false,
         n: 1,
         max_tokens: None,
@@ -247,15 +260,22 @@ fn stats(r: &NodeRegistry, node: &str) -> (u64, u64, u64) {
     (s.attempts, s.failures, s.disconnects)
 }
 
-async fn run_one(
-    scripts: &[(&'static str, Script)],
-    max_retries: u32,
-) -> (
+type Outcome = (
     NodeRegistry,
     Log,
     Result<(NodeId, Result<Bytes, BoxError>), BoxError>,
     NodeSlot,
-) {
+);
+
+async fn run_one(scripts: &[(&'static str, Script)], max_retries: u32) -> Outcome {
+    run_one_streamed(scripts, max_retries, true).await
+}
+
+async fn run_one_streamed(
+    scripts: &[(&'static str, Script)],
+    max_retries: u32,
+    stream: bool,
+) -> Outcome {
     let names: Vec<&str> = scripts.iter().map(|(n, _)| *n).collect();
     let r = registry(&names);
     let log = Log::default();
@@ -267,7 +287,7 @@ async fn run_one(
         })
         .not_node_fault(is_gateway_full)
         .layer(upstream(scripts.iter().copied().collect(), log.clone()));
-    let (req, slot) = request(None);
+    let (req, slot) = request_streamed(None, stream);
     let out = match svc.oneshot(req).await {
         Ok(resp) => {
             let node = resp
@@ -434,6 +454,37 @@ async fn a_429_is_retried_and_scored() {
     assert_eq!(log.0.lock().unwrap().len(), 2);
     assert_eq!(stats(&r, "a"), (1, 1, 0));
     assert_eq!(stats(&r, "b"), (1, 1, 0));
+}
+
+#[tokio::test]
+async fn a_404_from_a_node_is_its_fault_retried_and_scored() {
+    let (r, log, out, _) = run_one(&[("a", Script::Status404), ("b", Script::Status404)], 1).await;
+    assert_eq!(&out.unwrap().1.unwrap()[..], b"model not found");
+    assert_eq!(
+        log.0.lock().unwrap().len(),
+        2,
+        "a node's 404 was not retried"
+    );
+    assert_eq!(stats(&r, "a"), (1, 1, 0));
+    assert_eq!(stats(&r, "b"), (1, 1, 0));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_long_non_streamed_answer_is_not_cut_by_the_first_token_deadline() {
+    // 121 s > the 120 s default: only a streamed request has a first-content deadline
+    let (r, log, out, _) = run_one_streamed(&[("slow", Script::SlowWholeAnswer)], 2, false).await;
+    let (node, body) = out.unwrap();
+    assert_eq!(node.as_str(), "slow");
+    body.unwrap();
+    assert_eq!(log.0.lock().unwrap().len(), 1);
+    assert_eq!(stats(&r, "slow"), (1, 0, 0));
+    // the same answer to a streamed request is cut at 120 s and scored
+    let (r, _, out, _) = run_one_streamed(&[("slow", Script::SlowWholeAnswer)], 0, true).await;
+    assert!(matches!(
+        out.unwrap_err().downcast_ref::<RouteError>(),
+        Some(RouteError::FirstContentTimeout(_))
+    ));
+    assert_eq!(stats(&r, "slow"), (1, 1, 0));
 }
 
 #[tokio::test]
