@@ -103,16 +103,25 @@ pub(crate) trait Engine: Send + Sync + std::fmt::Debug + 'static {
         RequestGuard::default()
     }
 
-    /// `Ok` when the engine is up and its model loaded.
-    fn health(&self) -> EngineFuture<'_, ()>;
+    /// The HTTP client pointed at this engine.
+    fn probe(&self) -> &Probe;
 
-    /// The models the engine serves, with their context windows when known.
-    fn models(&self) -> EngineFuture<'_, Vec<ModelDescriptor>>;
+    /// `Ok` when the engine is up and its model loaded. Default: `GET` [`Self::health_path`]
+    /// answers 2xx.
+    fn health(&self) -> EngineFuture<'_, ()> {
+        Box::pin(async move { self.probe().get(self.health_path()).await.map(|_| ()) })
+    }
+
+    /// The models the engine serves, with their context windows when known. Default: the
+    /// OpenAI-compatible `GET /v1/models`.
+    fn models(&self) -> EngineFuture<'_, Vec<ModelDescriptor>> {
+        Box::pin(self.probe().openai_models())
+    }
 }
 
 /// GETs and POSTs small JSON documents from the engine.
 #[derive(Clone, Debug)]
-struct Probe {
+pub(crate) struct Probe {
     base: Uri,
     client: EngineClient,
 }
@@ -246,12 +255,8 @@ impl Engine for LlamaCpp {
         }
     }
 
-    fn health(&self) -> EngineFuture<'_, ()> {
-        Box::pin(async move { self.0.get("/health").await.map(|_| ()) })
-    }
-
-    fn models(&self) -> EngineFuture<'_, Vec<ModelDescriptor>> {
-        Box::pin(self.0.openai_models())
+    fn probe(&self) -> &Probe {
+        &self.0
     }
 }
 
@@ -264,12 +269,8 @@ impl Engine for Vllm {
         "/health"
     }
 
-    fn health(&self) -> EngineFuture<'_, ()> {
-        Box::pin(async move { self.0.get("/health").await.map(|_| ()) })
-    }
-
-    fn models(&self) -> EngineFuture<'_, Vec<ModelDescriptor>> {
-        Box::pin(self.0.openai_models())
+    fn probe(&self) -> &Probe {
+        &self.0
     }
 }
 
@@ -282,12 +283,8 @@ impl Engine for Sglang {
         "/health"
     }
 
-    fn health(&self) -> EngineFuture<'_, ()> {
-        Box::pin(async move { self.0.get("/health").await.map(|_| ()) })
-    }
-
-    fn models(&self) -> EngineFuture<'_, Vec<ModelDescriptor>> {
-        Box::pin(self.0.openai_models())
+    fn probe(&self) -> &Probe {
+        &self.0
     }
 }
 
@@ -358,8 +355,8 @@ impl Engine for Ollama {
         "/api/version"
     }
 
-    fn health(&self) -> EngineFuture<'_, ()> {
-        Box::pin(async move { self.0.get("/api/version").await.map(|_| ()) })
+    fn probe(&self) -> &Probe {
+        &self.0
     }
 
     fn models(&self) -> EngineFuture<'_, Vec<ModelDescriptor>> {
