@@ -369,7 +369,7 @@ async fn retries_before_the_first_byte_never_after_and_charges_once() {
     assert_eq!(breaker_view["attempts"], 1);
     assert_eq!(breaker_view["disconnects"], 1);
     assert!(
-        breaker_view["score_parts"]["disconnect_penalty"]
+        breaker_view["score_parts"]["failure_penalty"]
             .as_f64()
             .unwrap()
             < 0.51
@@ -464,8 +464,37 @@ fn long_opening(seed: &str) -> Vec<Value> {
     ]
 }
 
-/// Runs `turns` turns of one conversation on `gw`; returns (TTFT, node) per turn. `kill_after`:
-/// after that turn, kill the agent of the node that served it.
+/// One multi-turn chat: each turn sends the whole history and appends the answer and a new
+/// question, as a chat client does.
+struct Conversation {
+    messages: Vec<serde_json::Value>,
+    turn: usize,
+}
+
+impl Conversation {
+    fn new(seed: &str) -> Self {
+        Self {
+            messages: long_opening(seed),
+            turn: 0,
+        }
+    }
+
+    /// One turn: (client-measured TTFT, serving node, status).
+    async fn turn(&mut self, gw: &Gateway, key: &str) -> (Duration, String, u16) {
+        let (id, status, events, ttft) = chat(gw, key, &json!(self.messages), 8).await;
+        let rec = gw.record(&id).await;
+        let node = rec["node"].as_str().unwrap_or("-").to_owned();
+        self.messages
+            .push(json!({"role":"assistant","content":text_of(&events)}));
+        self.messages
+            .push(json!({"role":"user","content":format!("And shipment {}?", self.turn)}));
+        self.turn += 1;
+        (ttft, node, status)
+    }
+}
+
+/// Runs `turns` turns of one conversation on `gw`; returns (TTFT, node, status) per turn.
+/// `kill_after`: after that turn, kill the agent of the node that served it.
 async fn conversation(
     gw: &Gateway,
     key: &str,
@@ -473,16 +502,12 @@ async fn conversation(
     turns: usize,
     kill_after: Option<(usize, &mut Vec<(String, Child)>)>,
 ) -> Vec<(Duration, String, u16)> {
-    let mut messages = long_opening(seed);
+    let mut chat = Conversation::new(seed);
     let mut out = Vec::new();
     let mut kill_after = kill_after;
     for turn in 0..turns {
-        let (id, status, events, ttft) = chat(gw, key, &json!(messages), 8).await;
-        let rec = gw.record(&id).await;
-        let node = rec["node"].as_str().unwrap_or("-").to_owned();
+        let (ttft, node, status) = chat.turn(gw, key).await;
         out.push((ttft, node.clone(), status));
-        messages.push(json!({"role":"assistant","content":text_of(&events)}));
-        messages.push(json!({"role":"user","content":format!("And shipment {turn}?")}));
         if let Some((after, agents)) = kill_after.as_mut() {
             if *after == turn {
                 let i = agents.iter().position(|(n, _)| *n == node).unwrap();
@@ -501,7 +526,8 @@ async fn conversation(
 
 /// The affinity TTFT benchmark (issue 5): two llama.cpp engines, two gateways — affinity on
 /// (default TTL) and off (`affinity_ttl_secs = 0`) — each with one agent per engine; a 10-turn
-/// chat with a ~2,000-token history on each, one after the other; then a chat whose sticky node
+/// chat with a ~2,000-token history on each, turn by turn interleaved (so both see the same
+/// machine load); then a chat whose sticky node
 /// is killed after turn 4. Prints a table. Run:
 /// `cargo test --release -p reference-gateway --test e2e_routing -- --ignored --nocapture affinity_ttft_bench`
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -541,8 +567,13 @@ async fn affinity_ttft_bench() {
         );
     }
     let turns = 10;
-    let with = conversation(&on, &t_on.api_key, "alpha", turns, None).await;
-    let without = conversation(&off, &t_off.api_key, "bravo", turns, None).await;
+    // interleaved: turn k with affinity, then turn k without, so load on the machine hits both
+    let (mut chat_on, mut chat_off) = (Conversation::new("alpha"), Conversation::new("bravo"));
+    let (mut with, mut without) = (Vec::new(), Vec::new());
+    for _ in 0..turns {
+        with.push(chat_on.turn(&on, &t_on.api_key).await);
+        without.push(chat_off.turn(&off, &t_off.api_key).await);
+    }
     println!("| turn | TTFT with affinity (ms) | node | TTFT without (ms) | node |");
     println!("|---:|---:|---|---:|---|");
     for turn in 0..turns {

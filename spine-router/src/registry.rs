@@ -289,11 +289,11 @@ impl NodeRegistry {
 
     /// Records that `node`'s usage claim disagreed with the independent count beyond the
     /// tolerance (design brief §5, §6). Counted whether or not the node is routable now, and fed
-    /// to the score as one failed sample of `success_rate_ema`.
+    /// to the score as one failed attempt (`success_rate_ema` and the failure penalty).
     pub fn record_discrepancy(&self, node: &NodeId) {
-        self.with_stats(node, |s, cfg, _| {
+        self.with_stats(node, |s, cfg, now| {
             s.discrepancies += 1;
-            s.score.failure(cfg);
+            s.score.failure(cfg, now);
         });
     }
 
@@ -321,10 +321,10 @@ impl NodeRegistry {
     /// 429 answer, error event, empty stream, no first content in time.
     pub fn record_failure(&self, node: &NodeId) {
         metrics::counter!(ATTEMPTS_METRIC, "result" => "failure").increment(1);
-        self.with_stats(node, |s, cfg, _| {
+        self.with_stats(node, |s, cfg, now| {
             s.attempts += 1;
             s.failures += 1;
-            s.score.failure(cfg);
+            s.score.failure(cfg, now);
         });
     }
 
@@ -722,7 +722,7 @@ mod tests {
             (2, 3, 2, 1)
         );
         assert_eq!(s.score.ttft_ema_ms, Some(500.0));
-        assert!(s.score.disconnect_penalty < 0.51);
+        assert!(s.score.failure_penalty < 0.51);
         assert_eq!(r.discrepancies(&NodeId::new("b")), 1);
         assert_eq!(r.discrepancies(&NodeId::new("c")), 0);
         // heartbeats keep uptime at 1; silence lowers it

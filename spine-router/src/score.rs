@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! score  = 0.5·success_rate_ema + 0.3·latency_score(ttft_ema_ms) + 0.2·uptime_score(last_seen)
-//!          then, while a disconnect penalty p < 1 is in force: min(score, max(0.05, score·p))
+//!          then, while a failure penalty p < 1 is in force: min(score, max(0.05, score·p))
 //! weight = max(min(vram_mib, max_vram_mib), 1) · (0.2 + 0.8·score)
 //! ```
 //!
@@ -20,11 +20,25 @@
 //!   heartbeat, the node becoming routable, or a successful response): 1 up to
 //!   [`ScoreConfig::uptime_full_secs`] (default 30 s, a missed 10 s keepalive plus its 20 s
 //!   timeout), then linear down to 0 at [`ScoreConfig::uptime_zero_secs`] (default 90 s).
-//! - **mid-request disconnect** (the node's body broke after the response head): the penalty `p`
-//!   (start 1) is halved; it recovers towards 1 with a half-life of
-//!   [`ScoreConfig::disconnect_half_life_secs`] (default 60 s): `p(t) = 1 − (1 − p₀)·2^(−t/h)`.
-//!   While `p < 1` the score is `min(score, max(0.05, score·p))`: each disconnect halves it,
-//!   never below the floor 0.05 (and never above the unpenalised score).
+//! - **failure penalty** `p` in (0, 1] (start 1), the multiplier that moves traffic away from a
+//!   misbehaving node in seconds, where the EMA alone cannot (a node failing half its attempts
+//!   still has `success_rate_ema` 0.5, score ≈ 0.7, and would keep ~80 % of a healthy share):
+//!   - a **mid-request disconnect** (the node's body broke after the response head) halves it:
+//!     `p ← p·0.5` (design brief §5);
+//!   - any **other node-fault failure** (connect failure, 5xx / 408 / 429, error event or empty
+//!     stream before any content, no first content in time, a usage discrepancy) multiplies it by
+//!     [`ScoreConfig::failure_penalty_factor`] (default 0.8);
+//!   - a **success** gives back a share [`ScoreConfig::success_recovery`] (default 0.05) of what is
+//!     missing: `p ← p + (1 − p)·0.05`;
+//!   - and with time it recovers towards 1 with a half-life of
+//!     [`ScoreConfig::penalty_half_life_secs`] (default 60 s): `p(t) = 1 − (1 − p₀)·2^(−t/h)`, so
+//!     a node that gets no traffic is not punished for ever.
+//!
+//!   While `p < 1` the score is `min(score, max(0.05, score·p))`: never below the floor 0.05 (and
+//!   never above the unpenalised score). The failures and successes balance at a penalty that falls
+//!   with the failure rate: a node failing 1 attempt in 20 settles near `p` ≈ 0.9, 1 in 5 near 0.5,
+//!   1 in 2 near 0.2 (its share of 10 equal nodes falls from 10 % to under 4 %), and one dropping
+//!   half its streams mid-request near 0.1.
 //!
 //! Time is `tokio::time::Instant`, so tests run the score on tokio's paused clock.
 
@@ -32,7 +46,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-/// Floor of a disconnect-penalised score (design brief §5).
+/// Floor of a penalised score (design brief §5).
 pub const DISCONNECT_SCORE_FLOOR: f64 = 0.05;
 
 /// Constants of the score. [`Default`] gives the values stated in the module docs.
@@ -46,8 +60,13 @@ pub struct ScoreConfig {
     pub uptime_full_secs: f64,
     /// Liveness age at which `uptime_score` reaches 0, seconds. Default 90.
     pub uptime_zero_secs: f64,
-    /// Half-life of the disconnect penalty's recovery, seconds. Default 60.
-    pub disconnect_half_life_secs: f64,
+    /// Half-life of the failure penalty's recovery with time, seconds. Default 60.
+    pub penalty_half_life_secs: f64,
+    /// What a node-fault failure other than a mid-request disconnect multiplies the failure
+    /// penalty by, in (0, 1]. Default 0.8. (A disconnect multiplies it by 0.5.)
+    pub failure_penalty_factor: f64,
+    /// The share of the missing penalty `1 − p` a success gives back, in [0, 1]. Default 0.05.
+    pub success_recovery: f64,
 }
 
 impl Default for ScoreConfig {
@@ -57,7 +76,9 @@ impl Default for ScoreConfig {
             latency_ref_ms: 1_000.0,
             uptime_full_secs: 30.0,
             uptime_zero_secs: 90.0,
-            disconnect_half_life_secs: 60.0,
+            penalty_half_life_secs: 60.0,
+            failure_penalty_factor: 0.8,
+            success_recovery: 0.05,
         }
     }
 }
@@ -111,8 +132,8 @@ pub struct ScoreParts {
     pub uptime_score: f64,
     /// Seconds since the last liveness confirmation.
     pub last_seen_secs: f64,
-    /// The disconnect penalty now, in (0, 1]; 1 = none.
-    pub disconnect_penalty: f64,
+    /// The failure penalty now, in (0, 1]; 1 = none.
+    pub failure_penalty: f64,
 }
 
 /// The mutable state behind one node's score.
@@ -143,10 +164,28 @@ impl ScoreState {
     pub(crate) fn success(&mut self, cfg: &ScoreConfig, now: Instant) {
         self.success_rate_ema += cfg.alpha() * (1.0 - self.success_rate_ema);
         self.seen(now);
+        let p = self.penalty_at(cfg, now);
+        if p < 1.0 {
+            let recovery = finite_or(cfg.success_recovery, 0.05).clamp(0.0, 1.0);
+            self.set_penalty(p + (1.0 - p) * recovery, now);
+        }
     }
 
-    pub(crate) fn failure(&mut self, cfg: &ScoreConfig) {
+    /// A node-fault failure other than a mid-request disconnect.
+    pub(crate) fn failure(&mut self, cfg: &ScoreConfig, now: Instant) {
+        self.fail_ema(cfg);
+        let factor = finite_or(cfg.failure_penalty_factor, 0.8).clamp(f64::MIN_POSITIVE, 1.0);
+        self.set_penalty(self.penalty_at(cfg, now) * factor, now);
+    }
+
+    fn fail_ema(&mut self, cfg: &ScoreConfig) {
         self.success_rate_ema += cfg.alpha() * (0.0 - self.success_rate_ema);
+    }
+
+    fn set_penalty(&mut self, p: f64, now: Instant) {
+        // below the score floor a lower penalty changes nothing but the recovery time
+        self.penalty = p.clamp(DISCONNECT_SCORE_FLOOR, 1.0);
+        self.penalty_at = now;
     }
 
     pub(crate) fn ttft(&mut self, cfg: &ScoreConfig, ttft: Duration) {
@@ -158,9 +197,8 @@ impl ScoreState {
     }
 
     pub(crate) fn disconnect(&mut self, cfg: &ScoreConfig, now: Instant) {
-        self.failure(cfg);
-        self.penalty = self.penalty_at(cfg, now) * 0.5;
-        self.penalty_at = now;
+        self.fail_ema(cfg);
+        self.set_penalty(self.penalty_at(cfg, now) * 0.5, now);
     }
 
     fn penalty_at(&self, cfg: &ScoreConfig, now: Instant) -> f64 {
@@ -168,7 +206,7 @@ impl ScoreState {
             return 1.0;
         }
         let elapsed = now.saturating_duration_since(self.penalty_at).as_secs_f64();
-        let half_life = cfg.disconnect_half_life_secs.max(f64::MIN_POSITIVE);
+        let half_life = finite_or(cfg.penalty_half_life_secs, 60.0).max(f64::MIN_POSITIVE);
         1.0 - (1.0 - self.penalty) * (-elapsed / half_life).exp2()
     }
 
@@ -190,8 +228,16 @@ impl ScoreState {
             latency_score,
             uptime_score,
             last_seen_secs: age.as_secs_f64(),
-            disconnect_penalty: penalty,
+            failure_penalty: penalty,
         }
+    }
+}
+
+fn finite_or(x: f64, default: f64) -> f64 {
+    if x.is_finite() {
+        x
+    } else {
+        default
     }
 }
 
@@ -239,19 +285,25 @@ mod tests {
         let mut s = ScoreState::new(t0);
         // new node: optimistic prior
         assert!(close(s.parts(&c, t0).score, 1.0));
-        s.failure(&c);
+        s.failure(&c, t0);
         assert!(close(s.parts(&c, t0).success_rate_ema, 0.8));
+        assert!(close(s.parts(&c, t0).failure_penalty, 0.8));
         s.success(&c, t0);
         assert!(close(s.parts(&c, t0).success_rate_ema, 0.84));
+        // a success gives back 5 % of the missing penalty
+        assert!(close(s.parts(&c, t0).failure_penalty, 0.8 + 0.2 * 0.05));
         s.ttft(&c, Duration::from_millis(1_000));
         s.ttft(&c, Duration::from_millis(2_000));
         assert!(close(s.parts(&c, t0).ttft_ema_ms.unwrap_or(0.0), 1_200.0));
-        let p = s.parts(&c, t0);
-        assert!(close(p.score, 0.5 * 0.84 + 0.3 * (1_000.0 / 2_200.0) + 0.2));
+        let base = 0.5 * 0.84 + 0.3 * (1_000.0 / 2_200.0) + 0.2;
+        assert!(close(s.parts(&c, t0).score, base * 0.81));
+        // 60 s later: uptime 0.5, and the penalty's missing part halved
         let later = t0 + Duration::from_secs(60);
+        let base_later = 0.5 * 0.84 + 0.3 * (1_000.0 / 2_200.0) + 0.2 * 0.5;
+        assert!(close(s.parts(&c, later).failure_penalty, 1.0 - 0.19 / 2.0));
         assert!(close(
             s.parts(&c, later).score,
-            0.5 * 0.84 + 0.3 * (1_000.0 / 2_200.0) + 0.2 * 0.5
+            base_later * (1.0 - 0.19 / 2.0)
         ));
     }
 
@@ -268,13 +320,48 @@ mod tests {
         }
         assert!(close(s.parts(&c, t0).score, DISCONNECT_SCORE_FLOOR));
         // one half-life later the missing part of the penalty is halved
-        let p0 = s.parts(&c, t0).disconnect_penalty;
-        let p1 = s.parts(&c, t0 + Duration::from_secs(60)).disconnect_penalty;
+        let p0 = s.parts(&c, t0).failure_penalty;
+        let p1 = s.parts(&c, t0 + Duration::from_secs(60)).failure_penalty;
         assert!(close(1.0 - p1, (1.0 - p0) / 2.0));
-        assert!(
-            s.parts(&c, t0 + Duration::from_secs(600))
-                .disconnect_penalty
-                > 0.99
-        );
+        assert!(s.parts(&c, t0 + Duration::from_secs(600)).failure_penalty > 0.99);
+    }
+
+    /// The penalty where a steady failure rate balances, as the module docs state them: run a
+    /// repeating pattern of attempts (no time passing) until it settles, return the penalty after a
+    /// whole number of patterns.
+    fn settled_penalty(pattern: &[char]) -> f64 {
+        let c = ScoreConfig::default();
+        let t0 = Instant::now();
+        let mut s = ScoreState::new(t0);
+        for _ in 0..500 {
+            for a in pattern {
+                match a {
+                    's' => s.success(&c, t0),
+                    'f' => s.failure(&c, t0),
+                    _ => s.disconnect(&c, t0),
+                }
+            }
+        }
+        s.parts(&c, t0).failure_penalty
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn penalty_settles_by_failure_rate() {
+        let one_in_20: Vec<char> = std::iter::once('f')
+            .chain(std::iter::repeat_n('s', 19))
+            .collect();
+        let p = settled_penalty(&one_in_20);
+        assert!((0.85..0.95).contains(&p), "1 in 20: {p}");
+        let p = settled_penalty(&['f', 's', 's', 's', 's']);
+        assert!((0.45..0.6).contains(&p), "1 in 5: {p}");
+        let p = settled_penalty(&['f', 's']);
+        assert!((0.15..0.25).contains(&p), "1 in 2: {p}");
+        let p = settled_penalty(&['d', 's']);
+        assert!((0.05..0.15).contains(&p), "1 in 2 disconnects: {p}");
+        // the score of a node failing half its attempts before the first byte (EMA ≈ 0.5):
+        // weight factor (0.2 + 0.8·0.7·p) against a healthy (0.2 + 0.8) — under 4 % of 10 nodes
+        let factor = 0.2 + 0.8 * 0.7 * settled_penalty(&['f', 's']);
+        assert!(factor / (factor + 9.0) < 0.04, "{factor}");
+        assert!(settled_penalty(&['s']) >= 1.0);
     }
 }

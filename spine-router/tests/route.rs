@@ -367,7 +367,7 @@ async fn failure_after_the_first_byte_is_not_retried() {
         .into_iter()
         .find(|s| s.disconnects == 1)
         .unwrap();
-    assert!(halved.score.disconnect_penalty < 0.51);
+    assert!(halved.score.failure_penalty < 0.51);
 }
 
 #[tokio::test]
