@@ -34,7 +34,17 @@ export PATH="$CACHE/venv/bin:$PATH"
 # 2. llama-server ------------------------------------------------------------------------------
 BUILD="$CACHE/build-llama"
 SERVER="$BUILD/bin/llama-server"
-want="llama-cpp-python-$LLAMA_CPP_PYTHON_VERSION"
+# CPU features: not -march=native. A VM can advertise features it cannot run (seen here: a guest
+# whose CPUID lists AMX and AVX-512 FP16, where ggml's native build died with SIGILL in its first
+# matrix multiply), and a cached binary must survive a move to another machine of the fleet. On
+# x86-64 build for x86-64-v3 (AVX2, FMA, F16C, BMI2), elsewhere for the compiler's default target.
+CPU_FLAGS=(-DGGML_NATIVE=OFF)
+cpu_tag="portable"
+if [ "$(uname -m)" = "x86_64" ]; then
+  CPU_FLAGS+=(-DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON)
+  cpu_tag="x86-64-v3"
+fi
+want="llama-cpp-python-$LLAMA_CPP_PYTHON_VERSION+$cpu_tag"
 if [ ! -x "$SERVER" ] || [ "$(cat "$BUILD/.spine-version" 2>/dev/null)" != "$want" ]; then
   sdist="$CACHE/dl/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION.tar.gz"
   if [ ! -f "$sdist" ]; then
@@ -52,7 +62,7 @@ if [ ! -x "$SERVER" ] || [ "$(cat "$BUILD/.spine-version" 2>/dev/null)" != "$wan
   cmake -S "$src" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
     -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-    -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF >"$CACHE/llama-configure.log" 2>&1 \
+    -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF "${CPU_FLAGS[@]}" >"$CACHE/llama-configure.log" 2>&1 \
     || { tail -30 "$CACHE/llama-configure.log" >&2; exit 1; }
   ninja -C "$BUILD" llama-server >"$CACHE/llama-build.log" 2>&1 \
     || { tail -30 "$CACHE/llama-build.log" >&2; exit 1; }
