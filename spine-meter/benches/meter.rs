@@ -7,8 +7,13 @@
 //!   memory, the real SmolLM2 tokenizer): hold, every event through `MeterBody` (SSE parse,
 //!   usage capture, egress shaping), independent completion count, settlement. Two stream
 //!   lengths: the marginal cost per event is `(t(256) − t(16)) / 240`;
-//! - `token_counting`: [`ModelTokenizer::count_text`] on English prose with the real SmolLM2
-//!   tokenizer; throughput in tokens.
+//! - `token_counting`: token counting with the real SmolLM2 tokenizer, throughput in tokens,
+//!   side by side in one run: `count_text_tokens` ([`ModelTokenizer::count_text`], the fast
+//!   path, word cache warm) and `count_text_full_tokens` ([`ModelTokenizer::count_text_full`],
+//!   the tokenizers crate's full `encode`) on the same English prose; `count_text_new_words`
+//!   is the fast path's worst case, every word never seen before (each iteration a text of
+//!   fresh words, so every word misses the cache and BPE runs), its throughput the mean tokens
+//!   of 50 such texts (they differ by a few tokens).
 //!
 //! The tokenizer comes from `SPINE_MODEL_GGUF` (default
 //! `~/.cache/spine/models/SmolLM2-135M-Instruct.Q4_1.gguf`); without it the groups that need it
@@ -244,7 +249,8 @@ fn token_counting(c: &mut Criterion) {
         tokenizer and chat template, holds the caller's prepaid credit before forwarding, and \
         settles after the stream ends. Nodes dial out over a WebSocket tunnel that carries HTTP/2. ";
     let text = paragraph.repeat(20);
-    let tokens = tokenizer.count_text(&text);
+    let tokens = tokenizer.count_text_full(&text);
+    assert_eq!(tokenizer.count_text(&text), tokens);
     let mut group = c.benchmark_group("token_counting");
     group.throughput(Throughput::Elements(tokens));
     group.bench_function(BenchmarkId::new("count_text_tokens", tokens), |b| {
@@ -252,6 +258,46 @@ fn token_counting(c: &mut Criterion) {
             assert_eq!(tokenizer.count_text(std::hint::black_box(&text)), tokens);
         });
     });
+    group.bench_function(BenchmarkId::new("count_text_full_tokens", tokens), |b| {
+        b.iter(|| {
+            assert_eq!(
+                tokenizer.count_text_full(std::hint::black_box(&text)),
+                tokens
+            );
+        });
+    });
+    // fresh words: " q" + 5 letters from a counter (11.9 M of them), 200 words per text
+    let mut next = 0u64;
+    let mut fresh_text = move || {
+        let mut out = String::with_capacity(200 * 6);
+        for _ in 0..200 {
+            let mut i = next;
+            next += 1;
+            out.push_str(" q");
+            for _ in 0..5 {
+                out.push(char::from(b'a' + (i % 26) as u8));
+                i /= 26;
+            }
+        }
+        out
+    };
+    let samples: Vec<String> = (0..50).map(|_| fresh_text()).collect();
+    let sample_tokens: u64 = samples.iter().map(|t| tokenizer.count_text_full(t)).sum();
+    for t in &samples {
+        assert_eq!(tokenizer.count_text(t), tokenizer.count_text_full(t));
+    }
+    let fresh_tokens = sample_tokens / 50;
+    group.throughput(Throughput::Elements(fresh_tokens));
+    group.bench_function(
+        BenchmarkId::new("count_text_new_words", fresh_tokens),
+        |b| {
+            b.iter_batched(
+                &mut fresh_text,
+                |t| tokenizer.count_text(std::hint::black_box(&t)),
+                criterion::BatchSize::SmallInput,
+            );
+        },
+    );
     group.finish();
 }
 

@@ -21,8 +21,9 @@
 //! layer refuses them before counting, see `spine_core::validate_chat_messages`); a missing or
 //! `null` content is `""`.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
+use std::sync::{PoisonError, RwLock, TryLockError};
 
 use serde_json::Value;
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
@@ -31,7 +32,8 @@ use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::pre_tokenizers::PreTokenizerWrapper;
-use tokenizers::{AddedToken, Tokenizer};
+use tokenizers::utils::SysRegex;
+use tokenizers::{AddedToken, Model, ModelWrapper, Tokenizer};
 
 use crate::gguf::{GgufError, GgufMetadata};
 
@@ -72,6 +74,8 @@ pub struct ModelTokenizer {
     bos_token: String,
     eos_token: String,
     context_length_tokens: Option<u64>,
+    /// The counting fast path, for tokenizers built from a GGUF (whose pipeline it reproduces).
+    fast: Option<FastCounter>,
 }
 
 const TEMPLATE_NAME: &str = "chat";
@@ -103,6 +107,7 @@ impl ModelTokenizer {
             Some(other) => return Err(TokenizerError::UnsupportedPreTokenizer(other.to_owned())),
         }
         let pre = meta.get_str("tokenizer.ggml.pre").unwrap_or("default");
+        let split_digits = pre == "smollm";
         let pre_tokenizer: PreTokenizerWrapper = match pre {
             "smollm" => Sequence::new(vec![
                 Digits::new(true).into(),
@@ -151,6 +156,10 @@ impl ModelTokenizer {
             .map(|(tok, _)| AddedToken::from(tok.clone(), true))
             .collect();
         tokenizer.add_special_tokens(&special);
+        let fast = FastCounter::new(
+            special.iter().map(|t| t.content.clone()).collect(),
+            split_digits,
+        );
 
         let token_text = |key: &'static str| -> String {
             meta.get_u64(key)
@@ -159,14 +168,16 @@ impl ModelTokenizer {
                 .cloned()
                 .unwrap_or_default()
         };
-        Self::assemble(
+        let mut built = Self::assemble(
             tokenizer,
             template.to_owned(),
             token_text("tokenizer.ggml.bos_token_id"),
             token_text("tokenizer.ggml.eos_token_id"),
             meta.get_str("general.architecture")
                 .and_then(|arch| meta.get_u64(&format!("{arch}.context_length"))),
-        )
+        )?;
+        built.fast = fast;
+        Ok(built)
     }
 
     /// Builds from a Hugging Face `tokenizer.json` and a chat template string.
@@ -220,6 +231,7 @@ impl ModelTokenizer {
             bos_token,
             eos_token,
             context_length_tokens,
+            fast: None,
         })
     }
 
@@ -299,7 +311,28 @@ impl ModelTokenizer {
 
     /// Tokens of `text`, special tokens parsed, no BOS/EOS added. Input the tokenizer cannot
     /// encode (none is known for byte-level BPE) counts as its byte length, an upper bound.
+    ///
+    /// For a tokenizer built from a GGUF this is the counting fast path ([`FastCounter`]): the
+    /// same splits as the full pipeline, each counted once through a bounded word cache,
+    /// without building an `Encoding`. It returns exactly what
+    /// [`count_text_full`](Self::count_text_full) returns (property-tested and fuzzed against
+    /// it); anything it cannot decide falls back to the full pipeline.
     pub fn count_text(&self, text: &str) -> u64 {
+        if text.is_empty() {
+            return 0;
+        }
+        if let Some(fast) = &self.fast {
+            if let Some(n) = fast.count(self.tokenizer.get_model(), text) {
+                return n;
+            }
+        }
+        self.count_text_full(text)
+    }
+
+    /// Tokens of `text` through the tokenizers crate's full pipeline (`encode`, building the
+    /// `Encoding`): the reference [`count_text`](Self::count_text) must equal, kept for tests,
+    /// fuzzing and benchmarks.
+    pub fn count_text_full(&self, text: &str) -> u64 {
         if text.is_empty() {
             return 0;
         }
@@ -552,6 +585,289 @@ impl GeneratedText {
             REASONING_WRAPPER_TOKENS
         };
         calls + reasoning
+    }
+}
+
+/// The split pattern of tokenizers' `ByteLevel` pre-tokenizer with `use_regex` (GPT-2's),
+/// compiled with the same engine (`tokenizers::utils::SysRegex`).
+const BYTE_LEVEL_PATTERN: &str =
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
+/// Most words the count cache holds (per model; with [`WORD_CACHE_MAX_BYTES`], about 6 MB at
+/// most); when full it starts over.
+const WORD_CACHE_ENTRIES: usize = 1 << 16;
+/// Longest word (UTF-8 bytes) the count cache keeps.
+const WORD_CACHE_MAX_BYTES: usize = 48;
+
+/// Counts tokens without the tokenizers crate's per-call pipeline, for the pipeline
+/// [`ModelTokenizer::from_gguf_metadata`] builds: no normalizer; special tokens (not
+/// normalized, not `single_word`/`lstrip`/`rstrip`) split out first, leftmost-longest; then
+/// `Digits(individual_digits)` when the GGUF's pre-tokenizer is `smollm`; then `ByteLevel`'s
+/// regex split (no prefix space); then byte-level BPE on each split.
+///
+/// Measured (`docs/benchmarks.md`, "counting"): the full `encode` spends most of its time
+/// allocating (`NormalizedString` alignments per byte, one `String` per token, the
+/// `Encoding`'s vectors), not in BPE merges (the model caches words). Here a text is scanned
+/// once: special tokens count 1 each, every other split is looked up in a bounded word→count
+/// cache and, on a miss, counted by the same BPE model on its byte-level form. BPE runs on each
+/// split on its own, so summing per-split counts is exactly `encode(text).len()`.
+struct FastCounter {
+    /// Special tokens' texts, longest first (so the first match at a position is the longest).
+    specials: Vec<String>,
+    /// Whether a byte starts some special token.
+    special_first: [bool; 256],
+    /// `Digits(individual_digits = true)` before the byte-level split.
+    split_digits: bool,
+    regex: SysRegex,
+    /// GPT-2's byte → character map (tokenizers' `bytes_char`).
+    byte_chars: [char; 256],
+    cache: RwLock<HashMap<Box<str>, u32>>,
+}
+
+impl std::fmt::Debug for FastCounter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FastCounter")
+            .field("specials", &self.specials.len())
+            .field("split_digits", &self.split_digits)
+            .finish_non_exhaustive()
+    }
+}
+
+/// GPT-2's byte → character map: printable bytes stand for themselves, the others for
+/// `U+0100 + n` in byte order (tokenizers' `pre_tokenizers::byte_level::bytes_char`).
+fn byte_level_chars() -> [char; 256] {
+    let mut out = ['\0'; 256];
+    let mut n = 0u32;
+    for b in 0..=255u8 {
+        let printable = matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+        out[usize::from(b)] = if printable {
+            char::from(b)
+        } else {
+            let c = char::from_u32(256 + n).unwrap_or(char::REPLACEMENT_CHARACTER);
+            n += 1;
+            c
+        };
+    }
+    out
+}
+
+impl FastCounter {
+    /// `None` when the regex does not compile (never expected): counting then takes the full
+    /// pipeline.
+    fn new(mut specials: Vec<String>, split_digits: bool) -> Option<Self> {
+        let regex = SysRegex::new(BYTE_LEVEL_PATTERN).ok()?;
+        specials.retain(|s| !s.is_empty());
+        specials.sort_by_key(|s| std::cmp::Reverse(s.len()));
+        specials.dedup();
+        let mut special_first = [false; 256];
+        for s in &specials {
+            if let Some(&b) = s.as_bytes().first() {
+                special_first[usize::from(b)] = true;
+            }
+        }
+        Some(Self {
+            specials,
+            special_first,
+            split_digits,
+            regex,
+            byte_chars: byte_level_chars(),
+            cache: RwLock::new(HashMap::new()),
+        })
+    }
+
+    /// Tokens of `text` (non-empty); `None` when the model refuses a word (the caller then
+    /// takes the full pipeline, which reports the same way).
+    fn count<'t>(&self, model: &ModelWrapper, text: &'t str) -> Option<u64> {
+        let mut total = 0u64;
+        let mut special_tokens = 0u64;
+        let mut misses: Vec<(&'t str, u32)> = Vec::new();
+        {
+            let cache = self.cache.read().unwrap_or_else(PoisonError::into_inner);
+            let mut word = |w: &'t str| -> Option<()> {
+                if let Some(&n) = cache.get(w) {
+                    total += u64::from(n);
+                    return Some(());
+                }
+                let n = self.bpe_count(model, w)?;
+                total += n;
+                if w.len() <= WORD_CACHE_MAX_BYTES {
+                    if let Ok(n) = u32::try_from(n) {
+                        misses.push((w, n));
+                    }
+                }
+                Some(())
+            };
+            let bytes = text.as_bytes();
+            let (mut start, mut i) = (0usize, 0usize);
+            while i < bytes.len() {
+                if self.special_first[usize::from(bytes[i])] {
+                    let rest = &bytes[i..];
+                    if let Some(s) = self
+                        .specials
+                        .iter()
+                        .find(|s| rest.starts_with(s.as_bytes()))
+                    {
+                        // a special token starts with a UTF-8 leading byte and ends a valid
+                        // string, so both cuts are character boundaries
+                        self.segment(text.get(start..i)?, &mut word)?;
+                        special_tokens += 1;
+                        i += s.len();
+                        start = i;
+                        continue;
+                    }
+                }
+                i += 1;
+            }
+            self.segment(text.get(start..)?, &mut word)?;
+        }
+        let total = total.saturating_add(special_tokens);
+        if !misses.is_empty() {
+            let mut cache = match self.cache.try_write() {
+                Ok(c) => c,
+                Err(TryLockError::Poisoned(e)) => e.into_inner(),
+                // another count is writing: skip caching this time
+                Err(TryLockError::WouldBlock) => return Some(total),
+            };
+            if cache.len() + misses.len() > WORD_CACHE_ENTRIES {
+                cache.clear();
+            }
+            for (w, n) in misses.into_iter().take(WORD_CACHE_ENTRIES) {
+                cache.insert(w.into(), n);
+            }
+        }
+        Some(total)
+    }
+
+    /// Text between special tokens: `Digits` (each numeric character on its own) then the
+    /// byte-level regex split, each split handed to `word`.
+    fn segment<'t>(
+        &self,
+        seg: &'t str,
+        word: &mut impl FnMut(&'t str) -> Option<()>,
+    ) -> Option<()> {
+        if !self.split_digits {
+            return self.regex_split(seg, word);
+        }
+        let mut start = 0;
+        for (i, c) in seg.char_indices() {
+            if c.is_numeric() {
+                if start < i {
+                    self.regex_split(seg.get(start..i)?, word)?;
+                }
+                let end = i + c.len_utf8();
+                // a one-character piece is one split whatever the regex says
+                word(seg.get(i..end)?)?;
+                start = end;
+            }
+        }
+        if start < seg.len() {
+            self.regex_split(seg.get(start..)?, word)?;
+        }
+        Some(())
+    }
+
+    /// The regex's matches and the gaps between them (`SplitDelimiterBehavior::Isolated`),
+    /// empty pieces dropped. An ASCII piece is split by [`ascii_match_end`], which matches
+    /// what the regex matches on ASCII; any other piece goes through the regex engine.
+    fn regex_split<'t>(
+        &self,
+        piece: &'t str,
+        word: &mut impl FnMut(&'t str) -> Option<()>,
+    ) -> Option<()> {
+        if piece.is_ascii() {
+            let bytes = piece.as_bytes();
+            let mut p = 0;
+            while p < bytes.len() {
+                let e = ascii_match_end(bytes, p);
+                word(piece.get(p..e)?)?;
+                p = e;
+            }
+            return Some(());
+        }
+        let mut prev = 0;
+        for (s, e) in self.regex.find_iter(piece) {
+            if prev < s {
+                word(piece.get(prev..s)?)?;
+            }
+            if s < e {
+                word(piece.get(s..e)?)?;
+            }
+            prev = prev.max(e);
+        }
+        if prev < piece.len() {
+            word(piece.get(prev..)?)?;
+        }
+        Some(())
+    }
+
+    /// BPE tokens of one split: the model on its byte-level form.
+    fn bpe_count(&self, model: &ModelWrapper, w: &str) -> Option<u64> {
+        let mut mapped = String::with_capacity(w.len() * 2);
+        for &b in w.as_bytes() {
+            mapped.push(self.byte_chars[usize::from(b)]);
+        }
+        model.tokenize(&mapped).ok().map(|t| t.len() as u64)
+    }
+}
+
+/// What the byte-level pattern's classes say of an ASCII byte.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum AsciiClass {
+    /// `\p{L}`: `A-Z`, `a-z`.
+    Letter,
+    /// `\p{N}`: `0-9`.
+    Number,
+    /// `\s`: tab, line feed, vertical tab, form feed, carriage return, space.
+    Space,
+    /// Everything else (`[^\s\p{L}\p{N}]`): punctuation, symbols, other control bytes.
+    Other,
+}
+
+fn ascii_class(b: u8) -> AsciiClass {
+    match b {
+        b'A'..=b'Z' | b'a'..=b'z' => AsciiClass::Letter,
+        b'0'..=b'9' => AsciiClass::Number,
+        0x09..=0x0D | b' ' => AsciiClass::Space,
+        _ => AsciiClass::Other,
+    }
+}
+
+/// End of the [`BYTE_LEVEL_PATTERN`] match that starts at `p` (`p < bytes.len()`) in an ASCII
+/// piece; on ASCII every position starts a match, so the matches tile the piece. The
+/// alternatives, in the pattern's order: a contraction (`'s 't 're 've 'm 'll 'd`, case
+/// sensitive); an optional space then a run of letters, of numbers, or of other bytes;
+/// whitespace not followed by a non-space (`\s+(?!\S)`: the whole run at the end of the
+/// piece, else the run less its last byte when that leaves one); else the whole whitespace run.
+fn ascii_match_end(bytes: &[u8], p: usize) -> usize {
+    let n = bytes.len();
+    let at = |i: usize| bytes.get(i).copied();
+    if at(p) == Some(b'\'') {
+        match (at(p + 1), at(p + 2)) {
+            (Some(b's' | b't' | b'm' | b'd'), _) => return p + 2,
+            (Some(b'r' | b'v'), Some(b'e')) | (Some(b'l'), Some(b'l')) => return p + 3,
+            _ => {}
+        }
+    }
+    let q = if at(p) == Some(b' ') && p + 1 < n {
+        p + 1
+    } else {
+        p
+    };
+    let class = at(q).map_or(AsciiClass::Space, ascii_class);
+    if class != AsciiClass::Space {
+        let mut e = q + 1;
+        while at(e).is_some_and(|b| ascii_class(b) == class) {
+            e += 1;
+        }
+        return e;
+    }
+    let mut r = p + 1;
+    while at(r).is_some_and(|b| ascii_class(b) == AsciiClass::Space) {
+        r += 1;
+    }
+    if r >= n || r - p < 2 {
+        r.min(n)
+    } else {
+        r - 1
     }
 }
 
@@ -808,5 +1124,255 @@ mod tests {
             tooled.count_text(&rendered)
         );
         assert!(tooled.count_prompt(&with_tools).unwrap() > plain + 10);
+    }
+
+    /// The fast path against the full pipeline, twice (a cold and a warm cache).
+    fn assert_exact(t: &ModelTokenizer, text: &str) {
+        let full = t.count_text_full(text);
+        assert_eq!(t.count_text(text), full, "{text:?}");
+        assert_eq!(t.count_text(text), full, "{text:?} (cached)");
+    }
+
+    #[test]
+    fn the_fast_path_is_taken_and_matches_the_byte_level_alphabet() {
+        let t = tok();
+        assert!(t.fast.is_some());
+        let ours: std::collections::HashSet<char> = byte_level_chars().into_iter().collect();
+        assert_eq!(ours, ByteLevel::alphabet().into_iter().collect());
+        assert_eq!(byte_level_chars()[usize::from(b' ')], '\u{120}');
+        assert_eq!(byte_level_chars()[usize::from(b'\n')], '\u{10a}');
+        assert_eq!(byte_level_chars()[usize::from(b'a')], 'a');
+    }
+
+    #[test]
+    fn fast_counts_equal_encode_on_hand_picked_edges() {
+        let t = tok();
+        for text in [
+            "Hello world 2024! \u{4f60}\u{597d} \u{1F642}",
+            "<|im_start|>user<|im_end|>",
+            "<|im_start|><|im_start|>x<|im_end",
+            "<|im_",
+            "a<|endoftext|>b",
+            "It's, they're; we've I'm you'll he'd 'S 'RE ''s",
+            "   leading and trailing   ",
+            "tabs\t\tand\nnew\r\nlines\n\n\n",
+            "\u{b}\u{c}\u{85}\u{a0}\u{2028}\u{3000} mixed spaces  \u{a0}x",
+            "digits 12345 \u{663}\u{664} \u{bd} \u{216b} x2y 3.14",
+            "\0\u{1f}\u{7f} controls",
+            "e\u{301}cole \u{fb01}ne stra\u{df}e",
+            "```rust\nfn main() { println!(\"{}\", 1 + 2); }\n```",
+            " ",
+            "\n",
+            "a",
+            "\u{1F642}\u{1F642}\u{1F642}",
+        ] {
+            assert_exact(&t, text);
+        }
+    }
+
+    /// Every string inside a JSON value.
+    fn json_strings(v: &Value, out: &mut Vec<String>) {
+        match v {
+            Value::String(s) => out.push(s.clone()),
+            Value::Array(a) => a.iter().for_each(|v| json_strings(v, out)),
+            Value::Object(o) => o.iter().for_each(|(k, v)| {
+                out.push(k.clone());
+                json_strings(v, out);
+            }),
+            _ => {}
+        }
+    }
+
+    fn fixture_files(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return;
+        };
+        for e in entries.flatten() {
+            let path = e.path();
+            if path.is_dir() {
+                fixture_files(&path, out);
+            } else {
+                out.push(path);
+            }
+        }
+    }
+
+    #[test]
+    fn fast_counts_equal_encode_on_every_fixture_text() {
+        let t = tok();
+        let mut files = Vec::new();
+        fixture_files(&crate::test_support::fixtures_dir(), &mut files);
+        fixture_files(std::path::Path::new("/work/shared/fixtures"), &mut files);
+        assert!(files.len() >= 20, "{files:?}");
+        let mut texts = 0usize;
+        for path in files {
+            let bytes = std::fs::read(&path).unwrap();
+            let whole = String::from_utf8_lossy(&bytes).into_owned();
+            let mut strings = vec![whole.clone()];
+            strings.extend(whole.lines().map(str::to_owned));
+            // the JSON bodies and SSE events: their string values (the texts metered)
+            for line in whole.lines() {
+                let data = line.strip_prefix("data: ").unwrap_or(line);
+                if let Ok(v) = serde_json::from_str::<Value>(data) {
+                    json_strings(&v, &mut strings);
+                }
+            }
+            if let Ok(v) = serde_json::from_slice::<Value>(&bytes) {
+                json_strings(&v, &mut strings);
+            }
+            for s in &strings {
+                assert_exact(&t, s);
+            }
+            texts += strings.len();
+        }
+        assert!(texts > 500, "{texts}");
+    }
+
+    #[test]
+    fn fast_counts_stay_exact_when_the_word_cache_starts_over() {
+        let t = tok();
+        // more distinct cacheable words than the cache holds, in one text and then again
+        let words: Vec<String> = (0..WORD_CACHE_ENTRIES as u32 + 1000)
+            .map(|mut i| {
+                let mut w = String::from(" q");
+                while i > 0 {
+                    w.push(char::from(b'a' + (i % 26) as u8));
+                    i /= 26;
+                }
+                w
+            })
+            .collect();
+        let text = words.concat();
+        assert_exact(&t, &text);
+        assert!(t.fast.as_ref().unwrap().cache.read().unwrap().len() <= WORD_CACHE_ENTRIES);
+        assert_exact(&t, &words[..500].concat());
+    }
+
+    /// Pieces that exercise every branch of the split: special tokens and their prefixes, all
+    /// kinds of whitespace, contractions, numerics of every script, letters, marks, emoji,
+    /// punctuation and control characters.
+    const PIECES: &[&str] = &[
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|endoftext|>",
+        "<|im_",
+        "<",
+        "|>",
+        " ",
+        "  ",
+        "\t",
+        "\n",
+        "\r\n",
+        "\u{b}",
+        "\u{c}",
+        "\u{85}",
+        "\u{a0}",
+        "\u{2028}",
+        "\u{3000}",
+        "\u{1c}",
+        "'s",
+        "'S",
+        "'t",
+        "'re",
+        "'ve",
+        "'m",
+        "'ll",
+        "'d",
+        "'",
+        "0",
+        "42",
+        "\u{663}",
+        "\u{bd}",
+        "\u{216b}",
+        "\u{2460}",
+        "a",
+        "Hello",
+        " world",
+        "\u{e9}",
+        "e\u{301}",
+        "\u{4f60}\u{597d}",
+        "\u{df}",
+        "\u{1F642}",
+        "!",
+        "...",
+        "\u{2014}",
+        "{\"",
+        "\0",
+        "\u{7f}",
+        "\u{fffd}",
+        "_",
+    ];
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(2000))]
+
+        #[test]
+        fn fast_counts_equal_encode_on_arbitrary_strings(text in proptest::prelude::any::<String>()) {
+            let t = tok();
+            let full = t.count_text_full(&text);
+            proptest::prop_assert_eq!(t.count_text(&text), full);
+            proptest::prop_assert_eq!(t.count_text(&text), full);
+        }
+
+        #[test]
+        fn the_ascii_split_is_the_regex_split(text in "[\\x00-\\x7f]{0,64}") {
+            let regex = SysRegex::new(BYTE_LEVEL_PATTERN).unwrap();
+            let want: Vec<(usize, usize)> = regex.find_iter(&text).collect();
+            let mut got = Vec::new();
+            let mut p = 0;
+            while p < text.len() {
+                let e = ascii_match_end(text.as_bytes(), p);
+                got.push((p, e));
+                p = e;
+            }
+            proptest::prop_assert_eq!(got, want);
+        }
+
+        #[test]
+        fn fast_counts_equal_encode_on_ascii(text in "[\\x00-\\x7f]{0,200}") {
+            let t = tok();
+            let full = t.count_text_full(&text);
+            proptest::prop_assert_eq!(t.count_text(&text), full);
+            proptest::prop_assert_eq!(t.count_text(&text), full);
+        }
+
+        /// The `gpt-2` pre-tokenizer (no `Digits` split): the same vocabulary with `ByteLevel`
+        /// alone, against a fast counter without the digit split.
+        #[test]
+        fn fast_counts_equal_encode_without_the_digit_split(
+            picks in proptest::collection::vec(0..PIECES.len(), 0..48),
+            tail in "[ -~\\n]{0,24}",
+        ) {
+            static GPT2: std::sync::OnceLock<(Tokenizer, FastCounter)> = std::sync::OnceLock::new();
+            let (tokenizer, fast) = GPT2.get_or_init(|| {
+                let t = tok();
+                let mut tokenizer = t.tokenizer.clone();
+                tokenizer.with_pre_tokenizer(Some(PreTokenizerWrapper::from(
+                    ByteLevel::new(false, true, true),
+                )));
+                let specials = t.fast.as_ref().unwrap().specials.clone();
+                assert!(specials.iter().any(|s| s == "<|im_start|>"));
+                assert!(matches!(
+                    tokenizer.get_pre_tokenizer(),
+                    Some(PreTokenizerWrapper::ByteLevel(_))
+                ));
+                (tokenizer, FastCounter::new(specials, false).unwrap())
+            });
+            let text = picks.iter().map(|&i| PIECES[i]).collect::<String>() + &tail;
+            let full = tokenizer.encode_fast(text.as_str(), false).unwrap().len() as u64;
+            let got = if text.is_empty() { 0 } else { fast.count(tokenizer.get_model(), &text).unwrap() };
+            proptest::prop_assert_eq!(got, full);
+        }
+
+        #[test]
+        fn fast_counts_equal_encode_on_tricky_concatenations(
+            picks in proptest::collection::vec(0..PIECES.len(), 0..48)
+        ) {
+            let t = tok();
+            let text: String = picks.iter().map(|&i| PIECES[i]).collect();
+            let full = t.count_text_full(&text);
+            proptest::prop_assert_eq!(t.count_text(&text), full);
+            proptest::prop_assert_eq!(t.count_text(&text), full);
+        }
     }
 }
