@@ -5,9 +5,12 @@
 # Each is left alone when it already answers; else started when installed; else installed with
 # apt-get (root or sudo) and started. Then waited for, at most SPINE_SERVICES_WAIT_S seconds (30).
 # With SPINE_TEST_PG_URL set, PostgreSQL is yours to provide and is not touched.
+# SPINE_REDIS_PORT (default 6379) moves the Redis this script checks/starts to another port (a
+# throwaway one, to try this script without touching a Redis that is running).
 set -euo pipefail
 
 WAIT_S="${SPINE_SERVICES_WAIT_S:-30}"
+REDIS_PORT="${SPINE_REDIS_PORT:-6379}"
 log() { echo "[services] $*" >&2; }
 
 as_root() {
@@ -47,6 +50,15 @@ wait_for() { # name, command...
     fi
     sleep 0.5
   done
+}
+
+wait_briefly() { # command... : up to 3 s
+  local i
+  for i in 1 2 3 4 5 6; do
+    "$@" >/dev/null 2>&1 && return 0
+    sleep 0.5
+  done
+  return 1
 }
 
 pg_answers() { psql -h 127.0.0.1 -p 5432 -U postgres -d postgres -Atqc 'SELECT 1' >/dev/null 2>&1; }
@@ -98,25 +110,47 @@ start_postgres() {
 
 redis_answers() {
   if command -v redis-cli >/dev/null 2>&1; then
-    [ "$(redis-cli -h 127.0.0.1 -p 6379 ping 2>/dev/null)" = "PONG" ]
+    [ "$(redis-cli -h 127.0.0.1 -p "$REDIS_PORT" ping 2>/dev/null)" = "PONG" ]
   else
-    port_open 6379
+    port_open "$REDIS_PORT"
   fi
 }
 
 start_redis() {
   if redis_answers; then
-    log "Redis: up"
+    log "Redis: up on $REDIS_PORT"
     return 0
+  fi
+  if port_open "$REDIS_PORT"; then
+    # something listens but does not answer PING with PONG (not Redis, or it wants AUTH):
+    # starting another server on the same port could only fail
+    log "Redis: port $REDIS_PORT is taken by something that does not answer PING; free it or set SPINE_REDIS_PORT"
+    return 1
   fi
   if ! command -v redis-server >/dev/null 2>&1; then
     log "Redis: installing (apt-get install redis-server)"
     apt_install redis-server
+    hash -r
+    if ! command -v redis-server >/dev/null 2>&1; then
+      log "Redis: redis-server not on PATH after install"
+      return 1
+    fi
+    # the package's service may have started it already (a machine with a service manager)
+    if [ "$REDIS_PORT" = 6379 ] && wait_briefly redis_answers; then
+      log "Redis: up on $REDIS_PORT (started by the package)"
+      return 0
+    fi
   fi
-  log "Redis: starting"
-  redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no >/dev/null
-  wait_for "Redis on 6379" redis_answers
-  log "Redis: up"
+  # installed but stopped (no service manager in a container, or never started): start our own,
+  # in the background, in memory only (no RDB/AOF files), on 127.0.0.1
+  log "Redis: starting redis-server on 127.0.0.1:$REDIS_PORT"
+  if ! redis-server --daemonize yes --bind 127.0.0.1 --port "$REDIS_PORT" --save "" --appendonly no \
+    --dir "${TMPDIR:-/tmp}" >/dev/null; then
+    log "Redis: redis-server failed to start"
+    return 1
+  fi
+  wait_for "Redis on $REDIS_PORT" redis_answers
+  log "Redis: up on $REDIS_PORT"
 }
 
 start_postgres

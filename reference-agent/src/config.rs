@@ -52,7 +52,8 @@ pub(crate) struct RunArgs {
     /// TOML file with the same keys as these flags, in snake_case.
     #[arg(long, env = "SPINE_AGENT_CONFIG")]
     pub(crate) config: Option<PathBuf>,
-    /// Gateway tunnel URL, `wss://host:19000/v1/tunnel`.
+    /// Gateway tunnel URL, `wss://host:19000/v1/tunnel`; several instances comma-separated
+    /// (tried in order; on disconnect the next one).
     #[arg(long, env = "SPINE_AGENT_GATEWAY")]
     pub(crate) gateway: Option<String>,
     /// Identity file written by `reference-agent keygen`.
@@ -86,7 +87,12 @@ pub(crate) struct RunArgs {
 #[derive(Debug, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct FileConfig {
-    #[serde(skip_serializing_if = "Option::is_none")]
+    /// One URL, several comma-separated, or a TOML array of URLs (kept comma-joined here).
+    #[serde(
+        default,
+        deserialize_with = "one_or_many",
+        skip_serializing_if = "Option::is_none"
+    )]
     pub(crate) gateway: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) identity: Option<PathBuf>,
@@ -104,6 +110,21 @@ pub(crate) struct FileConfig {
     pub(crate) vram_mib: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) model: Option<String>,
+}
+
+/// `gateway = "url"`, `gateway = "url1,url2"` or `gateway = ["url1", "url2"]`, as one
+/// comma-separated string.
+fn one_or_many<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum OneOrMany {
+        One(String),
+        Many(Vec<String>),
+    }
+    Ok(Some(match OneOrMany::deserialize(d)? {
+        OneOrMany::One(s) => s,
+        OneOrMany::Many(v) => v.join(","),
+    }))
 }
 
 /// Where `join` writes the config and `status` / `run` look for it:
@@ -148,6 +169,8 @@ pub(crate) enum ConfigError {
         #[source]
         source: std::io::Error,
     },
+    #[error("gateway urls must all be wss:// (or all ws://)")]
+    MixedGatewaySchemes,
     #[error("no ca file given and no system ca bundle found; pass --ca-file")]
     NoSystemRoots,
     #[error("tls: {0}")]
@@ -157,7 +180,10 @@ pub(crate) enum ConfigError {
 /// Resolved settings for `run`.
 #[derive(Debug, Clone)]
 pub(crate) struct Settings {
+    /// The first gateway URL (all share its scheme and TLS trust).
     pub(crate) gateway: String,
+    /// Every gateway URL, in the order they are tried (design brief §8: several instances).
+    pub(crate) gateways: Vec<String>,
     pub(crate) identity: PathBuf,
     pub(crate) ca_file: Option<PathBuf>,
     pub(crate) insecure_plaintext_tunnel: bool,
@@ -188,6 +214,19 @@ impl Settings {
             .gateway
             .or(file.gateway)
             .ok_or(ConfigError::Missing("gateway", "gateway", "GATEWAY"))?;
+        let gateways: Vec<String> = gateway
+            .split(',')
+            .map(str::trim)
+            .filter(|u| !u.is_empty())
+            .map(str::to_owned)
+            .collect();
+        let Some(gateway) = gateways.first().cloned() else {
+            return Err(ConfigError::Missing("gateway", "gateway", "GATEWAY"));
+        };
+        let scheme = |u: &str| u.split("://").next().map(str::to_owned);
+        if gateways.iter().any(|u| scheme(u) != scheme(&gateway)) {
+            return Err(ConfigError::MixedGatewaySchemes);
+        }
         let identity = args
             .identity
             .or(file.identity)
@@ -215,6 +254,7 @@ impl Settings {
         }
         Ok(Self {
             gateway,
+            gateways,
             identity,
             ca_file: args.ca_file.or(file.ca_file),
             insecure_plaintext_tunnel: args.insecure_plaintext_tunnel
@@ -313,6 +353,42 @@ mod tests {
         assert_eq!(s.engine, EngineArg::LlamaCpp);
         assert_eq!(s.model.as_deref(), Some("smollm2"));
         assert!(!s.insecure_plaintext_tunnel);
+    }
+
+    #[test]
+    fn several_gateways_as_list_or_array() {
+        let args = || {
+            Wrap::try_parse_from([
+                "x",
+                "--identity",
+                "k",
+                "--engine-url",
+                "http://127.0.0.1:8080",
+            ])
+            .unwrap()
+            .run
+        };
+        for text in [
+            r#"gateway = ["wss://a:1/v1/tunnel", "wss://b:2/v1/tunnel"]"#,
+            r#"gateway = "wss://a:1/v1/tunnel, wss://b:2/v1/tunnel""#,
+        ] {
+            let file: FileConfig = toml::from_str(text).unwrap();
+            let s = Settings::merge(args(), file).unwrap();
+            assert_eq!(s.gateway, "wss://a:1/v1/tunnel");
+            assert_eq!(s.gateways, ["wss://a:1/v1/tunnel", "wss://b:2/v1/tunnel"]);
+        }
+        // the single-URL form is one gateway
+        let file: FileConfig = toml::from_str(r#"gateway = "wss://a:1/v1/tunnel""#).unwrap();
+        assert_eq!(
+            Settings::merge(args(), file).unwrap().gateways,
+            ["wss://a:1/v1/tunnel"]
+        );
+        let file: FileConfig =
+            toml::from_str(r#"gateway = "wss://a:1/v1/tunnel,ws://b:2/v1/tunnel""#).unwrap();
+        assert!(matches!(
+            Settings::merge(args(), file),
+            Err(ConfigError::MixedGatewaySchemes)
+        ));
     }
 
     #[test]

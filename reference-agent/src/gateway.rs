@@ -236,6 +236,118 @@ where
     Ok((status, body))
 }
 
+/// Keeps a tunnel up to one of several gateway instances (design brief §8), until `shutdown`.
+///
+/// Dials `clients` in order, starting with the first. When a tunnel ends (the instance went away,
+/// e.g. `kill -9`) or a dial fails, the next URL is tried at once; only after every URL failed in
+/// a row (or, with a single URL, after each end) does the agent wait, following the clients'
+/// [`Backoff`](spine_transport::Backoff) (`min`..`max`; the full delay after a refusal). With one
+/// URL this is `TunnelClient::run_until`.
+///
+/// # Cancel safety
+///
+/// Dropping the future closes the tunnel at once; after `shutdown` completes, the live tunnel
+/// drains gracefully (GOAWAY, requests in flight finish) before this returns.
+pub(crate) async fn run_failover<S, F>(
+    clients: Vec<spine_transport::TunnelClient>,
+    backoff: (Duration, Duration),
+    service: S,
+    shutdown: F,
+) where
+    S: tower::Service<
+            Request<hyper::body::Incoming>,
+            Response = http::Response<spine_core::BoxBody>,
+        > + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+    S::Error: Into<spine_core::BoxError>,
+    F: std::future::Future<Output = ()>,
+{
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let run = failover_loop(clients, backoff, service, stop_rx);
+    tokio::pin!(run);
+    tokio::select! {
+        () = &mut run => return,
+        () = shutdown => {}
+    }
+    let _ = stop_tx.send(true);
+    run.await;
+}
+
+async fn failover_loop<S>(
+    clients: Vec<spine_transport::TunnelClient>,
+    (backoff_min, backoff_max): (Duration, Duration),
+    service: S,
+    stop: tokio::sync::watch::Receiver<bool>,
+) where
+    S: tower::Service<
+            Request<hyper::body::Incoming>,
+            Response = http::Response<spine_core::BoxBody>,
+        > + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+    S::Error: Into<spine_core::BoxError>,
+{
+    let stopped = || {
+        let mut rx = stop.clone();
+        async move {
+            let _ = rx.wait_for(|s| *s).await;
+        }
+    };
+    if clients.is_empty() {
+        return;
+    }
+    let n = clients.len();
+    let mut backoff = spine_transport::Backoff::new(backoff_min, backoff_max);
+    let mut i = 0usize;
+    let mut failed_in_a_row = 0usize;
+    loop {
+        let client = &clients[i % n];
+        let connected = tokio::select! {
+            res = client.connect() => res,
+            () = stopped() => return,
+        };
+        let delay = match connected {
+            Ok(session) => {
+                tracing::info!(node = %session.node_id(), gateway = i % n, "tunnel established");
+                backoff.reset();
+                failed_in_a_row = 0;
+                match session.serve_until(service.clone(), stopped()).await {
+                    Ok(()) => tracing::info!("tunnel closed"),
+                    Err(e) => tracing::warn!(error = %e, "tunnel ended"),
+                }
+                if *stop.borrow() {
+                    return;
+                }
+                // another instance at once; the same one only after a pause
+                (n == 1).then(|| backoff.next_jittered())
+            }
+            Err(e) => {
+                failed_in_a_row += 1;
+                let refused = e.is_refused();
+                tracing::warn!(error = %e, gateway = i % n, "tunnel connect failed");
+                (failed_in_a_row >= n).then(|| {
+                    failed_in_a_row = 0;
+                    if refused {
+                        backoff.next_full()
+                    } else {
+                        backoff.next_jittered()
+                    }
+                })
+            }
+        };
+        i = i.wrapping_add(1);
+        if let Some(delay) = delay {
+            tokio::select! {
+                () = tokio::time::sleep(delay) => {}
+                () = stopped() => return,
+            }
+        }
+    }
+}
+
 /// The bytes a node signs for `GET /v1/node/status` (must match the gateway's
 /// `enroll::status_signing_message`): `spine-node-status/v1\n<timestamp_ms>\n<public key text>`.
 pub(crate) fn status_signing_message(timestamp_ms: i64, public_key_text: &str) -> String {
@@ -304,5 +416,133 @@ mod tests {
                 &sig,
             )
             .unwrap();
+    }
+}
+
+#[cfg(test)]
+mod failover_tests {
+    #![allow(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::panic,
+        clippy::print_stdout
+    )]
+    use std::sync::Mutex;
+
+    use spine_core::{BoxBody, EngineKind, ModelDescriptor, ModelId, NodeDescriptor, NodeId};
+    use spine_transport::{
+        StaticAuthenticator, TunnelClient, TunnelClientConfig, TunnelServer, TunnelServerConfig,
+        Tunnels,
+    };
+    use tokio::net::TcpListener;
+
+    use super::*;
+
+    fn descriptor() -> NodeDescriptor {
+        NodeDescriptor {
+            engine: EngineKind::LlamaCpp,
+            models: vec![ModelDescriptor {
+                id: ModelId::new("m"),
+                max_context_tokens: None,
+            }],
+            vram_mib: 0,
+            max_concurrency: 1,
+            agent_version: "test".into(),
+        }
+    }
+
+    /// A plaintext tunnel listener that knows `identity` as node `n1`.
+    async fn gateway(identity: &NodeIdentity) -> (u16, Tunnels) {
+        let auth =
+            StaticAuthenticator::new().with_key(identity.public_key_text(), NodeId::new("n1"));
+        let server = TunnelServer::new(TunnelServerConfig::default(), Arc::new(auth), Arc::new(()));
+        let tunnels = server.tunnels();
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        tokio::spawn(server.serve(listener, None));
+        (port, tunnels)
+    }
+
+    /// A TCP proxy to `port` whose connections the test can cut (a gateway's `kill -9`, as the
+    /// agent sees it: its tunnel's socket closes).
+    async fn proxy(port: u16) -> (u16, Arc<Mutex<Vec<tokio::task::AbortHandle>>>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let own = listener.local_addr().unwrap().port();
+        let conns: Arc<Mutex<Vec<tokio::task::AbortHandle>>> = Arc::default();
+        let conns2 = conns.clone();
+        tokio::spawn(async move {
+            while let Ok((mut client, _)) = listener.accept().await {
+                let task = tokio::spawn(async move {
+                    if let Ok(mut server) = TcpStream::connect(("127.0.0.1", port)).await {
+                        let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                    }
+                });
+                conns2.lock().unwrap().push(task.abort_handle());
+            }
+        });
+        (own, conns)
+    }
+
+    async fn eventually(what: &str, mut f: impl FnMut() -> bool) -> Duration {
+        let started = tokio::time::Instant::now();
+        while !f() {
+            assert!(started.elapsed() < Duration::from_secs(5), "{what}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        started.elapsed()
+    }
+
+    #[tokio::test]
+    async fn a_dead_gateway_hands_the_node_to_the_next_url_at_once() {
+        let identity = NodeIdentity::generate().unwrap();
+        let (port1, tunnels1) = gateway(&identity).await;
+        let (port2, tunnels2) = gateway(&identity).await;
+        let (proxied1, conns1) = proxy(port1).await;
+        // nothing listens on the first URL
+        let dead = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let dead_port = dead.local_addr().unwrap().port();
+        drop(dead);
+        let clients: Vec<TunnelClient> = [dead_port, proxied1, port2]
+            .iter()
+            .map(|p| {
+                let mut c = TunnelClientConfig::new(
+                    format!("ws://127.0.0.1:{p}/v1/tunnel"),
+                    identity.clone(),
+                    descriptor(),
+                );
+                c.allow_insecure_plaintext = true;
+                TunnelClient::new(c).unwrap()
+            })
+            .collect();
+        let service = tower::service_fn(|_req: Request<hyper::body::Incoming>| async {
+            Ok::<_, std::convert::Infallible>(http::Response::new(BoxBody::default()))
+        });
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        // a long backoff: the hand-over must not wait for it
+        let agent = tokio::spawn(run_failover(
+            clients,
+            (Duration::from_secs(30), Duration::from_secs(60)),
+            service,
+            async {
+                let _ = stop_rx.await;
+            },
+        ));
+        let n1 = NodeId::new("n1");
+        eventually("tunnel on the second url", || tunnels1.contains(&n1)).await;
+        assert!(!tunnels2.contains(&n1));
+
+        for c in conns1.lock().unwrap().drain(..) {
+            c.abort();
+        }
+        let took = eventually("tunnel on the third url", || tunnels2.contains(&n1)).await;
+        println!("node on the next gateway {took:?} after its tunnel broke");
+        assert!(took < Duration::from_secs(2), "{took:?}");
+
+        let _ = stop_tx.send(());
+        tokio::time::timeout(Duration::from_secs(10), agent)
+            .await
+            .unwrap()
+            .unwrap();
+        eventually("tunnel closed on stop", || !tunnels2.contains(&n1)).await;
     }
 }

@@ -225,13 +225,20 @@ async fn serve(
         "serving"
     );
 
-    let mut config = TunnelClientConfig::new(settings.gateway.clone(), identity, descriptor);
-    config.allow_insecure_plaintext = settings.insecure_plaintext_tunnel;
-    config.tls = settings.tls_config()?;
-    let tunnel = TunnelClient::new(config)?;
+    // one client per gateway instance (design brief §8): on disconnect the next one
+    let tls = settings.tls_config()?;
+    let mut tunnels = Vec::new();
+    let mut backoff = (Duration::from_secs(1), Duration::from_secs(30));
+    for url in &settings.gateways {
+        let mut config = TunnelClientConfig::new(url.clone(), identity.clone(), descriptor.clone());
+        config.allow_insecure_plaintext = settings.insecure_plaintext_tunnel;
+        config.tls = tls.clone();
+        backoff = (config.backoff_min, config.backoff_max);
+        tunnels.push(TunnelClient::new(config)?);
+    }
     let proxy = EngineProxy::new(client, settings.engine_url.clone(), engine.health_path())
         .with_guard(engine.request_guard(), served);
-    tunnel.run_until(proxy, shutdown).await;
+    gateway::run_failover(tunnels, backoff, proxy, shutdown).await;
     info!("tunnel drained and closed");
     Ok(())
 }

@@ -441,6 +441,8 @@ pub(crate) async fn status(args: StatusArgs) -> Result<(), AnyError> {
     let gateway = file
         .gateway
         .as_deref()
+        // several instances: ask the first
+        .and_then(|g| g.split(',').map(str::trim).next())
         .ok_or_else(|| format!("{}: no `gateway`", path.display()))?;
     let identity_path = file
         .identity

@@ -207,6 +207,7 @@ async fn create_key(
                     tpm_limit: body.tpm_limit,
                 },
             )
+            .await
             .map_err(|e| {
                 tracing::error!(error = %e, "cannot save key limits");
                 ApiError::internal("the key was created but its limits could not be saved")

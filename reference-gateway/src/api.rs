@@ -152,7 +152,7 @@ async fn proxy(state: &AppState, req: Request, kind: RequestKind) -> Response {
     };
     // authenticated, so the key is known
     let key = KeyHash(key_hash.unwrap_or_default());
-    if let Err(refused) = state.limits.check_rpm(&key) {
+    if let Err(refused) = state.limits.check_rpm(&key).await {
         metrics::counter!(RATE_LIMITED, "limit" => "requests").increment(1);
         return ApiError::rate_limited("requests", refused.message, refused.retry_after_secs)
             .into_response();

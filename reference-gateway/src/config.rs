@@ -33,6 +33,12 @@ const ENV_KEYS: &[(&str, Kind)] = &[
     ("route_max_retries", Kind::Int),
     ("first_token_timeout_secs", Kind::Int),
     ("max_vram_mib", Kind::Int),
+    ("redis_url", Kind::Str),
+    ("instance_id", Kind::Str),
+    ("redis_key_prefix", Kind::Str),
+    ("internal_listen", Kind::Str),
+    ("internal_advertise", Kind::Str),
+    ("cluster_secret", Kind::Str),
 ];
 
 /// The gateway's configuration (design brief §7).
@@ -102,9 +108,53 @@ pub(crate) struct Config {
     /// Most VRAM, MiB, a node's self-reported `vram_mib` counts for in its routing weight.
     #[serde(default = "default_max_vram_mib")]
     pub(crate) max_vram_mib: u64,
+    /// Redis URL (`redis://host:port[/db]`). Set: multi-instance mode (design brief §8), which
+    /// needs a `postgres://` `database_url` and a `cluster_secret`.
+    #[serde(default)]
+    pub(crate) redis_url: Option<String>,
+    /// This instance's name in Redis and PostgreSQL; default `gw-` and 8 random hex digits.
+    /// Letters, digits, `.`, `_` and `-` only.
+    #[serde(default = "default_instance_id")]
+    pub(crate) instance_id: String,
+    /// Every Redis key this instance reads or writes starts with it.
+    #[serde(default = "default_redis_key_prefix")]
+    pub(crate) redis_key_prefix: String,
+    /// The internal HTTP/2 listener other instances forward requests to (multi-instance mode).
+    #[serde(default = "default_internal_listen")]
+    pub(crate) internal_listen: SocketAddr,
+    /// `host:port` other instances dial for the internal listener; default its bound address.
+    #[serde(default)]
+    pub(crate) internal_advertise: Option<String>,
+    /// Shared secret (at least 16 bytes) that authenticates forwarding between instances.
+    /// Required in multi-instance mode.
+    #[serde(default)]
+    pub(crate) cluster_secret: Option<String>,
     /// The model catalog: what callers may ask for, its tokenizer and its price.
     #[serde(default)]
     pub(crate) models: Vec<ModelConfig>,
+}
+
+/// Multi-instance settings, present when `redis_url` is set (checked by [`Config::load`]).
+#[derive(Clone)]
+pub(crate) struct ClusterConfig {
+    pub(crate) redis_url: String,
+    pub(crate) instance_id: String,
+    pub(crate) key_prefix: String,
+    pub(crate) internal_listen: SocketAddr,
+    pub(crate) internal_advertise: Option<String>,
+    pub(crate) secret: String,
+}
+
+impl std::fmt::Debug for ClusterConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // the URL may carry a password, the secret is one
+        f.debug_struct("ClusterConfig")
+            .field("instance_id", &self.instance_id)
+            .field("key_prefix", &self.key_prefix)
+            .field("internal_listen", &self.internal_listen)
+            .field("internal_advertise", &self.internal_advertise)
+            .finish_non_exhaustive()
+    }
 }
 
 /// One catalog model.
@@ -157,6 +207,24 @@ fn default_first_token_timeout_secs() -> u64 {
 }
 fn default_max_vram_mib() -> u64 {
     196_608
+}
+fn default_instance_id() -> String {
+    let mut bytes = [0u8; 4];
+    // an OS without randomness gets a time-derived id; it only names the instance
+    if getrandom::fill(&mut bytes).is_err() {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.subsec_nanos())
+            .unwrap_or_default();
+        bytes = nanos.to_le_bytes();
+    }
+    format!("gw-{}", hex::encode(bytes))
+}
+fn default_redis_key_prefix() -> String {
+    "spine:".to_owned()
+}
+fn default_internal_listen() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 0))
 }
 fn default_max_request_body_bytes() -> usize {
     4 * 1024 * 1024
@@ -212,7 +280,56 @@ impl Config {
                 "tunnel_tls_cert_file and tunnel_tls_key_file go together".into(),
             ));
         }
+        config.check_cluster()?;
         Ok(config)
+    }
+
+    /// Multi-instance mode's requirements: PostgreSQL, a long enough secret, a usable id.
+    fn check_cluster(&self) -> Result<(), ConfigError> {
+        if self.redis_url.is_none() {
+            return Ok(());
+        }
+        if !matches!(self.database()?, Database::Postgres(_)) {
+            return Err(ConfigError::Invalid(
+                "redis_url is set (multi-instance mode): database_url must be postgres://… \
+                 (several instances cannot share an SQLite ledger)"
+                    .into(),
+            ));
+        }
+        match &self.cluster_secret {
+            Some(s) if s.len() >= 16 => {}
+            _ => {
+                return Err(ConfigError::Invalid(
+                    "redis_url is set (multi-instance mode): cluster_secret must be set, at \
+                     least 16 bytes"
+                        .into(),
+                ))
+            }
+        }
+        let id_ok = !self.instance_id.is_empty()
+            && self.instance_id.len() <= 64
+            && self
+                .instance_id
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+        if !id_ok {
+            return Err(ConfigError::Invalid(
+                "instance_id: 1 to 64 letters, digits, '.', '_' or '-'".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The multi-instance settings; `None` in single-instance mode (no `redis_url`).
+    pub(crate) fn cluster(&self) -> Option<ClusterConfig> {
+        Some(ClusterConfig {
+            redis_url: self.redis_url.clone()?,
+            instance_id: self.instance_id.clone(),
+            key_prefix: self.redis_key_prefix.clone(),
+            internal_listen: self.internal_listen,
+            internal_advertise: self.internal_advertise.clone(),
+            secret: self.cluster_secret.clone()?,
+        })
     }
 
     /// The ledger store `database_url` names: `sqlite://<path>` (a file; single instance),
@@ -306,6 +423,74 @@ mod tests {
             ),
             "Postgres(..)"
         );
+    }
+
+    fn load_text(text: &str) -> Result<Config, ConfigError> {
+        let dir = tempfile::tempdir().map_err(|source| ConfigError::Read {
+            path: PathBuf::from("tempdir"),
+            source,
+        })?;
+        let path = dir.path().join("gateway.toml");
+        std::fs::write(&path, text).map_err(|source| ConfigError::Read {
+            path: path.clone(),
+            source,
+        })?;
+        Config::load(Some(&path))
+    }
+
+    #[test]
+    fn multi_instance_mode_needs_postgres_and_a_secret() {
+        let base = "admin_token = \"0123456789abcdef\"\nredis_url = \"redis://127.0.0.1:6379\"\n";
+        let err = load_text(base)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(err.contains("database_url must be postgres://"), "{err}");
+        let pg = format!("{base}database_url = \"postgres://u@db/spine\"\n");
+        let err = load_text(&pg)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(err.contains("cluster_secret"), "{err}");
+        let short = format!("{pg}cluster_secret = \"short\"\n");
+        let err = load_text(&short)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(err.contains("at least 16 bytes"), "{err}");
+        let bad_id = format!("{pg}cluster_secret = \"0123456789abcdef\"\ninstance_id = \"a b\"\n");
+        let err = load_text(&bad_id)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(err.contains("instance_id"), "{err}");
+
+        let ok = format!("{pg}cluster_secret = \"0123456789abcdef\"\n");
+        let config = load_text(&ok);
+        assert!(config.is_ok(), "{:?}", config.err());
+        let cluster = config.ok().and_then(|c| c.cluster());
+        let Some(cluster) = cluster else {
+            unreachable!("redis_url set")
+        };
+        assert_eq!(cluster.key_prefix, "spine:");
+        assert_eq!(
+            cluster.internal_listen,
+            SocketAddr::from(([127, 0, 0, 1], 0))
+        );
+        assert_eq!(cluster.internal_advertise, None);
+        assert!(
+            cluster.instance_id.starts_with("gw-"),
+            "{}",
+            cluster.instance_id
+        );
+        assert_eq!(cluster.instance_id.len(), 11);
+        assert!(!format!("{cluster:?}").contains("0123456789abcdef"));
+        // two defaults differ
+        assert_ne!(default_instance_id(), default_instance_id());
+
+        // single-instance mode: none of it is needed
+        let single = load_text("admin_token = \"0123456789abcdef\"\n");
+        assert!(single.is_ok_and(|c| c.cluster().is_none()));
     }
 
     #[test]

@@ -142,6 +142,24 @@ impl ApiError {
                 format!("the node failed before responding: {e}"),
             );
         }
+        if let Some(e) = err.downcast_ref::<crate::cluster::ClusterError>() {
+            // multi-instance mode: the node's instance was gone or refused, before any byte
+            if matches!(e, crate::cluster::ClusterError::NodeFull) {
+                return Self::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "api_error",
+                    "no_capacity",
+                    "every node that could serve this request is at its concurrency limit; try \
+                     again later",
+                );
+            }
+            return Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "api_error",
+                "node_unavailable",
+                format!("no node could take the request: {e}"),
+            );
+        }
         Self::internal(err.to_string())
     }
 
@@ -229,5 +247,33 @@ impl IntoResponse for ApiError {
                 .insert(http::header::RETRY_AFTER, http::HeaderValue::from(secs));
         }
         resp
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[tokio::test]
+    async fn a_ledger_failure_at_hold_time_is_a_503_with_retry_after() {
+        // (PostgreSQL unreachable is `LedgerError::Database`; every ledger failure before the
+        // request is forwarded maps the same way)
+        let err: BoxError = Box::new(MeterError::Ledger(spine_meter::LedgerError::Corrupt(
+            "accounts",
+        )));
+        let api = ApiError::from_stack(&err);
+        assert_eq!(api.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(api.code, "ledger_unavailable");
+        let resp = api.into_response();
+        assert_eq!(resp.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(resp.headers()[http::header::RETRY_AFTER], "1");
+        let body = http_body_util::BodyExt::collect(resp.into_body())
+            .await
+            .unwrap()
+            .to_bytes();
+        let json: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(json["error"]["code"], "ledger_unavailable");
+        assert_eq!(json["error"]["type"], "api_error");
     }
 }

@@ -15,12 +15,36 @@
 //! Limits are set per key when the key is created (`POST /admin/v1/accounts/{id}/keys`
 //! `{"rpm_limit", "tpm_limit"}`) and kept, by the SHA-256 of the key, in
 //! `<data_dir>/key_limits.json`; keys without their own limit get the gateway's
-//! `default_rpm_limit` / `default_tpm_limit`. 0 means unlimited. (The ledger store does not hold
-//! them yet: it is being reworked; they move there with a migration afterwards.)
+//! `default_rpm_limit` / `default_tpm_limit`. 0 means unlimited.
+//!
+//! # Several instances (design brief §8)
+//!
+//! [`RateLimits::with_redis`] keeps both buckets in Redis, so N instances give a key its limit
+//! once, not N times:
+//!
+//! - RPM: the same GCRA (burst `rpm`, one more every `60 / rpm` s) as an atomic Lua script on
+//!   `<prefix>rl:rpm:<key hash>`, holding the "theoretical arrival time" in microseconds;
+//! - TPM: the same reserving bucket as a Lua script on `<prefix>rl:tpm:<key hash>` (a hash of
+//!   `tokens` and `ts`), with the refund as a second operation of the same script.
+//!
+//! Both scripts take the time from Redis (`TIME`), never from an instance's clock, and set an
+//! expiry at the moment the bucket would be full again, so idle keys vanish. Every Redis call has
+//! a 100 ms timeout. When Redis fails or times out, the instance falls back to the in-process
+//! limiters above (degraded: each instance then enforces the full limit by itself, so N live
+//! instances allow up to N×), logs that once, sets `spine_rate_limit_degraded` to 1 and counts
+//! `spine_rate_limit_redis_fallback_total`; it tries Redis again a second later and logs the
+//! recovery once. A reservation is refunded where it was taken (Redis or local).
+//!
+//! In this mode per-key limits live in the ledger store (PostgreSQL's `key_limits` table,
+//! [`Store::set_key_limits`]), not in a per-instance file: a key created on one instance must be
+//! limited the same on every other, and the store is already the shared, durable, transactional
+//! home of the key itself (Redis is a cache that may be flushed or down). Each instance caches a
+//! key's limits for 10 s.
 
 use std::collections::HashMap;
 use std::num::NonZeroU32;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -28,7 +52,144 @@ use governor::clock::Clock;
 use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
 use serde::{Deserialize, Serialize};
 use spine_core::RequestId;
-use spine_meter::meter::{Admission, AdmissionRefusal, AdmissionRequest};
+use spine_meter::meter::{Admission, AdmissionRefusal, AdmissionRequest, AdmitFuture};
+use spine_meter::Store;
+
+/// Longest wait for one Redis call on a request path; past it the local limiter decides.
+const REDIS_TIMEOUT: Duration = Duration::from_millis(100);
+/// After a Redis failure, how long requests use the local limiters before Redis is tried again.
+const REDIS_RETRY_AFTER: Duration = Duration::from_secs(1);
+/// How long an instance trusts a key's limits read from the store.
+const KEY_LIMITS_CACHE_TTL: Duration = Duration::from_secs(10);
+/// Counter: rate-limit decisions taken locally because Redis failed or timed out.
+pub(crate) const RATE_LIMIT_REDIS_FALLBACK: &str = "spine_rate_limit_redis_fallback_total";
+/// Gauge: 1 while rate limits are enforced per instance (Redis unreachable), else 0.
+pub(crate) const RATE_LIMIT_DEGRADED: &str = "spine_rate_limit_degraded";
+
+/// GCRA for RPM. KEYS[1]: the key's RPM bucket; ARGV[1]: the limit (> 0). Returns 0 when the
+/// request passes, else the microseconds until one would.
+const RPM_LUA: &str = r"
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local period = 60000000 / tonumber(ARGV[1])
+local tat = tonumber(redis.call('GET', KEYS[1]))
+if tat == nil or tat < now then tat = now end
+local new_tat = tat + period
+if new_tat - now > 60000000 then
+  return math.ceil(new_tat - now - 60000000)
+end
+redis.call('SET', KEYS[1], string.format('%.0f', new_tat), 'PX', math.ceil((new_tat - now) / 1000) + 1)
+return 0
+";
+
+/// The TPM bucket. KEYS[1]: the key's TPM bucket; ARGV: capacity (> 0), tokens, `reserve` or
+/// `refund`. Returns `{1, 0}` (done), `{0, wait_ms}` (reserve: not yet) or `{0, -1}` (reserve:
+/// more than the capacity, never).
+const TPM_LUA: &str = r"
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+local cap = tonumber(ARGV[1])
+local n = tonumber(ARGV[2])
+local s = redis.call('HMGET', KEYS[1], 'tokens', 'ts')
+local tokens = tonumber(s[1])
+local ts = tonumber(s[2])
+if tokens == nil or ts == nil then tokens = cap; ts = now end
+if tokens > cap then tokens = cap end
+if now > ts then tokens = math.min(cap, tokens + (now - ts) * cap / 60000) end
+local result = {1, 0}
+if ARGV[3] == 'reserve' then
+  if n > cap then return {0, -1} end
+  if n <= tokens then
+    tokens = tokens - n
+  else
+    result = {0, math.ceil((n - tokens) * 60000 / cap)}
+  end
+else
+  tokens = math.min(cap, tokens + n)
+end
+redis.call('HSET', KEYS[1], 'tokens', string.format('%.6f', tokens), 'ts', string.format('%.3f', now))
+redis.call('PEXPIRE', KEYS[1], math.ceil((cap - tokens) * 60000 / cap) + 1000)
+return result
+";
+
+/// The Redis side of [`RateLimits::with_redis`].
+struct RedisLimits {
+    conn: redis::aio::ConnectionManager,
+    key_prefix: String,
+    rpm_script: redis::Script,
+    tpm_script: redis::Script,
+    /// Whether the last Redis call failed (decisions are local until it answers again).
+    degraded: AtomicBool,
+    /// While degraded: when to try Redis again.
+    retry_at: Mutex<Option<Instant>>,
+    /// Admitted requests whose TPM reservation is in Redis: key, tokens, capacity.
+    reservations: Mutex<HashMap<RequestId, (KeyHash, u64, u64)>>,
+}
+
+impl RedisLimits {
+    /// Whether to ask Redis now (not degraded, or degraded long enough to try again).
+    fn usable(&self) -> bool {
+        if !self.degraded.load(Ordering::Acquire) {
+            return true;
+        }
+        let retry_at = self.retry_at.lock().unwrap_or_else(|e| e.into_inner());
+        retry_at.is_none_or(|at| Instant::now() >= at)
+    }
+
+    fn failed(&self, error: &dyn std::fmt::Display) {
+        *self.retry_at.lock().unwrap_or_else(|e| e.into_inner()) =
+            Some(Instant::now() + REDIS_RETRY_AFTER);
+        metrics::counter!(RATE_LIMIT_REDIS_FALLBACK).increment(1);
+        if !self.degraded.swap(true, Ordering::AcqRel) {
+            metrics::gauge!(RATE_LIMIT_DEGRADED).set(1.0);
+            tracing::warn!(
+                error = %error,
+                "Redis unreachable: rate limits are enforced by this instance alone until it returns (each instance allows the full limit)"
+            );
+        }
+    }
+
+    fn succeeded(&self) {
+        if self.degraded.swap(false, Ordering::AcqRel) {
+            metrics::gauge!(RATE_LIMIT_DEGRADED).set(0.0);
+            tracing::info!("Redis reachable again: rate limits are shared across instances");
+        }
+    }
+
+    /// Runs `script` with one key and `args`, within [`REDIS_TIMEOUT`]; `None` on any failure
+    /// (recorded: the caller decides locally).
+    async fn invoke<T: redis::FromRedisValue>(
+        &self,
+        script: &redis::Script,
+        key: &str,
+        args: &[String],
+    ) -> Option<T> {
+        let mut invocation = script.prepare_invoke();
+        invocation.key(key);
+        for a in args {
+            invocation.arg(a.as_str());
+        }
+        let mut conn = self.conn.clone();
+        match tokio::time::timeout(REDIS_TIMEOUT, invocation.invoke_async::<T>(&mut conn)).await {
+            Ok(Ok(v)) => {
+                self.succeeded();
+                Some(v)
+            }
+            Ok(Err(e)) => {
+                self.failed(&e);
+                None
+            }
+            Err(_) => {
+                self.failed(&"no answer within 100 ms");
+                None
+            }
+        }
+    }
+
+    fn bucket_key(&self, kind: &str, key: &KeyHash) -> String {
+        format!("{}rl:{kind}:{}", self.key_prefix, key.0)
+    }
+}
 
 /// The caller's API key, as the store knows it (SHA-256 hex); put in the request extensions by
 /// the handler so the admission hook knows whose bucket to use.
@@ -112,14 +273,24 @@ struct TpmState {
     reservations: HashMap<RequestId, (KeyHash, u64)>,
 }
 
+/// Per-key limits kept in the ledger store (multi-instance mode), and when each key's were read.
+struct StoreLimits {
+    store: Arc<dyn Store>,
+    fetched: Mutex<HashMap<String, Instant>>,
+}
+
 /// Per-key RPM and TPM limits. Cheap to share (`Arc`).
 pub(crate) struct RateLimits {
     default_rpm: u32,
     default_tpm: u64,
     file: Option<PathBuf>,
+    /// Per-key limits: all of them (file mode), or those read from `store` (cache).
     keys: Mutex<HashMap<String, KeyLimits>>,
+    /// Where per-key limits live in multi-instance mode, and when each key's was read.
+    store: Option<StoreLimits>,
     rpm: Mutex<HashMap<KeyHash, Arc<DefaultDirectRateLimiter>>>,
     tpm: Mutex<TpmState>,
+    redis: Option<RedisLimits>,
 }
 
 impl std::fmt::Debug for RateLimits {
@@ -152,18 +323,83 @@ impl RateLimits {
             default_tpm,
             file,
             keys: Mutex::new(keys),
+            store: None,
             rpm: Mutex::new(HashMap::new()),
             tpm: Mutex::new(TpmState::default()),
+            redis: None,
         })
     }
 
-    /// Records a new key's own limits (nothing to record when both are `None`).
-    pub(crate) fn set_key_limits(
+    /// Limits shared by several gateway instances (module docs, "Several instances"): buckets
+    /// in Redis through `conn` (the instance's one shared connection) under `key_prefix`
+    /// (e.g. `spine:`), per-key limits in `store`, the gateway defaults otherwise.
+    pub(crate) fn with_redis(
+        conn: redis::aio::ConnectionManager,
+        key_prefix: String,
+        default_rpm: u32,
+        default_tpm: u64,
+        store: Arc<dyn Store>,
+    ) -> Self {
+        metrics::gauge!(RATE_LIMIT_DEGRADED).set(0.0);
+        Self {
+            default_rpm,
+            default_tpm,
+            file: None,
+            keys: Mutex::new(HashMap::new()),
+            store: Some(StoreLimits {
+                store,
+                fetched: Mutex::new(HashMap::new()),
+            }),
+            rpm: Mutex::new(HashMap::new()),
+            tpm: Mutex::new(TpmState::default()),
+            redis: Some(RedisLimits {
+                conn,
+                key_prefix,
+                rpm_script: redis::Script::new(RPM_LUA),
+                tpm_script: redis::Script::new(TPM_LUA),
+                degraded: AtomicBool::new(false),
+                retry_at: Mutex::new(None),
+                reservations: Mutex::new(HashMap::new()),
+            }),
+        }
+    }
+
+    /// Whether decisions are local because Redis is unreachable (always false without Redis).
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub(crate) fn is_degraded(&self) -> bool {
+        self.redis
+            .as_ref()
+            .is_some_and(|r| r.degraded.load(Ordering::Acquire))
+    }
+
+    /// Records a new key's own limits (nothing to record when both are `None`): in the file, or
+    /// in the store in multi-instance mode.
+    pub(crate) async fn set_key_limits(
         &self,
         key: &KeyHash,
         limits: KeyLimits,
-    ) -> Result<(), std::io::Error> {
+    ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         if limits == KeyLimits::default() {
+            return Ok(());
+        }
+        if let Some(StoreLimits { store, fetched }) = &self.store {
+            store
+                .set_key_limits(
+                    &key.0,
+                    spine_meter::KeyLimits {
+                        rpm_limit: limits.rpm_limit,
+                        tpm_limit: limits.tpm_limit,
+                    },
+                )
+                .await?;
+            self.keys
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(key.0.clone(), limits);
+            fetched
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(key.0.clone(), Instant::now());
             return Ok(());
         }
         let mut keys = self.keys.lock().unwrap_or_else(|e| e.into_inner());
@@ -174,7 +410,50 @@ impl RateLimits {
         Ok(())
     }
 
-    /// The limits in force for `key`: its own, else the defaults (0 = unlimited).
+    /// The limits in force for `key`, reading them from the store first when this instance's
+    /// copy is missing or older than 10 s (multi-instance mode). If the store fails, the last
+    /// copy (or the defaults) applies for another 10 s; a paid request then fails at its hold
+    /// anyway.
+    async fn effective_now(&self, key: &KeyHash) -> (u32, u64) {
+        if let Some(StoreLimits { store, fetched }) = &self.store {
+            let fresh = fetched
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get(&key.0)
+                .is_some_and(|at| at.elapsed() < KEY_LIMITS_CACHE_TTL);
+            if !fresh {
+                match store.key_limits(&key.0).await {
+                    Ok(own) => {
+                        let own = own.map_or_else(KeyLimits::default, |l| KeyLimits {
+                            rpm_limit: l.rpm_limit,
+                            tpm_limit: l.tpm_limit,
+                        });
+                        self.keys
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .insert(key.0.clone(), own);
+                        fetched
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .insert(key.0.clone(), Instant::now());
+                    }
+                    Err(e) => {
+                        // keep what is known (or the defaults) for another TTL rather than
+                        // ask an unreachable store on every request
+                        tracing::warn!(error = %e, "cannot read the key's limits");
+                        fetched
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .insert(key.0.clone(), Instant::now());
+                    }
+                }
+            }
+        }
+        self.effective(key)
+    }
+
+    /// The limits in force for `key` as this instance knows them: its own, else the defaults
+    /// (0 = unlimited).
     pub(crate) fn effective(&self, key: &KeyHash) -> (u32, u64) {
         let own = self
             .keys
@@ -189,12 +468,33 @@ impl RateLimits {
         )
     }
 
-    /// Counts one request against `key`'s RPM limit.
-    pub(crate) fn check_rpm(&self, key: &KeyHash) -> Result<(), Refused> {
-        let (rpm, _) = self.effective(key);
+    /// Counts one request against `key`'s RPM limit: in Redis (shared by every instance) when
+    /// configured and reachable, else in this instance.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropped, the request may or may not have been counted.
+    pub(crate) async fn check_rpm(&self, key: &KeyHash) -> Result<(), Refused> {
+        let (rpm, _) = self.effective_now(key).await;
         let Some(rpm) = NonZeroU32::new(rpm) else {
             return Ok(());
         };
+        if let Some(redis) = self.redis.as_ref().filter(|r| r.usable()) {
+            let bucket = redis.bucket_key("rpm", key);
+            if let Some(wait_micros) = redis
+                .invoke::<u64>(&redis.rpm_script, &bucket, &[rpm.to_string()])
+                .await
+            {
+                if wait_micros == 0 {
+                    return Ok(());
+                }
+                return Err(rpm_refused(rpm, Duration::from_micros(wait_micros)));
+            }
+        }
+        self.check_rpm_local(key, rpm)
+    }
+
+    fn check_rpm_local(&self, key: &KeyHash, rpm: NonZeroU32) -> Result<(), Refused> {
         let limiter = self
             .rpm
             .lock()
@@ -202,16 +502,89 @@ impl RateLimits {
             .entry(key.clone())
             .or_insert_with(|| Arc::new(RateLimiter::direct(Quota::per_minute(rpm))))
             .clone();
-        limiter.check().map_err(|not_until| {
-            let wait = not_until.wait_time_from(limiter.clock().now());
-            let secs = ceil_secs(wait);
-            Refused {
-                retry_after_secs: Some(secs),
-                message: format!(
-                    "Rate limit reached for requests per min (RPM): Limit {rpm}. Please try again in {secs}s."
-                ),
+        limiter
+            .check()
+            .map_err(|not_until| rpm_refused(rpm, not_until.wait_time_from(limiter.clock().now())))
+    }
+
+    /// Reserves `tokens` of `key`'s TPM budget for `request_id`: in Redis when configured and
+    /// reachable, else in this instance.
+    async fn reserve_tpm_shared(
+        &self,
+        key: &KeyHash,
+        request_id: &RequestId,
+        tokens: u64,
+    ) -> Result<(), Refused> {
+        let (_, tpm) = self.effective_now(key).await;
+        if tpm == 0 {
+            return Ok(());
+        }
+        if let Some(redis) = self.redis.as_ref().filter(|r| r.usable()) {
+            let bucket = redis.bucket_key("tpm", key);
+            let args = [tpm.to_string(), tokens.to_string(), "reserve".to_owned()];
+            if let Some(answer) = redis
+                .invoke::<Vec<i64>>(&redis.tpm_script, &bucket, &args)
+                .await
+            {
+                return match answer.as_slice() {
+                    [1, _] => {
+                        redis
+                            .reservations
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .insert(request_id.clone(), (key.clone(), tokens, tpm));
+                        Ok(())
+                    }
+                    [0, wait_ms] if *wait_ms >= 0 => Err(tpm_refused(
+                        tpm,
+                        tokens,
+                        Some(Duration::from_millis(wait_ms.unsigned_abs())),
+                    )),
+                    _ => Err(tpm_refused(tpm, tokens, None)),
+                };
             }
-        })
+        }
+        self.reserve_tpm(key, request_id, tokens, Instant::now())
+    }
+
+    /// Gives back what `request_id` reserved and did not use, where it was reserved (Redis: on
+    /// a spawned task, bounded by the Redis timeout). Idempotent.
+    fn release_shared(&self, request_id: &RequestId, used_tokens: u64) {
+        let in_redis = self.redis.as_ref().and_then(|r| {
+            r.reservations
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(request_id)
+                .map(|res| (r, res))
+        });
+        let Some((redis, (key, reserved, tpm))) = in_redis else {
+            self.release_tpm(request_id, used_tokens, Instant::now());
+            return;
+        };
+        let refund = reserved.saturating_sub(used_tokens);
+        if refund == 0 {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            tracing::debug!("no runtime to refund a TPM reservation; it comes back by refill");
+            return;
+        };
+        let bucket = redis.bucket_key("tpm", &key);
+        let script = redis.tpm_script.clone();
+        let mut conn = redis.conn.clone();
+        runtime.spawn(async move {
+            let mut invocation = script.prepare_invoke();
+            invocation.key(&bucket).arg(tpm).arg(refund).arg("refund");
+            let answer = tokio::time::timeout(
+                REDIS_TIMEOUT,
+                invocation.invoke_async::<Vec<i64>>(&mut conn),
+            )
+            .await;
+            if !matches!(answer, Ok(Ok(_))) {
+                // the bucket refills by itself within a minute
+                tracing::debug!("TPM refund to Redis failed");
+            }
+        });
     }
 
     /// Reserves `tokens` of `key`'s TPM budget for `request_id`.
@@ -238,21 +611,7 @@ impl RateLimits {
                     .insert(request_id.clone(), (key.clone(), tokens));
                 Ok(())
             }
-            Err(None) => Err(Refused {
-                retry_after_secs: None,
-                message: format!(
-                    "Request too large for tokens per min (TPM): Limit {tpm}, Requested {tokens} (prompt + max_tokens × choices). Lower max_tokens or the prompt."
-                ),
-            }),
-            Err(Some(wait)) => {
-                let secs = ceil_secs(wait);
-                Err(Refused {
-                    retry_after_secs: Some(secs),
-                    message: format!(
-                        "Rate limit reached for tokens per min (TPM): Limit {tpm}, Requested {tokens}. Please try again in {secs}s."
-                    ),
-                })
-            }
+            Err(wait) => Err(tpm_refused(tpm, tokens, wait)),
         }
     }
 
@@ -268,6 +627,37 @@ impl RateLimits {
     }
 }
 
+fn rpm_refused(rpm: NonZeroU32, wait: Duration) -> Refused {
+    let secs = ceil_secs(wait);
+    Refused {
+        retry_after_secs: Some(secs),
+        message: format!(
+            "Rate limit reached for requests per min (RPM): Limit {rpm}. Please try again in {secs}s."
+        ),
+    }
+}
+
+/// A TPM refusal: `wait` until the tokens are there, `None` when they never fit.
+fn tpm_refused(tpm: u64, tokens: u64, wait: Option<Duration>) -> Refused {
+    match wait {
+        None => Refused {
+            retry_after_secs: None,
+            message: format!(
+                "Request too large for tokens per min (TPM): Limit {tpm}, Requested {tokens} (prompt + max_tokens × choices). Lower max_tokens or the prompt."
+            ),
+        },
+        Some(wait) => {
+            let secs = ceil_secs(wait);
+            Refused {
+                retry_after_secs: Some(secs),
+                message: format!(
+                    "Rate limit reached for tokens per min (TPM): Limit {tpm}, Requested {tokens}. Please try again in {secs}s."
+                ),
+            }
+        }
+    }
+}
+
 /// The 429 the metering layer's refusal becomes: the reason and `Retry-After`.
 pub(crate) fn tpm_refusal(refused: Refused) -> AdmissionRefusal {
     AdmissionRefusal::new(
@@ -277,6 +667,8 @@ pub(crate) fn tpm_refusal(refused: Refused) -> AdmissionRefusal {
 }
 
 impl Admission for RateLimits {
+    /// The local decision only (this instance's bucket); the metering layer calls
+    /// [`Admission::admit_async`], which asks Redis first in multi-instance mode.
     fn admit(&self, request: &AdmissionRequest<'_>) -> Result<(), AdmissionRefusal> {
         let Some(key) = request.extensions.get::<KeyHash>() else {
             return Ok(());
@@ -290,8 +682,19 @@ impl Admission for RateLimits {
         .map_err(tpm_refusal)
     }
 
+    fn admit_async<'a>(&'a self, request: &'a AdmissionRequest<'a>) -> AdmitFuture<'a> {
+        Box::pin(async move {
+            let Some(key) = request.extensions.get::<KeyHash>() else {
+                return Ok(());
+            };
+            self.reserve_tpm_shared(key, request.request_id, request.reserved_tokens)
+                .await
+                .map_err(tpm_refusal)
+        })
+    }
+
     fn release(&self, request_id: &RequestId, used_tokens: u64) {
-        self.release_tpm(request_id, used_tokens, Instant::now());
+        self.release_shared(request_id, used_tokens);
     }
 }
 
@@ -310,28 +713,28 @@ mod tests {
         RateLimits::load(rpm, tpm, None).unwrap()
     }
 
-    #[test]
-    fn rpm_allows_the_burst_then_refuses_with_retry_after() {
+    #[tokio::test]
+    async fn rpm_allows_the_burst_then_refuses_with_retry_after() {
         let l = limits(3, 0);
         let k = KeyHash("k".into());
         for _ in 0..3 {
-            assert_eq!(l.check_rpm(&k), Ok(()));
+            assert_eq!(l.check_rpm(&k).await, Ok(()));
         }
-        let refused = l.check_rpm(&k).unwrap_err();
+        let refused = l.check_rpm(&k).await.unwrap_err();
         // one request comes back every 20 s
         let secs = refused.retry_after_secs.unwrap();
         assert!((19..=20).contains(&secs), "{secs}");
         assert!(refused.message.contains("Limit 3"), "{}", refused.message);
         // another key has its own budget; 0 is unlimited
-        assert_eq!(l.check_rpm(&KeyHash("other".into())), Ok(()));
+        assert_eq!(l.check_rpm(&KeyHash("other".into())).await, Ok(()));
         let unlimited = limits(0, 0);
         for _ in 0..1000 {
-            assert_eq!(unlimited.check_rpm(&k), Ok(()));
+            assert_eq!(unlimited.check_rpm(&k).await, Ok(()));
         }
     }
 
-    #[test]
-    fn per_key_limits_override_defaults_and_persist() {
+    #[tokio::test]
+    async fn per_key_limits_override_defaults_and_persist() {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("key_limits.json");
         let l = RateLimits::load(10, 1000, Some(file.clone())).unwrap();
@@ -343,6 +746,7 @@ mod tests {
                 tpm_limit: None,
             },
         )
+        .await
         .unwrap();
         assert_eq!(l.effective(&k), (1, 1000));
         assert_eq!(l.effective(&KeyHash("other".into())), (10, 1000));
@@ -381,5 +785,377 @@ mod tests {
             .unwrap_err();
         assert_eq!(too_big.retry_after_secs, None);
         assert!(too_big.message.starts_with("Request too large"));
+    }
+}
+
+/// Against the real Redis (`SPINE_TEST_REDIS_URL`, default `redis://127.0.0.1:6379`), each test
+/// under its own key prefix, deleted at the end.
+#[cfg(test)]
+mod redis_tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+    use std::net::SocketAddr;
+
+    use tokio::net::{TcpListener, TcpSocket, TcpStream};
+    use tokio::task::JoinHandle;
+
+    use super::*;
+
+    fn redis_url() -> String {
+        std::env::var("SPINE_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+    }
+
+    fn unique_prefix(test: &str) -> String {
+        format!(
+            "spine-test-{test}-{}-{}:",
+            std::process::id(),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos()
+        )
+    }
+
+    async fn manager(url: &str) -> redis::aio::ConnectionManager {
+        redis::Client::open(url)
+            .unwrap()
+            .get_connection_manager()
+            .await
+            .unwrap_or_else(|e| panic!("Redis unreachable at {url}: {e}"))
+    }
+
+    async fn store() -> Arc<dyn Store> {
+        Arc::new(spine_meter::SqliteLedger::in_memory().await.unwrap())
+    }
+
+    /// Deletes every key under `prefix`; returns how many there were.
+    async fn cleanup(prefix: &str) -> usize {
+        let mut conn = manager(&redis_url()).await;
+        let keys: Vec<String> = redis::cmd("KEYS")
+            .arg(format!("{prefix}*"))
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        if !keys.is_empty() {
+            let _: () = redis::cmd("DEL")
+                .arg(&keys)
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+        }
+        keys.len()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn two_instances_sharing_redis_give_the_limit_once() {
+        let prefix = unique_prefix("shared");
+        let store = store().await;
+        let a = RateLimits::with_redis(
+            manager(&redis_url()).await,
+            prefix.clone(),
+            5,
+            1_000,
+            store.clone(),
+        );
+        let b = RateLimits::with_redis(
+            manager(&redis_url()).await,
+            prefix.clone(),
+            5,
+            1_000,
+            store.clone(),
+        );
+        let k = KeyHash("k1".into());
+
+        // RPM 5: five requests alternating between the instances pass, the sixth is refused on
+        // both (not 5 per instance)
+        for i in 0..5 {
+            let l = if i % 2 == 0 { &a } else { &b };
+            assert_eq!(l.check_rpm(&k).await, Ok(()), "request {i}");
+        }
+        for l in [&a, &b] {
+            let refused = l.check_rpm(&k).await.unwrap_err();
+            // one comes back every 12 s
+            let secs = refused.retry_after_secs.unwrap();
+            assert!((11..=12).contains(&secs), "{secs}");
+            assert!(refused.message.contains("Limit 5"), "{}", refused.message);
+        }
+        assert!(!a.is_degraded() && !b.is_degraded());
+
+        // TPM 1000: A reserves 600, B cannot get 500 (400 left) until A's unused 500 come back
+        let (r1, r2, r3) = (
+            RequestId::new("r1"),
+            RequestId::new("r2"),
+            RequestId::new("r3"),
+        );
+        assert_eq!(a.reserve_tpm_shared(&k, &r1, 600).await, Ok(()));
+        let refused = b.reserve_tpm_shared(&k, &r2, 500).await.unwrap_err();
+        // 100 short at 1000/min: 6 s
+        assert_eq!(refused.retry_after_secs, Some(6));
+        let too_big = b.reserve_tpm_shared(&k, &r2, 1_001).await.unwrap_err();
+        assert_eq!(too_big.retry_after_secs, None);
+        a.release_shared(&r1, 100);
+        a.release_shared(&r1, 0); // idempotent: nothing more comes back
+        let deadline = Instant::now() + Duration::from_secs(2);
+        loop {
+            match b.reserve_tpm_shared(&k, &r2, 500).await {
+                Ok(()) => break,
+                Err(e) if Instant::now() < deadline => {
+                    let _ = e;
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                Err(e) => panic!("refund never arrived: {e:?}"),
+            }
+        }
+        // 1000 − 100 used − 500 = 400 left (plus a little refill): 450 does not fit
+        assert!(b.reserve_tpm_shared(&k, &r3, 450).await.is_err());
+
+        // per-key limits set on one instance hold on the other (kept in the store)
+        let k2 = KeyHash("k2".into());
+        a.set_key_limits(
+            &k2,
+            KeyLimits {
+                rpm_limit: Some(1),
+                tpm_limit: Some(0),
+            },
+        )
+        .await
+        .unwrap();
+        assert_eq!(b.effective_now(&k2).await, (1, 0));
+        assert_eq!(b.check_rpm(&k2).await, Ok(()));
+        assert!(a.check_rpm(&k2).await.is_err());
+        // unlimited TPM for k2: nothing reserved, nothing stored
+        assert_eq!(a.reserve_tpm_shared(&k2, &r3, 1_000_000).await, Ok(()));
+
+        // idle keys expire: every bucket key carries a TTL
+        let mut conn = manager(&redis_url()).await;
+        for kind in ["rpm", "tpm"] {
+            let ttl_ms: i64 = redis::cmd("PTTL")
+                .arg(format!("{prefix}rl:{kind}:k1"))
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            assert!((1..=61_000).contains(&ttl_ms), "{kind}: {ttl_ms}");
+        }
+        assert_eq!(cleanup(&prefix).await, 3);
+    }
+
+    /// A TCP proxy in front of Redis that the test cuts (listener closed, relayed connections
+    /// dropped) and restores on the same port, or stalls (connections stay open, nothing is
+    /// relayed: a Redis that hangs).
+    struct CutProxy {
+        addr: SocketAddr,
+        upstream: SocketAddr,
+        accept: Mutex<Option<JoinHandle<()>>>,
+        relays: Arc<Mutex<Vec<JoinHandle<()>>>>,
+        stalled: tokio::sync::watch::Sender<bool>,
+    }
+
+    /// Copies `from` to `to`, holding each chunk while `stalled` is true.
+    async fn relay_half(
+        mut from: tokio::net::tcp::OwnedReadHalf,
+        mut to: tokio::net::tcp::OwnedWriteHalf,
+        mut stalled: tokio::sync::watch::Receiver<bool>,
+    ) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut buf = vec![0u8; 16 * 1024];
+        loop {
+            let n = match from.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => n,
+            };
+            if stalled.wait_for(|s| !*s).await.is_err() {
+                return;
+            }
+            if to.write_all(&buf[..n]).await.is_err() {
+                return;
+            }
+        }
+    }
+
+    impl CutProxy {
+        async fn start(upstream: SocketAddr) -> Self {
+            let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = listener.local_addr().unwrap();
+            let relays = Arc::new(Mutex::new(Vec::new()));
+            let (stalled, _) = tokio::sync::watch::channel(false);
+            let accept = Self::serve(listener, upstream, relays.clone(), stalled.subscribe());
+            Self {
+                addr,
+                upstream,
+                accept: Mutex::new(Some(accept)),
+                relays,
+                stalled,
+            }
+        }
+
+        fn serve(
+            listener: TcpListener,
+            upstream: SocketAddr,
+            relays: Arc<Mutex<Vec<JoinHandle<()>>>>,
+            stalled: tokio::sync::watch::Receiver<bool>,
+        ) -> JoinHandle<()> {
+            tokio::spawn(async move {
+                while let Ok((inbound, _)) = listener.accept().await {
+                    let stalled = stalled.clone();
+                    let relay = tokio::spawn(async move {
+                        if let Ok(outbound) = TcpStream::connect(upstream).await {
+                            let (ir, iw) = inbound.into_split();
+                            let (or, ow) = outbound.into_split();
+                            tokio::join!(
+                                relay_half(ir, ow, stalled.clone()),
+                                relay_half(or, iw, stalled)
+                            );
+                        }
+                    });
+                    relays.lock().unwrap().push(relay);
+                }
+            })
+        }
+
+        fn stall(&self, on: bool) {
+            self.stalled.send_replace(on);
+        }
+
+        async fn cut(&self) {
+            let accept = self.accept.lock().unwrap().take();
+            if let Some(a) = accept {
+                a.abort();
+                let _ = a.await;
+            }
+            let relays: Vec<_> = std::mem::take(&mut *self.relays.lock().unwrap());
+            for r in relays {
+                r.abort();
+                let _ = r.await;
+            }
+        }
+
+        fn restore(&self) {
+            let socket = TcpSocket::new_v4().unwrap();
+            socket.set_reuseaddr(true).unwrap();
+            socket.bind(self.addr).unwrap();
+            let listener = socket.listen(128).unwrap();
+            *self.accept.lock().unwrap() = Some(Self::serve(
+                listener,
+                self.upstream,
+                self.relays.clone(),
+                self.stalled.subscribe(),
+            ));
+        }
+    }
+
+    fn redis_addr() -> SocketAddr {
+        let url = redis_url();
+        let hostport = url
+            .trim_start_matches("redis://")
+            .split(['/', '?'])
+            .next()
+            .unwrap()
+            .rsplit('@')
+            .next()
+            .unwrap()
+            .replace("localhost", "127.0.0.1");
+        hostport.parse().unwrap()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn redis_cut_falls_back_to_local_limits_without_hanging_then_recovers() {
+        let prefix = unique_prefix("cut");
+        let proxy = CutProxy::start(redis_addr()).await;
+        let l = RateLimits::with_redis(
+            manager(&format!("redis://{}", proxy.addr)).await,
+            prefix.clone(),
+            3,
+            0,
+            store().await,
+        );
+        let k = KeyHash("k".into());
+        assert_eq!(l.check_rpm(&k).await, Ok(()));
+        assert!(!l.is_degraded());
+
+        proxy.cut().await;
+        // each decision while Redis is gone: local, bounded by the 100 ms Redis timeout
+        let mut slowest = Duration::ZERO;
+        let mut passed = 0;
+        for _ in 0..5 {
+            let started = Instant::now();
+            if l.check_rpm(&k).await.is_ok() {
+                passed += 1;
+            }
+            slowest = slowest.max(started.elapsed());
+        }
+        eprintln!(
+            "slowest decision with Redis cut: {} ms",
+            slowest.as_millis()
+        );
+        assert!(slowest < Duration::from_millis(500), "{slowest:?}");
+        assert!(l.is_degraded());
+        // degraded: this instance enforces the full limit by itself
+        assert_eq!(passed, 3);
+
+        proxy.restore();
+        let restored = Instant::now();
+        loop {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let _ = l.check_rpm(&KeyHash("probe".into())).await;
+            if !l.is_degraded() {
+                break;
+            }
+            assert!(
+                restored.elapsed() < Duration::from_secs(15),
+                "never went back to Redis"
+            );
+        }
+        eprintln!(
+            "back on Redis {} ms after it returned",
+            restored.elapsed().as_millis()
+        );
+        // the shared bucket still counts the request made before the cut: 2 more, then refused
+        assert_eq!(l.check_rpm(&k).await, Ok(()));
+        assert_eq!(l.check_rpm(&k).await, Ok(()));
+        assert!(l.check_rpm(&k).await.is_err());
+        assert_eq!(cleanup(&prefix).await, 2);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_hanging_redis_costs_at_most_the_timeout_per_decision() {
+        let prefix = unique_prefix("stall");
+        let proxy = CutProxy::start(redis_addr()).await;
+        let l = RateLimits::with_redis(
+            manager(&format!("redis://{}", proxy.addr)).await,
+            prefix.clone(),
+            2,
+            1_000,
+            store().await,
+        );
+        let k = KeyHash("k".into());
+        assert_eq!(l.check_rpm(&k).await, Ok(()));
+        proxy.stall(true);
+        let started = Instant::now();
+        // the first decision waits for the 100 ms timeout; the next ones go local at once
+        // (Redis is tried again after a second)
+        assert_eq!(l.check_rpm(&k).await, Ok(()));
+        let first = started.elapsed();
+        let again = Instant::now();
+        assert_eq!(l.check_rpm(&k).await, Ok(()));
+        assert_eq!(
+            l.reserve_tpm_shared(&k, &RequestId::new("r"), 10).await,
+            Ok(())
+        );
+        let next = again.elapsed();
+        eprintln!(
+            "Redis hanging: first decision {} ms, next two {} ms",
+            first.as_millis(),
+            next.as_millis()
+        );
+        assert!(l.is_degraded());
+        assert!(
+            first >= REDIS_TIMEOUT && first < Duration::from_millis(500),
+            "{first:?}"
+        );
+        assert!(next < Duration::from_millis(50), "{next:?}");
+        // local limiter: 2 per minute, both used
+        assert!(l.check_rpm(&k).await.is_err());
+        proxy.stall(false);
+        drop(l);
+        cleanup(&prefix).await;
     }
 }

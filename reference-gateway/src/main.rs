@@ -8,6 +8,7 @@
 mod admin;
 mod api;
 mod auth;
+mod cluster;
 mod config;
 mod enroll;
 mod error;
@@ -23,7 +24,7 @@ use clap::Parser;
 use spine_core::{ModelId, NodeDescriptor, NodeId};
 use spine_meter::classify::SseClassify;
 use spine_meter::meter::{Catalog, CatalogEntry, MeterLayer};
-use spine_meter::{ModelTokenizer, PgLedger, Price, SqliteLedger, Store};
+use spine_meter::{InstanceUpkeep, ModelTokenizer, PgLedger, Price, SqliteLedger, Store};
 use spine_router::{NodeRegistry, RegistryConfig, RouteConfig, RouteLayer};
 use spine_transport::{
     NodeAuthenticator, RefusalReason, TunnelEvents, TunnelServer, TunnelServerConfig, TunnelService,
@@ -34,6 +35,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tower::util::BoxCloneSyncService;
 use tower::ServiceBuilder;
+use tower::ServiceExt as _;
 
 use crate::config::{Config, Database};
 use crate::state::AppState;
@@ -86,16 +88,29 @@ impl NodeAuthenticator for StoreAuthenticator {
 /// Tunnel lifecycle feeds the router's registry.
 /// The second field is the catalog: a node is registered only with the catalog models its engine
 /// serves (the others could never be billed; `GET /v1/node/status` lists them as unlisted).
-struct RegistryEvents(NodeRegistry, Vec<ModelId>);
+/// In multi-instance mode the third field publishes local nodes in the shared directory (set
+/// once the cluster has joined; tunnels are accepted only after that).
+struct RegistryEvents(
+    NodeRegistry,
+    Vec<ModelId>,
+    Arc<std::sync::OnceLock<cluster::Cluster>>,
+);
 
 impl TunnelEvents for RegistryEvents {
     fn node_ready(&self, node: &NodeId, descriptor: &NodeDescriptor) {
         let mut listed = descriptor.clone();
         listed.models.retain(|m| self.1.contains(&m.id));
         self.0.node_ready(node, &listed);
+        if let Some(cluster) = self.2.get() {
+            // the whole descriptor: each instance filters by its own catalog
+            cluster.local_ready(node, descriptor);
+        }
     }
     fn node_gone(&self, node: &NodeId) {
         self.0.node_gone(node);
+        if let Some(cluster) = self.2.get() {
+            cluster.local_gone(node);
+        }
     }
     fn node_heartbeat(&self, node: &NodeId) {
         self.0.heartbeat(node);
@@ -105,6 +120,8 @@ impl TunnelEvents for RegistryEvents {
 async fn run(cli: Cli) -> Result<(), MainError> {
     let config = Config::load(cli.config.as_deref())?;
     std::fs::create_dir_all(&config.data_dir)?;
+    let cluster_config = config.cluster();
+    let shutdown = CancellationToken::new();
 
     let store: Arc<dyn Store> = match config.database()? {
         Database::Sqlite(path) => {
@@ -120,10 +137,27 @@ async fn run(cli: Cli) -> Result<(), MainError> {
             store
         }
         Database::Postgres(url) => {
-            // shared by any number of instances: an active hold may be another instance's
-            // request in flight, so none is settled here
-            let store = Arc::new(PgLedger::connect(&url).await?);
-            tracing::info!("ledger on PostgreSQL");
+            // shared by any number of instances: holds carry this instance's id; at start only
+            // this instance's own leftovers (a previous run under the same id) are settled, and
+            // the upkeep task heartbeats the `instances` row and settles the holds of instances
+            // whose heartbeat lapsed, never a live instance's request in flight
+            let store = Arc::new(
+                PgLedger::connect(&url)
+                    .await?
+                    .with_instance_id(config.instance_id.clone()),
+            );
+            store.heartbeat().await?;
+            let stale_holds = store.settle_stale_holds().await?;
+            if stale_holds > 0 {
+                tracing::warn!(
+                    stale_holds,
+                    "settled holds this instance left active in a previous run as upstream_failed"
+                );
+            }
+            let _upkeep = store
+                .clone()
+                .spawn_instance_upkeep(InstanceUpkeep::default(), shutdown.clone());
+            tracing::info!(instance_id = %config.instance_id, "ledger on PostgreSQL");
             store
         }
     };
@@ -159,23 +193,71 @@ async fn run(cli: Cli) -> Result<(), MainError> {
         max_vram_mib: config.max_vram_mib,
         ..RegistryConfig::default()
     });
+    let cluster_slot: Arc<std::sync::OnceLock<cluster::Cluster>> = Arc::default();
     let mut tunnel_config = TunnelServerConfig::default();
     tunnel_config.gateway_id = config.gateway_id.clone();
     let tunnel_handshake_timeout = tunnel_config.handshake_timeout;
     let tunnel_server = TunnelServer::new(
         tunnel_config,
         Arc::new(StoreAuthenticator(store.clone())),
-        Arc::new(RegistryEvents(registry.clone(), catalog_ids.clone())),
+        Arc::new(RegistryEvents(
+            registry.clone(),
+            catalog_ids.clone(),
+            cluster_slot.clone(),
+        )),
     );
     let tunnels = tunnel_server.tunnels();
 
     let metrics = metrics::install()?;
     spine_transport::metric::describe();
-    let limits = Arc::new(limits::RateLimits::load(
-        config.default_rpm_limit,
-        config.default_tpm_limit,
-        Some(config.data_dir.join("key_limits.json")),
-    )?);
+
+    // Multi-instance mode: the shared Redis connection, the internal listener, the directory.
+    let mut internal_listener = None;
+    let cluster = match &cluster_config {
+        Some(cc) => {
+            cluster::describe();
+            let redis =
+                cluster::connect_redis(&cc.redis_url).map_err(|e| format!("redis_url: {e}"))?;
+            let internal = TcpListener::bind(cc.internal_listen).await?;
+            let internal_addr = match &cc.internal_advertise {
+                Some(a) => a.clone(),
+                None => internal.local_addr()?.to_string(),
+            };
+            let cluster = cluster::Cluster::start(
+                cc,
+                redis,
+                internal_addr,
+                registry.clone(),
+                catalog_ids.clone(),
+                tunnels.clone(),
+                shutdown.clone(),
+            )
+            .await;
+            if cluster.redis_down() {
+                tracing::warn!("Redis unreachable at start; serving local nodes until it answers");
+            }
+            tracing::info!(instance_id = cluster.instance_id(), "multi-instance mode");
+            let _ = cluster_slot.set(cluster.clone());
+            internal_listener = Some(internal);
+            Some(cluster)
+        }
+        None => None,
+    };
+    // per-key limits: shared buckets in Redis in multi-instance mode
+    let limits = Arc::new(match &cluster {
+        Some(cluster) => limits::RateLimits::with_redis(
+            cluster.redis_connection(),
+            cluster.key(""),
+            config.default_rpm_limit,
+            config.default_tpm_limit,
+            store.clone(),
+        ),
+        None => limits::RateLimits::load(
+            config.default_rpm_limit,
+            config.default_tpm_limit,
+            Some(config.data_dir.join("key_limits.json")),
+        )?,
+    });
     let meter = MeterLayer::new(store.clone().into_ledger(), catalog)
         .operator_share_bps(config.operator_share_bps)
         .max_request_body_bytes(config.max_request_body_bytes)
@@ -184,10 +266,27 @@ async fn run(cli: Cli) -> Result<(), MainError> {
         }))
         .admission(limits.clone());
     let settlements = meter.settlements();
+    let mut route = RouteLayer::new(registry.clone());
+    if let Some(cluster) = &cluster {
+        route = route.affinity_store(Arc::new(cluster::RedisAffinity::new(
+            cluster.clone(),
+            config.affinity_ttl_secs,
+        )));
+    }
+    let dispatch: BoxCloneSyncService<
+        http::Request<spine_core::BoxBody>,
+        http::Response<spine_core::BoxBody>,
+        spine_core::BoxError,
+    > = match &cluster {
+        Some(cluster) => BoxCloneSyncService::new(cluster::ClusterService::new(cluster.clone())),
+        None => BoxCloneSyncService::new(
+            TunnelService::new(tunnels.clone()).map_err(spine_core::BoxError::from),
+        ),
+    };
     let stack = ServiceBuilder::new()
         .layer(meter)
         .layer(
-            RouteLayer::new(registry.clone())
+            route
                 .classify(Arc::new(SseClassify))
                 .config(RouteConfig {
                     max_retries: config.route_max_retries,
@@ -196,13 +295,15 @@ async fn run(cli: Cli) -> Result<(), MainError> {
                     ),
                     ..RouteConfig::default()
                 })
-                // the tunnel's per-node stream limit is the gateway's own: retried, not scored
+                // the tunnel's per-node stream limit is the gateway's own, and a remote node's
+                // owner being gone or unreachable is no fault of the node: retried, not scored
                 .not_node_fault(|e| {
                     e.downcast_ref::<spine_transport::TunnelError>()
                         .is_some_and(spine_transport::TunnelError::is_node_full)
+                        || cluster::ClusterError::not_node_fault(e)
                 }),
         )
-        .service(TunnelService::new(tunnels.clone()));
+        .service(dispatch);
     let stack = BoxCloneSyncService::new(stack);
 
     // Tunnel TLS: the configured files, or a self-signed pair kept in the data dir.
@@ -234,6 +335,11 @@ async fn run(cli: Cli) -> Result<(), MainError> {
         "admin_addr": admin.local_addr()?.to_string(),
         "tunnel_tls": tls.is_some(),
         "tunnel_ca_file": tls.as_ref().map(|t| t.ca_file.display().to_string()),
+        "instance_id": config.instance_id,
+        "internal_addr": match &internal_listener {
+            Some(l) => Some(l.local_addr()?.to_string()),
+            None => None,
+        },
     });
     tracing::info!(%ready, "gateway listening");
     println!("{ready}");
@@ -241,7 +347,6 @@ async fn run(cli: Cli) -> Result<(), MainError> {
     // Shutdown (SIGTERM / ctrl-c): stop accepting callers and admin calls at once, let streams in
     // flight finish for up to `shutdown_grace_secs` while tunnels stay up, then stop. Holds of
     // streams cut off by the deadline are settled `upstream_failed` at the next start.
-    let shutdown = CancellationToken::new();
     let public_app = api::router(state.clone());
     let admin_app = admin::router(state.clone());
     let mut public_task = tokio::spawn(
@@ -263,6 +368,11 @@ async fn run(cli: Cli) -> Result<(), MainError> {
         )
         // node enrollment and the node's own status (enroll.rs)
         .merge(enroll::tunnel_router(state.clone()));
+    let internal_task = internal_listener.zip(cluster.clone()).map(|(l, c)| {
+        tokio::spawn(
+            axum::serve(l.tap_io(|s| set_nodelay(s)), cluster::internal::router(c)).into_future(),
+        )
+    });
     let mut tunnel_task = tokio::spawn(spine_transport::serve_listener(
         tunnel,
         tls.map(|t| t.server_config),
@@ -289,6 +399,11 @@ async fn run(cli: Cli) -> Result<(), MainError> {
         "shutting down: no new requests; waiting for streams in flight"
     );
     shutdown.cancel();
+    if let Some(cluster) = &cluster {
+        // peers stop forwarding new requests here at once instead of at the TTLs; streams they
+        // forwarded already keep flowing through the internal listener
+        cluster.leave().await;
+    }
     let grace = std::time::Duration::from_secs(config.shutdown_grace_secs);
     if tokio::time::timeout(grace, &mut public_task).await.is_err() {
         tracing::warn!("streams still open after the grace period; closing them");
@@ -296,13 +411,20 @@ async fn run(cli: Cli) -> Result<(), MainError> {
     }
     admin_task.abort();
     tunnel_task.abort();
+    if let Some(t) = internal_task {
+        t.abort();
+    }
     // Every stream has ended (or was cut); commit their settlements before exiting.
     if tokio::time::timeout(grace, settlements.drain())
         .await
         .is_err()
     {
+        // named, so an operator can reconcile them: the holds stay in the ledger and are
+        // settled `upstream_failed` at this instance's next start (or by another instance's
+        // sweep once this one's heartbeat lapses)
         tracing::error!(
             pending = settlements.pending(),
+            request_ids = ?settlements.pending_request_ids(),
             "settlements still pending; their holds are settled at the next start"
         );
     }

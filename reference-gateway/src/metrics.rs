@@ -10,6 +10,8 @@
 //! | `spine_usage_discrepancies_total` | `node` | node claims beyond the tolerance (design brief §6) |
 //! | `spine_settlement_errors_total` | | failed settlement attempts (each is retried) |
 //! | `spine_rate_limited_total` | `limit` (`requests`, `tokens`) | 429s from the per-key limits |
+//! | `spine_rate_limit_degraded` | | gauge: 1 while Redis is unreachable and rate limits are per instance |
+//! | `spine_rate_limit_redis_fallback_total` | | rate-limit decisions taken locally (Redis failed or timed out) |
 //! | `spine_ttft_seconds` | `route` | time to first byte of a 2xx body (streamed: the first event) |
 
 use std::pin::Pin;

@@ -2,11 +2,13 @@
 //! it, for a TTL.
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::hash::{DefaultHasher, Hash, Hasher};
+use std::pin::Pin;
 use std::time::Duration;
 
 use hashlink::LinkedHashMap;
-use spine_core::{ModelId, NodeId, RequestPeek};
+use spine_core::{BoxError, ModelId, NodeId, RequestPeek};
 use tokio::time::Instant;
 
 /// Where a request's conversation key came from, in the order the router looks for one.
@@ -36,6 +38,13 @@ impl AffinityKey {
         peek.conversation_key.map(Self::Conversation)
     }
 
+    /// A 64-bit digest of this key within `model`: SipHash with fixed keys, the same in every
+    /// process of one build, so instances sharing an external [`AffinityStore`] agree on it. A
+    /// collision only costs a sticky miss.
+    pub fn digest(&self, model: &ModelId) -> u64 {
+        AffinityTable::slot(model, self)
+    }
+
     /// The label metrics use for this kind of key: `prompt_cache_key`, `session_id`,
     /// `conversation`.
     pub fn source(&self) -> &'static str {
@@ -54,6 +63,43 @@ impl AffinityKey {
 /// caller header reaches a node) puts the caller's header value here.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SessionId(pub String);
+
+/// A boxed future returned by [`AffinityStore`].
+pub type AffinityFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, BoxError>> + Send + 'a>>;
+
+/// Conversation affinity kept outside this process, shared by several gateway instances (design
+/// brief §8), e.g. in Redis.
+///
+/// Without one, [`Route`](crate::Route) uses the registry's own in-memory table (the default, and
+/// the single-instance behaviour). With one, `Route` asks [`AffinityStore::get`] before the
+/// first pick and calls [`AffinityStore::set`] (in a spawned task, off the response path) after
+/// an attempt commits; the in-memory table is written too and is what `Route` falls back to
+/// when the store fails. A failing store never fails a request: a miss is a slower turn.
+pub trait AffinityStore: Send + Sync + std::fmt::Debug {
+    /// The node that last served `key` of `model`, if the entry is alive.
+    ///
+    /// # Errors
+    ///
+    /// The store is unreachable or slow; `Route` then uses the in-memory table. Implementations
+    /// bound their own latency (the reference gateway uses 100 ms).
+    fn get<'a>(
+        &'a self,
+        model: &'a ModelId,
+        key: &'a AffinityKey,
+    ) -> AffinityFuture<'a, Option<NodeId>>;
+
+    /// Records that `node` served `key` of `model`, for the store's TTL from now.
+    ///
+    /// # Errors
+    ///
+    /// The store is unreachable or slow; the entry then lives only in the in-memory table.
+    fn set<'a>(
+        &'a self,
+        model: &'a ModelId,
+        key: &'a AffinityKey,
+        node: &'a NodeId,
+    ) -> AffinityFuture<'a, ()>;
+}
 
 /// What the affinity table said about one pick.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]

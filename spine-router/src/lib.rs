@@ -10,6 +10,9 @@
 //!   `max(min(vram_mib, max_vram_mib), 1)·(0.2 + 0.8·score)`), puts its [`NodeId`](spine_core::NodeId) into the
 //!   request's extensions for the transport below, retries on another node while nothing has
 //!   reached the caller, and counts the request in flight until its response body ends.
+//! - [`AffinityStore`]: conversation affinity kept outside the process (several gateway
+//!   instances share it, e.g. in Redis); [`RouteLayer::affinity_store`] adds one, the in-memory
+//!   table stays the default and the fallback.
 //!
 //! `Route` works over any tower service that takes an `http::Request<BoxBody>` carrying a
 //! `NodeId` extension; see `examples/route_alone.rs` for two plain HTTP upstreams.
@@ -41,7 +44,7 @@ mod registry;
 mod route;
 pub mod score;
 
-pub use affinity::{AffinityKey, SessionId, StickyOutcome};
+pub use affinity::{AffinityFuture, AffinityKey, AffinityStore, SessionId, StickyOutcome};
 pub use registry::{
     InFlightLease, NodeRegistry, NodeSnapshot, Pick, RegistryConfig, RouteError, ATTEMPTS_METRIC,
     STICKY_METRIC,

@@ -424,13 +424,65 @@ impl NodeRegistry {
             }
             None => None,
         };
+        self.pick_inner(model, preferred.as_ref().map(Option::as_ref), exclude, now)
+    }
+
+    /// [`NodeRegistry::pick_for`] with the affinity lookup done elsewhere (an
+    /// [`AffinityStore`](crate::AffinityStore) shared by several instances): `preferred` is
+    /// `None` when the request has no affinity key (or affinity is disabled), `Some(None)` when
+    /// the key has no live entry, `Some(Some(node))` when it names `node`. The in-memory table is
+    /// not read.
+    ///
+    /// # Errors
+    ///
+    /// As [`NodeRegistry::pick_for`].
+    pub fn pick_preferring(
+        &self,
+        model: &ModelId,
+        preferred: Option<Option<&NodeId>>,
+        exclude: &[NodeId],
+    ) -> Result<Pick, RouteError> {
+        let preferred = if self.inner.config.affinity_ttl.is_zero() {
+            None
+        } else {
+            preferred
+        };
+        self.pick_inner(model, preferred, exclude, Instant::now())
+    }
+
+    /// Whether `node` is routable now.
+    pub fn contains(&self, node: &NodeId) -> bool {
+        self.inner
+            .nodes
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains_key(node)
+    }
+
+    /// The descriptor `node` is routable with, if it is.
+    pub fn descriptor(&self, node: &NodeId) -> Option<NodeDescriptor> {
+        self.inner
+            .nodes
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(node)
+            .map(|e| e.descriptor.clone())
+    }
+
+    fn pick_inner(
+        &self,
+        model: &ModelId,
+        preferred: Option<Option<&NodeId>>,
+        exclude: &[NodeId],
+        now: Instant,
+    ) -> Result<Pick, RouteError> {
         let nodes = self.inner.nodes.read().unwrap_or_else(|e| e.into_inner());
         let sticky = match &preferred {
             None => StickyOutcome::NoKey,
             Some(None) => StickyOutcome::New,
             Some(Some(_)) => StickyOutcome::Miss,
         };
-        if let Some(Some(node)) = &preferred {
+        if let Some(Some(node)) = preferred {
             if let Some(entry) = nodes.get(node) {
                 if entry.descriptor.serves(model) && !exclude.contains(node) && reserve(entry) {
                     lock(&entry.stats).sticky_hits += 1;

@@ -15,7 +15,7 @@ use spine_core::{
 use tokio::time::Instant;
 use tower::{Layer, Service, ServiceExt};
 
-use crate::affinity::{AffinityKey, SessionId};
+use crate::affinity::{AffinityKey, AffinityStore, SessionId};
 use crate::{InFlightLease, NodeRegistry, RouteError};
 
 /// Settings of [`Route`]. [`Default`] gives the documented values.
@@ -51,6 +51,7 @@ pub struct RouteLayer {
     classify: Arc<dyn ClassifyBody>,
     config: RouteConfig,
     not_node_fault: NotNodeFault,
+    affinity: Option<Arc<dyn AffinityStore>>,
 }
 
 /// Tells whether an inner service error is the gateway's own refusal (e.g. the tunnel's per-node
@@ -72,7 +73,16 @@ impl RouteLayer {
             classify: Arc::new(FirstBytes::default()),
             config: RouteConfig::default(),
             not_node_fault: never_not_node_fault,
+            affinity: None,
         }
+    }
+
+    /// Keeps conversation affinity in `store` (shared by several gateway instances) as well as
+    /// in the registry's in-memory table, which is the fallback when the store fails. See
+    /// [`AffinityStore`]. Default: the in-memory table only.
+    pub fn affinity_store(mut self, store: Arc<dyn AffinityStore>) -> Self {
+        self.affinity = Some(store);
+        self
     }
 
     /// Decides when a 2xx body has started (its first content) or failed before it; the metering
@@ -107,6 +117,7 @@ impl<S> Layer<S> for RouteLayer {
             classify: self.classify.clone(),
             config: self.config,
             not_node_fault: self.not_node_fault,
+            affinity: self.affinity.clone(),
         }
     }
 }
@@ -157,6 +168,7 @@ pub struct Route<S> {
     classify: Arc<dyn ClassifyBody>,
     config: RouteConfig,
     not_node_fault: NotNodeFault,
+    affinity: Option<Arc<dyn AffinityStore>>,
 }
 
 impl<S> Route<S> {
@@ -225,10 +237,13 @@ where
         ResponseFuture {
             inner: Box::pin(route(
                 inner,
-                self.registry.clone(),
-                self.classify.clone(),
-                self.config,
-                self.not_node_fault,
+                RouteCtx {
+                    registry: self.registry.clone(),
+                    classify: self.classify.clone(),
+                    config: self.config,
+                    not_node_fault: self.not_node_fault,
+                    affinity: self.affinity.clone(),
+                },
                 req,
             )),
         }
@@ -243,12 +258,18 @@ enum Attempt {
     Failed(Result<http::Response<BoxBody>, BoxError>),
 }
 
-async fn route<S>(
-    mut inner: S,
+/// What [`route`] needs besides the inner service and the request.
+struct RouteCtx {
     registry: NodeRegistry,
     classify: Arc<dyn ClassifyBody>,
     config: RouteConfig,
     not_node_fault: NotNodeFault,
+    affinity: Option<Arc<dyn AffinityStore>>,
+}
+
+async fn route<S>(
+    mut inner: S,
+    ctx: RouteCtx,
     req: http::Request<BoxBody>,
 ) -> Result<http::Response<BoxBody>, BoxError>
 where
@@ -273,14 +294,41 @@ where
                 .and_then(|v| v.to_str().ok())
                 .map(str::to_owned)
         });
+    let RouteCtx {
+        registry,
+        classify,
+        config,
+        not_node_fault,
+        affinity,
+    } = ctx;
     let key = AffinityKey::for_request(&peek, session.as_deref());
     let (parts, body) = req.into_parts();
     let body_bytes = body.collect().await?.to_bytes();
+    // The shared store's answer, asked once; `None` = use the in-memory table (no store, no key,
+    // affinity disabled, or the store failed).
+    let shared: Option<Option<NodeId>> = match (&affinity, &key) {
+        (Some(store), Some(key)) if !registry.config().affinity_ttl.is_zero() => {
+            match store.get(&peek.model, key).await {
+                Ok(node) => Some(node),
+                Err(e) => {
+                    tracing::debug!(error = %e, "affinity store failed; using the local table");
+                    None
+                }
+            }
+        }
+        _ => None,
+    };
 
     let mut tried: Vec<NodeId> = Vec::new();
     let mut last: Option<Result<http::Response<BoxBody>, BoxError>> = None;
     for attempt in 0..=config.max_retries {
-        let pick = match registry.pick_for(&peek.model, key.as_ref(), &tried) {
+        let picked = match &shared {
+            Some(preferred) => {
+                registry.pick_preferring(&peek.model, Some(preferred.as_ref()), &tried)
+            }
+            None => registry.pick_for(&peek.model, key.as_ref(), &tried),
+        };
+        let pick = match picked {
             Ok(pick) => pick,
             Err(e) => match last {
                 Some(last) => return last,
@@ -327,6 +375,15 @@ where
             Attempt::Committed(resp) => {
                 if let Some(key) = &key {
                     registry.remember(&peek.model, key, &node);
+                    if let Some(store) = &affinity {
+                        // off the response path; a lost write is a later sticky miss
+                        let (store, model, key) = (store.clone(), peek.model.clone(), key.clone());
+                        tokio::spawn(async move {
+                            if let Err(e) = store.set(&model, &key, &node).await {
+                                tracing::debug!(error = %e, "affinity store write failed");
+                            }
+                        });
+                    }
                 }
                 return Ok(resp);
             }
@@ -678,5 +735,200 @@ impl Body for RoutedBody {
             hint.set_upper(upper.saturating_add(buffered));
         }
         hint
+    }
+}
+
+#[cfg(test)]
+mod affinity_store_tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+    use std::collections::HashMap;
+    use std::sync::Mutex;
+
+    use http_body_util::{BodyExt, Full};
+    use spine_core::{EngineKind, ModelDescriptor, ModelId, NodeDescriptor};
+    use tower::{Layer, ServiceExt};
+
+    use super::*;
+    use crate::{AffinityFuture, StickyOutcome};
+
+    /// A shared store: a map, or a store that always fails.
+    #[derive(Debug, Default)]
+    struct MapStore {
+        failing: bool,
+        map: Mutex<HashMap<u64, NodeId>>,
+        gets: Mutex<u32>,
+    }
+
+    impl AffinityStore for MapStore {
+        fn get<'a>(
+            &'a self,
+            model: &'a ModelId,
+            key: &'a AffinityKey,
+        ) -> AffinityFuture<'a, Option<NodeId>> {
+            Box::pin(async move {
+                *self.gets.lock().unwrap() += 1;
+                if self.failing {
+                    return Err("store down".into());
+                }
+                Ok(self.map.lock().unwrap().get(&key.digest(model)).cloned())
+            })
+        }
+        fn set<'a>(
+            &'a self,
+            model: &'a ModelId,
+            key: &'a AffinityKey,
+            node: &'a NodeId,
+        ) -> AffinityFuture<'a, ()> {
+            Box::pin(async move {
+                if self.failing {
+                    return Err("store down".into());
+                }
+                self.map
+                    .lock()
+                    .unwrap()
+                    .insert(key.digest(model), node.clone());
+                Ok(())
+            })
+        }
+    }
+
+    fn registry() -> NodeRegistry {
+        let r = NodeRegistry::new();
+        for n in ["a", "b", "c", "d"] {
+            r.node_ready(
+                &NodeId::new(n),
+                &NodeDescriptor {
+                    engine: EngineKind::LlamaCpp,
+                    models: vec![ModelDescriptor {
+                        id: ModelId::new("m"),
+                        max_context_tokens: None,
+                    }],
+                    vram_mib: 1,
+                    max_concurrency: 64,
+                    agent_version: "t".into(),
+                },
+            );
+        }
+        r
+    }
+
+    fn request() -> http::Request<BoxBody> {
+        let mut req = http::Request::post("/v1/completions")
+            .body(BoxBody::new(
+                Full::new(Bytes::from_static(b"{}")).map_err(|n| match n {}),
+            ))
+            .unwrap();
+        req.extensions_mut().insert(RequestPeek {
+            model: ModelId::new("m"),
+            stream: false,
+            include_usage: false,
+            n: 1,
+            max_tokens: None,
+            prompt_cache_key: Some("chat-1".into()),
+            conversation_key: None,
+        });
+        req
+    }
+
+    /// Answers 200 and says which node it was.
+    fn upstream() -> impl tower::Service<
+        http::Request<BoxBody>,
+        Response = http::Response<BoxBody>,
+        Error = BoxError,
+        Future = impl Send,
+    > + Clone
+           + Send
+           + 'static {
+        tower::service_fn(|req: http::Request<BoxBody>| async move {
+            let node = req.extensions().get::<NodeId>().cloned().unwrap();
+            Ok::<_, BoxError>(http::Response::new(BoxBody::new(
+                Full::new(Bytes::from(node.as_str().to_owned())).map_err(|n| match n {}),
+            )))
+        })
+    }
+
+    async fn served(
+        svc: &Route<
+            impl tower::Service<
+                    http::Request<BoxBody>,
+                    Response = http::Response<BoxBody>,
+                    Error = BoxError,
+                    Future = impl Send + 'static,
+                > + Clone
+                + Send
+                + 'static,
+        >,
+    ) -> String {
+        let resp = svc.clone().oneshot(request()).await.unwrap();
+        let body = resp.into_body().collect().await.unwrap().to_bytes();
+        String::from_utf8(body.to_vec()).unwrap()
+    }
+
+    #[tokio::test]
+    async fn the_shared_store_names_the_sticky_node() {
+        let r = registry();
+        let store = Arc::new(MapStore::default());
+        let key = AffinityKey::PromptCacheKey("chat-1".into());
+        // another instance served the conversation on "c"
+        store
+            .map
+            .lock()
+            .unwrap()
+            .insert(key.digest(&ModelId::new("m")), NodeId::new("c"));
+        let svc = RouteLayer::new(r.clone())
+            .affinity_store(store.clone())
+            .layer(upstream());
+        for _ in 0..10 {
+            assert_eq!(served(&svc).await, "c");
+        }
+        assert_eq!(*store.gets.lock().unwrap(), 10);
+        let hits: u64 = r.snapshot().iter().map(|s| s.sticky_hits).sum();
+        assert_eq!(hits, 10);
+        // the store's answer wins over the local table
+        assert_eq!(
+            r.pick_preferring(&ModelId::new("m"), Some(Some(&NodeId::new("b"))), &[])
+                .map(|p| (p.lease.node().clone(), p.sticky))
+                .unwrap(),
+            (NodeId::new("b"), StickyOutcome::Hit)
+        );
+    }
+
+    #[tokio::test]
+    async fn a_failing_store_falls_back_to_the_local_table() {
+        let r = registry();
+        let store = Arc::new(MapStore {
+            failing: true,
+            ..MapStore::default()
+        });
+        let svc = RouteLayer::new(r.clone())
+            .affinity_store(store.clone())
+            .layer(upstream());
+        let first = served(&svc).await;
+        for _ in 0..10 {
+            assert_eq!(served(&svc).await, first);
+        }
+        assert_eq!(*store.gets.lock().unwrap(), 11);
+    }
+
+    #[tokio::test]
+    async fn a_served_conversation_is_written_to_the_store() {
+        let r = registry();
+        let store = Arc::new(MapStore::default());
+        let svc = RouteLayer::new(r)
+            .affinity_store(store.clone())
+            .layer(upstream());
+        let node = served(&svc).await;
+        let key = AffinityKey::PromptCacheKey("chat-1".into()).digest(&ModelId::new("m"));
+        // written off the response path
+        for _ in 0..100 {
+            if store.map.lock().unwrap().contains_key(&key) {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(
+            store.map.lock().unwrap().get(&key),
+            Some(&NodeId::new(node.as_str()))
+        );
     }
 }

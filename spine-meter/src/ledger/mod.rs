@@ -34,6 +34,19 @@
 //!   retried. Schema migrations run in one transaction under `pg_advisory_xact_lock`, so any number
 //!   of instances starting at once on an empty database all come up.
 //!
+//!   Several instances: each names itself ([`PgLedger::with_instance_id`]); its holds record the
+//!   id and it heartbeats a row of the `instances` table (PostgreSQL's clock, every 2 s with
+//!   [`PgLedger::spawn_instance_upkeep`]). At start it settles only its own leftover holds
+//!   ([`Store::settle_stale_holds`]); periodically, the holds of instances whose heartbeat is
+//!   older than a bound (60 s by default) ([`PgLedger::settle_orphaned_holds`]), never a live
+//!   instance's in-flight request. The pool waits at most 2 s for a connection
+//!   ([`PgPoolConfig`]), so with PostgreSQL unreachable a hold fails quickly with an error that
+//!   [`LedgerError::is_unavailable`] recognises (the gateway answers 503 `ledger_unavailable`),
+//!   and the metering layer retries a failed settlement until it commits.
+//!
+//! Per-key rate limits ([`KeyLimits`]) are kept in both stores (`key_limits` table), so every
+//! instance of a multi-instance gateway enforces the same limits.
+//!
 //! Both keep `held ≤ balance` and `balance ≥ 0` as table constraints as well.
 
 mod convert;
@@ -51,7 +64,7 @@ use spine_core::{
 
 use crate::price::Price;
 
-pub use pg::PgLedger;
+pub use pg::{InstanceUpkeep, PgLedger, PgPoolConfig};
 pub use sqlite::SqliteLedger;
 
 /// A boxed future returned by [`Ledger`] methods.
@@ -109,6 +122,44 @@ pub enum LedgerError {
     /// The database failed.
     #[error("ledger database error")]
     Database(#[source] sqlx::Error),
+}
+
+impl LedgerError {
+    /// Whether the database could not be reached or gave no connection in time (pool acquire
+    /// timeout, connection refused or lost, TLS failure, server shutting down or refusing
+    /// connections): nothing was done, and the same call may succeed later. The gateway answers
+    /// these with 503 `ledger_unavailable`; a settlement that fails so is retried until it
+    /// commits.
+    #[must_use]
+    pub fn is_unavailable(&self) -> bool {
+        let LedgerError::Database(e) = self else {
+            return false;
+        };
+        match e {
+            sqlx::Error::PoolTimedOut
+            | sqlx::Error::PoolClosed
+            | sqlx::Error::Io(_)
+            | sqlx::Error::Tls(_)
+            | sqlx::Error::WorkerCrashed => true,
+            // SQLSTATE class 08 (connection exception), 57P01–57P03 (shutdown, cannot connect
+            // now), 53300 (too many connections)
+            sqlx::Error::Database(d) => d.code().is_some_and(|c| {
+                c.starts_with("08") || matches!(c.as_ref(), "57P01" | "57P02" | "57P03" | "53300")
+            }),
+            _ => false,
+        }
+    }
+}
+
+/// One API key's own rate limits, kept by the store beside the key so that every gateway
+/// instance enforces the same limits (design brief §8). `None`: the gateway default; `Some(0)`:
+/// unlimited.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeyLimits {
+    /// Requests per minute.
+    pub rpm_limit: Option<u32>,
+    /// Tokens per minute.
+    pub tpm_limit: Option<u64>,
 }
 
 /// An account's money, micros.
@@ -487,11 +538,27 @@ pub trait Store: Ledger {
     /// [`LedgerError::UnknownOperator`].
     fn operator_nodes<'a>(&'a self, operator: &'a OperatorId) -> LedgerFuture<'a, Vec<NodeRecord>>;
 
+    /// Records an API key's own rate limits (replacing any it had), by the key's hash.
+    ///
+    /// # Errors
+    ///
+    /// [`LedgerError::Database`].
+    fn set_key_limits<'a>(&'a self, key_hash: &'a str, limits: KeyLimits) -> LedgerFuture<'a, ()>;
+
+    /// An API key's own rate limits, if it has any recorded.
+    ///
+    /// # Errors
+    ///
+    /// [`LedgerError::Database`], [`LedgerError::Corrupt`].
+    fn key_limits<'a>(&'a self, key_hash: &'a str) -> LedgerFuture<'a, Option<KeyLimits>>;
+
     /// Settles every hold still active as `upstream_failed` and returns how many it settled: the
     /// caller pays nothing, the hold is released, nobody is credited, a request record is written.
     ///
     /// Call it only when no request is in flight on this store: at start-up of a single instance
     /// (on a store shared by several instances, another instance's holds would be settled too).
+    /// A [`PgLedger`] given an instance id ([`PgLedger::with_instance_id`]) settles only the
+    /// holds that instance placed: its own leftovers from a previous run under the same id.
     ///
     /// # Errors
     ///

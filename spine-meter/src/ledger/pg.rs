@@ -2,6 +2,7 @@
 
 use std::str::FromStr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgRow};
 use sqlx::{Postgres, Row, Transaction};
@@ -12,8 +13,8 @@ use spine_core::{
 
 use super::convert::{db, now_ms, to_i64, to_u64};
 use super::{
-    AccountBalance, Enrollment, EntryTotals, Ledger, LedgerError, LedgerFuture, NodeRecord,
-    RequestRecord, SettleAmounts, SettleResult, Settlement, Store,
+    AccountBalance, Enrollment, EntryTotals, KeyLimits, Ledger, LedgerError, LedgerFuture,
+    NodeRecord, RequestRecord, SettleAmounts, SettleResult, Settlement, Store,
 };
 use crate::price::Price;
 
@@ -114,7 +115,32 @@ CREATE TABLE enrollments (
 CREATE INDEX requests_node ON requests(node_id);
 "#,
     ),
+    (
+        3,
+        // several instances (design brief §8): the instance that placed each hold and the
+        // instances' heartbeats, so a stale-hold sweep never touches a live instance's request;
+        // per-key rate limits shared by every instance (SQLite's version 4)
+        r#"
+ALTER TABLE holds ADD COLUMN instance_id TEXT;
+CREATE INDEX holds_instance ON holds(instance_id) WHERE state = 'held';
+CREATE TABLE instances (
+    instance_id TEXT PRIMARY KEY,
+    started_at_ms BIGINT NOT NULL,
+    heartbeat_at_ms BIGINT NOT NULL
+);
+CREATE TABLE key_limits (
+    key_hash TEXT PRIMARY KEY,
+    rpm_limit BIGINT CHECK (rpm_limit >= 0),
+    tpm_limit BIGINT CHECK (tpm_limit >= 0),
+    updated_at_ms BIGINT NOT NULL
+);
+"#,
+    ),
 ];
+
+/// PostgreSQL's own clock in Unix milliseconds: instance heartbeats are written and compared with
+/// it, so clock skew between gateway machines cannot make a live instance look dead.
+const DB_NOW_MS: &str = "(EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::BIGINT";
 
 /// The advisory lock key migrations run under (`pg_advisory_xact_lock`): "spine" + schema.
 const MIGRATION_LOCK: i64 = 0x7370_696e_6500_0001;
@@ -135,6 +161,70 @@ const ATTEMPTS: u32 = 5;
 #[derive(Clone, Debug)]
 pub struct PgLedger {
     pool: PgPool,
+    /// The gateway instance this ledger places holds for ([`PgLedger::with_instance_id`]).
+    instance_id: Option<Arc<str>>,
+}
+
+/// How [`PgLedger::connect_with_config`] sizes its pool.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PgPoolConfig {
+    /// Most connections open at once. Default 10.
+    pub max_connections: u32,
+    /// Longest wait for a connection (a free one, or a new one to a database that may be down);
+    /// past it the call fails with a [`LedgerError::is_unavailable`] error, so a request is
+    /// refused (503) instead of hanging. Default 2 s.
+    pub acquire_timeout: Duration,
+}
+
+impl Default for PgPoolConfig {
+    fn default() -> Self {
+        Self {
+            max_connections: 10,
+            acquire_timeout: Duration::from_secs(2),
+        }
+    }
+}
+
+/// How often [`PgLedger::spawn_instance_upkeep`] heartbeats and sweeps, and when an instance
+/// counts as gone.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct InstanceUpkeep {
+    /// Between heartbeats. Default 2 s.
+    pub heartbeat_interval: Duration,
+    /// Between sweeps of orphaned holds. Default 10 s.
+    pub sweep_interval: Duration,
+    /// An instance whose last heartbeat is older than this is gone and its holds are settled
+    /// `upstream_failed`. Default 60 s; keep it far above `heartbeat_interval` and above the
+    /// longest PostgreSQL outage an instance should survive with its holds intact.
+    pub stale_after: Duration,
+}
+
+impl Default for InstanceUpkeep {
+    fn default() -> Self {
+        Self {
+            heartbeat_interval: Duration::from_secs(2),
+            sweep_interval: Duration::from_secs(10),
+            stale_after: Duration::from_secs(60),
+        }
+    }
+}
+
+impl PgPoolConfig {
+    /// Sets [`PgPoolConfig::acquire_timeout`].
+    #[must_use]
+    pub fn acquire_timeout(mut self, timeout: Duration) -> Self {
+        self.acquire_timeout = timeout;
+        self
+    }
+
+    /// Sets [`PgPoolConfig::max_connections`].
+    #[must_use]
+    pub fn max_connections(mut self, n: u32) -> Self {
+        self.max_connections = n;
+        self
+    }
 }
 
 fn is_unique_violation(e: &sqlx::Error) -> bool {
@@ -305,7 +395,8 @@ macro_rules! retrying {
 
 impl PgLedger {
     /// Connects to the database at `url` (`postgres://user:password@host:port/database`; a pool
-    /// of up to 10 connections) and applies migrations.
+    /// of up to 10 connections, waiting at most 2 s for one: [`PgPoolConfig::default`]) and
+    /// applies migrations.
     ///
     /// Any number of processes may connect to the same (even empty) database at once: migrations
     /// run under a PostgreSQL advisory lock, the first applies them, the others wait and find
@@ -326,8 +417,22 @@ impl PgLedger {
     ///
     /// As [`PgLedger::connect`].
     pub async fn connect_with(options: PgConnectOptions) -> Result<Self, LedgerError> {
+        Self::connect_with_config(options, PgPoolConfig::default()).await
+    }
+
+    /// [`PgLedger::connect`] with parsed options and a pool configuration (e.g. a shorter or
+    /// longer acquire timeout).
+    ///
+    /// # Errors
+    ///
+    /// As [`PgLedger::connect`].
+    pub async fn connect_with_config(
+        options: PgConnectOptions,
+        config: PgPoolConfig,
+    ) -> Result<Self, LedgerError> {
         let pool = PgPoolOptions::new()
-            .max_connections(10)
+            .max_connections(config.max_connections)
+            .acquire_timeout(config.acquire_timeout)
             .connect_with(options)
             .await
             .map_err(db)?;
@@ -341,9 +446,128 @@ impl PgLedger {
     ///
     /// [`LedgerError::Database`].
     pub async fn with_pool(pool: PgPool) -> Result<Self, LedgerError> {
-        let this = Self { pool };
+        let this = Self {
+            pool,
+            instance_id: None,
+        };
         this.migrate().await?;
         Ok(this)
+    }
+
+    /// This ledger as gateway instance `instance_id` (several instances, one database): every
+    /// hold it places records the id; [`Store::settle_stale_holds`] then settles only this
+    /// instance's holds (its leftovers from a previous run under the same id), and
+    /// [`PgLedger::settle_orphaned_holds`] those of instances that stopped heartbeating.
+    ///
+    /// Call [`PgLedger::heartbeat`] once before serving and then periodically
+    /// ([`PgLedger::spawn_instance_upkeep`] does both): a hold whose instance has no recent
+    /// heartbeat is fair game for another instance's sweep.
+    #[must_use]
+    pub fn with_instance_id(mut self, instance_id: impl Into<String>) -> Self {
+        self.instance_id = Some(Arc::from(instance_id.into()));
+        self
+    }
+
+    /// The instance id holds are recorded under, if one was set.
+    pub fn instance_id(&self) -> Option<&str> {
+        self.instance_id.as_deref()
+    }
+
+    /// Records that this instance is alive now (PostgreSQL's clock) in the `instances` table.
+    /// Does nothing without an instance id.
+    ///
+    /// # Errors
+    ///
+    /// [`LedgerError::Database`].
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe (one statement).
+    pub async fn heartbeat(&self) -> Result<(), LedgerError> {
+        let Some(id) = &self.instance_id else {
+            return Ok(());
+        };
+        let sql = format!(
+            "INSERT INTO instances (instance_id, started_at_ms, heartbeat_at_ms) VALUES ($1, {DB_NOW_MS}, {DB_NOW_MS})
+             ON CONFLICT (instance_id) DO UPDATE SET heartbeat_at_ms = EXCLUDED.heartbeat_at_ms"
+        );
+        sqlx::query(&sql)
+            .bind(id.as_ref())
+            .execute(&self.pool)
+            .await
+            .map_err(db)?;
+        Ok(())
+    }
+
+    /// Settles, as `upstream_failed`, every active hold placed by another instance whose last
+    /// heartbeat is older than `stale_after` (or that never heartbeat, or by no recorded
+    /// instance at all: holds from before instance ids), and returns how many it settled. A live
+    /// instance's holds (heartbeat within `stale_after`, PostgreSQL's clock) and this
+    /// instance's own are never touched. Each hold is settled exactly once however many
+    /// instances sweep at the same time (settlement is idempotent by request id), and a late
+    /// settlement by the hold's own instance then finds it settled and changes nothing.
+    ///
+    /// `stale_after` must be well above the heartbeat interval (e.g. 60 s against 2 s).
+    ///
+    /// # Errors
+    ///
+    /// [`LedgerError::Database`], [`LedgerError::Corrupt`]; holds settled before the error stay
+    /// settled.
+    pub async fn settle_orphaned_holds(&self, stale_after: Duration) -> Result<u64, LedgerError> {
+        let stale_ms = i64::try_from(stale_after.as_millis()).unwrap_or(i64::MAX);
+        let sql = format!(
+            "SELECT request_id, account_id, model FROM holds h
+             WHERE state = 'held'
+               AND h.instance_id IS DISTINCT FROM $1
+               AND NOT EXISTS (
+                   SELECT 1 FROM instances i
+                   WHERE i.instance_id = h.instance_id AND i.heartbeat_at_ms >= {DB_NOW_MS} - $2)
+             ORDER BY created_at_ms, request_id"
+        );
+        let rows = sqlx::query(&sql)
+            .bind(self.instance_id.as_deref())
+            .bind(stale_ms)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(db)?;
+        self.settle_hold_rows(rows).await
+    }
+
+    /// Keeps this instance's heartbeat and sweeps orphaned holds until `shutdown` is cancelled:
+    /// a heartbeat now and every `config.heartbeat_interval`, and
+    /// [`PgLedger::settle_orphaned_holds`]`(config.stale_after)` every `config.sweep_interval`.
+    /// Failures are logged and retried at the next tick (PostgreSQL may be down for a while).
+    pub fn spawn_instance_upkeep(
+        self: Arc<Self>,
+        config: InstanceUpkeep,
+        shutdown: tokio_util::sync::CancellationToken,
+    ) -> tokio::task::JoinHandle<()> {
+        tokio::spawn(async move {
+            let mut heartbeat = tokio::time::interval(config.heartbeat_interval);
+            heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut sweep = tokio::time::interval(config.sweep_interval);
+            sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    () = shutdown.cancelled() => return,
+                    _ = heartbeat.tick() => {
+                        if let Err(e) = self.heartbeat().await {
+                            tracing::warn!(error = %e, "instance heartbeat to PostgreSQL failed");
+                        }
+                    }
+                    _ = sweep.tick() => {
+                        match self.settle_orphaned_holds(config.stale_after).await {
+                            Ok(0) => {}
+                            Ok(n) => tracing::warn!(
+                                settled = n,
+                                "settled holds of instances that stopped heartbeating as upstream_failed"
+                            ),
+                            Err(e) => tracing::warn!(error = %e, "orphaned hold sweep failed"),
+                        }
+                    }
+                }
+            }
+        })
     }
 
     /// The underlying pool.
@@ -692,12 +916,27 @@ impl PgLedger {
     }
 
     async fn settle_stale_holds_impl(&self) -> Result<u64, LedgerError> {
-        let rows = sqlx::query(
-            "SELECT request_id, account_id, model FROM holds WHERE state = 'held' ORDER BY created_at_ms, request_id",
-        )
-        .fetch_all(&self.pool)
-        .await
-        .map_err(db)?;
+        let rows = match &self.instance_id {
+            Some(id) => sqlx::query(
+                "SELECT request_id, account_id, model FROM holds WHERE state = 'held' AND instance_id = $1 ORDER BY created_at_ms, request_id",
+            )
+            .bind(id.as_ref())
+            .fetch_all(&self.pool)
+            .await
+            .map_err(db)?,
+            None => sqlx::query(
+                "SELECT request_id, account_id, model FROM holds WHERE state = 'held' ORDER BY created_at_ms, request_id",
+            )
+            .fetch_all(&self.pool)
+            .await
+            .map_err(db)?,
+        };
+        self.settle_hold_rows(rows).await
+    }
+
+    /// Settles each `(request_id, account_id, model)` hold row as `upstream_failed`; returns how
+    /// many this call settled (not those settled meanwhile by someone else).
+    async fn settle_hold_rows(&self, rows: Vec<PgRow>) -> Result<u64, LedgerError> {
         let mut settled = 0;
         for row in rows {
             let request_id: String = row.try_get("request_id").map_err(db)?;
@@ -723,6 +962,45 @@ impl PgLedger {
             }
         }
         Ok(settled)
+    }
+
+    async fn set_key_limits_impl(
+        &self,
+        key_hash: &str,
+        limits: KeyLimits,
+    ) -> Result<(), LedgerError> {
+        sqlx::query(
+            "INSERT INTO key_limits (key_hash, rpm_limit, tpm_limit, updated_at_ms) VALUES ($1, $2, $3, $4)
+             ON CONFLICT (key_hash) DO UPDATE SET rpm_limit = EXCLUDED.rpm_limit, tpm_limit = EXCLUDED.tpm_limit, updated_at_ms = EXCLUDED.updated_at_ms",
+        )
+        .bind(key_hash)
+        .bind(limits.rpm_limit.map(i64::from))
+        .bind(limits.tpm_limit.map(to_i64).transpose()?)
+        .bind(now_ms())
+        .execute(&self.pool)
+        .await
+        .map_err(db)?;
+        Ok(())
+    }
+
+    async fn key_limits_impl(&self, key_hash: &str) -> Result<Option<KeyLimits>, LedgerError> {
+        let Some(row) =
+            sqlx::query("SELECT rpm_limit, tpm_limit FROM key_limits WHERE key_hash = $1")
+                .bind(key_hash)
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(db)?
+        else {
+            return Ok(None);
+        };
+        let rpm: Option<i64> = row.try_get("rpm_limit").map_err(db)?;
+        let tpm: Option<i64> = row.try_get("tpm_limit").map_err(db)?;
+        Ok(Some(KeyLimits {
+            rpm_limit: rpm
+                .map(|v| u32::try_from(v).map_err(|_| LedgerError::Corrupt("rpm_limit")))
+                .transpose()?,
+            tpm_limit: tpm.map(|v| to_u64(v, "tpm_limit")).transpose()?,
+        }))
     }
 
     async fn entries_sum_micros_impl(&self) -> Result<i64, LedgerError> {
@@ -791,13 +1069,14 @@ impl PgLedger {
             .await
             .map_err(db)?;
         let r = sqlx::query(
-            "INSERT INTO holds (request_id, account_id, model, amount_micros, state, created_at_ms) VALUES ($1, $2, $3, $4, 'held', $5)",
+            "INSERT INTO holds (request_id, account_id, model, amount_micros, state, created_at_ms, instance_id) VALUES ($1, $2, $3, $4, 'held', $5, $6)",
         )
         .bind(request_id.as_str())
         .bind(account.as_str())
         .bind(model.as_str())
         .bind(amount)
         .bind(now_ms())
+        .bind(self.instance_id.as_deref())
         .execute(&mut *tx)
         .await;
         if let Err(e) = r {
@@ -1151,6 +1430,14 @@ impl Store for PgLedger {
 
     fn operator_nodes<'a>(&'a self, operator: &'a OperatorId) -> LedgerFuture<'a, Vec<NodeRecord>> {
         Box::pin(self.operator_nodes_impl(operator))
+    }
+
+    fn set_key_limits<'a>(&'a self, key_hash: &'a str, limits: KeyLimits) -> LedgerFuture<'a, ()> {
+        Box::pin(self.set_key_limits_impl(key_hash, limits))
+    }
+
+    fn key_limits<'a>(&'a self, key_hash: &'a str) -> LedgerFuture<'a, Option<KeyLimits>> {
+        Box::pin(self.key_limits_impl(key_hash))
     }
 
     fn settle_stale_holds(&self) -> LedgerFuture<'_, u64> {

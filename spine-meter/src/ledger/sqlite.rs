@@ -17,8 +17,8 @@ use spine_core::{
 
 use super::convert::{db, now_ms, to_i64, to_u64};
 use super::{
-    AccountBalance, Enrollment, EntryTotals, Ledger, LedgerError, LedgerFuture, NodeRecord,
-    RequestRecord, SettleAmounts, SettleResult, Settlement, Store,
+    AccountBalance, Enrollment, EntryTotals, KeyLimits, Ledger, LedgerError, LedgerFuture,
+    NodeRecord, RequestRecord, SettleAmounts, SettleResult, Settlement, Store,
 };
 use crate::price::Price;
 
@@ -120,6 +120,18 @@ CREATE TABLE enrollments (
     redeemed_at_ms INTEGER
 );
 CREATE INDEX requests_node ON requests(node_id);
+"#,
+    ),
+    (
+        4,
+        // per-key rate limits, kept beside the keys (PostgreSQL's version 3 has the same table)
+        r#"
+CREATE TABLE key_limits (
+    key_hash TEXT PRIMARY KEY,
+    rpm_limit INTEGER CHECK (rpm_limit >= 0),
+    tpm_limit INTEGER CHECK (tpm_limit >= 0),
+    updated_at_ms INTEGER NOT NULL
+);
 "#,
     ),
 ];
@@ -501,6 +513,55 @@ impl SqliteLedger {
             return Err(LedgerError::UnknownAccount(account.clone()));
         }
         Ok(())
+    }
+
+    /// Records an API key's own rate limits ([`Store::set_key_limits`]).
+    ///
+    /// # Errors
+    ///
+    /// [`LedgerError::Database`], [`LedgerError::OutOfRange`].
+    pub async fn set_key_limits(
+        &self,
+        key_hash: &str,
+        limits: KeyLimits,
+    ) -> Result<(), LedgerError> {
+        sqlx::query(
+            "INSERT INTO key_limits (key_hash, rpm_limit, tpm_limit, updated_at_ms) VALUES (?, ?, ?, ?)
+             ON CONFLICT (key_hash) DO UPDATE SET rpm_limit = excluded.rpm_limit, tpm_limit = excluded.tpm_limit, updated_at_ms = excluded.updated_at_ms",
+        )
+        .bind(key_hash)
+        .bind(limits.rpm_limit.map(i64::from))
+        .bind(limits.tpm_limit.map(to_i64).transpose()?)
+        .bind(now_ms())
+        .execute(&self.writer)
+        .await
+        .map_err(db)?;
+        Ok(())
+    }
+
+    /// An API key's own rate limits ([`Store::key_limits`]).
+    ///
+    /// # Errors
+    ///
+    /// [`LedgerError::Database`], [`LedgerError::Corrupt`].
+    pub async fn key_limits(&self, key_hash: &str) -> Result<Option<KeyLimits>, LedgerError> {
+        let Some(row) =
+            sqlx::query("SELECT rpm_limit, tpm_limit FROM key_limits WHERE key_hash = ?")
+                .bind(key_hash)
+                .fetch_optional(&self.reader)
+                .await
+                .map_err(db)?
+        else {
+            return Ok(None);
+        };
+        let rpm: Option<i64> = row.try_get("rpm_limit").map_err(db)?;
+        let tpm: Option<i64> = row.try_get("tpm_limit").map_err(db)?;
+        Ok(Some(KeyLimits {
+            rpm_limit: rpm
+                .map(|v| u32::try_from(v).map_err(|_| LedgerError::Corrupt("rpm_limit")))
+                .transpose()?,
+            tpm_limit: tpm.map(|v| to_u64(v, "tpm_limit")).transpose()?,
+        }))
     }
 
     /// The account an API key hash belongs to.
@@ -1316,6 +1377,14 @@ impl Store for SqliteLedger {
 
     fn operator_nodes<'a>(&'a self, operator: &'a OperatorId) -> LedgerFuture<'a, Vec<NodeRecord>> {
         Box::pin(SqliteLedger::operator_nodes(self, operator))
+    }
+
+    fn set_key_limits<'a>(&'a self, key_hash: &'a str, limits: KeyLimits) -> LedgerFuture<'a, ()> {
+        Box::pin(SqliteLedger::set_key_limits(self, key_hash, limits))
+    }
+
+    fn key_limits<'a>(&'a self, key_hash: &'a str) -> LedgerFuture<'a, Option<KeyLimits>> {
+        Box::pin(SqliteLedger::key_limits(self, key_hash))
     }
 
     fn settle_stale_holds(&self) -> LedgerFuture<'_, u64> {

@@ -145,8 +145,8 @@ impl TestDb {
 
     fn migrations(&self) -> i64 {
         match self {
-            TestDb::Sqlite { .. } => 3,
-            TestDb::Postgres(_) => 2,
+            TestDb::Sqlite { .. } => 4,
+            TestDb::Postgres(_) => 3,
         }
     }
 }
@@ -1407,6 +1407,82 @@ async fn operator_nodes_count_served_requests_and_earnings(backend: Backend) {
     assert_eq!(l.operator_earned_micros(&op).await.unwrap(), 27);
 }
 
+async fn key_limits_are_kept_per_key_and_replaced(backend: Backend) {
+    let db = TestDb::new(backend).await;
+    let l = db.open().await;
+    assert_eq!(l.key_limits("h1").await.unwrap(), None);
+    let limits = KeyLimits {
+        rpm_limit: Some(60),
+        tpm_limit: None,
+    };
+    l.set_key_limits("h1", limits).await.unwrap();
+    l.set_key_limits(
+        "h2",
+        KeyLimits {
+            rpm_limit: Some(0),
+            tpm_limit: Some(u64::from(u32::MAX) + 1),
+        },
+    )
+    .await
+    .unwrap();
+    // another store on the same database (a restart, or another instance) sees them
+    let again = db.open().await;
+    assert_eq!(again.key_limits("h1").await.unwrap(), Some(limits));
+    assert_eq!(
+        again.key_limits("h2").await.unwrap(),
+        Some(KeyLimits {
+            rpm_limit: Some(0),
+            tpm_limit: Some(u64::from(u32::MAX) + 1),
+        })
+    );
+    // replaced, not duplicated
+    again
+        .set_key_limits(
+            "h1",
+            KeyLimits {
+                rpm_limit: None,
+                tpm_limit: Some(1_000),
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        l.key_limits("h1").await.unwrap(),
+        Some(KeyLimits {
+            rpm_limit: None,
+            tpm_limit: Some(1_000),
+        })
+    );
+    assert!(matches!(
+        l.set_key_limits(
+            "h3",
+            KeyLimits {
+                rpm_limit: None,
+                tpm_limit: Some(u64::MAX),
+            },
+        )
+        .await,
+        Err(LedgerError::OutOfRange)
+    ));
+    assert_eq!(l.key_limits("h3").await.unwrap(), None);
+}
+
+#[test]
+fn only_connection_failures_count_as_unavailable() {
+    assert!(LedgerError::Database(sqlx::Error::PoolTimedOut).is_unavailable());
+    assert!(LedgerError::Database(sqlx::Error::Io(std::io::Error::from(
+        std::io::ErrorKind::ConnectionRefused
+    )))
+    .is_unavailable());
+    assert!(!LedgerError::Database(sqlx::Error::RowNotFound).is_unavailable());
+    assert!(!LedgerError::OutOfRange.is_unavailable());
+    assert!(!LedgerError::InsufficientCredit {
+        available_micros: 0,
+        needed_micros: 1
+    }
+    .is_unavailable());
+}
+
 fn now_ms_for_tests() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -1454,6 +1530,7 @@ store_tests!(
         stale_holds_after_a_crash_settle_upstream_failed_at_no_cost,
         enrollment_tokens_register_one_node_once,
         operator_nodes_count_served_requests_and_earnings,
+        key_limits_are_kept_per_key_and_replaced,
     ],
     blocking: [
         random_holds_settles_releases_keep_the_books,

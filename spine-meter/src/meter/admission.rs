@@ -1,6 +1,8 @@
 //! Admission before the hold: a hook that may refuse a request for its worst-case token count
 //! (e.g. a tokens-per-minute limit), told later how many tokens the request really used.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -51,6 +53,9 @@ impl AdmissionRefusal {
     }
 }
 
+/// The future [`Admission::admit_async`] returns.
+pub type AdmitFuture<'a> = Pin<Box<dyn Future<Output = Result<(), AdmissionRefusal>> + Send + 'a>>;
+
 /// Admission control the metering layer consults after counting a request and before placing
 /// its hold. Set with [`MeterLayer::admission`](super::MeterLayer::admission); `()` admits
 /// everything.
@@ -67,6 +72,22 @@ pub trait Admission: Send + Sync + 'static {
     ///
     /// [`AdmissionRefusal`]: surfaced as [`MeterError::AdmissionRefused`](super::MeterError).
     fn admit(&self, request: &AdmissionRequest<'_>) -> Result<(), AdmissionRefusal>;
+
+    /// [`Admission::admit`] for a hook that must ask something across the network (e.g. a
+    /// rate-limit bucket shared in Redis by several gateway instances). The metering layer calls
+    /// this one; the default answers with [`Admission::admit`].
+    ///
+    /// # Errors
+    ///
+    /// As [`Admission::admit`].
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropped before it answers, the request is not admitted and [`Admission::release`] is
+    /// not called for it (a bucket it already took tokens from gets them back by refill).
+    fn admit_async<'a>(&'a self, request: &'a AdmissionRequest<'a>) -> AdmitFuture<'a> {
+        Box::pin(std::future::ready(self.admit(request)))
+    }
 
     /// The admitted request is over; `used_tokens` of its reservation were used.
     fn release(&self, request_id: &RequestId, used_tokens: u64);

@@ -63,15 +63,44 @@ impl fmt::Debug for MeterConfig {
 }
 
 /// Settlement tasks in flight (spawned when a response body ends); cheap to clone, shared.
+///
+/// A settlement the ledger refuses (e.g. PostgreSQL unreachable) is retried with backoff until it
+/// commits; [`Settlements::pending_request_ids`] names those not committed yet, so a shutdown
+/// that cannot wait for them can log them instead of dropping them silently.
 #[derive(Clone, Debug, Default)]
 pub struct Settlements {
     tracker: tokio_util::task::TaskTracker,
+    pending: Arc<std::sync::Mutex<std::collections::BTreeSet<spine_core::RequestId>>>,
 }
 
 impl Settlements {
     /// Settlements not yet committed to the ledger.
     pub fn pending(&self) -> usize {
         self.tracker.len()
+    }
+
+    /// The request ids whose settlement is not committed yet, in id order.
+    pub fn pending_request_ids(&self) -> Vec<spine_core::RequestId> {
+        self.pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .cloned()
+            .collect()
+    }
+
+    pub(crate) fn mark_pending(&self, request_id: &spine_core::RequestId) {
+        self.pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(request_id.clone());
+    }
+
+    pub(crate) fn mark_committed(&self, request_id: &spine_core::RequestId) {
+        self.pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(request_id);
     }
 
     /// Waits until every settlement spawned so far, and any spawned while waiting, is committed.

@@ -96,7 +96,7 @@ mod layer;
 mod service;
 mod settle;
 
-pub use admission::{Admission, AdmissionRefusal, AdmissionRequest};
+pub use admission::{Admission, AdmissionRefusal, AdmissionRequest, AdmitFuture};
 pub use body::{MeterBody, KEEPALIVE_INTERVAL};
 pub use error::MeterError;
 pub use events::{DiscrepancyReport, MeterEvents};

@@ -186,15 +186,17 @@ where
     let mut admitted = AdmitGuard { armed: None };
     let mut events = config.events.clone();
     if let Some(admission) = &config.admission {
+        let admission_request = AdmissionRequest {
+            request_id: &request_id,
+            account: &account,
+            model: &peek.model,
+            kind,
+            reserved_tokens: worst.total_tokens(),
+            extensions: &parts.extensions,
+        };
         admission
-            .admit(&AdmissionRequest {
-                request_id: &request_id,
-                account: &account,
-                model: &peek.model,
-                kind,
-                reserved_tokens: worst.total_tokens(),
-                extensions: &parts.extensions,
-            })
+            .admit_async(&admission_request)
+            .await
             .map_err(MeterError::AdmissionRefused)?;
         admitted.armed = Some((admission.clone(), request_id.clone()));
         events = Arc::new(AdmissionEvents {

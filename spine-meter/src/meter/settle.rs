@@ -106,8 +106,10 @@ impl SettleCtx {
         self.settle(outcome, billed, None);
     }
 
-    /// Settles on a spawned task. Retries with backoff (capped at 30 s) until the ledger accepts:
-    /// settlement is idempotent by request id, so a retry never double-charges.
+    /// Settles on a spawned task. Retries with backoff (50 ms doubling, capped at 5 s) until the
+    /// ledger accepts: settlement is idempotent by request id, so a retry never double-charges
+    /// (a retry after a commit whose answer was lost returns the first result). Until it commits
+    /// the request id is listed by [`Settlements::pending_request_ids`](super::Settlements).
     ///
     /// A completed request is a discrepancy when the claim differs from the billed count beyond
     /// the tolerance (a claimed completion ABOVE the billed one may exceed it by
@@ -173,12 +175,15 @@ impl SettleCtx {
         let ledger = self.ledger;
         let events = self.events;
         let runtime = self.runtime;
+        let settlements = self.settlements.clone();
+        settlements.mark_pending(&settlement.request_id);
         self.settlements.spawn_on(
             async move {
                 let mut backoff = Duration::from_millis(50);
                 loop {
                     match ledger.settle(settlement.clone()).await {
                         Ok(result) => {
+                            settlements.mark_committed(&settlement.request_id);
                             events.on_settled(&settlement, &result);
                             return;
                         }
@@ -186,12 +191,13 @@ impl SettleCtx {
                             tracing::error!(
                                 request_id = %settlement.request_id,
                                 error = %e,
+                                unavailable = e.is_unavailable(),
                                 ?settlement,
                                 "settlement failed; retrying"
                             );
                             events.on_settle_error(&settlement, &e);
                             tokio::time::sleep(backoff).await;
-                            backoff = (backoff * 2).min(Duration::from_secs(30));
+                            backoff = (backoff * 2).min(Duration::from_secs(5));
                         }
                     }
                 }

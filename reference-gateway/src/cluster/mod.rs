@@ -1,0 +1,439 @@
+//! Multi-instance mode (design brief §8): several gateway instances share PostgreSQL (ledger,
+//! accounts, keys) and Redis (directory, liveness, affinity, rate limits).
+//!
+//! Each instance
+//! - keeps one shared Redis connection ([`redis::aio::ConnectionManager`]: multiplexed,
+//!   reconnecting), named `<prefix without punctuation>-<instance_id>` (`CLIENT SETNAME`);
+//! - writes its liveness key `P instance:<id>` → internal address (TTL 3 s, every 1 s);
+//! - publishes each node whose tunnel it holds in the directory, `P node:<id>` →
+//!   `<instance_id> <descriptor JSON>` (TTL 5 s, refreshed every 1 s only while it still owns
+//!   the entry: a compare in a Lua script), indexed in the set `P nodes`;
+//! - reads the directory every 500 ms into its [`NodeRegistry`] as *remote* nodes (a local
+//!   tunnel always wins), skipping nodes whose owner's liveness key is gone;
+//! - dispatches requests for remote nodes to the owner's internal HTTP/2 listener
+//!   ([`ClusterService`]) after checking the owner's liveness key, and relays requests other
+//!   instances forward to it into its own tunnels ([`internal`]).
+//!
+//! Every Redis call has a [`REDIS_TIMEOUT`] bound. Redis down: local nodes keep serving, remote
+//! nodes age out of the registry after [`REMOTE_TTL`], affinity falls back to the in-memory
+//! table, one warning is logged and `spine_cluster_redis_up` reads 0; all of it recovers when
+//! Redis answers again.
+//!
+//! Keys assume one Redis server (or a primary with replicas): the Lua scripts read keys they do
+//! not declare, which Redis Cluster forbids.
+
+mod affinity;
+mod directory;
+mod forward;
+pub(crate) mod internal;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use redis::aio::ConnectionManager;
+use spine_core::{ModelId, NodeDescriptor, NodeId};
+use spine_router::NodeRegistry;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+pub(crate) use affinity::RedisAffinity;
+pub(crate) use forward::{ClusterError, ClusterService};
+
+use crate::config::ClusterConfig;
+
+/// Bound on every Redis call on a request path or in a background loop.
+pub(crate) const REDIS_TIMEOUT: Duration = Duration::from_millis(100);
+/// Lifetime of an instance's liveness key.
+pub(crate) const LIVENESS_TTL: Duration = Duration::from_secs(3);
+/// Lifetime of a directory entry; its owner refreshes it every [`REFRESH_EVERY`].
+pub(crate) const DIRECTORY_TTL: Duration = Duration::from_secs(5);
+/// How often the liveness key and the own directory entries are refreshed.
+pub(crate) const REFRESH_EVERY: Duration = Duration::from_secs(1);
+/// How often the directory is read into the registry.
+pub(crate) const SYNC_EVERY: Duration = Duration::from_millis(500);
+/// A remote node not confirmed by the directory for this long leaves the registry (Redis
+/// down, or its entry expired).
+pub(crate) const REMOTE_TTL: Duration = DIRECTORY_TTL;
+/// How long an owner found unreachable is skipped by the directory sync (its liveness key may
+/// outlive it by up to [`LIVENESS_TTL`]).
+pub(crate) const SUSPECT_FOR: Duration = LIVENESS_TTL;
+/// Most directory entries one sync reads.
+pub(crate) const MAX_SYNC_NODES: usize = 10_000;
+
+/// Counter of requests forwarded to another instance, `result` = `ok`, `owner_dead`,
+/// `unreachable`, `node_moved`, `node_full`, `redis_error`.
+pub(crate) const FORWARDED: &str = "spine_cluster_forwarded_total";
+/// Histogram: seconds from forwarding a request to the owner's response head.
+pub(crate) const FORWARD_SECONDS: &str = "spine_cluster_forward_seconds";
+/// Counter of failed or timed-out Redis calls, `op` label.
+pub(crate) const REDIS_ERRORS: &str = "spine_cluster_redis_errors_total";
+/// Gauge: 1 while the last Redis call succeeded, 0 after a failure.
+pub(crate) const REDIS_UP: &str = "spine_cluster_redis_up";
+/// Gauge: live entries in the directory at the last sync (every instance's nodes).
+pub(crate) const DIRECTORY_NODES: &str = "spine_cluster_directory_nodes";
+/// Gauge: remote nodes (tunnel on another instance) in this instance's registry.
+pub(crate) const REMOTE_NODES: &str = "spine_cluster_remote_nodes";
+/// Counter of requests relayed by the internal listener, `result` label.
+pub(crate) const RELAYED: &str = "spine_cluster_relayed_total";
+
+/// Registers the metrics' descriptions.
+pub(crate) fn describe() {
+    metrics::describe_counter!(
+        FORWARDED,
+        "Requests forwarded to the instance holding the node's tunnel"
+    );
+    metrics::describe_histogram!(
+        FORWARD_SECONDS,
+        metrics::Unit::Seconds,
+        "Time from forwarding a request to the owning instance's response head"
+    );
+    metrics::describe_counter!(REDIS_ERRORS, "Redis calls that failed or timed out");
+    metrics::describe_gauge!(REDIS_UP, "1 while Redis answers, 0 after a failed call");
+    metrics::describe_gauge!(
+        DIRECTORY_NODES,
+        "Nodes in the shared directory at the last sync"
+    );
+    metrics::describe_gauge!(REMOTE_NODES, "Nodes routed through another instance");
+    metrics::describe_counter!(
+        RELAYED,
+        "Requests relayed for other instances into local tunnels"
+    );
+}
+
+/// Errors talking to Redis.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub(crate) enum RedisError {
+    #[error("redis call timed out after {0:?}")]
+    Timeout(Duration),
+    #[error("redis call failed")]
+    Redis(#[source] redis::RedisError),
+}
+
+/// `CLIENT SETNAME` value of an instance: the key prefix without characters Redis names refuse
+/// (only letters, digits, `.`, `_`, `-` are kept), a dash, the instance id.
+pub(crate) fn client_name(prefix: &str, instance_id: &str) -> String {
+    let clean: String = prefix
+        .chars()
+        .filter(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+        .collect();
+    format!("{clean}-{instance_id}")
+}
+
+/// A remote node in the registry.
+#[derive(Debug, Clone)]
+struct Remote {
+    owner: String,
+    /// The owner's internal address at the last sync (used while Redis is down).
+    owner_addr: String,
+    descriptor: NodeDescriptor,
+    confirmed: Instant,
+}
+
+/// A directory write, applied in order by one task.
+#[derive(Debug)]
+enum DirOp {
+    Claim(NodeId, NodeDescriptor),
+    Release(NodeId),
+}
+
+struct Inner {
+    instance_id: String,
+    prefix: String,
+    client_name: String,
+    secret: String,
+    internal_addr: String,
+    redis: ConnectionManager,
+    registry: NodeRegistry,
+    catalog: Vec<ModelId>,
+    tunnels: spine_transport::Tunnels,
+    /// Nodes whose tunnel is here and routable, with the descriptor they published.
+    local: Mutex<HashMap<NodeId, NodeDescriptor>>,
+    /// Nodes routed through another instance.
+    remote: Mutex<HashMap<NodeId, Remote>>,
+    /// Owners found dead or unreachable, until when they are skipped.
+    suspects: Mutex<HashMap<String, Instant>>,
+    redis_down: AtomicBool,
+    ops: mpsc::UnboundedSender<DirOp>,
+}
+
+/// This instance's part in the cluster. Cheap to clone.
+#[derive(Clone)]
+pub(crate) struct Cluster {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Cluster {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Cluster")
+            .field("instance_id", &self.inner.instance_id)
+            .field("internal_addr", &self.inner.internal_addr)
+            .finish_non_exhaustive()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Opens the one shared Redis connection of an instance (lazily: an instance starts even while
+/// Redis is down and connects when it returns).
+///
+/// # Errors
+///
+/// The URL does not parse.
+pub(crate) fn connect_redis(url: &str) -> Result<ConnectionManager, redis::RedisError> {
+    let client = redis::Client::open(url)?;
+    let config = redis::aio::ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(Duration::from_millis(500)))
+        .set_response_timeout(Some(Duration::from_secs(2)))
+        .set_number_of_retries(2)
+        .set_max_delay(Duration::from_millis(500));
+    redis::aio::ConnectionManager::new_lazy_with_config(client, config)
+}
+
+impl Cluster {
+    /// Joins the cluster: names the Redis connection, publishes liveness, and starts the
+    /// refresh/sync loop (stopped by `shutdown`). `internal_addr` is the address other
+    /// instances dial for this one's internal listener.
+    pub(crate) async fn start(
+        config: &ClusterConfig,
+        redis: ConnectionManager,
+        internal_addr: String,
+        registry: NodeRegistry,
+        catalog: Vec<ModelId>,
+        tunnels: spine_transport::Tunnels,
+        shutdown: tokio_util::sync::CancellationToken,
+    ) -> Self {
+        let (ops, rx) = mpsc::unbounded_channel();
+        let cluster = Self {
+            inner: Arc::new(Inner {
+                instance_id: config.instance_id.clone(),
+                prefix: config.key_prefix.clone(),
+                client_name: client_name(&config.key_prefix, &config.instance_id),
+                secret: config.secret.clone(),
+                internal_addr,
+                redis,
+                registry,
+                catalog,
+                tunnels,
+                local: Mutex::default(),
+                remote: Mutex::default(),
+                suspects: Mutex::default(),
+                redis_down: AtomicBool::new(false),
+                ops,
+            }),
+        };
+        metrics::gauge!(REDIS_UP).set(1.0);
+        // first liveness write before the ready line, so peers can dial us at once
+        let _ = cluster.refresh_liveness().await;
+        tokio::spawn(cluster.clone().run_ops(rx));
+        tokio::spawn(cluster.clone().run_loop(shutdown));
+        cluster
+    }
+
+    /// This instance's id.
+    pub(crate) fn instance_id(&self) -> &str {
+        &self.inner.instance_id
+    }
+
+    /// A handle on the instance's one shared Redis connection (a clone shares it).
+    pub(crate) fn redis_connection(&self) -> ConnectionManager {
+        self.inner.redis.clone()
+    }
+
+    /// The shared secret of forwarding.
+    pub(crate) fn secret(&self) -> &str {
+        &self.inner.secret
+    }
+
+    pub(crate) fn tunnels(&self) -> &spine_transport::Tunnels {
+        &self.inner.tunnels
+    }
+
+    pub(crate) fn key(&self, rest: &str) -> String {
+        format!("{}{rest}", self.inner.prefix)
+    }
+
+    /// Runs a Redis command with [`REDIS_TIMEOUT`], counting failures and logging the first
+    /// one of an outage (and the recovery).
+    pub(crate) async fn redis<T: redis::FromRedisValue>(
+        &self,
+        op: &'static str,
+        cmd: &redis::Cmd,
+    ) -> Result<T, RedisError> {
+        let mut conn = self.inner.redis.clone();
+        let res = tokio::time::timeout(REDIS_TIMEOUT, cmd.query_async::<T>(&mut conn)).await;
+        self.outcome(op, res)
+    }
+
+    /// As [`Cluster::redis`] for a Lua script.
+    pub(crate) async fn script<T: redis::FromRedisValue>(
+        &self,
+        op: &'static str,
+        invocation: &redis::ScriptInvocation<'_>,
+    ) -> Result<T, RedisError> {
+        let mut conn = self.inner.redis.clone();
+        let res =
+            tokio::time::timeout(REDIS_TIMEOUT, invocation.invoke_async::<T>(&mut conn)).await;
+        self.outcome(op, res)
+    }
+
+    fn outcome<T>(
+        &self,
+        op: &'static str,
+        res: Result<redis::RedisResult<T>, tokio::time::error::Elapsed>,
+    ) -> Result<T, RedisError> {
+        let err = match res {
+            Ok(Ok(v)) => {
+                if self.inner.redis_down.swap(false, Ordering::AcqRel) {
+                    tracing::info!("Redis answers again; directory, shared affinity and shared rate limits are back");
+                    metrics::gauge!(REDIS_UP).set(1.0);
+                }
+                return Ok(v);
+            }
+            Ok(Err(e)) => RedisError::Redis(e),
+            Err(_) => RedisError::Timeout(REDIS_TIMEOUT),
+        };
+        metrics::counter!(REDIS_ERRORS, "op" => op).increment(1);
+        if !self.inner.redis_down.swap(true, Ordering::AcqRel) {
+            metrics::gauge!(REDIS_UP).set(0.0);
+            tracing::warn!(
+                op,
+                error = %err,
+                "Redis unreachable: serving local nodes only; remote nodes leave routing within \
+                 5 s, affinity falls back to this instance's table"
+            );
+        }
+        Err(err)
+    }
+
+    /// Whether the last Redis call failed.
+    pub(crate) fn redis_down(&self) -> bool {
+        self.inner.redis_down.load(Ordering::Acquire)
+    }
+
+    /// `CLIENT SETNAME` (again after a reconnect) and the liveness key, in one round trip.
+    async fn refresh_liveness(&self) -> Result<(), RedisError> {
+        let mut pipe = redis::pipe();
+        pipe.cmd("CLIENT")
+            .arg("SETNAME")
+            .arg(&self.inner.client_name)
+            .ignore()
+            .cmd("SET")
+            .arg(self.key(&format!("instance:{}", self.inner.instance_id)))
+            .arg(&self.inner.internal_addr)
+            .arg("PX")
+            .arg(LIVENESS_TTL.as_millis() as u64)
+            .ignore();
+        let mut conn = self.inner.redis.clone();
+        let res = tokio::time::timeout(REDIS_TIMEOUT, pipe.query_async::<()>(&mut conn)).await;
+        self.outcome("liveness", res)
+    }
+
+    /// A node became routable on this instance's tunnel.
+    pub(crate) fn local_ready(&self, node: &NodeId, descriptor: &NodeDescriptor) {
+        lock(&self.inner.local).insert(node.clone(), descriptor.clone());
+        lock(&self.inner.remote).remove(node);
+        let _ = self
+            .inner
+            .ops
+            .send(DirOp::Claim(node.clone(), descriptor.clone()));
+    }
+
+    /// A node's tunnel on this instance is gone.
+    pub(crate) fn local_gone(&self, node: &NodeId) {
+        lock(&self.inner.local).remove(node);
+        let _ = self.inner.ops.send(DirOp::Release(node.clone()));
+    }
+
+    async fn run_ops(self, mut rx: mpsc::UnboundedReceiver<DirOp>) {
+        while let Some(op) = rx.recv().await {
+            let res = match &op {
+                DirOp::Claim(node, descriptor) => self.claim(node, descriptor).await,
+                DirOp::Release(node) => self.release(node).await.map(|_| ()),
+            };
+            if let Err(e) = res {
+                // the refresh loop republishes local nodes; a lost release expires
+                tracing::debug!(?op, error = %e, "directory write failed");
+            }
+        }
+    }
+
+    async fn run_loop(self, shutdown: tokio_util::sync::CancellationToken) {
+        let mut sync = tokio::time::interval(SYNC_EVERY);
+        sync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut refresh = tokio::time::interval(REFRESH_EVERY);
+        refresh.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                () = shutdown.cancelled() => break,
+                _ = refresh.tick() => {
+                    let _ = self.refresh_liveness().await;
+                    self.refresh_local().await;
+                }
+                _ = sync.tick() => self.sync().await,
+            }
+        }
+    }
+
+    /// Graceful shutdown: the liveness key and this instance's directory entries go at once, so
+    /// peers stop forwarding here without waiting for the TTLs.
+    pub(crate) async fn leave(&self) {
+        let nodes: Vec<NodeId> = lock(&self.inner.local).keys().cloned().collect();
+        for node in nodes {
+            let _ = self.release(&node).await;
+        }
+        let key = self.key(&format!("instance:{}", self.inner.instance_id));
+        let _ = self.redis::<i64>("leave", redis::cmd("DEL").arg(key)).await;
+    }
+
+    /// Marks `owner` unreachable for [`SUSPECT_FOR`] and drops its nodes from routing.
+    pub(crate) fn suspect(&self, owner: &str) {
+        lock(&self.inner.suspects).insert(owner.to_owned(), Instant::now() + SUSPECT_FOR);
+        let gone: Vec<NodeId> = {
+            let mut remote = lock(&self.inner.remote);
+            let gone: Vec<NodeId> = remote
+                .iter()
+                .filter(|(_, r)| r.owner == owner)
+                .map(|(n, _)| n.clone())
+                .collect();
+            for n in &gone {
+                remote.remove(n);
+            }
+            gone
+        };
+        for n in &gone {
+            if !self.inner.tunnels.contains(n) {
+                self.inner.registry.node_gone(n);
+            }
+        }
+        metrics::gauge!(REMOTE_NODES).set(lock(&self.inner.remote).len() as f64);
+        tracing::warn!(
+            owner,
+            nodes = gone.len(),
+            "instance unreachable; its nodes leave routing"
+        );
+    }
+
+    /// Drops one remote node from routing until the directory names it again.
+    pub(crate) fn forget(&self, node: &NodeId) {
+        lock(&self.inner.remote).remove(node);
+        if !self.inner.tunnels.contains(node) {
+            self.inner.registry.node_gone(node);
+        }
+    }
+
+    /// The instance holding `node`'s tunnel and its internal address at the last sync, when it
+    /// is a remote node.
+    pub(crate) fn owner_of(&self, node: &NodeId) -> Option<(String, String)> {
+        lock(&self.inner.remote)
+            .get(node)
+            .map(|r| (r.owner.clone(), r.owner_addr.clone()))
+    }
+}
+
+#[cfg(test)]
+mod tests;

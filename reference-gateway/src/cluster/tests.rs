@@ -1,0 +1,470 @@
+//! Tests of multi-instance mode against the real Redis on 127.0.0.1:6379 (each test under its
+//! own key prefix, deleted at the end).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use spine_core::{EngineKind, ModelDescriptor, ModelId, NodeDescriptor, NodeId};
+use spine_router::{AffinityKey, AffinityStore, NodeRegistry};
+use spine_transport::{StaticAuthenticator, TunnelServer, TunnelServerConfig};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use super::*;
+use crate::config::ClusterConfig;
+
+const REDIS: &str = "redis://127.0.0.1:6379";
+
+fn prefix(test: &str) -> String {
+    static N: AtomicU64 = AtomicU64::new(0);
+    format!(
+        "spinetest:{test}:{}:{}:",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+fn desc(models: &[&str]) -> NodeDescriptor {
+    NodeDescriptor {
+        engine: EngineKind::LlamaCpp,
+        models: models
+            .iter()
+            .map(|m| ModelDescriptor {
+                id: ModelId::new(*m),
+                max_context_tokens: None,
+            })
+            .collect(),
+        vram_mib: 8192,
+        max_concurrency: 4,
+        agent_version: "test".into(),
+    }
+}
+
+struct Instance {
+    cluster: Cluster,
+    registry: NodeRegistry,
+    stop: CancellationToken,
+}
+
+impl Drop for Instance {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+async fn instance(prefix: &str, id: &str, redis_url: &str, internal_addr: &str) -> Instance {
+    let server = TunnelServer::new(
+        TunnelServerConfig::default(),
+        Arc::new(StaticAuthenticator::new()),
+        Arc::new(()),
+    );
+    let registry = NodeRegistry::new();
+    let stop = CancellationToken::new();
+    let config = ClusterConfig {
+        redis_url: redis_url.into(),
+        instance_id: id.into(),
+        key_prefix: prefix.into(),
+        internal_listen: "127.0.0.1:0".parse().unwrap(),
+        internal_advertise: None,
+        secret: "0123456789abcdef-secret".into(),
+    };
+    let cluster = Cluster::start(
+        &config,
+        connect_redis(redis_url).unwrap(),
+        internal_addr.into(),
+        registry.clone(),
+        vec![ModelId::new("m")],
+        server.tunnels(),
+        stop.clone(),
+    )
+    .await;
+    Instance {
+        cluster,
+        registry,
+        stop,
+    }
+}
+
+async fn raw() -> redis::aio::MultiplexedConnection {
+    redis::Client::open(REDIS)
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap()
+}
+
+async fn cleanup(prefix: &str) {
+    let mut conn = raw().await;
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{prefix}*"))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    if !keys.is_empty() {
+        let _: i64 = redis::cmd("DEL")
+            .arg(&keys)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+    }
+}
+
+async fn eventually(what: &str, within: Duration, mut f: impl FnMut() -> bool) {
+    let until = tokio::time::Instant::now() + within;
+    while !f() {
+        assert!(
+            tokio::time::Instant::now() < until,
+            "not within {within:?}: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[test]
+fn client_name_keeps_only_safe_characters() {
+    assert_eq!(client_name("spine:", "gw-0a1b2c3d"), "spine-gw-0a1b2c3d");
+    assert_eq!(client_name("t:x y:", "a"), "txy-a");
+}
+
+#[tokio::test]
+async fn directory_refresh_and_release_compare_the_owner() {
+    let p = prefix("dir");
+    let a = instance(&p, "gw-a", REDIS, "127.0.0.1:1001").await;
+    let b = instance(&p, "gw-b", REDIS, "127.0.0.1:1002").await;
+    let n1 = NodeId::new("n1");
+    let mut conn = raw().await;
+
+    a.cluster.claim(&n1, &desc(&["m"])).await.unwrap();
+    assert!(a.cluster.refresh(&n1, &desc(&["m"])).await.unwrap());
+    let ttl_ms: i64 = redis::cmd("PTTL")
+        .arg(format!("{p}node:n1"))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert!(ttl_ms > 0 && ttl_ms <= 5000, "{ttl_ms}");
+    // the node reconnected to b: a's refresh and release no longer touch it
+    b.cluster.claim(&n1, &desc(&["m"])).await.unwrap();
+    assert!(!a.cluster.refresh(&n1, &desc(&["m"])).await.unwrap());
+    assert!(!a.cluster.release(&n1).await.unwrap());
+    let value: String = redis::cmd("GET")
+        .arg(format!("{p}node:n1"))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert!(value.starts_with("gw-b {"), "{value}");
+    let dir = a.cluster.read_directory().await.unwrap();
+    assert_eq!(dir.len(), 1);
+    assert_eq!(
+        (
+            dir[0].node.as_str(),
+            dir[0].owner.as_str(),
+            dir[0].owner_addr.as_str()
+        ),
+        ("n1", "gw-b", "127.0.0.1:1002")
+    );
+    assert_eq!(dir[0].descriptor, desc(&["m"]));
+
+    // an entry whose owner has no liveness key is not offered; an index member whose entry
+    // expired is dropped from the index
+    let _: () = redis::cmd("SET")
+        .arg(format!("{p}node:n9"))
+        .arg(format!(
+            "gw-dead {}",
+            serde_json::to_string(&desc(&["m"])).unwrap()
+        ))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let _: i64 = redis::cmd("SADD")
+        .arg(format!("{p}nodes"))
+        .arg(vec!["n9", "ghost"])
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let dir = a.cluster.read_directory().await.unwrap();
+    assert_eq!(
+        dir.iter().map(|e| e.node.as_str()).collect::<Vec<_>>(),
+        ["n1"]
+    );
+    let ghost: bool = redis::cmd("SISMEMBER")
+        .arg(format!("{p}nodes"))
+        .arg("ghost")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert!(!ghost);
+
+    // b's entry reaches a's registry as a remote node, catalog-filtered, and leaves with it
+    let n2 = NodeId::new("n2");
+    b.cluster.local_ready(&n2, &desc(&["m", "not-in-catalog"]));
+    eventually("n2 synced into a", Duration::from_secs(3), || {
+        a.registry.contains(&n2)
+    })
+    .await;
+    assert_eq!(a.registry.descriptor(&n2), Some(desc(&["m"])));
+    assert_eq!(
+        a.cluster.owner_of(&n2),
+        Some(("gw-b".to_owned(), "127.0.0.1:1002".to_owned()))
+    );
+    // b's own registry is fed by its tunnel events, never by its own entries
+    assert!(!b.registry.contains(&n2));
+    b.cluster.local_gone(&n2);
+    eventually("n2 gone from a", Duration::from_secs(3), || {
+        !a.registry.contains(&n2)
+    })
+    .await;
+
+    // release by the owner removes entry and index member
+    assert!(b.cluster.release(&n1).await.unwrap());
+    assert!(a.cluster.read_directory().await.unwrap().is_empty());
+
+    // graceful leave removes the liveness key at once
+    b.cluster.leave().await;
+    let alive: bool = redis::cmd("EXISTS")
+        .arg(format!("{p}instance:gw-b"))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert!(!alive);
+    drop((a, b));
+    cleanup(&p).await;
+}
+
+#[tokio::test]
+async fn one_named_redis_connection_per_instance() {
+    let p = prefix("conn");
+    let id = format!("gw-conn{}", std::process::id());
+    let a = instance(&p, &id, REDIS, "127.0.0.1:1001").await;
+    let store = RedisAffinity::new(a.cluster.clone(), 60);
+    // one Redis round trip, as the liveness check makes it (printed: part of the hop overhead)
+    let mut took = Vec::new();
+    for _ in 0..500 {
+        let started = std::time::Instant::now();
+        let _: Option<String> = a
+            .cluster
+            .redis(
+                "test",
+                redis::cmd("GET").arg(a.cluster.key("instance:gw-x")),
+            )
+            .await
+            .unwrap();
+        took.push(started.elapsed());
+    }
+    took.sort();
+    println!(
+        "redis GET through the shared connection: p50 {:?} p99 {:?}",
+        took[took.len() / 2],
+        took[took.len() * 99 / 100]
+    );
+    // many concurrent calls share the one multiplexed connection
+    let mut calls = Vec::new();
+    for i in 0..200u64 {
+        let store = store.clone();
+        calls.push(tokio::spawn(async move {
+            let key = AffinityKey::Conversation(i);
+            let m = ModelId::new("m");
+            store.set(&m, &key, &NodeId::new("n")).await.unwrap();
+            store.get(&m, &key).await.unwrap()
+        }));
+    }
+    for c in calls {
+        assert_eq!(c.await.unwrap(), Some(NodeId::new("n")));
+    }
+    let mut conn = raw().await;
+    let list: String = redis::cmd("CLIENT")
+        .arg("LIST")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let name = format!("name={}", client_name(&p, &id));
+    let named = list.lines().filter(|l| l.contains(&name)).count();
+    assert_eq!(named, 1, "{list}");
+    drop(a);
+    cleanup(&p).await;
+}
+
+/// A TCP proxy in front of the real Redis that the test can cut and restore.
+struct CutProxy {
+    addr: std::net::SocketAddr,
+    up: Arc<AtomicBool>,
+    conns: Arc<std::sync::Mutex<Vec<tokio::task::AbortHandle>>>,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+impl CutProxy {
+    async fn start() -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let up = Arc::new(AtomicBool::new(true));
+        let conns: Arc<std::sync::Mutex<Vec<tokio::task::AbortHandle>>> = Arc::default();
+        let (up2, conns2) = (up.clone(), conns.clone());
+        let accept = tokio::spawn(async move {
+            while let Ok((mut client, _)) = listener.accept().await {
+                if !up2.load(Ordering::Acquire) {
+                    drop(client);
+                    continue;
+                }
+                let task = tokio::spawn(async move {
+                    if let Ok(mut server) = tokio::net::TcpStream::connect("127.0.0.1:6379").await {
+                        let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                    }
+                });
+                conns2.lock().unwrap().push(task.abort_handle());
+            }
+        });
+        Self {
+            addr,
+            up,
+            conns,
+            accept,
+        }
+    }
+
+    fn cut(&self) {
+        self.up.store(false, Ordering::Release);
+        for c in self.conns.lock().unwrap().drain(..) {
+            c.abort();
+        }
+    }
+
+    fn restore(&self) {
+        self.up.store(true, Ordering::Release);
+    }
+}
+
+impl Drop for CutProxy {
+    fn drop(&mut self) {
+        self.accept.abort();
+        self.cut();
+    }
+}
+
+#[tokio::test]
+async fn redis_down_degrades_to_local_and_recovers() {
+    let p = prefix("down");
+    let proxy = CutProxy::start().await;
+    let a = instance(
+        &p,
+        "gw-a",
+        &format!("redis://{}", proxy.addr),
+        "127.0.0.1:1001",
+    )
+    .await;
+    let b = instance(&p, "gw-b", REDIS, "127.0.0.1:1002").await;
+    let n1 = NodeId::new("n1");
+    b.cluster.local_ready(&n1, &desc(&["m"]));
+    eventually("n1 synced into a", Duration::from_secs(3), || {
+        a.registry.contains(&n1)
+    })
+    .await;
+    let store = RedisAffinity::new(a.cluster.clone(), 60);
+    let (m, key) = (ModelId::new("m"), AffinityKey::Conversation(1));
+    store.set(&m, &key, &n1).await.unwrap();
+    assert_eq!(store.get(&m, &key).await.unwrap(), Some(n1.clone()));
+
+    proxy.cut();
+    // every call fails within its bound: no request hangs on Redis
+    for _ in 0..5 {
+        let started = std::time::Instant::now();
+        let r = store.get(&m, &key).await;
+        let took = started.elapsed();
+        println!(
+            "affinity get with Redis cut: {took:?} ({:?})",
+            r.as_ref().err()
+        );
+        assert!(r.is_err());
+        assert!(took < Duration::from_millis(300), "{took:?}");
+    }
+    assert!(a.cluster.redis_down());
+    // remote nodes age out (REMOTE_TTL = 5 s); b, with Redis, keeps n1
+    eventually("n1 aged out of a", Duration::from_secs(8), || {
+        !a.registry.contains(&n1)
+    })
+    .await;
+
+    proxy.restore();
+    eventually("a recovered", Duration::from_secs(10), || {
+        a.registry.contains(&n1) && !a.cluster.redis_down()
+    })
+    .await;
+    assert_eq!(store.get(&m, &key).await.unwrap(), Some(n1.clone()));
+    drop((a, b));
+    cleanup(&p).await;
+}
+
+async fn h2_request(
+    addr: std::net::SocketAddr,
+    auth: Option<&str>,
+    node: &str,
+    method: http::Method,
+) -> (u16, Option<String>, serde_json::Value) {
+    let client: hyper_util::client::legacy::Client<_, Full<Bytes>> =
+        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+            .http2_only(true)
+            .build_http();
+    let mut req = http::Request::builder()
+        .method(method)
+        .uri(format!("http://{addr}/v1/chat/completions"))
+        .header("x-spine-node-id", node)
+        .header("content-type", "application/json");
+    if let Some(auth) = auth {
+        req = req.header("authorization", auth);
+    }
+    let resp = client
+        .request(req.body(Full::new(Bytes::from_static(b"{}"))).unwrap())
+        .await
+        .unwrap();
+    let status = resp.status().as_u16();
+    let refusal = resp
+        .headers()
+        .get("x-spine-refusal")
+        .map(|v| v.to_str().unwrap().to_owned());
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    (
+        status,
+        refusal,
+        serde_json::from_slice(&body).unwrap_or_default(),
+    )
+}
+
+#[tokio::test]
+async fn internal_listener_needs_the_cluster_secret() {
+    let p = prefix("auth");
+    let a = instance(&p, "gw-a", REDIS, "127.0.0.1:1001").await;
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server =
+        tokio::spawn(axum::serve(listener, internal::router(a.cluster.clone())).into_future());
+    for auth in [
+        None,
+        Some("Bearer wrong-secret-0123456789"),
+        Some("0123456789abcdef-secret"),
+    ] {
+        let (status, _, body) = h2_request(addr, auth, "n1", http::Method::POST).await;
+        assert_eq!(status, 401, "{auth:?}");
+        assert_eq!(body["error"]["code"], "invalid_cluster_secret");
+    }
+    let ok = Some("Bearer 0123456789abcdef-secret");
+    let (status, refusal, body) = h2_request(addr, ok, "n1", http::Method::POST).await;
+    assert_eq!(status, 503);
+    assert_eq!(refusal.as_deref(), Some("node_moved"));
+    assert_eq!(body["error"]["code"], "node_moved");
+    let (status, _, _) = h2_request(addr, ok, "n1", http::Method::GET).await;
+    assert_eq!(status, 405);
+    server.abort();
+    drop(a);
+    cleanup(&p).await;
+}
+
+#[test]
+fn constant_time_compare() {
+    assert!(internal::ct_eq(b"abc", b"abc"));
+    assert!(!internal::ct_eq(b"abc", b"abd"));
+    assert!(!internal::ct_eq(b"abc", b"abcd"));
+}
+
+use std::future::IntoFuture;

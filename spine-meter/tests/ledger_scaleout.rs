@@ -1,0 +1,495 @@
+//! Several gateway instances on one PostgreSQL database (design brief §8, issue 6 part C):
+//! holds owned by the instance that placed them, stale-hold sweeps that never touch a live
+//! instance's request, and PostgreSQL going away under the metering layer (holds refused quickly
+//! as "unavailable", a settlement made during the cut committed after it, books exact).
+//!
+//! Real PostgreSQL at `SPINE_TEST_PG_URL` (default `postgres://postgres@127.0.0.1:5432`); each
+//! test creates its own database and drops it at the end. PostgreSQL itself is never stopped: a
+//! TCP proxy in front of it is cut and restored instead. The metering test needs the SmolLM2
+//! model file (`SPINE_MODEL_GGUF`, default `~/.cache/spine/models/SmolLM2-135M-Instruct.Q4_1.gguf`).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, missing_docs)]
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use sqlx::postgres::PgConnectOptions;
+use sqlx::Connection as _;
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
+use tokio::task::JoinHandle;
+use tower::ServiceExt;
+
+use spine_core::{AccountId, BoxBody, BoxError, ModelId, NodeId, OperatorId, RequestId};
+use spine_meter::meter::{CatalogEntry, MeterError, MeterLayer};
+use spine_meter::{Ledger, ModelTokenizer, PgLedger, PgPoolConfig, Price, Settlement, Store};
+
+const PRICE: Price = Price {
+    input_micros_per_mtok: 150_000_000,
+    output_micros_per_mtok: 600_000_000,
+};
+
+fn pg_server_url() -> String {
+    std::env::var("SPINE_TEST_PG_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".to_owned())
+}
+
+/// A fresh database for one test, dropped (`WITH (FORCE)`) on drop.
+struct FreshDb {
+    name: String,
+}
+
+impl FreshDb {
+    async fn new() -> Self {
+        let mut conn = sqlx::PgConnection::connect(&pg_server_url())
+            .await
+            .unwrap_or_else(|e| panic!("PostgreSQL unreachable at {}: {e}", pg_server_url()));
+        let name = format!(
+            "spine_scaleout_{}_{}",
+            std::process::id(),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos()
+        );
+        sqlx::raw_sql(&format!("CREATE DATABASE \"{name}\""))
+            .execute(&mut conn)
+            .await
+            .unwrap();
+        conn.close().await.unwrap();
+        Self { name }
+    }
+
+    /// Options for this database, at `host:port` (the server, or a proxy in front of it).
+    fn options(&self, at: Option<SocketAddr>) -> PgConnectOptions {
+        let mut o = PgConnectOptions::from_str(&pg_server_url())
+            .unwrap()
+            .database(&self.name);
+        if let Some(addr) = at {
+            o = o.host(&addr.ip().to_string()).port(addr.port());
+        }
+        o
+    }
+
+    fn server_addr() -> SocketAddr {
+        let o = PgConnectOptions::from_str(&pg_server_url()).unwrap();
+        let host = match o.get_host() {
+            "localhost" => "127.0.0.1",
+            h => h,
+        };
+        format!("{host}:{}", o.get_port()).parse().unwrap()
+    }
+
+    async fn ledger(&self, instance: Option<&str>) -> PgLedger {
+        let l = PgLedger::connect_with(self.options(None)).await.unwrap();
+        match instance {
+            Some(id) => l.with_instance_id(id),
+            None => l,
+        }
+    }
+}
+
+impl Drop for FreshDb {
+    fn drop(&mut self) {
+        let name = self.name.clone();
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async {
+                if let Ok(mut c) = sqlx::PgConnection::connect(&pg_server_url()).await {
+                    let _ =
+                        sqlx::raw_sql(&format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)"))
+                            .execute(&mut c)
+                            .await;
+                }
+            });
+        })
+        .join();
+    }
+}
+
+/// A TCP proxy in front of a real server that the test can cut (listener closed, every relayed
+/// connection dropped: new connections are refused, open ones see EOF) and restore (same port).
+struct CutProxy {
+    addr: SocketAddr,
+    upstream: SocketAddr,
+    accept: Mutex<Option<JoinHandle<()>>>,
+    relays: Arc<Mutex<Vec<JoinHandle<()>>>>,
+}
+
+impl CutProxy {
+    async fn start(upstream: SocketAddr) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let relays = Arc::new(Mutex::new(Vec::new()));
+        let accept = Self::serve(listener, upstream, relays.clone());
+        Self {
+            addr,
+            upstream,
+            accept: Mutex::new(Some(accept)),
+            relays,
+        }
+    }
+
+    fn serve(
+        listener: TcpListener,
+        upstream: SocketAddr,
+        relays: Arc<Mutex<Vec<JoinHandle<()>>>>,
+    ) -> JoinHandle<()> {
+        tokio::spawn(async move {
+            loop {
+                let Ok((mut inbound, _)) = listener.accept().await else {
+                    return;
+                };
+                let relay = tokio::spawn(async move {
+                    if let Ok(mut outbound) = TcpStream::connect(upstream).await {
+                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                    }
+                });
+                relays.lock().unwrap().push(relay);
+            }
+        })
+    }
+
+    async fn cut(&self) {
+        let accept = self.accept.lock().unwrap().take();
+        if let Some(a) = accept {
+            a.abort();
+            let _ = a.await;
+        }
+        let relays: Vec<_> = std::mem::take(&mut *self.relays.lock().unwrap());
+        for r in relays {
+            r.abort();
+            let _ = r.await;
+        }
+    }
+
+    async fn restore(&self) {
+        let socket = TcpSocket::new_v4().unwrap();
+        socket.set_reuseaddr(true).unwrap();
+        socket.bind(self.addr).unwrap();
+        let listener = socket.listen(128).unwrap();
+        *self.accept.lock().unwrap() =
+            Some(Self::serve(listener, self.upstream, self.relays.clone()));
+    }
+}
+
+async fn funded_account(store: &dyn Store, micros: u64) -> AccountId {
+    let acct = AccountId::from("acct");
+    store.create_account(&acct).await.unwrap();
+    assert!(store.add_credits(&acct, micros, "seed").await.unwrap());
+    acct
+}
+
+fn failed_settlement(id: &RequestId, acct: &AccountId) -> Settlement {
+    Settlement {
+        request_id: id.clone(),
+        account: acct.clone(),
+        node: None,
+        model: ModelId::from("m"),
+        outcome: spine_core::StreamOutcome::Completed,
+        billed: spine_core::Usage {
+            prompt_tokens: 10,
+            completion_tokens: 5,
+        },
+        claimed: None,
+        usage_source: spine_core::UsageSource::Independent,
+        discrepancy: false,
+        price: PRICE,
+        share_bps: 7_000,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_instances_holds_survive_peers_and_are_settled_once_after_it_stops_heartbeating() {
+    let db = FreshDb::new().await;
+    let stale_after = Duration::from_secs(2);
+    let a = db.ledger(Some("gw-a")).await;
+    a.heartbeat().await.unwrap();
+    let acct = funded_account(&a, 1_000_000).await;
+    let model = ModelId::from("m");
+    let (a1, a2) = (RequestId::from("req-a1"), RequestId::from("req-a2"));
+    a.hold(a1.clone(), acct.clone(), model.clone(), 1_000)
+        .await
+        .unwrap();
+    a.hold(a2.clone(), acct.clone(), model.clone(), 2_000)
+        .await
+        .unwrap();
+
+    // B starts (its own leftovers: none) and sweeps while A is alive: A's holds are untouched
+    let b = db.ledger(Some("gw-b")).await;
+    b.heartbeat().await.unwrap();
+    assert_eq!(b.settle_stale_holds().await.unwrap(), 0);
+    assert_eq!(b.settle_orphaned_holds(stale_after).await.unwrap(), 0);
+    assert_eq!(a.account(&acct).await.unwrap().held_micros, 3_000);
+    let b1 = RequestId::from("req-b1");
+    b.hold(b1.clone(), acct.clone(), model.clone(), 400)
+        .await
+        .unwrap();
+    // a hold from before instance ids (no instance) is nobody's: the sweep settles it
+    let legacy = db.ledger(None).await;
+    let l1 = RequestId::from("req-legacy");
+    legacy
+        .hold(l1.clone(), acct.clone(), model.clone(), 50)
+        .await
+        .unwrap();
+
+    // A stops heartbeating; B and C keep theirs; past the bound both sweep at once
+    let c = db.ledger(Some("gw-c")).await;
+    tokio::time::sleep(stale_after + Duration::from_millis(500)).await;
+    b.heartbeat().await.unwrap();
+    c.heartbeat().await.unwrap();
+    let (nb, nc) = tokio::join!(
+        b.settle_orphaned_holds(stale_after),
+        c.settle_orphaned_holds(stale_after)
+    );
+    let (nb, nc) = (nb.unwrap(), nc.unwrap());
+    eprintln!("orphaned holds settled: by B {nb}, by C {nc}");
+    assert_eq!(
+        nb + nc,
+        3,
+        "A's two holds and the legacy one, each exactly once"
+    );
+    // B's own in-flight hold is still there
+    assert_eq!(a.account(&acct).await.unwrap().held_micros, 400);
+    for id in [&a1, &a2, &l1] {
+        let rec = b.request_record(id.clone()).await.unwrap().unwrap();
+        assert_eq!(
+            rec.outcome,
+            spine_core::StreamOutcome::UpstreamFailed,
+            "{id}"
+        );
+        assert_eq!(rec.debit_micros, 0);
+    }
+    assert_eq!(b.settle_orphaned_holds(stale_after).await.unwrap(), 0);
+
+    // A comes back late and settles a1 as completed: already settled, nothing moves
+    let late = a.settle(failed_settlement(&a1, &acct)).await.unwrap();
+    assert!(late.already_settled);
+    assert_eq!(late.debit_micros, 0);
+
+    // B restarts under its id: its own leftover (b1) is settled at start, nobody else's
+    let d = db.ledger(Some("gw-d")).await;
+    d.heartbeat().await.unwrap();
+    let d1 = RequestId::from("req-d1");
+    d.hold(d1.clone(), acct.clone(), model.clone(), 7)
+        .await
+        .unwrap();
+    let b_again = db.ledger(Some("gw-b")).await;
+    assert_eq!(b_again.settle_stale_holds().await.unwrap(), 1);
+    assert!(b_again.request_record(b1).await.unwrap().is_some());
+    assert!(b_again.request_record(d1).await.unwrap().is_none());
+    let balance = a.account(&acct).await.unwrap();
+    assert_eq!(balance.held_micros, 7);
+    assert_eq!(balance.balance_micros, 1_000_000);
+    assert_eq!(a.entries_sum_micros().await.unwrap(), 0);
+}
+
+fn model_gguf() -> PathBuf {
+    let path = std::env::var_os("SPINE_MODEL_GGUF").map_or_else(
+        || {
+            PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
+                .join(".cache/spine/models/SmolLM2-135M-Instruct.Q4_1.gguf")
+        },
+        PathBuf::from,
+    );
+    assert!(path.is_file(), "model file {} is missing", path.display());
+    path
+}
+
+fn chat(id: &str, acct: &AccountId) -> http::Request<BoxBody> {
+    let body = serde_json::json!({
+        "model": "smol",
+        "messages": [{"role": "user", "content": "Say hello."}],
+        "max_tokens": 16,
+    });
+    let mut req = http::Request::post("/v1/chat/completions")
+        .header(http::header::CONTENT_TYPE, "application/json")
+        .body(BoxBody::new(
+            Full::new(Bytes::from(serde_json::to_vec(&body).unwrap()))
+                .map_err(|never| match never {}),
+        ))
+        .unwrap();
+    req.extensions_mut().insert(RequestId::from(id));
+    req.extensions_mut().insert(acct.clone());
+    req
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_cut_refuses_holds_quickly_and_a_settlement_made_during_it_commits_after() {
+    let db = FreshDb::new().await;
+    let direct = db.ledger(None).await;
+    let acct = funded_account(&direct, 10_000_000).await;
+    let op = OperatorId::from("op");
+    direct.create_operator(&op).await.unwrap();
+    let node = direct.register_node(&op, "ed25519:scaleout").await.unwrap();
+
+    let proxy = CutProxy::start(FreshDb::server_addr()).await;
+    let acquire_timeout = Duration::from_secs(1);
+    let ledger = Arc::new(
+        PgLedger::connect_with_config(
+            db.options(Some(proxy.addr)),
+            PgPoolConfig::default().acquire_timeout(acquire_timeout),
+        )
+        .await
+        .unwrap()
+        .with_instance_id("gw-cut"),
+    );
+    let tokenizer = Arc::new(ModelTokenizer::from_gguf(model_gguf()).unwrap());
+    let mut catalog = spine_meter::meter::Catalog::new();
+    catalog.insert(
+        ModelId::from("smol"),
+        CatalogEntry {
+            tokenizer,
+            price: PRICE,
+            max_context_tokens: 2048,
+        },
+    );
+    let layer = MeterLayer::new(ledger.clone(), catalog);
+    let settlements = layer.settlements();
+
+    // the node answers only when the test says so
+    let (entered_tx, entered_rx) = tokio::sync::mpsc::unbounded_channel::<()>();
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let svc = tower::ServiceBuilder::new()
+        .layer(layer)
+        .service(tower::service_fn({
+            let gate = gate.clone();
+            let node = node.clone();
+            move |_req: http::Request<BoxBody>| {
+                let gate = gate.clone();
+                let node = node.clone();
+                let entered = entered_tx.clone();
+                async move {
+                    let _ = entered.send(());
+                    gate.acquire().await.unwrap().forget();
+                    let body = serde_json::json!({
+                        "id": "cmpl-1", "object": "chat.completion", "model": "smol",
+                        "choices": [{"index": 0, "finish_reason": "stop",
+                                     "message": {"role": "assistant", "content": "Hello there!"}}],
+                        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+                    });
+                    let mut resp = http::Response::new(BoxBody::new(
+                        Full::new(Bytes::from(serde_json::to_vec(&body).unwrap()))
+                            .map_err(|never| match never {}),
+                    ));
+                    resp.headers_mut().insert(
+                        http::header::CONTENT_TYPE,
+                        http::HeaderValue::from_static("application/json"),
+                    );
+                    resp.extensions_mut().insert::<NodeId>(node);
+                    Ok::<_, BoxError>(resp)
+                }
+            }
+        }));
+
+    // r1 is held and at the node when PostgreSQL goes away
+    let mut entered_rx = entered_rx;
+    let in_flight = tokio::spawn(svc.clone().oneshot(chat("req-inflight", &acct)));
+    tokio::time::timeout(Duration::from_secs(10), entered_rx.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    let held = direct.account(&acct).await.unwrap().held_micros;
+    assert!(held > 0);
+    proxy.cut().await;
+
+    // a new paid request: its hold cannot be placed; refused, unavailable, within the bound
+    let started = Instant::now();
+    let refused = tokio::time::timeout(
+        Duration::from_secs(10),
+        svc.clone().oneshot(chat("req-during-cut", &acct)),
+    )
+    .await
+    .expect("a hold with PostgreSQL cut must not hang");
+    let elapsed = started.elapsed();
+    let err = match refused {
+        Ok(resp) => panic!("answered {} with PostgreSQL cut", resp.status()),
+        Err(e) => e,
+    };
+    let meter_err = err.downcast_ref::<MeterError>().expect("a meter error");
+    match meter_err {
+        MeterError::Ledger(e) => assert!(e.is_unavailable(), "{e:?}"),
+        other => panic!("expected a ledger error, got {other:?}"),
+    }
+    eprintln!(
+        "hold with PostgreSQL cut refused after {} ms (acquire timeout {} ms)",
+        elapsed.as_millis(),
+        acquire_timeout.as_millis()
+    );
+    assert!(
+        elapsed < acquire_timeout + Duration::from_secs(2),
+        "{elapsed:?}"
+    );
+
+    // the in-flight request completes during the cut: the caller gets the answer, the
+    // settlement is pending, named, and retried
+    gate.add_permits(1);
+    let resp = tokio::time::timeout(Duration::from_secs(10), in_flight)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert_eq!(resp.status(), http::StatusCode::OK);
+    let _ = resp.into_body().collect().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(
+        settlements.pending_request_ids(),
+        vec![RequestId::from("req-inflight")]
+    );
+    assert!(direct
+        .request_record(RequestId::from("req-inflight"))
+        .await
+        .unwrap()
+        .is_none());
+
+    // PostgreSQL back: the settlement commits (exactly once), the books are exact
+    proxy.restore().await;
+    let restored = Instant::now();
+    tokio::time::timeout(Duration::from_secs(30), settlements.drain())
+        .await
+        .expect("the settlement commits after PostgreSQL returns");
+    eprintln!(
+        "settlement committed {} ms after PostgreSQL returned",
+        restored.elapsed().as_millis()
+    );
+    assert!(settlements.pending_request_ids().is_empty());
+    let rec = direct
+        .request_record(RequestId::from("req-inflight"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(rec.outcome, spine_core::StreamOutcome::Completed);
+    assert_eq!(rec.node, Some(node));
+    assert!(rec.debit_micros > 0);
+    assert_eq!(
+        rec.debit_micros,
+        rec.operator_credit_micros + rec.fee_micros
+    );
+    assert!(direct
+        .request_record(RequestId::from("req-during-cut"))
+        .await
+        .unwrap()
+        .is_none());
+    let balance = direct.account(&acct).await.unwrap();
+    assert_eq!(balance.held_micros, 0);
+    assert_eq!(balance.balance_micros, 10_000_000 - rec.debit_micros);
+    let totals = direct.entry_totals().await.unwrap();
+    // Σ debits = Σ credits + fees: accounts gave exactly what operators and the platform got
+    assert_eq!(
+        -(totals.accounts_micros + totals.external_micros),
+        totals.operators_micros + totals.platform_micros
+    );
+    assert_eq!(totals.operators_micros, rec.operator_credit_micros as i64);
+    assert_eq!(totals.platform_micros, rec.fee_micros as i64);
+    assert_eq!(totals.sum_micros(), 0);
+    assert_eq!(
+        direct.operator_earned_micros(&op).await.unwrap(),
+        rec.operator_credit_micros
+    );
+}
