@@ -795,9 +795,6 @@ mod redis_tests {
     #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
     use std::net::SocketAddr;
 
-    use tokio::net::{TcpListener, TcpSocket, TcpStream};
-    use tokio::task::JoinHandle;
-
     use super::*;
 
     fn redis_url() -> String {
@@ -938,109 +935,7 @@ mod redis_tests {
         assert_eq!(cleanup(&prefix).await, 3);
     }
 
-    /// A TCP proxy in front of Redis that the test cuts (listener closed, relayed connections
-    /// dropped) and restores on the same port, or stalls (connections stay open, nothing is
-    /// relayed: a Redis that hangs).
-    struct CutProxy {
-        addr: SocketAddr,
-        upstream: SocketAddr,
-        accept: Mutex<Option<JoinHandle<()>>>,
-        relays: Arc<Mutex<Vec<JoinHandle<()>>>>,
-        stalled: tokio::sync::watch::Sender<bool>,
-    }
-
-    /// Copies `from` to `to`, holding each chunk while `stalled` is true.
-    async fn relay_half(
-        mut from: tokio::net::tcp::OwnedReadHalf,
-        mut to: tokio::net::tcp::OwnedWriteHalf,
-        mut stalled: tokio::sync::watch::Receiver<bool>,
-    ) {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let mut buf = vec![0u8; 16 * 1024];
-        loop {
-            let n = match from.read(&mut buf).await {
-                Ok(0) | Err(_) => return,
-                Ok(n) => n,
-            };
-            if stalled.wait_for(|s| !*s).await.is_err() {
-                return;
-            }
-            if to.write_all(&buf[..n]).await.is_err() {
-                return;
-            }
-        }
-    }
-
-    impl CutProxy {
-        async fn start(upstream: SocketAddr) -> Self {
-            let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-            let addr = listener.local_addr().unwrap();
-            let relays = Arc::new(Mutex::new(Vec::new()));
-            let (stalled, _) = tokio::sync::watch::channel(false);
-            let accept = Self::serve(listener, upstream, relays.clone(), stalled.subscribe());
-            Self {
-                addr,
-                upstream,
-                accept: Mutex::new(Some(accept)),
-                relays,
-                stalled,
-            }
-        }
-
-        fn serve(
-            listener: TcpListener,
-            upstream: SocketAddr,
-            relays: Arc<Mutex<Vec<JoinHandle<()>>>>,
-            stalled: tokio::sync::watch::Receiver<bool>,
-        ) -> JoinHandle<()> {
-            tokio::spawn(async move {
-                while let Ok((inbound, _)) = listener.accept().await {
-                    let stalled = stalled.clone();
-                    let relay = tokio::spawn(async move {
-                        if let Ok(outbound) = TcpStream::connect(upstream).await {
-                            let (ir, iw) = inbound.into_split();
-                            let (or, ow) = outbound.into_split();
-                            tokio::join!(
-                                relay_half(ir, ow, stalled.clone()),
-                                relay_half(or, iw, stalled)
-                            );
-                        }
-                    });
-                    relays.lock().unwrap().push(relay);
-                }
-            })
-        }
-
-        fn stall(&self, on: bool) {
-            self.stalled.send_replace(on);
-        }
-
-        async fn cut(&self) {
-            let accept = self.accept.lock().unwrap().take();
-            if let Some(a) = accept {
-                a.abort();
-                let _ = a.await;
-            }
-            let relays: Vec<_> = std::mem::take(&mut *self.relays.lock().unwrap());
-            for r in relays {
-                r.abort();
-                let _ = r.await;
-            }
-        }
-
-        fn restore(&self) {
-            let socket = TcpSocket::new_v4().unwrap();
-            socket.set_reuseaddr(true).unwrap();
-            socket.bind(self.addr).unwrap();
-            let listener = socket.listen(128).unwrap();
-            *self.accept.lock().unwrap() = Some(Self::serve(
-                listener,
-                self.upstream,
-                self.relays.clone(),
-                self.stalled.subscribe(),
-            ));
-        }
-    }
+    use spine_test_support::CutProxy;
 
     fn redis_addr() -> SocketAddr {
         let url = redis_url();
@@ -1059,9 +954,9 @@ mod redis_tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn redis_cut_falls_back_to_local_limits_without_hanging_then_recovers() {
         let prefix = unique_prefix("cut");
-        let proxy = CutProxy::start(redis_addr()).await;
+        let proxy = CutProxy::start(redis_addr()).await.unwrap();
         let l = RateLimits::with_redis(
-            manager(&format!("redis://{}", proxy.addr)).await,
+            manager(&format!("redis://{}", proxy.addr())).await,
             prefix.clone(),
             3,
             0,
@@ -1091,7 +986,7 @@ mod redis_tests {
         // degraded: this instance enforces the full limit by itself
         assert_eq!(passed, 3);
 
-        proxy.restore();
+        proxy.restore().unwrap();
         let restored = Instant::now();
         loop {
             tokio::time::sleep(Duration::from_millis(100)).await;
@@ -1118,9 +1013,9 @@ mod redis_tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_hanging_redis_costs_at_most_the_timeout_per_decision() {
         let prefix = unique_prefix("stall");
-        let proxy = CutProxy::start(redis_addr()).await;
+        let proxy = CutProxy::start(redis_addr()).await.unwrap();
         let l = RateLimits::with_redis(
-            manager(&format!("redis://{}", proxy.addr)).await,
+            manager(&format!("redis://{}", proxy.addr())).await,
             prefix.clone(),
             2,
             1_000,

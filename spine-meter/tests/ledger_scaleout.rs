@@ -12,15 +12,13 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::str::FromStr;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use sqlx::postgres::PgConnectOptions;
 use sqlx::Connection as _;
-use tokio::net::{TcpListener, TcpSocket, TcpStream};
-use tokio::task::JoinHandle;
 use tower::ServiceExt;
 
 use spine_core::{AccountId, BoxBody, BoxError, ModelId, NodeId, OperatorId, RequestId};
@@ -113,71 +111,7 @@ impl Drop for FreshDb {
     }
 }
 
-/// A TCP proxy in front of a real server that the test can cut (listener closed, every relayed
-/// connection dropped: new connections are refused, open ones see EOF) and restore (same port).
-struct CutProxy {
-    addr: SocketAddr,
-    upstream: SocketAddr,
-    accept: Mutex<Option<JoinHandle<()>>>,
-    relays: Arc<Mutex<Vec<JoinHandle<()>>>>,
-}
-
-impl CutProxy {
-    async fn start(upstream: SocketAddr) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let relays = Arc::new(Mutex::new(Vec::new()));
-        let accept = Self::serve(listener, upstream, relays.clone());
-        Self {
-            addr,
-            upstream,
-            accept: Mutex::new(Some(accept)),
-            relays,
-        }
-    }
-
-    fn serve(
-        listener: TcpListener,
-        upstream: SocketAddr,
-        relays: Arc<Mutex<Vec<JoinHandle<()>>>>,
-    ) -> JoinHandle<()> {
-        tokio::spawn(async move {
-            loop {
-                let Ok((mut inbound, _)) = listener.accept().await else {
-                    return;
-                };
-                let relay = tokio::spawn(async move {
-                    if let Ok(mut outbound) = TcpStream::connect(upstream).await {
-                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
-                    }
-                });
-                relays.lock().unwrap().push(relay);
-            }
-        })
-    }
-
-    async fn cut(&self) {
-        let accept = self.accept.lock().unwrap().take();
-        if let Some(a) = accept {
-            a.abort();
-            let _ = a.await;
-        }
-        let relays: Vec<_> = std::mem::take(&mut *self.relays.lock().unwrap());
-        for r in relays {
-            r.abort();
-            let _ = r.await;
-        }
-    }
-
-    async fn restore(&self) {
-        let socket = TcpSocket::new_v4().unwrap();
-        socket.set_reuseaddr(true).unwrap();
-        socket.bind(self.addr).unwrap();
-        let listener = socket.listen(128).unwrap();
-        *self.accept.lock().unwrap() =
-            Some(Self::serve(listener, self.upstream, self.relays.clone()));
-    }
-}
+use spine_test_support::CutProxy;
 
 async fn funded_account(store: &dyn Store, micros: u64) -> AccountId {
     let acct = AccountId::from("acct");
@@ -329,11 +263,11 @@ async fn postgres_cut_refuses_holds_quickly_and_a_settlement_made_during_it_comm
     direct.create_operator(&op).await.unwrap();
     let node = direct.register_node(&op, "ed25519:scaleout").await.unwrap();
 
-    let proxy = CutProxy::start(FreshDb::server_addr()).await;
+    let proxy = CutProxy::start(FreshDb::server_addr()).await.unwrap();
     let acquire_timeout = Duration::from_secs(1);
     let ledger = Arc::new(
         PgLedger::connect_with_config(
-            db.options(Some(proxy.addr)),
+            db.options(Some(proxy.addr())),
             PgPoolConfig::default().acquire_timeout(acquire_timeout),
         )
         .await
@@ -449,7 +383,7 @@ async fn postgres_cut_refuses_holds_quickly_and_a_settlement_made_during_it_comm
         .is_none());
 
     // PostgreSQL back: the settlement commits (exactly once), the books are exact
-    proxy.restore().await;
+    proxy.restore().unwrap();
     let restored = Instant::now();
     tokio::time::timeout(Duration::from_secs(30), settlements.drain())
         .await

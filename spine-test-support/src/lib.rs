@@ -5,6 +5,7 @@
 //! - [`Child`]: a spine binary as a child process whose stderr is kept for assertions.
 //! - [`ReplayEngine`]: a fake engine on a real socket replaying recorded bytes in given reads.
 //! - [`FakeEngine`]: fakes of vLLM, Ollama and SGLang following their documented API shapes.
+//! - [`CutProxy`]: a TCP proxy in front of a real server that a test cuts, stalls and restores.
 #![allow(clippy::print_stdout)]
 
 use std::path::{Path, PathBuf};
@@ -16,8 +17,10 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Command;
 
 pub mod fakes;
+mod proxy;
 mod replay;
 pub use fakes::{FakeEngine, FakeKind, SeenRequest};
+pub use proxy::CutProxy;
 pub use replay::{ReplayEngine, Scripted};
 
 /// A boxed error for test helpers.

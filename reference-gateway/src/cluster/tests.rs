@@ -2,7 +2,7 @@
 //! own key prefix, deleted at the end).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -287,70 +287,18 @@ async fn one_named_redis_connection_per_instance() {
     cleanup(&p).await;
 }
 
-/// A TCP proxy in front of the real Redis that the test can cut and restore.
-struct CutProxy {
-    addr: std::net::SocketAddr,
-    up: Arc<AtomicBool>,
-    conns: Arc<std::sync::Mutex<Vec<tokio::task::AbortHandle>>>,
-    accept: tokio::task::JoinHandle<()>,
-}
-
-impl CutProxy {
-    async fn start() -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let up = Arc::new(AtomicBool::new(true));
-        let conns: Arc<std::sync::Mutex<Vec<tokio::task::AbortHandle>>> = Arc::default();
-        let (up2, conns2) = (up.clone(), conns.clone());
-        let accept = tokio::spawn(async move {
-            while let Ok((mut client, _)) = listener.accept().await {
-                if !up2.load(Ordering::Acquire) {
-                    drop(client);
-                    continue;
-                }
-                let task = tokio::spawn(async move {
-                    if let Ok(mut server) = tokio::net::TcpStream::connect("127.0.0.1:6379").await {
-                        let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
-                    }
-                });
-                conns2.lock().unwrap().push(task.abort_handle());
-            }
-        });
-        Self {
-            addr,
-            up,
-            conns,
-            accept,
-        }
-    }
-
-    fn cut(&self) {
-        self.up.store(false, Ordering::Release);
-        for c in self.conns.lock().unwrap().drain(..) {
-            c.abort();
-        }
-    }
-
-    fn restore(&self) {
-        self.up.store(true, Ordering::Release);
-    }
-}
-
-impl Drop for CutProxy {
-    fn drop(&mut self) {
-        self.accept.abort();
-        self.cut();
-    }
-}
+use spine_test_support::CutProxy;
 
 #[tokio::test]
 async fn redis_down_degrades_to_local_and_recovers() {
     let p = prefix("down");
-    let proxy = CutProxy::start().await;
+    let proxy = CutProxy::start("127.0.0.1:6379".parse().unwrap())
+        .await
+        .unwrap();
     let a = instance(
         &p,
         "gw-a",
-        &format!("redis://{}", proxy.addr),
+        &format!("redis://{}", proxy.addr()),
         "127.0.0.1:1001",
     )
     .await;
@@ -366,7 +314,7 @@ async fn redis_down_degrades_to_local_and_recovers() {
     store.set(&m, &key, &n1).await.unwrap();
     assert_eq!(store.get(&m, &key).await.unwrap(), Some(n1.clone()));
 
-    proxy.cut();
+    proxy.cut().await;
     // every call fails within its bound: no request hangs on Redis
     for _ in 0..5 {
         let started = std::time::Instant::now();
@@ -386,7 +334,7 @@ async fn redis_down_degrades_to_local_and_recovers() {
     })
     .await;
 
-    proxy.restore();
+    proxy.restore().unwrap();
     eventually("a recovered", Duration::from_secs(10), || {
         a.registry.contains(&n1) && !a.cluster.redis_down()
     })
