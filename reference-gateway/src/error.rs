@@ -83,6 +83,17 @@ impl ApiError {
         )
     }
 
+    /// 503 `no_capacity`: the node picked (and any retried) had no free stream. The internal
+    /// node id stays out of the caller's answer.
+    fn nodes_full() -> Self {
+        Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "api_error",
+            "no_capacity",
+            "every node that could serve this request is at its concurrency limit; try again later",
+        )
+    }
+
     pub(crate) fn internal(message: impl Into<String>) -> Self {
         Self::new(
             StatusCode::INTERNAL_SERVER_ERROR,
@@ -126,14 +137,7 @@ impl ApiError {
         if let Some(e) = err.downcast_ref::<TunnelError>() {
             if e.is_node_full() {
                 // refused before any byte went down the tunnel
-                return Self::new(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "api_error",
-                    "no_capacity",
-                    // the internal node id stays out of the caller's answer
-                    "every node that could serve this request is at its concurrency limit; try \
-                     again later",
-                );
+                return Self::nodes_full();
             }
             return Self::new(
                 StatusCode::BAD_GATEWAY,
@@ -145,14 +149,17 @@ impl ApiError {
         if let Some(e) = err.downcast_ref::<crate::cluster::ClusterError>() {
             // multi-instance mode: the node's instance was gone or refused, before any byte
             if matches!(e, crate::cluster::ClusterError::NodeFull) {
-                return Self::new(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "api_error",
-                    "no_capacity",
-                    "every node that could serve this request is at its concurrency limit; try \
-                     again later",
-                );
+                return Self::nodes_full();
             }
+            return Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "api_error",
+                "node_unavailable",
+                format!("no node could take the request: {e}"),
+            );
+        }
+        if let Some(e) = err.downcast_ref::<spine_router::DirectoryError>() {
+            // multi-instance mode: the directory no longer knew the node, before any byte
             return Self::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "api_error",

@@ -278,7 +278,7 @@ async fn run(cli: Cli) -> Result<(), MainError> {
         http::Response<spine_core::BoxBody>,
         spine_core::BoxError,
     > = match &cluster {
-        Some(cluster) => BoxCloneSyncService::new(cluster::ClusterService::new(cluster.clone())),
+        Some(cluster) => BoxCloneSyncService::new(cluster::cluster_service(cluster)),
         None => BoxCloneSyncService::new(
             TunnelService::new(tunnels.clone()).map_err(spine_core::BoxError::from),
         ),

@@ -13,6 +13,9 @@
 //! - [`AffinityStore`]: conversation affinity kept outside the process (several gateway
 //!   instances share it, e.g. in Redis); [`RouteLayer::affinity_store`] adds one, the in-memory
 //!   table stays the default and the fallback.
+//! - [`NodeDirectory`] / [`DirectoryDispatch`]: with several gateway instances, where a node's
+//!   tunnel is (here, on instance Y, unknown) and a service that sends each request to a local
+//!   or a remote service accordingly.
 //!
 //! `Route` works over any tower service that takes an `http::Request<BoxBody>` carrying a
 //! `NodeId` extension; see `examples/route_alone.rs` for two plain HTTP upstreams.
@@ -40,11 +43,16 @@
 //! ```
 
 mod affinity;
+mod directory;
 mod registry;
 mod route;
 pub mod score;
 
 pub use affinity::{AffinityFuture, AffinityKey, AffinityStore, SessionId, StickyOutcome};
+pub use directory::{
+    DirectoryDispatch, DirectoryError, DirectoryFuture, DispatchFuture, NodeDirectory,
+    NodeLocation, RemoteOwner,
+};
 pub use registry::{
     InFlightLease, NodeRegistry, NodeSnapshot, Pick, RegistryConfig, RouteError, ATTEMPTS_METRIC,
     STICKY_METRIC,

@@ -1,8 +1,13 @@
 //! The innermost service of the route stack in multi-instance mode: a node's tunnel when it is
 //! here, else the owning instance's internal listener over HTTP/2.
+//!
+//! The dispatch itself is [`spine_router::DirectoryDispatch`]: [`Cluster`] is its
+//! [`NodeDirectory`] (the owner's liveness check is part of `locate`), the local service is the
+//! tunnels' [`TunnelService`], and [`Forwarder`] is the remote service.
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -12,6 +17,10 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use spine_core::{BoxBody, BoxError, NodeId};
+use spine_router::{
+    DirectoryDispatch, DirectoryError, DirectoryFuture, NodeDirectory, NodeLocation, RemoteOwner,
+};
+use spine_transport::TunnelService;
 
 use super::{Cluster, FORWARDED, FORWARD_SECONDS};
 
@@ -52,26 +61,108 @@ pub(crate) enum ClusterError {
 }
 
 impl ClusterError {
-    /// Whether the router should retry elsewhere without scoring the node: every case.
+    /// Whether the router should retry elsewhere without scoring the node: every case (and a
+    /// node the directory does not know, [`DirectoryError`]).
     pub(crate) fn not_node_fault(err: &BoxError) -> bool {
         err.downcast_ref::<ClusterError>()
             .is_some_and(|e| !matches!(e, ClusterError::Request(_)))
+            || DirectoryError::not_node_fault(err)
+    }
+
+    /// The `result` label of [`FORWARDED`].
+    fn label(&self) -> &'static str {
+        match self {
+            ClusterError::OwnerDead => "owner_dead",
+            ClusterError::OwnerUnreachable(_) => "unreachable",
+            ClusterError::NodeMoved | ClusterError::UnknownNode => "node_moved",
+            ClusterError::NodeFull => "node_full",
+            ClusterError::Redis(_) => "redis_error",
+            ClusterError::Request(_) => "error",
+        }
     }
 }
 
 type HttpClient = Client<HttpConnector, BoxBody>;
 
-/// Sends each request to the node named in its extensions: down the local tunnel, or to the
+/// The route stack's inner service in multi-instance mode: a local node's tunnel, else the
 /// owning instance's internal listener (after checking its liveness key; one Redis round trip).
-/// Response bodies stream frame by frame; dropping one resets the forwarded stream, which
-/// cancels the request on the node.
+pub(crate) type ClusterService = DirectoryDispatch<TunnelService, Forwarder>;
+
+/// The [`ClusterService`] of `cluster`.
+pub(crate) fn cluster_service(cluster: &Cluster) -> ClusterService {
+    DirectoryDispatch::new(
+        Arc::new(cluster.clone()),
+        cluster.tunnels().service(),
+        Forwarder::new(cluster.clone()),
+    )
+}
+
+impl NodeDirectory for Cluster {
+    /// Local when the tunnel is here; remote when the directory names an owner whose liveness
+    /// key is present (its address taken from the key); unknown otherwise (the node leaves
+    /// routing until the directory names it again). A dead owner fails with
+    /// [`ClusterError::OwnerDead`] and is suspected; a failed liveness check with no address
+    /// from the last sync fails with [`ClusterError::Redis`]. Both count in [`FORWARDED`].
+    fn locate<'a>(&'a self, node: &'a NodeId) -> DirectoryFuture<'a, NodeLocation> {
+        Box::pin(async move {
+            if self.tunnels().contains(node) {
+                return Ok(NodeLocation::Local);
+            }
+            let Some((owner, synced_addr)) = self.owner_of(node) else {
+                self.forget(node);
+                return Ok(NodeLocation::Unknown);
+            };
+            match self.owner_addr(&owner, &synced_addr).await {
+                Ok(addr) => Ok(NodeLocation::Remote(RemoteOwner::new(owner, addr))),
+                Err(e) => {
+                    metrics::counter!(FORWARDED, "result" => e.label()).increment(1);
+                    if matches!(e, ClusterError::OwnerDead) {
+                        self.suspect(&owner);
+                    }
+                    tracing::debug!(node = %node, owner, error = %e, "not forwarded");
+                    Err(e.into())
+                }
+            }
+        })
+    }
+}
+
+impl Cluster {
+    /// The internal address of live `owner`: from its liveness key, or `synced_addr` (its
+    /// address at the last directory sync) while Redis is down (the node then leaves routing
+    /// within [`super::REMOTE_TTL`]; a dead owner still fails within the connect timeout).
+    async fn owner_addr(&self, owner: &str, synced_addr: &str) -> Result<String, ClusterError> {
+        // liveness first: a dead owner fails at once instead of at a timeout
+        if self.redis_down() {
+            // no request waits on a Redis known to be down; the background loop notices it back
+            return Ok(synced_addr.to_owned());
+        }
+        let live: Result<Option<String>, _> = self
+            .redis(
+                "liveness_check",
+                redis::cmd("GET").arg(self.key(&format!("instance:{owner}"))),
+            )
+            .await;
+        match live {
+            Ok(Some(addr)) => Ok(addr),
+            Ok(None) => Err(ClusterError::OwnerDead),
+            Err(e) if synced_addr.is_empty() => Err(ClusterError::Redis(e)),
+            Err(_) => Ok(synced_addr.to_owned()),
+        }
+    }
+}
+
+/// The remote service of [`ClusterService`]: forwards each request to the node named in its
+/// extensions, at the owning instance named by its [`RemoteOwner`] extension, over HTTP/2 (h2c,
+/// one pooled connection per peer). Response bodies stream frame by frame; dropping one resets
+/// the forwarded stream, which cancels the request on the node.
 #[derive(Clone, Debug)]
-pub(crate) struct ClusterService {
+pub(crate) struct Forwarder {
     cluster: Cluster,
     client: HttpClient,
 }
 
-impl ClusterService {
+impl Forwarder {
     pub(crate) fn new(cluster: Cluster) -> Self {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
@@ -85,7 +176,7 @@ impl ClusterService {
     }
 }
 
-impl tower::Service<http::Request<BoxBody>> for ClusterService {
+impl tower::Service<http::Request<BoxBody>> for Forwarder {
     type Response = http::Response<BoxBody>;
     type Error = BoxError;
     type Future = Pin<Box<dyn Future<Output = Result<http::Response<BoxBody>, BoxError>> + Send>>;
@@ -100,34 +191,22 @@ impl tower::Service<http::Request<BoxBody>> for ClusterService {
     }
 }
 
-impl ClusterService {
+impl Forwarder {
     async fn dispatch(
         self,
         req: http::Request<BoxBody>,
     ) -> Result<http::Response<BoxBody>, BoxError> {
-        let Some(node) = req.extensions().get::<NodeId>().cloned() else {
-            // the router always names the node
+        let (Some(node), Some(owner)) = (
+            req.extensions().get::<NodeId>().cloned(),
+            req.extensions().get::<RemoteOwner>().cloned(),
+        ) else {
+            // DirectoryDispatch always names both
             return Err(ClusterError::UnknownNode.into());
         };
-        let tunnels = self.cluster.tunnels();
-        if tunnels.contains(&node) {
-            let mut resp = tunnels.send(&node, req).await?;
-            resp.extensions_mut().insert(node);
-            return Ok(resp);
-        }
-        let Some((owner, synced_addr)) = self.cluster.owner_of(&node) else {
-            self.cluster.forget(&node);
-            return Err(ClusterError::UnknownNode.into());
-        };
-        let result = self.forward(&node, &owner, &synced_addr, req).await;
+        let result = self.forward(&node, &owner.address, req).await;
         let label = match &result {
             Ok(_) => "ok",
-            Err(ClusterError::OwnerDead) => "owner_dead",
-            Err(ClusterError::OwnerUnreachable(_)) => "unreachable",
-            Err(ClusterError::NodeMoved | ClusterError::UnknownNode) => "node_moved",
-            Err(ClusterError::NodeFull) => "node_full",
-            Err(ClusterError::Redis(_)) => "redis_error",
-            Err(ClusterError::Request(_)) => "error",
+            Err(e) => e.label(),
         };
         metrics::counter!(FORWARDED, "result" => label).increment(1);
         match result {
@@ -138,46 +217,24 @@ impl ClusterService {
             Err(e) => {
                 match &e {
                     ClusterError::OwnerDead | ClusterError::OwnerUnreachable(_) => {
-                        self.cluster.suspect(&owner);
+                        self.cluster.suspect(&owner.instance);
                     }
                     ClusterError::NodeMoved => self.cluster.forget(&node),
                     _ => {}
                 }
-                tracing::debug!(node = %node, owner, error = %e, "not forwarded");
+                tracing::debug!(node = %node, owner = owner.instance, error = %e, "not forwarded");
                 Err(e.into())
             }
         }
     }
 
-    /// Forwards `req` to `owner`. `synced_addr` is the owner's address at the last directory
-    /// sync: used only while Redis is down (the node then leaves routing within
-    /// [`super::REMOTE_TTL`]; a dead owner still fails within the connect timeout).
+    /// Forwards `req` for `node` to the owner's internal listener at `addr`.
     async fn forward(
         &self,
         node: &NodeId,
-        owner: &str,
-        synced_addr: &str,
+        addr: &str,
         req: http::Request<BoxBody>,
     ) -> Result<http::Response<BoxBody>, ClusterError> {
-        // liveness first: a dead owner fails at once instead of at a timeout
-        let addr = if self.cluster.redis_down() {
-            // no request waits on a Redis known to be down; the background loop notices it back
-            synced_addr.to_owned()
-        } else {
-            let live: Result<Option<String>, _> = self
-                .cluster
-                .redis(
-                    "liveness_check",
-                    redis::cmd("GET").arg(self.cluster.key(&format!("instance:{owner}"))),
-                )
-                .await;
-            match live {
-                Ok(Some(addr)) => addr,
-                Ok(None) => return Err(ClusterError::OwnerDead),
-                Err(e) if synced_addr.is_empty() => return Err(ClusterError::Redis(e)),
-                Err(_) => synced_addr.to_owned(),
-            }
-        };
         let (parts, body) = req.into_parts();
         let path = parts
             .uri
@@ -218,5 +275,201 @@ impl ClusterService {
             });
         }
         Ok(resp.map(|b| BoxBody::new(b.map_err(BoxError::from))))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! `Cluster` as a `NodeDirectory` and the dispatch over it, against the real Redis on
+    //! 127.0.0.1:6379 (own key prefix, deleted at the end). The directory entries of a peer
+    //! ("ghost") are written directly, and the instance's background loop is stopped, so each
+    //! sync happens exactly where the test calls it.
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+    use bytes::Bytes;
+    use http_body_util::Empty;
+    use spine_core::{EngineKind, ModelDescriptor, ModelId, NodeDescriptor};
+    use spine_router::NodeRegistry;
+    use spine_transport::{StaticAuthenticator, TunnelServer, TunnelServerConfig};
+    use tokio_util::sync::CancellationToken;
+    use tower::ServiceExt;
+
+    use super::super::connect_redis;
+    use super::*;
+    use crate::config::ClusterConfig;
+
+    const REDIS: &str = "redis://127.0.0.1:6379";
+
+    async fn raw() -> redis::aio::MultiplexedConnection {
+        redis::Client::open(REDIS)
+            .unwrap()
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap()
+    }
+
+    async fn cmd(conn: &mut redis::aio::MultiplexedConnection, c: &mut redis::Cmd) {
+        let _: redis::Value = c.query_async(conn).await.unwrap();
+    }
+
+    /// Publishes `node` as owned by `owner`, alive at `addr`, as the owner itself would.
+    async fn ghost_entry(
+        conn: &mut redis::aio::MultiplexedConnection,
+        p: &str,
+        node: &str,
+        owner: &str,
+        addr: &str,
+    ) {
+        let descriptor = NodeDescriptor {
+            engine: EngineKind::LlamaCpp,
+            models: vec![ModelDescriptor {
+                id: ModelId::new("m"),
+                max_context_tokens: None,
+            }],
+            vram_mib: 8192,
+            max_concurrency: 4,
+            agent_version: "test".into(),
+        };
+        let value = format!("{owner} {}", serde_json::to_string(&descriptor).unwrap());
+        cmd(
+            conn,
+            redis::cmd("SET")
+                .arg(format!("{p}node:{node}"))
+                .arg(value)
+                .arg("EX")
+                .arg(60),
+        )
+        .await;
+        cmd(conn, redis::cmd("SADD").arg(format!("{p}nodes")).arg(node)).await;
+        cmd(
+            conn,
+            redis::cmd("SET")
+                .arg(format!("{p}instance:{owner}"))
+                .arg(addr)
+                .arg("EX")
+                .arg(60),
+        )
+        .await;
+    }
+
+    fn request(node: &str) -> http::Request<BoxBody> {
+        let mut req = http::Request::post("/v1/chat/completions")
+            .body(BoxBody::new(
+                Empty::<Bytes>::new().map_err(|never| match never {}),
+            ))
+            .unwrap();
+        req.extensions_mut().insert(NodeId::new(node));
+        req
+    }
+
+    #[tokio::test]
+    async fn locate_checks_liveness_and_dispatch_follows() {
+        let p = format!("spinetest:locate:{}:", std::process::id());
+        let server = TunnelServer::new(
+            TunnelServerConfig::default(),
+            Arc::new(StaticAuthenticator::new()),
+            Arc::new(()),
+        );
+        let stop = CancellationToken::new();
+        stop.cancel();
+        let config = ClusterConfig {
+            redis_url: REDIS.into(),
+            instance_id: "b".into(),
+            key_prefix: p.clone(),
+            internal_listen: "127.0.0.1:0".parse().unwrap(),
+            internal_advertise: None,
+            secret: "0123456789abcdef-secret".into(),
+        };
+        let b = Cluster::start(
+            &config,
+            connect_redis(REDIS).unwrap(),
+            "127.0.0.1:9".into(),
+            NodeRegistry::new(),
+            vec![ModelId::new("m")],
+            server.tunnels(),
+            stop,
+        )
+        .await;
+        // the loop saw the cancelled token; from here on only the test syncs
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let mut conn = raw().await;
+        // an address nobody listens on: a port just freed
+        let refused = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap().to_string()
+        };
+        ghost_entry(&mut conn, &p, "n1", "ghost", "127.0.0.1:1").await;
+        ghost_entry(&mut conn, &p, "n2", "ghost2", &refused).await;
+        b.sync().await;
+        assert_eq!(
+            b.owner_of(&NodeId::new("n1")),
+            Some(("ghost".to_owned(), "127.0.0.1:1".to_owned()))
+        );
+
+        let n1 = NodeId::new("n1");
+        assert_eq!(
+            b.locate(&n1).await.unwrap(),
+            NodeLocation::Remote(RemoteOwner::new("ghost", "127.0.0.1:1"))
+        );
+        // the liveness key, read on each locate, is what names the address
+        cmd(
+            &mut conn,
+            redis::cmd("SET")
+                .arg(format!("{p}instance:ghost"))
+                .arg("127.0.0.1:2"),
+        )
+        .await;
+        assert_eq!(
+            b.locate(&n1).await.unwrap(),
+            NodeLocation::Remote(RemoteOwner::new("ghost", "127.0.0.1:2"))
+        );
+        assert_eq!(
+            b.locate(&NodeId::new("nobody")).await.unwrap(),
+            NodeLocation::Unknown
+        );
+
+        // the owner's liveness key is gone: refused before any byte, not the node's fault, and
+        // the owner's nodes leave routing
+        cmd(
+            &mut conn,
+            redis::cmd("DEL").arg(format!("{p}instance:ghost")),
+        )
+        .await;
+        let err = b.locate(&n1).await.unwrap_err();
+        assert!(matches!(
+            err.downcast_ref::<ClusterError>(),
+            Some(ClusterError::OwnerDead)
+        ));
+        assert!(ClusterError::not_node_fault(&err));
+        assert_eq!(b.owner_of(&n1), None);
+        assert_eq!(b.locate(&n1).await.unwrap(), NodeLocation::Unknown);
+
+        // the whole dispatch: an unknown node, then an owner that refuses connections
+        let svc = cluster_service(&b);
+        let err = svc.clone().oneshot(request("n1")).await.unwrap_err();
+        assert!(matches!(
+            err.downcast_ref::<DirectoryError>(),
+            Some(DirectoryError::UnknownNode(n)) if n == &n1
+        ));
+        assert!(ClusterError::not_node_fault(&err));
+        let err = svc.oneshot(request("n2")).await.unwrap_err();
+        assert!(
+            matches!(
+                err.downcast_ref::<ClusterError>(),
+                Some(ClusterError::OwnerUnreachable(_))
+            ),
+            "{err:?}"
+        );
+        assert!(ClusterError::not_node_fault(&err));
+        assert_eq!(b.owner_of(&NodeId::new("n2")), None, "owner suspected");
+
+        let keys: Vec<String> = redis::cmd("KEYS")
+            .arg(format!("{p}*"))
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        if !keys.is_empty() {
+            cmd(&mut conn, redis::cmd("DEL").arg(&keys)).await;
+        }
     }
 }

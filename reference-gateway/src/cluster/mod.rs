@@ -11,8 +11,10 @@
 //! - reads the directory every 500 ms into its [`NodeRegistry`] as *remote* nodes (a local
 //!   tunnel always wins), skipping nodes whose owner's liveness key is gone;
 //! - dispatches requests for remote nodes to the owner's internal HTTP/2 listener
-//!   ([`ClusterService`]) after checking the owner's liveness key, and relays requests other
-//!   instances forward to it into its own tunnels ([`internal`]).
+//!   ([`ClusterService`](forward::ClusterService): [`spine_router::DirectoryDispatch`] with
+//!   this instance's [`Cluster`] as the [`spine_router::NodeDirectory`], which checks the
+//!   owner's liveness key), and relays requests other instances forward to it into its own
+//!   tunnels ([`internal`]).
 //!
 //! Every Redis call has a [`REDIS_TIMEOUT`] bound. Redis down: local nodes keep serving, remote
 //! nodes age out of the registry after [`REMOTE_TTL`], affinity falls back to the in-memory
@@ -39,7 +41,7 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 pub(crate) use affinity::RedisAffinity;
-pub(crate) use forward::{ClusterError, ClusterService};
+pub(crate) use forward::{cluster_service, ClusterError};
 
 use crate::config::ClusterConfig;
 
