@@ -593,8 +593,12 @@ impl GeneratedText {
 const BYTE_LEVEL_PATTERN: &str =
     r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
 /// Most words the count cache holds (per model; with [`WORD_CACHE_MAX_BYTES`], about 6 MB at
-/// most); when full it starts over.
+/// most). When full, room for new words is made by evicting arbitrary entries (a `HashMap`'s
+/// iteration order), at most [`WORD_CACHE_INSERTS_PER_COUNT`] per count, so one text with many
+/// new words cannot flush the whole cache.
 const WORD_CACHE_ENTRIES: usize = 1 << 16;
+/// Most new words one count adds to the cache.
+const WORD_CACHE_INSERTS_PER_COUNT: usize = WORD_CACHE_ENTRIES / 16;
 /// Longest word (UTF-8 bytes) the count cache keeps.
 const WORD_CACHE_MAX_BYTES: usize = 48;
 
@@ -679,11 +683,13 @@ impl FastCounter {
     fn count<'t>(&self, model: &ModelWrapper, text: &'t str) -> Option<u64> {
         let mut total = 0u64;
         let mut special_tokens = 0u64;
-        let mut misses: Vec<(&'t str, u32)> = Vec::new();
+        // words this count has seen that the shared cache has not: counted once each (a text
+        // repeating a new word runs BPE on it once), added to the cache afterwards
+        let mut misses: HashMap<&'t str, u32> = HashMap::new();
         {
             let cache = self.cache.read().unwrap_or_else(PoisonError::into_inner);
             let mut word = |w: &'t str| -> Option<()> {
-                if let Some(&n) = cache.get(w) {
+                if let Some(&n) = cache.get(w).or_else(|| misses.get(w)) {
                     total += u64::from(n);
                     return Some(());
                 }
@@ -691,7 +697,7 @@ impl FastCounter {
                 total += n;
                 if w.len() <= WORD_CACHE_MAX_BYTES {
                     if let Ok(n) = u32::try_from(n) {
-                        misses.push((w, n));
+                        misses.insert(w, n);
                     }
                 }
                 Some(())
@@ -724,13 +730,19 @@ impl FastCounter {
             let mut cache = match self.cache.try_write() {
                 Ok(c) => c,
                 Err(TryLockError::Poisoned(e)) => e.into_inner(),
-                // another count is writing: skip caching this time
+                // another count holds the lock: skip caching this time (speed only; counts are
+                // exact either way)
                 Err(TryLockError::WouldBlock) => return Some(total),
             };
-            if cache.len() + misses.len() > WORD_CACHE_ENTRIES {
-                cache.clear();
+            let adding = misses.len().min(WORD_CACHE_INSERTS_PER_COUNT);
+            let over = (cache.len() + adding).saturating_sub(WORD_CACHE_ENTRIES);
+            if over > 0 {
+                let evict: Vec<Box<str>> = cache.keys().take(over).cloned().collect();
+                for w in evict {
+                    cache.remove(&w);
+                }
             }
-            for (w, n) in misses.into_iter().take(WORD_CACHE_ENTRIES) {
+            for (w, n) in misses.into_iter().take(adding) {
                 cache.insert(w.into(), n);
             }
         }
@@ -1374,5 +1386,215 @@ mod tests {
             proptest::prop_assert_eq!(t.count_text(&text), full);
             proptest::prop_assert_eq!(t.count_text(&text), full);
         }
+    }
+
+    /// REVIEW: characters of every class the split cares about, drawn from the whole of Unicode.
+    fn unicode_class_alphabet() -> &'static Vec<String> {
+        static A: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+        A.get_or_init(|| {
+            let mut out: Vec<String> = Vec::new();
+            for cp in 0u32..=0x10FFFF {
+                let Some(c) = char::from_u32(cp) else {
+                    continue;
+                };
+                if c.is_numeric() || c.is_whitespace() || c.is_control() && cp < 0x100 {
+                    out.push(c.to_string());
+                }
+            }
+            for c in [
+                'a',
+                'Z',
+                'é',
+                'ß',
+                'ǅ',
+                'ﬁ',
+                '한',
+                '中',
+                'ا',
+                'ש',
+                '\'',
+                '’',
+                '"',
+                '-',
+                '—',
+                '…',
+                '\u{200d}',
+                '\u{200c}',
+                '\u{feff}',
+                '\u{ad}',
+                '\u{fffd}',
+                '\u{fe0f}',
+                '\u{e000}',
+                '\u{ffff}',
+                '\u{10ffff}',
+                '\u{301}',
+                '\u{0345}',
+                '\u{1F469}',
+                '\u{1F3FD}',
+                's',
+                't',
+                'r',
+                'e',
+                'v',
+                'l',
+                'm',
+                'd',
+                'S',
+                '<',
+                '|',
+                '>',
+                '_',
+                '\u{16EE}',
+                '\u{2160}',
+                '\u{3007}',
+                '\u{1D7CE}',
+                '\u{FF10}',
+                '\u{0E50}',
+            ] {
+                out.push(c.to_string());
+            }
+            for s in [
+                "<|im_start|>",
+                "<|im_end|>",
+                "<|endoftext|>",
+                "<|im_",
+                "<|",
+                "|>",
+                "<|im_start",
+                "'s",
+                "'ll",
+                "'re",
+                "  ",
+                "\r\n",
+                " \n",
+                "\n\n",
+            ] {
+                out.push(s.to_owned());
+            }
+            out
+        })
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(
+            1_000))]
+
+        #[test]
+        fn fast_equals_full_on_every_unicode_class(
+            picks in proptest::collection::vec(proptest::prelude::any::<proptest::sample::Index>(), 0..80)
+        ) {
+            let a = unicode_class_alphabet();
+            let text: String = picks.iter().map(|i| a[i.index(a.len())].as_str()).collect();
+            let t = tok();
+            let full = t.count_text_full(&text);
+            proptest::prop_assert_eq!(t.count_text(&text), full, "{:?}", text);
+            proptest::prop_assert_eq!(t.count_text(&text), full, "{:?}", text);
+        }
+    }
+
+    #[test]
+    fn fast_equals_full_on_long_runs() {
+        let t = tok();
+        let mut texts: Vec<String> = vec![
+            " ".repeat(300_000),
+            "\n".repeat(100_000) + "x",
+            "x".to_owned() + &" \t".repeat(100_000),
+            "7".repeat(200_000),
+            "a".repeat(200_000),
+            "\u{663}".repeat(50_000),
+            "\u{3000}".repeat(50_000) + "a",
+            "<|im_start|>".repeat(20_000),
+            "<|im_".repeat(40_000),
+            "'s".repeat(50_000),
+            "\u{1F642}".repeat(50_000),
+            "e\u{301}".repeat(50_000),
+        ];
+        let mut mixed = String::new();
+        for i in 0..30_000u32 {
+            mixed.push_str(&format!(
+                " w{i}x{}\u{a0}{}",
+                i % 7,
+                char::from_u32(0x4e00 + i % 5000).unwrap()
+            ));
+        }
+        texts.push(mixed);
+        for text in &texts {
+            let started = std::time::Instant::now();
+            let fast = t.count_text(text);
+            let fast_took = started.elapsed();
+            let started = std::time::Instant::now();
+            let full = t.count_text_full(text);
+            let full_took = started.elapsed();
+            eprintln!(
+                "len {} fast {fast} ({fast_took:?}) full {full} ({full_took:?})",
+                text.len()
+            );
+            assert_eq!(fast, full, "{:?}", &text[..text.len().min(40)]);
+        }
+    }
+
+    #[test]
+    fn concurrent_counts_stay_exact() {
+        let t = tok();
+        let texts: Vec<String> = (0..8)
+            .map(|k| {
+                (0..20_000u32)
+                    .map(|i| {
+                        let mut n = i * 7919 % 100_003 + k;
+                        let mut w = String::from(" t");
+                        while n > 0 {
+                            w.push(char::from(b'a' + (n % 26) as u8));
+                            n /= 26;
+                        }
+                        w
+                    })
+                    .collect()
+            })
+            .collect();
+        let want: Vec<u64> = texts.iter().map(|s| t.count_text_full(s)).collect();
+        std::thread::scope(|scope| {
+            for (s, w) in texts.iter().zip(&want) {
+                let t = t.clone();
+                scope.spawn(move || {
+                    for _ in 0..3 {
+                        assert_eq!(t.count_text(s), *w);
+                    }
+                });
+            }
+        });
+    }
+
+    #[test]
+    fn one_text_cannot_flush_the_word_cache() {
+        let t = ModelTokenizer::from_gguf(crate::test_support::model_gguf()).unwrap();
+        let fast = t.fast.as_ref().unwrap();
+        t.count_text(
+            &(0..20_000u32)
+                .map(|mut i| {
+                    let mut w = String::from(" q");
+                    while i > 0 {
+                        w.push(char::from(b'a' + (i % 26) as u8));
+                        i /= 26;
+                    }
+                    w
+                })
+                .collect::<String>(),
+        );
+        let before = fast.cache.read().unwrap().len();
+        t.count_text(&" zyxwq".repeat(70_000));
+        let after = fast.cache.read().unwrap().len();
+        assert!(
+            after >= before,
+            "one request emptied the shared cache: {before} -> {after}"
+        );
+        // a text of many new words adds at most its share, evicting no more than that
+        t.count_text(
+            &(0..100_000u32)
+                .map(|i| format!(" z{i}q"))
+                .collect::<String>(),
+        );
+        let later = fast.cache.read().unwrap().len();
+        assert!(later >= before, "{before} -> {later}");
+        assert!(later <= WORD_CACHE_ENTRIES);
     }
 }
