@@ -28,7 +28,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use common::{keygen, sse_data, start_agent, Gateway, CREDITS};
+use common::{keygen, metric, sse_data, start_agent, Gateway, CREDITS};
 use http_body_util::{BodyExt as _, Full, StreamBody};
 use hyper::body::{Frame, Incoming};
 use hyper_util::rt::TokioIo;
@@ -617,4 +617,69 @@ async fn affinity_ttft_bench() {
     }
     assert!(killed.iter().all(|t| t.2 == 200));
     drop(agents_off);
+}
+
+/// A request the gateway accepts but every llama-server answers 500 ("Failed to parse tools": a
+/// tool without `function`), aimed at one node with `prompt_cache_key`: the failure follows the
+/// request, not the node, so no node is scored (design brief §5; `Route`'s docs), only two nodes
+/// are tried, and the caller pays nothing. The nodes stay at the healthy score and still serve.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn caller_input_that_makes_llama_500_does_not_penalise_healthy_nodes() {
+    let engine = Engine::discover().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let llama_a = LlamaServer::start(&engine, 1).await.unwrap();
+    let llama_b = LlamaServer::start(&engine, 1).await.unwrap();
+    let gw = Gateway::start(dir.path(), &engine).await;
+    let t = tenant(&gw).await;
+    let (node_a, _agent_a) = add_node(&gw, dir.path(), &t.operator, &llama_a.url, "a").await;
+    let (node_b, _agent_b) = add_node(&gw, dir.path(), &t.operator, &llama_b.url, "b").await;
+    let series = "spine_router_attempts_total{result=\"request_fault\"}";
+    let faults_before = metric(&gw.metrics().await, series);
+    let mut statuses = Vec::new();
+    for _ in 0..12 {
+        let resp = gw
+            .api_post(
+                &t.api_key,
+                "/v1/chat/completions",
+                &json!({"model":"smollm2","max_tokens":2,"prompt_cache_key":"victim",
+                        "messages":[{"role":"user","content":"hi"}],
+                        "tools":[{"type":"function"}]}),
+            )
+            .await;
+        statuses.push(resp.status().as_u16());
+        let _ = resp.bytes().await;
+    }
+    println!("caller statuses {statuses:?}");
+    assert!(statuses.iter().all(|s| *s >= 500), "{statuses:?}");
+    for n in [&node_a, &node_b] {
+        let v = node_view(&gw, n).await.unwrap();
+        println!(
+            "node {n}: score {} failure_penalty {} attempts {} failures {}",
+            v["score"], v["score_parts"]["failure_penalty"], v["attempts"], v["failures"]
+        );
+        assert_eq!(v["failures"], 0, "{v}");
+        assert!(
+            v["score_parts"]["failure_penalty"].as_f64().unwrap() > 0.999,
+            "a healthy node was penalised by the caller's bad requests: {v}"
+        );
+        assert!(v["score"].as_f64().unwrap() > 0.9, "{v}");
+    }
+    // each request was tried on both nodes and stopped there
+    let faults = metric(&gw.metrics().await, series) - faults_before;
+    println!("request_fault attempts: {faults}");
+    assert_eq!(faults, 24.0);
+    // nothing charged, nothing held
+    assert_eq!(gw.balance(&t.account).await, (CREDITS, 0));
+    // both nodes still serve, and a success is scored as usual
+    let messages = json!([{"role":"user","content":"Say hi."}]);
+    let (_, status, events, _) = chat(&gw, &t.api_key, &messages, 4).await;
+    assert_eq!(status, 200, "{events:?}");
+    assert!(!text_of(&events).is_empty(), "{events:?}");
+    let mut attempts = 0;
+    for n in [&node_a, &node_b] {
+        attempts += node_view(&gw, n).await.unwrap()["attempts"]
+            .as_u64()
+            .unwrap();
+    }
+    assert_eq!(attempts, 1);
 }

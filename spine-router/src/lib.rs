@@ -21,7 +21,8 @@
 //! `NodeId` extension; see `examples/route_alone.rs` for two plain HTTP upstreams.
 //!
 //! Metrics (the `metrics` facade): `spine_router_sticky_total{result="hit|miss|new"}` for picks
-//! with an affinity key, `spine_router_attempts_total{result="success|failure|disconnect"}`.
+//! with an affinity key, `spine_router_attempts_total{result="success|failure|disconnect|request_fault|unresolved"}`
+//! (the last two: answer-type failures left unscored; see `Route`).
 //!
 //! ```
 //! use spine_core::{EngineKind, ModelDescriptor, ModelId, NodeDescriptor, NodeId};

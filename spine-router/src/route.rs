@@ -135,19 +135,48 @@ impl<S> Layer<S> for RouteLayer {
 /// 3. Each attempt: picks a node not tried yet, inserts its [`NodeId`] into the request
 ///    extensions (the transport reads it) and records it in the [`NodeSlot`] extension, calls the
 ///    inner service, then
-///    - inner error (connect failure, tunnel gone) or a 5xx, 408 or 429 head: failure, retry;
+///    - inner error (connect failure, tunnel gone) or a 502 / 503 / 504, 408 or 429 head (and
+///      401 / 403 / 404 / 405…): failure of the node, scored at once, retry;
+///    - any other 5xx head: an *answer-type* failure, retry; scored only as described below;
 ///    - an inner error recognised by [`RouteLayer::not_node_fault`] (the tunnel's per-node stream
 ///      limit): retry, not scored against the node;
 ///    - any other 4xx head (the caller's fault): returned to the caller as is, no retry, not
 ///      scored;
 ///    - 2xx: buffers body frames and feeds them to the classifier until it says
-///      [`BodySignal::Content`] (commit) or [`BodySignal::Failed`] (error event, empty stream,
-///      body broken before content: failure, retry).
+///      [`BodySignal::Content`] (commit) or [`BodySignal::Failed`] (error event or empty stream:
+///      an answer-type failure, retry; a body broken before content: a disconnect, scored at
+///      once, retry).
 ///    - nothing committed within [`RouteConfig::first_content_timeout`] of sending: failure,
 ///      retry ([`RouteError::FirstContentTimeout`] when no retry is left);
-/// 4. At most [`RouteConfig::max_retries`] retries; when none is left (or no untried node has a
-///    slot) the last failed answer is returned as it came (a non-2xx response, the buffered error
-///    stream) or its error.
+/// 4. At most [`RouteConfig::max_retries`] retries, and none after the second identical
+///    answer-type failure; when none is left (or no untried node has a slot) the last failed
+///    answer is returned as it came (a non-2xx response, the buffered error stream) or its error.
+///
+/// # Failures that follow the request
+///
+/// An answer-type failure may be the request's doing rather than the node's: a body that every
+/// llama-server rejects with 500 ("Failed to parse tools") would otherwise cost each node it
+/// reaches a ×0.8 penalty while the caller pays nothing, and `prompt_cache_key` lets a caller aim
+/// it at one node. So these failures are not scored when they happen; when the request's
+/// attempts are over:
+/// - a later attempt on another node committed → the request was servable: every earlier
+///   answer-type failure is recorded as the node's failure;
+/// - the same answer-type failure (same 5xx status, or both an error event / both an empty
+///   stream) on a second node → the request itself fails: no further node is tried, the second
+///   answer goes back to the caller, and neither node is scored
+///   (`spine_router_attempts_total{result="request_fault"}`);
+/// - a later node answers with the caller's 4xx → likewise not scored (`request_fault`);
+/// - otherwise (a single candidate, `max_retries` 0, different failures on different nodes with
+///   no node left, the other attempts all connect failures or timeouts) → not scored either
+///   (`result="unresolved"`). With one answer there is nothing to compare it with, and scoring it
+///   would reopen the attack on any node that happens to be the only one left. The price: a lone
+///   node that fails every request this way is not penalised while it is alone; as soon as
+///   another node serves a request it failed, it is. Two *different* failures alone do not
+///   implicate either node (nodes run different engines and versions, which reject a bad request
+///   differently); they only keep the retries going, and a later success scores them all.
+///
+/// Connect failures, timeouts to first content, bodies broken before content (disconnects) and
+/// the other statuses above are scored at once, as before; node full is never scored.
 ///
 /// A committed response carries the [`NodeId`] in its extensions and the node's in-flight lease in
 /// its body until the body ends or is dropped. The body keeps feeding the classifier: at its end
@@ -255,7 +284,58 @@ enum Attempt {
     Committed(http::Response<BoxBody>),
     /// The caller's own fault (a 4xx other than 408/429): returned as is, not retried.
     Final(http::Response<BoxBody>),
-    Failed(Result<http::Response<BoxBody>, BoxError>),
+    /// A failure, with its answer (or error) for the caller if no retry is left. `None`: already
+    /// scored (connect failure, timeout, broken body) or never scored (node full); `Some`: an
+    /// answer-type failure whose scoring waits for the other attempts (see [`Route`]).
+    Failed(
+        Result<http::Response<BoxBody>, BoxError>,
+        Option<AnswerFault>,
+    ),
+}
+
+/// An answer-type failure before the first byte: the node answered, but with a failure that may
+/// follow the request rather than the node. Two equal values on two nodes mean the request
+/// itself fails (no third node is tried, neither node is scored).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum AnswerFault {
+    /// A 5xx head other than 502 / 503 / 504 (e.g. llama-server's 500 "Failed to parse tools").
+    Status(u16),
+    /// A 2xx stream that failed before its first content: an error event (`empty: false`) or a
+    /// stream that ended with nothing at all (`empty: true`).
+    Stream {
+        /// Whether the node sent no byte at all.
+        empty: bool,
+    },
+}
+
+/// Answer-type failures of one request whose scoring waits until its attempts are over.
+#[derive(Default)]
+struct Deferred(Vec<(NodeId, AnswerFault)>);
+
+impl Deferred {
+    /// A later attempt on another node committed: the request was servable, so every earlier
+    /// answer-type failure was the node's fault.
+    fn node_faults(self, registry: &NodeRegistry) {
+        for (node, _) in self.0 {
+            registry.record_failure(&node);
+        }
+    }
+
+    /// The attempts are over without a commit: nothing proves the nodes wrong. `result` is the
+    /// [`ATTEMPTS_METRIC`](crate::ATTEMPTS_METRIC) label: `request_fault` (the same failure on
+    /// two nodes, or a caller's 4xx from another node) or `unresolved` (no other node answered
+    /// to compare with).
+    fn unscored(self, result: &'static str) {
+        if !self.0.is_empty() {
+            tracing::info!(
+                nodes = ?self.0.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(),
+                result,
+                "answer-type failures not scored"
+            );
+            metrics::counter!(crate::ATTEMPTS_METRIC, "result" => result)
+                .increment(self.0.len() as u64);
+        }
+    }
 }
 
 /// What [`route`] needs besides the inner service and the request.
@@ -321,6 +401,7 @@ where
 
     let mut tried: Vec<NodeId> = Vec::new();
     let mut last: Option<Result<http::Response<BoxBody>, BoxError>> = None;
+    let mut deferred = Deferred::default();
     for attempt in 0..=config.max_retries {
         let picked = match &shared {
             Some(preferred) => {
@@ -330,10 +411,13 @@ where
         };
         let pick = match picked {
             Ok(pick) => pick,
-            Err(e) => match last {
-                Some(last) => return last,
-                None => return Err(e.into()),
-            },
+            Err(e) => {
+                deferred.unscored("unresolved");
+                match last {
+                    Some(last) => return last,
+                    None => return Err(e.into()),
+                }
+            }
         };
         let node = pick.lease.node().clone();
         tracing::debug!(node = %node, attempt, sticky = pick.sticky.as_str(), "routed");
@@ -371,8 +455,13 @@ where
             deadline,
         };
         match try_commit(result, pick.lease, ctx).await {
-            Attempt::Final(resp) => return Ok(resp),
+            Attempt::Final(resp) => {
+                // another node calls the request itself wrong: earlier 5xx were likely its too
+                deferred.unscored("request_fault");
+                return Ok(resp);
+            }
             Attempt::Committed(resp) => {
+                deferred.node_faults(&registry);
                 if let Some(key) = &key {
                     registry.remember(&peek.model, key, &node);
                     if let Some(store) = &affinity {
@@ -387,13 +476,23 @@ where
                 }
                 return Ok(resp);
             }
-            Attempt::Failed(answer) => {
-                tracing::info!(node = %node, attempt, "attempt failed before the first byte");
+            Attempt::Failed(answer, fault) => {
+                tracing::info!(node = %node, attempt, ?fault, "attempt failed before the first byte");
+                if let Some(fault) = fault {
+                    let seen = deferred.0.iter().any(|(_, f)| *f == fault);
+                    deferred.0.push((node.clone(), fault));
+                    if seen {
+                        // the same answer from two nodes follows the request: no third node
+                        deferred.unscored("request_fault");
+                        return answer;
+                    }
+                }
                 tried.push(node);
                 last = Some(answer);
             }
         }
     }
+    deferred.unscored("unresolved");
     match last {
         Some(last) => last,
         None => Err(RouteError::NoNodeForModel(peek.model).into()),
@@ -444,6 +543,21 @@ fn retryable_status(status: http::StatusCode) -> bool {
     )
 }
 
+/// Whether a failed non-2xx head is an answer-type failure (scored only once the request's other
+/// attempts show that it was the node's): a 5xx other than 502 / 503 / 504. Those three, like
+/// 408 / 429 / 401 / 404…, say that the node (or the proxy in front of its engine) cannot serve
+/// at all, whatever the request, and are scored at once.
+fn answer_fault_status(status: http::StatusCode) -> Option<AnswerFault> {
+    let deferred = status.is_server_error()
+        && !matches!(
+            status,
+            http::StatusCode::BAD_GATEWAY
+                | http::StatusCode::SERVICE_UNAVAILABLE
+                | http::StatusCode::GATEWAY_TIMEOUT
+        );
+    deferred.then_some(AnswerFault::Status(status.as_u16()))
+}
+
 /// What [`try_commit`] needs besides the attempt itself.
 struct CommitCtx<'a> {
     registry: &'a NodeRegistry,
@@ -454,7 +568,8 @@ struct CommitCtx<'a> {
     deadline: Option<Instant>,
 }
 
-/// Reads a 2xx body up to its first content; records a failed attempt.
+/// Reads a 2xx body up to its first content; records a failed attempt, except an answer-type
+/// failure, which it hands to [`route`] as an [`AnswerFault`] to score later.
 async fn try_commit(
     result: Result<http::Response<BoxBody>, BoxError>,
     lease: InFlightLease,
@@ -477,7 +592,7 @@ async fn try_commit(
             } else {
                 registry.record_failure(&node);
             }
-            return Attempt::Failed(Err(e));
+            return Attempt::Failed(Err(e), None);
         }
     };
     if !resp.status().is_success() && !retryable_status(resp.status()) {
@@ -490,12 +605,16 @@ async fn try_commit(
         ));
     }
     if !resp.status().is_success() {
-        registry.record_failure(&node);
+        let fault = answer_fault_status(resp.status());
+        if fault.is_none() {
+            registry.record_failure(&node);
+        }
         // the body (usually a short error) goes to the caller if this was the last attempt; the
         // lease rides with it
-        return Attempt::Failed(Ok(
-            resp.map(|inner| BoxBody::new(RoutedBody::passthrough(inner, lease)))
-        ));
+        return Attempt::Failed(
+            Ok(resp.map(|inner| BoxBody::new(RoutedBody::passthrough(inner, lease)))),
+            fault,
+        );
     }
     let content_type = resp
         .headers()
@@ -515,7 +634,7 @@ async fn try_commit(
         let Some(next) = within(deadline, body.frame()).await else {
             // accepted, then silent: the node's fault, retried elsewhere
             registry.record_failure(&node);
-            return Attempt::Failed(Err(first_content_timeout(config)));
+            return Attempt::Failed(Err(first_content_timeout(config)), None);
         };
         match next {
             Some(Ok(frame)) => {
@@ -549,13 +668,13 @@ async fn try_commit(
             Some(Err(e)) => {
                 // broken before anything reached the caller: still retryable
                 registry.record_disconnect(&node);
-                return Attempt::Failed(Err(e));
+                return Attempt::Failed(Err(e), None);
             }
         }
     };
     match signal {
         BodySignal::Failed => {
-            registry.record_failure(&node);
+            // scored (or not) by `route` once the other attempts are known
             // what the node sent (its error event) is the answer if no retry is left
             let mut bytes = BytesMut::new();
             for frame in prefix {
@@ -564,10 +683,16 @@ async fn try_commit(
                 }
             }
             drop(lease);
-            Attempt::Failed(Ok(http::Response::from_parts(
-                parts,
-                BoxBody::new(Full::new(bytes.freeze()).map_err(|never| match never {})),
-            )))
+            let fault = AnswerFault::Stream {
+                empty: bytes.is_empty(),
+            };
+            Attempt::Failed(
+                Ok(http::Response::from_parts(
+                    parts,
+                    BoxBody::new(Full::new(bytes.freeze()).map_err(|never| match never {})),
+                )),
+                Some(fault),
+            )
         }
         _ => {
             let ttft = streamed.then(|| started.elapsed());
@@ -613,8 +738,8 @@ struct RoutedBody {
     inner: BoxBody,
     inner_ended: bool,
     lease: Option<InFlightLease>,
-    /// `None` for a non-2xx answer (its failure is recorded already, or a caller's 4xx that is
-    /// not scored) and after the end.
+    /// `None` for a non-2xx answer (its failure is recorded already or left to [`route`], or a
+    /// caller's 4xx that is not scored) and after the end.
     watch: Option<Watch>,
 }
 

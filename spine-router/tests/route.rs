@@ -67,6 +67,8 @@ impl ClassifyBody for Words {
 enum Script {
     Ok,
     Status503,
+    /// A 500 that follows the request (llama-server's answer to a malformed `tools`).
+    Status500,
     ConnectError,
     ErrorEvent,
     EmptyStream,
@@ -185,6 +187,7 @@ fn upstream(
                         Full::new(Bytes::from_static(b"busy")).map_err(|n| match n {}),
                     ))
                     .unwrap()),
+                Script::Status500 => Ok(status(500, "Failed to parse tools")),
                 Script::ConnectError => Err::<_, BoxError>("connect refused".into()),
                 Script::ErrorEvent => Ok(sse(vec![Ok("data: role\n\n"), Ok("data: err\n\n")])),
                 Script::EmptyStream => Ok(sse(vec![])),
@@ -305,15 +308,18 @@ async fn run_one_streamed(
 
 #[tokio::test]
 async fn failures_before_the_first_byte_are_retried_on_another_node() {
-    for bad in [
-        Script::Status503,
-        Script::ConnectError,
-        Script::ErrorEvent,
-        Script::EmptyStream,
+    // two answer-type failures that agree would end the request (see
+    // `a_failure_every_node_gives_is_not_scored`), so those come in differing pairs here
+    for (bad, other) in [
+        (Script::Status503, Script::Status503),
+        (Script::ConnectError, Script::ConnectError),
+        (Script::ErrorEvent, Script::EmptyStream),
+        (Script::EmptyStream, Script::Status500),
+        (Script::Status500, Script::ErrorEvent),
     ] {
         // every failing node is tried at most once; the healthy one answers in the end
         let (r, log, out, slot) =
-            run_one(&[("bad1", bad), ("bad2", bad), ("good", Script::Ok)], 2).await;
+            run_one(&[("bad1", bad), ("bad2", other), ("good", Script::Ok)], 2).await;
         let (node, body) = out.unwrap();
         assert_eq!(node.as_str(), "good", "{bad:?}");
         assert_eq!(
@@ -330,9 +336,13 @@ async fn failures_before_the_first_byte_are_retried_on_another_node() {
         nodes.dedup();
         assert_eq!(nodes.len(), log.len(), "{bad:?}: a node tried twice");
         assert_eq!(stats(&r, "good"), (1, 0, 0));
+        // a failing node that was tried is scored (the healthy answer shows the request was
+        // servable)
         for n in ["bad1", "bad2"] {
             let (attempts, failures, _) = stats(&r, n);
             assert_eq!(attempts, failures, "{bad:?} {n}");
+            let tried = log.iter().filter(|(l, _)| l.as_str() == n).count() as u64;
+            assert_eq!(attempts, tried, "{bad:?} {n}");
         }
         // all leases released
         assert!(r.snapshot().iter().all(|s| s.in_flight == 0));
@@ -534,4 +544,112 @@ async fn a_silent_node_times_out_and_is_retried_elsewhere() {
             assert_eq!(attempts, failures, "{silent:?} {n}");
         }
     }
+}
+
+fn penalty(r: &NodeRegistry, node: &str) -> f64 {
+    r.snapshot()
+        .into_iter()
+        .find(|s| s.node_id.as_str() == node)
+        .unwrap()
+        .score
+        .failure_penalty
+}
+
+#[tokio::test]
+async fn a_failure_every_node_gives_is_not_scored() {
+    for (bad, answer) in [
+        (Script::Status500, &b"Failed to parse tools"[..]),
+        (Script::ErrorEvent, &b"data: role\n\ndata: err\n\n"[..]),
+        (Script::EmptyStream, &b""[..]),
+    ] {
+        let scripts = [("a", bad), ("b", bad), ("c", bad), ("d", bad)];
+        let (r, log, out, _) = run_one(&scripts, 3).await;
+        // the second identical answer ends the request: no third node burnt
+        assert_eq!(log.0.lock().unwrap().len(), 2, "{bad:?}");
+        assert_eq!(&out.unwrap().1.unwrap()[..], answer, "{bad:?}");
+        for (n, _) in scripts {
+            assert_eq!(stats(&r, n), (0, 0, 0), "{bad:?}: {n} was scored");
+            assert!(penalty(&r, n) > 0.999, "{bad:?}: {n} was penalised");
+        }
+        assert!(r.snapshot().iter().all(|s| s.in_flight == 0));
+    }
+}
+
+#[tokio::test]
+async fn a_caller_cannot_aim_a_failing_request_at_a_node() {
+    // the reviewer's attack: the same bad body, again and again, with one prompt_cache_key
+    let r = registry(&["a", "b"]);
+    let log = Log::default();
+    let scripts: HashMap<&str, Script> = [("a", Script::Status500), ("b", Script::Status500)]
+        .into_iter()
+        .collect();
+    let svc = RouteLayer::new(r.clone())
+        .classify(Arc::new(Words))
+        .layer(upstream(scripts, log.clone()));
+    for _ in 0..12 {
+        let (req, _) = request(Some("victim"));
+        let resp = svc.clone().oneshot(req).await.unwrap();
+        assert_eq!(resp.status(), 500);
+        resp.into_body().collect().await.unwrap();
+    }
+    assert_eq!(log.0.lock().unwrap().len(), 24);
+    for n in ["a", "b"] {
+        assert_eq!(stats(&r, n), (0, 0, 0), "{n} was scored");
+        let score = r.score(&NodeId::new(n)).unwrap();
+        assert!(score.score > 0.99, "{n}: {score:?}");
+    }
+}
+
+#[tokio::test]
+async fn a_broken_node_is_scored_when_another_node_serves_the_request() {
+    // the pick is weighted at random: over 20 requests the broken node is tried at least once
+    // (the odds that it never is are about 2^-20)
+    let r = registry(&["broken", "good"]);
+    let log = Log::default();
+    let scripts: HashMap<&str, Script> = [("broken", Script::Status500), ("good", Script::Ok)]
+        .into_iter()
+        .collect();
+    let svc = RouteLayer::new(r.clone())
+        .classify(Arc::new(Words))
+        .layer(upstream(scripts, log.clone()));
+    for _ in 0..20 {
+        let (req, _) = request(None);
+        let resp = svc.clone().oneshot(req).await.unwrap();
+        assert_eq!(
+            resp.extensions().get::<NodeId>(),
+            Some(&NodeId::new("good"))
+        );
+        let body = resp.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(&body[..], b"data: role\n\ndata: tok\n\ndata: end\n\n");
+    }
+    let tried = log
+        .0
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(n, _)| n.as_str() == "broken")
+        .count() as u64;
+    assert!(tried >= 1);
+    assert_eq!(stats(&r, "broken"), (tried, tried, 0));
+    assert_eq!(stats(&r, "good"), (20, 0, 0));
+    assert!(penalty(&r, "broken") < 0.81, "{}", penalty(&r, "broken"));
+}
+
+#[tokio::test]
+async fn a_lone_answer_type_failure_is_not_scored() {
+    // one candidate: nothing to compare the 500 with (see `Route`'s docs)
+    let (r, log, out, _) = run_one(&[("a", Script::Status500)], 2).await;
+    assert_eq!(log.0.lock().unwrap().len(), 1);
+    assert_eq!(&out.unwrap().1.unwrap()[..], b"Failed to parse tools");
+    assert_eq!(stats(&r, "a"), (0, 0, 0));
+    // a 500 and then another node's 400: the request is at fault, neither is scored
+    let (r, _, out, _) = run_one(&[("a", Script::Status500), ("b", Script::Status400)], 2).await;
+    assert_eq!(&out.unwrap().1.unwrap()[..], b"bad request");
+    assert_eq!(stats(&r, "a"), (0, 0, 0));
+    assert_eq!(stats(&r, "b"), (0, 0, 0));
+    // a 500 and then a connect failure elsewhere: only the connect failure is scored
+    let (r, log, _, _) = run_one(&[("a", Script::Status500), ("b", Script::ConnectError)], 2).await;
+    assert_eq!(log.0.lock().unwrap().len(), 2);
+    assert_eq!(stats(&r, "a"), (0, 0, 0));
+    assert_eq!(stats(&r, "b"), (1, 1, 0));
 }
