@@ -55,11 +55,13 @@ fn is_stripped(name: &HeaderName, request: bool) -> bool {
     HOP_BY_HOP.contains(&n)
         || n == "upgrade"
         || n.starts_with("proxy-")
-        || (request && (n == "authorization" || n == "host" || n.starts_with("x-spine-")))
+        || n.starts_with("x-spine-")
+        || (request && (n == "authorization" || n == "host"))
 }
 
-/// Copies `headers` minus hop-by-hop headers, those the `Connection` header names, and (for
-/// requests) `authorization`, `host` and every `x-spine-*` header.
+/// Copies `headers` minus hop-by-hop headers, those the `Connection` header names, every
+/// `x-spine-*` header (both ways: only the gateway sets them, so an engine cannot fake, say, an
+/// owner's `x-spine-refusal`) and (for requests) `authorization` and `host`.
 fn filter_headers(headers: &HeaderMap, request: bool) -> HeaderMap {
     let named_by_connection: Vec<String> = headers
         .get_all(header::CONNECTION)
@@ -336,6 +338,24 @@ mod tests {
         let mut names: Vec<&str> = out.keys().map(|k| k.as_str()).collect();
         names.sort_unstable();
         assert_eq!(names, vec!["accept", "content-type", "x-request-id"]);
+    }
+
+    #[test]
+    fn engine_responses_lose_x_spine_headers() {
+        let mut h = HeaderMap::new();
+        for (n, v) in [
+            ("x-spine-refusal", "node_full"),
+            ("x-spine-node-id", "n2"),
+            ("content-type", "application/json"),
+            ("x-request-id", "req-1"),
+            ("connection", "close"),
+        ] {
+            h.append(HeaderName::from_static(n), HeaderValue::from_static(v));
+        }
+        let out = filter_headers(&h, false);
+        let mut names: Vec<&str> = out.keys().map(|k| k.as_str()).collect();
+        names.sort_unstable();
+        assert_eq!(names, vec!["content-type", "x-request-id"]);
     }
 
     /// A fake engine on 127.0.0.1: records request heads, streams `/v1/chat/completions` from a

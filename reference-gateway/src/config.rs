@@ -317,6 +317,17 @@ impl Config {
                 "instance_id: 1 to 64 letters, digits, '.', '_' or '-'".into(),
             ));
         }
+        // peers dial the advertised address: 0.0.0.0 / :: would make them dial themselves
+        let advertised_ip = match &self.internal_advertise {
+            Some(a) => a.parse::<SocketAddr>().ok().map(|a| a.ip()),
+            None => Some(self.internal_listen.ip()),
+        };
+        if advertised_ip.is_some_and(|ip| ip.is_unspecified()) {
+            return Err(ConfigError::Invalid(
+                "internal_advertise: other instances cannot dial an unspecified address                  (0.0.0.0 or ::); with internal_listen on one, set internal_advertise to this                  instance's reachable host:port"
+                    .into(),
+            ));
+        }
         Ok(())
     }
 
@@ -464,6 +475,23 @@ mod tests {
             .map(|e| e.to_string())
             .unwrap_or_default();
         assert!(err.contains("instance_id"), "{err}");
+        for unspecified in [
+            "internal_listen = \"0.0.0.0:7100\"\n",
+            "internal_listen = \"[::]:7100\"\n",
+            "internal_advertise = \"0.0.0.0:7100\"\n",
+        ] {
+            let text = format!("{pg}cluster_secret = \"0123456789abcdef\"\n{unspecified}");
+            let err = load_text(&text)
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default();
+            assert!(err.contains("internal_advertise"), "{unspecified}: {err}");
+        }
+        let advertised = format!(
+            "{pg}cluster_secret = \"0123456789abcdef\"\ninternal_listen = \"0.0.0.0:7100\"\n\
+             internal_advertise = \"gw1.internal:7100\"\n"
+        );
+        assert!(load_text(&advertised).is_ok());
 
         let ok = format!("{pg}cluster_secret = \"0123456789abcdef\"\n");
         let config = load_text(&ok);

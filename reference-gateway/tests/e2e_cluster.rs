@@ -1559,3 +1559,207 @@ async fn cross_instance_hop_overhead() {
     );
     println!("({N} requests per path, alternating, sequential; goal ≤ +0.5 ms at p50)");
 }
+
+/// Sends SIGCONT to a stopped process when dropped (also when the test panics).
+struct Thaw(u32);
+
+impl Drop for Thaw {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("kill")
+            .args(["-CONT", &self.0.to_string()])
+            .status();
+    }
+}
+
+/// An owner that stops answering without closing its sockets (SIGSTOP here; a machine crash or
+/// a partition in production): the internal hop's HTTP/2 PINGs (1 s, answered within 3 s) fail
+/// its connections, so a stream already forwarded through it ends with an error event, and a
+/// non-streamed request forwarded while its liveness key still lives fails over, both within
+/// a few seconds instead of hanging.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_owner_fails_forwarded_requests_within_seconds() {
+    use futures_util::StreamExt as _;
+    /// Acceptance bound: PING interval + timeout (4 s) with room for a loaded machine.
+    const WITHIN: Duration = Duration::from_secs(10);
+    let _serial = SERIAL.lock().await;
+    let cluster = Cluster::start(Options {
+        completion_tokens: 400,
+        itl_micros: 25_000,
+        ..Options::default()
+    })
+    .await;
+    let key = cluster.api_key.clone();
+    let gw1 = cluster.gw(1);
+    let resp = gw1
+        .http
+        .post(format!("{}/v1/chat/completions", gw1.public))
+        .bearer_auth(&key)
+        .json(
+            &json!({"model": model(0), "stream": true, "max_tokens": 400,
+                      "messages": [{"role": "user", "content": "Say the word the."}]}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut body = resp.bytes_stream();
+    let first = body.next().await;
+    assert!(matches!(first, Some(Ok(_))), "{first:?}");
+    let pid = cluster.gw(0).child.id().unwrap();
+    let stop = std::process::Command::new("kill")
+        .args(["-STOP", &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(stop.success());
+    let thaw = Thaw(pid);
+    let frozen_at = Instant::now();
+    println!("SIGSTOP instance 0 (pid {pid}, owner of node 0) mid-stream");
+
+    // a non-streamed request for m0 through instance 2 while the liveness key still lives
+    let gw2_public = cluster.gw(2).public.clone();
+    let key2 = key.clone();
+    let nonstream = tokio::spawn(async move {
+        let started = Instant::now();
+        let r = reqwest::Client::new()
+            .post(format!("{gw2_public}/v1/chat/completions"))
+            .bearer_auth(&key2)
+            .timeout(Duration::from_secs(20))
+            .json(&json!({"model": "m0", "max_tokens": 4,
+                          "messages": [{"role": "user", "content": "Say the word the."}]}))
+            .send()
+            .await;
+        let outcome = match r {
+            Ok(resp) => Ok((
+                resp.status().as_u16(),
+                resp.text().await.unwrap_or_default(),
+            )),
+            Err(e) => Err(format!("client error (timeout: {}): {e}", e.is_timeout())),
+        };
+        (started.elapsed(), outcome)
+    });
+
+    let mut after = Vec::new();
+    let ended = tokio::time::timeout(Duration::from_secs(20), async {
+        while let Some(c) = body.next().await {
+            match c {
+                Ok(b) => after.extend_from_slice(&b),
+                Err(e) => return Err(e.to_string()),
+            }
+        }
+        Ok(())
+    })
+    .await;
+    let stream_wait = frozen_at.elapsed();
+    let (ns_wait, ns_outcome) = nonstream.await.unwrap();
+    drop(thaw);
+    let after = String::from_utf8_lossy(&after);
+    println!(
+        "forwarded stream after the freeze: {} bytes, ended {ended:?} after {}",
+        after.len(),
+        ms(stream_wait)
+    );
+    println!(
+        "non-streamed forwarded request during the freeze: {ns_outcome:?} after {}",
+        ms(ns_wait)
+    );
+    assert!(
+        ended.is_ok() && stream_wait < WITHIN,
+        "the forwarded stream hung for {stream_wait:?} after its owner froze"
+    );
+    assert_eq!(ended, Ok(Ok(())), "the caller's stream ends cleanly");
+    assert!(
+        after.contains("\"code\":\"upstream_failed\"") && !after.contains("[DONE]"),
+        "the stream ends with an error event: …{}",
+        &after[after.len().saturating_sub(300)..]
+    );
+    assert!(
+        ns_wait < WITHIN,
+        "a non-streamed forwarded request hung for {ns_wait:?}: {ns_outcome:?}"
+    );
+    // node 0 is the only node serving m0 and its owner is frozen: an OpenAI-shaped error
+    let (status, text) = ns_outcome.unwrap();
+    assert!(status >= 500, "{status} {text}");
+    let e: Value = serde_json::from_str(&text).unwrap();
+    assert!(e["error"]["message"].is_string(), "{text}");
+}
+
+/// Every request one instance forwards to one owner shares one HTTP/2 connection; the owner's
+/// internal listener allows 4,096 concurrent streams on it (hyper's default was 200: the 201st
+/// forwarded request waited for another to end). 240 concurrent 6 s streams to node 0, first
+/// on its own instance, then forwarded from another: the forwarded TTFB stays close to the
+/// local one (queueing would add a whole stream, ≥ 6 s, to the slowest 40).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_200_forwarded_streams_to_one_owner_do_not_queue() {
+    /// Over hyper's default 200, under the tunnel's per-node limit (256).
+    const STREAMS: usize = 240;
+    let _serial = SERIAL.lock().await;
+    let cluster = Cluster::start(Options {
+        completion_tokens: 60,
+        itl_micros: 100_000,
+        agent_concurrency: 1000,
+        ..Options::default()
+    })
+    .await;
+    let key = cluster.api_key.clone();
+    let mut max_ttfb = Vec::new();
+    for on in [0usize, 1] {
+        let public = cluster.gw(on).public.clone();
+        let client = reqwest::Client::new();
+        let started = Instant::now();
+        let tasks: Vec<_> = (0..STREAMS)
+            .map(|_| {
+                let (client, public, key) = (client.clone(), public.clone(), key.clone());
+                tokio::spawn(async move {
+                    let t0 = Instant::now();
+                    let mut resp = client
+                        .post(format!("{public}/v1/chat/completions"))
+                        .bearer_auth(&key)
+                        .timeout(Duration::from_secs(60))
+                        .json(&json!({"model": "m0", "stream": true, "max_tokens": 60,
+                                      "messages": [{"role": "user", "content": "Say the word the."}]}))
+                        .send()
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    let status = resp.status().as_u16();
+                    let first = resp.chunk().await;
+                    let ttfb = t0.elapsed();
+                    if status != 200 {
+                        return Err(format!("{status} {first:?}"));
+                    }
+                    while let Ok(Some(_)) = resp.chunk().await {}
+                    Ok::<_, String>((status, ttfb))
+                })
+            })
+            .collect();
+        let mut ttfbs = Vec::new();
+        let mut errors = Vec::new();
+        for t in tasks {
+            match t.await.unwrap() {
+                Ok((200, d)) => ttfbs.push(d),
+                Ok((s, _)) => errors.push(format!("status {s}")),
+                Err(e) => errors.push(e),
+            }
+        }
+        ttfbs.sort();
+        let max = *ttfbs.last().unwrap_or(&Duration::ZERO);
+        println!(
+            "{STREAMS} streams for m0 (node 0, tunnel on instance 0) through instance {on}: ok {}, errors {:?}, TTFB p50 {} p90 {} max {} (all done in {:?})",
+            ttfbs.len(),
+            errors.iter().take(3).collect::<Vec<_>>(),
+            ms(percentile(&ttfbs, 0.5)),
+            ms(percentile(&ttfbs, 0.9)),
+            ms(max),
+            started.elapsed()
+        );
+        assert!(errors.is_empty(), "{errors:?}");
+        assert_eq!(ttfbs.len(), STREAMS);
+        max_ttfb.push(max);
+    }
+    let (local, forwarded) = (max_ttfb[0], max_ttfb[1]);
+    assert!(
+        forwarded < local + Duration::from_secs(3),
+        "forwarded streams queued: max TTFB {} forwarded vs {} local",
+        ms(forwarded),
+        ms(local)
+    );
+}

@@ -15,7 +15,7 @@ use http::header::{HeaderName, HeaderValue, AUTHORIZATION};
 use http_body_util::BodyExt;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
 use spine_core::{BoxBody, BoxError, NodeId};
 use spine_router::{
     DirectoryDispatch, DirectoryError, DirectoryFuture, NodeDirectory, NodeLocation, RemoteOwner,
@@ -30,6 +30,24 @@ pub(crate) const X_SPINE_NODE_ID: HeaderName = HeaderName::from_static("x-spine-
 pub(crate) const X_SPINE_REFUSAL: HeaderName = HeaderName::from_static("x-spine-refusal");
 /// Connect timeout of the internal hop.
 pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_millis(200);
+/// HTTP/2 PING interval on the internal hop (both ends), idle or not.
+pub(crate) const KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(1);
+/// A PING unanswered for this long closes the connection: every stream on it fails, so an owner
+/// that went silent without closing its sockets (stopped, partitioned) is noticed within
+/// about [`KEEP_ALIVE_INTERVAL`] + [`KEEP_ALIVE_TIMEOUT`].
+pub(crate) const KEEP_ALIVE_TIMEOUT: Duration = Duration::from_secs(3);
+/// Most concurrent streams on one internal connection (one per peer instance), far above any
+/// node's stream limit so forwarded requests never queue behind the connection.
+pub(crate) const MAX_CONCURRENT_STREAMS: u32 = 4096;
+/// Bound on waiting for the owner's response head: a backstop behind the keep-alive, for an
+/// owner that answers PINGs but never the stream. Long, because a node answers a non-streamed
+/// request's head only once generation is done (streamed requests are bounded sooner by the
+/// router's first-content timeout).
+pub(crate) const HEAD_TIMEOUT: Duration = Duration::from_secs(600);
+/// Bound on the silence between two frames of a relayed response body (a backstop likewise,
+/// above any sensible first-content timeout); a body silent for longer fails mid-stream, and
+/// the meter ends the caller's stream with an error event.
+pub(crate) const BODY_IDLE_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// Why a request for a remote node was not forwarded; all of them happen before any byte of
 /// the request reached a node, so the router retries another node, and none is scored against
@@ -43,9 +61,13 @@ pub(crate) enum ClusterError {
     /// The owner's liveness key is gone.
     #[error("the instance holding the node's tunnel is not alive")]
     OwnerDead,
-    /// The owner's internal listener did not take the connection.
+    /// The owner's internal listener did not take the connection, or it broke before the
+    /// response head.
     #[error("the instance holding the node's tunnel is unreachable")]
     OwnerUnreachable(#[source] hyper_util::client::legacy::Error),
+    /// The owner sent no response head within [`HEAD_TIMEOUT`].
+    #[error("the instance holding the node's tunnel did not answer within {0:?}")]
+    OwnerTimeout(Duration),
     /// The owner no longer holds the node's tunnel.
     #[error("the node's tunnel moved to another instance")]
     NodeMoved,
@@ -74,6 +96,7 @@ impl ClusterError {
         match self {
             ClusterError::OwnerDead => "owner_dead",
             ClusterError::OwnerUnreachable(_) => "unreachable",
+            ClusterError::OwnerTimeout(_) => "timeout",
             ClusterError::NodeMoved | ClusterError::UnknownNode => "node_moved",
             ClusterError::NodeFull => "node_full",
             ClusterError::Redis(_) => "redis_error",
@@ -168,9 +191,16 @@ impl Forwarder {
         connector.set_nodelay(true);
         connector.set_connect_timeout(Some(CONNECT_TIMEOUT));
         connector.enforce_http(true);
-        // h2 prior knowledge: one multiplexed connection per peer
+        // h2 prior knowledge: one multiplexed connection per peer, PINGed so that a silent
+        // owner fails its streams instead of hanging them
         let client = Client::builder(TokioExecutor::new())
             .http2_only(true)
+            .timer(TokioTimer::new())
+            .http2_keep_alive_interval(KEEP_ALIVE_INTERVAL)
+            .http2_keep_alive_timeout(KEEP_ALIVE_TIMEOUT)
+            .http2_keep_alive_while_idle(true)
+            // before the owner's SETTINGS arrive (they then set the limit: MAX_CONCURRENT_STREAMS)
+            .http2_initial_max_send_streams(MAX_CONCURRENT_STREAMS as usize)
             .build(connector);
         Self { cluster, client }
     }
@@ -216,7 +246,9 @@ impl Forwarder {
             }
             Err(e) => {
                 match &e {
-                    ClusterError::OwnerDead | ClusterError::OwnerUnreachable(_) => {
+                    ClusterError::OwnerDead
+                    | ClusterError::OwnerUnreachable(_)
+                    | ClusterError::OwnerTimeout(_) => {
                         self.cluster.suspect(&owner.instance);
                     }
                     ClusterError::NodeMoved => self.cluster.forget(&node),
@@ -261,11 +293,11 @@ impl Forwarder {
         }
         let out = builder.body(body).map_err(ClusterError::Request)?;
         let started = std::time::Instant::now();
-        let resp = match self.client.request(out).await {
-            Ok(resp) => resp,
-            Err(e) if e.is_connect() => return Err(ClusterError::OwnerUnreachable(e)),
-            // the connection broke before a head arrived: the owner went away
-            Err(e) => return Err(ClusterError::OwnerUnreachable(e)),
+        let resp = match tokio::time::timeout(HEAD_TIMEOUT, self.client.request(out)).await {
+            Ok(Ok(resp)) => resp,
+            // refused, or the connection broke (or missed its PINGs) before a head arrived
+            Ok(Err(e)) => return Err(ClusterError::OwnerUnreachable(e)),
+            Err(_) => return Err(ClusterError::OwnerTimeout(HEAD_TIMEOUT)),
         };
         metrics::histogram!(FORWARD_SECONDS).record(started.elapsed().as_secs_f64());
         if let Some(refusal) = resp.headers().get(X_SPINE_REFUSAL) {
@@ -274,7 +306,74 @@ impl Forwarder {
                 _ => ClusterError::NodeMoved,
             });
         }
-        Ok(resp.map(|b| BoxBody::new(b.map_err(BoxError::from))))
+        Ok(resp.map(|b| {
+            BoxBody::new(IdleTimeout::new(
+                b.map_err(BoxError::from),
+                BODY_IDLE_TIMEOUT,
+            ))
+        }))
+    }
+}
+
+/// The owner's response body went silent for [`BODY_IDLE_TIMEOUT`].
+#[derive(Debug, thiserror::Error)]
+#[error("the relayed response body was silent for {0:?}")]
+pub(crate) struct BodyIdle(Duration);
+
+pin_project_lite::pin_project! {
+    /// A body that fails with [`BodyIdle`] when no frame arrives for `idle`
+    /// ([`BODY_IDLE_TIMEOUT`] on the internal hop).
+    struct IdleTimeout<B> {
+        #[pin]
+        inner: B,
+        #[pin]
+        sleep: tokio::time::Sleep,
+        idle: Duration,
+    }
+}
+
+impl<B> IdleTimeout<B> {
+    fn new(inner: B, idle: Duration) -> Self {
+        Self {
+            inner,
+            sleep: tokio::time::sleep(idle),
+            idle,
+        }
+    }
+}
+
+impl<B> hyper::body::Body for IdleTimeout<B>
+where
+    B: hyper::body::Body<Error = BoxError>,
+{
+    type Data = B::Data;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<hyper::body::Frame<Self::Data>, Self::Error>>> {
+        let mut this = self.project();
+        match this.inner.poll_frame(cx) {
+            Poll::Ready(frame) => {
+                this.sleep
+                    .as_mut()
+                    .reset(tokio::time::Instant::now() + *this.idle);
+                Poll::Ready(frame)
+            }
+            Poll::Pending => match this.sleep.poll(cx) {
+                Poll::Ready(()) => Poll::Ready(Some(Err(BodyIdle(*this.idle).into()))),
+                Poll::Pending => Poll::Pending,
+            },
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.inner.size_hint()
     }
 }
 
@@ -360,6 +459,39 @@ mod tests {
             .unwrap();
         req.extensions_mut().insert(NodeId::new(node));
         req
+    }
+
+    /// A relayed body that goes silent fails with [`BodyIdle`] after the frames it did send;
+    /// one that keeps sending within the bound is untouched.
+    #[tokio::test]
+    async fn a_silent_relayed_body_fails_after_its_idle_bound() {
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<hyper::body::Frame<Bytes>, BoxError>>(4);
+        let stream =
+            futures_util::stream::unfold(
+                rx,
+                |mut rx| async move { rx.recv().await.map(|f| (f, rx)) },
+            );
+        let mut body = Box::pin(IdleTimeout::new(
+            http_body_util::StreamBody::new(stream),
+            Duration::from_millis(300),
+        ));
+        for chunk in ["a", "b", "c"] {
+            tx.send(Ok(hyper::body::Frame::data(Bytes::from(chunk))))
+                .await
+                .unwrap();
+            let frame = body.frame().await.unwrap().unwrap();
+            assert_eq!(frame.into_data().unwrap(), chunk);
+            // under the bound between frames: no error
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        // then silence, the sender still open: a mid-stream failure, not a hang or a clean end
+        let err = tokio::time::timeout(Duration::from_secs(10), body.frame())
+            .await
+            .expect("the idle bound fires")
+            .unwrap()
+            .unwrap_err();
+        assert!(err.downcast_ref::<BodyIdle>().is_some(), "{err}");
+        drop(tx);
     }
 
     #[tokio::test]

@@ -3,8 +3,11 @@
 //! HTTP/2 with prior knowledge over plain TCP (h2c): meant for a private network between the
 //! instances. Every request must carry `Authorization: Bearer <cluster_secret>` (compared in
 //! constant time; 401 otherwise) and `x-spine-node-id`; a `POST` is relayed into that node's
-//! tunnel and the node's answer returned as is. The owner only relays: metering and the ledger
-//! stay on the instance the caller reached.
+//! tunnel and the node's answer returned as is, less any `x-spine-*` header (only the owner
+//! itself may set `x-spine-refusal`). The owner only relays: metering and the ledger stay on the
+//! instance the caller reached. Connections are PINGed every second (a forwarding instance that
+//! went silent has its streams, and so the node's work, cancelled within a few seconds) and
+//! carry up to [`MAX_CONCURRENT_STREAMS`] streams.
 
 use std::sync::Arc;
 
@@ -16,7 +19,13 @@ use http::StatusCode;
 use http_body_util::BodyExt;
 use spine_core::{BoxBody, BoxError, NodeId};
 
-use super::forward::{X_SPINE_NODE_ID, X_SPINE_REFUSAL};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use tokio::net::TcpListener;
+
+use super::forward::{
+    KEEP_ALIVE_INTERVAL, KEEP_ALIVE_TIMEOUT, MAX_CONCURRENT_STREAMS, X_SPINE_NODE_ID,
+    X_SPINE_REFUSAL,
+};
 use super::{Cluster, RELAYED};
 use crate::error::ApiError;
 
@@ -25,6 +34,44 @@ pub(crate) fn router(cluster: Cluster) -> axum::Router {
     axum::Router::new()
         .fallback(relay)
         .with_state(Arc::new(cluster))
+}
+
+/// Serves [`router`] on `listener` (h2c prior knowledge) until the task is dropped or aborted.
+pub(crate) async fn serve(listener: TcpListener, cluster: Cluster) {
+    let app = router(cluster);
+    loop {
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                // out of descriptors and the like: back off instead of spinning
+                tracing::warn!(error = %e, "internal listener accept failed");
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        if let Err(e) = stream.set_nodelay(true) {
+            tracing::debug!(error = %e, "TCP_NODELAY");
+        }
+        let app = app.clone();
+        tokio::spawn(async move {
+            let service =
+                hyper::service::service_fn(move |req: http::Request<hyper::body::Incoming>| {
+                    tower::ServiceExt::oneshot(app.clone(), req)
+                });
+            let mut builder = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+            builder
+                .timer(TokioTimer::new())
+                .keep_alive_interval(KEEP_ALIVE_INTERVAL)
+                .keep_alive_timeout(KEEP_ALIVE_TIMEOUT)
+                .max_concurrent_streams(MAX_CONCURRENT_STREAMS);
+            if let Err(e) = builder
+                .serve_connection(TokioIo::new(stream), service)
+                .await
+            {
+                tracing::debug!(error = %e, "internal connection ended");
+            }
+        });
+    }
 }
 
 /// Constant-time equality of two byte strings (the length is not secret).
@@ -48,6 +95,18 @@ fn refusal(code: &'static str, message: &'static str) -> Response {
     resp.headers_mut()
         .insert(X_SPINE_REFUSAL, HeaderValue::from_static(code));
     resp
+}
+
+/// Removes every `x-spine-*` header from a node's response head.
+fn strip_spine_headers(headers: &mut http::HeaderMap) {
+    let names: Vec<_> = headers
+        .keys()
+        .filter(|n| n.as_str().starts_with("x-spine-"))
+        .cloned()
+        .collect();
+    for name in names {
+        headers.remove(name);
+    }
 }
 
 async fn relay(State(cluster): State<Arc<Cluster>>, req: Request) -> Response {
@@ -97,7 +156,8 @@ async fn relay(State(cluster): State<Arc<Cluster>>, req: Request) -> Response {
     match tunnels.send(&node, upstream).await {
         Ok(resp) => {
             metrics::counter!(RELAYED, "result" => "ok").increment(1);
-            let (parts, body) = resp.into_parts();
+            let (mut parts, body) = resp.into_parts();
+            strip_spine_headers(&mut parts.headers);
             Response::from_parts(parts, Body::new(body))
         }
         Err(e) if e.is_node_full() => {

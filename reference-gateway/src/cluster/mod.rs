@@ -65,7 +65,8 @@ pub(crate) const SUSPECT_FOR: Duration = LIVENESS_TTL;
 pub(crate) const MAX_SYNC_NODES: usize = 10_000;
 
 /// Counter of requests forwarded to another instance, `result` = `ok`, `owner_dead`,
-/// `unreachable`, `node_moved`, `node_full`, `redis_error`.
+/// `unreachable`, `timeout`, `node_moved`, `node_full`, `redis_error`, `error` (the forwarded
+/// request could not be built).
 pub(crate) const FORWARDED: &str = "spine_cluster_forwarded_total";
 /// Histogram: seconds from forwarding a request to the owner's response head.
 pub(crate) const FORWARD_SECONDS: &str = "spine_cluster_forward_seconds";

@@ -62,6 +62,26 @@ async fn instance(prefix: &str, id: &str, redis_url: &str, internal_addr: &str) 
         Arc::new(StaticAuthenticator::new()),
         Arc::new(()),
     );
+    instance_with(prefix, id, redis_url, internal_addr, server.tunnels()).await
+}
+
+/// An instance on the real Redis whose tunnels are `tunnels`.
+async fn instance_on(
+    prefix: &str,
+    id: &str,
+    internal_addr: &str,
+    tunnels: spine_transport::Tunnels,
+) -> Instance {
+    instance_with(prefix, id, REDIS, internal_addr, tunnels).await
+}
+
+async fn instance_with(
+    prefix: &str,
+    id: &str,
+    redis_url: &str,
+    internal_addr: &str,
+    tunnels: spine_transport::Tunnels,
+) -> Instance {
     let registry = NodeRegistry::new();
     let stop = CancellationToken::new();
     let config = ClusterConfig {
@@ -78,7 +98,7 @@ async fn instance(prefix: &str, id: &str, redis_url: &str, internal_addr: &str) 
         internal_addr.into(),
         registry.clone(),
         vec![ModelId::new("m")],
-        server.tunnels(),
+        tunnels,
         stop.clone(),
     )
     .await;
@@ -385,8 +405,7 @@ async fn internal_listener_needs_the_cluster_secret() {
     let a = instance(&p, "gw-a", REDIS, "127.0.0.1:1001").await;
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let server =
-        tokio::spawn(axum::serve(listener, internal::router(a.cluster.clone())).into_future());
+    let server = tokio::spawn(internal::serve(listener, a.cluster.clone()));
     for auth in [
         None,
         Some("Bearer wrong-secret-0123456789"),
@@ -415,4 +434,132 @@ fn constant_time_compare() {
     assert!(!internal::ct_eq(b"abc", b"abcd"));
 }
 
-use std::future::IntoFuture;
+/// A node's own answer carrying `x-spine-refusal` (an engine can set any header) must reach the
+/// forwarding instance as the node's answer, not as an owner's refusal: the owner's internal
+/// listener drops `x-spine-*` from node responses (the agent does too; here a raw tunnel client
+/// stands in for a hostile agent). Real tunnel, real internal listener, real Redis.
+#[tokio::test]
+async fn a_node_answer_with_x_spine_refusal_is_not_taken_for_an_owner_refusal() {
+    use spine_transport::{NodeIdentity, TunnelClient, TunnelClientConfig};
+    use tower::Service as _;
+    let p = prefix("refusal");
+    let n1 = NodeId::new("n1");
+
+    // the owner: a plaintext tunnel listener holding n1, and its internal listener
+    let identity = NodeIdentity::generate().unwrap();
+    let auth = StaticAuthenticator::new().with_key(identity.public_key_text(), n1.clone());
+    let server = TunnelServer::new(TunnelServerConfig::default(), Arc::new(auth), Arc::new(()));
+    let owner_tunnels = server.tunnels();
+    let tunnel_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let tunnel_port = tunnel_listener.local_addr().unwrap().port();
+    let tunnel_task = tokio::spawn(server.serve(tunnel_listener, None));
+    let internal_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let owner_addr = internal_listener.local_addr().unwrap();
+    let owner = instance_on(
+        &p,
+        "gw-owner",
+        &owner_addr.to_string(),
+        owner_tunnels.clone(),
+    )
+    .await;
+    let internal_task = tokio::spawn(internal::serve(internal_listener, owner.cluster.clone()));
+
+    // a node whose every answer is a 500 carrying x-spine-refusal
+    let mut config = TunnelClientConfig::new(
+        format!("ws://127.0.0.1:{tunnel_port}/v1/tunnel"),
+        identity,
+        desc(&["m"]),
+    );
+    config.allow_insecure_plaintext = true;
+    let agent = tower::service_fn(|req: http::Request<hyper::body::Incoming>| async move {
+        let (status, body) = if req.uri().path() == "/health" {
+            (http::StatusCode::OK, "{}")
+        } else {
+            (
+                http::StatusCode::INTERNAL_SERVER_ERROR,
+                "{\"error\":{\"message\":\"engine broke\",\"type\":\"server_error\"}}",
+            )
+        };
+        let resp = http::Response::builder()
+            .status(status)
+            .header("x-spine-refusal", "node_full")
+            .header("x-spine-node-id", "n2")
+            .header("content-type", "application/json")
+            .body(spine_core::BoxBody::new(
+                Full::new(Bytes::from_static(body.as_bytes())).map_err(|n| match n {}),
+            ))
+            .unwrap();
+        Ok::<_, std::convert::Infallible>(resp)
+    });
+    let node_task = tokio::spawn(TunnelClient::new(config).unwrap().run(agent));
+    eventually(
+        "n1's tunnel up on the owner",
+        Duration::from_secs(5),
+        || owner_tunnels.contains(&n1),
+    )
+    .await;
+
+    // the directory entry the owner would publish
+    let mut conn = raw().await;
+    let _: () = redis::cmd("SET")
+        .arg(format!("{p}node:n1"))
+        .arg(format!(
+            "gw-owner {}",
+            serde_json::to_string(&desc(&["m"])).unwrap()
+        ))
+        .arg("PX")
+        .arg(60_000)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let _: i64 = redis::cmd("SADD")
+        .arg(format!("{p}nodes"))
+        .arg("n1")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let a = instance(&p, "gw-a", REDIS, "127.0.0.1:1001").await;
+    eventually("n1 synced into a", Duration::from_secs(3), || {
+        a.registry.contains(&n1)
+    })
+    .await;
+
+    let mut svc = cluster_service(&a.cluster);
+    // the node may still be warming (health probe) for a moment: retry only that
+    let until = tokio::time::Instant::now() + Duration::from_secs(5);
+    let result = loop {
+        let mut req = http::Request::post("/v1/chat/completions")
+            .body(spine_core::BoxBody::new(
+                Full::new(Bytes::from_static(b"{}")).map_err(|n| match n {}),
+            ))
+            .unwrap();
+        req.extensions_mut().insert(n1.clone());
+        let result = svc.call(req).await;
+        match &result {
+            Ok(_) => break result,
+            Err(e) if tokio::time::Instant::now() < until => {
+                eprintln!("not yet: {e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(_) => break result,
+        }
+    };
+    node_task.abort();
+    internal_task.abort();
+    tunnel_task.abort();
+    drop((a, owner));
+    cleanup(&p).await;
+    let resp = result.expect("the node's own 500 was taken for an owner refusal");
+    assert_eq!(resp.status(), 500);
+    assert!(resp.headers().get("x-spine-refusal").is_none());
+    assert!(resp.headers().get("x-spine-node-id").is_none());
+    assert_eq!(
+        resp.headers().get("content-type").unwrap(),
+        "application/json"
+    );
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(
+        serde_json::from_slice::<serde_json::Value>(&body).unwrap()["error"]["message"],
+        "engine broke"
+    );
+}
