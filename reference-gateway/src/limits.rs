@@ -13,9 +13,12 @@
 //!   would throttle callers to a small fraction of their real token rate.
 //!
 //! Limits are set per key when the key is created (`POST /admin/v1/accounts/{id}/keys`
-//! `{"rpm_limit", "tpm_limit"}`) and kept, by the SHA-256 of the key, in
-//! `<data_dir>/key_limits.json`; keys without their own limit get the gateway's
-//! `default_rpm_limit` / `default_tpm_limit`. 0 means unlimited.
+//! `{"rpm_limit", "tpm_limit"}`) and kept, by the SHA-256 of the key, in the ledger store's
+//! `key_limits` table ([`Store::set_key_limits`]; SQLite or PostgreSQL, in both modes, so a
+//! gateway switched to several instances keeps them); keys without their own limit get the
+//! gateway's `default_rpm_limit` / `default_tpm_limit`. 0 means unlimited. Earlier releases kept
+//! single-instance limits in `<data_dir>/key_limits.json`: [`import_key_limits_file`] copies
+//! such a file into the store once at start and renames it `key_limits.json.imported`.
 //!
 //! # Several instances (design brief §8)
 //!
@@ -35,15 +38,14 @@
 //! `spine_rate_limit_redis_fallback_total`; it tries Redis again a second later and logs the
 //! recovery once. A reservation is refunded where it was taken (Redis or local).
 //!
-//! In this mode per-key limits live in the ledger store (PostgreSQL's `key_limits` table,
-//! [`Store::set_key_limits`]), not in a per-instance file: a key created on one instance must be
-//! limited the same on every other, and the store is already the shared, durable, transactional
-//! home of the key itself (Redis is a cache that may be flushed or down). Each instance caches a
-//! key's limits for 10 s.
+//! Per-key limits live in the ledger store (PostgreSQL's `key_limits` table), not in a
+//! per-instance file: a key created on one instance must be limited the same on every other, and
+//! the store is already the shared, durable, transactional home of the key itself (Redis is a
+//! cache that may be flushed or down). Each instance caches a key's limits for 10 s.
 
 use std::collections::HashMap;
 use std::num::NonZeroU32;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -273,7 +275,7 @@ struct TpmState {
     reservations: HashMap<RequestId, (KeyHash, u64)>,
 }
 
-/// Per-key limits kept in the ledger store (multi-instance mode), and when each key's were read.
+/// Per-key limits kept in the ledger store, and when each key's were read.
 struct StoreLimits {
     store: Arc<dyn Store>,
     fetched: Mutex<HashMap<String, Instant>>,
@@ -283,10 +285,10 @@ struct StoreLimits {
 pub(crate) struct RateLimits {
     default_rpm: u32,
     default_tpm: u64,
-    file: Option<PathBuf>,
-    /// Per-key limits: all of them (file mode), or those read from `store` (cache).
+    /// Per-key limits: all of them (no store: in memory only), or those read from `store`
+    /// (cache).
     keys: Mutex<HashMap<String, KeyLimits>>,
-    /// Where per-key limits live in multi-instance mode, and when each key's was read.
+    /// Where per-key limits live, and when each key's was read.
     store: Option<StoreLimits>,
     rpm: Mutex<HashMap<KeyHash, Arc<DefaultDirectRateLimiter>>>,
     tpm: Mutex<TpmState>,
@@ -303,31 +305,28 @@ impl std::fmt::Debug for RateLimits {
 }
 
 impl RateLimits {
-    /// Limits with the gateway defaults and the per-key limits kept in `file` (created on the
-    /// first key with its own limits; `None`: in memory only).
-    pub(crate) fn load(
-        default_rpm: u32,
-        default_tpm: u64,
-        file: Option<PathBuf>,
-    ) -> Result<Self, Box<dyn std::error::Error + Send + Sync>> {
-        let keys = match &file {
-            Some(path) if path.exists() => {
-                let text = std::fs::read_to_string(path)?;
-                serde_json::from_str(&text)
-                    .map_err(|e| format!("{}: not a key limits file: {e}", path.display()))?
-            }
-            _ => HashMap::new(),
-        };
-        Ok(Self {
+    /// Limits for one instance: buckets in this process, the gateway defaults, and per-key
+    /// limits kept in `store`.
+    pub(crate) fn with_store(default_rpm: u32, default_tpm: u64, store: Arc<dyn Store>) -> Self {
+        let mut this = Self::in_memory(default_rpm, default_tpm);
+        this.store = Some(StoreLimits {
+            store,
+            fetched: Mutex::new(HashMap::new()),
+        });
+        this
+    }
+
+    /// Limits with the gateway defaults and per-key limits kept in memory only.
+    pub(crate) fn in_memory(default_rpm: u32, default_tpm: u64) -> Self {
+        Self {
             default_rpm,
             default_tpm,
-            file,
-            keys: Mutex::new(keys),
+            keys: Mutex::new(HashMap::new()),
             store: None,
             rpm: Mutex::new(HashMap::new()),
             tpm: Mutex::new(TpmState::default()),
             redis: None,
-        })
+        }
     }
 
     /// Limits shared by several gateway instances (module docs, "Several instances"): buckets
@@ -344,7 +343,6 @@ impl RateLimits {
         Self {
             default_rpm,
             default_tpm,
-            file: None,
             keys: Mutex::new(HashMap::new()),
             store: Some(StoreLimits {
                 store,
@@ -372,8 +370,8 @@ impl RateLimits {
             .is_some_and(|r| r.degraded.load(Ordering::Acquire))
     }
 
-    /// Records a new key's own limits (nothing to record when both are `None`): in the file, or
-    /// in the store in multi-instance mode.
+    /// Records a new key's own limits (nothing to record when both are `None`) in the store
+    /// (or in memory without one).
     pub(crate) async fn set_key_limits(
         &self,
         key: &KeyHash,
@@ -402,16 +400,15 @@ impl RateLimits {
                 .insert(key.0.clone(), Instant::now());
             return Ok(());
         }
-        let mut keys = self.keys.lock().unwrap_or_else(|e| e.into_inner());
-        keys.insert(key.0.clone(), limits);
-        if let Some(path) = &self.file {
-            write_atomically(path, &serde_json::to_vec_pretty(&*keys)?)?;
-        }
+        self.keys
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(key.0.clone(), limits);
         Ok(())
     }
 
     /// The limits in force for `key`, reading them from the store first when this instance's
-    /// copy is missing or older than 10 s (multi-instance mode). If the store fails, the last
+    /// copy is missing or older than 10 s. If the store fails, the last
     /// copy (or the defaults) applies for another 10 s; a paid request then fails at its hold
     /// anyway.
     async fn effective_now(&self, key: &KeyHash) -> (u32, u64) {
@@ -698,10 +695,51 @@ impl Admission for RateLimits {
     }
 }
 
-fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let tmp = path.with_extension("json.tmp");
-    std::fs::write(&tmp, bytes)?;
-    std::fs::rename(&tmp, path)
+/// Imports per-key limits an earlier release kept in `path` (`<data_dir>/key_limits.json`,
+/// single-instance mode) into `store`, then renames the file `key_limits.json.imported` so it is
+/// imported once. A key the store already has limits for keeps the store's. Returns how many
+/// keys were imported (0 when there is no file).
+///
+/// # Errors
+///
+/// The file cannot be read or is not a key limits file, the store fails (nothing is renamed:
+/// the next start imports again), or the rename fails.
+pub(crate) async fn import_key_limits_file(
+    path: &Path,
+    store: &dyn Store,
+) -> Result<usize, Box<dyn std::error::Error + Send + Sync>> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
+        Err(e) => return Err(format!("{}: {e}", path.display()).into()),
+    };
+    let keys: HashMap<String, KeyLimits> = serde_json::from_str(&text)
+        .map_err(|e| format!("{}: not a key limits file: {e}", path.display()))?;
+    let mut imported = 0;
+    for (key_hash, limits) in keys {
+        if limits == KeyLimits::default() || store.key_limits(&key_hash).await?.is_some() {
+            continue;
+        }
+        store
+            .set_key_limits(
+                &key_hash,
+                spine_meter::KeyLimits {
+                    rpm_limit: limits.rpm_limit,
+                    tpm_limit: limits.tpm_limit,
+                },
+            )
+            .await?;
+        imported += 1;
+    }
+    let done = path.with_extension("json.imported");
+    std::fs::rename(path, &done).map_err(|e| {
+        format!(
+            "{}: imported, but renaming it to {} failed: {e}",
+            path.display(),
+            done.display()
+        )
+    })?;
+    Ok(imported)
 }
 
 #[cfg(test)]
@@ -710,7 +748,7 @@ mod tests {
     use super::*;
 
     fn limits(rpm: u32, tpm: u64) -> RateLimits {
-        RateLimits::load(rpm, tpm, None).unwrap()
+        RateLimits::in_memory(rpm, tpm)
     }
 
     #[tokio::test]
@@ -736,8 +774,9 @@ mod tests {
     #[tokio::test]
     async fn per_key_limits_override_defaults_and_persist() {
         let dir = tempfile::tempdir().unwrap();
-        let file = dir.path().join("key_limits.json");
-        let l = RateLimits::load(10, 1000, Some(file.clone())).unwrap();
+        let db = dir.path().join("spine.db");
+        let store: Arc<dyn Store> = Arc::new(spine_meter::SqliteLedger::open(&db).await.unwrap());
+        let l = RateLimits::with_store(10, 1000, store.clone());
         let k = KeyHash("abc".into());
         l.set_key_limits(
             &k,
@@ -750,8 +789,16 @@ mod tests {
         .unwrap();
         assert_eq!(l.effective(&k), (1, 1000));
         assert_eq!(l.effective(&KeyHash("other".into())), (10, 1000));
-        let again = RateLimits::load(0, 0, Some(file)).unwrap();
-        assert_eq!(again.effective(&k), (1, 0));
+        // in the store: a restart (a new process on the same database file) reads them back
+        drop(l);
+        drop(store);
+        let reopened: Arc<dyn Store> =
+            Arc::new(spine_meter::SqliteLedger::open(&db).await.unwrap());
+        let again = RateLimits::with_store(0, 0, reopened);
+        assert_eq!(again.effective(&k), (0, 0), "not read yet");
+        assert_eq!(again.effective_now(&k).await, (1, 0));
+        assert_eq!(again.effective_now(&KeyHash("other".into())).await, (0, 0));
+        assert!(!dir.path().join("key_limits.json").exists());
     }
 
     #[test]
@@ -1051,6 +1098,84 @@ mod redis_tests {
         assert!(l.check_rpm(&k).await.is_err());
         proxy.stall(false);
         drop(l);
+        cleanup(&prefix).await;
+    }
+
+    /// Switching a gateway from one instance to several (same database, `redis_url` set) keeps
+    /// every key's own limits: those set by this release in single-instance mode (in the store)
+    /// and those an earlier release kept in `<data_dir>/key_limits.json` (imported once at
+    /// start, the file renamed).
+    #[tokio::test]
+    async fn single_instance_key_limits_survive_switching_to_multi_instance() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("key_limits.json");
+        let db = dir.path().join("spine.db");
+        let store: Arc<dyn Store> = Arc::new(spine_meter::SqliteLedger::open(&db).await.unwrap());
+        // an earlier release's file: one key with limits, one already in the store (the store
+        // wins), one with neither limit
+        let (legacy, both, none) = (
+            KeyHash("legacy-key".into()),
+            KeyHash("both-key".into()),
+            KeyHash("none-key".into()),
+        );
+        store
+            .set_key_limits(
+                &both.0,
+                spine_meter::KeyLimits {
+                    rpm_limit: Some(7),
+                    tpm_limit: None,
+                },
+            )
+            .await
+            .unwrap();
+        std::fs::write(
+            &file,
+            serde_json::to_vec(&serde_json::json!({
+                legacy.0.clone(): {"rpm_limit": 3, "tpm_limit": 300},
+                both.0.clone(): {"rpm_limit": 9},
+                none.0.clone(): {},
+            }))
+            .unwrap(),
+        )
+        .unwrap();
+        assert_eq!(import_key_limits_file(&file, &*store).await.unwrap(), 1);
+        assert!(!file.exists());
+        assert!(dir.path().join("key_limits.json.imported").exists());
+        // imported once: a second start finds no file
+        assert_eq!(import_key_limits_file(&file, &*store).await.unwrap(), 0);
+
+        // this release, single instance: a key created with its own limits
+        let single = RateLimits::with_store(0, 0, store.clone());
+        let k = KeyHash("limited-key".into());
+        single
+            .set_key_limits(
+                &k,
+                KeyLimits {
+                    rpm_limit: Some(2),
+                    tpm_limit: Some(100),
+                },
+            )
+            .await
+            .unwrap();
+        assert_eq!(single.effective(&k), (2, 100));
+        drop(single);
+        // the operator sets redis_url (and the defaults stay 0 = unlimited)
+        let prefix = unique_prefix("switch");
+        let multi =
+            RateLimits::with_redis(manager(&redis_url()).await, prefix.clone(), 0, 0, store);
+        assert_eq!(
+            multi.effective_now(&k).await,
+            (2, 100),
+            "the key's own limits were dropped"
+        );
+        assert_eq!(multi.effective_now(&legacy).await, (3, 300));
+        assert_eq!(multi.effective_now(&both).await, (7, 0));
+        assert_eq!(multi.effective_now(&none).await, (0, 0));
+        // and enforced: the third request of the minute is refused
+        assert_eq!(multi.check_rpm(&k).await, Ok(()));
+        assert_eq!(multi.check_rpm(&k).await, Ok(()));
+        assert!(multi.check_rpm(&k).await.is_err());
+        drop(multi);
         cleanup(&prefix).await;
     }
 }

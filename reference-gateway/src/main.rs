@@ -122,6 +122,13 @@ async fn run(cli: Cli) -> Result<(), MainError> {
     std::fs::create_dir_all(&config.data_dir)?;
     let cluster_config = config.cluster();
     let shutdown = CancellationToken::new();
+    // the PostgreSQL heartbeat runs until the process exits (cancelled at the very end), not
+    // only until shutdown starts: the drain can last up to twice the grace period, and a lapsed
+    // heartbeat would let another instance's sweep settle this instance's streams still flowing
+    let upkeep_stop = CancellationToken::new();
+    // the cluster keeps its liveness and directory entries fresh through the public drain (peers
+    // still reach this instance's nodes while their streams finish); stopped just before leaving
+    let cluster_stop = CancellationToken::new();
 
     let store: Arc<dyn Store> = match config.database()? {
         Database::Sqlite(path) => {
@@ -137,16 +144,20 @@ async fn run(cli: Cli) -> Result<(), MainError> {
             store
         }
         Database::Postgres(url) => {
-            // shared by any number of instances: holds carry this instance's id; at start only
-            // this instance's own leftovers (a previous run under the same id) are settled, and
-            // the upkeep task heartbeats the `instances` row and settles the holds of instances
-            // whose heartbeat lapsed, never a live instance's request in flight
+            // shared by any number of instances: holds carry this instance's id; at start the id
+            // is claimed (refused while another live process heartbeats it: ids must be
+            // unique; a restart under the same id waits up to 6 s for the previous process's
+            // heartbeat to lapse), then only this instance's own leftovers (a previous run under
+            // the same id) are settled, and the upkeep task heartbeats the `instances` row and
+            // settles the holds of instances whose heartbeat lapsed, never a live instance's
+            // request in flight
+            let upkeep = InstanceUpkeep::default();
             let store = Arc::new(
                 PgLedger::connect(&url)
                     .await?
                     .with_instance_id(config.instance_id.clone()),
             );
-            store.heartbeat().await?;
+            store.claim_instance(upkeep.live_within).await?;
             let stale_holds = store.settle_stale_holds().await?;
             if stale_holds > 0 {
                 tracing::warn!(
@@ -156,7 +167,7 @@ async fn run(cli: Cli) -> Result<(), MainError> {
             }
             let _upkeep = store
                 .clone()
-                .spawn_instance_upkeep(InstanceUpkeep::default(), shutdown.clone());
+                .spawn_instance_upkeep(upkeep, upkeep_stop.clone());
             tracing::info!(instance_id = %config.instance_id, "ledger on PostgreSQL");
             store
         }
@@ -230,7 +241,7 @@ async fn run(cli: Cli) -> Result<(), MainError> {
                 registry.clone(),
                 catalog_ids.clone(),
                 tunnels.clone(),
-                shutdown.clone(),
+                cluster_stop.clone(),
             )
             .await;
             if cluster.redis_down() {
@@ -243,7 +254,17 @@ async fn run(cli: Cli) -> Result<(), MainError> {
         }
         None => None,
     };
-    // per-key limits: shared buckets in Redis in multi-instance mode
+    // per-key limits live in the store in both modes (so they survive a switch to several
+    // instances); a `key_limits.json` kept by an earlier release is imported once
+    let imported =
+        limits::import_key_limits_file(&config.data_dir.join("key_limits.json"), &*store).await?;
+    if imported > 0 {
+        tracing::info!(
+            keys = imported,
+            "imported per-key limits from key_limits.json into the store (renamed to key_limits.json.imported)"
+        );
+    }
+    // buckets: shared in Redis in multi-instance mode, in this process otherwise
     let limits = Arc::new(match &cluster {
         Some(cluster) => limits::RateLimits::with_redis(
             cluster.redis_connection(),
@@ -252,11 +273,11 @@ async fn run(cli: Cli) -> Result<(), MainError> {
             config.default_tpm_limit,
             store.clone(),
         ),
-        None => limits::RateLimits::load(
+        None => limits::RateLimits::with_store(
             config.default_rpm_limit,
             config.default_tpm_limit,
-            Some(config.data_dir.join("key_limits.json")),
-        )?,
+            store.clone(),
+        ),
     });
     let meter = MeterLayer::new(store.clone().into_ledger(), catalog)
         .operator_share_bps(config.operator_share_bps)
@@ -346,7 +367,10 @@ async fn run(cli: Cli) -> Result<(), MainError> {
 
     // Shutdown (SIGTERM / ctrl-c): stop accepting callers and admin calls at once, let streams in
     // flight finish for up to `shutdown_grace_secs` while tunnels stay up, then stop. Holds of
-    // streams cut off by the deadline are settled `upstream_failed` at the next start.
+    // streams cut off by the deadline are settled `upstream_failed`: with SQLite at the next
+    // start; with PostgreSQL at the next start under the same `instance_id`, or by another
+    // instance's sweep 60 s after this one's heartbeat stops (always so with the random default
+    // id, which no later start reuses).
     let public_app = api::router(state.clone());
     let admin_app = admin::router(state.clone());
     let mut public_task = tokio::spawn(
@@ -368,11 +392,9 @@ async fn run(cli: Cli) -> Result<(), MainError> {
         )
         // node enrollment and the node's own status (enroll.rs)
         .merge(enroll::tunnel_router(state.clone()));
-    let internal_task = internal_listener.zip(cluster.clone()).map(|(l, c)| {
-        tokio::spawn(
-            axum::serve(l.tap_io(|s| set_nodelay(s)), cluster::internal::router(c)).into_future(),
-        )
-    });
+    let internal_task = internal_listener
+        .zip(cluster.clone())
+        .map(|(l, c)| tokio::spawn(cluster::internal::serve(l, c)));
     let mut tunnel_task = tokio::spawn(spine_transport::serve_listener(
         tunnel,
         tls.map(|t| t.server_config),
@@ -388,6 +410,8 @@ async fn run(cli: Cli) -> Result<(), MainError> {
     };
     if let Some((which, r)) = early_exit {
         shutdown.cancel();
+        cluster_stop.cancel();
+        upkeep_stop.cancel();
         return Err(match r {
             Ok(Ok(())) => format!("{which} listener stopped unexpectedly").into(),
             Ok(Err(e)) => format!("{which} listener failed: {e}").into(),
@@ -399,15 +423,17 @@ async fn run(cli: Cli) -> Result<(), MainError> {
         "shutting down: no new requests; waiting for streams in flight"
     );
     shutdown.cancel();
-    if let Some(cluster) = &cluster {
-        // peers stop forwarding new requests here at once instead of at the TTLs; streams they
-        // forwarded already keep flowing through the internal listener
-        cluster.leave().await;
-    }
     let grace = std::time::Duration::from_secs(config.shutdown_grace_secs);
     if tokio::time::timeout(grace, &mut public_task).await.is_err() {
         tracing::warn!("streams still open after the grace period; closing them");
         public_task.abort();
+    }
+    if let Some(cluster) = &cluster {
+        // only now, after the public drain: during the grace period peers could still reach
+        // this instance's nodes through the internal listener; from here they stop forwarding
+        // here at once instead of at the TTLs
+        cluster_stop.cancel();
+        cluster.leave().await;
     }
     admin_task.abort();
     tunnel_task.abort();
@@ -420,14 +446,16 @@ async fn run(cli: Cli) -> Result<(), MainError> {
         .is_err()
     {
         // named, so an operator can reconcile them: the holds stay in the ledger and are
-        // settled `upstream_failed` at this instance's next start (or by another instance's
-        // sweep once this one's heartbeat lapses)
+        // settled `upstream_failed` at the next start (SQLite, or PostgreSQL under the same
+        // `instance_id`) or by another instance's sweep once this one's heartbeat has been
+        // stopped for 60 s (PostgreSQL; the only way with the random default `instance_id`)
         tracing::error!(
             pending = settlements.pending(),
             request_ids = ?settlements.pending_request_ids(),
-            "settlements still pending; their holds are settled at the next start"
+            "settlements still pending; their holds are settled upstream_failed at the next start under this instance_id, or by another instance's sweep 60 s after this one stops"
         );
     }
+    upkeep_stop.cancel();
     tracing::info!("gateway stopped");
     Ok(())
 }

@@ -427,3 +427,126 @@ async fn postgres_cut_refuses_holds_quickly_and_a_settlement_made_during_it_comm
         rec.operator_credit_micros
     );
 }
+
+/// A hold placed by a gateway of the release before instance ids (no instance id) during a
+/// rolling upgrade is in flight on that gateway: an upgraded instance's sweep leaves it alone
+/// until it is older than `stale_after`, so the old gateway's `completed` settlement charges it.
+/// Only a legacy hold older than the bound (its gateway is gone) is swept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fresh_legacy_hold_is_left_to_its_gateway_and_only_an_old_one_is_swept() {
+    let db = FreshDb::new().await;
+    let stale_after = Duration::from_secs(1);
+    let new = db.ledger(Some("gw-new")).await;
+    new.heartbeat().await.unwrap();
+    let acct = funded_account(&new, 1_000_000).await;
+    let old = db.ledger(None).await; // the previous release: no instance id
+    let inflight = RequestId::from("req-old-inflight");
+    old.hold(inflight.clone(), acct.clone(), ModelId::from("m"), 5_000)
+        .await
+        .unwrap();
+    // milliseconds old: not swept, even with the production bound or a 1 s one
+    assert_eq!(
+        new.settle_orphaned_holds(Duration::from_secs(60))
+            .await
+            .unwrap(),
+        0
+    );
+    assert_eq!(new.settle_orphaned_holds(stale_after).await.unwrap(), 0);
+    let done = old
+        .settle(failed_settlement(&inflight, &acct))
+        .await
+        .unwrap();
+    eprintln!(
+        "fresh legacy hold: completed settlement already_settled {} debit {}",
+        done.already_settled, done.debit_micros
+    );
+    assert!(!done.already_settled);
+    assert!(done.debit_micros > 0, "the completed request was free");
+
+    // a legacy hold whose gateway went away: swept once it is older than the bound
+    let abandoned = RequestId::from("req-old-abandoned");
+    old.hold(abandoned.clone(), acct.clone(), ModelId::from("m"), 700)
+        .await
+        .unwrap();
+    assert_eq!(new.settle_orphaned_holds(stale_after).await.unwrap(), 0);
+    tokio::time::sleep(stale_after + Duration::from_millis(300)).await;
+    assert_eq!(new.settle_orphaned_holds(stale_after).await.unwrap(), 1);
+    let rec = new.request_record(abandoned).await.unwrap().unwrap();
+    assert_eq!(rec.outcome, spine_core::StreamOutcome::UpstreamFailed);
+    let balance = new.account(&acct).await.unwrap();
+    assert_eq!(balance.held_micros, 0);
+    assert_eq!(balance.balance_micros, 1_000_000 - done.debit_micros);
+    assert_eq!(new.entries_sum_micros().await.unwrap(), 0);
+}
+
+/// Two processes configured with one `instance_id`: the second refuses to start (its claim
+/// fails after waiting out the liveness bound) and so never settles the first one's holds in
+/// flight. Once the first stops heartbeating, a restart under the id takes it over and settles
+/// the leftovers; the old process's heartbeat is then refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_process_with_a_live_instance_id_is_refused_and_settles_nothing() {
+    let db = FreshDb::new().await;
+    let live_within = Duration::from_secs(1);
+    let a = Arc::new(db.ledger(Some("gw-same")).await);
+    a.claim_instance(live_within).await.unwrap();
+    let acct = funded_account(&*a, 1_000_000).await;
+    let (r1, r2) = (RequestId::from("req-a1"), RequestId::from("req-a2"));
+    for r in [&r1, &r2] {
+        a.hold(r.clone(), acct.clone(), ModelId::from("m"), 5_000)
+            .await
+            .unwrap();
+    }
+    let mut upkeep = spine_meter::InstanceUpkeep::default();
+    upkeep.heartbeat_interval = Duration::from_millis(200);
+    upkeep.sweep_interval = Duration::from_secs(3600);
+    upkeep.live_within = live_within;
+    let stop_a = tokio_util::sync::CancellationToken::new();
+    let a_upkeep = a.clone().spawn_instance_upkeep(upkeep, stop_a.clone());
+
+    let b = db.ledger(Some("gw-same")).await;
+    let started = Instant::now();
+    let refused = b.claim_instance(live_within).await;
+    let waited = started.elapsed();
+    eprintln!("second process under a live id: {refused:?} after {waited:?}");
+    match &refused {
+        Err(e @ spine_meter::LedgerError::InstanceIdLive { instance_id, .. }) => {
+            assert_eq!(instance_id, "gw-same");
+            assert!(e.to_string().contains("ids must be unique"), "{e}");
+        }
+        other => panic!("the second process took a live id: {other:?}"),
+    }
+    assert!(
+        waited >= live_within,
+        "gave up before the bound: {waited:?}"
+    );
+    assert!(waited < Duration::from_secs(10), "{waited:?}");
+    // nothing of A's was touched; A settles its request as completed and is charged
+    assert_eq!(a.account(&acct).await.unwrap().held_micros, 10_000);
+    let done = a.settle(failed_settlement(&r1, &acct)).await.unwrap();
+    assert!(!done.already_settled);
+    assert!(done.debit_micros > 0);
+
+    // A stops (crash): a restart under the id waits out the bound, takes the id over and
+    // settles A's leftover r2
+    stop_a.cancel();
+    a_upkeep.await.unwrap();
+    let restarted = db.ledger(Some("gw-same")).await;
+    let started = Instant::now();
+    restarted.claim_instance(live_within).await.unwrap();
+    eprintln!(
+        "restart under the id claimed it after {:?}",
+        started.elapsed()
+    );
+    assert_eq!(restarted.settle_stale_holds().await.unwrap(), 1);
+    let rec = restarted.request_record(r2).await.unwrap().unwrap();
+    assert_eq!(rec.outcome, spine_core::StreamOutcome::UpstreamFailed);
+    // the old process, were it still alive, can no longer heartbeat under the id
+    assert!(matches!(
+        a.heartbeat_within(live_within).await,
+        Err(spine_meter::LedgerError::InstanceIdLive { .. })
+    ));
+    let balance = restarted.account(&acct).await.unwrap();
+    assert_eq!(balance.held_micros, 0);
+    assert_eq!(balance.balance_micros, 1_000_000 - done.debit_micros);
+    assert_eq!(restarted.entries_sum_micros().await.unwrap(), 0);
+}

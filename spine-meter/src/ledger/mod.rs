@@ -116,6 +116,17 @@ pub enum LedgerError {
     /// An amount does not fit the store's signed 64-bit integers.
     #[error("amount out of range")]
     OutOfRange,
+    /// Another live process holds this gateway instance id: the `instances` row was
+    /// heartbeat `heartbeat_age_ms` ago by a process other than this one. Instance ids must be
+    /// unique; a restart under the same id waits until the previous process's heartbeat is older
+    /// than the liveness bound.
+    #[error("instance_id {instance_id:?} is live (heartbeat {heartbeat_age_ms} ms ago); ids must be unique")]
+    InstanceIdLive {
+        /// The instance id.
+        instance_id: String,
+        /// How long ago the other process last heartbeat (PostgreSQL's clock).
+        heartbeat_age_ms: i64,
+    },
     /// A stored value could not be read back.
     #[error("corrupt ledger row: {0}")]
     Corrupt(&'static str),

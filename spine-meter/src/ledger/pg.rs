@@ -136,6 +136,13 @@ CREATE TABLE key_limits (
 );
 "#,
     ),
+    (
+        4,
+        // which process holds an instance id: two live processes under one id are refused
+        r#"
+ALTER TABLE instances ADD COLUMN nonce TEXT;
+"#,
+    ),
 ];
 
 /// PostgreSQL's own clock in Unix milliseconds: instance heartbeats are written and compared with
@@ -163,6 +170,25 @@ pub struct PgLedger {
     pool: PgPool,
     /// The gateway instance this ledger places holds for ([`PgLedger::with_instance_id`]).
     instance_id: Option<Arc<str>>,
+    /// This process's claim on `instance_id`, written with every heartbeat (random per
+    /// [`PgLedger::with_instance_id`] call).
+    nonce: Arc<str>,
+}
+
+/// A value no other process (here or on another machine) will pick: process id, time and the
+/// standard library's randomly seeded hasher.
+fn new_nonce() -> String {
+    use std::hash::{BuildHasher as _, Hasher as _};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    let random = h.finish();
+    let mut h2 = std::collections::hash_map::RandomState::new().build_hasher();
+    h2.write_u64(random);
+    format!("{:x}-{random:016x}{:016x}", std::process::id(), h2.finish())
 }
 
 /// How [`PgLedger::connect_with_config`] sizes its pool.
@@ -199,6 +225,11 @@ pub struct InstanceUpkeep {
     /// `upstream_failed`. Default 60 s; keep it far above `heartbeat_interval` and above the
     /// longest PostgreSQL outage an instance should survive with its holds intact.
     pub stale_after: Duration,
+    /// An `instances` row heartbeat more recently than this by another process means that
+    /// process is alive under the same id: [`PgLedger::claim_instance`] and
+    /// [`PgLedger::heartbeat_within`] refuse to take the id over. Default 6 s (3 heartbeat
+    /// intervals); a restart under the same id waits up to this long at start.
+    pub live_within: Duration,
 }
 
 impl Default for InstanceUpkeep {
@@ -207,6 +238,7 @@ impl Default for InstanceUpkeep {
             heartbeat_interval: Duration::from_secs(2),
             sweep_interval: Duration::from_secs(10),
             stale_after: Duration::from_secs(60),
+            live_within: Duration::from_secs(6),
         }
     }
 }
@@ -449,6 +481,7 @@ impl PgLedger {
         let this = Self {
             pool,
             instance_id: None,
+            nonce: Arc::from(new_nonce()),
         };
         this.migrate().await?;
         Ok(this)
@@ -459,12 +492,14 @@ impl PgLedger {
     /// instance's holds (its leftovers from a previous run under the same id), and
     /// [`PgLedger::settle_orphaned_holds`] those of instances that stopped heartbeating.
     ///
-    /// Call [`PgLedger::heartbeat`] once before serving and then periodically
-    /// ([`PgLedger::spawn_instance_upkeep`] does both): a hold whose instance has no recent
+    /// Ids must be unique among live processes. Call [`PgLedger::claim_instance`] once before
+    /// serving (it refuses an id another live process heartbeats) and then heartbeat
+    /// periodically ([`PgLedger::spawn_instance_upkeep`]): a hold whose instance has no recent
     /// heartbeat is fair game for another instance's sweep.
     #[must_use]
     pub fn with_instance_id(mut self, instance_id: impl Into<String>) -> Self {
         self.instance_id = Some(Arc::from(instance_id.into()));
+        self.nonce = Arc::from(new_nonce());
         self
     }
 
@@ -473,35 +508,102 @@ impl PgLedger {
         self.instance_id.as_deref()
     }
 
-    /// Records that this instance is alive now (PostgreSQL's clock) in the `instances` table.
+    /// Records that this instance is alive now (PostgreSQL's clock) in the `instances` table,
+    /// under this process's nonce; [`PgLedger::heartbeat_within`] with the default 6 s bound.
     /// Does nothing without an instance id.
     ///
     /// # Errors
     ///
+    /// [`LedgerError::InstanceIdLive`] when another process heartbeat the same id within 6 s;
     /// [`LedgerError::Database`].
     ///
     /// # Cancel safety
     ///
-    /// Cancel safe (one statement).
+    /// Cancel safe (one statement, then a read).
     pub async fn heartbeat(&self) -> Result<(), LedgerError> {
+        self.heartbeat_within(InstanceUpkeep::default().live_within)
+            .await
+    }
+
+    /// Records that this instance is alive now, unless another process (another nonce) holds
+    /// the id: its heartbeat is less than `live_within` old. Then nothing is written and
+    /// [`LedgerError::InstanceIdLive`] is returned. A row with an older heartbeat (a crashed or
+    /// stopped process) is taken over. Does nothing without an instance id.
+    ///
+    /// # Errors
+    ///
+    /// [`LedgerError::InstanceIdLive`], [`LedgerError::Database`].
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe (one statement, then a read).
+    pub async fn heartbeat_within(&self, live_within: Duration) -> Result<(), LedgerError> {
         let Some(id) = &self.instance_id else {
             return Ok(());
         };
+        let live_ms = i64::try_from(live_within.as_millis()).unwrap_or(i64::MAX);
         let sql = format!(
-            "INSERT INTO instances (instance_id, started_at_ms, heartbeat_at_ms) VALUES ($1, {DB_NOW_MS}, {DB_NOW_MS})
-             ON CONFLICT (instance_id) DO UPDATE SET heartbeat_at_ms = EXCLUDED.heartbeat_at_ms"
+            "INSERT INTO instances (instance_id, started_at_ms, heartbeat_at_ms, nonce) VALUES ($1, {DB_NOW_MS}, {DB_NOW_MS}, $2)
+             ON CONFLICT (instance_id) DO UPDATE SET
+                 heartbeat_at_ms = EXCLUDED.heartbeat_at_ms,
+                 nonce = EXCLUDED.nonce,
+                 started_at_ms = CASE WHEN instances.nonce IS NOT DISTINCT FROM EXCLUDED.nonce
+                                      THEN instances.started_at_ms ELSE EXCLUDED.started_at_ms END
+             WHERE instances.nonce IS NOT DISTINCT FROM EXCLUDED.nonce
+                OR instances.heartbeat_at_ms < EXCLUDED.heartbeat_at_ms - $3
+             RETURNING 1"
         );
-        sqlx::query(&sql)
+        let written: Option<i32> = sqlx::query_scalar(&sql)
             .bind(id.as_ref())
-            .execute(&self.pool)
+            .bind(self.nonce.as_ref())
+            .bind(live_ms)
+            .fetch_optional(&self.pool)
             .await
             .map_err(db)?;
-        Ok(())
+        if written.is_some() {
+            return Ok(());
+        }
+        let age: Option<i64> = sqlx::query_scalar(&format!(
+            "SELECT {DB_NOW_MS} - heartbeat_at_ms FROM instances WHERE instance_id = $1"
+        ))
+        .bind(id.as_ref())
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(db)?;
+        Err(LedgerError::InstanceIdLive {
+            instance_id: id.to_string(),
+            heartbeat_age_ms: age.unwrap_or(0),
+        })
+    }
+
+    /// Takes this instance's id at start: [`PgLedger::heartbeat_within`]`(live_within)`, tried
+    /// again every 500 ms while another process holds the id, for up to `live_within` + 1 s (so
+    /// a restart under the same id waits for the previous process's last heartbeat to age past
+    /// the bound). Call it before [`Store::settle_stale_holds`]: that settles every hold under
+    /// this id, which is only right once no other live process uses it.
+    ///
+    /// # Errors
+    ///
+    /// [`LedgerError::InstanceIdLive`] when the id is still live after the wait (two
+    /// processes configured with one `instance_id`), [`LedgerError::Database`].
+    pub async fn claim_instance(&self, live_within: Duration) -> Result<(), LedgerError> {
+        let deadline = tokio::time::Instant::now() + live_within + Duration::from_secs(1);
+        loop {
+            match self.heartbeat_within(live_within).await {
+                Err(LedgerError::InstanceIdLive { .. })
+                    if tokio::time::Instant::now() < deadline =>
+                {
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+                other => return other,
+            }
+        }
     }
 
     /// Settles, as `upstream_failed`, every active hold placed by another instance whose last
-    /// heartbeat is older than `stale_after` (or that never heartbeat, or by no recorded
-    /// instance at all: holds from before instance ids), and returns how many it settled. A live
+    /// heartbeat is older than `stale_after` (or that never heartbeat), or placed by no recorded
+    /// instance at all (a gateway of a release before instance ids) more than `stale_after` ago,
+    /// and returns how many it settled. A live
     /// instance's holds (heartbeat within `stale_after`, PostgreSQL's clock) and this
     /// instance's own are never touched. Each hold is settled exactly once however many
     /// instances sweep at the same time (settlement is idempotent by request id), and a late
@@ -515,13 +617,20 @@ impl PgLedger {
     /// settled.
     pub async fn settle_orphaned_holds(&self, stale_after: Duration) -> Result<u64, LedgerError> {
         let stale_ms = i64::try_from(stale_after.as_millis()).unwrap_or(i64::MAX);
+        // a hold without an instance id was placed by a gateway of a release before instance
+        // ids, which may still be serving it (rolling upgrade): swept only once it is older
+        // than `stale_after` (its creation time, the placing gateway's clock)
         let sql = format!(
             "SELECT request_id, account_id, model FROM holds h
              WHERE state = 'held'
                AND h.instance_id IS DISTINCT FROM $1
-               AND NOT EXISTS (
-                   SELECT 1 FROM instances i
-                   WHERE i.instance_id = h.instance_id AND i.heartbeat_at_ms >= {DB_NOW_MS} - $2)
+               AND CASE WHEN h.instance_id IS NULL
+                        THEN h.created_at_ms < {DB_NOW_MS} - $2
+                        ELSE NOT EXISTS (
+                            SELECT 1 FROM instances i
+                            WHERE i.instance_id = h.instance_id
+                              AND i.heartbeat_at_ms >= {DB_NOW_MS} - $2)
+                   END
              ORDER BY created_at_ms, request_id"
         );
         let rows = sqlx::query(&sql)
@@ -551,7 +660,7 @@ impl PgLedger {
                 tokio::select! {
                     () = shutdown.cancelled() => return,
                     _ = heartbeat.tick() => {
-                        if let Err(e) = self.heartbeat().await {
+                        if let Err(e) = self.heartbeat_within(config.live_within).await {
                             tracing::warn!(error = %e, "instance heartbeat to PostgreSQL failed");
                         }
                     }

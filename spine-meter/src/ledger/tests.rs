@@ -145,8 +145,7 @@ impl TestDb {
 
     fn migrations(&self) -> i64 {
         match self {
-            TestDb::Sqlite { .. } => 4,
-            TestDb::Postgres(_) => 3,
+            TestDb::Sqlite { .. } | TestDb::Postgres(_) => 4,
         }
     }
 }
