@@ -1,5 +1,8 @@
 //! Conversation affinity in Redis: `P aff:<model>:<key digest>` → node id, TTL
-//! `affinity_ttl_secs` from the last use, shared by every instance.
+//! `affinity_ttl_secs` from the last use, shared by every instance. The digest is the first 128
+//! bits of SHA-256 over the key's kind and value, hex: the same on every instance whatever its
+//! build (a `std` hasher's output may change between Rust releases), and not steerable by a
+//! caller choosing a `prompt_cache_key` that collides with another conversation's.
 
 use spine_core::{ModelId, NodeId};
 use spine_router::{AffinityFuture, AffinityKey, AffinityStore};
@@ -20,12 +23,36 @@ impl RedisAffinity {
     }
 
     fn key(&self, model: &ModelId, key: &AffinityKey) -> String {
-        self.cluster.key(&format!(
-            "aff:{}:{:016x}",
-            model.as_str(),
-            key.digest(model)
-        ))
+        self.cluster
+            .key(&format!("aff:{}:{}", model.as_str(), stable_digest(key)))
     }
+}
+
+/// SHA-256 of `<kind>\0<value>`, first 16 bytes as hex.
+fn stable_digest(key: &AffinityKey) -> String {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    match key {
+        AffinityKey::PromptCacheKey(k) => {
+            h.update(b"prompt_cache_key\0");
+            h.update(k.as_bytes());
+        }
+        AffinityKey::SessionId(k) => {
+            h.update(b"session_id\0");
+            h.update(k.as_bytes());
+        }
+        AffinityKey::Conversation(k) => {
+            h.update(b"conversation\0");
+            h.update(k.to_le_bytes());
+        }
+        // a kind added later: its source label and debug form still separate it
+        other => {
+            h.update(other.source().as_bytes());
+            h.update(b"\0");
+            h.update(format!("{other:?}").as_bytes());
+        }
+    }
+    hex::encode(&h.finalize()[..16])
 }
 
 impl AffinityStore for RedisAffinity {
@@ -70,4 +97,25 @@ impl AffinityStore for RedisAffinity {
             Ok(())
         })
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn digest_is_sha256_of_kind_and_value() {
+        // python3: hashlib.sha256(b"prompt_cache_key\0abc").hexdigest()[:32]
+        let k = AffinityKey::PromptCacheKey("abc".into());
+        assert_eq!(stable_digest(&k), PROMPT_ABC);
+        let s = AffinityKey::SessionId("abc".into());
+        assert_eq!(stable_digest(&s), SESSION_ABC);
+        assert_ne!(
+            stable_digest(&AffinityKey::Conversation(1)),
+            stable_digest(&AffinityKey::Conversation(2))
+        );
+    }
+
+    const PROMPT_ABC: &str = "b48c27fb2e82985501c80d0b0da94491";
+    const SESSION_ABC: &str = "b5db767d787418120b382a78e3d51ffc";
 }
