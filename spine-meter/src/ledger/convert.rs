@@ -18,3 +18,16 @@ pub(super) fn to_i64(v: u64) -> Result<i64, LedgerError> {
 pub(super) fn to_u64(v: i64, what: &'static str) -> Result<u64, LedgerError> {
     u64::try_from(v).map_err(|_| LedgerError::Corrupt(what))
 }
+
+/// A `key_limits` row's `rpm_limit` / `tpm_limit` columns (`NULL` = the gateway default).
+pub(super) fn key_limits(
+    rpm: Option<i64>,
+    tpm: Option<i64>,
+) -> Result<super::KeyLimits, LedgerError> {
+    Ok(super::KeyLimits {
+        rpm_limit: rpm
+            .map(|v| u32::try_from(v).map_err(|_| LedgerError::Corrupt("rpm_limit")))
+            .transpose()?,
+        tpm_limit: tpm.map(|v| to_u64(v, "tpm_limit")).transpose()?,
+    })
+}

@@ -556,12 +556,7 @@ impl SqliteLedger {
         };
         let rpm: Option<i64> = row.try_get("rpm_limit").map_err(db)?;
         let tpm: Option<i64> = row.try_get("tpm_limit").map_err(db)?;
-        Ok(Some(KeyLimits {
-            rpm_limit: rpm
-                .map(|v| u32::try_from(v).map_err(|_| LedgerError::Corrupt("rpm_limit")))
-                .transpose()?,
-            tpm_limit: tpm.map(|v| to_u64(v, "tpm_limit")).transpose()?,
-        }))
+        super::convert::key_limits(rpm, tpm).map(Some)
     }
 
     /// The account an API key hash belongs to.
