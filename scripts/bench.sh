@@ -33,7 +33,7 @@ log() { echo "[bench] $*" >&2; }
 source "$CACHE/env.sh"
 PY="${SPINE_PYTHON:-python3}"
 
-BIN="${BENCH_BIN:-$ROOT/target/release}"
+BIN="${BENCH_BIN:-${CARGO_TARGET_DIR:-$ROOT/target}/release}"
 if [[ -z "${BENCH_BIN:-}" ]]; then
   log "building release binaries (reference-gateway, reference-agent, spine-bench)"
   cargo build --quiet --release -p reference-gateway -p reference-agent -p spine-bench

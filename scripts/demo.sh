@@ -15,7 +15,7 @@ source "$CACHE/env.sh"
 
 echo "[demo] building spine (cargo build --workspace --bins)" >&2
 cargo build --quiet --workspace --bins
-BIN="$ROOT/target/debug"
+BIN="${CARGO_TARGET_DIR:-$ROOT/target}/debug"
 
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/spine-demo.XXXXXX")"
 PIDS=()
