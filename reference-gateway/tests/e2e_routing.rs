@@ -205,6 +205,36 @@ async fn add_node(
 }
 
 /// The node's entry in `GET /admin/v1/nodes`, if routable.
+/// Two real llama.cpp engines, one gateway, a tenant, and one agent (node) per engine.
+struct TwoNodes {
+    gw: Gateway,
+    t: Tenant,
+    node_a: String,
+    node_b: String,
+    /// (node id, agent process) — kill one to take its node away.
+    agents: Vec<(String, Child)>,
+    llamas: (LlamaServer, LlamaServer),
+}
+
+impl TwoNodes {
+    async fn start(engine: &Engine, dir: &Path) -> Self {
+        let llama_a = LlamaServer::start(engine, 1).await.unwrap();
+        let llama_b = LlamaServer::start(engine, 1).await.unwrap();
+        let gw = Gateway::start(dir, engine).await;
+        let t = tenant(&gw).await;
+        let (node_a, agent_a) = add_node(&gw, dir, &t.operator, &llama_a.url, "a").await;
+        let (node_b, agent_b) = add_node(&gw, dir, &t.operator, &llama_b.url, "b").await;
+        Self {
+            gw,
+            t,
+            agents: vec![(node_a.clone(), agent_a), (node_b.clone(), agent_b)],
+            node_a,
+            node_b,
+            llamas: (llama_a, llama_b),
+        }
+    }
+}
+
 async fn node_view(gw: &Gateway, node_id: &str) -> Option<Value> {
     let (_, nodes) = gw.admin_get("/admin/v1/nodes").await;
     nodes["data"]
@@ -336,9 +366,6 @@ async fn retries_before_the_first_byte_never_after_and_charges_once() {
     let good_before = node_view(&gw, &good).await.unwrap()["attempts"]
         .as_u64()
         .unwrap();
-    let bad_before = node_view(&gw, &bad).await.unwrap()["attempts"]
-        .as_u64()
-        .unwrap();
     let mut broken = None;
     let mut sent = 0u64;
     for i in 0..60 {
@@ -362,9 +389,6 @@ async fn retries_before_the_first_byte_never_after_and_charges_once() {
     let good_after = node_view(&gw, &good).await.unwrap()["attempts"]
         .as_u64()
         .unwrap();
-    let bad_after = node_view(&gw, &bad).await.unwrap()["attempts"]
-        .as_u64()
-        .unwrap();
     let breaker_view = node_view(&gw, &breaker).await.unwrap();
     assert_eq!(breaker_view["attempts"], 1);
     assert_eq!(breaker_view["disconnects"], 1);
@@ -379,7 +403,6 @@ async fn retries_before_the_first_byte_never_after_and_charges_once() {
         sent,
         "the broken request was retried"
     );
-    let _ = (bad_after, bad_before);
     let rec = gw.record(&broken_id).await;
     assert_eq!(rec["outcome"], "upstream_failed", "{rec}");
     assert_eq!(rec["debit_micros"], 0, "{rec}");
@@ -389,13 +412,13 @@ async fn retries_before_the_first_byte_never_after_and_charges_once() {
 async fn chat_sticks_to_its_node_and_moves_when_the_node_dies() {
     let engine = Engine::discover().unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let llama_a = LlamaServer::start(&engine, 1).await.unwrap();
-    let llama_b = LlamaServer::start(&engine, 1).await.unwrap();
-    let gw = Gateway::start(dir.path(), &engine).await;
-    let t = tenant(&gw).await;
-    let (node_a, agent_a) = add_node(&gw, dir.path(), &t.operator, &llama_a.url, "a").await;
-    let (node_b, agent_b) = add_node(&gw, dir.path(), &t.operator, &llama_b.url, "b").await;
-    let mut agents = vec![(node_a.clone(), agent_a), (node_b.clone(), agent_b)];
+    let TwoNodes {
+        gw,
+        t,
+        mut agents,
+        llamas: _llamas,
+        ..
+    } = TwoNodes::start(&engine, dir.path()).await;
 
     let mut messages = vec![
         json!({"role":"system","content":"You are a terse assistant."}),
@@ -627,12 +650,14 @@ async fn affinity_ttft_bench() {
 async fn caller_input_that_makes_llama_500_does_not_penalise_healthy_nodes() {
     let engine = Engine::discover().unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let llama_a = LlamaServer::start(&engine, 1).await.unwrap();
-    let llama_b = LlamaServer::start(&engine, 1).await.unwrap();
-    let gw = Gateway::start(dir.path(), &engine).await;
-    let t = tenant(&gw).await;
-    let (node_a, _agent_a) = add_node(&gw, dir.path(), &t.operator, &llama_a.url, "a").await;
-    let (node_b, _agent_b) = add_node(&gw, dir.path(), &t.operator, &llama_b.url, "b").await;
+    let TwoNodes {
+        gw,
+        t,
+        node_a,
+        node_b,
+        agents: _agents,
+        llamas: _llamas,
+    } = TwoNodes::start(&engine, dir.path()).await;
     let series = "spine_router_attempts_total{result=\"request_fault\"}";
     let faults_before = metric(&gw.metrics().await, series);
     let mut statuses = Vec::new();
@@ -668,8 +693,17 @@ async fn caller_input_that_makes_llama_500_does_not_penalise_healthy_nodes() {
     let faults = metric(&gw.metrics().await, series) - faults_before;
     println!("request_fault attempts: {faults}");
     assert_eq!(faults, 24.0);
-    // nothing charged, nothing held
-    assert_eq!(gw.balance(&t.account).await, (CREDITS, 0));
+    // nothing charged, nothing held (settlements commit just after each answer ends: wait for
+    // the last hold to be released, then the balance is exact)
+    let mut balance = gw.balance(&t.account).await;
+    for _ in 0..50 {
+        if balance.1 == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        balance = gw.balance(&t.account).await;
+    }
+    assert_eq!(balance, (CREDITS, 0));
     // both nodes still serve, and a success is scored as usual
     let messages = json!([{"role":"user","content":"Say hi."}]);
     let (_, status, events, _) = chat(&gw, &t.api_key, &messages, 4).await;
