@@ -18,8 +18,8 @@ echo "[test] cargo build --workspace --bins (the end-to-end test runs both binar
 cargo build --workspace --bins
 echo "[test] services the tests use: PostgreSQL and Redis on 127.0.0.1 (scripts/services.sh)" >&2
 scripts/services.sh
-echo "[test] cargo test --workspace" >&2
-cargo test --workspace
+echo "[test] cargo test --workspace --no-fail-fast (every failing test binary is reported)" >&2
+cargo test --workspace --no-fail-fast
 echo "[test] fuzz targets build (cargo check)" >&2
 cargo check --quiet --manifest-path fuzz/Cargo.toml --bins --target-dir "${CARGO_TARGET_DIR:-target}"
 

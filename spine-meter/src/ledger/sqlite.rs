@@ -223,6 +223,43 @@ fn spawn_checkpointer(mut conn: SqliteConnection) -> AbortOnDrop {
     AbortOnDrop(tokio::spawn(task))
 }
 
+/// How long [`SqliteLedger::open`] keeps retrying a connection SQLite refuses as busy.
+const OPEN_BUSY_DEADLINE: Duration = Duration::from_secs(10);
+
+/// Whether `e` is `SQLITE_BUSY` or `SQLITE_LOCKED` (any extended code of either).
+fn is_busy(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(d)
+        if d.code().and_then(|c| c.parse::<i32>().ok()).is_some_and(|c| matches!(c & 0xff, 5 | 6)))
+}
+
+/// Runs `connect` until it does not fail busy, for at most [`OPEN_BUSY_DEADLINE`] (backoff
+/// 10 ms doubling to 200 ms).
+///
+/// Every new connection runs `PRAGMA journal_mode = WAL`; switching a new file to WAL takes
+/// an exclusive lock that SQLite's busy handler does not wait for, so processes opening one
+/// new file at the same instant can be refused with "database is locked" (code 5) at connect
+/// despite `busy_timeout` (seen in CI on this crate's concurrent-open test; the same race from
+/// the `sqlite3` shell: elixir-sqlite/exqlite#138). The switch happens once per file, so a
+/// retry finds it done.
+async fn connect_retrying_busy<T, F, Fut>(mut connect: F) -> Result<T, LedgerError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, sqlx::Error>>,
+{
+    let deadline = tokio::time::Instant::now() + OPEN_BUSY_DEADLINE;
+    let mut backoff = Duration::from_millis(10);
+    loop {
+        match connect().await {
+            Err(e) if is_busy(&e) && tokio::time::Instant::now() + backoff < deadline => {
+                tracing::debug!(error = %e, "ledger file busy at connect; retrying");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_millis(200));
+            }
+            r => return r.map_err(db),
+        }
+    }
+}
+
 fn is_unique_violation(e: &sqlx::Error) -> bool {
     matches!(e, sqlx::Error::Database(d) if d.is_unique_violation())
 }
@@ -238,7 +275,9 @@ impl SqliteLedger {
     ///
     /// # Errors
     ///
-    /// [`LedgerError::Database`] when the file cannot be opened or migrated.
+    /// [`LedgerError::Database`] when the file cannot be opened or migrated (a connection that
+    /// SQLite refuses as busy, as when several processes open one new file at once, is retried
+    /// for up to 10 s first).
     pub async fn open(path: impl AsRef<Path>) -> Result<Self, LedgerError> {
         let base = SqliteConnectOptions::new()
             .filename(path)
@@ -247,34 +286,38 @@ impl SqliteLedger {
             .busy_timeout(Duration::from_secs(5))
             .foreign_keys(true);
         // the writer first: it creates the file, switches it to WAL and migrates it
-        let writer = SqlitePoolOptions::new()
-            .max_connections(1)
-            .min_connections(1)
-            .idle_timeout(None)
-            .max_lifetime(None)
-            // one connection: a liveness ping per acquire would be one more hand-off to its
-            // worker thread per transaction, for nothing
-            .test_before_acquire(false)
-            .acquire_timeout(Duration::from_secs(30))
-            .connect_with(base.clone().create_if_missing(true).pragma(
-                "wal_autocheckpoint",
-                WRITER_AUTOCHECKPOINT_PAGES.to_string(),
-            ))
-            .await
-            .map_err(db)?;
+        let writer_opts = base.clone().create_if_missing(true).pragma(
+            "wal_autocheckpoint",
+            WRITER_AUTOCHECKPOINT_PAGES.to_string(),
+        );
+        let writer = connect_retrying_busy(|| {
+            SqlitePoolOptions::new()
+                .max_connections(1)
+                .min_connections(1)
+                .idle_timeout(None)
+                .max_lifetime(None)
+                // one connection: a liveness ping per acquire would be one more hand-off to
+                // its worker thread per transaction, for nothing
+                .test_before_acquire(false)
+                .acquire_timeout(Duration::from_secs(30))
+                .connect_with(writer_opts.clone())
+        })
+        .await?;
         let migrated = Self {
             writer: writer.clone(),
             reader: writer.clone(),
             checkpointer: None,
         };
         migrated.migrate().await?;
-        let reader = SqlitePoolOptions::new()
-            .max_connections(READERS)
-            .test_before_acquire(false)
-            .connect_with(base.clone().pragma("query_only", "ON"))
-            .await
-            .map_err(db)?;
-        let checkpointer = SqliteConnection::connect_with(&base).await.map_err(db)?;
+        let reader_opts = base.clone().pragma("query_only", "ON");
+        let reader = connect_retrying_busy(|| {
+            SqlitePoolOptions::new()
+                .max_connections(READERS)
+                .test_before_acquire(false)
+                .connect_with(reader_opts.clone())
+        })
+        .await?;
+        let checkpointer = connect_retrying_busy(|| SqliteConnection::connect_with(&base)).await?;
         Ok(Self {
             writer,
             reader,
