@@ -32,6 +32,7 @@ const ENV_KEYS: &[(&str, Kind)] = &[
     ("affinity_ttl_secs", Kind::Int),
     ("route_max_retries", Kind::Int),
     ("first_token_timeout_secs", Kind::Int),
+    ("stream_idle_timeout_secs", Kind::Int),
     ("max_vram_mib", Kind::Int),
     ("redis_url", Kind::Str),
     ("instance_id", Kind::Str),
@@ -105,6 +106,11 @@ pub(crate) struct Config {
     /// attempt counts as its failure and is retried elsewhere, seconds; 0 disables the deadline.
     #[serde(default = "default_first_token_timeout_secs")]
     pub(crate) first_token_timeout_secs: u64,
+    /// Longest a node may send nothing once its response has begun (between two frames of its
+    /// body), seconds; past it the stream ends with an error event, the node is scored as for a
+    /// mid-request disconnect and the request settles. 0 disables the bound.
+    #[serde(default = "default_stream_idle_timeout_secs")]
+    pub(crate) stream_idle_timeout_secs: u64,
     /// Most VRAM, MiB, a node's self-reported `vram_mib` counts for in its routing weight.
     #[serde(default = "default_max_vram_mib")]
     pub(crate) max_vram_mib: u64,
@@ -203,6 +209,9 @@ fn default_route_max_retries() -> u32 {
     2
 }
 fn default_first_token_timeout_secs() -> u64 {
+    120
+}
+fn default_stream_idle_timeout_secs() -> u64 {
     120
 }
 fn default_max_vram_mib() -> u64 {

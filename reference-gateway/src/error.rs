@@ -131,6 +131,17 @@ impl ApiError {
                         d.as_secs()
                     ),
                 ),
+                // a body error: the meter ends the caller's stream with its error event; this
+                // arm is for completeness (no head is ever built from it)
+                RouteError::StreamIdleTimeout(d) => Self::new(
+                    StatusCode::GATEWAY_TIMEOUT,
+                    "api_error",
+                    "node_timeout",
+                    format!(
+                        "the node sent nothing for {} s after the response began",
+                        d.as_secs()
+                    ),
+                ),
                 _ => Self::internal(e.to_string()),
             };
         }

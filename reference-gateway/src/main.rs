@@ -314,6 +314,9 @@ async fn run(cli: Cli) -> Result<(), MainError> {
                     first_content_timeout: std::time::Duration::from_secs(
                         config.first_token_timeout_secs,
                     ),
+                    stream_idle_timeout: std::time::Duration::from_secs(
+                        config.stream_idle_timeout_secs,
+                    ),
                     ..RouteConfig::default()
                 })
                 // the tunnel's per-node stream limit is the gateway's own, and a remote node's

@@ -34,6 +34,11 @@ pub enum RouteError {
     /// within the first-content deadline ([`RouteConfig::first_content_timeout`](crate::RouteConfig)).
     #[error("no first content from the node within {0:?}")]
     FirstContentTimeout(Duration),
+    /// A committed response's node sent nothing for this long
+    /// ([`RouteConfig::stream_idle_timeout`](crate::RouteConfig)): a body error, after bytes
+    /// reached the caller, so never retried.
+    #[error("node sent nothing for {} s after the response began", .0.as_secs())]
+    StreamIdleTimeout(Duration),
 }
 
 /// Settings of a [`NodeRegistry`]. [`Default`] gives the documented values.

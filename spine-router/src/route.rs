@@ -31,6 +31,14 @@ pub struct RouteConfig {
     /// and is retried on another node while retries are left; otherwise the request fails with
     /// [`RouteError::FirstContentTimeout`]. Default 120 s; `Duration::ZERO` disables it.
     pub first_content_timeout: Duration,
+    /// Longest gap between two frames of the node's body once the response is committed (and,
+    /// for a non-2xx answer that goes to the caller, after its head), counted from the commit
+    /// for the first frame. Past it the node is stalled (e.g. its agent answers PINGs but its
+    /// engine sends nothing): the body ends with [`RouteError::StreamIdleTimeout`], the node is
+    /// scored as for a mid-request disconnect, its in-flight slot is freed and its body is
+    /// dropped (the tunnel stream is reset, so the agent cancels the engine request). Never
+    /// retried: bytes already reached the caller. Default 120 s; `Duration::ZERO` disables it.
+    pub stream_idle_timeout: Duration,
 }
 
 impl Default for RouteConfig {
@@ -39,6 +47,7 @@ impl Default for RouteConfig {
             max_retries: 2,
             max_buffered_bytes: 1024 * 1024,
             first_content_timeout: Duration::from_secs(120),
+            stream_idle_timeout: Duration::from_secs(120),
         }
     }
 }
@@ -181,7 +190,9 @@ impl<S> Layer<S> for RouteLayer {
 /// A committed response carries the [`NodeId`] in its extensions and the node's in-flight lease in
 /// its body until the body ends or is dropped. The body keeps feeding the classifier: at its end
 /// the attempt is recorded as a success (with its TTFT if streamed) or, after an error event, a
-/// failure; a body that breaks is a mid-request disconnect (score halved). It is never retried
+/// failure; a body that breaks is a mid-request disconnect (score halved), and so is one that
+/// sends nothing for [`RouteConfig::stream_idle_timeout`] (it then ends with
+/// [`RouteError::StreamIdleTimeout`] and the node's body is dropped). It is never retried
 /// after commit: the caller's stream ends with the error (the metering layer turns it into an
 /// OpenAI-shaped error event). A body dropped early (the caller left, or the layer above
 /// stopped after the last event) counts as a success unless a failure was seen.
@@ -601,7 +612,7 @@ async fn try_commit(
         parts.extensions.insert(node.clone());
         return Attempt::Final(http::Response::from_parts(
             parts,
-            BoxBody::new(RoutedBody::passthrough(body, lease)),
+            BoxBody::new(RoutedBody::passthrough(body, lease, config)),
         ));
     }
     if !resp.status().is_success() {
@@ -612,7 +623,7 @@ async fn try_commit(
         // the body (usually a short error) goes to the caller if this was the last attempt; the
         // lease rides with it
         return Attempt::Failed(
-            Ok(resp.map(|inner| BoxBody::new(RoutedBody::passthrough(inner, lease)))),
+            Ok(resp.map(|inner| BoxBody::new(RoutedBody::passthrough(inner, lease, config)))),
             fault,
         );
     }
@@ -707,6 +718,7 @@ async fn try_commit(
                     ttft,
                     failed: false,
                 }),
+                idle: IdleTimer::new(config),
             };
             if ended {
                 // the whole body is already here: the attempt's outcome is known now
@@ -731,8 +743,9 @@ struct Watch {
 /// # End of stream
 ///
 /// The outcome is recorded exactly once, at the first of: `None`, a trailers frame, a data frame
-/// after which the inner body reports `is_end_stream()`, an error (a disconnect), or a drop (a
-/// success unless a failure was seen: see `Drop`). The lease is released at the same moment.
+/// after which the inner body reports `is_end_stream()`, an error (a disconnect), a stall of
+/// [`RouteConfig::stream_idle_timeout`] (a disconnect too), or a drop (a success unless a failure
+/// was seen: see `Drop`). The lease is released at the same moment.
 struct RoutedBody {
     prefix: VecDeque<Frame<Bytes>>,
     inner: BoxBody,
@@ -741,17 +754,77 @@ struct RoutedBody {
     /// `None` for a non-2xx answer (its failure is recorded already or left to [`route`], or a
     /// caller's 4xx that is not scored) and after the end.
     watch: Option<Watch>,
+    /// `None` when [`RouteConfig::stream_idle_timeout`] is zero (disabled).
+    idle: Option<IdleTimer>,
+}
+
+/// Bounds the gap between two frames of the node's body without touching a timer per frame:
+/// each frame only stores `Instant::now()`; the one `Sleep` (created the first time the node's
+/// body is pending) is re-armed when it fires early because frames came in the meantime.
+struct IdleTimer {
+    /// Longest gap allowed (not zero).
+    timeout: Duration,
+    /// When the node's body last gave a frame (at first: the commit).
+    last_frame: Instant,
+    /// Fires at or before `last_frame + timeout`; `None` until first needed.
+    sleep: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl IdleTimer {
+    /// A timer counting from now; `None` when the bound is disabled.
+    fn new(config: &RouteConfig) -> Option<Self> {
+        (!config.stream_idle_timeout.is_zero()).then(|| Self {
+            timeout: config.stream_idle_timeout,
+            last_frame: Instant::now(),
+            sleep: None,
+        })
+    }
+
+    /// The node's body gave a frame.
+    fn frame(&mut self) {
+        self.last_frame = Instant::now();
+    }
+
+    /// Called while the node's body is pending: true once it has given nothing for `timeout`;
+    /// otherwise the timer is armed and registered with `cx`.
+    fn expired(&mut self, cx: &mut Context<'_>) -> bool {
+        let deadline = self.last_frame + self.timeout;
+        let sleep = match self.sleep.as_mut() {
+            Some(sleep) => sleep,
+            None => {
+                if tokio::runtime::Handle::try_current().is_err() {
+                    // no runtime, no timer: the bound cannot be kept
+                    return false;
+                }
+                self.sleep
+                    .insert(Box::pin(tokio::time::sleep_until(deadline)))
+            }
+        };
+        loop {
+            if sleep.as_mut().poll(cx).is_pending() {
+                return false;
+            }
+            // fired: frames may have come since it was armed
+            let deadline = self.last_frame + self.timeout;
+            if deadline <= Instant::now() {
+                return true;
+            }
+            sleep.as_mut().reset(deadline);
+        }
+    }
 }
 
 impl RoutedBody {
-    /// A body that only holds the lease (a non-2xx answer).
-    fn passthrough(inner: BoxBody, lease: InFlightLease) -> Self {
+    /// A body that only holds the lease (a non-2xx answer), bounded by
+    /// [`RouteConfig::stream_idle_timeout`] as well.
+    fn passthrough(inner: BoxBody, lease: InFlightLease, config: &RouteConfig) -> Self {
         Self {
             prefix: VecDeque::new(),
             inner,
             inner_ended: false,
             lease: Some(lease),
             watch: None,
+            idle: IdleTimer::new(config),
         }
     }
 
@@ -811,7 +884,29 @@ impl Body for RoutedBody {
             this.finish();
             return Poll::Ready(None);
         }
-        match std::task::ready!(Pin::new(&mut this.inner).poll_frame(cx)) {
+        let polled = Pin::new(&mut this.inner).poll_frame(cx);
+        let Poll::Ready(polled) = polled else {
+            if let Some(idle) = this.idle.as_mut() {
+                if idle.expired(cx) {
+                    let timeout = idle.timeout;
+                    tracing::info!(
+                        node = ?this.lease.as_ref().map(|l| l.node().as_str()),
+                        timeout_secs = timeout.as_secs(),
+                        "node stream stalled; ending it"
+                    );
+                    this.broke();
+                    // reset the node's stream: the agent cancels the engine request
+                    this.inner = BoxBody::default();
+                    this.idle = None;
+                    return Poll::Ready(Some(Err(RouteError::StreamIdleTimeout(timeout).into())));
+                }
+            }
+            return Poll::Pending;
+        };
+        if let Some(idle) = this.idle.as_mut() {
+            idle.frame();
+        }
+        match polled {
             Some(Ok(frame)) => {
                 match frame.data_ref() {
                     Some(data) => {

@@ -653,3 +653,231 @@ async fn a_lone_answer_type_failure_is_not_scored() {
     assert_eq!(stats(&r, "a"), (0, 0, 0));
     assert_eq!(stats(&r, "b"), (1, 1, 0));
 }
+
+/// A node's body after its head: one content event, then a frame every `every` (`more` of them)
+/// and the end; `every: None`, nothing more, ever (a stalled engine on a live tunnel). Sets
+/// `dropped` when dropped (the tunnel stream reset).
+struct Stalling {
+    first: Option<&'static str>,
+    every: Option<std::time::Duration>,
+    more: u32,
+    sleep: Option<Pin<Box<tokio::time::Sleep>>>,
+    dropped: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Drop for Stalling {
+    fn drop(&mut self) {
+        self.dropped
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl http_body::Body for Stalling {
+    type Data = Bytes;
+    type Error = BoxError;
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, BoxError>>> {
+        use std::future::Future as _;
+        let this = &mut *self;
+        if let Some(first) = this.first.take() {
+            return Poll::Ready(Some(Ok(http_body::Frame::data(Bytes::from_static(
+                first.as_bytes(),
+            )))));
+        }
+        let Some(every) = this.every else {
+            return Poll::Pending;
+        };
+        if this.more == 0 {
+            return Poll::Ready(None);
+        }
+        let sleep = this
+            .sleep
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(every)));
+        std::task::ready!(sleep.as_mut().poll(cx));
+        this.more -= 1;
+        sleep.as_mut().reset(tokio::time::Instant::now() + every);
+        Poll::Ready(Some(Ok(http_body::Frame::data(Bytes::from_static(
+            b"data: tok\n\n",
+        )))))
+    }
+}
+
+/// Routes one streamed request to the lone node "s", which answers `status` with a
+/// [`Stalling`] body; returns the registry, the response and the body's drop flag.
+async fn stalling_node(
+    config: RouteConfig,
+    status: u16,
+    every: Option<std::time::Duration>,
+    more: u32,
+) -> (
+    NodeRegistry,
+    http::Response<BoxBody>,
+    Arc<std::sync::atomic::AtomicBool>,
+) {
+    let r = registry(&["s"]);
+    let dropped = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = dropped.clone();
+    let svc = RouteLayer::new(r.clone())
+        .classify(Arc::new(Words))
+        .config(config)
+        .layer(tower::service_fn(move |_req: http::Request<BoxBody>| {
+            let body = Stalling {
+                first: Some("data: tok\n\n"),
+                every,
+                more,
+                sleep: None,
+                dropped: flag.clone(),
+            };
+            async move {
+                Ok::<_, BoxError>(
+                    http::Response::builder()
+                        .status(status)
+                        .header("content-type", "text/event-stream")
+                        .body(BoxBody::new(body))
+                        .unwrap(),
+                )
+            }
+        }));
+    let (req, _) = request(None);
+    let resp = svc.oneshot(req).await.unwrap();
+    (r, resp, dropped)
+}
+
+fn in_flight(r: &NodeRegistry) -> u32 {
+    r.snapshot().iter().map(|s| s.in_flight).sum()
+}
+
+/// Waits for the body's next frame, failing the test (rather than hanging it) after an hour of
+/// the paused clock.
+async fn next_frame(body: &mut BoxBody) -> Option<Result<http_body::Frame<Bytes>, BoxError>> {
+    tokio::time::timeout(std::time::Duration::from_secs(3600), body.frame())
+        .await
+        .expect("the body neither gave a frame nor ended within an hour")
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_stream_stalled_after_its_first_content_is_cut_and_scored_as_a_disconnect() {
+    let timeout = std::time::Duration::from_secs(10);
+    let config = RouteConfig {
+        stream_idle_timeout: timeout,
+        ..RouteConfig::default()
+    };
+    let (r, resp, dropped) = stalling_node(config, 200, None, 0).await;
+    assert!(penalty(&r, "s") > 0.99);
+    let mut body = resp.into_body();
+    let first = next_frame(&mut body).await.unwrap().unwrap();
+    assert_eq!(&first.into_data().unwrap()[..], b"data: tok\n\n");
+    let started = tokio::time::Instant::now();
+    let err = next_frame(&mut body).await.unwrap().unwrap_err();
+    let waited = started.elapsed();
+    assert_eq!(
+        err.downcast_ref::<RouteError>(),
+        Some(&RouteError::StreamIdleTimeout(timeout))
+    );
+    assert_eq!(
+        err.to_string(),
+        "node sent nothing for 10 s after the response began"
+    );
+    assert!(
+        waited >= timeout && waited < timeout + std::time::Duration::from_secs(1),
+        "{waited:?}"
+    );
+    // while the caller still holds the body: scored as a mid-request disconnect, the slot
+    // freed, the node's body dropped (the tunnel stream reset)
+    assert_eq!(stats(&r, "s"), (1, 1, 1));
+    assert!(penalty(&r, "s") < 0.51, "{}", penalty(&r, "s"));
+    assert_eq!(in_flight(&r), 0);
+    assert!(dropped.load(std::sync::atomic::Ordering::SeqCst));
+    // the body ends there; nothing is recorded twice
+    assert!(next_frame(&mut body).await.is_none());
+    drop(body);
+    assert_eq!(stats(&r, "s"), (1, 1, 1));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_slow_but_steady_stream_is_not_cut() {
+    // a frame every timeout/2 for 5× the timeout
+    let timeout = std::time::Duration::from_secs(10);
+    let config = RouteConfig {
+        stream_idle_timeout: timeout,
+        ..RouteConfig::default()
+    };
+    let (r, resp, _) = stalling_node(config, 200, Some(timeout / 2), 10).await;
+    let started = tokio::time::Instant::now();
+    let mut body = resp.into_body();
+    let mut frames = 0;
+    while let Some(frame) = next_frame(&mut body).await {
+        frame.unwrap();
+        frames += 1;
+    }
+    assert_eq!(frames, 11);
+    assert!(started.elapsed() >= timeout * 5, "{:?}", started.elapsed());
+    assert_eq!(stats(&r, "s"), (1, 0, 0));
+    assert!(penalty(&r, "s") > 0.99);
+    assert_eq!(in_flight(&r), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn zero_disables_the_idle_timeout_and_the_default_is_120_s() {
+    let config = RouteConfig {
+        stream_idle_timeout: std::time::Duration::ZERO,
+        ..RouteConfig::default()
+    };
+    let (r, resp, dropped) = stalling_node(config, 200, None, 0).await;
+    let mut body = resp.into_body();
+    next_frame(&mut body).await.unwrap().unwrap();
+    // a day of silence: still pending, still holding the slot
+    let day = std::time::Duration::from_secs(24 * 3600);
+    assert!(tokio::time::timeout(day, body.frame()).await.is_err());
+    assert_eq!(in_flight(&r), 1);
+    assert_eq!(stats(&r, "s"), (0, 0, 0));
+    assert!(!dropped.load(std::sync::atomic::Ordering::SeqCst));
+    drop(body);
+    assert_eq!(in_flight(&r), 0);
+
+    let (r, resp, _) = stalling_node(RouteConfig::default(), 200, None, 0).await;
+    let mut body = resp.into_body();
+    next_frame(&mut body).await.unwrap().unwrap();
+    let started = tokio::time::Instant::now();
+    let err = next_frame(&mut body).await.unwrap().unwrap_err();
+    assert_eq!(
+        err.downcast_ref::<RouteError>(),
+        Some(&RouteError::StreamIdleTimeout(
+            std::time::Duration::from_secs(120)
+        ))
+    );
+    let waited = started.elapsed();
+    assert!(
+        waited >= std::time::Duration::from_secs(120)
+            && waited < std::time::Duration::from_secs(121),
+        "{waited:?}"
+    );
+    assert_eq!(stats(&r, "s"), (1, 1, 1));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_stalled_error_answer_is_cut_too_but_not_scored() {
+    // a lone node's 500 goes to the caller as it came (an answer-type failure, not scored);
+    // its body stalls after the first bytes
+    let timeout = std::time::Duration::from_secs(10);
+    let config = RouteConfig {
+        stream_idle_timeout: timeout,
+        max_retries: 0,
+        ..RouteConfig::default()
+    };
+    let (r, resp, dropped) = stalling_node(config, 500, None, 0).await;
+    assert_eq!(resp.status(), 500);
+    let mut body = resp.into_body();
+    next_frame(&mut body).await.unwrap().unwrap();
+    let err = next_frame(&mut body).await.unwrap().unwrap_err();
+    assert_eq!(
+        err.downcast_ref::<RouteError>(),
+        Some(&RouteError::StreamIdleTimeout(timeout))
+    );
+    assert_eq!(in_flight(&r), 0);
+    assert!(dropped.load(std::sync::atomic::Ordering::SeqCst));
+    assert_eq!(stats(&r, "s"), (0, 0, 0));
+    assert!(next_frame(&mut body).await.is_none());
+}

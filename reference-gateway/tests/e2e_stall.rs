@@ -1,0 +1,355 @@
+//! A stalled stream on a live tunnel, end to end: a real gateway (`stream_idle_timeout_secs = 2`)
+//! and a real agent in front of a fake engine that speaks real HTTP. The engine streams a role
+//! chunk and one token, then sends nothing while keeping its connection open (the agent still
+//! answers the gateway's PINGs). The caller's stream must end with an OpenAI-shaped error event
+//! instead of hanging; the request settles (`upstream_failed`, nothing charged, hold released);
+//! the node is scored as for a mid-request disconnect and its slot freed; the agent cancels the
+//! engine request; and the next request, once the engine behaves, is served normally.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, missing_docs)]
+
+mod common;
+
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use common::{keygen, sse_data, start_agent, Gateway, CREDITS};
+use http_body_util::{BodyExt as _, Full, StreamBody};
+use hyper::body::{Frame, Incoming};
+use hyper_util::rt::TokioIo;
+use serde_json::{json, Value};
+use spine_test_support::Engine;
+use tokio::net::TcpListener;
+
+type FakeBody = http_body_util::combinators::BoxBody<Bytes, std::io::Error>;
+
+const ROLE: &str = "data: {\"id\":\"x\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"smollm2\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":null},\"finish_reason\":null}]}\n\n";
+
+fn content(text: &str) -> String {
+    format!(
+        "data: {{\"id\":\"x\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"smollm2\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"{text}\"}},\"finish_reason\":null}}]}}\n\n"
+    )
+}
+
+const FINISH: &str = "data: {\"id\":\"x\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"smollm2\",\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\n";
+
+/// Sets its flag when dropped: the engine's response body went away (the agent cancelled).
+struct DropFlag(Arc<AtomicBool>);
+
+impl Drop for DropFlag {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
+/// A fake llama-server: `/health`, `/v1/models`, and a `/v1/chat/completions` that stalls after
+/// its first token while `stall` is set, and answers a short complete stream otherwise.
+struct StallingEngine {
+    url: String,
+    stall: Arc<AtomicBool>,
+    chats: Arc<AtomicU64>,
+    /// Set when a stalled answer's body was dropped (its connection closed by the agent).
+    cancelled: Arc<AtomicBool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for StallingEngine {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+fn full(status: u16, content_type: &str, body: String) -> hyper::Response<FakeBody> {
+    hyper::Response::builder()
+        .status(status)
+        .header("content-type", content_type)
+        .body(Full::new(Bytes::from(body)).map_err(|n| match n {}).boxed())
+        .unwrap()
+}
+
+#[derive(Clone)]
+struct EngineState {
+    stall: Arc<AtomicBool>,
+    chats: Arc<AtomicU64>,
+    cancelled: Arc<AtomicBool>,
+}
+
+async fn answer(
+    state: EngineState,
+    req: hyper::Request<Incoming>,
+) -> Result<hyper::Response<FakeBody>, Infallible> {
+    let path = req.uri().path().to_owned();
+    let _ = req.into_body().collect().await;
+    Ok(match path.as_str() {
+        "/health" => full(200, "application/json", r#"{"status":"ok"}"#.into()),
+        "/v1/models" => full(
+            200,
+            "application/json",
+            json!({"object":"list","data":[{"id":"smollm2","object":"model","owned_by":"llamacpp","meta":{"n_ctx":4096}}]})
+                .to_string(),
+        ),
+        "/v1/chat/completions" => {
+            state.chats.fetch_add(1, Ordering::SeqCst);
+            let stall = state.stall.load(Ordering::SeqCst);
+            let frames: Vec<String> = if stall {
+                vec![ROLE.into(), content("Hello")]
+            } else {
+                vec![
+                    ROLE.into(),
+                    content("Hi"),
+                    FINISH.into(),
+                    "data: [DONE]\n\n".into(),
+                ]
+            };
+            let guard = stall.then(|| DropFlag(state.cancelled.clone()));
+            // 100 ms between frames so that each reaches the gateway as its own frame; after the
+            // last one a stalled answer waits forever, its connection open (the guard lives in
+            // the pending state until the body is dropped)
+            let stream = futures_util::stream::unfold(
+                (frames.into_iter(), guard),
+                |(mut rest, guard)| async move {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    match rest.next() {
+                        Some(frame) => Some((
+                            Ok::<_, std::io::Error>(Frame::data(Bytes::from(frame))),
+                            (rest, guard),
+                        )),
+                        None if guard.is_some() => {
+                            std::future::pending::<()>().await;
+                            None
+                        }
+                        None => None,
+                    }
+                },
+            );
+            hyper::Response::builder()
+                .status(200)
+                .header("content-type", "text/event-stream")
+                .body(StreamBody::new(stream).boxed())
+                .unwrap()
+        }
+        _ => full(404, "application/json", r#"{"error":"not found"}"#.into()),
+    })
+}
+
+impl StallingEngine {
+    async fn start() -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let state = EngineState {
+            stall: Arc::new(AtomicBool::new(true)),
+            chats: Arc::new(AtomicU64::new(0)),
+            cancelled: Arc::new(AtomicBool::new(false)),
+        };
+        let shared = state.clone();
+        let task = tokio::spawn(async move {
+            while let Ok((tcp, _)) = listener.accept().await {
+                let state = shared.clone();
+                tokio::spawn(async move {
+                    let svc = hyper::service::service_fn(move |req| answer(state.clone(), req));
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(tcp), svc)
+                        .await;
+                });
+            }
+        });
+        Self {
+            url,
+            stall: state.stall,
+            chats: state.chats,
+            cancelled: state.cancelled,
+            task,
+        }
+    }
+}
+
+/// The node's entry in `GET /admin/v1/nodes`, if routable.
+async fn node_view(gw: &Gateway, node_id: &str) -> Option<Value> {
+    let (_, nodes) = gw.admin_get("/admin/v1/nodes").await;
+    nodes["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|n| n["node_id"] == node_id)
+        .cloned()
+}
+
+/// One streamed chat: (request id, status, SSE data events). Fails the test if the stream has
+/// not ended within 30 s.
+async fn chat(gw: &Gateway, key: &str) -> (String, u16, Vec<String>) {
+    let mut resp = gw
+        .api_post(
+            key,
+            "/v1/chat/completions",
+            &json!({"model":"smollm2","messages":[{"role":"user","content":"Say hi."}],"stream":true,"max_tokens":8}),
+        )
+        .await;
+    let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
+    let status = resp.status().as_u16();
+    let mut body = Vec::new();
+    let read = async {
+        while let Some(chunk) = resp.chunk().await.unwrap() {
+            body.extend_from_slice(&chunk);
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(30), read)
+        .await
+        .unwrap_or_else(|_| {
+            panic!(
+                "the caller's stream hung; received so far: {:?}",
+                String::from_utf8_lossy(&body)
+            )
+        });
+    (id, status, sse_data(&String::from_utf8_lossy(&body)))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_stalled_after_its_first_token_is_cut_settled_and_scored() {
+    let engine = Engine::discover().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let gw = Gateway::start_with(dir.path(), &engine, "stream_idle_timeout_secs = 2").await;
+    let fake = StallingEngine::start().await;
+
+    // tenant: operator, funded account, key
+    let (_, op) = gw.admin_post("/admin/v1/operators", json!({})).await;
+    let operator = op["id"].as_str().unwrap().to_owned();
+    let (_, acct) = gw.admin_post("/admin/v1/accounts", json!({})).await;
+    let account = acct["id"].as_str().unwrap().to_owned();
+    let (_, key) = gw
+        .admin_post(&format!("/admin/v1/accounts/{account}/keys"), json!({}))
+        .await;
+    let api_key = key["key"].as_str().unwrap().to_owned();
+    let (s, _) = gw
+        .admin_post(
+            &format!("/admin/v1/accounts/{account}/credits"),
+            json!({"amount_micros": CREDITS, "idempotency_key": "topup"}),
+        )
+        .await;
+    assert_eq!(s, 200);
+
+    // one node: a real agent in front of the stalling engine
+    let (identity, public_key) = keygen(dir.path(), "stall.key").await;
+    let (s, node) = gw
+        .admin_post(
+            "/admin/v1/nodes",
+            json!({"operator_id": operator, "public_key": public_key}),
+        )
+        .await;
+    assert_eq!(s, 201, "{node}");
+    let node_id = node["node_id"].as_str().unwrap().to_owned();
+    let agent = start_agent(&gw, &identity, &fake.url, "agent");
+    let mut before = None;
+    for _ in 0..300 {
+        before = node_view(&gw, &node_id).await;
+        if before.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let before = before.unwrap_or_else(|| {
+        panic!(
+            "node never routable; agent stderr:\n{}",
+            agent.stderr_tail(30)
+        )
+    });
+    assert_eq!(before["disconnects"], 0);
+    let penalty_before = before["score_parts"]["failure_penalty"].as_f64().unwrap();
+    assert!(penalty_before > 0.99, "{before}");
+
+    // --- the stalled stream: cut after ~2 s with an error event, not retried ----------------
+    let started = Instant::now();
+    let (id, status, events) = chat(&gw, &api_key).await;
+    let took = started.elapsed();
+    assert_eq!(status, 200);
+    assert!(
+        took >= Duration::from_secs(2),
+        "cut before the idle timeout: {took:?}"
+    );
+    let text: String = events
+        .iter()
+        .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+        .filter_map(|v| {
+            v["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(str::to_owned)
+        })
+        .collect();
+    assert_eq!(text, "Hello", "{events:?}");
+    let last: Value = serde_json::from_str(events.last().unwrap()).unwrap();
+    assert!(last["error"]["message"].is_string(), "{events:?}");
+    assert!(last["error"]["type"].is_string(), "{events:?}");
+    assert!(!events.iter().any(|e| e == "[DONE]"), "{events:?}");
+    assert_eq!(fake.chats.load(Ordering::SeqCst), 1, "retried after commit");
+
+    // settled: upstream_failed, nothing charged, hold released
+    let rec = gw.record(&id).await;
+    assert_eq!(rec["outcome"], "upstream_failed", "{rec}");
+    assert_eq!(rec["debit_micros"], 0, "{rec}");
+    let mut balance = gw.balance(&account).await;
+    for _ in 0..100 {
+        if balance.1 == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        balance = gw.balance(&account).await;
+    }
+    assert_eq!(balance, (CREDITS, 0));
+
+    // the node: scored as a mid-request disconnect, its slot freed
+    let after = node_view(&gw, &node_id).await.unwrap();
+    assert_eq!(after["attempts"], 1, "{after}");
+    assert_eq!(after["disconnects"], 1, "{after}");
+    assert_eq!(after["in_flight"], 0, "{after}");
+    let penalty_after = after["score_parts"]["failure_penalty"].as_f64().unwrap();
+    assert!(penalty_after < 0.51, "{after}");
+    assert!(
+        after["score"].as_f64().unwrap() < before["score"].as_f64().unwrap(),
+        "score did not drop: {before} → {after}"
+    );
+
+    // the tunnel stream was reset, so the agent dropped the engine request
+    let mut cancelled = false;
+    for _ in 0..100 {
+        if fake.cancelled.load(Ordering::SeqCst) {
+            cancelled = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        cancelled,
+        "the engine request was never cancelled; agent stderr:\n{}",
+        agent.stderr_tail(30)
+    );
+
+    // --- the engine behaves again: the next request through the same node completes ---------
+    fake.stall.store(false, Ordering::SeqCst);
+    let (id, status, events) = chat(&gw, &api_key).await;
+    assert_eq!(status, 200);
+    assert_eq!(
+        events.last().map(String::as_str),
+        Some("[DONE]"),
+        "{events:?}"
+    );
+    assert!(
+        events.iter().all(|e| !e.contains("\"error\"")),
+        "{events:?}"
+    );
+    let rec = gw.record(&id).await;
+    assert_eq!(rec["outcome"], "completed", "{rec}");
+    assert_eq!(rec["node"], node_id.as_str(), "{rec}");
+    let debit = rec["debit_micros"].as_u64().unwrap();
+    assert!(debit > 0, "{rec}");
+    let mut balance = gw.balance(&account).await;
+    for _ in 0..100 {
+        if balance.1 == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        balance = gw.balance(&account).await;
+    }
+    assert_eq!(balance, (CREDITS - debit, 0));
+    assert_eq!(fake.chats.load(Ordering::SeqCst), 2);
+}
