@@ -244,6 +244,8 @@ async fn run(cli: Cli) -> Result<(), MainError> {
                 cluster_stop.clone(),
             )
             .await;
+            // the internal listener's bound on forwarded bodies follows the public one
+            cluster.set_max_request_body_bytes(config.max_request_body_bytes);
             if cluster.redis_down() {
                 tracing::warn!("Redis unreachable at start; serving local nodes until it answers");
             }

@@ -12,21 +12,24 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use http::header::{HeaderName, HeaderValue, AUTHORIZATION};
-use http_body_util::BodyExt;
+use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
+use sha2::{Digest, Sha256};
 use spine_core::{BoxBody, BoxError, NodeId};
 use spine_router::{
     DirectoryDispatch, DirectoryError, DirectoryFuture, NodeDirectory, NodeLocation, RemoteOwner,
 };
 use spine_transport::TunnelService;
 
+use super::internal::{unix_ms, SignedHead};
 use super::{Cluster, FORWARDED, FORWARD_SECONDS};
 
 /// Header naming the target node on the internal hop.
 pub(crate) const X_SPINE_NODE_ID: HeaderName = HeaderName::from_static("x-spine-node-id");
-/// Header on an internal listener's refusal: `node_moved` or `node_full`.
+/// Header on an internal listener's refusal: `node_moved`, `node_full`, or the code of a refused
+/// signature or body ([`super::internal::RelayRefusal::code`]).
 pub(crate) const X_SPINE_REFUSAL: HeaderName = HeaderName::from_static("x-spine-refusal");
 /// Connect timeout of the internal hop.
 pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_millis(200);
@@ -74,12 +77,23 @@ pub(crate) enum ClusterError {
     /// The owner refused: the node's streams are all in use.
     #[error("node has no free stream (max concurrency reached)")]
     NodeFull,
+    /// The owner refused the signature or the body (HTTP status, `x-spine-refusal` code):
+    /// `cluster_secret`, clocks or body limits differ between the instances, or the address in
+    /// the owner's liveness key is another instance's.
+    #[error("the instance holding the node's tunnel refused the forwarded request ({0}, {1})")]
+    Refused(http::StatusCode, String),
     /// Redis did not answer the liveness check.
     #[error("liveness check failed")]
     Redis(#[source] super::RedisError),
     /// The forwarded request could not be built.
     #[error("bad forwarded request")]
     Request(#[source] http::Error),
+    /// The request body could not be read.
+    #[error("the forwarded request body could not be read")]
+    Body(#[source] BoxError),
+    /// No nonce: the OS random source failed.
+    #[error("no random nonce for the forwarded request")]
+    Nonce(#[source] getrandom::Error),
 }
 
 impl ClusterError {
@@ -87,7 +101,7 @@ impl ClusterError {
     /// node the directory does not know, [`DirectoryError`]).
     pub(crate) fn not_node_fault(err: &BoxError) -> bool {
         err.downcast_ref::<ClusterError>()
-            .is_some_and(|e| !matches!(e, ClusterError::Request(_)))
+            .is_some_and(|e| !matches!(e, ClusterError::Request(_) | ClusterError::Body(_)))
             || DirectoryError::not_node_fault(err)
     }
 
@@ -99,8 +113,9 @@ impl ClusterError {
             ClusterError::OwnerTimeout(_) => "timeout",
             ClusterError::NodeMoved | ClusterError::UnknownNode => "node_moved",
             ClusterError::NodeFull => "node_full",
+            ClusterError::Refused(..) => "refused",
             ClusterError::Redis(_) => "redis_error",
-            ClusterError::Request(_) => "error",
+            ClusterError::Request(_) | ClusterError::Body(_) | ClusterError::Nonce(_) => "error",
         }
     }
 }
@@ -233,7 +248,7 @@ impl Forwarder {
             // DirectoryDispatch always names both
             return Err(ClusterError::UnknownNode.into());
         };
-        let result = self.forward(&node, &owner.address, req).await;
+        let result = self.forward(&node, &owner, req).await;
         let label = match &result {
             Ok(_) => "ok",
             Err(e) => e.label(),
@@ -252,6 +267,18 @@ impl Forwarder {
                         self.cluster.suspect(&owner.instance);
                     }
                     ClusterError::NodeMoved => self.cluster.forget(&node),
+                    // another secret or clock, or another instance at the address: skip it
+                    ClusterError::Refused(status, code)
+                        if *status != http::StatusCode::PAYLOAD_TOO_LARGE =>
+                    {
+                        tracing::warn!(
+                            owner = owner.instance,
+                            code,
+                            "the instance holding the node's tunnel refused a forwarded request; \
+                             check that cluster_secret is the same and clocks agree within 30 s"
+                        );
+                        self.cluster.suspect(&owner.instance);
+                    }
                     _ => {}
                 }
                 tracing::debug!(node = %node, owner = owner.instance, error = %e, "not forwarded");
@@ -260,20 +287,34 @@ impl Forwarder {
         }
     }
 
-    /// Forwards `req` for `node` to the owner's internal listener at `addr`.
+    /// Forwards `req` for `node` to `owner`'s internal listener, signed for `owner` (see
+    /// [`super::internal`]). The body is read whole first: the meter has buffered it already,
+    /// so this takes its one `Full` frame.
     async fn forward(
         &self,
         node: &NodeId,
-        addr: &str,
+        owner: &RemoteOwner,
         req: http::Request<BoxBody>,
     ) -> Result<http::Response<BoxBody>, ClusterError> {
         let (parts, body) = req.into_parts();
-        let path = parts
-            .uri
-            .path_and_query()
-            .map_or("/", |pq| pq.as_str())
-            .to_owned();
-        let uri = format!("http://{addr}{path}");
+        let body = body.collect().await.map_err(ClusterError::Body)?.to_bytes();
+        let node_value =
+            HeaderValue::from_str(node.as_str()).map_err(|e| ClusterError::Request(e.into()))?;
+        let path_and_query = parts.uri.path_and_query().map_or("/", |pq| pq.as_str());
+        let mut nonce = [0u8; 16];
+        getrandom::fill(&mut nonce).map_err(ClusterError::Nonce)?;
+        let authorization = SignedHead {
+            target: &owner.instance,
+            t_unix_ms: unix_ms(),
+            nonce,
+            method: parts.method.as_str(),
+            path_and_query,
+            node: node_value.as_bytes(),
+            body_sha256: Sha256::digest(&body).into(),
+        }
+        .authorization(self.cluster.mac())
+        .map_err(|e| ClusterError::Request(e.into()))?;
+        let uri = format!("http://{}{path_and_query}", owner.address);
         let mut builder = http::Request::builder()
             .method(parts.method)
             .uri(uri)
@@ -284,14 +325,14 @@ impl Forwarder {
                     headers.append(name.clone(), value.clone());
                 }
             }
-            if let Ok(v) = HeaderValue::from_str(&format!("Bearer {}", self.cluster.secret())) {
-                headers.insert(AUTHORIZATION, v);
-            }
-            if let Ok(v) = HeaderValue::from_str(node.as_str()) {
-                headers.insert(X_SPINE_NODE_ID, v);
-            }
+            headers.insert(AUTHORIZATION, authorization);
+            headers.insert(X_SPINE_NODE_ID, node_value);
         }
-        let out = builder.body(body).map_err(ClusterError::Request)?;
+        let out = builder
+            .body(BoxBody::new(
+                Full::new(body).map_err(|never| match never {}),
+            ))
+            .map_err(ClusterError::Request)?;
         let started = std::time::Instant::now();
         let resp = match tokio::time::timeout(HEAD_TIMEOUT, self.client.request(out)).await {
             Ok(Ok(resp)) => resp,
@@ -303,7 +344,11 @@ impl Forwarder {
         if let Some(refusal) = resp.headers().get(X_SPINE_REFUSAL) {
             return Err(match refusal.as_bytes() {
                 b"node_full" => ClusterError::NodeFull,
-                _ => ClusterError::NodeMoved,
+                b"node_moved" => ClusterError::NodeMoved,
+                other => ClusterError::Refused(
+                    resp.status(),
+                    String::from_utf8_lossy(other).into_owned(),
+                ),
             });
         }
         Ok(resp.map(|b| {

@@ -1,23 +1,50 @@
 //! The internal listener: other instances forward requests for nodes whose tunnel is here.
 //!
 //! HTTP/2 with prior knowledge over plain TCP (h2c): meant for a private network between the
-//! instances. Every request must carry `Authorization: Bearer <cluster_secret>` (compared in
-//! constant time; 401 otherwise) and `x-spine-node-id`; a `POST` is relayed into that node's
-//! tunnel and the node's answer returned as is, less any `x-spine-*` header (only the owner
-//! itself may set `x-spine-refusal`). The owner only relays: metering and the ledger stay on the
-//! instance the caller reached. Connections are PINGed every second (a forwarding instance that
-//! went silent has its streams, and so the node's work, cancelled within a few seconds) and
-//! carry up to [`MAX_CONCURRENT_STREAMS`] streams.
+//! instances. Every request carries `x-spine-node-id` and a signature made by the forwarding
+//! instance; the cluster secret itself never travels:
+//!
+//! ```text
+//! Authorization: Spine-HMAC-SHA256 v=1,i=<target instance id>,t=<unix ms>,n=<nonce, 32 hex>,b=<SHA-256 of the body, 64 hex>,sig=<64 hex>
+//! ```
+//!
+//! `sig` is HMAC-SHA256, keyed with `cluster_secret`, over (each field preceded by its length,
+//! 8 bytes big-endian) the domain string `spine-cluster-forward-v1`, the target instance id, `t`
+//! (8 bytes big-endian), the nonce (16 bytes), the method, the path and query, the
+//! `x-spine-node-id` value and the body's SHA-256 (32 bytes). Other headers are not signed. The
+//! listener refuses, 401 in OpenAI's error shape with `x-spine-refusal: <code>`:
+//! no header (`missing_cluster_signature`), an unparsable header or a MAC that does not verify
+//! (`invalid_cluster_signature`, compared in constant time), a target that is not this instance
+//! (`wrong_cluster_target`: a signature made for instance B is useless at C), `t` more than
+//! [`MAX_CLOCK_SKEW_MS`] from its clock (`stale_cluster_signature`), a nonce seen within that
+//! window (`replayed_cluster_signature`), a body whose SHA-256 is not `b`
+//! (`cluster_body_mismatch`). A body over the gateway's `max_request_body_bytes` (plus
+//! [`FORWARDED_BODY_SLACK_BYTES`]) is refused with 413 `request_too_large`. The head is checked
+//! before any byte of the body is read; the body is read whole (bounded) and relayed as one.
+//!
+//! So a captured forwarded request cannot be altered, replayed or redirected to another
+//! instance. Seen nonces live in a [`ReplayCache`] of at most [`REPLAY_CACHE_CAP`] entries;
+//! when it is full of unexpired nonces the listener refuses (503 `replay_cache_full`) rather
+//! than grow or forget a nonce.
+//!
+//! A `POST` is relayed into that node's tunnel and the node's answer returned as is, less any
+//! `x-spine-*` header (only the owner itself may set `x-spine-refusal`). The owner only relays:
+//! metering and the ledger stay on the instance the caller reached. Connections are PINGed
+//! every second (a forwarding instance that went silent has its streams, and so the node's work,
+//! cancelled within a few seconds) and carry up to [`MAX_CONCURRENT_STREAMS`] streams.
 
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::response::{IntoResponse, Response};
+use hmac::{Hmac, Mac};
 use http::header::{HeaderValue, AUTHORIZATION};
 use http::StatusCode;
-use http_body_util::BodyExt;
-use spine_core::{BoxBody, BoxError, NodeId};
+use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
+use sha2::{Digest, Sha256};
+use spine_core::{BoxBody, NodeId};
 
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::net::TcpListener;
@@ -74,19 +101,346 @@ pub(crate) async fn serve(listener: TcpListener, cluster: Cluster) {
     }
 }
 
-/// Constant-time equality of two byte strings (the length is not secret).
-pub(crate) fn ct_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+/// HMAC-SHA256 keyed with the cluster secret; the keyed state is cloned for each message.
+pub(crate) type ClusterMac = Hmac<Sha256>;
+
+/// The `Authorization` scheme of a forwarded request.
+pub(crate) const SIGNATURE_SCHEME: &str = "Spine-HMAC-SHA256";
+/// First field of every signed message: a signature made for anything else never verifies here.
+const SIGNATURE_DOMAIN: &[u8] = b"spine-cluster-forward-v1";
+/// Most milliseconds a forwarded request's timestamp may be from the owner's clock, either way.
+pub(crate) const MAX_CLOCK_SKEW_MS: u64 = 30_000;
+/// Most nonces the replay cache holds (about 16 bytes of key and 8 of expiry each, twice: map
+/// and queue), enough for ~17,000 forwarded requests a second into one instance.
+pub(crate) const REPLAY_CACHE_CAP: usize = 1 << 19;
+/// Bytes a forwarded body may exceed `max_request_body_bytes` by: the entry instance's meter
+/// may add to the body it buffered (`stream_options.include_usage`).
+pub(crate) const FORWARDED_BODY_SLACK_BYTES: usize = 64 * 1024;
+
+/// [`ClusterMac`] keyed with `secret`.
+pub(crate) fn cluster_mac(secret: &[u8]) -> ClusterMac {
+    // HMAC takes a key of any length (RFC 2104 §2: longer keys are hashed, shorter padded)
+    #[allow(clippy::expect_used)]
+    <ClusterMac as Mac>::new_from_slice(secret).expect("HMAC accepts keys of every length")
 }
 
-fn authorized(cluster: &Cluster, headers: &http::HeaderMap) -> bool {
-    headers
-        .get(AUTHORIZATION)
-        .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
-        .is_some_and(|token| ct_eq(token, cluster.secret().as_bytes()))
+/// Milliseconds since the Unix epoch on this machine's clock (0 before 1970).
+pub(crate) fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// The fields a forwarded request's signature covers (see the module docs).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SignedHead<'a> {
+    /// The instance the request is meant for: the owner named by the directory.
+    pub(crate) target: &'a str,
+    /// When it was signed, milliseconds since the Unix epoch.
+    pub(crate) t_unix_ms: u64,
+    /// 128 random bits, never reused.
+    pub(crate) nonce: [u8; 16],
+    pub(crate) method: &'a str,
+    pub(crate) path_and_query: &'a str,
+    /// The `x-spine-node-id` value.
+    pub(crate) node: &'a [u8],
+    /// SHA-256 of the whole request body.
+    pub(crate) body_sha256: [u8; 32],
+}
+
+impl SignedHead<'_> {
+    fn mac(&self, key: &ClusterMac) -> ClusterMac {
+        let mut mac = key.clone();
+        let t = self.t_unix_ms.to_be_bytes();
+        for field in [
+            SIGNATURE_DOMAIN,
+            self.target.as_bytes(),
+            &t,
+            &self.nonce,
+            self.method.as_bytes(),
+            self.path_and_query.as_bytes(),
+            self.node,
+            &self.body_sha256,
+        ] {
+            mac.update(&(field.len() as u64).to_be_bytes());
+            mac.update(field);
+        }
+        mac
+    }
+
+    /// The `Authorization` value signing this head with `key`.
+    ///
+    /// # Errors
+    ///
+    /// The target instance id holds characters a header value cannot (it comes from Redis).
+    pub(crate) fn authorization(
+        &self,
+        key: &ClusterMac,
+    ) -> Result<HeaderValue, http::header::InvalidHeaderValue> {
+        let sig = self.mac(key).finalize().into_bytes();
+        let mut out = String::with_capacity(
+            SIGNATURE_SCHEME.len() + self.target.len() + 2 * (16 + 32 + 32) + 48,
+        );
+        out.push_str(SIGNATURE_SCHEME);
+        out.push_str(" v=1,i=");
+        out.push_str(self.target);
+        out.push_str(",t=");
+        push_decimal(&mut out, self.t_unix_ms);
+        out.push_str(",n=");
+        push_hex(&mut out, &self.nonce);
+        out.push_str(",b=");
+        push_hex(&mut out, &self.body_sha256);
+        out.push_str(",sig=");
+        push_hex(&mut out, &sig);
+        HeaderValue::try_from(out)
+    }
+}
+
+fn push_hex(out: &mut String, bytes: &[u8]) {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    for b in bytes {
+        out.push(char::from(DIGITS[usize::from(b >> 4)]));
+        out.push(char::from(DIGITS[usize::from(b & 0xf)]));
+    }
+}
+
+fn push_decimal(out: &mut String, n: u64) {
+    use std::fmt::Write as _;
+    let _ = write!(out, "{n}");
+}
+
+/// Why the internal listener refused a forwarded request before its tunnel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub(crate) enum RelayRefusal {
+    /// No `Authorization` header.
+    #[error("the forwarded request carries no signature")]
+    Missing,
+    /// The header does not parse, or its MAC does not verify (another secret, a field altered).
+    #[error("the forwarded request's signature does not verify")]
+    BadSignature,
+    /// Signed for another instance.
+    #[error("the forwarded request was signed for another instance")]
+    WrongTarget,
+    /// The timestamp is more than [`MAX_CLOCK_SKEW_MS`] from this instance's clock.
+    #[error("the forwarded request's timestamp is more than 30 s from this instance's clock")]
+    Stale,
+    /// The nonce was relayed before.
+    #[error("the forwarded request's nonce was seen before")]
+    Replayed,
+    /// The replay cache holds [`REPLAY_CACHE_CAP`] unexpired nonces.
+    #[error("too many forwarded requests within the signature window")]
+    ReplayCacheFull,
+    /// The body is over the bound.
+    #[error("the forwarded request body is over the gateway's request body limit")]
+    TooLarge,
+    /// Reading the body failed.
+    #[error("the forwarded request body could not be read")]
+    BodyError,
+    /// The body's SHA-256 is not the signed one.
+    #[error("the forwarded request body is not the one signed")]
+    BodyMismatch,
+}
+
+impl RelayRefusal {
+    /// The error `code` (and `x-spine-refusal` value) of the refusal.
+    pub(crate) fn code(self) -> &'static str {
+        match self {
+            RelayRefusal::Missing => "missing_cluster_signature",
+            RelayRefusal::BadSignature => "invalid_cluster_signature",
+            RelayRefusal::WrongTarget => "wrong_cluster_target",
+            RelayRefusal::Stale => "stale_cluster_signature",
+            RelayRefusal::Replayed => "replayed_cluster_signature",
+            RelayRefusal::ReplayCacheFull => "replay_cache_full",
+            RelayRefusal::TooLarge => "request_too_large",
+            RelayRefusal::BodyError => "invalid_forwarded_body",
+            RelayRefusal::BodyMismatch => "cluster_body_mismatch",
+        }
+    }
+
+    /// The `result` label of [`RELAYED`].
+    fn label(self) -> &'static str {
+        match self {
+            RelayRefusal::Missing => "missing_signature",
+            RelayRefusal::BadSignature => "bad_signature",
+            RelayRefusal::WrongTarget => "wrong_target",
+            RelayRefusal::Stale => "stale",
+            RelayRefusal::Replayed => "replayed",
+            RelayRefusal::ReplayCacheFull => "replay_cache_full",
+            RelayRefusal::TooLarge => "too_large",
+            RelayRefusal::BodyError => "body_error",
+            RelayRefusal::BodyMismatch => "body_mismatch",
+        }
+    }
+
+    /// The refusal, in OpenAI's error shape, with `x-spine-refusal: <code>` so that the
+    /// forwarding instance never takes it for the node's answer.
+    fn response(self) -> Response {
+        metrics::counter!(RELAYED, "result" => self.label()).increment(1);
+        let (status, kind) = match self {
+            RelayRefusal::ReplayCacheFull => (StatusCode::SERVICE_UNAVAILABLE, "api_error"),
+            RelayRefusal::TooLarge => (StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error"),
+            RelayRefusal::BodyError => (StatusCode::BAD_REQUEST, "invalid_request_error"),
+            _ => (StatusCode::UNAUTHORIZED, "invalid_request_error"),
+        };
+        let mut resp = ApiError::new(status, kind, self.code(), self.to_string()).into_response();
+        resp.headers_mut()
+            .insert(X_SPINE_REFUSAL, HeaderValue::from_static(self.code()));
+        resp
+    }
+}
+
+/// A parsed, verified signature header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Verified {
+    /// When it was signed, milliseconds since the Unix epoch.
+    pub(crate) t_unix_ms: u64,
+    pub(crate) nonce: [u8; 16],
+    /// The SHA-256 the body must have.
+    pub(crate) body_sha256: [u8; 32],
+}
+
+/// Checks a forwarded request's head (everything but the body's hash and the nonce's novelty)
+/// as instance `own_id` at `now_unix_ms`.
+///
+/// # Errors
+///
+/// [`RelayRefusal::Missing`], [`RelayRefusal::BadSignature`], [`RelayRefusal::WrongTarget`],
+/// [`RelayRefusal::Stale`].
+pub(crate) fn verify_head(
+    key: &ClusterMac,
+    own_id: &str,
+    now_unix_ms: u64,
+    method: &str,
+    path_and_query: &str,
+    node: &[u8],
+    authorization: Option<&HeaderValue>,
+) -> Result<Verified, RelayRefusal> {
+    let value = authorization.ok_or(RelayRefusal::Missing)?;
+    let (target, verified, sig) = parse_authorization(value).ok_or(RelayRefusal::BadSignature)?;
+    if target != own_id {
+        return Err(RelayRefusal::WrongTarget);
+    }
+    if verified.t_unix_ms.abs_diff(now_unix_ms) > MAX_CLOCK_SKEW_MS {
+        return Err(RelayRefusal::Stale);
+    }
+    let head = SignedHead {
+        target,
+        t_unix_ms: verified.t_unix_ms,
+        nonce: verified.nonce,
+        method,
+        path_and_query,
+        node,
+        body_sha256: verified.body_sha256,
+    };
+    head.mac(key)
+        .verify_slice(&sig)
+        .map_err(|_| RelayRefusal::BadSignature)?;
+    Ok(verified)
+}
+
+/// `Spine-HMAC-SHA256 v=1,i=…,t=…,n=…,b=…,sig=…` (fields in that order) → target, fields, MAC.
+fn parse_authorization(value: &HeaderValue) -> Option<(&str, Verified, [u8; 32])> {
+    let rest = value
+        .to_str()
+        .ok()?
+        .strip_prefix(SIGNATURE_SCHEME)?
+        .strip_prefix(' ')?;
+    let mut fields = rest.split(',');
+    let mut field = |name: &str| {
+        fields
+            .next()
+            .and_then(|f| f.strip_prefix(name))
+            .and_then(|f| f.strip_prefix('='))
+    };
+    if field("v")? != "1" {
+        return None;
+    }
+    let target = field("i")?;
+    let t = field("t")?;
+    if t.is_empty() || !t.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let t_unix_ms = t.parse().ok()?;
+    let mut nonce = [0u8; 16];
+    hex::decode_to_slice(field("n")?, &mut nonce).ok()?;
+    let mut body_sha256 = [0u8; 32];
+    hex::decode_to_slice(field("b")?, &mut body_sha256).ok()?;
+    let mut sig = [0u8; 32];
+    hex::decode_to_slice(field("sig")?, &mut sig).ok()?;
+    if fields.next().is_some() {
+        return None;
+    }
+    Some((
+        target,
+        Verified {
+            t_unix_ms,
+            nonce,
+            body_sha256,
+        },
+        sig,
+    ))
+}
+
+/// The nonces relayed within their validity window: a map for the lookup and a queue in arrival
+/// order for pruning, both pruned of expired nonces on each [`ReplayCache::record`]. Bounded:
+/// at `cap` unexpired nonces a new one is refused (the oldest is never evicted early, which
+/// would let it be replayed).
+#[derive(Debug)]
+pub(crate) struct ReplayCache {
+    expiry_by_nonce: HashMap<[u8; 16], u64>,
+    arrivals: VecDeque<(u64, [u8; 16])>,
+    cap: usize,
+}
+
+impl ReplayCache {
+    /// An empty cache holding at most `cap` nonces.
+    pub(crate) fn new(cap: usize) -> Self {
+        Self {
+            expiry_by_nonce: HashMap::new(),
+            arrivals: VecDeque::new(),
+            cap,
+        }
+    }
+
+    /// Records `nonce`, to be refused as a replay until `expires_unix_ms`.
+    ///
+    /// # Errors
+    ///
+    /// [`RelayRefusal::Replayed`]: it is recorded and unexpired; [`RelayRefusal::ReplayCacheFull`]:
+    /// `cap` unexpired nonces are recorded.
+    pub(crate) fn record(
+        &mut self,
+        nonce: &[u8; 16],
+        expires_unix_ms: u64,
+        now_unix_ms: u64,
+    ) -> Result<(), RelayRefusal> {
+        // arrival order is expiry order up to the allowed skew: an expired nonce behind an
+        // unexpired one waits for it (at most 2 × MAX_CLOCK_SKEW_MS), refused meanwhile
+        while let Some(&(expiry, old)) = self.arrivals.front() {
+            // kept through `expires_unix_ms` itself, the last instant its timestamp passes
+            if expiry >= now_unix_ms {
+                break;
+            }
+            self.arrivals.pop_front();
+            self.expiry_by_nonce.remove(&old);
+        }
+        if self.expiry_by_nonce.contains_key(nonce) {
+            return Err(RelayRefusal::Replayed);
+        }
+        if self.expiry_by_nonce.len() >= self.cap {
+            return Err(RelayRefusal::ReplayCacheFull);
+        }
+        self.expiry_by_nonce.insert(*nonce, expires_unix_ms);
+        self.arrivals.push_back((expires_unix_ms, *nonce));
+        Ok(())
+    }
+
+    /// Nonces recorded and not yet pruned.
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.expiry_by_nonce.len()
+    }
 }
 
 fn refusal(code: &'static str, message: &'static str) -> Response {
@@ -110,17 +464,32 @@ fn strip_spine_headers(headers: &mut http::HeaderMap) {
 }
 
 async fn relay(State(cluster): State<Arc<Cluster>>, req: Request) -> Response {
-    if !authorized(&cluster, req.headers()) {
-        metrics::counter!(RELAYED, "result" => "unauthorized").increment(1);
-        return ApiError::new(
-            StatusCode::UNAUTHORIZED,
-            "invalid_request_error",
-            "invalid_cluster_secret",
-            "the internal listener needs the cluster secret",
-        )
-        .into_response();
+    let now_unix_ms = unix_ms();
+    let (parts, body) = req.into_parts();
+    let verified = match verify_head(
+        cluster.mac(),
+        cluster.instance_id(),
+        now_unix_ms,
+        parts.method.as_str(),
+        parts.uri.path_and_query().map_or("/", |pq| pq.as_str()),
+        parts
+            .headers
+            .get(X_SPINE_NODE_ID)
+            .map_or(&b""[..], HeaderValue::as_bytes),
+        parts.headers.get(AUTHORIZATION),
+    ) {
+        Ok(verified) => verified,
+        Err(failure) => return failure.response(),
+    };
+    // only a request signed with the secret gets here: nobody else can fill the cache
+    if let Err(failure) = cluster.record_nonce(
+        &verified.nonce,
+        verified.t_unix_ms.saturating_add(MAX_CLOCK_SKEW_MS),
+        now_unix_ms,
+    ) {
+        return failure.response();
     }
-    if req.method() != http::Method::POST {
+    if parts.method != http::Method::POST {
         return ApiError::new(
             StatusCode::METHOD_NOT_ALLOWED,
             "invalid_request_error",
@@ -129,8 +498,8 @@ async fn relay(State(cluster): State<Arc<Cluster>>, req: Request) -> Response {
         )
         .into_response();
     }
-    let Some(node) = req
-        .headers()
+    let Some(node) = parts
+        .headers
         .get(X_SPINE_NODE_ID)
         .and_then(|v| v.to_str().ok())
         .filter(|v| !v.is_empty())
@@ -144,8 +513,25 @@ async fn relay(State(cluster): State<Arc<Cluster>>, req: Request) -> Response {
         metrics::counter!(RELAYED, "result" => "node_moved").increment(1);
         return refusal("node_moved", "the node's tunnel is not on this instance");
     }
-    let (parts, body) = req.into_parts();
-    let mut upstream = http::Request::new(BoxBody::new(body.map_err(BoxError::from)));
+    let body = match Limited::new(body, cluster.max_forwarded_body_bytes())
+        .collect()
+        .await
+    {
+        Ok(collected) => collected.to_bytes(),
+        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
+            return RelayRefusal::TooLarge.response()
+        }
+        Err(e) => {
+            tracing::debug!(error = %e, "forwarded body");
+            return RelayRefusal::BodyError.response();
+        }
+    };
+    if Sha256::digest(&body)[..] != verified.body_sha256[..] {
+        return RelayRefusal::BodyMismatch.response();
+    }
+    let mut upstream = http::Request::new(BoxBody::new(
+        Full::new(body).map_err(|never| match never {}),
+    ));
     *upstream.method_mut() = parts.method;
     *upstream.uri_mut() = parts.uri;
     for (name, value) in &parts.headers {

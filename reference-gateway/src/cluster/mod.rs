@@ -14,7 +14,9 @@
 //!   ([`ClusterService`](forward::ClusterService): [`spine_router::DirectoryDispatch`] with
 //!   this instance's [`Cluster`] as the [`spine_router::NodeDirectory`], which checks the
 //!   owner's liveness key), and relays requests other instances forward to it into its own
-//!   tunnels ([`internal`]).
+//!   tunnels ([`internal`]). Each forwarded request is signed (HMAC-SHA256 keyed with the
+//!   cluster secret, bound to the target instance, a timestamp, a nonce, the head and the body's
+//!   SHA-256); the secret itself never leaves the instance.
 //!
 //! Every Redis call has a [`REDIS_TIMEOUT`] bound. Redis down: local nodes keep serving, remote
 //! nodes age out of the registry after [`REMOTE_TTL`], affinity falls back to the in-memory
@@ -30,7 +32,7 @@ mod forward;
 pub(crate) mod internal;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -63,10 +65,14 @@ pub(crate) const REMOTE_TTL: Duration = DIRECTORY_TTL;
 pub(crate) const SUSPECT_FOR: Duration = LIVENESS_TTL;
 /// Most directory entries one sync reads.
 pub(crate) const MAX_SYNC_NODES: usize = 10_000;
+/// The gateway's default `max_request_body_bytes` (4 MiB), the internal listener's body bound
+/// until [`Cluster::set_max_request_body_bytes`] sets the configured one.
+pub(crate) const DEFAULT_MAX_REQUEST_BODY_BYTES: usize = 4 * 1024 * 1024;
 
 /// Counter of requests forwarded to another instance, `result` = `ok`, `owner_dead`,
-/// `unreachable`, `timeout`, `node_moved`, `node_full`, `redis_error`, `error` (the forwarded
-/// request could not be built).
+/// `unreachable`, `timeout`, `node_moved`, `node_full`, `refused` (the owner's internal listener
+/// refused the signature or the body: `cluster_secret`, clocks or body limits differ), `redis_error`,
+/// `error` (the forwarded request could not be built).
 pub(crate) const FORWARDED: &str = "spine_cluster_forwarded_total";
 /// Histogram: seconds from forwarding a request to the owner's response head.
 pub(crate) const FORWARD_SECONDS: &str = "spine_cluster_forward_seconds";
@@ -78,7 +84,10 @@ pub(crate) const REDIS_UP: &str = "spine_cluster_redis_up";
 pub(crate) const DIRECTORY_NODES: &str = "spine_cluster_directory_nodes";
 /// Gauge: remote nodes (tunnel on another instance) in this instance's registry.
 pub(crate) const REMOTE_NODES: &str = "spine_cluster_remote_nodes";
-/// Counter of requests relayed by the internal listener, `result` label.
+/// Counter of requests relayed by the internal listener, `result` = `ok`, `node_moved`,
+/// `node_full`, `error` (the node failed before its head), or a refusal before the tunnel:
+/// `missing_signature`, `bad_signature`, `wrong_target`, `stale`, `replayed`, `replay_cache_full`,
+/// `too_large`, `body_error`, `body_mismatch`.
 pub(crate) const RELAYED: &str = "spine_cluster_relayed_total";
 
 /// Registers the metrics' descriptions.
@@ -146,7 +155,13 @@ struct Inner {
     instance_id: String,
     prefix: String,
     client_name: String,
-    secret: String,
+    /// HMAC-SHA256 keyed with the cluster secret (the secret itself is not kept).
+    mac: internal::ClusterMac,
+    /// Nonces of the forwarded requests relayed within their validity window.
+    nonces: Mutex<internal::ReplayCache>,
+    /// The gateway's `max_request_body_bytes`: bounds a forwarded body (plus
+    /// [`internal::FORWARDED_BODY_SLACK_BYTES`]).
+    max_request_body_bytes: AtomicUsize,
     internal_addr: String,
     redis: ConnectionManager,
     registry: NodeRegistry,
@@ -216,7 +231,9 @@ impl Cluster {
                 instance_id: config.instance_id.clone(),
                 prefix: config.key_prefix.clone(),
                 client_name: client_name(&config.key_prefix, &config.instance_id),
-                secret: config.secret.clone(),
+                mac: internal::cluster_mac(config.secret.as_bytes()),
+                nonces: Mutex::new(internal::ReplayCache::new(internal::REPLAY_CACHE_CAP)),
+                max_request_body_bytes: AtomicUsize::new(DEFAULT_MAX_REQUEST_BODY_BYTES),
                 internal_addr,
                 redis,
                 registry,
@@ -247,9 +264,42 @@ impl Cluster {
         self.inner.redis.clone()
     }
 
-    /// The shared secret of forwarding.
-    pub(crate) fn secret(&self) -> &str {
-        &self.inner.secret
+    /// HMAC-SHA256 keyed with the cluster secret: signs forwarded requests and checks the ones
+    /// relayed here (clone it per message).
+    pub(crate) fn mac(&self) -> &internal::ClusterMac {
+        &self.inner.mac
+    }
+
+    /// Records a forwarded request's nonce, valid until `expires_unix_ms`.
+    ///
+    /// # Errors
+    ///
+    /// The nonce was seen before ([`internal::RelayRefusal::Replayed`]), or the replay cache is
+    /// full of unexpired nonces ([`internal::RelayRefusal::ReplayCacheFull`]).
+    pub(crate) fn record_nonce(
+        &self,
+        nonce: &[u8; 16],
+        expires_unix_ms: u64,
+        now_unix_ms: u64,
+    ) -> Result<(), internal::RelayRefusal> {
+        lock(&self.inner.nonces).record(nonce, expires_unix_ms, now_unix_ms)
+    }
+
+    /// Sets the gateway's request body limit, bytes (default
+    /// [`DEFAULT_MAX_REQUEST_BODY_BYTES`]): the internal listener refuses a forwarded body over it
+    /// plus [`internal::FORWARDED_BODY_SLACK_BYTES`] with 413. Every instance should use the same.
+    pub(crate) fn set_max_request_body_bytes(&self, bytes: usize) {
+        self.inner
+            .max_request_body_bytes
+            .store(bytes, Ordering::Relaxed);
+    }
+
+    /// Most bytes of a forwarded body the internal listener reads.
+    pub(crate) fn max_forwarded_body_bytes(&self) -> usize {
+        self.inner
+            .max_request_body_bytes
+            .load(Ordering::Relaxed)
+            .saturating_add(internal::FORWARDED_BODY_SLACK_BYTES)
     }
 
     pub(crate) fn tunnels(&self) -> &spine_transport::Tunnels {

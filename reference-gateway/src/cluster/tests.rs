@@ -90,7 +90,7 @@ async fn instance_with(
         key_prefix: prefix.into(),
         internal_listen: "127.0.0.1:0".parse().unwrap(),
         internal_advertise: None,
-        secret: "0123456789abcdef-secret".into(),
+        secret: SECRET.into(),
     };
     let cluster = Cluster::start(
         &config,
@@ -364,11 +364,14 @@ async fn redis_down_degrades_to_local_and_recovers() {
     cleanup(&p).await;
 }
 
+const SECRET: &str = "0123456789abcdef-secret";
+
+/// One request to an internal listener: status, `x-spine-refusal`, JSON body.
 async fn h2_request(
     addr: std::net::SocketAddr,
-    auth: Option<&str>,
-    node: &str,
     method: http::Method,
+    headers: &[(&str, &str)],
+    body: Bytes,
 ) -> (u16, Option<String>, serde_json::Value) {
     let client: hyper_util::client::legacy::Client<_, Full<Bytes>> =
         hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
@@ -377,13 +380,12 @@ async fn h2_request(
     let mut req = http::Request::builder()
         .method(method)
         .uri(format!("http://{addr}/v1/chat/completions"))
-        .header("x-spine-node-id", node)
         .header("content-type", "application/json");
-    if let Some(auth) = auth {
-        req = req.header("authorization", auth);
+    for (name, value) in headers {
+        req = req.header(*name, *value);
     }
     let resp = client
-        .request(req.body(Full::new(Bytes::from_static(b"{}"))).unwrap())
+        .request(req.body(Full::new(body)).unwrap())
         .await
         .unwrap();
     let status = resp.status().as_u16();
@@ -399,39 +401,464 @@ async fn h2_request(
     )
 }
 
-#[tokio::test]
-async fn internal_listener_needs_the_cluster_secret() {
-    let p = prefix("auth");
-    let a = instance(&p, "gw-a", REDIS, "127.0.0.1:1001").await;
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let server = tokio::spawn(internal::serve(listener, a.cluster.clone()));
-    for auth in [
-        None,
-        Some("Bearer wrong-secret-0123456789"),
-        Some("0123456789abcdef-secret"),
-    ] {
-        let (status, _, body) = h2_request(addr, auth, "n1", http::Method::POST).await;
-        assert_eq!(status, 401, "{auth:?}");
-        assert_eq!(body["error"]["code"], "invalid_cluster_secret");
+/// The `Authorization` value a forwarder holding `secret` sends to `target` for a POST of
+/// `body` to node `node` at `t_unix_ms` with `nonce`.
+fn signature(
+    secret: &str,
+    target: &str,
+    t_unix_ms: u64,
+    nonce: u8,
+    method: &str,
+    node: &str,
+    body: &[u8],
+) -> String {
+    use sha2::Digest as _;
+    internal::SignedHead {
+        target,
+        t_unix_ms,
+        nonce: [nonce; 16],
+        method,
+        path_and_query: "/v1/chat/completions",
+        node: node.as_bytes(),
+        body_sha256: sha2::Sha256::digest(body).into(),
     }
-    let ok = Some("Bearer 0123456789abcdef-secret");
-    let (status, refusal, body) = h2_request(addr, ok, "n1", http::Method::POST).await;
-    assert_eq!(status, 503);
-    assert_eq!(refusal.as_deref(), Some("node_moved"));
-    assert_eq!(body["error"]["code"], "node_moved");
-    let (status, _, _) = h2_request(addr, ok, "n1", http::Method::GET).await;
+    .authorization(&internal::cluster_mac(secret.as_bytes()))
+    .unwrap()
+    .to_str()
+    .unwrap()
+    .to_owned()
+}
+
+/// An owner instance `gw-owner` with a real tunnel listener, one node `n1` on it whose agent
+/// records every request body it gets and answers 200, and its internal listener.
+struct Owner {
+    instance: Instance,
+    internal_addr: std::net::SocketAddr,
+    tunnels: spine_transport::Tunnels,
+    seen: Arc<std::sync::Mutex<Vec<Bytes>>>,
+    tasks: Vec<tokio::task::AbortHandle>,
+}
+
+impl Drop for Owner {
+    fn drop(&mut self) {
+        for task in &self.tasks {
+            task.abort();
+        }
+    }
+}
+
+async fn owner_with_recording_node(p: &str) -> Owner {
+    use spine_transport::{NodeIdentity, TunnelClient, TunnelClientConfig};
+    let n1 = NodeId::new("n1");
+    let identity = NodeIdentity::generate().unwrap();
+    let auth = StaticAuthenticator::new().with_key(identity.public_key_text(), n1.clone());
+    let server = TunnelServer::new(TunnelServerConfig::default(), Arc::new(auth), Arc::new(()));
+    let tunnels = server.tunnels();
+    let tunnel_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let tunnel_port = tunnel_listener.local_addr().unwrap().port();
+    let tunnel_task = tokio::spawn(async move {
+        let _ = server.serve(tunnel_listener, None).await;
+    });
+    let internal_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let internal_addr = internal_listener.local_addr().unwrap();
+    let instance = instance_on(p, "gw-owner", &internal_addr.to_string(), tunnels.clone()).await;
+    let internal_task = tokio::spawn(internal::serve(internal_listener, instance.cluster.clone()));
+    let seen: Arc<std::sync::Mutex<Vec<Bytes>>> = Arc::default();
+    let mut config = TunnelClientConfig::new(
+        format!("ws://127.0.0.1:{tunnel_port}/v1/tunnel"),
+        identity,
+        desc(&["m"]),
+    );
+    config.allow_insecure_plaintext = true;
+    let record = seen.clone();
+    let agent = tower::service_fn(move |req: http::Request<hyper::body::Incoming>| {
+        let record = record.clone();
+        async move {
+            // the tunnel's own probes (health, models) are not relayed requests
+            if req.uri().path() == "/v1/chat/completions" {
+                let body = req.into_body().collect().await.unwrap().to_bytes();
+                record.lock().unwrap().push(body);
+            }
+            let resp = http::Response::builder()
+                .status(200)
+                .header("content-type", "application/json")
+                .body(spine_core::BoxBody::new(
+                    Full::new(Bytes::from_static(b"{\"ok\":true}")).map_err(|n| match n {}),
+                ))
+                .unwrap();
+            Ok::<_, std::convert::Infallible>(resp)
+        }
+    });
+    let node_task = tokio::spawn(TunnelClient::new(config).unwrap().run(agent));
+    eventually(
+        "n1's tunnel up on the owner",
+        Duration::from_secs(5),
+        || tunnels.contains(&n1),
+    )
+    .await;
+    Owner {
+        instance,
+        internal_addr,
+        tunnels,
+        seen,
+        tasks: vec![
+            tunnel_task.abort_handle(),
+            internal_task.abort_handle(),
+            node_task.abort_handle(),
+        ],
+    }
+}
+
+/// The internal listener relays a request signed for it, and refuses every other with its own
+/// 401 code (and `x-spine-refusal`), before anything reaches the tunnel. Real tunnel, real
+/// internal listener, real Redis.
+#[tokio::test]
+async fn internal_listener_checks_the_forwarding_signature() {
+    let p = prefix("auth");
+    let owner = owner_with_recording_node(&p).await;
+    let addr = owner.internal_addr;
+    let body = Bytes::from_static(b"{\"model\":\"m\",\"messages\":[]}");
+    let now = internal::unix_ms();
+    let post = |auth: String, body: Bytes| async move {
+        let headers = [("x-spine-node-id", "n1"), ("authorization", auth.as_str())];
+        h2_request(addr, http::Method::POST, &headers, body).await
+    };
+
+    // correctly signed: relayed, the node gets exactly the body (the node may still be warming
+    // up for a moment: each try is a fresh nonce)
+    let until = tokio::time::Instant::now() + Duration::from_secs(5);
+    let mut nonce = 1u8;
+    let good = loop {
+        let auth = signature(
+            SECRET,
+            "gw-owner",
+            internal::unix_ms(),
+            nonce,
+            "POST",
+            "n1",
+            &body,
+        );
+        let (status, refusal, json) = post(auth.clone(), body.clone()).await;
+        if status == 200 || tokio::time::Instant::now() >= until {
+            assert_eq!((status, refusal), (200, None), "{json}");
+            assert_eq!(json["ok"], true);
+            break auth;
+        }
+        nonce += 1;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(*owner.seen.lock().unwrap(), vec![body.clone()]);
+
+    let other = Bytes::from_static(b"{\"model\":\"m\",\"messages\":[],\"max_tokens\":100000}");
+    let cases: Vec<(&str, Option<String>, Bytes, &str)> = vec![
+        (
+            "missing header",
+            None,
+            body.clone(),
+            "missing_cluster_signature",
+        ),
+        (
+            "the old bearer secret",
+            Some(format!("Bearer {SECRET}")),
+            body.clone(),
+            "invalid_cluster_signature",
+        ),
+        (
+            "wrong secret",
+            Some(signature(
+                "another-secret-0123456",
+                "gw-owner",
+                now,
+                101,
+                "POST",
+                "n1",
+                &body,
+            )),
+            body.clone(),
+            "invalid_cluster_signature",
+        ),
+        (
+            "signed for another node",
+            Some(signature(SECRET, "gw-owner", now, 102, "POST", "n2", &body)),
+            body.clone(),
+            "invalid_cluster_signature",
+        ),
+        (
+            "wrong target instance",
+            Some(signature(SECRET, "gw-other", now, 103, "POST", "n1", &body)),
+            body.clone(),
+            "wrong_cluster_target",
+        ),
+        (
+            "31 s old",
+            Some(signature(
+                SECRET,
+                "gw-owner",
+                now - 31_000,
+                104,
+                "POST",
+                "n1",
+                &body,
+            )),
+            body.clone(),
+            "stale_cluster_signature",
+        ),
+        (
+            "31 s ahead",
+            Some(signature(
+                SECRET,
+                "gw-owner",
+                now + 31_000,
+                105,
+                "POST",
+                "n1",
+                &body,
+            )),
+            body.clone(),
+            "stale_cluster_signature",
+        ),
+        (
+            "replayed",
+            Some(good.clone()),
+            body.clone(),
+            "replayed_cluster_signature",
+        ),
+        (
+            "body altered after signing",
+            Some(signature(SECRET, "gw-owner", now, 106, "POST", "n1", &body)),
+            other.clone(),
+            "cluster_body_mismatch",
+        ),
+    ];
+    for (what, auth, body, code) in cases {
+        let mut headers = vec![("x-spine-node-id", "n1")];
+        if let Some(auth) = &auth {
+            headers.push(("authorization", auth.as_str()));
+        }
+        let (status, refusal, json) = h2_request(addr, http::Method::POST, &headers, body).await;
+        assert_eq!(status, 401, "{what}: {json}");
+        assert_eq!(json["error"]["code"], code, "{what}");
+        assert_eq!(json["error"]["type"], "invalid_request_error", "{what}");
+        assert!(json["error"]["message"].is_string(), "{what}");
+        assert_eq!(refusal.as_deref(), Some(code), "{what}");
+    }
+    // a signed GET is no relay either; a signed request for a node that is not here is a refusal
+    let auth = signature(SECRET, "gw-owner", now, 107, "GET", "n1", &body);
+    let headers = [("x-spine-node-id", "n1"), ("authorization", auth.as_str())];
+    let (status, _, _) = h2_request(addr, http::Method::GET, &headers, body.clone()).await;
     assert_eq!(status, 405);
-    server.abort();
-    drop(a);
+    let auth = signature(SECRET, "gw-owner", now, 108, "POST", "n9", &body);
+    let headers = [("x-spine-node-id", "n9"), ("authorization", auth.as_str())];
+    let (status, refusal, json) =
+        h2_request(addr, http::Method::POST, &headers, body.clone()).await;
+    assert_eq!((status, refusal.as_deref()), (503, Some("node_moved")));
+    assert_eq!(json["error"]["code"], "node_moved");
+    // a body over the gateway's limit (plus the slack): 413, unread past the bound
+    owner.instance.cluster.set_max_request_body_bytes(1024);
+    let big = Bytes::from(vec![b' '; 1024 + internal::FORWARDED_BODY_SLACK_BYTES + 1]);
+    let auth = signature(SECRET, "gw-owner", now, 109, "POST", "n1", &big);
+    let (status, refusal, json) = post(auth, big).await;
+    assert_eq!(
+        (status, refusal.as_deref()),
+        (413, Some("request_too_large"))
+    );
+    assert_eq!(json["error"]["code"], "request_too_large");
+    assert_eq!(json["error"]["type"], "invalid_request_error");
+
+    // nothing but the one good request reached the node
+    assert_eq!(*owner.seen.lock().unwrap(), vec![body]);
+    assert!(owner.tunnels.contains(&NodeId::new("n1")));
+    drop(owner);
     cleanup(&p).await;
 }
 
 #[test]
-fn constant_time_compare() {
-    assert!(internal::ct_eq(b"abc", b"abc"));
-    assert!(!internal::ct_eq(b"abc", b"abd"));
-    assert!(!internal::ct_eq(b"abc", b"abcd"));
+fn the_replay_cache_refuses_a_nonce_until_it_expires_and_is_bounded() {
+    let mut cache = internal::ReplayCache::new(2);
+    assert_eq!(cache.record(&[1; 16], 1_000, 0), Ok(()));
+    assert_eq!(
+        cache.record(&[1; 16], 1_000, 999),
+        Err(internal::RelayRefusal::Replayed)
+    );
+    assert_eq!(cache.record(&[2; 16], 1_500, 999), Ok(()));
+    // full of unexpired nonces: refused, nothing evicted
+    assert_eq!(
+        cache.record(&[3; 16], 1_500, 1_000),
+        Err(internal::RelayRefusal::ReplayCacheFull)
+    );
+    assert_eq!(
+        cache.record(&[1; 16], 1_000, 1_000),
+        Err(internal::RelayRefusal::Replayed)
+    );
+    assert_eq!(cache.len(), 2);
+    // past its expiry the first is pruned, which makes room
+    assert_eq!(cache.record(&[3; 16], 2_000, 1_001), Ok(()));
+    assert_eq!(cache.len(), 2);
+    assert_eq!(
+        cache.record(&[2; 16], 1_500, 1_001),
+        Err(internal::RelayRefusal::Replayed)
+    );
+}
+
+/// What the forwarder sends to the address an owner's liveness key names: a fake owner (a plain
+/// h2 listener standing in for whatever that address is) captures it. The secret is nowhere in
+/// it; the signature verifies for the owner the directory named and for no other instance.
+#[tokio::test]
+async fn the_forwarder_signs_and_never_sends_the_secret() {
+    use tower::Service as _;
+    let p = prefix("sign");
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(http::request::Parts, Bytes)>();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let fake_addr = listener.local_addr().unwrap();
+    let fake = tokio::spawn(async move {
+        loop {
+            let (stream, _) = listener.accept().await.unwrap();
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                let service =
+                    hyper::service::service_fn(move |req: http::Request<hyper::body::Incoming>| {
+                        let tx = tx.clone();
+                        async move {
+                            let (parts, body) = req.into_parts();
+                            let body = body.collect().await.unwrap().to_bytes();
+                            let _ = tx.send((parts, body));
+                            Ok::<_, std::convert::Infallible>(http::Response::new(Full::new(
+                                Bytes::from_static(b"{}"),
+                            )))
+                        }
+                    });
+                let _ =
+                    hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+                        .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                        .await;
+            });
+        }
+    });
+
+    // the directory names gw-b as n1's owner, alive at the fake owner's address
+    let mut conn = raw().await;
+    let _: () = redis::cmd("SET")
+        .arg(format!("{p}node:n1"))
+        .arg(format!(
+            "gw-b {}",
+            serde_json::to_string(&desc(&["m"])).unwrap()
+        ))
+        .arg("PX")
+        .arg(60_000)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let _: i64 = redis::cmd("SADD")
+        .arg(format!("{p}nodes"))
+        .arg("n1")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let _: () = redis::cmd("SET")
+        .arg(format!("{p}instance:gw-b"))
+        .arg(fake_addr.to_string())
+        .arg("PX")
+        .arg(60_000)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let a = instance(&p, "gw-a", REDIS, "127.0.0.1:1001").await;
+    let n1 = NodeId::new("n1");
+    eventually("n1 synced into a", Duration::from_secs(3), || {
+        a.registry.contains(&n1)
+    })
+    .await;
+
+    let body = Bytes::from_static(
+        b"{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}",
+    );
+    let mut req = http::Request::post("/v1/chat/completions?x=1")
+        .header("authorization", "Bearer sk-the-callers-own-key")
+        .header("content-type", "application/json")
+        .body(spine_core::BoxBody::new(
+            Full::new(body.clone()).map_err(|n| match n {}),
+        ))
+        .unwrap();
+    req.extensions_mut().insert(n1.clone());
+    let resp = cluster_service(&a.cluster).call(req).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let (parts, received) = tokio::time::timeout(Duration::from_secs(5), rx.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    fake.abort();
+    drop(a);
+    cleanup(&p).await;
+
+    assert_eq!(received, body);
+    assert_eq!(
+        parts.uri.path_and_query().unwrap(),
+        "/v1/chat/completions?x=1"
+    );
+    assert_eq!(parts.headers["x-spine-node-id"], "n1");
+    for (name, value) in &parts.headers {
+        let bytes = value.as_bytes();
+        assert!(
+            !bytes.windows(SECRET.len()).any(|w| w == SECRET.as_bytes()),
+            "the secret travels in {name}"
+        );
+        assert!(
+            !bytes.windows(8).any(|w| w == b"sk-the-c"),
+            "the caller's key travels in {name}"
+        );
+    }
+    assert_eq!(parts.headers.get_all("authorization").iter().count(), 1);
+    let auth = parts.headers["authorization"].clone();
+    assert!(auth
+        .to_str()
+        .unwrap()
+        .starts_with("Spine-HMAC-SHA256 v=1,i=gw-b,t="));
+
+    let mac = internal::cluster_mac(SECRET.as_bytes());
+    let verify = |own_id: &str, auth: &http::HeaderValue| {
+        internal::verify_head(
+            &mac,
+            own_id,
+            internal::unix_ms(),
+            "POST",
+            "/v1/chat/completions?x=1",
+            b"n1",
+            Some(auth),
+        )
+    };
+    let verified = verify("gw-b", &auth).expect("signed for gw-b");
+    {
+        use sha2::Digest as _;
+        assert_eq!(
+            verified.body_sha256,
+            <[u8; 32]>::from(sha2::Sha256::digest(&body))
+        );
+    }
+    assert_eq!(
+        verify("gw-c", &auth),
+        Err(internal::RelayRefusal::WrongTarget)
+    );
+    // naming gw-c instead does not make it gw-c's: the target is inside the MAC
+    let retargeted =
+        http::HeaderValue::from_str(&auth.to_str().unwrap().replace("i=gw-b,", "i=gw-c,")).unwrap();
+    assert_eq!(
+        verify("gw-c", &retargeted),
+        Err(internal::RelayRefusal::BadSignature)
+    );
+    // nor does another secret verify it
+    let other = internal::cluster_mac(b"another-secret-0123456");
+    assert_eq!(
+        internal::verify_head(
+            &other,
+            "gw-b",
+            internal::unix_ms(),
+            "POST",
+            "/v1/chat/completions?x=1",
+            b"n1",
+            Some(&auth),
+        ),
+        Err(internal::RelayRefusal::BadSignature)
+    );
 }
 
 /// A node's own answer carrying `x-spine-refusal` (an engine can set any header) must reach the
