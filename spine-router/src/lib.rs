@@ -45,6 +45,7 @@
 
 mod affinity;
 mod directory;
+mod idle;
 mod registry;
 mod route;
 pub mod score;
@@ -54,6 +55,7 @@ pub use directory::{
     DirectoryDispatch, DirectoryError, DirectoryFuture, DispatchFuture, NodeDirectory,
     NodeLocation, RemoteOwner,
 };
+pub use idle::IdleTimer;
 pub use registry::{
     InFlightLease, NodeRegistry, NodeSnapshot, Pick, RegistryConfig, RouteError, ATTEMPTS_METRIC,
     STICKY_METRIC,

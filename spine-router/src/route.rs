@@ -16,6 +16,7 @@ use tokio::time::Instant;
 use tower::{Layer, Service, ServiceExt};
 
 use crate::affinity::{AffinityKey, AffinityStore, SessionId};
+use crate::idle::IdleTimer;
 use crate::{InFlightLease, NodeRegistry, RouteError};
 
 /// Settings of [`Route`]. [`Default`] gives the documented values.
@@ -718,7 +719,7 @@ async fn try_commit(
                     ttft,
                     failed: false,
                 }),
-                idle: IdleTimer::new(config),
+                idle: IdleTimer::new(config.stream_idle_timeout),
             };
             if ended {
                 // the whole body is already here: the attempt's outcome is known now
@@ -758,62 +759,6 @@ struct RoutedBody {
     idle: Option<IdleTimer>,
 }
 
-/// Bounds the gap between two frames of the node's body without touching a timer per frame:
-/// each frame only stores `Instant::now()`; the one `Sleep` (created the first time the node's
-/// body is pending) is re-armed when it fires early because frames came in the meantime.
-struct IdleTimer {
-    /// Longest gap allowed (not zero).
-    timeout: Duration,
-    /// When the node's body last gave a frame (at first: the commit).
-    last_frame: Instant,
-    /// Fires at or before `last_frame + timeout`; `None` until first needed.
-    sleep: Option<Pin<Box<tokio::time::Sleep>>>,
-}
-
-impl IdleTimer {
-    /// A timer counting from now; `None` when the bound is disabled.
-    fn new(config: &RouteConfig) -> Option<Self> {
-        (!config.stream_idle_timeout.is_zero()).then(|| Self {
-            timeout: config.stream_idle_timeout,
-            last_frame: Instant::now(),
-            sleep: None,
-        })
-    }
-
-    /// The node's body gave a frame.
-    fn frame(&mut self) {
-        self.last_frame = Instant::now();
-    }
-
-    /// Called while the node's body is pending: true once it has given nothing for `timeout`;
-    /// otherwise the timer is armed and registered with `cx`.
-    fn expired(&mut self, cx: &mut Context<'_>) -> bool {
-        let deadline = self.last_frame + self.timeout;
-        let sleep = match self.sleep.as_mut() {
-            Some(sleep) => sleep,
-            None => {
-                if tokio::runtime::Handle::try_current().is_err() {
-                    // no runtime, no timer: the bound cannot be kept
-                    return false;
-                }
-                self.sleep
-                    .insert(Box::pin(tokio::time::sleep_until(deadline)))
-            }
-        };
-        loop {
-            if sleep.as_mut().poll(cx).is_pending() {
-                return false;
-            }
-            // fired: frames may have come since it was armed
-            let deadline = self.last_frame + self.timeout;
-            if deadline <= Instant::now() {
-                return true;
-            }
-            sleep.as_mut().reset(deadline);
-        }
-    }
-}
-
 impl RoutedBody {
     /// A body that only holds the lease (a non-2xx answer), bounded by
     /// [`RouteConfig::stream_idle_timeout`] as well.
@@ -824,7 +769,7 @@ impl RoutedBody {
             inner_ended: false,
             lease: Some(lease),
             watch: None,
-            idle: IdleTimer::new(config),
+            idle: IdleTimer::new(config.stream_idle_timeout),
         }
     }
 
@@ -887,8 +832,8 @@ impl Body for RoutedBody {
         let polled = Pin::new(&mut this.inner).poll_frame(cx);
         let Poll::Ready(polled) = polled else {
             if let Some(idle) = this.idle.as_mut() {
-                if idle.expired(cx) {
-                    let timeout = idle.timeout;
+                if idle.poll_expired(cx) {
+                    let timeout = idle.timeout();
                     tracing::info!(
                         node = ?this.lease.as_ref().map(|l| l.node().as_str()),
                         timeout_secs = timeout.as_secs(),

@@ -19,7 +19,8 @@ use hyper_util::rt::{TokioExecutor, TokioTimer};
 use sha2::{Digest, Sha256};
 use spine_core::{BoxBody, BoxError, NodeId};
 use spine_router::{
-    DirectoryDispatch, DirectoryError, DirectoryFuture, NodeDirectory, NodeLocation, RemoteOwner,
+    DirectoryDispatch, DirectoryError, DirectoryFuture, IdleTimer, NodeDirectory, NodeLocation,
+    RemoteOwner,
 };
 use spine_transport::TunnelService;
 
@@ -367,13 +368,11 @@ pub(crate) struct BodyIdle(Duration);
 
 pin_project_lite::pin_project! {
     /// A body that fails with [`BodyIdle`] when no frame arrives for `idle`
-    /// ([`BODY_IDLE_TIMEOUT`] on the internal hop).
+    /// ([`BODY_IDLE_TIMEOUT`] on the internal hop; zero disables the bound).
     struct IdleTimeout<B> {
         #[pin]
         inner: B,
-        #[pin]
-        sleep: tokio::time::Sleep,
-        idle: Duration,
+        timer: Option<IdleTimer>,
     }
 }
 
@@ -381,8 +380,7 @@ impl<B> IdleTimeout<B> {
     fn new(inner: B, idle: Duration) -> Self {
         Self {
             inner,
-            sleep: tokio::time::sleep(idle),
-            idle,
+            timer: IdleTimer::new(idle),
         }
     }
 }
@@ -398,18 +396,25 @@ where
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<hyper::body::Frame<Self::Data>, Self::Error>>> {
-        let mut this = self.project();
+        let this = self.project();
         match this.inner.poll_frame(cx) {
             Poll::Ready(frame) => {
-                this.sleep
-                    .as_mut()
-                    .reset(tokio::time::Instant::now() + *this.idle);
+                if let Some(timer) = this.timer.as_mut() {
+                    timer.frame();
+                }
                 Poll::Ready(frame)
             }
-            Poll::Pending => match this.sleep.poll(cx) {
-                Poll::Ready(()) => Poll::Ready(Some(Err(BodyIdle(*this.idle).into()))),
-                Poll::Pending => Poll::Pending,
-            },
+            Poll::Pending => {
+                let Some(timer) = this.timer.as_mut() else {
+                    return Poll::Pending;
+                };
+                if !timer.poll_expired(cx) {
+                    return Poll::Pending;
+                }
+                let idle = timer.timeout();
+                *this.timer = None;
+                Poll::Ready(Some(Err(BodyIdle(idle).into())))
+            }
         }
     }
 
