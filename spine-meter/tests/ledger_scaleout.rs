@@ -264,15 +264,16 @@ async fn postgres_cut_refuses_holds_quickly_and_a_settlement_made_during_it_comm
     let node = direct.register_node(&op, "ed25519:scaleout").await.unwrap();
 
     let proxy = CutProxy::start(FreshDb::server_addr()).await.unwrap();
-    let acquire_timeout = Duration::from_secs(1);
+    // the acquire timeout stays at its default (30 s, for queueing on a busy pool): with
+    // PostgreSQL unreachable the wait is bounded by the unavailable timeout instead
+    let unavailable_timeout = Duration::from_secs(1);
+    let config = PgPoolConfig::default().unavailable_timeout(unavailable_timeout);
+    assert!(config.acquire_timeout >= Duration::from_secs(30));
     let ledger = Arc::new(
-        PgLedger::connect_with_config(
-            db.options(Some(proxy.addr())),
-            PgPoolConfig::default().acquire_timeout(acquire_timeout),
-        )
-        .await
-        .unwrap()
-        .with_instance_id("gw-cut"),
+        PgLedger::connect_with_config(db.options(Some(proxy.addr())), config)
+            .await
+            .unwrap()
+            .with_instance_id("gw-cut"),
     );
     let tokenizer = Arc::new(ModelTokenizer::from_gguf(model_gguf()).unwrap());
     let mut catalog = spine_meter::meter::Catalog::new();
@@ -352,12 +353,33 @@ async fn postgres_cut_refuses_holds_quickly_and_a_settlement_made_during_it_comm
         other => panic!("expected a ledger error, got {other:?}"),
     }
     eprintln!(
-        "hold with PostgreSQL cut refused after {} ms (acquire timeout {} ms)",
+        "hold with PostgreSQL cut refused after {} ms (unavailable timeout {} ms)",
         elapsed.as_millis(),
-        acquire_timeout.as_millis()
+        unavailable_timeout.as_millis()
     );
+    // far below the 30 s a busy pool may queue for; generous for a loaded machine
     assert!(
-        elapsed < acquire_timeout + Duration::from_secs(2),
+        elapsed < unavailable_timeout + Duration::from_secs(5),
+        "{elapsed:?}"
+    );
+    // PostgreSQL is now known unreachable: the next hold is refused within the bound as well
+    let started = Instant::now();
+    let again = ledger
+        .hold(
+            RequestId::from("req-during-cut-2"),
+            acct.clone(),
+            ModelId::from("smol"),
+            1_000,
+        )
+        .await;
+    let elapsed = started.elapsed();
+    eprintln!(
+        "second hold with PostgreSQL cut refused after {} ms",
+        elapsed.as_millis()
+    );
+    assert!(again.is_err_and(|e| e.is_unavailable()));
+    assert!(
+        elapsed < unavailable_timeout + Duration::from_secs(5),
         "{elapsed:?}"
     );
 
@@ -393,6 +415,13 @@ async fn postgres_cut_refuses_holds_quickly_and_a_settlement_made_during_it_comm
         restored.elapsed().as_millis()
     );
     assert!(settlements.pending_request_ids().is_empty());
+    // and holds are placed again
+    let after = RequestId::from("req-after-cut");
+    ledger
+        .hold(after.clone(), acct.clone(), ModelId::from("smol"), 1_000)
+        .await
+        .unwrap();
+    ledger.release(after).await.unwrap();
     let rec = direct
         .request_record(RequestId::from("req-inflight"))
         .await
@@ -549,4 +578,73 @@ async fn a_second_process_with_a_live_instance_id_is_refused_and_settles_nothing
     assert_eq!(balance.held_micros, 0);
     assert_eq!(balance.balance_micros, 1_000_000 - done.debit_micros);
     assert_eq!(restarted.entries_sum_micros().await.unwrap(), 0);
+}
+
+/// A burst of holds on one account while its row is locked for longer than the old 2 s acquire
+/// timeout (another transaction, `FOR UPDATE`): the holds queue for the pool's 2 connections and
+/// for the row, and all of them are placed once the lock goes. A busy pool on a healthy database
+/// is not an outage: none is refused as unavailable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_on_one_locked_account_queues_for_the_pool_and_every_hold_is_placed() {
+    const HOLDS: u64 = 20;
+    const HOLD_MICROS: u64 = 1_000;
+    let db = FreshDb::new().await;
+    let ledger = Arc::new(
+        PgLedger::connect_with_config(db.options(None), PgPoolConfig::default().max_connections(2))
+            .await
+            .unwrap(),
+    );
+    let acct = funded_account(&*ledger, 1_000_000).await;
+
+    let mut locker = sqlx::PgConnection::connect_with(&db.options(None))
+        .await
+        .unwrap();
+    let mut lock_tx = sqlx::Connection::begin(&mut locker).await.unwrap();
+    sqlx::query("SELECT balance_micros FROM accounts WHERE id = $1 FOR UPDATE")
+        .bind(acct.as_str())
+        .execute(&mut *lock_tx)
+        .await
+        .unwrap();
+
+    let started = Instant::now();
+    let holds: Vec<_> = (0..HOLDS)
+        .map(|i| {
+            let ledger = ledger.clone();
+            let acct = acct.clone();
+            tokio::spawn(async move {
+                ledger
+                    .hold(
+                        RequestId::from(format!("req-burst-{i}")),
+                        acct,
+                        ModelId::from("m"),
+                        HOLD_MICROS,
+                    )
+                    .await
+            })
+        })
+        .collect();
+    // the row stays locked well past the 2 s a pool acquire used to wait at most
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    lock_tx.rollback().await.unwrap();
+
+    let mut refused = Vec::new();
+    for h in holds {
+        if let Err(e) = tokio::time::timeout(Duration::from_secs(60), h)
+            .await
+            .expect("a queued hold must finish once the lock is gone")
+            .unwrap()
+        {
+            refused.push(format!("{e} (unavailable: {})", e.is_unavailable()));
+        }
+    }
+    eprintln!(
+        "{HOLDS} holds behind a 3 s row lock, pool of 2: {} refused, all done after {} ms",
+        refused.len(),
+        started.elapsed().as_millis()
+    );
+    assert!(refused.is_empty(), "refused holds: {refused:?}");
+    let balance = ledger.account(&acct).await.unwrap();
+    assert_eq!(balance.held_micros, HOLDS * HOLD_MICROS);
+    assert_eq!(balance.balance_micros, 1_000_000);
+    assert_eq!(ledger.entries_sum_micros().await.unwrap(), 0);
 }

@@ -25,9 +25,12 @@
 //!   connection in a `BEGIN IMMEDIATE` transaction, so writers queue in process (not in SQLite's
 //!   busy handler); reads use a separate read-only pool.
 //! - [`PgLedger`]: PostgreSQL, for several gateway instances sharing one database (design brief
-//!   §8). Transactions run at `READ COMMITTED`; a hold locks the account row (`SELECT … FOR NO KEY
-//!   UPDATE`) before it decides, so concurrent holds queue on the row, never take the same credit,
-//!   and a refusal reports the exact `balance − held` it was refused on; settlement takes a
+//!   §8). Transactions run at `READ COMMITTED`; a hold is one statement (a conditional `UPDATE`
+//!   of the account row, `balance − held ≥ amount` re-checked on the latest row version after
+//!   any concurrent update, plus the hold's `INSERT`), so concurrent holds queue on the row for
+//!   one round trip each and never take the same credit; when it places nothing the decision is
+//!   made again under `SELECT … FOR NO KEY UPDATE`, so a refusal reports the exact
+//!   `balance − held` it was refused on; settlement takes a
 //!   transaction-level advisory lock on its request id (so a concurrent second settlement waits,
 //!   then sees the first and returns it with `already_settled = true`), and node registration
 //!   locks the node table (node ids are `node_<n>`). Deadlocks and serialization failures are
@@ -39,9 +42,10 @@
 //!   [`PgLedger::spawn_instance_upkeep`]). At start it settles only its own leftover holds
 //!   ([`Store::settle_stale_holds`]); periodically, the holds of instances whose heartbeat is
 //!   older than a bound (60 s by default) ([`PgLedger::settle_orphaned_holds`]), never a live
-//!   instance's in-flight request. The pool waits at most 2 s for a connection
-//!   ([`PgPoolConfig`]), so with PostgreSQL unreachable a hold fails quickly with an error that
-//!   [`LedgerError::is_unavailable`] recognises (the gateway answers 503 `ledger_unavailable`),
+//!   instance's in-flight request. A call queues for a connection of a full, busy pool on a
+//!   healthy database (up to 30 s), but waits at most 2 s for a new connection or while
+//!   PostgreSQL is known unreachable ([`PgPoolConfig`]), so with PostgreSQL unreachable a hold
+//!   fails quickly with an error that [`LedgerError::is_unavailable`] recognises (the gateway answers 503 `ledger_unavailable`),
 //!   and the metering layer retries a failed settlement until it commits.
 //!
 //! Per-key rate limits ([`KeyLimits`]) are kept in both stores (`key_limits` table), so every

@@ -1,9 +1,12 @@
 //! The PostgreSQL ledger store (several gateway instances, one database).
 
+use std::future::Future;
 use std::str::FromStr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgRow};
 use sqlx::{Postgres, Row, Transaction};
 
@@ -165,9 +168,24 @@ const ATTEMPTS: u32 = 5;
 /// The same tables, semantics and errors as [`super::SqliteLedger`] (see the module docs for how
 /// concurrency is handled). Transactions run at PostgreSQL's default `READ COMMITTED`; one that
 /// fails on a deadlock (`40P01`) or a serialization failure (`40001`) is run again, up to 5 times.
+///
+/// Waiting for a connection (see [`PgPoolConfig`]): while PostgreSQL answers and every
+/// connection of a full pool is busy, a call queues for one (up to `acquire_timeout`, 30 s by
+/// default: a burst on one account serializes on its row lock, and that is not an outage).
+/// Otherwise the wait is bounded by `unavailable_timeout` (2 s by default) and then fails with a
+/// [`LedgerError::is_unavailable`] error: when the pool is not full the wait can only be for a
+/// new connection, which a reachable database makes in milliseconds, and while PostgreSQL is
+/// known unreachable (the last call failed on a connection-level error or an acquire timeout;
+/// shared by clones, cleared by the next successful acquire) every wait is short.
 #[derive(Clone, Debug)]
 pub struct PgLedger {
     pool: PgPool,
+    /// Set when a call failed because PostgreSQL was unreachable, cleared when a connection is
+    /// acquired again; shared by clones.
+    unreachable: Arc<AtomicBool>,
+    /// The bound on a wait for a connection that is not queueing behind busy connections of a
+    /// healthy, full pool ([`PgPoolConfig::unavailable_timeout`]).
+    unavailable_timeout: Duration,
     /// The gateway instance this ledger places holds for ([`PgLedger::with_instance_id`]).
     instance_id: Option<Arc<str>>,
     /// This process's claim on `instance_id`, written with every heartbeat (random per
@@ -197,17 +215,25 @@ fn new_nonce() -> String {
 pub struct PgPoolConfig {
     /// Most connections open at once. Default 10.
     pub max_connections: u32,
-    /// Longest wait for a connection (a free one, or a new one to a database that may be down);
-    /// past it the call fails with a [`LedgerError::is_unavailable`] error, so a request is
-    /// refused (503) instead of hanging. Default 2 s.
+    /// Longest wait for a connection of a full pool whose connections are all busy while
+    /// PostgreSQL answers (a burst queueing, e.g. on one account's row lock); past it the call
+    /// fails with a [`LedgerError::is_unavailable`] error. Default 30 s.
     pub acquire_timeout: Duration,
+    /// Longest wait for a connection otherwise: for a new connection (the pool is not full), or
+    /// for any connection while PostgreSQL is known unreachable (a call failed on a
+    /// connection-level error or an acquire timeout since the last successful acquire). Past it
+    /// the call fails with a [`LedgerError::is_unavailable`] error, so with PostgreSQL down a
+    /// request is refused (503) within this bound instead of hanging. Default 2 s; at most
+    /// `acquire_timeout` takes effect.
+    pub unavailable_timeout: Duration,
 }
 
 impl Default for PgPoolConfig {
     fn default() -> Self {
         Self {
             max_connections: 10,
-            acquire_timeout: Duration::from_secs(2),
+            acquire_timeout: Duration::from_secs(30),
+            unavailable_timeout: Duration::from_secs(2),
         }
     }
 }
@@ -248,6 +274,13 @@ impl PgPoolConfig {
     #[must_use]
     pub fn acquire_timeout(mut self, timeout: Duration) -> Self {
         self.acquire_timeout = timeout;
+        self
+    }
+
+    /// Sets [`PgPoolConfig::unavailable_timeout`].
+    #[must_use]
+    pub fn unavailable_timeout(mut self, timeout: Duration) -> Self {
+        self.unavailable_timeout = timeout;
         self
     }
 
@@ -427,8 +460,7 @@ macro_rules! retrying {
 
 impl PgLedger {
     /// Connects to the database at `url` (`postgres://user:password@host:port/database`; a pool
-    /// of up to 10 connections, waiting at most 2 s for one: [`PgPoolConfig::default`]) and
-    /// applies migrations.
+    /// of up to 10 connections: [`PgPoolConfig::default`]) and applies migrations.
     ///
     /// Any number of processes may connect to the same (even empty) database at once: migrations
     /// run under a PostgreSQL advisory lock, the first applies them, the others wait and find
@@ -455,6 +487,9 @@ impl PgLedger {
     /// [`PgLedger::connect`] with parsed options and a pool configuration (e.g. a shorter or
     /// longer acquire timeout).
     ///
+    /// The first connection is made by the migrations, so an unreachable database fails the
+    /// call within `config.unavailable_timeout`.
+    ///
     /// # Errors
     ///
     /// As [`PgLedger::connect`].
@@ -465,21 +500,29 @@ impl PgLedger {
         let pool = PgPoolOptions::new()
             .max_connections(config.max_connections)
             .acquire_timeout(config.acquire_timeout)
-            .connect_with(options)
-            .await
-            .map_err(db)?;
-        Self::with_pool(pool).await
+            .connect_lazy_with(options);
+        Self::with_pool_and_timeout(pool, config.unavailable_timeout).await
     }
 
     /// Wraps an existing pool and applies migrations (idempotent; safe for any number of
-    /// processes at once).
+    /// processes at once). Waits for a connection as described on [`PgLedger`], with the
+    /// default [`PgPoolConfig::unavailable_timeout`] (2 s) and the pool's own acquire timeout.
     ///
     /// # Errors
     ///
     /// [`LedgerError::Database`].
     pub async fn with_pool(pool: PgPool) -> Result<Self, LedgerError> {
+        Self::with_pool_and_timeout(pool, PgPoolConfig::default().unavailable_timeout).await
+    }
+
+    async fn with_pool_and_timeout(
+        pool: PgPool,
+        unavailable_timeout: Duration,
+    ) -> Result<Self, LedgerError> {
         let this = Self {
             pool,
+            unreachable: Arc::new(AtomicBool::new(false)),
+            unavailable_timeout,
             instance_id: None,
             nonce: Arc::from(new_nonce()),
         };
@@ -557,7 +600,7 @@ impl PgLedger {
             .bind(id.as_ref())
             .bind(self.nonce.as_ref())
             .bind(live_ms)
-            .fetch_optional(&self.pool)
+            .fetch_optional(&mut *self.acquire().await?)
             .await
             .map_err(db)?;
         if written.is_some() {
@@ -567,7 +610,7 @@ impl PgLedger {
             "SELECT {DB_NOW_MS} - heartbeat_at_ms FROM instances WHERE instance_id = $1"
         ))
         .bind(id.as_ref())
-        .fetch_optional(&self.pool)
+        .fetch_optional(&mut *self.acquire().await?)
         .await
         .map_err(db)?;
         Err(LedgerError::InstanceIdLive {
@@ -636,7 +679,7 @@ impl PgLedger {
         let rows = sqlx::query(&sql)
             .bind(self.instance_id.as_deref())
             .bind(stale_ms)
-            .fetch_all(&self.pool)
+            .fetch_all(&mut *self.acquire().await?)
             .await
             .map_err(db)?;
         self.settle_hold_rows(rows).await
@@ -691,7 +734,7 @@ impl PgLedger {
     }
 
     async fn migrate_impl(&self) -> Result<(), LedgerError> {
-        let mut tx = self.pool.begin().await.map_err(db)?;
+        let mut tx = self.begin().await?;
         // held until commit or rollback, also when this future is dropped (the connection's
         // transaction is rolled back before it is reused)
         sqlx::query("SELECT pg_advisory_xact_lock($1)")
@@ -729,15 +772,74 @@ impl PgLedger {
         tx.commit().await.map_err(db)
     }
 
+    /// Waits for `connecting` (a pool acquire, with or without `BEGIN`): past
+    /// `unavailable_timeout`, and again every `unavailable_timeout`, it goes on waiting only
+    /// while PostgreSQL is not known unreachable and the pool is full (every connection is
+    /// busy: the wait is a queue, bounded by the pool's acquire timeout); otherwise it fails
+    /// with [`sqlx::Error::PoolTimedOut`] ([`LedgerError::is_unavailable`]). Records the outcome
+    /// in the health latch: an unavailable error sets it, success clears it.
+    async fn connection<T>(
+        &self,
+        connecting: impl Future<Output = Result<T, sqlx::Error>>,
+    ) -> Result<T, LedgerError> {
+        let mut connecting = std::pin::pin!(connecting);
+        let slice = self.unavailable_timeout.max(Duration::from_millis(10));
+        let result = loop {
+            match tokio::time::timeout(slice, &mut connecting).await {
+                Ok(r) => break r.map_err(db),
+                Err(_) => {
+                    let queueing = !self.unreachable.load(Ordering::Relaxed)
+                        && self.pool.size() >= self.pool.options().get_max_connections();
+                    if !queueing {
+                        break Err(db(sqlx::Error::PoolTimedOut));
+                    }
+                }
+            }
+        };
+        self.watch(result)
+    }
+
+    /// Updates the health latch from a call's outcome: set on an unavailable error, cleared on
+    /// success.
+    fn watch<T>(&self, result: Result<T, LedgerError>) -> Result<T, LedgerError> {
+        match &result {
+            Ok(_) => self.unreachable.store(false, Ordering::Relaxed),
+            Err(e) if e.is_unavailable() => {
+                if !self.unreachable.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(error = %e, "PostgreSQL unreachable: waits for a connection are now short");
+                }
+            }
+            Err(_) => {}
+        }
+        result
+    }
+
+    /// Sets the health latch when `result` failed because PostgreSQL was unreachable (a
+    /// connection lost mid-call); success clears nothing (only an acquire proves PostgreSQL
+    /// reachable).
+    fn note<T>(&self, result: Result<T, LedgerError>) -> Result<T, LedgerError> {
+        match &result {
+            Err(e) if e.is_unavailable() => self.watch(result),
+            _ => result,
+        }
+    }
+
+    /// A pooled connection, waited for as [`PgLedger::connection`] says. Every statement of
+    /// this store runs on one of these or in [`PgLedger::begin`]'s transaction.
+    async fn acquire(&self) -> Result<PoolConnection<Postgres>, LedgerError> {
+        self.connection(self.pool.acquire()).await
+    }
+
+    /// A transaction on a pooled connection, waited for as [`PgLedger::connection`] says.
     async fn begin(&self) -> Result<Transaction<'static, Postgres>, LedgerError> {
-        self.pool.begin().await.map_err(db)
+        self.connection(self.pool.begin()).await
     }
 
     async fn create_account_impl(&self, account: &AccountId) -> Result<(), LedgerError> {
         sqlx::query("INSERT INTO accounts (id, created_at_ms) VALUES ($1, $2)")
             .bind(account.as_str())
             .bind(now_ms())
-            .execute(&self.pool)
+            .execute(&mut *self.acquire().await?)
             .await
             .map_err(|e| {
                 if is_unique_violation(&e) {
@@ -824,7 +926,7 @@ impl PgLedger {
         .bind(key_hash)
         .bind(now_ms())
         .bind(account.as_str())
-        .execute(&self.pool)
+        .execute(&mut *self.acquire().await?)
         .await
         .map_err(|e| {
             if is_unique_violation(&e) {
@@ -846,7 +948,7 @@ impl PgLedger {
         let id: Option<String> =
             sqlx::query_scalar("SELECT account_id FROM api_keys WHERE key_hash = $1")
                 .bind(key_hash)
-                .fetch_optional(&self.pool)
+                .fetch_optional(&mut *self.acquire().await?)
                 .await
                 .map_err(db)?;
         Ok(id.map(AccountId::from))
@@ -855,7 +957,7 @@ impl PgLedger {
     async fn account_impl(&self, account: &AccountId) -> Result<AccountBalance, LedgerError> {
         let row = sqlx::query("SELECT balance_micros, held_micros FROM accounts WHERE id = $1")
             .bind(account.as_str())
-            .fetch_optional(&self.pool)
+            .fetch_optional(&mut *self.acquire().await?)
             .await
             .map_err(db)?
             .ok_or_else(|| LedgerError::UnknownAccount(account.clone()))?;
@@ -866,7 +968,7 @@ impl PgLedger {
         sqlx::query("INSERT INTO operators (id, created_at_ms) VALUES ($1, $2)")
             .bind(operator.as_str())
             .bind(now_ms())
-            .execute(&self.pool)
+            .execute(&mut *self.acquire().await?)
             .await
             .map_err(|e| {
                 if is_unique_violation(&e) {
@@ -881,7 +983,7 @@ impl PgLedger {
     async fn operator_earned_micros_impl(&self, operator: &OperatorId) -> Result<u64, LedgerError> {
         let v: i64 = sqlx::query_scalar("SELECT earned_micros FROM operators WHERE id = $1")
             .bind(operator.as_str())
-            .fetch_optional(&self.pool)
+            .fetch_optional(&mut *self.acquire().await?)
             .await
             .map_err(db)?
             .ok_or_else(|| LedgerError::UnknownOperator(operator.clone()))?;
@@ -920,7 +1022,7 @@ impl PgLedger {
         .bind(operator.as_str())
         .bind(expires_at_ms)
         .bind(now_ms())
-        .execute(&self.pool)
+        .execute(&mut *self.acquire().await?)
         .await
         .map_err(|e| {
             if is_unique_violation(&e) {
@@ -977,7 +1079,7 @@ impl PgLedger {
              ORDER BY n.created_at_ms, n.node_id",
         )
         .bind(operator.as_str())
-        .fetch_all(&self.pool)
+        .fetch_all(&mut *self.acquire().await?)
         .await
         .map_err(db)?;
         if rows.is_empty() {
@@ -1008,7 +1110,7 @@ impl PgLedger {
         let id: Option<String> =
             sqlx::query_scalar("SELECT node_id FROM nodes WHERE public_key_text = $1")
                 .bind(public_key_text)
-                .fetch_optional(&self.pool)
+                .fetch_optional(&mut *self.acquire().await?)
                 .await
                 .map_err(db)?;
         Ok(id.map(NodeId::from))
@@ -1017,7 +1119,7 @@ impl PgLedger {
     async fn node_operator_impl(&self, node: &NodeId) -> Result<OperatorId, LedgerError> {
         let id: String = sqlx::query_scalar("SELECT operator_id FROM nodes WHERE node_id = $1")
             .bind(node.as_str())
-            .fetch_optional(&self.pool)
+            .fetch_optional(&mut *self.acquire().await?)
             .await
             .map_err(db)?
             .ok_or_else(|| LedgerError::UnknownNode(node.clone()))?;
@@ -1030,13 +1132,13 @@ impl PgLedger {
                 "SELECT request_id, account_id, model FROM holds WHERE state = 'held' AND instance_id = $1 ORDER BY created_at_ms, request_id",
             )
             .bind(id.as_ref())
-            .fetch_all(&self.pool)
+            .fetch_all(&mut *self.acquire().await?)
             .await
             .map_err(db)?,
             None => sqlx::query(
                 "SELECT request_id, account_id, model FROM holds WHERE state = 'held' ORDER BY created_at_ms, request_id",
             )
-            .fetch_all(&self.pool)
+            .fetch_all(&mut *self.acquire().await?)
             .await
             .map_err(db)?,
         };
@@ -1086,7 +1188,7 @@ impl PgLedger {
         .bind(limits.rpm_limit.map(i64::from))
         .bind(limits.tpm_limit.map(to_i64).transpose()?)
         .bind(now_ms())
-        .execute(&self.pool)
+        .execute(&mut *self.acquire().await?)
         .await
         .map_err(db)?;
         Ok(())
@@ -1096,7 +1198,7 @@ impl PgLedger {
         let Some(row) =
             sqlx::query("SELECT rpm_limit, tpm_limit FROM key_limits WHERE key_hash = $1")
                 .bind(key_hash)
-                .fetch_optional(&self.pool)
+                .fetch_optional(&mut *self.acquire().await?)
                 .await
                 .map_err(db)?
         else {
@@ -1109,7 +1211,7 @@ impl PgLedger {
 
     async fn entries_sum_micros_impl(&self) -> Result<i64, LedgerError> {
         sqlx::query_scalar("SELECT COALESCE(SUM(amount_micros), 0)::BIGINT FROM ledger_entries")
-            .fetch_one(&self.pool)
+            .fetch_one(&mut *self.acquire().await?)
             .await
             .map_err(db)
     }
@@ -1118,7 +1220,7 @@ impl PgLedger {
         let rows = sqlx::query(
             "SELECT party_kind, COALESCE(SUM(amount_micros), 0)::BIGINT AS total FROM ledger_entries GROUP BY party_kind",
         )
-        .fetch_all(&self.pool)
+        .fetch_all(&mut *self.acquire().await?)
         .await
         .map_err(db)?;
         let mut totals = EntryTotals::default();
@@ -1136,7 +1238,54 @@ impl PgLedger {
         Ok(totals)
     }
 
+    /// Places a hold in one statement when the account can cover it: the conditional `UPDATE`
+    /// locks the account row and re-checks `balance − held` on its latest version, and the hold
+    /// row is inserted in the same statement, so the row lock is held for one statement instead
+    /// of a five-round-trip transaction (holds of one account serialize across instances). When
+    /// nothing was placed (unknown account, or not enough credit) the decision is made again by
+    /// [`PgLedger::hold_locked`], so a refusal still reports the exact numbers it was refused on.
     async fn hold_once(
+        &self,
+        request_id: &RequestId,
+        account: &AccountId,
+        model: &ModelId,
+        amount_micros: u64,
+    ) -> Result<(), LedgerError> {
+        let amount = to_i64(amount_micros)?;
+        let placed = sqlx::query(
+            "WITH held AS (
+                 UPDATE accounts SET held_micros = held_micros + $1
+                 WHERE id = $2 AND balance_micros - held_micros >= $1
+                 RETURNING id)
+             INSERT INTO holds (request_id, account_id, model, amount_micros, state, created_at_ms, instance_id)
+             SELECT $3, id, $4, $1, 'held', $5, $6 FROM held",
+        )
+        .bind(amount)
+        .bind(account.as_str())
+        .bind(request_id.as_str())
+        .bind(model.as_str())
+        .bind(now_ms())
+        .bind(self.instance_id.as_deref())
+        .execute(&mut *self.acquire().await?)
+        .await
+        .map_err(|e| {
+            if is_unique_violation(&e) {
+                LedgerError::Duplicate { what: "hold" }
+            } else {
+                db(e)
+            }
+        })?
+        .rows_affected();
+        if placed == 1 {
+            return Ok(());
+        }
+        self.hold_locked(request_id, account, model, amount_micros)
+            .await
+    }
+
+    /// Places a hold in a transaction that locks the account row before it decides: the
+    /// decision and the numbers a refusal reports are those of one moment.
+    async fn hold_locked(
         &self,
         request_id: &RequestId,
         account: &AccountId,
@@ -1360,7 +1509,7 @@ impl PgLedger {
     ) -> Result<Option<RequestRecord>, LedgerError> {
         let Some(row) = sqlx::query("SELECT * FROM requests WHERE request_id = $1")
             .bind(request_id.as_str())
-            .fetch_optional(&self.pool)
+            .fetch_optional(&mut *self.acquire().await?)
             .await
             .map_err(db)?
         else {
@@ -1420,23 +1569,23 @@ impl Ledger for PgLedger {
         amount_micros: u64,
     ) -> LedgerFuture<'_, ()> {
         Box::pin(async move {
-            retrying!(
+            self.note(retrying!(
                 self.hold_once(&request_id, &account, &model, amount_micros)
                     .await
-            )
+            ))
         })
     }
 
     fn release(&self, request_id: RequestId) -> LedgerFuture<'_, ()> {
-        Box::pin(async move { retrying!(self.release_once(&request_id).await) })
+        Box::pin(async move { self.note(retrying!(self.release_once(&request_id).await)) })
     }
 
     fn settle(&self, settlement: Settlement) -> LedgerFuture<'_, SettleResult> {
-        Box::pin(self.settle_impl(settlement))
+        Box::pin(async move { self.note(self.settle_impl(settlement).await) })
     }
 
     fn request_record(&self, request_id: RequestId) -> LedgerFuture<'_, Option<RequestRecord>> {
-        Box::pin(self.request_record_impl(request_id))
+        Box::pin(async move { self.note(self.request_record_impl(request_id).await) })
     }
 }
 
