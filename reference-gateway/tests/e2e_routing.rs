@@ -28,7 +28,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use common::{keygen, metric, sse_data, start_agent, Gateway, CREDITS};
+use common::{add_node, metric, sse_data, tenant, Gateway, Tenant, CREDITS};
 use http_body_util::{BodyExt as _, Full, StreamBody};
 use hyper::body::{Frame, Incoming};
 use hyper_util::rt::TokioIo;
@@ -141,67 +141,6 @@ impl HostileEngine {
         });
         Self { url, chats, task }
     }
-}
-
-/// An operator and a funded account with a key on `gw`.
-struct Tenant {
-    operator: String,
-    account: String,
-    api_key: String,
-}
-
-async fn tenant(gw: &Gateway) -> Tenant {
-    let (_, op) = gw.admin_post("/admin/v1/operators", json!({})).await;
-    let operator = op["id"].as_str().unwrap().to_owned();
-    let (_, acct) = gw.admin_post("/admin/v1/accounts", json!({})).await;
-    let account = acct["id"].as_str().unwrap().to_owned();
-    let (_, key) = gw
-        .admin_post(&format!("/admin/v1/accounts/{account}/keys"), json!({}))
-        .await;
-    let api_key = key["key"].as_str().unwrap().to_owned();
-    let (s, _) = gw
-        .admin_post(
-            &format!("/admin/v1/accounts/{account}/credits"),
-            json!({"amount_micros": CREDITS, "idempotency_key": "topup"}),
-        )
-        .await;
-    assert_eq!(s, 200);
-    Tenant {
-        operator,
-        account,
-        api_key,
-    }
-}
-
-/// Registers a node key for `operator`, starts its agent against `engine_url`, waits until the
-/// node is routable; returns (node id, agent).
-async fn add_node(
-    gw: &Gateway,
-    dir: &Path,
-    operator: &str,
-    engine_url: &str,
-    name: &str,
-) -> (String, Child) {
-    let (identity, public_key) = keygen(dir, &format!("{name}.key")).await;
-    let (s, node) = gw
-        .admin_post(
-            "/admin/v1/nodes",
-            json!({"operator_id": operator, "public_key": public_key}),
-        )
-        .await;
-    assert_eq!(s, 201, "{node}");
-    let node_id = node["node_id"].as_str().unwrap().to_owned();
-    let agent = start_agent(gw, &identity, engine_url, name);
-    for _ in 0..300 {
-        if node_view(gw, &node_id).await.is_some() {
-            return (node_id, agent);
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    panic!(
-        "node {name} never routable; agent stderr:\n{}",
-        agent.stderr_tail(30)
-    );
 }
 
 /// The node's entry in `GET /admin/v1/nodes`, if routable.

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use common::{keygen, sse_data, start_agent, Gateway, CREDITS};
+use common::{add_node, sse_data, tenant, Gateway, Tenant, CREDITS};
 use http_body_util::{BodyExt as _, Full, StreamBody};
 use hyper::body::{Frame, Incoming};
 use hyper_util::rt::TokioIo;
@@ -212,48 +212,16 @@ async fn a_stream_stalled_after_its_first_token_is_cut_settled_and_scored() {
     let gw = Gateway::start_with(dir.path(), &engine, "stream_idle_timeout_secs = 2").await;
     let fake = StallingEngine::start().await;
 
-    // tenant: operator, funded account, key
-    let (_, op) = gw.admin_post("/admin/v1/operators", json!({})).await;
-    let operator = op["id"].as_str().unwrap().to_owned();
-    let (_, acct) = gw.admin_post("/admin/v1/accounts", json!({})).await;
-    let account = acct["id"].as_str().unwrap().to_owned();
-    let (_, key) = gw
-        .admin_post(&format!("/admin/v1/accounts/{account}/keys"), json!({}))
-        .await;
-    let api_key = key["key"].as_str().unwrap().to_owned();
-    let (s, _) = gw
-        .admin_post(
-            &format!("/admin/v1/accounts/{account}/credits"),
-            json!({"amount_micros": CREDITS, "idempotency_key": "topup"}),
-        )
-        .await;
-    assert_eq!(s, 200);
-
+    let Tenant {
+        operator,
+        account,
+        api_key,
+    } = tenant(&gw).await;
     // one node: a real agent in front of the stalling engine
-    let (identity, public_key) = keygen(dir.path(), "stall.key").await;
-    let (s, node) = gw
-        .admin_post(
-            "/admin/v1/nodes",
-            json!({"operator_id": operator, "public_key": public_key}),
-        )
-        .await;
-    assert_eq!(s, 201, "{node}");
-    let node_id = node["node_id"].as_str().unwrap().to_owned();
-    let agent = start_agent(&gw, &identity, &fake.url, "agent");
-    let mut before = None;
-    for _ in 0..300 {
-        before = node_view(&gw, &node_id).await;
-        if before.is_some() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let before = before.unwrap_or_else(|| {
-        panic!(
-            "node never routable; agent stderr:\n{}",
-            agent.stderr_tail(30)
-        )
-    });
+    let (node_id, agent) = add_node(&gw, dir.path(), &operator, &fake.url, "agent").await;
+    let before = node_view(&gw, &node_id)
+        .await
+        .unwrap_or_else(|| panic!("node not listed; agent stderr:\n{}", agent.stderr_tail(30)));
     assert_eq!(before["disconnects"], 0);
     let penalty_before = before["score_parts"]["failure_penalty"].as_f64().unwrap();
     assert!(penalty_before > 0.99, "{before}");

@@ -277,10 +277,15 @@ pub struct Setup {
     pub agent: Child,
 }
 
-/// Operator, account (credited `CREDITS` once, idempotently), API key, node key registered, agent
-/// started and routable.
-pub async fn setup(gw: &Gateway, dir: &Path, llama_url: &str) -> Setup {
-    // --- accounts, operator, node ------------------------------------------------------------
+/// An operator, and an account credited `CREDITS` (idempotency key `topup-1`) with an API key.
+pub struct Tenant {
+    pub operator: String,
+    pub account: String,
+    pub api_key: String,
+}
+
+/// Creates a [`Tenant`] on `gw` through its admin API.
+pub async fn tenant(gw: &Gateway) -> Tenant {
     let (s, op) = gw.admin_post("/admin/v1/operators", json!({})).await;
     assert_eq!(s, 201);
     let operator = op["id"].as_str().unwrap().to_owned();
@@ -299,6 +304,59 @@ pub async fn setup(gw: &Gateway, dir: &Path, llama_url: &str) -> Setup {
         )
         .await;
     assert_eq!((s, credited["applied"].as_bool()), (200, Some(true)));
+    Tenant {
+        operator,
+        account,
+        api_key,
+    }
+}
+
+/// Registers a new node key for `operator` (`<name>.key` in `dir`), starts a `reference-agent`
+/// named `name` for it in front of `engine_url`, and waits until the node is routable (the
+/// gateway's first health probe through the tunnel answered); returns (node id, agent).
+pub async fn add_node(
+    gw: &Gateway,
+    dir: &Path,
+    operator: &str,
+    engine_url: &str,
+    name: &str,
+) -> (String, Child) {
+    let (identity, public_key) = keygen(dir, &format!("{name}.key")).await;
+    let (s, node) = gw
+        .admin_post(
+            "/admin/v1/nodes",
+            json!({"operator_id": operator, "public_key": public_key}),
+        )
+        .await;
+    assert_eq!(s, 201, "{node}");
+    let node_id = node["node_id"].as_str().unwrap().to_owned();
+    let agent = start_agent(gw, &identity, engine_url, name);
+    for _ in 0..300 {
+        let (_, nodes) = gw.admin_get("/admin/v1/nodes").await;
+        if nodes["data"]
+            .as_array()
+            .is_some_and(|a| a.iter().any(|n| n["node_id"] == node_id.as_str()))
+        {
+            return (node_id, agent);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!(
+        "node {name} never became routable; agent stderr:\n{}\ngateway stderr:\n{}",
+        agent.stderr_tail(30),
+        gw.child.stderr_tail(30)
+    );
+}
+
+/// Operator, account (credited `CREDITS` once, idempotently), API key, node key registered, agent
+/// started and routable.
+pub async fn setup(gw: &Gateway, dir: &Path, llama_url: &str) -> Setup {
+    // --- accounts, operator, node ------------------------------------------------------------
+    let Tenant {
+        operator,
+        account,
+        api_key,
+    } = tenant(gw).await;
     // the same idempotency key again changes nothing
     let (s, again) = gw
         .admin_post(
@@ -309,38 +367,7 @@ pub async fn setup(gw: &Gateway, dir: &Path, llama_url: &str) -> Setup {
     assert_eq!((s, again["applied"].as_bool()), (200, Some(false)));
     assert_eq!(gw.balance(&account).await, (CREDITS, 0));
 
-    let (identity, public_key) = keygen(dir, "node.key").await;
-    let (s, node) = gw
-        .admin_post(
-            "/admin/v1/nodes",
-            json!({"operator_id": operator, "public_key": public_key}),
-        )
-        .await;
-    assert_eq!(s, 201, "{node}");
-    let node_id = node["node_id"].as_str().unwrap().to_owned();
-
-    let agent = start_agent(gw, &identity, llama_url, "agent");
-    // routable only after the gateway's health probe through the tunnel
-    let mut routable = false;
-    for _ in 0..200 {
-        let (_, nodes) = gw.admin_get("/admin/v1/nodes").await;
-        if nodes["data"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|n| n["node_id"] == node_id.as_str())
-        {
-            routable = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    assert!(
-        routable,
-        "node never became routable; agent stderr:\n{}\ngateway stderr:\n{}",
-        agent.stderr_tail(30),
-        gw.child.stderr_tail(30)
-    );
+    let (node_id, agent) = add_node(gw, dir, &operator, llama_url, "node").await;
 
     Setup {
         operator,
