@@ -48,7 +48,11 @@ impl IdleTimer {
     /// Call while the body is pending: `true` once it has given nothing for the timeout;
     /// otherwise the timer is armed and `cx`'s waker registered with it.
     pub fn poll_expired(&mut self, cx: &mut Context<'_>) -> bool {
-        let deadline = self.last_frame + self.timeout;
+        // a timeout too large for the clock (e.g. u64::MAX seconds, meant as "never") never
+        // expires
+        let Some(deadline) = self.last_frame.checked_add(self.timeout) else {
+            return false;
+        };
         let sleep = match self.sleep.as_mut() {
             Some(sleep) => sleep,
             None => {
@@ -65,7 +69,9 @@ impl IdleTimer {
                 return false;
             }
             // fired: frames may have come since it was armed
-            let deadline = self.last_frame + self.timeout;
+            let Some(deadline) = self.last_frame.checked_add(self.timeout) else {
+                return false;
+            };
             if deadline <= Instant::now() {
                 return true;
             }
@@ -100,5 +106,14 @@ mod tests {
         assert!(!expired(&mut timer));
         tokio::time::advance(Duration::from_secs(1)).await;
         assert!(expired(&mut timer));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_timeout_too_large_for_the_clock_never_expires() {
+        let mut timer = IdleTimer::new(Duration::from_secs(u64::MAX)).unwrap();
+        tokio::time::advance(Duration::from_secs(86_400)).await;
+        assert!(!expired(&mut timer));
+        timer.frame();
+        assert!(!expired(&mut timer));
     }
 }

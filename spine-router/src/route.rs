@@ -452,8 +452,10 @@ where
         let started = Instant::now();
         // Streamed answers only: a non-streamed answer's head and body come when generation is
         // done, which for a long completion may rightly take longer than any first-token bound.
+        // (a bound too large for the clock, meant as "never", is no bound)
         let deadline = (peek.stream && !config.first_content_timeout.is_zero())
-            .then(|| started + config.first_content_timeout);
+            .then(|| started.checked_add(config.first_content_timeout))
+            .flatten();
         let result = match within(deadline, call_once(&mut inner, req)).await {
             Some(result) => result,
             None => Err(first_content_timeout(&config)),

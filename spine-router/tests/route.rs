@@ -881,3 +881,23 @@ async fn a_stalled_error_answer_is_cut_too_but_not_scored() {
     assert_eq!(stats(&r, "s"), (0, 0, 0));
     assert!(next_frame(&mut body).await.is_none());
 }
+
+/// `stream_idle_timeout_secs` is a u64 from the config file or env; a huge value (meant as
+/// "never") must not panic the body poll (`Instant + Duration` overflowed here before).
+#[tokio::test]
+async fn a_huge_stream_idle_timeout_does_not_panic() {
+    let config = RouteConfig {
+        stream_idle_timeout: std::time::Duration::from_secs(u64::MAX),
+        ..RouteConfig::default()
+    };
+    let (_r, resp, _) = stalling_node(config, 200, None, 0).await;
+    let mut body = resp.into_body();
+    body.frame().await.unwrap().unwrap();
+    let polled = tokio::spawn(async move {
+        tokio::time::timeout(std::time::Duration::from_millis(50), body.frame())
+            .await
+            .is_err()
+    })
+    .await;
+    assert!(matches!(polled, Ok(true)), "body poll panicked: {polled:?}");
+}

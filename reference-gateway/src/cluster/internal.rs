@@ -16,14 +16,16 @@
 //! no header (`missing_cluster_signature`), an unparsable header or a MAC that does not verify
 //! (`invalid_cluster_signature`, compared in constant time), a target that is not this instance
 //! (`wrong_cluster_target`: a signature made for instance B is useless at C), `t` more than
-//! [`MAX_CLOCK_SKEW_MS`] from its clock (`stale_cluster_signature`), a nonce seen within that
+//! [`MAX_CLOCK_SKEW_MS`] from its clock or earlier than this process's start
+//! (`stale_cluster_signature`: a new process does not know its predecessor's nonces), a nonce seen within that
 //! window (`replayed_cluster_signature`), a body whose SHA-256 is not `b`
 //! (`cluster_body_mismatch`). A body over the gateway's `max_request_body_bytes` (plus
 //! [`FORWARDED_BODY_SLACK_BYTES`]) is refused with 413 `request_too_large`. The head is checked
 //! before any byte of the body is read; the body is read whole (bounded) and relayed as one.
 //!
 //! So a captured forwarded request cannot be altered, replayed or redirected to another
-//! instance. Seen nonces live in a [`ReplayCache`] of at most [`REPLAY_CACHE_CAP`] entries;
+//! instance, even across a restart of the owner. Seen nonces live in a [`ReplayCache`] of at
+//! most [`REPLAY_CACHE_CAP`] entries, pruned in order of expiry;
 //! when it is full of unexpired nonces the listener refuses (503 `replay_cache_full`) rather
 //! than grow or forget a nonce.
 //!
@@ -33,7 +35,8 @@
 //! every second (a forwarding instance that went silent has its streams, and so the node's work,
 //! cancelled within a few seconds) and carry up to [`MAX_CONCURRENT_STREAMS`] streams.
 
-use std::collections::{HashMap, VecDeque};
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
 use std::sync::Arc;
 
 use axum::body::Body;
@@ -389,7 +392,9 @@ fn parse_authorization(value: &HeaderValue) -> Option<(&str, Verified, [u8; 32])
 #[derive(Debug)]
 pub(crate) struct ReplayCache {
     expiry_by_nonce: HashMap<[u8; 16], u64>,
-    arrivals: VecDeque<(u64, [u8; 16])>,
+    /// Min-heap on expiry: pruning finds every expired nonce whatever the order of arrival
+    /// (a peer whose clock runs ahead sends nonces that expire later than those behind them).
+    by_expiry: BinaryHeap<Reverse<(u64, [u8; 16])>>,
     cap: usize,
 }
 
@@ -398,7 +403,7 @@ impl ReplayCache {
     pub(crate) fn new(cap: usize) -> Self {
         Self {
             expiry_by_nonce: HashMap::new(),
-            arrivals: VecDeque::new(),
+            by_expiry: BinaryHeap::new(),
             cap,
         }
     }
@@ -415,14 +420,12 @@ impl ReplayCache {
         expires_unix_ms: u64,
         now_unix_ms: u64,
     ) -> Result<(), RelayRefusal> {
-        // arrival order is expiry order up to the allowed skew: an expired nonce behind an
-        // unexpired one waits for it (at most 2 × MAX_CLOCK_SKEW_MS), refused meanwhile
-        while let Some(&(expiry, old)) = self.arrivals.front() {
+        while let Some(&Reverse((expiry, old))) = self.by_expiry.peek() {
             // kept through `expires_unix_ms` itself, the last instant its timestamp passes
             if expiry >= now_unix_ms {
                 break;
             }
-            self.arrivals.pop_front();
+            self.by_expiry.pop();
             self.expiry_by_nonce.remove(&old);
         }
         if self.expiry_by_nonce.contains_key(nonce) {
@@ -432,7 +435,7 @@ impl ReplayCache {
             return Err(RelayRefusal::ReplayCacheFull);
         }
         self.expiry_by_nonce.insert(*nonce, expires_unix_ms);
-        self.arrivals.push_back((expires_unix_ms, *nonce));
+        self.by_expiry.push(Reverse((expires_unix_ms, *nonce)));
         Ok(())
     }
 
@@ -482,11 +485,7 @@ async fn relay(State(cluster): State<Arc<Cluster>>, req: Request) -> Response {
         Err(failure) => return failure.response(),
     };
     // only a request signed with the secret gets here: nobody else can fill the cache
-    if let Err(failure) = cluster.record_nonce(
-        &verified.nonce,
-        verified.t_unix_ms.saturating_add(MAX_CLOCK_SKEW_MS),
-        now_unix_ms,
-    ) {
+    if let Err(failure) = cluster.record_nonce(&verified.nonce, verified.t_unix_ms, now_unix_ms) {
         return failure.response();
     }
     if parts.method != http::Method::POST {

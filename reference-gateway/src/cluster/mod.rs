@@ -159,6 +159,9 @@ struct Inner {
     mac: internal::ClusterMac,
     /// Nonces of the forwarded requests relayed within their validity window.
     nonces: Mutex<internal::ReplayCache>,
+    /// When this process began (Unix ms): the replay cache knows no nonce from before it, so a
+    /// request signed earlier is refused as stale (a capture replayed after a restart).
+    started_unix_ms: u64,
     /// The gateway's `max_request_body_bytes`: bounds a forwarded body (plus
     /// [`internal::FORWARDED_BODY_SLACK_BYTES`]).
     max_request_body_bytes: AtomicUsize,
@@ -233,6 +236,7 @@ impl Cluster {
                 client_name: client_name(&config.key_prefix, &config.instance_id),
                 mac: internal::cluster_mac(config.secret.as_bytes()),
                 nonces: Mutex::new(internal::ReplayCache::new(internal::REPLAY_CACHE_CAP)),
+                started_unix_ms: internal::unix_ms(),
                 max_request_body_bytes: AtomicUsize::new(DEFAULT_MAX_REQUEST_BODY_BYTES),
                 internal_addr,
                 redis,
@@ -270,19 +274,30 @@ impl Cluster {
         &self.inner.mac
     }
 
-    /// Records a forwarded request's nonce, valid until `expires_unix_ms`.
+    /// Records the nonce of a forwarded request signed at `t_unix_ms`, refused as a replay until
+    /// its timestamp leaves the window ([`internal::MAX_CLOCK_SKEW_MS`]).
     ///
     /// # Errors
     ///
-    /// The nonce was seen before ([`internal::RelayRefusal::Replayed`]), or the replay cache is
+    /// The request was signed before this process began ([`internal::RelayRefusal::Stale`]: the
+    /// nonces of the previous process are not known, so a capture replayed after a restart is
+    /// refused; a peer whose clock is behind sees this for at most its skew after the start),
+    /// the nonce was seen before ([`internal::RelayRefusal::Replayed`]), or the replay cache is
     /// full of unexpired nonces ([`internal::RelayRefusal::ReplayCacheFull`]).
     pub(crate) fn record_nonce(
         &self,
         nonce: &[u8; 16],
-        expires_unix_ms: u64,
+        t_unix_ms: u64,
         now_unix_ms: u64,
     ) -> Result<(), internal::RelayRefusal> {
-        lock(&self.inner.nonces).record(nonce, expires_unix_ms, now_unix_ms)
+        if t_unix_ms < self.inner.started_unix_ms {
+            return Err(internal::RelayRefusal::Stale);
+        }
+        lock(&self.inner.nonces).record(
+            nonce,
+            t_unix_ms.saturating_add(internal::MAX_CLOCK_SKEW_MS),
+            now_unix_ms,
+        )
     }
 
     /// Sets the gateway's request body limit, bytes (default

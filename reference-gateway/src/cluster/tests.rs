@@ -990,3 +990,93 @@ async fn a_node_answer_with_x_spine_refusal_is_not_taken_for_an_owner_refusal() 
         "engine broke"
     );
 }
+
+/// A captured forwarded request replayed (within its 30 s window) against the same owner
+/// instance id after the owner restarted: the new process's replay cache is empty, so a request
+/// signed before the process began is refused as stale and never reaches the tunnel.
+#[tokio::test]
+async fn a_capture_replayed_after_the_owner_restarts_is_refused() {
+    let p = prefix("probe-restart");
+    let body = Bytes::from_static(b"{\"model\":\"m\",\"messages\":[]}");
+    let owner = owner_with_recording_node(&p).await;
+    let addr = owner.internal_addr;
+    // the captured request: signed for gw-owner, relayed once
+    let until = tokio::time::Instant::now() + Duration::from_secs(5);
+    let mut nonce = 1u8;
+    let captured = loop {
+        let auth = signature(
+            SECRET,
+            "gw-owner",
+            internal::unix_ms(),
+            nonce,
+            "POST",
+            "n1",
+            &body,
+        );
+        let headers = [("x-spine-node-id", "n1"), ("authorization", auth.as_str())];
+        let (status, _, json) = h2_request(addr, http::Method::POST, &headers, body.clone()).await;
+        if status == 200 || tokio::time::Instant::now() >= until {
+            assert_eq!(status, 200, "{json}");
+            break auth;
+        }
+        nonce += 1;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    // the owner restarts (deploy): same instance id, fresh process state
+    drop(owner);
+    cleanup(&p).await;
+    let owner = owner_with_recording_node(&p).await;
+    let headers = [
+        ("x-spine-node-id", "n1"),
+        ("authorization", captured.as_str()),
+    ];
+    let (status, refusal, json) = h2_request(
+        owner.internal_addr,
+        http::Method::POST,
+        &headers,
+        body.clone(),
+    )
+    .await;
+    let seen = owner.seen.lock().unwrap().len();
+    drop(owner);
+    cleanup(&p).await;
+    assert_eq!(
+        (status, refusal.as_deref(), seen),
+        (401, Some("stale_cluster_signature"), 0),
+        "replayed request after restart: {json}"
+    );
+}
+
+/// One forwarder whose clock is 29 s ahead (within the allowed skew) sends nonces that expire
+/// later than those that arrive after them; pruning must still find the expired ones (with an
+/// arrival-order queue, 1,917 of these valid requests were refused although the load stays
+/// below the cap).
+#[test]
+fn the_replay_cache_prunes_by_expiry_whatever_the_arrival_order() {
+    // ~83 forwarded requests a second: 2,500 unexpired in a 30 s window, under the cap of 3,000
+    let run = |with_skewed: bool| {
+        let mut cache = internal::ReplayCache::new(3_000);
+        let mut refused = 0;
+        for (n, ms) in (0..90_000u64).step_by(12).enumerate() {
+            let now = 1_000_000 + ms;
+            let mut nonce = [0u8; 16];
+            nonce[..8].copy_from_slice(&(n as u64).to_be_bytes());
+            // one request a second from an instance whose clock is 29 s ahead (allowed skew)
+            let t = if with_skewed && ms % 996 == 0 {
+                now + 29_000
+            } else {
+                now
+            };
+            if cache.record(&nonce, t + 30_000, now).is_err() {
+                refused += 1;
+            }
+        }
+        refused
+    };
+    assert_eq!(run(false), 0, "control");
+    let refused = run(true);
+    assert_eq!(
+        refused, 0,
+        "refused {refused} valid forwarded requests once one peer's clock is 29 s ahead"
+    );
+}
