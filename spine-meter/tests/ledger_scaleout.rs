@@ -648,3 +648,69 @@ async fn a_burst_on_one_locked_account_queues_for_the_pool_and_every_hold_is_pla
     assert_eq!(balance.balance_micros, 1_000_000);
     assert_eq!(ledger.entries_sum_micros().await.unwrap(), 0);
 }
+
+/// A hold whose caller goes away while it waits on the account's row lock (the client
+/// disconnected, an outer timeout fired) must leave nothing held once the lock goes: nobody
+/// would ever settle or release it. (A hold sent as a lone self-committing statement committed
+/// after the lock went, leaving the credit held until the instance restarted.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hold_cancelled_while_it_waits_on_the_row_lock_leaves_nothing_held() {
+    let db = FreshDb::new().await;
+    let ledger = db.ledger(None).await;
+    let acct = funded_account(&ledger, 1_000_000).await;
+
+    let mut locker = sqlx::PgConnection::connect_with(&db.options(None))
+        .await
+        .unwrap();
+    let mut lock_tx = sqlx::Connection::begin(&mut locker).await.unwrap();
+    sqlx::query("SELECT balance_micros FROM accounts WHERE id = $1 FOR UPDATE")
+        .bind(acct.as_str())
+        .execute(&mut *lock_tx)
+        .await
+        .unwrap();
+    // the caller gives up while the hold waits for the row
+    let cancelled = tokio::time::timeout(
+        Duration::from_millis(500),
+        ledger.hold(
+            RequestId::from("req-cancelled"),
+            acct.clone(),
+            ModelId::from("m"),
+            1_000,
+        ),
+    )
+    .await;
+    assert!(
+        cancelled.is_err(),
+        "the hold could not have finished behind the lock"
+    );
+    lock_tx.rollback().await.unwrap();
+    drop(locker);
+
+    // whatever the server still had of it has run by now
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let balance = ledger.account(&acct).await.unwrap();
+    assert_eq!(
+        (balance.balance_micros, balance.held_micros),
+        (1_000_000, 0),
+        "a cancelled hold left credit held"
+    );
+    let mut check = sqlx::PgConnection::connect_with(&db.options(None))
+        .await
+        .unwrap();
+    let holds: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM holds")
+        .fetch_one(&mut check)
+        .await
+        .unwrap();
+    assert_eq!(holds, 0);
+    // and the ledger still works
+    ledger
+        .hold(
+            RequestId::from("req-after"),
+            acct.clone(),
+            ModelId::from("m"),
+            1_000,
+        )
+        .await
+        .unwrap();
+    assert_eq!(ledger.account(&acct).await.unwrap().held_micros, 1_000);
+}

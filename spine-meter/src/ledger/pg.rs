@@ -175,13 +175,14 @@ const ATTEMPTS: u32 = 5;
 /// Otherwise the wait is bounded by `unavailable_timeout` (2 s by default) and then fails with a
 /// [`LedgerError::is_unavailable`] error: when the pool is not full the wait can only be for a
 /// new connection, which a reachable database makes in milliseconds, and while PostgreSQL is
-/// known unreachable (the last call failed on a connection-level error or an acquire timeout;
-/// shared by clones, cleared by the next successful acquire) every wait is short.
+/// known unreachable (an acquire failed or timed out; shared by clones, cleared by the next
+/// successful acquire) every wait is short. A full pool with an idle connection while a call
+/// still waits is not a queue either (that call is reconnecting).
 #[derive(Clone, Debug)]
 pub struct PgLedger {
     pool: PgPool,
-    /// Set when a call failed because PostgreSQL was unreachable, cleared when a connection is
-    /// acquired again; shared by clones.
+    /// Set when an acquire failed because PostgreSQL was unreachable, cleared when a connection
+    /// is acquired again; shared by clones.
     unreachable: Arc<AtomicBool>,
     /// The bound on a wait for a connection that is not queueing behind busy connections of a
     /// healthy, full pool ([`PgPoolConfig::unavailable_timeout`]).
@@ -788,8 +789,12 @@ impl PgLedger {
             match tokio::time::timeout(slice, &mut connecting).await {
                 Ok(r) => break r.map_err(db),
                 Err(_) => {
+                    // queueing behind busy connections: PostgreSQL healthy, the pool full and
+                    // none of it idle (an idle connection while we still wait means our acquire
+                    // is reconnecting: a full pool of dead connections after an outage began)
                     let queueing = !self.unreachable.load(Ordering::Relaxed)
-                        && self.pool.size() >= self.pool.options().get_max_connections();
+                        && self.pool.size() >= self.pool.options().get_max_connections()
+                        && self.pool.num_idle() == 0;
                     if !queueing {
                         break Err(db(sqlx::Error::PoolTimedOut));
                     }
@@ -812,16 +817,6 @@ impl PgLedger {
             Err(_) => {}
         }
         result
-    }
-
-    /// Sets the health latch when `result` failed because PostgreSQL was unreachable (a
-    /// connection lost mid-call); success clears nothing (only an acquire proves PostgreSQL
-    /// reachable).
-    fn note<T>(&self, result: Result<T, LedgerError>) -> Result<T, LedgerError> {
-        match &result {
-            Err(e) if e.is_unavailable() => self.watch(result),
-            _ => result,
-        }
     }
 
     /// A pooled connection, waited for as [`PgLedger::connection`] says. Every statement of
@@ -1252,6 +1247,10 @@ impl PgLedger {
         amount_micros: u64,
     ) -> Result<(), LedgerError> {
         let amount = to_i64(amount_micros)?;
+        // in a transaction, not as a self-committing statement: a caller that goes away (or a
+        // connection lost) while the statement waits on the row lock must leave nothing held;
+        // a dropped transaction is rolled back, a lone statement would commit a hold nobody owns
+        let mut tx = self.begin().await?;
         let placed = sqlx::query(
             "WITH held AS (
                  UPDATE accounts SET held_micros = held_micros + $1
@@ -1266,7 +1265,7 @@ impl PgLedger {
         .bind(model.as_str())
         .bind(now_ms())
         .bind(self.instance_id.as_deref())
-        .execute(&mut *self.acquire().await?)
+        .execute(&mut *tx)
         .await
         .map_err(|e| {
             if is_unique_violation(&e) {
@@ -1277,8 +1276,9 @@ impl PgLedger {
         })?
         .rows_affected();
         if placed == 1 {
-            return Ok(());
+            return tx.commit().await.map_err(db);
         }
+        tx.rollback().await.map_err(db)?;
         self.hold_locked(request_id, account, model, amount_micros)
             .await
     }
@@ -1569,23 +1569,23 @@ impl Ledger for PgLedger {
         amount_micros: u64,
     ) -> LedgerFuture<'_, ()> {
         Box::pin(async move {
-            self.note(retrying!(
+            retrying!(
                 self.hold_once(&request_id, &account, &model, amount_micros)
                     .await
-            ))
+            )
         })
     }
 
     fn release(&self, request_id: RequestId) -> LedgerFuture<'_, ()> {
-        Box::pin(async move { self.note(retrying!(self.release_once(&request_id).await)) })
+        Box::pin(async move { retrying!(self.release_once(&request_id).await) })
     }
 
     fn settle(&self, settlement: Settlement) -> LedgerFuture<'_, SettleResult> {
-        Box::pin(async move { self.note(self.settle_impl(settlement).await) })
+        Box::pin(self.settle_impl(settlement))
     }
 
     fn request_record(&self, request_id: RequestId) -> LedgerFuture<'_, Option<RequestRecord>> {
-        Box::pin(async move { self.note(self.request_record_impl(request_id).await) })
+        Box::pin(self.request_record_impl(request_id))
     }
 }
 
