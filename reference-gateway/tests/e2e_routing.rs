@@ -28,8 +28,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use common::{add_node, metric, sse_data, tenant, Gateway, Tenant, CREDITS};
-use http_body_util::{BodyExt as _, Full, StreamBody};
+use common::{
+    add_node, fake_llama_meta, full, metric, sse_data, tenant, FakeBody, Gateway, Tenant, CREDITS,
+};
+use http_body_util::{BodyExt as _, StreamBody};
 use hyper::body::{Frame, Incoming};
 use hyper_util::rt::TokioIo;
 use serde_json::{json, Value};
@@ -60,16 +62,6 @@ impl Drop for HostileEngine {
     }
 }
 
-type FakeBody = http_body_util::combinators::BoxBody<Bytes, std::io::Error>;
-
-fn full(status: u16, content_type: &str, body: String) -> hyper::Response<FakeBody> {
-    hyper::Response::builder()
-        .status(status)
-        .header("content-type", content_type)
-        .body(Full::new(Bytes::from(body)).map_err(|n| match n {}).boxed())
-        .unwrap()
-}
-
 async fn hostile_answer(
     mode: Hostile,
     chats: Arc<AtomicU64>,
@@ -77,14 +69,10 @@ async fn hostile_answer(
 ) -> Result<hyper::Response<FakeBody>, Infallible> {
     let path = req.uri().path().to_owned();
     let _ = req.into_body().collect().await;
+    if let Some(meta) = fake_llama_meta(&path) {
+        return Ok(meta);
+    }
     Ok(match path.as_str() {
-        "/health" => full(200, "application/json", r#"{"status":"ok"}"#.into()),
-        "/v1/models" => full(
-            200,
-            "application/json",
-            json!({"object":"list","data":[{"id":"smollm2","object":"model","owned_by":"llamacpp","meta":{"n_ctx":4096}}]})
-                .to_string(),
-        ),
         "/v1/chat/completions" => {
             chats.fetch_add(1, Ordering::SeqCst);
             let role = "data: {\"id\":\"x\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"smollm2\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":null},\"finish_reason\":null}]}\n\n";
@@ -634,14 +622,7 @@ async fn caller_input_that_makes_llama_500_does_not_penalise_healthy_nodes() {
     assert_eq!(faults, 24.0);
     // nothing charged, nothing held (settlements commit just after each answer ends: wait for
     // the last hold to be released, then the balance is exact)
-    let mut balance = gw.balance(&t.account).await;
-    for _ in 0..50 {
-        if balance.1 == 0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        balance = gw.balance(&t.account).await;
-    }
+    let balance = gw.balance_once_released(&t.account).await;
     assert_eq!(balance, (CREDITS, 0));
     // both nodes still serve, and a success is scored as usual
     let messages = json!([{"role":"user","content":"Say hi."}]);

@@ -15,15 +15,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use common::{add_node, sse_data, tenant, Gateway, Tenant, CREDITS};
-use http_body_util::{BodyExt as _, Full, StreamBody};
+use common::{
+    add_node, fake_llama_meta, full, sse_data, tenant, FakeBody, Gateway, Tenant, CREDITS,
+};
+use http_body_util::{BodyExt as _, StreamBody};
 use hyper::body::{Frame, Incoming};
 use hyper_util::rt::TokioIo;
 use serde_json::{json, Value};
 use spine_test_support::Engine;
 use tokio::net::TcpListener;
-
-type FakeBody = http_body_util::combinators::BoxBody<Bytes, std::io::Error>;
 
 const ROLE: &str = "data: {\"id\":\"x\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"smollm2\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":null},\"finish_reason\":null}]}\n\n";
 
@@ -61,14 +61,6 @@ impl Drop for StallingEngine {
     }
 }
 
-fn full(status: u16, content_type: &str, body: String) -> hyper::Response<FakeBody> {
-    hyper::Response::builder()
-        .status(status)
-        .header("content-type", content_type)
-        .body(Full::new(Bytes::from(body)).map_err(|n| match n {}).boxed())
-        .unwrap()
-}
-
 #[derive(Clone)]
 struct EngineState {
     stall: Arc<AtomicBool>,
@@ -82,14 +74,10 @@ async fn answer(
 ) -> Result<hyper::Response<FakeBody>, Infallible> {
     let path = req.uri().path().to_owned();
     let _ = req.into_body().collect().await;
+    if let Some(meta) = fake_llama_meta(&path) {
+        return Ok(meta);
+    }
     Ok(match path.as_str() {
-        "/health" => full(200, "application/json", r#"{"status":"ok"}"#.into()),
-        "/v1/models" => full(
-            200,
-            "application/json",
-            json!({"object":"list","data":[{"id":"smollm2","object":"model","owned_by":"llamacpp","meta":{"n_ctx":4096}}]})
-                .to_string(),
-        ),
         "/v1/chat/completions" => {
             state.chats.fetch_add(1, Ordering::SeqCst);
             let stall = state.stall.load(Ordering::SeqCst);
@@ -255,14 +243,7 @@ async fn a_stream_stalled_after_its_first_token_is_cut_settled_and_scored() {
     let rec = gw.record(&id).await;
     assert_eq!(rec["outcome"], "upstream_failed", "{rec}");
     assert_eq!(rec["debit_micros"], 0, "{rec}");
-    let mut balance = gw.balance(&account).await;
-    for _ in 0..100 {
-        if balance.1 == 0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        balance = gw.balance(&account).await;
-    }
+    let balance = gw.balance_once_released(&account).await;
     assert_eq!(balance, (CREDITS, 0));
 
     // the node: scored as a mid-request disconnect, its slot freed
@@ -310,14 +291,7 @@ async fn a_stream_stalled_after_its_first_token_is_cut_settled_and_scored() {
     assert_eq!(rec["node"], node_id.as_str(), "{rec}");
     let debit = rec["debit_micros"].as_u64().unwrap();
     assert!(debit > 0, "{rec}");
-    let mut balance = gw.balance(&account).await;
-    for _ in 0..100 {
-        if balance.1 == 0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        balance = gw.balance(&account).await;
-    }
+    let balance = gw.balance_once_released(&account).await;
     assert_eq!(balance, (CREDITS - debit, 0));
     assert_eq!(fake.chats.load(Ordering::SeqCst), 2);
 }

@@ -113,6 +113,26 @@ impl Drop for FreshDb {
 
 use spine_test_support::CutProxy;
 
+/// Locks `acct`'s row from a connection of its own (`SELECT … FOR UPDATE` in a transaction left
+/// open) until [`unlock`] or the connection's drop.
+async fn lock_account_row(db: &FreshDb, acct: &AccountId) -> sqlx::PgConnection {
+    let mut locker = sqlx::PgConnection::connect_with(&db.options(None))
+        .await
+        .unwrap();
+    sqlx::query("BEGIN").execute(&mut locker).await.unwrap();
+    sqlx::query("SELECT balance_micros FROM accounts WHERE id = $1 FOR UPDATE")
+        .bind(acct.as_str())
+        .execute(&mut locker)
+        .await
+        .unwrap();
+    locker
+}
+
+/// Ends [`lock_account_row`]'s transaction.
+async fn unlock(locker: &mut sqlx::PgConnection) {
+    sqlx::query("ROLLBACK").execute(locker).await.unwrap();
+}
+
 async fn funded_account(store: &dyn Store, micros: u64) -> AccountId {
     let acct = AccountId::from("acct");
     store.create_account(&acct).await.unwrap();
@@ -596,15 +616,7 @@ async fn a_burst_on_one_locked_account_queues_for_the_pool_and_every_hold_is_pla
     );
     let acct = funded_account(&*ledger, 1_000_000).await;
 
-    let mut locker = sqlx::PgConnection::connect_with(&db.options(None))
-        .await
-        .unwrap();
-    let mut lock_tx = sqlx::Connection::begin(&mut locker).await.unwrap();
-    sqlx::query("SELECT balance_micros FROM accounts WHERE id = $1 FOR UPDATE")
-        .bind(acct.as_str())
-        .execute(&mut *lock_tx)
-        .await
-        .unwrap();
+    let mut locker = lock_account_row(&db, &acct).await;
 
     let started = Instant::now();
     let holds: Vec<_> = (0..HOLDS)
@@ -625,7 +637,7 @@ async fn a_burst_on_one_locked_account_queues_for_the_pool_and_every_hold_is_pla
         .collect();
     // the row stays locked well past the 2 s a pool acquire used to wait at most
     tokio::time::sleep(Duration::from_secs(3)).await;
-    lock_tx.rollback().await.unwrap();
+    unlock(&mut locker).await;
 
     let mut refused = Vec::new();
     for h in holds {
@@ -659,15 +671,7 @@ async fn a_hold_cancelled_while_it_waits_on_the_row_lock_leaves_nothing_held() {
     let ledger = db.ledger(None).await;
     let acct = funded_account(&ledger, 1_000_000).await;
 
-    let mut locker = sqlx::PgConnection::connect_with(&db.options(None))
-        .await
-        .unwrap();
-    let mut lock_tx = sqlx::Connection::begin(&mut locker).await.unwrap();
-    sqlx::query("SELECT balance_micros FROM accounts WHERE id = $1 FOR UPDATE")
-        .bind(acct.as_str())
-        .execute(&mut *lock_tx)
-        .await
-        .unwrap();
+    let mut locker = lock_account_row(&db, &acct).await;
     // the caller gives up while the hold waits for the row
     let cancelled = tokio::time::timeout(
         Duration::from_millis(500),
@@ -683,7 +687,7 @@ async fn a_hold_cancelled_while_it_waits_on_the_row_lock_leaves_nothing_held() {
         cancelled.is_err(),
         "the hold could not have finished behind the lock"
     );
-    lock_tx.rollback().await.unwrap();
+    unlock(&mut locker).await;
     drop(locker);
 
     // whatever the server still had of it has run by now

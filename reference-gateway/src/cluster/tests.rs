@@ -109,6 +109,33 @@ async fn instance_with(
     }
 }
 
+/// Writes the directory entry an owner publishes for `node` (serving model `m`, TTL 60 s) and
+/// adds it to the node index.
+async fn publish_node(
+    conn: &mut redis::aio::MultiplexedConnection,
+    p: &str,
+    node: &str,
+    owner: &str,
+) {
+    let _: () = redis::cmd("SET")
+        .arg(format!("{p}node:{node}"))
+        .arg(format!(
+            "{owner} {}",
+            serde_json::to_string(&desc(&["m"])).unwrap()
+        ))
+        .arg("PX")
+        .arg(60_000)
+        .query_async(conn)
+        .await
+        .unwrap();
+    let _: i64 = redis::cmd("SADD")
+        .arg(format!("{p}nodes"))
+        .arg(node)
+        .query_async(conn)
+        .await
+        .unwrap();
+}
+
 async fn raw() -> redis::aio::MultiplexedConnection {
     redis::Client::open(REDIS)
         .unwrap()
@@ -737,23 +764,7 @@ async fn the_forwarder_signs_and_never_sends_the_secret() {
 
     // the directory names gw-b as n1's owner, alive at the fake owner's address
     let mut conn = raw().await;
-    let _: () = redis::cmd("SET")
-        .arg(format!("{p}node:n1"))
-        .arg(format!(
-            "gw-b {}",
-            serde_json::to_string(&desc(&["m"])).unwrap()
-        ))
-        .arg("PX")
-        .arg(60_000)
-        .query_async(&mut conn)
-        .await
-        .unwrap();
-    let _: i64 = redis::cmd("SADD")
-        .arg(format!("{p}nodes"))
-        .arg("n1")
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+    publish_node(&mut conn, &p, "n1", "gw-b").await;
     let _: () = redis::cmd("SET")
         .arg(format!("{p}instance:gw-b"))
         .arg(fake_addr.to_string())
@@ -928,23 +939,7 @@ async fn a_node_answer_with_x_spine_refusal_is_not_taken_for_an_owner_refusal() 
 
     // the directory entry the owner would publish
     let mut conn = raw().await;
-    let _: () = redis::cmd("SET")
-        .arg(format!("{p}node:n1"))
-        .arg(format!(
-            "gw-owner {}",
-            serde_json::to_string(&desc(&["m"])).unwrap()
-        ))
-        .arg("PX")
-        .arg(60_000)
-        .query_async(&mut conn)
-        .await
-        .unwrap();
-    let _: i64 = redis::cmd("SADD")
-        .arg(format!("{p}nodes"))
-        .arg("n1")
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+    publish_node(&mut conn, &p, "n1", "gw-owner").await;
     let a = instance(&p, "gw-a", REDIS, "127.0.0.1:1001").await;
     eventually("n1 synced into a", Duration::from_secs(3), || {
         a.registry.contains(&n1)

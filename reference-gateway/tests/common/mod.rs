@@ -120,6 +120,20 @@ output_price_micros_per_mtok = {OUTPUT_PRICE}
         )
     }
 
+    /// `(balance, held)` once nothing is held any more (settlements commit just after an
+    /// answer ends), or as it stands after 5 s.
+    pub async fn balance_once_released(&self, account: &str) -> (u64, u64) {
+        let mut balance = self.balance(account).await;
+        for _ in 0..100 {
+            if balance.1 == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            balance = self.balance(account).await;
+        }
+        balance
+    }
+
     pub async fn earned(&self, operator: &str) -> u64 {
         let (_, o) = self
             .admin_get(&format!("/admin/v1/operators/{operator}"))
@@ -385,4 +399,37 @@ pub fn metric(text: &str, series: &str) -> f64 {
     text.lines()
         .find_map(|l| l.strip_prefix(series).and_then(|v| v.strip_prefix(' ')))
         .map_or(0.0, |v| v.trim().parse().unwrap())
+}
+
+/// The body type of the fake engines the e2e tests start (real HTTP, hostile where a real
+/// engine cannot be).
+pub type FakeBody = http_body_util::combinators::BoxBody<bytes::Bytes, std::io::Error>;
+
+/// A whole response of a fake engine.
+pub fn full(status: u16, content_type: &str, body: String) -> hyper::Response<FakeBody> {
+    use http_body_util::BodyExt as _;
+    hyper::Response::builder()
+        .status(status)
+        .header("content-type", content_type)
+        .body(
+            http_body_util::Full::new(bytes::Bytes::from(body))
+                .map_err(|n| match n {})
+                .boxed(),
+        )
+        .unwrap()
+}
+
+/// What a fake llama-server serving `smollm2` answers on `path` besides chat: `/health` and
+/// `/v1/models` (what the agent reads to advertise the node); `None` for any other path.
+pub fn fake_llama_meta(path: &str) -> Option<hyper::Response<FakeBody>> {
+    match path {
+        "/health" => Some(full(200, "application/json", r#"{"status":"ok"}"#.into())),
+        "/v1/models" => Some(full(
+            200,
+            "application/json",
+            json!({"object":"list","data":[{"id":"smollm2","object":"model","owned_by":"llamacpp","meta":{"n_ctx":4096}}]})
+                .to_string(),
+        )),
+        _ => None,
+    }
 }
