@@ -29,14 +29,13 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use common::{
-    add_node, fake_llama_meta, full, metric, sse_data, tenant, FakeBody, Gateway, Tenant, CREDITS,
+    add_node, fake_llama_meta, full, metric, serve_fake_engine, sse, sse_data, tenant, FakeBody,
+    Gateway, Tenant, CREDITS,
 };
-use http_body_util::{BodyExt as _, StreamBody};
+use http_body_util::BodyExt as _;
 use hyper::body::{Frame, Incoming};
-use hyper_util::rt::TokioIo;
 use serde_json::{json, Value};
 use spine_test_support::{Child, Engine, LlamaServer};
-use tokio::net::TcpListener;
 
 /// How the hostile engine answers chat completions.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -98,11 +97,7 @@ async fn hostile_answer(
                 tokio::time::sleep(Duration::from_millis(200)).await;
                 Some((next, rest))
             });
-            hyper::Response::builder()
-                .status(200)
-                .header("content-type", "text/event-stream")
-                .body(StreamBody::new(stream).boxed())
-                .unwrap()
+            sse(stream)
         }
         _ => full(404, "application/json", r#"{"error":"not found"}"#.into()),
     })
@@ -110,23 +105,10 @@ async fn hostile_answer(
 
 impl HostileEngine {
     async fn start(mode: Hostile) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("http://{}", listener.local_addr().unwrap());
         let chats = Arc::new(AtomicU64::new(0));
         let counter = chats.clone();
-        let task = tokio::spawn(async move {
-            while let Ok((tcp, _)) = listener.accept().await {
-                let counter = counter.clone();
-                tokio::spawn(async move {
-                    let svc = hyper::service::service_fn(move |req| {
-                        hostile_answer(mode, counter.clone(), req)
-                    });
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(TokioIo::new(tcp), svc)
-                        .await;
-                });
-            }
-        });
+        let (url, task) =
+            serve_fake_engine(move |req| hostile_answer(mode, counter.clone(), req)).await;
         Self { url, chats, task }
     }
 }

@@ -16,14 +16,13 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use common::{
-    add_node, fake_llama_meta, full, sse_data, tenant, FakeBody, Gateway, Tenant, CREDITS,
+    add_node, fake_llama_meta, full, serve_fake_engine, sse, sse_data, tenant, FakeBody, Gateway,
+    Tenant, CREDITS,
 };
-use http_body_util::{BodyExt as _, StreamBody};
+use http_body_util::BodyExt as _;
 use hyper::body::{Frame, Incoming};
-use hyper_util::rt::TokioIo;
 use serde_json::{json, Value};
 use spine_test_support::Engine;
-use tokio::net::TcpListener;
 
 const ROLE: &str = "data: {\"id\":\"x\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"smollm2\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":null},\"finish_reason\":null}]}\n\n";
 
@@ -112,11 +111,7 @@ async fn answer(
                     }
                 },
             );
-            hyper::Response::builder()
-                .status(200)
-                .header("content-type", "text/event-stream")
-                .body(StreamBody::new(stream).boxed())
-                .unwrap()
+            sse(stream)
         }
         _ => full(404, "application/json", r#"{"error":"not found"}"#.into()),
     })
@@ -124,25 +119,13 @@ async fn answer(
 
 impl StallingEngine {
     async fn start() -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("http://{}", listener.local_addr().unwrap());
         let state = EngineState {
             stall: Arc::new(AtomicBool::new(true)),
             chats: Arc::new(AtomicU64::new(0)),
             cancelled: Arc::new(AtomicBool::new(false)),
         };
         let shared = state.clone();
-        let task = tokio::spawn(async move {
-            while let Ok((tcp, _)) = listener.accept().await {
-                let state = shared.clone();
-                tokio::spawn(async move {
-                    let svc = hyper::service::service_fn(move |req| answer(state.clone(), req));
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(TokioIo::new(tcp), svc)
-                        .await;
-                });
-            }
-        });
+        let (url, task) = serve_fake_engine(move |req| answer(shared.clone(), req)).await;
         Self {
             url,
             stall: state.stall,

@@ -456,8 +456,8 @@ fn signature(
     .to_owned()
 }
 
-/// An owner instance `gw-owner` with a real tunnel listener, one node `n1` on it whose agent
-/// records every request body it gets and answers 200, and its internal listener.
+/// An owner instance `gw-owner` with a real tunnel listener, one node `n1` on it, and its
+/// internal listener ([`owner_with_node`]); `seen`: the bodies a recording node got.
 struct Owner {
     instance: Instance,
     internal_addr: std::net::SocketAddr,
@@ -474,29 +474,10 @@ impl Drop for Owner {
     }
 }
 
+/// An owner with one node `n1` whose agent records the body of every chat request and
+/// answers 200 `{"ok":true}`.
 async fn owner_with_recording_node(p: &str) -> Owner {
-    use spine_transport::{NodeIdentity, TunnelClient, TunnelClientConfig};
-    let n1 = NodeId::new("n1");
-    let identity = NodeIdentity::generate().unwrap();
-    let auth = StaticAuthenticator::new().with_key(identity.public_key_text(), n1.clone());
-    let server = TunnelServer::new(TunnelServerConfig::default(), Arc::new(auth), Arc::new(()));
-    let tunnels = server.tunnels();
-    let tunnel_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let tunnel_port = tunnel_listener.local_addr().unwrap().port();
-    let tunnel_task = tokio::spawn(async move {
-        let _ = server.serve(tunnel_listener, None).await;
-    });
-    let internal_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let internal_addr = internal_listener.local_addr().unwrap();
-    let instance = instance_on(p, "gw-owner", &internal_addr.to_string(), tunnels.clone()).await;
-    let internal_task = tokio::spawn(internal::serve(internal_listener, instance.cluster.clone()));
     let seen: Arc<std::sync::Mutex<Vec<Bytes>>> = Arc::default();
-    let mut config = TunnelClientConfig::new(
-        format!("ws://127.0.0.1:{tunnel_port}/v1/tunnel"),
-        identity,
-        desc(&["m"]),
-    );
-    config.allow_insecure_plaintext = true;
     let record = seen.clone();
     let agent = tower::service_fn(move |req: http::Request<hyper::body::Incoming>| {
         let record = record.clone();
@@ -516,6 +497,45 @@ async fn owner_with_recording_node(p: &str) -> Owner {
             Ok::<_, std::convert::Infallible>(resp)
         }
     });
+    let mut owner = owner_with_node(p, agent).await;
+    owner.seen = seen;
+    owner
+}
+
+/// An owner instance `gw-owner` with a real (plaintext) tunnel listener, one node `n1` on it
+/// whose agent is `agent`, and its internal listener; returns once n1's tunnel is up.
+async fn owner_with_node<A>(p: &str, agent: A) -> Owner
+where
+    A: tower::Service<
+            http::Request<hyper::body::Incoming>,
+            Response = http::Response<spine_core::BoxBody>,
+            Error = std::convert::Infallible,
+        > + Clone
+        + Send
+        + 'static,
+    A::Future: Send + 'static,
+{
+    use spine_transport::{NodeIdentity, TunnelClient, TunnelClientConfig};
+    let n1 = NodeId::new("n1");
+    let identity = NodeIdentity::generate().unwrap();
+    let auth = StaticAuthenticator::new().with_key(identity.public_key_text(), n1.clone());
+    let server = TunnelServer::new(TunnelServerConfig::default(), Arc::new(auth), Arc::new(()));
+    let tunnels = server.tunnels();
+    let tunnel_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let tunnel_port = tunnel_listener.local_addr().unwrap().port();
+    let tunnel_task = tokio::spawn(async move {
+        let _ = server.serve(tunnel_listener, None).await;
+    });
+    let internal_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let internal_addr = internal_listener.local_addr().unwrap();
+    let instance = instance_on(p, "gw-owner", &internal_addr.to_string(), tunnels.clone()).await;
+    let internal_task = tokio::spawn(internal::serve(internal_listener, instance.cluster.clone()));
+    let mut config = TunnelClientConfig::new(
+        format!("ws://127.0.0.1:{tunnel_port}/v1/tunnel"),
+        identity,
+        desc(&["m"]),
+    );
+    config.allow_insecure_plaintext = true;
     let node_task = tokio::spawn(TunnelClient::new(config).unwrap().run(agent));
     eventually(
         "n1's tunnel up on the owner",
@@ -527,7 +547,7 @@ async fn owner_with_recording_node(p: &str) -> Owner {
         instance,
         internal_addr,
         tunnels,
-        seen,
+        seen: Arc::default(),
         tasks: vec![
             tunnel_task.abort_handle(),
             internal_task.abort_handle(),
@@ -878,37 +898,11 @@ async fn the_forwarder_signs_and_never_sends_the_secret() {
 /// stands in for a hostile agent). Real tunnel, real internal listener, real Redis.
 #[tokio::test]
 async fn a_node_answer_with_x_spine_refusal_is_not_taken_for_an_owner_refusal() {
-    use spine_transport::{NodeIdentity, TunnelClient, TunnelClientConfig};
     use tower::Service as _;
     let p = prefix("refusal");
     let n1 = NodeId::new("n1");
 
-    // the owner: a plaintext tunnel listener holding n1, and its internal listener
-    let identity = NodeIdentity::generate().unwrap();
-    let auth = StaticAuthenticator::new().with_key(identity.public_key_text(), n1.clone());
-    let server = TunnelServer::new(TunnelServerConfig::default(), Arc::new(auth), Arc::new(()));
-    let owner_tunnels = server.tunnels();
-    let tunnel_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let tunnel_port = tunnel_listener.local_addr().unwrap().port();
-    let tunnel_task = tokio::spawn(server.serve(tunnel_listener, None));
-    let internal_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let owner_addr = internal_listener.local_addr().unwrap();
-    let owner = instance_on(
-        &p,
-        "gw-owner",
-        &owner_addr.to_string(),
-        owner_tunnels.clone(),
-    )
-    .await;
-    let internal_task = tokio::spawn(internal::serve(internal_listener, owner.cluster.clone()));
-
-    // a node whose every answer is a 500 carrying x-spine-refusal
-    let mut config = TunnelClientConfig::new(
-        format!("ws://127.0.0.1:{tunnel_port}/v1/tunnel"),
-        identity,
-        desc(&["m"]),
-    );
-    config.allow_insecure_plaintext = true;
+    // the owner, with a node whose every answer is a 500 carrying x-spine-refusal
     let agent = tower::service_fn(|req: http::Request<hyper::body::Incoming>| async move {
         let (status, body) = if req.uri().path() == "/health" {
             (http::StatusCode::OK, "{}")
@@ -929,13 +923,7 @@ async fn a_node_answer_with_x_spine_refusal_is_not_taken_for_an_owner_refusal() 
             .unwrap();
         Ok::<_, std::convert::Infallible>(resp)
     });
-    let node_task = tokio::spawn(TunnelClient::new(config).unwrap().run(agent));
-    eventually(
-        "n1's tunnel up on the owner",
-        Duration::from_secs(5),
-        || owner_tunnels.contains(&n1),
-    )
-    .await;
+    let owner = owner_with_node(&p, agent).await;
 
     // the directory entry the owner would publish
     let mut conn = raw().await;
@@ -966,9 +954,6 @@ async fn a_node_answer_with_x_spine_refusal_is_not_taken_for_an_owner_refusal() 
             Err(_) => break result,
         }
     };
-    node_task.abort();
-    internal_task.abort();
-    tunnel_task.abort();
     drop((a, owner));
     cleanup(&p).await;
     let resp = result.expect("the node's own 500 was taken for an owner refusal");

@@ -433,3 +433,46 @@ pub fn fake_llama_meta(path: &str) -> Option<hyper::Response<FakeBody>> {
         _ => None,
     }
 }
+
+/// A streamed (`text/event-stream`) 200 answer of a fake engine.
+pub fn sse<S>(frames: S) -> hyper::Response<FakeBody>
+where
+    S: futures_util::Stream<Item = Result<hyper::body::Frame<bytes::Bytes>, std::io::Error>>
+        + Send
+        + Sync
+        + 'static,
+{
+    use http_body_util::BodyExt as _;
+    hyper::Response::builder()
+        .status(200)
+        .header("content-type", "text/event-stream")
+        .body(http_body_util::StreamBody::new(frames).boxed())
+        .unwrap()
+}
+
+/// Serves `answer` as a fake engine over real HTTP/1.1 on a free loopback port; returns its base
+/// URL and the accept loop's task (abort it to stop accepting).
+pub async fn serve_fake_engine<F, Fut>(answer: F) -> (String, tokio::task::JoinHandle<()>)
+where
+    F: Fn(hyper::Request<hyper::body::Incoming>) -> Fut + Clone + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Result<hyper::Response<FakeBody>, std::convert::Infallible>>
+        + Send
+        + 'static,
+{
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let task = tokio::spawn(async move {
+        while let Ok((tcp, _)) = listener.accept().await {
+            let answer = answer.clone();
+            tokio::spawn(async move {
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(
+                        hyper_util::rt::TokioIo::new(tcp),
+                        hyper::service::service_fn(answer),
+                    )
+                    .await;
+            });
+        }
+    });
+    (url, task)
+}
