@@ -1233,10 +1233,12 @@ impl PgLedger {
         Ok(totals)
     }
 
-    /// Places a hold in one statement when the account can cover it: the conditional `UPDATE`
+    /// Places a hold with one statement when the account can cover it: the conditional `UPDATE`
     /// locks the account row and re-checks `balance − held` on its latest version, and the hold
-    /// row is inserted in the same statement, so the row lock is held for one statement instead
-    /// of a five-round-trip transaction (holds of one account serialize across instances). When
+    /// row is inserted in the same statement, so the row lock is held from that statement to the
+    /// commit (two round trips) instead of across a five-round-trip transaction (holds of one
+    /// account serialize across instances). It runs in a transaction all the same, so a caller
+    /// that goes away while it waits on the lock leaves nothing behind (rolled back). When
     /// nothing was placed (unknown account, or not enough credit) the decision is made again by
     /// [`PgLedger::hold_locked`], so a refusal still reports the exact numbers it was refused on.
     async fn hold_once(
