@@ -34,6 +34,10 @@ const ENV_KEYS: &[(&str, Kind)] = &[
     ("first_token_timeout_secs", Kind::Int),
     ("stream_idle_timeout_secs", Kind::Int),
     ("max_vram_mib", Kind::Int),
+    ("max_sse_line_bytes", Kind::Int),
+    ("max_sse_event_bytes", Kind::Int),
+    ("max_stream_duration_secs", Kind::Int),
+    ("strip_engine_fields", Kind::Bool),
     ("redis_url", Kind::Str),
     ("instance_id", Kind::Str),
     ("redis_key_prefix", Kind::Str),
@@ -114,6 +118,21 @@ pub(crate) struct Config {
     /// Most VRAM, MiB, a node's self-reported `vram_mib` counts for in its routing weight.
     #[serde(default = "default_max_vram_mib")]
     pub(crate) max_vram_mib: u64,
+    /// Longest line of a node's SSE stream, bytes; a node that sends a longer one fails the
+    /// request (`upstream_failed`) and is scored.
+    #[serde(default = "default_max_sse_bytes")]
+    pub(crate) max_sse_line_bytes: usize,
+    /// Largest SSE event of a node's stream, bytes; as above.
+    #[serde(default = "default_max_sse_bytes")]
+    pub(crate) max_sse_event_bytes: usize,
+    /// Longest a streamed response may last, seconds; past it the caller's stream ends with an
+    /// error event. 0 disables the bound.
+    #[serde(default = "default_max_stream_duration_secs")]
+    pub(crate) max_stream_duration_secs: u64,
+    /// Remove members outside OpenAI's response shape (llama.cpp's `timings`, cache counters,
+    /// …) from what callers get: they tell one caller about other callers' requests.
+    #[serde(default = "default_true")]
+    pub(crate) strip_engine_fields: bool,
     /// Redis URL (`redis://host:port[/db]`). Set: multi-instance mode (design brief §8), which
     /// needs a `postgres://` `database_url` and a `cluster_secret`.
     #[serde(default)]
@@ -213,6 +232,15 @@ fn default_first_token_timeout_secs() -> u64 {
 }
 fn default_stream_idle_timeout_secs() -> u64 {
     120
+}
+fn default_max_sse_bytes() -> usize {
+    spine_meter::sse::DEFAULT_MAX_EVENT_BYTES
+}
+fn default_max_stream_duration_secs() -> u64 {
+    3600
+}
+fn default_true() -> bool {
+    true
 }
 fn default_max_vram_mib() -> u64 {
     196_608

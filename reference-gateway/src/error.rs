@@ -183,6 +183,9 @@ impl ApiError {
 
     fn from_meter(e: &MeterError) -> Self {
         match e {
+            MeterError::BadRequest(inner @ spine_core::PeekError::UnsupportedParameter { .. }) => {
+                Self::invalid_request("unsupported_parameter", inner.to_string())
+            }
             MeterError::BadRequest(inner) => {
                 Self::invalid_request("invalid_request", inner.to_string())
             }

@@ -284,6 +284,11 @@ async fn run(cli: Cli) -> Result<(), MainError> {
     let meter = MeterLayer::new(store.clone().into_ledger(), catalog)
         .operator_share_bps(config.operator_share_bps)
         .max_request_body_bytes(config.max_request_body_bytes)
+        .max_sse_bytes(config.max_sse_line_bytes, config.max_sse_event_bytes)
+        .max_stream_duration(std::time::Duration::from_secs(
+            config.max_stream_duration_secs,
+        ))
+        .strip_engine_fields(config.strip_engine_fields)
         .events(Arc::new(metrics::GatewayEvents {
             registry: registry.clone(),
         }))

@@ -49,7 +49,7 @@ async fn caller_gone_mid_stream_pays_prompt_plus_delivered_and_the_engine_stops(
         .post(format!("{}/v1/chat/completions", gw.public))
         .bearer_auth(&s.api_key)
         .json(
-            &json!({"model": "smollm2", "stream": true, "max_tokens": 1000, "ignore_eos": true,
+            &json!({"model": "smollm2", "stream": true, "max_tokens": 1000, "logit_bias": {"0": -100, "2": -100},
                       "temperature": 0, "messages": messages}),
         )
         .send()
@@ -127,4 +127,159 @@ async fn caller_gone_mid_stream_pays_prompt_plus_delivered_and_the_engine_stops(
     eprintln!(
         "cancelled after {delivered} delivered tokens; engine idle {stopped_after:?} after the caller left (tokens every {token_interval:?})"
     );
+}
+
+// --- issue 14: a caller leaving at any point never strands a hold ---------------------------
+
+/// A fake engine whose chat answers stream 40 tokens, 1 ms apart, then finish.
+async fn slow_streaming_engine() -> (String, tokio::task::JoinHandle<()>) {
+    use bytes::Bytes;
+    use http_body_util::BodyExt as _;
+    use hyper::body::Frame;
+    common::serve_fake_engine(|req: hyper::Request<hyper::body::Incoming>| async move {
+        let path = req.uri().path().to_owned();
+        let _ = req.into_body().collect().await;
+        if let Some(meta) = common::fake_llama_meta(&path) {
+            return Ok(meta);
+        }
+        let chunk = |delta: Value, finish: Value| {
+            let c = json!({"id":"s","object":"chat.completion.chunk","created":1,"model":"smollm2",
+                "choices":[{"index":0,"delta":delta,"finish_reason":finish}]});
+            format!("data: {c}\n\n")
+        };
+        let mut frames: Vec<String> = (0..40)
+            .map(|i| chunk(json!({"content": format!(" w{i}")}), Value::Null))
+            .collect();
+        frames.push(chunk(json!({}), json!("stop")));
+        frames.push("data: [DONE]\n\n".into());
+        let stream = futures_util::stream::unfold(frames.into_iter(), |mut rest| async move {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            rest.next()
+                .map(|f| (Ok::<_, std::io::Error>(Frame::data(Bytes::from(f))), rest))
+        });
+        Ok::<_, std::convert::Infallible>(common::sse(stream))
+    })
+    .await
+}
+
+/// One integer the ledger's tables answer, on the gateway's own database.
+enum LedgerDb {
+    Sqlite(sqlx::SqlitePool),
+    Postgres(sqlx::PgPool),
+}
+
+impl LedgerDb {
+    async fn int(&self, sql: &str) -> i64 {
+        match self {
+            Self::Sqlite(p) => sqlx::query_scalar::<_, i64>(sql).fetch_one(p).await,
+            Self::Postgres(p) => sqlx::query_scalar::<_, i64>(sql).fetch_one(p).await,
+        }
+        .unwrap_or_else(|e| panic!("{sql}: {e}"))
+    }
+}
+
+/// 500 streamed requests, each dropped at a random point 0–50 ms after it was sent (before the
+/// hold, while it is placed, at the node, mid-stream): while the gateway still runs, nothing is
+/// held, every hold has its request record, and the books balance.
+async fn cancel_storm(pg: Option<&common::PgDb>) {
+    let engine = Engine::discover().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (engine_url, _task) = slow_streaming_engine().await;
+    let extra = pg.map_or(String::new(), |db| format!("database_url = \"{}\"", db.url));
+    let gw = Gateway::start_with(dir.path(), &engine, &extra).await;
+    let t = common::tenant(&gw).await;
+    let (_node, _agent) = common::add_node(&gw, dir.path(), &t.operator, &engine_url, "node").await;
+    let http = reqwest::Client::new();
+    let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+    let mut answered = 0;
+    for i in 0..500 {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        let after = Duration::from_micros(seed % 50_000);
+        let send = async {
+            let resp = http
+                .post(format!("{}/v1/chat/completions", gw.public))
+                .bearer_auth(&t.api_key)
+                .json(&json!({"model":"smollm2","stream":true,"max_tokens":64,
+                    "messages":[{"role":"user","content":format!("Count to forty, run {i}.")}]}))
+                .send()
+                .await?;
+            resp.bytes().await
+        };
+        if tokio::time::timeout(after, send).await.is_ok() {
+            answered += 1;
+        }
+    }
+    // while the gateway runs: every hold released
+    let mut held = u64::MAX;
+    for _ in 0..600 {
+        held = gw.balance(&t.account).await.1;
+        if held == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(held, 0, "a hold stranded while the gateway runs");
+    let db = match pg {
+        Some(db) => LedgerDb::Postgres(sqlx::PgPool::connect(&db.url).await.unwrap()),
+        None => LedgerDb::Sqlite(
+            sqlx::SqlitePool::connect(&format!(
+                "sqlite://{}?mode=ro",
+                dir.path().join("data/spine.db").display()
+            ))
+            .await
+            .unwrap(),
+        ),
+    };
+    let holds = db.int("SELECT COUNT(*) FROM holds").await;
+    let active = db
+        .int("SELECT COUNT(*) FROM holds WHERE state = 'held'")
+        .await;
+    let unrecorded = db
+        .int("SELECT COUNT(*) FROM holds h WHERE NOT EXISTS (SELECT 1 FROM requests r WHERE r.request_id = h.request_id)")
+        .await;
+    let entries = db
+        .int("SELECT CAST(COALESCE(SUM(amount_micros), 0) AS BIGINT) FROM ledger_entries")
+        .await;
+    let debits = db
+        .int("SELECT CAST(COALESCE(SUM(debit_micros), 0) AS BIGINT) FROM requests")
+        .await;
+    let split = db
+        .int("SELECT CAST(COALESCE(SUM(operator_credit_micros + fee_micros), 0) AS BIGINT) FROM requests")
+        .await;
+    eprintln!(
+        "cancel storm ({}): {answered} of 500 answered in time, {holds} holds",
+        if pg.is_some() { "PostgreSQL" } else { "SQLite" }
+    );
+    assert!(
+        holds > 0,
+        "no request was ever held: the storm tested nothing"
+    );
+    assert_eq!(active, 0, "holds still active");
+    assert_eq!(unrecorded, 0, "accepted requests without a record");
+    assert_eq!(entries, 0, "double entry: the ledger entries sum to zero");
+    assert_eq!(debits, split, "every debit = operator credit + fee");
+    let (balance, _) = gw.balance(&t.account).await;
+    assert_eq!(
+        common::CREDITS - balance,
+        debits as u64,
+        "the account paid its debits"
+    );
+    assert_eq!(
+        gw.earned(&t.operator).await as i64,
+        db.int("SELECT CAST(COALESCE(SUM(operator_credit_micros), 0) AS BIGINT) FROM requests")
+            .await
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelling_at_any_point_strands_no_hold_on_sqlite() {
+    cancel_storm(None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelling_at_any_point_strands_no_hold_on_postgresql() {
+    let db = common::PgDb::create();
+    cancel_storm(Some(&db)).await;
 }

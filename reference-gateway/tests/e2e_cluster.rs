@@ -45,7 +45,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{keygen, sse_data, Gateway, ADMIN_TOKEN, CREDITS, SHARE_BPS};
+use common::{keygen, random_hex, sse_data, Gateway, PgDb, ADMIN_TOKEN, CREDITS, SHARE_BPS};
 use serde_json::{json, Value};
 use spine_test_support::Child;
 use tokio::process::Command;
@@ -55,7 +55,6 @@ const INSTANCES: usize = 4;
 /// Catalog models `m0`…`m4`: one per instance's node, and one for the node stranded on a dead
 /// instance in the `kill -9` test.
 const MODELS: usize = INSTANCES + 1;
-const DEFAULT_PG_URL: &str = "postgres://postgres@127.0.0.1:5432";
 const DEFAULT_REDIS_URL: &str = "redis://127.0.0.1:6379";
 const CLUSTER_SECRET: &str = "e2e-cluster-secret-0123456789abcdef";
 /// The per-request bound of the fail-fast acceptance point (issue 6): at least 95 % of the
@@ -69,20 +68,6 @@ const NO_HANG: Duration = Duration::from_secs(2);
 
 /// The tests of this file run one at a time: each starts 12 processes on a 2-core machine.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-fn random_hex() -> String {
-    use std::hash::{BuildHasher as _, Hasher as _};
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
-    h.write_u32(std::process::id());
-    h.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos()),
-    );
-    format!("{:012x}", h.finish() & 0xffff_ffff_ffff)
-}
 
 fn bin(name: &str) -> PathBuf {
     let gw = PathBuf::from(env!("CARGO_BIN_EXE_reference-gateway"));
@@ -115,94 +100,7 @@ fn model_gguf() -> PathBuf {
     path
 }
 
-// --- PostgreSQL ----------------------------------------------------------------------------
-
-/// `base` with its database (the URL path) replaced by `name`, query kept.
-fn with_database(base: &str, name: &str) -> String {
-    let (main, query) = match base.split_once('?') {
-        Some((m, q)) => (m, Some(q)),
-        None => (base, None),
-    };
-    let authority_start = main.find("://").map_or(0, |i| i + 3);
-    let main = match main[authority_start..].find('/') {
-        Some(i) => &main[..authority_start + i],
-        None => main,
-    };
-    match query {
-        Some(q) => format!("{main}/{name}?{q}"),
-        None => format!("{main}/{name}"),
-    }
-}
-
-fn psql_sync(url: &str, sql: &str) -> Result<String, String> {
-    let out = std::process::Command::new("psql")
-        .args([url, "-v", "ON_ERROR_STOP=1", "-X", "-Atq", "-c", sql])
-        .output()
-        .map_err(|e| format!("psql: {e}"))?;
-    if out.status.success() {
-        Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
-    } else {
-        Err(String::from_utf8_lossy(&out.stderr).into_owned())
-    }
-}
-
-/// A fresh PostgreSQL database, dropped (`WITH (FORCE)`) on drop.
-struct PgDb {
-    admin_url: String,
-    name: String,
-    url: String,
-}
-
-impl PgDb {
-    fn create() -> Self {
-        let server = std::env::var("SPINE_TEST_PG_URL").unwrap_or_else(|_| DEFAULT_PG_URL.into());
-        let admin_url = with_database(&server, "postgres");
-        let name = format!("spine_cluster_{}", random_hex());
-        psql_sync(&admin_url, &format!("CREATE DATABASE \"{name}\"")).unwrap_or_else(|e| {
-            panic!(
-                "CREATE DATABASE at {server}: {e} (start PostgreSQL with scripts/services.sh, \
-                 or point SPINE_TEST_PG_URL at a server where this user may CREATE DATABASE)"
-            )
-        });
-        let url = with_database(&server, &name);
-        Self {
-            admin_url,
-            name,
-            url,
-        }
-    }
-
-    /// One value (first row, first column) of `sql`, as text.
-    async fn query(&self, sql: &str) -> String {
-        let out = Command::new("psql")
-            .args([&self.url, "-v", "ON_ERROR_STOP=1", "-X", "-Atq", "-c", sql])
-            .output()
-            .await
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "psql {sql}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).trim().to_owned()
-    }
-
-    async fn query_i64(&self, sql: &str) -> i64 {
-        let v = self.query(sql).await;
-        v.parse().unwrap_or_else(|_| panic!("{sql} → {v:?}"))
-    }
-}
-
-impl Drop for PgDb {
-    fn drop(&mut self) {
-        if let Err(e) = psql_sync(
-            &self.admin_url,
-            &format!("DROP DATABASE IF EXISTS \"{}\" WITH (FORCE)", self.name),
-        ) {
-            eprintln!("dropping database {}: {e}", self.name);
-        }
-    }
-}
+// PostgreSQL: `common::PgDb` (a fresh database per test, dropped at the end).
 
 // --- Redis ---------------------------------------------------------------------------------
 

@@ -148,6 +148,14 @@ fn read_client_stream(body: &str) -> ClientStream {
     out
 }
 
+/// The usage chunk the client got, whole.
+fn usage_chunk(body: &str) -> Option<Value> {
+    sse_data(body)
+        .iter()
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .find(|c| !c["usage"].is_null())
+}
+
 /// The egress rules every stream from the gateway follows (hostile case H05).
 fn assert_egress_rules(id: &str, body: &str) {
     for line in body.split(['\r', '\n']) {
@@ -209,11 +217,46 @@ async fn every_fixture_through_gateway_tunnel_and_agent() {
         if let Some(text) = e["client_text"].as_str() {
             assert_eq!(client.generated.content(), text, "{id}: {body}");
         }
+        // every event the caller gets is one JSON object (or [DONE])
+        assert!(
+            client.non_json.is_empty(),
+            "{id}: not JSON: {:?}",
+            client.non_json
+        );
         if let Some(events) = e["events"].as_array() {
-            // parser-level case: the events reach the client as they were, then an error event
-            // (no choice ever finished)
+            // parser-level case: its events are not chunks, so they never reach the client as
+            // they were: the gateway's error event instead
             let data: Vec<String> = sse_data(&body);
-            assert_eq!(data[0], events[0].as_str().unwrap(), "{id}: {body}");
+            assert!(
+                !data.iter().any(|d| d == events[0].as_str().unwrap()),
+                "{id}: {body}"
+            );
+            assert!(!client.errors.is_empty(), "{id}: {body}");
+        }
+        for never in e["client_never_sees"].as_array().into_iter().flatten() {
+            let never = never.as_str().unwrap();
+            assert!(
+                !body.contains(never),
+                "{id}: the client saw {never:?}: {body}"
+            );
+        }
+        if let Some(want) = e["client_error_contains"].as_str() {
+            let last = client
+                .errors
+                .last()
+                .unwrap_or_else(|| panic!("{id}: {body}"));
+            assert!(
+                last["message"].as_str().unwrap().contains(want),
+                "{id}: {body}"
+            );
+            assert_eq!(last["code"], "upstream_failed", "{id}: {body}");
+        }
+        if let Some(shape) = e["usage_chunk"].as_object() {
+            let chunk = usage_chunk(&body).unwrap_or_else(|| panic!("{id}: {body}"));
+            for (k, v) in shape {
+                assert_eq!(&chunk[k], v, "{id}: usage chunk {k}: {chunk}");
+            }
+            assert_eq!(chunk["choices"], json!([]), "{id}: {chunk}");
         }
         let outcome = e["outcome"].as_str().unwrap_or(if client.finish.is_some() {
             "completed"
@@ -315,5 +358,65 @@ async fn every_fixture_through_gateway_tunnel_and_agent() {
     let (_, held) = gw.balance(&s.account).await;
     assert_eq!(held, 0, "every hold released");
     eprintln!("{}", checked.join("\n"));
-    assert_eq!(checked.len(), 6 + 12);
+    assert_eq!(checked.len(), 6 + 24);
+}
+
+/// The official OpenAI Python SDK parses every stream the gateway sends for every fixture:
+/// content, an error event it raises as `APIError`, never an exception of its own (a stream it
+/// cannot parse); the record agrees with what the SDK saw.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_official_sdk_parses_every_fixture_stream() {
+    let engine = Engine::discover().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let replay = ReplayEngine::start().await.unwrap();
+    let gw = Gateway::start(dir.path(), &engine).await;
+    let s = common::setup(&gw, dir.path(), &replay.url).await;
+    let all = fixtures();
+    for f in &all {
+        replay.push(Scripted {
+            delay: Duration::from_millis(2),
+            ..Scripted::sse(f.reads.clone())
+        });
+    }
+    let requests: Vec<Value> = all.iter().map(|f| f.request.clone()).collect();
+    let list = dir.path().join("requests.json");
+    std::fs::write(&list, serde_json::to_vec(&requests).unwrap()).unwrap();
+    let out = tokio::process::Command::new(&engine.python)
+        .arg(workspace_path("scripts/sdk_stream_check.py"))
+        .arg(format!("{}/v1", gw.public))
+        .arg(&s.api_key)
+        .arg(&list)
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "sdk_stream_check.py failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let results: Vec<Value> = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(results.len(), all.len());
+    for (f, r) in all.iter().zip(&results) {
+        let id = &f.id;
+        assert!(
+            r["crash"].is_null(),
+            "{id}: the SDK could not parse the stream: {r}"
+        );
+        let request_id = r["request_id"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{id}: {r}"));
+        let rec = gw.record(request_id).await;
+        match rec["outcome"].as_str().unwrap() {
+            "completed" => assert!(r["error"].is_null(), "{id}: {r} {rec}"),
+            _ => assert!(
+                r["error"].is_string(),
+                "{id}: the SDK saw no error: {r} {rec}"
+            ),
+        }
+        if let Some(text) = f.expect["client_text"].as_str() {
+            assert_eq!(r["text"], text, "{id}: {r}");
+        }
+    }
+    let (_, held) = gw.balance(&s.account).await;
+    assert_eq!(held, 0, "every hold released");
 }

@@ -296,7 +296,7 @@ async fn sigterm_lets_streams_in_flight_finish_and_settle() {
     let resp = http
         .post(format!("{}/v1/chat/completions", gw.public))
         .bearer_auth(&s.api_key)
-        .json(&json!({"model": "smollm2", "stream": true, "max_tokens": 200, "ignore_eos": true,
+        .json(&json!({"model": "smollm2", "stream": true, "max_tokens": 200, "logit_bias": {"0": -100, "2": -100},
                       "messages": [{"role": "user", "content": "Write a long story about a dragon."}]}))
         .send()
         .await

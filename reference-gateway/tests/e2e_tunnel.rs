@@ -58,7 +58,7 @@ async fn stream_request(gw: &Gateway, key: &str, max_tokens: u32) -> reqwest::Re
         .bearer_auth(key)
         .json(
             &json!({"model": "smollm2", "stream": true, "max_tokens": max_tokens,
-                      "ignore_eos": true, "temperature": 0,
+                      "logit_bias": {"0": -100, "2": -100}, "temperature": 0,
                       "messages": [{"role": "user", "content": "Tell a long story."}]}),
         )
         .send()

@@ -26,7 +26,7 @@ pub use ids::{AccountId, ModelId, NodeId, OperatorId, RequestId};
 pub use node::{EngineKind, ModelDescriptor, NodeDescriptor};
 pub use peek::{
     conversation_key, prompt_inputs, validate_chat_messages, PeekError, PromptSegment, RequestKind,
-    RequestPeek,
+    RequestPeek, ENGINE_GENERATION_FIELDS,
 };
 pub use slot::NodeSlot;
 pub use time::unix_time_ms;

@@ -48,6 +48,14 @@ pub enum PeekError {
         /// What was expected.
         expected: &'static str,
     },
+    /// An engine-specific field that changes how many tokens or choices the engine generates
+    /// (see [`ENGINE_GENERATION_FIELDS`]): refused, because the hold and the bill follow the
+    /// OpenAI fields (`max_tokens`, `max_completion_tokens`, `n`) and an engine obeys its own.
+    #[error("unsupported parameter '{field}': this gateway limits generation with max_tokens / max_completion_tokens and n")]
+    UnsupportedParameter {
+        /// The field's name.
+        field: &'static str,
+    },
     /// A chat `messages` entry is malformed or not supported (see [`validate_chat_messages`]).
     #[error("invalid value for '{path}': {reason}")]
     InvalidMessage {
@@ -278,6 +286,78 @@ struct Fields<'a> {
     prompt_cache_key: Option<&'a RawValue>,
     #[serde(borrow, default)]
     messages: Option<&'a RawValue>,
+    // engine-specific generation fields (ENGINE_GENERATION_FIELDS): only their presence is read
+    #[serde(borrow, default)]
+    n_predict: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    n_cmpl: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    max_new_tokens: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    min_tokens: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    min_new_tokens: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    ignore_eos: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    best_of: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    use_beam_search: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    num_predict: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    options: Option<&'a RawValue>,
+}
+
+/// Request fields that some engine obeys to decide how many tokens or choices it generates,
+/// besides OpenAI's `max_tokens`, `max_completion_tokens` and `n`. A request that sets any of
+/// them (to anything but `null`, which every engine treats as absent) is refused with
+/// [`PeekError::UnsupportedParameter`]: the hold and the bill follow the OpenAI fields, and a
+/// node would otherwise deliver more than the caller is held and billed for.
+///
+/// | field | engine | effect |
+/// |---|---|---|
+/// | `n_predict` | llama.cpp | max tokens; wins over `max_tokens` (`server-schema.cpp`) |
+/// | `n_cmpl` | llama.cpp | choices; wins over `n` |
+/// | `max_new_tokens` | SGLang, TGI | max tokens |
+/// | `min_tokens`, `min_new_tokens` | vLLM, SGLang | forces generation past EOS |
+/// | `ignore_eos` | llama.cpp, vLLM, SGLang | generation runs to the limit |
+/// | `best_of`, `use_beam_search` | vLLM | generates more sequences than it returns |
+/// | `num_predict`, `options` | Ollama | max tokens (`options.num_predict`), context and more |
+pub const ENGINE_GENERATION_FIELDS: [&str; 10] = [
+    "n_predict",
+    "n_cmpl",
+    "max_new_tokens",
+    "min_tokens",
+    "min_new_tokens",
+    "ignore_eos",
+    "best_of",
+    "use_beam_search",
+    "num_predict",
+    "options",
+];
+
+impl Fields<'_> {
+    /// The first engine generation field set to something other than `null`.
+    fn engine_generation_field(&self) -> Option<&'static str> {
+        let set = [
+            self.n_predict,
+            self.n_cmpl,
+            self.max_new_tokens,
+            self.min_tokens,
+            self.min_new_tokens,
+            self.ignore_eos,
+            self.best_of,
+            self.use_beam_search,
+            self.num_predict,
+            self.options,
+        ];
+        ENGINE_GENERATION_FIELDS
+            .iter()
+            .zip(set)
+            .find(|(_, raw)| raw.is_some_and(|r| !is_null(r)))
+            .map(|(name, _)| *name)
+    }
 }
 
 /// One chat message, as far as the conversation key reads it.
@@ -381,7 +461,8 @@ impl RequestPeek {
     ///
     /// [`PeekError`] when the body is not a JSON object, `model` is missing or not a non-empty
     /// string, or `stream`, `stream_options.include_usage`, `n`, `max_tokens`,
-    /// `max_completion_tokens` or `prompt_cache_key` has the wrong type (`n` must be ≥ 1).
+    /// `max_completion_tokens` or `prompt_cache_key` has the wrong type (`n` must be ≥ 1), a
+    /// known field appears twice, or an [`ENGINE_GENERATION_FIELDS`] field is set.
     /// A malformed `messages` is not an error here (it only leaves
     /// [`RequestPeek::conversation_key`] empty); [`validate_chat_messages`] refuses it.
     pub fn from_json(body: &[u8]) -> Result<Self, PeekError> {
@@ -393,6 +474,9 @@ impl RequestPeek {
         let fields: Fields<'_> =
             serde_json::from_str(value.get()).map_err(|e| PeekError::NotJson(e.to_string()))?;
 
+        if let Some(field) = fields.engine_generation_field() {
+            return Err(PeekError::UnsupportedParameter { field });
+        }
         let model: String = parse_opt(fields.model, "model", "a non-empty string")?
             .ok_or(PeekError::MissingModel)?;
         if model.is_empty() {
@@ -545,6 +629,34 @@ mod tests {
             path: path.to_owned(),
             reason,
         })
+    }
+
+    #[test]
+    fn engine_generation_fields_are_refused_by_name_and_null_is_absent() {
+        for field in ENGINE_GENERATION_FIELDS {
+            let body = format!(r#"{{"model":"m","max_tokens":1,"{field}":300}}"#);
+            assert_eq!(
+                RequestPeek::from_json(body.as_bytes()),
+                Err(PeekError::UnsupportedParameter { field }),
+                "{field}"
+            );
+            let body = format!(r#"{{"model":"m","{field}":null}}"#);
+            assert!(RequestPeek::from_json(body.as_bytes()).is_ok(), "{field}");
+        }
+        // Ollama's options object, any content
+        assert_eq!(
+            RequestPeek::from_json(br#"{"model":"m","options":{"num_predict":300}}"#),
+            Err(PeekError::UnsupportedParameter { field: "options" })
+        );
+        // a field given twice is ambiguous (engines take the last, serde the first): refused
+        assert!(matches!(
+            RequestPeek::from_json(br#"{"model":"m","max_tokens":1,"max_tokens":300}"#),
+            Err(PeekError::NotJson(_))
+        ));
+        assert!(matches!(
+            RequestPeek::from_json(br#"{"model":"m","n":1,"n":2}"#),
+            Err(PeekError::NotJson(_))
+        ));
     }
 
     #[test]

@@ -1,3 +1,4 @@
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use crate::NodeId;
@@ -9,6 +10,12 @@ use crate::NodeId;
 /// the caller goes away before the node's response head arrives (design brief §6: a request that
 /// reached a node is never free). Cheap to clone: every clone shares the same slot.
 ///
+/// It also carries the metering layer's verdict back to the router: when the metering layer
+/// finds that the node's answer broke the rules (an SSE event that is not one JSON chunk, an
+/// event over the size cap, a choice past its token cap), it calls
+/// [`NodeSlot::report_node_fault`] before it stops reading, and the router scores the attempt as
+/// the node's failure instead of a caller that went away.
+///
 /// ```
 /// use spine_core::{NodeId, NodeSlot};
 ///
@@ -19,7 +26,26 @@ use crate::NodeId;
 /// assert_eq!(slot.get(), Some(NodeId::new("node_1")));
 /// ```
 #[derive(Clone, Debug, Default)]
-pub struct NodeSlot(Arc<Mutex<Option<NodeId>>>);
+pub struct NodeSlot(Arc<SlotInner>);
+
+/// What the router runs when a node fault is reported: scores the attempt.
+type FaultHook = Box<dyn FnOnce() + Send>;
+
+#[derive(Default)]
+struct SlotInner {
+    node: Mutex<Option<NodeId>>,
+    fault: AtomicBool,
+    on_fault: Mutex<Option<FaultHook>>,
+}
+
+impl std::fmt::Debug for SlotInner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NodeSlot")
+            .field("node", &self.node)
+            .field("fault", &self.fault)
+            .finish_non_exhaustive()
+    }
+}
 
 impl NodeSlot {
     /// An empty slot.
@@ -29,12 +55,64 @@ impl NodeSlot {
 
     /// Records `node`, replacing any node recorded before.
     pub fn set(&self, node: NodeId) {
-        *self.0.lock().unwrap_or_else(PoisonError::into_inner) = Some(node);
+        *self.0.node.lock().unwrap_or_else(PoisonError::into_inner) = Some(node);
+    }
+
+    /// The node's answer broke the rules (see the type's docs): the router scores the attempt
+    /// as the node's failure. Sticky: once reported, it stays reported.
+    ///
+    /// Runs the hook set with [`NodeSlot::on_node_fault`] (once, on the first report).
+    pub fn report_node_fault(&self) {
+        if self.0.fault.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let hook = self
+            .0
+            .on_fault
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(hook) = hook {
+            hook();
+        }
+    }
+
+    /// Sets what a later [`NodeSlot::report_node_fault`] runs (the router: score the committed
+    /// attempt as a failure), replacing an earlier hook. Runs at once when a fault was already
+    /// reported.
+    pub fn on_node_fault(&self, hook: impl FnOnce() + Send + 'static) {
+        if self.node_fault_reported() {
+            hook();
+            return;
+        }
+        *self
+            .0
+            .on_fault
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(Box::new(hook));
+        // a report that raced with the store above: run the hook now if it is still there
+        if self.node_fault_reported() {
+            let hook = self
+                .0
+                .on_fault
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take();
+            if let Some(hook) = hook {
+                hook();
+            }
+        }
+    }
+
+    /// Whether [`NodeSlot::report_node_fault`] was called on any clone.
+    pub fn node_fault_reported(&self) -> bool {
+        self.0.fault.load(Ordering::Acquire)
     }
 
     /// The node recorded, if any.
     pub fn get(&self) -> Option<NodeId> {
         self.0
+            .node
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .clone()
@@ -56,5 +134,27 @@ mod tests {
         assert_eq!(a.get(), Some(NodeId::new("n2")));
         // an unrelated slot stays empty
         assert_eq!(NodeSlot::new().get(), None);
+    }
+
+    #[test]
+    fn a_fault_runs_the_hook_once_whenever_it_was_set() {
+        use std::sync::atomic::AtomicU32;
+        let runs = Arc::new(AtomicU32::new(0));
+        let slot = NodeSlot::new();
+        let r = runs.clone();
+        slot.on_node_fault(move || {
+            r.fetch_add(1, Ordering::SeqCst);
+        });
+        assert!(!slot.node_fault_reported());
+        slot.clone().report_node_fault();
+        slot.report_node_fault();
+        assert!(slot.node_fault_reported());
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
+        // set after the report: runs at once
+        let r = runs.clone();
+        slot.on_node_fault(move || {
+            r.fetch_add(1, Ordering::SeqCst);
+        });
+        assert_eq!(runs.load(Ordering::SeqCst), 2);
     }
 }

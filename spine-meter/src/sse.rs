@@ -30,10 +30,10 @@
 
 use bytes::Bytes;
 
-/// Default cap on one line, in bytes (256 KiB).
-pub const DEFAULT_MAX_LINE_BYTES: usize = 256 * 1024;
-/// Default cap on one event's raw bytes, in bytes (1 MiB).
-pub const DEFAULT_MAX_EVENT_BYTES: usize = 1024 * 1024;
+/// Default cap on one line, in bytes (16 MiB).
+pub const DEFAULT_MAX_LINE_BYTES: usize = 16 * 1024 * 1024;
+/// Default cap on one event's raw bytes, in bytes (16 MiB).
+pub const DEFAULT_MAX_EVENT_BYTES: usize = 16 * 1024 * 1024;
 
 /// One dispatched event.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -41,6 +41,7 @@ pub struct SseEvent {
     data: String,
     raw: Bytes,
     data_only: bool,
+    utf8: bool,
 }
 
 impl SseEvent {
@@ -59,6 +60,12 @@ impl SseEvent {
     /// unknown field, no byte order mark) — when true, [`SseEvent::raw`] is safe to forward as is.
     pub fn is_data_only(&self) -> bool {
         self.data_only
+    }
+
+    /// Whether the event's data was valid UTF-8 (when not, [`SseEvent::data`] holds U+FFFD
+    /// replacements and [`SseEvent::raw`] the invalid bytes).
+    pub fn is_utf8(&self) -> bool {
+        self.utf8
     }
 }
 
@@ -290,14 +297,15 @@ impl SseParser {
     fn dispatch(&mut self, out: &mut Vec<SseEvent>) {
         let mut data = std::mem::take(&mut self.data);
         data.pop(); // the trailing LF added by the last data line
-        let data = match String::from_utf8(data) {
-            Ok(s) => s,
-            Err(e) => String::from_utf8_lossy(e.as_bytes()).into_owned(),
+        let (data, utf8) = match String::from_utf8(data) {
+            Ok(s) => (s, true),
+            Err(e) => (String::from_utf8_lossy(e.as_bytes()).into_owned(), false),
         };
         out.push(SseEvent {
             data,
             raw: Bytes::from(std::mem::take(&mut self.raw)),
             data_only: self.data_only,
+            utf8,
         });
     }
 

@@ -74,6 +74,9 @@ pub struct ModelTokenizer {
     bos_token: String,
     eos_token: String,
     context_length_tokens: Option<u64>,
+    /// The longest token of the vocabulary, UTF-8 bytes of its vocabulary string (for a
+    /// byte-level vocabulary an upper bound of the bytes it decodes to), at least 1.
+    max_token_bytes: u64,
     /// The counting fast path, for tokenizers built from a GGUF (whose pipeline it reproduces).
     fast: Option<FastCounter>,
 }
@@ -225,12 +228,20 @@ impl ModelTokenizer {
         );
         env.add_template_owned(TEMPLATE_NAME, template)
             .map_err(TokenizerError::Template)?;
+        let max_token_bytes = tokenizer
+            .get_vocab(true)
+            .keys()
+            .map(|t| t.len() as u64)
+            .max()
+            .unwrap_or(1)
+            .max(1);
         Ok(Self {
             tokenizer,
             env,
             bos_token,
             eos_token,
             context_length_tokens,
+            max_token_bytes,
             fast: None,
         })
     }
@@ -245,6 +256,13 @@ impl ModelTokenizer {
             .add_template_owned(TEMPLATE_NAME, template.to_owned())
             .map_err(TokenizerError::Template)?;
         Ok(self)
+    }
+
+    /// The longest vocabulary token, bytes (at least 1): a text of `B` bytes is at least
+    /// `B / max_token_bytes` tokens, however it is tokenized. Bounds what a choice capped at `L`
+    /// tokens may deliver without counting it: `L × max_token_bytes` bytes.
+    pub fn max_token_bytes(&self) -> u64 {
+        self.max_token_bytes
     }
 
     /// The model's context window from the GGUF (`<arch>.context_length`), tokens.
@@ -364,27 +382,48 @@ impl ModelTokenizer {
 
     /// Completion tokens billed for one choice (the metering rules, `docs/metering.md`).
     ///
-    /// With `T` = [`count_generated`](Self::count_generated), `B` = the generated text's UTF-8
-    /// bytes and `cap` = [`CompletionRule::cap_tokens`]:
-    /// - not completed (the caller left, the node failed): `min(T, cap)`, no EOS;
-    /// - `"stop"` or `"tool_calls"`: `T + 1` (the EOS the engine sampled and counts), unless
-    ///   `T >= cap`; at most `cap`;
-    /// - `"length"` with an explicit `max_tokens`: exactly `L = cap` when the text supports it,
-    ///   `T <= L + max(2, L / 50)` and `L <= B + 3` — every generated token yields at least one
-    ///   byte, llama.cpp holds back an incomplete UTF-8 tail (at most 3 bytes) that it never
-    ///   sends once generation stops, and the text's canonical tokenization may be a little
-    ///   LONGER than the tokens generated (measured: 65 for 64); otherwise `min(T, cap)` with
-    ///   [`CompletionCount::length_unsupported`];
-    /// - anything else (`"length"` without `max_tokens`, where the engine's own context may
-    ///   have stopped it, or an unknown reason): `min(T, cap)`.
+    /// [`bill_counted`](Self::bill_counted) with `T` = [`count_generated`](Self::count_generated)
+    /// and `B` = the generated text's UTF-8 bytes.
     pub fn bill_completion(
         &self,
         generated: &GeneratedText,
         finish_reason: Option<&str>,
         rule: CompletionRule,
     ) -> CompletionCount {
+        self.bill_counted(
+            self.count_generated(generated),
+            generated.len_bytes(),
+            finish_reason,
+            rule,
+        )
+    }
+
+    /// Completion tokens billed for one choice whose delivered text counts `text_tokens` tokens
+    /// in `bytes` UTF-8 bytes (the metering rules, `docs/metering.md`). With `T` =
+    /// `text_tokens`, `B` = `bytes` and `L` = [`CompletionRule::cap_tokens`]:
+    /// - not completed (the caller left, the node failed): `min(T, L)`, no EOS;
+    /// - `"stop"` or `"tool_calls"`: `T + 1` (the EOS the engine sampled and counts), unless
+    ///   `T >= L`; at most `L`;
+    /// - `"length"` with an explicit `max_tokens`: `min(L, T + A)` with the allowance
+    ///   `A = 3 + max(2, L / 50)` ([`length_allowance_tokens`]): the bill follows the DELIVERED
+    ///   text, never `L` on the node's word (a node that pads a `length` finish with cheap text
+    ///   is paid for the text's tokens). `A` covers what an honest engine generates but the
+    ///   text does not show: an incomplete UTF-8 tail llama.cpp holds back and never sends (at
+    ///   most 3 bytes, each at least one token) and a generation a little longer than the
+    ///   text's canonical tokenization (measured: 61–63 text tokens for 64 generated,
+    ///   `fixtures/llama.cpp/tokcheck_sampled.txt`). The finish is flagged
+    ///   [`CompletionCount::length_unsupported`] when the text cannot be `L` tokens at all:
+    ///   fewer bytes than `L − 3`, or more than `L + max(2, L / 50)` tokens;
+    /// - anything else (`"length"` without `max_tokens`, where the engine's own context may
+    ///   have stopped it, or an unknown reason): `min(T, L)`.
+    pub fn bill_counted(
+        &self,
+        text_tokens: u64,
+        bytes: u64,
+        finish_reason: Option<&str>,
+        rule: CompletionRule,
+    ) -> CompletionCount {
         let cap = rule.cap_tokens;
-        let text_tokens = self.count_generated(generated);
         let plain = text_tokens.min(cap);
         let mut count = CompletionCount {
             tokens: plain,
@@ -397,20 +436,23 @@ impl ModelTokenizer {
         match finish_reason {
             Some("stop" | "tool_calls") if text_tokens < cap => count.tokens = text_tokens + 1,
             Some("length") if rule.max_tokens.is_some() => {
-                let bytes = generated.len_bytes();
                 let slack = LENGTH_SLACK_TOKENS.max(cap / 50);
-                if text_tokens <= cap.saturating_add(slack)
-                    && cap <= bytes.saturating_add(MAX_HELD_BACK_BYTES)
-                {
-                    count.tokens = cap;
-                } else {
-                    count.length_unsupported = true;
-                }
+                count.tokens = text_tokens
+                    .saturating_add(length_allowance_tokens(cap))
+                    .min(cap);
+                count.length_unsupported = text_tokens > cap.saturating_add(slack)
+                    || cap > bytes.saturating_add(MAX_HELD_BACK_BYTES);
             }
             _ => {}
         }
         count
     }
+}
+
+/// The tokens a `length` finish capped at `cap_tokens` may bill above its delivered text's count:
+/// `3 + max(2, cap / 50)` ([`ModelTokenizer::bill_counted`]).
+pub fn length_allowance_tokens(cap_tokens: u64) -> u64 {
+    MAX_HELD_BACK_BYTES + LENGTH_SLACK_TOKENS.max(cap_tokens / 50)
 }
 
 /// Most bytes of an incomplete UTF-8 character llama.cpp holds back (a 4-byte character less
@@ -588,6 +630,193 @@ impl GeneratedText {
     }
 }
 
+/// Bytes kept uncounted at the end of an [`IncrementalText`]: more than the longest special
+/// token, so no special token can span a cut.
+const INCREMENTAL_KEEP_BYTES: usize = 256;
+/// An [`IncrementalText`] looks for a cut once its uncounted tail has grown by this much.
+const INCREMENTAL_STEP_BYTES: usize = 2048;
+
+/// A text that arrives in pieces (one choice's `content` in a stream), counted as it flows
+/// without keeping all of it: its total is always exactly
+/// [`ModelTokenizer::count_text`] of the whole text.
+///
+/// How: the text is cut where the tokenizer's own pre-tokenization is sure to split whatever
+/// follows — between two ASCII characters where a non-space is followed by a space, or the
+/// character class (letter, digit, other) changes and the first is not an apostrophe (which
+/// may start a contraction such as `'s`), with no special token spanning the cut — so the
+/// count of the whole is the sum of the counts of the parts (BPE runs on each split alone).
+/// The part before the cut is counted and dropped; at most [`INCREMENTAL_STEP_BYTES`] plus
+/// [`INCREMENTAL_KEEP_BYTES`] stay uncounted, unless the text has no such place (a long run
+/// of CJK letters, one very long word): then the tail grows until it has one. Cuts are made
+/// only for tokenizers with the GGUF fast path (whose pipeline this reasoning is about);
+/// otherwise the whole text is kept and counted at the end.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct IncrementalText {
+    committed_tokens: u64,
+    tail: String,
+    /// Tail length at which the next cut is tried.
+    next_try_bytes: usize,
+    /// `(tail length, its tokens)` when the tail was last counted.
+    counted_tail: Option<(usize, u64)>,
+    total_bytes: u64,
+}
+
+impl IncrementalText {
+    /// Appends `text`, counting what can be counted for good.
+    pub fn push(&mut self, tokenizer: &ModelTokenizer, text: &str) {
+        if text.is_empty() {
+            return;
+        }
+        self.tail.push_str(text);
+        self.total_bytes = self.total_bytes.saturating_add(text.len() as u64);
+        if self.tail.len() < self.next_try_bytes.max(INCREMENTAL_STEP_BYTES) {
+            return;
+        }
+        self.next_try_bytes = self.tail.len() + INCREMENTAL_STEP_BYTES;
+        let Some(fast) = &tokenizer.fast else {
+            return;
+        };
+        if let Some(cut) = fast.stable_cut(&self.tail, INCREMENTAL_KEEP_BYTES) {
+            let head = self.tail.get(..cut).unwrap_or_default();
+            self.committed_tokens = self
+                .committed_tokens
+                .saturating_add(tokenizer.count_text(head));
+            self.tail.drain(..cut);
+            self.next_try_bytes = self.tail.len() + INCREMENTAL_STEP_BYTES;
+            self.counted_tail = None;
+        }
+    }
+
+    /// UTF-8 bytes pushed so far.
+    pub fn len_bytes(&self) -> u64 {
+        self.total_bytes
+    }
+
+    /// Exact tokens of everything pushed ([`ModelTokenizer::count_text`] of the whole text).
+    pub fn tokens(&self, tokenizer: &ModelTokenizer) -> u64 {
+        let tail = match self.counted_tail {
+            Some((len, n)) if len == self.tail.len() => n,
+            _ => tokenizer.count_text(&self.tail),
+        };
+        self.committed_tokens.saturating_add(tail)
+    }
+
+    /// At least [`tokens`](Self::tokens), cheaply: the tail's last count plus one token per
+    /// byte added since (the tail counted as its bytes when never counted).
+    pub fn tokens_upper_bound(&self) -> u64 {
+        let tail = match self.counted_tail {
+            Some((len, n)) if len <= self.tail.len() => n + (self.tail.len() - len) as u64,
+            _ => self.tail.len() as u64,
+        };
+        self.committed_tokens.saturating_add(tail)
+    }
+
+    /// Whether [`tokens_upper_bound`](Self::tokens_upper_bound) is the exact count (the tail was
+    /// counted since it last grew, or is empty).
+    pub fn bound_is_exact(&self) -> bool {
+        self.tail.is_empty()
+            || matches!(self.counted_tail, Some((len, _)) if len == self.tail.len())
+    }
+
+    /// Counts the tail now when it grew by an eighth (at least 256 bytes) since its last count,
+    /// so that [`tokens_upper_bound`](Self::tokens_upper_bound) is close again; amortized, the
+    /// tail is counted O(1) times per byte.
+    pub fn refresh(&mut self, tokenizer: &ModelTokenizer) {
+        let due = match self.counted_tail {
+            Some((len, _)) => self.tail.len() >= len + (self.tail.len() / 8).max(256),
+            None => true,
+        };
+        if due {
+            self.counted_tail = Some((self.tail.len(), tokenizer.count_text(&self.tail)));
+        }
+    }
+}
+
+/// What one choice generated, counted as it streams ([`IncrementalText`] per piece): the
+/// streaming counterpart of [`GeneratedText`], with the same pieces and the same count.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct GeneratedCount {
+    content: IncrementalText,
+    reasoning: IncrementalText,
+    tool_calls: BTreeMap<u64, (IncrementalText, IncrementalText)>,
+}
+
+impl GeneratedCount {
+    /// Nothing generated yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Appends what `generated` holds (one chunk's delta of this choice).
+    pub fn push(&mut self, tokenizer: &ModelTokenizer, generated: &GeneratedText) {
+        self.content.push(tokenizer, &generated.content);
+        self.reasoning.push(tokenizer, &generated.reasoning);
+        for (index, call) in &generated.tool_calls {
+            let (name, arguments) = self.tool_calls.entry(*index).or_default();
+            name.push(tokenizer, &call.name);
+            arguments.push(tokenizer, &call.arguments);
+        }
+    }
+
+    fn pieces(&self) -> impl Iterator<Item = &IncrementalText> {
+        [&self.content, &self.reasoning]
+            .into_iter()
+            .chain(self.tool_calls.values().flat_map(|(n, a)| [n, a]))
+    }
+
+    /// Exact tokens, as [`ModelTokenizer::count_generated`] of everything pushed.
+    pub fn tokens(&self, tokenizer: &ModelTokenizer) -> u64 {
+        self.pieces()
+            .map(|p| p.tokens(tokenizer))
+            .fold(0u64, u64::saturating_add)
+    }
+
+    /// At least [`tokens`](Self::tokens), cheaply ([`IncrementalText::tokens_upper_bound`]).
+    pub fn tokens_upper_bound(&self) -> u64 {
+        self.pieces()
+            .map(IncrementalText::tokens_upper_bound)
+            .fold(0u64, u64::saturating_add)
+    }
+
+    /// Whether [`tokens_upper_bound`](Self::tokens_upper_bound) is the exact count.
+    pub fn bound_is_exact(&self) -> bool {
+        self.pieces().all(IncrementalText::bound_is_exact)
+    }
+
+    /// Counts the pieces' tails when due ([`IncrementalText::refresh`]).
+    pub fn refresh(&mut self, tokenizer: &ModelTokenizer) {
+        self.content.refresh(tokenizer);
+        self.reasoning.refresh(tokenizer);
+        for (name, arguments) in self.tool_calls.values_mut() {
+            name.refresh(tokenizer);
+            arguments.refresh(tokenizer);
+        }
+    }
+
+    /// UTF-8 bytes of everything pushed.
+    pub fn len_bytes(&self) -> u64 {
+        self.pieces()
+            .map(IncrementalText::len_bytes)
+            .fold(0u64, u64::saturating_add)
+    }
+
+    /// How many tool calls.
+    pub fn tool_call_count(&self) -> usize {
+        self.tool_calls.len()
+    }
+
+    /// As [`GeneratedText::wrapper_allowance_tokens`].
+    pub fn wrapper_allowance_tokens(&self) -> u64 {
+        let calls = self.tool_calls.len() as u64 * TOOL_CALL_WRAPPER_TOKENS;
+        let reasoning = if self.reasoning.len_bytes() == 0 {
+            0
+        } else {
+            REASONING_WRAPPER_TOKENS
+        };
+        calls + reasoning
+    }
+}
+
 /// The split pattern of tokenizers' `ByteLevel` pre-tokenizer with `use_regex` (GPT-2's),
 /// compiled with the same engine (`tokenizers::utils::SysRegex`).
 const BYTE_LEVEL_PATTERN: &str =
@@ -675,6 +904,59 @@ impl FastCounter {
             regex,
             byte_chars: byte_level_chars(),
             cache: RwLock::new(HashMap::new()),
+        })
+    }
+
+    /// The last place in `text`, at least `keep` bytes before its end, where the whole text's
+    /// count is the sum of the counts of both sides whatever is appended later (see
+    /// [`IncrementalText`]); `None` when there is none.
+    fn stable_cut(&self, text: &str, keep: usize) -> Option<usize> {
+        let bytes = text.as_bytes();
+        let last = bytes.len().checked_sub(keep)?;
+        let mut c = last;
+        while c > 0 {
+            let (a, b) = (bytes[c - 1], bytes[c]);
+            if a.is_ascii()
+                && b.is_ascii()
+                && self.splits_between(a, b)
+                && !self.special_spans(text, c)
+            {
+                return Some(c);
+            }
+            c -= 1;
+        }
+        None
+    }
+
+    /// Whether the pre-tokenization always splits between ASCII bytes `a` and `b`.
+    fn splits_between(&self, a: u8, b: u8) -> bool {
+        let (ca, cb) = (ascii_class(a), ascii_class(b));
+        if ca == AsciiClass::Space {
+            // a space may start the next word (` ?\p{L}+`), or a run of spaces may split
+            // differently once more text comes
+            return false;
+        }
+        if cb == AsciiClass::Space {
+            // no match but a whitespace one contains whitespace after its first character
+            return true;
+        }
+        // a class change; after an apostrophe, `'s`, `'t`, `'re`, … may match across it
+        ca != cb && a != b'\''
+    }
+
+    /// Whether an occurrence of a special token in `text` contains both bytes `cut − 1` and `cut`.
+    fn special_spans(&self, text: &str, cut: usize) -> bool {
+        let bytes = text.as_bytes();
+        self.specials.iter().any(|s| {
+            let s = s.as_bytes();
+            if s.len() < 2 {
+                return false;
+            }
+            let from = cut.saturating_sub(s.len() - 1);
+            let to = (cut + s.len() - 1).min(bytes.len());
+            bytes
+                .get(from..to)
+                .is_some_and(|w| w.windows(s.len()).any(|x| x == s))
         })
     }
 
@@ -1038,28 +1320,30 @@ mod tests {
     }
 
     #[test]
-    fn the_length_rule_bills_max_tokens_when_the_text_supports_it() {
+    fn the_length_rule_bills_the_delivered_text_plus_a_small_allowance() {
         let t = tok();
         let text = GeneratedText::from_content("1. Red\n2. Blue\n3. Green"); // 11 tokens, 23 bytes
         assert_eq!((t.count_generated(&text), text.len_bytes()), (11, 23));
         let bill = |finish: &str, r: CompletionRule| t.bill_completion(&text, Some(finish), r);
-        // supported: 11 <= L <= 23 + 3
-        for l in [11u64, 12, 20, 26] {
+        // allowance 3 + max(2, L / 50): L up to 16 is billed L, never more than T + 5
+        assert_eq!(length_allowance_tokens(16), 5);
+        assert_eq!(length_allowance_tokens(1000), 23);
+        for (l, billed) in [(11u64, 11u64), (12, 12), (16, 16), (20, 16), (26, 16)] {
             assert_eq!(
                 bill("length", rule(Some(l), l)),
                 CompletionCount {
-                    tokens: l,
+                    tokens: billed,
                     text_tokens: 11,
                     length_unsupported: false
                 },
                 "{l}"
             );
         }
-        // more than the bytes (plus a held-back tail) could hold: the text's count, flagged
+        // more than the bytes (plus a held-back tail) could hold: the text's count + A, flagged
         assert_eq!(
             bill("length", rule(Some(27), 27)),
             CompletionCount {
-                tokens: 11,
+                tokens: 16,
                 text_tokens: 11,
                 length_unsupported: true
             }
@@ -1104,6 +1388,77 @@ mod tests {
             t.bill_completion(&short, Some("length"), rule(Some(7), 7))
                 .length_unsupported
         );
+    }
+
+    #[test]
+    fn a_node_padding_a_length_finish_is_paid_for_the_text_not_max_tokens() {
+        // issue 13: 1,000 × "x" with finish_reason length and max_tokens 1,000
+        let t = tok();
+        let padded = GeneratedText::from_content(&"x".repeat(1000));
+        let text_tokens = t.count_generated(&padded);
+        assert!(text_tokens < 300, "{text_tokens}");
+        let bill = t.bill_completion(&padded, Some("length"), rule(Some(1000), 1000));
+        assert_eq!(bill.tokens, text_tokens + length_allowance_tokens(1000));
+        assert!(bill.tokens < 1000);
+    }
+
+    /// Feeds `text` to an [`IncrementalText`] in pieces cut at `cuts` (byte offsets, snapped to
+    /// character boundaries).
+    fn incremental(t: &ModelTokenizer, text: &str, cuts: &[usize]) -> IncrementalText {
+        let mut inc = IncrementalText::default();
+        let mut points: Vec<usize> = cuts
+            .iter()
+            .map(|&c| {
+                let mut c = c % (text.len() + 1);
+                while !text.is_char_boundary(c) {
+                    c -= 1;
+                }
+                c
+            })
+            .collect();
+        points.push(0);
+        points.push(text.len());
+        points.sort_unstable();
+        for w in points.windows(2) {
+            inc.push(t, &text[w[0]..w[1]]);
+            assert!(inc.tokens_upper_bound() >= inc.tokens(t));
+        }
+        inc
+    }
+
+    #[test]
+    fn incremental_counts_equal_the_whole_count_on_long_texts() {
+        let t = tok();
+        let mut texts = vec![
+            "The quick brown fox jumps over the lazy dog. ".repeat(400),
+            "fn main() {\n    println!(\"{}\", x[0]);\n}\n".repeat(300),
+            "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n".repeat(200),
+            "it's don't we're I'll 12345 67.89 ".repeat(300),
+            "日本語のテキスト、句読点。English mix 123 ".repeat(200),
+            "x".repeat(20_000),
+            "   \n\n\t  ".repeat(2000),
+        ];
+        // specials cut anywhere
+        texts.push(format!(
+            "{}<|im_end|>{}",
+            "a".repeat(2040),
+            "b".repeat(3000)
+        ));
+        for text in &texts {
+            let whole = t.count_text(text);
+            for step in [1usize, 7, 100, 1500, 5000] {
+                let cuts: Vec<usize> = (step..text.len()).step_by(step).collect();
+                let inc = incremental(&t, text, &cuts);
+                assert_eq!(inc.tokens(&t), whole, "step {step} on {:?}", &text[..40]);
+                assert_eq!(inc.len_bytes(), text.len() as u64);
+            }
+        }
+        // the uncounted tail stays bounded on text with cut points
+        let mut inc = IncrementalText::default();
+        for _ in 0..10_000 {
+            inc.push(&t, "word, word. ");
+        }
+        assert!(inc.tail.len() <= INCREMENTAL_STEP_BYTES + INCREMENTAL_KEEP_BYTES + 12);
     }
 
     #[test]
@@ -1324,6 +1679,19 @@ mod tests {
             let full = t.count_text_full(&text);
             proptest::prop_assert_eq!(t.count_text(&text), full);
             proptest::prop_assert_eq!(t.count_text(&text), full);
+        }
+
+        #[test]
+        fn incremental_counts_equal_the_whole_count(
+            parts in proptest::collection::vec("[ -~\n\t'é日0-9<|>_]{0,600}", 1..12),
+        ) {
+            let t = tok();
+            let whole: String = parts.concat();
+            let mut inc = IncrementalText::default();
+            for p in &parts {
+                inc.push(&t, p);
+            }
+            proptest::prop_assert_eq!(inc.tokens(&t), t.count_text(&whole), "{:?}", parts);
         }
 
         #[test]

@@ -8,7 +8,7 @@ use std::pin::Pin;
 use std::time::Duration;
 
 use hashlink::LinkedHashMap;
-use spine_core::{BoxError, ModelId, NodeId, RequestPeek};
+use spine_core::{AccountId, BoxError, ModelId, NodeId, RequestPeek};
 use tokio::time::Instant;
 
 /// Where a request's conversation key came from, in the order the router looks for one.
@@ -36,6 +36,25 @@ impl AffinityKey {
             return Some(Self::SessionId(session.to_owned()));
         }
         peek.conversation_key.map(Self::Conversation)
+    }
+
+    /// This key within `account`'s own key space: two accounts never share an affinity entry,
+    /// so one account's requests cannot land on (and time) the node that caches another
+    /// account's conversation, and a caller cannot aim at another account's key.
+    #[must_use]
+    pub fn scoped_to(self, account: &AccountId) -> Self {
+        match self {
+            Self::PromptCacheKey(k) => {
+                Self::PromptCacheKey(format!("{}\u{1f}{k}", account.as_str()))
+            }
+            Self::SessionId(k) => Self::SessionId(format!("{}\u{1f}{k}", account.as_str())),
+            Self::Conversation(h) => {
+                let mut hasher = DefaultHasher::new();
+                account.as_str().hash(&mut hasher);
+                h.hash(&mut hasher);
+                Self::Conversation(hasher.finish())
+            }
+        }
     }
 
     /// A 64-bit digest of this key within `model`: SipHash with fixed keys, the same in every

@@ -9,8 +9,8 @@ use bytes::{Bytes, BytesMut};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::{BodyExt, Full};
 use spine_core::{
-    BodyClassifier, BodySignal, BoxBody, BoxError, ClassifyBody, FirstBytes, NodeId, NodeSlot,
-    RequestPeek,
+    AccountId, BodyClassifier, BodySignal, BoxBody, BoxError, ClassifyBody, FirstBytes, NodeId,
+    NodeSlot, RequestPeek,
 };
 use tokio::time::Instant;
 use tower::{Layer, Service, ServiceExt};
@@ -393,7 +393,13 @@ where
         not_node_fault,
         affinity,
     } = ctx;
-    let key = AffinityKey::for_request(&peek, session.as_deref());
+    // scoped by account when the caller's account is known (design brief §5; no cross-tenant
+    // affinity: a shared cached prefix would tell one account about another's prompt)
+    let account = req.extensions().get::<AccountId>().cloned();
+    let key = AffinityKey::for_request(&peek, session.as_deref()).map(|k| match &account {
+        Some(account) => k.scoped_to(account),
+        None => k,
+    });
     let (parts, body) = req.into_parts();
     let body_bytes = body.collect().await?.to_bytes();
     // The shared store's answer, asked once; `None` = use the in-memory table (no store, no key,
@@ -461,6 +467,7 @@ where
             None => Err(first_content_timeout(&config)),
         };
         let ctx = CommitCtx {
+            slot: parts.extensions.get::<NodeSlot>().cloned(),
             registry: &registry,
             classify: &*classify,
             config: &config,
@@ -476,6 +483,11 @@ where
             }
             Attempt::Committed(resp) => {
                 deferred.node_faults(&registry);
+                if let Some(slot) = parts.extensions.get::<NodeSlot>() {
+                    // the metering layer found the committed answer broke the rules
+                    let (registry, node) = (registry.clone(), node.clone());
+                    slot.on_node_fault(move || registry.record_failure(&node));
+                }
                 if let Some(key) = &key {
                     registry.remember(&peek.model, key, &node);
                     if let Some(store) = &affinity {
@@ -574,6 +586,9 @@ fn answer_fault_status(status: http::StatusCode) -> Option<AnswerFault> {
 
 /// What [`try_commit`] needs besides the attempt itself.
 struct CommitCtx<'a> {
+    /// The metering layer's [`NodeSlot`], when there is one: a node fault it reports is scored
+    /// by the hook [`route`] sets, and the body then records nothing more.
+    slot: Option<NodeSlot>,
     registry: &'a NodeRegistry,
     classify: &'a dyn ClassifyBody,
     config: &'a RouteConfig,
@@ -590,6 +605,7 @@ async fn try_commit(
     ctx: CommitCtx<'_>,
 ) -> Attempt {
     let CommitCtx {
+        slot,
         registry,
         classify,
         config,
@@ -716,6 +732,7 @@ async fn try_commit(
                 inner_ended: ended,
                 lease: Some(lease),
                 watch: Some(Watch {
+                    slot,
                     classifier,
                     registry: registry.clone(),
                     ttft,
@@ -734,10 +751,20 @@ async fn try_commit(
 
 /// What a committed body reports at its end.
 struct Watch {
+    /// Set when a [`NodeSlot`] came with the request: a fault reported on it was scored already.
+    slot: Option<NodeSlot>,
     classifier: Box<dyn BodyClassifier>,
     registry: NodeRegistry,
     ttft: Option<Duration>,
     failed: bool,
+}
+
+impl Watch {
+    fn fault_reported(&self) -> bool {
+        self.slot
+            .as_ref()
+            .is_some_and(NodeSlot::node_fault_reported)
+    }
 }
 
 /// A response body that replays the buffered prefix, then the node's body; holds the node's
@@ -780,7 +807,12 @@ impl RoutedBody {
         self.inner_ended = true;
         let lease = self.lease.take();
         if let (Some(mut watch), Some(lease)) = (self.watch.take(), lease) {
-            let failed = watch.failed || watch.classifier.finish() == BodySignal::Failed;
+            if watch.fault_reported() {
+                return;
+            }
+            // with a metering layer above, it is the judge of a committed stream (see poll_frame)
+            let failed = watch.failed
+                || (watch.slot.is_none() && watch.classifier.finish() == BodySignal::Failed);
             if failed {
                 watch.registry.record_failure(lease.node());
             } else {
@@ -794,7 +826,9 @@ impl RoutedBody {
         self.inner_ended = true;
         let lease = self.lease.take();
         if let (Some(watch), Some(lease)) = (self.watch.take(), lease) {
-            watch.registry.record_disconnect(lease.node());
+            if !watch.fault_reported() {
+                watch.registry.record_disconnect(lease.node());
+            }
         }
     }
 }
@@ -806,6 +840,9 @@ impl Drop for RoutedBody {
     fn drop(&mut self) {
         let lease = self.lease.take();
         if let (Some(watch), Some(lease)) = (self.watch.take(), lease) {
+            if watch.fault_reported() {
+                return;
+            }
             if watch.failed {
                 watch.registry.record_failure(lease.node());
             } else {
@@ -858,7 +895,12 @@ impl Body for RoutedBody {
                 match frame.data_ref() {
                     Some(data) => {
                         if let Some(watch) = this.watch.as_mut() {
-                            if watch.classifier.feed(data) == BodySignal::Failed {
+                            // with a metering layer above (a NodeSlot came with the request), it
+                            // judges the committed stream and reports a fault on the slot; the
+                            // classifier would only parse every event a second time
+                            if watch.slot.is_none()
+                                && watch.classifier.feed(data) == BodySignal::Failed
+                            {
                                 watch.failed = true;
                             }
                         }

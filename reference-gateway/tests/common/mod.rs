@@ -476,3 +476,110 @@ where
     });
     (url, task)
 }
+
+// --- PostgreSQL ------------------------------------------------------------------------------
+
+/// The server the tests create their databases on.
+pub const DEFAULT_PG_URL: &str = "postgres://postgres@127.0.0.1:5432";
+
+/// A name part unique to this process and call.
+pub fn random_hex() -> String {
+    use std::hash::{BuildHasher as _, Hasher as _};
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
+    h.write_u32(std::process::id());
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    format!("{:012x}", h.finish() & 0xffff_ffff_ffff)
+}
+
+fn with_database(base: &str, name: &str) -> String {
+    let (main, query) = match base.split_once('?') {
+        Some((m, q)) => (m, Some(q)),
+        None => (base, None),
+    };
+    let authority_start = main.find("://").map_or(0, |i| i + 3);
+    let main = match main[authority_start..].find('/') {
+        Some(i) => &main[..authority_start + i],
+        None => main,
+    };
+    match query {
+        Some(q) => format!("{main}/{name}?{q}"),
+        None => format!("{main}/{name}"),
+    }
+}
+
+fn psql_sync(url: &str, sql: &str) -> Result<String, String> {
+    let out = std::process::Command::new("psql")
+        .args([url, "-v", "ON_ERROR_STOP=1", "-X", "-Atq", "-c", sql])
+        .output()
+        .map_err(|e| format!("psql: {e}"))?;
+    if out.status.success() {
+        Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr).into_owned())
+    }
+}
+
+/// A fresh PostgreSQL database, dropped (`WITH (FORCE)`) on drop.
+pub struct PgDb {
+    admin_url: String,
+    name: String,
+    pub url: String,
+}
+
+impl PgDb {
+    pub fn create() -> Self {
+        let server = std::env::var("SPINE_TEST_PG_URL").unwrap_or_else(|_| DEFAULT_PG_URL.into());
+        let admin_url = with_database(&server, "postgres");
+        let name = format!("spine_test_{}", random_hex());
+        psql_sync(&admin_url, &format!("CREATE DATABASE \"{name}\"")).unwrap_or_else(|e| {
+            panic!(
+                "CREATE DATABASE at {server}: {e} (start PostgreSQL with scripts/services.sh, \
+                 or point SPINE_TEST_PG_URL at a server where this user may CREATE DATABASE)"
+            )
+        });
+        let url = with_database(&server, &name);
+        Self {
+            admin_url,
+            name,
+            url,
+        }
+    }
+
+    /// One value (first row, first column) of `sql`, as text.
+    pub async fn query(&self, sql: &str) -> String {
+        let out = Command::new("psql")
+            .args([&self.url, "-v", "ON_ERROR_STOP=1", "-X", "-Atq", "-c", sql])
+            .output()
+            .await
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "psql {sql}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    }
+
+    pub async fn query_i64(&self, sql: &str) -> i64 {
+        let v = self.query(sql).await;
+        v.parse().unwrap_or_else(|_| panic!("{sql} → {v:?}"))
+    }
+}
+
+impl Drop for PgDb {
+    fn drop(&mut self) {
+        if let Err(e) = psql_sync(
+            &self.admin_url,
+            &format!("DROP DATABASE IF EXISTS \"{}\" WITH (FORCE)", self.name),
+        ) {
+            eprintln!("dropping database {}: {e}", self.name);
+        }
+    }
+}

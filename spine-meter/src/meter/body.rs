@@ -1,52 +1,116 @@
+use std::borrow::Cow;
 use std::collections::{BTreeMap, VecDeque};
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
-use indexmap::IndexMap;
 use serde_json::value::RawValue;
 use serde_json::Value;
-use spine_core::{BoxError, StreamOutcome, Usage};
+use spine_core::{BoxError, NodeSlot, RequestKind, StreamOutcome, Usage};
 
 use super::settle::{BillNotes, SettleCtx};
 use super::MeterError;
 use crate::sse::{SseEvent, SseParser};
-use crate::tokenizer::GeneratedText;
-
-type JsonMap = IndexMap<String, Box<RawValue>>;
+use crate::tokenizer::{GeneratedCount, GeneratedText};
+use crate::ModelTokenizer;
 
 /// The error event sent when the node's stream ends before every choice finished.
-const TRUNCATED_EVENT: &[u8] = b"data: {\"error\":{\"message\":\"the upstream stream ended before the response was complete\",\"type\":\"upstream_error\",\"code\":\"upstream_failed\"}}\n\n";
+const TRUNCATED_EVENT: &[u8] = b"data: {\"error\":{\"message\":\"the node's stream ended before the response was complete\",\"type\":\"upstream_error\",\"param\":null,\"code\":\"upstream_failed\"}}\n\n";
 const DONE_EVENT: &[u8] = b"data: [DONE]\n\n";
 /// The SSE comment the gateway writes while the node is silent.
 const KEEPALIVE_EVENT: &[u8] = b": keepalive\n\n";
 /// Longest the client waits without a byte while the node is silent (long prefill, slow
 /// node): [`MeterBody`] writes an SSE comment keepalive after this much quiet.
 pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(15);
+/// Most tool calls one choice may carry; a node that sends more is cut off as faulty.
+pub const MAX_TOOL_CALLS_PER_CHOICE: usize = 128;
+/// Longest engine error message passed on to the caller, characters.
+const MAX_ENGINE_MESSAGE_CHARS: usize = 512;
+
+/// Top-level members of OpenAI's chat and text completion objects and chunks (the OpenAI API
+/// reference): everything else is engine-internal and removed when
+/// [`MeterConfig::strip_engine_fields`](super::MeterConfig::strip_engine_fields) is on.
+const RESPONSE_MEMBERS: [&str; 10] = [
+    "id",
+    "object",
+    "created",
+    "model",
+    "system_fingerprint",
+    "choices",
+    "usage",
+    "service_tier",
+    "obfuscation",
+    "error",
+];
+
+/// What a streamed response's metering needs besides the settlement context.
+#[derive(Clone, Debug)]
+pub(crate) struct StreamSettings {
+    /// The caller asked for usage (`stream_options.include_usage`).
+    pub(crate) include_usage: bool,
+    /// The endpoint: names the usage chunk's `object`.
+    pub(crate) kind: RequestKind,
+    pub(crate) strip_engine_fields: bool,
+    pub(crate) max_sse_line_bytes: usize,
+    pub(crate) max_sse_event_bytes: usize,
+    /// Zero: no bound.
+    pub(crate) max_stream_duration: Duration,
+    /// Where a node fault is reported, for the router to score.
+    pub(crate) slot: Option<NodeSlot>,
+}
+
+impl StreamSettings {
+    fn chunk_object(&self) -> &'static str {
+        match self.kind {
+            RequestKind::Completions => "text_completion",
+            _ => "chat.completion.chunk",
+        }
+    }
+}
 
 pin_project_lite::pin_project! {
     /// A response body that meters what it forwards.
     ///
     /// **Streamed** (`text/event-stream`): parses SSE incrementally and forwards each complete
-    /// event as its own frame as soon as it is complete. Events are forwarded byte for byte
-    /// unless they must change: a `usage` member on a content chunk is removed, a usage-only
-    /// chunk (`choices` empty or absent) is withheld, events with fields other than `data`
-    /// (comments, `id:`, `retry:`, `event:`) are re-encoded as plain `data:` lines, comments and
-    /// data-less events are dropped. The node's latest non-null `usage` is kept as its claim
-    /// (never summed). When the client asked for usage (`stream_options.include_usage`), exactly
-    /// one usage chunk carrying the BILLED counts is sent just before `[DONE]`. A stream whose
-    /// choices all finished gets a `[DONE]` even when the node did not send one; a stream that
-    /// ends early gets an OpenAI-shaped error event instead. The gateway never writes `id:`,
-    /// `event:` or `retry:` lines.
+    /// event as its own frame as soon as it is complete. **Every event the caller gets is one
+    /// complete JSON object of the endpoint's chunk shape, OpenAI's error shape, or `[DONE]`**:
+    ///
+    /// - an event that is not one JSON object (two values, a half-written object, invalid
+    ///   UTF-8, duplicate members), a chunk whose `choices` is not an array of objects, an
+    ///   event or line over the caps, a choice past its token cap or
+    ///   [`MAX_TOOL_CALLS_PER_CHOICE`]: the node broke the rules — the caller's stream ends
+    ///   with the gateway's error event, the request settles `upstream_failed` (the caller pays
+    ///   nothing) and the fault is reported on the [`NodeSlot`] for the router to score;
+    /// - an engine's error (a non-null `error` member, or vLLM's / SGLang's top-level
+    ///   `{"object":"error","message":…}`) becomes the gateway's error event in OpenAI's shape
+    ///   (`type` `upstream_error`, `code` `upstream_failed`, the engine's message), settled and
+    ///   scored the same way;
+    /// - choices with an index `>= n` are removed (never delivered, never billed), members
+    ///   outside OpenAI's chunk shape (`timings`, …) are removed when configured, a `usage`
+    ///   member on a content chunk is removed, a usage-only chunk is withheld; events with
+    ///   fields other than `data` are re-encoded as plain `data:` lines, comments are dropped.
+    ///
+    /// The node's latest non-null `usage` is kept as its claim (never summed). When the client
+    /// asked for usage (`stream_options.include_usage`), exactly one usage chunk carrying the
+    /// BILLED counts is sent just before `[DONE]`, with the stream's `id`, `object`, `created`,
+    /// `model` and `choices: []`. A stream whose choices all finished gets a `[DONE]` even when
+    /// the node did not send one; a stream that ends early gets an OpenAI-shaped error event
+    /// instead. The gateway never writes `id:`, `event:` or `retry:` lines.
+    ///
+    /// **Bounded cost.** Each choice's delivered text is counted as it flows
+    /// ([`GeneratedCount`]: no whole-text buffer); a choice may deliver at most its cap plus
+    /// `max(16, cap / 10)` tokens, and at most that × the longest token in bytes. The whole
+    /// stream lasts at most `max_stream_duration`.
     ///
     /// **Keepalive.** While the node is silent the client gets an SSE comment,
     /// `: keepalive\n\n`, after every [`KEEPALIVE_INTERVAL`] without a frame (the node's own
     /// comment pings are dropped; these are the gateway's). Needs a tokio runtime with time
-    /// enabled; without one no keepalive is sent.
+    /// enabled; without one no keepalive is sent and no total bound is kept.
     ///
     /// Non-streamed responses are not wrapped: [`Meter`](super::Meter) buffers and meters them
     /// before it returns the response head.
@@ -54,15 +118,15 @@ pin_project_lite::pin_project! {
     /// # End of stream
     ///
     /// The settlement hook fires exactly once for every ending: the node's end of stream
-    /// (`[DONE]`, end of body, or `is_end_stream()` after a data frame), a body error, or drop
-    /// before the end (the client went away: `client_cancelled`, the caller pays the prompt plus
-    /// the completion tokens delivered, without EOS). A stream with an error event, or whose
-    /// requested choices did not all get a `finish_reason`, settles `upstream_failed`. A
-    /// completed stream bills the independent prompt count plus, per requested choice, the
-    /// generated text's tokens (content, reasoning, tool calls) with the EOS and `length` rules
-    /// of [`ModelTokenizer::bill_completion`](crate::ModelTokenizer::bill_completion), capped
-    /// as the [module docs](super) state. Choices with an index `>= n` are forwarded but never
-    /// billed.
+    /// (`[DONE]`, end of body, or `is_end_stream()` after a data frame), a body error, a rule
+    /// broken, the total bound, or drop before the end (the client went away:
+    /// `client_cancelled`, the caller pays the prompt plus the completion tokens DELIVERED to it,
+    /// without EOS). A stream with an error event, or whose requested choices did not all get a
+    /// `finish_reason`, settles `upstream_failed`. A completed stream bills the independent
+    /// prompt count plus, per requested choice, the delivered text's tokens (content,
+    /// reasoning, tool calls) with the EOS and `length` rules of
+    /// [`ModelTokenizer::bill_counted`](crate::ModelTokenizer::bill_counted), capped as the
+    /// [module docs](super) state.
     pub struct MeterBody<B> {
         #[pin]
         inner: B,
@@ -72,16 +136,8 @@ pin_project_lite::pin_project! {
 
 #[derive(Debug, Default)]
 struct Choice {
-    delivered: GeneratedText,
+    delivered: GeneratedCount,
     finish_reason: Option<String>,
-}
-
-struct Stream {
-    parser: Box<SseParser>,
-    include_usage: bool,
-    usage_template: Option<JsonMap>,
-    meta: JsonMap,
-    done_raw: Option<Bytes>,
 }
 
 struct Out {
@@ -90,7 +146,13 @@ struct Out {
 }
 
 struct State {
-    stream: Stream,
+    parser: Box<SseParser>,
+    settings: StreamSettings,
+    tokenizer: Arc<ModelTokenizer>,
+    /// The latest `id`, `object`, `created`, `model`, `system_fingerprint` the node sent (raw
+    /// JSON), for the usage chunk.
+    meta: Vec<(&'static str, Box<RawValue>)>,
+    done_raw: Option<Bytes>,
     ctx: Option<SettleCtx>,
     choices: BTreeMap<u64, Choice>,
     claimed: Option<Usage>,
@@ -99,6 +161,9 @@ struct State {
     queue: VecDeque<Out>,
     scratch: Vec<SseEvent>,
     keepalive: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// The total bound, started on the first poll.
+    deadline: Option<Pin<Box<tokio::time::Sleep>>>,
+    deadline_started: bool,
 }
 
 impl fmt::Debug for State {
@@ -139,17 +204,18 @@ impl Drop for State {
 }
 
 impl<B> MeterBody<B> {
-    pub(crate) fn streaming(inner: B, ctx: SettleCtx, include_usage: bool) -> Self {
+    pub(crate) fn streaming(inner: B, ctx: SettleCtx, settings: StreamSettings) -> Self {
         Self {
             inner,
             state: State {
-                stream: Stream {
-                    parser: Box::new(SseParser::new()),
-                    include_usage,
-                    usage_template: None,
-                    meta: JsonMap::new(),
-                    done_raw: None,
-                },
+                parser: Box::new(SseParser::with_limits(
+                    settings.max_sse_line_bytes,
+                    settings.max_sse_event_bytes,
+                )),
+                tokenizer: ctx.tokenizer.clone(),
+                settings,
+                meta: Vec::new(),
+                done_raw: None,
                 ctx: Some(ctx),
                 choices: BTreeMap::new(),
                 claimed: None,
@@ -158,6 +224,8 @@ impl<B> MeterBody<B> {
                 queue: VecDeque::new(),
                 scratch: Vec::new(),
                 keepalive: None,
+                deadline: None,
+                deadline_started: false,
             },
         }
     }
@@ -178,18 +246,13 @@ fn usage_claim(raw: &RawValue) -> Option<Usage> {
     })
 }
 
-fn usage_json(u: &Usage) -> Box<RawValue> {
-    let s = format!(
+fn usage_json(u: &Usage) -> String {
+    format!(
         "{{\"prompt_tokens\":{},\"completion_tokens\":{},\"total_tokens\":{}}}",
         u.prompt_tokens,
         u.completion_tokens,
         u.total_tokens()
-    );
-    RawValue::from_string(s).unwrap_or_else(|_| empty_object())
-}
-
-fn empty_object() -> Box<RawValue> {
-    serde_json::from_str("{}").unwrap_or_else(|_| Box::<RawValue>::default())
+    )
 }
 
 fn encode_event(data: &str) -> Bytes {
@@ -203,77 +266,199 @@ fn encode_event(data: &str) -> Bytes {
     Bytes::from(out)
 }
 
-/// The chunk members kept to build a usage chunk when the node sent none.
-const META_KEYS: [&str; 5] = ["id", "object", "created", "model", "system_fingerprint"];
+/// The gateway's error event in OpenAI's shape.
+fn error_event(message: &str) -> Bytes {
+    let body = serde_json::json!({
+        "error": {
+            "message": message,
+            "type": "upstream_error",
+            "param": null,
+            "code": "upstream_failed",
+        }
+    });
+    encode_event(&body.to_string())
+}
 
-/// A member's raw JSON when present, `null` included (`Option<&RawValue>` would turn `null`
-/// into `None`).
-#[derive(Default)]
-struct MaybeRaw<'a>(Option<&'a RawValue>);
+fn is_null(raw: Option<&RawValue>) -> bool {
+    raw.is_none_or(|r| r.get().trim() == "null")
+}
 
-impl<'de: 'a, 'a> serde::Deserialize<'de> for MaybeRaw<'a> {
+/// A member name, borrowed from the input when it has no escapes.
+struct Key<'a>(Cow<'a, str>);
+
+impl<'de: 'a, 'a> serde::Deserialize<'de> for Key<'a> {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        <&'a RawValue as serde::Deserialize<'de>>::deserialize(d).map(|r| MaybeRaw(Some(r)))
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = Key<'de>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a member name")
+            }
+            fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Key<'de>, E> {
+                Ok(Key(Cow::Borrowed(v)))
+            }
+            fn visit_str<E>(self, v: &str) -> Result<Key<'de>, E> {
+                Ok(Key(Cow::Owned(v.to_owned())))
+            }
+            fn visit_string<E>(self, v: String) -> Result<Key<'de>, E> {
+                Ok(Key(Cow::Owned(v)))
+            }
+        }
+        d.deserialize_str(V)
     }
 }
 
-/// The members of a chunk the meter reads, borrowed from the event's data: the same values
-/// a [`JsonMap`] parse gives for an object without duplicate members (serde refuses
-/// duplicates of these fields, and the caller then falls back to the map).
-#[derive(serde::Deserialize)]
-struct ChunkView<'a> {
-    #[serde(default, borrow)]
-    error: MaybeRaw<'a>,
-    #[serde(default, borrow)]
-    usage: MaybeRaw<'a>,
-    #[serde(default, borrow)]
-    choices: MaybeRaw<'a>,
-    #[serde(default, borrow)]
-    id: MaybeRaw<'a>,
-    #[serde(default, borrow)]
-    object: MaybeRaw<'a>,
-    #[serde(default, borrow)]
-    created: MaybeRaw<'a>,
-    #[serde(default, borrow)]
-    model: MaybeRaw<'a>,
-    #[serde(default, borrow)]
-    system_fingerprint: MaybeRaw<'a>,
+/// A JSON object's members in order, values raw, refusing duplicate names (engines and SDKs
+/// disagree on which duplicate wins, so an object with one is ambiguous).
+struct Members<'a>(Vec<(Key<'a>, &'a RawValue)>);
+
+impl<'de: 'a, 'a> serde::Deserialize<'de> for Members<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = Members<'de>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<Members<'de>, A::Error> {
+                let mut members: Vec<(Key<'de>, &'de RawValue)> = Vec::with_capacity(8);
+                while let Some(key) = map.next_key::<Key<'de>>()? {
+                    if members.iter().any(|(k, _)| k.0 == key.0) {
+                        return Err(serde::de::Error::custom("duplicate member"));
+                    }
+                    let value: &'de RawValue = map.next_value()?;
+                    members.push((key, value));
+                }
+                Ok(Members(members))
+            }
+        }
+        d.deserialize_map(V)
+    }
 }
 
-impl<'a> ChunkView<'a> {
-    /// The view of a JSON object; `None` for anything else (a derived struct would also
-    /// accept an array) or on any parse error.
+impl<'a> Members<'a> {
+    /// The members of `data` when it is exactly one JSON object without duplicate names.
     fn parse(data: &'a str) -> Option<Self> {
         if !data.trim_start().starts_with('{') {
             return None;
         }
         serde_json::from_str(data).ok()
     }
+
+    fn get(&self, name: &str) -> Option<&'a RawValue> {
+        self.0.iter().find(|(k, _)| k.0 == name).map(|(_, v)| *v)
+    }
+
+    fn has_engine_fields(&self) -> bool {
+        self.0
+            .iter()
+            .any(|(k, _)| !RESPONSE_MEMBERS.contains(&k.0.as_ref()))
+    }
+
+    /// The object re-encoded with `replace` applied: each member is kept as is, replaced
+    /// (`Some(raw)`) or dropped (`None`) by name, and members outside OpenAI's shape dropped when
+    /// `strip`.
+    fn encode(
+        &self,
+        strip: bool,
+        mut replace: impl FnMut(&str) -> Option<Option<String>>,
+    ) -> String {
+        let mut out = String::with_capacity(256);
+        out.push('{');
+        let mut first = true;
+        for (k, v) in &self.0 {
+            let name = k.0.as_ref();
+            if strip && !RESPONSE_MEMBERS.contains(&name) {
+                continue;
+            }
+            let value: Cow<'_, str> = match replace(name) {
+                Some(None) => continue,
+                Some(Some(new)) => Cow::Owned(new),
+                None => Cow::Borrowed(v.get()),
+            };
+            if !first {
+                out.push(',');
+            }
+            first = false;
+            out.push_str(&serde_json::to_string(name).unwrap_or_else(|_| "\"\"".to_owned()));
+            out.push(':');
+            out.push_str(&value);
+        }
+        out.push('}');
+        out
+    }
 }
 
-fn encode_map(map: &JsonMap) -> Option<Bytes> {
-    serde_json::to_string(map).ok().map(|s| encode_event(&s))
+/// One choice of a chunk or completion: where it goes and what it carries.
+struct ChoiceRead {
+    index: u64,
+    generated: GeneratedText,
+    finish_reason: Option<String>,
+    raw: String,
 }
 
-/// `(index, generated, finish_reason)` of each choice in a chunk or completion: what its
-/// `delta` / `message` / `text` carries ([`GeneratedText::push_choice_json`]).
-fn read_choices(raw: &RawValue) -> Vec<(u64, GeneratedText, Option<String>)> {
-    let Ok(Value::Array(choices)) = serde_json::from_str::<Value>(raw.get()) else {
-        return Vec::new();
-    };
-    choices
-        .iter()
-        .map(|c| {
-            let index = c.get("index").and_then(Value::as_u64).unwrap_or(0);
+/// The choices of a chunk or completion; `Err` when `choices` is not an array of objects or an
+/// `index` is not a non-negative integer.
+fn read_choices(raw: &RawValue) -> Result<Vec<ChoiceRead>, &'static str> {
+    let items: Vec<&RawValue> =
+        serde_json::from_str(raw.get()).map_err(|_| "its choices are not an array")?;
+    items
+        .into_iter()
+        .enumerate()
+        .map(|(pos, item)| {
+            let c: Value =
+                serde_json::from_str(item.get()).map_err(|_| "a choice is not valid JSON")?;
+            if !c.is_object() {
+                return Err("a choice is not an object");
+            }
+            let index = match c.get("index") {
+                None | Some(Value::Null) => pos as u64,
+                Some(v) => v.as_u64().ok_or("a choice's index is not an integer")?,
+            };
             let mut generated = GeneratedText::new();
-            generated.push_choice_json(c);
-            let finish = c
+            generated.push_choice_json(&c);
+            let finish_reason = c
                 .get("finish_reason")
                 .and_then(Value::as_str)
                 .map(str::to_owned);
-            (index, generated, finish)
+            Ok(ChoiceRead {
+                index,
+                generated,
+                finish_reason,
+                raw: item.get().to_owned(),
+            })
         })
         .collect()
+}
+
+/// The message of an engine's error object: `error.message`, a string `error`, or a top-level
+/// `message` (vLLM, SGLang: `{"object":"error","message":…}`), shortened.
+fn engine_error_message(members: &Members<'_>) -> String {
+    let text = |raw: Option<&RawValue>| -> Option<String> {
+        serde_json::from_str::<Value>(raw?.get())
+            .ok()
+            .and_then(|v| match v {
+                Value::String(s) => Some(s),
+                Value::Object(o) => o.get("message").and_then(Value::as_str).map(str::to_owned),
+                _ => None,
+            })
+    };
+    let message = text(members.get("error"))
+        .or_else(|| text(members.get("message")))
+        .unwrap_or_else(|| "no message".to_owned());
+    let short: String = message.chars().take(MAX_ENGINE_MESSAGE_CHARS).collect();
+    format!("the node's engine reported an error: {short}")
+}
+
+/// Whether a parsed object is an engine's error rather than a completion or chunk.
+fn is_engine_error(members: &Members<'_>) -> bool {
+    !is_null(members.get("error"))
+        || members
+            .get("object")
+            .is_some_and(|o| o.get() == "\"error\"")
 }
 
 /// The usage billed for `choices` (requested choices only): the prompt plus each choice's
@@ -286,12 +471,20 @@ fn billed_usage(
     let mut notes = BillNotes::default();
     let mut completion_tokens = 0u64;
     for (i, c) in choices.values().enumerate() {
-        let count = ctx.choice_completion(&c.delivered, c.finish_reason.as_deref(), completed);
+        let count =
+            ctx.choice_completion_counted(&c.delivered, c.finish_reason.as_deref(), completed);
         completion_tokens = completion_tokens.saturating_add(count.tokens);
         if i == 0 && choices.len() > 1 {
             notes.first_choice_completion_tokens = Some(count.tokens);
         }
         notes.length_unsupported |= count.length_unsupported;
+        if completed && c.finish_reason.as_deref() == Some("length") && !count.length_unsupported {
+            notes.length_claim_allowance_tokens =
+                notes.length_claim_allowance_tokens.saturating_add(
+                    ctx.max_completion_tokens_per_choice
+                        .saturating_sub(count.tokens),
+                );
+        }
         notes.wrapper_allowance_tokens = notes
             .wrapper_allowance_tokens
             .saturating_add(c.delivered.wrapper_allowance_tokens());
@@ -303,15 +496,61 @@ fn billed_usage(
     (usage, notes)
 }
 
+/// Why a choice that delivered `delivered` is past what it may deliver, if it is.
+fn over_limit(
+    ctx: &SettleCtx,
+    tokenizer: &ModelTokenizer,
+    delivered: &mut GeneratedCount,
+    exact: bool,
+) -> Option<String> {
+    if delivered.tool_call_count() > MAX_TOOL_CALLS_PER_CHOICE {
+        return Some(format!(
+            "the node sent more than {MAX_TOOL_CALLS_PER_CHOICE} tool calls in one choice"
+        ));
+    }
+    let limit = ctx.delivery_limit_tokens();
+    let over = format!(
+        "the node sent more than the {} completion tokens a choice may have",
+        ctx.max_completion_tokens_per_choice
+    );
+    if delivered.len_bytes() > ctx.delivery_limit_bytes() {
+        return Some(over);
+    }
+    if exact {
+        return (delivered.tokens(tokenizer) > limit).then_some(over);
+    }
+    if delivered.tokens_upper_bound() <= limit {
+        return None;
+    }
+    delivered.refresh(tokenizer);
+    if delivered.tokens_upper_bound() <= limit {
+        return None;
+    }
+    // the bound may be loose (a tail not counted since it last grew): decide only when it is
+    // the exact count; otherwise a later event (or the end, on the exact count) decides
+    delivered.bound_is_exact().then_some(over)
+}
+
 /// Meters a complete non-streamed 2xx response body and settles.
 ///
-/// A usable completion (a JSON object without a non-null `error`, with at least one requested
-/// choice, every requested choice with a `finish_reason`) settles `completed` and comes back
-/// with `usage` rewritten to the billed counts. Anything else settles `upstream_failed` (the
-/// caller pays nothing) and is a [`MeterError::UpstreamInvalid`].
-pub(crate) fn meter_json(ctx: SettleCtx, body: &[u8]) -> Result<Bytes, MeterError> {
+/// A usable completion — one JSON object without duplicate members, not an engine error, whose
+/// `choices` is an array of objects with at least one requested choice, every requested choice
+/// with a `finish_reason` and within its token cap — settles `completed` and comes back with
+/// `usage` rewritten to the billed counts, choices past `n` removed and (when `strip`) members
+/// outside OpenAI's shape removed. Anything else settles `upstream_failed` (the caller pays
+/// nothing), is reported on `slot` as the node's fault, and is a
+/// [`MeterError::UpstreamInvalid`].
+pub(crate) fn meter_json(
+    ctx: SettleCtx,
+    body: &[u8],
+    strip: bool,
+    slot: Option<&NodeSlot>,
+) -> Result<Bytes, MeterError> {
     let fail = |ctx: SettleCtx, billed: Usage, claimed: Option<Usage>, why: String| {
         tracing::warn!(request_id = %ctx.request_id, reason = %why, "invalid node response");
+        if let Some(slot) = slot {
+            slot.report_node_fault();
+        }
         ctx.settle(StreamOutcome::UpstreamFailed, billed, claimed);
         Err(MeterError::UpstreamInvalid(why))
     };
@@ -319,38 +558,46 @@ pub(crate) fn meter_json(ctx: SettleCtx, body: &[u8]) -> Result<Bytes, MeterErro
         prompt_tokens: ctx.prompt_tokens,
         completion_tokens: 0,
     };
-    let Ok(mut map) = serde_json::from_slice::<JsonMap>(body) else {
+    let Some(members) = std::str::from_utf8(body).ok().and_then(Members::parse) else {
         return fail(
             ctx,
             nothing,
             None,
-            "the body is not a JSON object".to_owned(),
+            "the body is not one JSON object".to_owned(),
         );
     };
-    let claimed = map.get("usage").and_then(|u| usage_claim(u));
-    if !State::is_null(map.get("error").map(|b| &**b)) {
-        return fail(
-            ctx,
-            nothing,
-            claimed,
-            "the body carries an error".to_owned(),
-        );
+    let claimed = members.get("usage").and_then(usage_claim);
+    if is_engine_error(&members) {
+        let why = engine_error_message(&members);
+        return fail(ctx, nothing, claimed, why);
     }
+    let read = match members.get("choices").map(read_choices) {
+        Some(Ok(read)) => read,
+        Some(Err(why)) => {
+            return fail(ctx, nothing, claimed, format!("the body is invalid: {why}"))
+        }
+        None => Vec::new(),
+    };
+    let tokenizer = ctx.tokenizer.clone();
     let mut choices: BTreeMap<u64, Choice> = BTreeMap::new();
-    for (index, content, finish) in map
-        .get("choices")
-        .map(|c| read_choices(c))
-        .unwrap_or_default()
-    {
-        if !ctx.is_requested_choice(index) {
+    let mut kept: Vec<String> = Vec::with_capacity(read.len());
+    let dropped = read.iter().any(|c| !ctx.is_requested_choice(c.index));
+    for c in read {
+        if !ctx.is_requested_choice(c.index) {
             continue;
         }
-        let choice = choices.entry(index).or_default();
-        choice.finish_reason = finish;
-        choice.delivered.append(&content);
+        let choice = choices.entry(c.index).or_default();
+        choice.finish_reason = c.finish_reason;
+        choice.delivered.push(&tokenizer, &c.generated);
+        kept.push(c.raw);
     }
     if choices.is_empty() {
         return fail(ctx, nothing, claimed, "the body has no choices".to_owned());
+    }
+    for choice in choices.values_mut() {
+        if let Some(why) = over_limit(&ctx, &tokenizer, &mut choice.delivered, true) {
+            return fail(ctx, nothing, claimed, why);
+        }
     }
     if let Some((index, _)) = choices.iter().find(|(_, c)| c.finish_reason.is_none()) {
         let why = format!("choice {index} has no finish_reason");
@@ -358,34 +605,38 @@ pub(crate) fn meter_json(ctx: SettleCtx, body: &[u8]) -> Result<Bytes, MeterErro
         return fail(ctx, billed, claimed, why);
     }
     let (billed, notes) = billed_usage(&ctx, &choices, true);
-    map.insert("usage".to_owned(), usage_json(&billed));
-    let bytes = match serde_json::to_vec(&map) {
-        Ok(v) => Bytes::from(v),
-        Err(e) => {
-            return fail(
-                ctx,
-                nothing,
-                claimed,
-                format!("cannot re-encode the body: {e}"),
-            )
+    let usage = usage_json(&billed);
+    let mut has_usage = false;
+    let mut out = members.encode(strip, |name| match name {
+        "usage" => {
+            has_usage = true;
+            Some(Some(usage.clone()))
         }
-    };
+        "choices" if dropped => Some(Some(format!("[{}]", kept.join(",")))),
+        _ => None,
+    });
+    if !has_usage {
+        out.pop();
+        if out.len() > 1 {
+            out.push(',');
+        }
+        out.push_str("\"usage\":");
+        out.push_str(&usage);
+        out.push('}');
+    }
     ctx.settle_checked(StreamOutcome::Completed, billed, claimed, notes);
-    Ok(bytes)
+    Ok(Bytes::from(out))
 }
 
 impl State {
-    fn is_null(raw: Option<&RawValue>) -> bool {
-        raw.is_none_or(|r| r.get().trim() == "null")
-    }
-
     /// One event from the node.
     fn on_event(&mut self, ev: &SseEvent) {
         if self.upstream_done {
             return;
         }
-        if ev.data().trim() == "[DONE]" {
-            self.stream.done_raw = Some(if ev.is_data_only() {
+        let data = ev.data();
+        if data.trim() == "[DONE]" {
+            self.done_raw = Some(if ev.is_data_only() {
                 ev.raw().clone()
             } else {
                 Bytes::from_static(DONE_EVENT)
@@ -393,114 +644,94 @@ impl State {
             self.upstream_done = true;
             return;
         }
-        let untouched = || {
-            if ev.is_data_only() {
-                ev.raw().clone()
-            } else {
-                encode_event(ev.data())
-            }
+        let members = if ev.is_utf8() {
+            Members::parse(data)
+        } else {
+            None
         };
-        // fast path: a chunk without a non-null `usage` (every chunk but the last) is read
-        // through a borrowed view, without building a map; anything else (usage, duplicate
-        // keys, not an object) takes the general path below, which means the same
-        if let Some(view) = ChunkView::parse(ev.data()) {
-            if Self::is_null(view.usage.0) {
-                self.error_seen |= !Self::is_null(view.error.0);
-                self.remember_meta(&view);
-                let choices = view.choices.0.map(read_choices).unwrap_or_default();
-                let text = self.take_choices(choices);
-                self.queue.push_back(Out {
-                    bytes: untouched(),
-                    text,
-                });
-                return;
-            }
-        }
-        let Ok(mut map) = serde_json::from_str::<JsonMap>(ev.data()) else {
-            // not a JSON object: forwarded, never counted
-            self.queue.push_back(Out {
-                bytes: untouched(),
-                text: Vec::new(),
-            });
-            return;
+        let Some(members) = members else {
+            return self.node_fault("the node sent an SSE event that is not one JSON object");
         };
-        if !Self::is_null(map.get("error").map(|b| &**b)) {
-            self.error_seen = true;
+        if is_engine_error(&members) {
+            let message = engine_error_message(&members);
+            return self.node_fault(&message);
         }
-        for key in META_KEYS {
-            if let Some(v) = map.get(key) {
-                self.stream.meta.insert(key.to_owned(), v.clone());
-            }
-        }
-        let choices = map
-            .get("choices")
-            .map(|c| read_choices(c))
-            .unwrap_or_default();
-        let choices_empty = choices.is_empty();
-        let text = self.take_choices(choices);
-        let Stream { usage_template, .. } = &mut self.stream;
-        let has_usage = !Self::is_null(map.get("usage").map(|b| &**b));
+        self.remember_meta(&members);
+        let usage = members.get("usage");
+        let has_usage = !is_null(usage);
         if has_usage {
-            if let Some(claim) = map.get("usage").and_then(|u| usage_claim(u)) {
+            if let Some(claim) = usage.and_then(usage_claim) {
                 self.claimed = Some(claim);
             }
-            if choices_empty && !map.contains_key("error") {
-                // usage-only chunk: withheld; the billed one goes out at the end if asked
-                *usage_template = Some(map);
-                return;
-            }
-            map.shift_remove("usage");
-            let bytes = encode_map(&map).unwrap_or_else(untouched);
-            self.queue.push_back(Out { bytes, text });
+        }
+        let read = match members.get("choices") {
+            Some(raw) if raw.get().trim() != "null" => match read_choices(raw) {
+                Ok(read) => read,
+                Err(why) => {
+                    return self.node_fault(&format!("the node sent an invalid chunk: {why}"))
+                }
+            },
+            _ if has_usage => Vec::new(),
+            _ => return self.node_fault("the node sent a chunk without choices"),
+        };
+        if read.is_empty() && has_usage {
+            // usage-only chunk: withheld; the billed one goes out at the end if asked
             return;
         }
-        self.queue.push_back(Out {
-            bytes: untouched(),
-            text,
-        });
-    }
-
-    /// Records each choice's `finish_reason` (requested choices only) and returns the text of
-    /// those that carry some, to be billed once delivered.
-    fn take_choices(
-        &mut self,
-        choices: Vec<(u64, GeneratedText, Option<String>)>,
-    ) -> Vec<(u64, GeneratedText)> {
+        let n_read = read.len();
+        let mut kept: Vec<String> = Vec::new();
         let mut text = Vec::new();
-        for (index, content, finish) in choices {
-            // forwarded, but a choice the caller did not ask for is never billed
-            if !self
-                .ctx
-                .as_ref()
-                .is_some_and(|c| c.is_requested_choice(index))
-            {
+        for c in read {
+            let Some(ctx) = self.ctx.as_ref() else {
+                return;
+            };
+            // a choice the caller did not ask for is neither delivered nor billed
+            if !ctx.is_requested_choice(c.index) {
                 continue;
             }
-            let choice = self.choices.entry(index).or_default();
-            if let Some(f) = finish {
+            let choice = self.choices.entry(c.index).or_default();
+            if let Some(f) = c.finish_reason {
                 choice.finish_reason = Some(f);
             }
-            if !content.is_empty() {
-                text.push((index, content));
+            if !c.generated.is_empty() {
+                text.push((c.index, c.generated));
             }
+            kept.push(c.raw);
         }
-        text
+        if n_read > 0 && kept.is_empty() {
+            return;
+        }
+        let strip = self.settings.strip_engine_fields && members.has_engine_fields();
+        let rewrite = strip || has_usage || kept.len() != n_read || !ev.is_data_only();
+        let bytes = if !rewrite {
+            ev.raw().clone()
+        } else if !strip && !has_usage && kept.len() == n_read {
+            encode_event(data)
+        } else {
+            let dropped = kept.len() != n_read;
+            let json = members.encode(self.settings.strip_engine_fields, |name| match name {
+                "usage" if has_usage => Some(None),
+                "choices" if dropped => Some(Some(format!("[{}]", kept.join(",")))),
+                _ => None,
+            });
+            encode_event(&json)
+        };
+        self.queue.push_back(Out { bytes, text });
     }
 
-    /// Keeps the latest value of each [`META_KEYS`] member the chunk has (allocating only
-    /// when a value changes: they are the same on every chunk of a stream).
-    fn remember_meta(&mut self, view: &ChunkView<'_>) {
-        let fields = [
-            view.id.0,
-            view.object.0,
-            view.created.0,
-            view.model.0,
-            view.system_fingerprint.0,
-        ];
-        for (key, value) in META_KEYS.iter().zip(fields) {
-            let Some(value) = value else { continue };
-            if self.stream.meta.get(*key).map(|m| m.get()) != Some(value.get()) {
-                self.stream.meta.insert((*key).to_owned(), value.to_owned());
+    /// Keeps the latest value of each of `id`, `object`, `created`, `model`,
+    /// `system_fingerprint` the chunk has (allocating only when a value changes: they are the
+    /// same on every chunk of a stream).
+    fn remember_meta(&mut self, members: &Members<'_>) {
+        const KEYS: [&str; 5] = ["id", "object", "created", "model", "system_fingerprint"];
+        for key in KEYS {
+            let Some(value) = members.get(key) else {
+                continue;
+            };
+            match self.meta.iter_mut().find(|(k, _)| *k == key) {
+                Some((_, old)) if old.get() == value.get() => {}
+                Some((_, old)) => *old = value.to_owned(),
+                None => self.meta.push((key, value.to_owned())),
             }
         }
     }
@@ -509,74 +740,143 @@ impl State {
         billed_usage(ctx, &self.choices, completed).0
     }
 
+    /// The usage chunk sent before `[DONE]` when the caller asked for usage: the stream's
+    /// `id`, `object`, `created`, `model` (and `system_fingerprint` when the node sent one),
+    /// `choices: []` and the billed `usage`.
+    fn usage_chunk(&self, billed: &Usage) -> Bytes {
+        let meta = |key: &str| {
+            self.meta
+                .iter()
+                .find(|(k, _)| *k == key)
+                .map(|(_, v)| v.get().to_owned())
+        };
+        let request_id = self
+            .ctx
+            .as_ref()
+            .map(|c| c.request_id.as_str().to_owned())
+            .unwrap_or_default();
+        let id = meta("id")
+            .filter(|v| v.starts_with('"'))
+            .unwrap_or_else(|| {
+                serde_json::to_string(&format!("chatcmpl-{request_id}")).unwrap_or_default()
+            });
+        let object = meta("object")
+            .filter(|v| v.starts_with('"'))
+            .unwrap_or_else(|| format!("\"{}\"", self.settings.chunk_object()));
+        let created = meta("created")
+            .filter(|v| v.bytes().all(|b| b.is_ascii_digit()) && !v.is_empty())
+            .unwrap_or_else(|| (spine_core::unix_time_ms() / 1000).to_string());
+        let model = meta("model")
+            .filter(|v| v.starts_with('"'))
+            .or_else(|| {
+                self.ctx
+                    .as_ref()
+                    .and_then(|c| serde_json::to_string(c.model.as_str()).ok())
+            })
+            .unwrap_or_else(|| "\"\"".to_owned());
+        let mut json =
+            format!("{{\"id\":{id},\"object\":{object},\"created\":{created},\"model\":{model},");
+        if let Some(fp) = meta("system_fingerprint") {
+            json.push_str("\"system_fingerprint\":");
+            json.push_str(&fp);
+            json.push(',');
+        }
+        json.push_str("\"choices\":[],\"usage\":");
+        json.push_str(&usage_json(billed));
+        json.push('}');
+        encode_event(&json)
+    }
+
     /// The node's stream ended (every queued event already delivered): decide, queue the tail,
     /// settle.
     fn finish_stream(&mut self) {
-        let Some(ctx) = self.ctx.take() else {
+        let Some(ctx) = self.ctx.as_ref() else {
             return;
         };
+        // the last check of each choice's cap, on its exact count
+        let tokenizer = self.tokenizer.clone();
+        let mut over = None;
+        for choice in self.choices.values_mut() {
+            if let Some(why) = over_limit(ctx, &tokenizer, &mut choice.delivered, true) {
+                over = Some(why);
+                break;
+            }
+        }
+        if let Some(why) = over {
+            return self.node_fault(&why);
+        }
         let completed = !self.error_seen
             && !self.choices.is_empty()
             && self.choices.values().all(|c| c.finish_reason.is_some());
-        let (billed, notes) = billed_usage(&ctx, &self.choices, completed);
-        let Stream {
-            include_usage,
-            usage_template,
-            meta,
-            done_raw,
-            ..
-        } = &mut self.stream;
+        let (billed, notes) = billed_usage(ctx, &self.choices, completed);
         if completed {
-            if *include_usage {
-                let mut chunk = usage_template.take().unwrap_or_else(|| {
-                    let mut m = meta.clone();
-                    if let Ok(empty) = RawValue::from_string("[]".to_owned()) {
-                        m.insert("choices".to_owned(), empty);
-                    }
-                    m
+            if self.settings.include_usage {
+                let bytes = self.usage_chunk(&billed);
+                self.queue.push_back(Out {
+                    bytes,
+                    text: Vec::new(),
                 });
-                chunk.insert("usage".to_owned(), usage_json(&billed));
-                if let Some(bytes) = encode_map(&chunk) {
-                    self.queue.push_back(Out {
-                        bytes,
-                        text: Vec::new(),
-                    });
-                }
             }
+            let done = self
+                .done_raw
+                .take()
+                .unwrap_or_else(|| Bytes::from_static(DONE_EVENT));
             self.queue.push_back(Out {
-                bytes: done_raw
-                    .take()
-                    .unwrap_or_else(|| Bytes::from_static(DONE_EVENT)),
+                bytes: done,
                 text: Vec::new(),
             });
-            ctx.settle_checked(StreamOutcome::Completed, billed, self.claimed, notes);
+            if let Some(ctx) = self.ctx.take() {
+                ctx.settle_checked(StreamOutcome::Completed, billed, self.claimed, notes);
+            }
         } else {
             if !self.error_seen {
+                // ended early: the node's fault
+                if let Some(slot) = &self.settings.slot {
+                    slot.report_node_fault();
+                }
                 self.queue.push_back(Out {
                     bytes: Bytes::from_static(TRUNCATED_EVENT),
                     text: Vec::new(),
                 });
             }
-            ctx.settle(StreamOutcome::UpstreamFailed, billed, self.claimed);
+            if let Some(ctx) = self.ctx.take() {
+                ctx.settle(StreamOutcome::UpstreamFailed, billed, self.claimed);
+            }
         }
     }
 
     fn on_data(&mut self, data: &[u8]) {
         let mut events = std::mem::take(&mut self.scratch);
-        let res = self.stream.parser.feed(data, &mut events);
+        let res = self.parser.feed(data, &mut events);
         for ev in &events {
             self.on_event(ev);
         }
         events.clear();
         self.scratch = events;
         if let Err(e) = res {
-            tracing::warn!(error = %e, "node stream is not valid sse");
-            self.on_upstream_error();
+            if !self.upstream_done {
+                self.node_fault(&format!("the node's stream broke the limits: {e}"));
+            }
         }
     }
 
-    /// The node's body failed or broke the rules: upstream_failed, the client gets an error.
-    fn on_upstream_error(&mut self) {
+    /// The node broke the rules (or its engine reported an error): report it for the router
+    /// to score, end the caller's stream with an error event, settle `upstream_failed`. Events
+    /// already queued are still delivered before the error event.
+    fn node_fault(&mut self, message: &str) {
+        tracing::warn!(
+            request_id = ?self.ctx.as_ref().map(|c| c.request_id.as_str()),
+            reason = %message,
+            "node stream failed"
+        );
+        if let Some(slot) = &self.settings.slot {
+            slot.report_node_fault();
+        }
+        self.fail(error_event(message));
+    }
+
+    /// Ends the stream with `event` and settles `upstream_failed`.
+    fn fail(&mut self, event: Bytes) {
         self.upstream_done = true;
         self.error_seen = true;
         if let Some(ctx) = self.ctx.take() {
@@ -585,34 +885,60 @@ impl State {
             ctx.settle(StreamOutcome::UpstreamFailed, billed, claimed);
         }
         self.queue.push_back(Out {
-            bytes: Bytes::from_static(TRUNCATED_EVENT),
+            bytes: event,
             text: Vec::new(),
         });
     }
 
+    /// The node's body failed (a transport error, scored by the router as a disconnect).
+    fn on_upstream_error(&mut self) {
+        if !self.upstream_done {
+            self.fail(Bytes::from_static(TRUNCATED_EVENT));
+        }
+    }
+
     fn on_eof(&mut self) {
         let mut events = Vec::new();
-        let res = self.stream.parser.finish(&mut events);
+        let res = self.parser.finish(&mut events);
         for ev in &events {
             self.on_event(ev);
         }
-        if res.is_err() {
-            self.on_upstream_error();
+        if let Err(e) = res {
+            if !self.upstream_done {
+                self.node_fault(&format!("the node's stream broke the limits: {e}"));
+            }
             return;
         }
         self.upstream_done = true;
     }
 
+    /// The next frame for the caller: the bytes of `out`, after counting its text into its
+    /// choices; a choice pushed past its cap is not delivered (the node's fault instead).
     fn deliver(&mut self, out: Out) -> Bytes {
-        for (index, text) in out.text {
-            self.choices
-                .entry(index)
-                .or_default()
-                .delivered
-                .append(&text);
-        }
         self.reset_keepalive();
-        out.bytes
+        if out.text.is_empty() {
+            return out.bytes;
+        }
+        let mut over = None;
+        if let Some(ctx) = self.ctx.as_ref() {
+            for (index, text) in &out.text {
+                let choice = self.choices.entry(*index).or_default();
+                choice.delivered.push(&self.tokenizer, text);
+                if over.is_none() {
+                    over = over_limit(ctx, &self.tokenizer, &mut choice.delivered, false);
+                }
+            }
+        }
+        match over {
+            None => out.bytes,
+            Some(why) => {
+                self.queue.clear();
+                self.node_fault(&why);
+                self.queue
+                    .pop_front()
+                    .map_or_else(|| Bytes::from_static(TRUNCATED_EVENT), |o| o.bytes)
+            }
+        }
     }
 
     /// The keepalive timer restarts after every frame the client gets.
@@ -647,6 +973,23 @@ impl State {
         false
     }
 
+    /// Polls the total bound (started on the first poll, when a tokio runtime is there and a
+    /// bound is set): true once it passed.
+    fn deadline_passed(&mut self, cx: &mut Context<'_>) -> bool {
+        if !self.deadline_started {
+            self.deadline_started = true;
+            let bound = self.settings.max_stream_duration;
+            if !bound.is_zero() && tokio::runtime::Handle::try_current().is_ok() {
+                if let Some(at) = tokio::time::Instant::now().checked_add(bound) {
+                    self.deadline = Some(Box::pin(tokio::time::sleep_until(at)));
+                }
+            }
+        }
+        self.deadline
+            .as_mut()
+            .is_some_and(|d| d.as_mut().poll(cx).is_ready())
+    }
+
     fn ended(&self) -> bool {
         self.ctx.is_none() && self.queue.is_empty()
     }
@@ -676,6 +1019,13 @@ where
             }
             if state.upstream_done {
                 state.finish_stream();
+                continue;
+            }
+            if state.deadline_passed(cx) {
+                let secs = state.settings.max_stream_duration.as_secs();
+                state.node_fault(&format!(
+                    "the node's stream went past the gateway's total bound of {secs} s"
+                ));
                 continue;
             }
             match this.inner.as_mut().poll_frame(cx) {
@@ -725,66 +1075,65 @@ mod view_tests {
     #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
     use super::*;
 
-    /// What the general path reads from a chunk: the members the meter uses, raw.
-    fn via_map(data: &str) -> Option<Vec<Option<String>>> {
-        let map = serde_json::from_str::<JsonMap>(data).ok()?;
-        let keys = ["error", "usage", "choices"].into_iter().chain(META_KEYS);
-        Some(
-            keys.map(|k| map.get(k).map(|v| v.get().to_owned()))
-                .collect(),
-        )
-    }
-
-    fn via_view(data: &str) -> Option<Vec<Option<String>>> {
-        let v = ChunkView::parse(data)?;
-        let fields = [
-            v.error.0,
-            v.usage.0,
-            v.choices.0,
-            v.id.0,
-            v.object.0,
-            v.created.0,
-            v.model.0,
-            v.system_fingerprint.0,
-        ];
-        Some(
-            fields
-                .iter()
-                .map(|f| f.map(|r| r.get().to_owned()))
-                .collect(),
-        )
+    #[test]
+    fn members_read_one_object_and_refuse_everything_else() {
+        let m = Members::parse(r#"{"id":"c","choices":[],"x\u0041":1}"#).unwrap();
+        assert_eq!(m.get("id").unwrap().get(), "\"c\"");
+        assert_eq!(m.get("xA").unwrap().get(), "1");
+        assert!(m.has_engine_fields());
+        for bad in [
+            r#"{"a":1}{"b":2}"#,
+            r#"{"a":1} {"b":2}"#,
+            "{\"a\":1}\n{\"b\":2}",
+            r#"{"choices":[1],"choices":[2]}"#,
+            r#"{"usage":null,"us\u0061ge":{}}"#,
+            r#"[{"choices":[]}]"#,
+            r#""a string""#,
+            r#"{"choices":[{"delta":{"content":"hal"#,
+            "",
+        ] {
+            assert!(Members::parse(bad).is_none(), "{bad}");
+        }
     }
 
     #[test]
-    fn the_view_reads_what_the_map_reads_or_declines() {
-        let cases = [
-            r#"{"choices":[{"index":0,"delta":{"content":"x"},"finish_reason":null}],"created":1,"id":"c","model":"m","system_fingerprint":"b0","object":"chat.completion.chunk"}"#,
-            r#"{"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":4}}"#,
-            r#"{"error":null,"usage":null,"choices":null,"id":null}"#,
-            r#" { "us\u0061ge" : { "prompt_tokens" : 1 } , "error" : {"message":"x"} } "#,
-            r#"{"choices":[1],"choices":[2]}"#,
-            r#"{"usage":null,"usage":{"prompt_tokens":9}}"#,
-            r#"[{"choices":[]}]"#,
-            r#""a string""#,
-            r#"{"choices":[{"text":"é\n"}],"extra":{"nested":[1,2,{"a":null}]}}"#,
-            r#"{"choices":[]} trailing"#,
-            "{}",
-        ];
-        for data in cases {
-            match via_view(data) {
-                // when the view reads a chunk, it reads exactly what the map reads
-                Some(view) => assert_eq!(Some(view), via_map(data), "{data}"),
-                // it declines only what the general path must decide (duplicates, non-objects,
-                // invalid json)
-                None => assert!(
-                    via_map(data).is_none()
-                        || data.matches("\"choices\"").count() > 1
-                        || data.matches("\"usage\"").count() > 1,
-                    "{data}"
-                ),
-            }
+    fn encode_keeps_order_replaces_and_strips() {
+        let m = Members::parse(
+            r#"{"id":"c","timings":{"cache_n":5},"choices":[1,2],"usage":{"a":1},"model":"m"}"#,
+        )
+        .unwrap();
+        let out = m.encode(true, |name| match name {
+            "usage" => Some(None),
+            "choices" => Some(Some("[1]".to_owned())),
+            _ => None,
+        });
+        assert_eq!(out, r#"{"id":"c","choices":[1],"model":"m"}"#);
+        let kept = m.encode(false, |_| None);
+        assert_eq!(
+            kept,
+            r#"{"id":"c","timings":{"cache_n":5},"choices":[1,2],"usage":{"a":1},"model":"m"}"#
+        );
+    }
+
+    #[test]
+    fn engine_errors_of_every_engine_are_recognised() {
+        for (data, message) in [
+            (
+                r#"{"error":{"code":500,"message":"boom","type":"server_error"}}"#,
+                "boom",
+            ),
+            (
+                r#"{"object":"error","message":"vllm says no","type":"BadRequestError","param":null,"code":400}"#,
+                "vllm says no",
+            ),
+            (r#"{"error":"ollama says no"}"#, "ollama says no"),
+            (r#"{"error":{"code":1}}"#, "no message"),
+        ] {
+            let m = Members::parse(data).unwrap();
+            assert!(is_engine_error(&m), "{data}");
+            assert!(engine_error_message(&m).ends_with(message), "{data}");
         }
-        assert!(via_view(r#"{"choices":[1],"choices":[2]}"#).is_none());
-        assert!(via_view(r#"[{"choices":[]}]"#).is_none());
+        let ok = Members::parse(r#"{"error":null,"object":"chat.completion.chunk"}"#).unwrap();
+        assert!(!is_engine_error(&ok));
     }
 }

@@ -32,6 +32,10 @@ pub struct MeterConfig {
     pub(crate) events: Arc<dyn MeterEvents>,
     pub(crate) admission: Option<Arc<dyn Admission>>,
     pub(crate) settlements: Settlements,
+    pub(crate) refused_credit: super::credit::RefusedCredit,
+    /// The cheapest request any catalog model could be (1 prompt + 1 completion token), micros:
+    /// an account remembered with less than this is refused before any counting.
+    pub(crate) min_request_cost_micros: u64,
     /// The operator's share of each debit, basis points. Default 7 000 (70 %).
     pub operator_share_bps: u16,
     /// Largest request body buffered, bytes. Default 4 MiB.
@@ -43,6 +47,21 @@ pub struct MeterConfig {
     pub discrepancy_tolerance_tokens: u64,
     /// Relative discrepancy tolerance, basis points of the billed count. Default 200 (2 %).
     pub discrepancy_tolerance_bps: u16,
+    /// Longest line of a node's SSE stream, bytes (default 16 MiB,
+    /// [`DEFAULT_MAX_LINE_BYTES`](crate::sse::DEFAULT_MAX_LINE_BYTES)); a node that sends a
+    /// longer one fails the request (`upstream_failed`, scored as its fault).
+    pub max_sse_line_bytes: usize,
+    /// Largest SSE event of a node's stream, bytes (default 16 MiB,
+    /// [`DEFAULT_MAX_EVENT_BYTES`](crate::sse::DEFAULT_MAX_EVENT_BYTES)); as above.
+    pub max_sse_event_bytes: usize,
+    /// Longest a streamed response may last from its head to its end (default 1 h; zero: no
+    /// bound). Past it the caller's stream ends with an error event, `upstream_failed`.
+    pub max_stream_duration: std::time::Duration,
+    /// Whether members outside OpenAI's response shape (llama.cpp's `timings`, cache and slot
+    /// counters, `__verbose`, …) are removed from what the caller gets (default `true`): they
+    /// tell one caller about other callers' requests on the same node (a cached-prefix length
+    /// is an oracle for another account's prompt).
+    pub strip_engine_fields: bool,
 }
 
 impl fmt::Debug for MeterConfig {
@@ -58,6 +77,10 @@ impl fmt::Debug for MeterConfig {
                 &self.discrepancy_tolerance_tokens,
             )
             .field("discrepancy_tolerance_bps", &self.discrepancy_tolerance_bps)
+            .field("max_sse_line_bytes", &self.max_sse_line_bytes)
+            .field("max_sse_event_bytes", &self.max_sse_event_bytes)
+            .field("max_stream_duration", &self.max_stream_duration)
+            .field("strip_engine_fields", &self.strip_engine_fields)
             .finish_non_exhaustive()
     }
 }
@@ -131,6 +154,15 @@ pub struct MeterLayer {
 impl MeterLayer {
     /// A layer over `ledger` and `catalog` with the documented defaults.
     pub fn new(ledger: Arc<dyn Ledger>, catalog: Catalog) -> Self {
+        let one_and_one = spine_core::Usage {
+            prompt_tokens: 1,
+            completion_tokens: 1,
+        };
+        let min_request_cost_micros = catalog
+            .values()
+            .map(|e| e.price.cost_micros(&one_and_one))
+            .min()
+            .unwrap_or(0);
         Self {
             config: MeterConfig {
                 ledger,
@@ -138,11 +170,17 @@ impl MeterLayer {
                 events: Arc::new(()),
                 admission: None,
                 settlements: Settlements::default(),
+                refused_credit: super::credit::RefusedCredit::default(),
+                min_request_cost_micros,
                 operator_share_bps: 7_000,
                 max_request_body_bytes: 4 * 1024 * 1024,
                 max_response_body_bytes: 16 * 1024 * 1024,
                 discrepancy_tolerance_tokens: 2,
                 discrepancy_tolerance_bps: 200,
+                max_sse_line_bytes: crate::sse::DEFAULT_MAX_LINE_BYTES,
+                max_sse_event_bytes: crate::sse::DEFAULT_MAX_EVENT_BYTES,
+                max_stream_duration: std::time::Duration::from_secs(3600),
+                strip_engine_fields: true,
             },
         }
     }
@@ -169,6 +207,27 @@ impl MeterLayer {
     pub fn discrepancy_tolerance(mut self, tokens: u64, bps: u16) -> Self {
         self.config.discrepancy_tolerance_tokens = tokens;
         self.config.discrepancy_tolerance_bps = bps;
+        self
+    }
+
+    /// Caps on a node's SSE lines and events, bytes ([`MeterConfig::max_sse_line_bytes`],
+    /// [`MeterConfig::max_sse_event_bytes`]).
+    pub fn max_sse_bytes(mut self, line_bytes: usize, event_bytes: usize) -> Self {
+        self.config.max_sse_line_bytes = line_bytes;
+        self.config.max_sse_event_bytes = event_bytes;
+        self
+    }
+
+    /// The total bound on a streamed response ([`MeterConfig::max_stream_duration`]).
+    pub fn max_stream_duration(mut self, duration: std::time::Duration) -> Self {
+        self.config.max_stream_duration = duration;
+        self
+    }
+
+    /// Whether engine-internal members are removed from responses
+    /// ([`MeterConfig::strip_engine_fields`]).
+    pub fn strip_engine_fields(mut self, strip: bool) -> Self {
+        self.config.strip_engine_fields = strip;
         self
     }
 

@@ -88,6 +88,7 @@
 
 mod admission;
 mod body;
+mod credit;
 mod embeddings;
 mod error;
 mod events;
@@ -97,7 +98,8 @@ mod service;
 mod settle;
 
 pub use admission::{Admission, AdmissionRefusal, AdmissionRequest, AdmitFuture};
-pub use body::{MeterBody, KEEPALIVE_INTERVAL};
+pub use body::{MeterBody, KEEPALIVE_INTERVAL, MAX_TOOL_CALLS_PER_CHOICE};
+pub use credit::REFUSED_CREDIT_TTL;
 pub use error::MeterError;
 pub use events::{DiscrepancyReport, MeterEvents};
 pub use future::ResponseFuture;

@@ -11,7 +11,7 @@ use spine_core::{
 use tower::Service;
 
 use super::admission::{AdmissionEvents, AdmitGuard};
-use super::body::{meter_json, MeterBody};
+use super::body::{meter_json, MeterBody, StreamSettings};
 use super::embeddings::meter_embeddings;
 use super::settle::SettleCtx;
 use super::{AdmissionRequest, MeterConfig, MeterError, ResponseFuture};
@@ -128,6 +128,18 @@ where
         .get::<AccountId>()
         .cloned()
         .ok_or(MeterError::MissingExtension("AccountId"))?;
+    // an account that could not pay a moment ago is refused before its body is read,
+    // templated or tokenized (the cheapest request any model could be: 1 + 1 tokens)
+    if let Some(available_micros) = config
+        .refused_credit
+        .cannot_pay(&account, config.min_request_cost_micros)
+    {
+        return Err(MeterError::InsufficientCredit {
+            available_micros,
+            needed_micros: config.min_request_cost_micros,
+        }
+        .into());
+    }
     let (mut parts, body) = req.into_parts();
     let limit = config.max_request_body_bytes;
     let bytes = collect_limited(body, limit).await?;
@@ -204,51 +216,27 @@ where
             admission: admission.clone(),
         });
     }
-    config
-        .ledger
-        .hold(
-            request_id.clone(),
-            account.clone(),
-            peek.model.clone(),
-            hold_micros,
-        )
-        .await
-        .map_err(|e| match e {
-            LedgerError::InsufficientCredit {
-                available_micros,
-                needed_micros,
-            } => MeterError::InsufficientCredit {
-                available_micros,
-                needed_micros,
-            },
-            other => MeterError::Ledger(other),
-        })?;
-    // from here every ending settles, and the settlement releases the admission
-    admitted.disarm();
     let slot = NodeSlot::new();
-    let mut guard = PendingGuard {
-        slot: slot.clone(),
-        ctx: Some(SettleCtx {
-            ledger: config.ledger.clone(),
-            events,
-            runtime: tokio::runtime::Handle::current(),
-            settlements: config.settlements.clone(),
-            request_id,
-            account,
-            model: peek.model.clone(),
-            node: None,
-            tokenizer: entry.tokenizer.clone(),
-            price: entry.price,
-            share_bps: config.operator_share_bps,
-            prompt_tokens,
-            n: choices,
-            max_completion_tokens_per_choice: per_choice,
-            max_tokens: peek.max_tokens,
-            tolerance_tokens: config.discrepancy_tolerance_tokens,
-            tolerance_bps: config.discrepancy_tolerance_bps,
-        }),
+    let ctx = SettleCtx {
+        ledger: config.ledger.clone(),
+        events,
+        runtime: tokio::runtime::Handle::current(),
+        settlements: config.settlements.clone(),
+        request_id: request_id.clone(),
+        account: account.clone(),
+        model: peek.model.clone(),
+        node: None,
+        tokenizer: entry.tokenizer.clone(),
+        price: entry.price,
+        share_bps: config.operator_share_bps,
+        prompt_tokens,
+        n: choices,
+        max_completion_tokens_per_choice: per_choice,
+        max_tokens: peek.max_tokens,
+        tolerance_tokens: config.discrepancy_tolerance_tokens,
+        tolerance_bps: config.discrepancy_tolerance_bps,
     };
-
+    let mut guard = hold_owned(&config, ctx, slot.clone(), hold_micros, admitted).await?;
     parts.headers.remove(http::header::CONTENT_LENGTH);
     parts.headers.insert(
         http::header::CONTENT_LENGTH,
@@ -305,7 +293,16 @@ where
         let Some(ctx) = guard.take() else {
             return Err(MeterError::MissingExtension("settlement context").into());
         };
-        let body = MeterBody::streaming(body, ctx, include_usage);
+        let settings = StreamSettings {
+            include_usage,
+            kind,
+            strip_engine_fields: config.strip_engine_fields,
+            max_sse_line_bytes: config.max_sse_line_bytes,
+            max_sse_event_bytes: config.max_sse_event_bytes,
+            max_stream_duration: config.max_stream_duration,
+            slot: Some(guard.slot.clone()),
+        };
+        let body = MeterBody::streaming(body, ctx, settings);
         return Ok(http::Response::from_parts(parts, BoxBody::new(body)));
     }
     // Non-streamed: the whole body is read and checked before the head goes out, so an invalid
@@ -327,12 +324,83 @@ where
     let bytes = if kind == RequestKind::Embeddings {
         meter_embeddings(ctx, &bytes, prompts.len())?
     } else {
-        meter_json(ctx, &bytes)?
+        meter_json(ctx, &bytes, config.strip_engine_fields, Some(&guard.slot))?
     };
     Ok(http::Response::from_parts(
         parts,
         BoxBody::new(Full::new(bytes).map_err(|never| match never {})),
     ))
+}
+
+/// Places the request's hold on a task of its own and hands back the guard that owns it.
+///
+/// # Cancel safety
+///
+/// The hold is owned from the moment it is requested: when the caller goes away while the hold
+/// is being placed (this future dropped at its await), the task still places or refuses it, and
+/// a placed hold is released at once by the guard it then drops (settled `rejected`, nothing
+/// billed) — never left to a restart's sweep. An admission taken before is released the same
+/// way (0 tokens) when the hold is refused or the guard released.
+async fn hold_owned(
+    config: &MeterConfig,
+    ctx: SettleCtx,
+    slot: NodeSlot,
+    hold_micros: u64,
+    mut admitted: AdmitGuard,
+) -> Result<PendingGuard, MeterError> {
+    let (tx, rx) = tokio::sync::oneshot::channel::<Result<PendingGuard, LedgerError>>();
+    let ledger = config.ledger.clone();
+    let refused = config.refused_credit.clone();
+    let settlements = config.settlements.clone();
+    let runtime = ctx.runtime.clone();
+    settlements.spawn_on(
+        async move {
+            let placed = ledger
+                .hold(
+                    ctx.request_id.clone(),
+                    ctx.account.clone(),
+                    ctx.model.clone(),
+                    hold_micros,
+                )
+                .await;
+            let answer = match placed {
+                Ok(()) => {
+                    refused.forget(&ctx.account);
+                    // from here every ending settles, and the settlement releases the admission
+                    admitted.disarm();
+                    Ok(PendingGuard {
+                        ctx: Some(ctx),
+                        slot,
+                    })
+                }
+                Err(e) => {
+                    if let LedgerError::InsufficientCredit {
+                        available_micros, ..
+                    } = &e
+                    {
+                        refused.record(&ctx.account, *available_micros);
+                    }
+                    Err(e)
+                }
+            };
+            // the caller gone: the guard comes back here and its drop releases the hold (a
+            // guard left unreceived in the channel is dropped with it, the same way)
+            drop(tx.send(answer));
+        },
+        &runtime,
+    );
+    match rx.await {
+        Ok(Ok(guard)) => Ok(guard),
+        Ok(Err(LedgerError::InsufficientCredit {
+            available_micros,
+            needed_micros,
+        })) => Err(MeterError::InsufficientCredit {
+            available_micros,
+            needed_micros,
+        }),
+        Ok(Err(other)) => Err(MeterError::Ledger(other)),
+        Err(_) => Err(MeterError::MissingExtension("hold task")),
+    }
 }
 
 type BytesFuture = Pin<Box<dyn Future<Output = Result<bytes::Bytes, MeterError>> + Send>>;

@@ -6,7 +6,7 @@ use std::time::Duration;
 use spine_core::{AccountId, ModelId, NodeId, RequestId, StreamOutcome, Usage, UsageSource};
 
 use super::{DiscrepancyReport, MeterEvents};
-use crate::tokenizer::{CompletionCount, CompletionRule, GeneratedText};
+use crate::tokenizer::{CompletionCount, CompletionRule, GeneratedCount};
 use crate::{Ledger, ModelTokenizer, Price, Settlement};
 
 /// What the end hook needs to settle one request.
@@ -52,12 +52,16 @@ pub(crate) struct BillNotes {
     /// A requested choice finished with `length` and its text cannot be `max_tokens` tokens.
     pub(crate) length_unsupported: bool,
     /// Tokens the engine may count above the billed completion for parser-removed syntax
-    /// (tool-call wrappers, thinking tags): [`GeneratedText::wrapper_allowance_tokens`], summed.
+    /// (tool-call wrappers, thinking tags): [`GeneratedCount::wrapper_allowance_tokens`], summed.
     pub(crate) wrapper_allowance_tokens: u64,
     /// With more than one requested choice: the first choice's billed completion tokens.
     /// llama.cpp's `usage` for `n > 1` is the first choice's alone (measured; its server copies
     /// the first result's usage), so a claim matching it is not a discrepancy either.
     pub(crate) first_choice_completion_tokens: Option<u64>,
+    /// Tokens a node may claim above the bill for `length` finishes whose text has the bytes
+    /// to be `max_tokens` tokens (summed `cap − billed` of such choices): the bill follows the
+    /// text, but a claim of `max_tokens` is then not a lie worth flagging.
+    pub(crate) length_claim_allowance_tokens: u64,
 }
 
 fn beyond(claimed: u64, billed: u64, tokens: u64, bps: u16) -> bool {
@@ -72,16 +76,17 @@ impl SettleCtx {
     }
 
     /// Completion tokens billed for one choice (module docs, "Billing";
-    /// [`ModelTokenizer::bill_completion`]): EOS and the `length` rule only when `completed`;
-    /// never more than the per-choice cap.
-    pub(crate) fn choice_completion(
+    /// [`ModelTokenizer::bill_counted`]): EOS and the `length` rule only when `completed`; never
+    /// more than the per-choice cap.
+    pub(crate) fn choice_completion_counted(
         &self,
-        generated: &GeneratedText,
+        generated: &GeneratedCount,
         finish_reason: Option<&str>,
         completed: bool,
     ) -> CompletionCount {
-        self.tokenizer.bill_completion(
-            generated,
+        self.tokenizer.bill_counted(
+            generated.tokens(&self.tokenizer),
+            generated.len_bytes(),
             finish_reason,
             CompletionRule {
                 max_tokens: self.max_tokens,
@@ -89,6 +94,22 @@ impl SettleCtx {
                 completed,
             },
         )
+    }
+
+    /// Most completion tokens a choice may DELIVER before the node is cut off as over its cap:
+    /// the per-choice cap plus `max(16, cap / 10)` (an honest engine stops at `max_tokens`
+    /// generated tokens, whose text may count a few more: `docs/metering.md`).
+    pub(crate) fn delivery_limit_tokens(&self) -> u64 {
+        let cap = self.max_completion_tokens_per_choice;
+        cap.saturating_add((cap / 10).max(16))
+    }
+
+    /// Most UTF-8 bytes a choice may deliver: [`delivery_limit_tokens`](Self::delivery_limit_tokens)
+    /// × the longest token (no text of more bytes can be that few tokens).
+    pub(crate) fn delivery_limit_bytes(&self) -> u64 {
+        self.delivery_limit_tokens()
+            .saturating_mul(self.tokenizer.max_token_bytes())
+            .saturating_add(crate::tokenizer::MAX_HELD_BACK_BYTES)
     }
 
     /// Settles on a spawned task (see [`SettleCtx::settle_checked`]) with no extra flags.
@@ -129,7 +150,11 @@ impl SettleCtx {
                     let over = c
                         .completion_tokens
                         .saturating_sub(billed.completion_tokens)
-                        .min(notes.wrapper_allowance_tokens);
+                        .min(
+                            notes
+                                .wrapper_allowance_tokens
+                                .saturating_add(notes.length_claim_allowance_tokens),
+                        );
                     let completion_off = |billed_completion: u64| {
                         beyond(
                             c.completion_tokens - over,

@@ -346,9 +346,12 @@ async fn streamed_capture_with_usage_request_gets_one_billed_usage_chunk() {
         .collect();
     let mut want = events.clone();
     let usage_at = want.iter().position(|e| e.contains("\"usage\"")).unwrap();
-    want[usage_at] = want[usage_at].replace(
-        r#""usage":{"completion_tokens":12,"prompt_tokens":34,"total_tokens":46,"prompt_tokens_details":{"cached_tokens":33}}"#,
-        r#""usage":{"prompt_tokens":34,"completion_tokens":12,"total_tokens":46}"#,
+    // the gateway's own usage chunk: the stream's id, object, created, model and fingerprint,
+    // `choices: []`, the billed usage — nothing else of the node's chunk (its timings)
+    let node: Value = serde_json::from_str(want[usage_at].trim_start_matches("data: ")).unwrap();
+    want[usage_at] = format!(
+        "data: {{\"id\":{},\"object\":{},\"created\":{},\"model\":{},\"system_fingerprint\":{},\"choices\":[],\"usage\":{{\"prompt_tokens\":34,\"completion_tokens\":12,\"total_tokens\":46}}}}\n\n",
+        node["id"], node["object"], node["created"], node["model"], node["system_fingerprint"]
     );
     assert_eq!(got, want);
     assert_eq!(got.last().map(String::as_str), Some("data: [DONE]\n\n"));
@@ -962,7 +965,7 @@ async fn invalid_non_streamed_2xx_bodies_are_errors_and_free() {
             vec![Bytes::from_static(b"<html>bad gateway</html>")],
             End::Eof,
             1 << 20,
-            "the body is not a JSON object",
+            "the body is not one JSON object",
         ),
         (
             vec![Bytes::from_static(
@@ -992,7 +995,7 @@ async fn invalid_non_streamed_2xx_bodies_are_errors_and_free() {
             )],
             End::Eof,
             1 << 20,
-            "the body carries an error",
+            "the node's engine reported an error: out of memory",
         ),
         (
             reads_of(&capture, 100),
@@ -1086,8 +1089,8 @@ async fn choices_beyond_n_are_not_billed() {
         .await
         .unwrap();
     let got: Value = serde_json::from_slice(&frames(resp.into_body()).await.concat()).unwrap();
-    // both choices reach the client; only choice 0 is billed: "1. Red" 3 tokens + EOS
-    assert_eq!(got["choices"].as_array().map(Vec::len), Some(2));
+    // only choice 0 reaches the client, and is billed: "1. Red" 3 tokens + EOS
+    assert_eq!(got["choices"].as_array().map(Vec::len), Some(1));
     assert_eq!(
         got["usage"],
         json!({"prompt_tokens":34,"completion_tokens":4,"total_tokens":38})
@@ -1099,7 +1102,8 @@ async fn choices_beyond_n_are_not_billed() {
     );
     assert_eq!(r.debit_micros, 34 + 4 * 2);
 
-    // streamed: the extra choice is forwarded byte for byte, never billed, never waited for
+    // streamed: the extra choice is dropped (never delivered, billed, or waited for), the rest
+    // forwarded byte for byte
     let events = [
         "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"1. Red\"},\"finish_reason\":null}]}\n\n",
         "data: {\"choices\":[{\"index\":1,\"delta\":{\"content\":\"1. Red\\n2. Blue\\n3. Green\"},\"finish_reason\":null}]}\n\n",
@@ -1125,7 +1129,7 @@ async fn choices_beyond_n_are_not_billed() {
         .iter()
         .map(|b| String::from_utf8(b.to_vec()).unwrap())
         .collect();
-    assert_eq!(got, events);
+    assert_eq!(got, [events[0], events[2], events[3]]);
     let (s, r) = h.settled().await;
     assert_eq!(
         (s.outcome, s.billed.completion_tokens, r.debit_micros),
@@ -1189,4 +1193,317 @@ async fn completion_tokens_per_choice_are_capped_at_max_tokens() {
         ),
         (StreamOutcome::Completed, 11, 56, 56)
     );
+}
+
+// --- issue 13 / 14: hostile nodes, bounded cost, holds owned from the start ---------------------
+
+/// A node body that produces `event` forever (or `limit` times), counting the bytes pulled.
+struct Endless {
+    event: Bytes,
+    left: usize,
+    pulled: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl Body for Endless {
+    type Data = Bytes;
+    type Error = BoxError;
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if self.left == 0 {
+            return Poll::Ready(None);
+        }
+        self.left -= 1;
+        self.pulled.fetch_add(
+            self.event.len() as u64,
+            std::sync::atomic::Ordering::Relaxed,
+        );
+        Poll::Ready(Some(Ok(Frame::data(self.event.clone()))))
+    }
+}
+
+/// A node answering every request with `body()`, keeping the request's [`NodeSlot`].
+fn slot_node<B, F>(
+    node: NodeId,
+    slot: Arc<Mutex<Option<spine_core::NodeSlot>>>,
+    content_type: &'static str,
+    body: F,
+) -> impl Service<
+    http::Request<BoxBody>,
+    Response = http::Response<BoxBody>,
+    Error = BoxError,
+    Future = impl Send + 'static,
+> + Clone
+       + Send
+       + 'static
+where
+    B: Body<Data = Bytes, Error = BoxError> + Send + Sync + 'static,
+    F: Fn() -> B + Clone + Send + 'static,
+{
+    tower::service_fn(move |req: http::Request<BoxBody>| {
+        let (node, slot, body) = (node.clone(), slot.clone(), body.clone());
+        async move {
+            *slot.lock().unwrap() = req.extensions().get::<spine_core::NodeSlot>().cloned();
+            let mut resp = http::Response::new(BoxBody::new(body()));
+            resp.headers_mut().insert(
+                http::header::CONTENT_TYPE,
+                http::HeaderValue::from_static(content_type),
+            );
+            resp.extensions_mut().insert(node);
+            Ok::<_, BoxError>(resp)
+        }
+    })
+}
+
+fn content_event(text: &str) -> Bytes {
+    let chunk = json!({"id":"c1","object":"chat.completion.chunk","created":1,"model":"smollm2",
+        "choices":[{"index":0,"delta":{"content":text},"finish_reason":null}]});
+    Bytes::from(format!("data: {chunk}\n\n"))
+}
+
+#[tokio::test]
+async fn a_node_streaming_past_the_cap_is_cut_at_its_bound_and_faulted() {
+    // a hostile node streams without end (1 GiB in 16 KiB events): the gateway pulls a bounded
+    // amount, delivers no more than the cap allows, settles upstream_failed, reports the fault
+    for text in [
+        "word ".repeat(3276),
+        "x".repeat(16 * 1024),
+        "日本".repeat(2730),
+    ] {
+        let mut h = harness().await;
+        let pulled = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let slot = Arc::new(Mutex::new(None));
+        let event = content_event(&text);
+        let (ev, p) = (event.clone(), pulled.clone());
+        let svc = h.layer(2048).layer(slot_node(
+            h.node.clone(),
+            slot.clone(),
+            "text/event-stream",
+            move || Endless {
+                event: ev.clone(),
+                left: (1 << 30) / ev.len(),
+                pulled: p.clone(),
+            },
+        ));
+        let mut req = chat(true, None);
+        req["max_tokens"] = json!(64);
+        let resp = svc.oneshot(request("big", &req)).await.unwrap();
+        let got = frames(resp.into_body()).await.concat();
+        let events = crate::sse::parse_all(&got).unwrap();
+        let last: Value = serde_json::from_str(events.last().unwrap().data()).unwrap();
+        assert_eq!(last["error"]["code"], "upstream_failed", "{last}");
+        assert!(
+            last["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("completion tokens a choice may have"),
+            "{last}"
+        );
+        let mut delivered = String::new();
+        for e in &events[..events.len() - 1] {
+            let v: Value = serde_json::from_str(e.data()).unwrap();
+            delivered.push_str(v["choices"][0]["delta"]["content"].as_str().unwrap());
+        }
+        let tok = smollm_tokenizer();
+        // the cap (64) plus max(16, 6.4): never more delivered
+        assert!(
+            tok.count_text(&delivered) <= 80,
+            "{}",
+            tok.count_text(&delivered)
+        );
+        assert!(
+            pulled.load(std::sync::atomic::Ordering::Relaxed) < 4 * 1024 * 1024,
+            "pulled {}",
+            pulled.load(std::sync::atomic::Ordering::Relaxed)
+        );
+        let (s, _) = h.settled().await;
+        assert_eq!(s.outcome, StreamOutcome::UpstreamFailed);
+        assert!(slot.lock().unwrap().as_ref().unwrap().node_fault_reported());
+        assert_eq!(h.ledger.account(&h.account).await.unwrap().held_micros, 0);
+        assert_eq!(
+            h.ledger.account(&h.account).await.unwrap().balance_micros,
+            START_MICROS
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_non_streamed_answer_over_the_cap_or_past_n_is_handled() {
+    let mut h = harness().await;
+    let slot = Arc::new(Mutex::new(None));
+    // 3 choices for n = 1, choice 0 within its cap: the others are removed, choice 0 billed
+    let answer = json!({"id":"c","object":"chat.completion","created":1,"model":"smollm2",
+        "choices":[
+            {"index":0,"message":{"role":"assistant","content":"Red"},"finish_reason":"stop"},
+            {"index":1,"message":{"role":"assistant","content":"FREE TEXT"},"finish_reason":"stop"},
+            {"index":2,"message":{"role":"assistant","content":"MORE"},"finish_reason":"stop"}],
+        "usage":{"prompt_tokens":34,"completion_tokens":2},
+        "timings":{"cache_n":12}});
+    let body = Bytes::from(answer.to_string());
+    let svc = h.layer(2048).layer(slot_node(
+        h.node.clone(),
+        slot.clone(),
+        "application/json",
+        move || http_body_util::Full::new(body.clone()).map_err(|never| match never {}),
+    ));
+    let resp = svc
+        .oneshot(request("n1", &chat(false, None)))
+        .await
+        .unwrap();
+    let text = String::from_utf8(frames(resp.into_body()).await.concat()).unwrap();
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["choices"].as_array().unwrap().len(), 1, "{v}");
+    assert!(
+        !text.contains("FREE") && !text.contains("timings"),
+        "{text}"
+    );
+    let (s, _) = h.settled().await;
+    assert_eq!(s.outcome, StreamOutcome::Completed);
+    assert_eq!(s.billed.completion_tokens, 2); // "Red" + EOS
+    assert!(!slot.lock().unwrap().as_ref().unwrap().node_fault_reported());
+
+    // a choice far over its cap: refused, not billed, the node faulted
+    let long = json!({"id":"c","object":"chat.completion","created":1,"model":"smollm2",
+        "choices":[{"index":0,"message":{"role":"assistant","content":"word ".repeat(500)},
+        "finish_reason":"length"}]});
+    let body = Bytes::from(long.to_string());
+    let svc = h.layer(2048).layer(slot_node(
+        h.node.clone(),
+        slot.clone(),
+        "application/json",
+        move || http_body_util::Full::new(body.clone()).map_err(|never| match never {}),
+    ));
+    let mut req = chat(false, None);
+    req["max_tokens"] = json!(16);
+    let err = svc.oneshot(request("over", &req)).await.unwrap_err();
+    assert!(matches!(
+        err.downcast_ref::<MeterError>(),
+        Some(MeterError::UpstreamInvalid(_))
+    ));
+    let (s, _) = h.settled().await;
+    assert_eq!(s.outcome, StreamOutcome::UpstreamFailed);
+    assert!(slot.lock().unwrap().as_ref().unwrap().node_fault_reported());
+}
+
+/// A ledger whose holds take a while (a busy database), so a caller can leave mid-hold.
+#[derive(Debug)]
+struct SlowHold(Arc<SqliteLedger>, std::time::Duration);
+
+impl Ledger for SlowHold {
+    fn hold(
+        &self,
+        request_id: RequestId,
+        account: AccountId,
+        model: ModelId,
+        amount_micros: u64,
+    ) -> crate::ledger::LedgerFuture<'_, ()> {
+        Box::pin(async move {
+            tokio::time::sleep(self.1).await;
+            self.0.hold(request_id, account, model, amount_micros).await
+        })
+    }
+    fn release(&self, request_id: RequestId) -> crate::ledger::LedgerFuture<'_, ()> {
+        self.0.release(request_id)
+    }
+    fn settle(&self, settlement: Settlement) -> crate::ledger::LedgerFuture<'_, SettleResult> {
+        self.0.settle(settlement)
+    }
+    fn request_record(
+        &self,
+        request_id: RequestId,
+    ) -> crate::ledger::LedgerFuture<'_, Option<crate::ledger::RequestRecord>> {
+        self.0.request_record(request_id)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_leaving_at_any_point_never_strands_a_hold() {
+    // 300 streamed requests, each dropped 0–3 ms after it was sent (while its hold is being
+    // placed, at the node, or mid-stream): every hold is released while the gateway runs
+    let h = harness().await;
+    let ledger = Arc::new(SlowHold(
+        h.ledger.clone(),
+        std::time::Duration::from_millis(1),
+    ));
+    let layer = MeterLayer::new(ledger, catalog(2048)).events(h.events.clone());
+    let settlements = layer.settlements();
+    let body = capture_body("b_chat_stream_usage.txt");
+    let svc = layer.layer(h.inner(200, "text/event-stream", reads_of(&body, 64), End::Hang));
+    let mut seed = 0x2545_f491_4f6c_dd1du64;
+    for i in 0..300 {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        let after = std::time::Duration::from_micros(seed % 3_000);
+        let svc = svc.clone();
+        let fut = async move {
+            let resp = svc
+                .oneshot(request(&format!("c{i}"), &chat(true, None)))
+                .await?;
+            frames(resp.into_body()).await;
+            Ok::<_, BoxError>(())
+        };
+        let _ = tokio::time::timeout(after, fut).await;
+    }
+    // everything that was held settles (the tasks are tracked), and nothing stays held
+    tokio::time::timeout(std::time::Duration::from_secs(30), settlements.drain())
+        .await
+        .unwrap();
+    let b = h.ledger.account(&h.account).await.unwrap();
+    assert_eq!(b.held_micros, 0, "a hold was stranded");
+    assert_eq!(h.ledger.entries_sum_micros().await.unwrap(), 0);
+}
+
+#[tokio::test]
+async fn an_account_that_cannot_pay_is_refused_before_counting_next_time() {
+    let h = harness().await;
+    let poor = AccountId::from("poor");
+    h.ledger.create_account(&poor).await.unwrap();
+    let svc = h
+        .layer(2048)
+        .layer(h.inner(200, "text/event-stream", Vec::new(), End::Eof));
+    let mut req = request("p1", &chat(false, None));
+    req.extensions_mut().insert(poor.clone());
+    let err = svc.clone().oneshot(req).await.unwrap_err();
+    assert!(matches!(
+        err.downcast_ref::<MeterError>(),
+        Some(MeterError::InsufficientCredit {
+            available_micros: 0,
+            ..
+        })
+    ));
+    // the next one is refused from memory, before its body is even read: a body that is not
+    // JSON would otherwise be a 400
+    let mut req = http::Request::post("/v1/chat/completions")
+        .body(BoxBody::new(
+            http_body_util::Full::new(Bytes::from_static(b"not json"))
+                .map_err(|never| match never {}),
+        ))
+        .unwrap();
+    req.extensions_mut().insert(RequestId::from("p2"));
+    req.extensions_mut().insert(poor.clone());
+    let err = svc.clone().oneshot(req).await.unwrap_err();
+    assert!(matches!(
+        err.downcast_ref::<MeterError>(),
+        Some(MeterError::InsufficientCredit {
+            available_micros: 0,
+            needed_micros: 3
+        })
+    ));
+    // after the memory's TTL, the request is judged again (here: a 400 for the body)
+    tokio::time::sleep(REFUSED_CREDIT_TTL).await;
+    let mut req = http::Request::post("/v1/chat/completions")
+        .body(BoxBody::new(
+            http_body_util::Full::new(Bytes::from_static(b"not json"))
+                .map_err(|never| match never {}),
+        ))
+        .unwrap();
+    req.extensions_mut().insert(RequestId::from("p3"));
+    req.extensions_mut().insert(poor);
+    let err = svc.oneshot(req).await.unwrap_err();
+    assert!(matches!(
+        err.downcast_ref::<MeterError>(),
+        Some(MeterError::BadRequest(_))
+    ));
 }

@@ -1,0 +1,226 @@
+//! Issue 13 end to end: a caller who wants free tokens and a node that pads its bill, through the
+//! real binaries (gateway → TLS tunnel → agent) in front of the real llama.cpp engine and a
+//! padding fake engine speaking real HTTP.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, missing_docs)]
+
+mod common;
+
+use std::time::Duration;
+
+use common::{add_node, fake_llama_meta, full, serve_fake_engine, sse_data, tenant, Gateway};
+use serde_json::{json, Value};
+use spine_core::ENGINE_GENERATION_FIELDS;
+use spine_meter::tokenizer::length_allowance_tokens;
+use spine_meter::ModelTokenizer;
+use spine_test_support::{Engine, LlamaServer};
+
+/// Tokens of `text` by the ENGINE's own tokenizer (`/tokenize`, no special tokens parsed).
+async fn engine_tokens(llama: &str, text: &str) -> u64 {
+    if text.is_empty() {
+        return 0;
+    }
+    let v: Value = reqwest::Client::new()
+        .post(format!("{llama}/tokenize"))
+        .json(&json!({"content": text}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    v["tokens"].as_array().unwrap().len() as u64
+}
+
+/// Every choice's delivered text of a chat or completions answer, streamed or not.
+fn delivered(body: &str, streamed: bool) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    let mut push = |c: &Value, text: &str| {
+        let i = c["index"].as_u64().unwrap() as usize;
+        if out.len() <= i {
+            out.resize(i + 1, String::new());
+        }
+        out[i].push_str(text);
+    };
+    if streamed {
+        for data in sse_data(body) {
+            if data == "[DONE]" {
+                continue;
+            }
+            let chunk: Value = serde_json::from_str(&data).unwrap();
+            for c in chunk["choices"].as_array().into_iter().flatten() {
+                let text = c["delta"]["content"]
+                    .as_str()
+                    .or(c["text"].as_str())
+                    .unwrap_or("");
+                push(c, text);
+            }
+        }
+    } else {
+        let v: Value = serde_json::from_str(body).unwrap();
+        for c in v["choices"].as_array().unwrap() {
+            let text = c["message"]["content"]
+                .as_str()
+                .or(c["text"].as_str())
+                .unwrap_or("");
+            push(c, text);
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_aliases_are_refused_and_nothing_is_delivered_beyond_the_bill() {
+    let engine = Engine::discover().unwrap();
+    let llama = LlamaServer::start(&engine, 2).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let gw = Gateway::start(dir.path(), &engine).await;
+    let t = tenant(&gw).await;
+    let (_node, _agent) = add_node(&gw, dir.path(), &t.operator, &llama.url, "node").await;
+    let (balance_before, _) = gw.balance(&t.account).await;
+
+    // every engine field that changes how many tokens or choices are generated: a 400, never
+    // forwarded, nothing held or billed
+    for field in ENGINE_GENERATION_FIELDS {
+        for (path, streamed) in [
+            ("/v1/chat/completions", false),
+            ("/v1/chat/completions", true),
+            ("/v1/completions", false),
+            ("/v1/completions", true),
+        ] {
+            let mut body = if path == "/v1/completions" {
+                json!({"model":"smollm2","prompt":"Once upon a time","max_tokens":1})
+            } else {
+                json!({"model":"smollm2","messages":[{"role":"user","content":"Tell a story."}],"max_tokens":1})
+            };
+            body["stream"] = json!(streamed);
+            body[field] = if field == "options" {
+                json!({"num_predict": 300})
+            } else if field == "ignore_eos" || field == "use_beam_search" {
+                json!(true)
+            } else {
+                json!(300)
+            };
+            let resp = gw.api_post(&t.api_key, path, &body).await;
+            assert_eq!(resp.status(), 400, "{field} {path}");
+            let e: Value = resp.json().await.unwrap();
+            assert_eq!(e["error"]["code"], "unsupported_parameter", "{field}: {e}");
+            assert!(
+                e["error"]["message"].as_str().unwrap().contains(field),
+                "{field}: {e}"
+            );
+        }
+    }
+    assert_eq!(gw.balance(&t.account).await, (balance_before, 0));
+
+    // what the engine then delivers is never more than what is billed, counted by the engine
+    for (path, streamed, extra) in [
+        ("/v1/chat/completions", false, json!({"max_tokens": 1})),
+        ("/v1/chat/completions", true, json!({"max_tokens": 1})),
+        ("/v1/chat/completions", true, json!({"max_tokens": 24})),
+        ("/v1/completions", false, json!({"max_tokens": 3, "n": 2})),
+        ("/v1/completions", true, json!({"max_tokens": 3, "n": 2})),
+    ] {
+        let mut body = if path == "/v1/completions" {
+            json!({"model":"smollm2","prompt":"Once upon a time"})
+        } else {
+            json!({"model":"smollm2","messages":[{"role":"user","content":"Tell a long story."}]})
+        };
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        body["stream"] = json!(streamed);
+        let resp = gw.api_post(&t.api_key, path, &body).await;
+        assert_eq!(resp.status(), 200, "{body}");
+        let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
+        let text = resp.text().await.unwrap();
+        let choices = delivered(&text, streamed);
+        let n = body["n"].as_u64().unwrap_or(1) as usize;
+        assert!(
+            choices.len() <= n,
+            "{path}: {} choices for n {n}",
+            choices.len()
+        );
+        let mut engine_count = 0;
+        for c in &choices {
+            engine_count += engine_tokens(&llama.url, c).await;
+        }
+        let rec = gw.record(&id).await;
+        assert_eq!(rec["outcome"], "completed", "{rec}");
+        let billed = rec["billed"]["completion_tokens"].as_u64().unwrap();
+        assert!(
+            engine_count <= billed,
+            "{path} {extra}: delivered {engine_count} tokens, billed {billed}: {rec}"
+        );
+        let max = body["max_tokens"].as_u64().unwrap() * n as u64;
+        assert!(billed <= max, "{rec}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_padding_length_finishes_is_billed_by_the_delivered_text() {
+    let engine = Engine::discover().unwrap();
+    let tok = ModelTokenizer::from_gguf(&engine.model_gguf).unwrap();
+    let padding = "x".repeat(1000);
+    let pad = padding.clone();
+    // a node that answers every chat with 1,000 × "x" and finish_reason "length", claiming
+    // max_tokens (1,000) completion tokens, streamed and not
+    let (url, _task) = serve_fake_engine(move |req: hyper::Request<hyper::body::Incoming>| {
+        let pad = pad.clone();
+        async move {
+            if let Some(meta) = fake_llama_meta(req.uri().path()) {
+                return Ok(meta);
+            }
+            use http_body_util::BodyExt as _;
+            let body = req.into_body().collect().await.unwrap().to_bytes();
+            let v: Value = serde_json::from_slice(&body).unwrap();
+            let usage = json!({"prompt_tokens": 20, "completion_tokens": 1000, "total_tokens": 1020});
+            if v["stream"] == true {
+                let mut out = String::new();
+                for piece in pad.as_bytes().chunks(100) {
+                    let chunk = json!({"id":"p","object":"chat.completion.chunk","created":1,"model":"smollm2",
+                        "choices":[{"index":0,"delta":{"content":std::str::from_utf8(piece).unwrap()},"finish_reason":null}]});
+                    out.push_str(&format!("data: {chunk}\n\n"));
+                }
+                let fin = json!({"id":"p","object":"chat.completion.chunk","created":1,"model":"smollm2",
+                    "choices":[{"index":0,"delta":{},"finish_reason":"length"}],"usage":usage});
+                out.push_str(&format!("data: {fin}\n\ndata: [DONE]\n\n"));
+                return Ok(full(200, "text/event-stream", out));
+            }
+            let answer = json!({"id":"p","object":"chat.completion","created":1,"model":"smollm2",
+                "choices":[{"index":0,"message":{"role":"assistant","content":pad},"finish_reason":"length"}],
+                "usage":usage});
+            Ok(full(200, "application/json", answer.to_string()))
+        }
+    })
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let gw = Gateway::start(dir.path(), &engine).await;
+    let t = tenant(&gw).await;
+    let (_node, _agent) = add_node(&gw, dir.path(), &t.operator, &url, "padder").await;
+    let text_tokens = tok.count_text(&padding);
+    let want = text_tokens + length_allowance_tokens(1000);
+    assert!(want < 1000, "{want}");
+    for streamed in [false, true] {
+        let body = json!({"model":"smollm2","messages":[{"role":"user","content":"Hi"}],
+            "max_tokens":1000,"stream":streamed});
+        let resp = gw.api_post(&t.api_key, "/v1/chat/completions", &body).await;
+        assert_eq!(resp.status(), 200);
+        let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
+        let _ = resp.text().await.unwrap();
+        let mut rec = gw.record(&id).await;
+        for _ in 0..100 {
+            if rec["outcome"].is_string() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            rec = gw.record(&id).await;
+        }
+        assert_eq!(rec["outcome"], "completed", "{rec}");
+        assert_eq!(
+            rec["billed"]["completion_tokens"].as_u64(),
+            Some(want),
+            "streamed {streamed}: {rec}"
+        );
+        assert_eq!(rec["claimed"]["completion_tokens"].as_u64(), Some(1000));
+    }
+}
