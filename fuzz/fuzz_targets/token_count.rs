@@ -2,7 +2,9 @@
 //! cache) returns exactly what the tokenizers crate's full pipeline returns
 //! (`ModelTokenizer::count_text_full`, `encode(..).len()`) on arbitrary UTF-8 — a billing
 //! invariant. Invalid UTF-8 input is counted after lossy decoding (still arbitrary UTF-8, with
-//! U+FFFD). Counting twice checks the warm-cache path too.
+//! U+FFFD). Counting twice checks the warm-cache path too. The same text fed in pieces to the
+//! streaming counter (`tokenizer::IncrementalText`, cut at the first byte's multiples) totals
+//! exactly the same.
 //!
 //! Needs the SmolLM2 GGUF: `SPINE_MODEL_GGUF`, default
 //! `~/.cache/spine/models/SmolLM2-135M-Instruct.Q4_1.gguf` (`scripts/setup.sh`). Seed it with the
@@ -13,6 +15,7 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 
 use libfuzzer_sys::fuzz_target;
+use spine_meter::tokenizer::IncrementalText;
 use spine_meter::ModelTokenizer;
 
 fn tokenizer() -> &'static ModelTokenizer {
@@ -36,4 +39,16 @@ fuzz_target!(|data: &[u8]| {
     let full = t.count_text_full(&text);
     assert_eq!(t.count_text(&text), full, "{text:?}");
     assert_eq!(t.count_text(&text), full, "{text:?} (warm cache)");
+    let step = usize::from(data.first().copied().unwrap_or(1)).max(1);
+    let mut inc = IncrementalText::default();
+    let mut start = 0;
+    while start < text.len() {
+        let mut end = (start + step).min(text.len());
+        while !text.is_char_boundary(end) {
+            end += 1;
+        }
+        inc.push(t, &text[start..end]);
+        start = end;
+    }
+    assert_eq!(inc.tokens(t), full, "{text:?} in pieces of {step}");
 });

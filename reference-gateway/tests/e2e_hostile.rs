@@ -224,3 +224,78 @@ async fn a_node_padding_length_finishes_is_billed_by_the_delivered_text() {
         assert_eq!(rec["claimed"]["completion_tokens"].as_u64(), Some(1000));
     }
 }
+
+/// The resident memory of process `pid`, KiB (`VmRSS` in `/proc/<pid>/status`).
+fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_streaming_a_gibibyte_is_cut_at_its_bound_with_bounded_gateway_memory() {
+    use bytes::Bytes;
+    use hyper::body::Frame;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+    let engine = Engine::discover().unwrap();
+    let sent = Arc::new(AtomicU64::new(0));
+    let counter = sent.clone();
+    // a node that streams content without end, up to 1 GiB, in 64 KiB events
+    let (url, _task) = serve_fake_engine(move |req: hyper::Request<hyper::body::Incoming>| {
+        let counter = counter.clone();
+        async move {
+            if let Some(meta) = fake_llama_meta(req.uri().path()) {
+                return Ok(meta);
+            }
+            let text = "lorem ipsum dolor sit amet ".repeat(64 * 1024 / 27);
+            let chunk = json!({"id":"g","object":"chat.completion.chunk","created":1,"model":"smollm2",
+                "choices":[{"index":0,"delta":{"content":text},"finish_reason":null}]});
+            let event = Bytes::from(format!("data: {chunk}\n\n"));
+            let total = (1u64 << 30) / event.len() as u64;
+            let stream = futures_util::stream::iter((0..total).map(move |_| {
+                counter.fetch_add(event.len() as u64, Ordering::Relaxed);
+                Ok::<_, std::io::Error>(Frame::data(event.clone()))
+            }));
+            Ok(common::sse(stream))
+        }
+    })
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let gw = Gateway::start(dir.path(), &engine).await;
+    let t = tenant(&gw).await;
+    let (_node, _agent) = add_node(&gw, dir.path(), &t.operator, &url, "flood").await;
+    let pid = gw.child.id().unwrap();
+    // warm up the paths once with an honest-size answer cut the same way
+    let body = json!({"model":"smollm2","messages":[{"role":"user","content":"Hi"}],
+        "max_tokens":1000,"stream":true});
+    let before = rss_kib(pid);
+    let mut peak = before;
+    let resp = gw.api_post(&t.api_key, "/v1/chat/completions", &body).await;
+    assert_eq!(resp.status(), 200);
+    let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
+    let mut resp = resp;
+    let mut got = Vec::new();
+    while let Some(chunk) = resp.chunk().await.unwrap() {
+        got.extend_from_slice(&chunk);
+        peak = peak.max(rss_kib(pid));
+    }
+    peak = peak.max(rss_kib(pid));
+    let text = String::from_utf8(got).unwrap();
+    let last: Value = serde_json::from_str(sse_data(&text).last().unwrap()).unwrap();
+    assert_eq!(last["error"]["code"], "upstream_failed", "{last}");
+    let rec = gw.record(&id).await;
+    assert_eq!(rec["outcome"], "upstream_failed", "{rec}");
+    assert_eq!(rec["debit_micros"].as_u64(), Some(0), "{rec}");
+    let pulled = sent.load(Ordering::Relaxed);
+    eprintln!(
+        "1 GiB flood: the engine wrote {} KiB before the cut; gateway RSS {before} → peak {peak} KiB (+{} KiB)",
+        pulled / 1024,
+        peak - before
+    );
+    assert!(pulled < 256 << 20, "the stream was not cut near its bound: {pulled} bytes");
+    assert!(peak - before < 32 * 1024, "gateway RSS grew {} KiB", peak - before);
+}

@@ -15,6 +15,12 @@
 //!   fresh words, so every word misses the cache and BPE runs), its throughput the mean tokens
 //!   of 50 such texts (they differ by a few tokens).
 //!
+//! - `refused_credit`: a chat request with a 4 MiB prompt from an account with no credit, side
+//!   by side: `first_refusal` (the layer has not seen the account yet: the prompt is templated
+//!   and counted before the hold refuses it) and `remembered_refusal` (refused again within
+//!   `REFUSED_CREDIT_TTL`, before its body is read); and `paid_small` (a 20-token paid chat,
+//!   non-streamed) for scale.
+//!
 //! The tokenizer comes from `SPINE_MODEL_GGUF` (default
 //! `~/.cache/spine/models/SmolLM2-135M-Instruct.Q4_1.gguf`); without it the groups that need it
 //! are skipped with a message. Run: `cargo bench -p spine-meter --bench meter`.
@@ -301,5 +307,142 @@ fn token_counting(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, sse_parse, meter_body, token_counting);
+fn refused_credit(c: &mut Criterion) {
+    let Some(gguf) = model_gguf() else { return };
+    let tokenizer = Arc::new(ModelTokenizer::from_gguf(&gguf).unwrap());
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let (poor, rich) = (AccountId::from("poor"), AccountId::from("rich"));
+    let (ledger, catalog, node) = rt.block_on(async {
+        let ledger = Arc::new(SqliteLedger::in_memory().await.unwrap());
+        ledger.create_account(&poor).await.unwrap();
+        ledger.create_account(&rich).await.unwrap();
+        ledger
+            .add_credits(&rich, 1_000_000_000_000_000, "bench")
+            .await
+            .unwrap();
+        let operator = OperatorId::from("op");
+        ledger.create_operator(&operator).await.unwrap();
+        let node = ledger.register_node(&operator, "pk").await.unwrap();
+        let mut catalog = Catalog::new();
+        catalog.insert(
+            ModelId::from("smollm2"),
+            CatalogEntry {
+                tokenizer,
+                price: Price {
+                    input_micros_per_mtok: 150_000,
+                    output_micros_per_mtok: 600_000,
+                },
+                max_context_tokens: 8192,
+            },
+        );
+        (ledger, catalog, node)
+    });
+    // 4 MiB of prose: far over the context, but the credit check comes first
+    let prompt = "The quick brown fox jumps over the lazy dog. ".repeat(4 * 1024 * 1024 / 45);
+    let big = Bytes::from(format!(
+        r#"{{"model":"smollm2","max_tokens":16,"messages":[{{"role":"user","content":"{prompt}"}}]}}"#
+    ));
+    let small = Bytes::from_static(
+        br#"{"model":"smollm2","max_tokens":8,"messages":[{"role":"user","content":"Say hi."}]}"#,
+    );
+    let answer = Bytes::from_static(
+        br#"{"id":"c","object":"chat.completion","created":1,"model":"smollm2","choices":[{"index":0,"message":{"role":"assistant","content":"Hi!"},"finish_reason":"stop"}]}"#,
+    );
+    let inner = tower::service_fn(move |req: http::Request<BoxBody>| {
+        let (node, answer) = (node.clone(), answer.clone());
+        async move {
+            let _ = req.into_body().collect().await?;
+            let mut resp = http::Response::new(BoxBody::new(
+                http_body_util::Full::new(answer).map_err(|never| match never {}),
+            ));
+            resp.headers_mut().insert(
+                http::header::CONTENT_TYPE,
+                http::HeaderValue::from_static("application/json"),
+            );
+            resp.extensions_mut().insert(node);
+            Ok::<_, BoxError>(resp)
+        }
+    });
+    let request = |body: &Bytes, account: &AccountId, id: String| {
+        let mut req = http::Request::post("/v1/chat/completions")
+            .body(BoxBody::new(
+                http_body_util::Full::new(body.clone()).map_err(|never| match never {}),
+            ))
+            .unwrap();
+        req.extensions_mut().insert(RequestId::from(id));
+        req.extensions_mut().insert(account.clone());
+        req
+    };
+    let mut group = c.benchmark_group("refused_credit");
+    group.sample_size(10);
+    let mut i = 0u64;
+    group.bench_function("first_refusal_4mib_prompt", |b| {
+        b.iter(|| {
+            // a layer that has not seen the account: counts the prompt, then the hold refuses
+            let svc = MeterLayer::new(ledger.clone(), catalog.clone()).layer(inner.clone());
+            i += 1;
+            let err = rt
+                .block_on(svc.oneshot(request(&big, &poor, format!("f{i}"))))
+                .unwrap_err();
+            assert!(err.to_string().contains("insufficient"), "{err}");
+        });
+    });
+    let layer = MeterLayer::new(ledger.clone(), catalog.clone());
+    let settlements = layer.settlements();
+    let mut svc = layer.layer(inner.clone());
+    rt.block_on(async {
+        let err = svc
+            .ready()
+            .await
+            .unwrap()
+            .call(request(&small, &poor, "seen".into()))
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("insufficient"), "{err}");
+    });
+    group.sample_size(100);
+    group.bench_function("remembered_refusal_4mib_prompt", |b| {
+        b.iter(|| {
+            i += 1;
+            let err = rt
+                .block_on(async {
+                    svc.ready()
+                        .await
+                        .unwrap()
+                        .call(request(&big, &poor, format!("r{i}")))
+                        .await
+                })
+                .unwrap_err();
+            assert!(err.to_string().contains("insufficient"), "{err}");
+        });
+    });
+    group.bench_function("paid_small", |b| {
+        b.iter(|| {
+            i += 1;
+            rt.block_on(async {
+                let resp = svc
+                    .ready()
+                    .await
+                    .unwrap()
+                    .call(request(&small, &rich, format!("p{i}")))
+                    .await
+                    .unwrap();
+                let _ = resp.into_body().collect().await.unwrap();
+                settlements.drain().await;
+            });
+        });
+    });
+    group.finish();
+}
+
+criterion_group!(
+    benches,
+    sse_parse,
+    meter_body,
+    token_counting,
+    refused_credit
+);
 criterion_main!(benches);

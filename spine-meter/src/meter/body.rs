@@ -879,6 +879,17 @@ impl State {
     fn fail(&mut self, event: Bytes) {
         self.upstream_done = true;
         self.error_seen = true;
+        // events queued before the failure still reach the caller first: their text counts
+        // in the record (the caller pays nothing either way)
+        for out in self.queue.iter_mut() {
+            for (index, text) in out.text.drain(..) {
+                self.choices
+                    .entry(index)
+                    .or_default()
+                    .delivered
+                    .push(&self.tokenizer, &text);
+            }
+        }
         if let Some(ctx) = self.ctx.take() {
             let billed = self.billed(&ctx, false);
             let claimed = self.claimed;
