@@ -34,6 +34,8 @@ const ENV_KEYS: &[(&str, Kind)] = &[
     ("first_token_timeout_secs", Kind::Int),
     ("stream_idle_timeout_secs", Kind::Int),
     ("max_vram_mib", Kind::Int),
+    ("node_stall_timeout_secs", Kind::Int),
+    ("stream_buffer_bytes", Kind::Int),
     ("redis_url", Kind::Str),
     ("instance_id", Kind::Str),
     ("redis_key_prefix", Kind::Str),
@@ -114,6 +116,16 @@ pub(crate) struct Config {
     /// Most VRAM, MiB, a node's self-reported `vram_mib` counts for in its routing weight.
     #[serde(default = "default_max_vram_mib")]
     pub(crate) max_vram_mib: u64,
+    /// A routable node with requests in flight and nothing received on any of them for this
+    /// long is probed at once; when the probe times out with still nothing received, the node
+    /// leaves routing (`TunnelServerConfig::stall_timeout`). 0 disables it. Seconds.
+    #[serde(default = "default_node_stall_timeout_secs")]
+    pub(crate) node_stall_timeout_secs: u64,
+    /// Per response stream: how many bytes of a node's answer the gateway reads ahead of a slow
+    /// caller, so the node's slot is freed when generation ends, not when the caller has read
+    /// it all (`spine_router::ReadAheadLayer`).
+    #[serde(default = "default_stream_buffer_bytes")]
+    pub(crate) stream_buffer_bytes: u64,
     /// Redis URL (`redis://host:port[/db]`). Set: multi-instance mode (design brief §8), which
     /// needs a `postgres://` `database_url` and a `cluster_secret`.
     #[serde(default)]
@@ -216,6 +228,12 @@ fn default_stream_idle_timeout_secs() -> u64 {
 }
 fn default_max_vram_mib() -> u64 {
     196_608
+}
+fn default_node_stall_timeout_secs() -> u64 {
+    5
+}
+fn default_stream_buffer_bytes() -> u64 {
+    4 * 1024 * 1024
 }
 fn default_instance_id() -> String {
     let mut bytes = [0u8; 4];
