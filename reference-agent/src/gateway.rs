@@ -241,7 +241,8 @@ where
 /// Dials `clients` in order, starting with the first. When a tunnel ends (the instance went away,
 /// e.g. `kill -9`) or a dial fails, the next URL is tried at once; only after every URL failed in
 /// a row (or, with a single URL, after each end) does the agent wait, following the clients'
-/// [`Backoff`](spine_transport::Backoff) (`min`..`max`; the full delay after a refusal). With one
+/// [`Backoff`](spine_transport::Backoff) (`min`..`max`; the full delay after a refusal, except
+/// `duplicate_session`: `duplicate_session_retry`, 1 s, without doubling). With one
 /// URL this is `TunnelClient::run_until`.
 ///
 /// # Cancel safety
@@ -327,10 +328,16 @@ async fn failover_loop<S>(
             Err(e) => {
                 failed_in_a_row += 1;
                 let refused = e.is_refused();
+                let duplicate =
+                    e.refusal() == Some(spine_transport::RefusalReason::DuplicateSession);
                 tracing::warn!(error = %e, gateway = i % n, "tunnel connect failed");
                 (failed_in_a_row >= n).then(|| {
                     failed_in_a_row = 0;
-                    if refused {
+                    if duplicate {
+                        // usually a reconnection race or a standby waiting for the active
+                        // agent to go: a short fixed interval, not the doubling backoff
+                        client.config().duplicate_session_retry
+                    } else if refused {
                         backoff.next_full()
                     } else {
                         backoff.next_jittered()
@@ -490,6 +497,71 @@ mod failover_tests {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         started.elapsed()
+    }
+
+    /// A standby agent with the active one's identity is refused `duplicate_session` while the
+    /// active one lives, and retries on the short fixed interval (1 s), not its backoff (here
+    /// 30 s → 60 s): once the active agent dies it takes over within seconds.
+    #[tokio::test]
+    async fn a_standby_agent_takes_over_within_seconds_after_duplicate_session() {
+        let identity = NodeIdentity::generate().unwrap();
+        let (port, tunnels) = gateway(&identity).await;
+        let client = |version: &str| {
+            let mut d = descriptor();
+            d.agent_version = version.into();
+            let mut c = TunnelClientConfig::new(
+                format!("ws://127.0.0.1:{port}/v1/tunnel"),
+                identity.clone(),
+                d,
+            );
+            c.allow_insecure_plaintext = true;
+            TunnelClient::new(c).unwrap()
+        };
+        let service = tower::service_fn(|_req: Request<hyper::body::Incoming>| async {
+            Ok::<_, std::convert::Infallible>(http::Response::new(BoxBody::default()))
+        });
+        let backoff = (Duration::from_secs(30), Duration::from_secs(60));
+        let holder = |tunnels: &Tunnels| {
+            tunnels
+                .connected()
+                .first()
+                .map(|(_, d)| d.agent_version.clone())
+        };
+        let active = tokio::spawn(run_failover(
+            vec![client("active")],
+            backoff,
+            service,
+            std::future::pending(),
+        ));
+        eventually("the active agent routable", || {
+            holder(&tunnels).as_deref() == Some("active")
+        })
+        .await;
+        let standby = tokio::spawn(run_failover(
+            vec![client("standby")],
+            backoff,
+            service,
+            std::future::pending(),
+        ));
+        // refused several times while the active one lives (a doubling backoff would now be
+        // at its 30 s floor)
+        tokio::time::sleep(Duration::from_millis(2500)).await;
+        assert_eq!(holder(&tunnels).as_deref(), Some("active"));
+        // the active agent dies: its tunnel's socket closes
+        active.abort();
+        let started = tokio::time::Instant::now();
+        while holder(&tunnels).as_deref() != Some("standby") {
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "the standby did not take over"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let took = started.elapsed();
+        println!("standby took over {took:?} after the active agent died");
+        // 1 s retry + health probe (1 s interval) + handshake, on a loaded machine
+        assert!(took < Duration::from_secs(5), "{took:?}");
+        standby.abort();
     }
 
     #[tokio::test]

@@ -190,6 +190,7 @@ async fn proxy(state: &AppState, req: Request, kind: RequestKind) -> Response {
         .unwrap_or_else(|_| http::Request::new(BoxBody::default()));
     upstream.extensions_mut().insert(account);
     upstream.extensions_mut().insert(key);
+    let request_id_copy = request_id.clone();
     if let Some(id) = request_id {
         upstream.extensions_mut().insert(id);
     }
@@ -198,7 +199,10 @@ async fn proxy(state: &AppState, req: Request, kind: RequestKind) -> Response {
     }
 
     match call_stack(state.stack.clone(), upstream).await {
-        Ok(resp) => into_client_response(resp, started, kind.path()).await,
+        Ok(resp) => {
+            note_serving_node(state, request_id_copy, &resp);
+            into_client_response(resp, started, kind.path()).await
+        }
         Err(e) => {
             let err = ApiError::from_stack(&e);
             if err.code == "rate_limit_exceeded" {
@@ -210,6 +214,38 @@ async fn proxy(state: &AppState, req: Request, kind: RequestKind) -> Response {
             err.into_response()
         }
     }
+}
+
+/// A streamed answer has begun: records its node on the request's hold
+/// (`Ledger::note_hold`), off the response path, so that if this process dies before the
+/// stream settles, the sweep's record names the node that served it. One small write per
+/// streamed request; a non-streamed answer is settled as it is returned, so it needs none.
+fn note_serving_node(
+    state: &AppState,
+    request_id: Option<RequestId>,
+    resp: &http::Response<BoxBody>,
+) {
+    let streamed = resp
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("text/event-stream"));
+    let node = resp.extensions().get::<spine_core::NodeId>().cloned();
+    let (Some(request_id), Some(node), true) =
+        (request_id, node, streamed && resp.status().is_success())
+    else {
+        return;
+    };
+    let store = state.store.clone();
+    tokio::spawn(async move {
+        let note = spine_meter::HoldNote {
+            node: Some(node),
+            known: None,
+        };
+        if let Err(e) = store.note_hold(request_id, note).await {
+            tracing::debug!(error = %e, "noting the serving node on the hold failed");
+        }
+    });
 }
 
 /// Largest node error body read to extract its message, bytes.

@@ -38,6 +38,8 @@ const ENV_KEYS: &[(&str, Kind)] = &[
     ("max_sse_event_bytes", Kind::Int),
     ("max_stream_duration_secs", Kind::Int),
     ("strip_engine_fields", Kind::Bool),
+    ("node_stall_timeout_secs", Kind::Int),
+    ("stream_buffer_bytes", Kind::Int),
     ("redis_url", Kind::Str),
     ("instance_id", Kind::Str),
     ("redis_key_prefix", Kind::Str),
@@ -133,6 +135,16 @@ pub(crate) struct Config {
     /// …) from what callers get: they tell one caller about other callers' requests.
     #[serde(default = "default_true")]
     pub(crate) strip_engine_fields: bool,
+    /// A routable node with requests in flight and nothing received on any of them for this
+    /// long is probed at once; when the probe times out with still nothing received, the node
+    /// leaves routing (`TunnelServerConfig::stall_timeout`). 0 disables it. Seconds.
+    #[serde(default = "default_node_stall_timeout_secs")]
+    pub(crate) node_stall_timeout_secs: u64,
+    /// Per response stream: how many bytes of a node's answer the gateway reads ahead of a slow
+    /// caller, so the node's slot is freed when generation ends, not when the caller has read
+    /// it all (`spine_router::ReadAheadLayer`).
+    #[serde(default = "default_stream_buffer_bytes")]
+    pub(crate) stream_buffer_bytes: u64,
     /// Redis URL (`redis://host:port[/db]`). Set: multi-instance mode (design brief §8), which
     /// needs a `postgres://` `database_url` and a `cluster_secret`.
     #[serde(default)]
@@ -244,6 +256,12 @@ fn default_true() -> bool {
 }
 fn default_max_vram_mib() -> u64 {
     196_608
+}
+fn default_node_stall_timeout_secs() -> u64 {
+    5
+}
+fn default_stream_buffer_bytes() -> u64 {
+    4 * 1024 * 1024
 }
 fn default_instance_id() -> String {
     let mut bytes = [0u8; 4];

@@ -178,7 +178,16 @@ impl ApiError {
                 format!("no node could take the request: {e}"),
             );
         }
-        Self::internal(err.to_string())
+        // Anything else came up from below the router: a node's body that broke before its
+        // first token on the last attempt (hyper's "error reading a body from connection"), an
+        // I/O error of the node's stream. Every such failure is the node's, before the first
+        // byte: 502 `node_failure`, never a 500 with the library's message.
+        Self::new(
+            StatusCode::BAD_GATEWAY,
+            "api_error",
+            "node_failure",
+            "the node failed before its answer began; try again",
+        )
     }
 
     fn from_meter(e: &MeterError) -> Self {
@@ -275,6 +284,35 @@ impl IntoResponse for ApiError {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+
+    /// The class behind "500 error reading a body from connection": whatever error the stack
+    /// returns that is not the gateway's own (a node's broken body, an I/O error) is the node's
+    /// failure before the first byte, 502 `node_failure`, with no library message.
+    #[test]
+    fn an_unrecognised_stack_error_is_a_502_node_failure() {
+        let errors: Vec<BoxError> = vec![
+            Box::new(std::io::Error::new(
+                std::io::ErrorKind::ConnectionReset,
+                "error reading a body from connection",
+            )),
+            "stream broke".into(),
+        ];
+        for err in errors {
+            let api = ApiError::from_stack(&err);
+            assert_eq!(api.status, StatusCode::BAD_GATEWAY);
+            assert_eq!((api.kind, api.code), ("api_error", "node_failure"));
+            assert_eq!(
+                api.message,
+                "the node failed before its answer began; try again"
+            );
+        }
+        // a wiring bug stays a 500
+        let err: BoxError = Box::new(RouteError::MissingPeek);
+        assert_eq!(
+            ApiError::from_stack(&err).status,
+            StatusCode::INTERNAL_SERVER_ERROR
+        );
+    }
 
     #[tokio::test]
     async fn a_ledger_failure_at_hold_time_is_a_503_with_retry_after() {

@@ -207,6 +207,7 @@ async fn run(cli: Cli) -> Result<(), MainError> {
     let cluster_slot: Arc<std::sync::OnceLock<cluster::Cluster>> = Arc::default();
     let mut tunnel_config = TunnelServerConfig::default();
     tunnel_config.gateway_id = config.gateway_id.clone();
+    tunnel_config.stall_timeout = std::time::Duration::from_secs(config.node_stall_timeout_secs);
     let tunnel_handshake_timeout = tunnel_config.handshake_timeout;
     let tunnel_server = TunnelServer::new(
         tunnel_config,
@@ -313,6 +314,11 @@ async fn run(cli: Cli) -> Result<(), MainError> {
     };
     let stack = ServiceBuilder::new()
         .layer(meter)
+        // below the meter: the node's answer is read at the node's pace into a bounded buffer
+        // (its slot is freed when generation ends); the meter counts what the caller takes
+        .layer(spine_router::ReadAheadLayer::new(
+            usize::try_from(config.stream_buffer_bytes).unwrap_or(usize::MAX),
+        ))
         .layer(
             route
                 .classify(Arc::new(SseClassify))
@@ -451,10 +457,22 @@ async fn run(cli: Cli) -> Result<(), MainError> {
         t.abort();
     }
     // Every stream has ended (or was cut); commit their settlements before exiting.
-    if tokio::time::timeout(grace, settlements.drain())
+    let drained = tokio::time::timeout(grace, settlements.drain())
         .await
-        .is_err()
-    {
+        .is_ok();
+    if drained {
+        // every request of this process has ended and its settlement is committed: a hold still
+        // active has no owner left; settled now, recorded as `shutdown` (not left to the next
+        // start, which would log it as after a crash)
+        match store.settle_holds_at_shutdown().await {
+            Ok(0) => {}
+            Ok(n) => tracing::warn!(
+                holds = n,
+                "settled holds no request owned at shutdown as upstream_failed (swept: shutdown)"
+            ),
+            Err(e) => tracing::warn!(error = %e, "shutdown sweep of holds failed"),
+        }
+    } else {
         // named, so an operator can reconcile them: the holds stay in the ledger and are
         // settled `upstream_failed` at the next start (SQLite, or PostgreSQL under the same
         // `instance_id`) or by another instance's sweep once this one's heartbeat has been

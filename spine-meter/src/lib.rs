@@ -15,9 +15,9 @@ mod test_support;
 
 pub use inject::{inject_include_usage, InjectError};
 pub use ledger::{
-    AccountBalance, Enrollment, EntryTotals, InstanceUpkeep, KeyLimits, Ledger, LedgerError,
-    LedgerFuture, NodeRecord, PgLedger, PgPoolConfig, RequestRecord, SettleResult, Settlement,
-    SqliteLedger, Store,
+    AccountBalance, Enrollment, EntryTotals, HoldNote, InstanceUpkeep, KeyLimits, Ledger,
+    LedgerError, LedgerFuture, NodeRecord, PgLedger, PgPoolConfig, RequestRecord, SettleResult,
+    Settlement, SqliteLedger, Store, SweepKind,
 };
 pub use price::Price;
 pub use tokenizer::{ModelTokenizer, TokenizerError};

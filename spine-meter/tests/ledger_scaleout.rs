@@ -219,6 +219,7 @@ async fn a_live_instances_holds_survive_peers_and_are_settled_once_after_it_stop
             "{id}"
         );
         assert_eq!(rec.debit_micros, 0);
+        assert_eq!(rec.swept, Some(spine_meter::SweepKind::Orphan), "{id}");
     }
     assert_eq!(b.settle_orphaned_holds(stale_after).await.unwrap(), 0);
 
@@ -590,6 +591,7 @@ async fn a_second_process_with_a_live_instance_id_is_refused_and_settles_nothing
     assert_eq!(restarted.settle_stale_holds().await.unwrap(), 1);
     let rec = restarted.request_record(r2).await.unwrap().unwrap();
     assert_eq!(rec.outcome, spine_core::StreamOutcome::UpstreamFailed);
+    assert_eq!(rec.swept, Some(spine_meter::SweepKind::Restart));
     // the old process, were it still alive, can no longer heartbeat under the id
     assert!(matches!(
         a.heartbeat_within(live_within).await,

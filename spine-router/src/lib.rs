@@ -13,6 +13,8 @@
 //! - [`AffinityStore`]: conversation affinity kept outside the process (several gateway
 //!   instances share it, e.g. in Redis); [`RouteLayer::affinity_store`] adds one, the in-memory
 //!   table stays the default and the fallback.
+//! - [`ReadAheadLayer`] / [`ReadAhead`]: reads each node's answer at the node's pace into a
+//!   bounded per-stream buffer, so a slow caller holds gateway memory, not the node's slot.
 //! - [`NodeDirectory`] / [`DirectoryDispatch`]: with several gateway instances, where a node's
 //!   tunnel is (here, on instance Y, unknown) and a service that sends each request to a local
 //!   or a remote service accordingly.
@@ -46,6 +48,7 @@
 mod affinity;
 mod directory;
 mod idle;
+mod readahead;
 mod registry;
 mod route;
 pub mod score;
@@ -56,6 +59,9 @@ pub use directory::{
     NodeLocation, RemoteOwner,
 };
 pub use idle::IdleTimer;
+pub use readahead::{
+    read_ahead, ReadAhead, ReadAheadFuture, ReadAheadLayer, DEFAULT_READ_AHEAD_BYTES,
+};
 pub use registry::{
     InFlightLease, NodeRegistry, NodeSnapshot, Pick, RegistryConfig, RouteError, ATTEMPTS_METRIC,
     STICKY_METRIC,

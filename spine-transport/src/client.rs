@@ -48,6 +48,12 @@ pub struct TunnelClientConfig {
     pub backoff_min: Duration,
     /// Largest reconnection delay. Default 30 s.
     pub backoff_max: Duration,
+    /// Fixed wait before dialling again after a `duplicate_session` refusal (the gateway still
+    /// holds a live-looking tunnel for this identity). Usually a reconnection race, or a
+    /// standby agent waiting for the active one to die: retried on this short interval, not
+    /// the doubling backoff, so a standby takes over within about this much after the gateway
+    /// drops the old tunnel. Default 1 s.
+    pub duplicate_session_retry: Duration,
     /// Bound on dialling, TLS, the WebSocket upgrade and the tunnel handshake, each. Default 10 s.
     pub connect_timeout: Duration,
     /// HTTP/2 PING interval towards the gateway (the gateway pings too). Default 10 s.
@@ -91,6 +97,7 @@ impl TunnelClientConfig {
             descriptor,
             backoff_min: Duration::from_secs(1),
             backoff_max: Duration::from_secs(30),
+            duplicate_session_retry: Duration::from_secs(1),
             connect_timeout: Duration::from_secs(10),
             keepalive_interval: Duration::from_secs(10),
             keepalive_timeout: Duration::from_secs(5),
@@ -484,7 +491,8 @@ impl TunnelClient {
     /// Keeps a tunnel up forever: connect, serve until the tunnel ends, wait, reconnect.
     ///
     /// Waits follow [`Backoff`] from `backoff_min` to `backoff_max`: jittered after a failed dial
-    /// or a tunnel that ended, the full delay after a refusal (design brief §4); back to the
+    /// or a tunnel that ended, the full delay after a refusal (design brief §4) except
+    /// `duplicate_session`, retried every `duplicate_session_retry` (1 s); back to the
     /// minimum once a tunnel is established. Never returns; drop the future to stop (abruptly:
     /// see [`run_until`](Self::run_until) for a graceful stop).
     ///
@@ -544,6 +552,14 @@ impl TunnelClient {
                         return;
                     }
                     backoff.next_jittered()
+                }
+                Err(e) if e.refusal() == Some(RefusalReason::DuplicateSession) => {
+                    let delay = self.config.duplicate_session_retry;
+                    info!(
+                        retry_in_ms = delay.as_millis() as u64,
+                        "gateway holds another tunnel for this node (duplicate_session)"
+                    );
+                    delay
                 }
                 Err(e) if e.is_refused() => {
                     let delay = backoff.next_full();

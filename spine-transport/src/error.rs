@@ -28,6 +28,7 @@ enum Kind {
     Protocol,
     Config,
     Request,
+    Stalled,
 }
 
 /// Whether `err` (hyper's HTTP/2 error) comes from the connection itself going away: an I/O
@@ -119,6 +120,10 @@ impl TunnelError {
         Self::new(Kind::Config)
     }
 
+    pub(crate) fn stalled() -> Self {
+        Self::new(Kind::Stalled)
+    }
+
     /// Classifies an error of hyper's HTTP/2 client or server connection.
     pub(crate) fn from_hyper(err: hyper::Error) -> Self {
         let kind = if err.is_timeout() {
@@ -191,6 +196,13 @@ impl TunnelError {
         self.kind == Kind::Config
     }
 
+    /// The node was found stalled (nothing received on any of its streams while its health
+    /// probe timed out) before this request received anything: nothing reached the caller, so
+    /// another node may serve it. The node has left routing.
+    pub fn is_stalled(&self) -> bool {
+        self.kind == Kind::Stalled
+    }
+
     fn description(&self) -> &'static str {
         match self.kind {
             Kind::UnknownNode => "no live tunnel for node",
@@ -203,6 +215,9 @@ impl TunnelError {
             Kind::Protocol => "tunnel protocol error",
             Kind::Config => "invalid tunnel configuration",
             Kind::Request => "tunnel request failed",
+            Kind::Stalled => {
+                "node stalled: no progress on its streams and its health probe timed out"
+            }
         }
     }
 }

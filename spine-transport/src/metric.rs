@@ -10,11 +10,12 @@
 //! | [`HANDSHAKES_REJECTED`] | counter | `reason` | refusals: every [`crate::RefusalReason`] code, plus `tls` (TLS handshake failed or timed out) and `bad_upgrade` (not a valid WebSocket upgrade) |
 //! | [`TAKEOVERS`] | counter | | new sessions that replaced a dead old one (reconnection race, design brief §4) |
 //! | [`REQUESTS_FORWARDED`] | counter | | requests whose response head came back through a tunnel |
-//! | [`REQUESTS_FAILED`] | counter | `reason` | `unknown_node`, `node_full`, `closed`, `timeout`, `error` (before the head); `body` (the body broke off after the head) |
+//! | [`REQUESTS_FAILED`] | counter | `reason` | `unknown_node`, `node_full`, `closed`, `timeout`, `error` (before the head); `body` (the body broke off after the head); `stalled` (failed before its first frame because its node was found stalled) |
 //! | [`FORWARD_SECONDS`] | histogram | | time from sending a request down a tunnel to its response head, seconds |
 //! | [`STREAMS_OPEN`] | gauge | | HTTP/2 streams open through all tunnels (requests in flight) |
 //! | [`HEALTH_PROBE_FAILURES`] | counter | | failed health probes of ready or warming nodes |
 //! | [`WRITE_STALLS`] | counter | | writes blocked past the write timeout (each kills its tunnel) |
+//! | [`NODE_STALLS`] | counter | | nodes found stalled: nothing on any of their streams while a health probe timed out (each takes the node out of routing) |
 
 /// Gauge: tunnels past the handshake.
 pub const TUNNELS_CONNECTED: &str = "spine_tunnels_connected";
@@ -38,6 +39,8 @@ pub const STREAMS_OPEN: &str = "spine_tunnel_streams_open";
 pub const HEALTH_PROBE_FAILURES: &str = "spine_tunnel_health_probe_failures_total";
 /// Counter: writes blocked past the write timeout.
 pub const WRITE_STALLS: &str = "spine_tunnel_write_stalls_total";
+/// Counter: nodes found stalled (no progress on their streams, health probe timed out).
+pub const NODE_STALLS: &str = "spine_tunnel_node_stalls_total";
 
 /// Suggested histogram buckets for [`FORWARD_SECONDS`], seconds.
 pub const FORWARD_SECONDS_BUCKETS: &[f64] = &[
@@ -64,6 +67,7 @@ pub fn describe() {
         "timeout",
         "error",
         "body",
+        "stalled",
     ] {
         metrics::counter!(REQUESTS_FAILED, "reason" => r).absolute(0);
     }
@@ -72,4 +76,5 @@ pub fn describe() {
     metrics::counter!(REQUESTS_FORWARDED).absolute(0);
     metrics::counter!(HEALTH_PROBE_FAILURES).absolute(0);
     metrics::counter!(WRITE_STALLS).absolute(0);
+    metrics::counter!(NODE_STALLS).absolute(0);
 }

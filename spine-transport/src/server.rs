@@ -180,6 +180,17 @@ pub struct TunnelServerConfig {
     /// Reconnection race: how long a new session waits for the old session of the same node to
     /// answer a liveness probe before replacing it. Default 2 s.
     pub takeover_probe_timeout: Duration,
+    /// Stall detection: a routable node with streams open that has received no response head
+    /// and no body frame on any of them for this long is probed at once (checked every
+    /// `health_probe_interval`); when that probe (or any probe) times out while the node's
+    /// streams are open and still nothing arrives, the engine is hung: the node leaves routing
+    /// at once (no second failure needed: two signals agree) and its streams that have received
+    /// nothing yet fail with [`TunnelError::is_stalled`], so a router retries them elsewhere.
+    /// A hung node with requests in flight is therefore out of routing within
+    /// `stall_timeout + health_probe_interval + health_probe_timeout` (11 s by default); one
+    /// passing probe brings it back. `Duration::ZERO` disables it (a timed-out probe on a full
+    /// node is then never counted, as before). Default 5 s.
+    pub stall_timeout: Duration,
 }
 
 impl Default for TunnelServerConfig {
@@ -202,6 +213,7 @@ impl Default for TunnelServerConfig {
             health_check_interval: Duration::from_secs(10),
             health_failures_to_leave: 2,
             takeover_probe_timeout: Duration::from_secs(2),
+            stall_timeout: Duration::from_secs(5),
         }
     }
 }
@@ -276,9 +288,41 @@ struct SessionShared {
     max_streams: u32,
     /// Incremented for every WebSocket message received.
     activity: Arc<AtomicU64>,
+    /// Response heads and body frames received on this session's request streams (not its
+    /// probes): the engine's progress.
+    progress: AtomicU64,
+    /// When progress was last seen (or the node went from idle to busy), milliseconds since
+    /// `epoch`.
+    last_progress_ms: AtomicU64,
+    epoch: Instant,
+    /// Bumped each time the node is found stalled; streams that have received nothing yet fail
+    /// when it changes.
+    stall: tokio::sync::watch::Sender<u64>,
     last_heartbeat_ms: AtomicU64,
     /// Fired to end the session (it was taken over).
     kill: Notify,
+}
+
+impl SessionShared {
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// A response head or body frame arrived on a request stream.
+    fn progressed(&self) {
+        self.progress.fetch_add(1, Ordering::Relaxed);
+        self.last_progress_ms
+            .store(self.now_ms(), Ordering::Relaxed);
+    }
+
+    /// How long the node has had streams open with nothing received; zero when idle.
+    fn quiet_for(&self) -> Duration {
+        if self.streams_open.load(Ordering::Acquire) == 0 {
+            return Duration::ZERO;
+        }
+        let last = self.last_progress_ms.load(Ordering::Relaxed);
+        Duration::from_millis(self.now_ms().saturating_sub(last))
+    }
 }
 
 struct Session {
@@ -893,6 +937,10 @@ fn reserve(
                 streams_open: AtomicU32::new(0),
                 max_streams,
                 activity: Arc::new(AtomicU64::new(0)),
+                progress: AtomicU64::new(0),
+                last_progress_ms: AtomicU64::new(0),
+                epoch: Instant::now(),
+                stall: tokio::sync::watch::Sender::new(0),
                 last_heartbeat_ms: AtomicU64::new(0),
                 kill: Notify::new(),
             });
@@ -1071,7 +1119,10 @@ async fn maintain(
     mut sender: SendRequest<BoxBody>,
 ) {
     let config = &shared.config;
+    let stall_detection = !config.stall_timeout.is_zero();
     loop {
+        let progress_before = session.progress.load(Ordering::Relaxed);
+        let busy_before = session.streams_open.load(Ordering::Acquire) > 0;
         let result = if sender.is_closed() {
             ProbeResult {
                 healthy: false,
@@ -1081,15 +1132,24 @@ async fn maintain(
         } else {
             probe_health(&mut sender, config.health_probe_timeout).await
         };
-        // A probe that timed out while every request stream was in use says the node is busy,
-        // not that it is sick: an agent of this crate keeps a stream free for probes, but a
-        // busy node must not leave routing even when it does not. PING keepalive still finds a
-        // dead tunnel.
-        let inconclusive = !result.healthy
+        // Stalled: the probe timed out while requests were in flight and none of them received
+        // anything meanwhile. Two signals agree that the engine is hung (a busy engine keeps
+        // streaming, or answers its health probe), so one such probe takes the node out.
+        let stalled = stall_detection
+            && !result.healthy
+            && result.timed_out
+            && busy_before
+            && session.streams_open.load(Ordering::Acquire) > 0
+            && session.progress.load(Ordering::Relaxed) == progress_before;
+        // A probe that timed out while every request stream was in use, with data still
+        // arriving, says the node is busy, not that it is sick: an agent of this crate keeps a
+        // stream free for probes, but a busy node must not leave routing even when it does not.
+        let inconclusive = !stalled
+            && !result.healthy
             && result.timed_out
             && session.streams_open.load(Ordering::Relaxed) >= session.max_streams;
         if inconclusive {
-            debug!(%node, "health probe timed out while the node is full; not counted");
+            debug!(%node, "health probe timed out while the node is full and streaming; not counted");
         } else if !result.healthy {
             metrics::counter!(metric::HEALTH_PROBE_FAILURES).increment(1);
         }
@@ -1127,32 +1187,106 @@ async fn maintain(
                 s.consecutive_probe_failures = s.consecutive_probe_failures.saturating_add(1);
                 s.models_running.iter_mut().for_each(|r| *r = false);
                 if s.state != TunnelState::Warming
-                    && s.consecutive_probe_failures >= config.health_failures_to_leave.max(1)
+                    && (stalled
+                        || s.consecutive_probe_failures >= config.health_failures_to_leave.max(1))
                 {
                     s.state = TunnelState::Unhealthy;
                     if s.routable {
                         s.routable = false;
                         metrics::gauge!(metric::NODES_ROUTABLE).decrement(1.0);
-                        warn!(
-                            %node,
-                            failures = s.consecutive_probe_failures,
-                            "health probes failing; node leaves routing"
-                        );
+                        if stalled {
+                            warn!(
+                                %node,
+                                streams_open = session.streams_open.load(Ordering::Relaxed),
+                                "no progress on the node's streams and its health probe timed \
+                                 out; node leaves routing"
+                            );
+                        } else {
+                            warn!(
+                                %node,
+                                failures = s.consecutive_probe_failures,
+                                "health probes failing; node leaves routing"
+                            );
+                        }
                         shared.events.node_gone(node);
                     }
                 }
             }
             s.state == TunnelState::Warming
         };
+        if stalled {
+            metrics::counter!(metric::NODE_STALLS).increment(1);
+            // streams that received nothing yet fail now, to be retried elsewhere
+            session
+                .stall
+                .send_modify(|epoch| *epoch = epoch.wrapping_add(1));
+        }
         if heartbeat {
             shared.heartbeat(node, session);
         }
-        let wait = if warming {
+        // Warming, failing or out of routing: probe often, so a failure is confirmed and a
+        // recovered node comes back within about `health_probe_interval`; a ready node (or one
+        // busy streaming) every `health_check_interval`.
+        let wait = if warming || !(result.healthy || inconclusive) {
             config.health_probe_interval
         } else {
             config.health_check_interval
         };
-        tokio::time::sleep(wait).await;
+        // A passing probe restarts the stall clock: a node busy with long non-streamed requests
+        // (no bytes until the end) is probed once per `stall_timeout`, not every tick.
+        let quiet_floor = if result.healthy {
+            session.quiet_for()
+        } else {
+            Duration::ZERO
+        };
+        wait_or_stall(shared, node, session_id, session, wait, quiet_floor).await;
+    }
+}
+
+/// Sleeps `wait`, but returns early, to probe at once, when the node is routable, has streams
+/// open and has received nothing on them for `stall_timeout` (checked every
+/// `health_probe_interval`). `quiet_floor`: the quiet time already accounted for by a passing
+/// probe, which does not count again.
+async fn wait_or_stall(
+    shared: &Shared,
+    node: &NodeId,
+    session_id: u64,
+    session: &SessionShared,
+    wait: Duration,
+    quiet_floor: Duration,
+) {
+    let config = &shared.config;
+    let until = Instant::now() + wait;
+    if config.stall_timeout.is_zero() {
+        tokio::time::sleep_until(until).await;
+        return;
+    }
+    let tick = config
+        .health_probe_interval
+        .min(config.stall_timeout)
+        .max(Duration::from_millis(10));
+    let mut floor = quiet_floor;
+    loop {
+        let now = Instant::now();
+        if now >= until {
+            return;
+        }
+        tokio::time::sleep_until(until.min(now + tick)).await;
+        let quiet = session.quiet_for();
+        if quiet < floor {
+            // progress (or idle) since: the floor no longer applies
+            floor = Duration::ZERO;
+        }
+        if quiet.saturating_sub(floor) >= config.stall_timeout {
+            let routable = shared
+                .sessions()
+                .get(node)
+                .is_some_and(|s| s.id == session_id && s.routable);
+            if routable {
+                debug!(%node, quiet_ms = quiet.as_millis() as u64, "no progress on the node's streams; probing now");
+                return;
+            }
+        }
     }
 }
 
@@ -1278,11 +1412,17 @@ impl Tunnels {
             .build()
             .map_err(|e| TunnelError::protocol().with_source(e))?;
         let started = Instant::now();
-        let res = async {
-            sender.ready().await?;
-            sender.send_request(req).await
-        }
-        .await;
+        let mut stall = stream.stall_signal();
+        let res = tokio::select! {
+            res = async {
+                sender.ready().await?;
+                sender.send_request(req).await
+            } => res,
+            () = &mut stall => {
+                metrics::counter!(metric::REQUESTS_FAILED, "reason" => "stalled").increment(1);
+                return Err(TunnelError::stalled().with_detail(node.as_str()));
+            }
+        };
         let resp = match res {
             Ok(resp) => resp,
             Err(e) => {
@@ -1300,11 +1440,13 @@ impl Tunnels {
         };
         metrics::histogram!(metric::FORWARD_SECONDS).record(started.elapsed().as_secs_f64());
         metrics::counter!(metric::REQUESTS_FORWARDED).increment(1);
+        session.progressed();
         self.shared.heartbeat(node, &session);
         Ok(resp.map(|body| {
             StreamBody {
                 inner: body,
-                _stream: stream,
+                stall: Some(stall),
+                stream,
             }
             .boxed_unsync()
         }))
@@ -1326,16 +1468,36 @@ struct StreamGuard {
 impl StreamGuard {
     fn acquire(session: Arc<SessionShared>) -> Option<Self> {
         let max = session.max_streams;
-        session
+        let before = session
             .streams_open
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
                 (n < max).then_some(n + 1)
             })
             .ok()?;
+        if before == 0 {
+            // idle → busy: the stall clock starts now
+            session
+                .last_progress_ms
+                .store(session.now_ms(), Ordering::Relaxed);
+        }
         metrics::gauge!(metric::STREAMS_OPEN).increment(1.0);
         Some(Self { session })
     }
+
+    /// Completes when the node is found stalled after this stream was opened.
+    fn stall_signal(&self) -> StallSignal {
+        let mut rx = self.session.stall.subscribe();
+        Box::pin(async move {
+            if rx.changed().await.is_err() {
+                // the session is gone; its connection's end fails the stream
+                std::future::pending::<()>().await;
+            }
+        })
+    }
 }
+
+/// See [`StreamGuard::stall_signal`].
+type StallSignal = Pin<Box<dyn Future<Output = ()> + Send>>;
 
 impl Drop for StreamGuard {
     fn drop(&mut self) {
@@ -1345,12 +1507,15 @@ impl Drop for StreamGuard {
 }
 
 pin_project_lite::pin_project! {
-    /// A response body from a tunnel: holds its stream's slot until it ends or is dropped, and
-    /// counts a body that breaks off.
+    /// A response body from a tunnel: holds its stream's slot until it ends or is dropped,
+    /// counts its frames as the node's progress and a body that breaks off, and fails with
+    /// [`TunnelError::is_stalled`] when the node is found stalled before its first frame.
     struct StreamBody {
         #[pin]
         inner: Incoming,
-        _stream: StreamGuard,
+        // until the first frame
+        stall: Option<StallSignal>,
+        stream: StreamGuard,
     }
 }
 
@@ -1363,12 +1528,30 @@ impl http_body::Body for StreamBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<http_body::Frame<Bytes>, BoxError>>> {
         let this = self.project();
-        match this.inner.poll_frame(cx) {
+        let polled = this.inner.poll_frame(cx);
+        match polled {
             Poll::Ready(Some(Err(e))) => {
                 metrics::counter!(metric::REQUESTS_FAILED, "reason" => "body").increment(1);
                 Poll::Ready(Some(Err(Box::new(e))))
             }
-            other => other.map_err(|e| Box::new(e) as BoxError),
+            Poll::Ready(Some(Ok(frame))) => {
+                *this.stall = None;
+                this.stream.session.progressed();
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(None) => Poll::Ready(None),
+            Poll::Pending => {
+                let stalled = this
+                    .stall
+                    .as_mut()
+                    .is_some_and(|stall| stall.as_mut().poll(cx).is_ready());
+                if !stalled {
+                    return Poll::Pending;
+                }
+                *this.stall = None;
+                metrics::counter!(metric::REQUESTS_FAILED, "reason" => "stalled").increment(1);
+                Poll::Ready(Some(Err(Box::new(TunnelError::stalled()))))
+            }
         }
     }
 

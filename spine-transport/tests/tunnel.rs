@@ -973,3 +973,163 @@ async fn graceful_shutdown_finishes_in_flight_then_closes() {
     assert!(res.is_ok(), "{res:?}");
     assert_eq!(gw.next_event().await, Event::Gone(gw.node.clone()));
 }
+
+/// An engine that can hang (SIGSTOP, as the agent sees it): while `hung`, `/health` and new
+/// requests get no answer at all; `/slow` sends one chunk and then nothing.
+#[derive(Clone, Default)]
+struct Hangable {
+    hung: Arc<AtomicBool>,
+}
+
+impl Hangable {
+    fn service(
+        &self,
+    ) -> impl tower::Service<
+        Request<Incoming>,
+        Response = Response<BoxBody>,
+        Error = Infallible,
+        Future = impl Send + 'static,
+    > + Clone
+           + Send
+           + 'static {
+        let hung = self.hung.clone();
+        tower::service_fn(move |req: Request<Incoming>| {
+            let hung = hung.clone();
+            async move {
+                if hung.load(Ordering::SeqCst) {
+                    // no answer until the gateway gives up (the stream is reset)
+                    tokio::time::sleep(Duration::from_secs(3600)).await;
+                }
+                let body = match req.uri().path() {
+                    "/slow" => {
+                        let chunks = futures_util::stream::once(async {
+                            Ok::<_, spine_core::BoxError>(Frame::data(Bytes::from_static(b"tok")))
+                        })
+                        .chain(futures_util::stream::pending());
+                        StreamBody::new(chunks).boxed_unsync()
+                    }
+                    _ => Full::new(Bytes::from_static(b"ok"))
+                        .map_err(|e| match e {})
+                        .boxed_unsync(),
+                };
+                Ok::<_, Infallible>(Response::new(body))
+            }
+        })
+    }
+}
+
+/// A node whose engine hangs while requests are in flight (nothing arrives on its streams and
+/// its health probe times out) leaves routing after `stall_timeout + health_probe_interval +
+/// health_probe_timeout`, not after the regular probes (every 10 s here) fail twice; its
+/// requests that had received nothing fail at once as stalled (a router retries them
+/// elsewhere), the stream that was already delivering is left to its idle bound, and the node
+/// comes back when a probe passes.
+#[tokio::test]
+async fn a_hung_engine_with_requests_in_flight_leaves_routing_within_the_stall_bound() {
+    let mut config = TunnelServerConfig::default();
+    config.health_probe_interval = Duration::from_millis(50);
+    config.health_check_interval = Duration::from_secs(10);
+    config.health_probe_timeout = Duration::from_millis(300);
+    config.stall_timeout = Duration::from_millis(300);
+    let mut gw = Gateway::start(config).await;
+    let engine = Hangable::default();
+    let session = gw.client(gw.identity.clone()).connect().await.unwrap();
+    let serve = tokio::spawn(session.serve(engine.service()));
+    assert!(matches!(gw.next_event().await, Event::Ready(..)));
+
+    // a stream that has delivered its first token
+    let slow = gw
+        .tunnels
+        .send(&gw.node, empty_request("GET", "/slow"))
+        .await
+        .unwrap();
+    let mut slow = slow.into_body();
+    let first = slow.frame().await.unwrap().unwrap().into_data().unwrap();
+    assert_eq!(&first[..], b"tok");
+
+    // the engine hangs; a new request waits for its head
+    engine.hung.store(true, Ordering::SeqCst);
+    let hung_at = tokio::time::Instant::now();
+    let tunnels = gw.tunnels.clone();
+    let node = gw.node.clone();
+    let waiting = tokio::spawn(async move {
+        let res = tunnels.send(&node, empty_request("POST", "/echo")).await;
+        (res.map(|_| ()), tokio::time::Instant::now())
+    });
+
+    assert_eq!(gw.next_event().await, Event::Gone(gw.node.clone()));
+    let left_after = hung_at.elapsed();
+    eprintln!("hung node left routing after {left_after:?}");
+    // bound: 300 ms quiet + 50 ms tick + 300 ms probe = 650 ms; the regular probes alone would
+    // take 10 s. Generous for a loaded machine, far under what the old rule took.
+    assert!(left_after < Duration::from_secs(5), "{left_after:?}");
+    let status = gw.tunnels.status(&gw.node).unwrap();
+    assert_eq!(status.state, spine_transport::TunnelState::Unhealthy);
+    assert!(gw.tunnels.connected().is_empty());
+
+    // the waiting request failed at once, as stalled
+    let (res, failed_at) = waiting.await.unwrap();
+    let err = res.unwrap_err();
+    assert!(err.is_stalled(), "{err}");
+    assert!(!err.is_node_full() && !err.is_closed());
+    assert!(failed_at.duration_since(hung_at) < Duration::from_secs(5));
+
+    // the stream that already delivered is not cut by the stall (bytes reached the caller)
+    assert!(
+        tokio::time::timeout(Duration::from_millis(200), slow.frame())
+            .await
+            .is_err(),
+        "the delivering stream was cut"
+    );
+
+    // the engine resumes: the next probe passes and the node is back
+    engine.hung.store(false, Ordering::SeqCst);
+    assert_eq!(
+        gw.next_event().await,
+        Event::Ready(gw.node.clone(), descriptor())
+    );
+    drop(slow);
+    serve.abort();
+}
+
+/// A node busy only with requests that send nothing until they are done (non-streamed), whose
+/// engine still answers its health probe, stays routable: one signal is not a stall.
+#[tokio::test]
+async fn quiet_streams_with_a_passing_probe_are_not_a_stall() {
+    let mut config = TunnelServerConfig::default();
+    config.health_probe_interval = Duration::from_millis(50);
+    config.health_check_interval = Duration::from_secs(10);
+    config.health_probe_timeout = Duration::from_millis(300);
+    config.stall_timeout = Duration::from_millis(100);
+    let mut gw = Gateway::start(config).await;
+    let agent = Agent::new(true);
+    let session = gw.client(gw.identity.clone()).connect().await.unwrap();
+    let serve = tokio::spawn(session.serve(agent.service()));
+    assert!(matches!(gw.next_event().await, Event::Ready(..)));
+    let (tx, rx) = mpsc::channel::<Bytes>(1);
+    *agent.chunks.lock().unwrap() = Some(rx);
+    let resp = gw
+        .tunnels
+        .send(&gw.node, empty_request("GET", "/stream"))
+        .await
+        .unwrap();
+    let ok_before = gw
+        .tunnels
+        .status(&gw.node)
+        .unwrap()
+        .last_probe_ok_unix_ms
+        .unwrap();
+    // ten stall periods with nothing on the stream: probed, passes, stays
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let status = gw.tunnels.status(&gw.node).unwrap();
+    assert_eq!(status.state, spine_transport::TunnelState::Ready);
+    assert_eq!(status.consecutive_probe_failures, 0);
+    // the stall clock made it probe early (the regular check is 10 s away)
+    assert!(status.last_probe_ok_unix_ms.unwrap() > ok_before);
+    assert!(gw.events.try_recv().is_err(), "no node_gone");
+    tx.send(Bytes::from_static(b"done")).await.unwrap();
+    drop(tx);
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(&body[..], b"done");
+    serve.abort();
+}

@@ -272,6 +272,53 @@ pub struct SettleResult {
     pub already_settled: bool,
 }
 
+/// Which sweep settled a hold its request's own settlement never reached
+/// ([`RequestRecord::swept`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum SweepKind {
+    /// At start-up, a previous run's leftovers: that run crashed or was killed
+    /// ([`Store::settle_stale_holds`]).
+    Restart,
+    /// By another instance, after the placing instance's heartbeat lapsed
+    /// ([`PgLedger::settle_orphaned_holds`]).
+    Orphan,
+    /// At a clean shutdown, after the requests in flight ended and their settlements were
+    /// committed: holds nobody settled ([`Store::settle_holds_at_shutdown`]).
+    Shutdown,
+}
+
+impl SweepKind {
+    /// The stored (and serialised) name: `restart`, `orphan`, `shutdown`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Restart => "restart",
+            Self::Orphan => "orphan",
+            Self::Shutdown => "shutdown",
+        }
+    }
+
+    pub(crate) fn parse(s: &str) -> Option<Self> {
+        match s {
+            "restart" => Some(Self::Restart),
+            "orphan" => Some(Self::Orphan),
+            "shutdown" => Some(Self::Shutdown),
+            _ => None,
+        }
+    }
+}
+
+/// What is known about a request in flight, recorded on its hold ([`Ledger::note_hold`]) so
+/// that a sweep's record keeps it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct HoldNote {
+    /// The node serving the request (once picked); `None` leaves what was recorded.
+    pub node: Option<NodeId>,
+    /// The usage counted so far (the independent count); `None` leaves what was recorded.
+    pub known: Option<Usage>,
+}
+
 /// One request as `GET /admin/v1/requests/{id}` shows it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RequestRecord {
@@ -307,6 +354,11 @@ pub struct RequestRecord {
     pub hold_micros: u64,
     /// When it was settled, Unix milliseconds.
     pub created_at_ms: i64,
+    /// Set when a sweep settled it (the request's own settlement never came): which one. Such
+    /// records are `upstream_failed` (the caller pays nothing) and keep the node and the usage
+    /// recorded on the hold ([`Ledger::note_hold`]).
+    #[serde(default)]
+    pub swept: Option<SweepKind>,
 }
 
 /// What the metering layer needs from a ledger. Object safe: use as `Arc<dyn Ledger>`.
@@ -330,6 +382,23 @@ pub trait Ledger: Send + Sync + std::fmt::Debug + 'static {
         model: ModelId,
         amount_micros: u64,
     ) -> LedgerFuture<'_, ()>;
+
+    /// Records on the request's active hold what is known so far (the node once picked, the
+    /// usage counted so far), so that a sweep that settles the hold — after a crash, an
+    /// instance lost, or a shutdown — keeps them in the request record instead of a null node
+    /// and zero tokens. No effect when the hold is no longer active. Default: does nothing.
+    ///
+    /// # Errors
+    ///
+    /// [`LedgerError::Database`], [`LedgerError::OutOfRange`].
+    ///
+    /// # Cancel safety
+    ///
+    /// One statement: dropped before completion, either it was recorded or not.
+    fn note_hold(&self, request_id: RequestId, note: HoldNote) -> LedgerFuture<'_, ()> {
+        let _ = (request_id, note);
+        Box::pin(std::future::ready(Ok(())))
+    }
 
     /// Releases the request's active hold, if any (idempotent).
     ///
@@ -580,6 +649,19 @@ pub trait Store: Ledger {
     /// [`LedgerError::Database`], [`LedgerError::Corrupt`]. Holds settled before the error stay
     /// settled; calling again settles the rest.
     fn settle_stale_holds(&self) -> LedgerFuture<'_, u64>;
+
+    /// At a clean shutdown, once every request in flight has ended and its settlement was
+    /// committed: settles the holds still active that this process placed (none, unless a
+    /// request lost its owner), as [`Store::settle_stale_holds`] does, but recorded as
+    /// [`SweepKind::Shutdown`]; returns how many. A [`PgLedger`] without an instance id settles
+    /// nothing (it cannot tell its holds from other instances'). Default: settles nothing.
+    ///
+    /// # Errors
+    ///
+    /// As [`Store::settle_stale_holds`].
+    fn settle_holds_at_shutdown(&self) -> LedgerFuture<'_, u64> {
+        Box::pin(std::future::ready(Ok(0)))
+    }
 
     /// Sum of all ledger entries, micros; zero unless the books are broken.
     ///

@@ -16,8 +16,9 @@ use spine_core::{
 
 use super::convert::{db, now_ms, to_i64, to_u64};
 use super::{
-    AccountBalance, Enrollment, EntryTotals, KeyLimits, Ledger, LedgerError, LedgerFuture,
-    NodeRecord, RequestRecord, SettleAmounts, SettleResult, Settlement, Store,
+    AccountBalance, Enrollment, EntryTotals, HoldNote, KeyLimits, Ledger, LedgerError,
+    LedgerFuture, NodeRecord, RequestRecord, SettleAmounts, SettleResult, Settlement, Store,
+    SweepKind,
 };
 use crate::price::Price;
 
@@ -144,6 +145,17 @@ CREATE TABLE key_limits (
         // which process holds an instance id: two live processes under one id are refused
         r#"
 ALTER TABLE instances ADD COLUMN nonce TEXT;
+"#,
+    ),
+    (
+        5,
+        // what is known of a request in flight, on its hold (`Ledger::note_hold`), so a sweep's
+        // record keeps the node and the usage; which sweep settled a request (SQLite's 5)
+        r#"
+ALTER TABLE holds ADD COLUMN node_id TEXT;
+ALTER TABLE holds ADD COLUMN prompt_tokens BIGINT;
+ALTER TABLE holds ADD COLUMN completion_tokens BIGINT;
+ALTER TABLE requests ADD COLUMN swept TEXT;
 "#,
     ),
 ];
@@ -665,7 +677,7 @@ impl PgLedger {
         // ids, which may still be serving it (rolling upgrade): swept only once it is older
         // than `stale_after` (its creation time, the placing gateway's clock)
         let sql = format!(
-            "SELECT request_id, account_id, model FROM holds h
+            "SELECT request_id, account_id, model, node_id, prompt_tokens, completion_tokens FROM holds h
              WHERE state = 'held'
                AND h.instance_id IS DISTINCT FROM $1
                AND CASE WHEN h.instance_id IS NULL
@@ -683,7 +695,7 @@ impl PgLedger {
             .fetch_all(&mut *self.acquire().await?)
             .await
             .map_err(db)?;
-        self.settle_hold_rows(rows).await
+        self.settle_hold_rows(rows, SweepKind::Orphan).await
     }
 
     /// Keeps this instance's heartbeat and sweeps orphaned holds until `shutdown` is cancelled:
@@ -1121,53 +1133,94 @@ impl PgLedger {
         Ok(OperatorId::from(id))
     }
 
-    async fn settle_stale_holds_impl(&self) -> Result<u64, LedgerError> {
+    async fn settle_stale_holds_impl(&self, kind: SweepKind) -> Result<u64, LedgerError> {
+        const COLUMNS: &str =
+            "request_id, account_id, model, node_id, prompt_tokens, completion_tokens";
         let rows = match &self.instance_id {
-            Some(id) => sqlx::query(
-                "SELECT request_id, account_id, model FROM holds WHERE state = 'held' AND instance_id = $1 ORDER BY created_at_ms, request_id",
-            )
+            Some(id) => sqlx::query(&format!(
+                "SELECT {COLUMNS} FROM holds WHERE state = 'held' AND instance_id = $1 ORDER BY created_at_ms, request_id"
+            ))
             .bind(id.as_ref())
             .fetch_all(&mut *self.acquire().await?)
             .await
             .map_err(db)?,
-            None => sqlx::query(
-                "SELECT request_id, account_id, model FROM holds WHERE state = 'held' ORDER BY created_at_ms, request_id",
-            )
+            // without an instance id this process cannot tell its holds from other instances':
+            // at shutdown it settles nothing
+            None if kind == SweepKind::Shutdown => return Ok(0),
+            None => sqlx::query(&format!(
+                "SELECT {COLUMNS} FROM holds WHERE state = 'held' ORDER BY created_at_ms, request_id"
+            ))
             .fetch_all(&mut *self.acquire().await?)
             .await
             .map_err(db)?,
         };
-        self.settle_hold_rows(rows).await
+        self.settle_hold_rows(rows, kind).await
     }
 
-    /// Settles each `(request_id, account_id, model)` hold row as `upstream_failed`; returns how
-    /// many this call settled (not those settled meanwhile by someone else).
-    async fn settle_hold_rows(&self, rows: Vec<PgRow>) -> Result<u64, LedgerError> {
+    /// Settles each hold row (`request_id, account_id, model, node_id, prompt_tokens,
+    /// completion_tokens`) as `upstream_failed`, recorded as swept by `kind` with the node and
+    /// usage the hold noted; returns how many this call settled (not those settled meanwhile by
+    /// someone else).
+    async fn settle_hold_rows(
+        &self,
+        rows: Vec<PgRow>,
+        kind: SweepKind,
+    ) -> Result<u64, LedgerError> {
         let mut settled = 0;
         for row in rows {
             let request_id: String = row.try_get("request_id").map_err(db)?;
             let account: String = row.try_get("account_id").map_err(db)?;
             let model: Option<String> = row.try_get("model").map_err(db)?;
-            let result = self
-                .settle_impl(Settlement {
-                    request_id: RequestId::from(request_id),
-                    account: AccountId::from(account),
-                    node: None,
-                    model: ModelId::from(model.unwrap_or_else(|| "unknown".to_owned())),
-                    outcome: StreamOutcome::UpstreamFailed,
-                    billed: Usage::default(),
-                    claimed: None,
-                    usage_source: UsageSource::Independent,
-                    discrepancy: false,
-                    price: Price::default(),
-                    share_bps: 0,
-                })
-                .await?;
+            let node: Option<String> = row.try_get("node_id").map_err(db)?;
+            let prompt: Option<i64> = row.try_get("prompt_tokens").map_err(db)?;
+            let completion: Option<i64> = row.try_get("completion_tokens").map_err(db)?;
+            let settlement = Settlement {
+                request_id: RequestId::from(request_id),
+                account: AccountId::from(account),
+                node: node.map(NodeId::from),
+                model: ModelId::from(model.unwrap_or_else(|| "unknown".to_owned())),
+                outcome: StreamOutcome::UpstreamFailed,
+                billed: Usage {
+                    prompt_tokens: to_u64(prompt.unwrap_or(0), "prompt_tokens")?,
+                    completion_tokens: to_u64(completion.unwrap_or(0), "completion_tokens")?,
+                },
+                claimed: None,
+                usage_source: UsageSource::Independent,
+                discrepancy: false,
+                price: Price::default(),
+                share_bps: 0,
+            };
+            let result = retrying!(self.settle_once(&settlement, Some(kind)).await)?;
             if !result.already_settled {
                 settled += 1;
             }
         }
         Ok(settled)
+    }
+
+    async fn note_hold_once(
+        &self,
+        request_id: &RequestId,
+        note: &HoldNote,
+    ) -> Result<(), LedgerError> {
+        let prompt = note.known.map(|u| to_i64(u.prompt_tokens)).transpose()?;
+        let completion = note
+            .known
+            .map(|u| to_i64(u.completion_tokens))
+            .transpose()?;
+        sqlx::query(
+            "UPDATE holds SET node_id = COALESCE($1, node_id), prompt_tokens = COALESCE($2, prompt_tokens),
+                completion_tokens = COALESCE($3, completion_tokens)
+             WHERE request_id = $4 AND state = 'held'",
+        )
+        .bind(note.node.as_ref().map(NodeId::as_str))
+        .bind(prompt)
+        .bind(completion)
+        .bind(request_id.as_str())
+        .execute(&mut *self.acquire().await?)
+        .await
+        .map_err(db)?;
+        Ok(())
     }
 
     async fn set_key_limits_impl(
@@ -1368,10 +1421,14 @@ impl PgLedger {
     }
 
     async fn settle_impl(&self, s: Settlement) -> Result<SettleResult, LedgerError> {
-        retrying!(self.settle_once(&s).await)
+        retrying!(self.settle_once(&s, None).await)
     }
 
-    async fn settle_once(&self, s: &Settlement) -> Result<SettleResult, LedgerError> {
+    async fn settle_once(
+        &self,
+        s: &Settlement,
+        swept: Option<SweepKind>,
+    ) -> Result<SettleResult, LedgerError> {
         let mut tx = self.begin().await?;
         // one settlement of a request at a time; the next one waits here, then its reads see the
         // first one's record (READ COMMITTED takes a new snapshot per statement)
@@ -1452,8 +1509,8 @@ impl PgLedger {
             "INSERT INTO requests (request_id, account_id, model, outcome, node_id, operator_id,
                 billed_prompt_tokens, billed_completion_tokens, claimed_prompt_tokens, claimed_completion_tokens,
                 usage_source, discrepancy, input_micros_per_mtok, output_micros_per_mtok, share_bps,
-                cost_micros, debit_micros, operator_credit_micros, fee_micros, hold_micros, created_at_ms)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21)",
+                cost_micros, debit_micros, operator_credit_micros, fee_micros, hold_micros, created_at_ms, swept)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22)",
         )
         .bind(s.request_id.as_str())
         .bind(hold_account.as_str())
@@ -1476,6 +1533,7 @@ impl PgLedger {
         .bind(fee)
         .bind(to_i64(hold_micros)?)
         .bind(now_ms())
+        .bind(swept.map(SweepKind::as_str))
         .execute(&mut *tx)
         .await
         .map_err(db)?;
@@ -1558,6 +1616,10 @@ impl PgLedger {
             fee_micros: get_u64(&row, "fee_micros")?,
             hold_micros: get_u64(&row, "hold_micros")?,
             created_at_ms: row.try_get("created_at_ms").map_err(db)?,
+            swept: match row.try_get::<Option<String>, _>("swept").map_err(db)? {
+                None => None,
+                Some(kind) => Some(SweepKind::parse(&kind).ok_or(LedgerError::Corrupt("swept"))?),
+            },
         }))
     }
 }
@@ -1580,6 +1642,10 @@ impl Ledger for PgLedger {
 
     fn release(&self, request_id: RequestId) -> LedgerFuture<'_, ()> {
         Box::pin(async move { retrying!(self.release_once(&request_id).await) })
+    }
+
+    fn note_hold(&self, request_id: RequestId, note: HoldNote) -> LedgerFuture<'_, ()> {
+        Box::pin(async move { retrying!(self.note_hold_once(&request_id, &note).await) })
     }
 
     fn settle(&self, settlement: Settlement) -> LedgerFuture<'_, SettleResult> {
@@ -1696,7 +1762,11 @@ impl Store for PgLedger {
     }
 
     fn settle_stale_holds(&self) -> LedgerFuture<'_, u64> {
-        Box::pin(self.settle_stale_holds_impl())
+        Box::pin(self.settle_stale_holds_impl(SweepKind::Restart))
+    }
+
+    fn settle_holds_at_shutdown(&self) -> LedgerFuture<'_, u64> {
+        Box::pin(self.settle_stale_holds_impl(SweepKind::Shutdown))
     }
 
     fn entries_sum_micros(&self) -> LedgerFuture<'_, i64> {

@@ -17,8 +17,9 @@ use spine_core::{
 
 use super::convert::{db, now_ms, to_i64, to_u64};
 use super::{
-    AccountBalance, Enrollment, EntryTotals, KeyLimits, Ledger, LedgerError, LedgerFuture,
-    NodeRecord, RequestRecord, SettleAmounts, SettleResult, Settlement, Store,
+    AccountBalance, Enrollment, EntryTotals, HoldNote, KeyLimits, Ledger, LedgerError,
+    LedgerFuture, NodeRecord, RequestRecord, SettleAmounts, SettleResult, Settlement, Store,
+    SweepKind,
 };
 use crate::price::Price;
 
@@ -132,6 +133,17 @@ CREATE TABLE key_limits (
     tpm_limit INTEGER CHECK (tpm_limit >= 0),
     updated_at_ms INTEGER NOT NULL
 );
+"#,
+    ),
+    (
+        5,
+        // what is known of a request in flight, on its hold (`Ledger::note_hold`), so a sweep's
+        // record keeps the node and the usage; which sweep settled a request (PostgreSQL's 5)
+        r#"
+ALTER TABLE holds ADD COLUMN node_id TEXT;
+ALTER TABLE holds ADD COLUMN prompt_tokens INTEGER;
+ALTER TABLE holds ADD COLUMN completion_tokens INTEGER;
+ALTER TABLE requests ADD COLUMN swept TEXT;
 "#,
     ),
 ];
@@ -872,9 +884,10 @@ impl SqliteLedger {
     /// For a gateway starting after a crash or an unclean shutdown: no request of a previous run
     /// can still be in flight, so each active hold belongs to a request whose ending was never
     /// recorded. Each is settled through [`Ledger::settle`]'s rules with outcome
-    /// `upstream_failed`, node unknown, billed usage 0: the caller pays nothing, the hold is
-    /// released, nobody is credited, and a request record is written (its model is the one the
-    /// hold recorded, `unknown` for holds placed before schema migration 2).
+    /// `upstream_failed`: the caller pays nothing, the hold is released, nobody is credited, and
+    /// a request record is written with [`SweepKind::Restart`], the node and the usage the hold
+    /// recorded ([`Ledger::note_hold`]; none and 0 when nothing was noted) and the hold's model
+    /// (`unknown` for holds placed before schema migration 2).
     ///
     /// Call it only when no request is in flight on this store: at start-up, before serving, and
     /// only in single-instance mode (another instance's holds would be settled too).
@@ -884,8 +897,22 @@ impl SqliteLedger {
     /// [`LedgerError::Database`], [`LedgerError::Corrupt`]. Holds settled before the error stay
     /// settled; calling again settles the rest.
     pub async fn settle_stale_holds(&self) -> Result<u64, LedgerError> {
+        self.sweep_holds(SweepKind::Restart).await
+    }
+
+    /// As [`SqliteLedger::settle_stale_holds`], at a clean shutdown once every request in flight
+    /// has ended: the records say [`SweepKind::Shutdown`].
+    ///
+    /// # Errors
+    ///
+    /// As [`SqliteLedger::settle_stale_holds`].
+    pub async fn settle_holds_at_shutdown(&self) -> Result<u64, LedgerError> {
+        self.sweep_holds(SweepKind::Shutdown).await
+    }
+
+    async fn sweep_holds(&self, kind: SweepKind) -> Result<u64, LedgerError> {
         let rows = sqlx::query(
-            "SELECT request_id, account_id, model FROM holds WHERE state = 'held' ORDER BY created_at_ms, request_id",
+            "SELECT request_id, account_id, model, node_id, prompt_tokens, completion_tokens FROM holds WHERE state = 'held' ORDER BY created_at_ms, request_id",
         )
         .fetch_all(&self.reader)
         .await
@@ -895,26 +922,63 @@ impl SqliteLedger {
             let request_id: String = row.try_get("request_id").map_err(db)?;
             let account: String = row.try_get("account_id").map_err(db)?;
             let model: Option<String> = row.try_get("model").map_err(db)?;
+            let node: Option<String> = row.try_get("node_id").map_err(db)?;
+            let prompt: Option<i64> = row.try_get("prompt_tokens").map_err(db)?;
+            let completion: Option<i64> = row.try_get("completion_tokens").map_err(db)?;
             let result = self
-                .settle_impl(Settlement {
-                    request_id: RequestId::from(request_id),
-                    account: AccountId::from(account),
-                    node: None,
-                    model: ModelId::from(model.unwrap_or_else(|| "unknown".to_owned())),
-                    outcome: StreamOutcome::UpstreamFailed,
-                    billed: Usage::default(),
-                    claimed: None,
-                    usage_source: UsageSource::Independent,
-                    discrepancy: false,
-                    price: Price::default(),
-                    share_bps: 0,
-                })
+                .settle_with(
+                    Settlement {
+                        request_id: RequestId::from(request_id),
+                        account: AccountId::from(account),
+                        node: node.map(NodeId::from),
+                        model: ModelId::from(model.unwrap_or_else(|| "unknown".to_owned())),
+                        outcome: StreamOutcome::UpstreamFailed,
+                        billed: Usage {
+                            prompt_tokens: to_u64(prompt.unwrap_or(0), "prompt_tokens")?,
+                            completion_tokens: to_u64(
+                                completion.unwrap_or(0),
+                                "completion_tokens",
+                            )?,
+                        },
+                        claimed: None,
+                        usage_source: UsageSource::Independent,
+                        discrepancy: false,
+                        price: Price::default(),
+                        share_bps: 0,
+                    },
+                    Some(kind),
+                )
                 .await?;
             if !result.already_settled {
                 settled += 1;
             }
         }
         Ok(settled)
+    }
+
+    async fn note_hold_impl(
+        &self,
+        request_id: RequestId,
+        note: HoldNote,
+    ) -> Result<(), LedgerError> {
+        let prompt = note.known.map(|u| to_i64(u.prompt_tokens)).transpose()?;
+        let completion = note
+            .known
+            .map(|u| to_i64(u.completion_tokens))
+            .transpose()?;
+        sqlx::query(
+            "UPDATE holds SET node_id = COALESCE(?, node_id), prompt_tokens = COALESCE(?, prompt_tokens),
+                completion_tokens = COALESCE(?, completion_tokens)
+             WHERE request_id = ? AND state = 'held'",
+        )
+        .bind(note.node.as_ref().map(NodeId::as_str))
+        .bind(prompt)
+        .bind(completion)
+        .bind(request_id.as_str())
+        .execute(&self.writer)
+        .await
+        .map_err(db)?;
+        Ok(())
     }
 
     /// Sum of all ledger entries, micros; zero unless the books are broken.
@@ -1033,6 +1097,14 @@ impl SqliteLedger {
     }
 
     async fn settle_impl(&self, s: Settlement) -> Result<SettleResult, LedgerError> {
+        self.settle_with(s, None).await
+    }
+
+    async fn settle_with(
+        &self,
+        s: Settlement,
+        swept: Option<SweepKind>,
+    ) -> Result<SettleResult, LedgerError> {
         let mut tx = self.begin().await?;
         if let Some(row) = sqlx::query(
             "SELECT cost_micros, debit_micros, operator_credit_micros, fee_micros, hold_micros FROM requests WHERE request_id = ?",
@@ -1105,8 +1177,8 @@ impl SqliteLedger {
             "INSERT INTO requests (request_id, account_id, model, outcome, node_id, operator_id,
                 billed_prompt_tokens, billed_completion_tokens, claimed_prompt_tokens, claimed_completion_tokens,
                 usage_source, discrepancy, input_micros_per_mtok, output_micros_per_mtok, share_bps,
-                cost_micros, debit_micros, operator_credit_micros, fee_micros, hold_micros, created_at_ms)
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                cost_micros, debit_micros, operator_credit_micros, fee_micros, hold_micros, created_at_ms, swept)
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         )
         .bind(s.request_id.as_str())
         .bind(hold_account.as_str())
@@ -1129,6 +1201,7 @@ impl SqliteLedger {
         .bind(fee)
         .bind(to_i64(hold_micros)?)
         .bind(now_ms())
+        .bind(swept.map(SweepKind::as_str))
         .execute(&mut *tx)
         .await
         .map_err(db)?;
@@ -1205,6 +1278,10 @@ impl SqliteLedger {
             fee_micros: get_u64(&row, "fee_micros")?,
             hold_micros: get_u64(&row, "hold_micros")?,
             created_at_ms: row.try_get("created_at_ms").map_err(db)?,
+            swept: match row.try_get::<Option<String>, _>("swept").map_err(db)? {
+                None => None,
+                Some(kind) => Some(SweepKind::parse(&kind).ok_or(LedgerError::Corrupt("swept"))?),
+            },
         }))
     }
 }
@@ -1305,6 +1382,10 @@ impl Ledger for SqliteLedger {
 
     fn release(&self, request_id: RequestId) -> LedgerFuture<'_, ()> {
         Box::pin(self.release_impl(request_id))
+    }
+
+    fn note_hold(&self, request_id: RequestId, note: HoldNote) -> LedgerFuture<'_, ()> {
+        Box::pin(self.note_hold_impl(request_id, note))
     }
 
     fn settle(&self, settlement: Settlement) -> LedgerFuture<'_, SettleResult> {
@@ -1427,6 +1508,10 @@ impl Store for SqliteLedger {
 
     fn settle_stale_holds(&self) -> LedgerFuture<'_, u64> {
         Box::pin(SqliteLedger::settle_stale_holds(self))
+    }
+
+    fn settle_holds_at_shutdown(&self) -> LedgerFuture<'_, u64> {
+        Box::pin(SqliteLedger::settle_holds_at_shutdown(self))
     }
 
     fn entries_sum_micros(&self) -> LedgerFuture<'_, i64> {

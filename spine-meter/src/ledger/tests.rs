@@ -126,6 +126,20 @@ impl TestDb {
         }
     }
 
+    /// As [`TestDb::open`]; a PostgreSQL store gets the instance id `id` (its holds carry it,
+    /// and only they are its own to sweep).
+    async fn open_instance(&self, id: &str) -> Arc<dyn Store> {
+        match self {
+            TestDb::Sqlite { .. } => self.open().await,
+            TestDb::Postgres(db) => Arc::new(
+                PgLedger::connect(&db.url)
+                    .await
+                    .unwrap()
+                    .with_instance_id(id.to_owned()),
+            ),
+        }
+    }
+
     /// One `BIGINT` from `sql`, on a connection of its own.
     async fn scalar_i64(&self, sql: &str) -> i64 {
         match self {
@@ -145,7 +159,7 @@ impl TestDb {
 
     fn migrations(&self) -> i64 {
         match self {
-            TestDb::Sqlite { .. } | TestDb::Postgres(_) => 4,
+            TestDb::Sqlite { .. } | TestDb::Postgres(_) => 5,
         }
     }
 }
@@ -891,6 +905,7 @@ async fn stale_holds_after_a_crash_settle_upstream_failed_at_no_cost(backend: Ba
             ),
             (0, 0, 0, 0, hold)
         );
+        assert_eq!(rec.swept, Some(SweepKind::Restart));
     }
     // the completed request's record is untouched
     let done = l
@@ -906,6 +921,142 @@ async fn stale_holds_after_a_crash_settle_upstream_failed_at_no_cost(backend: Ba
         l.request_record(RequestId::from("gone")).await.unwrap(),
         None
     );
+}
+
+/// A sweep's record keeps what the hold noted (`Ledger::note_hold`): the node (and so its
+/// operator) and the usage counted so far, still at no cost to the caller and no credit to the
+/// operator; a shutdown's leftovers are recorded as `shutdown`, a restart's as `restart`. A note
+/// on a settled request changes nothing.
+async fn sweep_records_keep_the_noted_node_and_usage(backend: Backend) {
+    let db = TestDb::new(backend).await;
+    let l = db.open_instance("gw-1").await;
+    let (acct, node, op) = setup_with(&*l, "").await;
+    for (id, amount) in [("noted", 300), ("bare", 200), ("done", 100)] {
+        l.hold(
+            RequestId::from(id),
+            acct.clone(),
+            ModelId::from("smollm2"),
+            amount,
+        )
+        .await
+        .unwrap();
+    }
+    // the node once picked, then what was counted so far
+    l.note_hold(
+        RequestId::from("noted"),
+        HoldNote {
+            node: Some(node.clone()),
+            known: None,
+        },
+    )
+    .await
+    .unwrap();
+    l.note_hold(
+        RequestId::from("noted"),
+        HoldNote {
+            node: None,
+            known: Some(Usage {
+                prompt_tokens: 34,
+                completion_tokens: 7,
+            }),
+        },
+    )
+    .await
+    .unwrap();
+    l.settle(settlement(
+        "done",
+        &acct,
+        Some(node.clone()),
+        StreamOutcome::Completed,
+    ))
+    .await
+    .unwrap();
+    // too late: settled already
+    l.note_hold(
+        RequestId::from("done"),
+        HoldNote {
+            node: None,
+            known: Some(Usage {
+                prompt_tokens: 1,
+                completion_tokens: 1,
+            }),
+        },
+    )
+    .await
+    .unwrap();
+    let balance_before = l.account(&acct).await.unwrap().balance_micros;
+    let earned_before = l.operator_earned_micros(&op).await.unwrap();
+
+    assert_eq!(l.settle_holds_at_shutdown().await.unwrap(), 2);
+    assert_eq!(l.settle_holds_at_shutdown().await.unwrap(), 0);
+    assert_eq!(l.settle_stale_holds().await.unwrap(), 0);
+    assert_eq!(
+        l.account(&acct).await.unwrap(),
+        AccountBalance {
+            balance_micros: balance_before,
+            held_micros: 0,
+            available_micros: balance_before
+        }
+    );
+    assert_eq!(l.operator_earned_micros(&op).await.unwrap(), earned_before);
+    assert_eq!(l.entries_sum_micros().await.unwrap(), 0);
+
+    let noted = l
+        .request_record(RequestId::from("noted"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (
+            noted.outcome,
+            noted.node.clone(),
+            noted.operator.clone(),
+            noted.billed,
+            noted.swept
+        ),
+        (
+            StreamOutcome::UpstreamFailed,
+            Some(node.clone()),
+            Some(op.clone()),
+            Usage {
+                prompt_tokens: 34,
+                completion_tokens: 7
+            },
+            Some(SweepKind::Shutdown)
+        )
+    );
+    assert_eq!(
+        (
+            noted.cost_micros,
+            noted.debit_micros,
+            noted.operator_credit_micros,
+            noted.fee_micros,
+            noted.hold_micros
+        ),
+        (0, 0, 0, 0, 300)
+    );
+    let bare = l
+        .request_record(RequestId::from("bare"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (bare.node, bare.operator, bare.billed, bare.swept),
+        (None, None, Usage::default(), Some(SweepKind::Shutdown))
+    );
+    let done = l
+        .request_record(RequestId::from("done"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (done.outcome, done.billed.prompt_tokens, done.swept),
+        (StreamOutcome::Completed, 34, None)
+    );
+    // serialised for the admin API
+    let json = serde_json::to_value(&noted).unwrap();
+    assert_eq!(json["swept"], "shutdown");
+    assert_eq!(json["node"], node.as_str());
 }
 
 // ---- property tests (one database per test, fresh rows per case) ----
@@ -1527,6 +1678,7 @@ store_tests!(
         concurrent_credits_and_registrations_apply_once,
         credit_key_reused_for_another_account_or_amount_is_a_conflict,
         stale_holds_after_a_crash_settle_upstream_failed_at_no_cost,
+        sweep_records_keep_the_noted_node_and_usage,
         enrollment_tokens_register_one_node_once,
         operator_nodes_count_served_requests_and_earnings,
         key_limits_are_kept_per_key_and_replaced,
@@ -1579,7 +1731,7 @@ async fn sqlite_opens_of_one_new_file_at_the_same_instant_never_fail_busy() {
             .fetch_one(stores[0].reader_pool())
             .await
             .unwrap();
-        assert_eq!(migrated, 4, "round {round}");
+        assert_eq!(migrated, 5, "round {round}");
         for s in &stores {
             s.close().await;
         }

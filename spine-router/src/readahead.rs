@@ -1,0 +1,352 @@
+//! Read-ahead: the node's answer is read at the node's pace into a bounded per-stream buffer, so
+//! a slow caller holds gateway memory (bounded) instead of the node's slot (issue 14).
+//!
+//! [`ReadAheadLayer`] sits above [`Route`](crate::Route) (below the metering layer): each
+//! response body is pumped by a task of its own into a buffer of at most
+//! [`ReadAheadLayer::new`]'s `max_buffer_bytes`, and the caller's side reads from that buffer.
+//! When the node's stream ends, the task drops the node's body at once, which releases the
+//! node's in-flight lease and its tunnel stream: the slot is free when generation ends, not when
+//! the caller has read everything. While the buffer is full the task stops reading, so a caller
+//! that reads nothing at all still holds the slot, once more than `max_buffer_bytes` are
+//! waiting (HTTP/2 flow control then slows the node).
+//!
+//! What sits above (the meter) sees frames when the *caller* takes them: it counts, and bills,
+//! what was delivered. A caller that leaves with bytes still in the buffer is billed
+//! `client_cancelled` for what it received, not for what the node generated into the buffer.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::BodyExt as _;
+use spine_core::{BoxBody, BoxError};
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+use tower::{Layer, Service};
+
+/// Default per-stream buffer: 4 MiB (about 20,000 tokens of SSE chunks).
+pub const DEFAULT_READ_AHEAD_BYTES: usize = 4 * 1024 * 1024;
+
+/// What each buffered frame counts for at least, bytes: a frame's own overhead (the channel
+/// entry and its `Bytes`), so that a node sending empty frames cannot grow the buffer without
+/// bound.
+const FRAME_OVERHEAD_BYTES: usize = 64;
+
+/// Adds [`ReadAhead`]: each response body is read ahead of the caller into a bounded buffer.
+#[derive(Clone, Copy, Debug)]
+pub struct ReadAheadLayer {
+    max_buffer_bytes: usize,
+}
+
+impl ReadAheadLayer {
+    /// Buffers at most `max_buffer_bytes` of each response body (at least one frame's worth
+    /// is always let through; see the module docs). `0` turns read-ahead off: bodies pass as
+    /// they are.
+    pub fn new(max_buffer_bytes: usize) -> Self {
+        Self { max_buffer_bytes }
+    }
+}
+
+impl Default for ReadAheadLayer {
+    /// [`DEFAULT_READ_AHEAD_BYTES`].
+    fn default() -> Self {
+        Self::new(DEFAULT_READ_AHEAD_BYTES)
+    }
+}
+
+impl<S> Layer<S> for ReadAheadLayer {
+    type Service = ReadAhead<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        ReadAhead {
+            inner,
+            max_buffer_bytes: self.max_buffer_bytes,
+        }
+    }
+}
+
+/// Reads each response body ahead of the caller into a bounded buffer ([`ReadAheadLayer`]).
+#[derive(Clone, Debug)]
+pub struct ReadAhead<S> {
+    inner: S,
+    max_buffer_bytes: usize,
+}
+
+impl<S> ReadAhead<S> {
+    /// The inner service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The inner service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// Unwraps the inner service.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+}
+
+impl<S, ReqBody> Service<http::Request<ReqBody>> for ReadAhead<S>
+where
+    S: Service<http::Request<ReqBody>, Response = http::Response<BoxBody>>,
+{
+    type Response = http::Response<BoxBody>;
+    type Error = S::Error;
+    type Future = ReadAheadFuture<S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: http::Request<ReqBody>) -> Self::Future {
+        ReadAheadFuture {
+            inner: self.inner.call(req),
+            max_buffer_bytes: self.max_buffer_bytes,
+        }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// Response future of [`ReadAhead`]: the inner response, its body read ahead.
+    #[derive(Debug)]
+    pub struct ReadAheadFuture<F> {
+        #[pin]
+        inner: F,
+        max_buffer_bytes: usize,
+    }
+}
+
+impl<F, E> Future for ReadAheadFuture<F>
+where
+    F: Future<Output = Result<http::Response<BoxBody>, E>>,
+{
+    type Output = Result<http::Response<BoxBody>, E>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        let max = *this.max_buffer_bytes;
+        this.inner
+            .poll(cx)
+            .map_ok(|resp| resp.map(|body| read_ahead(body, max)))
+    }
+}
+
+/// `body`, read ahead into a buffer of at most `max_buffer_bytes` by a task of its own; `body`
+/// itself when there is nothing to read ahead (it has ended, or `max_buffer_bytes` is 0).
+///
+/// Must be called within a tokio runtime (it spawns the task).
+pub fn read_ahead(body: BoxBody, max_buffer_bytes: usize) -> BoxBody {
+    if max_buffer_bytes == 0 || body.is_end_stream() {
+        return body;
+    }
+    let budget = max_buffer_bytes.clamp(FRAME_OVERHEAD_BYTES, Semaphore::MAX_PERMITS);
+    let permits = Arc::new(Semaphore::new(budget));
+    let (tx, rx) = mpsc::unbounded_channel();
+    tokio::spawn(pump(body, tx, permits, budget));
+    BoxBody::new(ReadAheadBody { rx, done: false })
+}
+
+type Buffered = (Result<Frame<Bytes>, BoxError>, Option<OwnedSemaphorePermit>);
+
+/// Reads `body` into `tx` while the buffer has room; ends (dropping `body`) when `body` ends or
+/// breaks, or when the reader is gone.
+async fn pump(
+    mut body: BoxBody,
+    tx: mpsc::UnboundedSender<Buffered>,
+    permits: Arc<Semaphore>,
+    budget: usize,
+) {
+    loop {
+        let next = tokio::select! {
+            next = body.frame() => next,
+            () = tx.closed() => return,
+        };
+        match next {
+            None => return,
+            Some(Ok(frame)) => {
+                let cost = frame
+                    .data_ref()
+                    .map_or(0, Bytes::len)
+                    .max(FRAME_OVERHEAD_BYTES)
+                    .min(budget);
+                let cost = u32::try_from(cost).unwrap_or(u32::MAX);
+                let permit = tokio::select! {
+                    permit = permits.clone().acquire_many_owned(cost) => permit.ok(),
+                    () = tx.closed() => return,
+                };
+                if tx.send((Ok(frame), permit)).is_err() {
+                    return;
+                }
+            }
+            Some(Err(e)) => {
+                let _ = tx.send((Err(e), None));
+                return;
+            }
+        }
+    }
+}
+
+/// The caller's side of a read-ahead body: frames as the pump buffered them.
+///
+/// # End of stream
+///
+/// Ends after the node's body ended and every buffered frame was taken; an error of the node's
+/// body comes after the frames before it. Dropping it stops the pump, which drops the node's
+/// body (the node's stream is reset, as when a caller leaves).
+struct ReadAheadBody {
+    rx: mpsc::UnboundedReceiver<Buffered>,
+    done: bool,
+}
+
+impl Body for ReadAheadBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if self.done {
+            return Poll::Ready(None);
+        }
+        match self.rx.poll_recv(cx) {
+            Poll::Ready(Some((frame, permit))) => {
+                // the bytes leave the buffer: room for the pump
+                drop(permit);
+                if frame.is_err() {
+                    self.done = true;
+                }
+                Poll::Ready(Some(frame))
+            }
+            Poll::Ready(None) => {
+                self.done = true;
+                Poll::Ready(None)
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.done
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        SizeHint::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::Duration;
+
+    use http_body_util::StreamBody;
+
+    use super::*;
+
+    /// A node body of `n` frames of `len` bytes, counting the frames the node got to send and
+    /// saying (through `ended`) when it was dropped.
+    fn node_body(
+        n: usize,
+        len: usize,
+        sent: Arc<AtomicUsize>,
+        ended: tokio::sync::oneshot::Sender<()>,
+    ) -> BoxBody {
+        struct OnDrop(Option<tokio::sync::oneshot::Sender<()>>);
+        impl Drop for OnDrop {
+            fn drop(&mut self) {
+                if let Some(tx) = self.0.take() {
+                    let _ = tx.send(());
+                }
+            }
+        }
+        let guard = OnDrop(Some(ended));
+        let stream = futures_util::stream::unfold((0usize, guard), move |(i, guard)| {
+            let sent = sent.clone();
+            async move {
+                if i == n {
+                    return None;
+                }
+                sent.fetch_add(1, Ordering::SeqCst);
+                let frame = Frame::data(Bytes::from(vec![b'x'; len]));
+                Some((Ok::<_, BoxError>(frame), (i + 1, guard)))
+            }
+        });
+        BoxBody::new(StreamBody::new(stream))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_node_body_is_drained_and_dropped_before_the_caller_reads() {
+        let sent = Arc::new(AtomicUsize::new(0));
+        let (ended_tx, ended_rx) = tokio::sync::oneshot::channel();
+        let body = read_ahead(node_body(10, 100, sent.clone(), ended_tx), 4096);
+        // nobody reads yet: the node's body ends (and is dropped) anyway
+        tokio::time::timeout(Duration::from_secs(10), ended_rx)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(sent.load(Ordering::SeqCst), 10);
+        let bytes = body.collect().await.unwrap().to_bytes();
+        assert_eq!(bytes.len(), 1000);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_buffer_is_bounded() {
+        let sent = Arc::new(AtomicUsize::new(0));
+        let (ended_tx, mut ended_rx) = tokio::sync::oneshot::channel();
+        // 100 frames of 1,000 bytes into a 10,000-byte buffer
+        let mut body = read_ahead(node_body(100, 1000, sent.clone(), ended_tx), 10_000);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        // 10 frames fill it; the 11th was read from the node and waits for room
+        assert_eq!(sent.load(Ordering::SeqCst), 11);
+        assert!(
+            ended_rx.try_recv().is_err(),
+            "the node body must still be held"
+        );
+        // the caller takes one frame: one more is read
+        let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
+        assert_eq!(first.len(), 1000);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(sent.load(Ordering::SeqCst), 12);
+        let rest = body.collect().await.unwrap().to_bytes();
+        assert_eq!(rest.len(), 99_000);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_caller_that_leaves_stops_the_pump_and_drops_the_node_body() {
+        let sent = Arc::new(AtomicUsize::new(0));
+        let (ended_tx, ended_rx) = tokio::sync::oneshot::channel();
+        let body = read_ahead(node_body(1000, 1000, sent.clone(), ended_tx), 10_000);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        drop(body);
+        tokio::time::timeout(Duration::from_secs(10), ended_rx)
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(sent.load(Ordering::SeqCst) < 1000);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_error_comes_after_the_frames_before_it() {
+        let frames: Vec<Result<Frame<Bytes>, BoxError>> = vec![
+            Ok(Frame::data(Bytes::from_static(b"a"))),
+            Err("node broke".into()),
+        ];
+        let mut body = read_ahead(
+            BoxBody::new(StreamBody::new(futures_util::stream::iter(frames))),
+            1024,
+        );
+        let a = body.frame().await.unwrap().unwrap().into_data().unwrap();
+        assert_eq!(&a[..], b"a");
+        let err = body.frame().await.unwrap().unwrap_err();
+        assert_eq!(err.to_string(), "node broke");
+        assert!(body.frame().await.is_none());
+        assert!(body.is_end_stream());
+    }
+}
