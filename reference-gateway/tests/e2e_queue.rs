@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use common::{
     add_node, fake_llama_meta, full, serve_fake_engine, sse, sse_data, tenant, FakeBody, Gateway,
-    Tenant,
+    Tenant, CREDITS,
 };
 use http_body_util::BodyExt as _;
 use hyper::body::{Frame, Incoming};
@@ -314,9 +314,27 @@ async fn queue_view(gw: &Gateway) -> Value {
         .unwrap_or(Value::Null)
 }
 
-/// A second credited account with its own key.
+/// A second account, credited `CREDITS`, with its own key.
 async fn second_account(gw: &Gateway) -> Tenant {
-    tenant(gw).await
+    let (s, acct) = gw.admin_post("/admin/v1/accounts", json!({})).await;
+    assert_eq!(s, 201);
+    let account = acct["id"].as_str().unwrap().to_owned();
+    let (s, key) = gw
+        .admin_post(&format!("/admin/v1/accounts/{account}/keys"), json!({}))
+        .await;
+    assert_eq!(s, 201);
+    let (s, _) = gw
+        .admin_post(
+            &format!("/admin/v1/accounts/{account}/credits"),
+            json!({"amount_micros": CREDITS, "idempotency_key": "topup-b"}),
+        )
+        .await;
+    assert_eq!(s, 200);
+    Tenant {
+        operator: String::new(),
+        account,
+        api_key: key["key"].as_str().unwrap().to_owned(),
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -474,8 +492,13 @@ async fn a_burst_queues_fairly_on_one_real_node() {
     agent.kill().await;
     for w in waiters {
         let (status, retry_after, events, _) = w.await.unwrap();
-        assert_eq!(status, 503, "{events:?}");
-        assert!(retry_after.is_some());
+        // 503 when the node was gone from routing before a slot freed; 502 when a hog's broken
+        // stream freed a slot first and the waiter went to the dying node: either way at once,
+        // OpenAI-shaped, and nothing charged (checked below)
+        assert!(status == 503 || status == 502, "{status} {events:?}");
+        if status == 503 {
+            assert!(retry_after.is_some());
+        }
     }
     println!(
         "node killed with 3 requests queued: all 503 within {:.2} s",

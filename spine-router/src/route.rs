@@ -806,6 +806,9 @@ impl RoutedBody {
     /// The body ended cleanly: success, unless the classifier saw a failure.
     fn finish(&mut self) {
         self.inner_ended = true;
+        // the transport's own stream slot goes first: a request queued for the node, woken by
+        // the lease below, must find the tunnel's stream free too
+        drop(std::mem::take(&mut self.inner));
         let lease = self.lease.take();
         if let (Some(mut watch), Some(lease)) = (self.watch.take(), lease) {
             let failed = watch.failed || watch.classifier.finish() == BodySignal::Failed;
@@ -820,6 +823,7 @@ impl RoutedBody {
     /// The node's body broke after commit: a mid-request disconnect.
     fn broke(&mut self) {
         self.inner_ended = true;
+        drop(std::mem::take(&mut self.inner));
         let lease = self.lease.take();
         if let (Some(watch), Some(lease)) = (self.watch.take(), lease) {
             watch.registry.record_disconnect(lease.node());
@@ -832,6 +836,8 @@ impl Drop for RoutedBody {
     /// the answer's last event. The node did nothing wrong by that, so a committed attempt
     /// counts as a success unless the classifier saw a failure.
     fn drop(&mut self) {
+        // the node's body (and the transport's stream slot) before the lease, as in `finish`
+        drop(std::mem::take(&mut self.inner));
         let lease = self.lease.take();
         if let (Some(watch), Some(lease)) = (self.watch.take(), lease) {
             if watch.failed {
