@@ -32,7 +32,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use serde::Deserialize;
-use spine_core::{BoxBody, EngineKind, ModelDescriptor, ModelId};
+use spine_core::{BoxBody, Endpoints, EngineKind, ModelDescriptor, ModelId};
 
 use crate::config::EngineArg;
 
@@ -218,6 +218,7 @@ pub(crate) fn parse_models(body: &[u8]) -> Result<Vec<ModelDescriptor>, serde_js
         .map(|m| ModelDescriptor {
             id: ModelId::new(m.id),
             max_context_tokens: m.meta.and_then(|meta| meta.n_ctx).or(m.max_model_len),
+            endpoints: None,
         })
         .collect())
 }
@@ -257,6 +258,61 @@ impl Engine for LlamaCpp {
 
     fn probe(&self) -> &Probe {
         &self.0
+    }
+
+    /// `/v1/models`, then what the server really runs with: the context window of a slot from
+    /// `/props` (`default_generation_settings.n_ctx`, which `-c` / `-np` set, not the model
+    /// file's) and the endpoints it answers (`/v1/embeddings` answers only with `--embeddings`;
+    /// one tiny embeddings request tells, see [`embeddings_answer`]).
+    fn models(&self) -> EngineFuture<'_, Vec<ModelDescriptor>> {
+        Box::pin(async move {
+            let mut models = self.0.openai_models().await?;
+            let props = self.0.get_json::<LlamaProps>("/props").await.ok();
+            let n_ctx = props
+                .and_then(|p| p.default_generation_settings)
+                .and_then(|d| d.n_ctx)
+                .filter(|n| *n > 0);
+            for m in &mut models {
+                if n_ctx.is_some() {
+                    m.max_context_tokens = n_ctx;
+                }
+                let probe = serde_json::json!({ "model": m.id.as_str(), "input": "ping" });
+                let embeddings =
+                    embeddings_answer(&self.0.post_json("/v1/embeddings", &probe).await);
+                m.endpoints = embeddings.map(|embeddings| Endpoints {
+                    chat_completions: true,
+                    completions: true,
+                    embeddings,
+                });
+            }
+            Ok(models)
+        })
+    }
+}
+
+#[derive(Deserialize)]
+struct LlamaProps {
+    #[serde(default)]
+    default_generation_settings: Option<LlamaGenerationSettings>,
+}
+
+#[derive(Deserialize)]
+struct LlamaGenerationSettings {
+    #[serde(default)]
+    n_ctx: Option<u64>,
+}
+
+/// What an embeddings probe says about the endpoint: a 2xx serves it; 501 (llama-server
+/// without `--embeddings`: "This server does not support embeddings") does not; anything else
+/// (unreachable, 404, 5xx) leaves it unknown (`None`: the gateway then assumes every endpoint, as
+/// for an agent that predates the probe).
+pub(crate) fn embeddings_answer(result: &Result<Bytes, EngineError>) -> Option<bool> {
+    match result {
+        Ok(_) => Some(true),
+        Err(EngineError::Status { status, .. }) if *status == StatusCode::NOT_IMPLEMENTED => {
+            Some(false)
+        }
+        Err(_) => None,
     }
 }
 
@@ -530,6 +586,7 @@ mod tests {
             vec![ModelDescriptor {
                 id: ModelId::new("smollm2"),
                 max_context_tokens: Some(8192),
+                endpoints: None,
             }]
         );
         assert_eq!(
@@ -540,6 +597,7 @@ mod tests {
             vec![ModelDescriptor {
                 id: ModelId::new("Qwen/Qwen2.5-1.5B"),
                 max_context_tokens: Some(32768),
+                endpoints: None,
             }]
         );
         assert_eq!(
@@ -547,6 +605,7 @@ mod tests {
             vec![ModelDescriptor {
                 id: ModelId::new("m"),
                 max_context_tokens: None,
+                endpoints: None,
             }]
         );
         assert!(parse_models(b"{}").is_err());
@@ -618,6 +677,7 @@ mod tests {
         health_path: &str,
         model: &str,
         ctx: Option<u64>,
+        endpoints: Option<Endpoints>,
     ) {
         assert_eq!(engine.kind(), kind);
         assert_eq!(engine.health_path(), health_path);
@@ -627,6 +687,7 @@ mod tests {
             vec![ModelDescriptor {
                 id: ModelId::new(model),
                 max_context_tokens: ctx,
+                endpoints,
             }]
         );
     }
@@ -661,10 +722,10 @@ mod tests {
             let engine = FakeEngine::start(fake, model, 4096).await.unwrap();
             let url: Uri = engine.url.parse().unwrap();
             let explicit = adapter(arg, url.clone(), engine_client()).unwrap();
-            check_adapter(&*explicit, kind, health, model, Some(4096)).await;
+            check_adapter(&*explicit, kind, health, model, Some(4096), None).await;
             assert_eq!(explicit.request_guard(), RequestGuard::default());
             let detected = detect(url, engine_client()).await.unwrap();
-            check_adapter(&*detected, kind, health, model, Some(4096)).await;
+            check_adapter(&*detected, kind, health, model, Some(4096), None).await;
         }
         // Ollama: the context comes from /api/ps (the loaded model's window)
         let engine = FakeEngine::start(FakeKind::Ollama, "smollm2:135m", 2048)
@@ -731,13 +792,19 @@ mod tests {
         let server = LlamaServer::start(&engine, 1).await.unwrap();
         let url: Uri = server.url.parse().unwrap();
         let explicit = adapter(EngineArg::LlamaCpp, url.clone(), engine_client()).unwrap();
-        // LlamaServer runs with -c 4096 and one slot
+        // LlamaServer runs with -c 4096 and one slot, without `--embeddings` (501 to the probe)
+        let no_embeddings = Some(Endpoints {
+            chat_completions: true,
+            completions: true,
+            embeddings: false,
+        });
         check_adapter(
             &*explicit,
             EngineKind::LlamaCpp,
             "/health",
             "smollm2",
             Some(4096),
+            no_embeddings,
         )
         .await;
         assert!(explicit.request_guard().check_json_and_model);
@@ -748,7 +815,38 @@ mod tests {
             "/health",
             "smollm2",
             Some(4096),
+            no_embeddings,
         )
         .await;
+        // with `--embeddings`: the probe's 200 says so
+        let server =
+            LlamaServer::start_with_args(&engine, 1, &["--embeddings", "--pooling", "mean"])
+                .await
+                .unwrap();
+        let url: Uri = server.url.parse().unwrap();
+        let with = adapter(EngineArg::LlamaCpp, url, engine_client()).unwrap();
+        let models = with.models().await.unwrap();
+        assert_eq!(
+            models[0].endpoints,
+            Some(Endpoints {
+                chat_completions: true,
+                completions: true,
+                embeddings: true,
+            })
+        );
+        assert_eq!(models[0].max_context_tokens, Some(4096));
+    }
+
+    #[test]
+    fn embeddings_probe_answers() {
+        let status = |s: u16| EngineError::Status {
+            path: "/v1/embeddings",
+            status: StatusCode::from_u16(s).unwrap(),
+        };
+        assert_eq!(embeddings_answer(&Ok(Bytes::new())), Some(true));
+        assert_eq!(embeddings_answer(&Err(status(501))), Some(false));
+        // a fake or an older engine without the path, an engine error: unknown
+        assert_eq!(embeddings_answer(&Err(status(404))), None);
+        assert_eq!(embeddings_answer(&Err(status(500))), None);
     }
 }

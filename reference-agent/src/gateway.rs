@@ -451,6 +451,7 @@ mod failover_tests {
             models: vec![ModelDescriptor {
                 id: ModelId::new("m"),
                 max_context_tokens: None,
+                endpoints: None,
             }],
             vram_mib: 0,
             max_concurrency: 1,

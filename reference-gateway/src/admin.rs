@@ -37,6 +37,7 @@ pub(crate) fn router(state: Arc<AppState>) -> Router {
             post(crate::enroll::create_enrollment),
         )
         .route("/admin/v1/nodes", post(register_node).get(list_nodes))
+        .route("/admin/v1/queues", get(list_queues))
         .route("/admin/v1/requests/{id}", get(get_request))
         .route("/metrics", get(render_metrics))
         .method_not_allowed_fallback(|req: Request| async move {
@@ -351,6 +352,11 @@ async fn register_node(State(state): State<Arc<AppState>>, body: axum::body::Byt
         ))
     };
     result.await.into_response()
+}
+
+/// The admission queue of each model that has queued a request since the gateway started.
+async fn list_queues(State(state): State<Arc<AppState>>) -> Response {
+    Json(json!({ "object": "list", "data": state.registry.queue_snapshot() })).into_response()
 }
 
 async fn list_nodes(State(state): State<Arc<AppState>>) -> Response {

@@ -31,6 +31,8 @@ const ENV_KEYS: &[(&str, Kind)] = &[
     ("default_tpm_limit", Kind::Int),
     ("affinity_ttl_secs", Kind::Int),
     ("route_max_retries", Kind::Int),
+    ("queue_max_wait_secs", Kind::Int),
+    ("queue_max_depth", Kind::Int),
     ("first_token_timeout_secs", Kind::Int),
     ("stream_idle_timeout_secs", Kind::Int),
     ("max_vram_mib", Kind::Int),
@@ -108,6 +110,14 @@ pub(crate) struct Config {
     /// Retries on another node before the first response byte (design brief §5).
     #[serde(default = "default_route_max_retries")]
     pub(crate) route_max_retries: u32,
+    /// Longest a request waits for a slot when every node that could serve it is full,
+    /// seconds (the admission queue, `spine_router::queue`); 0 disables the queue (such a
+    /// request gets 503 `no_capacity` at once).
+    #[serde(default = "default_queue_max_wait_secs")]
+    pub(crate) queue_max_wait_secs: u64,
+    /// Most requests waiting per model; past it, 503 `queue_full` with `Retry-After`.
+    #[serde(default = "default_queue_max_depth")]
+    pub(crate) queue_max_depth: usize,
     /// How long a node may take to send its first content (or an error answer) before the
     /// attempt counts as its failure and is retried elsewhere, seconds; 0 disables the deadline.
     #[serde(default = "default_first_token_timeout_secs")]
@@ -238,6 +248,12 @@ fn default_affinity_ttl_secs() -> u64 {
 }
 fn default_route_max_retries() -> u32 {
     2
+}
+fn default_queue_max_wait_secs() -> u64 {
+    30
+}
+fn default_queue_max_depth() -> usize {
+    1024
 }
 fn default_first_token_timeout_secs() -> u64 {
     120

@@ -122,6 +122,43 @@ impl ApiError {
                     "no_capacity",
                     format!("every node serving model '{m}' is busy; try again later"),
                 ),
+                RouteError::QueueFull { model, retry_after } => Self {
+                    retry_after_secs: Some(ceil_secs(*retry_after)),
+                    ..Self::new(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "api_error",
+                        "queue_full",
+                        format!(
+                            "every node serving model '{model}' is busy and the queue for it is full; try again later"
+                        ),
+                    )
+                },
+                RouteError::QueueTimeout {
+                    model,
+                    waited,
+                    retry_after,
+                } => Self {
+                    retry_after_secs: Some(ceil_secs(*retry_after)),
+                    ..Self::new(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "api_error",
+                        "queue_timeout",
+                        format!(
+                            "every node serving model '{model}' stayed busy for {} s; try again later",
+                            waited.as_secs()
+                        ),
+                    )
+                },
+                RouteError::ContextLengthExceeded { .. } => {
+                    Self::invalid_request("context_length_exceeded", e.to_string())
+                }
+                RouteError::Unsupported { model, kind } => Self::invalid_request(
+                    "unsupported_endpoint",
+                    format!(
+                        "no node serving model '{model}' answers {}; use an endpoint the model supports",
+                        kind.path()
+                    ),
+                ),
                 RouteError::FirstContentTimeout(d) => Self::new(
                     StatusCode::GATEWAY_TIMEOUT,
                     "api_error",
@@ -242,6 +279,11 @@ impl ApiError {
             _ => Self::invalid_request("invalid_request", with_sources(e)),
         }
     }
+}
+
+/// Whole seconds, rounded up, at least 1 (`Retry-After`).
+fn ceil_secs(d: std::time::Duration) -> u64 {
+    (d.as_secs() + u64::from(d.subsec_nanos() > 0)).max(1)
 }
 
 /// `error: source: source…`, so a caller sees why (e.g. which template field failed).

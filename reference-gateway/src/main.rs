@@ -25,7 +25,7 @@ use spine_core::{ModelId, NodeDescriptor, NodeId};
 use spine_meter::classify::SseClassify;
 use spine_meter::meter::{Catalog, CatalogEntry, MeterLayer};
 use spine_meter::{InstanceUpkeep, ModelTokenizer, PgLedger, Price, SqliteLedger, Store};
-use spine_router::{NodeRegistry, RegistryConfig, RouteConfig, RouteLayer};
+use spine_router::{NodeRegistry, QueueConfig, RegistryConfig, RouteConfig, RouteLayer};
 use spine_transport::{
     NodeAuthenticator, RefusalReason, TunnelEvents, TunnelServer, TunnelServerConfig, TunnelService,
 };
@@ -202,6 +202,10 @@ async fn run(cli: Cli) -> Result<(), MainError> {
     let registry = NodeRegistry::with_config(RegistryConfig {
         affinity_ttl: std::time::Duration::from_secs(config.affinity_ttl_secs),
         max_vram_mib: config.max_vram_mib,
+        queue: QueueConfig {
+            max_wait: std::time::Duration::from_secs(config.queue_max_wait_secs),
+            max_depth: config.queue_max_depth,
+        },
         ..RegistryConfig::default()
     });
     let cluster_slot: Arc<std::sync::OnceLock<cluster::Cluster>> = Arc::default();

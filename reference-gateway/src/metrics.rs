@@ -13,6 +13,9 @@
 //! | `spine_rate_limit_degraded` | | gauge: 1 while Redis is unreachable and rate limits are per instance |
 //! | `spine_rate_limit_redis_fallback_total` | | rate-limit decisions taken locally (Redis failed or timed out) |
 //! | `spine_ttft_seconds` | `route` | time to first byte of a 2xx body (streamed: the first event) |
+//! | `spine_router_queue_depth` | `model` | gauge: requests waiting in the model's admission queue |
+//! | `spine_router_queue_wait_seconds` | `model`, `result` (`served`, `timeout`, `left`, `evicted`, `failed`) | time spent queued |
+//! | `spine_router_queue_total` | `result` (`queued`, `full` and the results above) | admission-queue events |
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -36,6 +39,11 @@ pub(crate) const SETTLE_ERRORS: &str = "spine_settlement_errors_total";
 pub(crate) const RATE_LIMITED: &str = "spine_rate_limited_total";
 pub(crate) const TTFT: &str = "spine_ttft_seconds";
 
+/// Queue-wait buckets, seconds.
+const QUEUE_WAIT_BUCKETS: &[f64] = &[
+    0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0,
+];
+
 /// TTFT buckets, seconds.
 const TTFT_BUCKETS: &[f64] = &[0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
 
@@ -43,6 +51,10 @@ const TTFT_BUCKETS: &[f64] = &[0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 pub(crate) fn install() -> Result<PrometheusHandle, Box<dyn std::error::Error + Send + Sync>> {
     let handle = PrometheusBuilder::new()
         .set_buckets_for_metric(Matcher::Full(TTFT.to_owned()), TTFT_BUCKETS)?
+        .set_buckets_for_metric(
+            Matcher::Full(spine_router::queue::QUEUE_WAIT_METRIC.to_owned()),
+            QUEUE_WAIT_BUCKETS,
+        )?
         .set_buckets_for_metric(
             Matcher::Full(spine_transport::metric::FORWARD_SECONDS.to_owned()),
             spine_transport::metric::FORWARD_SECONDS_BUCKETS,
@@ -53,6 +65,11 @@ pub(crate) fn install() -> Result<PrometheusHandle, Box<dyn std::error::Error + 
         counter!(RATE_LIMITED, "limit" => limit).absolute(0);
     }
     counter!(SETTLE_ERRORS).absolute(0);
+    for result in [
+        "queued", "full", "served", "timeout", "left", "evicted", "failed",
+    ] {
+        counter!(spine_router::queue::QUEUE_METRIC, "result" => result).absolute(0);
+    }
     let upkeep = handle.clone();
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(Duration::from_secs(5));

@@ -23,12 +23,12 @@ mod usage;
 
 pub use classify::{BodyClassifier, BodySignal, ClassifyBody, FirstBytes};
 pub use ids::{AccountId, ModelId, NodeId, OperatorId, RequestId};
-pub use node::{EngineKind, ModelDescriptor, NodeDescriptor};
+pub use node::{Endpoints, EngineKind, ModelDescriptor, NodeDescriptor};
 pub use peek::{
     conversation_key, prompt_inputs, validate_chat_messages, PeekError, PromptSegment, RequestKind,
     RequestPeek, ENGINE_GENERATION_FIELDS,
 };
-pub use slot::NodeSlot;
+pub use slot::{NodeSlot, PromptTokens};
 pub use time::unix_time_ms;
 pub use usage::{StreamOutcome, Usage, UsageSource};
 

@@ -1,6 +1,6 @@
 use serde::{Deserialize, Serialize};
 
-use crate::ModelId;
+use crate::{ModelId, RequestKind};
 
 /// The inference engine behind a node.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -40,6 +40,45 @@ pub struct ModelDescriptor {
     /// The engine's context window, in tokens, when the engine reports it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_context_tokens: Option<u64>,
+    /// The endpoints the engine answers for this model, when the agent probed them (at join and
+    /// on each reconnect). `None` (an agent that predates the field, or a probe that could not
+    /// tell): unknown, every endpoint is assumed served.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub endpoints: Option<Endpoints>,
+}
+
+impl ModelDescriptor {
+    /// Whether the model is served for requests of `kind` (unknown endpoints: yes).
+    pub fn serves_kind(&self, kind: RequestKind) -> bool {
+        self.endpoints.is_none_or(|e| e.serves(kind))
+    }
+}
+
+/// Which OpenAI endpoints an engine answers for a model ([`ModelDescriptor::endpoints`]).
+///
+/// A field missing on the wire is `false`; fields a later agent adds are ignored by this one.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Endpoints {
+    /// `POST /v1/chat/completions`.
+    #[serde(default)]
+    pub chat_completions: bool,
+    /// `POST /v1/completions`.
+    #[serde(default)]
+    pub completions: bool,
+    /// `POST /v1/embeddings`.
+    #[serde(default)]
+    pub embeddings: bool,
+}
+
+impl Endpoints {
+    /// Whether requests of `kind` are served.
+    pub fn serves(&self, kind: RequestKind) -> bool {
+        match kind {
+            RequestKind::ChatCompletions => self.chat_completions,
+            RequestKind::Completions => self.completions,
+            RequestKind::Embeddings => self.embeddings,
+        }
+    }
 }
 
 /// What a node says about itself in its tunnel handshake (design brief §4).
@@ -64,5 +103,40 @@ impl NodeDescriptor {
     /// Whether the node claims to serve `model`.
     pub fn serves(&self, model: &ModelId) -> bool {
         self.models.iter().any(|m| &m.id == model)
+    }
+
+    /// The node's descriptor of `model`, if it serves it.
+    pub fn model(&self, model: &ModelId) -> Option<&ModelDescriptor> {
+        self.models.iter().find(|m| &m.id == model)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn a_descriptor_without_endpoints_is_unknown_and_serves_everything() {
+        // what an agent before the field sends
+        let old = r#"{"id":"m","max_context_tokens":2048}"#;
+        let m: ModelDescriptor = serde_json::from_str(old).unwrap();
+        assert_eq!(m.endpoints, None);
+        assert!(m.serves_kind(RequestKind::Embeddings));
+        assert_eq!(serde_json::to_string(&m).unwrap(), old);
+        // a later agent's extra endpoint field is ignored; a missing one is false
+        let new = r#"{"id":"m","endpoints":{"chat_completions":true,"rerank":true}}"#;
+        let m: ModelDescriptor = serde_json::from_str(new).unwrap();
+        assert_eq!(
+            m.endpoints,
+            Some(Endpoints {
+                chat_completions: true,
+                completions: false,
+                embeddings: false
+            })
+        );
+        assert!(m.serves_kind(RequestKind::ChatCompletions));
+        assert!(!m.serves_kind(RequestKind::Completions));
+        assert!(!m.serves_kind(RequestKind::Embeddings));
     }
 }

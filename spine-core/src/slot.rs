@@ -119,6 +119,12 @@ impl NodeSlot {
     }
 }
 
+/// The prompt's token count as the metering layer measured it: the longest prompt of the request
+/// (the one that must fit a node's context window). The metering layer puts it into the request
+/// extensions before calling the router, which routes only to nodes whose context holds it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct PromptTokens(pub u64);
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -16,6 +16,7 @@ fn registry(nodes: usize) -> NodeRegistry {
             models: vec![ModelDescriptor {
                 id: ModelId::new(model),
                 max_context_tokens: Some(8192),
+                endpoints: None,
             }],
             vram_mib: 24_576,
             max_concurrency: 64,

@@ -69,6 +69,7 @@ async fn main() -> Result<(), BoxError> {
                 models: vec![ModelDescriptor {
                     id: ModelId::new("smollm2"),
                     max_context_tokens: None,
+                    endpoints: None,
                 }],
                 vram_mib: 8_192,
                 max_concurrency: 4,

@@ -5,9 +5,13 @@
 //!   tells it when a node becomes routable (after its first health probe), when its keepalive is
 //!   answered ([`NodeRegistry::heartbeat`]) and when it is gone.
 //! - [`RouteLayer`] / [`Route`]: a tower middleware that reads the requested model from the
-//!   [`RequestPeek`](spine_core::RequestPeek) in the request's extensions, picks a node (sticky
-//!   node of the conversation if it can take the request, else a weighted random pick by
-//!   `max(min(vram_mib, max_vram_mib), 1)·(0.2 + 0.8·score)`), puts its [`NodeId`](spine_core::NodeId) into the
+//!   [`RequestPeek`](spine_core::RequestPeek) in the request's extensions, picks a node among
+//!   those whose advertised capabilities fit the request (endpoint, context window for the
+//!   [`PromptTokens`](spine_core::PromptTokens) extension): the sticky node of the conversation
+//!   if it can take the request and is not overloaded, else a load-aware weighted pick (power
+//!   of two choices by `max(min(vram_mib, max_vram_mib), 1)·(0.2 + 0.8·score)`, the less loaded
+//!   of two draws); when every such node is full the request waits in the model's fair
+//!   admission [`queue`]. It puts the node's [`NodeId`](spine_core::NodeId) into the
 //!   request's extensions for the transport below, retries on another node while nothing has
 //!   reached the caller, and counts the request in flight until its response body ends.
 //! - [`AffinityStore`]: conversation affinity kept outside the process (several gateway
@@ -35,7 +39,7 @@
 //!     &NodeId::new("n1"),
 //!     &NodeDescriptor {
 //!         engine: EngineKind::LlamaCpp,
-//!         models: vec![ModelDescriptor { id: ModelId::new("smollm2"), max_context_tokens: Some(2048) }],
+//!         models: vec![ModelDescriptor { id: ModelId::new("smollm2"), max_context_tokens: Some(2048), endpoints: None }],
 //!         vram_mib: 0,
 //!         max_concurrency: 4,
 //!         agent_version: "0.1.0".into(),
@@ -49,6 +53,7 @@ mod affinity;
 mod directory;
 mod idle;
 mod readahead;
+pub mod queue;
 mod registry;
 mod route;
 pub mod score;
@@ -62,9 +67,10 @@ pub use idle::IdleTimer;
 pub use readahead::{
     read_ahead, ReadAhead, ReadAheadFuture, ReadAheadLayer, DEFAULT_READ_AHEAD_BYTES,
 };
+pub use queue::{QueueConfig, QueueSnapshot, QueueTicket, QueueWeight};
 pub use registry::{
-    InFlightLease, NodeRegistry, NodeSnapshot, Pick, RegistryConfig, RouteError, ATTEMPTS_METRIC,
-    STICKY_METRIC,
+    Ask, InFlightLease, Needs, NodeRegistry, NodeSnapshot, Pick, RegistryConfig, RouteError,
+    ATTEMPTS_METRIC, STICKY_METRIC,
 };
 pub use route::{NotNodeFault, ResponseFuture, Route, RouteConfig, RouteLayer};
 pub use score::{ScoreConfig, ScoreParts};

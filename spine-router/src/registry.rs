@@ -1,14 +1,15 @@
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, RwLock, Weak};
 use std::time::Duration;
 
 use rand::Rng;
 use serde::Serialize;
-use spine_core::{ModelId, NodeDescriptor, NodeId};
+use spine_core::{ModelId, NodeDescriptor, NodeId, RequestKind};
 use tokio::time::Instant;
 
 use crate::affinity::{AffinityKey, AffinityTable, StickyOutcome};
+use crate::queue::{QueueConfig, Queues};
 use crate::score::{weight, ScoreConfig, ScoreParts, ScoreState};
 
 /// Name of the sticky counter (`result` = `hit`, `miss`, `new`; design brief §5).
@@ -39,6 +40,48 @@ pub enum RouteError {
     /// reached the caller, so never retried.
     #[error("node sent nothing for {} s after the response began", .0.as_secs())]
     StreamIdleTimeout(Duration),
+    /// Every node that could serve the request is full and the model's admission queue is at
+    /// its depth ([`QueueConfig::max_depth`]), or this request's place went to another account's
+    /// (see [`crate::queue`]). `retry_after`: the queue's estimate of when a place frees.
+    #[error("all nodes serving model '{model}' are at capacity and its queue is full")]
+    QueueFull {
+        /// The model.
+        model: ModelId,
+        /// When trying again may succeed (at least 1 s).
+        retry_after: Duration,
+    },
+    /// The request waited [`QueueConfig::max_wait`] in the model's admission queue without a
+    /// free slot.
+    #[error("all nodes serving model '{model}' stayed at capacity for {} s", .waited.as_secs())]
+    QueueTimeout {
+        /// The model.
+        model: ModelId,
+        /// How long it waited.
+        waited: Duration,
+        /// When trying again may succeed (at least 1 s).
+        retry_after: Duration,
+    },
+    /// Nodes serve the model, but none with a context window that holds the prompt
+    /// ([`PromptTokens`](spine_core::PromptTokens)); `max_context_tokens` is the largest among
+    /// them.
+    #[error("prompt of {prompt_tokens} tokens does not fit the context of any node serving model '{model}' (largest: {max_context_tokens} tokens)")]
+    ContextLengthExceeded {
+        /// The model.
+        model: ModelId,
+        /// The request's longest prompt.
+        prompt_tokens: u64,
+        /// The largest context window among the model's nodes.
+        max_context_tokens: u64,
+    },
+    /// Nodes serve the model, but none answers this endpoint (e.g. embeddings turned off on
+    /// every engine).
+    #[error("no node serving model '{model}' answers {}", .kind.path())]
+    Unsupported {
+        /// The model.
+        model: ModelId,
+        /// The endpoint asked for.
+        kind: RequestKind,
+    },
 }
 
 /// Settings of a [`NodeRegistry`]. [`Default`] gives the documented values.
@@ -55,6 +98,13 @@ pub struct RegistryConfig {
     /// cannot take nearly all traffic by claiming huge VRAM in its hello. Default 196,608
     /// (192 GiB).
     pub max_vram_mib: u64,
+    /// The admission queue used when every candidate node is full (see [`crate::queue`]).
+    pub queue: QueueConfig,
+    /// Load (`in_flight / max_concurrency`) at or above which a conversation's sticky node
+    /// yields to another candidate whose load is lower by at least 0.5 (e.g. with 4 slots: the
+    /// sticky node has 3 requests in flight, another node at most 1). Default 0.75; 1.0 or more:
+    /// the sticky node yields only when full (the behaviour before load-aware picks).
+    pub affinity_yield_load: f64,
 }
 
 impl Default for RegistryConfig {
@@ -64,6 +114,8 @@ impl Default for RegistryConfig {
             affinity_ttl: Duration::from_secs(30 * 60),
             max_affinity_entries: 1_000_000,
             max_vram_mib: 196_608,
+            queue: QueueConfig::default(),
+            affinity_yield_load: 0.75,
         }
     }
 }
@@ -102,11 +154,15 @@ struct NodeEntry {
 }
 
 #[derive(Debug)]
-struct Inner {
-    config: RegistryConfig,
+pub(crate) struct Inner {
+    pub(crate) config: RegistryConfig,
     nodes: RwLock<HashMap<NodeId, NodeEntry>>,
     stats: Mutex<HashMap<NodeId, Arc<Mutex<NodeStats>>>>,
     affinity: Mutex<AffinityTable>,
+    /// The admission queues; lock order: `queues`, then `nodes`, then a node's `stats`.
+    pub(crate) queues: Mutex<Queues>,
+    /// Requests waiting in any queue (read without the lock on every release).
+    pub(crate) waiting: AtomicUsize,
 }
 
 /// The nodes this gateway instance can route to, their reliability scores (design brief §5) and
@@ -116,7 +172,7 @@ struct Inner {
 /// held only for map operations. Time is `tokio::time::Instant` (tests use the paused clock).
 #[derive(Debug, Clone)]
 pub struct NodeRegistry {
-    inner: Arc<Inner>,
+    pub(crate) inner: Arc<Inner>,
 }
 
 impl Default for NodeRegistry {
@@ -156,11 +212,13 @@ pub struct NodeSnapshot {
     pub affinity_entries: u64,
 }
 
-/// One request counted against a node's capacity; the count drops when this is dropped.
+/// One request counted against a node's capacity; the count drops when this is dropped, and
+/// requests queued for the node's models are offered the freed slot.
 #[derive(Debug)]
 pub struct InFlightLease {
     node: NodeId,
     counter: Arc<AtomicU32>,
+    registry: Weak<Inner>,
 }
 
 impl InFlightLease {
@@ -173,7 +231,35 @@ impl InFlightLease {
 impl Drop for InFlightLease {
     fn drop(&mut self) {
         self.counter.fetch_sub(1, Ordering::AcqRel);
+        if let Some(inner) = self.registry.upgrade() {
+            if inner.waiting.load(Ordering::Acquire) > 0 {
+                NodeRegistry { inner }.slots_changed(&self.node, false);
+            }
+        }
     }
+}
+
+/// What a request needs from a node besides its model: routing filters from the node's
+/// advertised capabilities ([`ModelDescriptor`](spine_core::ModelDescriptor)).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Needs {
+    /// The endpoint; `None`: any node of the model will do.
+    pub kind: Option<RequestKind>,
+    /// The longest prompt, tokens: only nodes whose context window is larger (or unknown) fit.
+    pub prompt_tokens: Option<u64>,
+}
+
+/// One pick asked of the registry: [`NodeRegistry::acquire`].
+#[derive(Clone, Copy, Debug)]
+pub struct Ask<'a> {
+    /// The model.
+    pub model: &'a ModelId,
+    /// The affinity preference, as for [`NodeRegistry::pick_preferring`].
+    pub preferred: Option<Option<&'a NodeId>>,
+    /// Nodes not to pick (tried already).
+    pub exclude: &'a [NodeId],
+    /// Capability filters.
+    pub needs: Needs,
 }
 
 /// The result of [`NodeRegistry::pick_for`].
@@ -187,6 +273,46 @@ pub struct Pick {
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// How much lower an alternative's load must be for a sticky node at
+/// [`RegistryConfig::affinity_yield_load`] to yield to it.
+const STICKY_YIELD_MARGIN: f64 = 0.5;
+
+/// `in_flight / max_concurrency` of a node with a free slot; `None` when it is full.
+fn load_of(entry: &NodeEntry) -> Option<f64> {
+    let max = entry.descriptor.max_concurrency;
+    let n = entry.in_flight.load(Ordering::Acquire);
+    (n < max).then(|| f64::from(n) / f64::from(max))
+}
+
+/// An index drawn with probability proportional to the weights (element 2), skipping `not`;
+/// `None` when nothing is left to draw.
+fn weighted_draw<A, B, D>(items: &[(A, B, f64, D)], not: Option<usize>) -> Option<usize> {
+    let eligible = |i: usize| Some(i) != not;
+    let count = (0..items.len()).filter(|&i| eligible(i)).count();
+    if count == 0 {
+        return None;
+    }
+    let total: f64 = (0..items.len())
+        .filter(|&i| eligible(i))
+        .map(|i| items[i].2)
+        .sum();
+    let mut rng = rand::rng();
+    if !(total.is_finite() && total > 0.0) {
+        let k = rng.random_range(0..count);
+        return (0..items.len()).filter(|&i| eligible(i)).nth(k);
+    }
+    let mut r = rng.random_range(0.0..total);
+    let mut last = None;
+    for i in (0..items.len()).filter(|&i| eligible(i)) {
+        last = Some(i);
+        if r < items[i].2 {
+            return Some(i);
+        }
+        r -= items[i].2;
+    }
+    last
 }
 
 fn reserve(entry: &NodeEntry) -> bool {
@@ -216,6 +342,8 @@ impl NodeRegistry {
                 config,
                 nodes: RwLock::default(),
                 stats: Mutex::default(),
+                queues: Mutex::default(),
+                waiting: AtomicUsize::new(0),
             }),
         }
     }
@@ -258,7 +386,10 @@ impl NodeRegistry {
                 stats,
             },
         );
+        drop(nodes);
         tracing::info!(node = %node, models = descriptor.models.len(), "node routable");
+        // a node that joins (or comes back with more slots) takes queued requests
+        self.slots_changed(node, false);
     }
 
     /// Removes `node` from routing. Its statistics are kept for when it comes back.
@@ -269,9 +400,44 @@ impl NodeRegistry {
             .write()
             .unwrap_or_else(|e| e.into_inner())
             .remove(node);
-        if removed.is_some() {
+        if let Some(entry) = removed {
             tracing::info!(node = %node, "node no longer routable");
+            // requests queued for models no node serves any more fail now, not at the deadline
+            let models: Vec<ModelId> = entry.descriptor.models.into_iter().map(|m| m.id).collect();
+            self.dispatch_models(&models, true);
         }
+    }
+
+    /// `node`'s free slots changed (a lease dropped, the node joined): serve the queues of its
+    /// models. Cheap when nothing waits.
+    pub(crate) fn slots_changed(&self, node: &NodeId, fail_unservable: bool) {
+        if self.inner.waiting.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        let models: Vec<ModelId> = {
+            let nodes = self.inner.nodes.read().unwrap_or_else(|e| e.into_inner());
+            match nodes.get(node) {
+                Some(e) => e.descriptor.models.iter().map(|m| m.id.clone()).collect(),
+                None => return,
+            }
+        };
+        self.dispatch_models(&models, fail_unservable);
+    }
+
+    /// Free slots on routable nodes serving `model` (any capability).
+    pub(crate) fn free_slots(&self, model: &ModelId) -> u64 {
+        let nodes = self.inner.nodes.read().unwrap_or_else(|e| e.into_inner());
+        nodes
+            .values()
+            .filter(|e| e.descriptor.serves(model))
+            .map(|e| {
+                u64::from(
+                    e.descriptor
+                        .max_concurrency
+                        .saturating_sub(e.in_flight.load(Ordering::Acquire)),
+                )
+            })
+            .sum()
     }
 
     /// The node's liveness was confirmed now (a tunnel keepalive answered): feeds
@@ -389,9 +555,12 @@ impl NodeRegistry {
         out
     }
 
-    /// Picks a routable node that serves `model` and has free capacity, at random with
-    /// probability proportional to its weight `max(min(vram_mib, max_vram_mib), 1)·(0.2 + 0.8·score)` (design brief
-    /// §5), and counts one request in flight on it until the returned lease is dropped.
+    /// Picks a routable node that serves `model` and has free capacity and counts one request in
+    /// flight on it until the returned lease is dropped. Load-aware (power of two choices): two
+    /// nodes are drawn at random with probability proportional to their weight
+    /// `max(min(vram_mib, max_vram_mib), 1)·(0.2 + 0.8·score)` (design brief §5), and the one
+    /// with the lower load `in_flight / max_concurrency` is taken (equal loads: the first draw,
+    /// so idle nodes are picked by weight alone). Never waits: see [`NodeRegistry::acquire`].
     ///
     /// # Errors
     ///
@@ -417,19 +586,25 @@ impl NodeRegistry {
         key: Option<&AffinityKey>,
         exclude: &[NodeId],
     ) -> Result<Pick, RouteError> {
-        let now = Instant::now();
-        let preferred = match key {
-            Some(key) => {
-                let mut table = lock(&self.inner.affinity);
-                if table.enabled() {
-                    Some(table.get(AffinityTable::slot(model, key), now))
-                } else {
-                    None
-                }
-            }
-            None => None,
-        };
-        self.pick_inner(model, preferred.as_ref().map(Option::as_ref), exclude, now)
+        let preferred = key.and_then(|key| self.local_preference(model, key));
+        self.pick_inner(
+            Ask {
+                model,
+                preferred: preferred.as_ref().map(Option::as_ref),
+                exclude,
+                needs: Needs::default(),
+            },
+            Instant::now(),
+        )
+    }
+
+    /// What the in-memory affinity table says about `key` of `model`: `None` when affinity is
+    /// disabled, `Some(None)` when the key has no live entry, `Some(Some(node))` otherwise.
+    pub fn local_preference(&self, model: &ModelId, key: &AffinityKey) -> Option<Option<NodeId>> {
+        let mut table = lock(&self.inner.affinity);
+        table
+            .enabled()
+            .then(|| table.get(AffinityTable::slot(model, key), Instant::now()))
     }
 
     /// [`NodeRegistry::pick_for`] with the affinity lookup done elsewhere (an
@@ -452,7 +627,15 @@ impl NodeRegistry {
         } else {
             preferred
         };
-        self.pick_inner(model, preferred, exclude, Instant::now())
+        self.pick_inner(
+            Ask {
+                model,
+                preferred,
+                exclude,
+                needs: Needs::default(),
+            },
+            Instant::now(),
+        )
     }
 
     /// Whether `node` is routable now.
@@ -474,82 +657,147 @@ impl NodeRegistry {
             .map(|e| e.descriptor.clone())
     }
 
-    fn pick_inner(
-        &self,
-        model: &ModelId,
-        preferred: Option<Option<&NodeId>>,
-        exclude: &[NodeId],
-        now: Instant,
-    ) -> Result<Pick, RouteError> {
+    /// The nodes that could serve `ask` if they had a free slot, or why none could: no node
+    /// serves the model, none answers the endpoint, none has the context for the prompt.
+    fn candidates<'n>(
+        nodes: &'n HashMap<NodeId, NodeEntry>,
+        ask: &Ask<'_>,
+    ) -> Result<Vec<(&'n NodeId, &'n NodeEntry)>, RouteError> {
+        let mut any_model = false;
+        let mut serving: Vec<(&NodeId, &NodeEntry, Option<u64>)> = Vec::new();
+        for (id, e) in nodes {
+            if ask.exclude.contains(id) {
+                continue;
+            }
+            let Some(m) = e.descriptor.model(ask.model) else {
+                continue;
+            };
+            any_model = true;
+            if ask.needs.kind.is_none_or(|k| m.serves_kind(k)) {
+                serving.push((id, e, m.max_context_tokens));
+            }
+        }
+        if !any_model {
+            return Err(RouteError::NoNodeForModel(ask.model.clone()));
+        }
+        if serving.is_empty() {
+            return Err(match ask.needs.kind {
+                Some(kind) => RouteError::Unsupported {
+                    model: ask.model.clone(),
+                    kind,
+                },
+                None => RouteError::NoNodeForModel(ask.model.clone()),
+            });
+        }
+        let Some(prompt) = ask.needs.prompt_tokens else {
+            return Ok(serving.into_iter().map(|(id, e, _)| (id, e)).collect());
+        };
+        // an unknown context fits (the metering layer checked the catalog's)
+        let fitting: Vec<(&NodeId, &NodeEntry)> = serving
+            .iter()
+            .filter(|(_, _, ctx)| ctx.is_none_or(|c| prompt < c))
+            .map(|(id, e, _)| (*id, *e))
+            .collect();
+        if fitting.is_empty() {
+            let largest = serving.iter().filter_map(|(_, _, c)| *c).max().unwrap_or(0);
+            return Err(RouteError::ContextLengthExceeded {
+                model: ask.model.clone(),
+                prompt_tokens: prompt,
+                max_context_tokens: largest,
+            });
+        }
+        Ok(fitting)
+    }
+
+    /// Whether `ask` could be served by some node with a free slot; the error says why not.
+    pub(crate) fn servable(&self, ask: &Ask<'_>) -> Result<(), RouteError> {
         let nodes = self.inner.nodes.read().unwrap_or_else(|e| e.into_inner());
-        let sticky = match &preferred {
+        Self::candidates(&nodes, ask).map(|_| ())
+    }
+
+    fn lease(&self, node: &NodeId, entry: &NodeEntry) -> InFlightLease {
+        InFlightLease {
+            node: node.clone(),
+            counter: entry.in_flight.clone(),
+            registry: Arc::downgrade(&self.inner),
+        }
+    }
+
+    /// One pick, no waiting: the sticky node if it fits, has a free slot and is not overloaded
+    /// (see [`RegistryConfig::affinity_yield_load`]), else a load-aware weighted pick.
+    ///
+    /// Sticky statistics are counted only when a node is picked (a request that waits in the
+    /// queue is not counted once per try).
+    pub(crate) fn pick_inner(&self, ask: Ask<'_>, now: Instant) -> Result<Pick, RouteError> {
+        let nodes = self.inner.nodes.read().unwrap_or_else(|e| e.into_inner());
+        let candidates = Self::candidates(&nodes, &ask)?;
+        let sticky = match &ask.preferred {
             None => StickyOutcome::NoKey,
             Some(None) => StickyOutcome::New,
             Some(Some(_)) => StickyOutcome::Miss,
         };
-        if let Some(Some(node)) = preferred {
-            if let Some(entry) = nodes.get(node) {
-                if entry.descriptor.serves(model) && !exclude.contains(node) && reserve(entry) {
-                    lock(&entry.stats).sticky_hits += 1;
-                    metrics::counter!(STICKY_METRIC, "result" => "hit").increment(1);
-                    return Ok(Pick {
-                        lease: InFlightLease {
-                            node: node.clone(),
-                            counter: entry.in_flight.clone(),
-                        },
-                        sticky: StickyOutcome::Hit,
-                    });
-                }
-                lock(&entry.stats).sticky_misses += 1;
-            }
-        }
-        if sticky != StickyOutcome::NoKey {
-            metrics::counter!(STICKY_METRIC, "result" => sticky.as_str()).increment(1);
-        }
-        let serving: Vec<(&NodeId, &NodeEntry)> = nodes
-            .iter()
-            .filter(|(id, e)| e.descriptor.serves(model) && !exclude.contains(id))
-            .collect();
-        if serving.is_empty() {
-            return Err(RouteError::NoNodeForModel(model.clone()));
-        }
-        let mut free: Vec<(&NodeId, &NodeEntry, f64)> = serving
+        let mut free: Vec<(&NodeId, &NodeEntry, f64, f64)> = candidates
             .into_iter()
-            .filter(|(_, e)| e.in_flight.load(Ordering::Acquire) < e.descriptor.max_concurrency)
-            .map(|(id, e)| {
+            .filter_map(|(id, e)| {
+                let load = load_of(e)?;
                 let score = lock(&e.stats)
                     .score
                     .parts(&self.inner.config.score, now)
                     .score;
-                (id, e, weight(self.capped_vram(e), score))
+                Some((id, e, weight(self.capped_vram(e), score), load))
             })
             .collect();
-        // Weighted draw; a compare-and-swap loses only to a concurrent pick of the same node,
-        // and then that node is dropped from this draw.
-        while !free.is_empty() {
-            let total: f64 = free.iter().map(|(_, _, w)| w).sum();
-            let mut i = 0;
-            if total.is_finite() && total > 0.0 {
-                let mut r = rand::rng().random_range(0.0..total);
-                while i + 1 < free.len() && r >= free[i].2 {
-                    r -= free[i].2;
-                    i += 1;
+        let preferred = match ask.preferred {
+            Some(Some(node)) => Some(node),
+            _ => None,
+        };
+        if let Some(node) = preferred {
+            if let Some(&(id, entry, _, load)) = free.iter().find(|(id, ..)| *id == node) {
+                let yields = load >= self.inner.config.affinity_yield_load
+                    && free
+                        .iter()
+                        .any(|(other, _, _, l)| *other != id && *l <= load - STICKY_YIELD_MARGIN);
+                if !yields && reserve(entry) {
+                    lock(&entry.stats).sticky_hits += 1;
+                    metrics::counter!(STICKY_METRIC, "result" => "hit").increment(1);
+                    return Ok(Pick {
+                        lease: self.lease(id, entry),
+                        sticky: StickyOutcome::Hit,
+                    });
                 }
-            } else {
-                i = rand::rng().random_range(0..free.len());
+                if yields {
+                    free.retain(|(other, ..)| *other != id);
+                }
             }
-            let (id, entry, _) = free.swap_remove(i);
+        }
+        // Power of two choices: two weighted draws, the less loaded wins (ties: the first). A
+        // compare-and-swap loses only to a concurrent pick of the same node, and then that node
+        // is dropped from this pick.
+        while !free.is_empty() {
+            let Some(first) = weighted_draw(&free, None) else {
+                break;
+            };
+            let chosen = match weighted_draw(&free, Some(first)) {
+                Some(second) if free[second].3 < free[first].3 => second,
+                _ => first,
+            };
+            let (id, entry, _, _) = free.swap_remove(chosen);
             if reserve(entry) {
+                if sticky != StickyOutcome::NoKey {
+                    metrics::counter!(STICKY_METRIC, "result" => sticky.as_str()).increment(1);
+                }
+                if let Some(node) = preferred {
+                    if let Some(e) = nodes.get(node) {
+                        lock(&e.stats).sticky_misses += 1;
+                    }
+                }
                 return Ok(Pick {
-                    lease: InFlightLease {
-                        node: id.clone(),
-                        counter: entry.in_flight.clone(),
-                    },
+                    lease: self.lease(id, entry),
                     sticky,
                 });
             }
         }
-        Err(RouteError::AtCapacity(model.clone()))
+        Err(RouteError::AtCapacity(ask.model.clone()))
     }
 
     /// Records that `node` served the conversation `key` of `model`: later picks with the key
@@ -576,6 +824,7 @@ mod tests {
                 .map(|m| ModelDescriptor {
                     id: ModelId::new(*m),
                     max_context_tokens: None,
+                    endpoints: None,
                 })
                 .collect(),
             vram_mib: 0,

@@ -10,14 +10,14 @@ use http_body::{Body, Frame, SizeHint};
 use http_body_util::{BodyExt, Full};
 use spine_core::{
     AccountId, BodyClassifier, BodySignal, BoxBody, BoxError, ClassifyBody, FirstBytes, NodeId,
-    NodeSlot, RequestPeek,
+    NodeSlot, PromptTokens, RequestKind, RequestPeek,
 };
 use tokio::time::Instant;
 use tower::{Layer, Service, ServiceExt};
 
 use crate::affinity::{AffinityKey, AffinityStore, SessionId};
 use crate::idle::IdleTimer;
-use crate::{InFlightLease, NodeRegistry, RouteError};
+use crate::{Ask, InFlightLease, Needs, NodeRegistry, QueueTicket, QueueWeight, RouteError};
 
 /// Settings of [`Route`]. [`Default`] gives the documented values.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -142,7 +142,10 @@ impl<S> Layer<S> for RouteLayer {
 ///    `x-session-id` header, else the automatic conversation key).
 /// 2. Collects the request body to `Bytes` once (the metering layer above has it buffered), so
 ///    that every attempt sends the same bytes.
-/// 3. Each attempt: picks a node not tried yet, inserts its [`NodeId`] into the request
+/// 3. Each attempt: picks a node not tried yet among those that fit the request's endpoint and
+///    [`PromptTokens`] ([`NodeRegistry::acquire`]; the first attempt waits in the model's
+///    admission [`queue`](crate::queue) when they are all full, with the [`AccountId`] extension
+///    as its fairness class and the [`QueueWeight`] extension as its weight), inserts its [`NodeId`] into the request
 ///    extensions (the transport reads it) and records it in the [`NodeSlot`] extension, calls the
 ///    inner service, then
 ///    - inner error (connect failure, tunnel gone) or a 502 / 503 / 504, 408 or 429 head (and
@@ -400,6 +403,19 @@ where
         Some(account) => k.scoped_to(account),
         None => k,
     });
+    let needs = Needs {
+        kind: RequestKind::from_path(req.uri().path()),
+        prompt_tokens: req.extensions().get::<PromptTokens>().map(|p| p.0),
+    };
+    // fairness class of the admission queue: the account (all unauthenticated callers share one)
+    let ticket = QueueTicket {
+        class: req
+            .extensions()
+            .get::<AccountId>()
+            .map(|a| a.as_str().to_owned())
+            .unwrap_or_default(),
+        weight: req.extensions().get::<QueueWeight>().map_or(1, |w| w.0),
+    };
     let (parts, body) = req.into_parts();
     let body_bytes = body.collect().await?.to_bytes();
     // The shared store's answer, asked once; `None` = use the in-memory table (no store, no key,
@@ -421,12 +437,24 @@ where
     let mut last: Option<Result<http::Response<BoxBody>, BoxError>> = None;
     let mut deferred = Deferred::default();
     for attempt in 0..=config.max_retries {
-        let picked = match &shared {
-            Some(preferred) => {
-                registry.pick_preferring(&peek.model, Some(preferred.as_ref()), &tried)
-            }
-            None => registry.pick_for(&peek.model, key.as_ref(), &tried),
+        let local = match (&shared, &key) {
+            (None, Some(key)) => registry.local_preference(&peek.model, key),
+            _ => None,
         };
+        let preferred = match &shared {
+            Some(preferred) => Some(preferred.as_ref()),
+            None => local.as_ref().map(Option::as_ref),
+        };
+        let ask = Ask {
+            model: &peek.model,
+            preferred,
+            exclude: &tried,
+            needs,
+        };
+        // only the first attempt waits in the queue: a retry answers with what it has
+        let picked = registry
+            .acquire(ask, (attempt == 0).then_some(&ticket))
+            .await;
         let pick = match picked {
             Ok(pick) => pick,
             Err(e) => {
@@ -805,6 +833,9 @@ impl RoutedBody {
     /// The body ended cleanly: success, unless the classifier saw a failure.
     fn finish(&mut self) {
         self.inner_ended = true;
+        // the transport's own stream slot goes first: a request queued for the node, woken by
+        // the lease below, must find the tunnel's stream free too
+        drop(std::mem::take(&mut self.inner));
         let lease = self.lease.take();
         if let (Some(mut watch), Some(lease)) = (self.watch.take(), lease) {
             if watch.fault_reported() {
@@ -824,6 +855,7 @@ impl RoutedBody {
     /// The node's body broke after commit: a mid-request disconnect.
     fn broke(&mut self) {
         self.inner_ended = true;
+        drop(std::mem::take(&mut self.inner));
         let lease = self.lease.take();
         if let (Some(watch), Some(lease)) = (self.watch.take(), lease) {
             if !watch.fault_reported() {
@@ -838,6 +870,8 @@ impl Drop for RoutedBody {
     /// the answer's last event. The node did nothing wrong by that, so a committed attempt
     /// counts as a success unless the classifier saw a failure.
     fn drop(&mut self) {
+        // the node's body (and the transport's stream slot) before the lease, as in `finish`
+        drop(std::mem::take(&mut self.inner));
         let lease = self.lease.take();
         if let (Some(watch), Some(lease)) = (self.watch.take(), lease) {
             if watch.fault_reported() {
@@ -1011,6 +1045,7 @@ mod affinity_store_tests {
                     models: vec![ModelDescriptor {
                         id: ModelId::new("m"),
                         max_context_tokens: None,
+                        endpoints: None,
                     }],
                     vram_mib: 1,
                     max_concurrency: 64,

@@ -16,6 +16,7 @@ fn descriptor(vram_mib: u64) -> NodeDescriptor {
         models: vec![ModelDescriptor {
             id: ModelId::new("m"),
             max_context_tokens: None,
+            endpoints: None,
         }],
         vram_mib,
         max_concurrency: 8,

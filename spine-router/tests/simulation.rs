@@ -64,6 +64,7 @@ impl Sim {
             models: vec![ModelDescriptor {
                 id: self.model.clone(),
                 max_context_tokens: None,
+                endpoints: None,
             }],
             vram_mib: 24_576,
             max_concurrency: 1_000,

@@ -55,6 +55,7 @@ fn descriptor() -> NodeDescriptor {
         models: vec![ModelDescriptor {
             id: ModelId::new("sim"),
             max_context_tokens: None,
+            endpoints: None,
         }],
         vram_mib: 0,
         max_concurrency: 4,

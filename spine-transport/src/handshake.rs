@@ -233,6 +233,7 @@ mod tests {
             models: vec![ModelDescriptor {
                 id: ModelId::new("smollm2"),
                 max_context_tokens: Some(2048),
+                endpoints: None,
             }],
             vram_mib: 8192,
             max_concurrency: 4,

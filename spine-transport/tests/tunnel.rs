@@ -55,6 +55,7 @@ fn descriptor() -> NodeDescriptor {
         models: vec![ModelDescriptor {
             id: ModelId::new("smollm2"),
             max_context_tokens: Some(2048),
+            endpoints: None,
         }],
         vram_mib: 8192,
         max_concurrency: 4,

@@ -474,6 +474,7 @@ mod tests {
             models: vec![ModelDescriptor {
                 id: ModelId::new("m"),
                 max_context_tokens: None,
+                endpoints: None,
             }],
             vram_mib: 8192,
             max_concurrency: 4,

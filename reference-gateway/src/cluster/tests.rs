@@ -36,6 +36,7 @@ fn desc(models: &[&str]) -> NodeDescriptor {
             .map(|m| ModelDescriptor {
                 id: ModelId::new(*m),
                 max_context_tokens: None,
+                endpoints: None,
             })
             .collect(),
         vram_mib: 8192,

@@ -244,6 +244,8 @@ where
     );
     let include_usage = peek.include_usage;
     parts.extensions.insert(peek);
+    // issue 15: the router routes only to nodes whose context holds the longest prompt
+    parts.extensions.insert(spine_core::PromptTokens(longest));
     // the router records the node it picks here; the guard reads it if the caller leaves first
     parts.extensions.insert(slot);
     let req = http::Request::from_parts(
