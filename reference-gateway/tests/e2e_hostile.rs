@@ -296,6 +296,13 @@ async fn a_node_streaming_a_gibibyte_is_cut_at_its_bound_with_bounded_gateway_me
         pulled / 1024,
         peak - before
     );
-    assert!(pulled < 256 << 20, "the stream was not cut near its bound: {pulled} bytes");
-    assert!(peak - before < 32 * 1024, "gateway RSS grew {} KiB", peak - before);
+    assert!(
+        pulled < 256 << 20,
+        "the stream was not cut near its bound: {pulled} bytes"
+    );
+    assert!(
+        peak - before < 32 * 1024,
+        "gateway RSS grew {} KiB",
+        peak - before
+    );
 }

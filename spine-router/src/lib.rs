@@ -52,8 +52,8 @@
 mod affinity;
 mod directory;
 mod idle;
-mod readahead;
 pub mod queue;
+mod readahead;
 mod registry;
 mod route;
 pub mod score;
@@ -64,10 +64,10 @@ pub use directory::{
     NodeLocation, RemoteOwner,
 };
 pub use idle::IdleTimer;
+pub use queue::{QueueConfig, QueueSnapshot, QueueTicket, QueueWeight};
 pub use readahead::{
     read_ahead, ReadAhead, ReadAheadFuture, ReadAheadLayer, DEFAULT_READ_AHEAD_BYTES,
 };
-pub use queue::{QueueConfig, QueueSnapshot, QueueTicket, QueueWeight};
 pub use registry::{
     Ask, InFlightLease, Needs, NodeRegistry, NodeSnapshot, Pick, RegistryConfig, RouteError,
     ATTEMPTS_METRIC, STICKY_METRIC,

@@ -73,6 +73,7 @@ fn registry() -> NodeRegistry {
             models: vec![ModelDescriptor {
                 id: ModelId::new("m"),
                 max_context_tokens: None,
+                endpoints: None,
             }],
             vram_mib: 1,
             max_concurrency: 4,
