@@ -656,7 +656,6 @@ impl State {
             let message = engine_error_message(&members);
             return self.node_fault(&message);
         }
-        self.remember_meta(&members);
         let usage = members.get("usage");
         let has_usage = !is_null(usage);
         if has_usage {
@@ -675,9 +674,11 @@ impl State {
             _ => return self.node_fault("the node sent a chunk without choices"),
         };
         if read.is_empty() && has_usage {
-            // usage-only chunk: withheld; the billed one goes out at the end if asked
+            // usage-only chunk: withheld; the billed one goes out at the end if asked (with the
+            // stream's own id, not this chunk's)
             return;
         }
+        self.remember_meta(&members);
         let n_read = read.len();
         let mut kept: Vec<String> = Vec::new();
         let mut text = Vec::new();
