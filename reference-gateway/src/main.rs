@@ -19,7 +19,6 @@ mod state;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use axum::serve::ListenerExt;
 use clap::Parser;
 use spine_core::{ModelId, NodeDescriptor, NodeId};
 use spine_meter::classify::SseClassify;
@@ -29,7 +28,6 @@ use spine_router::{NodeRegistry, RegistryConfig, RouteConfig, RouteLayer};
 use spine_transport::{
     NodeAuthenticator, RefusalReason, TunnelEvents, TunnelServer, TunnelServerConfig, TunnelService,
 };
-use std::future::IntoFuture;
 
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -119,7 +117,7 @@ impl TunnelEvents for RegistryEvents {
 
 async fn run(cli: Cli) -> Result<(), MainError> {
     let config = Config::load(cli.config.as_deref())?;
-    std::fs::create_dir_all(&config.data_dir)?;
+    state::create_private_dir(&config.data_dir)?;
     let cluster_config = config.cluster();
     let shutdown = CancellationToken::new();
     // the PostgreSQL heartbeat runs until the process exits (cancelled at the very end), not
@@ -207,6 +205,16 @@ async fn run(cli: Cli) -> Result<(), MainError> {
     let cluster_slot: Arc<std::sync::OnceLock<cluster::Cluster>> = Arc::default();
     let mut tunnel_config = TunnelServerConfig::default();
     tunnel_config.gateway_id = config.gateway_id.clone();
+    tunnel_config.public_names = config.tunnel_public_names();
+    if config.tunnel_tls_cert_file.is_some()
+        && config.tunnel_public_names.is_empty()
+        && config.tunnel_tls_hosts.is_empty()
+    {
+        tracing::warn!(
+            "tunnel_tls_cert_file is set but neither tunnel_public_names nor tunnel_tls_hosts: \
+             agents dialling any name but localhost, 127.0.0.1 or ::1 are refused wrong_gateway"
+        );
+    }
     let tunnel_handshake_timeout = tunnel_config.handshake_timeout;
     let tunnel_server = TunnelServer::new(
         tunnel_config,
@@ -379,14 +387,18 @@ async fn run(cli: Cli) -> Result<(), MainError> {
     let public_app = api::router(state.clone());
     let admin_app = admin::router(state.clone());
     let mut public_task = tokio::spawn(
-        axum::serve(public.tap_io(|s| set_nodelay(s)), public_app)
-            .with_graceful_shutdown(shutdown.clone().cancelled_owned())
-            .into_future(),
+        spine_transport::LimitedServer::new(
+            "public",
+            config.listener_limits(config.public_max_connections),
+        )
+        .serve(public, public_app, shutdown.clone().cancelled_owned()),
     );
     let mut admin_task = tokio::spawn(
-        axum::serve(admin.tap_io(|s| set_nodelay(s)), admin_app)
-            .with_graceful_shutdown(shutdown.clone().cancelled_owned())
-            .into_future(),
+        spine_transport::LimitedServer::new(
+            "admin",
+            config.listener_limits(config.admin_max_connections),
+        )
+        .serve(admin, admin_app, shutdown.clone().cancelled_owned()),
     );
     // The tunnel listener: agents' WebSocket upgrade on `GET /v1/tunnel` (TLS unless the
     // insecure flag is set); other routes on the same listener are merged into `tunnel_app`.
@@ -399,11 +411,19 @@ async fn run(cli: Cli) -> Result<(), MainError> {
         .merge(enroll::tunnel_router(state.clone()));
     let internal_task = internal_listener
         .zip(cluster.clone())
-        .map(|(l, c)| tokio::spawn(cluster::internal::serve(l, c)));
+        .map(|(l, c)| {
+            tokio::spawn(cluster::internal::serve(
+                l,
+                c,
+                config.listener_limits(config.internal_max_connections),
+            ))
+        });
     let mut tunnel_task = tokio::spawn(spine_transport::serve_listener(
         tunnel,
         tls.map(|t| t.server_config),
-        tunnel_handshake_timeout,
+        config
+            .listener_limits(config.tunnel_max_connections)
+            .tls_handshake_timeout(tunnel_handshake_timeout),
         tunnel_app,
     ));
 
@@ -463,12 +483,6 @@ async fn run(cli: Cli) -> Result<(), MainError> {
     upkeep_stop.cancel();
     tracing::info!("gateway stopped");
     Ok(())
-}
-
-fn set_nodelay(s: &tokio::net::TcpStream) {
-    if let Err(e) = s.set_nodelay(true) {
-        tracing::debug!(error = %e, "TCP_NODELAY");
-    }
 }
 
 async fn shutdown_signal() {

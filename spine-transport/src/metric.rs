@@ -15,6 +15,7 @@
 //! | [`STREAMS_OPEN`] | gauge | | HTTP/2 streams open through all tunnels (requests in flight) |
 //! | [`HEALTH_PROBE_FAILURES`] | counter | | failed health probes of ready or warming nodes |
 //! | [`WRITE_STALLS`] | counter | | writes blocked past the write timeout (each kills its tunnel) |
+//! | [`LISTENER_CONNECTIONS_CLOSED`] | counter | `listener`, `reason` | connections a [`crate::LimitedServer`] closed: `header_timeout` (no complete request head in time), `idle_timeout`, `tls_timeout`, `evicted` (idle, closed to make room at the connection cap), `cap` (refused at the cap, every connection busy) |
 
 /// Gauge: tunnels past the handshake.
 pub const TUNNELS_CONNECTED: &str = "spine_tunnels_connected";
@@ -39,10 +40,18 @@ pub const HEALTH_PROBE_FAILURES: &str = "spine_tunnel_health_probe_failures_tota
 /// Counter: writes blocked past the write timeout.
 pub const WRITE_STALLS: &str = "spine_tunnel_write_stalls_total";
 
+/// Counter, labels `listener` and `reason`: connections closed by a listener's bounds.
+pub const LISTENER_CONNECTIONS_CLOSED: &str = "spine_listener_connections_closed_total";
+
 /// Suggested histogram buckets for [`FORWARD_SECONDS`], seconds.
 pub const FORWARD_SECONDS_BUCKETS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 ];
+
+pub(crate) fn listener_closed(listener: &'static str, reason: &'static str) {
+    metrics::counter!(LISTENER_CONNECTIONS_CLOSED, "listener" => listener, "reason" => reason)
+        .increment(1);
+}
 
 pub(crate) fn rejected(reason: &'static str) {
     metrics::counter!(HANDSHAKES_REJECTED, "reason" => reason).increment(1);
