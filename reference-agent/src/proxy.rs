@@ -226,7 +226,9 @@ impl EngineProxy {
             // (request smuggling); dropped unread, and its length with it
             parts.headers.remove(header::CONTENT_LENGTH);
             drop(body);
-            Full::new(Bytes::new()).map_err(|e| match e {}).boxed_unsync()
+            Full::new(Bytes::new())
+                .map_err(|e| match e {})
+                .boxed_unsync()
         } else if self.guard.check_json_and_model && parts.method == Method::POST {
             match self.checked_body(body).await {
                 Ok(body) => body,
@@ -521,8 +523,14 @@ mod tests {
         let (head, rest) = seen.split_once("\r\n\r\n").unwrap();
         assert_eq!(rest, "", "bytes after the GET's head: {rest:?}");
         assert!(head.starts_with("GET /v1/models HTTP/1.1\r\n"), "{head}");
-        assert!(!head.to_ascii_lowercase().contains("content-length"), "{head}");
-        assert!(!head.to_ascii_lowercase().contains("transfer-encoding"), "{head}");
+        assert!(
+            !head.to_ascii_lowercase().contains("content-length"),
+            "{head}"
+        );
+        assert!(
+            !head.to_ascii_lowercase().contains("transfer-encoding"),
+            "{head}"
+        );
     }
 
     #[tokio::test]

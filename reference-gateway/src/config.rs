@@ -424,13 +424,20 @@ impl Config {
         if !self.tunnel_public_names.is_empty() {
             return self.tunnel_public_names.clone();
         }
-        let mut names = vec!["localhost".to_owned(), "127.0.0.1".to_owned(), "::1".to_owned()];
+        let mut names = vec![
+            "localhost".to_owned(),
+            "127.0.0.1".to_owned(),
+            "::1".to_owned(),
+        ];
         names.extend(self.tunnel_tls_hosts.iter().cloned());
         names
     }
 
     /// The bounds of one listener: the shared timeouts and `max_connections`.
-    pub(crate) fn listener_limits(&self, max_connections: usize) -> spine_transport::ListenerLimits {
+    pub(crate) fn listener_limits(
+        &self,
+        max_connections: usize,
+    ) -> spine_transport::ListenerLimits {
         use std::time::Duration;
         spine_transport::ListenerLimits::default()
             .header_read_timeout(Duration::from_millis(self.header_read_timeout_ms))

@@ -409,15 +409,13 @@ async fn run(cli: Cli) -> Result<(), MainError> {
         )
         // node enrollment and the node's own status (enroll.rs)
         .merge(enroll::tunnel_router(state.clone()));
-    let internal_task = internal_listener
-        .zip(cluster.clone())
-        .map(|(l, c)| {
-            tokio::spawn(cluster::internal::serve(
-                l,
-                c,
-                config.listener_limits(config.internal_max_connections),
-            ))
-        });
+    let internal_task = internal_listener.zip(cluster.clone()).map(|(l, c)| {
+        tokio::spawn(cluster::internal::serve(
+            l,
+            c,
+            config.listener_limits(config.internal_max_connections),
+        ))
+    });
     let mut tunnel_task = tokio::spawn(spine_transport::serve_listener(
         tunnel,
         tls.map(|t| t.server_config),

@@ -93,7 +93,7 @@ pub(crate) fn create_private_dir(dir: &std::path::Path) -> std::io::Result<()> {
         if mode & 0o077 != 0 {
             tracing::warn!(
                 data_dir = %dir.display(),
-                mode = format!("{:o}", mode & 0o777),
+                mode = %format_args!("{:o}", mode & 0o777),
                 "data_dir was open to group or others; set to 0700"
             );
             std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode & 0o700))?;

@@ -24,7 +24,9 @@ const HANG: Duration = Duration::from_secs(60);
 /// connection; the container's limit is 20,000 per process.
 const IDLE_CONNECTIONS: usize = 10_000;
 
-async fn fake_llama(req: hyper::Request<Incoming>) -> Result<hyper::Response<FakeBody>, Infallible> {
+async fn fake_llama(
+    req: hyper::Request<Incoming>,
+) -> Result<hyper::Response<FakeBody>, Infallible> {
     let path = req.uri().path().to_owned();
     let _ = req.into_body().collect().await;
     if let Some(meta) = fake_llama_meta(&path) {
@@ -125,7 +127,10 @@ async fn slowloris_is_cut_on_every_listener_and_idle_floods_do_not_stop_paid_req
     // --- slowloris on each listener: cut at ~1 s --------------------------------------------
     for (name, listener) in [("public", addr(&gw.public)), ("admin", addr(&gw.admin))] {
         let took = slowloris(&listener).await;
-        assert!(took >= Duration::from_millis(900), "{name}: cut after {took:?}");
+        assert!(
+            took >= Duration::from_millis(900),
+            "{name}: cut after {took:?}"
+        );
         assert!(took < Duration::from_secs(15), "{name}: cut after {took:?}");
     }
     // the tunnel listener is TLS: a client that never finishes its handshake is cut at the
@@ -177,6 +182,9 @@ async fn slowloris_is_cut_on_every_listener_and_idle_floods_do_not_stop_paid_req
             )
         })
         .sum();
-    assert!(closed >= (IDLE_CONNECTIONS - 2000) as f64, "closed {closed}");
+    assert!(
+        closed >= (IDLE_CONNECTIONS - 2000) as f64,
+        "closed {closed}"
+    );
     drop(idle);
 }

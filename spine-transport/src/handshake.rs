@@ -125,7 +125,7 @@ impl Hello {
             &signing_bytes(challenge, &self.gateway_name, self.protocol_version),
             &sig,
         )
-            .map_err(|_| RefusalReason::BadSignature)?;
+        .map_err(|_| RefusalReason::BadSignature)?;
         Ok(key)
     }
 }

@@ -106,8 +106,11 @@ impl ListenerLimits {
 
 /// Reading a request body took longer than [`ListenerLimits::body_read_timeout`].
 #[derive(Debug, thiserror::Error)]
-#[error("request body not received within {0:?}")]
-pub struct BodyReadTimeout(pub Duration);
+#[error("request body not received within {timeout:?}")]
+pub struct BodyReadTimeout {
+    /// The bound that passed.
+    pub timeout: Duration,
+}
 
 pin_project_lite::pin_project! {
     /// A request body that must arrive whole before a deadline ([`BodyReadTimeout`] past it).
@@ -134,7 +137,9 @@ impl TimedBody {
         let now = Instant::now();
         Self {
             inner,
-            deadline: now.checked_add(timeout).unwrap_or(now + Duration::from_secs(86_400 * 365)),
+            deadline: now
+                .checked_add(timeout)
+                .unwrap_or(now + Duration::from_secs(86_400 * 365)),
             timeout,
             sleep: None,
         }
@@ -160,7 +165,10 @@ impl Body for TimedBody {
             .sleep
             .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
         match sleep.as_mut().poll(cx) {
-            Poll::Ready(()) => Poll::Ready(Some(Err(BodyReadTimeout(*this.timeout).into()))),
+            Poll::Ready(()) => Poll::Ready(Some(Err(BodyReadTimeout {
+                timeout: *this.timeout,
+            }
+            .into()))),
             Poll::Pending => Poll::Pending,
         }
     }
@@ -405,7 +413,7 @@ impl LimitedServer {
         F: Future<Output = ()> + Send,
     {
         let name = self.name;
-        let max = self.limits.max_connections.clamp(1, Semaphore::MAX_PERMITS);
+        let max = self.limits.max_connections.clamp(1, 1 << 24);
         let permits = Arc::new(Semaphore::new(max));
         let registry = Arc::new(Registry {
             conns: Mutex::new(HashMap::new()),
@@ -483,7 +491,9 @@ impl LimitedServer {
         drop(listener);
         registry.close_all();
         // every connection returns its permit when it ends
-        let _all = permits.acquire_many_owned(u32::try_from(max).unwrap_or(u32::MAX)).await;
+        let _all = permits
+            .acquire_many_owned(u32::try_from(max).unwrap_or(u32::MAX))
+            .await;
         info!(listener = name, "stopped");
         Ok(())
     }

@@ -190,7 +190,11 @@ impl Default for TunnelServerConfig {
     fn default() -> Self {
         Self {
             gateway_id: "spine-gateway".to_owned(),
-            public_names: vec!["localhost".to_owned(), "127.0.0.1".to_owned(), "::1".to_owned()],
+            public_names: vec![
+                "localhost".to_owned(),
+                "127.0.0.1".to_owned(),
+                "::1".to_owned(),
+            ],
             handshake_timeout: Duration::from_secs(10),
             challenge_max_age: Duration::from_secs(5),
             keepalive_interval: Duration::from_secs(10),

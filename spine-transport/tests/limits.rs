@@ -36,11 +36,7 @@ fn app() -> axum::Router {
 async fn start(limits: ListenerLimits) -> std::net::SocketAddr {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    tokio::spawn(LimitedServer::new("test", limits).serve(
-        listener,
-        app(),
-        std::future::pending(),
-    ));
+    tokio::spawn(LimitedServer::new("test", limits).serve(listener, app(), std::future::pending()));
     addr
 }
 
@@ -69,7 +65,8 @@ async fn get_ok(addr: std::net::SocketAddr) -> String {
 
 #[tokio::test]
 async fn slowloris_head_is_cut_at_the_header_timeout() {
-    let addr = start(ListenerLimits::default().header_read_timeout(Duration::from_millis(500))).await;
+    let addr =
+        start(ListenerLimits::default().header_read_timeout(Duration::from_millis(500))).await;
     // a partial head, one byte every 100 ms: never complete
     let mut tcp = TcpStream::connect(addr).await.unwrap();
     let started = Instant::now();
@@ -113,9 +110,11 @@ async fn a_slow_body_is_cut_at_the_body_timeout() {
 
     // a body sent at once is read whole
     let mut tcp = TcpStream::connect(addr).await.unwrap();
-    tcp.write_all(b"POST /echo HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-length: 3\r\n\r\nabc")
-        .await
-        .unwrap();
+    tcp.write_all(
+        b"POST /echo HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-length: 3\r\n\r\nabc",
+    )
+    .await
+    .unwrap();
     let (seen, _) = read_to_close(&mut tcp).await;
     assert!(String::from_utf8(seen).unwrap().ends_with("\r\n\r\n3"));
 }
@@ -129,7 +128,9 @@ async fn an_idle_kept_alive_connection_is_closed() {
     )
     .await;
     let mut tcp = TcpStream::connect(addr).await.unwrap();
-    tcp.write_all(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n").await.unwrap();
+    tcp.write_all(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+        .await
+        .unwrap();
     let (seen, elapsed) = read_to_close(&mut tcp).await;
     let seen = String::from_utf8(seen).unwrap();
     assert!(seen.starts_with("HTTP/1.1 200 OK"), "{seen}");
@@ -190,14 +191,15 @@ async fn the_tunnel_listener_cuts_slowloris_heads_too() {
 
     // TLS, then a partial head trickled
     let tcp = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
-    let connector = tokio_rustls::TlsConnector::from(
-        spine_transport::client_config_with_ca(&cert).unwrap(),
-    );
+    let connector =
+        tokio_rustls::TlsConnector::from(spine_transport::client_config_with_ca(&cert).unwrap());
     let name = rustls_pki_types::ServerName::try_from("localhost").unwrap();
     let mut tls = connector.connect(name, tcp).await.unwrap();
     let started = Instant::now();
     let mut closed = false;
-    for b in b"GET /v1/tunnel HTTP/1.1\r\nhost: localhost\r\nx-slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa" {
+    for b in
+        b"GET /v1/tunnel HTTP/1.1\r\nhost: localhost\r\nx-slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"
+    {
         if tls.write_all(&[*b]).await.is_err() || tls.flush().await.is_err() {
             closed = true;
             break;
@@ -206,7 +208,9 @@ async fn the_tunnel_listener_cuts_slowloris_heads_too() {
     }
     if !closed {
         let mut buf = [0u8; 64];
-        let r = tokio::time::timeout(HANG, tls.read(&mut buf)).await.unwrap();
+        let r = tokio::time::timeout(HANG, tls.read(&mut buf))
+            .await
+            .unwrap();
         assert!(matches!(r, Ok(0) | Err(_)), "{r:?}");
     }
     let elapsed = started.elapsed();

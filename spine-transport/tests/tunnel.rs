@@ -346,7 +346,12 @@ async fn bad_signature_is_refused_with_code_4002() {
     assert_eq!(challenge.protocol_version, 2);
     assert_eq!(challenge.nonce.len(), 64);
     // signed by another key, claiming the registered one
-    let mut hello = Hello::sign(&NodeIdentity::generate().unwrap(), &challenge, "localhost", descriptor());
+    let mut hello = Hello::sign(
+        &NodeIdentity::generate().unwrap(),
+        &challenge,
+        "localhost",
+        descriptor(),
+    );
     hello.public_key = gw.identity.public_key_text();
     ws.send(hello_text(hello)).await.unwrap();
     assert_eq!(expect_close(&mut ws).await, (4002, "bad_signature".into()));
