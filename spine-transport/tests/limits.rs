@@ -96,7 +96,13 @@ async fn slowloris_head_is_cut_at_the_header_timeout() {
 
 #[tokio::test]
 async fn a_slow_body_is_cut_at_the_body_timeout() {
-    let addr = start(ListenerLimits::default().body_read_timeout(Duration::from_millis(500))).await;
+    // the idle bound (2 s) ends the connection should hyper wait for the rest of the body
+    let addr = start(
+        ListenerLimits::default()
+            .body_read_timeout(Duration::from_millis(500))
+            .idle_timeout(Duration::from_secs(2)),
+    )
+    .await;
     let mut tcp = TcpStream::connect(addr).await.unwrap();
     tcp.write_all(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\nabc")
         .await
