@@ -192,6 +192,8 @@ struct Conn {
     idle_since_ms: AtomicU64,
     /// Fired to close the connection: at once when idle, gracefully otherwise.
     close: Notify,
+    /// Fired when a request ends, so the connection's idle deadline is computed afresh.
+    request_ended: Notify,
 }
 
 /// Decrements the connection's requests in flight when the response ends (or is dropped).
@@ -214,6 +216,8 @@ impl Drop for InFlight {
             .idle_since_ms
             .store(ms_since(self.epoch), Ordering::Relaxed);
         self.conn.in_flight.fetch_sub(1, Ordering::AcqRel);
+        // a permit is stored when the connection task is not waiting yet: never lost
+        self.conn.request_ended.notify_one();
     }
 }
 
@@ -473,6 +477,7 @@ impl LimitedServer {
                 served: AtomicU64::new(0),
                 idle_since_ms: AtomicU64::new(ms_since(shared.epoch)),
                 close: Notify::new(),
+                request_ended: Notify::new(),
             });
             registry.lock().insert(id, conn.clone());
             let registry = registry.clone();
@@ -593,7 +598,7 @@ impl ConnShared {
             };
             let idle_since = conn.idle_since_ms.load(Ordering::Relaxed);
             let busy = conn.in_flight.load(Ordering::Acquire) > 0;
-            // busy: look again after a full bound (the request may have ended meanwhile)
+            // busy: look again when the request ends (`request_ended`), or after a full bound
             let wake = if busy {
                 Instant::now() + idle_bound
             } else {
@@ -602,10 +607,16 @@ impl ConnShared {
             tokio::select! {
                 res = connection.as_mut() => {
                     if let Err(e) = res {
+                        // hyper's own head timer (HTTP/1.1) may fire before this loop's
+                        if e.downcast_ref::<hyper::Error>().is_some_and(hyper::Error::is_timeout) {
+                            metric::listener_closed(self.name, "header_timeout");
+                        }
                         debug!(error = %e, "connection ended with an error");
                     }
                     return;
                 }
+                // the deadline moves: computed afresh at the top of the loop
+                () = conn.request_ended.notified() => {}
                 () = conn.close.notified() => {
                     if conn.in_flight.load(Ordering::Acquire) == 0 {
                         debug!("idle connection closed (evicted or shutting down)");
