@@ -7,7 +7,9 @@
 //!   by closing the connection that has been idle (no request in flight) the longest; when every
 //!   connection has a request in flight the new one is closed at once. So idle connections
 //!   (a flood of them, or slowloris clients that never finish a request head) can never keep a
-//!   paying caller out, and a request in flight is never cut to make room.
+//!   paying caller out, and a request in flight is never cut to make room. The evicted
+//!   connection's place is handed to the new one at once (the accept loop never waits for it
+//!   to wind down), so for a moment a few connections being closed may exceed the cap.
 //! - **Request heads**: a connection must deliver a complete request head within
 //!   `header_read_timeout` of being accepted (after TLS), and on HTTP/1.1 within it of the
 //!   previous response ending (hyper's own header timeout); otherwise it is closed.
@@ -39,7 +41,7 @@ use hyper_util::server::conn::auto;
 use spine_core::BoxError;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{Notify, Semaphore};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::time::{Instant, Sleep};
 use tracing::{debug, info, warn, Instrument as _};
 
@@ -194,6 +196,18 @@ struct Conn {
     close: Notify,
     /// Fired when a request ends, so the connection's idle deadline is computed afresh.
     request_ended: Notify,
+    /// The connection's place under the cap: released when it ends, or handed to a new
+    /// connection when it is evicted.
+    permit: Mutex<Option<OwnedSemaphorePermit>>,
+}
+
+impl Conn {
+    fn take_permit(&self) -> Option<OwnedSemaphorePermit> {
+        self.permit
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take()
+    }
 }
 
 /// Decrements the connection's requests in flight when the response ends (or is dropped).
@@ -291,19 +305,23 @@ impl Registry {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Tells the connection idle the longest to close; `false` when none is idle.
-    fn evict_oldest_idle(&self) -> bool {
-        let conns = self.lock();
-        let victim = conns
-            .values()
-            .filter(|c| c.in_flight.load(Ordering::Acquire) == 0)
-            .min_by_key(|c| c.idle_since_ms.load(Ordering::Relaxed));
-        match victim {
-            Some(c) => {
-                c.close.notify_one();
-                true
+    /// Tells the connection idle the longest to close and takes its place under the cap
+    /// (handed over at once: the accept loop never waits for the victim to wind down); `None`
+    /// when none is idle.
+    fn evict_oldest_idle(&self) -> Option<OwnedSemaphorePermit> {
+        let mut conns = self.lock();
+        loop {
+            let id = conns
+                .iter()
+                .filter(|(_, c)| c.in_flight.load(Ordering::Acquire) == 0)
+                .min_by_key(|(_, c)| c.idle_since_ms.load(Ordering::Relaxed))
+                .map(|(id, _)| *id)?;
+            let victim = conns.remove(&id)?;
+            victim.close.notify_one();
+            if let Some(permit) = victim.take_permit() {
+                return Some(permit);
             }
-            None => false,
+            // ended meanwhile: its permit went back to the semaphore; look again
         }
     }
 
@@ -386,7 +404,8 @@ impl LimitedServer {
 
     /// Accepts on `listener` and serves `service` until `shutdown` completes, then stops
     /// accepting, closes idle connections, lets requests in flight finish and returns once
-    /// every connection has ended.
+    /// every connection has ended (an idle connection evicted just before may still be closing
+    /// its socket).
     ///
     /// Each connection runs in its own task; its errors are logged and never end the loop, nor
     /// do accept errors (such as running out of file descriptors), which are logged and retried
@@ -448,27 +467,26 @@ impl LimitedServer {
             };
             let permit = match permits.clone().try_acquire_owned() {
                 Ok(permit) => permit,
-                Err(_) => {
-                    // at the cap: the longest-idle connection makes room, else the new one goes
-                    if !registry.evict_oldest_idle() {
-                        metric::listener_closed(name, "cap");
-                        debug!(listener = name, %peer, "connection cap reached, all busy: refused");
-                        continue;
+                // at the cap: the longest-idle connection makes room, else the new one goes
+                Err(_) => match registry.evict_oldest_idle() {
+                    Some(permit) => {
+                        metric::listener_closed(name, "evicted");
+                        permit
                     }
-                    metric::listener_closed(name, "evicted");
-                    match tokio::time::timeout(
-                        Duration::from_secs(1),
-                        permits.clone().acquire_owned(),
-                    )
-                    .await
-                    {
-                        Ok(Ok(permit)) => permit,
-                        _ => {
+                    None => match permits.clone().try_acquire_owned() {
+                        // one ended while the registry was searched
+                        Ok(permit) => permit,
+                        Err(_) => {
                             metric::listener_closed(name, "cap");
+                            debug!(
+                                listener = name,
+                                %peer,
+                                "connection cap reached, all busy: refused"
+                            );
                             continue;
                         }
-                    }
-                }
+                    },
+                },
             };
             next_id = next_id.wrapping_add(1);
             let id = next_id;
@@ -478,6 +496,7 @@ impl LimitedServer {
                 idle_since_ms: AtomicU64::new(ms_since(shared.epoch)),
                 close: Notify::new(),
                 request_ended: Notify::new(),
+                permit: Mutex::new(Some(permit)),
             });
             registry.lock().insert(id, conn.clone());
             let registry = registry.clone();
@@ -486,9 +505,10 @@ impl LimitedServer {
             let span = tracing::debug_span!("conn", listener = name, %peer);
             tokio::spawn(
                 async move {
-                    shared.run(tcp, conn, service).await;
+                    shared.run(tcp, conn.clone(), service).await;
                     registry.lock().remove(&id);
-                    drop(permit);
+                    // back to the semaphore, unless an eviction handed it on already
+                    drop(conn.take_permit());
                 }
                 .instrument(span),
             );
