@@ -53,12 +53,46 @@ type MainError = Box<dyn std::error::Error + Send + Sync>;
 async fn main() {
     spine_transport::logging::init();
     let cli = Cli::parse();
+    raise_fd_limit();
     if let Err(e) = run(cli).await {
         tracing::error!(error = %e, "gateway failed");
         eprintln!("reference-gateway: {e}");
         std::process::exit(1);
     }
 }
+
+/// Raises the soft limit on open files to the hard limit: every connection a listener holds is
+/// a descriptor (up to the sum of the `*_max_connections`, plus the tunnels, the database and
+/// engine sockets), and the usual soft default (1024) is far below the connection caps. Logs
+/// the limit in force; a failure is logged and start-up goes on.
+#[cfg(unix)]
+fn raise_fd_limit() {
+    use rustix::process::{getrlimit, setrlimit, Resource};
+    let limit = getrlimit(Resource::Nofile);
+    if limit.current == limit.maximum {
+        tracing::info!(open_files = ?limit.current, "open file limit");
+        return;
+    }
+    let raised = rustix::process::Rlimit {
+        current: limit.maximum,
+        maximum: limit.maximum,
+    };
+    match setrlimit(Resource::Nofile, raised) {
+        Ok(()) => tracing::info!(
+            from = ?limit.current,
+            to = ?limit.maximum,
+            "open file limit raised to the hard limit"
+        ),
+        Err(e) => tracing::warn!(
+            error = %e,
+            open_files = ?limit.current,
+            "could not raise the open file limit"
+        ),
+    }
+}
+
+#[cfg(not(unix))]
+fn raise_fd_limit() {}
 
 /// Registered public keys are the only nodes let in.
 struct StoreAuthenticator(Arc<dyn Store>);
