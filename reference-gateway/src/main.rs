@@ -61,6 +61,24 @@ async fn main() {
     }
 }
 
+/// Accept-queue length asked for on every listener (the kernel caps it at its own maximum,
+/// `net.core.somaxconn`). Tokio's default (1024) overflows under a connection flood while the
+/// accept loop catches up, and each dropped SYN costs its client a 1 s retransmit.
+const LISTEN_BACKLOG: u32 = 4096;
+
+/// Binds a listener with [`LISTEN_BACKLOG`] (and `SO_REUSEADDR` on Unix, as tokio's `bind`).
+fn bind_listener(addr: std::net::SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    #[cfg(unix)]
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(LISTEN_BACKLOG)
+}
+
 /// Raises the soft limit on open files to the hard limit: every connection a listener holds is
 /// a descriptor (up to the sum of the `*_max_connections`, plus the tunnels, the database and
 /// engine sockets), and the usual soft default (1024) is far below the connection caps. Logs
@@ -271,7 +289,7 @@ async fn run(cli: Cli) -> Result<(), MainError> {
             cluster::describe();
             let redis =
                 cluster::connect_redis(&cc.redis_url).map_err(|e| format!("redis_url: {e}"))?;
-            let internal = TcpListener::bind(cc.internal_listen).await?;
+            let internal = bind_listener(cc.internal_listen)?;
             let internal_addr = match &cc.internal_advertise {
                 Some(a) => a.clone(),
                 None => internal.local_addr()?.to_string(),
@@ -393,9 +411,9 @@ async fn run(cli: Cli) -> Result<(), MainError> {
         metrics,
     });
 
-    let public = TcpListener::bind(config.public_listen).await?;
-    let tunnel = TcpListener::bind(config.tunnel_listen).await?;
-    let admin = TcpListener::bind(config.admin_listen).await?;
+    let public = bind_listener(config.public_listen)?;
+    let tunnel = bind_listener(config.tunnel_listen)?;
+    let admin = bind_listener(config.admin_listen)?;
     let ready = serde_json::json!({
         "event": "ready",
         "public_addr": public.local_addr()?.to_string(),
