@@ -15,7 +15,7 @@ fuzz_target!(|bytes: &[u8]| {
             max_concurrency: 1,
             agent_version: "fuzz".into(),
         };
-        let hello = Hello::sign(&identity, &challenge, descriptor);
+        let hello = Hello::sign(&identity, &challenge, "localhost", descriptor);
         if challenge.protocol_version == spine_transport::PROTOCOL_VERSION {
             assert!(hello.verify(&challenge).is_ok());
         }

@@ -192,8 +192,9 @@ impl EngineProxy {
         Ok(Full::new(bytes).map_err(|e| match e {}).boxed_unsync())
     }
 
-    /// Forwards an allowed request (query string dropped, headers filtered) and streams the
-    /// engine's response back as it arrives; 403 for anything else, 502 when the engine cannot be
+    /// Forwards an allowed request (query string dropped, headers filtered, the body of a `GET`
+    /// or `HEAD` dropped with its `content-length`) and streams the engine's response back as it
+    /// arrives; 403 for anything else, 502 when the engine cannot be
     /// reached. Never logs bodies.
     pub(crate) async fn handle(&self, req: Request<Incoming>) -> Response<BoxBody> {
         let method = req.method().clone();
@@ -219,8 +220,16 @@ impl EngineProxy {
                 );
             }
         };
-        let (parts, body) = req.into_parts();
-        let body = if self.guard.check_json_and_model && parts.method == Method::POST {
+        let (mut parts, body) = req.into_parts();
+        let body = if parts.method == Method::GET || parts.method == Method::HEAD {
+            // never a body on GET/HEAD: a naive engine could read it as the next request
+            // (request smuggling); dropped unread, and its length with it
+            parts.headers.remove(header::CONTENT_LENGTH);
+            drop(body);
+            Full::new(Bytes::new())
+                .map_err(|e| match e {})
+                .boxed_unsync()
+        } else if self.guard.check_json_and_model && parts.method == Method::POST {
             match self.checked_body(body).await {
                 Ok(body) => body,
                 Err(refusal) => return refusal,
@@ -470,6 +479,58 @@ mod tests {
         assert!(headers.get("authorization").is_none());
         assert!(headers.get("x-spine-node").is_none());
         assert_eq!(headers.get("content-type").unwrap(), "application/json");
+    }
+
+    #[tokio::test]
+    async fn a_get_body_never_reaches_the_engine() {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        // a raw engine: records every byte the proxy sends on its connection
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let engine_url: Uri = format!("http://{}", listener.local_addr().unwrap())
+            .parse()
+            .unwrap();
+        let (seen_tx, mut seen_rx) = mpsc::channel::<Vec<u8>>(1);
+        tokio::spawn(async move {
+            let (mut tcp, _) = listener.accept().await.unwrap();
+            let mut seen = Vec::new();
+            let mut buf = [0u8; 4096];
+            // the head, then whatever follows within 300 ms (a smuggled body would)
+            while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
+                let n = tcp.read(&mut buf).await.unwrap();
+                assert_ne!(n, 0);
+                seen.extend_from_slice(&buf[..n]);
+            }
+            if let Ok(Ok(n)) =
+                tokio::time::timeout(Duration::from_millis(300), tcp.read(&mut buf)).await
+            {
+                seen.extend_from_slice(&buf[..n]);
+            }
+            tcp.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
+                .await
+                .unwrap();
+            seen_tx.send(seen).await.unwrap();
+        });
+        let proxy = EngineProxy::new(crate::engine::engine_client(), engine_url, "/health");
+        let base = serve_proxy(proxy).await;
+        let smuggled = "POST /slots?action=erase HTTP/1.1\r\nhost: e\r\ncontent-length: 0\r\n\r\n";
+        let req = Request::get(format!("{base}/v1/models"))
+            .header("content-length", smuggled.len().to_string())
+            .body(Full::new(Bytes::from(smuggled)))
+            .unwrap();
+        let resp = client().request(req).await.unwrap();
+        assert_eq!(resp.status(), StatusCode::OK);
+        let seen = String::from_utf8(seen_rx.recv().await.unwrap()).unwrap();
+        let (head, rest) = seen.split_once("\r\n\r\n").unwrap();
+        assert_eq!(rest, "", "bytes after the GET's head: {rest:?}");
+        assert!(head.starts_with("GET /v1/models HTTP/1.1\r\n"), "{head}");
+        assert!(
+            !head.to_ascii_lowercase().contains("content-length"),
+            "{head}"
+        );
+        assert!(
+            !head.to_ascii_lowercase().contains("transfer-encoding"),
+            "{head}"
+        );
     }
 
     #[tokio::test]

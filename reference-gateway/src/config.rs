@@ -48,6 +48,13 @@ const ENV_KEYS: &[(&str, Kind)] = &[
     ("internal_listen", Kind::Str),
     ("internal_advertise", Kind::Str),
     ("cluster_secret", Kind::Str),
+    ("header_read_timeout_ms", Kind::Int),
+    ("body_read_timeout_ms", Kind::Int),
+    ("idle_timeout_ms", Kind::Int),
+    ("public_max_connections", Kind::Int),
+    ("admin_max_connections", Kind::Int),
+    ("tunnel_max_connections", Kind::Int),
+    ("internal_max_connections", Kind::Int),
 ];
 
 /// The gateway's configuration (design brief §7).
@@ -84,6 +91,12 @@ pub(crate) struct Config {
     /// are always included).
     #[serde(default)]
     pub(crate) tunnel_tls_hosts: Vec<String>,
+    /// The host names agents dial this gateway's tunnel by (the host of their `--gateway`
+    /// URL). A tunnel hello signed for another name is refused `wrong_gateway`: a signature an
+    /// agent made for a rogue gateway cannot be replayed here. Default: `localhost`,
+    /// `127.0.0.1`, `::1` and `tunnel_tls_hosts`.
+    #[serde(default)]
+    pub(crate) tunnel_public_names: Vec<String>,
     /// Serve the tunnel as plain `ws://` without TLS. Only for local experiments.
     #[serde(default)]
     pub(crate) insecure_plaintext_tunnel: bool,
@@ -176,6 +189,32 @@ pub(crate) struct Config {
     /// Required in multi-instance mode.
     #[serde(default)]
     pub(crate) cluster_secret: Option<String>,
+    /// Every listener (public, admin, tunnel, internal): a connection must send a complete
+    /// request head within this of its start (after TLS) and, on HTTP/1.1, of its previous
+    /// response's end, or it is closed. Milliseconds.
+    #[serde(default = "default_header_read_timeout_ms")]
+    pub(crate) header_read_timeout_ms: u64,
+    /// Every listener: a request body must arrive whole within this of its head, milliseconds.
+    #[serde(default = "default_body_read_timeout_ms")]
+    pub(crate) body_read_timeout_ms: u64,
+    /// Every listener: a connection with no request in flight for this long is closed,
+    /// milliseconds.
+    #[serde(default = "default_idle_timeout_ms")]
+    pub(crate) idle_timeout_ms: u64,
+    /// Most connections the public listener holds at once; at the cap the longest-idle one is
+    /// closed to make room (a request in flight is never cut), or the new one when all are busy.
+    #[serde(default = "default_public_max_connections")]
+    pub(crate) public_max_connections: usize,
+    /// As `public_max_connections`, for the admin listener.
+    #[serde(default = "default_admin_max_connections")]
+    pub(crate) admin_max_connections: usize,
+    /// As `public_max_connections`, for the tunnel listener (a connection counts until it is
+    /// upgraded to a tunnel; `POST /v1/enroll` and `GET /v1/node/status` count too).
+    #[serde(default = "default_tunnel_max_connections")]
+    pub(crate) tunnel_max_connections: usize,
+    /// As `public_max_connections`, for the internal listener (multi-instance mode).
+    #[serde(default = "default_internal_max_connections")]
+    pub(crate) internal_max_connections: usize,
     /// The model catalog: what callers may ask for, its tokenizer and its price.
     #[serde(default)]
     pub(crate) models: Vec<ModelConfig>,
@@ -297,6 +336,27 @@ fn default_redis_key_prefix() -> String {
 fn default_internal_listen() -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], 0))
 }
+fn default_header_read_timeout_ms() -> u64 {
+    15_000
+}
+fn default_body_read_timeout_ms() -> u64 {
+    60_000
+}
+fn default_idle_timeout_ms() -> u64 {
+    60_000
+}
+fn default_public_max_connections() -> usize {
+    4096
+}
+fn default_admin_max_connections() -> usize {
+    256
+}
+fn default_tunnel_max_connections() -> usize {
+    4096
+}
+fn default_internal_max_connections() -> usize {
+    1024
+}
 fn default_max_request_body_bytes() -> usize {
     4 * 1024 * 1024
 }
@@ -351,6 +411,25 @@ impl Config {
                 "tunnel_tls_cert_file and tunnel_tls_key_file go together".into(),
             ));
         }
+        for (key, ms) in [
+            ("header_read_timeout_ms", config.header_read_timeout_ms),
+            ("body_read_timeout_ms", config.body_read_timeout_ms),
+            ("idle_timeout_ms", config.idle_timeout_ms),
+        ] {
+            if ms == 0 {
+                return Err(ConfigError::Invalid(format!("{key} must be at least 1")));
+            }
+        }
+        for (key, n) in [
+            ("public_max_connections", config.public_max_connections),
+            ("admin_max_connections", config.admin_max_connections),
+            ("tunnel_max_connections", config.tunnel_max_connections),
+            ("internal_max_connections", config.internal_max_connections),
+        ] {
+            if n == 0 {
+                return Err(ConfigError::Invalid(format!("{key} must be at least 1")));
+            }
+        }
         config.check_cluster()?;
         Ok(config)
     }
@@ -400,6 +479,33 @@ impl Config {
             ));
         }
         Ok(())
+    }
+
+    /// The names the tunnel accepts hellos for (`tunnel_public_names`, else its default).
+    pub(crate) fn tunnel_public_names(&self) -> Vec<String> {
+        if !self.tunnel_public_names.is_empty() {
+            return self.tunnel_public_names.clone();
+        }
+        let mut names = vec![
+            "localhost".to_owned(),
+            "127.0.0.1".to_owned(),
+            "::1".to_owned(),
+        ];
+        names.extend(self.tunnel_tls_hosts.iter().cloned());
+        names
+    }
+
+    /// The bounds of one listener: the shared timeouts and `max_connections`.
+    pub(crate) fn listener_limits(
+        &self,
+        max_connections: usize,
+    ) -> spine_transport::ListenerLimits {
+        use std::time::Duration;
+        spine_transport::ListenerLimits::default()
+            .header_read_timeout(Duration::from_millis(self.header_read_timeout_ms))
+            .body_read_timeout(Duration::from_millis(self.body_read_timeout_ms))
+            .idle_timeout(Duration::from_millis(self.idle_timeout_ms))
+            .max_connections(max_connections)
     }
 
     /// The multi-instance settings; `None` in single-instance mode (no `redis_url`).

@@ -19,7 +19,6 @@ mod state;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use axum::serve::ListenerExt;
 use clap::Parser;
 use spine_core::{ModelId, NodeDescriptor, NodeId};
 use spine_meter::classify::SseClassify;
@@ -29,7 +28,6 @@ use spine_router::{NodeRegistry, QueueConfig, RegistryConfig, RouteConfig, Route
 use spine_transport::{
     NodeAuthenticator, RefusalReason, TunnelEvents, TunnelServer, TunnelServerConfig, TunnelService,
 };
-use std::future::IntoFuture;
 
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -55,12 +53,64 @@ type MainError = Box<dyn std::error::Error + Send + Sync>;
 async fn main() {
     spine_transport::logging::init();
     let cli = Cli::parse();
+    raise_fd_limit();
     if let Err(e) = run(cli).await {
         tracing::error!(error = %e, "gateway failed");
         eprintln!("reference-gateway: {e}");
         std::process::exit(1);
     }
 }
+
+/// Accept-queue length asked for on every listener (the kernel caps it at its own maximum,
+/// `net.core.somaxconn`). Tokio's default (1024) overflows under a connection flood while the
+/// accept loop catches up, and each dropped SYN costs its client a 1 s retransmit.
+const LISTEN_BACKLOG: u32 = 4096;
+
+/// Binds a listener with [`LISTEN_BACKLOG`] (and `SO_REUSEADDR` on Unix, as tokio's `bind`).
+fn bind_listener(addr: std::net::SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    #[cfg(unix)]
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(LISTEN_BACKLOG)
+}
+
+/// Raises the soft limit on open files to the hard limit: every connection a listener holds is
+/// a descriptor (up to the sum of the `*_max_connections`, plus the tunnels, the database and
+/// engine sockets), and the usual soft default (1024) is far below the connection caps. Logs
+/// the limit in force; a failure is logged and start-up goes on.
+#[cfg(unix)]
+fn raise_fd_limit() {
+    use rustix::process::{getrlimit, setrlimit, Resource};
+    let limit = getrlimit(Resource::Nofile);
+    if limit.current == limit.maximum {
+        tracing::info!(open_files = ?limit.current, "open file limit");
+        return;
+    }
+    let raised = rustix::process::Rlimit {
+        current: limit.maximum,
+        maximum: limit.maximum,
+    };
+    match setrlimit(Resource::Nofile, raised) {
+        Ok(()) => tracing::info!(
+            from = ?limit.current,
+            to = ?limit.maximum,
+            "open file limit raised to the hard limit"
+        ),
+        Err(e) => tracing::warn!(
+            error = %e,
+            open_files = ?limit.current,
+            "could not raise the open file limit"
+        ),
+    }
+}
+
+#[cfg(not(unix))]
+fn raise_fd_limit() {}
 
 /// Registered public keys are the only nodes let in.
 struct StoreAuthenticator(Arc<dyn Store>);
@@ -119,7 +169,7 @@ impl TunnelEvents for RegistryEvents {
 
 async fn run(cli: Cli) -> Result<(), MainError> {
     let config = Config::load(cli.config.as_deref())?;
-    std::fs::create_dir_all(&config.data_dir)?;
+    state::create_private_dir(&config.data_dir)?;
     let cluster_config = config.cluster();
     let shutdown = CancellationToken::new();
     // the PostgreSQL heartbeat runs until the process exits (cancelled at the very end), not
@@ -212,6 +262,16 @@ async fn run(cli: Cli) -> Result<(), MainError> {
     let mut tunnel_config = TunnelServerConfig::default();
     tunnel_config.gateway_id = config.gateway_id.clone();
     tunnel_config.stall_timeout = std::time::Duration::from_secs(config.node_stall_timeout_secs);
+    tunnel_config.public_names = config.tunnel_public_names();
+    if config.tunnel_tls_cert_file.is_some()
+        && config.tunnel_public_names.is_empty()
+        && config.tunnel_tls_hosts.is_empty()
+    {
+        tracing::warn!(
+            "tunnel_tls_cert_file is set but neither tunnel_public_names nor tunnel_tls_hosts: \
+             agents dialling any name but localhost, 127.0.0.1 or ::1 are refused wrong_gateway"
+        );
+    }
     let tunnel_handshake_timeout = tunnel_config.handshake_timeout;
     let tunnel_server = TunnelServer::new(
         tunnel_config,
@@ -234,7 +294,7 @@ async fn run(cli: Cli) -> Result<(), MainError> {
             cluster::describe();
             let redis =
                 cluster::connect_redis(&cc.redis_url).map_err(|e| format!("redis_url: {e}"))?;
-            let internal = TcpListener::bind(cc.internal_listen).await?;
+            let internal = bind_listener(cc.internal_listen)?;
             let internal_addr = match &cc.internal_advertise {
                 Some(a) => a.clone(),
                 None => internal.local_addr()?.to_string(),
@@ -366,9 +426,9 @@ async fn run(cli: Cli) -> Result<(), MainError> {
         metrics,
     });
 
-    let public = TcpListener::bind(config.public_listen).await?;
-    let tunnel = TcpListener::bind(config.tunnel_listen).await?;
-    let admin = TcpListener::bind(config.admin_listen).await?;
+    let public = bind_listener(config.public_listen)?;
+    let tunnel = bind_listener(config.tunnel_listen)?;
+    let admin = bind_listener(config.admin_listen)?;
     let ready = serde_json::json!({
         "event": "ready",
         "public_addr": public.local_addr()?.to_string(),
@@ -394,14 +454,18 @@ async fn run(cli: Cli) -> Result<(), MainError> {
     let public_app = api::router(state.clone());
     let admin_app = admin::router(state.clone());
     let mut public_task = tokio::spawn(
-        axum::serve(public.tap_io(|s| set_nodelay(s)), public_app)
-            .with_graceful_shutdown(shutdown.clone().cancelled_owned())
-            .into_future(),
+        spine_transport::LimitedServer::new(
+            "public",
+            config.listener_limits(config.public_max_connections),
+        )
+        .serve(public, public_app, shutdown.clone().cancelled_owned()),
     );
     let mut admin_task = tokio::spawn(
-        axum::serve(admin.tap_io(|s| set_nodelay(s)), admin_app)
-            .with_graceful_shutdown(shutdown.clone().cancelled_owned())
-            .into_future(),
+        spine_transport::LimitedServer::new(
+            "admin",
+            config.listener_limits(config.admin_max_connections),
+        )
+        .serve(admin, admin_app, shutdown.clone().cancelled_owned()),
     );
     // The tunnel listener: agents' WebSocket upgrade on `GET /v1/tunnel` (TLS unless the
     // insecure flag is set); other routes on the same listener are merged into `tunnel_app`.
@@ -412,13 +476,19 @@ async fn run(cli: Cli) -> Result<(), MainError> {
         )
         // node enrollment and the node's own status (enroll.rs)
         .merge(enroll::tunnel_router(state.clone()));
-    let internal_task = internal_listener
-        .zip(cluster.clone())
-        .map(|(l, c)| tokio::spawn(cluster::internal::serve(l, c)));
+    let internal_task = internal_listener.zip(cluster.clone()).map(|(l, c)| {
+        tokio::spawn(cluster::internal::serve(
+            l,
+            c,
+            config.listener_limits(config.internal_max_connections),
+        ))
+    });
     let mut tunnel_task = tokio::spawn(spine_transport::serve_listener(
         tunnel,
         tls.map(|t| t.server_config),
-        tunnel_handshake_timeout,
+        config
+            .listener_limits(config.tunnel_max_connections)
+            .tls_handshake_timeout(tunnel_handshake_timeout),
         tunnel_app,
     ));
 
@@ -490,12 +560,6 @@ async fn run(cli: Cli) -> Result<(), MainError> {
     upkeep_stop.cancel();
     tracing::info!("gateway stopped");
     Ok(())
-}
-
-fn set_nodelay(s: &tokio::net::TcpStream) {
-    if let Err(e) = s.set_nodelay(true) {
-        tracing::debug!(error = %e, "TCP_NODELAY");
-    }
 }
 
 async fn shutdown_signal() {

@@ -74,3 +74,60 @@ fn write_private(path: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
     }
     opts.open(path)?.write_all(bytes)
 }
+
+/// Creates `dir` (and its parents) owner-only (`0700` on Unix): it holds the SQLite ledger and
+/// the tunnel's private key. An existing `dir` that group or others can enter is set to `0700`.
+///
+/// # Errors
+///
+/// When the directory cannot be created or its mode set.
+pub(crate) fn create_private_dir(dir: &std::path::Path) -> std::io::Result<()> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::{DirBuilderExt as _, PermissionsExt as _};
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)?;
+        let mode = std::fs::metadata(dir)?.permissions().mode();
+        if mode & 0o077 != 0 {
+            tracing::warn!(
+                data_dir = %dir.display(),
+                mode = %format_args!("{:o}", mode & 0o777),
+                "data_dir was open to group or others; set to 0700"
+            );
+            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode & 0o700))?;
+        }
+        Ok(())
+    }
+    #[cfg(not(unix))]
+    std::fs::create_dir_all(dir)
+}
+
+#[cfg(all(test, unix))]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use std::os::unix::fs::PermissionsExt as _;
+
+    use super::*;
+
+    fn mode(p: &std::path::Path) -> u32 {
+        std::fs::metadata(p).unwrap().permissions().mode() & 0o777
+    }
+
+    #[test]
+    fn the_data_dir_is_owner_only_and_so_is_the_tunnel_key() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("a/data");
+        create_private_dir(&dir).unwrap();
+        assert_eq!(mode(&dir), 0o700);
+        // an existing directory open to others is tightened
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+        create_private_dir(&dir).unwrap();
+        assert_eq!(mode(&dir), 0o700);
+
+        let key = dir.join("tunnel-key.pem");
+        write_private(&key, b"k").unwrap();
+        assert_eq!(mode(&key), 0o600);
+    }
+}

@@ -72,7 +72,7 @@ async fn main() {
     tokio::spawn(spine_transport::serve_listener(
         listener,
         Some(tls),
-        Duration::from_secs(10),
+        spine_transport::ListenerLimits::default(),
         app,
     ));
 

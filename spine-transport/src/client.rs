@@ -451,7 +451,14 @@ impl TunnelClient {
                 return Err(TunnelError::protocol().with_detail("expected a challenge"));
             }
         };
-        let hello = Hello::sign(&config.identity, &challenge, config.descriptor.clone());
+        // signed for the host this agent dialled: a gateway reached under another name (a
+        // rogue relaying the real one's challenge) gets a hello useless anywhere else
+        let hello = Hello::sign(
+            &config.identity,
+            &challenge,
+            &target.host,
+            config.descriptor.clone(),
+        );
         let hello = serde_json::to_string(&AgentMessage::Hello(hello))
             .map_err(|e| TunnelError::protocol().with_source(e))?;
         within(timeout, ws.send(Message::text(hello)), |e| {

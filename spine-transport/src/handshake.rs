@@ -3,8 +3,8 @@
 //! After the WebSocket upgrade, three JSON text messages:
 //!
 //! ```text
-//! gateway → agent  {"type":"challenge","nonce":"<64 hex>","gateway_id":"gw-1","issued_at_ms":1700000000000,"protocol_version":1}
-//! agent → gateway  {"type":"hello","public_key":"ed25519:…","signature":"<base64>","protocol_version":1,"descriptor":{…}}
+//! gateway → agent  {"type":"challenge","nonce":"<64 hex>","gateway_id":"gw-1","issued_at_ms":1700000000000,"protocol_version":2}
+//! agent → gateway  {"type":"hello","public_key":"ed25519:…","signature":"<base64>","gateway_name":"gw.example.com","protocol_version":2,"descriptor":{…}}
 //! gateway → agent  {"type":"accepted","node_id":"node_1"}
 //! ```
 //!
@@ -12,6 +12,13 @@
 //! ([`RefusalReason`]). The agent signs [`signing_bytes`]; nothing secret crosses the wire, and
 //! because the gateway verifies against the nonce it generated itself for this connection, a
 //! recorded hello cannot be replayed on another connection.
+//!
+//! The signature also covers `gateway_name`, the host the agent dialled (its gateway URL's host,
+//! lowercase, without port or brackets; the TLS server name for `wss://`). A gateway accepts
+//! only names it answers to (its configured public names) and refuses any other with
+//! `wrong_gateway`: a rogue gateway that relays the real gateway's challenge to an agent that
+//! dialled the rogue gets a hello signed for the rogue's name, useless at the real gateway.
+//! Version 1 hellos (no name) are refused `unsupported_protocol`.
 
 use base64::Engine as _;
 use ed25519_dalek::{Signature, VerifyingKey};
@@ -22,7 +29,7 @@ use crate::identity::parse_public_key_text;
 use crate::{NodeIdentity, RefusalReason, PROTOCOL_VERSION};
 
 /// Domain-separation tag at the start of every signed handshake byte string.
-pub const SIGNATURE_CONTEXT: &[u8] = b"spine-tunnel-v1";
+pub const SIGNATURE_CONTEXT: &[u8] = b"spine-tunnel-v2";
 
 /// Bytes of random nonce in a challenge (sent as 64 lowercase hex digits).
 pub const NONCE_BYTES: usize = 32;
@@ -65,8 +72,10 @@ pub struct Hello {
     /// The node's public key in canonical text form ([`crate::public_key_text`]).
     pub public_key: String,
     /// Standard base64 (with padding) of the 64-byte ed25519 signature over
-    /// [`signing_bytes`]`(challenge, protocol_version)`.
+    /// [`signing_bytes`]`(challenge, gateway_name, protocol_version)`.
     pub signature: String,
+    /// The gateway host the agent dialled ([`gateway_name`]), covered by the signature.
+    pub gateway_name: String,
     /// The protocol version the agent speaks.
     pub protocol_version: u32,
     /// What the node says about itself; untrusted.
@@ -74,16 +83,20 @@ pub struct Hello {
 }
 
 impl Hello {
-    /// Answers `challenge` as `identity`, speaking [`PROTOCOL_VERSION`].
+    /// Answers `challenge` as `identity`, for the gateway the agent dialled as `gateway_host`
+    /// (normalised by [`gateway_name`]), speaking [`PROTOCOL_VERSION`].
     pub fn sign(
         identity: &NodeIdentity,
         challenge: &Challenge,
+        gateway_host: &str,
         descriptor: NodeDescriptor,
     ) -> Self {
-        let signature = identity.sign(&signing_bytes(challenge, PROTOCOL_VERSION));
+        let name = gateway_name(gateway_host);
+        let signature = identity.sign(&signing_bytes(challenge, &name, PROTOCOL_VERSION));
         Self {
             public_key: identity.public_key_text(),
             signature: base64::engine::general_purpose::STANDARD.encode(signature.to_bytes()),
+            gateway_name: name,
             protocol_version: PROTOCOL_VERSION,
             descriptor,
         }
@@ -108,8 +121,11 @@ impl Hello {
             .decode(&self.signature)
             .map_err(|_| RefusalReason::MalformedHandshake)?;
         let sig = Signature::from_slice(&sig).map_err(|_| RefusalReason::MalformedHandshake)?;
-        key.verify_strict(&signing_bytes(challenge, self.protocol_version), &sig)
-            .map_err(|_| RefusalReason::BadSignature)?;
+        key.verify_strict(
+            &signing_bytes(challenge, &self.gateway_name, self.protocol_version),
+            &sig,
+        )
+        .map_err(|_| RefusalReason::BadSignature)?;
         Ok(key)
     }
 }
@@ -141,18 +157,30 @@ pub enum AgentMessage {
     Hello(Hello),
 }
 
+/// The canonical form of a gateway host for [`Hello::gateway_name`]: ASCII lowercase, IPv6
+/// brackets and any trailing dot removed (`[::1]` → `::1`, `GW.Example.com.` → `gw.example.com`).
+pub fn gateway_name(host: &str) -> String {
+    let host = host.trim();
+    let host = host
+        .strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host);
+    host.trim_end_matches('.').to_ascii_lowercase()
+}
+
 /// The canonical byte string the agent signs.
 ///
 /// ```text
-/// "spine-tunnel-v1" 0x00
+/// "spine-tunnel-v2" 0x00
 /// u32 BE length ‖ nonce (the hex text, as sent)
 /// u32 BE length ‖ gateway_id (UTF-8)
+/// u32 BE length ‖ gateway_name (UTF-8, as in the hello)
 /// u64 BE issued_at_ms
 /// u32 BE protocol_version (the agent's, as in its hello)
 /// ```
 ///
 /// Length prefixes make the encoding unambiguous whatever the fields contain.
-pub fn signing_bytes(challenge: &Challenge, protocol_version: u32) -> Vec<u8> {
+pub fn signing_bytes(challenge: &Challenge, gateway_name: &str, protocol_version: u32) -> Vec<u8> {
     let mut out = Vec::with_capacity(
         SIGNATURE_CONTEXT.len()
             + 1
@@ -160,11 +188,17 @@ pub fn signing_bytes(challenge: &Challenge, protocol_version: u32) -> Vec<u8> {
             + challenge.nonce.len()
             + 4
             + challenge.gateway_id.len()
+            + 4
+            + gateway_name.len()
             + 12,
     );
     out.extend_from_slice(SIGNATURE_CONTEXT);
     out.push(0);
-    for field in [challenge.nonce.as_bytes(), challenge.gateway_id.as_bytes()] {
+    for field in [
+        challenge.nonce.as_bytes(),
+        challenge.gateway_id.as_bytes(),
+        gateway_name.as_bytes(),
+    ] {
         // Fields longer than 4 GiB cannot arrive in a bounded WebSocket message.
         let len = u32::try_from(field.len()).unwrap_or(u32::MAX);
         out.extend_from_slice(&len.to_be_bytes());
@@ -246,7 +280,7 @@ mod tests {
             nonce: "ab".repeat(32),
             gateway_id: "gw-1".into(),
             issued_at_ms: 1_700_000_000_000,
-            protocol_version: 1,
+            protocol_version: 2,
         }
     }
 
@@ -258,19 +292,28 @@ mod tests {
             issued_at_ms: 258,
             protocol_version: 1,
         };
-        let mut expected = b"spine-tunnel-v1\0".to_vec();
+        let mut expected = b"spine-tunnel-v2\0".to_vec();
         expected.extend_from_slice(&[0, 0, 0, 2, b'0', b'a']);
         expected.extend_from_slice(&[0, 0, 0, 1, b'g']);
+        expected.extend_from_slice(&[0, 0, 0, 2, b'h', b'n']);
         expected.extend_from_slice(&[0, 0, 0, 0, 0, 0, 1, 2]);
-        expected.extend_from_slice(&[0, 0, 0, 1]);
-        assert_eq!(signing_bytes(&c, 1), expected);
+        expected.extend_from_slice(&[0, 0, 0, 2]);
+        assert_eq!(signing_bytes(&c, "hn", 2), expected);
+    }
+
+    #[test]
+    fn gateway_names_are_canonical() {
+        assert_eq!(gateway_name("GW.Example.COM."), "gw.example.com");
+        assert_eq!(gateway_name("[::1]"), "::1");
+        assert_eq!(gateway_name("127.0.0.1"), "127.0.0.1");
     }
 
     #[test]
     fn signed_hello_verifies_and_round_trips() {
         let id = NodeIdentity::from_seed(&[3u8; 32]);
         let c = challenge();
-        let hello = Hello::sign(&id, &c, descriptor());
+        let hello = Hello::sign(&id, &c, "GW.example.com", descriptor());
+        assert_eq!(hello.gateway_name, "gw.example.com");
         let json = serde_json::to_vec(&AgentMessage::Hello(hello.clone())).unwrap();
         let decoded = decode_hello(&json).unwrap();
         assert_eq!(decoded, hello);
@@ -280,6 +323,10 @@ mod tests {
         let mut other = c.clone();
         other.nonce = "cd".repeat(32);
         assert_eq!(decoded.verify(&other), Err(RefusalReason::BadSignature));
+        // a relay that rewrites the name the agent signed
+        let mut renamed = hello.clone();
+        renamed.gateway_name = "real.example.com".into();
+        assert_eq!(renamed.verify(&c), Err(RefusalReason::BadSignature));
         // another key claims the signature
         let mut forged = hello.clone();
         forged.public_key = NodeIdentity::from_seed(&[4u8; 32]).public_key_text();
@@ -301,11 +348,15 @@ mod tests {
             Err(RefusalReason::MalformedHandshake)
         );
         assert_eq!(
-            decode_hello(br#"{"type":"hello","protocol_version":2,"whatever":true}"#),
+            decode_hello(br#"{"type":"hello","protocol_version":3,"whatever":true}"#),
             Err(RefusalReason::UnsupportedProtocol)
         );
         assert_eq!(
-            decode_hello(br#"{"type":"hello","protocol_version":1}"#),
+            decode_hello(br#"{"type":"hello","protocol_version":1,"whatever":true}"#),
+            Err(RefusalReason::UnsupportedProtocol)
+        );
+        assert_eq!(
+            decode_hello(br#"{"type":"hello","protocol_version":2}"#),
             Err(RefusalReason::MalformedHandshake)
         );
         assert_eq!(
@@ -325,7 +376,7 @@ mod tests {
                 "nonce": "ab".repeat(32),
                 "gateway_id": "gw-1",
                 "issued_at_ms": 1_700_000_000_000u64,
-                "protocol_version": 1
+                "protocol_version": 2
             })
         );
         let acc = GatewayMessage::Accepted(Accepted {

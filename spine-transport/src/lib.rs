@@ -37,6 +37,7 @@ mod identity;
 pub mod logging;
 pub mod metric;
 mod refusal;
+mod serve;
 mod server;
 mod tls;
 mod ws_io;
@@ -48,6 +49,9 @@ pub use identity::{
     parse_public_key_text, public_key_text, IdentityError, NodeIdentity, PUBLIC_KEY_PREFIX,
 };
 pub use refusal::RefusalReason;
+pub use serve::{
+    BodyReadTimeout, InFlightGuard, LimitedServer, ListenerLimits, TimedBody, TrackedBody,
+};
 pub use server::{
     serve_listener, ModelStatus, NodeAuthenticator, StaticAuthenticator, TunnelEvents,
     TunnelServer, TunnelServerConfig, TunnelService, TunnelState, TunnelStatus, TunnelUpgrade,
@@ -99,7 +103,8 @@ pub fn is_payload_logging_target(target: &str) -> bool {
 }
 
 /// The tunnel protocol version this crate speaks, sent in challenges and hellos.
-pub const PROTOCOL_VERSION: u32 = 1;
+/// Version 2 binds the hello to the gateway name the agent dialled ([`handshake::gateway_name`]).
+pub const PROTOCOL_VERSION: u32 = 2;
 
 #[cfg(test)]
 mod tests {

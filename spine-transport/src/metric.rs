@@ -16,6 +16,7 @@
 //! | [`HEALTH_PROBE_FAILURES`] | counter | | failed health probes of ready or warming nodes |
 //! | [`WRITE_STALLS`] | counter | | writes blocked past the write timeout (each kills its tunnel) |
 //! | [`NODE_STALLS`] | counter | | nodes found stalled: nothing on any of their streams while a health probe timed out (each takes the node out of routing) |
+//! | [`LISTENER_CONNECTIONS_CLOSED`] | counter | `listener`, `reason` | connections a [`crate::LimitedServer`] closed: `header_timeout` (no complete request head in time), `idle_timeout`, `tls_timeout`, `evicted` (idle, closed to make room at the connection cap), `cap` (refused at the cap, every connection busy) |
 
 /// Gauge: tunnels past the handshake.
 pub const TUNNELS_CONNECTED: &str = "spine_tunnels_connected";
@@ -42,10 +43,18 @@ pub const WRITE_STALLS: &str = "spine_tunnel_write_stalls_total";
 /// Counter: nodes found stalled (no progress on their streams, health probe timed out).
 pub const NODE_STALLS: &str = "spine_tunnel_node_stalls_total";
 
+/// Counter, labels `listener` and `reason`: connections closed by a listener's bounds.
+pub const LISTENER_CONNECTIONS_CLOSED: &str = "spine_listener_connections_closed_total";
+
 /// Suggested histogram buckets for [`FORWARD_SECONDS`], seconds.
 pub const FORWARD_SECONDS_BUCKETS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 ];
+
+pub(crate) fn listener_closed(listener: &'static str, reason: &'static str) {
+    metrics::counter!(LISTENER_CONNECTIONS_CLOSED, "listener" => listener, "reason" => reason)
+        .increment(1);
+}
 
 pub(crate) fn rejected(reason: &'static str) {
     metrics::counter!(HANDSHAKES_REJECTED, "reason" => reason).increment(1);

@@ -26,11 +26,14 @@ pub enum RefusalReason {
     /// The gateway could not decide (for example its node store failed). Close code 4008,
     /// `internal_error`. Worth retrying after the backoff.
     Internal,
+    /// The hello was signed for a gateway name this gateway does not answer to (the agent
+    /// dialled another host, or a relay sits between them). Close code 4009, `wrong_gateway`.
+    WrongGateway,
 }
 
 impl RefusalReason {
     /// Every reason, in close-code order.
-    pub const ALL: [Self; 8] = [
+    pub const ALL: [Self; 9] = [
         Self::UnknownKey,
         Self::BadSignature,
         Self::StaleChallenge,
@@ -39,6 +42,7 @@ impl RefusalReason {
         Self::HandshakeTimeout,
         Self::DuplicateSession,
         Self::Internal,
+        Self::WrongGateway,
     ];
 
     /// The stable snake_case reason code, sent as the WebSocket close reason.
@@ -52,10 +56,11 @@ impl RefusalReason {
             Self::HandshakeTimeout => "handshake_timeout",
             Self::DuplicateSession => "duplicate_session",
             Self::Internal => "internal_error",
+            Self::WrongGateway => "wrong_gateway",
         }
     }
 
-    /// The WebSocket close code, `4000 + n` (4001 ..= 4008).
+    /// The WebSocket close code, `4000 + n` (4001 ..= 4009).
     pub fn close_code(&self) -> u16 {
         match self {
             Self::UnknownKey => 4001,
@@ -66,6 +71,7 @@ impl RefusalReason {
             Self::HandshakeTimeout => 4006,
             Self::DuplicateSession => 4007,
             Self::Internal => 4008,
+            Self::WrongGateway => 4009,
         }
     }
 
@@ -107,6 +113,7 @@ mod tests {
                 (4006, "handshake_timeout"),
                 (4007, "duplicate_session"),
                 (4008, "internal_error"),
+                (4009, "wrong_gateway"),
             ]
         );
         for r in RefusalReason::ALL {

@@ -17,7 +17,6 @@ use http_body_util::{BodyExt as _, Empty, Full, Limited};
 use hyper::body::Incoming;
 use hyper::client::conn::http2::SendRequest;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use hyper_util::service::TowerToHyperService;
 use spine_core::{BoxBody, BoxError, ModelId, NodeDescriptor, NodeId};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpListener;
@@ -31,6 +30,7 @@ use tokio_tungstenite::WebSocketStream;
 use tracing::{debug, info, warn, Instrument as _};
 
 use crate::handshake::{decode_hello, Accepted, Challenge, GatewayMessage};
+use crate::serve::{LimitedServer, ListenerLimits, TimedBody};
 use crate::{metric, RefusalReason, TunnelError, WsIo};
 
 /// The path agents upgrade on.
@@ -139,6 +139,10 @@ impl TunnelEvents for () {
 pub struct TunnelServerConfig {
     /// This gateway instance's id, sent in every challenge. Default `spine-gateway`.
     pub gateway_id: String,
+    /// The host names agents reach this gateway under (compared with
+    /// [`crate::handshake::gateway_name`]'s canonical form). A hello signed for any other name is
+    /// refused `wrong_gateway`. Default `localhost`, `127.0.0.1` and `::1`.
+    pub public_names: Vec<String>,
     /// Bound on each phase of accepting a tunnel: the TLS handshake, the HTTP upgrade request, and
     /// the wait for the hello after the challenge. Default 10 s.
     pub handshake_timeout: Duration,
@@ -197,6 +201,11 @@ impl Default for TunnelServerConfig {
     fn default() -> Self {
         Self {
             gateway_id: "spine-gateway".to_owned(),
+            public_names: vec![
+                "localhost".to_owned(),
+                "127.0.0.1".to_owned(),
+                "::1".to_owned(),
+            ],
             handshake_timeout: Duration::from_secs(10),
             challenge_max_age: Duration::from_secs(5),
             keepalive_interval: Duration::from_secs(10),
@@ -446,8 +455,11 @@ impl TunnelServer {
         tls: Option<Arc<rustls::ServerConfig>>,
     ) -> std::io::Result<()> {
         let timeout = self.shared.config.handshake_timeout;
+        let limits = ListenerLimits::default()
+            .header_read_timeout(timeout)
+            .tls_handshake_timeout(timeout);
         let upgrade = self.upgrade_service();
-        let service = tower::service_fn(move |req: Request<Incoming>| {
+        let service = tower::service_fn(move |req: Request<TimedBody>| {
             let mut upgrade = upgrade.clone();
             async move {
                 if req.uri().path() != TUNNEL_PATH {
@@ -456,19 +468,15 @@ impl TunnelServer {
                 tower::Service::call(&mut upgrade, req).await
             }
         });
-        serve_listener(listener, tls, timeout, service).await
+        serve_listener(listener, tls, limits, service).await
     }
 }
 
 /// Serves HTTP/1.1 with upgrades on `listener` (TLS unless `tls` is `None`) with `service`, for
 /// example an axum `Router` holding [`TunnelServer::upgrade_service`] at [`TUNNEL_PATH`] beside
-/// other routes.
-///
-/// Every accepted socket gets `TCP_NODELAY`; the TLS handshake and the request head must each
-/// arrive within `handshake_timeout`. Each connection runs in its own task; its errors are
-/// logged and never end the loop, nor do accept errors (such as running out of file
-/// descriptors), which are logged and retried after 100 ms. TLS failures count in
-/// [`crate::metric::HANDSHAKES_REJECTED`] with reason `tls`.
+/// other routes, under `limits` ([`LimitedServer`]: connection cap, header, body, idle and TLS
+/// handshake timeouts, `TCP_NODELAY`). A connection counts against the cap until its upgrade to
+/// a tunnel. TLS failures count in [`crate::metric::HANDSHAKES_REJECTED`] with reason `tls`.
 ///
 /// # Errors
 ///
@@ -481,11 +489,11 @@ impl TunnelServer {
 pub async fn serve_listener<S, B>(
     listener: TcpListener,
     tls: Option<Arc<rustls::ServerConfig>>,
-    handshake_timeout: Duration,
+    limits: ListenerLimits,
     service: S,
 ) -> std::io::Result<()>
 where
-    S: tower::Service<Request<Incoming>, Response = Response<B>, Error = Infallible>
+    S: tower::Service<Request<TimedBody>, Response = Response<B>, Error = Infallible>
         + Clone
         + Send
         + 'static,
@@ -493,69 +501,11 @@ where
     B: http_body::Body<Data = Bytes> + Send + 'static,
     B::Error: Into<BoxError>,
 {
-    let acceptor = tls.map(tokio_rustls::TlsAcceptor::from);
-    if let Ok(addr) = listener.local_addr() {
-        info!(%addr, tls = acceptor.is_some(), "tunnel listener started");
-    }
-    loop {
-        let (tcp, peer) = match listener.accept().await {
-            Ok(conn) => conn,
-            Err(e) => {
-                warn!(error = %e, "tunnel accept failed");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
-            }
-        };
-        if let Err(e) = tcp.set_nodelay(true) {
-            debug!(%peer, error = %e, "set TCP_NODELAY failed");
-        }
-        let acceptor = acceptor.clone();
-        let service = service.clone();
-        let span = tracing::info_span!("tunnel", %peer, node = tracing::field::Empty);
-        tokio::spawn(
-            async move {
-                match acceptor {
-                    Some(acceptor) => {
-                        match tokio::time::timeout(handshake_timeout, acceptor.accept(tcp)).await {
-                            Ok(Ok(tls)) => serve_http1(tls, handshake_timeout, service).await,
-                            Ok(Err(e)) => {
-                                metric::rejected("tls");
-                                debug!(error = %e, "tls handshake failed");
-                            }
-                            Err(_) => {
-                                metric::rejected("tls");
-                                debug!("tls handshake timed out");
-                            }
-                        }
-                    }
-                    None => serve_http1(tcp, handshake_timeout, service).await,
-                }
-            }
-            .instrument(span),
-        );
-    }
-}
-
-async fn serve_http1<IO, S, B>(io: IO, header_timeout: Duration, service: S)
-where
-    IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
-    S: tower::Service<Request<Incoming>, Response = Response<B>, Error = Infallible>
-        + Clone
-        + Send
-        + 'static,
-    S::Future: Send + 'static,
-    B: http_body::Body<Data = Bytes> + Send + 'static,
-    B::Error: Into<BoxError>,
-{
-    let res = hyper::server::conn::http1::Builder::new()
-        .timer(TokioTimer::new())
-        .header_read_timeout(header_timeout)
-        .serve_connection(TokioIo::new(io), TowerToHyperService::new(service))
-        .with_upgrades()
-        .await;
-    if let Err(e) = res {
-        debug!(error = %e, "tunnel http/1 connection ended with error");
-    }
+    LimitedServer::new("tunnel", limits)
+        .tls(tls)
+        .http1_only()
+        .serve(listener, service, std::future::pending())
+        .await
 }
 
 /// Body of the upgrade service's responses.
@@ -780,6 +730,15 @@ where
     }
     if let Err(reason) = hello.verify(&challenge) {
         return refuse(&mut ws, reason).await;
+    }
+    if !config
+        .public_names
+        .iter()
+        .any(|n| crate::handshake::gateway_name(n) == hello.gateway_name)
+    {
+        let name: String = hello.gateway_name.chars().take(100).collect();
+        info!(gateway_name = %name, "hello signed for another gateway name");
+        return refuse(&mut ws, RefusalReason::WrongGateway).await;
     }
     let node = match shared.auth.authenticate(&hello.public_key).await {
         Ok(node) => node,

@@ -344,10 +344,15 @@ async fn bad_signature_is_refused_with_code_4002() {
     let mut ws = gw.raw_ws().await;
     let challenge = read_challenge(&mut ws).await;
     assert_eq!(challenge.gateway_id, "spine-gateway");
-    assert_eq!(challenge.protocol_version, 1);
+    assert_eq!(challenge.protocol_version, 2);
     assert_eq!(challenge.nonce.len(), 64);
     // signed by another key, claiming the registered one
-    let mut hello = Hello::sign(&NodeIdentity::generate().unwrap(), &challenge, descriptor());
+    let mut hello = Hello::sign(
+        &NodeIdentity::generate().unwrap(),
+        &challenge,
+        "localhost",
+        descriptor(),
+    );
     hello.public_key = gw.identity.public_key_text();
     ws.send(hello_text(hello)).await.unwrap();
     assert_eq!(expect_close(&mut ws).await, (4002, "bad_signature".into()));
@@ -358,12 +363,40 @@ async fn replayed_hello_is_refused() {
     let gw = Gateway::start(TunnelServerConfig::default()).await;
     let mut first = gw.raw_ws().await;
     let old_challenge = read_challenge(&mut first).await;
-    let recorded = Hello::sign(&gw.identity, &old_challenge, descriptor());
+    let recorded = Hello::sign(&gw.identity, &old_challenge, "localhost", descriptor());
     drop(first);
     let mut ws = gw.raw_ws().await;
     let _fresh = read_challenge(&mut ws).await;
     ws.send(hello_text(recorded)).await.unwrap();
     assert_eq!(expect_close(&mut ws).await, (4002, "bad_signature".into()));
+}
+
+#[tokio::test]
+async fn a_challenge_relayed_through_a_rogue_gateway_is_refused_with_code_4009() {
+    let mut gw = Gateway::start(TunnelServerConfig::default()).await;
+    // the rogue dials the real gateway, relays its challenge to an agent that dialled the rogue
+    // and sends back the agent's hello: signed for the rogue's name, refused here
+    let mut ws = gw.raw_ws().await;
+    let challenge = read_challenge(&mut ws).await;
+    let relayed = Hello::sign(&gw.identity, &challenge, "rogue.example", descriptor());
+    ws.send(hello_text(relayed.clone())).await.unwrap();
+    assert_eq!(expect_close(&mut ws).await, (4009, "wrong_gateway".into()));
+    // nor can the rogue claim the real name for it: the signature covers the name
+    let mut ws = gw.raw_ws().await;
+    let challenge = read_challenge(&mut ws).await;
+    let mut renamed = Hello::sign(&gw.identity, &challenge, "rogue.example", descriptor());
+    renamed.gateway_name = "localhost".into();
+    ws.send(hello_text(renamed)).await.unwrap();
+    assert_eq!(expect_close(&mut ws).await, (4002, "bad_signature".into()));
+    assert!(gw.events.try_recv().is_err());
+
+    // an agent that dialled a name the gateway does not list is refused the same way
+    let mut config = TunnelServerConfig::default();
+    config.public_names = vec!["gw.example.com".into()];
+    let gw = Gateway::start(config).await;
+    let err = gw.client(gw.identity.clone()).connect().await.unwrap_err();
+    assert_eq!(err.refusal(), Some(RefusalReason::WrongGateway));
+    assert!(gw.tunnels.connected().is_empty());
 }
 
 #[tokio::test]
@@ -377,6 +410,7 @@ async fn stale_challenge_is_refused_with_code_4003() {
     ws.send(hello_text(Hello::sign(
         &gw.identity,
         &challenge,
+        "localhost",
         descriptor(),
     )))
     .await
@@ -414,8 +448,8 @@ async fn malformed_and_future_hellos_are_refused() {
 
     let mut ws = gw.raw_ws().await;
     let challenge = read_challenge(&mut ws).await;
-    let mut hello = Hello::sign(&gw.identity, &challenge, descriptor());
-    hello.protocol_version = 2;
+    let mut hello = Hello::sign(&gw.identity, &challenge, "localhost", descriptor());
+    hello.protocol_version = 1;
     ws.send(hello_text(hello)).await.unwrap();
     assert_eq!(
         expect_close(&mut ws).await,

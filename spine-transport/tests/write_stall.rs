@@ -203,7 +203,12 @@ async fn gateway_kills_a_tunnel_whose_writes_stall_for_5s_on_real_sockets() {
         },
         other => panic!("expected text, got {other:?}"),
     };
-    let hello = AgentMessage::Hello(Hello::sign(&identity, &challenge, descriptor()));
+    let hello = AgentMessage::Hello(Hello::sign(
+        &identity,
+        &challenge,
+        "localhost",
+        descriptor(),
+    ));
     ws.send(Message::text(serde_json::to_string(&hello).unwrap()))
         .await
         .unwrap();

@@ -49,7 +49,6 @@ use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
 use sha2::{Digest, Sha256};
 use spine_core::{BoxBody, NodeId};
 
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::net::TcpListener;
 
 use super::forward::{
@@ -66,42 +65,24 @@ pub(crate) fn router(cluster: Cluster) -> axum::Router {
         .with_state(Arc::new(cluster))
 }
 
-/// Serves [`router`] on `listener` (h2c prior knowledge) until the task is dropped or aborted.
-pub(crate) async fn serve(listener: TcpListener, cluster: Cluster) {
-    let app = router(cluster);
-    loop {
-        let stream = match listener.accept().await {
-            Ok((stream, _)) => stream,
-            Err(e) => {
-                // out of descriptors and the like: back off instead of spinning
-                tracing::warn!(error = %e, "internal listener accept failed");
-                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-                continue;
-            }
-        };
-        if let Err(e) = stream.set_nodelay(true) {
-            tracing::debug!(error = %e, "TCP_NODELAY");
-        }
-        let app = app.clone();
-        tokio::spawn(async move {
-            let service =
-                hyper::service::service_fn(move |req: http::Request<hyper::body::Incoming>| {
-                    tower::ServiceExt::oneshot(app.clone(), req)
-                });
-            let mut builder = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
-            builder
-                .timer(TokioTimer::new())
-                .keep_alive_interval(KEEP_ALIVE_INTERVAL)
-                .keep_alive_timeout(KEEP_ALIVE_TIMEOUT)
-                .max_concurrent_streams(MAX_CONCURRENT_STREAMS);
-            if let Err(e) = builder
-                .serve_connection(TokioIo::new(stream), service)
-                .await
-            {
-                tracing::debug!(error = %e, "internal connection ended");
-            }
-        });
-    }
+/// Serves [`router`] on `listener` (h2c prior knowledge) under `limits` (connection cap,
+/// header, body and idle timeouts: [`spine_transport::LimitedServer`]) until the task is dropped
+/// or aborted.
+pub(crate) async fn serve(
+    listener: TcpListener,
+    cluster: Cluster,
+    limits: spine_transport::ListenerLimits,
+) {
+    let mut server = spine_transport::LimitedServer::new("internal", limits).http2_only();
+    server
+        .http_mut()
+        .http2()
+        .keep_alive_interval(KEEP_ALIVE_INTERVAL)
+        .keep_alive_timeout(KEEP_ALIVE_TIMEOUT)
+        .max_concurrent_streams(MAX_CONCURRENT_STREAMS);
+    let _ = server
+        .serve(listener, router(cluster), std::future::pending())
+        .await;
 }
 
 /// HMAC-SHA256 keyed with the cluster secret; the keyed state is cloned for each message.

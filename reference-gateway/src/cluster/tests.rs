@@ -530,7 +530,11 @@ where
     let internal_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let internal_addr = internal_listener.local_addr().unwrap();
     let instance = instance_on(p, "gw-owner", &internal_addr.to_string(), tunnels.clone()).await;
-    let internal_task = tokio::spawn(internal::serve(internal_listener, instance.cluster.clone()));
+    let internal_task = tokio::spawn(internal::serve(
+        internal_listener,
+        instance.cluster.clone(),
+        spine_transport::ListenerLimits::default(),
+    ));
     let mut config = TunnelClientConfig::new(
         format!("ws://127.0.0.1:{tunnel_port}/v1/tunnel"),
         identity,

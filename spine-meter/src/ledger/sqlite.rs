@@ -280,10 +280,54 @@ fn get_u64(row: &SqliteRow, col: &'static str) -> Result<u64, LedgerError> {
     to_u64(row.try_get::<i64, _>(col).map_err(db)?, col)
 }
 
+/// Creates the database file at `path` owner-only (`0600`) if it is missing, and takes group
+/// and other permissions off an existing one and its `-wal` / `-shm` files (Unix; elsewhere
+/// nothing).
+fn restrict_file_modes(path: &Path) -> std::io::Result<()> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::{OpenOptionsExt as _, PermissionsExt as _};
+        match std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(path)
+        {
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(e),
+        }
+        let mut names = vec![path.as_os_str().to_owned()];
+        for suffix in ["-wal", "-shm"] {
+            let mut name = path.as_os_str().to_owned();
+            name.push(suffix);
+            names.push(name);
+        }
+        for name in names {
+            let meta = match std::fs::metadata(&name) {
+                Ok(meta) => meta,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(e),
+            };
+            if meta.is_file() && meta.permissions().mode() & 0o077 != 0 {
+                let mode = meta.permissions().mode() & 0o700;
+                std::fs::set_permissions(&name, std::fs::Permissions::from_mode(mode))?;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = path;
+    Ok(())
+}
+
 impl SqliteLedger {
     /// Opens (creating if needed) the database file at `path` and applies migrations: one
     /// writer connection, four reader connections and a background checkpointer (see
     /// the type's docs). Call it inside a Tokio runtime.
+    ///
+    /// On Unix the file is created `0600` (owner only: the ledger holds API key hashes and
+    /// balances), and SQLite creates its `-wal` and `-shm` files with the database file's mode;
+    /// an existing database, `-wal` or `-shm` file readable by others is set to `0600`.
     ///
     /// # Errors
     ///
@@ -291,6 +335,8 @@ impl SqliteLedger {
     /// SQLite refuses as busy, as when several processes open one new file at once, is retried
     /// for up to 10 s first).
     pub async fn open(path: impl AsRef<Path>) -> Result<Self, LedgerError> {
+        let path = path.as_ref();
+        restrict_file_modes(path).map_err(|e| db(sqlx::Error::Io(e)))?;
         let base = SqliteConnectOptions::new()
             .filename(path)
             .journal_mode(SqliteJournalMode::Wal)

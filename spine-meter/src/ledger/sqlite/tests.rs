@@ -172,3 +172,34 @@ async fn a_copy_of_the_files_of_an_open_store_has_every_committed_settlement() {
     c.close().await;
     l.close().await;
 }
+
+#[cfg(unix)]
+#[tokio::test]
+async fn database_wal_and_shm_files_are_owner_only() {
+    use std::os::unix::fs::PermissionsExt as _;
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ledger.db");
+    let wal = dir.path().join("ledger.db-wal");
+    let shm = dir.path().join("ledger.db-shm");
+    let l = SqliteLedger::open(&path).await.unwrap();
+    l.create_account(&AccountId::from("a")).await.unwrap();
+    // the file, and the WAL and shared-memory files SQLite made beside it
+    assert_eq!(mode(&path), 0o600);
+    assert_eq!(mode(&wal), 0o600);
+    assert_eq!(mode(&shm), 0o600);
+    l.close().await;
+
+    // files an earlier release left readable by others are tightened at the next open
+    for p in [&path, &wal, &shm] {
+        if p.exists() {
+            std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o644)).unwrap();
+        }
+    }
+    let l = SqliteLedger::open(&path).await.unwrap();
+    l.create_account(&AccountId::from("b")).await.unwrap();
+    assert_eq!(mode(&path), 0o600);
+    assert_eq!(mode(&wal), 0o600);
+    assert_eq!(mode(&shm), 0o600);
+    l.close().await;
+}

@@ -1,0 +1,277 @@
+//! Every listener of a real gateway process is bounded: a slowloris head is cut at
+//! `header_read_timeout_ms` on the public, admin and tunnel listeners, and with 10,000 idle
+//! connections held open (five times `public_max_connections`, with a header timeout long
+//! enough that none of them times out first) a paid request still succeeds: idle connections
+//! are evicted to make room. The data directory and the ledger files are owner-only. Loopback
+//! only.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::convert::Infallible;
+use std::time::{Duration, Instant};
+
+use common::{add_node, fake_llama_meta, full, serve_fake_engine, tenant, FakeBody, Gateway};
+use http_body_util::BodyExt as _;
+use hyper::body::Incoming;
+use serde_json::{json, Value};
+use spine_test_support::Engine;
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::net::TcpStream;
+
+/// Only a hang takes this long.
+const HANG: Duration = Duration::from_secs(60);
+
+/// Idle connections the flood holds. This process holds one descriptor per connection (the
+/// gateway at most `FLOOD_CAP`); [`raise_fd_limit`] makes room for them.
+const IDLE_CONNECTIONS: usize = 10_000;
+
+/// `public_max_connections` of the flooded gateway.
+const FLOOD_CAP: usize = 2_000;
+
+/// Opening the flood is bounded: loopback connects take well under a millisecond each; only a
+/// stuck accept loop (SYNs dropped at a full backlog, retried after seconds) takes this long.
+const FLOOD_BOUND: Duration = Duration::from_secs(300);
+
+/// Raises this process's soft open-file limit to its hard limit and returns the soft limit in
+/// force.
+#[cfg(unix)]
+fn raise_fd_limit() -> u64 {
+    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+    let limit = getrlimit(Resource::Nofile);
+    if limit.current != limit.maximum {
+        setrlimit(
+            Resource::Nofile,
+            Rlimit {
+                current: limit.maximum,
+                maximum: limit.maximum,
+            },
+        )
+        .unwrap();
+    }
+    getrlimit(Resource::Nofile).current.unwrap_or(u64::MAX)
+}
+
+#[cfg(not(unix))]
+fn raise_fd_limit() -> u64 {
+    u64::MAX
+}
+
+async fn fake_llama(
+    req: hyper::Request<Incoming>,
+) -> Result<hyper::Response<FakeBody>, Infallible> {
+    let path = req.uri().path().to_owned();
+    let _ = req.into_body().collect().await;
+    if let Some(meta) = fake_llama_meta(&path) {
+        return Ok(meta);
+    }
+    Ok(match path.as_str() {
+        "/v1/chat/completions" => full(
+            200,
+            "application/json",
+            json!({
+                "id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "smollm2",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hi"},
+                             "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 10, "completion_tokens": 1, "total_tokens": 11}
+            })
+            .to_string(),
+        ),
+        _ => full(404, "application/json", r#"{"error":"not found"}"#.into()),
+    })
+}
+
+fn addr(url: &str) -> String {
+    url.trim_start_matches("http://")
+        .trim_start_matches("wss://")
+        .trim_end_matches("/v1/tunnel")
+        .to_owned()
+}
+
+/// Trickles a head that never completes, one byte per 100 ms; returns how long until the
+/// gateway closed the connection.
+async fn slowloris(addr: &str) -> Duration {
+    let mut tcp = TcpStream::connect(addr).await.unwrap();
+    let started = Instant::now();
+    let head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
+    for b in head {
+        if tcp.write_all(&[*b]).await.is_err() {
+            return started.elapsed();
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        if started.elapsed() > HANG {
+            panic!("{addr}: still open after {HANG:?}");
+        }
+    }
+    let mut buf = [0u8; 256];
+    loop {
+        match tokio::time::timeout(HANG, tcp.read(&mut buf)).await {
+            Ok(Ok(0) | Err(_)) => return started.elapsed(),
+            Ok(Ok(_)) => {}
+            Err(_) => panic!("{addr}: still open after {HANG:?}"),
+        }
+    }
+}
+
+async fn paid_chat(gw: &Gateway, api_key: &str) -> (u16, Value) {
+    let r = tokio::time::timeout(
+        HANG,
+        gw.api_post(
+            api_key,
+            "/v1/chat/completions",
+            &json!({"model": "smollm2", "max_tokens": 8,
+                    "messages": [{"role": "user", "content": "Hello"}]}),
+        ),
+    )
+    .await
+    .expect("paid request in time");
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slowloris_is_cut_on_every_listener_and_files_are_owner_only() {
+    let engine = Engine::discover().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let gw = Gateway::start_with(dir.path(), &engine, "header_read_timeout_ms = 1000").await;
+
+    // --- files: owner-only data dir, ledger and tunnel key ----------------------------------
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt as _;
+        let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        let data = dir.path().join("data");
+        assert_eq!(mode(&data), 0o700);
+        assert_eq!(mode(&data.join("spine.db")), 0o600);
+        assert_eq!(mode(&data.join("tunnel-key.pem")), 0o600);
+        for side in ["spine.db-wal", "spine.db-shm"] {
+            let p = data.join(side);
+            if p.exists() {
+                assert_eq!(mode(&p), 0o600, "{side}");
+            }
+        }
+    }
+
+    // --- slowloris on each listener: cut at ~1 s --------------------------------------------
+    for (name, listener) in [("public", addr(&gw.public)), ("admin", addr(&gw.admin))] {
+        let took = slowloris(&listener).await;
+        assert!(
+            took >= Duration::from_millis(900),
+            "{name}: cut after {took:?}"
+        );
+        assert!(took < Duration::from_secs(30), "{name}: cut after {took:?}");
+    }
+    // the tunnel listener is TLS: a client that never finishes its handshake is cut at the
+    // tunnel's handshake timeout (10 s); after TLS its head bound is the same as above
+    // (spine-transport's tests/limits.rs trickles a head through TLS)
+    let mut silent = TcpStream::connect(addr(&gw.tunnel)).await.unwrap();
+    let started = Instant::now();
+    let mut buf = [0u8; 64];
+    let r = tokio::time::timeout(HANG, silent.read(&mut buf)).await;
+    assert!(matches!(r, Ok(Ok(0) | Err(_))), "{r:?}");
+    let took = started.elapsed();
+    assert!(took >= Duration::from_secs(9), "tunnel: cut after {took:?}");
+    assert!(took < HANG, "tunnel: cut after {took:?}");
+    let metrics = gw.metrics().await;
+    for listener in ["public", "admin"] {
+        assert_eq!(
+            common::metric(
+                &metrics,
+                &format!(
+                    "spine_listener_connections_closed_total{{listener=\"{listener}\",reason=\"header_timeout\"}}"
+                ),
+            ),
+            1.0,
+            "{listener}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ten_thousand_idle_connections_do_not_stop_paid_requests() {
+    let soft = raise_fd_limit();
+    let needed = u64::try_from(IDLE_CONNECTIONS).unwrap() + 1_024;
+    assert!(
+        soft >= needed,
+        "this test holds {IDLE_CONNECTIONS} connections: the open-file limit ({soft}) must be at \
+         least {needed} (raise the hard limit: ulimit -Hn)"
+    );
+    let engine = Engine::discover().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    // a header timeout far longer than the flood takes: every idle connection is still open
+    // when the paid request comes, so room is made by eviction alone
+    let gw = Gateway::start_with(
+        dir.path(),
+        &engine,
+        &format!("header_read_timeout_ms = 600000\npublic_max_connections = {FLOOD_CAP}"),
+    )
+    .await;
+    let (url, _engine_task) = serve_fake_engine(fake_llama).await;
+    let t = tenant(&gw).await;
+    let (_node, _agent) = add_node(&gw, dir.path(), &t.operator, &url, "node").await;
+    let (status, body) = paid_chat(&gw, &t.api_key).await;
+    assert_eq!(status, 200, "{body}");
+
+    let public = addr(&gw.public);
+    let started = Instant::now();
+    let flood = async {
+        let mut idle = Vec::with_capacity(IDLE_CONNECTIONS);
+        for _ in 0..IDLE_CONNECTIONS {
+            match TcpStream::connect(&public).await {
+                Ok(tcp) => idle.push(tcp),
+                Err(e) => panic!("connect {} failed: {e}", idle.len()),
+            }
+        }
+        idle
+    };
+    let idle = tokio::time::timeout(FLOOD_BOUND, flood)
+        .await
+        .unwrap_or_else(|_| panic!("{IDLE_CONNECTIONS} connects took over {FLOOD_BOUND:?}"));
+    let opened = started.elapsed();
+    // the gateway holds the cap's worth of idle connections: the paid request's connection
+    // evicts one (a fresh client: its pooled connection was evicted long ago)
+    let fresh = reqwest::Client::new();
+    let started = Instant::now();
+    let r = tokio::time::timeout(
+        HANG,
+        fresh
+            .post(format!("{}/v1/chat/completions", gw.public))
+            .bearer_auth(&t.api_key)
+            .json(&json!({"model": "smollm2", "max_tokens": 8,
+                          "messages": [{"role": "user", "content": "Hello"}]}))
+            .send(),
+    )
+    .await
+    .expect("paid request in time")
+    .unwrap();
+    let status = r.status().as_u16();
+    let body: Value = r.json().await.unwrap();
+    let took = started.elapsed();
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["choices"][0]["message"]["content"], "Hi", "{body}");
+    eprintln!(
+        "{IDLE_CONNECTIONS} idle connections opened in {opened:?}; paid request took {took:?}"
+    );
+    // the cap held by eviction alone: of the 10,000 + 2 connections the public listener
+    // accepted (the first paid request's, the flood, the fresh client's), all but the cap's
+    // worth were closed, evicted (the first one may have reached its idle timeout first, should
+    // the flood take over a minute); no head timed out and none was refused (none was busy)
+    let metrics = gw.metrics().await;
+    let closed = |reason: &str| {
+        common::metric(
+            &metrics,
+            &format!(
+                "spine_listener_connections_closed_total{{listener=\"public\",reason=\"{reason}\"}}"
+            ),
+        )
+    };
+    assert_eq!(closed("header_timeout"), 0.0);
+    assert_eq!(closed("cap"), 0.0);
+    assert_eq!(
+        closed("evicted") + closed("idle_timeout"),
+        (IDLE_CONNECTIONS + 2 - FLOOD_CAP) as f64
+    );
+    assert!(closed("evicted") >= (IDLE_CONNECTIONS + 1 - FLOOD_CAP) as f64);
+    drop(idle);
+    drop(gw);
+}
