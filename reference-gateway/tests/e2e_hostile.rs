@@ -7,29 +7,14 @@ mod common;
 
 use std::time::Duration;
 
-use common::{add_node, fake_llama_meta, full, serve_fake_engine, sse_data, tenant, Gateway};
+use common::{
+    add_node, fake_llama_meta, full, serve_fake_engine, sse_data, tenant, EngineCounter, Gateway,
+};
 use serde_json::{json, Value};
 use spine_core::ENGINE_GENERATION_FIELDS;
 use spine_meter::tokenizer::length_allowance_tokens;
 use spine_meter::ModelTokenizer;
 use spine_test_support::{Engine, LlamaServer};
-
-/// Tokens of `text` by the ENGINE's own tokenizer (`/tokenize`, no special tokens parsed).
-async fn engine_tokens(llama: &str, text: &str) -> u64 {
-    if text.is_empty() {
-        return 0;
-    }
-    let v: Value = reqwest::Client::new()
-        .post(format!("{llama}/tokenize"))
-        .json(&json!({"content": text}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    v["tokens"].as_array().unwrap().len() as u64
-}
 
 /// Every choice's delivered text of a chat or completions answer, streamed or not.
 fn delivered(body: &str, streamed: bool) -> Vec<String> {
@@ -140,9 +125,14 @@ async fn engine_aliases_are_refused_and_nothing_is_delivered_beyond_the_bill() {
             "{path}: {} choices for n {n}",
             choices.len()
         );
+        let counter = EngineCounter {
+            url: llama.url.clone(),
+            http: reqwest::Client::new(),
+        };
         let mut engine_count = 0;
         for c in &choices {
-            engine_count += engine_tokens(&llama.url, c).await;
+            // the engine's own tokenizer (`/tokenize`)
+            engine_count += counter.tokens(c).await;
         }
         let rec = gw.record(&id).await;
         assert_eq!(rec["outcome"], "completed", "{rec}");
