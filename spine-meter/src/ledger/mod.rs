@@ -400,6 +400,23 @@ pub trait Ledger: Send + Sync + std::fmt::Debug + 'static {
         Box::pin(std::future::ready(Ok(())))
     }
 
+    /// The account's available balance (`balance − held`), micros, when this ledger can tell
+    /// cheaply; `None` when it cannot (the default) or the account is unknown. The metering layer
+    /// asks before counting a large prompt, so that an account that cannot pay is refused
+    /// before any template or tokenizer work.
+    ///
+    /// # Errors
+    ///
+    /// [`LedgerError::Database`].
+    ///
+    /// # Cancel safety
+    ///
+    /// A read: dropped before completion, nothing changed.
+    fn available_micros<'a>(&'a self, account: &'a AccountId) -> LedgerFuture<'a, Option<u64>> {
+        let _ = account;
+        Box::pin(std::future::ready(Ok(None)))
+    }
+
     /// Releases the request's active hold, if any (idempotent).
     ///
     /// # Errors

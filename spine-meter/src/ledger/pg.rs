@@ -1640,6 +1640,16 @@ impl Ledger for PgLedger {
         })
     }
 
+    fn available_micros<'a>(&'a self, account: &'a AccountId) -> LedgerFuture<'a, Option<u64>> {
+        Box::pin(async move {
+            match Store::account(self, account).await {
+                Ok(b) => Ok(Some(b.available_micros)),
+                Err(LedgerError::UnknownAccount(_)) => Ok(None),
+                Err(e) => Err(e),
+            }
+        })
+    }
+
     fn release(&self, request_id: RequestId) -> LedgerFuture<'_, ()> {
         Box::pin(async move { retrying!(self.release_once(&request_id).await) })
     }

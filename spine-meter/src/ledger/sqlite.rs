@@ -1426,6 +1426,16 @@ impl Ledger for SqliteLedger {
         Box::pin(self.hold_impl(request_id, account, model, amount_micros))
     }
 
+    fn available_micros<'a>(&'a self, account: &'a AccountId) -> LedgerFuture<'a, Option<u64>> {
+        Box::pin(async move {
+            match SqliteLedger::account(self, account).await {
+                Ok(b) => Ok(Some(b.available_micros)),
+                Err(LedgerError::UnknownAccount(_)) => Ok(None),
+                Err(e) => Err(e),
+            }
+        })
+    }
+
     fn release(&self, request_id: RequestId) -> LedgerFuture<'_, ()> {
         Box::pin(self.release_impl(request_id))
     }

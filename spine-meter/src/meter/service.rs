@@ -143,6 +143,20 @@ where
     let (mut parts, body) = req.into_parts();
     let limit = config.max_request_body_bytes;
     let bytes = collect_limited(body, limit).await?;
+    // a large prompt is counted only for an account that can pay for something at all: one
+    // balance read (cheap next to templating and tokenizing it)
+    if bytes.len() >= PRECHECK_BODY_BYTES && config.min_request_cost_micros > 0 {
+        if let Ok(Some(available_micros)) = config.ledger.available_micros(&account).await {
+            if available_micros < config.min_request_cost_micros {
+                config.refused_credit.record(&account, available_micros);
+                return Err(MeterError::InsufficientCredit {
+                    available_micros,
+                    needed_micros: config.min_request_cost_micros,
+                }
+                .into());
+            }
+        }
+    }
     let peek = RequestPeek::from_json(&bytes).map_err(MeterError::BadRequest)?;
     let entry = config
         .catalog
@@ -333,6 +347,10 @@ where
         BoxBody::new(Full::new(bytes).map_err(|never| match never {})),
     ))
 }
+
+/// Request bodies from this size on have the caller's balance read before their prompt is
+/// counted ([`Ledger::available_micros`](crate::Ledger::available_micros)).
+const PRECHECK_BODY_BYTES: usize = 64 * 1024;
 
 /// Places the request's hold on a task of its own and hands back the guard that owns it.
 ///

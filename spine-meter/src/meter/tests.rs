@@ -1491,6 +1491,22 @@ async fn an_account_that_cannot_pay_is_refused_before_counting_next_time() {
             needed_micros: 3
         })
     ));
+    // another account with nothing, sending a large prompt first: its balance is read before
+    // the prompt is counted (the prompt is over the context too: it is never counted)
+    let broke = AccountId::from("broke");
+    h.ledger.create_account(&broke).await.unwrap();
+    let mut big = chat(false, None);
+    big["messages"][0]["content"] = json!("word ".repeat(40_000));
+    let mut req = request("b1", &big);
+    req.extensions_mut().insert(broke);
+    let err = svc.clone().oneshot(req).await.unwrap_err();
+    assert!(matches!(
+        err.downcast_ref::<MeterError>(),
+        Some(MeterError::InsufficientCredit {
+            available_micros: 0,
+            needed_micros: 3
+        })
+    ));
     // after the memory's TTL, the request is judged again (here: a 400 for the body)
     tokio::time::sleep(REFUSED_CREDIT_TTL).await;
     let mut req = http::Request::post("/v1/chat/completions")
