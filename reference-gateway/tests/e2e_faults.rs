@@ -145,7 +145,10 @@ async fn long_stream(gw: &Gateway, key: &str) -> reqwest::Response {
         .api_post(
             key,
             "/v1/chat/completions",
+            // the end tokens banned: it runs to max_tokens, holding its slot (a model that
+            // stopped early freed one and failed the slots-full precondition once)
             &json!({"model":"smollm2","stream":true,"max_tokens":1500,
+                    "logit_bias":{"0":-100,"2":-100},
                     "messages":[{"role":"user","content":"Count from 1 to 1000, one number per line."}]}),
         )
         .await;

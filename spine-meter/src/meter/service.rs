@@ -134,6 +134,10 @@ where
         .refused_credit
         .cannot_pay(&account, config.min_request_cost_micros)
     {
+        // the body is read and dropped (up to the limit), never kept or parsed: answering
+        // before the caller finished sending would close its connection under its writes (a
+        // broken pipe where the SDK expects the 402)
+        drain(req.into_body(), config.max_request_body_bytes).await;
         return Err(MeterError::InsufficientCredit {
             available_micros,
             needed_micros: config.min_request_cost_micros,
@@ -420,6 +424,17 @@ async fn hold_owned(
         }),
         Ok(Err(other)) => Err(MeterError::Ledger(other)),
         Err(_) => Err(MeterError::MissingExtension("hold task")),
+    }
+}
+
+/// Reads and drops a request body, up to `limit` bytes (an error or the limit ends it).
+async fn drain(mut body: BoxBody, limit: usize) {
+    let mut read = 0usize;
+    while let Some(Ok(frame)) = body.frame().await {
+        read = read.saturating_add(frame.data_ref().map_or(0, bytes::Buf::remaining));
+        if read > limit {
+            return;
+        }
     }
 }
 
