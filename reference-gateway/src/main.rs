@@ -402,6 +402,13 @@ async fn run(cli: Cli) -> Result<(), MainError> {
                     e.downcast_ref::<spine_transport::TunnelError>()
                         .is_some_and(spine_transport::TunnelError::is_node_full)
                         || cluster::ClusterError::not_node_fault(e)
+                })
+                // a stream slot released a moment late (or an HTTP/2 REFUSED_STREAM): the same
+                // node is picked again after a short pause
+                .node_full(|e| {
+                    e.downcast_ref::<spine_transport::TunnelError>()
+                        .is_some_and(spine_transport::TunnelError::is_node_full)
+                        || cluster::ClusterError::is_node_full(e)
                 }),
         )
         .service(dispatch);

@@ -61,8 +61,17 @@ pub struct RouteLayer {
     classify: Arc<dyn ClassifyBody>,
     config: RouteConfig,
     not_node_fault: NotNodeFault,
+    node_full: NotNodeFault,
     affinity: Option<Arc<dyn AffinityStore>>,
 }
+
+/// How many times one request may find its picked node momentarily full
+/// ([`RouteLayer::node_full`]) and pick again, besides [`RouteConfig::max_retries`].
+pub const MAX_FULL_REPICKS: u32 = 3;
+
+/// The pause before picking again after a node was found momentarily full: long enough for the
+/// stream that just ended to be released on both ends of the tunnel (a few scheduler turns).
+const FULL_REPICK_PAUSE: Duration = Duration::from_millis(5);
 
 /// Tells whether an inner service error is the gateway's own refusal (e.g. the tunnel's per-node
 /// stream limit) rather than a fault of the node: such an attempt is retried on another node but
@@ -83,6 +92,7 @@ impl RouteLayer {
             classify: Arc::new(FirstBytes::default()),
             config: RouteConfig::default(),
             not_node_fault: never_not_node_fault,
+            node_full: never_not_node_fault,
             affinity: None,
         }
     }
@@ -115,6 +125,19 @@ impl RouteLayer {
         self.not_node_fault = not_node_fault;
         self
     }
+
+    /// Recognises inner errors that say the picked node was *momentarily* full (the gateway
+    /// passes `TunnelError::is_node_full`: the tunnel's stream slot of a request that just ended
+    /// is not released yet, or the node refused an HTTP/2 stream with `REFUSED_STREAM`, which
+    /// RFC 9113 §8.7 says was not processed). Such an attempt is not scored and the node stays a
+    /// candidate: after a pause of a few milliseconds the request picks again — waiting in the
+    /// admission queue if every node is full — at most [`MAX_FULL_REPICKS`] times, besides
+    /// [`RouteConfig::max_retries`]. An error recognised here is treated as
+    /// [`not_node_fault`](Self::not_node_fault) too. By default no error is.
+    pub fn node_full(mut self, node_full: NotNodeFault) -> Self {
+        self.node_full = node_full;
+        self
+    }
 }
 
 impl<S> Layer<S> for RouteLayer {
@@ -127,6 +150,7 @@ impl<S> Layer<S> for RouteLayer {
             classify: self.classify.clone(),
             config: self.config,
             not_node_fault: self.not_node_fault,
+            node_full: self.node_full,
             affinity: self.affinity.clone(),
         }
     }
@@ -143,7 +167,7 @@ impl<S> Layer<S> for RouteLayer {
 /// 2. Collects the request body to `Bytes` once (the metering layer above has it buffered), so
 ///    that every attempt sends the same bytes.
 /// 3. Each attempt: picks a node not tried yet among those that fit the request's endpoint and
-///    [`PromptTokens`] ([`NodeRegistry::acquire`]; the first attempt waits in the model's
+///    [`PromptTokens`] ([`NodeRegistry::acquire`]; every attempt waits in the model's
 ///    admission [`queue`](crate::queue) when they are all full, with the [`AccountId`] extension
 ///    as its fairness class and the [`QueueWeight`] extension as its weight), inserts its [`NodeId`] into the request
 ///    extensions (the transport reads it) and records it in the [`NodeSlot`] extension, calls the
@@ -212,6 +236,7 @@ pub struct Route<S> {
     classify: Arc<dyn ClassifyBody>,
     config: RouteConfig,
     not_node_fault: NotNodeFault,
+    node_full: NotNodeFault,
     affinity: Option<Arc<dyn AffinityStore>>,
 }
 
@@ -286,6 +311,7 @@ where
                     classify: self.classify.clone(),
                     config: self.config,
                     not_node_fault: self.not_node_fault,
+                    node_full: self.node_full,
                     affinity: self.affinity.clone(),
                 },
                 req,
@@ -306,6 +332,9 @@ enum Attempt {
         Result<http::Response<BoxBody>, BoxError>,
         Option<AnswerFault>,
     ),
+    /// The node was momentarily full ([`RouteLayer::node_full`]): not scored, and the node may
+    /// be picked again.
+    Full(BoxError),
 }
 
 /// An answer-type failure before the first byte: the node answered, but with a failure that may
@@ -359,6 +388,7 @@ struct RouteCtx {
     classify: Arc<dyn ClassifyBody>,
     config: RouteConfig,
     not_node_fault: NotNodeFault,
+    node_full: NotNodeFault,
     affinity: Option<Arc<dyn AffinityStore>>,
 }
 
@@ -394,6 +424,7 @@ where
         classify,
         config,
         not_node_fault,
+        node_full,
         affinity,
     } = ctx;
     // scoped by account when the caller's account is known (design brief §5; no cross-tenant
@@ -436,7 +467,9 @@ where
     let mut tried: Vec<NodeId> = Vec::new();
     let mut last: Option<Result<http::Response<BoxBody>, BoxError>> = None;
     let mut deferred = Deferred::default();
-    for attempt in 0..=config.max_retries {
+    let mut full_repicks = 0u32;
+    let mut attempt = 0u32;
+    while attempt <= config.max_retries {
         let local = match (&shared, &key) {
             (None, Some(key)) => registry.local_preference(&peek.model, key),
             _ => None,
@@ -451,10 +484,10 @@ where
             exclude: &tried,
             needs,
         };
-        // only the first attempt waits in the queue: a retry answers with what it has
-        let picked = registry
-            .acquire(ask, (attempt == 0).then_some(&ticket))
-            .await;
+        // every attempt may wait in the queue for a node not tried yet: a retry after a node
+        // failed waits for a healthy one to have room rather than failing a request that never
+        // started (when no untried node is left, it answers with the last failure at once)
+        let picked = registry.acquire(ask, Some(&ticket)).await;
         let pick = match picked {
             Ok(pick) => pick,
             Err(e) => {
@@ -500,6 +533,7 @@ where
             classify: &*classify,
             config: &config,
             not_node_fault,
+            node_full,
             started,
             deadline,
         };
@@ -544,7 +578,18 @@ where
                 tried.push(node);
                 last = Some(answer);
             }
+            Attempt::Full(e) => {
+                if full_repicks < MAX_FULL_REPICKS {
+                    full_repicks += 1;
+                    tracing::debug!(node = %node, full_repicks, error = %e, "node momentarily full; picking again");
+                    tokio::time::sleep(FULL_REPICK_PAUSE * full_repicks).await;
+                    continue;
+                }
+                tried.push(node);
+                last = Some(Err(e));
+            }
         }
+        attempt += 1;
     }
     deferred.unscored("unresolved");
     match last {
@@ -621,6 +666,7 @@ struct CommitCtx<'a> {
     classify: &'a dyn ClassifyBody,
     config: &'a RouteConfig,
     not_node_fault: NotNodeFault,
+    node_full: NotNodeFault,
     started: Instant,
     deadline: Option<Instant>,
 }
@@ -638,6 +684,7 @@ async fn try_commit(
         classify,
         config,
         not_node_fault,
+        node_full,
         started,
         deadline,
     } = ctx;
@@ -645,6 +692,9 @@ async fn try_commit(
     let resp = match result {
         Ok(resp) => resp,
         Err(e) => {
+            if node_full(&e) {
+                return Attempt::Full(e);
+            }
             if not_node_fault(&e) {
                 tracing::debug!(node = %node, error = %e, "refused by the gateway; not scored");
             } else {

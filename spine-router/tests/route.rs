@@ -84,6 +84,9 @@ enum Script {
     SlowWholeAnswer,
     /// The gateway's own per-node limit (a [`GatewayFull`] error).
     NodeFull,
+    /// [`Script::NodeFull`] on its first two calls (a stream slot released a moment late), then
+    /// [`Script::Ok`].
+    FullTwice,
     /// A 2xx head, then nothing.
     SilentBody,
     /// Never answers at all.
@@ -174,8 +177,17 @@ fn upstream(
         async move {
             let node = req.extensions().get::<NodeId>().cloned().unwrap();
             let body = req.into_body().collect().await?.to_bytes();
-            log.0.lock().unwrap().push((node.clone(), body));
-            match scripts[node.as_str()] {
+            let calls = {
+                let mut log = log.0.lock().unwrap();
+                log.push((node.clone(), body));
+                log.iter().filter(|(n, _)| *n == node).count()
+            };
+            let script = match scripts[node.as_str()] {
+                Script::FullTwice if calls <= 2 => Script::NodeFull,
+                Script::FullTwice => Script::Ok,
+                script => script,
+            };
+            match script {
                 Script::Ok => Ok(sse(vec![
                     Ok("data: role\n\n"),
                     Ok("data: tok\n\n"),
@@ -200,6 +212,7 @@ fn upstream(
                     Ok(sse(vec![Ok("data: tok\n\n"), Ok("data: end\n\n")]))
                 }
                 Script::NodeFull => Err(BoxError::from(GatewayFull)),
+                Script::FullTwice => unreachable!("resolved above"),
                 Script::SilentBody => Ok(http::Response::builder()
                     .header("content-type", "text/event-stream")
                     .body(BoxBody::new(Silent))
@@ -280,6 +293,15 @@ async fn run_one_streamed(
     max_retries: u32,
     stream: bool,
 ) -> Outcome {
+    run_one_with(scripts, max_retries, stream, |layer| layer).await
+}
+
+async fn run_one_with(
+    scripts: &[(&'static str, Script)],
+    max_retries: u32,
+    stream: bool,
+    configure: fn(RouteLayer) -> RouteLayer,
+) -> Outcome {
     let names: Vec<&str> = scripts.iter().map(|(n, _)| *n).collect();
     let r = registry(&names);
     let log = Log::default();
@@ -289,8 +311,8 @@ async fn run_one_streamed(
             max_retries,
             ..RouteConfig::default()
         })
-        .not_node_fault(is_gateway_full)
-        .layer(upstream(scripts.iter().copied().collect(), log.clone()));
+        .not_node_fault(is_gateway_full);
+    let svc = configure(svc).layer(upstream(scripts.iter().copied().collect(), log.clone()));
     let (req, slot) = request_streamed(None, stream);
     let out = match svc.oneshot(req).await {
         Ok(resp) => {
@@ -511,6 +533,32 @@ async fn node_full_is_retried_but_not_scored() {
     assert_eq!(stats(&r, "f2"), (0, 0, 0));
     let (r, _, out, _) = run_one(&[("full", Script::NodeFull), ("good", Script::Ok)], 2).await;
     assert_eq!(out.unwrap().0.as_str(), "good");
+    assert_eq!(stats(&r, "full"), (0, 0, 0));
+    assert!(r.snapshot().iter().all(|s| s.in_flight == 0));
+}
+
+#[tokio::test]
+async fn a_node_momentarily_full_is_picked_again_not_given_up() {
+    // the race under a burst: the node's last stream ended, its tunnel slot not released yet
+    let momentary = |layer: RouteLayer| layer.node_full(is_gateway_full);
+    for max_retries in [0, 2] {
+        let (r, log, out, _) =
+            run_one_with(&[("only", Script::FullTwice)], max_retries, true, momentary).await;
+        let (node, body) = out.unwrap();
+        assert_eq!(node.as_str(), "only", "max_retries {max_retries}");
+        body.unwrap();
+        assert_eq!(log.0.lock().unwrap().len(), 3, "max_retries {max_retries}");
+        // the two refusals are not scored; the success is
+        assert_eq!(stats(&r, "only"), (1, 0, 0), "max_retries {max_retries}");
+        assert!(r.snapshot().iter().all(|s| s.in_flight == 0));
+    }
+    // a node that stays full: picked again at most MAX_FULL_REPICKS times, then given up
+    let (r, log, out, _) = run_one_with(&[("full", Script::NodeFull)], 0, true, momentary).await;
+    assert!(out.unwrap_err().downcast_ref::<GatewayFull>().is_some());
+    assert_eq!(
+        log.0.lock().unwrap().len(),
+        1 + spine_router::MAX_FULL_REPICKS as usize
+    );
     assert_eq!(stats(&r, "full"), (0, 0, 0));
     assert!(r.snapshot().iter().all(|s| s.in_flight == 0));
 }

@@ -20,10 +20,13 @@ use tracing::{debug, info, warn};
 use crate::handshake::{decode_gateway_message, AgentMessage, GatewayMessage, Hello};
 use crate::{NodeIdentity, RefusalReason, TunnelError, WsIo};
 
-/// HTTP/2 streams the agent allows beyond its descriptor's `max_concurrency`, kept for the
-/// gateway's probes (`GET /health`, `GET /v1/models`, the takeover probe). The gateway admits at
-/// most `max_concurrency` requests itself.
-const PROBE_STREAMS: u32 = 1;
+/// HTTP/2 streams the agent allows beyond its descriptor's `max_concurrency`: the gateway's probes
+/// (`GET /health`, `GET /v1/models`, the takeover probe), and streams that have ended on the
+/// gateway's side but that this end has not released yet (RFC 9113 §5.1.2 counts a stream until
+/// both ends closed it, and the gateway opens the next request the moment the last one ended:
+/// without room for that, the next stream is refused with `REFUSED_STREAM`). The gateway admits
+/// at most `max_concurrency` requests itself.
+const PROBE_STREAMS: u32 = 4;
 
 /// Agent-side tunnel settings.
 #[derive(Clone, Debug)]
@@ -712,8 +715,9 @@ impl TunnelSession {
         let mut builder = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
         builder
             .timer(TokioTimer::new())
-            // one stream more than the gateway uses for requests: the gateway's health and
-            // liveness probes never wait behind a full node's requests
+            // a few streams more than the gateway uses for requests: the gateway's health and
+            // liveness probes never wait behind a full node's requests, and a stream released
+            // late here does not refuse the next request
             .max_concurrent_streams(
                 config
                     .descriptor
@@ -792,64 +796,4 @@ where
 }
 
 #[cfg(test)]
-mod tests {
-    #![allow(clippy::unwrap_used, clippy::expect_used)]
-    use spine_core::EngineKind;
-
-    use super::*;
-
-    fn config(url: &str) -> TunnelClientConfig {
-        TunnelClientConfig::new(
-            url,
-            NodeIdentity::from_seed(&[9u8; 32]),
-            NodeDescriptor {
-                engine: EngineKind::LlamaCpp,
-                models: vec![],
-                vram_mib: 0,
-                max_concurrency: 1,
-                agent_version: "t".into(),
-            },
-        )
-    }
-
-    #[test]
-    fn backoff_doubles_to_the_cap_and_resets() {
-        let mut b = Backoff::new(Duration::from_secs(1), Duration::from_secs(30));
-        let full: Vec<u64> = (0..7).map(|_| b.next_full().as_secs()).collect();
-        assert_eq!(full, vec![1, 2, 4, 8, 16, 30, 30]);
-        b.reset();
-        for expected_max in [1000u128, 2000, 4000, 8000, 16000, 30000, 30000] {
-            let d = b.next_jittered().as_millis();
-            assert!(
-                d >= expected_max / 2 && d <= expected_max,
-                "{d} vs {expected_max}"
-            );
-        }
-    }
-
-    #[test]
-    fn plaintext_needs_the_insecure_flag_and_wss_needs_tls() {
-        let err = TunnelClient::new(config("ws://127.0.0.1:19000/v1/tunnel")).unwrap_err();
-        assert!(err.is_config());
-        let mut c = config("ws://127.0.0.1:19000/v1/tunnel");
-        c.allow_insecure_plaintext = true;
-        assert!(TunnelClient::new(c).is_ok());
-
-        let err = TunnelClient::new(config("wss://gw.example:19000/v1/tunnel")).unwrap_err();
-        assert!(err.is_config());
-        assert_eq!(
-            err.to_string(),
-            "invalid tunnel configuration: wss:// gateway url needs a tls configuration"
-        );
-        let err = TunnelClient::new(config("https://gw.example/v1/tunnel")).unwrap_err();
-        assert!(err.is_config());
-    }
-
-    #[test]
-    fn target_defaults_ports() {
-        let mut c = config("ws://[::1]/v1/tunnel");
-        c.allow_insecure_plaintext = true;
-        let t = parse_target(&c).unwrap();
-        assert_eq!((t.host.as_str(), t.port), ("::1", 80));
-    }
-}
+mod tests;

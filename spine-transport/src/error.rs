@@ -52,6 +52,23 @@ fn connection_gone(err: &hyper::Error) -> bool {
     false
 }
 
+/// Whether the node refused the stream with `RST_STREAM(REFUSED_STREAM)`: by RFC 9113 §8.7 it
+/// did no processing of the request, which is safe to send again. An agent does so when the
+/// gateway opens a stream the moment an earlier one ended, before the agent released it from its
+/// `SETTINGS_MAX_CONCURRENT_STREAMS` count.
+fn stream_refused(err: &hyper::Error) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(err);
+    while let Some(e) = source {
+        if let Some(h2) = e.downcast_ref::<h2::Error>() {
+            return h2.is_reset()
+                && h2.is_remote()
+                && h2.reason() == Some(h2::Reason::REFUSED_STREAM);
+        }
+        source = e.source();
+    }
+    false
+}
+
 /// I/O error kinds that mean the transport under the connection is gone.
 fn io_closed(err: &std::io::Error) -> bool {
     use std::io::ErrorKind as K;
@@ -128,6 +145,8 @@ impl TunnelError {
     pub(crate) fn from_hyper(err: hyper::Error) -> Self {
         let kind = if err.is_timeout() {
             Kind::Timeout
+        } else if stream_refused(&err) {
+            Kind::NodeFull
         } else if err.is_closed()
             || err.is_canceled()
             || err.is_incomplete_message()
@@ -145,9 +164,10 @@ impl TunnelError {
         self.kind == Kind::UnknownNode
     }
 
-    /// The node already has as many streams open as it advertised (its `max_concurrency`); the
-    /// request was refused before any byte went down the tunnel, so another node may serve it
-    /// (a gateway answers 503 when none can).
+    /// The node already has as many streams open as it advertised (its `max_concurrency`): the
+    /// request was refused before any byte went down the tunnel, or the node refused its stream
+    /// with `REFUSED_STREAM` (RFC 9113 §8.7: not processed). Either way the request may be sent
+    /// again, to this node a moment later or to another (a gateway answers 503 when none can).
     pub fn is_node_full(&self) -> bool {
         self.kind == Kind::NodeFull
     }

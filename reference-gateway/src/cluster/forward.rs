@@ -106,6 +106,15 @@ impl ClusterError {
             || DirectoryError::not_node_fault(err)
     }
 
+    /// Whether `err` says the owner found the node momentarily full (`node_full`): the router
+    /// may pick the node again a moment later.
+    pub(crate) fn is_node_full(err: &BoxError) -> bool {
+        matches!(
+            err.downcast_ref::<ClusterError>(),
+            Some(ClusterError::NodeFull)
+        )
+    }
+
     /// The `result` label of [`FORWARDED`].
     fn label(&self) -> &'static str {
         match self {
