@@ -20,6 +20,8 @@ pub(crate) struct ApiError {
     pub(crate) message: String,
     /// `Retry-After`, seconds: set on 429s; 503s get 1 when unset.
     pub(crate) retry_after_secs: Option<u64>,
+    /// OpenAI's `param`: the request field at fault, when one is.
+    pub(crate) param: Option<String>,
 }
 
 impl ApiError {
@@ -35,7 +37,14 @@ impl ApiError {
             code,
             message: message.into(),
             retry_after_secs: None,
+            param: None,
         }
+    }
+
+    /// Names the request field at fault (OpenAI's `param`).
+    pub(crate) fn with_param(mut self, param: impl Into<String>) -> Self {
+        self.param = Some(param.into());
+        self
     }
 
     /// 429 in OpenAI's shape: `type` is the limit hit (`requests` or `tokens`), `code`
@@ -229,8 +238,13 @@ impl ApiError {
 
     fn from_meter(e: &MeterError) -> Self {
         match e {
-            MeterError::BadRequest(inner @ spine_core::PeekError::UnsupportedParameter { .. }) => {
-                Self::invalid_request("unsupported_parameter", inner.to_string())
+            MeterError::BadRequest(
+                inner @ spine_core::PeekError::UnsupportedParameter { field },
+            ) => Self::invalid_request("unsupported_parameter", inner.to_string())
+                .with_param(field.to_string()),
+            MeterError::BadRequest(inner @ spine_core::PeekError::InvalidField { field, .. }) => {
+                Self::invalid_request("invalid_request", inner.to_string())
+                    .with_param(field.to_string())
             }
             MeterError::BadRequest(inner) => {
                 Self::invalid_request("invalid_request", inner.to_string())
@@ -246,7 +260,8 @@ impl ApiError {
                 "invalid_request_error",
                 "model_not_found",
                 format!("The model '{m}' does not exist or you do not have access to it."),
-            ),
+            )
+            .with_param("model"),
             MeterError::InsufficientCredit { .. } => Self::new(
                 StatusCode::PAYMENT_REQUIRED,
                 "insufficient_quota",
@@ -304,7 +319,7 @@ impl IntoResponse for ApiError {
             "error": {
                 "message": self.message,
                 "type": self.kind,
-                "param": null,
+                "param": self.param,
                 "code": self.code,
             }
         });

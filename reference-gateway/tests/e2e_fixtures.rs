@@ -311,6 +311,20 @@ async fn every_fixture_through_gateway_tunnel_and_agent() {
             Some(bill.tokens),
             "{id}: {rec}"
         );
+        // bounds that do not come from the harness's own count of what the client saw
+        let billed_completion = rec["billed"]["completion_tokens"].as_u64().unwrap();
+        if let Some(min) = e["min_completion_tokens"].as_u64() {
+            assert!(
+                billed_completion >= min,
+                "{id}: billed {billed_completion} < {min}: {rec}"
+            );
+        }
+        if let Some(max) = e["max_completion_tokens"].as_u64() {
+            assert!(
+                billed_completion <= max,
+                "{id}: billed {billed_completion} > {max}: {rec}"
+            );
+        }
         if let Some(claim) = e.get("claimed_usage") {
             assert_eq!(
                 rec["claimed"]["prompt_tokens"], claim["prompt_tokens"],
@@ -358,7 +372,7 @@ async fn every_fixture_through_gateway_tunnel_and_agent() {
     let (_, held) = gw.balance(&s.account).await;
     assert_eq!(held, 0, "every hold released");
     eprintln!("{}", checked.join("\n"));
-    assert_eq!(checked.len(), 6 + 24);
+    assert_eq!(checked.len(), 6 + 27);
 }
 
 /// The official OpenAI Python SDK parses every stream the gateway sends for every fixture:

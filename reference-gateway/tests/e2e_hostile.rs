@@ -93,6 +93,44 @@ async fn engine_aliases_are_refused_and_nothing_is_delivered_beyond_the_bill() {
                 e["error"]["message"].as_str().unwrap().contains(field),
                 "{field}: {e}"
             );
+            assert_eq!(e["error"]["param"], field, "{e}");
+        }
+    }
+    // the OpenAI fields that would let an engine pick another limit, or send the prompt back
+    // as generated text: `echo`, a 0 limit (SGLang falls through to the other), two limits
+    // that disagree
+    for (extra, code, param) in [
+        (json!({"echo": true}), "unsupported_parameter", "echo"),
+        (json!({"max_tokens": 0}), "invalid_request", "max_tokens"),
+        (
+            json!({"max_completion_tokens": 0, "max_tokens": 300}),
+            "invalid_request",
+            "max_completion_tokens",
+        ),
+        (
+            json!({"max_completion_tokens": 1, "max_tokens": 300}),
+            "invalid_request",
+            "max_tokens",
+        ),
+    ] {
+        for path in ["/v1/chat/completions", "/v1/completions"] {
+            let mut body = if path == "/v1/completions" {
+                json!({"model":"smollm2","prompt":"Once upon a time"})
+            } else {
+                json!({"model":"smollm2","messages":[{"role":"user","content":"Tell a story."}]})
+            };
+            for (k, v) in extra.as_object().unwrap() {
+                body[k] = v.clone();
+            }
+            let resp = gw.api_post(&t.api_key, path, &body).await;
+            assert_eq!(resp.status(), 400, "{extra} {path}");
+            let e: Value = resp.json().await.unwrap();
+            assert_eq!(e["error"]["code"], code, "{extra}: {e}");
+            assert!(
+                e["error"]["message"].as_str().unwrap().contains(param),
+                "{extra}: {e}"
+            );
+            assert_eq!(e["error"]["param"], param, "{extra}: {e}");
         }
     }
     assert_eq!(gw.balance(&t.account).await, (balance_before, 0));
@@ -215,16 +253,6 @@ async fn a_node_padding_length_finishes_is_billed_by_the_delivered_text() {
     }
 }
 
-/// The resident memory of process `pid`, KiB (`VmRSS` in `/proc/<pid>/status`).
-fn rss_kib(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_streaming_a_gibibyte_is_cut_at_its_bound_with_bounded_gateway_memory() {
     use bytes::Bytes;
@@ -258,11 +286,10 @@ async fn a_node_streaming_a_gibibyte_is_cut_at_its_bound_with_bounded_gateway_me
     let gw = Gateway::start(dir.path(), &engine).await;
     let t = tenant(&gw).await;
     let (_node, _agent) = add_node(&gw, dir.path(), &t.operator, &url, "flood").await;
-    let pid = gw.child.id().unwrap();
     // warm up the paths once with an honest-size answer cut the same way
     let body = json!({"model":"smollm2","messages":[{"role":"user","content":"Hi"}],
         "max_tokens":1000,"stream":true});
-    let before = rss_kib(pid);
+    let before = gw.rss_kib();
     let mut peak = before;
     let resp = gw.api_post(&t.api_key, "/v1/chat/completions", &body).await;
     assert_eq!(resp.status(), 200);
@@ -271,9 +298,9 @@ async fn a_node_streaming_a_gibibyte_is_cut_at_its_bound_with_bounded_gateway_me
     let mut got = Vec::new();
     while let Some(chunk) = resp.chunk().await.unwrap() {
         got.extend_from_slice(&chunk);
-        peak = peak.max(rss_kib(pid));
+        peak = peak.max(gw.rss_kib());
     }
-    peak = peak.max(rss_kib(pid));
+    peak = peak.max(gw.rss_kib());
     let text = String::from_utf8(got).unwrap();
     let last: Value = serde_json::from_str(sse_data(&text).last().unwrap()).unwrap();
     assert_eq!(last["error"]["code"], "upstream_failed", "{last}");

@@ -94,6 +94,7 @@ fn has_content(chunk: &Value) -> bool {
             || delta.is_some_and(|d| {
                 non_empty_str(d.get("content"))
                     || non_empty_str(d.get("reasoning_content"))
+                    || non_empty_str(d.get("reasoning"))
                     || d.get("tool_calls")
                         .and_then(Value::as_array)
                         .is_some_and(|t| !t.is_empty())

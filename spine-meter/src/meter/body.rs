@@ -1,4 +1,3 @@
-use std::borrow::Cow;
 use std::collections::{BTreeMap, VecDeque};
 use std::fmt;
 use std::future::Future;
@@ -10,9 +9,11 @@ use std::time::Duration;
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use serde_json::value::RawValue;
-use serde_json::Value;
 use spine_core::{BoxError, NodeSlot, RequestKind, StreamOutcome, Usage};
 
+use super::node_json::{
+    engine_error_message, is_engine_error, is_null, read_choices, usage_claim, Members,
+};
 use super::settle::{BillNotes, SettleCtx};
 use super::MeterError;
 use crate::sse::{SseEvent, SseParser};
@@ -29,25 +30,6 @@ const KEEPALIVE_EVENT: &[u8] = b": keepalive\n\n";
 pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(15);
 /// Most tool calls one choice may carry; a node that sends more is cut off as faulty.
 pub const MAX_TOOL_CALLS_PER_CHOICE: usize = 128;
-/// Longest engine error message passed on to the caller, characters.
-const MAX_ENGINE_MESSAGE_CHARS: usize = 512;
-
-/// Top-level members of OpenAI's chat and text completion objects and chunks (the OpenAI API
-/// reference): everything else is engine-internal and removed when
-/// [`MeterConfig::strip_engine_fields`](super::MeterConfig::strip_engine_fields) is on.
-const RESPONSE_MEMBERS: [&str; 10] = [
-    "id",
-    "object",
-    "created",
-    "model",
-    "system_fingerprint",
-    "choices",
-    "usage",
-    "service_tier",
-    "obfuscation",
-    "error",
-];
-
 /// What a streamed response's metering needs besides the settlement context.
 #[derive(Clone, Debug)]
 pub(crate) struct StreamSettings {
@@ -231,21 +213,6 @@ impl<B> MeterBody<B> {
     }
 }
 
-fn usage_claim(raw: &RawValue) -> Option<Usage> {
-    let v: Value = serde_json::from_str(raw.get()).ok()?;
-    let obj = v.as_object()?;
-    Some(Usage {
-        prompt_tokens: obj
-            .get("prompt_tokens")
-            .and_then(Value::as_u64)
-            .unwrap_or(0),
-        completion_tokens: obj
-            .get("completion_tokens")
-            .and_then(Value::as_u64)
-            .unwrap_or(0),
-    })
-}
-
 fn usage_json(u: &Usage) -> String {
     format!(
         "{{\"prompt_tokens\":{},\"completion_tokens\":{},\"total_tokens\":{}}}",
@@ -277,188 +244,6 @@ fn error_event(message: &str) -> Bytes {
         }
     });
     encode_event(&body.to_string())
-}
-
-fn is_null(raw: Option<&RawValue>) -> bool {
-    raw.is_none_or(|r| r.get().trim() == "null")
-}
-
-/// A member name, borrowed from the input when it has no escapes.
-struct Key<'a>(Cow<'a, str>);
-
-impl<'de: 'a, 'a> serde::Deserialize<'de> for Key<'a> {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
-        impl<'de> serde::de::Visitor<'de> for V {
-            type Value = Key<'de>;
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("a member name")
-            }
-            fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Key<'de>, E> {
-                Ok(Key(Cow::Borrowed(v)))
-            }
-            fn visit_str<E>(self, v: &str) -> Result<Key<'de>, E> {
-                Ok(Key(Cow::Owned(v.to_owned())))
-            }
-            fn visit_string<E>(self, v: String) -> Result<Key<'de>, E> {
-                Ok(Key(Cow::Owned(v)))
-            }
-        }
-        d.deserialize_str(V)
-    }
-}
-
-/// A JSON object's members in order, values raw, refusing duplicate names (engines and SDKs
-/// disagree on which duplicate wins, so an object with one is ambiguous).
-struct Members<'a>(Vec<(Key<'a>, &'a RawValue)>);
-
-impl<'de: 'a, 'a> serde::Deserialize<'de> for Members<'a> {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
-        impl<'de> serde::de::Visitor<'de> for V {
-            type Value = Members<'de>;
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("a JSON object")
-            }
-            fn visit_map<A: serde::de::MapAccess<'de>>(
-                self,
-                mut map: A,
-            ) -> Result<Members<'de>, A::Error> {
-                let mut members: Vec<(Key<'de>, &'de RawValue)> = Vec::with_capacity(8);
-                while let Some(key) = map.next_key::<Key<'de>>()? {
-                    if members.iter().any(|(k, _)| k.0 == key.0) {
-                        return Err(serde::de::Error::custom("duplicate member"));
-                    }
-                    let value: &'de RawValue = map.next_value()?;
-                    members.push((key, value));
-                }
-                Ok(Members(members))
-            }
-        }
-        d.deserialize_map(V)
-    }
-}
-
-impl<'a> Members<'a> {
-    /// The members of `data` when it is exactly one JSON object without duplicate names.
-    fn parse(data: &'a str) -> Option<Self> {
-        if !data.trim_start().starts_with('{') {
-            return None;
-        }
-        serde_json::from_str(data).ok()
-    }
-
-    fn get(&self, name: &str) -> Option<&'a RawValue> {
-        self.0.iter().find(|(k, _)| k.0 == name).map(|(_, v)| *v)
-    }
-
-    fn has_engine_fields(&self) -> bool {
-        self.0
-            .iter()
-            .any(|(k, _)| !RESPONSE_MEMBERS.contains(&k.0.as_ref()))
-    }
-
-    /// The object re-encoded with `replace` applied: each member is kept as is, replaced
-    /// (`Some(raw)`) or dropped (`None`) by name, and members outside OpenAI's shape dropped when
-    /// `strip`.
-    fn encode(
-        &self,
-        strip: bool,
-        mut replace: impl FnMut(&str) -> Option<Option<String>>,
-    ) -> String {
-        let mut out = String::with_capacity(256);
-        out.push('{');
-        let mut first = true;
-        for (k, v) in &self.0 {
-            let name = k.0.as_ref();
-            if strip && !RESPONSE_MEMBERS.contains(&name) {
-                continue;
-            }
-            let value: Cow<'_, str> = match replace(name) {
-                Some(None) => continue,
-                Some(Some(new)) => Cow::Owned(new),
-                None => Cow::Borrowed(v.get()),
-            };
-            if !first {
-                out.push(',');
-            }
-            first = false;
-            out.push_str(&serde_json::to_string(name).unwrap_or_else(|_| "\"\"".to_owned()));
-            out.push(':');
-            out.push_str(&value);
-        }
-        out.push('}');
-        out
-    }
-}
-
-/// One choice of a chunk or completion: where it goes and what it carries.
-struct ChoiceRead {
-    index: u64,
-    generated: GeneratedText,
-    finish_reason: Option<String>,
-    raw: String,
-}
-
-/// The choices of a chunk or completion; `Err` when `choices` is not an array of objects or an
-/// `index` is not a non-negative integer.
-fn read_choices(raw: &RawValue) -> Result<Vec<ChoiceRead>, &'static str> {
-    let items: Vec<&RawValue> =
-        serde_json::from_str(raw.get()).map_err(|_| "its choices are not an array")?;
-    items
-        .into_iter()
-        .enumerate()
-        .map(|(pos, item)| {
-            let c: Value =
-                serde_json::from_str(item.get()).map_err(|_| "a choice is not valid JSON")?;
-            if !c.is_object() {
-                return Err("a choice is not an object");
-            }
-            let index = match c.get("index") {
-                None | Some(Value::Null) => pos as u64,
-                Some(v) => v.as_u64().ok_or("a choice's index is not an integer")?,
-            };
-            let mut generated = GeneratedText::new();
-            generated.push_choice_json(&c);
-            let finish_reason = c
-                .get("finish_reason")
-                .and_then(Value::as_str)
-                .map(str::to_owned);
-            Ok(ChoiceRead {
-                index,
-                generated,
-                finish_reason,
-                raw: item.get().to_owned(),
-            })
-        })
-        .collect()
-}
-
-/// The message of an engine's error object: `error.message`, a string `error`, or a top-level
-/// `message` (vLLM, SGLang: `{"object":"error","message":…}`), shortened.
-fn engine_error_message(members: &Members<'_>) -> String {
-    let text = |raw: Option<&RawValue>| -> Option<String> {
-        serde_json::from_str::<Value>(raw?.get())
-            .ok()
-            .and_then(|v| match v {
-                Value::String(s) => Some(s),
-                Value::Object(o) => o.get("message").and_then(Value::as_str).map(str::to_owned),
-                _ => None,
-            })
-    };
-    let message = text(members.get("error"))
-        .or_else(|| text(members.get("message")))
-        .unwrap_or_else(|| "no message".to_owned());
-    let short: String = message.chars().take(MAX_ENGINE_MESSAGE_CHARS).collect();
-    format!("the node's engine reported an error: {short}")
-}
-
-/// Whether a parsed object is an engine's error rather than a completion or chunk.
-fn is_engine_error(members: &Members<'_>) -> bool {
-    !is_null(members.get("error"))
-        || members
-            .get("object")
-            .is_some_and(|o| o.get() == "\"error\"")
 }
 
 /// The usage billed for `choices` (requested choices only): the prompt plus each choice's
@@ -543,6 +328,7 @@ fn over_limit(
 pub(crate) fn meter_json(
     ctx: SettleCtx,
     body: &[u8],
+    kind: RequestKind,
     strip: bool,
     slot: Option<&NodeSlot>,
 ) -> Result<Bytes, MeterError> {
@@ -571,7 +357,7 @@ pub(crate) fn meter_json(
         let why = engine_error_message(&members);
         return fail(ctx, nothing, claimed, why);
     }
-    let read = match members.get("choices").map(read_choices) {
+    let read = match members.get("choices").map(|raw| read_choices(raw, kind)) {
         Some(Ok(read)) => read,
         Some(Err(why)) => {
             return fail(ctx, nothing, claimed, format!("the body is invalid: {why}"))
@@ -664,12 +450,14 @@ impl State {
             }
         }
         let read = match members.get("choices") {
-            Some(raw) if raw.get().trim() != "null" => match read_choices(raw) {
-                Ok(read) => read,
-                Err(why) => {
-                    return self.node_fault(&format!("the node sent an invalid chunk: {why}"))
+            Some(raw) if raw.get().trim() != "null" => {
+                match read_choices(raw, self.settings.kind) {
+                    Ok(read) => read,
+                    Err(why) => {
+                        return self.node_fault(&format!("the node sent an invalid chunk: {why}"))
+                    }
                 }
-            },
+            }
             _ if has_usage => Vec::new(),
             _ => return self.node_fault("the node sent a chunk without choices"),
         };
@@ -1079,73 +867,5 @@ where
         } else {
             SizeHint::default()
         }
-    }
-}
-
-#[cfg(test)]
-mod view_tests {
-    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-    use super::*;
-
-    #[test]
-    fn members_read_one_object_and_refuse_everything_else() {
-        let m = Members::parse(r#"{"id":"c","choices":[],"x\u0041":1}"#).unwrap();
-        assert_eq!(m.get("id").unwrap().get(), "\"c\"");
-        assert_eq!(m.get("xA").unwrap().get(), "1");
-        assert!(m.has_engine_fields());
-        for bad in [
-            r#"{"a":1}{"b":2}"#,
-            r#"{"a":1} {"b":2}"#,
-            "{\"a\":1}\n{\"b\":2}",
-            r#"{"choices":[1],"choices":[2]}"#,
-            r#"{"usage":null,"us\u0061ge":{}}"#,
-            r#"[{"choices":[]}]"#,
-            r#""a string""#,
-            r#"{"choices":[{"delta":{"content":"hal"#,
-            "",
-        ] {
-            assert!(Members::parse(bad).is_none(), "{bad}");
-        }
-    }
-
-    #[test]
-    fn encode_keeps_order_replaces_and_strips() {
-        let m = Members::parse(
-            r#"{"id":"c","timings":{"cache_n":5},"choices":[1,2],"usage":{"a":1},"model":"m"}"#,
-        )
-        .unwrap();
-        let out = m.encode(true, |name| match name {
-            "usage" => Some(None),
-            "choices" => Some(Some("[1]".to_owned())),
-            _ => None,
-        });
-        assert_eq!(out, r#"{"id":"c","choices":[1],"model":"m"}"#);
-        let kept = m.encode(false, |_| None);
-        assert_eq!(
-            kept,
-            r#"{"id":"c","timings":{"cache_n":5},"choices":[1,2],"usage":{"a":1},"model":"m"}"#
-        );
-    }
-
-    #[test]
-    fn engine_errors_of_every_engine_are_recognised() {
-        for (data, message) in [
-            (
-                r#"{"error":{"code":500,"message":"boom","type":"server_error"}}"#,
-                "boom",
-            ),
-            (
-                r#"{"object":"error","message":"vllm says no","type":"BadRequestError","param":null,"code":400}"#,
-                "vllm says no",
-            ),
-            (r#"{"error":"ollama says no"}"#, "ollama says no"),
-            (r#"{"error":{"code":1}}"#, "no message"),
-        ] {
-            let m = Members::parse(data).unwrap();
-            assert!(is_engine_error(&m), "{data}");
-            assert!(engine_error_message(&m).ends_with(message), "{data}");
-        }
-        let ok = Members::parse(r#"{"error":null,"object":"chat.completion.chunk"}"#).unwrap();
-        assert!(!is_engine_error(&ok));
     }
 }

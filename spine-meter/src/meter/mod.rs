@@ -94,6 +94,7 @@ mod error;
 mod events;
 mod future;
 mod layer;
+mod node_json;
 mod service;
 mod settle;
 

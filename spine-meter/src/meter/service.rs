@@ -344,7 +344,13 @@ where
     let bytes = if kind == RequestKind::Embeddings {
         meter_embeddings(ctx, &bytes, prompts.len())?
     } else {
-        meter_json(ctx, &bytes, config.strip_engine_fields, Some(&guard.slot))?
+        meter_json(
+            ctx,
+            &bytes,
+            kind,
+            config.strip_engine_fields,
+            Some(&guard.slot),
+        )?
     };
     Ok(http::Response::from_parts(
         parts,

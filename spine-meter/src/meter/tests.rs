@@ -923,10 +923,32 @@ async fn prompt_at_or_over_the_context_is_refused_before_the_node() {
 }
 
 #[tokio::test]
-async fn one_token_of_room_or_max_tokens_0_holds_and_bills_one_completion_token() {
+async fn one_token_of_room_holds_and_bills_one_completion_token_and_max_tokens_0_is_refused() {
     let body = capture_body("a_chat_nonstream.txt");
-    // (context, max_tokens): one token of room; max_tokens 0 with plenty of room
-    for (context, max_tokens) in [(35u64, 64u64), (2048, 0)] {
+    // max_tokens 0 is refused (SGLang would fall through to max_completion_tokens), never held
+    {
+        let h = harness().await;
+        let svc =
+            h.layer(2048)
+                .layer(h.inner(200, "application/json", reads_of(&body, 100), End::Eof));
+        let mut req = chat(false, None);
+        req["max_tokens"] = json!(0);
+        let err = svc.oneshot(request("zero", &req)).await.unwrap_err();
+        assert!(
+            matches!(
+                err.downcast_ref::<MeterError>(),
+                Some(MeterError::BadRequest(
+                    spine_core::PeekError::InvalidField {
+                        field: "max_tokens",
+                        ..
+                    }
+                ))
+            ),
+            "{err}"
+        );
+    }
+    // (context, max_tokens): one token of room
+    for (context, max_tokens) in [(35u64, 64u64)] {
         let mut h = harness().await;
         let svc = h.layer(context).layer(h.inner(
             200,

@@ -1,0 +1,337 @@
+//! Reading a node's JSON: its objects member by member (duplicates refused), its choices in the
+//! endpoint's shape, its usage claim and its error objects.
+
+use std::borrow::Cow;
+use std::fmt;
+
+use serde_json::value::RawValue;
+use serde_json::Value;
+use spine_core::{RequestKind, Usage};
+
+use crate::tokenizer::GeneratedText;
+
+/// Longest engine error message passed on to the caller, characters.
+const MAX_ENGINE_MESSAGE_CHARS: usize = 512;
+
+/// Top-level members of OpenAI's chat and text completion objects and chunks (the OpenAI API
+/// reference): everything else is engine-internal and removed when
+/// [`MeterConfig::strip_engine_fields`](super::MeterConfig::strip_engine_fields) is on.
+const RESPONSE_MEMBERS: [&str; 10] = [
+    "id",
+    "object",
+    "created",
+    "model",
+    "system_fingerprint",
+    "choices",
+    "usage",
+    "service_tier",
+    "obfuscation",
+    "error",
+];
+
+pub(super) fn usage_claim(raw: &RawValue) -> Option<Usage> {
+    let v: Value = serde_json::from_str(raw.get()).ok()?;
+    let obj = v.as_object()?;
+    Some(Usage {
+        prompt_tokens: obj
+            .get("prompt_tokens")
+            .and_then(Value::as_u64)
+            .unwrap_or(0),
+        completion_tokens: obj
+            .get("completion_tokens")
+            .and_then(Value::as_u64)
+            .unwrap_or(0),
+    })
+}
+
+pub(super) fn is_null(raw: Option<&RawValue>) -> bool {
+    raw.is_none_or(|r| r.get().trim() == "null")
+}
+
+/// A member name, borrowed from the input when it has no escapes.
+pub(super) struct Key<'a>(Cow<'a, str>);
+
+impl<'de: 'a, 'a> serde::Deserialize<'de> for Key<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = Key<'de>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a member name")
+            }
+            fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Key<'de>, E> {
+                Ok(Key(Cow::Borrowed(v)))
+            }
+            fn visit_str<E>(self, v: &str) -> Result<Key<'de>, E> {
+                Ok(Key(Cow::Owned(v.to_owned())))
+            }
+            fn visit_string<E>(self, v: String) -> Result<Key<'de>, E> {
+                Ok(Key(Cow::Owned(v)))
+            }
+        }
+        d.deserialize_str(V)
+    }
+}
+
+/// A JSON object's members in order, values raw, refusing duplicate names (engines and SDKs
+/// disagree on which duplicate wins, so an object with one is ambiguous).
+pub(super) struct Members<'a>(Vec<(Key<'a>, &'a RawValue)>);
+
+impl<'de: 'a, 'a> serde::Deserialize<'de> for Members<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = Members<'de>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<Members<'de>, A::Error> {
+                let mut members: Vec<(Key<'de>, &'de RawValue)> = Vec::with_capacity(8);
+                while let Some(key) = map.next_key::<Key<'de>>()? {
+                    if members.iter().any(|(k, _)| k.0 == key.0) {
+                        return Err(serde::de::Error::custom("duplicate member"));
+                    }
+                    let value: &'de RawValue = map.next_value()?;
+                    members.push((key, value));
+                }
+                Ok(Members(members))
+            }
+        }
+        d.deserialize_map(V)
+    }
+}
+
+impl<'a> Members<'a> {
+    /// The members of `data` when it is exactly one JSON object without duplicate names.
+    pub(super) fn parse(data: &'a str) -> Option<Self> {
+        if !data.trim_start().starts_with('{') {
+            return None;
+        }
+        serde_json::from_str(data).ok()
+    }
+
+    pub(super) fn get(&self, name: &str) -> Option<&'a RawValue> {
+        self.0.iter().find(|(k, _)| k.0 == name).map(|(_, v)| *v)
+    }
+
+    pub(super) fn has_engine_fields(&self) -> bool {
+        self.0
+            .iter()
+            .any(|(k, _)| !RESPONSE_MEMBERS.contains(&k.0.as_ref()))
+    }
+
+    /// The object re-encoded with `replace` applied: each member is kept as is, replaced
+    /// (`Some(raw)`) or dropped (`None`) by name, and members outside OpenAI's shape dropped when
+    /// `strip`.
+    pub(super) fn encode(
+        &self,
+        strip: bool,
+        mut replace: impl FnMut(&str) -> Option<Option<String>>,
+    ) -> String {
+        let mut out = String::with_capacity(256);
+        out.push('{');
+        let mut first = true;
+        for (k, v) in &self.0 {
+            let name = k.0.as_ref();
+            if strip && !RESPONSE_MEMBERS.contains(&name) {
+                continue;
+            }
+            let value: Cow<'_, str> = match replace(name) {
+                Some(None) => continue,
+                Some(Some(new)) => Cow::Owned(new),
+                None => Cow::Borrowed(v.get()),
+            };
+            if !first {
+                out.push(',');
+            }
+            first = false;
+            out.push_str(&serde_json::to_string(name).unwrap_or_else(|_| "\"\"".to_owned()));
+            out.push(':');
+            out.push_str(&value);
+        }
+        out.push('}');
+        out
+    }
+}
+
+/// One choice of a chunk or completion: where it goes and what it carries.
+pub(super) struct ChoiceRead {
+    pub(super) index: u64,
+    pub(super) generated: GeneratedText,
+    pub(super) finish_reason: Option<String>,
+    pub(super) raw: String,
+}
+
+/// The choices of a chunk or completion; `Err` when `choices` is not an array of objects, an
+/// `index` is not a non-negative integer, or a choice has the other endpoint's shape: a
+/// completion's choice carries its text in `text`, a chat choice in `delta` / `message`. A
+/// choice with both (or the wrong one) would show the caller's SDK one text while the bill
+/// counts another: text in the member the SDK does not read is text the caller never sees.
+pub(super) fn read_choices(
+    raw: &RawValue,
+    kind: RequestKind,
+) -> Result<Vec<ChoiceRead>, &'static str> {
+    let items: Vec<&RawValue> =
+        serde_json::from_str(raw.get()).map_err(|_| "its choices are not an array")?;
+    items
+        .into_iter()
+        .enumerate()
+        .map(|(pos, item)| {
+            let c: Value =
+                serde_json::from_str(item.get()).map_err(|_| "a choice is not valid JSON")?;
+            if !c.is_object() {
+                return Err("a choice is not an object");
+            }
+            let chat_shaped = c.get("delta").is_some() || c.get("message").is_some();
+            let text_shaped = c.get("text").is_some();
+            match kind {
+                RequestKind::Completions if chat_shaped => {
+                    return Err("a completion's choice carries a chat delta or message")
+                }
+                RequestKind::ChatCompletions if text_shaped => {
+                    return Err("a chat choice carries a completion's text")
+                }
+                _ => {}
+            }
+            let index = match c.get("index") {
+                None | Some(Value::Null) => pos as u64,
+                Some(v) => v.as_u64().ok_or("a choice's index is not an integer")?,
+            };
+            let mut generated = GeneratedText::new();
+            generated.push_choice_json(&c);
+            let finish_reason = c
+                .get("finish_reason")
+                .and_then(Value::as_str)
+                .map(str::to_owned);
+            Ok(ChoiceRead {
+                index,
+                generated,
+                finish_reason,
+                raw: item.get().to_owned(),
+            })
+        })
+        .collect()
+}
+
+/// The message of an engine's error object: `error.message`, a string `error`, or a top-level
+/// `message` (vLLM, SGLang: `{"object":"error","message":…}`), shortened.
+pub(super) fn engine_error_message(members: &Members<'_>) -> String {
+    let text = |raw: Option<&RawValue>| -> Option<String> {
+        serde_json::from_str::<Value>(raw?.get())
+            .ok()
+            .and_then(|v| match v {
+                Value::String(s) => Some(s),
+                Value::Object(o) => o.get("message").and_then(Value::as_str).map(str::to_owned),
+                _ => None,
+            })
+    };
+    let message = text(members.get("error"))
+        .or_else(|| text(members.get("message")))
+        .unwrap_or_else(|| "no message".to_owned());
+    let short: String = message.chars().take(MAX_ENGINE_MESSAGE_CHARS).collect();
+    format!("the node's engine reported an error: {short}")
+}
+
+/// Whether a parsed object is an engine's error rather than a completion or chunk.
+pub(super) fn is_engine_error(members: &Members<'_>) -> bool {
+    !is_null(members.get("error"))
+        || members
+            .get("object")
+            .is_some_and(|o| o.get() == "\"error\"")
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+    use super::*;
+
+    #[test]
+    fn members_read_one_object_and_refuse_everything_else() {
+        let m = Members::parse(r#"{"id":"c","choices":[],"x\u0041":1}"#).unwrap();
+        assert_eq!(m.get("id").unwrap().get(), "\"c\"");
+        assert_eq!(m.get("xA").unwrap().get(), "1");
+        assert!(m.has_engine_fields());
+        for bad in [
+            r#"{"a":1}{"b":2}"#,
+            r#"{"a":1} {"b":2}"#,
+            "{\"a\":1}\n{\"b\":2}",
+            r#"{"choices":[1],"choices":[2]}"#,
+            r#"{"usage":null,"us\u0061ge":{}}"#,
+            r#"[{"choices":[]}]"#,
+            r#""a string""#,
+            r#"{"choices":[{"delta":{"content":"hal"#,
+            "",
+        ] {
+            assert!(Members::parse(bad).is_none(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn encode_keeps_order_replaces_and_strips() {
+        let m = Members::parse(
+            r#"{"id":"c","timings":{"cache_n":5},"choices":[1,2],"usage":{"a":1},"model":"m"}"#,
+        )
+        .unwrap();
+        let out = m.encode(true, |name| match name {
+            "usage" => Some(None),
+            "choices" => Some(Some("[1]".to_owned())),
+            _ => None,
+        });
+        assert_eq!(out, r#"{"id":"c","choices":[1],"model":"m"}"#);
+        let kept = m.encode(false, |_| None);
+        assert_eq!(
+            kept,
+            r#"{"id":"c","timings":{"cache_n":5},"choices":[1,2],"usage":{"a":1},"model":"m"}"#
+        );
+    }
+
+    #[test]
+    fn engine_errors_of_every_engine_are_recognised() {
+        for (data, message) in [
+            (
+                r#"{"error":{"code":500,"message":"boom","type":"server_error"}}"#,
+                "boom",
+            ),
+            (
+                r#"{"object":"error","message":"vllm says no","type":"BadRequestError","param":null,"code":400}"#,
+                "vllm says no",
+            ),
+            (r#"{"error":"ollama says no"}"#, "ollama says no"),
+            (r#"{"error":{"code":1}}"#, "no message"),
+        ] {
+            let m = Members::parse(data).unwrap();
+            assert!(is_engine_error(&m), "{data}");
+            assert!(engine_error_message(&m).ends_with(message), "{data}");
+        }
+        let ok = Members::parse(r#"{"error":null,"object":"chat.completion.chunk"}"#).unwrap();
+        assert!(!is_engine_error(&ok));
+    }
+
+    #[test]
+    fn a_choice_of_the_other_endpoints_shape_is_refused() {
+        let raw = |s: &str| serde_json::value::RawValue::from_string(s.to_owned()).unwrap();
+        // a completion's visible text is `text`: a message beside it is text the SDK never shows
+        let padded = raw(
+            r#"[{"index":0,"text":"Paris.","message":{"content":"pad pad pad"},"finish_reason":"stop"}]"#,
+        );
+        assert!(read_choices(&padded, RequestKind::Completions).is_err());
+        assert!(read_choices(&padded, RequestKind::ChatCompletions).is_err());
+        let message_only =
+            raw(r#"[{"index":0,"message":{"content":"pad"},"finish_reason":"stop"}]"#);
+        assert!(read_choices(&message_only, RequestKind::Completions).is_err());
+        let text_only = raw(r#"[{"index":0,"text":"Paris.","finish_reason":"stop"}]"#);
+        assert!(read_choices(&text_only, RequestKind::ChatCompletions).is_err());
+        // each endpoint's own shape is read, reasoning in either member counted once
+        let text = read_choices(&text_only, RequestKind::Completions).unwrap();
+        assert_eq!(text[0].generated.content(), "Paris.");
+        let chat = raw(
+            r#"[{"index":0,"delta":{"content":"Hi","reasoning":"think","reasoning_content":"think"}}]"#,
+        );
+        let chat = read_choices(&chat, RequestKind::ChatCompletions).unwrap();
+        assert_eq!(chat[0].generated.content(), "Hi");
+        assert_eq!(chat[0].generated.reasoning(), "think");
+    }
+}
