@@ -8,6 +8,7 @@ request id. With --json it also sends a non-streamed one and prints one JSON obj
 import json
 import sys
 
+import openai
 from openai import OpenAI
 
 
@@ -51,7 +52,16 @@ def main() -> int:
     streamed_text = "".join(parts)
 
     if as_json:
+        # models.retrieve: the served model, and OpenAI's NotFoundError for one that is not
+        model = client.models.retrieve("smollm2")
+        try:
+            client.models.retrieve("no-such-model")
+            missing = None
+        except openai.NotFoundError as e:
+            missing = {"status": e.status_code, "code": e.code, "param": e.param}
         print(json.dumps({
+            "retrieved_model": {"id": model.id, "object": model.object},
+            "missing_model": missing,
             "nonstream_text": full.choices[0].message.content,
             "nonstream_finish_reason": full.choices[0].finish_reason,
             "nonstream_usage": full.usage.model_dump() if full.usage else None,

@@ -34,6 +34,8 @@ pub(crate) fn router(state: Arc<AppState>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/embeddings", post(embeddings))
         .route("/v1/models", get(list_models))
+        // model ids may hold '/' (`org/name`): the rest of the path is the id
+        .route("/v1/models/{*id}", get(retrieve_model))
         .fallback(unknown_route)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::middleware::from_fn(request_id))
@@ -48,6 +50,7 @@ fn route_label(path: &str) -> &'static str {
         "/v1/completions" => "/v1/completions",
         "/v1/embeddings" => "/v1/embeddings",
         "/v1/models" => "/v1/models",
+        p if p.starts_with("/v1/models/") => "/v1/models/{id}",
         _ => "other",
     }
 }
@@ -124,9 +127,46 @@ async fn list_models(State(state): State<Arc<AppState>>, req: Request) -> Respon
         .catalog_ids
         .iter()
         .filter(|id| served.contains(id))
-        .map(|id| json!({"id": id, "object": "model", "created": 0, "owned_by": "spine"}))
+        .map(model_object)
         .collect();
     Json(json!({"object": "list", "data": data})).into_response()
+}
+
+/// The model object OpenAI's `GET /v1/models` lists and `GET /v1/models/{id}` returns.
+fn model_object(id: &spine_core::ModelId) -> serde_json::Value {
+    json!({"id": id, "object": "model", "created": 0, "owned_by": "spine"})
+}
+
+/// `GET /v1/models/{id}` (`models.retrieve`): the model when it is in the catalog and a node
+/// serves it now, else 404 `model_not_found`, as OpenAI answers.
+async fn retrieve_model(
+    State(state): State<Arc<AppState>>,
+    id: Result<axum::extract::Path<String>, axum::extract::rejection::PathRejection>,
+    req: Request,
+) -> Response {
+    if let Err(e) = authenticate(&state, presented_key_hash(req.headers())).await {
+        return e.into_response();
+    }
+    let id = match id {
+        Ok(axum::extract::Path(id)) => id,
+        Err(e) => return ApiError::invalid_request("invalid_path", e.body_text()).into_response(),
+    };
+    let served = state.registry.models();
+    match state
+        .catalog_ids
+        .iter()
+        .find(|m| m.as_str() == id && served.contains(m))
+    {
+        Some(model) => Json(model_object(model)).into_response(),
+        None => ApiError::new(
+            http::StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            "model_not_found",
+            format!("The model '{id}' does not exist or no node serves it now"),
+        )
+        .with_param("model")
+        .into_response(),
+    }
 }
 
 async fn chat_completions(State(state): State<Arc<AppState>>, req: Request) -> Response {

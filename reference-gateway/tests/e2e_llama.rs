@@ -229,6 +229,15 @@ async fn chat_through_gateway_tunnel_agent_and_llama_cpp() {
         String::from_utf8_lossy(&out.stderr)
     );
     let sdk: Value = serde_json::from_slice(&out.stdout).unwrap();
+    // models.retrieve: the served model, and NotFoundError(model_not_found, param model)
+    assert_eq!(
+        sdk["retrieved_model"],
+        json!({"id": "smollm2", "object": "model"})
+    );
+    assert_eq!(
+        sdk["missing_model"],
+        json!({"status": 404, "code": "model_not_found", "param": "model"})
+    );
     assert!(!sdk["nonstream_text"].as_str().unwrap().is_empty(), "{sdk}");
     assert!(!sdk["stream_text"].as_str().unwrap().is_empty(), "{sdk}");
     assert_eq!(
