@@ -8,28 +8,11 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{cost, EngineCounter, Gateway};
+use common::{cost, llama_slots_busy as slots_busy, EngineCounter, Gateway};
 use futures_util::StreamExt as _;
 use serde_json::{json, Value};
 use spine_meter::sse::SseParser;
 use spine_test_support::{Engine, LlamaServer};
-
-async fn slots_busy(http: &reqwest::Client, llama_url: &str) -> usize {
-    let slots: Value = http
-        .get(format!("{llama_url}/slots"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    slots
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|s| s["is_processing"] == true)
-        .count()
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn caller_gone_mid_stream_pays_prompt_plus_delivered_and_the_engine_stops() {
@@ -163,21 +146,6 @@ async fn slow_streaming_engine() -> (String, tokio::task::JoinHandle<()>) {
 }
 
 /// One integer the ledger's tables answer, on the gateway's own database.
-enum LedgerDb {
-    Sqlite(sqlx::SqlitePool),
-    Postgres(sqlx::PgPool),
-}
-
-impl LedgerDb {
-    async fn int(&self, sql: &str) -> i64 {
-        match self {
-            Self::Sqlite(p) => sqlx::query_scalar::<_, i64>(sql).fetch_one(p).await,
-            Self::Postgres(p) => sqlx::query_scalar::<_, i64>(sql).fetch_one(p).await,
-        }
-        .unwrap_or_else(|e| panic!("{sql}: {e}"))
-    }
-}
-
 /// 500 streamed requests, each dropped at a random point 0–50 ms after it was sent (before the
 /// hold, while it is placed, at the node, mid-stream): while the gateway still runs, nothing is
 /// held, every hold has its request record, and the books balance.
@@ -211,65 +179,16 @@ async fn cancel_storm(pg: Option<&common::PgDb>) {
             answered += 1;
         }
     }
-    // while the gateway runs: every hold released
-    let mut held = u64::MAX;
-    for _ in 0..600 {
-        held = gw.balance(&t.account).await.1;
-        if held == 0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    assert_eq!(held, 0, "a hold stranded while the gateway runs");
-    let db = match pg {
-        Some(db) => LedgerDb::Postgres(sqlx::PgPool::connect(&db.url).await.unwrap()),
-        None => LedgerDb::Sqlite(
-            sqlx::SqlitePool::connect(&format!(
-                "sqlite://{}?mode=ro",
-                dir.path().join("data/spine.db").display()
-            ))
-            .await
-            .unwrap(),
-        ),
-    };
-    let holds = db.int("SELECT COUNT(*) FROM holds").await;
-    let active = db
-        .int("SELECT COUNT(*) FROM holds WHERE state = 'held'")
-        .await;
-    let unrecorded = db
-        .int("SELECT COUNT(*) FROM holds h WHERE NOT EXISTS (SELECT 1 FROM requests r WHERE r.request_id = h.request_id)")
-        .await;
-    let entries = db
-        .int("SELECT CAST(COALESCE(SUM(amount_micros), 0) AS BIGINT) FROM ledger_entries")
-        .await;
-    let debits = db
-        .int("SELECT CAST(COALESCE(SUM(debit_micros), 0) AS BIGINT) FROM requests")
-        .await;
-    let split = db
-        .int("SELECT CAST(COALESCE(SUM(operator_credit_micros + fee_micros), 0) AS BIGINT) FROM requests")
-        .await;
+    // while the gateway runs: every hold released, every hold recorded, the books balance
+    let db = common::LedgerDb::open(dir.path(), pg).await;
+    let audit = common::audit_ledger(&gw, &db, &t, &[], "cancel storm").await;
     eprintln!(
-        "cancel storm ({}): {answered} of 500 answered in time, {holds} holds",
+        "cancel storm ({}): {answered} of 500 answered in time, {audit:?}",
         if pg.is_some() { "PostgreSQL" } else { "SQLite" }
     );
     assert!(
-        holds > 0,
+        audit.holds > 0,
         "no request was ever held: the storm tested nothing"
-    );
-    assert_eq!(active, 0, "holds still active");
-    assert_eq!(unrecorded, 0, "accepted requests without a record");
-    assert_eq!(entries, 0, "double entry: the ledger entries sum to zero");
-    assert_eq!(debits, split, "every debit = operator credit + fee");
-    let (balance, _) = gw.balance(&t.account).await;
-    assert_eq!(
-        common::CREDITS - balance,
-        debits as u64,
-        "the account paid its debits"
-    );
-    assert_eq!(
-        gw.earned(&t.operator).await as i64,
-        db.int("SELECT CAST(COALESCE(SUM(operator_credit_micros), 0) AS BIGINT) FROM requests")
-            .await
     );
 }
 

@@ -244,3 +244,299 @@ async fn a_hung_engine_with_full_slots_leaves_routing_within_15_s() {
     let (_, held) = gw.balance_once_released(&t.account).await;
     assert_eq!(held, 0);
 }
+
+/// A streamed chat that generates `max_tokens` tokens (end tokens banned), each chunk carrying
+/// 80 top log-probabilities (~5.8 KB a token: 600 tokens are ~3.5 MB, measured on llama.cpp),
+/// so that four unread streams of one node outgrow what the kernel's socket buffers and the
+/// tunnel's HTTP/2 windows (2 MiB a stream, 5 MiB a tunnel) absorb: without the gateway's
+/// read-ahead their generation stalls and the slots stay taken (checked by running this test
+/// with `stream_buffer_bytes = 0`: the queued callers were never served).
+fn heavy_stream_body(max_tokens: u64) -> Value {
+    json!({"model":"smollm2","stream":true,"max_tokens":max_tokens,
+        "logit_bias":{"0":-100,"2":-100},"logprobs":true,"top_logprobs":80,
+        "messages":[{"role":"user","content":"Count from 1 to 1000, one number per line."}]})
+}
+
+/// Sends `body` and reads the answer up to its first bytes; the response is returned unread
+/// past them (a caller that stopped reading).
+async fn first_bytes_only(
+    http: &reqwest::Client,
+    public: &str,
+    key: &str,
+    body: &Value,
+) -> (String, reqwest::Response) {
+    let mut resp = http
+        .post(format!("{public}/v1/chat/completions"))
+        .bearer_auth(key)
+        .json(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
+    let first = resp.chunk().await.unwrap();
+    assert!(first.is_some_and(|c| !c.is_empty()));
+    (id, resp)
+}
+
+async fn node_in_flight(gw: &Gateway, node: &str) -> u64 {
+    gw.node(node).await["in_flight"].as_u64().unwrap()
+}
+
+/// 8 slow readers on a node of 4 slots (issue 14): callers that stop reading after their first
+/// bytes do not hold the node's slots: the gateway reads each answer at the node's pace into its
+/// bounded per-stream buffer, so the slots free when generation ends, the 4 queued callers are
+/// served in turn, and a ninth caller is served while all 8 still have not read their answers.
+/// The gateway's memory grows by less than the stated bound (`stream_buffer_bytes` 4 MiB + the
+/// tunnel's 2 MiB stream window, per stream). The books balance once they read to the end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_readers_leave_the_node_slots_free_once_generation_ends() {
+    const MAX_TOKENS: u64 = 600;
+    let engine = Engine::discover().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let llama = LlamaServer::start(&engine, 4).await.unwrap();
+    let gw = Gateway::start_with(dir.path(), &engine, "queue_max_wait_secs = 600").await;
+    let t = tenant(&gw).await;
+    let (node, _agent) =
+        common::add_node_with(&gw, dir.path(), &t.operator, &llama.url, "node", 4).await;
+    let http = reqwest::Client::new();
+    let rss_before = gw.rss_kib();
+    let started = Instant::now();
+    let body = heavy_stream_body(MAX_TOKENS);
+    let readers: Vec<_> = (0..8)
+        .map(|_| {
+            let (http, public, key, body) = (
+                http.clone(),
+                gw.public.clone(),
+                t.api_key.clone(),
+                body.clone(),
+            );
+            tokio::spawn(async move { first_bytes_only(&http, &public, &key, &body).await })
+        })
+        .collect();
+    let mut slow = Vec::new();
+    for r in readers {
+        // the last four wait in the queue for slots the first four's unread answers would hold
+        let (id, resp) = tokio::time::timeout(Duration::from_secs(300), r)
+            .await
+            .expect("all 8 slow readers served while none of them reads")
+            .unwrap();
+        slow.push((id, resp));
+    }
+    let all_started = started.elapsed();
+    // generation ends: the node's slots are free with every answer still unread
+    let mut freed = None;
+    for _ in 0..3000 {
+        if node_in_flight(&gw, &node).await == 0
+            && common::llama_slots_busy(&http, &llama.url).await == 0
+        {
+            freed = Some(started.elapsed());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let freed = freed.expect("the node's slots freed once generation ended");
+    let rss_peak = gw.rss_kib();
+    // a ninth caller is served while the 8 still hold their unread answers
+    let ninth_at = Instant::now();
+    let resp = gw
+        .api_post(
+            &t.api_key,
+            "/v1/chat/completions",
+            &json!({"model":"smollm2","max_tokens":8,
+                    "messages":[{"role":"user","content":"Say hi."}]}),
+        )
+        .await;
+    assert_eq!(resp.status(), 200);
+    let ninth_id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
+    let _ = resp.bytes().await.unwrap();
+    let ninth = ninth_at.elapsed();
+    let grown_kib = rss_peak.saturating_sub(rss_before);
+    println!(
+        "8 slow readers on 4 slots: all 8 started in {all_started:.1?}, slots free after \
+         {freed:.1?} with nothing read; ninth caller served in {ninth:.2?}; gateway RSS \
+         {rss_before} → {rss_peak} KiB (+{grown_kib} KiB)"
+    );
+    // the stated bound: 8 × (4 MiB read-ahead + 2 MiB stream window), plus the allocator's slack
+    assert!(grown_kib < 8 * 6 * 1024 + 16 * 1024, "+{grown_kib} KiB");
+    // the slow readers read their answers: every one complete, the books balanced
+    let mut accepted = vec![ninth_id];
+    for (id, resp) in slow {
+        let rest = resp.bytes().await.unwrap();
+        let text = String::from_utf8_lossy(&rest);
+        assert!(
+            text.trim_end().ends_with("data: [DONE]"),
+            "{id}: ...{}",
+            &text[text.len().saturating_sub(300)..]
+        );
+        let rec = gw.record(&id).await;
+        assert_eq!(rec["outcome"], "completed", "{rec}");
+        assert_eq!(
+            rec["billed"]["completion_tokens"].as_u64(),
+            Some(MAX_TOKENS),
+            "{rec}"
+        );
+        accepted.push(id);
+    }
+    let ledger = common::LedgerDb::open(dir.path(), None).await;
+    common::audit_ledger(&gw, &ledger, &t, &accepted, "slow readers").await;
+}
+
+/// Runs `kill` while `resp` (a stream under way) is open, then reads what is left of it: the
+/// caller's stream must end (within 60 s) without `[DONE]`, and its record must not be
+/// `completed`. Returns the request id.
+async fn killed_mid_stream(
+    gw: &Gateway,
+    resp: reqwest::Response,
+    kill: impl std::future::Future<Output = ()>,
+    case: &str,
+) -> String {
+    let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
+    let killed_at = Instant::now();
+    kill.await;
+    let rest = tokio::time::timeout(Duration::from_secs(60), resp.bytes())
+        .await
+        .unwrap_or_else(|_| panic!("{case}: the caller's stream did not end within 60 s"));
+    // a body cut by the gateway may end without its last chunk; what came is the answer
+    let text = String::from_utf8_lossy(&rest.unwrap_or_default()).into_owned();
+    let ended = killed_at.elapsed();
+    let rec = gw.record(&id).await;
+    println!(
+        "{case}: the caller's stream ended {ended:.2?} later, outcome {}, billed {}",
+        rec["outcome"], rec["billed"]
+    );
+    assert!(!text.contains("data: [DONE]"), "{case}: {text}");
+    assert_ne!(rec["outcome"], "completed", "{case}: {rec}");
+    id
+}
+
+/// The fault matrix (issue 14) on real llama.cpp nodes, with the ledger audit after each case:
+/// no hold active, every accepted request recorded, Σ debits = Σ operator credits + fees, the
+/// account paid and the operator earned exactly that.
+///
+/// 1. the agent serving a stream is killed (SIGKILL) mid-stream;
+/// 2. the engine serving a stream is killed (SIGKILL) mid-stream, another node up;
+/// 3. a burst of 12 concurrent requests against a balance that covers only a few of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fault_matrix_keeps_the_books() {
+    let engine = Engine::discover().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut llama_a = LlamaServer::start(&engine, 2).await.unwrap();
+    let mut llama_b = LlamaServer::start(&engine, 2).await.unwrap();
+    let gw = Gateway::start(dir.path(), &engine).await;
+    let t = tenant(&gw).await;
+    let ledger = common::LedgerDb::open(dir.path(), None).await;
+    let mut accepted = Vec::new();
+
+    // --- 1. agent killed mid-stream -------------------------------------------------------
+    let (node_a, mut agent_a) = add_node(&gw, dir.path(), &t.operator, &llama_a.url, "a").await;
+    let resp = long_stream(&gw, &t.api_key).await;
+    accepted.push(killed_mid_stream(&gw, resp, agent_a.kill(), "agent killed mid-stream").await);
+    common::audit_ledger(&gw, &ledger, &t, &accepted, "agent killed mid-stream").await;
+
+    // --- 2. engine killed mid-stream; the other node serves what follows ---------------------
+    // node A's agent again (same identity), and node B
+    let agent_a = common::start_agent(&gw, &dir.path().join("a.key"), &llama_a.url, "a");
+    let (node_b, _agent_b) = add_node(&gw, dir.path(), &t.operator, &llama_b.url, "b").await;
+    for _ in 0..300 {
+        if routable(&gw, &node_a).await {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(routable(&gw, &node_a).await, "{}", agent_a.stderr_tail(20));
+    let resp = long_stream(&gw, &t.api_key).await;
+    let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
+    let on_a = node_in_flight(&gw, &node_a).await > 0;
+    let (victim, survivor) = if on_a {
+        (&mut llama_a, node_b.clone())
+    } else {
+        (&mut llama_b, node_a.clone())
+    };
+    let killed = killed_mid_stream(&gw, resp, victim.child.kill(), "engine killed mid-stream");
+    assert_eq!(killed.await, id);
+    accepted.push(id);
+    // what follows is served, by the other node
+    for _ in 0..3 {
+        let resp = gw
+            .api_post(
+                &t.api_key,
+                "/v1/chat/completions",
+                &json!({"model":"smollm2","max_tokens":4,
+                        "messages":[{"role":"user","content":"Say hi."}]}),
+            )
+            .await;
+        assert_eq!(resp.status(), 200);
+        let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
+        let _ = resp.bytes().await;
+        assert_eq!(gw.record(&id).await["node"], survivor.as_str());
+        accepted.push(id);
+    }
+    common::audit_ledger(&gw, &ledger, &t, &accepted, "engine killed mid-stream").await;
+
+    // --- 3. a burst against a small balance ------------------------------------------------
+    let (s, acct) = gw.admin_post("/admin/v1/accounts", json!({})).await;
+    assert_eq!(s, 201);
+    let small = acct["id"].as_str().unwrap().to_owned();
+    let (_, key) = gw
+        .admin_post(&format!("/admin/v1/accounts/{small}/keys"), json!({}))
+        .await;
+    let small_key = key["key"].as_str().unwrap().to_owned();
+    // 64 tokens at 0.6 micros each ≈ 40 micros a request: 150 micros cover a few
+    const SMALL_CREDIT: u64 = 150;
+    let (s, _) = gw
+        .admin_post(
+            &format!("/admin/v1/accounts/{small}/credits"),
+            json!({"amount_micros": SMALL_CREDIT, "idempotency_key": "small-1"}),
+        )
+        .await;
+    assert_eq!(s, 200);
+    let burst: Vec<_> = (0..12)
+        .map(|i| {
+            let (http, public, key) = (gw.http.clone(), gw.public.clone(), small_key.clone());
+            tokio::spawn(async move {
+                let resp = http
+                    .post(format!("{public}/v1/chat/completions"))
+                    .bearer_auth(&key)
+                    .json(&json!({"model":"smollm2","stream":true,"max_tokens":64,
+                        "messages":[{"role":"user","content":format!("Count to twenty, run {i}.")}]}))
+                    .send()
+                    .await
+                    .unwrap();
+                let status = resp.status().as_u16();
+                let id = resp.headers().get("x-request-id").map(|v| v.to_str().unwrap().to_owned());
+                let _ = resp.bytes().await;
+                (status, id)
+            })
+        })
+        .collect();
+    let (mut served, mut refused) = (0, 0);
+    for task in burst {
+        let (status, id) = task.await.unwrap();
+        match status {
+            200 => {
+                served += 1;
+                accepted.push(id.unwrap());
+            }
+            402 => refused += 1,
+            other => panic!("burst against a small balance: status {other}"),
+        }
+    }
+    println!("burst of 12 against {SMALL_CREDIT} micros: {served} served, {refused} refused (402)");
+    assert!(
+        served >= 1 && refused >= 1,
+        "{served} served, {refused} refused"
+    );
+    let audit = common::audit_ledger_of(
+        &gw,
+        &ledger,
+        &[(&t.account, common::CREDITS), (&small, SMALL_CREDIT)],
+        &t.operator,
+        &accepted,
+        "burst against a small balance",
+    )
+    .await;
+    let (balance, _) = gw.balance(&small).await;
+    assert!(balance <= SMALL_CREDIT, "{balance}");
+    println!("fault matrix: {audit:?}");
+}

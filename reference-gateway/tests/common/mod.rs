@@ -43,6 +43,18 @@ pub struct Gateway {
 }
 
 impl Gateway {
+    /// The gateway process's resident set, KiB (`VmRSS` of `/proc/<pid>/status`).
+    pub fn rss_kib(&self) -> u64 {
+        let pid = self.child.id().unwrap();
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+            .unwrap()
+    }
+
     pub async fn start(dir: &Path, engine: &Engine) -> Gateway {
         Self::start_with(dir, engine, "").await
     }
@@ -165,6 +177,18 @@ output_price_micros_per_mtok = {OUTPUT_PRICE}
             .unwrap()
     }
 
+    /// The node's entry in `GET /admin/v1/nodes` (it must be listed).
+    pub async fn node(&self, node_id: &str) -> Value {
+        let (_, nodes) = self.admin_get("/admin/v1/nodes").await;
+        nodes["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|n| n["node_id"] == node_id)
+            .cloned()
+            .unwrap_or_else(|| panic!("node {node_id} not listed: {nodes}"))
+    }
+
     /// The settled record; settlement runs after the body ends, so poll briefly.
     pub async fn record(&self, request_id: &str) -> Value {
         for _ in 0..100 {
@@ -196,6 +220,17 @@ pub async fn keygen(dir: &Path, name: &str) -> (PathBuf, String) {
 }
 
 pub fn start_agent(gw: &Gateway, identity: &Path, engine_url: &str, name: &str) -> Child {
+    start_agent_with(gw, identity, engine_url, name, 2)
+}
+
+/// As [`start_agent`], advertising `max_concurrency` slots.
+pub fn start_agent_with(
+    gw: &Gateway,
+    identity: &Path,
+    engine_url: &str,
+    name: &str,
+    max_concurrency: u32,
+) -> Child {
     let mut cmd = Command::new(agent_bin());
     cmd.arg("run")
         .arg("--gateway")
@@ -205,7 +240,7 @@ pub fn start_agent(gw: &Gateway, identity: &Path, engine_url: &str, name: &str) 
         .arg("--ca-file")
         .arg(&gw.ca_file)
         .args(["--engine", "llama.cpp", "--engine-url", engine_url])
-        .args(["--max-concurrency", "2"])
+        .args(["--max-concurrency", &max_concurrency.to_string()])
         .env("RUST_LOG", "info");
     Child::spawn(name, cmd).unwrap()
 }
@@ -335,6 +370,18 @@ pub async fn add_node(
     engine_url: &str,
     name: &str,
 ) -> (String, Child) {
+    add_node_with(gw, dir, operator, engine_url, name, 2).await
+}
+
+/// As [`add_node`], the agent advertising `max_concurrency` slots.
+pub async fn add_node_with(
+    gw: &Gateway,
+    dir: &Path,
+    operator: &str,
+    engine_url: &str,
+    name: &str,
+    max_concurrency: u32,
+) -> (String, Child) {
     let (identity, public_key) = keygen(dir, &format!("{name}.key")).await;
     let (s, node) = gw
         .admin_post(
@@ -344,7 +391,7 @@ pub async fn add_node(
         .await;
     assert_eq!(s, 201, "{node}");
     let node_id = node["node_id"].as_str().unwrap().to_owned();
-    let agent = start_agent(gw, &identity, engine_url, name);
+    let agent = start_agent_with(gw, &identity, engine_url, name, max_concurrency);
     for _ in 0..300 {
         let (_, nodes) = gw.admin_get("/admin/v1/nodes").await;
         if nodes["data"]
@@ -582,4 +629,179 @@ impl Drop for PgDb {
             eprintln!("dropping database {}: {e}", self.name);
         }
     }
+}
+
+/// The ledger's own tables, read directly (not through the admin API), for [`audit_ledger`].
+pub enum LedgerDb {
+    Sqlite(sqlx::SqlitePool),
+    Postgres(sqlx::PgPool),
+}
+
+impl LedgerDb {
+    /// The ledger of a gateway started in `dir` (SQLite, read-only) or on `pg`.
+    pub async fn open(dir: &Path, pg: Option<&PgDb>) -> Self {
+        match pg {
+            Some(db) => Self::Postgres(sqlx::PgPool::connect(&db.url).await.unwrap()),
+            None => Self::Sqlite(
+                sqlx::SqlitePool::connect(&format!(
+                    "sqlite://{}?mode=ro",
+                    dir.join("data/spine.db").display()
+                ))
+                .await
+                .unwrap(),
+            ),
+        }
+    }
+
+    /// One integer (first row, first column) of `sql`.
+    pub async fn int(&self, sql: &str) -> i64 {
+        match self {
+            Self::Sqlite(p) => sqlx::query_scalar::<_, i64>(sql).fetch_one(p).await,
+            Self::Postgres(p) => sqlx::query_scalar::<_, i64>(sql).fetch_one(p).await,
+        }
+        .unwrap_or_else(|e| panic!("{sql}: {e}"))
+    }
+
+    /// Whether `request_id` has a request record.
+    pub async fn has_record(&self, request_id: &str) -> bool {
+        let sql = "SELECT COUNT(*) FROM requests WHERE request_id = ";
+        let n = match self {
+            Self::Sqlite(p) => {
+                sqlx::query_scalar::<_, i64>(&format!("{sql}?"))
+                    .bind(request_id)
+                    .fetch_one(p)
+                    .await
+            }
+            Self::Postgres(p) => {
+                sqlx::query_scalar::<_, i64>(&format!("{sql}$1"))
+                    .bind(request_id)
+                    .fetch_one(p)
+                    .await
+            }
+        };
+        n.unwrap() > 0
+    }
+}
+
+/// What [`audit_ledger`] counted.
+#[derive(Debug)]
+pub struct Audit {
+    pub holds: i64,
+    pub records: i64,
+    pub debits_micros: i64,
+}
+
+/// The ledger audit of the fault matrix (issue 14), asserted: once the gateway has released
+/// what it holds (polled up to 60 s, the gateway still running), no hold is active; every hold
+/// and every id in `accepted` (requests answered 200) has a request record; the ledger entries
+/// sum to zero; Σ debits = Σ (operator credit + fee); the tenant's account paid exactly its
+/// debits (it was credited [`CREDITS`] once and is the only paying account) and its operator
+/// earned exactly the operator credits. `case` names the case in failures.
+pub async fn audit_ledger(
+    gw: &Gateway,
+    ledger: &LedgerDb,
+    t: &Tenant,
+    accepted: &[String],
+    case: &str,
+) -> Audit {
+    audit_ledger_of(
+        gw,
+        ledger,
+        &[(&t.account, CREDITS)],
+        &t.operator,
+        accepted,
+        case,
+    )
+    .await
+}
+
+/// [`audit_ledger`] with several paying accounts, each `(account, credited micros)`, and the
+/// one operator of every node.
+pub async fn audit_ledger_of(
+    gw: &Gateway,
+    ledger: &LedgerDb,
+    accounts: &[(&str, u64)],
+    operator: &str,
+    accepted: &[String],
+    case: &str,
+) -> Audit {
+    for (account, _) in accounts {
+        let mut held = u64::MAX;
+        for _ in 0..600 {
+            held = gw.balance(account).await.1;
+            if held == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert_eq!(held, 0, "{case}: a hold stranded while the gateway runs");
+    }
+    let active = ledger
+        .int("SELECT COUNT(*) FROM holds WHERE state = 'held'")
+        .await;
+    assert_eq!(active, 0, "{case}: holds still active");
+    let unrecorded = ledger
+        .int("SELECT COUNT(*) FROM holds h WHERE NOT EXISTS (SELECT 1 FROM requests r WHERE r.request_id = h.request_id)")
+        .await;
+    assert_eq!(unrecorded, 0, "{case}: holds without a request record");
+    for id in accepted {
+        assert!(
+            ledger.has_record(id).await,
+            "{case}: accepted request {id} has no record"
+        );
+    }
+    let entries = ledger
+        .int("SELECT CAST(COALESCE(SUM(amount_micros), 0) AS BIGINT) FROM ledger_entries")
+        .await;
+    assert_eq!(entries, 0, "{case}: the ledger entries do not sum to zero");
+    let debits = ledger
+        .int("SELECT CAST(COALESCE(SUM(debit_micros), 0) AS BIGINT) FROM requests")
+        .await;
+    let split = ledger
+        .int("SELECT CAST(COALESCE(SUM(operator_credit_micros + fee_micros), 0) AS BIGINT) FROM requests")
+        .await;
+    assert_eq!(
+        debits, split,
+        "{case}: Σ debits ≠ Σ operator credits + fees"
+    );
+    let mut paid = 0i64;
+    for (account, credited) in accounts {
+        let (balance, _) = gw.balance(account).await;
+        paid += *credited as i64 - balance as i64;
+    }
+    assert_eq!(
+        paid, debits,
+        "{case}: the accounts did not pay exactly their debits"
+    );
+    let credits = ledger
+        .int("SELECT CAST(COALESCE(SUM(operator_credit_micros), 0) AS BIGINT) FROM requests")
+        .await;
+    assert_eq!(
+        gw.earned(operator).await as i64,
+        credits,
+        "{case}: the operator did not earn exactly its credits"
+    );
+    Audit {
+        holds: ledger.int("SELECT COUNT(*) FROM holds").await,
+        records: ledger.int("SELECT COUNT(*) FROM requests").await,
+        debits_micros: debits,
+    }
+}
+
+/// How many of a llama-server's slots are generating (`GET /slots`).
+pub async fn llama_slots_busy(http: &reqwest::Client, llama_url: &str) -> usize {
+    let slots: Value = http
+        .get(format!("{llama_url}/slots"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    slots
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["is_processing"] == true)
+        .count()
 }
