@@ -103,8 +103,14 @@ fn presented_key_hash(headers: &http::HeaderMap) -> Option<String> {
 
 async fn authenticate(state: &AppState, key_hash: Option<String>) -> Result<AccountId, ApiError> {
     let key_hash = key_hash.ok_or_else(ApiError::unauthorized)?;
+    if let Some(account) = state.keys.get(&key_hash) {
+        return Ok(account);
+    }
     match state.store.account_for_key_hash(&key_hash).await {
-        Ok(Some(account)) => Ok(account),
+        Ok(Some(account)) => {
+            state.keys.insert(key_hash, account.clone());
+            Ok(account)
+        }
         Ok(None) => Err(ApiError::unauthorized()),
         Err(e) => {
             tracing::error!(error = %e, "key lookup failed");

@@ -424,6 +424,7 @@ async fn run(cli: Cli) -> Result<(), MainError> {
 
     let state = Arc::new(AppState {
         store: store.clone(),
+        keys: auth::KeyCache::default(),
         registry: registry.clone(),
         tunnels: tunnels.clone(),
         stack,

@@ -14,6 +14,8 @@ use crate::limits::RateLimits;
 /// What the public and admin handlers share.
 pub(crate) struct AppState {
     pub(crate) store: Arc<dyn Store>,
+    /// Keys already found in `store` (see [`KeyCache`](crate::auth::KeyCache)).
+    pub(crate) keys: crate::auth::KeyCache,
     pub(crate) registry: NodeRegistry,
     /// The live tunnels (connected nodes, routable or still in their warm-up probe).
     pub(crate) tunnels: spine_transport::Tunnels,

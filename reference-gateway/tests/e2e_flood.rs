@@ -2,7 +2,7 @@
 //! agent → a fake engine answering at once): paid requests' latency alone, then with three
 //! zero-credit senders of 4 MiB prompts beside them, side by side in one run. A measurement,
 //! not a check of the machine's speed: `#[ignore]`d in CI; run with
-//! `cargo test -p reference-gateway --test e2e_flood -- --ignored --nocapture`.
+//! `cargo build --release --workspace --bins && cargo test --release --workspace --test e2e_flood -- --ignored --nocapture`.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, missing_docs)]
 
 mod common;
@@ -36,7 +36,7 @@ fn pct(sorted: &[Duration], p: f64) -> f64 {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "a measurement: cargo test -p reference-gateway --test e2e_flood -- --ignored --nocapture"]
+#[ignore = "a measurement: cargo test --release --workspace --test e2e_flood -- --ignored --nocapture"]
 async fn paid_latency_with_and_without_a_zero_credit_flood() {
     let engine = Engine::discover().unwrap();
     let (url, _task) = serve_fake_engine(|req: hyper::Request<hyper::body::Incoming>| async move {

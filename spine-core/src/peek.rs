@@ -310,6 +310,8 @@ struct Fields<'a> {
     num_predict: Option<&'a RawValue>,
     #[serde(borrow, default)]
     options: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    t_max_predict_ms: Option<&'a RawValue>,
 }
 
 /// Request fields that some engine obeys to decide how many tokens or choices it generates,
@@ -327,7 +329,8 @@ struct Fields<'a> {
 /// | `ignore_eos` | llama.cpp, vLLM, SGLang | generation runs to the limit |
 /// | `best_of`, `use_beam_search` | vLLM | generates more sequences than it returns |
 /// | `num_predict`, `options` | Ollama | max tokens (`options.num_predict`), context and more |
-pub const ENGINE_GENERATION_FIELDS: [&str; 10] = [
+/// | `t_max_predict_ms` | llama.cpp | a time limit that ends generation with `length` before `max_tokens` (an honest node would be flagged for a `length` its text does not support) |
+pub const ENGINE_GENERATION_FIELDS: [&str; 11] = [
     "n_predict",
     "n_cmpl",
     "max_new_tokens",
@@ -338,6 +341,7 @@ pub const ENGINE_GENERATION_FIELDS: [&str; 10] = [
     "use_beam_search",
     "num_predict",
     "options",
+    "t_max_predict_ms",
 ];
 
 impl Fields<'_> {
@@ -354,6 +358,7 @@ impl Fields<'_> {
             self.use_beam_search,
             self.num_predict,
             self.options,
+            self.t_max_predict_ms,
         ];
         ENGINE_GENERATION_FIELDS
             .iter()
