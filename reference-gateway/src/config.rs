@@ -33,6 +33,7 @@ const ENV_KEYS: &[(&str, Kind)] = &[
     ("route_max_retries", Kind::Int),
     ("queue_max_wait_secs", Kind::Int),
     ("queue_max_depth", Kind::Int),
+    ("load_aware_pick", Kind::Bool),
     ("first_token_timeout_secs", Kind::Int),
     ("stream_idle_timeout_secs", Kind::Int),
     ("max_vram_mib", Kind::Int),
@@ -131,6 +132,10 @@ pub(crate) struct Config {
     /// Most requests waiting per model; past it, 503 `queue_full` with `Retry-After`.
     #[serde(default = "default_queue_max_depth")]
     pub(crate) queue_max_depth: usize,
+    /// Load-aware node pick (power of two choices, `spine_router::RegistryConfig::load_aware_pick`);
+    /// `false` picks by weight alone among nodes with a free slot.
+    #[serde(default = "default_true")]
+    pub(crate) load_aware_pick: bool,
     /// How long a node may take to send its first content (or an error answer) before the
     /// attempt counts as its failure and is retried elsewhere, seconds; 0 disables the deadline.
     #[serde(default = "default_first_token_timeout_secs")]

@@ -192,7 +192,7 @@ impl ApiError {
             };
         }
         if let Some(e) = err.downcast_ref::<TunnelError>() {
-            if e.is_node_full() {
+            if e.is_node_full() || e.is_stream_refused() {
                 // refused before any byte went down the tunnel
                 return Self::nodes_full();
             }

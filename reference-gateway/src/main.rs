@@ -256,6 +256,7 @@ async fn run(cli: Cli) -> Result<(), MainError> {
             max_wait: std::time::Duration::from_secs(config.queue_max_wait_secs),
             max_depth: config.queue_max_depth,
         },
+        load_aware_pick: config.load_aware_pick,
         ..RegistryConfig::default()
     });
     let cluster_slot: Arc<std::sync::OnceLock<cluster::Cluster>> = Arc::default();
@@ -407,7 +408,7 @@ async fn run(cli: Cli) -> Result<(), MainError> {
                 // node is picked again after a short pause
                 .node_full(|e| {
                     e.downcast_ref::<spine_transport::TunnelError>()
-                        .is_some_and(spine_transport::TunnelError::is_node_full)
+                        .is_some_and(|e| e.is_node_full() || e.is_stream_refused())
                         || cluster::ClusterError::is_node_full(e)
                 }),
         )

@@ -931,6 +931,10 @@ impl FastCounter {
     /// not to be one stays so as text is appended: a caller passes as `floor` the last place it
     /// has already looked at, and a text that grows by steps is scanned once in all.
     fn stable_cut(&self, text: &str, keep: usize, floor: usize) -> Option<usize> {
+        // the reasoning needs every special token shorter than `keep` (longest first)
+        if self.specials.first().is_some_and(|s| s.len() >= keep) {
+            return None;
+        }
         let bytes = text.as_bytes();
         let last = bytes.len().checked_sub(keep)?;
         let mut c = last;

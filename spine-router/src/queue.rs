@@ -290,7 +290,29 @@ impl NodeRegistry {
         ask: Ask<'_>,
         ticket: Option<&QueueTicket>,
     ) -> Result<Pick, RouteError> {
+        let deadline = Instant::now() + self.inner.config.queue.max_wait;
+        self.acquire_until(ask, ticket, deadline).await
+    }
+
+    /// As [`acquire`](Self::acquire), waiting at most until `deadline` (and never longer than
+    /// [`QueueConfig::max_wait`]): the several attempts of one request share one deadline. A
+    /// deadline already past does not wait.
+    ///
+    /// # Errors
+    ///
+    /// As [`acquire`](Self::acquire).
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`acquire`](Self::acquire).
+    pub async fn acquire_until(
+        &self,
+        ask: Ask<'_>,
+        ticket: Option<&QueueTicket>,
+        deadline: Instant,
+    ) -> Result<Pick, RouteError> {
         let config = self.inner.config.queue;
+        let ticket = ticket.filter(|_| Instant::now() < deadline);
         let Some(ticket) = ticket.filter(|_| config.enabled()) else {
             return self.pick_inner(ask, Instant::now());
         };
@@ -326,7 +348,8 @@ impl NodeRegistry {
             // a slot may be free that the waiters ahead cannot use, or this one is first now
             self.dispatch_models(std::slice::from_ref(ask.model), false);
         }
-        self.wait(place, now + config.max_wait, config).await
+        self.wait(place, deadline.min(now + config.max_wait), config)
+            .await
     }
 
     async fn wait(

@@ -105,6 +105,11 @@ pub struct RegistryConfig {
     /// sticky node has 3 requests in flight, another node at most 1). Default 0.75; 1.0 or more:
     /// the sticky node yields only when full (the behaviour before load-aware picks).
     pub affinity_yield_load: f64,
+    /// Whether a pick is load-aware: two weighted draws, the less loaded wins, and a sticky
+    /// node yields at [`affinity_yield_load`](Self::affinity_yield_load). `false`: one weighted
+    /// draw among the nodes with a free slot, and a sticky node yields only when full (the pick
+    /// before load-aware picks; kept to measure one against the other). Default `true`.
+    pub load_aware_pick: bool,
 }
 
 impl Default for RegistryConfig {
@@ -116,6 +121,7 @@ impl Default for RegistryConfig {
             max_vram_mib: 196_608,
             queue: QueueConfig::default(),
             affinity_yield_load: 0.75,
+            load_aware_pick: true,
         }
     }
 }
@@ -753,7 +759,9 @@ impl NodeRegistry {
         };
         if let Some(node) = preferred {
             if let Some(&(id, entry, _, load)) = free.iter().find(|(id, ..)| *id == node) {
-                let yields = load >= self.inner.config.affinity_yield_load
+                let load_aware = self.inner.config.load_aware_pick;
+                let yields = load_aware
+                    && load >= self.inner.config.affinity_yield_load
                     && free
                         .iter()
                         .any(|(other, _, _, l)| *other != id && *l <= load - STICKY_YIELD_MARGIN);
@@ -777,7 +785,12 @@ impl NodeRegistry {
             let Some(first) = weighted_draw(&free, None) else {
                 break;
             };
-            let chosen = match weighted_draw(&free, Some(first)) {
+            let second = if self.inner.config.load_aware_pick {
+                weighted_draw(&free, Some(first))
+            } else {
+                None
+            };
+            let chosen = match second {
                 Some(second) if free[second].3 < free[first].3 => second,
                 _ => first,
             };

@@ -469,6 +469,7 @@ where
     let mut deferred = Deferred::default();
     let mut full_repicks = 0u32;
     let mut attempt = 0u32;
+    let queue_deadline = Instant::now() + registry.config().queue.max_wait;
     while attempt <= config.max_retries {
         let local = match (&shared, &key) {
             (None, Some(key)) => registry.local_preference(&peek.model, key),
@@ -486,8 +487,11 @@ where
         };
         // every attempt may wait in the queue for a node not tried yet: a retry after a node
         // failed waits for a healthy one to have room rather than failing a request that never
-        // started (when no untried node is left, it answers with the last failure at once)
-        let picked = registry.acquire(ask, Some(&ticket)).await;
+        // started (when no untried node is left, it answers with the last failure at once); all
+        // the waits of one request end at one deadline
+        let picked = registry
+            .acquire_until(ask, Some(&ticket), queue_deadline)
+            .await;
         let pick = match picked {
             Ok(pick) => pick,
             Err(e) => {
@@ -576,7 +580,14 @@ where
                     }
                 }
                 tried.push(node);
-                last = Some(answer);
+                // the next attempt may wait in the queue: the failed answer must not keep its
+                // node's slot (lease and tunnel stream) meanwhile (the last one goes to the
+                // caller as it comes)
+                last = Some(if attempt < config.max_retries {
+                    release_failed(answer).await
+                } else {
+                    answer
+                });
             }
             Attempt::Full(e) => {
                 if full_repicks < MAX_FULL_REPICKS {
@@ -584,6 +595,12 @@ where
                     tracing::debug!(node = %node, full_repicks, error = %e, "node momentarily full; picking again");
                     tokio::time::sleep(FULL_REPICK_PAUSE * full_repicks).await;
                     continue;
+                }
+                // still full after the re-picks: the gateway's own count is never the node's
+                // fault, but a node that keeps refusing streams (REFUSED_STREAM) while it has
+                // room is, or it would draw traffic it never serves
+                if !not_node_fault(&e) {
+                    registry.record_failure(&node);
                 }
                 tried.push(node);
                 last = Some(Err(e));
@@ -596,6 +613,42 @@ where
         Some(last) => last,
         None => Err(RouteError::NoNodeForModel(peek.model).into()),
     }
+}
+
+/// Most bytes of a failed answer's body kept for the caller while the request tries another node.
+const MAX_FAILED_BODY_BYTES: usize = 64 * 1024;
+/// Longest wait for a failed answer's body (a short error) before it is given up.
+const FAILED_BODY_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A failed answer, its body read now (at most [`MAX_FAILED_BODY_BYTES`], within
+/// [`FAILED_BODY_TIMEOUT`]; otherwise empty) so that its node's lease and tunnel stream are
+/// released before the request waits for another node.
+fn release_failed(answer: Result<http::Response<BoxBody>, BoxError>) -> AttemptFuture {
+    // boxed, as `call_once`: rustc's higher-ranked check on `dyn Error` inside async fns
+    Box::pin(async move {
+        let resp = match answer {
+            Ok(resp) => resp,
+            Err(e) => return Err(e),
+        };
+        let (parts, mut body) = resp.into_parts();
+        let mut kept = BytesMut::new();
+        let read = async {
+            while let Some(Ok(frame)) = body.frame().await {
+                if let Some(data) = frame.data_ref() {
+                    if kept.len() + data.len() > MAX_FAILED_BODY_BYTES {
+                        break;
+                    }
+                    kept.extend_from_slice(data);
+                }
+            }
+        };
+        let _ = tokio::time::timeout(FAILED_BODY_TIMEOUT, read).await;
+        drop(body);
+        Ok(http::Response::from_parts(
+            parts,
+            BoxBody::new(Full::new(kept.freeze()).map_err(|never| match never {})),
+        ))
+    })
 }
 
 type AttemptFuture =

@@ -950,3 +950,77 @@ async fn a_huge_stream_idle_timeout_does_not_panic() {
     .await;
     assert!(matches!(polled, Ok(true)), "body poll panicked: {polled:?}");
 }
+
+/// A retry that waits in the queue does not keep the failed node's slot: the failed answer is
+/// read (bounded) and its lease released first. Two nodes of one slot: "good" busy, "bad" free
+/// and answering 503; the request fails on "bad", waits for "good", and meanwhile "bad" has
+/// nothing in flight; once "good" frees, the request is served there.
+#[tokio::test]
+async fn a_retry_waiting_in_the_queue_holds_no_slot_of_the_failed_node() {
+    let one_slot = |name: &str| {
+        (
+            NodeId::new(name),
+            NodeDescriptor {
+                engine: EngineKind::LlamaCpp,
+                models: vec![ModelDescriptor {
+                    id: ModelId::new("m"),
+                    max_context_tokens: None,
+                    endpoints: None,
+                }],
+                vram_mib: 1,
+                max_concurrency: 1,
+                agent_version: "t".into(),
+            },
+        )
+    };
+    let r = NodeRegistry::new();
+    let (good, d) = one_slot("good");
+    r.node_ready(&good, &d);
+    let busy = r.pick(&ModelId::new("m")).unwrap();
+    assert_eq!(busy.node().as_str(), "good");
+    let (bad, d) = one_slot("bad");
+    r.node_ready(&bad, &d);
+    let log = Log::default();
+    let svc = RouteLayer::new(r.clone())
+        .classify(Arc::new(Words))
+        .layer(upstream(
+            [("good", Script::Ok), ("bad", Script::Status503)]
+                .into_iter()
+                .collect(),
+            log.clone(),
+        ));
+    let (req, _slot) = request(None);
+    let call = tokio::spawn(svc.oneshot(req));
+    // the request has failed on "bad" and waits for "good"
+    let in_flight_of = |n: &str| {
+        r.snapshot()
+            .into_iter()
+            .find(|s| s.node_id.as_str() == n)
+            .map_or(0, |s| s.in_flight)
+    };
+    for _ in 0..500 {
+        if log.0.lock().unwrap().len() == 1 && r.queue_snapshot().iter().any(|q| q.depth == 1) {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert_eq!(log.0.lock().unwrap().len(), 1, "tried on bad");
+    assert!(
+        r.queue_snapshot().iter().any(|q| q.depth == 1),
+        "waiting for good"
+    );
+    assert_eq!(
+        in_flight_of("bad"),
+        0,
+        "the failed node's slot is free while the retry waits"
+    );
+    drop(busy);
+    let resp = tokio::time::timeout(std::time::Duration::from_secs(60), call)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert_eq!(resp.extensions().get::<NodeId>().unwrap().as_str(), "good");
+    resp.into_body().collect().await.unwrap();
+    assert_eq!(in_flight(&r), 0);
+}

@@ -29,6 +29,7 @@ enum Kind {
     Config,
     Request,
     Stalled,
+    StreamRefused,
 }
 
 /// Whether `err` (hyper's HTTP/2 error) comes from the connection itself going away: an I/O
@@ -146,7 +147,7 @@ impl TunnelError {
         let kind = if err.is_timeout() {
             Kind::Timeout
         } else if stream_refused(&err) {
-            Kind::NodeFull
+            Kind::StreamRefused
         } else if err.is_closed()
             || err.is_canceled()
             || err.is_incomplete_message()
@@ -165,11 +166,19 @@ impl TunnelError {
     }
 
     /// The node already has as many streams open as it advertised (its `max_concurrency`): the
-    /// request was refused before any byte went down the tunnel, or the node refused its stream
-    /// with `REFUSED_STREAM` (RFC 9113 §8.7: not processed). Either way the request may be sent
-    /// again, to this node a moment later or to another (a gateway answers 503 when none can).
+    /// request was refused before any byte went down the tunnel, so another node may serve it,
+    /// or this one a moment later (a gateway answers 503 when none can). The gateway's own count:
+    /// never the node's fault.
     pub fn is_node_full(&self) -> bool {
         self.kind == Kind::NodeFull
+    }
+
+    /// The node refused the request's stream with `RST_STREAM(REFUSED_STREAM)`: by RFC 9113
+    /// §8.7 it did no processing, so the request may be sent again. Usually the moment between
+    /// a stream's end on the gateway's side and on the agent's; a node that keeps refusing
+    /// while it has room is at fault.
+    pub fn is_stream_refused(&self) -> bool {
+        self.kind == Kind::StreamRefused
     }
 
     /// The request carried no target [`NodeId`](spine_core::NodeId) in its extensions.
@@ -238,6 +247,7 @@ impl TunnelError {
             Kind::Stalled => {
                 "node stalled: no progress on its streams and its health probe timed out"
             }
+            Kind::StreamRefused => "node refused the stream (REFUSED_STREAM: not processed)",
         }
     }
 }

@@ -185,8 +185,9 @@ pub(super) fn read_choices(
             if !c.is_object() {
                 return Err("a choice is not an object");
             }
-            let chat_shaped = c.get("delta").is_some() || c.get("message").is_some();
-            let text_shaped = c.get("text").is_some();
+            let present = |k: &str| c.get(k).is_some_and(|v| !v.is_null());
+            let chat_shaped = present("delta") || present("message");
+            let text_shaped = present("text");
             match kind {
                 RequestKind::Completions if chat_shaped => {
                     return Err("a completion's choice carries a chat delta or message")
@@ -200,6 +201,19 @@ pub(super) fn read_choices(
                 None | Some(Value::Null) => pos as u64,
                 Some(v) => v.as_u64().ok_or("a choice's index is not an integer")?,
             };
+            // reasoning in both members must be the same text (vLLM sent both while it moved
+            // from one to the other): otherwise one of them is text the caller's client does
+            // not show, counted or not
+            for part in ["delta", "message"] {
+                let reasoning =
+                    |k: &str| c.get(part).and_then(|p| p.get(k)).and_then(Value::as_str);
+                if let (Some(a), Some(b)) = (reasoning("reasoning_content"), reasoning("reasoning"))
+                {
+                    if a != b {
+                        return Err("a choice carries two different reasoning texts");
+                    }
+                }
+            }
             let mut generated = GeneratedText::new();
             generated.push_choice_json(&c);
             let finish_reason = c
@@ -327,6 +341,13 @@ mod tests {
         // each endpoint's own shape is read, reasoning in either member counted once
         let text = read_choices(&text_only, RequestKind::Completions).unwrap();
         assert_eq!(text[0].generated.content(), "Paris.");
+        let two = raw(
+            r#"[{"index":0,"delta":{"content":"Hi","reasoning":"think","reasoning_content":"other"}}]"#,
+        );
+        assert!(read_choices(&two, RequestKind::ChatCompletions).is_err());
+        // a member set to null is absent
+        let null_text = raw(r#"[{"index":0,"text":null,"delta":{"content":"Hi"}}]"#);
+        assert!(read_choices(&null_text, RequestKind::ChatCompletions).is_ok());
         let chat = raw(
             r#"[{"index":0,"delta":{"content":"Hi","reasoning":"think","reasoning_content":"think"}}]"#,
         );
