@@ -540,3 +540,46 @@ async fn fault_matrix_keeps_the_books() {
     assert!(balance <= SMALL_CREDIT, "{balance}");
     println!("fault matrix: {audit:?}");
 }
+
+/// The gateway killed (SIGKILL) with a stream in flight, then started again on the same data
+/// (issue 14): the next start settles the stranded hold `upstream_failed` (`swept: restart`), the
+/// record names the node that served it, nothing stays held, and the books balance.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_killed_mid_stream_settles_its_hold_at_the_next_start() {
+    let engine = Engine::discover().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let llama = LlamaServer::start(&engine, 2).await.unwrap();
+    let mut gw = Gateway::start(dir.path(), &engine).await;
+    let t = tenant(&gw).await;
+    let (node, _agent) = add_node(&gw, dir.path(), &t.operator, &llama.url, "node").await;
+    let resp = long_stream(&gw, &t.api_key).await;
+    let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
+    // the node is noted on the hold off the response path, once the answer began
+    let ledger = common::LedgerDb::open(dir.path(), None).await;
+    let mut noted = 0;
+    for _ in 0..100 {
+        noted = ledger
+            .int("SELECT COUNT(*) FROM holds WHERE state = 'held' AND node_id IS NOT NULL")
+            .await;
+        if noted == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(noted, 1, "the streaming request's hold names its node");
+    gw.child.kill().await;
+    drop(resp);
+    drop(ledger);
+    let gw = Gateway::start(dir.path(), &engine).await;
+    let rec = gw.record(&id).await;
+    println!(
+        "gateway killed mid-stream, started again: outcome {}, swept {}, node {}, billed {}",
+        rec["outcome"], rec["swept"], rec["node"], rec["billed"]
+    );
+    assert_eq!(rec["outcome"], "upstream_failed", "{rec}");
+    assert_eq!(rec["swept"], "restart", "{rec}");
+    assert_eq!(rec["node"], node.as_str(), "{rec}");
+    assert_eq!(rec["debit_micros"].as_u64(), Some(0), "{rec}");
+    let ledger = common::LedgerDb::open(dir.path(), None).await;
+    common::audit_ledger(&gw, &ledger, &t, &[id], "gateway killed mid-stream").await;
+}

@@ -619,3 +619,148 @@ async fn caller_input_that_makes_llama_500_does_not_penalise_healthy_nodes() {
     }
     assert_eq!(attempts, 1);
 }
+
+/// A fake llama-server whose chat answers stream 16 tokens, sharing one engine's throughput
+/// the way a real one does: with `n` answers in flight each token comes `token_ms × n` after the
+/// previous one (a node's speed and load, exact and repeatable, unlike two real engines sharing
+/// 2 cores).
+async fn paced_engine(token_ms: u64) -> (String, tokio::task::JoinHandle<()>) {
+    let active = Arc::new(AtomicU64::new(0));
+    serve_fake_engine(move |req: hyper::Request<Incoming>| {
+        let active = active.clone();
+        async move {
+            let path = req.uri().path().to_owned();
+            let _ = req.into_body().collect().await;
+            if let Some(meta) = fake_llama_meta(&path) {
+                return Ok::<_, Infallible>(meta);
+            }
+            let chunk = |delta: Value, finish: Value| {
+                let c = json!({"id":"p","object":"chat.completion.chunk","created":1,"model":"smollm2",
+                    "choices":[{"index":0,"delta":delta,"finish_reason":finish}]});
+                Ok::<_, std::io::Error>(Frame::data(Bytes::from(format!("data: {c}\n\n"))))
+            };
+            let mut frames = vec![chunk(json!({"role":"assistant","content":""}), Value::Null)];
+            for i in 0..16 {
+                frames.push(chunk(json!({"content": format!(" w{i}")}), Value::Null));
+            }
+            frames.push(chunk(json!({}), json!("stop")));
+            frames.push(Ok(Frame::data(Bytes::from_static(b"data: [DONE]\n\n"))));
+            /// Counts the answer in flight until its stream is dropped.
+            struct InFlight(Arc<AtomicU64>);
+            impl Drop for InFlight {
+                fn drop(&mut self) {
+                    self.0.fetch_sub(1, Ordering::SeqCst);
+                }
+            }
+            active.fetch_add(1, Ordering::SeqCst);
+            let guard = InFlight(active);
+            let stream = futures_util::stream::unfold(
+                (frames.into_iter(), true, guard),
+                move |(mut rest, first, guard)| async move {
+                    let next = rest.next()?;
+                    if !first {
+                        let n = guard.0.load(Ordering::SeqCst).max(1);
+                        tokio::time::sleep(Duration::from_millis(token_ms * n)).await;
+                    }
+                    Some((next, (rest, false, guard)))
+                },
+            );
+            Ok(sse(stream))
+        }
+    })
+    .await
+}
+
+/// Issue 15's load-aware pick against the pick by weight alone, side by side: two nodes of 4
+/// slots, one 3× slower (`paced_engine` 2 ms against 6 ms a token per answer in flight: ~31 and
+/// ~10 answers a second), open-loop bursts of 240 streamed requests at 20 and at 30 a second,
+/// alternated between two gateways that differ only in `load_aware_pick`, twice each. Prints
+/// each run's p50 / p95 and the ratios.
+/// Run: `cargo test --workspace --test e2e_routing -- --ignored --nocapture load_aware_pick_bench`
+#[ignore = "a benchmark (docs/benchmarks.md)"]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_aware_pick_bench() {
+    let engine = Engine::discover().unwrap();
+    let (fast, _f) = paced_engine(2).await;
+    let (slow, _s) = paced_engine(6).await;
+    let mut setups = Vec::new();
+    for load_aware in [true, false] {
+        let dir = tempfile::tempdir().unwrap();
+        let gw = Gateway::start_with(
+            dir.path(),
+            &engine,
+            &format!(
+                "load_aware_pick = {load_aware}\naffinity_ttl_secs = 0\nqueue_max_wait_secs = 120"
+            ),
+        )
+        .await;
+        let t = tenant(&gw).await;
+        let a = common::add_node_with(&gw, dir.path(), &t.operator, &fast, "fast", 4).await;
+        let b = common::add_node_with(&gw, dir.path(), &t.operator, &slow, "slow", 4).await;
+        setups.push((load_aware, gw, t, dir, a, b));
+    }
+    for rate in [20u64, 30] {
+        let mut summary: Vec<(bool, f64, f64)> = Vec::new();
+        for round in 0..4 {
+            let (load_aware, gw, t, ..) = &setups[round % 2];
+            let started = Instant::now();
+            let tasks: Vec<_> = (0..240u64)
+                .map(|i| {
+                    let (http, public, key) =
+                        (gw.http.clone(), gw.public.clone(), t.api_key.clone());
+                    tokio::spawn(async move {
+                        tokio::time::sleep_until(
+                            tokio::time::Instant::from(started)
+                                + Duration::from_millis(i * 1000 / rate),
+                        )
+                        .await;
+                        let sent = Instant::now();
+                        let resp = http
+                            .post(format!("{public}/v1/chat/completions"))
+                            .bearer_auth(&key)
+                            .json(&json!({"model":"smollm2","stream":true,"max_tokens":32,
+                            "messages":[{"role":"user","content":format!("request {i}")}]}))
+                            .send()
+                            .await
+                            .unwrap();
+                        assert_eq!(resp.status(), 200);
+                        let body = resp.text().await.unwrap();
+                        assert!(body.trim_end().ends_with("data: [DONE]"), "{body}");
+                        sent.elapsed()
+                    })
+                })
+                .collect();
+            let mut took = Vec::new();
+            for task in tasks {
+                took.push(task.await.unwrap());
+            }
+            took.sort();
+            let pct =
+                |p: f64| took[((took.len() - 1) as f64 * p).round() as usize].as_secs_f64() * 1e3;
+            println!(
+            "{rate}/s, round {round}: load_aware_pick = {load_aware}: p50 {:.0} ms, p95 {:.0} ms, max {:.0} ms",
+            pct(0.5),
+            pct(0.95),
+            pct(1.0)
+        );
+            summary.push((*load_aware, pct(0.5), pct(0.95)));
+        }
+        let mean = |aware: bool, i: usize| {
+            let v: Vec<f64> = summary
+                .iter()
+                .filter(|s| s.0 == aware)
+                .map(|s| if i == 0 { s.1 } else { s.2 })
+                .collect();
+            v.iter().sum::<f64>() / v.len() as f64
+        };
+        println!(
+        "{rate}/s: load-aware / weight alone: p50 {:.0} / {:.0} ms (×{:.2}), p95 {:.0} / {:.0} ms (×{:.2})",
+        mean(true, 0),
+        mean(false, 0),
+        mean(true, 0) / mean(false, 0),
+        mean(true, 1),
+        mean(false, 1),
+        mean(true, 1) / mean(false, 1)
+    );
+    }
+}
