@@ -42,12 +42,17 @@ pub(crate) type EngineClient = Client<HttpConnector, BoxBody>;
 /// Largest models/health response body read from the engine, bytes.
 const MAX_PROBE_BODY_BYTES: usize = 1024 * 1024;
 
-/// A client for the engine: plain HTTP, `TCP_NODELAY`, 5 s connect timeout.
+/// A client for the engine: plain HTTP, `TCP_NODELAY`, 5 s connect timeout, idle connections
+/// kept 2 s: less than the engines' own keep-alive (llama.cpp's HTTP server closes an idle
+/// connection after 5 s), so a request is rarely sent on a connection the engine is closing.
 pub(crate) fn engine_client() -> EngineClient {
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
     connector.set_connect_timeout(Some(Duration::from_secs(5)));
-    Client::builder(TokioExecutor::new()).build(connector)
+    Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(Duration::from_secs(2))
+        .pool_timer(hyper_util::rt::TokioTimer::new())
+        .build(connector)
 }
 
 /// Errors talking to the engine.

@@ -135,7 +135,7 @@ impl EngineProxy {
 
     /// The checked body, or the error answer (see [`EngineProxy::with_guard`]). Never logs the
     /// body.
-    async fn checked_body(&self, body: Incoming) -> Result<BoxBody, Response<BoxBody>> {
+    async fn checked_body(&self, body: Incoming) -> Result<Bytes, Response<BoxBody>> {
         let bytes = match http_body_util::Limited::new(body, MAX_CHECKED_BODY_BYTES)
             .collect()
             .await
@@ -189,7 +189,7 @@ impl EngineProxy {
                 "model_not_found",
             ));
         }
-        Ok(Full::new(bytes).map_err(|e| match e {}).boxed_unsync())
+        Ok(bytes)
     }
 
     /// Forwards an allowed request (query string dropped, headers filtered, the body of a `GET`
@@ -221,6 +221,8 @@ impl EngineProxy {
             }
         };
         let (mut parts, body) = req.into_parts();
+        // a body read whole here can be sent again (see `stale_connection`)
+        let mut replay: Option<Bytes> = None;
         let body = if parts.method == Method::GET || parts.method == Method::HEAD {
             // never a body on GET/HEAD: a naive engine could read it as the next request
             // (request smuggling); dropped unread, and its length with it
@@ -231,19 +233,36 @@ impl EngineProxy {
                 .boxed_unsync()
         } else if self.guard.check_json_and_model && parts.method == Method::POST {
             match self.checked_body(body).await {
-                Ok(body) => body,
+                Ok(bytes) => {
+                    replay = Some(bytes.clone());
+                    full(bytes)
+                }
                 Err(refusal) => return refusal,
             }
         } else {
             body.map_err(BoxError::from).boxed_unsync()
         };
-        let mut upstream = Request::new(body);
-        *upstream.method_mut() = parts.method;
-        *upstream.uri_mut() = uri;
-        *upstream.headers_mut() = filter_headers(&parts.headers, true);
+        let headers = filter_headers(&parts.headers, true);
+        let upstream = |body: BoxBody| {
+            let mut upstream = Request::new(body);
+            *upstream.method_mut() = parts.method.clone();
+            *upstream.uri_mut() = uri.clone();
+            *upstream.headers_mut() = headers.clone();
+            upstream
+        };
 
         debug!(%method, path = target, "forwarding to the engine");
-        match self.client.request(upstream).await {
+        let mut answer = self.client.request(upstream(body)).await;
+        if let (Err(e), Some(bytes)) = (&answer, replay) {
+            if stale_connection(e) {
+                // a pooled keep-alive connection the engine closed as the request went out
+                // (llama.cpp closes idle ones after 5 s): the engine never read it; once more
+                // on a fresh connection
+                debug!(error = %e, path = target, "engine connection was stale; sending again");
+                answer = self.client.request(upstream(full(bytes))).await;
+            }
+        }
+        match answer {
             Ok(resp) => {
                 let (mut parts, body) = resp.into_parts();
                 parts.headers = filter_headers(&parts.headers, false);
@@ -265,6 +284,26 @@ impl EngineProxy {
             }
         }
     }
+}
+
+/// A body of bytes already read.
+fn full(bytes: Bytes) -> BoxBody {
+    Full::new(bytes).map_err(|e| match e {}).boxed_unsync()
+}
+
+/// Whether the engine request failed because its pooled connection was closed under it before
+/// any answer (hyper: "connection closed before message completed", or the request canceled
+/// with its connection): the race between reusing an idle keep-alive connection and the
+/// engine closing it. Nothing was answered, so the request may be sent again.
+fn stale_connection(err: &hyper_util::client::legacy::Error) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(err);
+    while let Some(e) = source {
+        if let Some(h) = e.downcast_ref::<hyper::Error>() {
+            return h.is_incomplete_message() || h.is_canceled();
+        }
+        source = e.source();
+    }
+    false
 }
 
 impl tower::Service<Request<Incoming>> for EngineProxy {
@@ -531,6 +570,71 @@ mod tests {
             !head.to_ascii_lowercase().contains("transfer-encoding"),
             "{head}"
         );
+    }
+
+    /// The engine closes a kept-alive connection as the next request goes out on it (llama.cpp
+    /// closes idle ones after 5 s): the request is sent again on a fresh connection, and the
+    /// caller sees only the answer.
+    #[tokio::test]
+    async fn a_request_on_a_connection_the_engine_closed_is_sent_again() {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let engine_url: Uri = format!("http://{}", listener.local_addr().unwrap())
+            .parse()
+            .unwrap();
+        let answered = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counter = answered.clone();
+        tokio::spawn(async move {
+            // the first connection answers one request, then closes on the next one unanswered;
+            // later connections answer everything
+            let mut first = true;
+            loop {
+                let (mut tcp, _) = listener.accept().await.unwrap();
+                let close_after_one = std::mem::take(&mut first);
+                let counter = counter.clone();
+                tokio::spawn(async move {
+                    let mut buf = [0u8; 8192];
+                    let mut served = 0;
+                    loop {
+                        let mut seen = Vec::new();
+                        while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
+                            match tcp.read(&mut buf).await {
+                                Ok(0) | Err(_) => return,
+                                Ok(n) => seen.extend_from_slice(&buf[..n]),
+                            }
+                        }
+                        if close_after_one && served == 1 {
+                            return; // closed under the request, nothing answered
+                        }
+                        served += 1;
+                        counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                        let answer = "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}";
+                        if tcp.write_all(answer.as_bytes()).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        let proxy = EngineProxy::new(crate::engine::engine_client(), engine_url, "/health")
+            .with_guard(
+                RequestGuard {
+                    check_json_and_model: true,
+                },
+                vec![spine_core::ModelId::new("smollm2")],
+            );
+        let base = serve_proxy(proxy).await;
+        for _ in 0..2 {
+            let req = Request::post(format!("{base}/v1/chat/completions"))
+                .header("content-type", "application/json")
+                .body(Full::new(Bytes::from_static(b"{\"model\":\"smollm2\"}")))
+                .unwrap();
+            let resp = client().request(req).await.unwrap();
+            assert_eq!(resp.status(), StatusCode::OK);
+            let body = resp.into_body().collect().await.unwrap().to_bytes();
+            assert_eq!(&body[..], b"{}");
+        }
+        assert_eq!(answered.load(std::sync::atomic::Ordering::SeqCst), 2);
     }
 
     #[tokio::test]
