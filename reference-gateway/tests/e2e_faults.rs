@@ -414,22 +414,52 @@ async fn killed_mid_stream(
 /// no hold active, every accepted request recorded, Σ debits = Σ operator credits + fees, the
 /// account paid and the operator earned exactly that.
 ///
+/// 0. the agent serving a stream is stopped (SIGSTOP) mid-stream, then continued;
 /// 1. the agent serving a stream is killed (SIGKILL) mid-stream;
 /// 2. the engine serving a stream is killed (SIGKILL) mid-stream, another node up;
 /// 3. a burst of 12 concurrent requests against a balance that covers only a few of them.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn fault_matrix_keeps_the_books() {
+///
+/// On SQLite and on PostgreSQL.
+async fn fault_matrix(pg: Option<&common::PgDb>) {
     let engine = Engine::discover().unwrap();
     let dir = tempfile::tempdir().unwrap();
     let mut llama_a = LlamaServer::start(&engine, 2).await.unwrap();
     let mut llama_b = LlamaServer::start(&engine, 2).await.unwrap();
-    let gw = Gateway::start(dir.path(), &engine).await;
+    let extra = pg.map_or(String::new(), |db| format!("database_url = \"{}\"", db.url));
+    let gw = Gateway::start_with(dir.path(), &engine, &extra).await;
     let t = tenant(&gw).await;
-    let ledger = common::LedgerDb::open(dir.path(), None).await;
+    let ledger = common::LedgerDb::open(dir.path(), pg).await;
     let mut accepted = Vec::new();
 
-    // --- 1. agent killed mid-stream -------------------------------------------------------
+    // --- 0. agent stopped mid-stream: the tunnel's keepalive declares it dead (≤ 15 s) ------
     let (node_a, mut agent_a) = add_node(&gw, dir.path(), &t.operator, &llama_a.url, "a").await;
+    let resp = long_stream(&gw, &t.api_key).await;
+    let stopped = Stopped::stop(agent_a.id().unwrap());
+    let id = killed_mid_stream(&gw, resp, async {}, "agent stopped mid-stream").await;
+    accepted.push(id);
+    common::audit_ledger(&gw, &ledger, &t, &accepted, "agent stopped mid-stream").await;
+    drop(stopped);
+    // continued, it finds its tunnel gone, dials again and is routable once more
+    let established = |agent: &spine_test_support::Child| {
+        agent
+            .stderr_lines()
+            .iter()
+            .filter(|l| l.contains("tunnel established"))
+            .count()
+    };
+    for _ in 0..600 {
+        if established(&agent_a) >= 2 && routable(&gw, &node_a).await {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        established(&agent_a) >= 2 && routable(&gw, &node_a).await,
+        "{}",
+        agent_a.stderr_tail(20)
+    );
+
+    // --- 1. agent killed mid-stream -------------------------------------------------------
     let resp = long_stream(&gw, &t.api_key).await;
     accepted.push(killed_mid_stream(&gw, resp, agent_a.kill(), "agent killed mid-stream").await);
     common::audit_ledger(&gw, &ledger, &t, &accepted, "agent killed mid-stream").await;
@@ -539,6 +569,17 @@ async fn fault_matrix_keeps_the_books() {
     let (balance, _) = gw.balance(&small).await;
     assert!(balance <= SMALL_CREDIT, "{balance}");
     println!("fault matrix: {audit:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fault_matrix_keeps_the_books_on_sqlite() {
+    fault_matrix(None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fault_matrix_keeps_the_books_on_postgresql() {
+    let db = common::PgDb::create();
+    fault_matrix(Some(&db)).await;
 }
 
 /// The gateway killed (SIGKILL) with a stream in flight, then started again on the same data
