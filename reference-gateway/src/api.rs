@@ -262,9 +262,9 @@ async fn proxy(state: &AppState, req: Request, kind: RequestKind) -> Response {
     }
 }
 
-/// A streamed answer has begun: records its node on the request's hold
+/// A streamed answer has begun: records its node and the counted prompt on the request's hold
 /// (`Ledger::note_hold`), off the response path, so that if this process dies before the
-/// stream settles, the sweep's record names the node that served it. One small write per
+/// stream settles, the sweep's record names the node that served it and the prompt it read. One small write per
 /// streamed request; a non-streamed answer is settled as it is returned, so it needs none.
 fn note_serving_node(
     state: &AppState,
@@ -277,6 +277,10 @@ fn note_serving_node(
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.starts_with("text/event-stream"));
     let node = resp.extensions().get::<spine_core::NodeId>().cloned();
+    let known = resp
+        .extensions()
+        .get::<spine_meter::meter::CountedUsage>()
+        .map(|c| c.0);
     let (Some(request_id), Some(node), true) =
         (request_id, node, streamed && resp.status().is_success())
     else {
@@ -286,7 +290,7 @@ fn note_serving_node(
     tokio::spawn(async move {
         let note = spine_meter::HoldNote {
             node: Some(node),
-            known: None,
+            known,
         };
         if let Err(e) = store.note_hold(request_id, note).await {
             tracing::debug!(error = %e, "noting the serving node on the hold failed");

@@ -107,6 +107,12 @@ pub use future::ResponseFuture;
 pub use layer::{Catalog, CatalogEntry, MeterConfig, MeterLayer, Settlements};
 pub use service::Meter;
 
+/// A response extension on a streamed answer: the usage the metering layer had counted when the
+/// answer began (the prompt; 0 completion tokens). A binary may note it on the request's hold
+/// (`Ledger::note_hold`), so that a sweep after a crash records what was known.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CountedUsage(pub spine_core::Usage);
+
 #[cfg(test)]
 mod tests;
 #[cfg(test)]

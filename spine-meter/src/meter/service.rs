@@ -14,7 +14,7 @@ use super::admission::{AdmissionEvents, AdmitGuard};
 use super::body::{meter_json, MeterBody, StreamSettings};
 use super::embeddings::meter_embeddings;
 use super::settle::SettleCtx;
-use super::{AdmissionRequest, MeterConfig, MeterError, ResponseFuture};
+use super::{AdmissionRequest, CountedUsage, MeterConfig, MeterError, ResponseFuture};
 use crate::{inject_include_usage, LedgerError, ModelTokenizer};
 
 /// The metering middleware. See the [module docs](super).
@@ -322,6 +322,10 @@ where
             max_stream_duration: config.max_stream_duration,
             slot: Some(guard.slot.clone()),
         };
+        parts.extensions.insert(CountedUsage(Usage {
+            prompt_tokens: ctx.prompt_tokens,
+            completion_tokens: 0,
+        }));
         let body = MeterBody::streaming(body, ctx, settings);
         return Ok(http::Response::from_parts(parts, BoxBody::new(body)));
     }
