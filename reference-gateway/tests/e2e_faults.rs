@@ -208,6 +208,7 @@ async fn a_hung_engine_with_full_slots_leaves_routing_within_15_s() {
     assert!(routable(&gw, &node_b).await);
 
     // later requests go to node B, with no wait for node A
+    let mut accepted = Vec::new();
     for _ in 0..3 {
         let started = Instant::now();
         let resp = gw
@@ -226,6 +227,7 @@ async fn a_hung_engine_with_full_slots_leaves_routing_within_15_s() {
         assert!(took < Duration::from_secs(15), "{took:?}");
         let rec = gw.record(&id).await;
         assert_eq!(rec["node"], node_b.as_str(), "{rec}");
+        accepted.push(id);
     }
 
     // the engine resumes: the node comes back once a probe passes (probed every 1 s while out)
@@ -239,10 +241,13 @@ async fn a_hung_engine_with_full_slots_leaves_routing_within_15_s() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     println!("node back {:?} after SIGCONT", resumed_at.elapsed());
+    for stuck in [&stuck_1, &stuck_2] {
+        accepted.push(stuck.headers()["x-request-id"].to_str().unwrap().to_owned());
+    }
     drop((stuck_1, stuck_2));
-    // nothing stays held once the streams are gone
-    let (_, held) = gw.balance_once_released(&t.account).await;
-    assert_eq!(held, 0);
+    // nothing stays held once the streams are gone, and the books balance
+    let ledger = common::LedgerDb::open(dir.path(), None).await;
+    common::audit_ledger(&gw, &ledger, &t, &accepted, "engine stopped").await;
 }
 
 /// A streamed chat that generates `max_tokens` tokens (end tokens banned), each chunk carrying
@@ -417,7 +422,8 @@ async fn killed_mid_stream(
 /// 0. the agent serving a stream is stopped (SIGSTOP) mid-stream, then continued;
 /// 1. the agent serving a stream is killed (SIGKILL) mid-stream;
 /// 2. the engine serving a stream is killed (SIGKILL) mid-stream, another node up;
-/// 3. a burst of 12 concurrent requests against a balance that covers only a few of them.
+/// 3. a burst of 12 concurrent requests against a balance that covers only a few of them;
+/// 4. the gateway stopped (SIGSTOP) mid-stream for 20 s, then continued.
 ///
 /// On SQLite and on PostgreSQL.
 async fn fault_matrix(pg: Option<&common::PgDb>) {
@@ -557,7 +563,7 @@ async fn fault_matrix(pg: Option<&common::PgDb>) {
         served >= 1 && refused >= 1,
         "{served} served, {refused} refused"
     );
-    let audit = common::audit_ledger_of(
+    common::audit_ledger_of(
         &gw,
         &ledger,
         &[(&t.account, common::CREDITS), (&small, SMALL_CREDIT)],
@@ -568,6 +574,44 @@ async fn fault_matrix(pg: Option<&common::PgDb>) {
     .await;
     let (balance, _) = gw.balance(&small).await;
     assert!(balance <= SMALL_CREDIT, "{balance}");
+
+    // --- 4. the gateway stopped (SIGSTOP) mid-stream for 20 s, then continued ---------------
+    // its agents' keepalive (10 s + 5 s) finds it dead and they dial again; the stream it was
+    // serving ends with the error event once it runs again, and settles
+    let resp = long_stream(&gw, &t.api_key).await;
+    let gateway = Stopped::stop(gw.child.id().unwrap());
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    drop(gateway);
+    let id = killed_mid_stream(&gw, resp, async {}, "gateway stopped for 20 s").await;
+    accepted.push(id);
+    // and it serves again, once an agent is back
+    let mut served = None;
+    for _ in 0..60 {
+        let resp = gw
+            .api_post(
+                &t.api_key,
+                "/v1/chat/completions",
+                &json!({"model":"smollm2","max_tokens":4,
+                        "messages":[{"role":"user","content":"Say hi."}]}),
+            )
+            .await;
+        if resp.status() == 200 {
+            served = Some(resp.headers()["x-request-id"].to_str().unwrap().to_owned());
+            let _ = resp.bytes().await;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    accepted.push(served.expect("served again after the gateway was continued"));
+    let audit = common::audit_ledger_of(
+        &gw,
+        &ledger,
+        &[(&t.account, common::CREDITS), (&small, SMALL_CREDIT)],
+        &t.operator,
+        &accepted,
+        "gateway stopped mid-stream",
+    )
+    .await;
     println!("fault matrix: {audit:?}");
 }
 
@@ -622,7 +666,10 @@ async fn a_gateway_killed_mid_stream_settles_its_hold_at_the_next_start() {
     assert_eq!(rec["node"], node.as_str(), "{rec}");
     assert_eq!(rec["debit_micros"].as_u64(), Some(0), "{rec}");
     // the usage known when the answer began: the counted prompt
-    assert!(rec["billed"]["prompt_tokens"].as_u64().unwrap() > 0, "{rec}");
+    assert!(
+        rec["billed"]["prompt_tokens"].as_u64().unwrap() > 0,
+        "{rec}"
+    );
     let ledger = common::LedgerDb::open(dir.path(), None).await;
     common::audit_ledger(&gw, &ledger, &t, &[id], "gateway killed mid-stream").await;
 }
