@@ -546,6 +546,10 @@ impl GeneratedText {
         if let Some(t) = part.get("content").and_then(Value::as_str) {
             self.content.push_str(t);
         }
+        // a refusal is generated text too (OpenAI bills it as completion tokens)
+        if let Some(t) = part.get("refusal").and_then(Value::as_str) {
+            self.content.push_str(t);
+        }
         // reasoning: `reasoning_content` (llama.cpp, SGLang, older vLLM) or `reasoning` (vLLM
         // since early 2026, Ollama's OpenAI layer); vLLM sent both, the same text, while it
         // moved from one to the other, so the longer is counted, once

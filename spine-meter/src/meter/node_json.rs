@@ -197,6 +197,7 @@ pub(super) fn read_choices(
                 }
                 _ => {}
             }
+            check_text_types(&c)?;
             let index = match c.get("index") {
                 None | Some(Value::Null) => pos as u64,
                 Some(v) => v.as_u64().ok_or("a choice's index is not an integer")?,
@@ -228,6 +229,37 @@ pub(super) fn read_choices(
             })
         })
         .collect()
+}
+
+/// Whether every member that carries generated text has its type in OpenAI's shape: `text`,
+/// and a `delta` / `message` object's `content`, `refusal`, `reasoning_content`, `reasoning`,
+/// strings (or null); `tool_calls` an array (or null). Anything else (content as an array of
+/// parts, a number) would reach the caller as text that is never counted.
+fn check_text_types(choice: &Value) -> Result<(), &'static str> {
+    let string_or_null = |v: Option<&Value>| v.is_none_or(|v| v.is_null() || v.is_string());
+    if !string_or_null(choice.get("text")) {
+        return Err("a choice's text is not a string");
+    }
+    for part in ["delta", "message"] {
+        let Some(p) = choice.get(part).filter(|p| !p.is_null()) else {
+            continue;
+        };
+        if !p.is_object() {
+            return Err("a choice's delta or message is not an object");
+        }
+        for field in ["content", "refusal", "reasoning_content", "reasoning"] {
+            if !string_or_null(p.get(field)) {
+                return Err("a choice's content is not a string");
+            }
+        }
+        if !p
+            .get("tool_calls")
+            .is_none_or(|t| t.is_null() || t.is_array())
+        {
+            return Err("a choice's tool_calls is not an array");
+        }
+    }
+    Ok(())
 }
 
 /// The message of an engine's error object: `error.message`, a string `error`, or a top-level
@@ -345,6 +377,23 @@ mod tests {
             r#"[{"index":0,"delta":{"content":"Hi","reasoning":"think","reasoning_content":"other"}}]"#,
         );
         assert!(read_choices(&two, RequestKind::ChatCompletions).is_err());
+        // generated text in a type the SDK shows but the count does not read
+        for bad in [
+            r#"[{"index":0,"delta":{"content":[{"type":"text","text":"free"}]}}]"#,
+            r#"[{"index":0,"delta":{"reasoning":{"text":"free"}}}]"#,
+            r#"[{"index":0,"delta":"free"}]"#,
+            r#"[{"index":0,"delta":{"tool_calls":{"0":{}}}}]"#,
+        ] {
+            assert!(
+                read_choices(&raw(bad), RequestKind::ChatCompletions).is_err(),
+                "{bad}"
+            );
+        }
+        assert!(read_choices(
+            &raw(r#"[{"index":0,"text":["free"]}]"#),
+            RequestKind::Completions
+        )
+        .is_err());
         // a member set to null is absent
         let null_text = raw(r#"[{"index":0,"text":null,"delta":{"content":"Hi"}}]"#);
         assert!(read_choices(&null_text, RequestKind::ChatCompletions).is_ok());
