@@ -267,13 +267,13 @@ pub(crate) struct ModelConfig {
 }
 
 fn default_public_listen() -> SocketAddr {
-    SocketAddr::from(([127, 0, 0, 1], 8080))
+    SocketAddr::from(([127, 0, 0, 1], 8400))
 }
 fn default_tunnel_listen() -> SocketAddr {
     SocketAddr::from(([0, 0, 0, 0], 19000))
 }
 fn default_admin_listen() -> SocketAddr {
-    SocketAddr::from(([127, 0, 0, 1], 8081))
+    SocketAddr::from(([127, 0, 0, 1], 8401))
 }
 fn default_data_dir() -> PathBuf {
     PathBuf::from(".spine")
