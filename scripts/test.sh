@@ -20,6 +20,8 @@ echo "[test] services the tests use: PostgreSQL and Redis on 127.0.0.1 (scripts/
 scripts/services.sh
 echo "[test] cargo test --workspace --no-fail-fast (every failing test binary is reported)" >&2
 cargo test --workspace --no-fail-fast
+echo "[test] the README's quick start, exactly as written (scripts/readme-quickstart.sh)" >&2
+scripts/readme-quickstart.sh
 echo "[test] fuzz targets build (cargo check)" >&2
 cargo check --quiet --manifest-path fuzz/Cargo.toml --bins --target-dir "${CARGO_TARGET_DIR:-target}"
 
