@@ -211,17 +211,8 @@ async fn a_hung_engine_with_full_slots_leaves_routing_within_15_s() {
     let mut accepted = Vec::new();
     for _ in 0..3 {
         let started = Instant::now();
-        let resp = gw
-            .api_post(
-                &t.api_key,
-                "/v1/chat/completions",
-                &json!({"model":"smollm2","max_tokens":4,
-                        "messages":[{"role":"user","content":"Say hi."}]}),
-            )
-            .await;
-        let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
-        assert_eq!(resp.status(), 200);
-        let _ = resp.bytes().await;
+        let (status, id) = gw.say_hi(&t.api_key).await;
+        assert_eq!(status, 200);
         let took = started.elapsed();
         println!("request served in {took:?}");
         assert!(took < Duration::from_secs(15), "{took:?}");
@@ -344,17 +335,8 @@ async fn slow_readers_leave_the_node_slots_free_once_generation_ends() {
     let rss_peak = gw.rss_kib();
     // a ninth caller is served while the 8 still hold their unread answers
     let ninth_at = Instant::now();
-    let resp = gw
-        .api_post(
-            &t.api_key,
-            "/v1/chat/completions",
-            &json!({"model":"smollm2","max_tokens":8,
-                    "messages":[{"role":"user","content":"Say hi."}]}),
-        )
-        .await;
-    assert_eq!(resp.status(), 200);
-    let ninth_id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
-    let _ = resp.bytes().await.unwrap();
+    let (status, ninth_id) = gw.say_hi(&t.api_key).await;
+    assert_eq!(status, 200);
     let ninth = ninth_at.elapsed();
     let grown_kib = rss_peak.saturating_sub(rss_before);
     println!(
@@ -494,17 +476,8 @@ async fn fault_matrix(pg: Option<&common::PgDb>) {
     accepted.push(id);
     // what follows is served, by the other node
     for _ in 0..3 {
-        let resp = gw
-            .api_post(
-                &t.api_key,
-                "/v1/chat/completions",
-                &json!({"model":"smollm2","max_tokens":4,
-                        "messages":[{"role":"user","content":"Say hi."}]}),
-            )
-            .await;
-        assert_eq!(resp.status(), 200);
-        let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
-        let _ = resp.bytes().await;
+        let (status, id) = gw.say_hi(&t.api_key).await;
+        assert_eq!(status, 200);
         assert_eq!(gw.record(&id).await["node"], survivor.as_str());
         accepted.push(id);
     }
@@ -587,17 +560,9 @@ async fn fault_matrix(pg: Option<&common::PgDb>) {
     // and it serves again, once an agent is back
     let mut served = None;
     for _ in 0..60 {
-        let resp = gw
-            .api_post(
-                &t.api_key,
-                "/v1/chat/completions",
-                &json!({"model":"smollm2","max_tokens":4,
-                        "messages":[{"role":"user","content":"Say hi."}]}),
-            )
-            .await;
-        if resp.status() == 200 {
-            served = Some(resp.headers()["x-request-id"].to_str().unwrap().to_owned());
-            let _ = resp.bytes().await;
+        let (status, id) = gw.say_hi(&t.api_key).await;
+        if status == 200 {
+            served = Some(id);
             break;
         }
         tokio::time::sleep(Duration::from_millis(500)).await;

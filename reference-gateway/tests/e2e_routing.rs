@@ -144,16 +144,6 @@ impl TwoNodes {
     }
 }
 
-async fn node_view(gw: &Gateway, node_id: &str) -> Option<Value> {
-    let (_, nodes) = gw.admin_get("/admin/v1/nodes").await;
-    nodes["data"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|n| n["node_id"] == node_id)
-        .cloned()
-}
-
 /// One streamed chat turn: (request id, status, SSE data events, TTFT of the first content).
 async fn chat(
     gw: &Gateway,
@@ -244,7 +234,7 @@ async fn retries_before_the_first_byte_never_after_and_charges_once() {
     let _ = messages;
     let hostile_attempts = before_first.chats.load(Ordering::SeqCst);
     assert!(hostile_attempts >= 1, "the hostile node was never picked");
-    let bad_view = node_view(&gw, &bad).await.unwrap();
+    let bad_view = gw.node_view(&bad).await.unwrap();
     assert_eq!(bad_view["attempts"], hostile_attempts);
     assert_eq!(bad_view["failures"], hostile_attempts);
     assert!(
@@ -253,7 +243,16 @@ async fn retries_before_the_first_byte_never_after_and_charges_once() {
             .unwrap()
             < 0.9
     );
-    let good_view = node_view(&gw, &good).await.unwrap();
+    // an attempt is recorded when the gateway drops the answer's body, which may be a moment
+    // after the caller read its last byte
+    let mut good_view = gw.node_view(&good).await.unwrap();
+    for _ in 0..100 {
+        if good_view["attempts"].as_u64() == Some(ids.len() as u64) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        good_view = gw.node_view(&good).await.unwrap();
+    }
     assert_eq!(good_view["attempts"].as_u64().unwrap(), ids.len() as u64);
     assert_eq!(good_view["failures"], 0);
     // one record per request, all on the good node, completed; the debits add up to what left
@@ -272,7 +271,7 @@ async fn retries_before_the_first_byte_never_after_and_charges_once() {
     let after_first = HostileEngine::start(Hostile::BreakAfterFirstToken).await;
     let (breaker, _breaker_agent) =
         add_node(&gw, dir.path(), &t.operator, &after_first.url, "bad-after").await;
-    let good_before = node_view(&gw, &good).await.unwrap()["attempts"]
+    let good_before = gw.node_view(&good).await.unwrap()["attempts"]
         .as_u64()
         .unwrap();
     let mut broken = None;
@@ -295,10 +294,17 @@ async fn retries_before_the_first_byte_never_after_and_charges_once() {
     assert_eq!(after_first.chats.load(Ordering::SeqCst), 1);
     // no retry: the attempts of all nodes grew by exactly the requests sent (the hostile
     // before-first-byte node may have been tried, and then retried, in the earlier requests)
-    let good_after = node_view(&gw, &good).await.unwrap()["attempts"]
-        .as_u64()
-        .unwrap();
-    let breaker_view = node_view(&gw, &breaker).await.unwrap();
+    let mut good_after = 0;
+    for _ in 0..100 {
+        good_after = gw.node_view(&good).await.unwrap()["attempts"]
+            .as_u64()
+            .unwrap();
+        if (good_after - good_before) + 1 >= sent {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let breaker_view = gw.node_view(&breaker).await.unwrap();
     assert_eq!(breaker_view["attempts"], 1);
     assert_eq!(breaker_view["disconnects"], 1);
     assert!(
@@ -345,7 +351,7 @@ async fn chat_sticks_to_its_node_and_moves_when_the_node_dies() {
     }
     assert!(served.iter().all(|n| *n == served[0]), "{served:?}");
     let sticky = served[0].clone();
-    let view = node_view(&gw, &sticky).await.unwrap();
+    let view = gw.node_view(&sticky).await.unwrap();
     assert_eq!(view["sticky"]["hits"], 5, "{view}");
     assert_eq!(view["sticky"]["affinity_entries"], 1, "{view}");
     let metrics = gw.metrics().await;
@@ -358,7 +364,7 @@ async fn chat_sticks_to_its_node_and_moves_when_the_node_dies() {
     let i = agents.iter().position(|(n, _)| *n == sticky).unwrap();
     agents[i].1.kill().await;
     for _ in 0..100 {
-        if node_view(&gw, &sticky).await.is_none() {
+        if gw.node_view(&sticky).await.is_none() {
             break;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -445,7 +451,7 @@ async fn conversation(
                 let i = agents.iter().position(|(n, _)| *n == node).unwrap();
                 agents[i].1.kill().await;
                 for _ in 0..100 {
-                    if node_view(gw, &node).await.is_none() {
+                    if gw.node_view(&node).await.is_none() {
                         break;
                     }
                     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -586,7 +592,7 @@ async fn caller_input_that_makes_llama_500_does_not_penalise_healthy_nodes() {
     println!("caller statuses {statuses:?}");
     assert!(statuses.iter().all(|s| *s >= 500), "{statuses:?}");
     for n in [&node_a, &node_b] {
-        let v = node_view(&gw, n).await.unwrap();
+        let v = gw.node_view(n).await.unwrap();
         println!(
             "node {n}: score {} failure_penalty {} attempts {} failures {}",
             v["score"], v["score_parts"]["failure_penalty"], v["attempts"], v["failures"]
@@ -611,11 +617,17 @@ async fn caller_input_that_makes_llama_500_does_not_penalise_healthy_nodes() {
     let (_, status, events, _) = chat(&gw, &t.api_key, &messages, 4).await;
     assert_eq!(status, 200, "{events:?}");
     assert!(!text_of(&events).is_empty(), "{events:?}");
+    // recorded when the gateway drops the answer's body, a moment after the caller's last byte
     let mut attempts = 0;
-    for n in [&node_a, &node_b] {
-        attempts += node_view(&gw, n).await.unwrap()["attempts"]
-            .as_u64()
-            .unwrap();
+    for _ in 0..100 {
+        attempts = 0;
+        for n in [&node_a, &node_b] {
+            attempts += gw.node_view(n).await.unwrap()["attempts"].as_u64().unwrap();
+        }
+        if attempts >= 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(attempts, 1);
 }

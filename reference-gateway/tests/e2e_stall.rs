@@ -136,17 +136,6 @@ impl StallingEngine {
     }
 }
 
-/// The node's entry in `GET /admin/v1/nodes`, if routable.
-async fn node_view(gw: &Gateway, node_id: &str) -> Option<Value> {
-    let (_, nodes) = gw.admin_get("/admin/v1/nodes").await;
-    nodes["data"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|n| n["node_id"] == node_id)
-        .cloned()
-}
-
 /// One streamed chat: (request id, status, SSE data events). Fails the test if the stream has
 /// not ended within 30 s.
 async fn chat(gw: &Gateway, key: &str) -> (String, u16, Vec<String>) {
@@ -190,7 +179,8 @@ async fn a_stream_stalled_after_its_first_token_is_cut_settled_and_scored() {
     } = tenant(&gw).await;
     // one node: a real agent in front of the stalling engine
     let (node_id, agent) = add_node(&gw, dir.path(), &operator, &fake.url, "agent").await;
-    let before = node_view(&gw, &node_id)
+    let before = gw
+        .node_view(&node_id)
         .await
         .unwrap_or_else(|| panic!("node not listed; agent stderr:\n{}", agent.stderr_tail(30)));
     assert_eq!(before["disconnects"], 0);
@@ -230,7 +220,7 @@ async fn a_stream_stalled_after_its_first_token_is_cut_settled_and_scored() {
     assert_eq!(balance, (CREDITS, 0));
 
     // the node: scored as a mid-request disconnect, its slot freed
-    let after = node_view(&gw, &node_id).await.unwrap();
+    let after = gw.node_view(&node_id).await.unwrap();
     assert_eq!(after["attempts"], 1, "{after}");
     assert_eq!(after["disconnects"], 1, "{after}");
     assert_eq!(after["in_flight"], 0, "{after}");

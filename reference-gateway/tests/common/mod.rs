@@ -177,8 +177,8 @@ output_price_micros_per_mtok = {OUTPUT_PRICE}
             .unwrap()
     }
 
-    /// The node's entry in `GET /admin/v1/nodes` (it must be listed).
-    pub async fn node(&self, node_id: &str) -> Value {
+    /// The node's entry in `GET /admin/v1/nodes`, if listed.
+    pub async fn node_view(&self, node_id: &str) -> Option<Value> {
         let (_, nodes) = self.admin_get("/admin/v1/nodes").await;
         nodes["data"]
             .as_array()
@@ -186,7 +186,34 @@ output_price_micros_per_mtok = {OUTPUT_PRICE}
             .iter()
             .find(|n| n["node_id"] == node_id)
             .cloned()
-            .unwrap_or_else(|| panic!("node {node_id} not listed: {nodes}"))
+    }
+
+    /// The node's entry in `GET /admin/v1/nodes` (it must be listed).
+    pub async fn node(&self, node_id: &str) -> Value {
+        self.node_view(node_id)
+            .await
+            .unwrap_or_else(|| panic!("node {node_id} not listed"))
+    }
+
+    /// A short non-streamed chat ("Say hi.", 4 tokens): `(status, request id)`, the body read.
+    pub async fn say_hi(&self, key: &str) -> (u16, String) {
+        let resp = self
+            .api_post(
+                key,
+                "/v1/chat/completions",
+                &json!({"model":"smollm2","max_tokens":4,
+                        "messages":[{"role":"user","content":"Say hi."}]}),
+            )
+            .await;
+        let status = resp.status().as_u16();
+        let id = resp
+            .headers()
+            .get("x-request-id")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_owned();
+        let _ = resp.bytes().await;
+        (status, id)
     }
 
     /// The settled record; settlement runs after the body ends, so poll briefly.
