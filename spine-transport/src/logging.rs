@@ -20,13 +20,16 @@ pub fn env_filter() -> EnvFilter {
 
 /// Logs to stderr through [`env_filter`], and drops `debug`/`trace` events of the
 /// payload-logging libraries whatever `RUST_LOG` says, even a directive naming one of their
-/// modules (which would otherwise beat the cap). Call once, at start-up.
+/// modules (which would otherwise beat the cap). Colours only when stderr is a terminal (not in
+/// a log file or a pipe). Call once, at start-up.
 pub fn init() {
+    use std::io::IsTerminal as _;
     let cap = tracing_subscriber::filter::filter_fn(|meta| {
         *meta.level() <= tracing::Level::INFO || !is_payload_logging_target(meta.target())
     });
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_env_filter(env_filter())
         .finish()
         .with(cap)
