@@ -23,7 +23,8 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use common::{
-    add_node, fake_llama_meta, full, serve_fake_engine, sse, tenant, FakeBody, Gateway, CREDITS,
+    add_node, fake_llama_meta, full, serve_fake_engine, sse, sse_data, tenant, FakeBody, Gateway,
+    CREDITS,
 };
 use http_body_util::BodyExt as _;
 use hyper::body::{Frame, Incoming};
@@ -393,7 +394,12 @@ async fn killed_mid_stream(
         rec["outcome"], rec["billed"]
     );
     assert!(!text.contains("data: [DONE]"), "{case}: {text}");
-    assert_ne!(rec["outcome"], "completed", "{case}: {rec}");
+    // the caller's stream ends with the gateway's error event, and the caller pays nothing
+    let last = sse_data(&text);
+    let last: Value = serde_json::from_str(last.last().unwrap()).unwrap();
+    assert_eq!(last["error"]["code"], "upstream_failed", "{case}: {text}");
+    assert_eq!(rec["outcome"], "upstream_failed", "{case}: {rec}");
+    assert_eq!(rec["debit_micros"].as_u64(), Some(0), "{case}: {rec}");
     id
 }
 
@@ -484,22 +490,9 @@ async fn fault_matrix(pg: Option<&common::PgDb>) {
     common::audit_ledger(&gw, &ledger, &t, &accepted, "engine killed mid-stream").await;
 
     // --- 3. a burst against a small balance ------------------------------------------------
-    let (s, acct) = gw.admin_post("/admin/v1/accounts", json!({})).await;
-    assert_eq!(s, 201);
-    let small = acct["id"].as_str().unwrap().to_owned();
-    let (_, key) = gw
-        .admin_post(&format!("/admin/v1/accounts/{small}/keys"), json!({}))
-        .await;
-    let small_key = key["key"].as_str().unwrap().to_owned();
     // 64 tokens at 0.6 micros each ≈ 40 micros a request: 150 micros cover a few
     const SMALL_CREDIT: u64 = 150;
-    let (s, _) = gw
-        .admin_post(
-            &format!("/admin/v1/accounts/{small}/credits"),
-            json!({"amount_micros": SMALL_CREDIT, "idempotency_key": "small-1"}),
-        )
-        .await;
-    assert_eq!(s, 200);
+    let (small, small_key) = common::account_with_credit(&gw, SMALL_CREDIT).await;
     let burst: Vec<_> = (0..12)
         .map(|i| {
             let (http, public, key) = (gw.http.clone(), gw.public.clone(), small_key.clone());

@@ -309,24 +309,11 @@ async fn queue_view(gw: &Gateway) -> Value {
 
 /// A second account, credited `CREDITS`, with its own key.
 async fn second_account(gw: &Gateway) -> Tenant {
-    let (s, acct) = gw.admin_post("/admin/v1/accounts", json!({})).await;
-    assert_eq!(s, 201);
-    let account = acct["id"].as_str().unwrap().to_owned();
-    let (s, key) = gw
-        .admin_post(&format!("/admin/v1/accounts/{account}/keys"), json!({}))
-        .await;
-    assert_eq!(s, 201);
-    let (s, _) = gw
-        .admin_post(
-            &format!("/admin/v1/accounts/{account}/credits"),
-            json!({"amount_micros": CREDITS, "idempotency_key": "topup-b"}),
-        )
-        .await;
-    assert_eq!(s, 200);
+    let (account, api_key) = common::account_with_credit(gw, CREDITS).await;
     Tenant {
         operator: String::new(),
         account,
-        api_key: key["key"].as_str().unwrap().to_owned(),
+        api_key,
     }
 }
 

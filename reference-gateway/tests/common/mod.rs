@@ -360,6 +360,25 @@ pub struct Tenant {
     pub api_key: String,
 }
 
+/// A further account on `gw` credited `micros` once, with an API key: `(account, key)`.
+pub async fn account_with_credit(gw: &Gateway, micros: u64) -> (String, String) {
+    let (s, acct) = gw.admin_post("/admin/v1/accounts", json!({})).await;
+    assert_eq!(s, 201);
+    let account = acct["id"].as_str().unwrap().to_owned();
+    let (s, key) = gw
+        .admin_post(&format!("/admin/v1/accounts/{account}/keys"), json!({}))
+        .await;
+    assert_eq!(s, 201);
+    let (s, credited) = gw
+        .admin_post(
+            &format!("/admin/v1/accounts/{account}/credits"),
+            json!({"amount_micros": micros, "idempotency_key": "first"}),
+        )
+        .await;
+    assert_eq!((s, credited["applied"].as_bool()), (200, Some(true)));
+    (account, key["key"].as_str().unwrap().to_owned())
+}
+
 /// Creates a [`Tenant`] on `gw` through its admin API.
 pub async fn tenant(gw: &Gateway) -> Tenant {
     let (s, op) = gw.admin_post("/admin/v1/operators", json!({})).await;
