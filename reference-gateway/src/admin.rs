@@ -15,7 +15,7 @@ use http::{header, HeaderMap, StatusCode};
 use serde::Deserialize;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
-use spine_core::{AccountId, OperatorId, RequestId};
+use spine_core::{AccountId, ModelId, OperatorId, RequestId};
 use spine_meter::LedgerError;
 
 use crate::api;
@@ -37,6 +37,7 @@ pub(crate) fn router(state: Arc<AppState>) -> Router {
             post(crate::enroll::create_enrollment),
         )
         .route("/admin/v1/nodes", post(register_node).get(list_nodes))
+        .route("/admin/v1/nodes/{id}/reverify", post(reverify_node))
         .route("/admin/v1/queues", get(list_queues))
         .route("/admin/v1/requests/{id}", get(get_request))
         .route("/metrics", get(render_metrics))
@@ -390,10 +391,59 @@ async fn list_nodes(State(state): State<Arc<AppState>>) -> Response {
                 },
                 // tunnel state, streams open and per-model running status (spine-transport)
                 "tunnel": state.tunnels.status(&n.node_id),
+                // model audits (design brief §10): verdict, tokens audited, statistic, thresholds
+                "audit": audit_json(&state, &n.node_id),
             })
         })
         .collect();
     Json(json!({"object": "list", "data": data})).into_response()
+}
+
+/// The audit states of `node` (one per audited model), `[]` when nothing is audited.
+pub(crate) fn audit_json(state: &AppState, node: &spine_core::NodeId) -> Value {
+    state
+        .auditor
+        .as_ref()
+        .map_or_else(|| json!([]), |a| json!(a.statuses_of(node)))
+}
+
+#[derive(Deserialize, Default)]
+struct ReverifyBody {
+    /// The model to re-verify; absent: every audited model of the node.
+    #[serde(default)]
+    model: Option<String>,
+}
+
+/// `POST /admin/v1/nodes/{id}/reverify` `{"model": …}`: the node's operator re-verified it
+/// (e.g. replaced its weights): its test starts over, `unverified`, and it is routed again.
+async fn reverify_node(
+    State(state): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    body: axum::body::Bytes,
+) -> Response {
+    let body: ReverifyBody = match parse_body(&body) {
+        Ok(b) => b,
+        Err(e) => return e.into_response(),
+    };
+    let Some(auditor) = &state.auditor else {
+        return ApiError::not_found("no model is audited (no catalog model sets reference_url)")
+            .into_response();
+    };
+    let node = spine_core::NodeId::new(id.as_str());
+    let models: Vec<ModelId> = match body.model {
+        Some(m) => vec![ModelId::new(m.as_str())],
+        None => auditor
+            .statuses_of(&node)
+            .into_iter()
+            .map(|s| s.model)
+            .collect(),
+    };
+    let reset: Vec<&ModelId> = models
+        .iter()
+        .filter(|m| auditor.reverify(&node, m))
+        .collect();
+    tracing::info!(node = %node, models = ?reset, "audit restarted by the admin");
+    Json(json!({ "node_id": node, "reverified_models": reset })).into_response()
 }
 
 async fn get_request(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
@@ -415,7 +465,10 @@ async fn render_metrics(State(state): State<Arc<AppState>>) -> Response {
             header::CONTENT_TYPE,
             "text/plain; version=0.0.4; charset=utf-8",
         )],
-        state.metrics.render(),
+        {
+            crate::metrics::record_audits(state.auditor.as_ref());
+            state.metrics.render()
+        },
     )
         .into_response()
 }

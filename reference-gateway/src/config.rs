@@ -223,6 +223,78 @@ pub(crate) struct Config {
     /// The model catalog: what callers may ask for, its tokenizer and its price.
     #[serde(default)]
     pub(crate) models: Vec<ModelConfig>,
+    /// Audits of nodes' models against a trusted reference (design brief §10); active for the
+    /// models that set `reference_url`.
+    #[serde(default)]
+    pub(crate) audit: AuditSettings,
+}
+
+/// `[audit]`: how nodes' models are audited (design brief §10; `docs/trust.md`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(crate) struct AuditSettings {
+    /// Share of a passing node's completed requests audited.
+    pub(crate) rate_passing: f64,
+    /// Share audited while a node's model is unverified (new nodes).
+    pub(crate) rate_unverified: f64,
+    /// Share audited while suspect.
+    pub(crate) rate_suspect: f64,
+    /// Probability that one test fails an honest node.
+    pub(crate) alpha: f64,
+    /// Probability that one test passes a substitute.
+    pub(crate) beta: f64,
+    /// Most completion tokens scored per audit.
+    pub(crate) max_tokens: usize,
+    /// Audits scored at once.
+    pub(crate) concurrency: usize,
+    /// Longest one scoring may take before the audit is inconclusive, seconds.
+    pub(crate) timeout_secs: u64,
+}
+
+impl Default for AuditSettings {
+    fn default() -> Self {
+        let d = spine_meter::audit::AuditConfig::default();
+        Self {
+            rate_passing: d.rate_passing,
+            rate_unverified: d.rate_unverified,
+            rate_suspect: d.rate_suspect,
+            alpha: d.sprt.alpha,
+            beta: d.sprt.beta,
+            max_tokens: d.max_tokens,
+            concurrency: d.concurrency,
+            timeout_secs: d.timeout.as_secs(),
+        }
+    }
+}
+
+impl AuditSettings {
+    /// The auditor's configuration, or why these settings make no test.
+    pub(crate) fn audit_config(&self) -> Result<spine_meter::audit::AuditConfig, String> {
+        let mut c = spine_meter::audit::AuditConfig::default();
+        for (name, rate) in [
+            ("rate_passing", self.rate_passing),
+            ("rate_unverified", self.rate_unverified),
+            ("rate_suspect", self.rate_suspect),
+        ] {
+            if !(0.0..=1.0).contains(&rate) {
+                return Err(format!("audit.{name} must be between 0 and 1 (got {rate})"));
+            }
+        }
+        c.rate_passing = self.rate_passing;
+        c.rate_unverified = self.rate_unverified;
+        c.rate_suspect = self.rate_suspect;
+        c.max_tokens = self.max_tokens.max(2);
+        c.concurrency = self.concurrency.max(1);
+        c.timeout = std::time::Duration::from_secs(self.timeout_secs.max(1));
+        c.sprt = c.sprt.with_error_rates(self.alpha, self.beta);
+        if !c.sprt.is_valid() {
+            return Err(format!(
+                "audit.alpha and audit.beta must each be above 0 and below 0.5 (got {} and {})",
+                self.alpha, self.beta
+            ));
+        }
+        Ok(c)
+    }
 }
 
 /// Multi-instance settings, present when `redis_url` is set (checked by [`Config::load`]).
@@ -264,6 +336,14 @@ pub(crate) struct ModelConfig {
     /// Context window in tokens; default from the GGUF.
     #[serde(default)]
     pub(crate) max_context_tokens: Option<u64>,
+    /// The model's identity: the SHA-256 of its GGUF (hex). When set, the gateway refuses to
+    /// start unless `gguf` has exactly these bytes (the reference must serve the same file).
+    #[serde(default)]
+    pub(crate) gguf_sha256: Option<String>,
+    /// A llama-server the gateway's operator runs and trusts with this model's exact weights:
+    /// nodes serving the model are audited against it (design brief §10, `[audit]`).
+    #[serde(default)]
+    pub(crate) reference_url: Option<String>,
 }
 
 fn default_public_listen() -> SocketAddr {

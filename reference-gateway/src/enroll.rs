@@ -370,6 +370,7 @@ pub(crate) async fn nodes_json(
                 "requests_served": r.requests_served,
                 "earned_micros": r.earned_micros,
                 "created_at_ms": r.created_at_ms,
+                "audit": crate::admin::audit_json(state, &r.node_id),
             })
         })
         .collect())

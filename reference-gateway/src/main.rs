@@ -228,6 +228,9 @@ async fn run(cli: Cli) -> Result<(), MainError> {
         let Some(gguf) = &m.gguf else {
             return Err(format!("model '{}': set `gguf` to load its tokenizer", m.id).into());
         };
+        if let Some(want) = &m.gguf_sha256 {
+            check_sha256(gguf, want).map_err(|e| format!("model '{}': {e}", m.id))?;
+        }
         let tokenizer = ModelTokenizer::from_gguf(gguf)
             .map_err(|e| format!("model '{}': loading {}: {e}", m.id, gguf.display()))?;
         let max_context_tokens = m
@@ -359,6 +362,14 @@ async fn run(cli: Cli) -> Result<(), MainError> {
             registry: registry.clone(),
         }))
         .admission(limits.clone());
+    let auditor = start_auditor(&config)?;
+    let meter = match &auditor {
+        Some(auditor) => {
+            registry.set_model_trust(Arc::new(auditor.clone()));
+            meter.audit(Arc::new(auditor.clone()))
+        }
+        None => meter,
+    };
     let settlements = meter.settlements();
     let mut route = RouteLayer::new(registry.clone());
     if let Some(cluster) = &cluster {
@@ -432,6 +443,7 @@ async fn run(cli: Cli) -> Result<(), MainError> {
         catalog_ids,
         admin_token: config.admin_token.clone(),
         limits,
+        auditor,
         metrics,
     });
 
@@ -569,6 +581,62 @@ async fn run(cli: Cli) -> Result<(), MainError> {
     upkeep_stop.cancel();
     tracing::info!("gateway stopped");
     Ok(())
+}
+
+/// Refuses a GGUF whose SHA-256 is not `want` (hex): the model's identity (design brief §10).
+fn check_sha256(path: &std::path::Path, want: &str) -> Result<(), String> {
+    use sha2::Digest as _;
+    let mut file = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let mut hasher = sha2::Sha256::new();
+    std::io::copy(&mut file, &mut hasher).map_err(|e| format!("{}: {e}", path.display()))?;
+    let got: String = hasher
+        .finalize()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    if got.eq_ignore_ascii_case(want.trim()) {
+        Ok(())
+    } else {
+        Err(format!(
+            "{} has SHA-256 {got}, not the configured gguf_sha256 {want}: not the model's weights",
+            path.display()
+        ))
+    }
+}
+
+/// The auditor, when a catalog model names a reference (design brief §10): each model with a
+/// `reference_url` is audited against that llama-server; models without one are not audited.
+fn start_auditor(
+    config: &config::Config,
+) -> Result<Option<spine_meter::audit::Auditor>, MainError> {
+    use spine_meter::audit::{Auditor, LlamaCppReference, ReferenceSet};
+    let mut set = ReferenceSet::new();
+    let mut any = false;
+    for m in &config.models {
+        if let Some(url) = &m.reference_url {
+            if !(url.starts_with("http://") || url.starts_with("https://")) {
+                return Err(format!(
+                    "model '{}': reference_url must be an http:// URL of a llama-server (got {url})",
+                    m.id
+                )
+                .into());
+            }
+            set = set.with(
+                ModelId::new(m.id.as_str()),
+                Arc::new(LlamaCppReference::new(url.as_str())),
+            );
+            any = true;
+        }
+    }
+    if !any {
+        return Ok(None);
+    }
+    let audit_config = config.audit.audit_config()?;
+    tracing::info!(
+        ?audit_config,
+        "auditing nodes' models against their references"
+    );
+    Ok(Some(Auditor::spawn(audit_config, Arc::new(set))))
 }
 
 async fn shutdown_signal() {

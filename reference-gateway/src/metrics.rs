@@ -16,6 +16,11 @@
 //! | `spine_router_queue_depth` | `model` | gauge: requests waiting in the model's admission queue |
 //! | `spine_router_queue_wait_seconds` | `model`, `result` (`served`, `timeout`, `left`, `evicted`, `failed`) | time spent queued |
 //! | `spine_router_queue_total` | `result` (`queued`, `full` and the results above) | admission-queue events |
+//! | `spine_audit_verdict` | `node`, `model`, `verdict` | gauge: 1 for the (node, model)'s current verdict, 0 for the others (design brief §10) |
+//! | `spine_audit_tokens` | `node`, `model` | gauge: completion tokens audited |
+//! | `spine_audit_statistic` | `node`, `model` | gauge: the test statistic Λ (fails at `spine_audit_fail_threshold`) |
+//! | `spine_audit_fail_threshold` | | gauge: Λ at which a node's model fails |
+//! | `spine_audit_requests_total` | `result` (`offered`, `sampled`, `dropped_queue_full`, `not_auditable`, `audited`, `inconclusive`) | audit sampling and scoring; `inconclusive`: the reference was down, slow or answered garbage |
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -46,6 +51,38 @@ const QUEUE_WAIT_BUCKETS: &[f64] = &[
 
 /// TTFT buckets, seconds.
 const TTFT_BUCKETS: &[f64] = &[0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
+
+/// Sets the audit series from the auditor's state (called before each render).
+pub(crate) fn record_audits(auditor: Option<&spine_meter::audit::Auditor>) {
+    use spine_core::AuditVerdict as V;
+    let Some(auditor) = auditor else { return };
+    let mut threshold = None;
+    for s in auditor.statuses() {
+        let (node, model) = (s.node.to_string(), s.model.to_string());
+        for v in [V::Unverified, V::Passing, V::Suspect, V::Failed] {
+            metrics::gauge!("spine_audit_verdict", "node" => node.clone(), "model" => model.clone(), "verdict" => v.as_str())
+                .set(if v == s.verdict { 1.0 } else { 0.0 });
+        }
+        metrics::gauge!("spine_audit_tokens", "node" => node.clone(), "model" => model.clone())
+            .set(s.tokens_audited as f64);
+        metrics::gauge!("spine_audit_statistic", "node" => node, "model" => model).set(s.statistic);
+        threshold = Some(s.fail_threshold);
+    }
+    if let Some(t) = threshold {
+        metrics::gauge!("spine_audit_fail_threshold").set(t);
+    }
+    let c = auditor.counters();
+    for (result, n) in [
+        ("offered", c.offered),
+        ("sampled", c.sampled),
+        ("dropped_queue_full", c.dropped_queue_full),
+        ("not_auditable", c.not_auditable),
+        ("audited", c.audited),
+        ("inconclusive", c.inconclusive),
+    ] {
+        counter!("spine_audit_requests_total", "result" => result).absolute(n);
+    }
+}
 
 /// Installs the process-wide recorder and keeps its histograms drained.
 pub(crate) fn install() -> Result<PrometheusHandle, Box<dyn std::error::Error + Send + Sync>> {

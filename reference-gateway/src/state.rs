@@ -24,6 +24,8 @@ pub(crate) struct AppState {
     pub(crate) admin_token: String,
     /// Per-key RPM/TPM limits (TPM also sits in the stack as the meter's admission hook).
     pub(crate) limits: Arc<RateLimits>,
+    /// Audits nodes' models (design brief §10), when a catalog model has a reference.
+    pub(crate) auditor: Option<spine_meter::audit::Auditor>,
     /// Renders `GET /metrics`.
     pub(crate) metrics: metrics_exporter_prometheus::PrometheusHandle,
 }

@@ -9,7 +9,8 @@
 //! and the
 //! [`NodeSlot`] through which the router tells the metering layer which node it picked, and the
 //! [`ClassifyBody`] hook through which the router asks the metering crate whether a response body
-//! has started (retries before the first byte, design brief §5).
+//! has started (retries before the first byte, design brief §5), and the [`ModelTrust`] through
+//! which the auditor tells the router which nodes failed their model's audit (§10).
 //!
 //! It starts no runtime and does no I/O (design brief §3).
 
@@ -19,6 +20,7 @@ mod node;
 mod peek;
 mod slot;
 mod time;
+mod trust;
 mod usage;
 
 pub use classify::{BodyClassifier, BodySignal, ClassifyBody, FirstBytes};
@@ -30,6 +32,7 @@ pub use peek::{
 };
 pub use slot::{NodeSlot, PromptTokens};
 pub use time::unix_time_ms;
+pub use trust::{AuditVerdict, ModelTrust};
 pub use usage::{StreamOutcome, Usage, UsageSource};
 
 /// A type-erased error, as tower and hyper use it.

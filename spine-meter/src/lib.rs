@@ -1,6 +1,7 @@
 //! Metering for spine (design brief §6): SSE parsing, usage capture, `include_usage` injection,
 //! independent token counts, prices, the ledger and the metering tower layer.
 
+pub mod audit;
 pub mod classify;
 pub mod gguf;
 pub mod inject;

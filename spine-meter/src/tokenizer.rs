@@ -523,6 +523,11 @@ impl GeneratedText {
         Self::default()
     }
 
+    /// The `content` text when there is nothing else (no reasoning, no tool calls).
+    pub fn plain_content(&self) -> Option<&str> {
+        (self.reasoning.is_empty() && self.tool_calls.is_empty()).then_some(self.content.as_str())
+    }
+
     /// Plain `content` text.
     pub fn from_content(content: &str) -> Self {
         Self {

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use rand::Rng;
 use serde::Serialize;
-use spine_core::{ModelId, NodeDescriptor, NodeId, RequestKind};
+use spine_core::{ModelId, ModelTrust, NodeDescriptor, NodeId, RequestKind};
 use tokio::time::Instant;
 
 use crate::affinity::{AffinityKey, AffinityTable, StickyOutcome};
@@ -169,6 +169,19 @@ pub(crate) struct Inner {
     pub(crate) queues: Mutex<Queues>,
     /// Requests waiting in any queue (read without the lock on every release).
     pub(crate) waiting: AtomicUsize,
+    /// Who says whether a node may serve a model (the auditor); `None`: every node may.
+    trust: TrustSlot,
+}
+
+/// The registry's [`ModelTrust`], if one was set.
+#[derive(Default)]
+struct TrustSlot(RwLock<Option<Arc<dyn ModelTrust>>>);
+
+impl std::fmt::Debug for TrustSlot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let set = self.0.read().is_ok_and(|t| t.is_some());
+        f.debug_struct("TrustSlot").field("set", &set).finish()
+    }
 }
 
 /// The nodes this gateway instance can route to, their reliability scores (design brief §5) and
@@ -350,8 +363,31 @@ impl NodeRegistry {
                 stats: Mutex::default(),
                 queues: Mutex::default(),
                 waiting: AtomicUsize::new(0),
+                trust: TrustSlot::default(),
             }),
         }
+    }
+
+    /// Sets who decides whether a node may serve a model (design brief §10: the auditor; a
+    /// node whose model audit `failed` counts as not serving that model). Replaces any earlier
+    /// one; requests queued for a model are not re-examined until the next release or pick.
+    pub fn set_model_trust(&self, trust: Arc<dyn ModelTrust>) {
+        *self
+            .inner
+            .trust
+            .0
+            .write()
+            .unwrap_or_else(|e| e.into_inner()) = Some(trust);
+    }
+
+    fn trusted(&self, node: &NodeId, model: &ModelId) -> bool {
+        self.inner
+            .trust
+            .0
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .is_none_or(|t| t.routable(node, model))
     }
 
     /// The registry's settings.
@@ -434,9 +470,9 @@ impl NodeRegistry {
     pub(crate) fn free_slots(&self, model: &ModelId) -> u64 {
         let nodes = self.inner.nodes.read().unwrap_or_else(|e| e.into_inner());
         nodes
-            .values()
-            .filter(|e| e.descriptor.serves(model))
-            .map(|e| {
+            .iter()
+            .filter(|(id, e)| e.descriptor.serves(model) && self.trusted(id, model))
+            .map(|(_, e)| {
                 u64::from(
                     e.descriptor
                         .max_concurrency
@@ -666,6 +702,7 @@ impl NodeRegistry {
     /// The nodes that could serve `ask` if they had a free slot, or why none could: no node
     /// serves the model, none answers the endpoint, none has the context for the prompt.
     fn candidates<'n>(
+        &self,
         nodes: &'n HashMap<NodeId, NodeEntry>,
         ask: &Ask<'_>,
     ) -> Result<Vec<(&'n NodeId, &'n NodeEntry)>, RouteError> {
@@ -678,6 +715,10 @@ impl NodeRegistry {
             let Some(m) = e.descriptor.model(ask.model) else {
                 continue;
             };
+            // a failed model audit: the node does not serve this model (design brief §10)
+            if !self.trusted(id, ask.model) {
+                continue;
+            }
             any_model = true;
             if ask.needs.kind.is_none_or(|k| m.serves_kind(k)) {
                 serving.push((id, e, m.max_context_tokens));
@@ -718,7 +759,7 @@ impl NodeRegistry {
     /// Whether `ask` could be served by some node with a free slot; the error says why not.
     pub(crate) fn servable(&self, ask: &Ask<'_>) -> Result<(), RouteError> {
         let nodes = self.inner.nodes.read().unwrap_or_else(|e| e.into_inner());
-        Self::candidates(&nodes, ask).map(|_| ())
+        self.candidates(&nodes, ask).map(|_| ())
     }
 
     fn lease(&self, node: &NodeId, entry: &NodeEntry) -> InFlightLease {
@@ -736,7 +777,7 @@ impl NodeRegistry {
     /// queue is not counted once per try).
     pub(crate) fn pick_inner(&self, ask: Ask<'_>, now: Instant) -> Result<Pick, RouteError> {
         let nodes = self.inner.nodes.read().unwrap_or_else(|e| e.into_inner());
-        let candidates = Self::candidates(&nodes, &ask)?;
+        let candidates = self.candidates(&nodes, &ask)?;
         let sticky = match &ask.preferred {
             None => StickyOutcome::NoKey,
             Some(None) => StickyOutcome::New,

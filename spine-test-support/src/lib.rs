@@ -80,6 +80,27 @@ impl Engine {
             python: pick("SPINE_PYTHON", cache.join("venv/bin/python"))?,
         })
     }
+
+    /// The trust tests' substitute: the model's weights requantized to Q2_K by `scripts/setup.sh`
+    /// (`SPINE_SUBSTITUTE_GGUF`).
+    ///
+    /// # Errors
+    ///
+    /// As [`Engine::discover`], when the file is missing.
+    pub fn substitute_gguf(&self) -> Result<PathBuf, Error> {
+        let path = std::env::var_os("SPINE_SUBSTITUTE_GGUF")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| cache_dir().join("models/SmolLM2-135M-Instruct.requant-Q2_K.gguf"));
+        if path.exists() {
+            Ok(path)
+        } else {
+            Err(format!(
+                "{} not found (set SPINE_SUBSTITUTE_GGUF); run scripts/setup.sh",
+                path.display()
+            )
+            .into())
+        }
+    }
 }
 
 /// A free TCP port on 127.0.0.1 (bound and released; fine for child processes that cannot bind
@@ -259,10 +280,25 @@ impl LlamaServer {
         parallel: u32,
         extra: &[&str],
     ) -> Result<Self, Error> {
+        Self::start_model(engine, &engine.model_gguf, parallel, extra).await
+    }
+
+    /// As [`LlamaServer::start_with_args`], serving `gguf` (still as `smollm2`: the trust tests'
+    /// substitutes).
+    ///
+    /// # Errors
+    ///
+    /// As [`LlamaServer::start`].
+    pub async fn start_model(
+        engine: &Engine,
+        gguf: &Path,
+        parallel: u32,
+        extra: &[&str],
+    ) -> Result<Self, Error> {
         let port = free_port()?;
         let mut cmd = Command::new(&engine.llama_server);
         cmd.arg("-m")
-            .arg(&engine.model_gguf)
+            .arg(gguf)
             .args(["--alias", "smollm2", "--host", "127.0.0.1"])
             .args(["--port", &port.to_string()])
             .args(["-c", "4096", "-np", &parallel.to_string(), "-t", "2"])

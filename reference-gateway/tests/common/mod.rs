@@ -61,6 +61,17 @@ impl Gateway {
 
     /// Starts with `extra` top-level TOML keys (e.g. `default_rpm_limit = 5`).
     pub async fn start_with(dir: &Path, engine: &Engine, extra: &str) -> Gateway {
+        Self::start_full(dir, engine, extra, "").await
+    }
+
+    /// As [`Gateway::start_with`], with `model_extra` keys in the `smollm2` catalog entry (e.g.
+    /// `reference_url = "…"`).
+    pub async fn start_full(
+        dir: &Path,
+        engine: &Engine,
+        extra: &str,
+        model_extra: &str,
+    ) -> Gateway {
         let config = dir.join("gateway.toml");
         std::fs::write(
             &config,
@@ -79,6 +90,7 @@ id = "smollm2"
 gguf = "{gguf}"
 input_price_micros_per_mtok = {INPUT_PRICE}
 output_price_micros_per_mtok = {OUTPUT_PRICE}
+{model_extra}
 "#,
                 data = dir.join("data").display(),
                 gguf = engine.model_gguf.display(),

@@ -326,7 +326,7 @@ fn over_limit(
 /// nothing), is reported on `slot` as the node's fault, and is a
 /// [`MeterError::UpstreamInvalid`].
 pub(crate) fn meter_json(
-    ctx: SettleCtx,
+    mut ctx: SettleCtx,
     body: &[u8],
     kind: RequestKind,
     strip: bool,
@@ -375,6 +375,9 @@ pub(crate) fn meter_json(
         let choice = choices.entry(c.index).or_default();
         choice.finish_reason = c.finish_reason;
         choice.delivered.push(&tokenizer, &c.generated);
+        if let Some(capture) = ctx.audit.as_mut() {
+            capture.push(c.index, &c.generated);
+        }
         kept.push(c.raw);
     }
     if choices.is_empty() {
@@ -720,10 +723,13 @@ impl State {
             return out.bytes;
         }
         let mut over = None;
-        if let Some(ctx) = self.ctx.as_ref() {
+        if let Some(ctx) = self.ctx.as_mut() {
             for (index, text) in &out.text {
                 let choice = self.choices.entry(*index).or_default();
                 choice.delivered.push(&self.tokenizer, text);
+                if let Some(capture) = ctx.audit.as_mut() {
+                    capture.push(*index, text);
+                }
                 if over.is_none() {
                     over = over_limit(ctx, &self.tokenizer, &mut choice.delivered, false);
                 }

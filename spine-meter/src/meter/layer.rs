@@ -31,6 +31,7 @@ pub struct MeterConfig {
     pub(crate) catalog: Arc<Catalog>,
     pub(crate) events: Arc<dyn MeterEvents>,
     pub(crate) admission: Option<Arc<dyn Admission>>,
+    pub(crate) audit: Option<Arc<dyn crate::audit::AuditTap>>,
     pub(crate) settlements: Settlements,
     pub(crate) refused_credit: super::credit::RefusedCredit,
     /// The cheapest request any catalog model could be (1 prompt + 1 completion token), micros:
@@ -169,6 +170,7 @@ impl MeterLayer {
                 catalog: Arc::new(catalog),
                 events: Arc::new(()),
                 admission: None,
+                audit: None,
                 settlements: Settlements::default(),
                 refused_credit: super::credit::RefusedCredit::default(),
                 min_request_cost_micros,
@@ -241,6 +243,16 @@ impl MeterLayer {
     /// (see [`Admission`]). Default: none, everything is admitted.
     pub fn admission(mut self, admission: Arc<dyn Admission>) -> Self {
         self.config.admission = Some(admission);
+        self
+    }
+
+    /// Offers each completed request's choice-0 text to `tap` once the caller has been answered
+    /// (design brief §10: an [`Auditor`](crate::audit::Auditor) samples and scores them off the
+    /// request path). Costs one copy of at most
+    /// [`AuditTap::max_completion_bytes`](crate::audit::AuditTap::max_completion_bytes) of text
+    /// per request. Default: none.
+    pub fn audit(mut self, tap: Arc<dyn crate::audit::AuditTap>) -> Self {
+        self.config.audit = Some(tap);
         self
     }
 

@@ -13,7 +13,7 @@ use tower::Service;
 use super::admission::{AdmissionEvents, AdmitGuard};
 use super::body::{meter_json, MeterBody, StreamSettings};
 use super::embeddings::meter_embeddings;
-use super::settle::SettleCtx;
+use super::settle::{AuditCapture, SettleCtx};
 use super::{AdmissionRequest, CountedUsage, MeterConfig, MeterError, ResponseFuture};
 use crate::{inject_include_usage, LedgerError, ModelTokenizer};
 
@@ -253,6 +253,11 @@ where
         max_tokens: peek.max_tokens,
         tolerance_tokens: config.discrepancy_tolerance_tokens,
         tolerance_bps: config.discrepancy_tolerance_bps,
+        audit: config
+            .audit
+            .as_ref()
+            .filter(|_| kind != RequestKind::Embeddings)
+            .map(|tap| Box::new(AuditCapture::new(tap.clone(), kind, body.clone()))),
     };
     let mut guard = hold_owned(&config, ctx, slot.clone(), hold_micros, admitted).await?;
     parts.headers.remove(http::header::CONTENT_LENGTH);

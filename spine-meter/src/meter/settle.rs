@@ -3,10 +3,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use spine_core::{AccountId, ModelId, NodeId, RequestId, StreamOutcome, Usage, UsageSource};
+use spine_core::{
+    AccountId, ModelId, NodeId, RequestId, RequestKind, StreamOutcome, Usage, UsageSource,
+};
 
 use super::{DiscrepancyReport, MeterEvents};
-use crate::tokenizer::{CompletionCount, CompletionRule, GeneratedCount};
+use crate::audit::{AuditSample, AuditTap};
+use crate::tokenizer::{CompletionCount, CompletionRule, GeneratedCount, GeneratedText};
 use crate::{Ledger, ModelTokenizer, Price, Settlement};
 
 /// What the end hook needs to settle one request.
@@ -34,6 +37,52 @@ pub(crate) struct SettleCtx {
     pub(crate) max_tokens: Option<u64>,
     pub(crate) tolerance_tokens: u64,
     pub(crate) tolerance_bps: u16,
+    /// Choice 0's text captured for the audit tap, when one is configured.
+    pub(crate) audit: Option<Box<AuditCapture>>,
+}
+
+/// Choice 0's delivered text, kept (up to the tap's cap) to offer for audit at a completed
+/// settlement.
+#[derive(Clone)]
+pub(crate) struct AuditCapture {
+    tap: Arc<dyn AuditTap>,
+    kind: RequestKind,
+    body: bytes::Bytes,
+    text: String,
+    max_bytes: usize,
+    /// Choice 0 carried something other than plain text (reasoning, tool calls): not audited.
+    plain: bool,
+}
+
+impl AuditCapture {
+    pub(crate) fn new(tap: Arc<dyn AuditTap>, kind: RequestKind, body: bytes::Bytes) -> Self {
+        let max_bytes = tap.max_completion_bytes();
+        Self {
+            tap,
+            kind,
+            body,
+            text: String::new(),
+            max_bytes,
+            plain: true,
+        }
+    }
+
+    /// Appends a piece of choice `index`'s delivered text (only choice 0 is kept).
+    pub(crate) fn push(&mut self, index: u64, generated: &GeneratedText) {
+        if index != 0 || !self.plain {
+            return;
+        }
+        let Some(content) = generated.plain_content() else {
+            self.plain = false;
+            return;
+        };
+        let room = self.max_bytes.saturating_sub(self.text.len());
+        let mut take = content.len().min(room);
+        while !content.is_char_boundary(take) {
+            take -= 1;
+        }
+        self.text.push_str(&content[..take]);
+    }
 }
 
 impl std::fmt::Debug for SettleCtx {
@@ -183,6 +232,18 @@ impl SettleCtx {
                 // claimed `max_tokens` by saying `length`
                 claimed: claimed.unwrap_or(billed),
             });
+        }
+        if let (true, Some(capture), Some(node)) = (completed, self.audit, self.node.as_ref()) {
+            if capture.plain && !capture.text.is_empty() {
+                capture.tap.offer(AuditSample {
+                    request_id: self.request_id.clone(),
+                    node: node.clone(),
+                    model: self.model.clone(),
+                    kind: capture.kind,
+                    request_body: capture.body,
+                    completion: capture.text,
+                });
+            }
         }
         let settlement = Settlement {
             request_id: self.request_id,

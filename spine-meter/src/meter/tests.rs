@@ -1545,3 +1545,109 @@ async fn an_account_that_cannot_pay_is_refused_before_counting_next_time() {
         Some(MeterError::BadRequest(_))
     ));
 }
+
+/// An audit tap that keeps what it is offered.
+#[derive(Default)]
+struct Tap(Mutex<Vec<crate::audit::AuditSample>>);
+
+impl crate::audit::AuditTap for Tap {
+    fn max_completion_bytes(&self) -> usize {
+        12
+    }
+    fn offer(&self, sample: crate::audit::AuditSample) {
+        self.0.lock().unwrap().push(sample);
+    }
+}
+
+#[tokio::test]
+async fn completed_requests_offer_choice_zero_text_to_the_audit_tap_and_nothing_else_does() {
+    let mut h = harness().await;
+    let tap = Arc::new(Tap::default());
+    let chunk = |index: u64, delta: Value, finish: Value| {
+        format!(
+            "data: {}\n\n",
+            json!({"id":"c","object":"chat.completion.chunk","created":1,"model":"smollm2",
+                "choices":[{"index":index,"delta":delta,"finish_reason":finish}]})
+        )
+    };
+    let streamed = [
+        chunk(
+            0,
+            json!({"role":"assistant","content":"Red, "}),
+            Value::Null,
+        ),
+        chunk(0, json!({"content":"green and blue."}), Value::Null),
+        chunk(0, json!({}), json!("stop")),
+        "data: [DONE]\n\n".to_owned(),
+    ]
+    .concat();
+    // streamed, completed: choice 0's text, cut at the tap's 12 bytes
+    let svc = h.layer(2048).audit(tap.clone()).layer(h.inner(
+        200,
+        "text/event-stream",
+        vec![Bytes::from(streamed.clone())],
+        End::Eof,
+    ));
+    let resp = svc.oneshot(request("a1", &chat(true, None))).await.unwrap();
+    frames(resp.into_body()).await;
+    assert_eq!(h.settled().await.0.outcome, StreamOutcome::Completed);
+    {
+        let got = tap.0.lock().unwrap();
+        assert_eq!(got.len(), 1);
+        assert_eq!(got[0].completion, "Red, green a");
+        assert_eq!(got[0].node, h.node);
+        assert_eq!(got[0].request_id, RequestId::from("a1"));
+        assert_eq!(got[0].kind, spine_core::RequestKind::ChatCompletions);
+        let body: Value = serde_json::from_slice(&got[0].request_body).unwrap();
+        assert_eq!(body["messages"][0]["content"], "Name three colors.");
+    }
+    // non-streamed, completed
+    let json_body = json!({"id":"c","object":"chat.completion","created":1,"model":"smollm2",
+        "choices":[{"index":0,"message":{"role":"assistant","content":"Blue."},"finish_reason":"stop"}],
+        "usage":{"prompt_tokens":1,"completion_tokens":2,"total_tokens":3}});
+    let svc = h.layer(2048).audit(tap.clone()).layer(h.inner(
+        200,
+        "application/json",
+        vec![Bytes::from(json_body.to_string())],
+        End::Eof,
+    ));
+    let resp = svc
+        .oneshot(request("a2", &chat(false, None)))
+        .await
+        .unwrap();
+    resp.into_body().collect().await.unwrap();
+    assert_eq!(h.settled().await.0.outcome, StreamOutcome::Completed);
+    assert_eq!(tap.0.lock().unwrap()[1].completion, "Blue.");
+    // a stream the node broke (no finish): settled upstream_failed, never offered
+    let broken = chunk(0, json!({"content":"Red"}), Value::Null);
+    let svc = h.layer(2048).audit(tap.clone()).layer(h.inner(
+        200,
+        "text/event-stream",
+        vec![Bytes::from(broken)],
+        End::Error,
+    ));
+    let resp = svc.oneshot(request("a3", &chat(true, None))).await.unwrap();
+    frames(resp.into_body()).await;
+    assert_eq!(h.settled().await.0.outcome, StreamOutcome::UpstreamFailed);
+    // a reply with reasoning: not plain text, never offered
+    let reasoning = [
+        chunk(0, json!({"reasoning_content":"hmm"}), Value::Null),
+        chunk(0, json!({"content":"Red."}), json!("stop")),
+        "data: [DONE]\n\n".to_owned(),
+    ]
+    .concat();
+    let svc = h.layer(2048).audit(tap.clone()).layer(h.inner(
+        200,
+        "text/event-stream",
+        vec![Bytes::from(reasoning)],
+        End::Eof,
+    ));
+    let resp = svc.oneshot(request("a4", &chat(true, None))).await.unwrap();
+    frames(resp.into_body()).await;
+    assert_eq!(h.settled().await.0.outcome, StreamOutcome::Completed);
+    assert_eq!(
+        tap.0.lock().unwrap().len(),
+        2,
+        "only the two completed plain replies"
+    );
+}

@@ -222,3 +222,38 @@ async fn stats_feed_the_score_and_survive_reconnects() {
     r.heartbeat(&a);
     assert!((r.snapshot()[0].score.uptime_score - 1.0).abs() < 1e-9);
 }
+
+/// A [`ModelTrust`] that fails the listed (node, model) pairs.
+struct FailedPairs(Vec<(&'static str, &'static str)>);
+
+impl ModelTrust for FailedPairs {
+    fn routable(&self, node: &NodeId, model: &ModelId) -> bool {
+        !self
+            .0
+            .iter()
+            .any(|(n, m)| node.as_str() == *n && model.as_str() == *m)
+    }
+}
+
+#[test]
+fn a_node_whose_model_audit_failed_is_not_routed_that_model() {
+    let r = NodeRegistry::new();
+    r.node_ready(&NodeId::new("a"), &desc(&["m1", "m2"], 4));
+    r.node_ready(&NodeId::new("b"), &desc(&["m1"], 4));
+    r.set_model_trust(Arc::new(FailedPairs(vec![("a", "m1")])));
+    for _ in 0..50 {
+        let lease = r.pick(&ModelId::new("m1"));
+        assert_eq!(lease.map(|l| l.node().clone()), Ok(NodeId::new("b")));
+        // the same node still serves the model it did not fail
+        let lease = r.pick(&ModelId::new("m2"));
+        assert_eq!(lease.map(|l| l.node().clone()), Ok(NodeId::new("a")));
+    }
+    // the only node of a model, failed: no node serves it
+    r.node_gone(&NodeId::new("b"));
+    assert_eq!(
+        r.pick(&ModelId::new("m1")).map(|l| l.node().clone()),
+        Err(RouteError::NoNodeForModel(ModelId::new("m1")))
+    );
+    assert_eq!(r.free_slots(&ModelId::new("m1")), 0);
+    assert_eq!(r.free_slots(&ModelId::new("m2")), 4);
+}

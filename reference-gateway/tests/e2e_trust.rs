@@ -1,0 +1,188 @@
+//! Trust rung 1 end to end (issue 19, design brief §10): a real gateway auditing against a real
+//! reference llama-server, two real agents on real llama.cpp — one honest, one serving the
+//! model's weights requantized to Q2_K under the name `smollm2`. The substitute is `failed` and
+//! gets no more traffic, the honest node is `passing`, and no caller ever sees an error.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::print_stdout,
+    missing_docs
+)]
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{add_node, metric, tenant, Gateway, Tenant};
+use serde_json::{json, Value};
+use spine_test_support::{Engine, LlamaServer};
+
+const TOPICS: &[&str] = &[
+    "a lighthouse keeper",
+    "the history of bread",
+    "why the sky is blue",
+    "a robot learning to paint",
+    "how volcanoes form",
+    "a cat who runs a bakery",
+    "the water cycle",
+    "a journey to the moon",
+    "why leaves change colour",
+    "a friendly dragon",
+    "how bees make honey",
+    "the first day of school",
+];
+
+/// One chat through the public API; panics on anything but a complete answer.
+async fn chat(gw: &Gateway, key: &str, i: usize, stream: bool) {
+    let topic = TOPICS[i % TOPICS.len()];
+    let body = json!({
+        "model": "smollm2",
+        "messages": [{"role": "user", "content": format!("Write a few sentences about {topic}. ({i})")}],
+        "max_tokens": 64,
+        "temperature": 0,
+        "stream": stream,
+    });
+    let r = gw.api_post(key, "/v1/chat/completions", &body).await;
+    let status = r.status().as_u16();
+    let text = r.text().await.unwrap();
+    assert_eq!(status, 200, "request {i}: {text}");
+    if stream {
+        assert!(text.contains("data: [DONE]"), "request {i}: {text}");
+        assert!(!text.contains("\"error\""), "request {i}: {text}");
+    } else {
+        let v: Value = serde_json::from_str(&text).unwrap();
+        assert!(
+            v["choices"][0]["finish_reason"].is_string(),
+            "request {i}: {text}"
+        );
+    }
+}
+
+fn audit_of(nodes: &Value, node_id: &str) -> Option<Value> {
+    nodes["data"]
+        .as_array()?
+        .iter()
+        .find(|n| n["node_id"] == node_id)
+        .and_then(|n| n["audit"].as_array()?.first().cloned())
+}
+
+fn attempts_of(nodes: &Value, node_id: &str) -> u64 {
+    nodes["data"]
+        .as_array()
+        .and_then(|a| a.iter().find(|n| n["node_id"] == node_id))
+        .map_or(0, |n| n["attempts"].as_u64().unwrap_or(0))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_substitute_model_is_failed_and_unrouted_while_the_honest_node_passes() {
+    let engine = Engine::discover().unwrap();
+    let substitute_gguf = engine.substitute_gguf().unwrap();
+    let reference = LlamaServer::start(&engine, 1).await.unwrap();
+    let honest = LlamaServer::start(&engine, 2).await.unwrap();
+    let substitute = LlamaServer::start_model(&engine, &substitute_gguf, 2, &[])
+        .await
+        .unwrap();
+
+    let dir = tempfile::tempdir().unwrap();
+    let gw = Gateway::start_full(
+        dir.path(),
+        &engine,
+        // every completed request audited, so that the test needs few requests
+        "[audit]\nrate_passing = 1.0\nrate_unverified = 1.0\nrate_suspect = 1.0\n",
+        &format!("reference_url = \"{}\"", reference.url),
+    )
+    .await;
+    let Tenant {
+        operator, api_key, ..
+    } = tenant(&gw).await;
+    let (honest_id, _honest_agent) =
+        add_node(&gw, dir.path(), &operator, &honest.url, "honest").await;
+    let (sub_id, _sub_agent) =
+        add_node(&gw, dir.path(), &operator, &substitute.url, "substitute").await;
+
+    // traffic until the substitute fails (every answer must be complete: audits never touch
+    // the caller's response)
+    let started = Instant::now();
+    let mut i = 0;
+    let failed_at_attempts = loop {
+        chat(&gw, &api_key, i, i % 2 == 0).await;
+        i += 1;
+        let (_, nodes) = gw.admin_get("/admin/v1/nodes").await;
+        if audit_of(&nodes, &sub_id).is_some_and(|a| a["verdict"] == "failed") {
+            // the router records an attempt when the answer's body is dropped, a moment after
+            // the caller's last byte: read the count once the last request's is in
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            let (_, nodes) = gw.admin_get("/admin/v1/nodes").await;
+            break attempts_of(&nodes, &sub_id);
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(600),
+            "the substitute was not failed after {i} requests; nodes: {nodes:#}\ngateway:\n{}",
+            gw.child.stderr_tail(40)
+        );
+    };
+    let (_, nodes) = gw.admin_get("/admin/v1/nodes").await;
+    let sub = audit_of(&nodes, &sub_id).unwrap();
+    println!("substitute failed after {i} requests: {sub}");
+    assert!(sub["statistic"].as_f64().unwrap() >= sub["fail_threshold"].as_f64().unwrap());
+    assert!(sub["events"].as_u64().unwrap() > 0);
+
+    // from now on every request goes to the honest node, and every one succeeds
+    for j in 0..8 {
+        chat(&gw, &api_key, i + j, j % 2 == 0).await;
+    }
+    let (_, nodes) = gw.admin_get("/admin/v1/nodes").await;
+    assert_eq!(
+        attempts_of(&nodes, &sub_id),
+        failed_at_attempts,
+        "the failed node was routed again: {nodes:#}"
+    );
+    // the honest node: audited, never accused
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let honest_audit = loop {
+        let (_, nodes) = gw.admin_get("/admin/v1/nodes").await;
+        let a = audit_of(&nodes, &honest_id).expect("the honest node was audited");
+        if a["verdict"] == "passing" || Instant::now() > deadline {
+            break a;
+        }
+        chat(&gw, &api_key, i, false).await;
+        i += 1;
+    };
+    println!("honest node: {honest_audit}");
+    assert_eq!(honest_audit["verdict"], "passing", "{honest_audit}");
+    assert_eq!(honest_audit["events"], 0, "{honest_audit}");
+
+    // the verdict is in /metrics and the agent-facing node view
+    let m = gw.metrics().await;
+    let series =
+        format!("spine_audit_verdict{{node=\"{sub_id}\",model=\"smollm2\",verdict=\"failed\"}}");
+    assert_eq!(metric(&m, &series), 1.0, "{m}");
+    assert!(
+        metric(&m, "spine_audit_requests_total{result=\"audited\"}") >= 2.0,
+        "{m}"
+    );
+    let (_, op) = gw
+        .admin_get(&format!("/admin/v1/operators/{operator}"))
+        .await;
+    let sub_view = op["nodes"]
+        .as_array()
+        .and_then(|a| a.iter().find(|n| n["node_id"] == sub_id.as_str()))
+        .cloned()
+        .unwrap_or(Value::Null);
+    assert_eq!(sub_view["audit"][0]["verdict"], "failed", "{op:#}");
+
+    // the operator fixes the weights and asks for re-verification: routable again, unverified
+    let (s, r) = gw
+        .admin_post(
+            &format!("/admin/v1/nodes/{sub_id}/reverify"),
+            json!({"model": "smollm2"}),
+        )
+        .await;
+    assert_eq!(
+        (s, r["reverified_models"].clone()),
+        (200, json!(["smollm2"]))
+    );
+    let (_, nodes) = gw.admin_get("/admin/v1/nodes").await;
+    assert!(audit_of(&nodes, &sub_id).is_none(), "{nodes:#}");
+}

@@ -1,0 +1,424 @@
+//! The auditor: samples completed requests per node, scores them on a reference off the request
+//! path, runs one test per (node, model) and answers the router's [`ModelTrust`].
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::time::Duration;
+
+use bytes::Bytes;
+use rand::Rng;
+use serde::Serialize;
+use spine_core::{AuditVerdict, ModelId, ModelTrust, NodeId, RequestId, RequestKind};
+use tokio::sync::mpsc;
+
+use super::reference::{Reference, ReferenceQuery};
+use super::request::{auditable, NotAuditable};
+use super::score::{observations, ScoreConfig};
+use super::sprt::{Sprt, SprtConfig};
+
+/// A completed request offered for audit: what the node delivered for choice 0.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AuditSample {
+    /// The request.
+    pub request_id: RequestId,
+    /// The node that served it.
+    pub node: NodeId,
+    /// The model asked for.
+    pub model: ModelId,
+    /// The endpoint.
+    pub kind: RequestKind,
+    /// The caller's request body, as forwarded.
+    pub request_body: Bytes,
+    /// Choice 0's delivered `content` (`text` for completions), at most
+    /// [`AuditTap::max_completion_bytes`] of it.
+    pub completion: String,
+}
+
+/// Where the metering layer offers completed requests for audit (design brief §10).
+///
+/// `offer` is called once per completed request whose choice 0 delivered plain text (no tool
+/// calls, no reasoning), after the caller has been answered, on the settlement path: it must not
+/// block (the [`Auditor`] flips a coin and queues, dropping when its queue is full).
+pub trait AuditTap: Send + Sync + 'static {
+    /// Most bytes of choice 0's text worth capturing per request.
+    fn max_completion_bytes(&self) -> usize;
+    /// A completed request, for the tap to audit or not.
+    fn offer(&self, sample: AuditSample);
+}
+
+/// Settings of an [`Auditor`]. [`Default`] gives the documented values.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+#[non_exhaustive]
+pub struct AuditConfig {
+    /// Share of a `passing` node's completed requests audited. Default 0.02.
+    pub rate_passing: f64,
+    /// Share audited while a node's model is `unverified` (new nodes). Default 0.25.
+    pub rate_unverified: f64,
+    /// Share audited while `suspect`. Default 0.5.
+    pub rate_suspect: f64,
+    /// Most completion tokens scored per audit (the first ones). Default 256.
+    pub max_tokens: usize,
+    /// Samples waiting for the reference; more are dropped (counted). Default 64.
+    pub queue: usize,
+    /// Audits scored at once (reference requests in flight). Default 1.
+    pub concurrency: usize,
+    /// Longest one scoring may take before the audit is inconclusive. Default 120 s.
+    pub timeout: Duration,
+    /// The test's error and design rates.
+    pub sprt: SprtConfig,
+    /// The statistics' constants.
+    pub score: ScoreConfig,
+}
+
+impl Default for AuditConfig {
+    fn default() -> Self {
+        Self {
+            rate_passing: 0.02,
+            rate_unverified: 0.25,
+            rate_suspect: 0.5,
+            max_tokens: 256,
+            queue: 64,
+            concurrency: 1,
+            timeout: Duration::from_secs(120),
+            sprt: SprtConfig::default(),
+            score: ScoreConfig::default(),
+        }
+    }
+}
+
+impl AuditConfig {
+    /// Sets all three audit rates to `rate` (tests, benchmarks: audit everything).
+    pub fn with_rate(mut self, rate: f64) -> Self {
+        self.rate_passing = rate;
+        self.rate_unverified = rate;
+        self.rate_suspect = rate;
+        self
+    }
+
+    /// Sets the test's rates.
+    pub fn with_sprt(mut self, sprt: SprtConfig) -> Self {
+        self.sprt = sprt;
+        self
+    }
+}
+
+/// The audit state of one (node, model), for admin views and metrics.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct AuditStatus {
+    /// The node.
+    pub node: NodeId,
+    /// The model.
+    pub model: ModelId,
+    /// The verdict now.
+    pub verdict: AuditVerdict,
+    /// Scored positions (completion tokens) so far.
+    pub tokens_audited: u64,
+    /// Of which disagreed with the reference.
+    pub events: u64,
+    /// The test statistic Λ now.
+    pub statistic: f64,
+    /// Λ at or above which the verdict is `failed`.
+    pub fail_threshold: f64,
+    /// Λ at or below which the verdict is `passing`.
+    pub pass_threshold: f64,
+    /// Requests scored.
+    pub audits: u64,
+    /// Audits the reference could not score (down, slow, garbage): never the node's fault.
+    pub inconclusive: u64,
+}
+
+/// Counters of the auditor, for `/metrics`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct AuditCounters {
+    /// Requests offered.
+    pub offered: u64,
+    /// Offered requests the coin chose.
+    pub sampled: u64,
+    /// Chosen but dropped: the queue was full.
+    pub dropped_queue_full: u64,
+    /// Chosen but not auditable (constrained sampling, tools, temperature > 1, …).
+    pub not_auditable: u64,
+    /// Scored by the reference.
+    pub audited: u64,
+    /// The reference could not score them.
+    pub inconclusive: u64,
+    /// Positions scored.
+    pub tokens_scored: u64,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    offered: AtomicU64,
+    sampled: AtomicU64,
+    dropped_queue_full: AtomicU64,
+    not_auditable: AtomicU64,
+    audited: AtomicU64,
+    inconclusive: AtomicU64,
+    tokens_scored: AtomicU64,
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+struct Pair {
+    sprt: Sprt,
+    audits: u64,
+    inconclusive: u64,
+}
+
+type PairKey = (NodeId, ModelId);
+
+struct Inner {
+    config: AuditConfig,
+    reference: Arc<dyn Reference>,
+    pairs: Mutex<HashMap<PairKey, Pair>>,
+    tx: mpsc::Sender<AuditSample>,
+    counters: Counters,
+}
+
+/// Samples completed requests, scores them on a [`Reference`] off the request path, and keeps a
+/// sequential test per (node, model) (design brief §10; the statistics in [`super::score`], the
+/// test in [`super::sprt`]).
+///
+/// Which requests are audited is decided after they completed, by a coin whose bias follows the
+/// node's verdict ([`AuditConfig`]); the node cannot tell an audited request from any other, and
+/// nothing about the caller's response changes. A reference that is down, slow or answers
+/// garbage makes the audit inconclusive (counted per pair and in [`AuditCounters`]), never a
+/// verdict. Implements [`AuditTap`] for the metering layer and [`ModelTrust`] for the router.
+///
+/// Cheap to clone (shared state). The workers end when the last clone is dropped.
+#[derive(Clone)]
+pub struct Auditor {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Auditor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Auditor")
+            .field("config", &self.inner.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Auditor {
+    /// An auditor scoring on `reference`, its workers spawned on the current tokio runtime.
+    ///
+    /// # Panics
+    ///
+    /// Outside a tokio runtime.
+    pub fn spawn(config: AuditConfig, reference: Arc<dyn Reference>) -> Self {
+        let (tx, rx) = mpsc::channel(config.queue.max(1));
+        let inner = Arc::new(Inner {
+            config,
+            reference,
+            pairs: Mutex::default(),
+            tx,
+            counters: Counters::default(),
+        });
+        let rx = Arc::new(tokio::sync::Mutex::new(rx));
+        for _ in 0..config.concurrency.max(1) {
+            tokio::spawn(worker(Arc::downgrade(&inner), rx.clone()));
+        }
+        Self { inner }
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &AuditConfig {
+        &self.inner.config
+    }
+
+    fn pairs(&self) -> std::sync::MutexGuard<'_, HashMap<PairKey, Pair>> {
+        self.inner
+            .pairs
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The verdict of `node` for `model` (`unverified` when never audited).
+    pub fn verdict(&self, node: &NodeId, model: &ModelId) -> AuditVerdict {
+        self.pairs()
+            .get(&(node.clone(), model.clone()))
+            .map_or(AuditVerdict::Unverified, |p| {
+                p.sprt.verdict(&self.inner.config.sprt)
+            })
+    }
+
+    /// Every audited (node, model), sorted by node then model.
+    pub fn statuses(&self) -> Vec<AuditStatus> {
+        let sprt = self.inner.config.sprt;
+        let mut out: Vec<AuditStatus> = self
+            .pairs()
+            .iter()
+            .map(|((node, model), p)| AuditStatus {
+                node: node.clone(),
+                model: model.clone(),
+                verdict: p.sprt.verdict(&sprt),
+                tokens_audited: p.sprt.observations,
+                events: p.sprt.events,
+                statistic: p.sprt.llr,
+                fail_threshold: sprt.fail_threshold(),
+                pass_threshold: sprt.pass_threshold(),
+                audits: p.audits,
+                inconclusive: p.inconclusive,
+            })
+            .collect();
+        out.sort_by(|a, b| (&a.node, &a.model).cmp(&(&b.node, &b.model)));
+        out
+    }
+
+    /// The audit states of `node`.
+    pub fn statuses_of(&self, node: &NodeId) -> Vec<AuditStatus> {
+        self.statuses()
+            .into_iter()
+            .filter(|s| &s.node == node)
+            .collect()
+    }
+
+    /// The counters.
+    pub fn counters(&self) -> AuditCounters {
+        let c = &self.inner.counters;
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        AuditCounters {
+            offered: l(&c.offered),
+            sampled: l(&c.sampled),
+            dropped_queue_full: l(&c.dropped_queue_full),
+            not_auditable: l(&c.not_auditable),
+            audited: l(&c.audited),
+            inconclusive: l(&c.inconclusive),
+            tokens_scored: l(&c.tokens_scored),
+        }
+    }
+
+    /// Starts `node`'s test for `model` over (the operator re-verified it): `unverified`, routed
+    /// again, audited at the `unverified` rate. Returns whether there was a state to reset.
+    pub fn reverify(&self, node: &NodeId, model: &ModelId) -> bool {
+        self.pairs()
+            .remove(&(node.clone(), model.clone()))
+            .is_some()
+    }
+
+    /// Scores one sample now, on the calling task (the workers' step; public for benchmarks
+    /// and for callers that schedule audits themselves). Returns the verdict after it, or
+    /// `None` when the sample was not auditable or the reference could not score it.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future abandons the audit; nothing is recorded.
+    pub async fn audit_now(&self, sample: AuditSample) -> Option<AuditVerdict> {
+        audit_one(&self.inner, sample).await
+    }
+
+    fn rate_for(&self, node: &NodeId, model: &ModelId) -> f64 {
+        let c = &self.inner.config;
+        match self.verdict(node, model) {
+            AuditVerdict::Passing => c.rate_passing,
+            AuditVerdict::Suspect => c.rate_suspect,
+            AuditVerdict::Failed => 0.0,
+            _ => c.rate_unverified,
+        }
+    }
+}
+
+impl AuditTap for Auditor {
+    fn max_completion_bytes(&self) -> usize {
+        // the longest tokens of the catalog's vocabularies are far under 64 bytes
+        self.inner.config.max_tokens.saturating_mul(64)
+    }
+
+    fn offer(&self, sample: AuditSample) {
+        let c = &self.inner.counters;
+        c.offered.fetch_add(1, Ordering::Relaxed);
+        let rate = self.rate_for(&sample.node, &sample.model);
+        if rate <= 0.0 || !rand::rng().random_bool(rate.min(1.0)) {
+            return;
+        }
+        c.sampled.fetch_add(1, Ordering::Relaxed);
+        if self.inner.tx.try_send(sample).is_err() {
+            c.dropped_queue_full.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+impl ModelTrust for Auditor {
+    fn routable(&self, node: &NodeId, model: &ModelId) -> bool {
+        self.verdict(node, model).routable()
+    }
+}
+
+async fn worker(inner: Weak<Inner>, rx: Arc<tokio::sync::Mutex<mpsc::Receiver<AuditSample>>>) {
+    loop {
+        let sample = {
+            let mut rx = rx.lock().await;
+            rx.recv().await
+        };
+        let Some(sample) = sample else { return };
+        let Some(inner) = inner.upgrade() else { return };
+        audit_one(&inner, sample).await;
+    }
+}
+
+async fn audit_one(inner: &Inner, sample: AuditSample) -> Option<AuditVerdict> {
+    let counters = &inner.counters;
+    let config = &inner.config;
+    let req = match auditable(sample.kind, &sample.request_body) {
+        Ok(r) => r,
+        Err(why) => {
+            counters.not_auditable.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(request_id = %sample.request_id, ?why, "not auditable");
+            let _: NotAuditable = why;
+            return None;
+        }
+    };
+    let query = ReferenceQuery {
+        model: sample.model.clone(),
+        prompt: req.prompt,
+        completion: sample.completion,
+        max_tokens: config.max_tokens,
+    };
+    let key = (sample.node.clone(), sample.model.clone());
+    let scored = tokio::time::timeout(config.timeout, inner.reference.score(&query)).await;
+    let obs = match scored {
+        Ok(Ok(tokens)) => observations(
+            &tokens,
+            query.completion.as_bytes(),
+            req.mode,
+            &config.score,
+        )
+        .map_err(|e| e.to_string()),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err(format!("the reference took over {:?}", config.timeout)),
+    };
+    let mut pairs = inner.pairs.lock().unwrap_or_else(PoisonError::into_inner);
+    let pair = pairs.entry(key).or_default();
+    let obs = match obs {
+        Ok(obs) => obs,
+        Err(why) => {
+            pair.inconclusive += 1;
+            counters.inconclusive.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(request_id = %sample.request_id, node = %sample.node, error = %why, "audit inconclusive");
+            return None;
+        }
+    };
+    let before = pair.sprt.verdict(&config.sprt);
+    for o in &obs {
+        pair.sprt.observe(&config.sprt, *o);
+    }
+    pair.audits += 1;
+    counters.audited.fetch_add(1, Ordering::Relaxed);
+    counters
+        .tokens_scored
+        .fetch_add(obs.len() as u64, Ordering::Relaxed);
+    let after = pair.sprt.verdict(&config.sprt);
+    if after != before {
+        tracing::warn!(
+            node = %sample.node,
+            model = %sample.model,
+            from = before.as_str(),
+            to = after.as_str(),
+            tokens_audited = pair.sprt.observations,
+            events = pair.sprt.events,
+            statistic = pair.sprt.llr,
+            "audit verdict changed"
+        );
+    }
+    Some(after)
+}

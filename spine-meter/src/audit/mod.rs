@@ -1,0 +1,38 @@
+//! Trust rung 1 (design brief §10): catching a node that serves another model.
+//!
+//! What is promised is *statistical* detection, not proof: a node that serves other weights
+//! under a model's name is caught with stated error rates after a number of audited tokens; no
+//! single request is verified.
+//!
+//! - The metering layer offers each completed request's choice-0 text to an [`AuditTap`]
+//!   ([`MeterLayer::audit`](crate::meter::MeterLayer::audit)) after the caller was answered.
+//! - The [`Auditor`] flips a coin per request (a higher rate for new and suspect nodes),
+//!   queues the chosen ones and scores them on a trusted [`Reference`] — an engine the gateway's
+//!   operator runs with the model's exact weights ([`LlamaCppReference`]) — off the request
+//!   path: the reference is teacher-forced through the delivered text and reports its
+//!   probabilities at each position.
+//! - Each position becomes one observation ([`observations`]: top-1 agreement at clear greedy
+//!   positions; head membership at sampled ones, both judged on the delivered text), fed to a
+//!   per-(node, model) sequential probability ratio test ([`Sprt`]) with configured α and β.
+//! - The verdict ([`spine_core::AuditVerdict`]) reaches the router through
+//!   [`spine_core::ModelTrust`]: a `failed` node is not routed that model until
+//!   [`Auditor::reverify`].
+//!
+//! Measurements (honest configurations, substitutes, costs) are in `docs/trust.md`.
+
+mod auditor;
+mod reference;
+mod request;
+mod score;
+mod sprt;
+
+pub use auditor::{AuditConfig, AuditCounters, AuditSample, AuditStatus, AuditTap, Auditor};
+#[cfg(feature = "llama-reference")]
+pub use reference::LlamaCppReference;
+pub use reference::{Reference, ReferenceError, ReferenceQuery, ReferenceSet, ScoreFuture};
+pub use request::{auditable, AuditPrompt, AuditableRequest, NotAuditable};
+pub use score::{observations, SamplingMode, ScoreConfig, ScoreError, ScoredToken, TopToken};
+pub use sprt::{Observation, ObservationKind, Sprt, SprtConfig};
+
+#[cfg(test)]
+mod tests;

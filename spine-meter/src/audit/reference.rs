@@ -1,0 +1,309 @@
+//! The trusted reference that scores audits: a trait, and a llama.cpp implementation.
+
+use std::future::Future;
+use std::pin::Pin;
+
+use spine_core::ModelId;
+
+use super::request::AuditPrompt;
+use super::score::{ScoredToken, TopToken};
+
+/// What the reference is asked to score.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ReferenceQuery {
+    /// The model (a reference may serve several).
+    pub model: ModelId,
+    /// The request's prompt.
+    pub prompt: AuditPrompt,
+    /// The delivered completion text (choice 0), possibly cut at the capture cap.
+    pub completion: String,
+    /// Most positions to score (the first ones).
+    pub max_tokens: usize,
+}
+
+/// Why a reference could not score (the audit is inconclusive; never the node's fault).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ReferenceError {
+    /// The reference could not be reached or did not answer in time.
+    #[error("reference unavailable: {0}")]
+    Unavailable(String),
+    /// The reference answered something that is not a scoring.
+    #[error("reference answered garbage: {0}")]
+    Garbage(String),
+    /// The reference does not serve the model.
+    #[error("no reference for model '{0}'")]
+    NoReference(ModelId),
+}
+
+/// A future returned by [`Reference::score`].
+pub type ScoreFuture<'a> =
+    Pin<Box<dyn Future<Output = Result<Vec<ScoredToken>, ReferenceError>> + Send + 'a>>;
+
+/// A trusted engine serving a model's exact weights (design brief §10).
+///
+/// `score` teacher-forces the completion through the model after the prompt and returns, for
+/// each of the first `max_tokens` positions in order, the forced token's bytes and the model's
+/// most probable tokens with their raw log-probabilities. The forced tokens must spell a prefix
+/// of the completion ([`super::observations`] checks).
+///
+/// # Cancel safety
+///
+/// Dropping the future abandons the scoring; nothing is recorded.
+pub trait Reference: Send + Sync + 'static {
+    /// Scores `query` (see the trait docs).
+    fn score<'a>(&'a self, query: &'a ReferenceQuery) -> ScoreFuture<'a>;
+}
+
+/// A reference `llama-server` (llama.cpp) serving the model's GGUF.
+///
+/// Per audit it makes three calls: `POST /apply-template` (chat prompts: the model's own
+/// template), `POST /tokenize` of the completion (no special tokens, pieces parsed as text), and
+/// `POST /completion` with the rendered prompt, a token-id grammar `root ::= <[t1]> <[t2]> …`
+/// that forces the completion's tokens, `n_probs` and `post_sampling_probs: false`: each
+/// position's `top_logprobs` are the raw model's (measured to agree to 4e-6 with one
+/// `n_predict: 1` request per prefix). The end-of-generation token is never forced (llama.cpp
+/// answers 500 when a grammar holds it).
+#[cfg(feature = "llama-reference")]
+#[derive(Clone, Debug)]
+pub struct LlamaCppReference {
+    base: String,
+    n_probs: u32,
+    client: hyper_util::client::legacy::Client<
+        hyper_util::client::legacy::connect::HttpConnector,
+        http_body_util::Full<bytes::Bytes>,
+    >,
+}
+
+#[cfg(feature = "llama-reference")]
+impl LlamaCppReference {
+    /// Most bytes of a reference answer read.
+    pub const MAX_ANSWER_BYTES: usize = 16 << 20;
+
+    /// A reference at `base_url` (`http://host:port`, plain HTTP: a reference runs beside the
+    /// gateway), listing `n_probs` top tokens per position (default 40).
+    pub fn new(base_url: impl Into<String>) -> Self {
+        let client =
+            hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+                .build_http();
+        Self {
+            base: base_url.into().trim_end_matches('/').to_owned(),
+            n_probs: 40,
+            client,
+        }
+    }
+
+    /// Top tokens listed per position.
+    pub fn n_probs(mut self, n: u32) -> Self {
+        self.n_probs = n.max(2);
+        self
+    }
+
+    async fn post(
+        &self,
+        path: &str,
+        body: serde_json::Value,
+    ) -> Result<serde_json::Value, ReferenceError> {
+        use http_body_util::BodyExt;
+        let req = http::Request::post(format!("{}{path}", self.base))
+            .header(http::header::CONTENT_TYPE, "application/json")
+            .body(http_body_util::Full::new(bytes::Bytes::from(
+                body.to_string(),
+            )))
+            .map_err(|e| ReferenceError::Unavailable(e.to_string()))?;
+        let resp = self
+            .client
+            .request(req)
+            .await
+            .map_err(|e| ReferenceError::Unavailable(format!("{path}: {e}")))?;
+        let status = resp.status();
+        let body = http_body_util::Limited::new(resp.into_body(), Self::MAX_ANSWER_BYTES)
+            .collect()
+            .await
+            .map_err(|e| ReferenceError::Unavailable(format!("{path}: {e}")))?
+            .to_bytes();
+        if !status.is_success() {
+            let head = String::from_utf8_lossy(&body[..body.len().min(300)]).into_owned();
+            return Err(ReferenceError::Unavailable(format!(
+                "{path}: HTTP {status}: {head}"
+            )));
+        }
+        serde_json::from_slice(&body).map_err(|e| ReferenceError::Garbage(format!("{path}: {e}")))
+    }
+
+    async fn score_inner(&self, q: &ReferenceQuery) -> Result<Vec<ScoredToken>, ReferenceError> {
+        use serde_json::{json, Value};
+        let garbage = |what: &str| ReferenceError::Garbage(what.to_owned());
+        let prompt = match &q.prompt {
+            AuditPrompt::Text(s) => s.clone(),
+            AuditPrompt::Chat(messages) => {
+                let messages: Value = serde_json::from_str(messages)
+                    .map_err(|e| ReferenceError::Garbage(e.to_string()))?;
+                let v = self
+                    .post("/apply-template", json!({ "messages": messages }))
+                    .await?;
+                v.get("prompt")
+                    .and_then(Value::as_str)
+                    .ok_or_else(|| garbage("/apply-template: no prompt"))?
+                    .to_owned()
+            }
+        };
+        let v = self
+            .post(
+                "/tokenize",
+                json!({
+                    "content": q.completion,
+                    "add_special": false,
+                    "parse_special": false,
+                    "with_pieces": true,
+                }),
+            )
+            .await?;
+        // (id, bytes): a piece is a string, or its bytes when not valid UTF-8 alone
+        let pieces: Vec<(u64, Vec<u8>)> = v
+            .get("tokens")
+            .and_then(Value::as_array)
+            .ok_or_else(|| garbage("/tokenize: no tokens"))?
+            .iter()
+            .take(q.max_tokens)
+            .map(|t| {
+                let id = t
+                    .get("id")
+                    .and_then(Value::as_u64)
+                    .ok_or_else(|| garbage("/tokenize: a token without id"))?;
+                let bytes = match t.get("piece") {
+                    Some(Value::String(s)) => s.as_bytes().to_vec(),
+                    Some(Value::Array(_)) => bytes_of_array(t.get("piece"))?,
+                    _ => return Err(garbage("/tokenize: a token without piece")),
+                };
+                Ok((id, bytes))
+            })
+            .collect::<Result<_, ReferenceError>>()?;
+        let ids: Vec<u64> = pieces.iter().map(|(id, _)| *id).collect();
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let grammar = format!(
+            "root ::= {}",
+            ids.iter()
+                .map(|t| format!("<[{t}]>"))
+                .collect::<Vec<_>>()
+                .join(" ")
+        );
+        let v = self
+            .post(
+                "/completion",
+                json!({
+                    "prompt": prompt,
+                    "grammar": grammar,
+                    "n_predict": ids.len(),
+                    "n_probs": self.n_probs,
+                    "post_sampling_probs": false,
+                    "temperature": 0.0,
+                    "stream": false,
+                    "cache_prompt": true,
+                }),
+            )
+            .await?;
+        let probs = v
+            .get("completion_probabilities")
+            .and_then(Value::as_array)
+            .ok_or_else(|| garbage("/completion: no completion_probabilities"))?;
+        if probs.len() != ids.len() {
+            return Err(ReferenceError::Garbage(format!(
+                "/completion: {} positions for {} forced tokens",
+                probs.len(),
+                ids.len()
+            )));
+        }
+        let mut out = Vec::with_capacity(ids.len());
+        for (p, (id, forced)) in probs.iter().zip(pieces) {
+            let top =
+                p.get("top_logprobs")
+                    .and_then(Value::as_array)
+                    .ok_or_else(|| garbage("/completion: no top_logprobs"))?
+                    .iter()
+                    .map(|t| {
+                        Ok(TopToken {
+                            bytes: bytes_of_array(t.get("bytes"))?,
+                            logprob: t.get("logprob").and_then(Value::as_f64).ok_or_else(|| {
+                                garbage("/completion: a top token without logprob")
+                            })?,
+                        })
+                    })
+                    .collect::<Result<Vec<_>, ReferenceError>>()?;
+            if p.get("id").and_then(Value::as_u64) != Some(id) {
+                return Err(garbage(
+                    "/completion: a position's token is not the forced one",
+                ));
+            }
+            out.push(ScoredToken { bytes: forced, top });
+        }
+        Ok(out)
+    }
+}
+
+/// Bytes from a JSON array of integers 0–255.
+#[cfg(feature = "llama-reference")]
+fn bytes_of_array(v: Option<&serde_json::Value>) -> Result<Vec<u8>, ReferenceError> {
+    v.and_then(serde_json::Value::as_array)
+        .ok_or_else(|| ReferenceError::Garbage("a token without bytes".into()))?
+        .iter()
+        .map(|b| {
+            b.as_u64()
+                .and_then(|b| u8::try_from(b).ok())
+                .ok_or_else(|| ReferenceError::Garbage("a byte out of range".into()))
+        })
+        .collect()
+}
+
+#[cfg(feature = "llama-reference")]
+impl Reference for LlamaCppReference {
+    fn score<'a>(&'a self, query: &'a ReferenceQuery) -> ScoreFuture<'a> {
+        Box::pin(self.score_inner(query))
+    }
+}
+
+/// References by model: scores each query on its model's reference
+/// ([`ReferenceError::NoReference`] for a model without one).
+#[derive(Clone, Default)]
+pub struct ReferenceSet {
+    by_model: std::collections::HashMap<ModelId, std::sync::Arc<dyn Reference>>,
+}
+
+impl std::fmt::Debug for ReferenceSet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReferenceSet")
+            .field("models", &self.by_model.keys().collect::<Vec<_>>())
+            .finish()
+    }
+}
+
+impl ReferenceSet {
+    /// No references.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Scores `model`'s audits on `reference`.
+    pub fn with(mut self, model: ModelId, reference: std::sync::Arc<dyn Reference>) -> Self {
+        self.by_model.insert(model, reference);
+        self
+    }
+
+    /// Whether `model` has a reference.
+    pub fn covers(&self, model: &ModelId) -> bool {
+        self.by_model.contains_key(model)
+    }
+}
+
+impl Reference for ReferenceSet {
+    fn score<'a>(&'a self, query: &'a ReferenceQuery) -> ScoreFuture<'a> {
+        match self.by_model.get(&query.model) {
+            Some(r) => r.score(query),
+            None => Box::pin(std::future::ready(Err(ReferenceError::NoReference(
+                query.model.clone(),
+            )))),
+        }
+    }
+}
