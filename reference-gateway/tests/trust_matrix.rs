@@ -210,19 +210,19 @@ async fn node_run(
             let scored = reference.score(&query).await.unwrap();
             *ref_tokens += scored.len() as u64;
             let obs = observations(&scored, text.as_bytes(), req.mode, &score_config).unwrap();
+            // every scored position is an audited token (clear or not); a verdict is reached
+            // with the reply whose audit reaches it
+            out.audited_tokens += scored.len() as u64;
             for o in obs {
                 sprt.observe(&sprt_config, o);
-                let v = sprt.verdict(&sprt_config);
-                if v == AuditVerdict::Passing && out.tokens_to_pass.is_none() {
-                    out.tokens_to_pass = Some(out.audited_tokens);
-                }
-                if v == AuditVerdict::Failed && out.tokens_to_fail.is_none() {
-                    out.tokens_to_fail = Some(out.audited_tokens);
-                }
-                out.audited_tokens += 1;
             }
-            // positions that were not clear are audited too (they cost reference time)
-            out.audited_tokens = out.audited_tokens.max(sprt.observations);
+            let v = sprt.verdict(&sprt_config);
+            if v == AuditVerdict::Passing && out.tokens_to_pass.is_none() {
+                out.tokens_to_pass = Some(out.audited_tokens);
+            }
+            if v == AuditVerdict::Failed && out.tokens_to_fail.is_none() {
+                out.tokens_to_fail = Some(out.audited_tokens);
+            }
             if stop_on_fail && sprt.rejected {
                 break;
             }
@@ -301,7 +301,7 @@ async fn trust_matrix() {
     if let Ok(only) = std::env::var("SPINE_TRUST_ONLY") {
         honest_specs.retain(|s| s.label.contains(only.as_str()));
     }
-    println!("| node | run | audited tokens | clear positions | events | verdict | tokens to passing | tokens to failed |");
+    println!("| node | run | audited tokens | clear positions | events | verdict | audited tokens to passing | audited tokens to failed |");
     println!("|---|---|---|---|---|---|---|---|");
     let mut honest_failed = 0;
     let mut honest_total = 0;

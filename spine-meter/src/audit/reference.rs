@@ -63,7 +63,10 @@ pub trait Reference: Send + Sync + 'static {
 /// that forces the completion's tokens, `n_probs` and `post_sampling_probs: false`: each
 /// position's `top_logprobs` are the raw model's (measured to agree to 4e-6 with one
 /// `n_predict: 1` request per prefix). The end-of-generation token is never forced (llama.cpp
-/// answers 500 when a grammar holds it).
+/// answers 500 when a grammar holds it), nor is a token that splits a UTF-8 character (the
+/// grammar sampler then rejects every candidate: also a 500): such tokens are fed as prompt and
+/// the runs of whole-character tokens between them forced one request each (at most
+/// [`MAX_REQUESTS_PER_AUDIT`](Self::MAX_REQUESTS_PER_AUDIT)), with the prompt cache on.
 #[cfg(feature = "llama-reference")]
 #[derive(Clone, Debug)]
 pub struct LlamaCppReference {
@@ -159,8 +162,9 @@ impl LlamaCppReference {
                 }),
             )
             .await?;
-        // (id, bytes): a piece is a string, or its bytes when not valid UTF-8 alone
-        let pieces: Vec<(u64, Vec<u8>)> = v
+        // (id, bytes, whole): a piece is a string, or its bytes when they are not valid UTF-8
+        // alone (a token that splits a character)
+        let pieces: Vec<(u64, Vec<u8>, bool)> = v
             .get("tokens")
             .and_then(Value::as_array)
             .ok_or_else(|| garbage("/tokenize: no tokens"))?
@@ -171,22 +175,65 @@ impl LlamaCppReference {
                     .get("id")
                     .and_then(Value::as_u64)
                     .ok_or_else(|| garbage("/tokenize: a token without id"))?;
-                let bytes = match t.get("piece") {
-                    Some(Value::String(s)) => s.as_bytes().to_vec(),
-                    Some(Value::Array(_)) => bytes_of_array(t.get("piece"))?,
-                    _ => return Err(garbage("/tokenize: a token without piece")),
-                };
-                Ok((id, bytes))
+                match t.get("piece") {
+                    Some(Value::String(s)) => Ok((id, s.as_bytes().to_vec(), true)),
+                    Some(Value::Array(_)) => Ok((id, bytes_of_array(t.get("piece"))?, false)),
+                    _ => Err(garbage("/tokenize: a token without piece")),
+                }
             })
             .collect::<Result<_, ReferenceError>>()?;
-        let ids: Vec<u64> = pieces.iter().map(|(id, _)| *id).collect();
-        if ids.is_empty() {
-            return Ok(Vec::new());
+        // The pinned llama.cpp's token-id grammar cannot force a token that splits a UTF-8
+        // character (its grammar sampler rejects every candidate after one, and the request
+        // fails with HTTP 500): each run of whole-character tokens is forced by one request
+        // whose prompt carries every token before it (the prompt cache makes that a short
+        // prefill); split tokens are fed as prompt, never scored.
+        let mut out = Vec::with_capacity(pieces.len());
+        let mut start = 0;
+        let mut requests = 0;
+        while start < pieces.len() {
+            if !pieces[start].2 {
+                out.push(ScoredToken {
+                    bytes: pieces[start].1.clone(),
+                    top: Vec::new(),
+                });
+                start += 1;
+                continue;
+            }
+            let end = start + pieces[start..].iter().take_while(|p| p.2).count();
+            if requests == Self::MAX_REQUESTS_PER_AUDIT {
+                break;
+            }
+            requests += 1;
+            let prompt_json = if start == 0 {
+                json!(prompt)
+            } else {
+                let mut mixed = vec![json!(prompt)];
+                mixed.extend(pieces[..start].iter().map(|p| json!(p.0)));
+                Value::Array(mixed)
+            };
+            out.extend(self.force(prompt_json, &pieces[start..end]).await?);
+            start = end;
         }
+        Ok(out)
+    }
+
+    /// Most `/completion` requests one audit makes (one per run of whole-character tokens).
+    pub const MAX_REQUESTS_PER_AUDIT: usize = 64;
+
+    /// Forces `pieces` (whole-character tokens) after `prompt` and reads each position's top
+    /// tokens.
+    async fn force(
+        &self,
+        prompt: serde_json::Value,
+        pieces: &[(u64, Vec<u8>, bool)],
+    ) -> Result<Vec<ScoredToken>, ReferenceError> {
+        use serde_json::{json, Value};
+        let garbage = |what: &str| ReferenceError::Garbage(what.to_owned());
         let grammar = format!(
             "root ::= {}",
-            ids.iter()
-                .map(|t| format!("<[{t}]>"))
+            pieces
+                .iter()
+                .map(|p| format!("<[{}]>", p.0))
                 .collect::<Vec<_>>()
                 .join(" ")
         );
@@ -196,7 +243,7 @@ impl LlamaCppReference {
                 json!({
                     "prompt": prompt,
                     "grammar": grammar,
-                    "n_predict": ids.len(),
+                    "n_predict": pieces.len(),
                     "n_probs": self.n_probs,
                     "post_sampling_probs": false,
                     "temperature": 0.0,
@@ -209,35 +256,45 @@ impl LlamaCppReference {
             .get("completion_probabilities")
             .and_then(Value::as_array)
             .ok_or_else(|| garbage("/completion: no completion_probabilities"))?;
-        if probs.len() != ids.len() {
-            return Err(ReferenceError::Garbage(format!(
-                "/completion: {} positions for {} forced tokens",
-                probs.len(),
-                ids.len()
-            )));
-        }
-        let mut out = Vec::with_capacity(ids.len());
-        for (p, (id, forced)) in probs.iter().zip(pieces) {
-            let top =
-                p.get("top_logprobs")
-                    .and_then(Value::as_array)
-                    .ok_or_else(|| garbage("/completion: no top_logprobs"))?
-                    .iter()
-                    .map(|t| {
-                        Ok(TopToken {
-                            bytes: bytes_of_array(t.get("bytes"))?,
-                            logprob: t.get("logprob").and_then(Value::as_f64).ok_or_else(|| {
-                                garbage("/completion: a top token without logprob")
-                            })?,
-                        })
+        // llama.cpp lists no probabilities for a token after which the text ends inside a
+        // UTF-8 character (its `process_token` holds such a token back): the list is the forced
+        // tokens minus those, in order. Such positions get no top tokens (never scored).
+        let mut out = Vec::with_capacity(pieces.len());
+        let mut listed = probs.iter().peekable();
+        for (id, forced, _) in pieces {
+            let Some(p) = listed.next_if(|p| p.get("id").and_then(Value::as_u64) == Some(*id))
+            else {
+                out.push(ScoredToken {
+                    bytes: forced.clone(),
+                    top: Vec::new(),
+                });
+                continue;
+            };
+            let top = p
+                .get("top_logprobs")
+                .and_then(Value::as_array)
+                .ok_or_else(|| garbage("/completion: no top_logprobs"))?
+                .iter()
+                .map(|t| {
+                    Ok(TopToken {
+                        bytes: bytes_of_array(t.get("bytes"))?,
+                        logprob: t.get("logprob").and_then(Value::as_f64).ok_or_else(|| {
+                            garbage("/completion: a top token without logprob")
+                        })?,
                     })
-                    .collect::<Result<Vec<_>, ReferenceError>>()?;
-            if p.get("id").and_then(Value::as_u64) != Some(id) {
-                return Err(garbage(
-                    "/completion: a position's token is not the forced one",
-                ));
-            }
-            out.push(ScoredToken { bytes: forced, top });
+                })
+                .collect::<Result<Vec<_>, ReferenceError>>()?;
+            out.push(ScoredToken {
+                bytes: forced.clone(),
+                top,
+            });
+        }
+        if listed.next().is_some() {
+            return Err(ReferenceError::Garbage(format!(
+                "/completion: {} positions listed that are not the {} forced tokens in order",
+                probs.len(),
+                pieces.len()
+            )));
         }
         Ok(out)
     }
