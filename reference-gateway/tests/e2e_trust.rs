@@ -14,7 +14,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{add_node, metric, tenant, Gateway, Tenant};
+use common::{add_node, metric, tenant, Gateway, LedgerDb, Tenant};
 use serde_json::{json, Value};
 use spine_test_support::{Engine, LlamaServer};
 
@@ -171,6 +171,35 @@ async fn a_substitute_model_is_failed_and_unrouted_while_the_honest_node_passes(
         .cloned()
         .unwrap_or(Value::Null);
     assert_eq!(sub_view["audit"][0]["verdict"], "failed", "{op:#}");
+
+    // the books: earnings served while suspect were escrowed, then forfeited at `failed`;
+    // the operator earned exactly the credits paid; the entries sum to zero
+    let ledger = LedgerDb::open(dir.path(), None).await;
+    let mut still_held = -1;
+    for _ in 0..300 {
+        still_held = ledger
+            .int("SELECT COUNT(*) FROM requests WHERE earnings = 'held'")
+            .await;
+        if still_held == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(still_held, 0, "escrow left after the verdicts");
+    let forfeited = ledger
+        .int(&format!(
+            "SELECT COUNT(*) FROM requests WHERE earnings = 'forfeited' AND node_id <> '{sub_id}'"
+        ))
+        .await;
+    assert_eq!(forfeited, 0, "only the failed node forfeits");
+    let paid = ledger
+        .int("SELECT CAST(COALESCE(SUM(operator_credit_micros), 0) AS BIGINT) FROM requests WHERE earnings IS NULL OR earnings = 'paid'")
+        .await;
+    assert_eq!(gw.earned(&operator).await as i64, paid);
+    let entries = ledger
+        .int("SELECT CAST(COALESCE(SUM(amount_micros), 0) AS BIGINT) FROM ledger_entries")
+        .await;
+    assert_eq!(entries, 0);
 
     // the operator fixes the weights and asks for re-verification: routable again, unverified
     let (s, r) = gw

@@ -16,9 +16,9 @@ mod test_support;
 
 pub use inject::{inject_include_usage, InjectError};
 pub use ledger::{
-    AccountBalance, Enrollment, EntryTotals, HoldNote, InstanceUpkeep, KeyLimits, Ledger,
-    LedgerError, LedgerFuture, NodeRecord, PgLedger, PgPoolConfig, RequestRecord, SettleResult,
-    Settlement, SqliteLedger, Store, SweepKind,
+    AccountBalance, EarningsState, Enrollment, EntryTotals, HeldEarnings, HoldNote, InstanceUpkeep,
+    KeyLimits, Ledger, LedgerError, LedgerFuture, NodeRecord, PgLedger, PgPoolConfig,
+    RequestRecord, SettleResult, Settlement, SqliteLedger, Store, SweepKind,
 };
 pub use price::Price;
 pub use tokenizer::{ModelTokenizer, TokenizerError};

@@ -156,6 +156,7 @@ fn failed_settlement(id: &RequestId, acct: &AccountId) -> Settlement {
         discrepancy: false,
         price: PRICE,
         share_bps: 7_000,
+        earnings_held: false,
     }
 }
 

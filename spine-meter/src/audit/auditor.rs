@@ -45,7 +45,28 @@ pub trait AuditTap: Send + Sync + 'static {
     fn max_completion_bytes(&self) -> usize;
     /// A completed request, for the tap to audit or not.
     fn offer(&self, sample: AuditSample);
+
+    /// Whether the operator's credit for a request `node` served for `model` is held in escrow
+    /// until the audit's verdict ([`Settlement::earnings_held`](crate::Settlement)). Asked at
+    /// every settlement with a node; default `false`.
+    fn earnings_held(&self, node: &NodeId, model: &ModelId) -> bool {
+        let _ = (node, model);
+        false
+    }
 }
+
+/// Hooks the [`Auditor`] calls; every method has a no-op default, and `()` implements the
+/// trait. Called on the auditor's worker task, outside its locks: do not block (spawn I/O).
+pub trait AuditEvents: Send + Sync + 'static {
+    /// A (node, model)'s verdict changed from `from` to `to` (a worker's audit moved it; not
+    /// [`Auditor::reverify`]). The reference gateway pays the escrowed earnings on `→ passing`
+    /// and forfeits them on `→ failed`.
+    fn on_verdict(&self, node: &NodeId, model: &ModelId, from: AuditVerdict, to: AuditVerdict) {
+        let _ = (node, model, from, to);
+    }
+}
+
+impl AuditEvents for () {}
 
 /// Settings of an [`Auditor`]. [`Default`] gives the documented values.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
@@ -170,6 +191,7 @@ type PairKey = (NodeId, ModelId);
 struct Inner {
     config: AuditConfig,
     reference: Arc<dyn Reference>,
+    events: Arc<dyn AuditEvents>,
     pairs: Mutex<HashMap<PairKey, Pair>>,
     tx: mpsc::Sender<AuditSample>,
     counters: Counters,
@@ -206,10 +228,24 @@ impl Auditor {
     ///
     /// Outside a tokio runtime.
     pub fn spawn(config: AuditConfig, reference: Arc<dyn Reference>) -> Self {
+        Self::spawn_with(config, reference, Arc::new(()))
+    }
+
+    /// As [`Auditor::spawn`], calling `events` on verdict changes.
+    ///
+    /// # Panics
+    ///
+    /// Outside a tokio runtime.
+    pub fn spawn_with(
+        config: AuditConfig,
+        reference: Arc<dyn Reference>,
+        events: Arc<dyn AuditEvents>,
+    ) -> Self {
         let (tx, rx) = mpsc::channel(config.queue.max(1));
         let inner = Arc::new(Inner {
             config,
             reference,
+            events,
             pairs: Mutex::default(),
             tx,
             counters: Counters::default(),
@@ -324,6 +360,10 @@ impl AuditTap for Auditor {
         self.inner.config.max_tokens.saturating_mul(64)
     }
 
+    fn earnings_held(&self, node: &NodeId, model: &ModelId) -> bool {
+        self.verdict(node, model) == AuditVerdict::Suspect
+    }
+
     fn offer(&self, sample: AuditSample) {
         let c = &self.inner.counters;
         c.offered.fetch_add(1, Ordering::Relaxed);
@@ -408,17 +448,23 @@ async fn audit_one(inner: &Inner, sample: AuditSample) -> Option<AuditVerdict> {
         .tokens_scored
         .fetch_add(obs.len() as u64, Ordering::Relaxed);
     let after = pair.sprt.verdict(&config.sprt);
+    let (tokens_audited, events, statistic) =
+        (pair.sprt.observations, pair.sprt.events, pair.sprt.llr);
+    drop(pairs);
     if after != before {
         tracing::warn!(
             node = %sample.node,
             model = %sample.model,
             from = before.as_str(),
             to = after.as_str(),
-            tokens_audited = pair.sprt.observations,
-            events = pair.sprt.events,
-            statistic = pair.sprt.llr,
+            tokens_audited,
+            events,
+            statistic,
             "audit verdict changed"
         );
+        inner
+            .events
+            .on_verdict(&sample.node, &sample.model, before, after);
     }
     Some(after)
 }

@@ -26,7 +26,9 @@ mod request;
 mod score;
 mod sprt;
 
-pub use auditor::{AuditConfig, AuditCounters, AuditSample, AuditStatus, AuditTap, Auditor};
+pub use auditor::{
+    AuditConfig, AuditCounters, AuditEvents, AuditSample, AuditStatus, AuditTap, Auditor,
+};
 #[cfg(feature = "llama-reference")]
 pub use reference::LlamaCppReference;
 pub use reference::{Reference, ReferenceError, ReferenceQuery, ReferenceSet, ScoreFuture};

@@ -270,20 +270,20 @@ impl LlamaCppReference {
                 });
                 continue;
             };
-            let top = p
-                .get("top_logprobs")
-                .and_then(Value::as_array)
-                .ok_or_else(|| garbage("/completion: no top_logprobs"))?
-                .iter()
-                .map(|t| {
-                    Ok(TopToken {
-                        bytes: bytes_of_array(t.get("bytes"))?,
-                        logprob: t.get("logprob").and_then(Value::as_f64).ok_or_else(|| {
-                            garbage("/completion: a top token without logprob")
-                        })?,
+            let top =
+                p.get("top_logprobs")
+                    .and_then(Value::as_array)
+                    .ok_or_else(|| garbage("/completion: no top_logprobs"))?
+                    .iter()
+                    .map(|t| {
+                        Ok(TopToken {
+                            bytes: bytes_of_array(t.get("bytes"))?,
+                            logprob: t.get("logprob").and_then(Value::as_f64).ok_or_else(|| {
+                                garbage("/completion: a top token without logprob")
+                            })?,
+                        })
                     })
-                })
-                .collect::<Result<Vec<_>, ReferenceError>>()?;
+                    .collect::<Result<Vec<_>, ReferenceError>>()?;
             out.push(ScoredToken {
                 bytes: forced.clone(),
                 top,

@@ -399,3 +399,69 @@ async fn offers_are_sampled_by_verdict_queued_and_dropped_when_full() {
     never.offer(sample("a", "x"));
     assert_eq!(never.counters().sampled, 0);
 }
+
+/// A reference whose answer the test switches: agree or disagree with the delivered text.
+struct Switch(std::sync::Mutex<&'static str>);
+
+impl Reference for Switch {
+    fn score<'a>(&'a self, q: &'a ReferenceQuery) -> ScoreFuture<'a> {
+        let agree = *self.0.lock().unwrap() == "agree";
+        Box::pin(async move {
+            Ok(q.completion
+                .split_inclusive(' ')
+                .map(|w| {
+                    tok(
+                        w,
+                        &[(if agree { w } else { "\u{1F600}" }, 0.95), ("?", 0.01)],
+                    )
+                })
+                .collect())
+        })
+    }
+}
+
+#[derive(Default)]
+struct Verdicts(std::sync::Mutex<Vec<(AuditVerdict, AuditVerdict)>>);
+
+impl AuditEvents for Verdicts {
+    fn on_verdict(&self, _: &NodeId, _: &ModelId, from: AuditVerdict, to: AuditVerdict) {
+        self.0.lock().unwrap().push((from, to));
+    }
+}
+
+#[tokio::test]
+async fn a_suspect_nodes_earnings_are_held_and_verdict_changes_are_reported() {
+    let reference = Arc::new(Switch(std::sync::Mutex::new("disagree")));
+    let events = Arc::new(Verdicts::default());
+    let auditor = Auditor::spawn_with(
+        AuditConfig::default().with_rate(1.0),
+        reference.clone(),
+        events.clone(),
+    );
+    let (node, model) = (NodeId::new("a"), ModelId::new("m"));
+    assert!(!auditor.earnings_held(&node, &model), "unverified: paid");
+    // three disagreeing positions: past half the rejection boundary, not past it
+    assert_eq!(
+        auditor.audit_now(sample("a", &words(4))).await,
+        Some(AuditVerdict::Suspect)
+    );
+    assert!(auditor.earnings_held(&node, &model));
+    assert!(auditor.routable(&node, &model), "suspect is still routed");
+    // honest from now on: back under the boundary, then passing
+    *reference.0.lock().unwrap() = "agree";
+    let mut verdict = AuditVerdict::Suspect;
+    for _ in 0..20 {
+        verdict = auditor.audit_now(sample("a", &words(40))).await.unwrap();
+        if verdict == AuditVerdict::Passing {
+            break;
+        }
+    }
+    assert_eq!(verdict, AuditVerdict::Passing);
+    assert!(!auditor.earnings_held(&node, &model));
+    let seen = events.0.lock().unwrap().clone();
+    assert_eq!(
+        seen.first(),
+        Some(&(AuditVerdict::Unverified, AuditVerdict::Suspect))
+    );
+    assert_eq!(seen.last().map(|t| t.1), Some(AuditVerdict::Passing));
+}

@@ -213,6 +213,9 @@ pub struct Settlement {
     pub price: Price,
     /// The operator's share, basis points (0–10 000).
     pub share_bps: u16,
+    /// The node's model audit is `suspect` (design brief §10): the operator's credit is held in
+    /// escrow, not paid, until the verdict ([`Store::resolve_held_earnings`]).
+    pub earnings_held: bool,
 }
 
 /// The amounts one settlement moves, micros: the module docs' rules, computed in one place for
@@ -359,6 +362,57 @@ pub struct RequestRecord {
     /// recorded on the hold ([`Ledger::note_hold`]).
     #[serde(default)]
     pub swept: Option<SweepKind>,
+    /// Where the operator's credit is: paid, or held in escrow while the node's model audit was
+    /// `suspect`, then paid or forfeited at the verdict.
+    #[serde(default)]
+    pub earnings: EarningsState,
+}
+
+/// Where a request's operator credit is ([`RequestRecord::earnings`]; design brief §10).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum EarningsState {
+    /// Credited to the operator (the usual case).
+    #[default]
+    Paid,
+    /// In escrow: served while the node's model audit was `suspect`.
+    Held,
+    /// Kept by the platform: the audit then `failed` the node's model.
+    Forfeited,
+}
+
+impl EarningsState {
+    /// The stored name (`paid`, `held`, `forfeited`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Paid => "paid",
+            Self::Held => "held",
+            Self::Forfeited => "forfeited",
+        }
+    }
+
+    pub(crate) fn parse(s: Option<&str>) -> Self {
+        match s {
+            Some("held") => Self::Held,
+            Some("forfeited") => Self::Forfeited,
+            _ => Self::Paid,
+        }
+    }
+}
+
+/// What [`Store::resolve_held_earnings`] moved.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeldEarnings {
+    /// Requests whose held credit was resolved.
+    pub requests: u64,
+    /// Their operator credits, micros.
+    pub micros: u64,
+}
+
+/// The escrow party of a node's held earnings in `ledger_entries` (`platform` kind).
+pub(crate) fn escrow_party(node: &NodeId) -> String {
+    format!("escrow:{node}")
 }
 
 /// What the metering layer needs from a ledger. Object safe: use as `Arc<dyn Ledger>`.
@@ -569,6 +623,26 @@ pub trait Store: Ledger {
     ///
     /// [`LedgerError::UnknownOperator`].
     fn operator_earned_micros<'a>(&'a self, operator: &'a OperatorId) -> LedgerFuture<'a, u64>;
+
+    /// Resolves the operator credits held in escrow for requests `node` served for `model`
+    /// while its audit was `suspect` ([`Settlement::earnings_held`]): `pay` credits them to the
+    /// node's operator (the audit passed), else the platform keeps them (it failed). One
+    /// transaction; the ledger entries move the escrow to the operator or the platform and
+    /// still sum to zero; resolving again finds nothing held.
+    ///
+    /// # Errors
+    ///
+    /// [`LedgerError::Database`], [`LedgerError::OutOfRange`].
+    ///
+    /// # Cancel safety
+    ///
+    /// One transaction: dropped before completion, nothing or everything moved.
+    fn resolve_held_earnings<'a>(
+        &'a self,
+        node: &'a NodeId,
+        model: &'a ModelId,
+        pay: bool,
+    ) -> LedgerFuture<'a, HeldEarnings>;
 
     /// Registers a node by its public key (text form) under an operator; the node id is
     /// `node_<n>`, `n` counting registrations from 1.

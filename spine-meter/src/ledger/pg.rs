@@ -158,6 +158,15 @@ ALTER TABLE holds ADD COLUMN completion_tokens BIGINT;
 ALTER TABLE requests ADD COLUMN swept TEXT;
 "#,
     ),
+    (
+        6,
+        // operator credits held in escrow while a node's model audit is suspect (design brief
+        // §10): NULL = paid, 'held', 'forfeited' (SQLite's 6)
+        r#"
+ALTER TABLE requests ADD COLUMN earnings TEXT;
+CREATE INDEX requests_held_earnings ON requests(node_id, model) WHERE earnings = 'held';
+"#,
+    ),
 ];
 
 /// PostgreSQL's own clock in Unix milliseconds: instance heartbeats are written and compared with
@@ -1080,7 +1089,8 @@ impl PgLedger {
                     (SELECT COUNT(*) FROM requests r
                       WHERE r.node_id = n.node_id AND r.outcome = 'completed') AS served,
                     (SELECT COALESCE(SUM(r.operator_credit_micros), 0)::BIGINT FROM requests r
-                      WHERE r.node_id = n.node_id) AS earned
+                      WHERE r.node_id = n.node_id
+                        AND (r.earnings IS NULL OR r.earnings = 'paid')) AS earned
              FROM operators o LEFT JOIN nodes n ON n.operator_id = o.id
              WHERE o.id = $1
              ORDER BY n.created_at_ms, n.node_id",
@@ -1189,6 +1199,7 @@ impl PgLedger {
                 discrepancy: false,
                 price: Price::default(),
                 share_bps: 0,
+                earnings_held: false,
             };
             let result = retrying!(self.settle_once(&settlement, Some(kind)).await)?;
             if !result.already_settled {
@@ -1487,6 +1498,7 @@ impl PgLedger {
         let debit = to_i64(debit_micros)?;
         let credit = to_i64(operator_credit_micros)?;
         let fee = to_i64(fee_micros)?;
+        let held = s.earnings_held && operator.is_some() && credit > 0;
         sqlx::query(
             "UPDATE accounts SET balance_micros = balance_micros - $1, held_micros = held_micros - $2 WHERE id = $3",
         )
@@ -1496,7 +1508,7 @@ impl PgLedger {
         .execute(&mut *tx)
         .await
         .map_err(db)?;
-        if let Some(op) = &operator {
+        if let (Some(op), false) = (&operator, held) {
             sqlx::query("UPDATE operators SET earned_micros = earned_micros + $1 WHERE id = $2")
                 .bind(credit)
                 .bind(op)
@@ -1509,8 +1521,9 @@ impl PgLedger {
             "INSERT INTO requests (request_id, account_id, model, outcome, node_id, operator_id,
                 billed_prompt_tokens, billed_completion_tokens, claimed_prompt_tokens, claimed_completion_tokens,
                 usage_source, discrepancy, input_micros_per_mtok, output_micros_per_mtok, share_bps,
-                cost_micros, debit_micros, operator_credit_micros, fee_micros, hold_micros, created_at_ms, swept)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22)",
+                cost_micros, debit_micros, operator_credit_micros, fee_micros, hold_micros, created_at_ms, swept,
+                earnings)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23)",
         )
         .bind(s.request_id.as_str())
         .bind(hold_account.as_str())
@@ -1534,6 +1547,7 @@ impl PgLedger {
         .bind(to_i64(hold_micros)?)
         .bind(now_ms())
         .bind(swept.map(SweepKind::as_str))
+        .bind(held.then_some("held"))
         .execute(&mut *tx)
         .await
         .map_err(db)?;
@@ -1547,8 +1561,15 @@ impl PgLedger {
                 -debit,
             )
             .await?;
-            if let Some(op) = &operator {
-                insert_entry(&mut tx, &reference, "operator", op, credit).await?;
+            match (&operator, &s.node) {
+                (Some(_), Some(node)) if held => {
+                    let escrow = super::escrow_party(node);
+                    insert_entry(&mut tx, &reference, "platform", &escrow, credit).await?;
+                }
+                (Some(op), _) => {
+                    insert_entry(&mut tx, &reference, "operator", op, credit).await?;
+                }
+                (None, _) => {}
             }
             insert_entry(&mut tx, &reference, "platform", "platform", fee).await?;
         }
@@ -1620,7 +1641,66 @@ impl PgLedger {
                 None => None,
                 Some(kind) => Some(SweepKind::parse(&kind).ok_or(LedgerError::Corrupt("swept"))?),
             },
+            earnings: super::EarningsState::parse(
+                row.try_get::<Option<String>, _>("earnings")
+                    .map_err(db)?
+                    .as_deref(),
+            ),
         }))
+    }
+
+    async fn resolve_held_earnings_once(
+        &self,
+        node: &NodeId,
+        model: &ModelId,
+        pay: bool,
+    ) -> Result<super::HeldEarnings, LedgerError> {
+        let mut tx = self.begin().await?;
+        let rows = sqlx::query(
+            "UPDATE requests SET earnings = $1 WHERE node_id = $2 AND model = $3 AND earnings = 'held'
+             RETURNING operator_id, operator_credit_micros",
+        )
+        .bind(if pay { "paid" } else { "forfeited" })
+        .bind(node.as_str())
+        .bind(model.as_str())
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(db)?;
+        let mut by_operator: std::collections::BTreeMap<String, i64> = Default::default();
+        for row in &rows {
+            let op: Option<String> = row.try_get("operator_id").map_err(db)?;
+            let credit: i64 = row.try_get("operator_credit_micros").map_err(db)?;
+            *by_operator.entry(op.unwrap_or_default()).or_default() += credit;
+        }
+        let total: i64 = by_operator.values().sum();
+        if total > 0 {
+            let escrow = super::escrow_party(node);
+            let reference = format!(
+                "earnings:{node}:{model}:{}",
+                if pay { "paid" } else { "forfeited" }
+            );
+            insert_entry(&mut tx, &reference, "platform", &escrow, -total).await?;
+            for (op, credit) in &by_operator {
+                if pay {
+                    sqlx::query(
+                        "UPDATE operators SET earned_micros = earned_micros + $1 WHERE id = $2",
+                    )
+                    .bind(credit)
+                    .bind(op)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(db)?;
+                    insert_entry(&mut tx, &reference, "operator", op, *credit).await?;
+                } else {
+                    insert_entry(&mut tx, &reference, "platform", "platform", *credit).await?;
+                }
+            }
+        }
+        tx.commit().await.map_err(db)?;
+        Ok(super::HeldEarnings {
+            requests: rows.len() as u64,
+            micros: to_u64(total, "operator_credit_micros")?,
+        })
     }
 }
 
@@ -1715,6 +1795,15 @@ impl Store for PgLedger {
 
     fn operator_earned_micros<'a>(&'a self, operator: &'a OperatorId) -> LedgerFuture<'a, u64> {
         Box::pin(self.operator_earned_micros_impl(operator))
+    }
+
+    fn resolve_held_earnings<'a>(
+        &'a self,
+        node: &'a NodeId,
+        model: &'a ModelId,
+        pay: bool,
+    ) -> LedgerFuture<'a, super::HeldEarnings> {
+        Box::pin(async move { retrying!(self.resolve_held_earnings_once(node, model, pay).await) })
     }
 
     fn register_node<'a>(

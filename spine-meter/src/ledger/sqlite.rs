@@ -146,6 +146,15 @@ ALTER TABLE holds ADD COLUMN completion_tokens INTEGER;
 ALTER TABLE requests ADD COLUMN swept TEXT;
 "#,
     ),
+    (
+        6,
+        // operator credits held in escrow while a node's model audit is suspect (design brief
+        // §10): NULL = paid, 'held', 'forfeited' (PostgreSQL's 6)
+        r#"
+ALTER TABLE requests ADD COLUMN earnings TEXT;
+CREATE INDEX requests_held_earnings ON requests(node_id, model) WHERE earnings = 'held';
+"#,
+    ),
 ];
 
 /// The ledger and gateway store on SQLite.
@@ -866,7 +875,7 @@ impl SqliteLedger {
         let rows = sqlx::query(
             "SELECT n.node_id, n.public_key_text, n.name, n.created_at_ms,
                     COALESCE(SUM(CASE WHEN r.outcome = 'completed' THEN 1 ELSE 0 END), 0) AS served,
-                    COALESCE(SUM(r.operator_credit_micros), 0) AS earned
+                    COALESCE(SUM(CASE WHEN r.earnings IS NULL OR r.earnings = 'paid' THEN r.operator_credit_micros ELSE 0 END), 0) AS earned
              FROM nodes n LEFT JOIN requests r ON r.node_id = n.node_id
              WHERE n.operator_id = ?
              GROUP BY n.node_id, n.public_key_text, n.name, n.created_at_ms
@@ -991,6 +1000,7 @@ impl SqliteLedger {
                         discrepancy: false,
                         price: Price::default(),
                         share_bps: 0,
+                        earnings_held: false,
                     },
                     Some(kind),
                 )
@@ -1201,6 +1211,7 @@ impl SqliteLedger {
         let debit = to_i64(debit_micros)?;
         let credit = to_i64(operator_credit_micros)?;
         let fee = to_i64(fee_micros)?;
+        let held = s.earnings_held && operator.is_some() && credit > 0;
         sqlx::query(
             "UPDATE accounts SET balance_micros = balance_micros - ?, held_micros = held_micros - ? WHERE id = ?",
         )
@@ -1210,7 +1221,7 @@ impl SqliteLedger {
         .execute(&mut *tx)
         .await
         .map_err(db)?;
-        if let Some(op) = &operator {
+        if let (Some(op), false) = (&operator, held) {
             sqlx::query("UPDATE operators SET earned_micros = earned_micros + ? WHERE id = ?")
                 .bind(credit)
                 .bind(op)
@@ -1223,8 +1234,9 @@ impl SqliteLedger {
             "INSERT INTO requests (request_id, account_id, model, outcome, node_id, operator_id,
                 billed_prompt_tokens, billed_completion_tokens, claimed_prompt_tokens, claimed_completion_tokens,
                 usage_source, discrepancy, input_micros_per_mtok, output_micros_per_mtok, share_bps,
-                cost_micros, debit_micros, operator_credit_micros, fee_micros, hold_micros, created_at_ms, swept)
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                cost_micros, debit_micros, operator_credit_micros, fee_micros, hold_micros, created_at_ms, swept,
+                earnings)
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         )
         .bind(s.request_id.as_str())
         .bind(hold_account.as_str())
@@ -1248,14 +1260,18 @@ impl SqliteLedger {
         .bind(to_i64(hold_micros)?)
         .bind(now_ms())
         .bind(swept.map(SweepKind::as_str))
+        .bind(held.then_some("held"))
         .execute(&mut *tx)
         .await
         .map_err(db)?;
         if debit > 0 {
             let reference = format!("request:{}", s.request_id);
             let mut entries = vec![("account", hold_account.as_str(), -debit)];
-            if let Some(op) = &operator {
-                entries.push(("operator", op, credit));
+            let escrow = s.node.as_ref().map(super::escrow_party).unwrap_or_default();
+            match &operator {
+                Some(_) if held => entries.push(("platform", escrow.as_str(), credit)),
+                Some(op) => entries.push(("operator", op, credit)),
+                None => {}
             }
             entries.push(("platform", "platform", fee));
             insert_entries(&mut tx, &reference, &entries).await?;
@@ -1328,7 +1344,72 @@ impl SqliteLedger {
                 None => None,
                 Some(kind) => Some(SweepKind::parse(&kind).ok_or(LedgerError::Corrupt("swept"))?),
             },
+            earnings: super::EarningsState::parse(
+                row.try_get::<Option<String>, _>("earnings")
+                    .map_err(db)?
+                    .as_deref(),
+            ),
         }))
+    }
+
+    /// See [`Store::resolve_held_earnings`].
+    ///
+    /// # Errors
+    ///
+    /// [`LedgerError::Database`], [`LedgerError::OutOfRange`].
+    pub async fn resolve_held_earnings(
+        &self,
+        node: &NodeId,
+        model: &ModelId,
+        pay: bool,
+    ) -> Result<super::HeldEarnings, LedgerError> {
+        let mut tx = self.begin().await?;
+        let rows = sqlx::query(
+            "UPDATE requests SET earnings = ? WHERE node_id = ? AND model = ? AND earnings = 'held'
+             RETURNING operator_id, operator_credit_micros",
+        )
+        .bind(if pay { "paid" } else { "forfeited" })
+        .bind(node.as_str())
+        .bind(model.as_str())
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(db)?;
+        let mut by_operator: std::collections::BTreeMap<String, i64> = Default::default();
+        for row in &rows {
+            let op: Option<String> = row.try_get("operator_id").map_err(db)?;
+            let credit: i64 = row.try_get("operator_credit_micros").map_err(db)?;
+            *by_operator.entry(op.unwrap_or_default()).or_default() += credit;
+        }
+        let total: i64 = by_operator.values().sum();
+        if total > 0 {
+            let escrow = super::escrow_party(node);
+            let reference = format!(
+                "earnings:{node}:{model}:{}",
+                if pay { "paid" } else { "forfeited" }
+            );
+            let mut entries = vec![("platform", escrow.as_str(), -total)];
+            for (op, credit) in &by_operator {
+                if pay {
+                    sqlx::query(
+                        "UPDATE operators SET earned_micros = earned_micros + ? WHERE id = ?",
+                    )
+                    .bind(credit)
+                    .bind(op)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(db)?;
+                    entries.push(("operator", op.as_str(), *credit));
+                } else {
+                    entries.push(("platform", "platform", *credit));
+                }
+            }
+            insert_entries(&mut tx, &reference, &entries).await?;
+        }
+        tx.commit().await.map_err(db)?;
+        Ok(super::HeldEarnings {
+            requests: rows.len() as u64,
+            micros: to_u64(total, "operator_credit_micros")?,
+        })
     }
 }
 
@@ -1501,6 +1582,15 @@ impl Store for SqliteLedger {
 
     fn operator_earned_micros<'a>(&'a self, operator: &'a OperatorId) -> LedgerFuture<'a, u64> {
         Box::pin(SqliteLedger::operator_earned_micros(self, operator))
+    }
+
+    fn resolve_held_earnings<'a>(
+        &'a self,
+        node: &'a NodeId,
+        model: &'a ModelId,
+        pay: bool,
+    ) -> LedgerFuture<'a, super::HeldEarnings> {
+        Box::pin(SqliteLedger::resolve_held_earnings(self, node, model, pay))
     }
 
     fn register_node<'a>(

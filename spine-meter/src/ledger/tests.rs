@@ -246,6 +246,7 @@ fn settlement(
         discrepancy: false,
         price: PRICE,
         share_bps: 7_000,
+        earnings_held: false,
     }
 }
 
@@ -1642,6 +1643,100 @@ fn now_ms_for_tests() -> i64 {
 
 /// Instantiates each test function for both stores: `ledger::tests::sqlite::<name>` and
 /// `ledger::tests::postgres::<name>`.
+/// Earnings of requests served while the node's model audit was suspect wait in escrow
+/// (design brief §10): not the operator's until the verdict; paid on `passing`, kept by the
+/// platform on `failed`; the entries sum to zero throughout and each resolution moves money once.
+async fn held_earnings_are_escrowed_then_paid_or_forfeited_once(backend: Backend) {
+    let (_db, l, acct, node, op) = setup(backend).await;
+    let model = ModelId::from("smollm2");
+    let settle_held = |req: &'static str, held: bool| {
+        let (l, acct, node) = (l.clone(), acct.clone(), node.clone());
+        async move {
+            l.hold(
+                RequestId::from(req),
+                acct.clone(),
+                ModelId::from("smollm2"),
+                100,
+            )
+            .await
+            .unwrap();
+            let mut s = settlement(req, &acct, Some(node), StreamOutcome::Completed);
+            s.earnings_held = held;
+            l.settle(s).await.unwrap()
+        }
+    };
+    // 13 micros each: 9 to the operator, 4 fee
+    assert_eq!(settle_held("paid", false).await.operator_credit_micros, 9);
+    assert_eq!(settle_held("h1", true).await.operator_credit_micros, 9);
+    assert_eq!(settle_held("h2", true).await.operator_credit_micros, 9);
+    assert_eq!(
+        l.operator_earned_micros(&op).await.unwrap(),
+        9,
+        "held credit is not earned"
+    );
+    assert_eq!(l.operator_nodes(&op).await.unwrap()[0].earned_micros, 9);
+    assert_eq!(l.entries_sum_micros().await.unwrap(), 0);
+    let totals = l.entry_totals().await.unwrap();
+    assert_eq!(
+        (totals.operators_micros, totals.platform_micros),
+        (9, 3 * 4 + 2 * 9)
+    );
+    let rec = |id: &'static str| {
+        let l = l.clone();
+        async move {
+            l.request_record(RequestId::from(id))
+                .await
+                .unwrap()
+                .unwrap()
+        }
+    };
+    assert_eq!(rec("h1").await.earnings, EarningsState::Held);
+    assert_eq!(rec("paid").await.earnings, EarningsState::Paid);
+    // another model of the same node is not touched
+    assert_eq!(
+        l.resolve_held_earnings(&node, &ModelId::from("other"), true)
+            .await
+            .unwrap(),
+        HeldEarnings::default()
+    );
+    // the audit passed: paid to the operator, once
+    assert_eq!(
+        l.resolve_held_earnings(&node, &model, true).await.unwrap(),
+        HeldEarnings {
+            requests: 2,
+            micros: 18
+        }
+    );
+    assert_eq!(
+        l.resolve_held_earnings(&node, &model, true).await.unwrap(),
+        HeldEarnings::default()
+    );
+    assert_eq!(l.operator_earned_micros(&op).await.unwrap(), 27);
+    assert_eq!(l.operator_nodes(&op).await.unwrap()[0].earned_micros, 27);
+    assert_eq!(rec("h2").await.earnings, EarningsState::Paid);
+    assert_eq!(l.entries_sum_micros().await.unwrap(), 0);
+    // suspect again, then failed: the platform keeps the credit
+    settle_held("h3", true).await;
+    assert_eq!(
+        l.resolve_held_earnings(&node, &model, false).await.unwrap(),
+        HeldEarnings {
+            requests: 1,
+            micros: 9
+        }
+    );
+    assert_eq!(l.operator_earned_micros(&op).await.unwrap(), 27);
+    assert_eq!(l.operator_nodes(&op).await.unwrap()[0].earned_micros, 27);
+    assert_eq!(rec("h3").await.earnings, EarningsState::Forfeited);
+    let totals = l.entry_totals().await.unwrap();
+    assert_eq!(totals.operators_micros, 27);
+    assert_eq!(
+        totals.platform_micros,
+        4 * 4 + 9,
+        "fees plus the forfeited credit"
+    );
+    assert_eq!(l.entries_sum_micros().await.unwrap(), 0);
+}
+
 macro_rules! store_tests {
     (async: [$($t:ident),* $(,)?], blocking: [$($b:ident),* $(,)?]) => {
         store_tests!(@mod sqlite, Sqlite, [$($t),*], [$($b),*]);
@@ -1682,6 +1777,7 @@ store_tests!(
         enrollment_tokens_register_one_node_once,
         operator_nodes_count_served_requests_and_earnings,
         key_limits_are_kept_per_key_and_replaced,
+        held_earnings_are_escrowed_then_paid_or_forfeited_once,
     ],
     blocking: [
         random_holds_settles_releases_keep_the_books,

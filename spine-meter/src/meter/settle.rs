@@ -233,6 +233,11 @@ impl SettleCtx {
                 claimed: claimed.unwrap_or(billed),
             });
         }
+        // a suspect node's earnings wait in escrow for its verdict (design brief §10)
+        let earnings_held = match (&self.audit, &self.node) {
+            (Some(capture), Some(node)) => capture.tap.earnings_held(node, &self.model),
+            _ => false,
+        };
         if let (true, Some(capture), Some(node)) = (completed, self.audit, self.node.as_ref()) {
             if capture.plain && !capture.text.is_empty() {
                 capture.tap.offer(AuditSample {
@@ -257,6 +262,7 @@ impl SettleCtx {
             discrepancy,
             price: self.price,
             share_bps: self.share_bps,
+            earnings_held,
         };
         let ledger = self.ledger;
         let events = self.events;

@@ -153,6 +153,7 @@ async fn a_copy_of_the_files_of_an_open_store_has_every_committed_settlement() {
                 output_micros_per_mtok: 600_000,
             },
             share_bps: 0,
+            earnings_held: false,
         })
         .await
         .unwrap();
