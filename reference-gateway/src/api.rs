@@ -345,7 +345,7 @@ async fn node_error(resp: http::Response<BoxBody>) -> ApiError {
 
 /// Calls the stack behind a boxed future, which keeps the `dyn Error` lifetimes inside the
 /// stack's types out of the handler's future (rustc cannot prove the handler `Send` otherwise).
-fn call_stack(
+pub(crate) fn call_stack(
     stack: Stack,
     req: http::Request<BoxBody>,
 ) -> std::pin::Pin<

@@ -249,6 +249,11 @@ pub(crate) struct AuditSettings {
     pub(crate) concurrency: usize,
     /// Longest one scoring may take before the audit is inconclusive, seconds.
     pub(crate) timeout_secs: u64,
+    /// The account challenges are billed to (create it and credit it through the admin API);
+    /// none: no challenges.
+    pub(crate) challenge_account: Option<String>,
+    /// A routable node whose audited model had no audit for this long gets a challenge, seconds.
+    pub(crate) challenge_interval_secs: u64,
 }
 
 impl Default for AuditSettings {
@@ -263,6 +268,8 @@ impl Default for AuditSettings {
             max_tokens: d.max_tokens,
             concurrency: d.concurrency,
             timeout_secs: d.timeout.as_secs(),
+            challenge_account: None,
+            challenge_interval_secs: 600,
         }
     }
 }

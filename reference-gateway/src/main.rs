@@ -8,6 +8,7 @@
 mod admin;
 mod api;
 mod auth;
+mod challenge;
 mod cluster;
 mod config;
 mod enroll;
@@ -463,6 +464,23 @@ async fn run(cli: Cli) -> Result<(), MainError> {
             None => None,
         },
     });
+    // audit challenges for nodes with little traffic (design brief §10)
+    if let (Some(auditor), Some(account)) = (&state.auditor, &config.audit.challenge_account) {
+        let audited: Vec<ModelId> = config
+            .models
+            .iter()
+            .filter(|m| m.reference_url.is_some())
+            .map(|m| ModelId::new(m.id.as_str()))
+            .collect();
+        let interval = std::time::Duration::from_secs(config.audit.challenge_interval_secs.max(1));
+        tokio::spawn(challenge::run(
+            state.clone(),
+            auditor.clone(),
+            spine_core::AccountId::new(account.as_str()),
+            audited,
+            interval,
+        ));
+    }
     tracing::info!(%ready, "gateway listening");
     println!("{ready}");
 

@@ -215,3 +215,62 @@ async fn a_substitute_model_is_failed_and_unrouted_while_the_honest_node_passes(
     let (_, nodes) = gw.admin_get("/admin/v1/nodes").await;
     assert!(audit_of(&nodes, &sub_id).is_none(), "{nodes:#}");
 }
+
+/// A node with no traffic is challenged (design brief §10): plausible chats on the normal path,
+/// billed to the platform's challenge account, audited every time; the node's model passes
+/// without a single caller request, and its operator is paid for the work.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_node_is_challenged_billed_to_the_platform_and_passes() {
+    let engine = Engine::discover().unwrap();
+    let reference = LlamaServer::start(&engine, 1).await.unwrap();
+    let honest = LlamaServer::start(&engine, 2).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let gw = Gateway::start_full(
+        dir.path(),
+        &engine,
+        "[audit]\nchallenge_account = \"acct_challenges\"\nchallenge_interval_secs = 1\n",
+        &format!("reference_url = \"{}\"", reference.url),
+    )
+    .await;
+    let (s, _) = gw
+        .admin_post("/admin/v1/accounts", json!({"id": "acct_challenges"}))
+        .await;
+    assert_eq!(s, 201);
+    let (s, _) = gw
+        .admin_post(
+            "/admin/v1/accounts/acct_challenges/credits",
+            json!({"amount_micros": 1_000_000, "idempotency_key": "challenges-1"}),
+        )
+        .await;
+    assert_eq!(s, 200);
+    let Tenant { operator, .. } = tenant(&gw).await;
+    let (node_id, _agent) = add_node(&gw, dir.path(), &operator, &honest.url, "idle").await;
+
+    let started = Instant::now();
+    let audit = loop {
+        let (_, nodes) = gw.admin_get("/admin/v1/nodes").await;
+        if let Some(a) = audit_of(&nodes, &node_id) {
+            if a["verdict"] == "passing" {
+                break a;
+            }
+            assert_ne!(a["verdict"], "failed", "{a}");
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(300),
+            "the idle node never passed; nodes: {nodes:#}\ngateway:\n{}",
+            gw.child.stderr_tail(40)
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    println!("idle node after challenges: {audit}");
+    assert!(audit["audits"].as_u64().unwrap() >= 1, "{audit}");
+    let m = gw.metrics().await;
+    assert!(
+        metric(&m, "spine_audit_challenges_total{result=\"answered\"}") >= 1.0,
+        "{m}"
+    );
+    // billed to the challenge account; the node's operator is paid for the work
+    let (balance, _) = gw.balance("acct_challenges").await;
+    assert!(balance < 1_000_000, "challenges were not billed: {balance}");
+    assert!(gw.earned(&operator).await > 0);
+}

@@ -72,5 +72,7 @@ pub use registry::{
     Ask, InFlightLease, Needs, NodeRegistry, NodeSnapshot, Pick, RegistryConfig, RouteError,
     ATTEMPTS_METRIC, STICKY_METRIC,
 };
-pub use route::{NotNodeFault, ResponseFuture, Route, RouteConfig, RouteLayer, MAX_FULL_REPICKS};
+pub use route::{
+    AvoidNodes, NotNodeFault, ResponseFuture, Route, RouteConfig, RouteLayer, MAX_FULL_REPICKS,
+};
 pub use score::{ScoreConfig, ScoreParts};

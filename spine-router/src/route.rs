@@ -382,6 +382,13 @@ impl Deferred {
     }
 }
 
+/// A request extension: nodes the request must not be routed to, as if each had already been
+/// tried (it is still queued for the others). The reference gateway's audit challenges use it
+/// to reach one node (design brief §10); only code that builds the request can set it, never a
+/// caller.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct AvoidNodes(pub Vec<NodeId>);
+
 /// What [`route`] needs besides the inner service and the request.
 struct RouteCtx {
     registry: NodeRegistry,
@@ -447,6 +454,12 @@ where
             .unwrap_or_default(),
         weight: req.extensions().get::<QueueWeight>().map_or(1, |w| w.0),
     };
+    // nodes this request must not reach (a challenge aimed at one node avoids the others)
+    let mut tried: Vec<NodeId> = req
+        .extensions()
+        .get::<AvoidNodes>()
+        .map(|a| a.0.clone())
+        .unwrap_or_default();
     let (parts, body) = req.into_parts();
     let body_bytes = body.collect().await?.to_bytes();
     // The shared store's answer, asked once; `None` = use the in-memory table (no store, no key,
@@ -464,7 +477,6 @@ where
         _ => None,
     };
 
-    let mut tried: Vec<NodeId> = Vec::new();
     let mut last: Option<Result<http::Response<BoxBody>, BoxError>> = None;
     let mut deferred = Deferred::default();
     let mut full_repicks = 0u32;

@@ -13,7 +13,7 @@ use spine_core::{
     BodyClassifier, BodySignal, BoxBody, BoxError, ClassifyBody, EngineKind, ModelDescriptor,
     ModelId, NodeDescriptor, NodeId, NodeSlot, RequestPeek,
 };
-use spine_router::{NodeRegistry, RouteConfig, RouteError, RouteLayer};
+use spine_router::{AvoidNodes, NodeRegistry, RouteConfig, RouteError, RouteLayer};
 use tower::{Layer, ServiceExt};
 
 /// Test classifier: an event `data: tok` is content, `data: err` a failure.
@@ -1023,4 +1023,33 @@ async fn a_retry_waiting_in_the_queue_holds_no_slot_of_the_failed_node() {
     assert_eq!(resp.extensions().get::<NodeId>().unwrap().as_str(), "good");
     resp.into_body().collect().await.unwrap();
     assert_eq!(in_flight(&r), 0);
+}
+
+#[tokio::test]
+async fn avoided_nodes_are_never_picked_and_a_request_avoiding_all_fails() {
+    let r = registry(&["a", "b", "c"]);
+    let log = Log::default();
+    let scripts: HashMap<&str, Script> = [("a", Script::Ok), ("b", Script::Ok), ("c", Script::Ok)]
+        .into_iter()
+        .collect();
+    let svc = RouteLayer::new(r.clone())
+        .classify(Arc::new(Words))
+        .layer(upstream(scripts, log.clone()));
+    for _ in 0..20 {
+        let (mut req, _) = request(None);
+        req.extensions_mut()
+            .insert(AvoidNodes(vec![NodeId::new("a"), NodeId::new("c")]));
+        let resp = svc.clone().oneshot(req).await.unwrap();
+        resp.into_body().collect().await.unwrap();
+    }
+    assert!(
+        log.0.lock().unwrap().iter().all(|(n, _)| n.as_str() == "b"),
+        "{:?}",
+        log.0.lock().unwrap()
+    );
+    let (mut req, _) = request(None);
+    req.extensions_mut().insert(AvoidNodes(
+        ["a", "b", "c"].into_iter().map(NodeId::new).collect(),
+    ));
+    assert!(svc.clone().oneshot(req).await.is_err());
 }

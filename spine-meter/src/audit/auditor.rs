@@ -33,7 +33,14 @@ pub struct AuditSample {
     /// Choice 0's delivered `content` (`text` for completions), at most
     /// [`AuditTap::max_completion_bytes`] of it.
     pub completion: String,
+    /// The request carried [`AuditAlways`] (a challenge): audited whatever the coin says.
+    pub always: bool,
 }
+
+/// A request extension: audit this request whatever the sampling rate says. The reference
+/// gateway's challenges carry it (design brief §10); callers cannot set extensions.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AuditAlways;
 
 /// Where the metering layer offers completed requests for audit (design brief §10).
 ///
@@ -184,6 +191,8 @@ struct Pair {
     sprt: Sprt,
     audits: u64,
     inconclusive: u64,
+    /// When the last audit of the pair ended (scored or inconclusive).
+    last_audit: Option<tokio::time::Instant>,
 }
 
 type PairKey = (NodeId, ModelId);
@@ -343,6 +352,15 @@ impl Auditor {
         audit_one(&self.inner, sample).await
     }
 
+    /// Whether `node`'s `model` should be challenged: not `failed`, and no audit of it ended
+    /// in the last `quiet` (never audited counts as quiet).
+    pub fn is_quiet(&self, node: &NodeId, model: &ModelId, quiet: Duration) -> bool {
+        match self.pairs().get(&(node.clone(), model.clone())) {
+            None => true,
+            Some(p) => !p.sprt.rejected && p.last_audit.is_none_or(|t| t.elapsed() >= quiet),
+        }
+    }
+
     fn rate_for(&self, node: &NodeId, model: &ModelId) -> f64 {
         let c = &self.inner.config;
         match self.verdict(node, model) {
@@ -367,7 +385,11 @@ impl AuditTap for Auditor {
     fn offer(&self, sample: AuditSample) {
         let c = &self.inner.counters;
         c.offered.fetch_add(1, Ordering::Relaxed);
-        let rate = self.rate_for(&sample.node, &sample.model);
+        let rate = if sample.always && self.verdict(&sample.node, &sample.model).routable() {
+            1.0
+        } else {
+            self.rate_for(&sample.node, &sample.model)
+        };
         if rate <= 0.0 || !rand::rng().random_bool(rate.min(1.0)) {
             return;
         }
@@ -429,6 +451,7 @@ async fn audit_one(inner: &Inner, sample: AuditSample) -> Option<AuditVerdict> {
     };
     let mut pairs = inner.pairs.lock().unwrap_or_else(PoisonError::into_inner);
     let pair = pairs.entry(key).or_default();
+    pair.last_audit = Some(tokio::time::Instant::now());
     let obs = match obs {
         Ok(obs) => obs,
         Err(why) => {

@@ -21,14 +21,17 @@
 //! Measurements (honest configurations, substitutes, costs) are in `docs/trust.md`.
 
 mod auditor;
+mod challenge;
 mod reference;
 mod request;
 mod score;
 mod sprt;
 
 pub use auditor::{
-    AuditConfig, AuditCounters, AuditEvents, AuditSample, AuditStatus, AuditTap, Auditor,
+    AuditAlways, AuditConfig, AuditCounters, AuditEvents, AuditSample, AuditStatus, AuditTap,
+    Auditor,
 };
+pub use challenge::challenge_body;
 #[cfg(feature = "llama-reference")]
 pub use reference::LlamaCppReference;
 pub use reference::{Reference, ReferenceError, ReferenceQuery, ReferenceSet, ScoreFuture};

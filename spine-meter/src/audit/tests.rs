@@ -286,6 +286,7 @@ fn sample(node: &str, completion: &str) -> AuditSample {
             br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"temperature":0}"#,
         ),
         completion: completion.to_owned(),
+        always: false,
     }
 }
 

@@ -257,7 +257,14 @@ where
             .audit
             .as_ref()
             .filter(|_| kind != RequestKind::Embeddings)
-            .map(|tap| Box::new(AuditCapture::new(tap.clone(), kind, body.clone()))),
+            .map(|tap| {
+                let mut capture = AuditCapture::new(tap.clone(), kind, body.clone());
+                capture.always = parts
+                    .extensions
+                    .get::<crate::audit::AuditAlways>()
+                    .is_some();
+                Box::new(capture)
+            }),
     };
     let mut guard = hold_owned(&config, ctx, slot.clone(), hold_micros, admitted).await?;
     parts.headers.remove(http::header::CONTENT_LENGTH);

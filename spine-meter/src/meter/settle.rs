@@ -52,6 +52,8 @@ pub(crate) struct AuditCapture {
     max_bytes: usize,
     /// Choice 0 carried something other than plain text (reasoning, tool calls): not audited.
     plain: bool,
+    /// The request carried [`AuditAlways`](crate::audit::AuditAlways).
+    pub(crate) always: bool,
 }
 
 impl AuditCapture {
@@ -64,6 +66,7 @@ impl AuditCapture {
             text: String::new(),
             max_bytes,
             plain: true,
+            always: false,
         }
     }
 
@@ -247,6 +250,7 @@ impl SettleCtx {
                     kind: capture.kind,
                     request_body: capture.body,
                     completion: capture.text,
+                    always: capture.always,
                 });
             }
         }
