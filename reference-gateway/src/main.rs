@@ -6,6 +6,7 @@
 #![allow(clippy::print_stdout)] // the binary prints one machine-readable "ready" line
 
 mod admin;
+mod admin_cli;
 mod api;
 mod auth;
 mod challenge;
@@ -46,6 +47,15 @@ struct Cli {
     /// Configuration file (TOML). Every top-level key can also be set as `SPINE_<KEY>`.
     #[arg(long, env = "SPINE_CONFIG")]
     config: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Debug, clap::Subcommand)]
+enum Command {
+    /// Calls a running gateway's admin API: accounts, keys, credits, operators, enrollments,
+    /// nodes, requests, queues (`reference-gateway admin --help`).
+    Admin(admin_cli::AdminArgs),
 }
 
 type MainError = Box<dyn std::error::Error + Send + Sync>;
@@ -53,7 +63,14 @@ type MainError = Box<dyn std::error::Error + Send + Sync>;
 #[tokio::main]
 async fn main() {
     spine_transport::logging::init();
-    let cli = Cli::parse();
+    let mut cli = Cli::parse();
+    if let Some(Command::Admin(args)) = cli.command.take() {
+        if let Err(e) = admin_cli::run(args).await {
+            eprintln!("reference-gateway admin: {e}");
+            std::process::exit(1);
+        }
+        return;
+    }
     raise_fd_limit();
     if let Err(e) = run(cli).await {
         tracing::error!(error = %e, "gateway failed");

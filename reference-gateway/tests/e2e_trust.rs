@@ -274,3 +274,70 @@ async fn an_idle_node_is_challenged_billed_to_the_platform_and_passes() {
     assert!(balance < 1_000_000, "challenges were not billed: {balance}");
     assert!(gw.earned(&operator).await > 0);
 }
+
+fn pin_to_core(pid: u32, core: u32) {
+    let ok = std::process::Command::new("taskset")
+        .args(["-a", "-p", "-c", &core.to_string(), &pid.to_string()])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    assert!(ok, "taskset failed for pid {pid}");
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
+}
+
+/// The caller's latency with auditing on (every request audited, the worst case) vs off, in
+/// one run (issue 19; `docs/trust.md`): two gateways, each with its own agent, in front of one
+/// llama-server pinned to core 0; the reference pinned to core 1; requests alternate between
+/// the two gateways. Prints p50 / p90 per side and the ratio.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a benchmark: cargo test --workspace --test e2e_trust -- --ignored --nocapture audit_latency"]
+async fn audit_latency_bench() {
+    let engine = Engine::discover().unwrap();
+    let node = LlamaServer::start_with_args(&engine, 2, &["-t", "1"]).await.unwrap();
+    let reference = LlamaServer::start_with_args(&engine, 1, &["-t", "1"]).await.unwrap();
+    pin_to_core(node.child.id().unwrap(), 0);
+    pin_to_core(reference.child.id().unwrap(), 1);
+    let dir_on = tempfile::tempdir().unwrap();
+    let dir_off = tempfile::tempdir().unwrap();
+    let on = Gateway::start_full(
+        dir_on.path(),
+        &engine,
+        "[audit]\nrate_passing = 1.0\nrate_unverified = 1.0\nrate_suspect = 1.0\n",
+        &format!("reference_url = \"{}\"", reference.url),
+    )
+    .await;
+    let off = Gateway::start(dir_off.path(), &engine).await;
+    let t_on = tenant(&on).await;
+    let t_off = tenant(&off).await;
+    let (_n1, _a1) = add_node(&on, dir_on.path(), &t_on.operator, &node.url, "on").await;
+    let (_n2, _a2) = add_node(&off, dir_off.path(), &t_off.operator, &node.url, "off").await;
+    let rounds = std::env::var("SPINE_AUDIT_BENCH_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(40usize);
+    let (mut lat_on, mut lat_off) = (Vec::new(), Vec::new());
+    for i in 0..rounds {
+        for (gw, key, lat) in [
+            (&on, &t_on.api_key, &mut lat_on),
+            (&off, &t_off.api_key, &mut lat_off),
+        ] {
+            let t = Instant::now();
+            chat(gw, key, i, i % 2 == 0).await;
+            lat.push(t.elapsed().as_secs_f64() * 1000.0);
+        }
+    }
+    lat_on.sort_by(f64::total_cmp);
+    lat_off.sort_by(f64::total_cmp);
+    let (_, nodes) = on.admin_get("/admin/v1/nodes").await;
+    println!("audits on the 'on' gateway: {}", nodes["data"][0]["audit"]);
+    for p in [0.5, 0.9] {
+        let (a, b) = (percentile(&lat_on, p), percentile(&lat_off, p));
+        println!(
+            "p{:.0}: audit on {a:.1} ms, off {b:.1} ms, on/off {:.3}",
+            p * 100.0,
+            a / b
+        );
+    }
+}
