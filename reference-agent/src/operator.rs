@@ -11,10 +11,11 @@
 //! 4. writes the config file (never over an existing one);
 //! 5. starts serving, exactly as `reference-agent run --config <file>`.
 //!
-//! Of the engine's models only those in the gateway's catalog (returned by `/v1/enroll`) are ever
-//! routed; `join` says which, and fails (after writing the config) when there is none, so the
-//! owner can fix the model name (llama.cpp `--alias`, vLLM/SGLang `--served-model-name`, Ollama
-//! `ollama cp`) and `run`.
+//! Of the engine's models only those in the gateway's catalog are ever routed. `join` sends the
+//! engine's models with the token; when none is in the catalog the gateway refuses without
+//! spending the token, and `join` stops before writing anything but the identity, saying which
+//! names the catalog has, so the owner can fix the model name (llama.cpp `--alias`, vLLM/SGLang
+//! `--served-model-name`, Ollama `ollama cp`) and join again with the same token.
 
 use std::path::{Path, PathBuf};
 
@@ -241,7 +242,18 @@ pub(crate) async fn join(args: JoinArgs) -> Result<(), AnyError> {
         identity
     };
 
-    let mut body = json!({"token": args.token, "public_key": identity.public_key_text()});
+    // the engine's models go with the token: the gateway refuses (without spending the token)
+    // when none of them is in its catalog
+    let offered: Vec<&str> = models
+        .iter()
+        .map(|m| m.id.as_str())
+        .filter(|m| args.model.as_deref().is_none_or(|w| w == *m))
+        .collect();
+    let mut body = json!({
+        "token": args.token,
+        "public_key": identity.public_key_text(),
+        "models": offered,
+    });
     if let Some(name) = &args.name {
         body["node_name"] = json!(name);
     }

@@ -608,10 +608,11 @@ fn payload_target_lines_are_recognised() {
     ));
 }
 
-/// The catalog decides what counts: an engine (here a vLLM fake) serving only a model the
-/// gateway's catalog lacks enrolls, but `join` says no model is routable and stops; `run` then
-/// connects, the node is registered with no model, and `status` lists the engine's model as
-/// unlisted. A request for that model is refused before routing.
+/// The catalog decides what counts: `join` in front of an engine (here a vLLM fake) serving
+/// only a model the gateway's catalog lacks is refused BEFORE the token is redeemed (issue 16):
+/// it says which names the catalog has, writes no config, registers no node, and the same token
+/// then enrolls the node once the engine serves a catalog name. A request for the unlisted
+/// model is refused before routing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn models_outside_the_catalog_are_never_registered() {
     let engine = Engine::discover().unwrap();
@@ -630,39 +631,19 @@ async fn models_outside_the_catalog_are_never_registered() {
         .await
         .unwrap();
     assert!(!out.status.success());
-    let stdout = String::from_utf8(out.stdout).unwrap();
-    let joined: Value = serde_json::from_str(stdout.lines().next().unwrap()).unwrap();
-    assert_eq!(joined["engine"], "vllm");
-    assert_eq!(joined["routable_models"], json!([]));
-    assert_eq!(
-        joined["unlisted_models"],
-        json!(["Qwen/Qwen2.5-0.5B-Instruct"])
-    );
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
-        stderr.contains("is in the gateway's catalog (smollm2)"),
+        stderr.contains("none of the engine's models (Qwen/Qwen2.5-0.5B-Instruct) is in the gateway's catalog (smollm2)")
+            && stderr.contains("it was not used"),
         "{stderr}"
     );
-
-    // serving anyway: connected, registered with no model
     let config = dir.path().join("agent").join("agent.toml");
-    let mut cmd = Command::new(AGENT);
-    cmd.args(["run", "--config"]).arg(&config);
-    let agent = Child::spawn("agent", cmd).unwrap();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let s = loop {
-        let s = status_json(&config).await;
-        if s["routable"] == true {
-            break s;
-        }
-        assert!(Instant::now() < deadline, "{s}\n{}", agent.stderr_tail(20));
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
-    assert_eq!(s["connected"], true);
-    assert_eq!(s["models"], json!([]));
-    assert_eq!(s["unlisted_models"], json!(["Qwen/Qwen2.5-0.5B-Instruct"]));
-    assert_eq!(s["catalog_models"], json!(["smollm2"]));
-    assert_eq!(gw.operator(&op).await["nodes"][0]["models"], json!([]));
+    assert!(!config.exists(), "a config was written for a refused join");
+    assert_eq!(
+        gw.operator(&op).await["nodes"],
+        json!([]),
+        "no node registered"
+    );
     let r = gw
         .http
         .post(format!("{}/v1/chat/completions", gw.public))
@@ -674,4 +655,28 @@ async fn models_outside_the_catalog_are_never_registered() {
         .unwrap();
     assert_eq!(r.status(), 404);
     assert!(!fake.seen().iter().any(|r| r.path == "/v1/chat/completions"));
+
+    // the owner serves the model under the catalog's name: the same token enrolls the node
+    let renamed =
+        spine_test_support::FakeEngine::start(spine_test_support::FakeKind::Vllm, "smollm2", 8192)
+            .await
+            .unwrap();
+    let out = join_cmd(&gw, dir.path(), &token, &renamed.url, "info")
+        .arg("--no-serve")
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let joined: Value = serde_json::from_str(stdout.lines().next().unwrap()).unwrap();
+    assert_eq!(joined["routable_models"], json!(["smollm2"]));
+    assert!(config.exists());
+    assert_eq!(
+        gw.operator(&op).await["nodes"].as_array().map(Vec::len),
+        Some(1)
+    );
 }

@@ -113,7 +113,10 @@ enum NodeCmd {
     /// Routable nodes with score, in-flight, sticky stats and audit verdicts.
     List,
     /// Registers PUBLIC_KEY (from `reference-agent keygen`) as a node of OPERATOR.
-    Register { operator: String, public_key: String },
+    Register {
+        operator: String,
+        public_key: String,
+    },
     /// Restarts NODE's model audit (its operator re-verified the weights): routed again.
     Reverify {
         node: String,

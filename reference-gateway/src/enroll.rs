@@ -130,6 +130,11 @@ struct EnrollBody {
     public_key: String,
     #[serde(default)]
     node_name: Option<String>,
+    /// The models the agent's engine serves (as the agent will advertise them). When given and
+    /// none is in the catalog, the token is NOT redeemed: the owner fixes the model name and
+    /// joins again with the same token. Absent (older agents): not checked.
+    #[serde(default)]
+    models: Option<Vec<String>>,
 }
 
 /// A node name: 1–64 characters, no control characters.
@@ -188,6 +193,22 @@ async fn enroll(State(state): State<Arc<AppState>>, body: axum::body::Bytes) -> 
                 return Err(ApiError::invalid_request(
                     "invalid_node_name",
                     "node_name must be 1-64 characters without control characters",
+                ));
+            }
+        }
+        if let Some(models) = &body.models {
+            let listed = |m: &String| state.catalog_ids.iter().any(|c| c.as_str() == m);
+            if !models.iter().any(listed) {
+                let catalog: Vec<&str> = state.catalog_ids.iter().map(|c| c.as_str()).collect();
+                return Err(ApiError::new(
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    "invalid_request_error",
+                    "no_catalog_model",
+                    format!(
+                        "none of the engine's models ({}) is in the gateway's catalog ({}); serve one under a catalog name (llama.cpp --alias, vLLM/SGLang --served-model-name, `ollama cp`) and join again with the same token: it was not used",
+                        if models.is_empty() { "none".to_owned() } else { models.join(", ") },
+                        catalog.join(", ")
+                    ),
                 ));
             }
         }

@@ -48,7 +48,14 @@ async fn every_admin_call_from_the_command_line() {
     assert!(key.starts_with("sk-"), "{key}");
     let (ok, out, err) = admin(
         &gw,
-        &["credits", "add", &account, "1000000", "--idempotency-key", "t1"],
+        &[
+            "credits",
+            "add",
+            &account,
+            "1000000",
+            "--idempotency-key",
+            "t1",
+        ],
     )
     .await;
     assert!(ok, "{err}");
@@ -57,11 +64,21 @@ async fn every_admin_call_from_the_command_line() {
     // the same key again adds nothing
     let (ok, out, _) = admin(
         &gw,
-        &["credits", "add", &account, "1000000", "--idempotency-key", "t1"],
+        &[
+            "credits",
+            "add",
+            &account,
+            "1000000",
+            "--idempotency-key",
+            "t1",
+        ],
     )
     .await;
     assert!(ok);
-    assert_eq!(serde_json::from_str::<Value>(&out).unwrap()["applied"], false);
+    assert_eq!(
+        serde_json::from_str::<Value>(&out).unwrap()["applied"],
+        false
+    );
     assert_eq!(gw.balance(&account).await, (1_000_000, 0));
     let balance = field(&gw, &["accounts", "show", &account], "balance_micros").await;
     assert_eq!(balance, "1000000");
@@ -69,11 +86,19 @@ async fn every_admin_call_from_the_command_line() {
     let token = field(&gw, &["enrollments", "create", &operator], "token").await;
     assert!(token.starts_with("spine-enroll-"), "{token}");
     let (_, public_key) = common::keygen(dir.path(), "n.key").await;
-    let node = field(&gw, &["nodes", "register", &operator, &public_key], "node_id").await;
+    let node = field(
+        &gw,
+        &["nodes", "register", &operator, &public_key],
+        "node_id",
+    )
+    .await;
     assert!(node.starts_with("node_"), "{node}");
     let (ok, out, _) = admin(&gw, &["nodes", "list"]).await;
     assert!(ok);
-    assert_eq!(serde_json::from_str::<Value>(&out).unwrap()["object"], "list");
+    assert_eq!(
+        serde_json::from_str::<Value>(&out).unwrap()["object"],
+        "list"
+    );
     let (ok, out, _) = admin(&gw, &["operators", "show", &operator]).await;
     assert!(ok);
     assert_eq!(serde_json::from_str::<Value>(&out).unwrap()["id"], operator);
@@ -84,7 +109,10 @@ async fn every_admin_call_from_the_command_line() {
     let (ok, out, err) = admin(&gw, &["accounts", "show", "acct_nope"]).await;
     assert!(!ok);
     assert!(out.is_empty(), "{out}");
-    assert!(err.contains("HTTP 404") && err.contains("acct_nope"), "{err}");
+    assert!(
+        err.contains("HTTP 404") && err.contains("acct_nope"),
+        "{err}"
+    );
     let (ok, _, err) = admin(&gw, &["requests", "show", "req_nope"]).await;
     assert!(!ok && err.contains("404"), "{err}");
     let (ok, _, err) = admin(&gw, &["accounts", "show", &account, "--field", "nope"]).await;
@@ -108,5 +136,8 @@ async fn every_admin_call_from_the_command_line() {
         .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("cannot reach the admin API at http://127.0.0.1:9"), "{err}");
+    assert!(
+        err.contains("cannot reach the admin API at http://127.0.0.1:9"),
+        "{err}"
+    );
 }

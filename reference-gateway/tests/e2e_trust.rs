@@ -295,8 +295,12 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 #[ignore = "a benchmark: cargo test --workspace --test e2e_trust -- --ignored --nocapture audit_latency"]
 async fn audit_latency_bench() {
     let engine = Engine::discover().unwrap();
-    let node = LlamaServer::start_with_args(&engine, 2, &["-t", "1"]).await.unwrap();
-    let reference = LlamaServer::start_with_args(&engine, 1, &["-t", "1"]).await.unwrap();
+    let node = LlamaServer::start_with_args(&engine, 2, &["-t", "1"])
+        .await
+        .unwrap();
+    let reference = LlamaServer::start_with_args(&engine, 1, &["-t", "1"])
+        .await
+        .unwrap();
     pin_to_core(node.child.id().unwrap(), 0);
     pin_to_core(reference.child.id().unwrap(), 1);
     let dir_on = tempfile::tempdir().unwrap();
