@@ -10,7 +10,9 @@ use bytes::Bytes;
 use rand::Rng;
 use serde::Serialize;
 use spine_core::{AuditVerdict, ModelId, ModelTrust, NodeId, RequestId, RequestKind};
-use tokio::sync::mpsc;
+use std::collections::VecDeque;
+
+use tokio::sync::Notify;
 
 use super::reference::{Reference, ReferenceQuery};
 use super::request::{auditable, NotAuditable};
@@ -89,6 +91,10 @@ pub struct AuditConfig {
     pub max_tokens: usize,
     /// Samples waiting for the reference; more are dropped (counted). Default 64.
     pub queue: usize,
+    /// Samples of one (node, model) waiting at once; more of that pair are dropped (counted).
+    /// With the round-robin below, traffic to some nodes (a flood an adversary pays for) cannot
+    /// crowd out the audits of others. Default 2.
+    pub queue_per_pair: usize,
     /// Audits scored at once (reference requests in flight). Default 1.
     pub concurrency: usize,
     /// Longest one scoring may take before the audit is inconclusive. Default 120 s.
@@ -107,6 +113,7 @@ impl Default for AuditConfig {
             rate_suspect: 0.5,
             max_tokens: 256,
             queue: 64,
+            queue_per_pair: 2,
             concurrency: 1,
             timeout: Duration::from_secs(120),
             sprt: SprtConfig::default(),
@@ -202,8 +209,59 @@ struct Inner {
     reference: Arc<dyn Reference>,
     events: Arc<dyn AuditEvents>,
     pairs: Mutex<HashMap<PairKey, Pair>>,
-    tx: mpsc::Sender<AuditSample>,
+    queue: Mutex<AuditQueue>,
+    /// Wakes a worker when a sample is queued, and every worker when the auditor is dropped.
+    wake: Arc<Notify>,
     counters: Counters,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.wake.notify_waiters();
+    }
+}
+
+/// Samples waiting for the reference: one queue per (node, model), served round-robin.
+#[derive(Debug, Default)]
+struct AuditQueue {
+    per_pair: HashMap<PairKey, VecDeque<AuditSample>>,
+    /// Pairs with samples waiting, in serving order.
+    order: VecDeque<PairKey>,
+    total: usize,
+}
+
+impl AuditQueue {
+    /// Queues `sample` unless the pair or the whole queue is full; whether it was queued.
+    fn push(&mut self, sample: AuditSample, per_pair: usize, total: usize) -> bool {
+        let key = (sample.node.clone(), sample.model.clone());
+        let q = self.per_pair.entry(key.clone()).or_default();
+        if q.len() >= per_pair.max(1) || self.total >= total.max(1) {
+            if q.is_empty() {
+                self.per_pair.remove(&key);
+            }
+            return false;
+        }
+        if q.is_empty() {
+            self.order.push_back(key);
+        }
+        q.push_back(sample);
+        self.total += 1;
+        true
+    }
+
+    /// The next sample: the first waiting pair's oldest, that pair then goes to the back.
+    fn pop(&mut self) -> Option<AuditSample> {
+        let key = self.order.pop_front()?;
+        let q = self.per_pair.get_mut(&key)?;
+        let sample = q.pop_front();
+        if q.is_empty() {
+            self.per_pair.remove(&key);
+        } else {
+            self.order.push_back(key);
+        }
+        self.total -= usize::from(sample.is_some());
+        sample
+    }
 }
 
 /// Samples completed requests, scores them on a [`Reference`] off the request path, and keeps a
@@ -250,18 +308,18 @@ impl Auditor {
         reference: Arc<dyn Reference>,
         events: Arc<dyn AuditEvents>,
     ) -> Self {
-        let (tx, rx) = mpsc::channel(config.queue.max(1));
+        let wake = Arc::new(Notify::new());
         let inner = Arc::new(Inner {
             config,
             reference,
             events,
             pairs: Mutex::default(),
-            tx,
+            queue: Mutex::default(),
+            wake: wake.clone(),
             counters: Counters::default(),
         });
-        let rx = Arc::new(tokio::sync::Mutex::new(rx));
         for _ in 0..config.concurrency.max(1) {
-            tokio::spawn(worker(Arc::downgrade(&inner), rx.clone()));
+            tokio::spawn(worker(Arc::downgrade(&inner), wake.clone()));
         }
         Self { inner }
     }
@@ -394,7 +452,16 @@ impl AuditTap for Auditor {
             return;
         }
         c.sampled.fetch_add(1, Ordering::Relaxed);
-        if self.inner.tx.try_send(sample).is_err() {
+        let config = &self.inner.config;
+        let queued = self
+            .inner
+            .queue
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(sample, config.queue_per_pair, config.queue);
+        if queued {
+            self.inner.wake.notify_one();
+        } else {
             c.dropped_queue_full.fetch_add(1, Ordering::Relaxed);
         }
     }
@@ -406,15 +473,27 @@ impl ModelTrust for Auditor {
     }
 }
 
-async fn worker(inner: Weak<Inner>, rx: Arc<tokio::sync::Mutex<mpsc::Receiver<AuditSample>>>) {
+async fn worker(inner: Weak<Inner>, wake: Arc<Notify>) {
     loop {
+        let notified = wake.notified();
         let sample = {
-            let mut rx = rx.lock().await;
-            rx.recv().await
+            let Some(inner) = inner.upgrade() else { return };
+            let sample = inner
+                .queue
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .pop();
+            match sample {
+                Some(sample) => Some((inner, sample)),
+                None => None,
+            }
         };
-        let Some(sample) = sample else { return };
-        let Some(inner) = inner.upgrade() else { return };
-        audit_one(&inner, sample).await;
+        match sample {
+            Some((inner, sample)) => {
+                audit_one(&inner, sample).await;
+            }
+            None => notified.await,
+        }
     }
 }
 

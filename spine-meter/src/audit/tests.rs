@@ -380,7 +380,7 @@ async fn offers_are_sampled_by_verdict_queued_and_dropped_when_full() {
         calls: AtomicUsize::new(0),
     });
     let mut config = AuditConfig::default().with_rate(1.0);
-    config.queue = 2;
+    config.queue = 8;
     let auditor = Auditor::spawn(config, reference.clone());
     for _ in 0..10 {
         auditor.offer(sample("a", "x y z"));
@@ -394,8 +394,12 @@ async fn offers_are_sampled_by_verdict_queued_and_dropped_when_full() {
     }
     let c = auditor.counters();
     assert_eq!((c.offered, c.sampled), (10, 10));
-    // the ten offers came before the worker ran (one thread): two queued, the rest dropped
+    // the ten offers came before the worker ran (one thread): two queued (the pair's share),
+    // the rest dropped
     assert_eq!(c.dropped_queue_full, 8);
+    // a flood on node a does not crowd out node b: b has its own share of the queue
+    auditor.offer(sample("b", "x y z"));
+    assert_eq!(auditor.counters().dropped_queue_full, 8);
     let never = Auditor::spawn(AuditConfig::default().with_rate(0.0), reference);
     never.offer(sample("a", "x"));
     assert_eq!(never.counters().sampled, 0);
