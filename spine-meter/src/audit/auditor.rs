@@ -483,10 +483,7 @@ async fn worker(inner: Weak<Inner>, wake: Arc<Notify>) {
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
                 .pop();
-            match sample {
-                Some(sample) => Some((inner, sample)),
-                None => None,
-            }
+            sample.map(|sample| (inner, sample))
         };
         match sample {
             Some((inner, sample)) => {
