@@ -470,3 +470,42 @@ async fn a_suspect_nodes_earnings_are_held_and_verdict_changes_are_reported() {
     );
     assert_eq!(seen.last().map(|t| t.1), Some(AuditVerdict::Passing));
 }
+
+/// The false-alarm probability of one honest run of `SPINE_SPRT_TOKENS` (default 2,000) clear
+/// positions when events occur at each rate of `SPINE_SPRT_P` (comma-separated, default the
+/// design p0 of both statistics), by Monte Carlo over `SPINE_SPRT_RUNS` runs (default 100,000),
+/// for `docs/trust.md`: `cargo test --workspace --lib -- --ignored --nocapture sprt_false_alarm`.
+#[test]
+#[ignore = "a measurement for docs/trust.md"]
+#[allow(clippy::print_stdout)]
+fn sprt_false_alarm_at_rates() {
+    use rand::{Rng, SeedableRng};
+    let env = |k: &str| std::env::var(k).ok();
+    let tokens: usize = env("SPINE_SPRT_TOKENS").and_then(|v| v.parse().ok()).unwrap_or(2_000);
+    let runs: usize = env("SPINE_SPRT_RUNS").and_then(|v| v.parse().ok()).unwrap_or(100_000);
+    let rates: Vec<f64> = env("SPINE_SPRT_P")
+        .map(|v| v.split(',').filter_map(|p| p.trim().parse().ok()).collect())
+        .unwrap_or_else(|| vec![0.01]);
+    let cfg = SprtConfig::default();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(19);
+    for kind in [ObservationKind::Greedy, ObservationKind::Sampled] {
+        for &p in &rates {
+            let failed = (0..runs)
+                .filter(|_| {
+                    let mut t = Sprt::default();
+                    for _ in 0..tokens {
+                        t.observe(&cfg, Observation { kind, event: rng.random_bool(p) });
+                        if t.rejected {
+                            break;
+                        }
+                    }
+                    t.rejected
+                })
+                .count();
+            println!(
+                "{kind:?} events at p = {p}: {failed} of {runs} runs of {tokens} clear positions failed ({:.2e})",
+                failed as f64 / runs as f64
+            );
+        }
+    }
+}
