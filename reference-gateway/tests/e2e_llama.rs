@@ -267,6 +267,72 @@ async fn chat_through_gateway_tunnel_agent_and_llama_cpp() {
     }
     assert_eq!(before - after, sdk_spent);
 
+    // --- the official OpenAI Node SDK, unmodified (issue 16) ----------------------------------
+    let before = gw.balance(&account).await.0;
+    let out = Command::new("node")
+        .arg(spine_test_support::workspace_path(
+            "scripts/openai_node.cjs",
+        ))
+        .arg(format!("{}/v1", gw.public))
+        .arg(&api_key)
+        .env("SPINE_NODE_SDK", engine.node_sdk().unwrap())
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "openai Node SDK failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let node: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        node["retrieved_model"],
+        json!({"id": "smollm2", "object": "model"})
+    );
+    assert!(
+        !node["nonstream_text"].as_str().unwrap().is_empty(),
+        "{node}"
+    );
+    assert!(!node["stream_text"].as_str().unwrap().is_empty(), "{node}");
+    assert_eq!(
+        node["stream_usage"]["prompt_tokens"].as_u64(),
+        Some(want_prompt)
+    );
+    // each refusal reaches the SDK as its own error class, with OpenAI's code and param
+    let errors = &node["errors"];
+    assert_eq!(
+        errors["missing_model"],
+        json!({"class": "NotFoundError", "status": 404, "code": "model_not_found", "param": "model"})
+    );
+    assert_eq!(
+        errors["unknown_model_chat"]["class"], "NotFoundError",
+        "{errors}"
+    );
+    assert_eq!(
+        errors["bad_key"]["class"], "AuthenticationError",
+        "{errors}"
+    );
+    assert_eq!(errors["bad_key"]["status"], 401, "{errors}");
+    assert_eq!(
+        errors["bad_request"]["class"], "BadRequestError",
+        "{errors}"
+    );
+    assert_eq!(errors["bad_request"]["param"], "max_tokens", "{errors}");
+    let node_spent = sdk_cost(&node["nonstream_usage"]) + sdk_cost(&node["stream_usage"]);
+    let mut after = before;
+    for _ in 0..100 {
+        after = gw.balance(&account).await.0;
+        if before - after == node_spent {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        before - after,
+        node_spent,
+        "the Node SDK's usage is what was billed"
+    );
+
     // --- an agent whose key was never registered is refused and cannot serve ------------------
     let (stranger_identity, _) = keygen(dir.path(), "stranger.key").await;
     let stranger = start_agent(&gw, &stranger_identity, &llama.url, "stranger");

@@ -81,6 +81,27 @@ impl Engine {
         })
     }
 
+    /// The `node_modules` directory holding the official OpenAI Node SDK (`SPINE_NODE_SDK`,
+    /// installed by `scripts/setup.sh`).
+    ///
+    /// # Errors
+    ///
+    /// As [`Engine::discover`], when it is missing.
+    pub fn node_sdk(&self) -> Result<PathBuf, Error> {
+        let path = std::env::var_os("SPINE_NODE_SDK")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| cache_dir().join("node-sdk/node_modules"));
+        if path.join("openai").exists() {
+            Ok(path)
+        } else {
+            Err(format!(
+                "{} holds no `openai` package (set SPINE_NODE_SDK); run scripts/setup.sh",
+                path.display()
+            )
+            .into())
+        }
+    }
+
     /// The trust tests' substitute: the model's weights requantized to Q2_K by `scripts/setup.sh`
     /// (`SPINE_SUBSTITUTE_GGUF`).
     ///

@@ -481,8 +481,12 @@ async fn a_suspect_nodes_earnings_are_held_and_verdict_changes_are_reported() {
 fn sprt_false_alarm_at_rates() {
     use rand::{Rng, SeedableRng};
     let env = |k: &str| std::env::var(k).ok();
-    let tokens: usize = env("SPINE_SPRT_TOKENS").and_then(|v| v.parse().ok()).unwrap_or(2_000);
-    let runs: usize = env("SPINE_SPRT_RUNS").and_then(|v| v.parse().ok()).unwrap_or(100_000);
+    let tokens: usize = env("SPINE_SPRT_TOKENS")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2_000);
+    let runs: usize = env("SPINE_SPRT_RUNS")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(100_000);
     let rates: Vec<f64> = env("SPINE_SPRT_P")
         .map(|v| v.split(',').filter_map(|p| p.trim().parse().ok()).collect())
         .unwrap_or_else(|| vec![0.01]);
@@ -494,7 +498,13 @@ fn sprt_false_alarm_at_rates() {
                 .filter(|_| {
                     let mut t = Sprt::default();
                     for _ in 0..tokens {
-                        t.observe(&cfg, Observation { kind, event: rng.random_bool(p) });
+                        t.observe(
+                            &cfg,
+                            Observation {
+                                kind,
+                                event: rng.random_bool(p),
+                            },
+                        );
                         if t.rejected {
                             break;
                         }

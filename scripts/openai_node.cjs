@@ -1,0 +1,61 @@
+// Talk to a spine gateway with the official OpenAI Node SDK, unmodified (issue 16).
+//
+// Usage: node openai_node.cjs <base_url> <api_key>
+// Needs SPINE_NODE_SDK: a node_modules directory holding the `openai` package (scripts/setup.sh
+// installs it into ~/.cache/spine/node-sdk/node_modules). Prints one JSON object: a non-streamed
+// and a streamed chat (with usage), models.retrieve, and the SDK error class of each refusal.
+const path = require("path");
+const sdk = require(path.join(process.env.SPINE_NODE_SDK || "", "openai"));
+const { OpenAI } = sdk;
+
+async function refusal(fn) {
+  try {
+    await fn();
+    return null;
+  } catch (e) {
+    return { class: e.constructor.name, status: e.status, code: e.code ?? null, param: e.param ?? null };
+  }
+}
+
+async function main() {
+  const [baseURL, apiKey] = process.argv.slice(2);
+  const client = new OpenAI({ baseURL, apiKey, maxRetries: 0, timeout: 120000 });
+  const messages = [{ role: "user", content: "Name three colors." }];
+  const full = await client.chat.completions.create({
+    model: "smollm2", messages, max_tokens: 32, temperature: 0,
+  });
+  const stream = await client.chat.completions.create({
+    model: "smollm2", messages, max_tokens: 32, temperature: 0,
+    stream: true, stream_options: { include_usage: true },
+  });
+  let text = "", usage = null, finish = null;
+  for await (const chunk of stream) {
+    if (chunk.usage) usage = chunk.usage;
+    for (const c of chunk.choices) {
+      if (c.delta && c.delta.content) text += c.delta.content;
+      if (c.finish_reason) finish = c.finish_reason;
+    }
+  }
+  const model = await client.models.retrieve("smollm2");
+  const bad = new OpenAI({ baseURL, apiKey: "sk-spine-not-a-key", maxRetries: 0 });
+  const out = {
+    nonstream_text: full.choices[0].message.content,
+    nonstream_usage: full.usage,
+    stream_text: text,
+    stream_finish_reason: finish,
+    stream_usage: usage,
+    retrieved_model: { id: model.id, object: model.object },
+    errors: {
+      missing_model: await refusal(() => client.models.retrieve("no-such-model")),
+      unknown_model_chat: await refusal(() => client.chat.completions.create({ model: "no-such-model", messages })),
+      bad_key: await refusal(() => bad.chat.completions.create({ model: "smollm2", messages })),
+      bad_request: await refusal(() => client.chat.completions.create({ model: "smollm2", messages, max_tokens: 0 })),
+    },
+  };
+  console.log(JSON.stringify(out));
+}
+
+main().catch((e) => {
+  console.error(e);
+  process.exit(1);
+});
