@@ -52,7 +52,7 @@ const OTHER_LANGUAGES: &[&str] = &[
 ];
 
 /// A plausible chat completions body for `model`, drawn from `seed`: a prompt from templates ×
-/// topics (sometimes another language), greedy or sampled at 0.6–1.0 with a seed, 48–160
+/// topics (sometimes another language), greedy (3 in 4) or sampled at 0.6–1.0 with a seed, 48–160
 /// `max_tokens`, streamed or not. Only members the auditor accepts
 /// ([`auditable`](super::auditable)) are used, so every answered challenge can be scored.
 pub fn challenge_body(model: &ModelId, seed: u64) -> Value {
@@ -70,7 +70,9 @@ pub fn challenge_body(model: &ModelId, seed: u64) -> Value {
         "max_tokens": rng.random_range(48..=160),
         "stream": rng.random_bool(0.6),
     });
-    if rng.random_bool(0.5) {
+    // mostly greedy: the greedy statistic is the one with power (docs/trust.md); some sampled
+    // ones so that challenges look like the traffic around them
+    if rng.random_bool(0.75) {
         body["temperature"] = json!(0);
     } else {
         body["temperature"] = json!((rng.random_range(6..=10) as f64) / 10.0);
