@@ -415,6 +415,56 @@ pub(crate) fn escrow_party(node: &NodeId) -> String {
     format!("escrow:{node}")
 }
 
+/// What resolving a node's held earnings moves ([`Store::resolve_held_earnings`]), computed
+/// once for every store from the resolved requests' `(operator, credit)`.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(crate) struct EscrowRelease {
+    /// `ref` of the ledger entries.
+    pub(crate) reference: String,
+    /// `(party_kind, party_id, amount)`: the escrow out, the operators (paid) or the platform
+    /// (forfeited) in; they sum to zero. Empty when nothing was held.
+    pub(crate) entries: Vec<(&'static str, String, i64)>,
+    /// `(operator, micros)` to add to `operators.earned_micros` (paid only).
+    pub(crate) operator_credits: Vec<(String, i64)>,
+    /// The credits resolved, micros.
+    pub(crate) total: i64,
+}
+
+pub(crate) fn escrow_release(
+    node: &NodeId,
+    model: &ModelId,
+    pay: bool,
+    credits: impl IntoIterator<Item = (Option<String>, i64)>,
+) -> EscrowRelease {
+    let mut by_operator: std::collections::BTreeMap<String, i64> = Default::default();
+    for (op, credit) in credits {
+        *by_operator.entry(op.unwrap_or_default()).or_default() += credit;
+    }
+    let total: i64 = by_operator.values().sum();
+    let mut out = EscrowRelease {
+        reference: format!(
+            "earnings:{node}:{model}:{}",
+            if pay { "paid" } else { "forfeited" }
+        ),
+        total,
+        ..EscrowRelease::default()
+    };
+    if total <= 0 {
+        return out;
+    }
+    out.entries.push(("platform", escrow_party(node), -total));
+    for (op, credit) in by_operator {
+        if pay {
+            out.entries.push(("operator", op.clone(), credit));
+            out.operator_credits.push((op, credit));
+        } else {
+            out.entries
+                .push(("platform", "platform".to_owned(), credit));
+        }
+    }
+    out
+}
+
 /// What the metering layer needs from a ledger. Object safe: use as `Arc<dyn Ledger>`.
 pub trait Ledger: Send + Sync + std::fmt::Debug + 'static {
     /// Places a hold of `amount_micros` on `account` for `request_id`, a request for `model`

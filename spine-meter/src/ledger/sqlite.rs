@@ -1374,41 +1374,36 @@ impl SqliteLedger {
         .fetch_all(&mut *tx)
         .await
         .map_err(db)?;
-        let mut by_operator: std::collections::BTreeMap<String, i64> = Default::default();
+        let mut credits = Vec::with_capacity(rows.len());
         for row in &rows {
-            let op: Option<String> = row.try_get("operator_id").map_err(db)?;
-            let credit: i64 = row.try_get("operator_credit_micros").map_err(db)?;
-            *by_operator.entry(op.unwrap_or_default()).or_default() += credit;
+            credits.push((
+                row.try_get::<Option<String>, _>("operator_id")
+                    .map_err(db)?,
+                row.try_get::<i64, _>("operator_credit_micros")
+                    .map_err(db)?,
+            ));
         }
-        let total: i64 = by_operator.values().sum();
-        if total > 0 {
-            let escrow = super::escrow_party(node);
-            let reference = format!(
-                "earnings:{node}:{model}:{}",
-                if pay { "paid" } else { "forfeited" }
-            );
-            let mut entries = vec![("platform", escrow.as_str(), -total)];
-            for (op, credit) in &by_operator {
-                if pay {
-                    sqlx::query(
-                        "UPDATE operators SET earned_micros = earned_micros + ? WHERE id = ?",
-                    )
-                    .bind(credit)
-                    .bind(op)
-                    .execute(&mut *tx)
-                    .await
-                    .map_err(db)?;
-                    entries.push(("operator", op.as_str(), *credit));
-                } else {
-                    entries.push(("platform", "platform", *credit));
-                }
-            }
-            insert_entries(&mut tx, &reference, &entries).await?;
+        let release = super::escrow_release(node, model, pay, credits);
+        for (op, credit) in &release.operator_credits {
+            sqlx::query("UPDATE operators SET earned_micros = earned_micros + ? WHERE id = ?")
+                .bind(credit)
+                .bind(op)
+                .execute(&mut *tx)
+                .await
+                .map_err(db)?;
+        }
+        if !release.entries.is_empty() {
+            let entries: Vec<(&str, &str, i64)> = release
+                .entries
+                .iter()
+                .map(|(k, id, amount)| (*k, id.as_str(), *amount))
+                .collect();
+            insert_entries(&mut tx, &release.reference, &entries).await?;
         }
         tx.commit().await.map_err(db)?;
         Ok(super::HeldEarnings {
             requests: rows.len() as u64,
-            micros: to_u64(total, "operator_credit_micros")?,
+            micros: to_u64(release.total, "operator_credit_micros")?,
         })
     }
 }
