@@ -345,3 +345,54 @@ async fn audit_latency_bench() {
         );
     }
 }
+
+/// A reference that is down never fails a node and never blocks traffic (issue 19): every
+/// caller is answered, each audit is inconclusive (counted, in the node's view and in
+/// `/metrics`), and the node stays `unverified` and routed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reference_that_is_down_blocks_nothing_and_fails_no_one() {
+    let engine = Engine::discover().unwrap();
+    let honest = LlamaServer::start(&engine, 2).await.unwrap();
+    let dead = format!(
+        "http://127.0.0.1:{}",
+        spine_test_support::free_port().unwrap()
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let gw = Gateway::start_full(
+        dir.path(),
+        &engine,
+        "[audit]\nrate_passing = 1.0\nrate_unverified = 1.0\nrate_suspect = 1.0\n",
+        &format!("reference_url = \"{dead}\""),
+    )
+    .await;
+    let Tenant {
+        operator, api_key, ..
+    } = tenant(&gw).await;
+    let (node_id, _agent) = add_node(&gw, dir.path(), &operator, &honest.url, "node").await;
+    for i in 0..4 {
+        chat(&gw, &api_key, i, i % 2 == 0).await;
+    }
+    let started = Instant::now();
+    let audit = loop {
+        let (_, nodes) = gw.admin_get("/admin/v1/nodes").await;
+        if let Some(a) = audit_of(&nodes, &node_id) {
+            if a["inconclusive"].as_u64() >= Some(4) {
+                break a;
+            }
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "audits never ended: {nodes:#}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(audit["verdict"], "unverified", "{audit}");
+    assert_eq!(audit["tokens_audited"], 0, "{audit}");
+    let m = gw.metrics().await;
+    assert!(
+        metric(&m, "spine_audit_requests_total{result=\"inconclusive\"}") >= 4.0,
+        "{m}"
+    );
+    // still routed
+    chat(&gw, &api_key, 9, false).await;
+}
