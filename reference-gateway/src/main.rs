@@ -688,13 +688,12 @@ impl spine_meter::audit::AuditEvents for EscrowOnVerdict {
         &self,
         node: &spine_core::NodeId,
         model: &ModelId,
-        from: spine_core::AuditVerdict,
+        _from: spine_core::AuditVerdict,
         to: spine_core::AuditVerdict,
     ) {
         use spine_core::AuditVerdict as V;
         // any way into `passing` pays what is held (a suspect node may pass through
         // `unverified` on its way back); any way into `failed` forfeits it
-        let _ = from;
         let pay = match to {
             V::Passing => true,
             V::Failed => false,

@@ -381,7 +381,8 @@ async fn trust_matrix() {
             )
             .await;
             if let Some(t) = r.tokens_to_fail {
-                caught += 1;
+                // a verdict comes with the reply that reaches it: one may end past the budget
+                caught += usize::from(t <= sub_tokens);
                 to_fail.push(t);
             }
             println!(
@@ -397,8 +398,9 @@ async fn trust_matrix() {
         }
         to_fail.sort_unstable();
         summary.push(format!(
-            "{}: failed in {caught}/{sub_runs} runs within {sub_tokens} audited tokens; tokens to failed (sorted): {to_fail:?}",
-            spec.label
+            "{}: failed in {caught}/{sub_runs} runs within {sub_tokens} audited tokens, {}/{sub_runs} at all; tokens to failed (sorted): {to_fail:?}",
+            spec.label,
+            to_fail.len(),
         ));
     }
     let ticks_per_s = 100.0; // Linux USER_HZ

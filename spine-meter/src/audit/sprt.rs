@@ -48,17 +48,19 @@ pub struct SprtConfig {
     pub alpha: f64,
     /// Probability that one test passes a substitute (miss). Default 1e-2.
     pub beta: f64,
-    /// Highest event rate of an honest node at a clear greedy position. Default 0.01 (measured:
-    /// 0 in the honest matrix of `docs/trust.md`).
+    /// Highest event rate of an honest node at a clear greedy position. Default 0.01 (measured
+    /// in the honest matrix of `docs/trust.md`: 8 in 27,281, 0.029 %).
     pub greedy_p0: f64,
-    /// Lowest event rate of a substitute at a clear greedy position. Default 0.08 (measured
-    /// 0.13–0.33 for the substitutes of `docs/trust.md`).
+    /// Lowest event rate of a substitute at a clear greedy position. Default 0.08 (a spike
+    /// measured 0.17 for the Q2_K requantization and 0.33 for Gemma 3 270M at margin > 0.1).
     pub greedy_p1: f64,
     /// Highest event rate of an honest node at a sampled position: the tail mass
     /// ([`ScoreConfig::tail_mass`](super::ScoreConfig)), a bound that holds for any temperature
     /// ≤ 1 and any truncation (top-k, top-p, min-p). Default 0.01.
     pub sampled_p0: f64,
-    /// Lowest event rate of a substitute at a sampled position. Default 0.05.
+    /// Lowest event rate of a substitute at a sampled position. Default 0.05 (not met by the
+    /// substitutes of `docs/trust.md`, whose sampled event rates were 0–2 %: the sampled
+    /// statistic has little power).
     pub sampled_p1: f64,
 }
 

@@ -1509,12 +1509,7 @@ impl PgLedger {
         .await
         .map_err(db)?;
         if let (Some(op), false) = (&operator, held) {
-            sqlx::query("UPDATE operators SET earned_micros = earned_micros + $1 WHERE id = $2")
-                .bind(credit)
-                .bind(op)
-                .execute(&mut *tx)
-                .await
-                .map_err(db)?;
+            credit_operator(&mut tx, op, credit).await?;
         }
         let opt_i64 = |v: Option<u64>| v.map(to_i64).transpose();
         sqlx::query(
@@ -1677,12 +1672,7 @@ impl PgLedger {
         }
         let release = super::escrow_release(node, model, pay, credits);
         for (op, credit) in &release.operator_credits {
-            sqlx::query("UPDATE operators SET earned_micros = earned_micros + $1 WHERE id = $2")
-                .bind(credit)
-                .bind(op)
-                .execute(&mut *tx)
-                .await
-                .map_err(db)?;
+            credit_operator(&mut tx, op, *credit).await?;
         }
         for (kind, id, amount) in &release.entries {
             insert_entry(&mut tx, &release.reference, kind, id, *amount).await?;
@@ -1866,4 +1856,19 @@ impl Store for PgLedger {
     fn entry_totals(&self) -> LedgerFuture<'_, EntryTotals> {
         Box::pin(self.entry_totals_impl())
     }
+}
+
+/// Adds `micros` to `operator`'s earnings inside `tx`.
+async fn credit_operator(
+    tx: &mut Transaction<'static, Postgres>,
+    operator: &str,
+    micros: i64,
+) -> Result<(), LedgerError> {
+    sqlx::query("UPDATE operators SET earned_micros = earned_micros + $1 WHERE id = $2")
+        .bind(micros)
+        .bind(operator)
+        .execute(&mut **tx)
+        .await
+        .map_err(db)?;
+    Ok(())
 }

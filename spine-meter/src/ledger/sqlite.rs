@@ -1222,12 +1222,7 @@ impl SqliteLedger {
         .await
         .map_err(db)?;
         if let (Some(op), false) = (&operator, held) {
-            sqlx::query("UPDATE operators SET earned_micros = earned_micros + ? WHERE id = ?")
-                .bind(credit)
-                .bind(op)
-                .execute(&mut *tx)
-                .await
-                .map_err(db)?;
+            credit_operator(&mut tx, op, credit).await?;
         }
         let opt_i64 = |v: Option<u64>| v.map(to_i64).transpose();
         sqlx::query(
@@ -1385,12 +1380,7 @@ impl SqliteLedger {
         }
         let release = super::escrow_release(node, model, pay, credits);
         for (op, credit) in &release.operator_credits {
-            sqlx::query("UPDATE operators SET earned_micros = earned_micros + ? WHERE id = ?")
-                .bind(credit)
-                .bind(op)
-                .execute(&mut *tx)
-                .await
-                .map_err(db)?;
+            credit_operator(&mut tx, op, *credit).await?;
         }
         if !release.entries.is_empty() {
             let entries: Vec<(&str, &str, i64)> = release
@@ -1666,3 +1656,18 @@ impl Store for SqliteLedger {
 
 #[cfg(test)]
 mod tests;
+
+/// Adds `micros` to `operator`'s earnings inside `tx`.
+async fn credit_operator(
+    tx: &mut Transaction<'static, Sqlite>,
+    operator: &str,
+    micros: i64,
+) -> Result<(), LedgerError> {
+    sqlx::query("UPDATE operators SET earned_micros = earned_micros + ? WHERE id = ?")
+        .bind(micros)
+        .bind(operator)
+        .execute(&mut **tx)
+        .await
+        .map_err(db)?;
+    Ok(())
+}
