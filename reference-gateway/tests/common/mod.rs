@@ -107,7 +107,14 @@ output_price_micros_per_mtok = {OUTPUT_PRICE}
             tunnel: format!("wss://{}/v1/tunnel", ready["tunnel_addr"].as_str().unwrap()),
             ca_file: PathBuf::from(ready["tunnel_ca_file"].as_str().unwrap()),
             child,
-            http: reqwest::Client::new(),
+            // idle connections are dropped by the client well before the gateway's 15 s
+            // header-read timeout closes them: otherwise a request that reuses one just as the
+            // gateway closes it (e.g. right after a SIGSTOP'd gateway resumes) is reset, the
+            // keep-alive race every HTTP/1.1 client has (httpx keeps idle ones 5 s, undici 4 s)
+            http: reqwest::Client::builder()
+                .pool_idle_timeout(Duration::from_secs(4))
+                .build()
+                .unwrap(),
         }
     }
 
