@@ -4,8 +4,8 @@
 //! | metric | labels | what |
 //! |---|---|---|
 //! | `spine_http_requests_total` | `route`, `status` | public API answers (route = the matched path) |
-//! | `spine_request_outcomes_total` | `outcome` | settled requests: `completed`, `client_cancelled`, `upstream_failed`, `rejected` |
-//! | `spine_billed_prompt_tokens_total` | `model` | prompt tokens paid for (`completed`, `client_cancelled`) |
+//! | `spine_request_outcomes_total` | `outcome` | settled requests: `completed`, `client_cancelled`, `cut_at_bound`, `upstream_failed`, `rejected` |
+//! | `spine_billed_prompt_tokens_total` | `model` | prompt tokens paid for (`completed`, `client_cancelled`, `cut_at_bound`) |
 //! | `spine_billed_completion_tokens_total` | `model` | completion tokens paid for |
 //! | `spine_usage_discrepancies_total` | `node` | node claims beyond the tolerance (design brief §6) |
 //! | `spine_settlement_errors_total` | | failed settlement attempts (each is retried) |
@@ -30,7 +30,7 @@ use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use metrics::{counter, histogram};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
-use spine_core::{BoxError, StreamOutcome};
+use spine_core::BoxError;
 use spine_meter::meter::{DiscrepancyReport, MeterEvents};
 use spine_meter::{LedgerError, SettleResult, Settlement};
 use spine_router::NodeRegistry;
@@ -149,10 +149,7 @@ impl MeterEvents for GatewayEvents {
             return;
         }
         counter!(OUTCOMES, "outcome" => settlement.outcome.as_str()).increment(1);
-        if matches!(
-            settlement.outcome,
-            StreamOutcome::Completed | StreamOutcome::ClientCancelled
-        ) {
+        if settlement.outcome.is_billed() {
             let model = settlement.model.as_str().to_owned();
             counter!(BILLED_PROMPT, "model" => model.clone())
                 .increment(settlement.billed.prompt_tokens);

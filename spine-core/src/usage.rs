@@ -53,6 +53,12 @@ pub enum StreamOutcome {
     UpstreamFailed,
     /// The request never reached a node.
     Rejected,
+    /// The gateway ended the stream at one of its own bounds that a caller's request can reach
+    /// with an honest node (the total stream duration, the tool calls one choice may carry):
+    /// the caller pays the prompt plus the completion tokens delivered to it, as for
+    /// [`ClientCancelled`](Self::ClientCancelled); the node is not penalised. Without this a
+    /// caller could aim a request at the bound and get what was delivered for free.
+    CutAtBound,
 }
 
 impl StreamOutcome {
@@ -63,7 +69,18 @@ impl StreamOutcome {
             Self::ClientCancelled => "client_cancelled",
             Self::UpstreamFailed => "upstream_failed",
             Self::Rejected => "rejected",
+            Self::CutAtBound => "cut_at_bound",
         }
+    }
+
+    /// Whether the caller pays for this ending: `completed`, `client_cancelled` and
+    /// `cut_at_bound` bill the prompt plus the completion tokens delivered; `upstream_failed` and
+    /// `rejected` bill nothing (the node's fault, or no node reached).
+    pub fn is_billed(&self) -> bool {
+        matches!(
+            self,
+            Self::Completed | Self::ClientCancelled | Self::CutAtBound
+        )
     }
 
     /// Parses the snake_case name; `None` for anything else.
@@ -73,6 +90,7 @@ impl StreamOutcome {
             "client_cancelled" => Self::ClientCancelled,
             "upstream_failed" => Self::UpstreamFailed,
             "rejected" => Self::Rejected,
+            "cut_at_bound" => Self::CutAtBound,
             _ => return None,
         })
     }
@@ -89,8 +107,13 @@ mod tests {
             StreamOutcome::ClientCancelled,
             StreamOutcome::UpstreamFailed,
             StreamOutcome::Rejected,
+            StreamOutcome::CutAtBound,
         ] {
             assert_eq!(StreamOutcome::parse(o.as_str()), Some(o));
+            assert_eq!(
+                o.is_billed(),
+                !matches!(o, StreamOutcome::UpstreamFailed | StreamOutcome::Rejected)
+            );
         }
         assert_eq!(StreamOutcome::parse("done"), None);
     }

@@ -6,8 +6,9 @@
 //! against the `external` party, so the whole entry table sums to zero.
 //!
 //! Settlement rules ([`Ledger::settle`]):
-//! - `cost_micros` is the price of the billed usage when the outcome is `completed` or
-//!   `client_cancelled`, and 0 for `upstream_failed` and `rejected` (the caller pays nothing);
+//! - `cost_micros` is the price of the billed usage when the outcome is billed (`completed`,
+//!   `client_cancelled`, `cut_at_bound`), and 0 for `upstream_failed` and `rejected` (the
+//!   caller pays nothing);
 //! - `debit_micros = min(cost_micros, hold_micros)` where `hold_micros` is the request's active
 //!   hold (0 when there is none); the hold is released in full;
 //! - the operator is credited from the debit ([`crate::price::split`]); with no node, or a node
@@ -234,13 +235,10 @@ pub(crate) struct SettleAmounts {
 
 impl Settlement {
     /// What this settlement moves given the request's active hold and whether the serving node
-    /// has an operator: the caller pays only `completed` and `client_cancelled`; the debit never
+    /// has an operator: the caller pays only the billed outcomes ([`StreamOutcome::is_billed`]); the debit never
     /// exceeds the hold; the operator gets `floor(debit · share_bps / 10 000)`.
     pub(crate) fn amounts(&self, hold_micros: u64, has_operator: bool) -> SettleAmounts {
-        let pays = matches!(
-            self.outcome,
-            StreamOutcome::Completed | StreamOutcome::ClientCancelled
-        );
+        let pays = self.outcome.is_billed();
         let cost_micros = if pays {
             self.price.cost_micros(&self.billed)
         } else {

@@ -6,7 +6,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use spine_core::{AccountId, ModelId, RequestId, RequestKind, StreamOutcome};
+use spine_core::{AccountId, ModelId, RequestId, RequestKind};
 
 use super::{DiscrepancyReport, MeterEvents};
 use crate::ledger::{LedgerError, SettleResult, Settlement};
@@ -102,11 +102,10 @@ impl Admission for () {
 
 /// The tokens a settlement counts against admission: what the caller paid for.
 pub(crate) fn used_tokens(settlement: &Settlement) -> u64 {
-    match settlement.outcome {
-        StreamOutcome::Completed | StreamOutcome::ClientCancelled => {
-            settlement.billed.total_tokens()
-        }
-        _ => 0,
+    if settlement.outcome.is_billed() {
+        settlement.billed.total_tokens()
+    } else {
+        0
     }
 }
 

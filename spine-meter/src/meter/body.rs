@@ -28,7 +28,10 @@ const KEEPALIVE_EVENT: &[u8] = b": keepalive\n\n";
 /// Longest the client waits without a byte while the node is silent (long prefill, slow
 /// node): [`MeterBody`] writes an SSE comment keepalive after this much quiet.
 pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(15);
-/// Most tool calls one choice may carry; a node that sends more is cut off as faulty.
+/// Most tool calls one streamed choice may carry. An honest engine can be asked for more, so
+/// the cut is the gateway's bound, not the node's fault: the stream ends `cut_at_bound`, the
+/// caller pays what was delivered and the node is not penalised. A non-streamed body is
+/// already whole when it is metered and is delivered whatever its number of tool calls.
 pub const MAX_TOOL_CALLS_PER_CHOICE: usize = 128;
 /// What a streamed response's metering needs besides the settlement context.
 #[derive(Clone, Debug)]
@@ -64,10 +67,14 @@ pin_project_lite::pin_project! {
     ///
     /// - an event that is not one JSON object (two values, a half-written object, invalid
     ///   UTF-8, duplicate members), a chunk whose `choices` is not an array of objects, an
-    ///   event or line over the caps, a choice past its token cap or
-    ///   [`MAX_TOOL_CALLS_PER_CHOICE`]: the node broke the rules — the caller's stream ends
-    ///   with the gateway's error event, the request settles `upstream_failed` (the caller pays
-    ///   nothing) and the fault is reported on the [`NodeSlot`] for the router to score;
+    ///   event or line over the caps, a choice past its token cap: the node broke the
+    ///   rules — the caller's stream ends with the gateway's error event, the request settles
+    ///   `upstream_failed` (the caller pays nothing) and the fault is reported on the
+    ///   [`NodeSlot`] for the router to score;
+    /// - a bound an honest node can reach too (`max_stream_duration`,
+    ///   [`MAX_TOOL_CALLS_PER_CHOICE`]): the stream ends with an error event of code
+    ///   `stream_bound_reached`, the request settles `cut_at_bound` (the caller pays the prompt
+    ///   plus the completion tokens delivered, like a cancel) and the node is not scored;
     /// - an engine's error (a non-null `error` member, or vLLM's / SGLang's top-level
     ///   `{"object":"error","message":…}`) becomes the gateway's error event in OpenAI's shape
     ///   (`type` `upstream_error`, `code` `upstream_failed`, the engine's message), settled and
@@ -246,6 +253,26 @@ fn error_event(message: &str) -> Bytes {
     encode_event(&body.to_string())
 }
 
+/// The error event that ends a stream cut at one of the gateway's own bounds.
+fn bound_event(message: &str) -> Bytes {
+    let body = serde_json::json!({
+        "error": {
+            "message": message,
+            "type": "invalid_request_error",
+            "param": null,
+            "code": "stream_bound_reached",
+        }
+    });
+    encode_event(&body.to_string())
+}
+
+/// Why a choice must be cut: the node broke the rules, or the stream reached one of the
+/// gateway's bounds that an honest node can reach too.
+enum Cut {
+    NodeFault(String),
+    Bound(String),
+}
+
 /// The usage billed for `choices` (requested choices only): the prompt plus each choice's
 /// capped completion tokens, with the EOS and `length` rules only when `completed`.
 fn billed_usage(
@@ -281,18 +308,30 @@ fn billed_usage(
     (usage, notes)
 }
 
-/// Why a choice that delivered `delivered` is past what it may deliver, if it is.
+/// Why a streamed choice that delivered `delivered` is past what it may deliver, if it is.
+fn over_limit_streamed(
+    ctx: &SettleCtx,
+    tokenizer: &ModelTokenizer,
+    delivered: &mut GeneratedCount,
+    exact: bool,
+) -> Option<Cut> {
+    if delivered.tool_call_count() > MAX_TOOL_CALLS_PER_CHOICE {
+        return Some(Cut::Bound(format!(
+            "the response reached the gateway's bound of {MAX_TOOL_CALLS_PER_CHOICE} tool calls \
+             in one streamed choice; what was delivered is billed"
+        )));
+    }
+    over_limit(ctx, tokenizer, delivered, exact).map(Cut::NodeFault)
+}
+
+/// Why a choice that delivered `delivered` is past the tokens it may deliver, if it is: the
+/// node's fault (the engine was told the cap).
 fn over_limit(
     ctx: &SettleCtx,
     tokenizer: &ModelTokenizer,
     delivered: &mut GeneratedCount,
     exact: bool,
 ) -> Option<String> {
-    if delivered.tool_call_count() > MAX_TOOL_CALLS_PER_CHOICE {
-        return Some(format!(
-            "the node sent more than {MAX_TOOL_CALLS_PER_CHOICE} tool calls in one choice"
-        ));
-    }
     let limit = ctx.delivery_limit_tokens();
     let over = format!(
         "the node sent more than the {} completion tokens a choice may have",
@@ -589,13 +628,13 @@ impl State {
         let tokenizer = self.tokenizer.clone();
         let mut over = None;
         for choice in self.choices.values_mut() {
-            if let Some(why) = over_limit(ctx, &tokenizer, &mut choice.delivered, true) {
-                over = Some(why);
+            if let Some(cut) = over_limit_streamed(ctx, &tokenizer, &mut choice.delivered, true) {
+                over = Some(cut);
                 break;
             }
         }
-        if let Some(why) = over {
-            return self.node_fault(&why);
+        if let Some(cut) = over {
+            return self.cut(cut);
         }
         let completed = !self.error_seen
             && !self.choices.is_empty()
@@ -664,15 +703,37 @@ impl State {
         if let Some(slot) = &self.settings.slot {
             slot.report_node_fault();
         }
-        self.fail(error_event(message));
+        self.fail(error_event(message), StreamOutcome::UpstreamFailed);
     }
 
-    /// Ends the stream with `event` and settles `upstream_failed`.
-    fn fail(&mut self, event: Bytes) {
+    /// The stream reached one of the gateway's bounds that an honest node can reach too (the
+    /// total duration, the tool calls per choice): end the caller's stream with an error event
+    /// (`stream_bound_reached`) and settle `cut_at_bound` — the caller pays what was delivered,
+    /// the node is not penalised.
+    fn bound_reached(&mut self, message: &str) {
+        tracing::info!(
+            request_id = ?self.ctx.as_ref().map(|c| c.request_id.as_str()),
+            reason = %message,
+            "stream cut at the gateway's bound"
+        );
+        self.fail(bound_event(message), StreamOutcome::CutAtBound);
+    }
+
+    fn cut(&mut self, cut: Cut) {
+        match cut {
+            Cut::NodeFault(why) => self.node_fault(&why),
+            Cut::Bound(why) => self.bound_reached(&why),
+        }
+    }
+
+    /// Ends the stream with `event` and settles with `outcome` (`upstream_failed`, or
+    /// `cut_at_bound`), billing the prompt plus the text delivered (paid only when `outcome`
+    /// is billed).
+    fn fail(&mut self, event: Bytes, outcome: StreamOutcome) {
         self.upstream_done = true;
         self.error_seen = true;
         // events queued before the failure still reach the caller first: their text counts
-        // in the record (the caller pays nothing either way)
+        // in the record (and in the bill, for a billed outcome)
         for out in self.queue.iter_mut() {
             for (index, text) in out.text.drain(..) {
                 self.choices
@@ -685,7 +746,7 @@ impl State {
         if let Some(ctx) = self.ctx.take() {
             let billed = self.billed(&ctx, false);
             let claimed = self.claimed;
-            ctx.settle(StreamOutcome::UpstreamFailed, billed, claimed);
+            ctx.settle(outcome, billed, claimed);
         }
         self.queue.push_back(Out {
             bytes: event,
@@ -696,7 +757,10 @@ impl State {
     /// The node's body failed (a transport error, scored by the router as a disconnect).
     fn on_upstream_error(&mut self) {
         if !self.upstream_done {
-            self.fail(Bytes::from_static(TRUNCATED_EVENT));
+            self.fail(
+                Bytes::from_static(TRUNCATED_EVENT),
+                StreamOutcome::UpstreamFailed,
+            );
         }
     }
 
@@ -731,13 +795,20 @@ impl State {
                     capture.push(*index, text);
                 }
                 if over.is_none() {
-                    over = over_limit(ctx, &self.tokenizer, &mut choice.delivered, false);
+                    over = over_limit_streamed(ctx, &self.tokenizer, &mut choice.delivered, false);
                 }
             }
         }
         match over {
             None => out.bytes,
-            Some(why) => {
+            // an honest node's text up to the bound: `out` is delivered (and billed), then
+            // the error event ends the stream
+            Some(Cut::Bound(why)) => {
+                self.queue.clear();
+                self.bound_reached(&why);
+                out.bytes
+            }
+            Some(Cut::NodeFault(why)) => {
                 self.queue.clear();
                 self.node_fault(&why);
                 self.queue
@@ -829,8 +900,9 @@ where
             }
             if state.deadline_passed(cx) {
                 let secs = state.settings.max_stream_duration.as_secs();
-                state.node_fault(&format!(
-                    "the node's stream went past the gateway's total bound of {secs} s"
+                state.bound_reached(&format!(
+                    "the stream reached the gateway's total bound of {secs} s; what was \
+                     delivered is billed"
                 ));
                 continue;
             }

@@ -61,6 +61,10 @@ struct Setup {
 }
 
 async fn setup() -> Setup {
+    setup_with_context(2048).await
+}
+
+async fn setup_with_context(max_context_tokens: u64) -> Setup {
     let ledger = Arc::new(SqliteLedger::in_memory().await.unwrap());
     let account = AccountId::from("acct");
     ledger.create_account(&account).await.unwrap();
@@ -76,7 +80,7 @@ async fn setup() -> Setup {
         CatalogEntry {
             tokenizer: smollm_tokenizer(),
             price: PRICE,
-            max_context_tokens: 2048,
+            max_context_tokens,
         },
     );
     let layer = MeterLayer::new(ledger, catalog).events(events.clone());
@@ -262,6 +266,113 @@ async fn a_caller_gone_mid_tool_call_pays_the_arguments_delivered() {
             StreamOutcome::ClientCancelled,
             t.count_text("get_weather") + t.count_text(r#"{"city":"#)
         )
+    );
+    drop(tx);
+}
+
+#[tokio::test]
+async fn a_stream_cut_at_the_tool_call_bound_bills_what_was_delivered() {
+    // an honest engine can be asked for more tool calls than the gateway lets one streamed
+    // choice carry: the cut is the gateway's, so the caller pays what it got and the node is
+    // not at fault (before, the caller got 128 calls free and the node was penalised)
+    let mut s = setup_with_context(32_768).await;
+    let t = smollm_tokenizer();
+    let calls = MAX_TOOL_CALLS_PER_CHOICE + 2;
+    let chunks: Vec<Value> = (0..calls)
+        .map(|i| {
+            json!({"choices":[{"index":0,"delta":{"tool_calls":[{"index":i,"id":format!("t{i}"),"type":"function","function":{"name":"lookup","arguments":"{\"id\":1}"}}]},"finish_reason":null}]})
+        })
+        .chain([json!({"choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]})])
+        .collect();
+    let resp = s
+        .send(&chat(Some(30_000), true), "text/event-stream", sse(&chunks))
+        .await;
+    let all = resp.into_body().collect().await.unwrap().to_bytes();
+    let all = String::from_utf8(all.to_vec()).unwrap();
+    let events: Vec<&str> = all
+        .split("\n\n")
+        .filter_map(|e| e.strip_prefix("data: "))
+        .collect();
+    let delivered = events.iter().filter(|e| e.contains("\"lookup\"")).count();
+    assert_eq!(delivered, MAX_TOOL_CALLS_PER_CHOICE + 1, "{all}");
+    let err: Value = serde_json::from_str(events.last().unwrap()).unwrap();
+    assert_eq!(err["error"]["code"], "stream_bound_reached", "{err}");
+    assert!(!all.contains("[DONE]"));
+    let st = s.settled().await;
+    // the delivered names and arguments, without the wrapper allowance of a completed bill
+    // (as for a cancel)
+    let per_call = t.count_text("lookup") + t.count_text(r#"{"id":1}"#);
+    assert_eq!(
+        (st.outcome, st.billed.completion_tokens),
+        (StreamOutcome::CutAtBound, per_call * delivered as u64)
+    );
+    assert!(st.outcome.is_billed());
+}
+
+#[tokio::test]
+async fn a_non_streamed_body_is_delivered_whatever_its_tool_calls() {
+    let mut s = setup_with_context(32_768).await;
+    let calls: Vec<Value> = (0..MAX_TOOL_CALLS_PER_CHOICE + 2)
+        .map(|i| json!({"id":format!("t{i}"),"type":"function","function":{"name":"lookup","arguments":"{}"}}))
+        .collect();
+    let body = json!({"id":"c1","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":null,"tool_calls":calls},"finish_reason":"tool_calls"}]});
+    let resp = s
+        .send(&chat(Some(30_000), false), "application/json", full(&body))
+        .await;
+    assert_eq!(resp.status(), 200);
+    let out: Value =
+        serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap();
+    assert_eq!(
+        out["choices"][0]["message"]["tool_calls"]
+            .as_array()
+            .unwrap()
+            .len(),
+        MAX_TOOL_CALLS_PER_CHOICE + 2
+    );
+    assert_eq!(s.settled().await.outcome, StreamOutcome::Completed);
+}
+
+#[tokio::test]
+async fn a_stream_past_the_total_bound_bills_what_was_delivered() {
+    let mut s = setup().await;
+    s.layer = s.layer.clone().max_stream_duration(Duration::from_secs(60));
+    let t = smollm_tokenizer();
+    let (tx, rx) = mpsc::unbounded_channel();
+    let resp = s
+        .send(
+            &chat(Some(64), true),
+            "text/event-stream",
+            BoxBody::new(Fed(rx)),
+        )
+        .await;
+    tokio::time::pause();
+    let start = tokio::time::Instant::now();
+    let mut body = resp.into_body();
+    tx.send(Bytes::from_static(
+        b"data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hello there\"},\"finish_reason\":null}]}\n\n",
+    ))
+    .unwrap();
+    assert!(next(&mut body).await.starts_with(b"data: {"));
+    // the node stays silent (keepalives) until the bound ends the stream
+    let mut last = Bytes::new();
+    while let Some(f) = body.frame().await {
+        last = f.unwrap().into_data().unwrap();
+    }
+    assert_near(start.elapsed(), 60);
+    let err: Value = serde_json::from_slice(
+        last.strip_prefix(b"data: ")
+            .unwrap()
+            .strip_suffix(b"\n\n")
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(err["error"]["code"], "stream_bound_reached", "{err}");
+    // the ledger's thread is not tokio's: back to the real clock before waiting on it
+    tokio::time::resume();
+    let st = s.settled().await;
+    assert_eq!(
+        (st.outcome, st.billed.completion_tokens),
+        (StreamOutcome::CutAtBound, t.count_text("Hello there"))
     );
     drop(tx);
 }
