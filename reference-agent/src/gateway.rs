@@ -317,7 +317,9 @@ async fn failover_loop<S>(
                 failed_in_a_row = 0;
                 match session.serve_until(service.clone(), stopped()).await {
                     Ok(()) => tracing::info!("tunnel closed"),
-                    Err(e) => tracing::warn!(error = %e, "tunnel ended"),
+                    Err(e) => {
+                        tracing::warn!(error = %spine_transport::ErrorChain(&e), "tunnel ended")
+                    }
                 }
                 if *stop.borrow() {
                     return;
@@ -330,7 +332,11 @@ async fn failover_loop<S>(
                 let refused = e.is_refused();
                 let duplicate =
                     e.refusal() == Some(spine_transport::RefusalReason::DuplicateSession);
-                tracing::warn!(error = %e, gateway = i % n, "tunnel connect failed");
+                tracing::warn!(
+                    error = %spine_transport::ErrorChain(&e),
+                    gateway = i % n,
+                    "tunnel connect failed"
+                );
                 (failed_in_a_row >= n).then(|| {
                     failed_in_a_row = 0;
                     if duplicate {

@@ -28,7 +28,9 @@ use crate::proxy::EngineProxy;
 #[command(
     name = "reference-agent",
     version,
-    args_conflicts_with_subcommands = true
+    args_conflicts_with_subcommands = true,
+    after_help = "Joining a gateway, engines and options: README.md (\"Operator quick start\") and \
+                  docs/operations.md in the source tree."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -78,20 +80,7 @@ async fn main() -> ExitCode {
 
 type AnyError = Box<dyn std::error::Error + Send + Sync>;
 
-/// Displays an error with its chain of sources, `a: b: c`, for logs.
-struct Chain<'a>(&'a (dyn std::error::Error + 'static));
-
-impl std::fmt::Display for Chain<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}", self.0)?;
-        let mut source = self.0.source();
-        while let Some(e) = source {
-            write!(f, ": {e}")?;
-            source = e.source();
-        }
-        Ok(())
-    }
-}
+use spine_transport::ErrorChain as Chain;
 
 #[allow(clippy::print_stdout)] // the public key on stdout is the command's output
 fn keygen(out: &std::path::Path) -> Result<(), AnyError> {
@@ -158,11 +147,7 @@ async fn run(args: RunArgs) -> Result<(), AnyError> {
     // Graceful shutdown (design brief §4): on SIGTERM the tunnel sends GOAWAY, requests in
     // flight finish (up to the drain timeout), then the WebSocket closes cleanly.
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let stop = async move {
-        let mut rx = stop_rx;
-        let _ = rx.wait_for(|stop| *stop).await;
-    };
-    let serving = serve(settings, stop);
+    let serving = serve(settings, stop_rx);
     tokio::pin!(serving);
     tokio::select! {
         res = &mut serving => return res,
@@ -185,17 +170,35 @@ async fn run(args: RunArgs) -> Result<(), AnyError> {
     }
 }
 
+/// Resolves once `stop` says so (or its sender is gone).
+async fn stopped(mut stop: tokio::sync::watch::Receiver<bool>) {
+    let _ = stop.wait_for(|stop| *stop).await;
+}
+
 async fn serve(
     settings: Settings,
-    shutdown: impl std::future::Future<Output = ()>,
+    stop: tokio::sync::watch::Receiver<bool>,
 ) -> Result<(), AnyError> {
     let identity = NodeIdentity::load(&settings.identity)?;
     info!(public_key = %identity.public_key_text(), "identity loaded");
 
     let client = engine::engine_client();
-    let engine = engine::select(settings.engine, settings.engine_url.clone(), client.clone()).await;
+    // before the tunnel is up there is nothing to drain: a stop ends the waits for the engine
+    // at once (an unreachable engine kept the agent 35 s on SIGTERM)
     let engine_url = settings.engine_url.to_string();
-    wait_for_engine(&*engine, &engine_url).await;
+    let ready = async {
+        let engine =
+            engine::select(settings.engine, settings.engine_url.clone(), client.clone()).await;
+        wait_for_engine(&*engine, &engine_url).await;
+        engine
+    };
+    let engine = tokio::select! {
+        engine = ready => engine,
+        () = stopped(stop.clone()) => {
+            info!("stopped before the engine was ready");
+            return Ok(());
+        }
+    };
     let mut models = engine.models().await?;
     if let Some(wanted) = &settings.model {
         models.retain(|m| m.id.as_str() == wanted);
@@ -238,7 +241,7 @@ async fn serve(
     }
     let proxy = EngineProxy::new(client, settings.engine_url.clone(), engine.health_path())
         .with_guard(engine.request_guard(), served);
-    gateway::run_failover(tunnels, backoff, proxy, shutdown).await;
+    gateway::run_failover(tunnels, backoff, proxy, stopped(stop)).await;
     info!("tunnel drained and closed");
     Ok(())
 }

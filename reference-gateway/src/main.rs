@@ -42,7 +42,12 @@ use crate::state::AppState;
 
 /// spine's reference gateway: an OpenAI-compatible endpoint in front of community GPU nodes.
 #[derive(Debug, Parser)]
-#[command(version, about)]
+#[command(
+    version,
+    about,
+    after_help = "Configuration keys and their defaults: docs/operations.md. Quick start: README.md, \
+                  \"Run your own gateway and node\" (both in the source tree)."
+)]
 struct Cli {
     /// Configuration file (TOML). Every top-level key can also be set as `SPINE_<KEY>`.
     #[arg(long, env = "SPINE_CONFIG")]
@@ -73,8 +78,8 @@ async fn main() {
     }
     raise_fd_limit();
     if let Err(e) = run(cli).await {
-        tracing::error!(error = %e, "gateway failed");
-        eprintln!("reference-gateway: {e}");
+        // once, with its causes (the log and the terminal are the same stderr)
+        tracing::error!("gateway failed: {}", spine_transport::ErrorChain(&*e));
         std::process::exit(1);
     }
 }
@@ -269,6 +274,14 @@ async fn run(cli: Cli) -> Result<(), MainError> {
     }
     let mut catalog_ids: Vec<ModelId> = catalog.keys().cloned().collect();
     catalog_ids.sort();
+    if catalog_ids.is_empty() {
+        tracing::warn!(
+            "the catalog is empty: no [[models]] in the configuration, so every completion \
+             request will be refused 404 model_not_found (docs/operations.md, `[[models]]`)"
+        );
+    } else {
+        tracing::info!(models = ?catalog_ids, "catalog loaded");
+    }
 
     let registry = NodeRegistry::with_config(RegistryConfig {
         affinity_ttl: std::time::Duration::from_secs(config.affinity_ttl_secs),
@@ -459,6 +472,7 @@ async fn run(cli: Cli) -> Result<(), MainError> {
         tunnels: tunnels.clone(),
         stack,
         catalog_ids,
+        max_request_body_bytes: config.max_request_body_bytes,
         admin_token: config.admin_token.clone(),
         limits,
         auditor,

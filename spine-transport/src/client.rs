@@ -207,20 +207,7 @@ impl Backoff {
     }
 }
 
-/// Displays an error with its chain of sources, `a: b: c`, for logs.
-struct Chain<'a>(&'a (dyn std::error::Error + 'static));
-
-impl fmt::Display for Chain<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.0)?;
-        let mut source = self.0.source();
-        while let Some(e) = source {
-            write!(f, ": {e}")?;
-            source = e.source();
-        }
-        Ok(())
-    }
-}
+use crate::chain::ErrorChain as Chain;
 
 trait Io: AsyncRead + AsyncWrite + Unpin + Send {}
 impl<T: AsyncRead + AsyncWrite + Unpin + Send> Io for T {}

@@ -29,12 +29,15 @@
 //! # }
 //! ```
 
+mod chain;
 mod client;
 mod error;
 pub mod handshake;
 mod identity;
 #[cfg(feature = "logging")]
 pub mod logging;
+
+pub use chain::{tls_hint, ErrorChain};
 pub mod metric;
 mod refusal;
 mod serve;
