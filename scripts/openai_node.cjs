@@ -36,6 +36,21 @@ async function main() {
       if (c.finish_reason) finish = c.finish_reason;
     }
   }
+  // the Responses API, non-streamed and streamed
+  const rargs = { model: "smollm2", input: "Name three colors.", max_output_tokens: 32, temperature: 0 };
+  const resp = await client.responses.create(rargs);
+  const rstream = await client.responses.create({ ...rargs, stream: true });
+  let rtext = "", rfinal = null;
+  for await (const ev of rstream) {
+    if (ev.type === "response.output_text.delta") rtext += ev.delta;
+    if (ev.type === "response.completed" || ev.type === "response.incomplete") rfinal = ev.response;
+  }
+  const finalText = (r) => (r ? r.output : [])
+    .filter((o) => o.type === "message")
+    .flatMap((o) => o.content)
+    .filter((c) => c.type === "output_text")
+    .map((c) => c.text)
+    .join("");
   const model = await client.models.retrieve("smollm2");
   const bad = new OpenAI({ baseURL, apiKey: "sk-spine-not-a-key", maxRetries: 0 });
   const out = {
@@ -45,6 +60,13 @@ async function main() {
     stream_finish_reason: finish,
     stream_usage: usage,
     retrieved_model: { id: model.id, object: model.object },
+    responses: {
+      nonstream_text: resp.output_text,
+      nonstream_usage: resp.usage,
+      stream_text: rtext,
+      stream_final_text: finalText(rfinal),
+      stream_usage: rfinal ? rfinal.usage : null,
+    },
     errors: {
       missing_model: await refusal(() => client.models.retrieve("no-such-model")),
       unknown_model_chat: await refusal(() => client.chat.completions.create({ model: "no-such-model", messages })),

@@ -1,5 +1,6 @@
 //! The public OpenAI-compatible API: `POST /v1/chat/completions`, `POST /v1/completions`,
-//! `POST /v1/embeddings` (all metered), `GET /v1/models`.
+//! `POST /v1/embeddings`, `POST /v1/responses` (all metered; responses over the chat path,
+//! [`spine_meter::responses`]), `GET /v1/models`, `GET /v1/models/{id}`.
 
 use std::sync::Arc;
 
@@ -33,6 +34,7 @@ pub(crate) fn router(state: Arc<AppState>) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/embeddings", post(embeddings))
+        .route("/v1/responses", post(responses))
         .route("/v1/models", get(list_models))
         // model ids may hold '/' (`org/name`): the rest of the path is the id
         .route("/v1/models/{*id}", get(retrieve_model))
@@ -49,6 +51,7 @@ fn route_label(path: &str) -> &'static str {
         "/v1/chat/completions" => "/v1/chat/completions",
         "/v1/completions" => "/v1/completions",
         "/v1/embeddings" => "/v1/embeddings",
+        "/v1/responses" => "/v1/responses",
         "/v1/models" => "/v1/models",
         p if p.starts_with("/v1/models/") => "/v1/models/{id}",
         _ => "other",
@@ -176,20 +179,123 @@ async fn retrieve_model(
 }
 
 async fn chat_completions(State(state): State<Arc<AppState>>, req: Request) -> Response {
-    proxy(&state, req, RequestKind::ChatCompletions).await
+    proxy(&state, req, RequestKind::ChatCompletions, Surface::Native).await
 }
 
 async fn completions(State(state): State<Arc<AppState>>, req: Request) -> Response {
-    proxy(&state, req, RequestKind::Completions).await
+    proxy(&state, req, RequestKind::Completions, Surface::Native).await
 }
 
 async fn embeddings(State(state): State<Arc<AppState>>, req: Request) -> Response {
-    proxy(&state, req, RequestKind::Embeddings).await
+    proxy(&state, req, RequestKind::Embeddings, Surface::Native).await
+}
+
+/// `POST /v1/responses`: translated into a chat completion, metered and routed as one, and
+/// translated back ([`spine_meter::responses`]).
+async fn responses(State(state): State<Arc<AppState>>, req: Request) -> Response {
+    proxy(
+        &state,
+        req,
+        RequestKind::ChatCompletions,
+        Surface::Responses,
+    )
+    .await
+}
+
+/// The API shape the caller speaks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Surface {
+    /// The endpoint of the request kind itself.
+    Native,
+    /// OpenAI's Responses API over the chat completion path.
+    Responses,
+}
+
+/// A Responses request's body translated into a chat completion body, and what its answer
+/// needs; or the caller's error.
+async fn translate_responses(
+    state: &AppState,
+    body: Body,
+    request_id: Option<&RequestId>,
+) -> Result<(BoxBody, spine_meter::responses::ResponseMeta), ApiError> {
+    let limit = state.max_request_body_bytes;
+    let bytes = match http_body_util::Limited::new(body, limit).collect().await {
+        Ok(c) => c.to_bytes(),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
+            return Err(ApiError::new(
+                http::StatusCode::PAYLOAD_TOO_LARGE,
+                "invalid_request_error",
+                "request_too_large",
+                format!("request body larger than {limit} bytes"),
+            ))
+        }
+        Err(e) => {
+            return Err(ApiError::invalid_request(
+                "invalid_body",
+                format!("cannot read the request body: {e}"),
+            ))
+        }
+    };
+    let translation = spine_meter::responses::chat_request(&bytes).map_err(|e| {
+        let err = ApiError::invalid_request(e.code, e.message);
+        match e.param {
+            Some(param) => err.with_param(param),
+            None => err,
+        }
+    })?;
+    let meta = spine_meter::responses::ResponseMeta::new(
+        request_id.map_or("", RequestId::as_str),
+        translation.echo,
+    );
+    let body = http_body_util::Full::new(bytes::Bytes::from(translation.chat_body))
+        .map_err(|never| match never {});
+    Ok((BoxBody::new(body), meta))
+}
+
+/// A metered chat answer as the Responses answer: a stream re-shaped as it flows, a JSON body
+/// (already buffered by the meter) converted whole.
+async fn into_responses_answer(
+    resp: http::Response<BoxBody>,
+    meta: spine_meter::responses::ResponseMeta,
+) -> http::Response<BoxBody> {
+    if !resp.status().is_success() {
+        return resp;
+    }
+    let streamed = resp
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("text/event-stream"));
+    let (mut parts, body) = resp.into_parts();
+    if streamed {
+        let body = spine_meter::responses::ResponsesSse::new(body, meta);
+        return http::Response::from_parts(parts, BoxBody::new(body));
+    }
+    let converted = match body.collect().await {
+        Ok(c) => spine_meter::responses::response_from_chat(&c.to_bytes(), &meta),
+        Err(e) => Err(e.to_string()),
+    };
+    let bytes = match converted {
+        Ok(v) => bytes::Bytes::from(v.to_string()),
+        Err(why) => {
+            tracing::error!(reason = %why, "cannot re-shape a metered chat answer as a response");
+            return ApiError::internal("cannot build the response object")
+                .into_response()
+                .map(|b| BoxBody::new(b.map_err(BoxError::from)));
+        }
+    };
+    parts.headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    parts.headers.remove(header::CONTENT_LENGTH);
+    let body = http_body_util::Full::new(bytes).map_err(|never| match never {});
+    http::Response::from_parts(parts, BoxBody::new(body))
 }
 
 /// Authenticates, applies the key's RPM limit, and sends the request through the metered stack
-/// to a node at `kind`'s path.
-async fn proxy(state: &AppState, req: Request, kind: RequestKind) -> Response {
+/// to a node at `kind`'s path (a `/v1/responses` request translated first).
+async fn proxy(state: &AppState, req: Request, kind: RequestKind, surface: Surface) -> Response {
     let started = std::time::Instant::now();
     let key_hash = presented_key_hash(req.headers());
     let account = match authenticate(state, key_hash.clone()).await {
@@ -222,6 +328,17 @@ async fn proxy(state: &AppState, req: Request, kind: RequestKind) -> Response {
     // caller's key and other headers never do. `X-Session-Id` rides as an extension for the
     // router's conversation affinity (design brief §5).
     let (parts, body) = req.into_parts();
+    let (body, responses) = match surface {
+        Surface::Native => (BoxBody::new(body.map_err(BoxError::from)), None),
+        Surface::Responses => match translate_responses(state, body, request_id.as_ref()).await {
+            Ok((body, meta)) => (body, Some(meta)),
+            Err(e) => return e.into_response(),
+        },
+    };
+    let route = match surface {
+        Surface::Native => kind.path(),
+        Surface::Responses => "/v1/responses",
+    };
     let session = parts
         .headers
         .get("x-session-id")
@@ -232,7 +349,7 @@ async fn proxy(state: &AppState, req: Request, kind: RequestKind) -> Response {
         .method(http::Method::POST)
         .uri(kind.path())
         .header(header::CONTENT_TYPE, "application/json")
-        .body(BoxBody::new(body.map_err(BoxError::from)))
+        .body(body)
         .unwrap_or_else(|_| http::Request::new(BoxBody::default()));
     upstream.extensions_mut().insert(account);
     upstream.extensions_mut().insert(key);
@@ -247,7 +364,11 @@ async fn proxy(state: &AppState, req: Request, kind: RequestKind) -> Response {
     match call_stack(state.stack.clone(), upstream).await {
         Ok(resp) => {
             note_serving_node(state, request_id_copy, &resp);
-            into_client_response(resp, started, kind.path()).await
+            let resp = match responses {
+                Some(meta) => into_responses_answer(resp, meta).await,
+                None => resp,
+            };
+            into_client_response(resp, started, route).await
         }
         Err(e) => {
             let err = ApiError::from_stack(&e);
@@ -302,7 +423,7 @@ fn note_serving_node(
 const MAX_NODE_ERROR_BYTES: usize = 64 * 1024;
 
 /// A node's non-2xx answer in OpenAI's error shape: the node's message is kept, its status mapped
-/// (4xx stays the same 4xx — the engine refused the request; anything else is 502 `node_failure`).
+/// ([`node_error_shape`]).
 async fn node_error(resp: http::Response<BoxBody>) -> ApiError {
     let status = resp.status();
     let mut body = resp.into_body();
@@ -317,16 +438,56 @@ async fn node_error(resp: http::Response<BoxBody>) -> ApiError {
             Some(Err(_)) | None => break,
         }
     }
-    let body = buf;
-    let message = serde_json::from_slice::<serde_json::Value>(&body)
-        .ok()
-        .and_then(|v| {
-            v.pointer("/error/message")
-                .and_then(|m| m.as_str())
-                .map(str::to_owned)
-        })
+    node_error_shape(status, &buf)
+}
+
+/// The caller's error for a node's non-2xx `status` with body `body`:
+///
+/// - an engine saying the prompt is over its context (llama.cpp's `exceed_context_size_error`,
+///   or a 4xx message about the context length as vLLM, SGLang and Ollama word it) → 400
+///   `context_length_exceeded`, `param` `messages`, as OpenAI answers;
+/// - 501 (the engine does not support what was asked, e.g. tools without `--jinja`) → 400
+///   `unsupported_by_node`: the SDKs retry every 5xx, and asking again changes nothing (other
+///   nodes were already tried by the router);
+/// - any other 4xx keeps its status, `upstream_rejected`; anything else is 502 `node_failure`.
+fn node_error_shape(status: http::StatusCode, body: &[u8]) -> ApiError {
+    let parsed = serde_json::from_slice::<serde_json::Value>(body).ok();
+    // OpenAI's `{"error":{…}}`, or vLLM's / SGLang's top-level `{"object":"error",…}`
+    let field = |name: &str| {
+        parsed
+            .as_ref()
+            .and_then(|v| {
+                v.pointer(&format!("/error/{name}"))
+                    .or_else(|| (v["object"] == "error").then(|| v.get(name)).flatten())
+            })
+            .and_then(|m| m.as_str())
+            .map(str::to_owned)
+    };
+    let message = field("message")
         .unwrap_or_else(|| String::from_utf8_lossy(&body[..body.len().min(512)]).into_owned());
-    if status.is_client_error() {
+    let lower = message.to_ascii_lowercase();
+    let over_context = field("type").as_deref() == Some("exceed_context_size_error")
+        || (status.is_client_error()
+            && (lower.contains("context length")
+                || lower.contains("context size")
+                || lower.contains("context window")
+                || lower.contains("maximum context")));
+    if over_context {
+        ApiError::new(
+            http::StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "context_length_exceeded",
+            format!("the prompt is over the node's context window: {message}"),
+        )
+        .with_param("messages")
+    } else if status == http::StatusCode::NOT_IMPLEMENTED {
+        ApiError::new(
+            http::StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "unsupported_by_node",
+            format!("the node's engine does not support this request: {message}"),
+        )
+    } else if status.is_client_error() {
         ApiError::new(
             status,
             "invalid_request_error",
@@ -340,6 +501,53 @@ async fn node_error(resp: http::Response<BoxBody>) -> ApiError {
             "node_failure",
             format!("the node's engine failed ({status}): {message}"),
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn engine_errors_get_the_codes_clients_branch_on() {
+        let shape = |status: u16, body: &str| {
+            let e = node_error_shape(http::StatusCode::from_u16(status).unwrap(), body.as_bytes());
+            (e.status.as_u16(), e.code)
+        };
+        // llama.cpp (the pinned server's own words and type)
+        assert_eq!(
+            shape(
+                400,
+                r#"{"error":{"code":400,"message":"request (9000 tokens) exceeds the available context size (2048 tokens), try increasing it","type":"exceed_context_size_error","n_prompt_tokens":9000,"n_ctx":2048}}"#
+            ),
+            (400, "context_length_exceeded")
+        );
+        // vLLM
+        assert_eq!(
+            shape(
+                400,
+                r#"{"object":"error","message":"This model's maximum context length is 2048 tokens. However, you requested 9000 tokens.","type":"BadRequestError","param":null,"code":400}"#
+            ),
+            (400, "context_length_exceeded")
+        );
+        assert_eq!(
+            shape(
+                400,
+                r#"{"object":"error","message":"max_tokens must be at least 1","type":"BadRequestError"}"#
+            ),
+            (400, "upstream_rejected")
+        );
+        assert_eq!(
+            shape(
+                501,
+                r#"{"error":{"code":501,"message":"tools param requires --jinja flag","type":"not_supported_error"}}"#
+            ),
+            (400, "unsupported_by_node")
+        );
+        assert_eq!(shape(422, "{}"), (422, "upstream_rejected"));
+        assert_eq!(shape(500, "boom"), (502, "node_failure"));
+        // a 5xx that mentions the context is still the node's failure
+        assert_eq!(shape(500, "context size"), (502, "node_failure"));
     }
 }
 

@@ -318,7 +318,31 @@ async fn chat_through_gateway_tunnel_agent_and_llama_cpp() {
         "{errors}"
     );
     assert_eq!(errors["bad_request"]["param"], "max_tokens", "{errors}");
-    let node_spent = sdk_cost(&node["nonstream_usage"]) + sdk_cost(&node["stream_usage"]);
+    // and the Responses API through the Node SDK: text in the deltas, billed usage in the end
+    let responses = &node["responses"];
+    assert!(
+        !responses["nonstream_text"].as_str().unwrap().is_empty(),
+        "{node}"
+    );
+    assert!(
+        !responses["stream_text"].as_str().unwrap().is_empty(),
+        "{node}"
+    );
+    assert_eq!(
+        responses["stream_text"], responses["stream_final_text"],
+        "{node}"
+    );
+    let responses_cost = |usage: &Value| {
+        cost(
+            usage["input_tokens"].as_u64().unwrap(),
+            usage["output_tokens"].as_u64().unwrap(),
+        )
+        .0
+    };
+    let node_spent = sdk_cost(&node["nonstream_usage"])
+        + sdk_cost(&node["stream_usage"])
+        + responses_cost(&responses["nonstream_usage"])
+        + responses_cost(&responses["stream_usage"]);
     let mut after = before;
     for _ in 0..100 {
         after = gw.balance(&account).await.0;
@@ -332,6 +356,88 @@ async fn chat_through_gateway_tunnel_agent_and_llama_cpp() {
         node_spent,
         "the Node SDK's usage is what was billed"
     );
+
+    // --- the Responses API with the official Python SDK (issue 16) ----------------------------
+    let before = gw.balance(&account).await.0;
+    let out = Command::new(&engine.python)
+        .arg(spine_test_support::workspace_path(
+            "scripts/openai_responses.py",
+        ))
+        .arg(format!("{}/v1", gw.public))
+        .arg(&api_key)
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "openai SDK responses failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let nonstream = &r["nonstream"];
+    assert_eq!(nonstream["object"], "response", "{r}");
+    assert!(
+        matches!(
+            nonstream["status"].as_str(),
+            Some("completed" | "incomplete")
+        ),
+        "{r}"
+    );
+    assert!(!nonstream["text"].as_str().unwrap().is_empty(), "{r}");
+    let streamed = &r["stream"];
+    // every delivered character is in a delta, and the final object carries the same text
+    assert!(!streamed["deltas"].as_str().unwrap().is_empty(), "{r}");
+    assert_eq!(streamed["deltas"], streamed["text"], "{r}");
+    let types = streamed["types"].as_array().unwrap();
+    assert_eq!(types[0], "response.created", "{r}");
+    assert!(
+        matches!(
+            types.last().unwrap().as_str(),
+            Some("response.completed" | "response.incomplete")
+        ),
+        "{r}"
+    );
+    // the SDK's own accumulator followed the sequence
+    assert_eq!(r["helper"]["deltas"], r["helper"]["text"], "{r}");
+    assert!(!r["helper"]["text"].as_str().unwrap().is_empty(), "{r}");
+    assert_eq!(
+        r["refused"],
+        json!({"status": 400, "code": "unsupported_parameter", "param": "previous_response_id"})
+    );
+    // the usage each answer carried is its billed record, and the balance moved by exactly
+    // the three answers' cost (the helper's answer billed too)
+    let mut responses_spent = 0;
+    for answer in [nonstream, streamed] {
+        let usage = &answer["usage"];
+        let rec = gw.record(answer["request_id"].as_str().unwrap()).await;
+        assert_eq!(rec["outcome"], "completed", "{rec}");
+        assert_eq!(
+            (
+                rec["billed"]["prompt_tokens"].as_u64(),
+                rec["billed"]["completion_tokens"].as_u64()
+            ),
+            (
+                usage["input_tokens"].as_u64(),
+                usage["output_tokens"].as_u64()
+            ),
+            "{rec} vs {usage}"
+        );
+        assert_eq!(usage["input_tokens"], nonstream["usage"]["input_tokens"]);
+        responses_spent += cost(
+            usage["input_tokens"].as_u64().unwrap(),
+            usage["output_tokens"].as_u64().unwrap(),
+        )
+        .0;
+    }
+    let mut spent = 0;
+    for _ in 0..100 {
+        spent = before - gw.balance(&account).await.0;
+        if spent > responses_spent {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(spent > responses_spent, "{spent} vs {responses_spent}");
 
     // --- an agent whose key was never registered is refused and cannot serve ------------------
     let (stranger_identity, _) = keygen(dir.path(), "stranger.key").await;

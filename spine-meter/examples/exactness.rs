@@ -4,6 +4,7 @@
 //!
 //! ```sh
 //! scripts/exactness.sh            # 200 requests; or: scripts/exactness.sh 40
+//! scripts/exactness.sh 200 --responses   # the same cases as Responses API requests, translated
 //! ```
 //!
 //! Starts `llama-server -m $SPINE_MODEL_GGUF --alias smollm2 -c 4096 -np 2 -t 2` on a free
@@ -32,7 +33,11 @@ fn main() {
     let engine = exactness::start_engine(bin.as_ref(), gguf.as_ref());
     let port = engine.port;
     let started = Instant::now();
-    let cases = exactness::cases(count);
+    let cases = if std::env::args().any(|a| a == "--responses") {
+        exactness::responses_cases(count)
+    } else {
+        exactness::cases(count)
+    };
     let results = exactness::run_all(port, &tok, &cases, 2);
     println!("{}", exactness::table(&results));
     println!("wall time {:.0} s", started.elapsed().as_secs_f64());

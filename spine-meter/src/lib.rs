@@ -8,6 +8,7 @@ pub mod inject;
 pub mod ledger;
 pub mod meter;
 pub mod price;
+pub mod responses;
 pub mod sse;
 pub mod tokenizer;
 

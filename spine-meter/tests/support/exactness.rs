@@ -185,6 +185,46 @@ pub fn cases(count: usize) -> Vec<Case> {
         .collect()
 }
 
+/// The study's requests as the Responses API would carry them (`POST /v1/responses`): each case of
+/// [`cases`] without `n: 2` written as a Responses request (`input` items, `max_output_tokens`,
+/// `temperature`, `stream`, flattened function `tools`; no `seed`, which the Responses API does
+/// not have) and translated by [`spine_meter::responses::chat_request`], the body the gateway
+/// sends to a node. So the study measures the translation's requests against the engine.
+pub fn responses_cases(count: usize) -> Vec<Case> {
+    cases(count)
+        .into_iter()
+        .filter(|c| c.body.get("n").is_none())
+        .map(|c| {
+            let chat = &c.body;
+            let mut req = json!({
+                "model": chat["model"],
+                "input": chat["messages"],
+                "max_output_tokens": chat["max_tokens"],
+                "temperature": chat["temperature"],
+            });
+            if chat.get("stream").is_some() {
+                req["stream"] = json!(true);
+            }
+            if let Some(tools) = chat.get("tools").and_then(Value::as_array) {
+                let flat: Vec<Value> = tools
+                    .iter()
+                    .map(|t| {
+                        let mut f = t["function"].clone();
+                        f["type"] = json!("function");
+                        f
+                    })
+                    .collect();
+                req["tools"] = json!(flat);
+            }
+            let translated = spine_meter::responses::chat_request(req.to_string().as_bytes())
+                .unwrap_or_else(|e| panic!("{}: {e}", c.name));
+            let body: Value = serde_json::from_slice(&translated.chat_body).unwrap();
+            let name = c.name.split(" seed").next().unwrap_or(&c.name).to_owned() + " responses";
+            Case { name, body }
+        })
+        .collect()
+}
+
 /// A real `llama-server` child process (`--alias smollm2 -c 4096 -np 2 -t 2`) on a free port;
 /// killed on drop.
 pub struct Engine {

@@ -1,0 +1,362 @@
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use bytes::Bytes;
+use http_body_util::BodyExt;
+use serde_json::{json, Value};
+
+use super::*;
+
+fn chat_of(req: Value) -> Value {
+    let t = chat_request(req.to_string().as_bytes()).unwrap();
+    serde_json::from_slice(&t.chat_body).unwrap()
+}
+
+fn refused(req: Value) -> ResponsesError {
+    chat_request(req.to_string().as_bytes()).unwrap_err()
+}
+
+#[test]
+fn a_string_input_with_instructions_is_a_system_and_a_user_message() {
+    let chat = chat_of(json!({
+        "model": "smollm2", "instructions": "Be brief.", "input": "Hi",
+        "max_output_tokens": 16, "temperature": 0, "stream": true, "store": false,
+        "metadata": {"k": "v"},
+    }));
+    assert_eq!(
+        chat,
+        json!({
+            "model": "smollm2",
+            "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+            "max_tokens": 16, "temperature": 0, "stream": true,
+            "stream_options": {"include_usage": true},
+        })
+    );
+}
+
+#[test]
+fn input_items_become_chat_turns() {
+    let chat = chat_of(json!({
+        "model": "m",
+        "input": [
+            {"role": "developer", "content": "Use tools."},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather in "}, {"type": "input_text", "text": "Paris?"}]},
+            {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{\"city\":\"Paris\"}"},
+            {"type": "function_call", "call_id": "c2", "name": "get_time", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+            {"role": "assistant", "content": [{"type": "output_text", "text": "It is sunny."}]},
+        ],
+        "tools": [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}, "strict": true}],
+        "tool_choice": {"type": "function", "name": "get_weather"},
+        "text": {"format": {"type": "json_schema", "name": "w", "schema": {"type": "object"}}},
+    }));
+    assert_eq!(
+        chat["messages"],
+        json!([
+            {"role": "system", "content": "Use tools."},
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": null, "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}},
+                {"id": "c2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}},
+            ]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+            {"role": "assistant", "content": "It is sunny."},
+        ])
+    );
+    assert_eq!(
+        chat["tools"],
+        json!([{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}, "strict": true}}])
+    );
+    assert_eq!(
+        chat["tool_choice"],
+        json!({"type": "function", "function": {"name": "get_weather"}})
+    );
+    assert_eq!(
+        chat["response_format"],
+        json!({"type": "json_schema", "json_schema": {"name": "w", "schema": {"type": "object"}}})
+    );
+    assert!(chat.get("stream").is_none());
+}
+
+#[test]
+fn what_is_not_served_is_refused_naming_the_member() {
+    let base = || json!({"model": "m", "input": "hi"});
+    let with = |k: &str, v: Value| {
+        let mut r = base();
+        r[k] = v;
+        r
+    };
+    let cases = [
+        (
+            with("previous_response_id", json!("resp_1")),
+            "previous_response_id",
+            "unsupported_parameter",
+        ),
+        (
+            with("conversation", json!("c")),
+            "conversation",
+            "unsupported_parameter",
+        ),
+        (
+            with("n_predict", json!(300)),
+            "n_predict",
+            "unsupported_parameter",
+        ),
+        (
+            with("max_output_tokens", json!(0)),
+            "max_output_tokens",
+            "invalid_request",
+        ),
+        (
+            with("max_output_tokens", json!("9")),
+            "max_output_tokens",
+            "invalid_request",
+        ),
+        (
+            with("background", json!(true)),
+            "background",
+            "unsupported_parameter",
+        ),
+        (
+            with("include", json!(["reasoning.encrypted_content"])),
+            "include",
+            "unsupported_parameter",
+        ),
+        (
+            with("reasoning", json!({"effort": "high"})),
+            "reasoning",
+            "unsupported_parameter",
+        ),
+        (
+            with("tools", json!([{"type": "web_search"}])),
+            "tools[0].type",
+            "unsupported_parameter",
+        ),
+        (
+            with("tools", json!([{"type": "function"}])),
+            "tools[0].name",
+            "invalid_request",
+        ),
+        (
+            with(
+                "input",
+                json!([{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]),
+            ),
+            "input[0].content[0].type",
+            "unsupported_parameter",
+        ),
+        (
+            with("input", json!([{"type": "reasoning", "summary": []}])),
+            "input[0].type",
+            "unsupported_parameter",
+        ),
+        (
+            with("input", json!([{"role": "tool", "content": "x"}])),
+            "input[0].role",
+            "invalid_request",
+        ),
+        (with("input", json!([])), "input", "invalid_request"),
+        (with("input", json!(7)), "input", "invalid_request"),
+        (with("model", json!(null)), "model", "invalid_request"),
+        (
+            with("text", json!({"format": {"type": "json_schema"}})),
+            "text.format.schema",
+            "invalid_request",
+        ),
+    ];
+    for (req, param, code) in cases {
+        let e = refused(req.clone());
+        assert_eq!(
+            (e.param.as_deref(), e.code),
+            (Some(param), code),
+            "{req}: {e}"
+        );
+    }
+    assert!(chat_request(b"[1]").is_err());
+    assert!(chat_request(b"{").is_err());
+    // defaults that ask for nothing are accepted
+    let mut ok = base();
+    ok["background"] = json!(false);
+    ok["truncation"] = json!("disabled");
+    ok["include"] = json!([]);
+    ok["reasoning"] = json!({"summary": null});
+    chat_request(ok.to_string().as_bytes()).unwrap();
+}
+
+fn meta() -> ResponseMeta {
+    let mut echo = serde_json::Map::new();
+    echo.insert("model".into(), json!("smollm2"));
+    ResponseMeta {
+        id: "resp_r1".into(),
+        created_at: 1,
+        echo,
+    }
+}
+
+#[test]
+fn a_chat_completion_becomes_a_response_object() {
+    let chat = json!({
+        "id": "x", "object": "chat.completion", "model": "alias",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello!", "reasoning_content": "think"}, "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13},
+    });
+    let r = response_from_chat(chat.to_string().as_bytes(), &meta()).unwrap();
+    assert_eq!(r["object"], "response");
+    assert_eq!(r["model"], "smollm2");
+    assert_eq!(r["status"], "incomplete");
+    assert_eq!(r["incomplete_details"]["reason"], "max_output_tokens");
+    assert_eq!(r["output"][0]["type"], "reasoning");
+    assert_eq!(r["output"][1]["content"][0]["text"], "Hello!");
+    assert_eq!(
+        (
+            r["usage"]["input_tokens"].as_u64(),
+            r["usage"]["output_tokens"].as_u64(),
+            r["usage"]["total_tokens"].as_u64()
+        ),
+        (Some(10), Some(3), Some(13))
+    );
+    let calls = json!({
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": null, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}, "finish_reason": "tool_calls"}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 2},
+    });
+    let r = response_from_chat(calls.to_string().as_bytes(), &meta()).unwrap();
+    assert_eq!(r["status"], "completed");
+    assert_eq!(r["output"].as_array().unwrap().len(), 1);
+    assert_eq!(r["output"][0]["type"], "function_call");
+    assert_eq!(r["output"][0]["call_id"], "call_1");
+    assert!(response_from_chat(b"{}", &meta()).is_err());
+}
+
+/// A body that yields one frame per item.
+struct Frames(std::collections::VecDeque<Bytes>);
+
+impl http_body::Body for Frames {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+        std::task::Poll::Ready(self.0.pop_front().map(|b| Ok(http_body::Frame::data(b))))
+    }
+}
+
+/// Runs `chat` (the metered chat stream's frames) through [`ResponsesSse`]; the events' data.
+async fn convert(frames: &[&str]) -> (Vec<Value>, String) {
+    let body = Frames(frames.iter().map(|f| Bytes::from(f.to_string())).collect());
+    let out = ResponsesSse::new(body, meta())
+        .collect()
+        .await
+        .unwrap()
+        .to_bytes();
+    let text = String::from_utf8(out.to_vec()).unwrap();
+    let mut events = Vec::new();
+    for block in text.split("\n\n").filter(|b| !b.is_empty()) {
+        if block.starts_with(':') {
+            continue;
+        }
+        let mut lines = block.lines();
+        let kind = lines.next().unwrap().strip_prefix("event: ").unwrap();
+        let data: Value =
+            serde_json::from_str(lines.next().unwrap().strip_prefix("data: ").unwrap()).unwrap();
+        assert_eq!(data["type"], kind);
+        assert_eq!(data["sequence_number"].as_u64(), Some(events.len() as u64));
+        events.push(data);
+    }
+    (events, text)
+}
+
+fn types(events: &[Value]) -> Vec<&str> {
+    events.iter().map(|e| e["type"].as_str().unwrap()).collect()
+}
+
+#[tokio::test]
+async fn a_chat_stream_becomes_responses_events_with_the_billed_usage() {
+    let (events, text) = convert(&[
+        "data: {\"id\":\"c\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"},\"finish_reason\":null}]}\n\n",
+        ": keepalive\n\n",
+        "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hel\"},\"finish_reason\":null}]}\n\n",
+        "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"lo\"},\"finish_reason\":null}]}\n\n",
+        "data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\n",
+        "data: {\"id\":\"c\",\"choices\":[],\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":3,\"total_tokens\":10}}\n\n",
+        "data: [DONE]\n\n",
+    ])
+    .await;
+    assert!(text.contains("\n\n: keepalive\n\n"), "{text}");
+    assert_eq!(
+        types(&events),
+        [
+            "response.created",
+            "response.in_progress",
+            "response.output_item.added",
+            "response.content_part.added",
+            "response.output_text.delta",
+            "response.output_text.delta",
+            "response.output_text.done",
+            "response.content_part.done",
+            "response.output_item.done",
+            "response.completed",
+        ]
+    );
+    let deltas: String = events
+        .iter()
+        .filter(|e| e["type"] == "response.output_text.delta")
+        .map(|e| e["delta"].as_str().unwrap())
+        .collect();
+    assert_eq!(deltas, "Hello");
+    let done = events.last().unwrap();
+    assert_eq!(done["response"]["output"][0]["content"][0]["text"], "Hello");
+    assert_eq!(done["response"]["usage"]["input_tokens"], 7);
+    assert_eq!(done["response"]["usage"]["output_tokens"], 3);
+    assert_eq!(done["response"]["id"], events[0]["response"]["id"]);
+}
+
+#[tokio::test]
+async fn tool_calls_and_reasoning_stream_as_their_own_items() {
+    let (events, _) = convert(&[
+        "data: {\"choices\":[{\"index\":0,\"delta\":{\"reasoning_content\":\"hmm\"},\"finish_reason\":null}]}\n\n",
+        "data: {\"choices\":[{\"index\":0,\"delta\":{\"tool_calls\":[{\"index\":0,\"id\":\"call_9\",\"type\":\"function\",\"function\":{\"name\":\"f\",\"arguments\":\"{\\\"a\\\"\"}}]},\"finish_reason\":null}]}\n\n",
+        "data: {\"choices\":[{\"index\":0,\"delta\":{\"tool_calls\":[{\"index\":0,\"function\":{\"arguments\":\":1}\"}}]},\"finish_reason\":null}]}\n\n",
+        "data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"tool_calls\"}]}\n\n",
+        "data: [DONE]\n\n",
+    ])
+    .await;
+    let done = &events.last().unwrap()["response"];
+    assert_eq!(done["status"], "completed");
+    assert_eq!(done["output"][0]["type"], "reasoning");
+    assert_eq!(done["output"][0]["content"][0]["text"], "hmm");
+    assert_eq!(done["output"][1]["type"], "function_call");
+    assert_eq!(done["output"][1]["call_id"], "call_9");
+    assert_eq!(done["output"][1]["arguments"], "{\"a\":1}");
+    assert!(types(&events).contains(&"response.function_call_arguments.done"));
+}
+
+#[tokio::test]
+async fn a_chat_error_event_or_a_cut_stream_fails_the_response() {
+    let (events, _) = convert(&[
+        "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hi\"},\"finish_reason\":null}]}\n\n",
+        "data: {\"error\":{\"message\":\"the node failed\",\"type\":\"upstream_error\",\"param\":null,\"code\":\"upstream_failed\"}}\n\n",
+    ])
+    .await;
+    let t = types(&events);
+    assert_eq!(&t[t.len() - 2..], ["error", "response.failed"]);
+    assert_eq!(events[t.len() - 2]["code"], "upstream_failed");
+    assert_eq!(events[t.len() - 2]["message"], "the node failed");
+    let failed = &events.last().unwrap()["response"];
+    assert_eq!(failed["status"], "failed");
+    assert_eq!(failed["error"]["code"], "upstream_failed");
+    assert_eq!(failed["output"][0]["content"][0]["text"], "Hi");
+
+    let (events, _) = convert(&["data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hi\"},\"finish_reason\":null}]}\n\n"]).await;
+    assert_eq!(events.last().unwrap()["type"], "response.failed");
+    let (events, _) = convert(&[]).await;
+    assert_eq!(
+        types(&events),
+        [
+            "response.created",
+            "response.in_progress",
+            "error",
+            "response.failed"
+        ]
+    );
+}
