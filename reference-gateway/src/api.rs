@@ -217,7 +217,7 @@ async fn translate_responses(
     state: &AppState,
     body: Body,
     request_id: Option<&RequestId>,
-) -> Result<(BoxBody, spine_meter::responses::ResponseMeta), ApiError> {
+) -> Result<(BoxBody, ResponsesAnswer), ApiError> {
     let limit = state.max_request_body_bytes;
     let bytes = match http_body_util::Limited::new(body, limit).collect().await {
         Ok(c) => c.to_bytes(),
@@ -249,31 +249,122 @@ async fn translate_responses(
     );
     let body = http_body_util::Full::new(bytes::Bytes::from(translation.chat_body))
         .map_err(|never| match never {});
-    Ok((BoxBody::new(body), meta))
+    Ok((
+        BoxBody::new(body),
+        ResponsesAnswer {
+            meta,
+            stream: translation.stream,
+        },
+    ))
 }
 
-/// A metered chat answer as the Responses answer: a stream re-shaped as it flows, a JSON body
-/// (already buffered by the meter) converted whole.
+/// Buffers a whole body (one the meter has already bounded). A plain function returning a
+/// boxed future: collecting a `BoxBody` inside an async fn trips rustc's higher-ranked check
+/// on its `dyn Error` (as `spine_meter`'s own body buffering notes).
+fn collect_bytes(
+    body: BoxBody,
+) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<bytes::Bytes, String>> + Send>> {
+    use std::future::Future as _;
+    let mut collect = Box::pin(body.collect());
+    Box::pin(std::future::poll_fn(move |cx| {
+        collect
+            .as_mut()
+            .poll(cx)
+            .map(|r| r.map(|c| c.to_bytes()).map_err(|e| e.to_string()))
+    }))
+}
+
+/// What a `/v1/responses` answer needs: its meta, and whether the caller asked for a stream.
+struct ResponsesAnswer {
+    meta: spine_meter::responses::ResponseMeta,
+    stream: bool,
+}
+
+/// An error about a chat member, named as the Responses API names it.
+fn responses_param(mut err: ApiError) -> ApiError {
+    let renamed = match err.param.as_deref() {
+        Some("messages") => Some("input"),
+        Some("max_tokens" | "max_completion_tokens") => Some("max_output_tokens"),
+        _ => None,
+    };
+    if let Some(p) = renamed {
+        err = err.with_param(p);
+    }
+    err
+}
+
+/// A metered chat answer as the Responses answer the caller asked for: a stream re-shaped as
+/// it flows, a JSON body (already buffered by the meter) converted whole. A node that answered
+/// in the other shape (a whole body to a streamed request, or a stream to one that was not)
+/// is re-shaped too: the request is already metered, so the caller gets what it paid for in
+/// the shape its SDK expects.
 async fn into_responses_answer(
     resp: http::Response<BoxBody>,
-    meta: spine_meter::responses::ResponseMeta,
+    answer: ResponsesAnswer,
 ) -> http::Response<BoxBody> {
+    use spine_meter::responses::{chat_json_as_stream, response_from_chat, ResponsesSse};
     if !resp.status().is_success() {
         return resp;
     }
+    let ResponsesAnswer { meta, stream } = answer;
     let streamed = resp
         .headers()
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.starts_with("text/event-stream"));
     let (mut parts, body) = resp.into_parts();
-    if streamed {
-        let body = spine_meter::responses::ResponsesSse::new(body, meta);
-        return http::Response::from_parts(parts, BoxBody::new(body));
+    parts.headers.remove(header::CONTENT_LENGTH);
+    let sse = HeaderValue::from_static("text/event-stream");
+    match (stream, streamed) {
+        (true, true) => {
+            let body = ResponsesSse::new(body, meta);
+            return http::Response::from_parts(parts, BoxBody::new(body));
+        }
+        (true, false) => {
+            let whole = collect_bytes(body).await.unwrap_or_default();
+            let chat = http_body_util::Full::new(chat_json_as_stream(&whole))
+                .map_err(|never| match never {});
+            let body = ResponsesSse::new(BoxBody::new(chat), meta);
+            parts.headers.insert(header::CONTENT_TYPE, sse);
+            return http::Response::from_parts(parts, BoxBody::new(body));
+        }
+        (false, true) => {
+            // the stream converted, and its final response object is the answer
+            let events = collect_bytes(BoxBody::new(ResponsesSse::new(body, meta)))
+                .await
+                .unwrap_or_default();
+            let last = String::from_utf8_lossy(&events)
+                .split("\n\n")
+                .filter_map(|e| e.lines().find_map(|l| l.strip_prefix("data: ")))
+                .filter_map(|d| serde_json::from_str::<serde_json::Value>(d).ok())
+                .filter(|v| v["type"] != "error")
+                .last();
+            let bytes = match last {
+                Some(v) if v["response"]["status"] != "failed" => v["response"].to_string(),
+                _ => {
+                    return ApiError::new(
+                        http::StatusCode::BAD_GATEWAY,
+                        "api_error",
+                        "node_failure",
+                        "the node's answer ended before it was complete",
+                    )
+                    .into_response()
+                    .map(|b| BoxBody::new(b.map_err(BoxError::from)));
+                }
+            };
+            parts.headers.insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            );
+            let body = http_body_util::Full::new(bytes::Bytes::from(bytes))
+                .map_err(|never| match never {});
+            return http::Response::from_parts(parts, BoxBody::new(body));
+        }
+        (false, false) => {}
     }
-    let converted = match body.collect().await {
-        Ok(c) => spine_meter::responses::response_from_chat(&c.to_bytes(), &meta),
-        Err(e) => Err(e.to_string()),
+    let converted = match collect_bytes(body).await {
+        Ok(bytes) => response_from_chat(&bytes, &meta),
+        Err(e) => Err(e),
     };
     let bytes = match converted {
         Ok(v) => bytes::Bytes::from(v.to_string()),
@@ -288,7 +379,6 @@ async fn into_responses_answer(
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/json"),
     );
-    parts.headers.remove(header::CONTENT_LENGTH);
     let body = http_body_util::Full::new(bytes).map_err(|never| match never {});
     http::Response::from_parts(parts, BoxBody::new(body))
 }
@@ -364,14 +454,23 @@ async fn proxy(state: &AppState, req: Request, kind: RequestKind, surface: Surfa
     match call_stack(state.stack.clone(), upstream).await {
         Ok(resp) => {
             note_serving_node(state, request_id_copy, &resp);
-            let resp = match responses {
-                Some(meta) => into_responses_answer(resp, meta).await,
-                None => resp,
-            };
-            into_client_response(resp, started, route).await
+            match responses {
+                Some(answer) if resp.status().is_success() => {
+                    let resp = into_responses_answer(resp, answer).await;
+                    into_client_response(resp, started, route).await
+                }
+                Some(_) => {
+                    let err = node_error(resp).await;
+                    responses_param(err).into_response()
+                }
+                None => into_client_response(resp, started, route).await,
+            }
         }
         Err(e) => {
-            let err = ApiError::from_stack(&e);
+            let mut err = ApiError::from_stack(&e);
+            if surface == Surface::Responses {
+                err = responses_param(err);
+            }
             if err.code == "rate_limit_exceeded" {
                 metrics::counter!(RATE_LIMITED, "limit" => "tokens").increment(1);
             }
@@ -421,6 +520,8 @@ fn note_serving_node(
 
 /// Largest node error body read to extract its message, bytes.
 const MAX_NODE_ERROR_BYTES: usize = 64 * 1024;
+/// Longest node error message passed on to the caller, bytes (the rest is cut, with `…`).
+const MAX_NODE_MESSAGE_BYTES: usize = 1024;
 
 /// A node's non-2xx answer in OpenAI's error shape: the node's message is kept, its status mapped
 /// ([`node_error_shape`]).
@@ -463,8 +564,16 @@ fn node_error_shape(status: http::StatusCode, body: &[u8]) -> ApiError {
             .and_then(|m| m.as_str())
             .map(str::to_owned)
     };
-    let message = field("message")
+    let mut message = field("message")
         .unwrap_or_else(|| String::from_utf8_lossy(&body[..body.len().min(512)]).into_owned());
+    if message.len() > MAX_NODE_MESSAGE_BYTES {
+        let mut end = MAX_NODE_MESSAGE_BYTES;
+        while !message.is_char_boundary(end) {
+            end -= 1;
+        }
+        message.truncate(end);
+        message.push('…');
+    }
     let lower = message.to_ascii_lowercase();
     let over_context = field("type").as_deref() == Some("exceed_context_size_error")
         || (status.is_client_error()

@@ -323,3 +323,92 @@ async fn a_node_streaming_a_gibibyte_is_cut_at_its_bound_with_bounded_gateway_me
         peak - before
     );
 }
+
+/// `/v1/responses` against a node that answers in the other shape (a whole body to a streamed
+/// request, a stream to one that was not): the caller still gets the shape it asked for, with
+/// the billed usage. And a node padding a streamed choice past the tool-call bound is cut,
+/// the caller pays what it got, the operator earns nothing (`cut_at_bound`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn responses_are_reshaped_and_a_tool_call_padder_is_not_paid() {
+    let engine = Engine::discover().unwrap();
+    let (url, _task) = serve_fake_engine(move |req: hyper::Request<hyper::body::Incoming>| async move {
+        if let Some(meta) = fake_llama_meta(req.uri().path()) {
+            return Ok(meta);
+        }
+        use http_body_util::BodyExt as _;
+        let body = req.into_body().collect().await.unwrap().to_bytes();
+        let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+        let usage = json!({"prompt_tokens": 9, "completion_tokens": 3, "total_tokens": 12});
+        let prompt = v["messages"].to_string();
+        if prompt.contains("pad") {
+            // 200 tool calls in one streamed choice
+            let mut out = String::new();
+            for i in 0..200 {
+                let chunk = json!({"choices":[{"index":0,"delta":{"tool_calls":[{"index":i,"id":"c","type":"function","function":{"name":"f","arguments":"{}"}}]},"finish_reason":null}]});
+                out.push_str(&format!("data: {chunk}\n\n"));
+            }
+            out.push_str("data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"tool_calls\"}]}\n\ndata: [DONE]\n\n");
+            return Ok(full(200, "text/event-stream", out));
+        }
+        if v["stream"] == true {
+            // a whole body to a streamed request
+            let answer = json!({"id":"p","object":"chat.completion","created":1,"model":"smollm2",
+                "choices":[{"index":0,"message":{"role":"assistant","content":"Hello there"},"finish_reason":"stop"}],
+                "usage":usage});
+            return Ok(full(200, "application/json", answer.to_string()));
+        }
+        // a stream to a request that was not
+        let out = format!(
+            "data: {}\n\ndata: {}\n\ndata: [DONE]\n\n",
+            json!({"choices":[{"index":0,"delta":{"content":"Hello there"},"finish_reason":null}]}),
+            json!({"choices":[{"index":0,"delta":{},"finish_reason":"stop"}],"usage":usage}),
+        );
+        Ok(full(200, "text/event-stream", out))
+    })
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let gw = Gateway::start(dir.path(), &engine).await;
+    let t = tenant(&gw).await;
+    let (_node, _agent) = add_node(&gw, dir.path(), &t.operator, &url, "reshaper").await;
+
+    for stream in [true, false] {
+        let body = json!({"model": "smollm2", "input": "Hi", "max_output_tokens": 16, "stream": stream});
+        let resp = gw.api_post(&t.api_key, "/v1/responses", &body).await;
+        assert_eq!(resp.status(), 200);
+        let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
+        let content_type = resp.headers()["content-type"].to_str().unwrap().to_owned();
+        let text = resp.text().await.unwrap();
+        let rec = gw.record(&id).await;
+        assert_eq!(rec["outcome"], "completed", "{rec}");
+        let object: Value = if stream {
+            assert!(content_type.starts_with("text/event-stream"), "{content_type}");
+            let last: Value = serde_json::from_str(sse_data(&text).last().unwrap()).unwrap();
+            assert_eq!(last["type"], "response.completed", "{text}");
+            last["response"].clone()
+        } else {
+            assert!(content_type.starts_with("application/json"), "{content_type}");
+            serde_json::from_str(&text).unwrap()
+        };
+        assert_eq!(object["output"][0]["content"][0]["text"], "Hello there", "{object}");
+        assert_eq!(
+            object["usage"]["output_tokens"], rec["billed"]["completion_tokens"],
+            "{object} {rec}"
+        );
+        assert_eq!(object["usage"]["input_tokens"], rec["billed"]["prompt_tokens"]);
+    }
+
+    // the tool-call padder: cut at 128 calls, the caller pays what it got, the operator nothing
+    let body = json!({"model": "smollm2", "max_tokens": 4000, "stream": true,
+        "messages": [{"role": "user", "content": "pad"}]});
+    let resp = gw.api_post(&t.api_key, "/v1/chat/completions", &body).await;
+    assert_eq!(resp.status(), 200);
+    let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
+    let text = resp.text().await.unwrap();
+    let last: Value = serde_json::from_str(sse_data(&text).last().unwrap()).unwrap();
+    assert_eq!(last["error"]["code"], "stream_bound_reached", "{last}");
+    let rec = gw.record(&id).await;
+    assert_eq!(rec["outcome"], "cut_at_bound", "{rec}");
+    assert!(rec["billed"]["completion_tokens"].as_u64().unwrap() > 0, "{rec}");
+    assert!(rec["debit_micros"].as_u64().unwrap() > 0, "{rec}");
+    assert_eq!(rec["operator_credit_micros"], 0, "{rec}");
+}

@@ -56,8 +56,10 @@ pub enum StreamOutcome {
     /// The gateway ended the stream at one of its own bounds that a caller's request can reach
     /// with an honest node (the total stream duration, the tool calls one choice may carry):
     /// the caller pays the prompt plus the completion tokens delivered to it, as for
-    /// [`ClientCancelled`](Self::ClientCancelled); the node is not penalised. Without this a
-    /// caller could aim a request at the bound and get what was delivered for free.
+    /// [`ClientCancelled`](Self::ClientCancelled), but the operator earns nothing (the platform
+    /// keeps it) and the node is not penalised. So neither side gains by aiming at a bound: a
+    /// caller does not get the text free, a node (stalling to the duration bound, or padding a
+    /// choice with tool calls) is not paid for it.
     CutAtBound,
 }
 
@@ -81,6 +83,12 @@ impl StreamOutcome {
             self,
             Self::Completed | Self::ClientCancelled | Self::CutAtBound
         )
+    }
+
+    /// Whether the serving node's operator is credited its share of the debit:
+    /// `completed` and `client_cancelled` only (a `cut_at_bound` debit is all fee).
+    pub fn pays_operator(&self) -> bool {
+        matches!(self, Self::Completed | Self::ClientCancelled)
     }
 
     /// Parses the snake_case name; `None` for anything else.

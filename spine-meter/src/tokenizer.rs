@@ -619,6 +619,14 @@ impl GeneratedText {
         self.tool_calls.len()
     }
 
+    /// The tool calls, by position: `(index, function name, arguments)` (in a stream chunk,
+    /// the pieces this chunk carries).
+    pub fn tool_calls(&self) -> impl Iterator<Item = (u64, &str, &str)> {
+        self.tool_calls
+            .iter()
+            .map(|(i, c)| (*i, c.name.as_str(), c.arguments.as_str()))
+    }
+
     /// Whether nothing was generated.
     pub fn is_empty(&self) -> bool {
         self.len_bytes() == 0 && self.tool_calls.is_empty()
@@ -635,9 +643,12 @@ impl GeneratedText {
     }
 
     /// Tokens the engine may count above [`ModelTokenizer::count_generated`] for syntax its
-    /// parser removed: 24 per tool call, 8 when there is reasoning text, else 0.
+    /// parser removed: 24 per tool call that has a function name (an engine's parser always
+    /// gives one; nameless calls would only widen the discrepancy tolerance for a node that
+    /// pads its claim), 8 when there is reasoning text, else 0.
     pub fn wrapper_allowance_tokens(&self) -> u64 {
-        let calls = self.tool_calls.len() as u64 * TOOL_CALL_WRAPPER_TOKENS;
+        let named = self.tool_calls.values().filter(|c| !c.name.is_empty()).count();
+        let calls = named as u64 * TOOL_CALL_WRAPPER_TOKENS;
         let reasoning = if self.reasoning.is_empty() {
             0
         } else {
@@ -833,7 +844,12 @@ impl GeneratedCount {
 
     /// As [`GeneratedText::wrapper_allowance_tokens`].
     pub fn wrapper_allowance_tokens(&self) -> u64 {
-        let calls = self.tool_calls.len() as u64 * TOOL_CALL_WRAPPER_TOKENS;
+        let named = self
+            .tool_calls
+            .values()
+            .filter(|(name, _)| name.len_bytes() > 0)
+            .count();
+        let calls = named as u64 * TOOL_CALL_WRAPPER_TOKENS;
         let reasoning = if self.reasoning.len_bytes() == 0 {
             0
         } else {

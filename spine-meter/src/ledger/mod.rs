@@ -11,8 +11,8 @@
 //!   caller pays nothing);
 //! - `debit_micros = min(cost_micros, hold_micros)` where `hold_micros` is the request's active
 //!   hold (0 when there is none); the hold is released in full;
-//! - the operator is credited from the debit ([`crate::price::split`]); with no node, or a node
-//!   without an operator, the platform keeps the whole debit as fee.
+//! - the operator is credited from the debit ([`crate::price::split`]); with no node, a node
+//!   without an operator, or a `cut_at_bound` outcome, the platform keeps the whole debit as fee.
 //!
 //! # Stores
 //!
@@ -235,8 +235,9 @@ pub(crate) struct SettleAmounts {
 
 impl Settlement {
     /// What this settlement moves given the request's active hold and whether the serving node
-    /// has an operator: the caller pays only the billed outcomes ([`StreamOutcome::is_billed`]); the debit never
-    /// exceeds the hold; the operator gets `floor(debit · share_bps / 10 000)`.
+    /// has an operator: the caller pays only the billed outcomes ([`StreamOutcome::is_billed`]);
+    /// the debit never exceeds the hold; the operator gets `floor(debit · share_bps / 10 000)`
+    /// when the outcome pays operators ([`StreamOutcome::pays_operator`]), else nothing.
     pub(crate) fn amounts(&self, hold_micros: u64, has_operator: bool) -> SettleAmounts {
         let pays = self.outcome.is_billed();
         let cost_micros = if pays {
@@ -245,8 +246,12 @@ impl Settlement {
             0
         };
         let debit_micros = cost_micros.min(hold_micros);
-        let parts =
-            crate::price::split(debit_micros, if has_operator { self.share_bps } else { 0 });
+        let share_bps = if has_operator && self.outcome.pays_operator() {
+            self.share_bps
+        } else {
+            0
+        };
+        let parts = crate::price::split(debit_micros, share_bps);
         SettleAmounts {
             cost_micros,
             debit_micros,

@@ -36,7 +36,8 @@ pub const MAX_TOOL_CALLS_PER_CHOICE: usize = 128;
 /// What a streamed response's metering needs besides the settlement context.
 #[derive(Clone, Debug)]
 pub(crate) struct StreamSettings {
-    /// The caller asked for usage (`stream_options.include_usage`).
+    /// Send the billed usage chunk: the caller asked for usage (`stream_options.include_usage`),
+    /// or asked for no stream at all (a node streaming anyway leaves it no other bill to read).
     pub(crate) include_usage: bool,
     /// The endpoint: names the usage chunk's `object`.
     pub(crate) kind: RequestKind,
@@ -74,7 +75,8 @@ pin_project_lite::pin_project! {
     /// - a bound an honest node can reach too (`max_stream_duration`,
     ///   [`MAX_TOOL_CALLS_PER_CHOICE`]): the stream ends with an error event of code
     ///   `stream_bound_reached`, the request settles `cut_at_bound` (the caller pays the prompt
-    ///   plus the completion tokens delivered, like a cancel) and the node is not scored;
+    ///   plus the completion tokens delivered, like a cancel; the operator earns nothing) and
+    ///   the node is not scored;
     /// - an engine's error (a non-null `error` member, or vLLM's / SGLang's top-level
     ///   `{"object":"error","message":…}`) becomes the gateway's error event in OpenAI's shape
     ///   (`type` `upstream_error`, `code` `upstream_failed`, the engine's message), settled and
@@ -315,13 +317,17 @@ fn over_limit_streamed(
     delivered: &mut GeneratedCount,
     exact: bool,
 ) -> Option<Cut> {
-    if delivered.tool_call_count() > MAX_TOOL_CALLS_PER_CHOICE {
-        return Some(Cut::Bound(format!(
+    // the node's own fault first: a choice past its token cap is cut as such even when it also
+    // carries too many tool calls
+    if let Some(why) = over_limit(ctx, tokenizer, delivered, exact) {
+        return Some(Cut::NodeFault(why));
+    }
+    (delivered.tool_call_count() > MAX_TOOL_CALLS_PER_CHOICE).then(|| {
+        Cut::Bound(format!(
             "the response reached the gateway's bound of {MAX_TOOL_CALLS_PER_CHOICE} tool calls \
              in one streamed choice; what was delivered is billed"
-        )));
-    }
-    over_limit(ctx, tokenizer, delivered, exact).map(Cut::NodeFault)
+        ))
+    })
 }
 
 /// Why a choice that delivered `delivered` is past the tokens it may deliver, if it is: the

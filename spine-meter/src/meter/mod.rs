@@ -94,7 +94,7 @@ mod error;
 mod events;
 mod future;
 mod layer;
-mod node_json;
+pub(crate) mod node_json;
 mod service;
 mod settle;
 

@@ -29,7 +29,7 @@ const RESPONSE_MEMBERS: [&str; 10] = [
     "error",
 ];
 
-pub(super) fn usage_claim(raw: &RawValue) -> Option<Usage> {
+pub(crate) fn usage_claim(raw: &RawValue) -> Option<Usage> {
     let v: Value = serde_json::from_str(raw.get()).ok()?;
     let obj = v.as_object()?;
     Some(Usage {
@@ -44,12 +44,12 @@ pub(super) fn usage_claim(raw: &RawValue) -> Option<Usage> {
     })
 }
 
-pub(super) fn is_null(raw: Option<&RawValue>) -> bool {
+pub(crate) fn is_null(raw: Option<&RawValue>) -> bool {
     raw.is_none_or(|r| r.get().trim() == "null")
 }
 
 /// A member name, borrowed from the input when it has no escapes.
-pub(super) struct Key<'a>(Cow<'a, str>);
+pub(crate) struct Key<'a>(Cow<'a, str>);
 
 impl<'de: 'a, 'a> serde::Deserialize<'de> for Key<'a> {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -75,7 +75,7 @@ impl<'de: 'a, 'a> serde::Deserialize<'de> for Key<'a> {
 
 /// A JSON object's members in order, values raw, refusing duplicate names (engines and SDKs
 /// disagree on which duplicate wins, so an object with one is ambiguous).
-pub(super) struct Members<'a>(Vec<(Key<'a>, &'a RawValue)>);
+pub(crate) struct Members<'a>(Vec<(Key<'a>, &'a RawValue)>);
 
 impl<'de: 'a, 'a> serde::Deserialize<'de> for Members<'a> {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -106,18 +106,18 @@ impl<'de: 'a, 'a> serde::Deserialize<'de> for Members<'a> {
 
 impl<'a> Members<'a> {
     /// The members of `data` when it is exactly one JSON object without duplicate names.
-    pub(super) fn parse(data: &'a str) -> Option<Self> {
+    pub(crate) fn parse(data: &'a str) -> Option<Self> {
         if !data.trim_start().starts_with('{') {
             return None;
         }
         serde_json::from_str(data).ok()
     }
 
-    pub(super) fn get(&self, name: &str) -> Option<&'a RawValue> {
+    pub(crate) fn get(&self, name: &str) -> Option<&'a RawValue> {
         self.0.iter().find(|(k, _)| k.0 == name).map(|(_, v)| *v)
     }
 
-    pub(super) fn has_engine_fields(&self) -> bool {
+    pub(crate) fn has_engine_fields(&self) -> bool {
         self.0
             .iter()
             .any(|(k, _)| !RESPONSE_MEMBERS.contains(&k.0.as_ref()))
@@ -126,7 +126,7 @@ impl<'a> Members<'a> {
     /// The object re-encoded with `replace` applied: each member is kept as is, replaced
     /// (`Some(raw)`) or dropped (`None`) by name, and members outside OpenAI's shape dropped when
     /// `strip`.
-    pub(super) fn encode(
+    pub(crate) fn encode(
         &self,
         strip: bool,
         mut replace: impl FnMut(&str) -> Option<Option<String>>,
@@ -158,11 +158,11 @@ impl<'a> Members<'a> {
 }
 
 /// One choice of a chunk or completion: where it goes and what it carries.
-pub(super) struct ChoiceRead {
-    pub(super) index: u64,
-    pub(super) generated: GeneratedText,
-    pub(super) finish_reason: Option<String>,
-    pub(super) raw: String,
+pub(crate) struct ChoiceRead {
+    pub(crate) index: u64,
+    pub(crate) generated: GeneratedText,
+    pub(crate) finish_reason: Option<String>,
+    pub(crate) raw: String,
 }
 
 /// The choices of a chunk or completion; `Err` when `choices` is not an array of objects, an
@@ -170,7 +170,7 @@ pub(super) struct ChoiceRead {
 /// completion's choice carries its text in `text`, a chat choice in `delta` / `message`. A
 /// choice with both (or the wrong one) would show the caller's SDK one text while the bill
 /// counts another: text in the member the SDK does not read is text the caller never sees.
-pub(super) fn read_choices(
+pub(crate) fn read_choices(
     raw: &RawValue,
     kind: RequestKind,
 ) -> Result<Vec<ChoiceRead>, &'static str> {
@@ -264,7 +264,7 @@ fn check_text_types(choice: &Value) -> Result<(), &'static str> {
 
 /// The message of an engine's error object: `error.message`, a string `error`, or a top-level
 /// `message` (vLLM, SGLang: `{"object":"error","message":…}`), shortened.
-pub(super) fn engine_error_message(members: &Members<'_>) -> String {
+pub(crate) fn engine_error_message(members: &Members<'_>) -> String {
     let text = |raw: Option<&RawValue>| -> Option<String> {
         serde_json::from_str::<Value>(raw?.get())
             .ok()
@@ -282,7 +282,7 @@ pub(super) fn engine_error_message(members: &Members<'_>) -> String {
 }
 
 /// Whether a parsed object is an engine's error rather than a completion or chunk.
-pub(super) fn is_engine_error(members: &Members<'_>) -> bool {
+pub(crate) fn is_engine_error(members: &Members<'_>) -> bool {
     !is_null(members.get("error"))
         || members
             .get("object")

@@ -272,7 +272,9 @@ where
         http::header::CONTENT_LENGTH,
         http::HeaderValue::from(body.len()),
     );
-    let include_usage = peek.include_usage;
+    // the usage chunk goes to a caller that asked for it, and to one that asked for no stream
+    // at all: a node that streams anyway leaves that caller no other place to read its bill
+    let include_usage = peek.include_usage || !peek.stream;
     parts.extensions.insert(peek);
     // issue 15: the router routes only to nodes whose context holds the longest prompt
     parts.extensions.insert(spine_core::PromptTokens(longest));

@@ -18,7 +18,7 @@ mod request;
 mod response;
 
 pub use request::{chat_request, ChatTranslation, ResponsesError};
-pub use response::{response_from_chat, ResponseMeta, ResponsesSse};
+pub use response::{chat_json_as_stream, response_from_chat, ResponseMeta, ResponsesSse};
 
 #[cfg(test)]
 mod tests;

@@ -54,7 +54,6 @@ const IGNORED: &[&str] = &[
     "store",
     "safety_identifier",
     "service_tier",
-    "prompt_cache_key",
     "prompt_cache_retention",
     "stream_options",
 ];
@@ -182,13 +181,19 @@ pub fn chat_request(body: &[u8]) -> Result<ChatTranslation, ResponsesError> {
                     ))
                 }
             },
-            "user" => match value {
+            // the chat path scopes its affinity by it, per account
+            "prompt_cache_key" | "user" => match value {
                 Value::Null => {}
                 Value::String(_) => {
                     chat.insert(key.clone(), value.clone());
                     echo.insert(key.clone(), value.clone());
                 }
-                _ => return Err(ResponsesError::invalid("user", "`user` must be a string")),
+                _ => {
+                    return Err(ResponsesError::invalid(
+                        key.as_str(),
+                        format!("`{key}` must be a string"),
+                    ))
+                }
             },
             "metadata" => match value {
                 Value::Null | Value::Object(_) => {
@@ -343,6 +348,9 @@ fn input_items(items: &[Value], messages: &mut Vec<Value>) -> Result<(), Respons
                 };
                 messages.push(json!({"role": "tool", "tool_call_id": call_id, "content": output}));
             }
+            // a previous answer's reasoning, sent back as `input += response.output` does:
+            // chat templates drop earlier turns' reasoning, so it is dropped here too
+            "reasoning" => {}
             other => {
                 return Err(ResponsesError::unsupported(
                     at(".type"),
@@ -368,11 +376,18 @@ fn string_member(
     }
 }
 
-/// A message's content: a string, or text parts joined (the chat message gets plain text).
-fn message_content(content: Option<&Value>, at: &str) -> Result<String, ResponsesError> {
+/// A message's content: a string, or its text parts as chat text parts (the template joins
+/// them as it joins a chat message's parts).
+fn message_content(content: Option<&Value>, at: &str) -> Result<Value, ResponsesError> {
     match content {
-        Some(Value::String(s)) => Ok(s.clone()),
-        Some(v @ Value::Array(_)) => parts_text(v, at),
+        Some(Value::String(s)) => Ok(Value::String(s.clone())),
+        Some(v @ Value::Array(_)) => {
+            let parts = text_parts(v, at)?
+                .into_iter()
+                .map(|text| json!({"type": "text", "text": text}))
+                .collect();
+            Ok(Value::Array(parts))
+        }
         _ => Err(ResponsesError::invalid(
             at,
             "`content` must be a string or an array of content parts",
@@ -382,7 +397,12 @@ fn message_content(content: Option<&Value>, at: &str) -> Result<String, Response
 
 /// The text of `input_text` / `output_text` / `refusal` parts, concatenated.
 fn parts_text(parts: &Value, at: &str) -> Result<String, ResponsesError> {
-    let mut text = String::new();
+    Ok(text_parts(parts, at)?.concat())
+}
+
+/// The text of each `input_text` / `output_text` / `refusal` part.
+fn text_parts(parts: &Value, at: &str) -> Result<Vec<String>, ResponsesError> {
+    let mut texts = Vec::new();
     for (j, part) in parts.as_array().into_iter().flatten().enumerate() {
         let kind = part.get("type").and_then(Value::as_str);
         let member = match kind {
@@ -402,7 +422,7 @@ fn parts_text(parts: &Value, at: &str) -> Result<String, ResponsesError> {
             }
         };
         match part.get(member) {
-            Some(Value::String(s)) => text.push_str(s),
+            Some(Value::String(s)) => texts.push(s.clone()),
             _ => {
                 return Err(ResponsesError::invalid(
                     format!("{at}[{j}].{member}"),
@@ -411,7 +431,7 @@ fn parts_text(parts: &Value, at: &str) -> Result<String, ResponsesError> {
             }
         }
     }
-    Ok(text)
+    Ok(texts)
 }
 
 /// A Responses function tool (`{type: "function", name, description, parameters, strict}`) as a

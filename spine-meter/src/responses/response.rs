@@ -9,6 +9,9 @@ use http_body::{Body, Frame, SizeHint};
 use serde_json::{json, Map, Value};
 use spine_core::BoxError;
 
+use spine_core::RequestKind;
+
+use crate::meter::node_json::{read_choices, ChoiceRead, Members};
 use crate::sse::SseParser;
 
 /// What a Responses answer says about its request: its id, creation time and the request's
@@ -102,9 +105,13 @@ fn ending(finish_reason: Option<&str>) -> (&'static str, Value) {
     }
 }
 
-fn message_item(id: &str, status: &str, parts: &[(PartKind, String)]) -> Value {
-    let content: Vec<Value> = parts.iter().map(|(kind, text)| kind.part(text)).collect();
+fn message_item(id: &str, status: &str, text: Option<&str>) -> Value {
+    let content: Vec<Value> = text.map(output_text).into_iter().collect();
     json!({"type": "message", "id": id, "status": status, "role": "assistant", "content": content})
+}
+
+fn output_text(text: &str) -> Value {
+    json!({"type": "output_text", "text": text, "annotations": [], "logprobs": []})
 }
 
 fn reasoning_item(id: &str, status: &str, text: &str) -> Value {
@@ -128,116 +135,90 @@ fn function_call_item(id: &str, status: &str, call_id: &str, name: &str, argumen
     })
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum PartKind {
-    OutputText,
-    Refusal,
-}
-
-impl PartKind {
-    fn part(self, text: &str) -> Value {
-        match self {
-            Self::OutputText => {
-                json!({"type": "output_text", "text": text, "annotations": [], "logprobs": []})
-            }
-            Self::Refusal => json!({"type": "refusal", "refusal": text}),
-        }
-    }
-    fn empty(self) -> Value {
-        self.part("")
-    }
-}
-
-/// A chat message's reasoning text (`reasoning_content`, or `reasoning` as vLLM and Ollama send).
-fn reasoning_text(message: &Value) -> Option<&str> {
-    message
-        .get("reasoning_content")
-        .and_then(Value::as_str)
-        .or_else(|| message.get("reasoning").and_then(Value::as_str))
-        .filter(|s| !s.is_empty())
+/// Choice 0 of a chat chunk or completion, read exactly as the meter reads it for the bill
+/// ([`read_choices`]: `delta` or `message`, refusal as content, the longer reasoning member,
+/// a tool call's place when it has no `index`): what is shown is what is counted. `None` when
+/// there is no such choice (the meter lets no other chat object through).
+fn choice_zero(members: &Members<'_>) -> Option<ChoiceRead> {
+    let raw = members.get("choices")?;
+    let choices = read_choices(raw, RequestKind::ChatCompletions).ok()?;
+    choices.into_iter().find(|c| c.index == 0)
 }
 
 /// A metered, non-streamed chat completion (its `usage` the billed counts) as a Responses
-/// object: reasoning, message (`output_text`, `refusal`) and `function_call` items of choice 0;
-/// `status` `incomplete` with `max_output_tokens` for a `length` finish.
+/// object: reasoning, message (`output_text`) and `function_call` items of choice 0, read as
+/// the meter read them; `status` `incomplete` with `max_output_tokens` for a `length` finish.
+/// A function call's `call_id` is the gateway's own (`call_<response>_<n>`, unique), not the
+/// node's.
 ///
 /// # Errors
 /// A message when `body` is not a chat completion with a choice 0 (the meter has already
 /// checked the node's body, so this is a defect, not a node's fault).
 pub fn response_from_chat(body: &[u8], meta: &ResponseMeta) -> Result<Value, String> {
-    let chat: Value = serde_json::from_slice(body).map_err(|e| e.to_string())?;
-    let choice = chat
-        .get("choices")
-        .and_then(Value::as_array)
-        .and_then(|c| {
-            c.iter()
-                .find(|c| c.get("index").and_then(Value::as_u64).unwrap_or(0) == 0)
-        })
-        .ok_or("the chat completion has no choice 0")?;
-    let message = choice.get("message").cloned().unwrap_or(Value::Null);
+    let text = std::str::from_utf8(body).map_err(|e| e.to_string())?;
+    let members = Members::parse(text).ok_or("the chat completion is not one JSON object")?;
+    let choice = choice_zero(&members).ok_or("the chat completion has no choice 0")?;
+    let g = &choice.generated;
     let mut output = Vec::new();
-    if let Some(text) = reasoning_text(&message) {
-        output.push(reasoning_item(
-            &meta.item_id("rs", output.len()),
-            "completed",
-            text,
-        ));
+    if !g.reasoning().is_empty() {
+        output.push(reasoning_item(&meta.item_id("rs", output.len()), "completed", g.reasoning()));
     }
-    let mut parts = Vec::new();
-    if let Some(text) = message.get("content").and_then(Value::as_str) {
-        parts.push((PartKind::OutputText, text.to_owned()));
+    if !g.content().is_empty() || g.tool_call_count() == 0 {
+        output.push(message_item(&meta.item_id("msg", output.len()), "completed", Some(g.content())));
     }
-    if let Some(text) = message.get("refusal").and_then(Value::as_str) {
-        parts.push((PartKind::Refusal, text.to_owned()));
-    }
-    let calls = message.get("tool_calls").and_then(Value::as_array);
-    if !parts.is_empty() || calls.is_none_or(Vec::is_empty) {
-        output.push(message_item(
-            &meta.item_id("msg", output.len()),
-            "completed",
-            &parts,
-        ));
-    }
-    for call in calls.into_iter().flatten() {
-        let f = call.get("function");
-        let s = |v: Option<&Value>| v.and_then(Value::as_str).unwrap_or_default().to_owned();
-        let id = meta.item_id("fc", output.len());
-        let call_id = call
-            .get("id")
-            .and_then(Value::as_str)
-            .map_or_else(|| id.clone(), str::to_owned);
+    for (_, name, arguments) in g.tool_calls() {
+        let n = output.len();
         output.push(function_call_item(
-            &id,
+            &meta.item_id("fc", n),
             "completed",
-            &call_id,
-            &s(f.and_then(|f| f.get("name"))),
-            &s(f.and_then(|f| f.get("arguments"))),
+            &meta.item_id("call", n),
+            name,
+            arguments,
         ));
     }
-    let (status, incomplete) = ending(choice.get("finish_reason").and_then(Value::as_str));
-    Ok(meta.object(
-        status,
-        output,
-        usage(chat.get("usage")),
-        Value::Null,
-        incomplete,
-    ))
+    let (status, incomplete) = ending(choice.finish_reason.as_deref());
+    let usage_raw = members.get("usage").and_then(|u| serde_json::from_str::<Value>(u.get()).ok());
+    Ok(meta.object(status, output, usage(usage_raw.as_ref()), Value::Null, incomplete))
+}
+
+/// A chat completion (JSON) as the chat event stream it stands for: one chunk whose `delta` is
+/// choice 0's `message` (as the meter read it), the usage chunk, `[DONE]` — for a node that
+/// answered a streamed request with a whole body, so that the caller still gets the stream it
+/// asked for.
+pub fn chat_json_as_stream(body: &[u8]) -> Bytes {
+    let mut out = Vec::new();
+    let text = std::str::from_utf8(body).unwrap_or_default();
+    if let Some(members) = Members::parse(text) {
+        if let Some(choice) = choice_zero(&members) {
+            let g = &choice.generated;
+            let calls: Vec<Value> = g
+                .tool_calls()
+                .map(|(i, name, arguments)| json!({"index": i, "function": {"name": name, "arguments": arguments}}))
+                .collect();
+            let mut delta = json!({"content": g.content()});
+            if !g.reasoning().is_empty() {
+                delta["reasoning_content"] = json!(g.reasoning());
+            }
+            if !calls.is_empty() {
+                delta["tool_calls"] = json!(calls);
+            }
+            let chunk = json!({"choices": [{"index": 0, "delta": delta, "finish_reason": choice.finish_reason}]});
+            out.extend_from_slice(format!("data: {chunk}\n\n").as_bytes());
+        }
+        if let Some(u) = members.get("usage") {
+            out.extend_from_slice(format!("data: {{\"choices\":[],\"usage\":{}}}\n\n", u.get()).as_bytes());
+        }
+        out.extend_from_slice(b"data: [DONE]\n\n");
+    }
+    Bytes::from(out)
 }
 
 /// One output item of a streamed answer, as it grows.
 #[derive(Debug)]
 enum Item {
-    Reasoning {
-        text: String,
-    },
-    Message {
-        parts: Vec<(PartKind, String)>,
-    },
-    FunctionCall {
-        call_id: String,
-        name: String,
-        arguments: String,
-    },
+    Reasoning { text: String },
+    Message { text: String },
+    FunctionCall { call_id: String, name: String, arguments: String },
 }
 
 #[derive(Debug, Default)]
@@ -254,7 +235,8 @@ struct Converter {
     ended: bool,
 }
 
-/// The meter's keepalive comment ([`crate::meter::KEEPALIVE_INTERVAL`]).
+/// The meter's keepalive comment, also written after [`crate::meter::KEEPALIVE_INTERVAL`]
+/// without an event for the caller (chat chunks that carry nothing it would see).
 const KEEPALIVE: &[u8] = b": keepalive\n\n";
 
 /// The end of a stream that did not complete, as the `error` and `response.failed` events.
@@ -262,17 +244,21 @@ const TRUNCATED: &str = "the stream ended before the response was complete";
 
 /// A metered chat completion stream as a Responses API event stream.
 ///
-/// Emits `response.created` and `response.in_progress` first; then, as the chat deltas come,
-/// `response.output_item.added` / `response.content_part.added` for each new item (reasoning,
-/// message, function call), `response.reasoning_text.delta`, `response.output_text.delta`,
-/// `response.refusal.delta` and `response.function_call_arguments.delta` carrying every
-/// delivered character; at the chat stream's `[DONE]` the `…done` events of every item and
-/// `response.completed` (or `response.incomplete` for a `length` finish) with the whole
+/// Emits `response.created` and `response.in_progress` with the first chat event; then, as
+/// the chat deltas come (read as the meter reads them for the bill),
+/// `response.output_item.added` (and `response.content_part.added`) for each new item —
+/// reasoning, message, function call — `response.reasoning_text.delta`,
+/// `response.output_text.delta` and `response.function_call_arguments.delta` carrying every
+/// delivered character once; at the chat stream's `[DONE]` the `…done` events of every item
+/// and `response.completed` (or `response.incomplete` for a `length` finish) with the whole
 /// output and the billed `usage` from the meter's usage chunk. A chat error event (or an end
 /// without `[DONE]`) becomes OpenAI's `error` event followed by `response.failed`. Every event
-/// is `event: <type>` plus one JSON `data` line with `type` and a `sequence_number` from 0;
-/// the meter's keepalive comments pass through.
+/// is `event: <type>` plus one JSON `data` line with `type` and a `sequence_number` from 0.
+/// The meter's keepalive comments pass through, and one is written when chat events arrive
+/// for [`crate::meter::KEEPALIVE_INTERVAL`] without producing an event. A function call's
+/// `call_id` is the gateway's own (`call_<response>_<n>`).
 ///
+/// Memory: the items' texts (the answer, once), as the final event must carry them.
 /// Dropping it drops the metered body (the caller left: `client_cancelled`).
 #[derive(Debug)]
 pub struct ResponsesSse<B> {
@@ -281,6 +267,8 @@ pub struct ResponsesSse<B> {
     parser: SseParser,
     conv: Converter,
     out: Vec<u8>,
+    /// When the caller last got a frame.
+    last_sent: std::time::Instant,
 }
 
 impl<B> ResponsesSse<B> {
@@ -289,9 +277,11 @@ impl<B> ResponsesSse<B> {
         Self {
             inner,
             meta,
-            parser: SseParser::new(),
+            // the meter bounds every event it forwards; its output needs no second cap
+            parser: SseParser::with_limits(usize::MAX, usize::MAX),
             conv: Converter::default(),
             out: Vec::new(),
+            last_sent: std::time::Instant::now(),
         }
     }
 }
@@ -315,34 +305,17 @@ impl Converter {
             return;
         }
         self.started = true;
-        let response = meta.object(
-            "in_progress",
-            Vec::new(),
-            Value::Null,
-            Value::Null,
-            Value::Null,
-        );
+        let response = meta.object("in_progress", Vec::new(), Value::Null, Value::Null, Value::Null);
         self.emit(out, "response.created", json!({"response": response}));
-        let response = meta.object(
-            "in_progress",
-            Vec::new(),
-            Value::Null,
-            Value::Null,
-            Value::Null,
-        );
+        let response = meta.object("in_progress", Vec::new(), Value::Null, Value::Null, Value::Null);
         self.emit(out, "response.in_progress", json!({"response": response}));
     }
 
-    fn item_json(meta: &ResponseMeta, id: &str, item: &Item, status: &str) -> Value {
-        let _ = meta;
+    fn item_json(id: &str, item: &Item, status: &str) -> Value {
         match item {
             Item::Reasoning { text } => reasoning_item(id, status, text),
-            Item::Message { parts } => message_item(id, status, parts),
-            Item::FunctionCall {
-                call_id,
-                name,
-                arguments,
-            } => function_call_item(id, status, call_id, name, arguments),
+            Item::Message { text } => message_item(id, status, Some(text)),
+            Item::FunctionCall { call_id, name, arguments } => function_call_item(id, status, call_id, name, arguments),
         }
     }
 
@@ -353,21 +326,20 @@ impl Converter {
         let added = match &item {
             // added events carry the item as it starts: no text yet
             Item::Reasoning { .. } => reasoning_item(&id, "in_progress", ""),
-            Item::Message { .. } => message_item(&id, "in_progress", &[]),
-            Item::FunctionCall { call_id, name, .. } => {
-                function_call_item(&id, "in_progress", call_id, name, "")
-            }
+            Item::Message { .. } => message_item(&id, "in_progress", None),
+            Item::FunctionCall { call_id, name, .. } => function_call_item(&id, "in_progress", call_id, name, ""),
         };
-        self.emit(
-            out,
-            "response.output_item.added",
-            json!({"output_index": index, "item": added}),
-        );
-        if let Item::Reasoning { .. } = item {
+        self.emit(out, "response.output_item.added", json!({"output_index": index, "item": added}));
+        let part = match item {
+            Item::Reasoning { .. } => Some(json!({"type": "reasoning_text", "text": ""})),
+            Item::Message { .. } => Some(output_text("")),
+            Item::FunctionCall { .. } => None,
+        };
+        if let Some(part) = part {
             self.emit(
                 out,
                 "response.content_part.added",
-                json!({"item_id": id, "output_index": index, "content_index": 0, "part": {"type": "reasoning_text", "text": ""}}),
+                json!({"item_id": id, "output_index": index, "content_index": 0, "part": part}),
             );
         }
         self.items.push((id, item));
@@ -378,86 +350,44 @@ impl Converter {
         let index = match self.reasoning {
             Some(i) => i,
             None => {
-                let i = self.open(
-                    meta,
-                    out,
-                    "rs",
-                    Item::Reasoning {
-                        text: String::new(),
-                    },
-                );
+                let i = self.open(meta, out, "rs", Item::Reasoning { text: String::new() });
                 self.reasoning = Some(i);
                 i
             }
         };
-        let id = self.items[index].0.clone();
-        if let Item::Reasoning { text } = &mut self.items[index].1 {
+        let (id, item) = &mut self.items[index];
+        if let Item::Reasoning { text } = item {
             text.push_str(delta);
         }
-        self.emit(
-            out,
-            "response.reasoning_text.delta",
-            json!({"item_id": id, "output_index": index, "content_index": 0, "delta": delta}),
-        );
+        let data = json!({"item_id": id, "output_index": index, "content_index": 0, "delta": delta});
+        self.emit(out, "response.reasoning_text.delta", data);
     }
 
-    fn message_delta(
-        &mut self,
-        meta: &ResponseMeta,
-        out: &mut Vec<u8>,
-        kind: PartKind,
-        delta: &str,
-    ) {
+    fn message_delta(&mut self, meta: &ResponseMeta, out: &mut Vec<u8>, delta: &str) {
         let index = match self.message {
             Some(i) => i,
             None => {
-                let i = self.open(meta, out, "msg", Item::Message { parts: Vec::new() });
+                let i = self.open(meta, out, "msg", Item::Message { text: String::new() });
                 self.message = Some(i);
                 i
             }
         };
-        let id = self.items[index].0.clone();
-        let Item::Message { parts } = &mut self.items[index].1 else {
-            return;
-        };
-        let content_index = match parts.iter().position(|(k, _)| *k == kind) {
-            Some(c) => c,
-            None => {
-                parts.push((kind, String::new()));
-                let c = parts.len() - 1;
-                self.emit(
-                    out,
-                    "response.content_part.added",
-                    json!({"item_id": id, "output_index": index, "content_index": c, "part": kind.empty()}),
-                );
-                c
-            }
-        };
-        if let Item::Message { parts } = &mut self.items[index].1 {
-            parts[content_index].1.push_str(delta);
+        let (id, item) = &mut self.items[index];
+        if let Item::Message { text } = item {
+            text.push_str(delta);
         }
-        let event = match kind {
-            PartKind::OutputText => "response.output_text.delta",
-            PartKind::Refusal => "response.refusal.delta",
-        };
-        let mut data = json!({"item_id": id, "output_index": index, "content_index": content_index, "delta": delta});
-        if kind == PartKind::OutputText {
-            data["logprobs"] = json!([]);
-        }
-        self.emit(out, event, data);
+        let data = json!({"item_id": id, "output_index": index, "content_index": 0, "delta": delta, "logprobs": []});
+        self.emit(out, "response.output_text.delta", data);
     }
 
-    fn tool_call_delta(&mut self, meta: &ResponseMeta, out: &mut Vec<u8>, call: &Value) {
-        let chat_index = call.get("index").and_then(Value::as_u64).unwrap_or(0);
-        let f = call.get("function");
-        let name = f
-            .and_then(|f| f.get("name"))
-            .and_then(Value::as_str)
-            .unwrap_or_default();
-        let arguments = f
-            .and_then(|f| f.get("arguments"))
-            .and_then(Value::as_str)
-            .unwrap_or_default();
+    fn tool_call_delta(
+        &mut self,
+        meta: &ResponseMeta,
+        out: &mut Vec<u8>,
+        chat_index: u64,
+        name: &str,
+        arguments: &str,
+    ) {
         let index = match self.calls.get(&chat_index) {
             Some(&i) => {
                 if let Item::FunctionCall { name: n, .. } = &mut self.items[i].1 {
@@ -466,11 +396,7 @@ impl Converter {
                 i
             }
             None => {
-                let id = meta.item_id("fc", self.items.len());
-                let call_id = call
-                    .get("id")
-                    .and_then(Value::as_str)
-                    .map_or(id, str::to_owned);
+                let call_id = meta.item_id("call", self.items.len());
                 let item = Item::FunctionCall {
                     call_id,
                     name: name.to_owned(),
@@ -484,15 +410,12 @@ impl Converter {
         if arguments.is_empty() {
             return;
         }
-        let id = self.items[index].0.clone();
-        if let Item::FunctionCall { arguments: a, .. } = &mut self.items[index].1 {
+        let (id, item) = &mut self.items[index];
+        if let Item::FunctionCall { arguments: a, .. } = item {
             a.push_str(arguments);
         }
-        self.emit(
-            out,
-            "response.function_call_arguments.delta",
-            json!({"item_id": id, "output_index": index, "delta": arguments}),
-        );
+        let data = json!({"item_id": id, "output_index": index, "delta": arguments});
+        self.emit(out, "response.function_call_arguments.delta", data);
     }
 
     /// One event of the metered chat stream.
@@ -500,77 +423,44 @@ impl Converter {
         if self.ended {
             return;
         }
-        if data == "[DONE]" {
+        self.start(meta, out);
+        if data.trim() == "[DONE]" {
             return self.complete(meta, out);
         }
-        let Ok(chunk) = serde_json::from_str::<Value>(data) else {
-            return self.fail(
-                meta,
-                out,
-                "upstream_failed",
-                "the stream carried an invalid event",
-            );
+        let Some(members) = Members::parse(data) else {
+            return self.fail(meta, out, "upstream_failed", "the stream carried an invalid event");
         };
-        if let Some(error) = chunk.get("error").filter(|e| !e.is_null()) {
-            let code = error
-                .get("code")
-                .and_then(Value::as_str)
-                .unwrap_or("upstream_failed")
-                .to_owned();
-            let message = error
-                .get("message")
-                .and_then(Value::as_str)
-                .unwrap_or(TRUNCATED)
-                .to_owned();
+        if let Some(error) = members.get("error").filter(|e| e.get() != "null") {
+            let error: Value = serde_json::from_str(error.get()).unwrap_or(Value::Null);
+            let code = error.get("code").and_then(Value::as_str).unwrap_or("upstream_failed").to_owned();
+            let message = error.get("message").and_then(Value::as_str).unwrap_or(TRUNCATED).to_owned();
             return self.fail(meta, out, &code, &message);
         }
-        if let Some(u) = chunk.get("usage").filter(|u| u.is_object()) {
-            self.usage = Some(u.clone());
+        if let Some(u) = members.get("usage") {
+            if let Ok(u @ Value::Object(_)) = serde_json::from_str::<Value>(u.get()) {
+                self.usage = Some(u);
+            }
         }
-        let choices = chunk
-            .get("choices")
-            .and_then(Value::as_array)
-            .into_iter()
-            .flatten();
-        for choice in choices {
-            if choice.get("index").and_then(Value::as_u64).unwrap_or(0) != 0 {
-                continue;
-            }
-            if let Some(delta) = choice.get("delta") {
-                if let Some(text) = reasoning_text(delta) {
-                    self.reasoning_delta(meta, out, text);
-                }
-                if let Some(text) = delta
-                    .get("content")
-                    .and_then(Value::as_str)
-                    .filter(|s| !s.is_empty())
-                {
-                    self.message_delta(meta, out, PartKind::OutputText, text);
-                }
-                if let Some(text) = delta
-                    .get("refusal")
-                    .and_then(Value::as_str)
-                    .filter(|s| !s.is_empty())
-                {
-                    self.message_delta(meta, out, PartKind::Refusal, text);
-                }
-                for call in delta
-                    .get("tool_calls")
-                    .and_then(Value::as_array)
-                    .into_iter()
-                    .flatten()
-                {
-                    self.tool_call_delta(meta, out, call);
-                }
-            }
-            if let Some(reason) = choice.get("finish_reason").and_then(Value::as_str) {
-                self.finish_reason = Some(reason.to_owned());
-            }
+        let Some(choice) = choice_zero(&members) else {
+            return;
+        };
+        let g = &choice.generated;
+        if !g.reasoning().is_empty() {
+            self.reasoning_delta(meta, out, g.reasoning());
+        }
+        if !g.content().is_empty() {
+            self.message_delta(meta, out, g.content());
+        }
+        for (index, name, arguments) in g.tool_calls() {
+            self.tool_call_delta(meta, out, index, name, arguments);
+        }
+        if let Some(reason) = choice.finish_reason {
+            self.finish_reason = Some(reason);
         }
     }
 
     /// The `…done` events of every item, in output order; returns the finished items.
-    fn close_items(&mut self, meta: &ResponseMeta, out: &mut Vec<u8>) -> Vec<Value> {
+    fn close_items(&mut self, out: &mut Vec<u8>) -> Vec<Value> {
         let items = std::mem::take(&mut self.items);
         let mut done = Vec::with_capacity(items.len());
         for (index, (id, item)) in items.iter().enumerate() {
@@ -579,64 +469,45 @@ impl Converter {
                     self.emit(out, "response.reasoning_text.done", json!({"item_id": id, "output_index": index, "content_index": 0, "text": text}));
                     self.emit(out, "response.content_part.done", json!({"item_id": id, "output_index": index, "content_index": 0, "part": {"type": "reasoning_text", "text": text}}));
                 }
-                Item::Message { parts } => {
-                    for (c, (kind, text)) in parts.iter().enumerate() {
-                        match kind {
-                            PartKind::OutputText => self.emit(out, "response.output_text.done", json!({"item_id": id, "output_index": index, "content_index": c, "text": text, "logprobs": []})),
-                            PartKind::Refusal => self.emit(out, "response.refusal.done", json!({"item_id": id, "output_index": index, "content_index": c, "refusal": text})),
-                        }
-                        self.emit(out, "response.content_part.done", json!({"item_id": id, "output_index": index, "content_index": c, "part": kind.part(text)}));
-                    }
+                Item::Message { text } => {
+                    self.emit(out, "response.output_text.done", json!({"item_id": id, "output_index": index, "content_index": 0, "text": text, "logprobs": []}));
+                    self.emit(out, "response.content_part.done", json!({"item_id": id, "output_index": index, "content_index": 0, "part": output_text(text)}));
                 }
-                Item::FunctionCall {
-                    name, arguments, ..
-                } => {
+                Item::FunctionCall { name, arguments, .. } => {
                     self.emit(out, "response.function_call_arguments.done", json!({"item_id": id, "output_index": index, "name": name, "arguments": arguments}));
                 }
             }
-            let item = Self::item_json(meta, id, item, "completed");
-            self.emit(
-                out,
-                "response.output_item.done",
-                json!({"output_index": index, "item": item.clone()}),
-            );
+            let item = Self::item_json(id, item, "completed");
+            self.emit(out, "response.output_item.done", json!({"output_index": index, "item": item.clone()}));
             done.push(item);
         }
         done
     }
 
     fn complete(&mut self, meta: &ResponseMeta, out: &mut Vec<u8>) {
+        if self.ended {
+            return;
+        }
         self.start(meta, out);
         self.ended = true;
-        let output = self.close_items(meta, out);
+        let output = self.close_items(out);
         let (status, incomplete) = ending(self.finish_reason.as_deref());
-        let response = meta.object(
-            status,
-            output,
-            usage(self.usage.as_ref()),
-            Value::Null,
-            incomplete,
-        );
-        let kind = if status == "completed" {
-            "response.completed"
-        } else {
-            "response.incomplete"
-        };
+        let response = meta.object(status, output, usage(self.usage.as_ref()), Value::Null, incomplete);
+        let kind = if status == "completed" { "response.completed" } else { "response.incomplete" };
         self.emit(out, kind, json!({"response": response}));
     }
 
     fn fail(&mut self, meta: &ResponseMeta, out: &mut Vec<u8>, code: &str, message: &str) {
+        if self.ended {
+            return;
+        }
         self.start(meta, out);
         self.ended = true;
-        self.emit(
-            out,
-            "error",
-            json!({"code": code, "message": message, "param": null}),
-        );
+        self.emit(out, "error", json!({"code": code, "message": message, "param": null}));
         let output: Vec<Value> = self
             .items
             .iter()
-            .map(|(id, item)| Self::item_json(meta, id, item, "incomplete"))
+            .map(|(id, item)| Self::item_json(id, item, "incomplete"))
             .collect();
         let response = meta.object(
             "failed",
@@ -663,11 +534,9 @@ where
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = &mut *self;
         loop {
-            if !this.conv.started {
-                this.conv.start(&this.meta, &mut this.out);
-            }
             if !this.out.is_empty() {
                 let bytes = Bytes::from(std::mem::take(&mut this.out));
+                this.last_sent = std::time::Instant::now();
                 return Poll::Ready(Some(Ok(Frame::data(bytes))));
             }
             if this.conv.ended {
@@ -691,6 +560,11 @@ where
                         this.conv
                             .on_chat_event(&this.meta, &mut this.out, ev.data());
                     }
+                    if this.out.is_empty()
+                        && this.last_sent.elapsed() >= crate::meter::KEEPALIVE_INTERVAL
+                    {
+                        this.out.extend_from_slice(KEEPALIVE);
+                    }
                     if res.is_err() {
                         this.conv
                             .fail(&this.meta, &mut this.out, "upstream_failed", TRUNCATED);
@@ -709,10 +583,8 @@ where
                         this.conv
                             .on_chat_event(&this.meta, &mut this.out, ev.data());
                     }
-                    if !this.conv.ended {
-                        this.conv
-                            .fail(&this.meta, &mut this.out, "upstream_failed", TRUNCATED);
-                    }
+                    this.conv
+                        .fail(&this.meta, &mut this.out, "upstream_failed", TRUNCATED);
                 }
             }
         }

@@ -44,6 +44,7 @@ fn input_items_become_chat_turns() {
             {"type": "function_call", "call_id": "c2", "name": "get_time", "arguments": "{}"},
             {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
             {"role": "assistant", "content": [{"type": "output_text", "text": "It is sunny."}]},
+            {"type": "reasoning", "id": "rs_1", "summary": []},
         ],
         "tools": [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}, "strict": true}],
         "tool_choice": {"type": "function", "name": "get_weather"},
@@ -53,13 +54,13 @@ fn input_items_become_chat_turns() {
         chat["messages"],
         json!([
             {"role": "system", "content": "Use tools."},
-            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "user", "content": [{"type": "text", "text": "Weather in "}, {"type": "text", "text": "Paris?"}]},
             {"role": "assistant", "content": null, "tool_calls": [
                 {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}},
                 {"id": "c2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}},
             ]},
             {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
-            {"role": "assistant", "content": "It is sunny."},
+            {"role": "assistant", "content": [{"type": "text", "text": "It is sunny."}]},
         ])
     );
     assert_eq!(
@@ -145,7 +146,7 @@ fn what_is_not_served_is_refused_naming_the_member() {
             "unsupported_parameter",
         ),
         (
-            with("input", json!([{"type": "reasoning", "summary": []}])),
+            with("input", json!([{"type": "web_search_call", "id": "x"}])),
             "input[0].type",
             "unsupported_parameter",
         ),
@@ -223,7 +224,8 @@ fn a_chat_completion_becomes_a_response_object() {
     assert_eq!(r["status"], "completed");
     assert_eq!(r["output"].as_array().unwrap().len(), 1);
     assert_eq!(r["output"][0]["type"], "function_call");
-    assert_eq!(r["output"][0]["call_id"], "call_1");
+    // the gateway's own call id, unique whatever the node sent
+    assert_eq!(r["output"][0]["call_id"], "call_r1_0");
     assert!(response_from_chat(b"{}", &meta()).is_err());
 }
 
@@ -326,7 +328,7 @@ async fn tool_calls_and_reasoning_stream_as_their_own_items() {
     assert_eq!(done["output"][0]["type"], "reasoning");
     assert_eq!(done["output"][0]["content"][0]["text"], "hmm");
     assert_eq!(done["output"][1]["type"], "function_call");
-    assert_eq!(done["output"][1]["call_id"], "call_9");
+    assert_eq!(done["output"][1]["call_id"], "call_r1_1");
     assert_eq!(done["output"][1]["arguments"], "{\"a\":1}");
     assert!(types(&events).contains(&"response.function_call_arguments.done"));
 }
@@ -359,4 +361,49 @@ async fn a_chat_error_event_or_a_cut_stream_fails_the_response() {
             "response.failed"
         ]
     );
+}
+
+#[tokio::test]
+async fn the_converter_reads_what_the_meter_reads() {
+    // members the meter forwards unread (a number out of f64's range, a lone surrogate) do
+    // not stop the text; a padded [DONE] still completes; calls without `index` stay apart
+    // and get distinct call ids whatever ids the node gave them
+    let (events, _) = convert(&[
+        "data: {\"id\":\"\\ud800\",\"created\":1e400,\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hi\"},\"finish_reason\":null}]}\n\n",
+        "data: {\"choices\":[{\"index\":0,\"delta\":{\"tool_calls\":[{\"id\":\"same\",\"function\":{\"name\":\"a\",\"arguments\":\"{}\"}},{\"id\":\"same\",\"function\":{\"name\":\"b\",\"arguments\":\"{}\"}}]},\"finish_reason\":\"tool_calls\"}]}\n\n",
+        "data:  [DONE] \n\n",
+    ])
+    .await;
+    let done = &events.last().unwrap()["response"];
+    assert_eq!(events.last().unwrap()["type"], "response.completed");
+    assert_eq!(done["output"][0]["content"][0]["text"], "Hi");
+    assert_eq!(done["output"][1]["name"], "a");
+    assert_eq!(done["output"][2]["name"], "b");
+    assert_ne!(done["output"][1]["call_id"], done["output"][2]["call_id"]);
+    // a choice whose text is in `message` (a chunk the meter counts from there) is shown
+    let (events, _) = convert(&[
+        "data: {\"choices\":[{\"index\":0,\"message\":{\"content\":\"From message\"},\"finish_reason\":\"stop\"}]}\n\n",
+        "data: [DONE]\n\n",
+    ])
+    .await;
+    assert_eq!(
+        events.last().unwrap()["response"]["output"][0]["content"][0]["text"],
+        "From message"
+    );
+}
+
+#[tokio::test]
+async fn a_whole_body_answer_to_a_streamed_request_becomes_the_stream() {
+    let chat = json!({
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello!"}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7},
+    });
+    let stream = chat_json_as_stream(chat.to_string().as_bytes());
+    let text = String::from_utf8(stream.to_vec()).unwrap();
+    let frames: Vec<&str> = vec![text.as_str()];
+    let (events, _) = convert(&frames).await;
+    let done = &events.last().unwrap()["response"];
+    assert_eq!(events.last().unwrap()["type"], "response.completed");
+    assert_eq!(done["output"][0]["content"][0]["text"], "Hello!");
+    assert_eq!(done["usage"]["output_tokens"], 3);
 }
