@@ -1,6 +1,6 @@
 """The Responses API through a spine gateway with the official OpenAI Python SDK, unmodified.
 
-Usage: python openai_responses.py <base_url> <api_key>
+Usage: python openai_responses.py <base_url> <api_key> [<api_key_without_credit>]
 
 Sends `responses.create` (non-streamed and streamed), the `responses.stream()` helper (which
 checks the event sequence as it accumulates it) and one request the gateway refuses, then
@@ -67,7 +67,20 @@ def main() -> int:
     except openai.BadRequestError as e:
         refused = {"status": e.status_code, "code": e.code, "param": e.param}
 
-    print(json.dumps({"nonstream": nonstream, "stream": streamed, "helper": helper, "refused": refused}))
+    # the error codes a client branches on, as the SDK raises them
+    errors = {}
+    try:
+        client.responses.create(model="smollm2", input="word " * 12000, max_output_tokens=8)
+    except openai.BadRequestError as e:
+        errors["over_context"] = {"class": type(e).__name__, "status": e.status_code, "code": e.code, "param": e.param}
+    if len(sys.argv) > 3:
+        poor = OpenAI(base_url=base_url, api_key=sys.argv[3], max_retries=0, timeout=120)
+        try:
+            poor.responses.create(**common)
+        except openai.APIStatusError as e:
+            errors["no_credit"] = {"class": type(e).__name__, "status": e.status_code, "code": e.code}
+
+    print(json.dumps({"nonstream": nonstream, "stream": streamed, "helper": helper, "refused": refused, "errors": errors}))
     return 0
 
 

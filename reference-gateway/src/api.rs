@@ -470,6 +470,10 @@ async fn proxy(state: &AppState, req: Request, kind: RequestKind, surface: Surfa
             let mut err = ApiError::from_stack(&e);
             if surface == Surface::Responses {
                 err = responses_param(err);
+            } else if err.param.as_deref() == Some("messages") && kind != RequestKind::ChatCompletions {
+                // the prompt of the other endpoints is `prompt` / `input`
+                let param = if kind == RequestKind::Completions { "prompt" } else { "input" };
+                err = err.with_param(param);
             }
             if err.code == "rate_limit_exceeded" {
                 metrics::counter!(RATE_LIMITED, "limit" => "tokens").increment(1);

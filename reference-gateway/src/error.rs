@@ -160,6 +160,7 @@ impl ApiError {
                 },
                 RouteError::ContextLengthExceeded { .. } => {
                     Self::invalid_request("context_length_exceeded", e.to_string())
+                        .with_param("messages")
                 }
                 RouteError::Unsupported { model, kind } => Self::invalid_request(
                     "unsupported_endpoint",
@@ -276,6 +277,7 @@ impl ApiError {
             ),
             MeterError::ContextLengthExceeded { .. } => {
                 Self::invalid_request("context_length_exceeded", e.to_string())
+                    .with_param("messages")
             }
             MeterError::UpstreamInvalid(_) | MeterError::UpstreamBody(_) => Self::new(
                 StatusCode::BAD_GATEWAY,

@@ -365,6 +365,7 @@ async fn chat_through_gateway_tunnel_agent_and_llama_cpp() {
         ))
         .arg(format!("{}/v1", gw.public))
         .arg(&api_key)
+        .arg(poor_key["key"].as_str().unwrap())
         .output()
         .await
         .unwrap();
@@ -403,6 +404,15 @@ async fn chat_through_gateway_tunnel_agent_and_llama_cpp() {
     assert_eq!(
         r["refused"],
         json!({"status": 400, "code": "unsupported_parameter", "param": "previous_response_id"})
+    );
+    // the codes a client branches on, through the SDK's own classes
+    assert_eq!(
+        r["errors"]["over_context"],
+        json!({"class": "BadRequestError", "status": 400, "code": "context_length_exceeded", "param": "input"})
+    );
+    assert_eq!(
+        r["errors"]["no_credit"],
+        json!({"class": "APIStatusError", "status": 402, "code": "insufficient_quota"})
     );
     // the usage each answer carried is its billed record, and the balance moved by exactly
     // the three answers' cost (the helper's answer billed too)
