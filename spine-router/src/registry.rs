@@ -491,9 +491,17 @@ impl NodeRegistry {
     /// Models served by at least one routable node, sorted.
     pub fn models(&self) -> Vec<ModelId> {
         let nodes = self.inner.nodes.read().unwrap_or_else(|e| e.into_inner());
+        // a (node, model) the audits failed serves nothing (design brief §10): a model whose
+        // only nodes failed is not listed
         let mut models: Vec<ModelId> = nodes
-            .values()
-            .flat_map(|e| e.descriptor.models.iter().map(|m| m.id.clone()))
+            .iter()
+            .flat_map(|(id, e)| {
+                e.descriptor
+                    .models
+                    .iter()
+                    .filter(move |m| self.trusted(id, &m.id))
+                    .map(|m| m.id.clone())
+            })
             .collect();
         models.sort();
         models.dedup();

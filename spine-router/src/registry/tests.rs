@@ -256,4 +256,6 @@ fn a_node_whose_model_audit_failed_is_not_routed_that_model() {
     );
     assert_eq!(r.free_slots(&ModelId::new("m1")), 0);
     assert_eq!(r.free_slots(&ModelId::new("m2")), 4);
+    // and `GET /v1/models` does not list it
+    assert_eq!(r.models(), vec![ModelId::new("m2")]);
 }
