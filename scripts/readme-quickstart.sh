@@ -24,7 +24,18 @@ def block(heading, lang):
     start = section.index("```" + lang + "\n") + len(lang) + 4
     return section[start:section.index("```\n", start)]
 (work / "quickstart.sh").write_text(block("## Run your own gateway and node", "sh"))
-(work / "client.py").write_text(block("## Use it from any OpenAI client", "python"))
+def blocks(heading, lang):
+    section = readme[readme.index(heading) + len(heading):]
+    section = section[:section.find("\n## ")] if "\n## " in section else section
+    out, rest = [], section
+    while "```" + lang + "\n" in rest:
+        start = rest.index("```" + lang + "\n") + len(lang) + 4
+        end = rest.index("```\n", start)
+        out.append(rest[start:end])
+        rest = rest[end + 4:]
+    return "\n".join(out)
+# every Python block of the section, in order (the later ones use the first one's client)
+(work / "client.py").write_text(blocks("## Use it from any OpenAI client", "python"))
 PY
 
 cleanup() {
@@ -57,4 +68,5 @@ sed "s/sk-spine-…/$API_KEY/" "$WORK/client.py" > "$WORK/client_keyed.py"
 OUT="$(timeout 300 "$SPINE_PYTHON" "$WORK/client_keyed.py")"
 echo "$OUT" | tail -3 >&2
 echo "$OUT" | grep -q 'completion_tokens=' || { echo "[readme] no usage from the example" >&2; exit 1; }
+echo "$OUT" | grep -q 'output_tokens=' || { echo "[readme] no usage from the Responses example" >&2; exit 1; }
 echo "[readme] ok" >&2
