@@ -1,6 +1,12 @@
 //! The agent stops promptly on SIGTERM while its engine is unreachable (issue 16: it took
 //! 35–37 s, the drain bound, though there was nothing to drain).
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, missing_docs)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::print_stdout,
+    missing_docs
+)]
 
 use std::process::Stdio;
 use std::time::{Duration, Instant};
@@ -25,7 +31,13 @@ async fn sigterm_while_waiting_for_the_engine_stops_at_once() {
     let engine_url = format!("http://{}", closed.local_addr().unwrap());
     drop(closed);
     let mut child = Command::new(env!("CARGO_BIN_EXE_reference-agent"))
-        .args(["run", "--gateway", "wss://127.0.0.1:9/v1/tunnel", "--engine", "llama.cpp"])
+        .args([
+            "run",
+            "--gateway",
+            "wss://127.0.0.1:9/v1/tunnel",
+            "--engine",
+            "llama.cpp",
+        ])
         .arg("--engine-url")
         .arg(&engine_url)
         .arg("--identity")
@@ -47,10 +59,17 @@ async fn sigterm_while_waiting_for_the_engine_stops_at_once() {
     })
     .await
     .expect("the agent never said it waits for the engine");
-    assert!(waiting.contains(&engine_url) || waiting.contains("engine"), "{waiting}");
+    assert!(
+        waiting.contains(&engine_url) || waiting.contains("engine"),
+        "{waiting}"
+    );
     let pid = child.id().unwrap().to_string();
     let stopped_at = Instant::now();
-    let kill = Command::new("kill").args(["-TERM", &pid]).status().await.unwrap();
+    let kill = Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .await
+        .unwrap();
     assert!(kill.success());
     // a hang is the 35 s drain bound; the bound here is well under it yet loose for a loaded CI
     let status = tokio::time::timeout(Duration::from_secs(20), child.wait())

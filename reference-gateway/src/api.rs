@@ -470,9 +470,15 @@ async fn proxy(state: &AppState, req: Request, kind: RequestKind, surface: Surfa
             let mut err = ApiError::from_stack(&e);
             if surface == Surface::Responses {
                 err = responses_param(err);
-            } else if err.param.as_deref() == Some("messages") && kind != RequestKind::ChatCompletions {
+            } else if err.param.as_deref() == Some("messages")
+                && kind != RequestKind::ChatCompletions
+            {
                 // the prompt of the other endpoints is `prompt` / `input`
-                let param = if kind == RequestKind::Completions { "prompt" } else { "input" };
+                let param = if kind == RequestKind::Completions {
+                    "prompt"
+                } else {
+                    "input"
+                };
                 err = err.with_param(param);
             }
             if err.code == "rate_limit_exceeded" {
@@ -617,7 +623,52 @@ fn node_error_shape(status: http::StatusCode, body: &[u8]) -> ApiError {
     }
 }
 
+/// Calls the stack behind a boxed future, which keeps the `dyn Error` lifetimes inside the
+/// stack's types out of the handler's future (rustc cannot prove the handler `Send` otherwise).
+pub(crate) fn call_stack(
+    stack: Stack,
+    req: http::Request<BoxBody>,
+) -> std::pin::Pin<
+    Box<dyn std::future::Future<Output = Result<http::Response<BoxBody>, BoxError>> + Send>,
+> {
+    Box::pin(stack.oneshot(req))
+}
+
+/// The node's response as the caller gets it: status, content type and body; the node's other
+/// headers (server, keep-alive, length of a body the meter may rewrite) stay behind.
+async fn into_client_response(
+    resp: http::Response<BoxBody>,
+    started: std::time::Instant,
+    route: &'static str,
+) -> Response {
+    if !resp.status().is_success() {
+        return node_error(resp).await.into_response();
+    }
+    let (parts, body) = resp.into_parts();
+    let mut out = Response::new(Body::new(TtftBody::new(body, started, route)));
+    *out.status_mut() = parts.status;
+    let content_type = parts.headers.get(header::CONTENT_TYPE).cloned();
+    let is_sse = content_type
+        .as_ref()
+        .and_then(|v| v.to_str().ok())
+        .map(|v| v.starts_with("text/event-stream"))
+        .unwrap_or(false);
+    if let Some(ct) = content_type {
+        out.headers_mut().insert(header::CONTENT_TYPE, ct);
+    }
+    if is_sse {
+        out.headers_mut()
+            .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+        out.headers_mut().insert(
+            HeaderName::from_static("x-accel-buffering"),
+            HeaderValue::from_static("no"),
+        );
+    }
+    out
+}
+
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 
@@ -662,48 +713,4 @@ mod tests {
         // a 5xx that mentions the context is still the node's failure
         assert_eq!(shape(500, "context size"), (502, "node_failure"));
     }
-}
-
-/// Calls the stack behind a boxed future, which keeps the `dyn Error` lifetimes inside the
-/// stack's types out of the handler's future (rustc cannot prove the handler `Send` otherwise).
-pub(crate) fn call_stack(
-    stack: Stack,
-    req: http::Request<BoxBody>,
-) -> std::pin::Pin<
-    Box<dyn std::future::Future<Output = Result<http::Response<BoxBody>, BoxError>> + Send>,
-> {
-    Box::pin(stack.oneshot(req))
-}
-
-/// The node's response as the caller gets it: status, content type and body; the node's other
-/// headers (server, keep-alive, length of a body the meter may rewrite) stay behind.
-async fn into_client_response(
-    resp: http::Response<BoxBody>,
-    started: std::time::Instant,
-    route: &'static str,
-) -> Response {
-    if !resp.status().is_success() {
-        return node_error(resp).await.into_response();
-    }
-    let (parts, body) = resp.into_parts();
-    let mut out = Response::new(Body::new(TtftBody::new(body, started, route)));
-    *out.status_mut() = parts.status;
-    let content_type = parts.headers.get(header::CONTENT_TYPE).cloned();
-    let is_sse = content_type
-        .as_ref()
-        .and_then(|v| v.to_str().ok())
-        .map(|v| v.starts_with("text/event-stream"))
-        .unwrap_or(false);
-    if let Some(ct) = content_type {
-        out.headers_mut().insert(header::CONTENT_TYPE, ct);
-    }
-    if is_sse {
-        out.headers_mut()
-            .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-        out.headers_mut().insert(
-            HeaderName::from_static("x-accel-buffering"),
-            HeaderValue::from_static("no"),
-        );
-    }
-    out
 }

@@ -372,7 +372,8 @@ async fn responses_are_reshaped_and_a_tool_call_padder_is_not_paid() {
     let (_node, _agent) = add_node(&gw, dir.path(), &t.operator, &url, "reshaper").await;
 
     for stream in [true, false] {
-        let body = json!({"model": "smollm2", "input": "Hi", "max_output_tokens": 16, "stream": stream});
+        let body =
+            json!({"model": "smollm2", "input": "Hi", "max_output_tokens": 16, "stream": stream});
         let resp = gw.api_post(&t.api_key, "/v1/responses", &body).await;
         assert_eq!(resp.status(), 200);
         let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
@@ -381,20 +382,32 @@ async fn responses_are_reshaped_and_a_tool_call_padder_is_not_paid() {
         let rec = gw.record(&id).await;
         assert_eq!(rec["outcome"], "completed", "{rec}");
         let object: Value = if stream {
-            assert!(content_type.starts_with("text/event-stream"), "{content_type}");
+            assert!(
+                content_type.starts_with("text/event-stream"),
+                "{content_type}"
+            );
             let last: Value = serde_json::from_str(sse_data(&text).last().unwrap()).unwrap();
             assert_eq!(last["type"], "response.completed", "{text}");
             last["response"].clone()
         } else {
-            assert!(content_type.starts_with("application/json"), "{content_type}");
+            assert!(
+                content_type.starts_with("application/json"),
+                "{content_type}"
+            );
             serde_json::from_str(&text).unwrap()
         };
-        assert_eq!(object["output"][0]["content"][0]["text"], "Hello there", "{object}");
+        assert_eq!(
+            object["output"][0]["content"][0]["text"], "Hello there",
+            "{object}"
+        );
         assert_eq!(
             object["usage"]["output_tokens"], rec["billed"]["completion_tokens"],
             "{object} {rec}"
         );
-        assert_eq!(object["usage"]["input_tokens"], rec["billed"]["prompt_tokens"]);
+        assert_eq!(
+            object["usage"]["input_tokens"],
+            rec["billed"]["prompt_tokens"]
+        );
     }
 
     // the tool-call padder: cut at 128 calls, the caller pays what it got, the operator nothing
@@ -408,7 +421,10 @@ async fn responses_are_reshaped_and_a_tool_call_padder_is_not_paid() {
     assert_eq!(last["error"]["code"], "stream_bound_reached", "{last}");
     let rec = gw.record(&id).await;
     assert_eq!(rec["outcome"], "cut_at_bound", "{rec}");
-    assert!(rec["billed"]["completion_tokens"].as_u64().unwrap() > 0, "{rec}");
+    assert!(
+        rec["billed"]["completion_tokens"].as_u64().unwrap() > 0,
+        "{rec}"
+    );
     assert!(rec["debit_micros"].as_u64().unwrap() > 0, "{rec}");
     assert_eq!(rec["operator_credit_micros"], 0, "{rec}");
 }

@@ -647,7 +647,11 @@ impl GeneratedText {
     /// gives one; nameless calls would only widen the discrepancy tolerance for a node that
     /// pads its claim), 8 when there is reasoning text, else 0.
     pub fn wrapper_allowance_tokens(&self) -> u64 {
-        let named = self.tool_calls.values().filter(|c| !c.name.is_empty()).count();
+        let named = self
+            .tool_calls
+            .values()
+            .filter(|c| !c.name.is_empty())
+            .count();
         let calls = named as u64 * TOOL_CALL_WRAPPER_TOKENS;
         let reasoning = if self.reasoning.is_empty() {
             0

@@ -242,28 +242,20 @@ fn encode_event(data: &str) -> Bytes {
     Bytes::from(out)
 }
 
-/// The gateway's error event in OpenAI's shape.
+/// The gateway's error event in OpenAI's shape: a node's failure (`upstream_error`,
+/// `upstream_failed`).
 fn error_event(message: &str) -> Bytes {
-    let body = serde_json::json!({
-        "error": {
-            "message": message,
-            "type": "upstream_error",
-            "param": null,
-            "code": "upstream_failed",
-        }
-    });
-    encode_event(&body.to_string())
+    openai_error_event(message, "upstream_error", "upstream_failed")
 }
 
 /// The error event that ends a stream cut at one of the gateway's own bounds.
 fn bound_event(message: &str) -> Bytes {
+    openai_error_event(message, "invalid_request_error", "stream_bound_reached")
+}
+
+fn openai_error_event(message: &str, kind: &str, code: &str) -> Bytes {
     let body = serde_json::json!({
-        "error": {
-            "message": message,
-            "type": "invalid_request_error",
-            "param": null,
-            "code": "stream_bound_reached",
-        }
+        "error": {"message": message, "type": kind, "param": null, "code": code}
     });
     encode_event(&body.to_string())
 }

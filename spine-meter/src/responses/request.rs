@@ -155,46 +155,25 @@ pub fn chat_request(body: &[u8]) -> Result<ChatTranslation, ResponsesError> {
                     ))
                 }
             },
-            "temperature" | "top_p" => match value {
-                Value::Null => {}
-                Value::Number(_) => {
+            // passed on as they are, once their type is right
+            "temperature" | "top_p" | "parallel_tool_calls" | "prompt_cache_key" | "user" => {
+                let (fits, what) = match key.as_str() {
+                    "temperature" | "top_p" => (value.is_number(), "a number"),
+                    "parallel_tool_calls" => (value.is_boolean(), "a boolean"),
+                    // `prompt_cache_key`: the chat path scopes its affinity by it, per account
+                    _ => (value.is_string(), "a string"),
+                };
+                if !fits && !value.is_null() {
+                    return Err(ResponsesError::invalid(
+                        key.as_str(),
+                        format!("`{key}` must be {what}"),
+                    ));
+                }
+                if fits {
                     chat.insert(key.clone(), value.clone());
                     echo.insert(key.clone(), value.clone());
                 }
-                _ => {
-                    return Err(ResponsesError::invalid(
-                        key.as_str(),
-                        format!("`{key}` must be a number"),
-                    ))
-                }
-            },
-            "parallel_tool_calls" => match value {
-                Value::Null => {}
-                Value::Bool(_) => {
-                    chat.insert(key.clone(), value.clone());
-                    echo.insert(key.clone(), value.clone());
-                }
-                _ => {
-                    return Err(ResponsesError::invalid(
-                        key.as_str(),
-                        "`parallel_tool_calls` must be a boolean",
-                    ))
-                }
-            },
-            // the chat path scopes its affinity by it, per account
-            "prompt_cache_key" | "user" => match value {
-                Value::Null => {}
-                Value::String(_) => {
-                    chat.insert(key.clone(), value.clone());
-                    echo.insert(key.clone(), value.clone());
-                }
-                _ => {
-                    return Err(ResponsesError::invalid(
-                        key.as_str(),
-                        format!("`{key}` must be a string"),
-                    ))
-                }
-            },
+            }
             "metadata" => match value {
                 Value::Null | Value::Object(_) => {
                     echo.insert(key.clone(), value.clone());

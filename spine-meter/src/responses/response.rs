@@ -161,10 +161,18 @@ pub fn response_from_chat(body: &[u8], meta: &ResponseMeta) -> Result<Value, Str
     let g = &choice.generated;
     let mut output = Vec::new();
     if !g.reasoning().is_empty() {
-        output.push(reasoning_item(&meta.item_id("rs", output.len()), "completed", g.reasoning()));
+        output.push(reasoning_item(
+            &meta.item_id("rs", output.len()),
+            "completed",
+            g.reasoning(),
+        ));
     }
     if !g.content().is_empty() || g.tool_call_count() == 0 {
-        output.push(message_item(&meta.item_id("msg", output.len()), "completed", Some(g.content())));
+        output.push(message_item(
+            &meta.item_id("msg", output.len()),
+            "completed",
+            Some(g.content()),
+        ));
     }
     for (_, name, arguments) in g.tool_calls() {
         let n = output.len();
@@ -177,8 +185,16 @@ pub fn response_from_chat(body: &[u8], meta: &ResponseMeta) -> Result<Value, Str
         ));
     }
     let (status, incomplete) = ending(choice.finish_reason.as_deref());
-    let usage_raw = members.get("usage").and_then(|u| serde_json::from_str::<Value>(u.get()).ok());
-    Ok(meta.object(status, output, usage(usage_raw.as_ref()), Value::Null, incomplete))
+    let usage_raw = members
+        .get("usage")
+        .and_then(|u| serde_json::from_str::<Value>(u.get()).ok());
+    Ok(meta.object(
+        status,
+        output,
+        usage(usage_raw.as_ref()),
+        Value::Null,
+        incomplete,
+    ))
 }
 
 /// A chat completion (JSON) as the chat event stream it stands for: one chunk whose `delta` is
@@ -206,7 +222,9 @@ pub fn chat_json_as_stream(body: &[u8]) -> Bytes {
             out.extend_from_slice(format!("data: {chunk}\n\n").as_bytes());
         }
         if let Some(u) = members.get("usage") {
-            out.extend_from_slice(format!("data: {{\"choices\":[],\"usage\":{}}}\n\n", u.get()).as_bytes());
+            out.extend_from_slice(
+                format!("data: {{\"choices\":[],\"usage\":{}}}\n\n", u.get()).as_bytes(),
+            );
         }
         out.extend_from_slice(b"data: [DONE]\n\n");
     }
@@ -216,9 +234,17 @@ pub fn chat_json_as_stream(body: &[u8]) -> Bytes {
 /// One output item of a streamed answer, as it grows.
 #[derive(Debug)]
 enum Item {
-    Reasoning { text: String },
-    Message { text: String },
-    FunctionCall { call_id: String, name: String, arguments: String },
+    Reasoning {
+        text: String,
+    },
+    Message {
+        text: String,
+    },
+    FunctionCall {
+        call_id: String,
+        name: String,
+        arguments: String,
+    },
 }
 
 #[derive(Debug, Default)]
@@ -305,9 +331,21 @@ impl Converter {
             return;
         }
         self.started = true;
-        let response = meta.object("in_progress", Vec::new(), Value::Null, Value::Null, Value::Null);
+        let response = meta.object(
+            "in_progress",
+            Vec::new(),
+            Value::Null,
+            Value::Null,
+            Value::Null,
+        );
         self.emit(out, "response.created", json!({"response": response}));
-        let response = meta.object("in_progress", Vec::new(), Value::Null, Value::Null, Value::Null);
+        let response = meta.object(
+            "in_progress",
+            Vec::new(),
+            Value::Null,
+            Value::Null,
+            Value::Null,
+        );
         self.emit(out, "response.in_progress", json!({"response": response}));
     }
 
@@ -315,7 +353,11 @@ impl Converter {
         match item {
             Item::Reasoning { text } => reasoning_item(id, status, text),
             Item::Message { text } => message_item(id, status, Some(text)),
-            Item::FunctionCall { call_id, name, arguments } => function_call_item(id, status, call_id, name, arguments),
+            Item::FunctionCall {
+                call_id,
+                name,
+                arguments,
+            } => function_call_item(id, status, call_id, name, arguments),
         }
     }
 
@@ -327,9 +369,15 @@ impl Converter {
             // added events carry the item as it starts: no text yet
             Item::Reasoning { .. } => reasoning_item(&id, "in_progress", ""),
             Item::Message { .. } => message_item(&id, "in_progress", None),
-            Item::FunctionCall { call_id, name, .. } => function_call_item(&id, "in_progress", call_id, name, ""),
+            Item::FunctionCall { call_id, name, .. } => {
+                function_call_item(&id, "in_progress", call_id, name, "")
+            }
         };
-        self.emit(out, "response.output_item.added", json!({"output_index": index, "item": added}));
+        self.emit(
+            out,
+            "response.output_item.added",
+            json!({"output_index": index, "item": added}),
+        );
         let part = match item {
             Item::Reasoning { .. } => Some(json!({"type": "reasoning_text", "text": ""})),
             Item::Message { .. } => Some(output_text("")),
@@ -350,7 +398,14 @@ impl Converter {
         let index = match self.reasoning {
             Some(i) => i,
             None => {
-                let i = self.open(meta, out, "rs", Item::Reasoning { text: String::new() });
+                let i = self.open(
+                    meta,
+                    out,
+                    "rs",
+                    Item::Reasoning {
+                        text: String::new(),
+                    },
+                );
                 self.reasoning = Some(i);
                 i
             }
@@ -359,7 +414,8 @@ impl Converter {
         if let Item::Reasoning { text } = item {
             text.push_str(delta);
         }
-        let data = json!({"item_id": id, "output_index": index, "content_index": 0, "delta": delta});
+        let data =
+            json!({"item_id": id, "output_index": index, "content_index": 0, "delta": delta});
         self.emit(out, "response.reasoning_text.delta", data);
     }
 
@@ -367,7 +423,14 @@ impl Converter {
         let index = match self.message {
             Some(i) => i,
             None => {
-                let i = self.open(meta, out, "msg", Item::Message { text: String::new() });
+                let i = self.open(
+                    meta,
+                    out,
+                    "msg",
+                    Item::Message {
+                        text: String::new(),
+                    },
+                );
                 self.message = Some(i);
                 i
             }
@@ -428,12 +491,25 @@ impl Converter {
             return self.complete(meta, out);
         }
         let Some(members) = Members::parse(data) else {
-            return self.fail(meta, out, "upstream_failed", "the stream carried an invalid event");
+            return self.fail(
+                meta,
+                out,
+                "upstream_failed",
+                "the stream carried an invalid event",
+            );
         };
         if let Some(error) = members.get("error").filter(|e| e.get() != "null") {
             let error: Value = serde_json::from_str(error.get()).unwrap_or(Value::Null);
-            let code = error.get("code").and_then(Value::as_str).unwrap_or("upstream_failed").to_owned();
-            let message = error.get("message").and_then(Value::as_str).unwrap_or(TRUNCATED).to_owned();
+            let code = error
+                .get("code")
+                .and_then(Value::as_str)
+                .unwrap_or("upstream_failed")
+                .to_owned();
+            let message = error
+                .get("message")
+                .and_then(Value::as_str)
+                .unwrap_or(TRUNCATED)
+                .to_owned();
             return self.fail(meta, out, &code, &message);
         }
         if let Some(u) = members.get("usage") {
@@ -473,12 +549,18 @@ impl Converter {
                     self.emit(out, "response.output_text.done", json!({"item_id": id, "output_index": index, "content_index": 0, "text": text, "logprobs": []}));
                     self.emit(out, "response.content_part.done", json!({"item_id": id, "output_index": index, "content_index": 0, "part": output_text(text)}));
                 }
-                Item::FunctionCall { name, arguments, .. } => {
+                Item::FunctionCall {
+                    name, arguments, ..
+                } => {
                     self.emit(out, "response.function_call_arguments.done", json!({"item_id": id, "output_index": index, "name": name, "arguments": arguments}));
                 }
             }
             let item = Self::item_json(id, item, "completed");
-            self.emit(out, "response.output_item.done", json!({"output_index": index, "item": item.clone()}));
+            self.emit(
+                out,
+                "response.output_item.done",
+                json!({"output_index": index, "item": item.clone()}),
+            );
             done.push(item);
         }
         done
@@ -492,8 +574,18 @@ impl Converter {
         self.ended = true;
         let output = self.close_items(out);
         let (status, incomplete) = ending(self.finish_reason.as_deref());
-        let response = meta.object(status, output, usage(self.usage.as_ref()), Value::Null, incomplete);
-        let kind = if status == "completed" { "response.completed" } else { "response.incomplete" };
+        let response = meta.object(
+            status,
+            output,
+            usage(self.usage.as_ref()),
+            Value::Null,
+            incomplete,
+        );
+        let kind = if status == "completed" {
+            "response.completed"
+        } else {
+            "response.incomplete"
+        };
         self.emit(out, kind, json!({"response": response}));
     }
 
@@ -503,7 +595,11 @@ impl Converter {
         }
         self.start(meta, out);
         self.ended = true;
-        self.emit(out, "error", json!({"code": code, "message": message, "param": null}));
+        self.emit(
+            out,
+            "error",
+            json!({"code": code, "message": message, "param": null}),
+        );
         let output: Vec<Value> = self
             .items
             .iter()
