@@ -241,7 +241,34 @@ async fn serve(
     }
     let proxy = EngineProxy::new(client, settings.engine_url.clone(), engine.health_path())
         .with_guard(engine.request_guard(), served);
-    gateway::run_failover(tunnels, backoff, proxy, stopped(stop)).await;
-    info!("tunnel drained and closed");
+    // a drain waits for requests in flight, which only an engine that still answers can end:
+    // once stopping, an engine that stops answering ends the drain at once (its requests fail
+    // on the gateway, and their callers pay nothing), so the agent stops within seconds
+    // whatever its engine is doing
+    let engine_silent_while_draining = async {
+        stopped(stop.clone()).await;
+        let mut misses = 0;
+        while misses < ENGINE_MISSES_TO_STOP_DRAIN {
+            match tokio::time::timeout(ENGINE_CHECK_TIMEOUT, engine.health()).await {
+                Ok(Ok(())) => misses = 0,
+                _ => misses += 1,
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    };
+    tokio::select! {
+        () = gateway::run_failover(tunnels, backoff, proxy, stopped(stop.clone())) => {
+            info!("tunnel drained and closed");
+        }
+        () = engine_silent_while_draining => {
+            warn!("the engine stopped answering while the tunnel drained; closing without waiting for its requests");
+        }
+    }
     Ok(())
 }
+
+/// While draining, the engine's health check is given this long.
+const ENGINE_CHECK_TIMEOUT: Duration = Duration::from_secs(1);
+/// Failed health checks in a row, while draining, that end the drain (with
+/// [`ENGINE_CHECK_TIMEOUT`] and the 0.5 s pause: about 3 s).
+const ENGINE_MISSES_TO_STOP_DRAIN: u32 = 2;

@@ -168,6 +168,46 @@ async fn long_stream(gw: &Gateway, key: &str) -> reqwest::Response {
     resp
 }
 
+/// SIGTERM to an agent whose engine hangs mid-stream (issue 16: "the agent stops within 5 s
+/// whatever its engine is doing"): the drain waits only while the engine answers, so the agent
+/// exits within seconds, not at the 35 s drain bound; the caller's stream ends with the error
+/// event and it pays nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_told_to_stop_while_its_engine_hangs_exits_within_seconds() {
+    let engine = Engine::discover().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let llama = LlamaServer::start(&engine, 2).await.unwrap();
+    let gw = Gateway::start(dir.path(), &engine).await;
+    let t = tenant(&gw).await;
+    let (_node, mut agent) = add_node(&gw, dir.path(), &t.operator, &llama.url, "hang").await;
+    let resp = long_stream(&gw, &t.api_key).await;
+    let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
+    let _hung = Stopped::stop(llama.child.id().unwrap());
+    let told = Instant::now();
+    signal(agent.id().unwrap(), "TERM");
+    // a hang is the 35 s drain bound; asserted well under it, loose for a loaded machine
+    let status = agent.wait_exit(Duration::from_secs(25)).await;
+    let took = told.elapsed();
+    println!("the agent exited {took:.2?} after SIGTERM with its engine hung: {status:?}");
+    assert!(status.is_some(), "still running after {took:?}");
+    assert!(
+        agent
+            .stderr_lines()
+            .iter()
+            .any(|l| l.contains("engine stopped answering")),
+        "{}",
+        agent.stderr_tail(20)
+    );
+    let rest = tokio::time::timeout(Duration::from_secs(60), resp.bytes())
+        .await
+        .expect("the caller's stream ended")
+        .unwrap_or_default();
+    assert!(!String::from_utf8_lossy(&rest).contains("[DONE]"));
+    let rec = gw.record(&id).await;
+    assert_eq!(rec["outcome"], "upstream_failed", "{rec}");
+    assert_eq!(rec["debit_micros"], 0, "{rec}");
+}
+
 /// SIGSTOP of a node's engine with its slots full (issue 14): the node leaves routing within the
 /// stated bound (`node_stall_timeout_secs` 5 s + 1 s + 5 s probe = 11 s; asserted ≤ 15 s), later
 /// requests are served by the other node without waiting, and after SIGCONT the node comes back.

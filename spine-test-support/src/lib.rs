@@ -266,6 +266,15 @@ impl Child {
     pub fn id(&self) -> Option<u32> {
         self.child.id()
     }
+
+    /// Waits up to `timeout` for the process to exit; its exit status, or `None` when it is
+    /// still running then.
+    pub async fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        tokio::time::timeout(timeout, self.child.wait())
+            .await
+            .ok()
+            .and_then(Result::ok)
+    }
 }
 
 /// A real llama.cpp `llama-server` on 127.0.0.1, serving the model as `smollm2`.
