@@ -260,7 +260,7 @@ pub(crate) async fn join(args: JoinArgs) -> Result<(), AnyError> {
     let answer = endpoint
         .request_json(Method::POST, "/v1/enroll", &[], Some(&body))
         .await
-        .map_err(|e| format!("enrollment failed: {e}"))?;
+        .map_err(|e| format!("enrollment failed: {}", spine_transport::ErrorChain(&e)))?;
     let node_id = answer["node_id"].as_str().unwrap_or_default().to_owned();
     let operator_id = answer["operator_id"]
         .as_str()

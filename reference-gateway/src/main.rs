@@ -254,8 +254,14 @@ async fn run(cli: Cli) -> Result<(), MainError> {
         if let Some(want) = &m.gguf_sha256 {
             check_sha256(gguf, want).map_err(|e| format!("model '{}': {e}", m.id))?;
         }
-        let tokenizer = ModelTokenizer::from_gguf(gguf)
-            .map_err(|e| format!("model '{}': loading {}: {e}", m.id, gguf.display()))?;
+        let tokenizer = ModelTokenizer::from_gguf(gguf).map_err(|e| {
+            format!(
+                "model '{}': loading {}: {}",
+                m.id,
+                gguf.display(),
+                spine_transport::ErrorChain(&e)
+            )
+        })?;
         let max_context_tokens = m
             .max_context_tokens
             .or(tokenizer.context_length_tokens())
@@ -327,8 +333,8 @@ async fn run(cli: Cli) -> Result<(), MainError> {
     let cluster = match &cluster_config {
         Some(cc) => {
             cluster::describe();
-            let redis =
-                cluster::connect_redis(&cc.redis_url).map_err(|e| format!("redis_url: {e}"))?;
+            let redis = cluster::connect_redis(&cc.redis_url)
+                .map_err(|e| format!("redis_url: {}", spine_transport::ErrorChain(&e)))?;
             let internal = bind_listener(cc.internal_listen)?;
             let internal_addr = match &cc.internal_advertise {
                 Some(a) => a.clone(),
