@@ -1,6 +1,6 @@
 // Talk to a spine gateway with the official OpenAI Node SDK, unmodified (issue 16).
 //
-// Usage: node openai_node.cjs <base_url> <api_key>
+// Usage: node openai_node.cjs <base_url> <api_key> [<api_key_without_credit>]
 // Needs SPINE_NODE_SDK: a node_modules directory holding the `openai` package (scripts/setup.sh
 // installs it into ~/.cache/spine/node-sdk/node_modules). Prints one JSON object: a non-streamed
 // and a streamed chat (with usage), models.retrieve, and the SDK error class of each refusal.
@@ -18,7 +18,7 @@ async function refusal(fn) {
 }
 
 async function main() {
-  const [baseURL, apiKey] = process.argv.slice(2);
+  const [baseURL, apiKey, poorKey] = process.argv.slice(2);
   const client = new OpenAI({ baseURL, apiKey, maxRetries: 0, timeout: 120000 });
   const messages = [{ role: "user", content: "Name three colors." }];
   const full = await client.chat.completions.create({
@@ -72,6 +72,10 @@ async function main() {
       unknown_model_chat: await refusal(() => client.chat.completions.create({ model: "no-such-model", messages })),
       bad_key: await refusal(() => bad.chat.completions.create({ model: "smollm2", messages })),
       bad_request: await refusal(() => client.chat.completions.create({ model: "smollm2", messages, max_tokens: 0 })),
+      over_context: await refusal(() => client.responses.create({ model: "smollm2", input: "word ".repeat(12000), max_output_tokens: 8 })),
+      no_credit: poorKey
+        ? await refusal(() => new OpenAI({ baseURL, apiKey: poorKey, maxRetries: 0 }).chat.completions.create({ model: "smollm2", messages, max_tokens: 8 }))
+        : null,
     },
   };
   console.log(JSON.stringify(out));

@@ -275,6 +275,7 @@ async fn chat_through_gateway_tunnel_agent_and_llama_cpp() {
         ))
         .arg(format!("{}/v1", gw.public))
         .arg(&api_key)
+        .arg(poor_key["key"].as_str().unwrap())
         .env("SPINE_NODE_SDK", engine.node_sdk().unwrap())
         .output()
         .await
@@ -318,6 +319,15 @@ async fn chat_through_gateway_tunnel_agent_and_llama_cpp() {
         "{errors}"
     );
     assert_eq!(errors["bad_request"]["param"], "max_tokens", "{errors}");
+    assert_eq!(
+        errors["over_context"],
+        json!({"class": "BadRequestError", "status": 400, "code": "context_length_exceeded", "param": "input"})
+    );
+    // 402: no class of its own in the Node SDK (and not retried, unlike a 429)
+    assert_eq!(
+        errors["no_credit"],
+        json!({"class": "APIError", "status": 402, "code": "insufficient_quota", "param": null})
+    );
     // and the Responses API through the Node SDK: text in the deltas, billed usage in the end
     let responses = &node["responses"];
     assert!(
