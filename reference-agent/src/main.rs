@@ -241,34 +241,40 @@ async fn serve(
     }
     let proxy = EngineProxy::new(client, settings.engine_url.clone(), engine.health_path())
         .with_guard(engine.request_guard(), served);
-    // a drain waits for requests in flight, which only an engine that still answers can end:
-    // once stopping, an engine that stops answering ends the drain at once (its requests fail
-    // on the gateway, and their callers pay nothing), so the agent stops within seconds
-    // whatever its engine is doing
-    let engine_silent_while_draining = async {
+    // a drain waits for requests in flight, which only an engine that still works can end:
+    // once stopping, when requests are in flight yet the engine has sent nothing for
+    // ENGINE_QUIET_TO_CHECK and then fails its health check, it hangs, and the drain ends at
+    // once (its requests fail on the gateway, their callers pay nothing). An engine that
+    // streams (bytes flow) or that answers its health check is never cut: a busy engine whose
+    // health answer is slow keeps its drain.
+    let activity = proxy.activity();
+    let engine_hung_while_draining = async {
         stopped(stop.clone()).await;
-        let mut misses = 0;
-        while misses < ENGINE_MISSES_TO_STOP_DRAIN {
-            match tokio::time::timeout(ENGINE_CHECK_TIMEOUT, engine.health()).await {
-                Ok(Ok(())) => misses = 0,
-                _ => misses += 1,
+        loop {
+            tokio::time::sleep(Duration::from_millis(250)).await;
+            if activity.in_flight() == 0 || activity.quiet_for() < ENGINE_QUIET_TO_CHECK {
+                continue;
             }
-            tokio::time::sleep(Duration::from_millis(500)).await;
+            match tokio::time::timeout(ENGINE_CHECK_TIMEOUT, engine.health()).await {
+                Ok(Ok(())) => {}
+                _ if activity.quiet_for() >= ENGINE_QUIET_TO_CHECK => return,
+                _ => {}
+            }
         }
     };
     tokio::select! {
         () = gateway::run_failover(tunnels, backoff, proxy, stopped(stop.clone())) => {
             info!("tunnel drained and closed");
         }
-        () = engine_silent_while_draining => {
+        () = engine_hung_while_draining => {
             warn!("the engine stopped answering while the tunnel drained; closing without waiting for its requests");
         }
     }
     Ok(())
 }
 
-/// While draining, the engine's health check is given this long.
-const ENGINE_CHECK_TIMEOUT: Duration = Duration::from_secs(1);
-/// Failed health checks in a row, while draining, that end the drain (with
-/// [`ENGINE_CHECK_TIMEOUT`] and the 0.5 s pause: about 3 s).
-const ENGINE_MISSES_TO_STOP_DRAIN: u32 = 2;
+/// While draining, how long the engine may send nothing, with requests in flight, before its
+/// health is checked.
+const ENGINE_QUIET_TO_CHECK: Duration = Duration::from_secs(2);
+/// While draining, the engine's health check is given this long (SGLang's own check takes 1 s).
+const ENGINE_CHECK_TIMEOUT: Duration = Duration::from_secs(2);

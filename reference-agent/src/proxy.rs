@@ -98,6 +98,104 @@ fn json_error(status: StatusCode, message: &str, kind: &str, code: &str) -> Resp
     resp
 }
 
+/// What the engine is doing, as the proxy sees it: requests in flight (sent to the engine and
+/// not yet answered whole or dropped) and when the engine last sent a byte of an answer. The
+/// SIGTERM drain reads it to tell an engine that is working (bytes flow) from one that hangs.
+#[derive(Debug)]
+pub(crate) struct EngineActivity {
+    started: std::time::Instant,
+    in_flight: std::sync::atomic::AtomicUsize,
+    /// Milliseconds after `started` of the engine's last answer byte (or of a request sent).
+    last_byte_ms: std::sync::atomic::AtomicU64,
+}
+
+impl Default for EngineActivity {
+    fn default() -> Self {
+        Self {
+            started: std::time::Instant::now(),
+            in_flight: std::sync::atomic::AtomicUsize::new(0),
+            last_byte_ms: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+}
+
+impl EngineActivity {
+    fn touch(&self) {
+        let ms = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.last_byte_ms
+            .store(ms, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Requests in flight at the engine.
+    pub(crate) fn in_flight(&self) -> usize {
+        self.in_flight.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// How long since the engine last sent a byte of an answer (or was sent a request).
+    pub(crate) fn quiet_for(&self) -> std::time::Duration {
+        let last = self.last_byte_ms.load(std::sync::atomic::Ordering::Relaxed);
+        self.started
+            .elapsed()
+            .saturating_sub(std::time::Duration::from_millis(last))
+    }
+}
+
+/// One request in flight at the engine: counted from its sending until its answer's body ends
+/// or is dropped.
+struct InFlight(std::sync::Arc<EngineActivity>);
+
+impl InFlight {
+    fn start(activity: &std::sync::Arc<EngineActivity>) -> Self {
+        activity
+            .in_flight
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        activity.touch();
+        Self(activity.clone())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0
+            .in_flight
+            .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// An engine answer's body that notes each frame in [`EngineActivity`].
+    struct ActivityBody {
+        #[pin]
+        inner: BoxBody,
+        guard: InFlight,
+    }
+}
+
+impl http_body::Body for ActivityBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, BoxError>>> {
+        let this = self.project();
+        let polled = this.inner.poll_frame(cx);
+        if let Poll::Ready(Some(Ok(_))) = &polled {
+            this.guard.0.touch();
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
 /// The allowlisted proxy from the tunnel to the engine.
 #[derive(Clone, Debug)]
 pub(crate) struct EngineProxy {
@@ -107,6 +205,7 @@ pub(crate) struct EngineProxy {
     guard: RequestGuard,
     /// The model ids the engine serves (for the guard).
     models: std::sync::Arc<[spine_core::ModelId]>,
+    activity: std::sync::Arc<EngineActivity>,
 }
 
 impl EngineProxy {
@@ -117,7 +216,13 @@ impl EngineProxy {
             health_path,
             guard: RequestGuard::default(),
             models: std::sync::Arc::from(Vec::new()),
+            activity: std::sync::Arc::default(),
         }
+    }
+
+    /// What the engine is doing through this proxy (shared by its clones).
+    pub(crate) fn activity(&self) -> std::sync::Arc<EngineActivity> {
+        self.activity.clone()
     }
 
     /// Checks `POST` bodies as `guard` says before the engine sees them (an engine quirk, see
@@ -252,6 +357,7 @@ impl EngineProxy {
         };
 
         debug!(%method, path = target, "forwarding to the engine");
+        let in_flight = InFlight::start(&self.activity);
         let mut answer = self.client.request(upstream(body)).await;
         if let (Err(e), Some(bytes)) = (&answer, replay) {
             if stale_connection(e) {
@@ -271,7 +377,11 @@ impl EngineProxy {
                     path = target,
                     "engine answered"
                 );
-                Response::from_parts(parts, body.map_err(BoxError::from).boxed_unsync())
+                let body = ActivityBody {
+                    inner: body.map_err(BoxError::from).boxed_unsync(),
+                    guard: in_flight,
+                };
+                Response::from_parts(parts, BoxBody::new(body))
             }
             Err(e) => {
                 warn!(error = %e, path = target, "engine unreachable");

@@ -339,8 +339,15 @@ async fn into_responses_answer(
                 .filter_map(|d| serde_json::from_str::<serde_json::Value>(d).ok())
                 .filter(|v| v["type"] != "error")
                 .last();
+            // a failed answer that was billed (cut at a gateway bound: its usage is there) is
+            // returned as the failed response object, since the caller pays for its output
             let bytes = match last {
-                Some(v) if v["response"]["status"] != "failed" => v["response"].to_string(),
+                Some(v)
+                    if v["response"]["status"] != "failed"
+                        || v["response"]["usage"].is_object() =>
+                {
+                    v["response"].to_string()
+                }
                 _ => {
                     return ApiError::new(
                         http::StatusCode::BAD_GATEWAY,

@@ -78,8 +78,8 @@ async fn main() {
     }
     raise_fd_limit();
     if let Err(e) = run(cli).await {
-        // once, with its causes (the log and the terminal are the same stderr)
-        tracing::error!("gateway failed: {}", spine_transport::ErrorChain(&*e));
+        // once, with its causes, whatever RUST_LOG filters (the log is the same stderr)
+        eprintln!("reference-gateway: {}", spine_transport::ErrorChain(&*e));
         std::process::exit(1);
     }
 }

@@ -33,10 +33,12 @@ impl std::fmt::Display for ErrorChain<'_> {
 pub fn tls_hint(message: &str) -> Option<&'static str> {
     if message.contains("UnknownIssuer") {
         Some(
-            "the gateway's tunnel certificate is not trusted: pass the gateway's `tunnel-cert.pem` \
-             (in its data dir; its start-up line names it as `tunnel_ca_file`) with `--ca-file`",
+            "the gateway's tunnel certificate is not trusted: for a gateway's own (self-signed) \
+             certificate pass its `tunnel-cert.pem` (in its data dir; its start-up line names it \
+             as `tunnel_ca_file`) with `--ca-file`; for a certificate from a public CA, install \
+             the system's CA certificates (`ca-certificates`)",
         )
-    } else if message.contains("NotValidForName") {
+    } else if message.contains("NotValidForName") || message.contains("not valid for name") {
         Some(
             "the tunnel certificate does not name the host in the gateway URL: add the host to \
              the gateway's `tunnel_tls_hosts` (then delete its generated certificate) or dial a \
@@ -52,7 +54,7 @@ pub fn tls_hint(message: &str) -> Option<&'static str> {
             "the address did not answer TLS: dial the gateway's tunnel listener with `wss://` \
              (not its public or admin port, and not plain `ws://`)",
         )
-    } else if message.contains("Expired") && message.contains("certificate") {
+    } else if message.contains("certificate expired") || message.contains("Expired") {
         Some("the tunnel certificate has expired: renew it on the gateway")
     } else {
         None
@@ -85,5 +87,8 @@ mod tests {
         assert!(ErrorChain(&plain).to_string().contains("--ca-file"));
         assert!(tls_hint("received corrupt message of type InvalidContentType").is_some());
         assert!(tls_hint("connection refused").is_none());
+        // rustls 0.23's own words for the other two
+        assert!(tls_hint("invalid peer certificate: certificate not valid for name \"x\"; certificate is only valid for [\"localhost\"]").is_some());
+        assert!(tls_hint("invalid peer certificate: certificate expired: verification time 1 (UNIX), but certificate is not valid after 0").is_some());
     }
 }

@@ -741,10 +741,19 @@ impl State {
                     .push(&self.tokenizer, &text);
             }
         }
-        if let Some(ctx) = self.ctx.take() {
-            let billed = self.billed(&ctx, false);
-            let claimed = self.claimed;
-            ctx.settle(outcome, billed, claimed);
+        if let Some(billed) = self.ctx.as_ref().map(|ctx| self.billed(ctx, false)) {
+            // a caller who asked for usage and pays for this ending reads its bill in the
+            // usage chunk, just before the error event
+            if outcome.is_billed() && self.settings.include_usage {
+                let bytes = self.usage_chunk(&billed);
+                self.queue.push_back(Out {
+                    bytes,
+                    text: Vec::new(),
+                });
+            }
+            if let Some(ctx) = self.ctx.take() {
+                ctx.settle(outcome, billed, self.claimed);
+            }
         }
         self.queue.push_back(Out {
             bytes: event,

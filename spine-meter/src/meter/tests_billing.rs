@@ -284,9 +284,9 @@ async fn a_stream_cut_at_the_tool_call_bound_bills_what_was_delivered() {
         })
         .chain([json!({"choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]})])
         .collect();
-    let resp = s
-        .send(&chat(Some(30_000), true), "text/event-stream", sse(&chunks))
-        .await;
+    let mut req = chat(Some(30_000), true);
+    req["stream_options"] = json!({"include_usage": true});
+    let resp = s.send(&req, "text/event-stream", sse(&chunks)).await;
     let all = resp.into_body().collect().await.unwrap().to_bytes();
     let all = String::from_utf8(all.to_vec()).unwrap();
     let events: Vec<&str> = all
@@ -299,6 +299,13 @@ async fn a_stream_cut_at_the_tool_call_bound_bills_what_was_delivered() {
     assert_eq!(err["error"]["code"], "stream_bound_reached", "{err}");
     assert!(!all.contains("[DONE]"));
     let st = s.settled().await;
+    // the caller asked for usage: its bill comes in the usage chunk before the error event
+    let usage: Value = serde_json::from_str(events[events.len() - 2]).unwrap();
+    assert_eq!(usage["choices"], json!([]), "{usage}");
+    assert_eq!(
+        usage["usage"]["completion_tokens"].as_u64(),
+        Some(st.billed.completion_tokens)
+    );
     // the delivered names and arguments, without the wrapper allowance of a completed bill
     // (as for a cancel)
     let per_call = t.count_text("lookup") + t.count_text(r#"{"id":1}"#);
