@@ -380,6 +380,19 @@ async fn every_fixture_through_gateway_tunnel_and_agent() {
 /// cannot parse); the record agrees with what the SDK saw.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_official_sdk_parses_every_fixture_stream() {
+    sdk_parses_every_fixture(false).await;
+}
+
+/// The same fixtures through `/v1/responses` (each chat request sent as the Responses request
+/// it stands for) with the SDK's `responses.stream()` helper, whose accumulator checks the
+/// event sequence: never an exception of the SDK's own; an error exactly when the record is
+/// not `completed`; the delivered text where the fixture states it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_official_sdk_parses_every_fixture_stream_as_responses() {
+    sdk_parses_every_fixture(true).await;
+}
+
+async fn sdk_parses_every_fixture(responses: bool) {
     let engine = Engine::discover().unwrap();
     let dir = tempfile::tempdir().unwrap();
     let replay = ReplayEngine::start().await.unwrap();
@@ -400,6 +413,7 @@ async fn the_official_sdk_parses_every_fixture_stream() {
         .arg(format!("{}/v1", gw.public))
         .arg(&s.api_key)
         .arg(&list)
+        .args(responses.then_some("--responses"))
         .output()
         .await
         .unwrap();
