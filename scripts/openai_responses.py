@@ -59,7 +59,8 @@ def main() -> int:
             e.delta for e in stream if e.type == "response.output_text.delta"
         )
         final = stream.get_final_response()
-    helper = {"deltas": helper_deltas, "text": final.output_text, "status": final.status}
+    helper = {"deltas": helper_deltas, "text": final.output_text, "status": final.status,
+              "usage": final.usage.model_dump() if final.usage else None}
 
     try:
         client.responses.create(previous_response_id="resp_x", **common)

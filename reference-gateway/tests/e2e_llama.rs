@@ -425,7 +425,7 @@ async fn chat_through_gateway_tunnel_agent_and_llama_cpp() {
         json!({"class": "APIStatusError", "status": 402, "code": "insufficient_quota"})
     );
     // the usage each answer carried is its billed record, and the balance moved by exactly
-    // the three answers' cost (the helper's answer billed too)
+    // the three answers' cost
     let mut responses_spent = 0;
     for answer in [nonstream, streamed] {
         let usage = &answer["usage"];
@@ -449,15 +449,23 @@ async fn chat_through_gateway_tunnel_agent_and_llama_cpp() {
         )
         .0;
     }
+    // the helper's answer, billed too: its usage is in its final response
+    let helper_usage = &r["helper"]["usage"];
+    responses_spent += cost(
+        helper_usage["input_tokens"].as_u64().unwrap(),
+        helper_usage["output_tokens"].as_u64().unwrap(),
+    )
+    .0;
     let mut spent = 0;
     for _ in 0..100 {
         spent = before - gw.balance(&account).await.0;
-        if spent > responses_spent {
+        if spent == responses_spent {
             break;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    assert!(spent > responses_spent, "{spent} vs {responses_spent}");
+    // exactly the three answers: the refused requests cost nothing
+    assert_eq!(spent, responses_spent, "{r}");
 
     // --- an agent whose key was never registered is refused and cannot serve ------------------
     let (stranger_identity, _) = keygen(dir.path(), "stranger.key").await;

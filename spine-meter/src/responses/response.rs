@@ -394,53 +394,46 @@ impl Converter {
         index
     }
 
-    fn reasoning_delta(&mut self, meta: &ResponseMeta, out: &mut Vec<u8>, delta: &str) {
-        let index = match self.reasoning {
+    /// Appends `delta` to the reasoning item (`reasoning`) or the message (`!reasoning`),
+    /// opening it first if it is not there yet, and emits its delta event.
+    fn text_delta(&mut self, meta: &ResponseMeta, out: &mut Vec<u8>, reasoning: bool, delta: &str) {
+        let open = if reasoning {
+            self.reasoning
+        } else {
+            self.message
+        };
+        let index = match open {
             Some(i) => i,
-            None => {
-                let i = self.open(
-                    meta,
-                    out,
-                    "rs",
-                    Item::Reasoning {
-                        text: String::new(),
-                    },
-                );
+            None if reasoning => {
+                let item = Item::Reasoning {
+                    text: String::new(),
+                };
+                let i = self.open(meta, out, "rs", item);
                 self.reasoning = Some(i);
                 i
             }
-        };
-        let (id, item) = &mut self.items[index];
-        if let Item::Reasoning { text } = item {
-            text.push_str(delta);
-        }
-        let data =
-            json!({"item_id": id, "output_index": index, "content_index": 0, "delta": delta});
-        self.emit(out, "response.reasoning_text.delta", data);
-    }
-
-    fn message_delta(&mut self, meta: &ResponseMeta, out: &mut Vec<u8>, delta: &str) {
-        let index = match self.message {
-            Some(i) => i,
             None => {
-                let i = self.open(
-                    meta,
-                    out,
-                    "msg",
-                    Item::Message {
-                        text: String::new(),
-                    },
-                );
+                let item = Item::Message {
+                    text: String::new(),
+                };
+                let i = self.open(meta, out, "msg", item);
                 self.message = Some(i);
                 i
             }
         };
         let (id, item) = &mut self.items[index];
-        if let Item::Message { text } = item {
+        if let Item::Reasoning { text } | Item::Message { text } = item {
             text.push_str(delta);
         }
-        let data = json!({"item_id": id, "output_index": index, "content_index": 0, "delta": delta, "logprobs": []});
-        self.emit(out, "response.output_text.delta", data);
+        let mut data =
+            json!({"item_id": id, "output_index": index, "content_index": 0, "delta": delta});
+        let kind = if reasoning {
+            "response.reasoning_text.delta"
+        } else {
+            data["logprobs"] = json!([]);
+            "response.output_text.delta"
+        };
+        self.emit(out, kind, data);
     }
 
     fn tool_call_delta(
@@ -522,10 +515,10 @@ impl Converter {
         };
         let g = &choice.generated;
         if !g.reasoning().is_empty() {
-            self.reasoning_delta(meta, out, g.reasoning());
+            self.text_delta(meta, out, true, g.reasoning());
         }
         if !g.content().is_empty() {
-            self.message_delta(meta, out, g.content());
+            self.text_delta(meta, out, false, g.content());
         }
         for (index, name, arguments) in g.tool_calls() {
             self.tool_call_delta(meta, out, index, name, arguments);
