@@ -6,10 +6,10 @@
 # *.log: all in .gitignore) are removed. Needs scripts/setup.sh to have run and the ports the
 # README names free (8080, 8400, 8401, 19000).
 set -euo pipefail
-cd "$(dirname "$0")/.."
-CACHE="${SPINE_CACHE:-$HOME/.cache/spine}"
-# shellcheck disable=SC1091
-source "$CACHE/env.sh"
+# shellcheck source=scripts/lib.sh
+source "$(dirname "$0")/lib.sh"
+spine_init readme
+cd "$ROOT"
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/spine-readme.XXXXXX")"
 FILES=(gateway.toml spine-data node.key llama.log gateway.log agent.log)
 for f in "${FILES[@]}"; do

@@ -2,13 +2,11 @@
 # The test suite: set-up (idempotent), formatting, lints, every test including the end-to-end test
 # against the real llama.cpp engine through the real tunnel, and a build check of the fuzz targets.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-CACHE="${SPINE_CACHE:-$HOME/.cache/spine}"
 start=$(date +%s)
-
-scripts/setup.sh
-# shellcheck disable=SC1091
-source "$CACHE/env.sh"
+# shellcheck source=scripts/lib.sh
+source "$(dirname "$0")/lib.sh"
+spine_init --setup test
+cd "$ROOT"
 
 echo "[test] cargo fmt --check" >&2
 cargo fmt --all -- --check

@@ -5,11 +5,10 @@
 # ignored `trust_matrix` test. Sizes: SPINE_TRUST_HONEST_RUNS, SPINE_TRUST_HONEST_TOKENS,
 # SPINE_TRUST_SUBSTITUTE_RUNS, SPINE_TRUST_SUBSTITUTE_TOKENS; SPINE_TRUST_ONLY=<label part>.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-scripts/setup.sh
-CACHE="${SPINE_CACHE:-$HOME/.cache/spine}"
-# shellcheck disable=SC1091
-source "$CACHE/env.sh"
+# shellcheck source=scripts/lib.sh
+source "$(dirname "$0")/lib.sh"
+spine_init --setup trust
+cd "$ROOT"
 
 Q8="$CACHE/models/SmolLM2-135M-Instruct.requant-Q8_0.gguf"
 if [ ! -f "$Q8" ]; then

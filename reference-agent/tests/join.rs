@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use spine_test_support::{Child, Engine, LlamaServer};
+use spine_test_support::{Child, Engine, GatewayToml, LlamaServer, Ready};
 use tokio::process::Command;
 
 const AGENT: &str = env!("CARGO_BIN_EXE_reference-agent");
@@ -48,38 +48,25 @@ struct Gateway {
 
 impl Gateway {
     async fn start(dir: &Path, engine: &Engine, rust_log: &str) -> Gateway {
-        let config = dir.join("gateway.toml");
-        std::fs::write(
-            &config,
-            format!(
-                r#"public_listen = "127.0.0.1:0"
-tunnel_listen = "127.0.0.1:0"
-admin_listen = "127.0.0.1:0"
-admin_token = "{ADMIN_TOKEN}"
-data_dir = "{data}"
-operator_share_bps = 8000
-
-[[models]]
-id = "smollm2"
-gguf = "{gguf}"
-input_price_micros_per_mtok = 150000
-output_price_micros_per_mtok = 600000
-"#,
-                data = dir.join("data").display(),
-                gguf = engine.model_gguf.display(),
-            ),
-        )
-        .unwrap();
-        let mut cmd = Command::new(gateway_bin());
-        cmd.arg("--config").arg(&config).env("RUST_LOG", rust_log);
-        let mut child = Child::spawn("gateway", cmd).unwrap();
-        let ready = child.read_json_line(Duration::from_secs(60)).await.unwrap();
-        let ca_file = PathBuf::from(ready["tunnel_ca_file"].as_str().unwrap());
+        let mut child = GatewayToml::new(ADMIN_TOKEN, &dir.join("data"))
+            .line("operator_share_bps = 8000")
+            .model("smollm2", &engine.model_gguf, 150_000, 600_000, "")
+            .spawn(
+                &dir.join("gateway.toml"),
+                &gateway_bin(),
+                rust_log,
+                "gateway",
+            )
+            .unwrap();
+        let ready = Ready::read(&mut child, Duration::from_secs(60))
+            .await
+            .unwrap();
+        let ca_file = ready.tunnel_ca_file;
         let cert = reqwest::Certificate::from_pem(&std::fs::read(&ca_file).unwrap()).unwrap();
         Gateway {
-            public: format!("http://{}", ready["public_addr"].as_str().unwrap()),
-            admin: format!("http://{}", ready["admin_addr"].as_str().unwrap()),
-            tunnel_addr: ready["tunnel_addr"].as_str().unwrap().to_owned(),
+            public: ready.public,
+            admin: ready.admin,
+            tunnel_addr: ready.tunnel_addr,
             ca_file,
             child,
             http: reqwest::Client::new(),

@@ -47,7 +47,7 @@ use std::time::{Duration, Instant};
 
 use common::{keygen, random_hex, sse_data, Gateway, PgDb, ADMIN_TOKEN, CREDITS, SHARE_BPS};
 use serde_json::{json, Value};
-use spine_test_support::Child;
+use spine_test_support::{Child, GatewayToml, Ready};
 use tokio::process::Command;
 
 /// Instances per cluster.
@@ -304,26 +304,8 @@ fn spawn_instance(
     let data = dir.join(format!("gw{i}"));
     std::fs::create_dir_all(&data).unwrap();
     let gguf = model_gguf();
-    let mut models = String::new();
-    for m in 0..MODELS {
-        models.push_str(&format!(
-            "\n[[models]]\nid = \"{}\"\ngguf = \"{}\"\ninput_price_micros_per_mtok = {}\noutput_price_micros_per_mtok = {}\n",
-            model(m),
-            gguf.display(),
-            common::INPUT_PRICE,
-            common::OUTPUT_PRICE,
-        ));
-    }
-    let config = data.join("gateway.toml");
-    std::fs::write(
-        &config,
-        format!(
-            r#"public_listen = "127.0.0.1:0"
-tunnel_listen = "127.0.0.1:0"
-admin_listen = "127.0.0.1:0"
-admin_token = "{ADMIN_TOKEN}"
-data_dir = "{data}"
-database_url = "{db}"
+    let mut toml = GatewayToml::new(ADMIN_TOKEN, &data).line(&format!(
+        r#"database_url = "{db}"
 operator_share_bps = {SHARE_BPS}
 shutdown_grace_secs = 5
 tunnel_tls_cert_file = "{cert}"
@@ -333,45 +315,46 @@ redis_key_prefix = "{prefix}"
 instance_id = "gw-{tag}-{i}"
 internal_listen = "127.0.0.1:0"
 cluster_secret = "{CLUSTER_SECRET}"
-{extra}
-{models}"#,
-            data = data.display(),
-            db = db.url,
-            cert = dir.join("tunnel-cert.pem").display(),
-            key = dir.join("tunnel-key.pem").display(),
-            redis_url = redis_url(),
-            prefix = redis.prefix,
-        ),
+{extra}"#,
+        db = db.url,
+        cert = dir.join("tunnel-cert.pem").display(),
+        key = dir.join("tunnel-key.pem").display(),
+        redis_url = redis_url(),
+        prefix = redis.prefix,
+    ));
+    for m in 0..MODELS {
+        toml = toml.model(
+            &model(m),
+            &gguf,
+            common::INPUT_PRICE,
+            common::OUTPUT_PRICE,
+            "",
+        );
+    }
+    toml.spawn(
+        &data.join("gateway.toml"),
+        Path::new(env!("CARGO_BIN_EXE_reference-gateway")),
+        "info",
+        &format!("gateway-{i}"),
     )
-    .unwrap();
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_reference-gateway"));
-    cmd.arg("--config").arg(&config).env("RUST_LOG", "info");
-    Child::spawn(&format!("gateway-{i}"), cmd).unwrap()
+    .unwrap()
 }
 
 /// Reads an instance's ready line.
 async fn ready(mut child: Child) -> Result<Instance, String> {
-    let ready = child
-        .read_json_line(Duration::from_secs(60))
+    let ready = Ready::read(&mut child, Duration::from_secs(60))
         .await
         .map_err(|e| e.to_string())?;
-    let field = |k: &str| {
-        ready[k]
-            .as_str()
-            .map(str::to_owned)
-            .ok_or_else(|| format!("ready line without {k:?}: {ready}"))
-    };
     Ok(Instance {
-        id: field("instance_id")?,
-        internal: field("internal_addr")?,
-        gw: Gateway {
-            public: format!("http://{}", field("public_addr")?),
-            admin: format!("http://{}", field("admin_addr")?),
-            tunnel: format!("wss://{}/v1/tunnel", field("tunnel_addr")?),
-            ca_file: PathBuf::from(field("tunnel_ca_file")?),
-            child,
-            http: reqwest::Client::new(),
-        },
+        id: ready
+            .instance_id
+            .clone()
+            .ok_or("ready line without \"instance_id\"")?,
+        internal: ready
+            .internal_addr
+            .clone()
+            .ok_or("ready line without \"internal_addr\"")?,
+        gw: Gateway::from_ready(ready, child),
     })
 }
 

@@ -3,6 +3,7 @@
 //! - [`Engine`]: where the real llama.cpp engine and model are (set up by `scripts/setup.sh`).
 //! - [`LlamaServer`]: a real `llama-server` child process on a free port, killed on drop.
 //! - [`Child`]: a spine binary as a child process whose stderr is kept for assertions.
+//! - [`GatewayToml`] and [`Ready`]: a test gateway's configuration and its ready line.
 //! - [`ReplayEngine`]: a fake engine on a real socket replaying recorded bytes in given reads.
 //! - [`FakeEngine`]: fakes of vLLM, Ollama and SGLang following their documented API shapes.
 //! - [`CutProxy`]: a TCP proxy in front of a real server that a test cuts, stalls and restores.
@@ -17,9 +18,11 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Command;
 
 pub mod fakes;
+mod gateway;
 mod proxy;
 mod replay;
 pub use fakes::{FakeEngine, FakeKind, SeenRequest};
+pub use gateway::{GatewayToml, Ready};
 pub use proxy::CutProxy;
 pub use replay::{ReplayEngine, Scripted};
 

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde_json::{json, Value};
-use spine_test_support::{Child, Engine};
+use spine_test_support::{Child, Engine, GatewayToml, Ready};
 use tokio::process::Command;
 
 pub const ADMIN_TOKEN: &str = "test-admin-token-0123456789";
@@ -72,40 +72,42 @@ impl Gateway {
         extra: &str,
         model_extra: &str,
     ) -> Gateway {
-        let config = dir.join("gateway.toml");
-        std::fs::write(
-            &config,
-            format!(
-                r#"public_listen = "127.0.0.1:0"
-tunnel_listen = "127.0.0.1:0"
-admin_listen = "127.0.0.1:0"
-admin_token = "{ADMIN_TOKEN}"
-data_dir = "{data}"
-operator_share_bps = {SHARE_BPS}
-shutdown_grace_secs = 120
-{extra}
+        let mut child = GatewayToml::new(ADMIN_TOKEN, &dir.join("data"))
+            .line(&format!("operator_share_bps = {SHARE_BPS}"))
+            // a test that sets its own grace period says so in `extra`
+            .line(if extra.contains("shutdown_grace_secs") {
+                ""
+            } else {
+                "shutdown_grace_secs = 120"
+            })
+            .line(extra)
+            .model(
+                "smollm2",
+                &engine.model_gguf,
+                INPUT_PRICE,
+                OUTPUT_PRICE,
+                model_extra,
+            )
+            .spawn(
+                &dir.join("gateway.toml"),
+                Path::new(env!("CARGO_BIN_EXE_reference-gateway")),
+                "info",
+                "gateway",
+            )
+            .unwrap();
+        let ready = Ready::read(&mut child, Duration::from_secs(60))
+            .await
+            .unwrap();
+        Self::from_ready(ready, child)
+    }
 
-[[models]]
-id = "smollm2"
-gguf = "{gguf}"
-input_price_micros_per_mtok = {INPUT_PRICE}
-output_price_micros_per_mtok = {OUTPUT_PRICE}
-{model_extra}
-"#,
-                data = dir.join("data").display(),
-                gguf = engine.model_gguf.display(),
-            ),
-        )
-        .unwrap();
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_reference-gateway"));
-        cmd.arg("--config").arg(&config).env("RUST_LOG", "info");
-        let mut child = Child::spawn("gateway", cmd).unwrap();
-        let ready = child.read_json_line(Duration::from_secs(60)).await.unwrap();
+    /// The gateway `child` that printed `ready`.
+    pub fn from_ready(ready: Ready, child: Child) -> Gateway {
         Gateway {
-            public: format!("http://{}", ready["public_addr"].as_str().unwrap()),
-            admin: format!("http://{}", ready["admin_addr"].as_str().unwrap()),
-            tunnel: format!("wss://{}/v1/tunnel", ready["tunnel_addr"].as_str().unwrap()),
-            ca_file: PathBuf::from(ready["tunnel_ca_file"].as_str().unwrap()),
+            public: ready.public,
+            admin: ready.admin,
+            tunnel: ready.tunnel,
+            ca_file: ready.tunnel_ca_file,
             child,
             // idle connections are dropped by the client well before the gateway's 15 s
             // header-read timeout closes them: otherwise a request that reuses one just as the
