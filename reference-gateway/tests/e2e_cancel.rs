@@ -117,14 +117,8 @@ async fn caller_gone_mid_stream_pays_prompt_plus_delivered_and_the_engine_stops(
 /// A fake engine whose chat answers stream 40 tokens, 1 ms apart, then finish.
 async fn slow_streaming_engine() -> (String, tokio::task::JoinHandle<()>) {
     use bytes::Bytes;
-    use http_body_util::BodyExt as _;
     use hyper::body::Frame;
-    common::serve_fake_engine(|req: hyper::Request<hyper::body::Incoming>| async move {
-        let path = req.uri().path().to_owned();
-        let _ = req.into_body().collect().await;
-        if let Some(meta) = common::fake_llama_meta(&path) {
-            return Ok(meta);
-        }
+    common::serve_fake_llama(|_path, _body| async move {
         let chunk = |delta: Value, finish: Value| {
             let c = json!({"id":"s","object":"chat.completion.chunk","created":1,"model":"smollm2",
                 "choices":[{"index":0,"delta":delta,"finish_reason":finish}]});
@@ -140,7 +134,7 @@ async fn slow_streaming_engine() -> (String, tokio::task::JoinHandle<()>) {
             rest.next()
                 .map(|f| (Ok::<_, std::io::Error>(Frame::data(Bytes::from(f))), rest))
         });
-        Ok::<_, std::convert::Infallible>(common::sse(stream))
+        common::sse(stream)
     })
     .await
 }

@@ -16,18 +16,13 @@
 
 mod common;
 
-use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use common::{
-    add_node, fake_llama_meta, full, serve_fake_engine, sse, sse_data, tenant, FakeBody, Gateway,
-    CREDITS,
-};
-use http_body_util::BodyExt as _;
-use hyper::body::{Frame, Incoming};
+use common::{add_node, full, serve_fake_llama, sse, sse_data, tenant, FakeBody, Gateway, CREDITS};
+use hyper::body::Frame;
 use serde_json::{json, Value};
 use spine_test_support::{Engine, LlamaServer};
 
@@ -37,14 +32,9 @@ const ROLE_CHUNK: &str = "data: {\"id\":\"x\",\"object\":\"chat.completion.chunk
 /// is cut) before any token. Counts the chat requests.
 async fn break_before_first_token(
     chats: Arc<AtomicU64>,
-    req: hyper::Request<Incoming>,
-) -> Result<hyper::Response<FakeBody>, Infallible> {
-    let path = req.uri().path().to_owned();
-    let _ = req.into_body().collect().await;
-    if let Some(meta) = fake_llama_meta(&path) {
-        return Ok(meta);
-    }
-    Ok(match path.as_str() {
+    path: String,
+) -> hyper::Response<FakeBody> {
+    match path.as_str() {
         "/v1/chat/completions" => {
             chats.fetch_add(1, Ordering::SeqCst);
             let frames: Vec<Result<Frame<Bytes>, std::io::Error>> = vec![
@@ -59,7 +49,7 @@ async fn break_before_first_token(
             sse(stream)
         }
         _ => full(404, "application/json", r#"{"error":"not found"}"#.into()),
-    })
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -69,7 +59,7 @@ async fn a_stream_broken_before_its_first_token_is_a_502_not_a_500() {
     let chats = Arc::new(AtomicU64::new(0));
     let counter = chats.clone();
     let (url, task) =
-        serve_fake_engine(move |req| break_before_first_token(counter.clone(), req)).await;
+        serve_fake_llama(move |path, _| break_before_first_token(counter.clone(), path)).await;
     let gw = Gateway::start(dir.path(), &engine).await;
     let t = tenant(&gw).await;
     let (_node, _agent) = add_node(&gw, dir.path(), &t.operator, &url, "broken").await;

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{add_node, fake_llama_meta, full, serve_fake_engine, tenant, Gateway};
+use common::{add_node, full, serve_fake_llama, tenant, Gateway};
 use serde_json::json;
 use spine_test_support::Engine;
 
@@ -39,15 +39,10 @@ fn pct(sorted: &[Duration], p: f64) -> f64 {
 #[ignore = "a measurement: cargo test --release --workspace --test e2e_flood -- --ignored --nocapture"]
 async fn paid_latency_with_and_without_a_zero_credit_flood() {
     let engine = Engine::discover().unwrap();
-    let (url, _task) = serve_fake_engine(|req: hyper::Request<hyper::body::Incoming>| async move {
-        if let Some(meta) = fake_llama_meta(req.uri().path()) {
-            return Ok(meta);
-        }
-        use http_body_util::BodyExt as _;
-        let _ = req.into_body().collect().await;
+    let (url, _task) = serve_fake_llama(|_path, _body| async move {
         let answer = json!({"id":"c","object":"chat.completion","created":1,"model":"smollm2",
             "choices":[{"index":0,"message":{"role":"assistant","content":"Hi!"},"finish_reason":"stop"}]});
-        Ok(full(200, "application/json", answer.to_string()))
+        full(200, "application/json", answer.to_string())
     })
     .await;
     let dir = tempfile::tempdir().unwrap();

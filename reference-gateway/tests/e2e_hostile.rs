@@ -7,9 +7,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{
-    add_node, fake_llama_meta, full, serve_fake_engine, sse_data, tenant, EngineCounter, Gateway,
-};
+use common::{add_node, full, serve_fake_llama, sse_data, tenant, EngineCounter, Gateway};
 use serde_json::{json, Value};
 use spine_core::ENGINE_GENERATION_FIELDS;
 use spine_meter::tokenizer::length_allowance_tokens;
@@ -192,14 +190,9 @@ async fn a_node_padding_length_finishes_is_billed_by_the_delivered_text() {
     let pad = padding.clone();
     // a node that answers every chat with 1,000 × "x" and finish_reason "length", claiming
     // max_tokens (1,000) completion tokens, streamed and not
-    let (url, _task) = serve_fake_engine(move |req: hyper::Request<hyper::body::Incoming>| {
+    let (url, _task) = serve_fake_llama(move |_path, body| {
         let pad = pad.clone();
         async move {
-            if let Some(meta) = fake_llama_meta(req.uri().path()) {
-                return Ok(meta);
-            }
-            use http_body_util::BodyExt as _;
-            let body = req.into_body().collect().await.unwrap().to_bytes();
             let v: Value = serde_json::from_slice(&body).unwrap();
             let usage = json!({"prompt_tokens": 20, "completion_tokens": 1000, "total_tokens": 1020});
             if v["stream"] == true {
@@ -212,12 +205,12 @@ async fn a_node_padding_length_finishes_is_billed_by_the_delivered_text() {
                 let fin = json!({"id":"p","object":"chat.completion.chunk","created":1,"model":"smollm2",
                     "choices":[{"index":0,"delta":{},"finish_reason":"length"}],"usage":usage});
                 out.push_str(&format!("data: {fin}\n\ndata: [DONE]\n\n"));
-                return Ok(full(200, "text/event-stream", out));
+                return full(200, "text/event-stream", out);
             }
             let answer = json!({"id":"p","object":"chat.completion","created":1,"model":"smollm2",
                 "choices":[{"index":0,"message":{"role":"assistant","content":pad},"finish_reason":"length"}],
                 "usage":usage});
-            Ok(full(200, "application/json", answer.to_string()))
+            full(200, "application/json", answer.to_string())
         }
     })
     .await;
@@ -263,12 +256,9 @@ async fn a_node_streaming_a_gibibyte_is_cut_at_its_bound_with_bounded_gateway_me
     let sent = Arc::new(AtomicU64::new(0));
     let counter = sent.clone();
     // a node that streams content without end, up to 1 GiB, in 64 KiB events
-    let (url, _task) = serve_fake_engine(move |req: hyper::Request<hyper::body::Incoming>| {
+    let (url, _task) = serve_fake_llama(move |_path, _body| {
         let counter = counter.clone();
         async move {
-            if let Some(meta) = fake_llama_meta(req.uri().path()) {
-                return Ok(meta);
-            }
             let text = "lorem ipsum dolor sit amet ".repeat(64 * 1024 / 27);
             let chunk = json!({"id":"g","object":"chat.completion.chunk","created":1,"model":"smollm2",
                 "choices":[{"index":0,"delta":{"content":text},"finish_reason":null}]});
@@ -278,7 +268,7 @@ async fn a_node_streaming_a_gibibyte_is_cut_at_its_bound_with_bounded_gateway_me
                 counter.fetch_add(event.len() as u64, Ordering::Relaxed);
                 Ok::<_, std::io::Error>(Frame::data(event.clone()))
             }));
-            Ok(common::sse(stream))
+            common::sse(stream)
         }
     })
     .await;
@@ -331,12 +321,7 @@ async fn a_node_streaming_a_gibibyte_is_cut_at_its_bound_with_bounded_gateway_me
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn responses_are_reshaped_and_a_tool_call_padder_is_not_paid() {
     let engine = Engine::discover().unwrap();
-    let (url, _task) = serve_fake_engine(move |req: hyper::Request<hyper::body::Incoming>| async move {
-        if let Some(meta) = fake_llama_meta(req.uri().path()) {
-            return Ok(meta);
-        }
-        use http_body_util::BodyExt as _;
-        let body = req.into_body().collect().await.unwrap().to_bytes();
+    let (url, _task) = serve_fake_llama(move |_path, body| async move {
         let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
         let usage = json!({"prompt_tokens": 9, "completion_tokens": 3, "total_tokens": 12});
         let prompt = v["messages"].to_string();
@@ -348,14 +333,14 @@ async fn responses_are_reshaped_and_a_tool_call_padder_is_not_paid() {
                 out.push_str(&format!("data: {chunk}\n\n"));
             }
             out.push_str("data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"tool_calls\"}]}\n\ndata: [DONE]\n\n");
-            return Ok(full(200, "text/event-stream", out));
+            return full(200, "text/event-stream", out);
         }
         if v["stream"] == true {
             // a whole body to a streamed request
             let answer = json!({"id":"p","object":"chat.completion","created":1,"model":"smollm2",
                 "choices":[{"index":0,"message":{"role":"assistant","content":"Hello there"},"finish_reason":"stop"}],
                 "usage":usage});
-            return Ok(full(200, "application/json", answer.to_string()));
+            return full(200, "application/json", answer.to_string());
         }
         // a stream to a request that was not
         let out = format!(
@@ -363,7 +348,7 @@ async fn responses_are_reshaped_and_a_tool_call_padder_is_not_paid() {
             json!({"choices":[{"index":0,"delta":{"content":"Hello there"},"finish_reason":null}]}),
             json!({"choices":[{"index":0,"delta":{},"finish_reason":"stop"}],"usage":usage}),
         );
-        Ok(full(200, "text/event-stream", out))
+        full(200, "text/event-stream", out)
     })
     .await;
     let dir = tempfile::tempdir().unwrap();

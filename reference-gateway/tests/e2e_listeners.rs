@@ -8,12 +8,9 @@
 
 mod common;
 
-use std::convert::Infallible;
 use std::time::{Duration, Instant};
 
-use common::{add_node, fake_llama_meta, full, serve_fake_engine, tenant, FakeBody, Gateway};
-use http_body_util::BodyExt as _;
-use hyper::body::Incoming;
+use common::{add_node, full, serve_fake_llama, tenant, FakeBody, Gateway};
 use serde_json::{json, Value};
 use spine_test_support::Engine;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
@@ -57,15 +54,8 @@ fn raise_fd_limit() -> u64 {
     u64::MAX
 }
 
-async fn fake_llama(
-    req: hyper::Request<Incoming>,
-) -> Result<hyper::Response<FakeBody>, Infallible> {
-    let path = req.uri().path().to_owned();
-    let _ = req.into_body().collect().await;
-    if let Some(meta) = fake_llama_meta(&path) {
-        return Ok(meta);
-    }
-    Ok(match path.as_str() {
+async fn fake_llama(path: String) -> hyper::Response<FakeBody> {
+    match path.as_str() {
         "/v1/chat/completions" => full(
             200,
             "application/json",
@@ -78,7 +68,7 @@ async fn fake_llama(
             .to_string(),
         ),
         _ => full(404, "application/json", r#"{"error":"not found"}"#.into()),
-    })
+    }
 }
 
 fn addr(url: &str) -> String {
@@ -206,7 +196,7 @@ async fn ten_thousand_idle_connections_do_not_stop_paid_requests() {
         &format!("header_read_timeout_ms = 600000\npublic_max_connections = {FLOOD_CAP}"),
     )
     .await;
-    let (url, _engine_task) = serve_fake_engine(fake_llama).await;
+    let (url, _engine_task) = serve_fake_llama(|path, _| fake_llama(path)).await;
     let t = tenant(&gw).await;
     let (_node, _agent) = add_node(&gw, dir.path(), &t.operator, &url, "node").await;
     let (status, body) = paid_chat(&gw, &t.api_key).await;

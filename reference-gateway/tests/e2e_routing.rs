@@ -21,7 +21,6 @@
 
 mod common;
 
-use std::convert::Infallible;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -29,11 +28,10 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use common::{
-    add_node, fake_llama_meta, full, metric, serve_fake_engine, sse, sse_data, tenant, FakeBody,
-    Gateway, Tenant, CREDITS,
+    add_node, full, metric, serve_fake_llama, sse, sse_data, tenant, FakeBody, Gateway, Tenant,
+    CREDITS,
 };
-use http_body_util::BodyExt as _;
-use hyper::body::{Frame, Incoming};
+use hyper::body::Frame;
 use serde_json::{json, Value};
 use spine_test_support::{Child, Engine, LlamaServer};
 
@@ -64,14 +62,9 @@ impl Drop for HostileEngine {
 async fn hostile_answer(
     mode: Hostile,
     chats: Arc<AtomicU64>,
-    req: hyper::Request<Incoming>,
-) -> Result<hyper::Response<FakeBody>, Infallible> {
-    let path = req.uri().path().to_owned();
-    let _ = req.into_body().collect().await;
-    if let Some(meta) = fake_llama_meta(&path) {
-        return Ok(meta);
-    }
-    Ok(match path.as_str() {
+    path: String,
+) -> hyper::Response<FakeBody> {
+    match path.as_str() {
         "/v1/chat/completions" => {
             chats.fetch_add(1, Ordering::SeqCst);
             let role = "data: {\"id\":\"x\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"smollm2\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":null},\"finish_reason\":null}]}\n\n";
@@ -100,7 +93,7 @@ async fn hostile_answer(
             sse(stream)
         }
         _ => full(404, "application/json", r#"{"error":"not found"}"#.into()),
-    })
+    }
 }
 
 impl HostileEngine {
@@ -108,7 +101,7 @@ impl HostileEngine {
         let chats = Arc::new(AtomicU64::new(0));
         let counter = chats.clone();
         let (url, task) =
-            serve_fake_engine(move |req| hostile_answer(mode, counter.clone(), req)).await;
+            serve_fake_llama(move |path, _| hostile_answer(mode, counter.clone(), path)).await;
         Self { url, chats, task }
     }
 }
@@ -638,14 +631,9 @@ async fn caller_input_that_makes_llama_500_does_not_penalise_healthy_nodes() {
 /// 2 cores).
 async fn paced_engine(token_ms: u64) -> (String, tokio::task::JoinHandle<()>) {
     let active = Arc::new(AtomicU64::new(0));
-    serve_fake_engine(move |req: hyper::Request<Incoming>| {
+    serve_fake_llama(move |_path, _body| {
         let active = active.clone();
         async move {
-            let path = req.uri().path().to_owned();
-            let _ = req.into_body().collect().await;
-            if let Some(meta) = fake_llama_meta(&path) {
-                return Ok::<_, Infallible>(meta);
-            }
             let chunk = |delta: Value, finish: Value| {
                 let c = json!({"id":"p","object":"chat.completion.chunk","created":1,"model":"smollm2",
                     "choices":[{"index":0,"delta":delta,"finish_reason":finish}]});
@@ -677,7 +665,7 @@ async fn paced_engine(token_ms: u64) -> (String, tokio::task::JoinHandle<()>) {
                     Some((next, (rest, false, guard)))
                 },
             );
-            Ok(sse(stream))
+            sse(stream)
         }
     })
     .await

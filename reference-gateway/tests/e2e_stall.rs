@@ -9,18 +9,15 @@
 
 mod common;
 
-use std::convert::Infallible;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use common::{
-    add_node, fake_llama_meta, full, serve_fake_engine, sse, sse_data, tenant, FakeBody, Gateway,
-    Tenant, CREDITS,
+    add_node, full, serve_fake_llama, sse, sse_data, tenant, FakeBody, Gateway, Tenant, CREDITS,
 };
-use http_body_util::BodyExt as _;
-use hyper::body::{Frame, Incoming};
+use hyper::body::Frame;
 use serde_json::{json, Value};
 use spine_test_support::Engine;
 
@@ -67,16 +64,8 @@ struct EngineState {
     cancelled: Arc<AtomicBool>,
 }
 
-async fn answer(
-    state: EngineState,
-    req: hyper::Request<Incoming>,
-) -> Result<hyper::Response<FakeBody>, Infallible> {
-    let path = req.uri().path().to_owned();
-    let _ = req.into_body().collect().await;
-    if let Some(meta) = fake_llama_meta(&path) {
-        return Ok(meta);
-    }
-    Ok(match path.as_str() {
+async fn answer(state: EngineState, path: String) -> hyper::Response<FakeBody> {
+    match path.as_str() {
         "/v1/chat/completions" => {
             state.chats.fetch_add(1, Ordering::SeqCst);
             let stall = state.stall.load(Ordering::SeqCst);
@@ -114,7 +103,7 @@ async fn answer(
             sse(stream)
         }
         _ => full(404, "application/json", r#"{"error":"not found"}"#.into()),
-    })
+    }
 }
 
 impl StallingEngine {
@@ -125,7 +114,7 @@ impl StallingEngine {
             cancelled: Arc::new(AtomicBool::new(false)),
         };
         let shared = state.clone();
-        let (url, task) = serve_fake_engine(move |req| answer(shared.clone(), req)).await;
+        let (url, task) = serve_fake_llama(move |path, _| answer(shared.clone(), path)).await;
         Self {
             url,
             stall: state.stall,

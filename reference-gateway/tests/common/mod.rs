@@ -591,6 +591,34 @@ where
     (url, task)
 }
 
+/// Serves a fake llama-server serving `smollm2` over real HTTP/1.1 on a free loopback port:
+/// `/health` and `/v1/models` as [`fake_llama_meta`] answers them; any other request is read
+/// whole and `answer` gets its path and body. Returns the base URL and the accept loop's task.
+pub async fn serve_fake_llama<F, Fut>(answer: F) -> (String, tokio::task::JoinHandle<()>)
+where
+    F: Fn(String, bytes::Bytes) -> Fut + Clone + Send + Sync + 'static,
+    Fut: std::future::Future<Output = hyper::Response<FakeBody>> + Send + 'static,
+{
+    serve_fake_engine(move |req: hyper::Request<hyper::body::Incoming>| {
+        let answer = answer.clone();
+        async move {
+            use http_body_util::BodyExt as _;
+            let path = req.uri().path().to_owned();
+            let body = req
+                .into_body()
+                .collect()
+                .await
+                .map(http_body_util::Collected::to_bytes)
+                .unwrap_or_default();
+            Ok(match fake_llama_meta(&path) {
+                Some(meta) => meta,
+                None => answer(path, body).await,
+            })
+        }
+    })
+    .await
+}
+
 // --- PostgreSQL ------------------------------------------------------------------------------
 
 /// The server the tests create their databases on.
