@@ -1,0 +1,25 @@
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use spine_core::{BoxBody, BoxError};
+
+/// Response future of [`Route`](super::Route).
+pub struct ResponseFuture {
+    pub(super) inner:
+        Pin<Box<dyn Future<Output = Result<http::Response<BoxBody>, BoxError>> + Send>>,
+}
+
+impl std::fmt::Debug for ResponseFuture {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ResponseFuture").finish_non_exhaustive()
+    }
+}
+
+impl Future for ResponseFuture {
+    type Output = Result<http::Response<BoxBody>, BoxError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        self.inner.as_mut().poll(cx)
+    }
+}
