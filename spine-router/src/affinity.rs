@@ -101,6 +101,11 @@ pub trait AffinityStore: Send + Sync + std::fmt::Debug {
     ///
     /// The store is unreachable or slow; `Route` then uses the in-memory table. Implementations
     /// bound their own latency (the reference gateway uses 100 ms).
+    ///
+    /// # Cancel safety
+    ///
+    /// `Route` drops the future unfinished when its caller goes away; a read must leave the
+    /// store as it was.
     fn get<'a>(
         &'a self,
         model: &'a ModelId,
@@ -112,6 +117,12 @@ pub trait AffinityStore: Send + Sync + std::fmt::Debug {
     /// # Errors
     ///
     /// The store is unreachable or slow; the entry then lives only in the in-memory table.
+    ///
+    /// # Cancel safety
+    ///
+    /// `Route` runs it in a spawned task, which the runtime may drop at shutdown: a write
+    /// dropped part-way may or may not have landed, and either is a valid entry (a lost write
+    /// is a later sticky miss).
     fn set<'a>(
         &'a self,
         model: &'a ModelId,

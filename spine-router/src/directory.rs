@@ -73,6 +73,11 @@ pub trait NodeDirectory: Send + Sync + Debug {
     /// router unchanged, before any byte of the request left this instance: the application
     /// recognises it with [`RouteLayer::not_node_fault`](crate::RouteLayer::not_node_fault) so
     /// that the router retries another node without scoring this one.
+    ///
+    /// # Cancel safety
+    ///
+    /// [`DirectoryDispatch`] drops the future unfinished when the request's caller goes away; a
+    /// lookup must leave the directory as it was.
     fn locate<'a>(&'a self, node: &'a NodeId) -> DirectoryFuture<'a, NodeLocation>;
 }
 
