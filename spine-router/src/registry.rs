@@ -99,6 +99,7 @@ impl Default for NodeRegistry {
 
 /// A point-in-time view of one node, for admin APIs.
 #[derive(Debug, Clone, PartialEq, Serialize)]
+#[non_exhaustive]
 pub struct NodeSnapshot {
     /// The node.
     pub node_id: NodeId,
@@ -180,6 +181,7 @@ pub struct Ask<'a> {
 
 /// The result of [`NodeRegistry::pick_for`].
 #[derive(Debug)]
+#[non_exhaustive]
 pub struct Pick {
     /// The node's in-flight lease.
     pub lease: InFlightLease,

@@ -51,6 +51,7 @@ pub const DISCONNECT_SCORE_FLOOR: f64 = 0.05;
 
 /// Constants of the score. [`Default`] gives the values stated in the module docs.
 #[derive(Clone, Copy, Debug, PartialEq)]
+#[non_exhaustive]
 pub struct ScoreConfig {
     /// EMA factor α in (0, 1]: the weight of the newest sample. Default 0.2.
     pub ema_alpha: f64,
@@ -119,6 +120,7 @@ impl ScoreConfig {
 
 /// The score and its parts at one instant, as the admin API shows them.
 #[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+#[non_exhaustive]
 pub struct ScoreParts {
     /// The final score in [0, 1], higher is better.
     pub score: f64,

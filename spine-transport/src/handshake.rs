@@ -68,6 +68,7 @@ impl Challenge {
 
 /// The agent's answer to a [`Challenge`].
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct Hello {
     /// The node's public key in canonical text form ([`crate::public_key_text`]).
     pub public_key: String,
@@ -132,6 +133,7 @@ impl Hello {
 
 /// The gateway's acceptance, last handshake message.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct Accepted {
     /// The node id the gateway knows this key as.
     pub node_id: NodeId,

@@ -35,6 +35,7 @@ pub enum TlsError {
 
 /// A certificate chain and private key on disk, both PEM.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct TlsFiles {
     /// The certificate chain, leaf first.
     pub cert_path: PathBuf,
@@ -43,6 +44,15 @@ pub struct TlsFiles {
 }
 
 impl TlsFiles {
+    /// The chain at `cert_path` and the key at `key_path`; nothing is read until
+    /// [`server_config`](Self::server_config).
+    pub fn new(cert_path: impl Into<PathBuf>, key_path: impl Into<PathBuf>) -> Self {
+        Self {
+            cert_path: cert_path.into(),
+            key_path: key_path.into(),
+        }
+    }
+
     /// Reads both files and builds a server configuration ([`server_config_from_pem`]).
     ///
     /// # Errors

@@ -16,6 +16,7 @@ pub enum TunnelState {
 
 /// One model of a node, as its last health probe saw it.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
 pub struct ModelStatus {
     /// The model id, as in the node's descriptor.
     pub model: ModelId,
@@ -29,6 +30,7 @@ pub struct ModelStatus {
 ///
 /// [`Tunnels::status`]: super::Tunnels::status
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
 pub struct TunnelStatus {
     /// Warming, ready or unhealthy.
     pub state: TunnelState,
