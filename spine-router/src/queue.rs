@@ -116,6 +116,7 @@ pub struct QueueWeight(pub u32);
 
 /// A point-in-time view of one model's queue, for admin APIs.
 #[derive(Clone, Debug, PartialEq, Serialize)]
+#[non_exhaustive]
 pub struct QueueSnapshot {
     /// The model.
     pub model: ModelId,

@@ -9,122 +9,19 @@ use spine_core::{ModelId, ModelTrust, NodeDescriptor, NodeId, RequestKind};
 use tokio::time::Instant;
 
 use crate::affinity::{AffinityKey, AffinityTable, StickyOutcome};
-use crate::queue::{QueueConfig, Queues};
+use crate::queue::Queues;
 use crate::score::{weight, ScoreConfig, ScoreParts, ScoreState};
+
+mod config;
+mod error;
+
+pub use config::RegistryConfig;
+pub use error::RouteError;
 
 /// Name of the sticky counter (`result` = `hit`, `miss`, `new`; design brief §5).
 pub const STICKY_METRIC: &str = "spine_router_sticky_total";
 /// Name of the attempt counter (`result` = `success`, `failure`, `disconnect`).
 pub const ATTEMPTS_METRIC: &str = "spine_router_attempts_total";
-
-/// Why no node could be picked.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum RouteError {
-    /// The request carries no [`RequestPeek`](spine_core::RequestPeek) extension: the metering
-    /// layer must run before routing.
-    #[error("request has no peeked model; the metering layer must run before routing")]
-    MissingPeek,
-    /// No routable node serves this model.
-    #[error("no node serves model '{0}'")]
-    NoNodeForModel(ModelId),
-    /// Nodes serve the model but all of them are at their concurrency limit.
-    #[error("all nodes serving model '{0}' are at capacity")]
-    AtCapacity(ModelId),
-    /// The last attempt's node sent nothing the caller could get (no head, or no first content)
-    /// within the first-content deadline ([`RouteConfig::first_content_timeout`](crate::RouteConfig)).
-    #[error("no first content from the node within {0:?}")]
-    FirstContentTimeout(Duration),
-    /// A committed response's node sent nothing for this long
-    /// ([`RouteConfig::stream_idle_timeout`](crate::RouteConfig)): a body error, after bytes
-    /// reached the caller, so never retried.
-    #[error("node sent nothing for {} s after the response began", .0.as_secs())]
-    StreamIdleTimeout(Duration),
-    /// Every node that could serve the request is full and the model's admission queue is at
-    /// its depth ([`QueueConfig::max_depth`]), or this request's place went to another account's
-    /// (see [`crate::queue`]). `retry_after`: the queue's estimate of when a place frees.
-    #[error("all nodes serving model '{model}' are at capacity and its queue is full")]
-    QueueFull {
-        /// The model.
-        model: ModelId,
-        /// When trying again may succeed (at least 1 s).
-        retry_after: Duration,
-    },
-    /// The request waited [`QueueConfig::max_wait`] in the model's admission queue without a
-    /// free slot.
-    #[error("all nodes serving model '{model}' stayed at capacity for {} s", .waited.as_secs())]
-    QueueTimeout {
-        /// The model.
-        model: ModelId,
-        /// How long it waited.
-        waited: Duration,
-        /// When trying again may succeed (at least 1 s).
-        retry_after: Duration,
-    },
-    /// Nodes serve the model, but none with a context window that holds the prompt
-    /// ([`PromptTokens`](spine_core::PromptTokens)); `max_context_tokens` is the largest among
-    /// them.
-    #[error("prompt of {prompt_tokens} tokens does not fit the context of any node serving model '{model}' (largest: {max_context_tokens} tokens)")]
-    ContextLengthExceeded {
-        /// The model.
-        model: ModelId,
-        /// The request's longest prompt.
-        prompt_tokens: u64,
-        /// The largest context window among the model's nodes.
-        max_context_tokens: u64,
-    },
-    /// Nodes serve the model, but none answers this endpoint (e.g. embeddings turned off on
-    /// every engine).
-    #[error("no node serving model '{model}' answers {}", .kind.path())]
-    Unsupported {
-        /// The model.
-        model: ModelId,
-        /// The endpoint asked for.
-        kind: RequestKind,
-    },
-}
-
-/// Settings of a [`NodeRegistry`]. [`Default`] gives the documented values.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct RegistryConfig {
-    /// The score's constants (see [`ScoreConfig`]).
-    pub score: ScoreConfig,
-    /// How long a conversation sticks to its node after its last request. Default 30 min;
-    /// `Duration::ZERO` disables affinity.
-    pub affinity_ttl: Duration,
-    /// Most affinity entries kept (about 100 bytes each). Default 1,000,000.
-    pub max_affinity_entries: usize,
-    /// Most VRAM, MiB, a node's self-reported `vram_mib` counts for in its pick weight: a node
-    /// cannot take nearly all traffic by claiming huge VRAM in its hello. Default 196,608
-    /// (192 GiB).
-    pub max_vram_mib: u64,
-    /// The admission queue used when every candidate node is full (see [`crate::queue`]).
-    pub queue: QueueConfig,
-    /// Load (`in_flight / max_concurrency`) at or above which a conversation's sticky node
-    /// yields to another candidate whose load is lower by at least 0.5 (e.g. with 4 slots: the
-    /// sticky node has 3 requests in flight, another node at most 1). Default 0.75; 1.0 or more:
-    /// the sticky node yields only when full (the behaviour before load-aware picks).
-    pub affinity_yield_load: f64,
-    /// Whether a pick is load-aware: two weighted draws, the less loaded wins, and a sticky
-    /// node yields at [`affinity_yield_load`](Self::affinity_yield_load). `false`: one weighted
-    /// draw among the nodes with a free slot, and a sticky node yields only when full (the pick
-    /// before load-aware picks; kept to measure one against the other). Default `true`.
-    pub load_aware_pick: bool,
-}
-
-impl Default for RegistryConfig {
-    fn default() -> Self {
-        Self {
-            score: ScoreConfig::default(),
-            affinity_ttl: Duration::from_secs(30 * 60),
-            max_affinity_entries: 1_000_000,
-            max_vram_mib: 196_608,
-            queue: QueueConfig::default(),
-            affinity_yield_load: 0.75,
-            load_aware_pick: true,
-        }
-    }
-}
 
 /// Per-node statistics, kept across reconnects (a node cannot reset its score by reconnecting).
 #[derive(Debug)]
@@ -202,6 +99,7 @@ impl Default for NodeRegistry {
 
 /// A point-in-time view of one node, for admin APIs.
 #[derive(Debug, Clone, PartialEq, Serialize)]
+#[non_exhaustive]
 pub struct NodeSnapshot {
     /// The node.
     pub node_id: NodeId,
@@ -283,6 +181,7 @@ pub struct Ask<'a> {
 
 /// The result of [`NodeRegistry::pick_for`].
 #[derive(Debug)]
+#[non_exhaustive]
 pub struct Pick {
     /// The node's in-flight lease.
     pub lease: InFlightLease,

@@ -471,6 +471,11 @@ impl TunnelClient {
     /// # Errors
     ///
     /// As [`connect`](Self::connect) and [`TunnelSession::serve`].
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future closes the connection being set up, or the tunnel once it serves;
+    /// requests in flight then fail on the gateway side.
     pub async fn connect_once<S>(&self, service: S) -> Result<(), TunnelError>
     where
         S: tower::Service<Request<hyper::body::Incoming>, Response = Response<BoxBody>>

@@ -810,11 +810,12 @@ async fn failing_probes_take_the_node_out_of_routing_and_back() {
     assert_eq!(status.max_streams, 4);
     assert_eq!(status.streams_open, 0);
     assert_eq!(
-        status.models,
-        vec![spine_transport::ModelStatus {
-            model: ModelId::new("smollm2"),
-            running: true
-        }]
+        status
+            .models
+            .iter()
+            .map(|m| (m.model.clone(), m.running))
+            .collect::<Vec<_>>(),
+        vec![(ModelId::new("smollm2"), true)]
     );
 
     agent.healthy.store(false, Ordering::SeqCst);

@@ -1,5 +1,11 @@
 #![allow(clippy::unwrap_used)]
-use super::*;
+use std::sync::Arc;
+
+use tokio_tungstenite::tungstenite::protocol::Role;
+use tokio_tungstenite::WebSocketStream;
+
+use super::session::run_session;
+use super::{StaticAuthenticator, TunnelServer, TunnelServerConfig};
 
 /// Every idle tunnel keeps its session task's state alive: keep it small (the scale budget
 /// in docs/benchmarks.md counts it).

@@ -1,0 +1,46 @@
+use std::time::Duration;
+
+use crate::queue::QueueConfig;
+use crate::score::ScoreConfig;
+
+/// Settings of a [`NodeRegistry`](crate::NodeRegistry). [`Default`] gives the documented values.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RegistryConfig {
+    /// The score's constants (see [`ScoreConfig`]).
+    pub score: ScoreConfig,
+    /// How long a conversation sticks to its node after its last request. Default 30 min;
+    /// `Duration::ZERO` disables affinity.
+    pub affinity_ttl: Duration,
+    /// Most affinity entries kept (about 100 bytes each). Default 1,000,000.
+    pub max_affinity_entries: usize,
+    /// Most VRAM, MiB, a node's self-reported `vram_mib` counts for in its pick weight: a node
+    /// cannot take nearly all traffic by claiming huge VRAM in its hello. Default 196,608
+    /// (192 GiB).
+    pub max_vram_mib: u64,
+    /// The admission queue used when every candidate node is full (see [`crate::queue`]).
+    pub queue: QueueConfig,
+    /// Load (`in_flight / max_concurrency`) at or above which a conversation's sticky node
+    /// yields to another candidate whose load is lower by at least 0.5 (e.g. with 4 slots: the
+    /// sticky node has 3 requests in flight, another node at most 1). Default 0.75; 1.0 or more:
+    /// the sticky node yields only when full (the behaviour before load-aware picks).
+    pub affinity_yield_load: f64,
+    /// Whether a pick is load-aware: two weighted draws, the less loaded wins, and a sticky
+    /// node yields at [`affinity_yield_load`](Self::affinity_yield_load). `false`: one weighted
+    /// draw among the nodes with a free slot, and a sticky node yields only when full (the pick
+    /// before load-aware picks; kept to measure one against the other). Default `true`.
+    pub load_aware_pick: bool,
+}
+
+impl Default for RegistryConfig {
+    fn default() -> Self {
+        Self {
+            score: ScoreConfig::default(),
+            affinity_ttl: Duration::from_secs(30 * 60),
+            max_affinity_entries: 1_000_000,
+            max_vram_mib: 196_608,
+            queue: QueueConfig::default(),
+            affinity_yield_load: 0.75,
+            load_aware_pick: true,
+        }
+    }
+}
