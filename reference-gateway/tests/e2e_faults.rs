@@ -344,7 +344,7 @@ async fn slow_readers_leave_the_node_slots_free_once_generation_ends() {
     let mut slow = Vec::new();
     for r in readers {
         // the last four wait in the queue for slots the first four's unread answers would hold
-        let (id, resp) = tokio::time::timeout(Duration::from_secs(300), r)
+        let (id, resp) = tokio::time::timeout(Duration::from_secs(900), r)
             .await
             .expect("all 8 slow readers served while none of them reads")
             .unwrap();
@@ -353,7 +353,9 @@ async fn slow_readers_leave_the_node_slots_free_once_generation_ends() {
     let all_started = started.elapsed();
     // generation ends: the node's slots are free with every answer still unread
     let mut freed = None;
-    for _ in 0..3000 {
+    // (up to 15 min: 600 tokens on each of 4 slots take minutes on a machine busy with other
+    // engines; a node that keeps its slots would never pass)
+    for _ in 0..9000 {
         if node_in_flight(&gw, &node).await == 0
             && common::llama_slots_busy(&http, &llama.url).await == 0
         {
@@ -449,7 +451,10 @@ async fn fault_matrix(pg: Option<&common::PgDb>) {
     let dir = tempfile::tempdir().unwrap();
     let mut llama_a = LlamaServer::start(&engine, 2).await.unwrap();
     let mut llama_b = LlamaServer::start(&engine, 2).await.unwrap();
-    let extra = pg.map_or(String::new(), |db| format!("database_url = \"{}\"", db.url));
+    // a caller waits in the queue as long as a slow, loaded machine needs (the burst's requests
+    // queue behind each other on four slots): the bound is what a hang would take, not 30 s
+    let extra = "queue_max_wait_secs = 600\n".to_owned()
+        + &pg.map_or(String::new(), |db| format!("database_url = \"{}\"", db.url));
     let gw = Gateway::start_with(dir.path(), &engine, &extra).await;
     let t = tenant(&gw).await;
     let ledger = common::LedgerDb::open(dir.path(), pg).await;
