@@ -16,10 +16,14 @@ pub mod tokenizer;
 mod test_support;
 
 pub use inject::{inject_include_usage, InjectError};
+#[cfg(feature = "sqlite")]
+pub use ledger::SqliteLedger;
 pub use ledger::{
-    AccountBalance, EarningsState, Enrollment, EntryTotals, HeldEarnings, HoldNote, InstanceUpkeep,
-    KeyLimits, Ledger, LedgerError, LedgerFuture, NodeRecord, PgLedger, PgPoolConfig,
-    RequestRecord, SettleResult, Settlement, SqliteLedger, Store, SweepKind,
+    AccountBalance, EarningsState, Enrollment, EntryTotals, HeldEarnings, HoldNote, KeyLimits,
+    Ledger, LedgerError, LedgerFuture, NodeRecord, RequestRecord, SettleResult, Settlement, Store,
+    SweepKind,
 };
+#[cfg(feature = "postgres")]
+pub use ledger::{InstanceUpkeep, PgLedger, PgPoolConfig};
 pub use price::Price;
 pub use tokenizer::{ModelTokenizer, TokenizerError};
