@@ -4,6 +4,8 @@
 use spine_core::{ModelId, NodeId};
 
 use super::Settlement;
+#[cfg(doc)]
+use crate::ledger::Store;
 
 /// The amounts one settlement moves, micros: the module docs' rules, computed in one place for
 /// every store.

@@ -8,6 +8,8 @@ use super::{InstanceUpkeep, PgLedger, DB_NOW_MS};
 use crate::ledger::convert::db;
 use crate::ledger::sql::money::{settle_hold_rows, HOLD_COLUMNS};
 use crate::ledger::sql::{Arg, Backend as _, SqlConn as _};
+#[cfg(doc)]
+use crate::ledger::Store;
 use crate::ledger::{LedgerError, SweepKind};
 
 impl PgLedger {

@@ -17,6 +17,8 @@ use sqlx::{Postgres, Transaction};
 use super::convert::{db, now_ms, to_i64};
 use super::sql::{self, money, unique_as, Access, Arg, Backend, HoldRequest, SqlConn as _};
 use super::{LedgerError, LedgerFuture};
+#[cfg(doc)]
+use crate::ledger::Store;
 
 /// PostgreSQL's own clock in Unix milliseconds: instance heartbeats are written and compared with
 /// it, so clock skew between gateway machines cannot make a live instance look dead.

@@ -21,6 +21,8 @@ use sqlx::{Connection as _, Sqlite, Transaction};
 use super::convert::{db, to_i64};
 use super::sql::{self, money, Access, Arg, Backend, HoldRequest, SqlConn as _};
 use super::{LedgerError, LedgerFuture};
+#[cfg(doc)]
+use crate::ledger::Store;
 
 /// The ledger and gateway store on SQLite.
 ///
