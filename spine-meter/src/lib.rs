@@ -1,5 +1,12 @@
 //! Metering for spine (design brief §6): SSE parsing, usage capture, `include_usage` injection,
 //! independent token counts, prices, the ledger and the metering tower layer.
+//!
+//! # Features
+//!
+//! All on by default. `sqlite`: [`SqliteLedger`], the ledger store on one SQLite file;
+//! `postgres`: [`PgLedger`], the store for several gateway instances on PostgreSQL (both pull in
+//! sqlx; without either, the [`Ledger`] and [`Store`] traits stay for a store of your own);
+//! `llama-reference`: `audit::LlamaCppReference` (a hyper client to a llama-server).
 
 pub mod audit;
 pub mod classify;
