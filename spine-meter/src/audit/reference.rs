@@ -6,7 +6,9 @@ use std::pin::Pin;
 use spine_core::ModelId;
 
 use super::request::AuditPrompt;
-use super::score::{ScoredToken, TopToken};
+use super::score::ScoredToken;
+#[cfg(feature = "llama-reference")]
+use super::score::TopToken;
 
 /// What the reference is asked to score.
 #[derive(Clone, Debug, PartialEq)]

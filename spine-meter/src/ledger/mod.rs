@@ -54,8 +54,15 @@
 //!
 //! Both keep `held ≤ balance` and `balance ≥ 0` as table constraints as well.
 
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+mod amounts;
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
 mod convert;
+#[cfg(feature = "postgres")]
 mod pg;
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+mod sql;
+#[cfg(feature = "sqlite")]
 mod sqlite;
 
 use std::future::Future;
@@ -69,7 +76,9 @@ use spine_core::{
 
 use crate::price::Price;
 
+#[cfg(feature = "postgres")]
 pub use pg::{InstanceUpkeep, PgLedger, PgPoolConfig};
+#[cfg(feature = "sqlite")]
 pub use sqlite::SqliteLedger;
 
 /// A boxed future returned by [`Ledger`] methods.
@@ -135,18 +144,28 @@ pub enum LedgerError {
     /// A stored value could not be read back.
     #[error("corrupt ledger row: {0}")]
     Corrupt(&'static str),
-    /// The database failed.
+    /// The database failed (features `sqlite`, `postgres`: the SQL stores).
+    #[cfg(any(feature = "sqlite", feature = "postgres"))]
     #[error("ledger database error")]
     Database(#[source] sqlx::Error),
 }
 
 impl LedgerError {
+    /// Whether the database could not be reached: never, in a build without the SQL stores
+    /// (features `sqlite` and `postgres` off), whose errors are all about the request itself.
+    #[must_use]
+    #[cfg(not(any(feature = "sqlite", feature = "postgres")))]
+    pub fn is_unavailable(&self) -> bool {
+        false
+    }
+
     /// Whether the database could not be reached or gave no connection in time (pool acquire
     /// timeout, connection refused or lost, TLS failure, server shutting down or refusing
     /// connections): nothing was done, and the same call may succeed later. The gateway answers
     /// these with 503 `ledger_unavailable`; a settlement that fails so is retried until it
     /// commits.
     #[must_use]
+    #[cfg(any(feature = "sqlite", feature = "postgres"))]
     pub fn is_unavailable(&self) -> bool {
         let LedgerError::Database(e) = self else {
             return false;
@@ -219,48 +238,6 @@ pub struct Settlement {
     pub earnings_held: bool,
 }
 
-/// The amounts one settlement moves, micros: the module docs' rules, computed in one place for
-/// every store.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct SettleAmounts {
-    /// Price of the billed usage; 0 when the outcome is not paid for.
-    pub(crate) cost_micros: u64,
-    /// `min(cost, hold)`: what leaves the caller's balance.
-    pub(crate) debit_micros: u64,
-    /// The operator's share of the debit (0 without an operator).
-    pub(crate) operator_credit_micros: u64,
-    /// The rest of the debit.
-    pub(crate) fee_micros: u64,
-}
-
-impl Settlement {
-    /// What this settlement moves given the request's active hold and whether the serving node
-    /// has an operator: the caller pays only the billed outcomes ([`StreamOutcome::is_billed`]);
-    /// the debit never exceeds the hold; the operator gets `floor(debit · share_bps / 10 000)`
-    /// when the outcome pays operators ([`StreamOutcome::pays_operator`]), else nothing.
-    pub(crate) fn amounts(&self, hold_micros: u64, has_operator: bool) -> SettleAmounts {
-        let pays = self.outcome.is_billed();
-        let cost_micros = if pays {
-            self.price.cost_micros(&self.billed)
-        } else {
-            0
-        };
-        let debit_micros = cost_micros.min(hold_micros);
-        let share_bps = if has_operator && self.outcome.pays_operator() {
-            self.share_bps
-        } else {
-            0
-        };
-        let parts = crate::price::split(debit_micros, share_bps);
-        SettleAmounts {
-            cost_micros,
-            debit_micros,
-            operator_credit_micros: parts.operator_credit_micros,
-            fee_micros: parts.fee_micros,
-        }
-    }
-}
-
 /// The money moved by one settlement, micros.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SettleResult {
@@ -305,6 +282,7 @@ impl SweepKind {
         }
     }
 
+    #[cfg(any(feature = "sqlite", feature = "postgres"))]
     pub(crate) fn parse(s: &str) -> Option<Self> {
         match s {
             "restart" => Some(Self::Restart),
@@ -395,6 +373,7 @@ impl EarningsState {
         }
     }
 
+    #[cfg(any(feature = "sqlite", feature = "postgres"))]
     pub(crate) fn parse(s: Option<&str>) -> Self {
         match s {
             Some("held") => Self::Held,
@@ -411,61 +390,6 @@ pub struct HeldEarnings {
     pub requests: u64,
     /// Their operator credits, micros.
     pub micros: u64,
-}
-
-/// The escrow party of a node's held earnings in `ledger_entries` (`platform` kind).
-pub(crate) fn escrow_party(node: &NodeId) -> String {
-    format!("escrow:{node}")
-}
-
-/// What resolving a node's held earnings moves ([`Store::resolve_held_earnings`]), computed
-/// once for every store from the resolved requests' `(operator, credit)`.
-#[derive(Debug, Default, PartialEq, Eq)]
-pub(crate) struct EscrowRelease {
-    /// `ref` of the ledger entries.
-    pub(crate) reference: String,
-    /// `(party_kind, party_id, amount)`: the escrow out, the operators (paid) or the platform
-    /// (forfeited) in; they sum to zero. Empty when nothing was held.
-    pub(crate) entries: Vec<(&'static str, String, i64)>,
-    /// `(operator, micros)` to add to `operators.earned_micros` (paid only).
-    pub(crate) operator_credits: Vec<(String, i64)>,
-    /// The credits resolved, micros.
-    pub(crate) total: i64,
-}
-
-pub(crate) fn escrow_release(
-    node: &NodeId,
-    model: &ModelId,
-    pay: bool,
-    credits: impl IntoIterator<Item = (Option<String>, i64)>,
-) -> EscrowRelease {
-    let mut by_operator: std::collections::BTreeMap<String, i64> = Default::default();
-    for (op, credit) in credits {
-        *by_operator.entry(op.unwrap_or_default()).or_default() += credit;
-    }
-    let total: i64 = by_operator.values().sum();
-    let mut out = EscrowRelease {
-        reference: format!(
-            "earnings:{node}:{model}:{}",
-            if pay { "paid" } else { "forfeited" }
-        ),
-        total,
-        ..EscrowRelease::default()
-    };
-    if total <= 0 {
-        return out;
-    }
-    out.entries.push(("platform", escrow_party(node), -total));
-    for (op, credit) in by_operator {
-        if pay {
-            out.entries.push(("operator", op.clone(), credit));
-            out.operator_credits.push((op, credit));
-        } else {
-            out.entries
-                .push(("platform", "platform".to_owned(), credit));
-        }
-    }
-    out
 }
 
 /// What the metering layer needs from a ledger. Object safe: use as `Arc<dyn Ledger>`.
@@ -822,5 +746,5 @@ pub trait Store: Ledger {
     fn entry_totals(&self) -> LedgerFuture<'_, EntryTotals>;
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "sqlite", feature = "postgres"))]
 mod tests;

@@ -87,6 +87,7 @@
 //! [`ModelTokenizer`]: crate::ModelTokenizer
 
 mod admission;
+mod bill;
 mod body;
 mod credit;
 mod embeddings;

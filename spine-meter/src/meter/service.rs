@@ -11,7 +11,8 @@ use spine_core::{
 use tower::Service;
 
 use super::admission::{AdmissionEvents, AdmitGuard};
-use super::body::{meter_json, MeterBody, StreamSettings};
+use super::bill::meter_json;
+use super::body::{MeterBody, StreamSettings};
 use super::embeddings::meter_embeddings;
 use super::settle::{AuditCapture, SettleCtx};
 use super::{AdmissionRequest, CountedUsage, MeterConfig, MeterError, ResponseFuture};

@@ -3,7 +3,11 @@
 //! the store suite (`ledger/tests.rs`), run against SQLite and PostgreSQL alike.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+use spine_core::{AccountId, ModelId, RequestId, StreamOutcome, Usage, UsageSource};
+
 use super::*;
+use crate::ledger::{Ledger, Settlement};
+use crate::price::Price;
 
 #[tokio::test]
 async fn migration_2_upgrades_a_version_1_file_and_old_holds_settle_as_unknown_model() {

@@ -1,0 +1,168 @@
+//! The tables both stores create, written once: `{int}` stands for the store's 64-bit integer
+//! column type, `{bool}` for its boolean type and `{id}` for an auto-numbered primary key
+//! ([`SchemaTypes`]). Each store lists its own migrations (their versions differ: PostgreSQL
+//! support started at SQLite's version 2) from these parts and its own.
+
+/// A store's column types, put in for the placeholders of this module's statements.
+#[derive(Clone, Copy, Debug)]
+pub(in crate::ledger) struct SchemaTypes {
+    /// 64-bit integer (`{int}`).
+    pub(in crate::ledger) int: &'static str,
+    /// Boolean (`{bool}`).
+    pub(in crate::ledger) bool: &'static str,
+    /// Auto-numbered 64-bit primary key (`{id}`).
+    pub(in crate::ledger) id: &'static str,
+}
+
+impl SchemaTypes {
+    /// PostgreSQL's.
+    #[cfg(feature = "postgres")]
+    pub(in crate::ledger) const POSTGRES: Self = Self {
+        int: "BIGINT",
+        bool: "BOOLEAN",
+        id: "BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY",
+    };
+
+    /// SQLite's (`INTEGER PRIMARY KEY` is the rowid).
+    #[cfg(feature = "sqlite")]
+    pub(in crate::ledger) const SQLITE: Self = Self {
+        int: "INTEGER",
+        bool: "INTEGER",
+        id: "INTEGER PRIMARY KEY AUTOINCREMENT",
+    };
+
+    /// `sql` with the placeholders replaced by these types.
+    pub(in crate::ledger) fn put(&self, sql: &str) -> String {
+        sql.replace("{int}", self.int)
+            .replace("{bool}", self.bool)
+            .replace("{id}", self.id)
+    }
+}
+
+/// Accounts, API keys, credits, operators and nodes (first migration).
+pub(in crate::ledger) const ACCOUNTS_TO_NODES: &str = r#"
+CREATE TABLE accounts (
+    id TEXT PRIMARY KEY,
+    balance_micros {int} NOT NULL DEFAULT 0 CHECK (balance_micros >= 0),
+    held_micros {int} NOT NULL DEFAULT 0 CHECK (held_micros >= 0),
+    created_at_ms {int} NOT NULL,
+    CHECK (held_micros <= balance_micros)
+);
+CREATE TABLE api_keys (
+    key_hash TEXT PRIMARY KEY,
+    account_id TEXT NOT NULL REFERENCES accounts(id),
+    created_at_ms {int} NOT NULL
+);
+CREATE TABLE credits (
+    idempotency_key TEXT PRIMARY KEY,
+    account_id TEXT NOT NULL REFERENCES accounts(id),
+    amount_micros {int} NOT NULL CHECK (amount_micros >= 0),
+    created_at_ms {int} NOT NULL
+);
+CREATE TABLE operators (
+    id TEXT PRIMARY KEY,
+    earned_micros {int} NOT NULL DEFAULT 0 CHECK (earned_micros >= 0),
+    created_at_ms {int} NOT NULL
+);
+CREATE TABLE nodes (
+    node_id TEXT PRIMARY KEY,
+    operator_id TEXT NOT NULL REFERENCES operators(id),
+    public_key_text TEXT NOT NULL UNIQUE,
+    created_at_ms {int} NOT NULL
+);
+"#;
+
+/// Holds as each store's first migration creates them: with the request's model column when
+/// `with_model` (PostgreSQL's first version is SQLite's versions 1 and 2; SQLite's version 2
+/// adds the column), in `types`.
+pub(in crate::ledger) fn holds(types: SchemaTypes, with_model: bool) -> String {
+    let model = if with_model { "\n    model TEXT," } else { "" };
+    types.put(&format!(
+        "
+CREATE TABLE holds (
+    request_id TEXT PRIMARY KEY,
+    account_id TEXT NOT NULL REFERENCES accounts(id),{model}
+    amount_micros {{int}} NOT NULL CHECK (amount_micros >= 0),
+    state TEXT NOT NULL CHECK (state IN ('held', 'released', 'settled')),
+    created_at_ms {{int}} NOT NULL
+);
+"
+    ))
+}
+
+/// Settled requests and the double-entry ledger entries (first migration).
+pub(in crate::ledger) const REQUESTS_AND_ENTRIES: &str = r#"
+CREATE TABLE requests (
+    request_id TEXT PRIMARY KEY,
+    account_id TEXT NOT NULL,
+    model TEXT NOT NULL,
+    outcome TEXT NOT NULL,
+    node_id TEXT,
+    operator_id TEXT,
+    billed_prompt_tokens {int} NOT NULL,
+    billed_completion_tokens {int} NOT NULL,
+    claimed_prompt_tokens {int},
+    claimed_completion_tokens {int},
+    usage_source TEXT NOT NULL,
+    discrepancy {bool} NOT NULL,
+    input_micros_per_mtok {int} NOT NULL,
+    output_micros_per_mtok {int} NOT NULL,
+    share_bps {int} NOT NULL,
+    cost_micros {int} NOT NULL,
+    debit_micros {int} NOT NULL,
+    operator_credit_micros {int} NOT NULL,
+    fee_micros {int} NOT NULL,
+    hold_micros {int} NOT NULL,
+    created_at_ms {int} NOT NULL
+);
+CREATE TABLE ledger_entries (
+    id {id},
+    ref TEXT NOT NULL,
+    party_kind TEXT NOT NULL CHECK (party_kind IN ('account', 'operator', 'platform', 'external')),
+    party_id TEXT NOT NULL,
+    amount_micros {int} NOT NULL,
+    created_at_ms {int} NOT NULL
+);
+CREATE INDEX ledger_entries_ref ON ledger_entries(ref);
+"#;
+
+/// One-time enrollment tokens (hash only), node names, and the per-node request counts the
+/// operator view reads.
+pub(in crate::ledger) const ENROLLMENTS: &str = r#"
+ALTER TABLE nodes ADD COLUMN name TEXT;
+CREATE TABLE enrollments (
+    token_hash TEXT PRIMARY KEY,
+    operator_id TEXT NOT NULL REFERENCES operators(id),
+    expires_at_ms {int} NOT NULL,
+    created_at_ms {int} NOT NULL,
+    node_id TEXT REFERENCES nodes(node_id),
+    redeemed_at_ms {int}
+);
+CREATE INDEX requests_node ON requests(node_id);
+"#;
+
+/// Per-key rate limits, kept beside the keys.
+pub(in crate::ledger) const KEY_LIMITS: &str = r#"
+CREATE TABLE key_limits (
+    key_hash TEXT PRIMARY KEY,
+    rpm_limit {int} CHECK (rpm_limit >= 0),
+    tpm_limit {int} CHECK (tpm_limit >= 0),
+    updated_at_ms {int} NOT NULL
+);
+"#;
+
+/// What is known of a request in flight, on its hold (`Ledger::note_hold`), so a sweep's
+/// record keeps the node and the usage; which sweep settled a request.
+pub(in crate::ledger) const HOLD_NOTES: &str = r#"
+ALTER TABLE holds ADD COLUMN node_id TEXT;
+ALTER TABLE holds ADD COLUMN prompt_tokens {int};
+ALTER TABLE holds ADD COLUMN completion_tokens {int};
+ALTER TABLE requests ADD COLUMN swept TEXT;
+"#;
+
+/// Operator credits held in escrow while a node's model audit is suspect (design brief §10):
+/// NULL = paid, 'held', 'forfeited'.
+pub(in crate::ledger) const HELD_EARNINGS: &str = r#"
+ALTER TABLE requests ADD COLUMN earnings TEXT;
+CREATE INDEX requests_held_earnings ON requests(node_id, model) WHERE earnings = 'held';
+"#;

@@ -1,0 +1,252 @@
+//! What a response is billed and when a choice must be cut, shared by the streamed body
+//! ([`super::body`]) and the non-streamed path ([`meter_json`]); the gateway's own error events.
+
+use std::collections::BTreeMap;
+
+use bytes::Bytes;
+use spine_core::{NodeSlot, RequestKind, StreamOutcome, Usage};
+
+use super::body::MAX_TOOL_CALLS_PER_CHOICE;
+use super::node_json::{engine_error_message, is_engine_error, read_choices, usage_claim, Members};
+use super::settle::{BillNotes, SettleCtx};
+use super::MeterError;
+use crate::tokenizer::GeneratedCount;
+use crate::ModelTokenizer;
+
+#[derive(Debug, Default)]
+pub(super) struct Choice {
+    pub(super) delivered: GeneratedCount,
+    pub(super) finish_reason: Option<String>,
+}
+
+pub(super) fn usage_json(u: &Usage) -> String {
+    format!(
+        "{{\"prompt_tokens\":{},\"completion_tokens\":{},\"total_tokens\":{}}}",
+        u.prompt_tokens,
+        u.completion_tokens,
+        u.total_tokens()
+    )
+}
+
+pub(super) fn encode_event(data: &str) -> Bytes {
+    let mut out = Vec::with_capacity(data.len() + 8);
+    for line in data.split('\n') {
+        out.extend_from_slice(b"data: ");
+        out.extend_from_slice(line.as_bytes());
+        out.push(b'\n');
+    }
+    out.push(b'\n');
+    Bytes::from(out)
+}
+
+/// The gateway's error event in OpenAI's shape: a node's failure (`upstream_error`,
+/// `upstream_failed`).
+pub(super) fn error_event(message: &str) -> Bytes {
+    openai_error_event(message, "upstream_error", "upstream_failed")
+}
+
+/// The error event that ends a stream cut at one of the gateway's own bounds.
+pub(super) fn bound_event(message: &str) -> Bytes {
+    openai_error_event(message, "invalid_request_error", "stream_bound_reached")
+}
+
+pub(super) fn openai_error_event(message: &str, kind: &str, code: &str) -> Bytes {
+    let body = serde_json::json!({
+        "error": {"message": message, "type": kind, "param": null, "code": code}
+    });
+    encode_event(&body.to_string())
+}
+
+/// Why a choice must be cut: the node broke the rules, or the stream reached one of the
+/// gateway's bounds that an honest node can reach too.
+pub(super) enum Cut {
+    NodeFault(String),
+    Bound(String),
+}
+
+/// The usage billed for `choices` (requested choices only): the prompt plus each choice's
+/// capped completion tokens, with the EOS and `length` rules only when `completed`.
+pub(super) fn billed_usage(
+    ctx: &SettleCtx,
+    choices: &BTreeMap<u64, Choice>,
+    completed: bool,
+) -> (Usage, BillNotes) {
+    let mut notes = BillNotes::default();
+    let mut completion_tokens = 0u64;
+    for (i, c) in choices.values().enumerate() {
+        let count =
+            ctx.choice_completion_counted(&c.delivered, c.finish_reason.as_deref(), completed);
+        completion_tokens = completion_tokens.saturating_add(count.tokens);
+        if i == 0 && choices.len() > 1 {
+            notes.first_choice_completion_tokens = Some(count.tokens);
+        }
+        notes.length_unsupported |= count.length_unsupported;
+        if completed && c.finish_reason.as_deref() == Some("length") && !count.length_unsupported {
+            notes.length_claim_allowance_tokens =
+                notes.length_claim_allowance_tokens.saturating_add(
+                    ctx.max_completion_tokens_per_choice
+                        .saturating_sub(count.tokens),
+                );
+        }
+        notes.wrapper_allowance_tokens = notes
+            .wrapper_allowance_tokens
+            .saturating_add(c.delivered.wrapper_allowance_tokens());
+    }
+    let usage = Usage {
+        prompt_tokens: ctx.prompt_tokens,
+        completion_tokens,
+    };
+    (usage, notes)
+}
+
+/// Why a streamed choice that delivered `delivered` is past what it may deliver, if it is.
+pub(super) fn over_limit_streamed(
+    ctx: &SettleCtx,
+    tokenizer: &ModelTokenizer,
+    delivered: &mut GeneratedCount,
+    exact: bool,
+) -> Option<Cut> {
+    // the node's own fault first: a choice past its token cap is cut as such even when it also
+    // carries too many tool calls
+    if let Some(why) = over_limit(ctx, tokenizer, delivered, exact) {
+        return Some(Cut::NodeFault(why));
+    }
+    (delivered.tool_call_count() > MAX_TOOL_CALLS_PER_CHOICE).then(|| {
+        Cut::Bound(format!(
+            "the response reached the gateway's bound of {MAX_TOOL_CALLS_PER_CHOICE} tool calls \
+             in one streamed choice; what was delivered is billed"
+        ))
+    })
+}
+
+/// Why a choice that delivered `delivered` is past the tokens it may deliver, if it is: the
+/// node's fault (the engine was told the cap).
+pub(super) fn over_limit(
+    ctx: &SettleCtx,
+    tokenizer: &ModelTokenizer,
+    delivered: &mut GeneratedCount,
+    exact: bool,
+) -> Option<String> {
+    let limit = ctx.delivery_limit_tokens();
+    let over = format!(
+        "the node sent more than the {} completion tokens a choice may have",
+        ctx.max_completion_tokens_per_choice
+    );
+    if delivered.len_bytes() > ctx.delivery_limit_bytes() {
+        return Some(over);
+    }
+    if exact {
+        return (delivered.tokens(tokenizer) > limit).then_some(over);
+    }
+    if delivered.tokens_upper_bound() <= limit {
+        return None;
+    }
+    delivered.refresh(tokenizer);
+    if delivered.tokens_upper_bound() <= limit {
+        return None;
+    }
+    // the bound may be loose (a tail not counted since it last grew): decide only when it is
+    // the exact count; otherwise a later event (or the end, on the exact count) decides
+    delivered.bound_is_exact().then_some(over)
+}
+
+/// Meters a complete non-streamed 2xx response body and settles.
+///
+/// A usable completion — one JSON object without duplicate members, not an engine error, whose
+/// `choices` is an array of objects with at least one requested choice, every requested choice
+/// with a `finish_reason` and within its token cap — settles `completed` and comes back with
+/// `usage` rewritten to the billed counts, choices past `n` removed and (when `strip`) members
+/// outside OpenAI's shape removed. Anything else settles `upstream_failed` (the caller pays
+/// nothing), is reported on `slot` as the node's fault, and is a
+/// [`MeterError::UpstreamInvalid`].
+pub(crate) fn meter_json(
+    mut ctx: SettleCtx,
+    body: &[u8],
+    kind: RequestKind,
+    strip: bool,
+    slot: Option<&NodeSlot>,
+) -> Result<Bytes, MeterError> {
+    let fail = |ctx: SettleCtx, billed: Usage, claimed: Option<Usage>, why: String| {
+        tracing::warn!(request_id = %ctx.request_id, reason = %why, "invalid node response");
+        if let Some(slot) = slot {
+            slot.report_node_fault();
+        }
+        ctx.settle(StreamOutcome::UpstreamFailed, billed, claimed);
+        Err(MeterError::UpstreamInvalid(why))
+    };
+    let nothing = Usage {
+        prompt_tokens: ctx.prompt_tokens,
+        completion_tokens: 0,
+    };
+    let Some(members) = std::str::from_utf8(body).ok().and_then(Members::parse) else {
+        return fail(
+            ctx,
+            nothing,
+            None,
+            "the body is not one JSON object".to_owned(),
+        );
+    };
+    let claimed = members.get("usage").and_then(usage_claim);
+    if is_engine_error(&members) {
+        let why = engine_error_message(&members);
+        return fail(ctx, nothing, claimed, why);
+    }
+    let read = match members.get("choices").map(|raw| read_choices(raw, kind)) {
+        Some(Ok(read)) => read,
+        Some(Err(why)) => {
+            return fail(ctx, nothing, claimed, format!("the body is invalid: {why}"))
+        }
+        None => Vec::new(),
+    };
+    let tokenizer = ctx.tokenizer.clone();
+    let mut choices: BTreeMap<u64, Choice> = BTreeMap::new();
+    let mut kept: Vec<String> = Vec::with_capacity(read.len());
+    let dropped = read.iter().any(|c| !ctx.is_requested_choice(c.index));
+    for c in read {
+        if !ctx.is_requested_choice(c.index) {
+            continue;
+        }
+        let choice = choices.entry(c.index).or_default();
+        choice.finish_reason = c.finish_reason;
+        choice.delivered.push(&tokenizer, &c.generated);
+        if let Some(capture) = ctx.audit.as_mut() {
+            capture.push(c.index, &c.generated);
+        }
+        kept.push(c.raw);
+    }
+    if choices.is_empty() {
+        return fail(ctx, nothing, claimed, "the body has no choices".to_owned());
+    }
+    for choice in choices.values_mut() {
+        if let Some(why) = over_limit(&ctx, &tokenizer, &mut choice.delivered, true) {
+            return fail(ctx, nothing, claimed, why);
+        }
+    }
+    if let Some((index, _)) = choices.iter().find(|(_, c)| c.finish_reason.is_none()) {
+        let why = format!("choice {index} has no finish_reason");
+        let (billed, _) = billed_usage(&ctx, &choices, false);
+        return fail(ctx, billed, claimed, why);
+    }
+    let (billed, notes) = billed_usage(&ctx, &choices, true);
+    let usage = usage_json(&billed);
+    let mut has_usage = false;
+    let mut out = members.encode(strip, |name| match name {
+        "usage" => {
+            has_usage = true;
+            Some(Some(usage.clone()))
+        }
+        "choices" if dropped => Some(Some(format!("[{}]", kept.join(",")))),
+        _ => None,
+    });
+    if !has_usage {
+        out.pop();
+        if out.len() > 1 {
+            out.push(',');
+        }
+        out.push_str("\"usage\":");
+        out.push_str(&usage);
+        out.push('}');
+    }
+    ctx.settle_checked(StreamOutcome::Completed, billed, claimed, notes);
+    Ok(Bytes::from(out))
+}
