@@ -204,7 +204,10 @@ async fn a_substitute_model_is_failed_and_unrouted_while_the_honest_node_passes(
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    assert_eq!(earned, paid, "the operator's balance is not the sum of its paid requests");
+    assert_eq!(
+        earned, paid,
+        "the operator's balance is not the sum of its paid requests"
+    );
     let entries = ledger
         .int("SELECT CAST(COALESCE(SUM(amount_micros), 0) AS BIGINT) FROM ledger_entries")
         .await;
