@@ -8,6 +8,7 @@ use http::StatusCode;
 use serde_json::json;
 use spine_core::BoxError;
 use spine_meter::meter::MeterError;
+use spine_router::cluster::{RelayError, RelayRefusal};
 use spine_router::RouteError;
 use spine_transport::TunnelError;
 
@@ -204,9 +205,9 @@ impl ApiError {
                 format!("the node failed before responding: {e}"),
             );
         }
-        if let Some(e) = err.downcast_ref::<crate::cluster::ClusterError>() {
+        if let Some(e) = err.downcast_ref::<spine_router::cluster::ClusterError>() {
             // multi-instance mode: the node's instance was gone or refused, before any byte
-            if matches!(e, crate::cluster::ClusterError::NodeFull) {
+            if matches!(e, spine_router::cluster::ClusterError::NodeFull) {
                 return Self::nodes_full();
             }
             return Self::new(
@@ -337,6 +338,35 @@ impl IntoResponse for ApiError {
         }
         resp
     }
+}
+
+/// The internal listener's answer to a [`RelayError`] (multi-instance mode): its status in
+/// OpenAI's error shape; `spine_router::cluster::serve_internal` adds `x-spine-refusal`.
+pub(crate) fn relay_error_response(e: &RelayError) -> http::Response<spine_core::BoxBody> {
+    use http_body_util::BodyExt as _;
+    let (status, kind) = match e {
+        RelayError::Refused(RelayRefusal::ReplayCacheFull) => {
+            (StatusCode::SERVICE_UNAVAILABLE, "api_error")
+        }
+        RelayError::Refused(RelayRefusal::TooLarge) => {
+            (StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error")
+        }
+        RelayError::Refused(RelayRefusal::BodyError) | RelayError::MissingNodeId => {
+            (StatusCode::BAD_REQUEST, "invalid_request_error")
+        }
+        RelayError::Refused(_) => (StatusCode::UNAUTHORIZED, "invalid_request_error"),
+        RelayError::MethodNotAllowed => (StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error"),
+        RelayError::NodeFailure(_) => (StatusCode::BAD_GATEWAY, "api_error"),
+        // node_moved, node_full, and any later case: the node cannot be reached here now
+        _ => (StatusCode::SERVICE_UNAVAILABLE, "api_error"),
+    };
+    let message = match e {
+        RelayError::NodeFailure(source) => format!("{e}: {source}"),
+        _ => e.to_string(),
+    };
+    ApiError::new(status, kind, e.code(), message)
+        .into_response()
+        .map(|b| spine_core::BoxBody::new(b.map_err(BoxError::from)))
 }
 
 #[cfg(test)]

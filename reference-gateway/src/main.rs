@@ -10,7 +10,6 @@ mod admin_cli;
 mod api;
 mod auth;
 mod challenge;
-mod cluster;
 mod config;
 mod enroll;
 mod error;
@@ -26,6 +25,7 @@ use spine_core::{ModelId, NodeDescriptor, NodeId};
 use spine_meter::classify::SseClassify;
 use spine_meter::meter::{Catalog, CatalogEntry, MeterLayer};
 use spine_meter::{InstanceUpkeep, ModelTokenizer, PgLedger, Price, SqliteLedger, Store};
+use spine_router::cluster;
 use spine_router::{NodeRegistry, QueueConfig, RegistryConfig, RouteConfig, RouteLayer};
 use spine_transport::{
     NodeAuthenticator, RefusalReason, TunnelEvents, TunnelServer, TunnelServerConfig, TunnelService,
@@ -553,10 +553,11 @@ async fn run(cli: Cli) -> Result<(), MainError> {
         // node enrollment and the node's own status (enroll.rs)
         .merge(enroll::tunnel_router(state.clone()));
     let internal_task = internal_listener.zip(cluster.clone()).map(|(l, c)| {
-        tokio::spawn(cluster::internal::serve(
+        tokio::spawn(cluster::serve_internal(
             l,
             c,
             config.listener_limits(config.internal_max_connections),
+            error::relay_error_response,
         ))
     });
     let mut tunnel_task = tokio::spawn(spine_transport::serve_listener(
