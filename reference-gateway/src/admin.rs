@@ -21,8 +21,9 @@ use spine_meter::LedgerError;
 use crate::api;
 use crate::auth;
 use crate::error::ApiError;
-use crate::limits::{KeyHash, KeyLimits};
 use crate::state::AppState;
+use spine_meter::limits::KeyHash;
+use spine_meter::KeyLimits;
 
 pub(crate) fn router(state: Arc<AppState>) -> Router {
     Router::new()

@@ -19,9 +19,9 @@ use tower::ServiceExt;
 
 use crate::auth;
 use crate::error::ApiError;
-use crate::limits::KeyHash;
 use crate::metrics::{TtftBody, HTTP_REQUESTS, RATE_LIMITED};
 use crate::state::AppState;
+use spine_meter::limits::KeyHash;
 
 /// The spine service stack as the handlers call it: meter → route → tunnel.
 pub(crate) type Stack =

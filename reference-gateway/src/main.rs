@@ -13,7 +13,6 @@ mod challenge;
 mod config;
 mod enroll;
 mod error;
-mod limits;
 mod metrics;
 mod state;
 
@@ -23,6 +22,7 @@ use std::sync::Arc;
 use clap::Parser;
 use spine_core::{ModelId, NodeDescriptor, NodeId};
 use spine_meter::classify::SseClassify;
+use spine_meter::limits;
 use spine_meter::meter::{Catalog, CatalogEntry, MeterLayer};
 use spine_meter::{InstanceUpkeep, ModelTokenizer, PgLedger, Price, SqliteLedger, Store};
 use spine_router::cluster;

@@ -9,7 +9,7 @@ use spine_router::NodeRegistry;
 
 use crate::api::Stack;
 use crate::config::Config;
-use crate::limits::RateLimits;
+use spine_meter::limits::RateLimits;
 
 /// What the public and admin handlers share.
 pub(crate) struct AppState {
