@@ -35,7 +35,7 @@ use spine_meter::LedgerError;
 
 use crate::api;
 use crate::auth;
-use crate::error::ApiError;
+use crate::error::{ledger_error, ApiError};
 use crate::state::AppState;
 
 /// Default validity of an enrollment token, seconds (24 h).
@@ -108,7 +108,7 @@ pub(crate) async fn create_enrollment(
             .store
             .create_enrollment(&operator, &auth::hash_api_key(&token), expires_at_ms)
             .await
-            .map_err(crate::admin::ledger_error)?;
+            .map_err(ledger_error)?;
         tracing::info!(operator = %operator, expires_at_ms, "enrollment token issued");
         Ok::<_, ApiError>((
             StatusCode::CREATED,
@@ -170,7 +170,7 @@ fn enroll_error(e: LedgerError) -> ApiError {
             "node_key_registered",
             "this node key is already registered",
         ),
-        other => crate::admin::ledger_error(other),
+        other => ledger_error(other),
     }
 }
 
@@ -303,7 +303,7 @@ async fn node_status(State(state): State<Arc<AppState>>, headers: HeaderMap) -> 
             .store
             .node_for_public_key(&key_text)
             .await
-            .map_err(crate::admin::ledger_error)?
+            .map_err(ledger_error)?
             .ok_or_else(|| {
                 signature_error(
                     "unknown_node",
@@ -314,13 +314,13 @@ async fn node_status(State(state): State<Arc<AppState>>, headers: HeaderMap) -> 
             .store
             .node_operator(&node)
             .await
-            .map_err(crate::admin::ledger_error)?;
+            .map_err(ledger_error)?;
         let view = node_view(&state, &operator, &node).await?;
         let operator_earned = state
             .store
             .operator_earned_micros(&operator)
             .await
-            .map_err(crate::admin::ledger_error)?;
+            .map_err(ledger_error)?;
         let mut out = view;
         out["operator_id"] = json!(operator);
         out["operator_earned_micros"] = json!(operator_earned);
@@ -357,7 +357,7 @@ pub(crate) async fn nodes_json(
         .store
         .operator_nodes(operator)
         .await
-        .map_err(crate::admin::ledger_error)?;
+        .map_err(ledger_error)?;
     let live = state.registry.snapshot();
     let connected = state.tunnels.connected();
     Ok(records
@@ -391,7 +391,7 @@ pub(crate) async fn nodes_json(
                 "requests_served": r.requests_served,
                 "earned_micros": r.earned_micros,
                 "created_at_ms": r.created_at_ms,
-                "audit": crate::admin::audit_json(state, &r.node_id),
+                "audit": state.audit_json(&r.node_id),
             })
         })
         .collect())

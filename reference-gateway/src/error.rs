@@ -8,6 +8,7 @@ use http::StatusCode;
 use serde_json::json;
 use spine_core::BoxError;
 use spine_meter::meter::MeterError;
+use spine_meter::LedgerError;
 use spine_router::cluster::{RelayError, RelayRefusal};
 use spine_router::RouteError;
 use spine_transport::TunnelError;
@@ -295,6 +296,38 @@ impl ApiError {
                     .map(|d| (d.as_secs() + u64::from(d.subsec_nanos() > 0)).max(1)),
             ),
             _ => Self::invalid_request("invalid_request", with_sources(e)),
+        }
+    }
+}
+
+/// A ledger error as the admin and enrollment handlers answer it: 404 for an unknown id, 409
+/// for a duplicate or a reused idempotency key, 400 out of range, else 503 (logged).
+pub(crate) fn ledger_error(e: LedgerError) -> ApiError {
+    match e {
+        LedgerError::UnknownAccount(id) => ApiError::not_found(format!("no account '{id}'")),
+        LedgerError::UnknownOperator(id) => ApiError::not_found(format!("no operator '{id}'")),
+        LedgerError::UnknownNode(id) => ApiError::not_found(format!("no node '{id}'")),
+        LedgerError::Duplicate { what } => ApiError::new(
+            StatusCode::CONFLICT,
+            "invalid_request_error",
+            "conflict",
+            format!("{what} already exists"),
+        ),
+        LedgerError::IdempotencyConflict { .. } => ApiError::new(
+            StatusCode::CONFLICT,
+            "invalid_request_error",
+            "idempotency_conflict",
+            format!("{e}: the key was already used for another account or amount"),
+        ),
+        LedgerError::OutOfRange => ApiError::invalid_request("out_of_range", e.to_string()),
+        other => {
+            tracing::error!(error = %other, "ledger error");
+            ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "api_error",
+                "ledger_unavailable",
+                "the ledger is unavailable",
+            )
         }
     }
 }
