@@ -5,7 +5,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use base64::Engine as _;
 use bytes::Bytes;
 use http::{Method, Request, StatusCode, Uri};
 use http_body_util::{BodyExt as _, Full};
@@ -361,26 +360,10 @@ async fn failover_loop<S>(
     }
 }
 
-/// The bytes a node signs for `GET /v1/node/status` (must match the gateway's
-/// `enroll::status_signing_message`): `spine-node-status/v1\n<timestamp_ms>\n<public key text>`.
-pub(crate) fn status_signing_message(timestamp_ms: i64, public_key_text: &str) -> String {
-    format!("spine-node-status/v1\n{timestamp_ms}\n{public_key_text}")
-}
-
-/// The three headers that authenticate a status request: `x-spine-node-key`,
-/// `x-spine-timestamp-ms` (now, Unix ms) and `x-spine-signature` (base64url ed25519).
-pub(crate) fn status_headers(identity: &NodeIdentity) -> Vec<(&'static str, String)> {
-    let timestamp_ms = spine_core::unix_time_ms();
-    let key = identity.public_key_text();
-    let signature = identity.sign(status_signing_message(timestamp_ms, &key).as_bytes());
-    vec![
-        ("x-spine-node-key", key),
-        ("x-spine-timestamp-ms", timestamp_ms.to_string()),
-        (
-            "x-spine-signature",
-            base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(signature.to_bytes()),
-        ),
-    ]
+/// The three headers that authenticate a status request, signed now
+/// ([`spine_transport::node_status::status_headers`]).
+pub(crate) fn status_headers(identity: &NodeIdentity) -> [(&'static str, String); 3] {
+    spine_transport::node_status::status_headers(identity, spine_core::unix_time_ms())
 }
 
 #[cfg(test)]

@@ -16,13 +16,13 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 use spine_core::{AccountId, ModelId, OperatorId, RequestId};
-use spine_meter::LedgerError;
 
 use crate::api;
 use crate::auth;
-use crate::error::ApiError;
-use crate::limits::{KeyHash, KeyLimits};
+use crate::error::{ledger_error, ApiError};
 use crate::state::AppState;
+use spine_meter::limits::KeyHash;
+use spine_meter::KeyLimits;
 
 pub(crate) fn router(state: Arc<AppState>) -> Router {
     Router::new()
@@ -82,36 +82,6 @@ async fn require_admin(State(state): State<Arc<AppState>>, req: Request, next: N
         .into_response();
     }
     next.run(req).await
-}
-
-pub(crate) fn ledger_error(e: LedgerError) -> ApiError {
-    match e {
-        LedgerError::UnknownAccount(id) => ApiError::not_found(format!("no account '{id}'")),
-        LedgerError::UnknownOperator(id) => ApiError::not_found(format!("no operator '{id}'")),
-        LedgerError::UnknownNode(id) => ApiError::not_found(format!("no node '{id}'")),
-        LedgerError::Duplicate { what } => ApiError::new(
-            StatusCode::CONFLICT,
-            "invalid_request_error",
-            "conflict",
-            format!("{what} already exists"),
-        ),
-        LedgerError::IdempotencyConflict { .. } => ApiError::new(
-            StatusCode::CONFLICT,
-            "invalid_request_error",
-            "idempotency_conflict",
-            format!("{e}: the key was already used for another account or amount"),
-        ),
-        LedgerError::OutOfRange => ApiError::invalid_request("out_of_range", e.to_string()),
-        other => {
-            tracing::error!(error = %other, "ledger error");
-            ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "api_error",
-                "ledger_unavailable",
-                "the ledger is unavailable",
-            )
-        }
-    }
 }
 
 /// Parses an optional JSON body; an empty body is `{}`.
@@ -392,19 +362,11 @@ async fn list_nodes(State(state): State<Arc<AppState>>) -> Response {
                 // tunnel state, streams open and per-model running status (spine-transport)
                 "tunnel": state.tunnels.status(&n.node_id),
                 // model audits (design brief §10): verdict, tokens audited, statistic, thresholds
-                "audit": audit_json(&state, &n.node_id),
+                "audit": state.audit_json(&n.node_id),
             })
         })
         .collect();
     Json(json!({"object": "list", "data": data})).into_response()
-}
-
-/// The audit states of `node` (one per audited model), `[]` when nothing is audited.
-pub(crate) fn audit_json(state: &AppState, node: &spine_core::NodeId) -> Value {
-    state
-        .auditor
-        .as_ref()
-        .map_or_else(|| json!([]), |a| json!(a.statuses_of(node)))
 }
 
 #[derive(Deserialize, Default)]

@@ -14,18 +14,13 @@ use http::header::{self, HeaderName, HeaderValue};
 use http_body_util::BodyExt;
 use serde_json::json;
 use spine_core::{AccountId, BoxBody, BoxError, RequestId, RequestKind};
-use tower::util::BoxCloneSyncService;
 use tower::ServiceExt;
 
 use crate::auth;
 use crate::error::ApiError;
-use crate::limits::KeyHash;
 use crate::metrics::{TtftBody, HTTP_REQUESTS, RATE_LIMITED};
-use crate::state::AppState;
-
-/// The spine service stack as the handlers call it: meter → route → tunnel.
-pub(crate) type Stack =
-    BoxCloneSyncService<http::Request<BoxBody>, http::Response<BoxBody>, BoxError>;
+use crate::state::{AppState, Stack};
+use spine_meter::limits::KeyHash;
 
 pub(crate) const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 

@@ -4,6 +4,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
+use spine_router::cluster::ClusterConfig;
 
 #[derive(Clone, Copy)]
 enum Kind {
@@ -304,29 +305,6 @@ impl AuditSettings {
     }
 }
 
-/// Multi-instance settings, present when `redis_url` is set (checked by [`Config::load`]).
-#[derive(Clone)]
-pub(crate) struct ClusterConfig {
-    pub(crate) redis_url: String,
-    pub(crate) instance_id: String,
-    pub(crate) key_prefix: String,
-    pub(crate) internal_listen: SocketAddr,
-    pub(crate) internal_advertise: Option<String>,
-    pub(crate) secret: String,
-}
-
-impl std::fmt::Debug for ClusterConfig {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        // the URL may carry a password, the secret is one
-        f.debug_struct("ClusterConfig")
-            .field("instance_id", &self.instance_id)
-            .field("key_prefix", &self.key_prefix)
-            .field("internal_listen", &self.internal_listen)
-            .field("internal_advertise", &self.internal_advertise)
-            .finish_non_exhaustive()
-    }
-}
-
 /// One catalog model.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -411,16 +389,7 @@ fn default_stream_buffer_bytes() -> u64 {
     4 * 1024 * 1024
 }
 fn default_instance_id() -> String {
-    let mut bytes = [0u8; 4];
-    // an OS without randomness gets a time-derived id; it only names the instance
-    if getrandom::fill(&mut bytes).is_err() {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.subsec_nanos())
-            .unwrap_or_default();
-        bytes = nanos.to_le_bytes();
-    }
-    format!("gw-{}", hex::encode(bytes))
+    ClusterConfig::generated_instance_id()
 }
 fn default_redis_key_prefix() -> String {
     "spine:".to_owned()
@@ -602,14 +571,14 @@ impl Config {
 
     /// The multi-instance settings; `None` in single-instance mode (no `redis_url`).
     pub(crate) fn cluster(&self) -> Option<ClusterConfig> {
-        Some(ClusterConfig {
-            redis_url: self.redis_url.clone()?,
-            instance_id: self.instance_id.clone(),
-            key_prefix: self.redis_key_prefix.clone(),
-            internal_listen: self.internal_listen,
-            internal_advertise: self.internal_advertise.clone(),
-            secret: self.cluster_secret.clone()?,
-        })
+        let mut cluster = ClusterConfig::new(self.redis_url.clone()?, self.cluster_secret.clone()?);
+        cluster.instance_id.clone_from(&self.instance_id);
+        cluster.key_prefix.clone_from(&self.redis_key_prefix);
+        cluster.internal_listen = self.internal_listen;
+        cluster
+            .internal_advertise
+            .clone_from(&self.internal_advertise);
+        Some(cluster)
     }
 
     /// The ledger store `database_url` names: `sqlite://<path>` (a file; single instance),

@@ -9,9 +9,9 @@
 //!   same node, so an agent that lost the answer can retry.
 //! - Tunnel listener: `GET /v1/node/status`, authenticated by the node's own key (the agent has
 //!   no admin token): headers `x-spine-node-key` (`ed25519:<base64url>`),
-//!   `x-spine-timestamp-ms` (Unix ms, within ±[`STATUS_SIGNATURE_WINDOW_MS`] of the gateway's
-//!   clock) and `x-spine-signature` (base64url ed25519 signature over
-//!   [`status_signing_message`]). It answers this node's state as the gateway sees it: connected,
+//!   `x-spine-timestamp-ms` (Unix ms, within ±60 s of the gateway's clock) and
+//!   `x-spine-signature` (base64url ed25519 signature), checked by
+//!   [`spine_transport::node_status::verify_status_headers`]. It answers this node's state as the gateway sees it: connected,
 //!   routable, the routable models, requests served and earnings. The request is read-only, so a
 //!   replay inside the window discloses only what the node itself may read.
 //!
@@ -26,32 +26,24 @@ use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use base64::Engine as _;
 use http::{HeaderMap, StatusCode};
 use serde::Deserialize;
 use serde_json::json;
 use spine_core::{NodeId, OperatorId};
 use spine_meter::LedgerError;
+use spine_transport::node_status::{verify_status_headers, NodeSignatureError};
 
 use crate::api;
 use crate::auth;
-use crate::error::ApiError;
+use crate::error::{ledger_error, ApiError};
 use crate::state::AppState;
 
 /// Default validity of an enrollment token, seconds (24 h).
 pub(crate) const DEFAULT_ENROLLMENT_TTL_SECS: u64 = 24 * 3600;
 /// Longest validity of an enrollment token, seconds (30 days).
 pub(crate) const MAX_ENROLLMENT_TTL_SECS: u64 = 30 * 24 * 3600;
-/// How far a status request's timestamp may be from the gateway's clock, ms (either way).
-pub(crate) const STATUS_SIGNATURE_WINDOW_MS: i64 = 60_000;
 /// Prefix of enrollment tokens.
 const TOKEN_PREFIX: &str = "spine-enroll-";
-
-/// The bytes a node signs for `GET /v1/node/status`:
-/// `spine-node-status/v1\n<timestamp_ms>\n<public key text>`.
-pub(crate) fn status_signing_message(timestamp_ms: i64, public_key_text: &str) -> String {
-    format!("spine-node-status/v1\n{timestamp_ms}\n{public_key_text}")
-}
 
 use spine_core::unix_time_ms as now_ms;
 
@@ -108,7 +100,7 @@ pub(crate) async fn create_enrollment(
             .store
             .create_enrollment(&operator, &auth::hash_api_key(&token), expires_at_ms)
             .await
-            .map_err(crate::admin::ledger_error)?;
+            .map_err(ledger_error)?;
         tracing::info!(operator = %operator, expires_at_ms, "enrollment token issued");
         Ok::<_, ApiError>((
             StatusCode::CREATED,
@@ -170,7 +162,7 @@ fn enroll_error(e: LedgerError) -> ApiError {
             "node_key_registered",
             "this node key is already registered",
         ),
-        other => crate::admin::ledger_error(other),
+        other => ledger_error(other),
     }
 }
 
@@ -245,65 +237,20 @@ fn signature_error(code: &'static str, message: &str) -> ApiError {
     )
 }
 
-/// Checks the status request's signature headers at `now_ms`; returns the public key text.
-fn verify_status_headers(headers: &HeaderMap, now_ms: i64) -> Result<String, ApiError> {
-    let header = |name: &str| {
-        headers
-            .get(name)
-            .and_then(|v| v.to_str().ok())
-            .map(str::trim)
-            .ok_or_else(|| {
-                signature_error(
-                    "invalid_node_signature",
-                    "send x-spine-node-key, x-spine-timestamp-ms and x-spine-signature",
-                )
-            })
-    };
-    let key_text = header("x-spine-node-key")?;
-    let timestamp_ms: i64 = header("x-spine-timestamp-ms")?.parse().map_err(|_| {
-        signature_error(
-            "invalid_node_signature",
-            "x-spine-timestamp-ms must be Unix milliseconds",
-        )
-    })?;
-    let signature = header("x-spine-signature")?;
-    if now_ms.abs_diff(timestamp_ms) > STATUS_SIGNATURE_WINDOW_MS.unsigned_abs() {
-        return Err(signature_error(
-            "stale_node_signature",
-            "the signed timestamp is more than 60 s from the gateway's clock; check the node's clock",
-        ));
-    }
-    let key = spine_transport::parse_public_key_text(key_text)
-        .map_err(|_| signature_error("invalid_node_signature", "x-spine-node-key is not a key"))?;
-    let sig_bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD
-        .decode(signature)
-        .map_err(|_| {
-            signature_error(
-                "invalid_node_signature",
-                "x-spine-signature is not base64url",
-            )
-        })?;
-    let sig = ed25519_dalek::Signature::from_slice(&sig_bytes).map_err(|_| {
-        signature_error(
-            "invalid_node_signature",
-            "x-spine-signature is not a signature",
-        )
-    })?;
-    let text = spine_transport::public_key_text(&key);
-    key.verify_strict(status_signing_message(timestamp_ms, &text).as_bytes(), &sig)
-        .map_err(|_| signature_error("invalid_node_signature", "the signature does not verify"))?;
-    Ok(text)
+/// A refused status signature: 401 with its code and message.
+fn node_signature_error(e: NodeSignatureError) -> ApiError {
+    signature_error(e.code(), &e.to_string())
 }
 
 /// `GET /v1/node/status` (tunnel listener): this node as the gateway sees it.
 async fn node_status(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
     let result = async {
-        let key_text = verify_status_headers(&headers, now_ms())?;
+        let key_text = verify_status_headers(&headers, now_ms()).map_err(node_signature_error)?;
         let node = state
             .store
             .node_for_public_key(&key_text)
             .await
-            .map_err(crate::admin::ledger_error)?
+            .map_err(ledger_error)?
             .ok_or_else(|| {
                 signature_error(
                     "unknown_node",
@@ -314,13 +261,13 @@ async fn node_status(State(state): State<Arc<AppState>>, headers: HeaderMap) -> 
             .store
             .node_operator(&node)
             .await
-            .map_err(crate::admin::ledger_error)?;
+            .map_err(ledger_error)?;
         let view = node_view(&state, &operator, &node).await?;
         let operator_earned = state
             .store
             .operator_earned_micros(&operator)
             .await
-            .map_err(crate::admin::ledger_error)?;
+            .map_err(ledger_error)?;
         let mut out = view;
         out["operator_id"] = json!(operator);
         out["operator_earned_micros"] = json!(operator_earned);
@@ -357,7 +304,7 @@ pub(crate) async fn nodes_json(
         .store
         .operator_nodes(operator)
         .await
-        .map_err(crate::admin::ledger_error)?;
+        .map_err(ledger_error)?;
     let live = state.registry.snapshot();
     let connected = state.tunnels.connected();
     Ok(records
@@ -391,7 +338,7 @@ pub(crate) async fn nodes_json(
                 "requests_served": r.requests_served,
                 "earned_micros": r.earned_micros,
                 "created_at_ms": r.created_at_ms,
-                "audit": crate::admin::audit_json(state, &r.node_id),
+                "audit": state.audit_json(&r.node_id),
             })
         })
         .collect())
@@ -401,101 +348,19 @@ pub(crate) async fn nodes_json(
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
-    use http::HeaderValue;
-    use spine_transport::NodeIdentity;
 
-    fn signed(identity: &NodeIdentity, ts: i64) -> HeaderMap {
-        let key = identity.public_key_text();
-        let sig = identity.sign(status_signing_message(ts, &key).as_bytes());
-        let mut h = HeaderMap::new();
-        h.insert("x-spine-node-key", HeaderValue::from_str(&key).unwrap());
-        h.insert(
-            "x-spine-timestamp-ms",
-            HeaderValue::from_str(&ts.to_string()).unwrap(),
-        );
-        h.insert(
-            "x-spine-signature",
-            HeaderValue::from_str(
-                &base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(sig.to_bytes()),
-            )
-            .unwrap(),
-        );
-        h
-    }
-
+    /// Every refusal of a status signature is a 401 with the library's code and message.
     #[test]
-    fn status_signatures_verify_only_fresh_and_own() {
-        let id = NodeIdentity::generate().unwrap();
-        let now = 1_800_000_000_000;
-        assert_eq!(
-            verify_status_headers(&signed(&id, now - 59_000), now).unwrap(),
-            id.public_key_text()
-        );
-        let stale = verify_status_headers(&signed(&id, now - 61_000), now).unwrap_err();
-        assert_eq!(
-            (stale.status, stale.code),
-            (StatusCode::UNAUTHORIZED, "stale_node_signature")
-        );
-        let future = verify_status_headers(&signed(&id, now + 61_000), now).unwrap_err();
-        assert_eq!(future.code, "stale_node_signature");
-        // another key's signature under this key
-        let other = NodeIdentity::generate().unwrap();
-        let mut h = signed(&other, now);
-        h.insert(
-            "x-spine-node-key",
-            HeaderValue::from_str(&id.public_key_text()).unwrap(),
-        );
-        assert_eq!(
-            verify_status_headers(&h, now).unwrap_err().code,
-            "invalid_node_signature"
-        );
-        // a signed timestamp moved
-        let mut h = signed(&id, now);
-        h.insert(
-            "x-spine-timestamp-ms",
-            HeaderValue::from_str(&(now + 1).to_string()).unwrap(),
-        );
-        assert_eq!(
-            verify_status_headers(&h, now).unwrap_err().code,
-            "invalid_node_signature"
-        );
-        for missing in [
-            "x-spine-node-key",
-            "x-spine-timestamp-ms",
-            "x-spine-signature",
+    fn refused_status_signatures_are_401() {
+        for e in [
+            NodeSignatureError::MissingHeader,
+            NodeSignatureError::Stale,
+            NodeSignatureError::DoesNotVerify,
         ] {
-            let mut h = signed(&id, now);
-            h.remove(missing);
-            assert_eq!(
-                verify_status_headers(&h, now).unwrap_err().code,
-                "invalid_node_signature"
-            );
-        }
-        let mut h = signed(&id, now);
-        h.insert("x-spine-signature", HeaderValue::from_static("!!"));
-        assert_eq!(
-            verify_status_headers(&h, now).unwrap_err().code,
-            "invalid_node_signature"
-        );
-    }
-
-    proptest::proptest! {
-        /// Arbitrary header values are refused with 401, never a panic.
-        #[test]
-        fn any_status_headers_are_refused_not_panicking(
-            key in "[ -~]{0,80}",
-            ts in "[ -~]{0,24}",
-            sig in "[ -~]{0,120}",
-            now in proptest::num::i64::ANY,
-        ) {
-            let mut h = HeaderMap::new();
-            for (name, v) in [("x-spine-node-key", &key), ("x-spine-timestamp-ms", &ts), ("x-spine-signature", &sig)] {
-                if let Ok(v) = HeaderValue::from_str(v) {
-                    h.insert(name, v);
-                }
-            }
-            let e = verify_status_headers(&h, now).unwrap_err();
-            proptest::prop_assert_eq!(e.status, StatusCode::UNAUTHORIZED);
+            let api = node_signature_error(e);
+            assert_eq!(api.status, StatusCode::UNAUTHORIZED);
+            assert_eq!(api.code, e.code());
+            assert_eq!(api.message, e.to_string());
         }
     }
 

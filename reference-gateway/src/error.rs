@@ -8,6 +8,8 @@ use http::StatusCode;
 use serde_json::json;
 use spine_core::BoxError;
 use spine_meter::meter::MeterError;
+use spine_meter::LedgerError;
+use spine_router::cluster::{RelayError, RelayRefusal};
 use spine_router::RouteError;
 use spine_transport::TunnelError;
 
@@ -204,9 +206,9 @@ impl ApiError {
                 format!("the node failed before responding: {e}"),
             );
         }
-        if let Some(e) = err.downcast_ref::<crate::cluster::ClusterError>() {
+        if let Some(e) = err.downcast_ref::<spine_router::cluster::ClusterError>() {
             // multi-instance mode: the node's instance was gone or refused, before any byte
-            if matches!(e, crate::cluster::ClusterError::NodeFull) {
+            if matches!(e, spine_router::cluster::ClusterError::NodeFull) {
                 return Self::nodes_full();
             }
             return Self::new(
@@ -298,6 +300,38 @@ impl ApiError {
     }
 }
 
+/// A ledger error as the admin and enrollment handlers answer it: 404 for an unknown id, 409
+/// for a duplicate or a reused idempotency key, 400 out of range, else 503 (logged).
+pub(crate) fn ledger_error(e: LedgerError) -> ApiError {
+    match e {
+        LedgerError::UnknownAccount(id) => ApiError::not_found(format!("no account '{id}'")),
+        LedgerError::UnknownOperator(id) => ApiError::not_found(format!("no operator '{id}'")),
+        LedgerError::UnknownNode(id) => ApiError::not_found(format!("no node '{id}'")),
+        LedgerError::Duplicate { what } => ApiError::new(
+            StatusCode::CONFLICT,
+            "invalid_request_error",
+            "conflict",
+            format!("{what} already exists"),
+        ),
+        LedgerError::IdempotencyConflict { .. } => ApiError::new(
+            StatusCode::CONFLICT,
+            "invalid_request_error",
+            "idempotency_conflict",
+            format!("{e}: the key was already used for another account or amount"),
+        ),
+        LedgerError::OutOfRange => ApiError::invalid_request("out_of_range", e.to_string()),
+        other => {
+            tracing::error!(error = %other, "ledger error");
+            ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "api_error",
+                "ledger_unavailable",
+                "the ledger is unavailable",
+            )
+        }
+    }
+}
+
 /// Whole seconds, rounded up, at least 1 (`Retry-After`).
 fn ceil_secs(d: std::time::Duration) -> u64 {
     (d.as_secs() + u64::from(d.subsec_nanos() > 0)).max(1)
@@ -337,6 +371,35 @@ impl IntoResponse for ApiError {
         }
         resp
     }
+}
+
+/// The internal listener's answer to a [`RelayError`] (multi-instance mode): its status in
+/// OpenAI's error shape; `spine_router::cluster::serve_internal` adds `x-spine-refusal`.
+pub(crate) fn relay_error_response(e: &RelayError) -> http::Response<spine_core::BoxBody> {
+    use http_body_util::BodyExt as _;
+    let (status, kind) = match e {
+        RelayError::Refused(RelayRefusal::ReplayCacheFull) => {
+            (StatusCode::SERVICE_UNAVAILABLE, "api_error")
+        }
+        RelayError::Refused(RelayRefusal::TooLarge) => {
+            (StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error")
+        }
+        RelayError::Refused(RelayRefusal::BodyError) | RelayError::MissingNodeId => {
+            (StatusCode::BAD_REQUEST, "invalid_request_error")
+        }
+        RelayError::Refused(_) => (StatusCode::UNAUTHORIZED, "invalid_request_error"),
+        RelayError::MethodNotAllowed => (StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error"),
+        RelayError::NodeFailure(_) => (StatusCode::BAD_GATEWAY, "api_error"),
+        // node_moved, node_full, and any later case: the node cannot be reached here now
+        _ => (StatusCode::SERVICE_UNAVAILABLE, "api_error"),
+    };
+    let message = match e {
+        RelayError::NodeFailure(source) => format!("{e}: {source}"),
+        _ => e.to_string(),
+    };
+    ApiError::new(status, kind, e.code(), message)
+        .into_response()
+        .map(|b| spine_core::BoxBody::new(b.map_err(BoxError::from)))
 }
 
 #[cfg(test)]

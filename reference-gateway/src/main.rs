@@ -10,11 +10,9 @@ mod admin_cli;
 mod api;
 mod auth;
 mod challenge;
-mod cluster;
 mod config;
 mod enroll;
 mod error;
-mod limits;
 mod metrics;
 mod state;
 
@@ -24,8 +22,10 @@ use std::sync::Arc;
 use clap::Parser;
 use spine_core::{ModelId, NodeDescriptor, NodeId};
 use spine_meter::classify::SseClassify;
+use spine_meter::limits;
 use spine_meter::meter::{Catalog, CatalogEntry, MeterLayer};
 use spine_meter::{InstanceUpkeep, ModelTokenizer, PgLedger, Price, SqliteLedger, Store};
+use spine_router::cluster;
 use spine_router::{NodeRegistry, QueueConfig, RegistryConfig, RouteConfig, RouteLayer};
 use spine_transport::{
     NodeAuthenticator, RefusalReason, TunnelEvents, TunnelServer, TunnelServerConfig, TunnelService,
@@ -553,10 +553,11 @@ async fn run(cli: Cli) -> Result<(), MainError> {
         // node enrollment and the node's own status (enroll.rs)
         .merge(enroll::tunnel_router(state.clone()));
     let internal_task = internal_listener.zip(cluster.clone()).map(|(l, c)| {
-        tokio::spawn(cluster::internal::serve(
+        tokio::spawn(cluster::serve_internal(
             l,
             c,
             config.listener_limits(config.internal_max_connections),
+            error::relay_error_response,
         ))
     });
     let mut tunnel_task = tokio::spawn(spine_transport::serve_listener(
@@ -695,49 +696,8 @@ fn start_auditor(
     Ok(Some(Auditor::spawn_with(
         audit_config,
         Arc::new(set),
-        Arc::new(EscrowOnVerdict(store)),
+        Arc::new(spine_meter::audit::EscrowOnVerdict::new(store)),
     )))
-}
-
-/// Resolves a node's escrowed earnings at its audit's verdict (design brief §10): paid to its
-/// operator when it reaches `passing`, kept by the platform when it reaches `failed`.
-struct EscrowOnVerdict(Arc<dyn spine_meter::Store>);
-
-impl spine_meter::audit::AuditEvents for EscrowOnVerdict {
-    fn on_verdict(
-        &self,
-        node: &spine_core::NodeId,
-        model: &ModelId,
-        _from: spine_core::AuditVerdict,
-        to: spine_core::AuditVerdict,
-    ) {
-        use spine_core::AuditVerdict as V;
-        // any way into `passing` pays what is held (a suspect node may pass through
-        // `unverified` on its way back); any way into `failed` forfeits it
-        let pay = match to {
-            V::Passing => true,
-            V::Failed => false,
-            _ => return,
-        };
-        let (store, node, model) = (self.0.clone(), node.clone(), model.clone());
-        tokio::spawn(async move {
-            // retried: the escrow stays held (and shown) until this commits
-            let mut backoff = std::time::Duration::from_millis(100);
-            loop {
-                match store.resolve_held_earnings(&node, &model, pay).await {
-                    Ok(moved) => {
-                        tracing::info!(node = %node, model = %model, pay, requests = moved.requests, micros = moved.micros, "held earnings resolved");
-                        return;
-                    }
-                    Err(e) => {
-                        tracing::error!(node = %node, model = %model, error = %e, "resolving held earnings failed; retrying");
-                        tokio::time::sleep(backoff).await;
-                        backoff = (backoff * 2).min(std::time::Duration::from_secs(30));
-                    }
-                }
-            }
-        });
-    }
 }
 
 async fn shutdown_signal() {

@@ -7,9 +7,15 @@ use spine_core::ModelId;
 use spine_meter::Store;
 use spine_router::NodeRegistry;
 
-use crate::api::Stack;
 use crate::config::Config;
-use crate::limits::RateLimits;
+use spine_meter::limits::RateLimits;
+
+/// The spine service stack as the handlers call it: meter → route → tunnel.
+pub(crate) type Stack = tower::util::BoxCloneSyncService<
+    http::Request<spine_core::BoxBody>,
+    http::Response<spine_core::BoxBody>,
+    spine_core::BoxError,
+>;
 
 /// What the public and admin handlers share.
 pub(crate) struct AppState {
@@ -30,6 +36,16 @@ pub(crate) struct AppState {
     pub(crate) auditor: Option<spine_meter::audit::Auditor>,
     /// Renders `GET /metrics`.
     pub(crate) metrics: metrics_exporter_prometheus::PrometheusHandle,
+}
+
+impl AppState {
+    /// The audit states of `node` (one per audited model), `[]` when nothing is audited.
+    pub(crate) fn audit_json(&self, node: &spine_core::NodeId) -> serde_json::Value {
+        self.auditor.as_ref().map_or_else(
+            || serde_json::json!([]),
+            |a| serde_json::json!(a.statuses_of(node)),
+        )
+    }
 }
 
 /// The tunnel listener's TLS configuration and the certificate agents should trust.

@@ -13,6 +13,8 @@ pub mod classify;
 pub mod gguf;
 pub mod inject;
 pub mod ledger;
+#[cfg(feature = "limits")]
+pub mod limits;
 pub mod meter;
 pub mod price;
 pub mod responses;

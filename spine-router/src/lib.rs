@@ -22,6 +22,8 @@
 //! - [`NodeDirectory`] / [`DirectoryDispatch`]: with several gateway instances, where a node's
 //!   tunnel is (here, on instance Y, unknown) and a service that sends each request to a local
 //!   or a remote service accordingly.
+//! - `cluster` (feature `redis`): that directory kept in Redis, shared affinity, instance
+//!   liveness, the signed HTTP/2 forwarder and the internal relay listener (design brief §8).
 //!
 //! `Route` works over any tower service that takes an `http::Request<BoxBody>` carrying a
 //! `NodeId` extension; see `examples/route_alone.rs` for two plain HTTP upstreams.
@@ -50,6 +52,8 @@
 //! ```
 
 mod affinity;
+#[cfg(feature = "redis")]
+pub mod cluster;
 mod directory;
 mod idle;
 pub mod queue;

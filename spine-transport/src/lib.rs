@@ -39,6 +39,7 @@ pub mod logging;
 
 pub use chain::{tls_hint, ErrorChain};
 pub mod metric;
+pub mod node_status;
 mod refusal;
 mod serve;
 mod server;

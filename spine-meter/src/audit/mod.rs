@@ -17,11 +17,14 @@
 //! - The verdict ([`spine_core::AuditVerdict`]) reaches the router through
 //!   [`spine_core::ModelTrust`]: a `failed` node is not routed that model until
 //!   [`Auditor::reverify`].
+//! - [`EscrowOnVerdict`] (an [`AuditEvents`]) pays a node's escrowed earnings to its operator
+//!   when it reaches `passing` and keeps them when it reaches `failed`.
 //!
 //! Measurements (honest configurations, substitutes, costs) are in `docs/trust.md`.
 
 mod auditor;
 mod challenge;
+mod escrow;
 mod reference;
 mod request;
 mod score;
@@ -32,6 +35,7 @@ pub use auditor::{
     Auditor,
 };
 pub use challenge::challenge_body;
+pub use escrow::EscrowOnVerdict;
 #[cfg(feature = "llama-reference")]
 pub use reference::LlamaCppReference;
 pub use reference::{Reference, ReferenceError, ReferenceQuery, ReferenceSet, ScoreFuture};

@@ -4,21 +4,24 @@
 //! build (a `std` hasher's output may change between Rust releases), and not steerable by a
 //! caller choosing a `prompt_cache_key` that collides with another conversation's.
 
+use crate::{AffinityFuture, AffinityKey, AffinityStore};
 use spine_core::{ModelId, NodeId};
-use spine_router::{AffinityFuture, AffinityKey, AffinityStore};
 
 use super::Cluster;
 
 /// An [`AffinityStore`] over the instance's shared Redis connection; each call is bounded by
-/// [`super::REDIS_TIMEOUT`] and a failure makes the router use its in-memory table.
+/// [`super::REDIS_TIMEOUT`] and a failure makes the router use its in-memory table. Give it to
+/// [`RouteLayer::affinity_store`](crate::RouteLayer::affinity_store).
 #[derive(Debug, Clone)]
-pub(crate) struct RedisAffinity {
+pub struct RedisAffinity {
     cluster: Cluster,
     ttl_secs: u64,
 }
 
 impl RedisAffinity {
-    pub(crate) fn new(cluster: Cluster, ttl_secs: u64) -> Self {
+    /// Affinity entries under `cluster`'s key prefix, each kept `ttl_secs` (at least 1) from
+    /// its last use.
+    pub fn new(cluster: Cluster, ttl_secs: u64) -> Self {
         Self { cluster, ttl_secs }
     }
 
@@ -44,12 +47,6 @@ fn stable_digest(key: &AffinityKey) -> String {
         AffinityKey::Conversation(k) => {
             h.update(b"conversation\0");
             h.update(k.to_le_bytes());
-        }
-        // a kind added later: its source label and debug form still separate it
-        other => {
-            h.update(other.source().as_bytes());
-            h.update(b"\0");
-            h.update(format!("{other:?}").as_bytes());
         }
     }
     hex::encode(&h.finalize()[..16])

@@ -11,6 +11,10 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use crate::{
+    DirectoryDispatch, DirectoryError, DirectoryFuture, IdleTimer, NodeDirectory, NodeLocation,
+    RemoteOwner,
+};
 use http::header::{HeaderName, HeaderValue, AUTHORIZATION};
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -18,47 +22,44 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 use sha2::{Digest, Sha256};
 use spine_core::{BoxBody, BoxError, NodeId};
-use spine_router::{
-    DirectoryDispatch, DirectoryError, DirectoryFuture, IdleTimer, NodeDirectory, NodeLocation,
-    RemoteOwner,
-};
 use spine_transport::TunnelService;
 
 use super::internal::{unix_ms, SignedHead};
 use super::{Cluster, FORWARDED, FORWARD_SECONDS};
 
 /// Header naming the target node on the internal hop.
-pub(crate) const X_SPINE_NODE_ID: HeaderName = HeaderName::from_static("x-spine-node-id");
+pub const X_SPINE_NODE_ID: HeaderName = HeaderName::from_static("x-spine-node-id");
 /// Header on an internal listener's refusal: `node_moved`, `node_full`, or the code of a refused
 /// signature or body ([`super::internal::RelayRefusal::code`]).
-pub(crate) const X_SPINE_REFUSAL: HeaderName = HeaderName::from_static("x-spine-refusal");
+pub const X_SPINE_REFUSAL: HeaderName = HeaderName::from_static("x-spine-refusal");
 /// Connect timeout of the internal hop.
-pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_millis(200);
+pub const CONNECT_TIMEOUT: Duration = Duration::from_millis(200);
 /// HTTP/2 PING interval on the internal hop (both ends), idle or not.
-pub(crate) const KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(1);
+pub const KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(1);
 /// A PING unanswered for this long closes the connection: every stream on it fails, so an owner
 /// that went silent without closing its sockets (stopped, partitioned) is noticed within
 /// about [`KEEP_ALIVE_INTERVAL`] + [`KEEP_ALIVE_TIMEOUT`].
-pub(crate) const KEEP_ALIVE_TIMEOUT: Duration = Duration::from_secs(3);
+pub const KEEP_ALIVE_TIMEOUT: Duration = Duration::from_secs(3);
 /// Most concurrent streams on one internal connection (one per peer instance), far above any
 /// node's stream limit so forwarded requests never queue behind the connection.
-pub(crate) const MAX_CONCURRENT_STREAMS: u32 = 4096;
+pub const MAX_CONCURRENT_STREAMS: u32 = 4096;
 /// Bound on waiting for the owner's response head: a backstop behind the keep-alive, for an
 /// owner that answers PINGs but never the stream. Long, because a node answers a non-streamed
 /// request's head only once generation is done (streamed requests are bounded sooner by the
 /// router's first-content timeout).
-pub(crate) const HEAD_TIMEOUT: Duration = Duration::from_secs(600);
+pub const HEAD_TIMEOUT: Duration = Duration::from_secs(600);
 /// Bound on the silence between two frames of a relayed response body (a backstop likewise,
 /// above any sensible first-content timeout); a body silent for longer fails mid-stream, and
 /// the meter ends the caller's stream with an error event.
-pub(crate) const BODY_IDLE_TIMEOUT: Duration = Duration::from_secs(300);
+pub const BODY_IDLE_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// Why a request for a remote node was not forwarded; all of them happen before any byte of
 /// the request reached a node, so the router retries another node, and none is scored against
-/// the node (it did nothing wrong).
+/// the node (it did nothing wrong) — except [`ClusterError::Request`] and
+/// [`ClusterError::Body`], which are the request's (see [`ClusterError::not_node_fault`]).
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
-pub(crate) enum ClusterError {
+pub enum ClusterError {
     /// Neither a local tunnel nor a directory entry names the node.
     #[error("node is not known to this instance")]
     UnknownNode,
@@ -100,15 +101,17 @@ pub(crate) enum ClusterError {
 impl ClusterError {
     /// Whether the router should retry elsewhere without scoring the node: every case (and a
     /// node the directory does not know, [`DirectoryError`]).
-    pub(crate) fn not_node_fault(err: &BoxError) -> bool {
+    /// For [`RouteLayer::not_node_fault`](crate::RouteLayer::not_node_fault).
+    pub fn not_node_fault(err: &BoxError) -> bool {
         err.downcast_ref::<ClusterError>()
             .is_some_and(|e| !matches!(e, ClusterError::Request(_) | ClusterError::Body(_)))
             || DirectoryError::not_node_fault(err)
     }
 
     /// Whether `err` says the owner found the node momentarily full (`node_full`): the router
-    /// may pick the node again a moment later.
-    pub(crate) fn is_node_full(err: &BoxError) -> bool {
+    /// may pick the node again a moment later. For
+    /// [`RouteLayer::node_full`](crate::RouteLayer::node_full).
+    pub fn is_node_full(err: &BoxError) -> bool {
         matches!(
             err.downcast_ref::<ClusterError>(),
             Some(ClusterError::NodeFull)
@@ -134,10 +137,11 @@ type HttpClient = Client<HttpConnector, BoxBody>;
 
 /// The route stack's inner service in multi-instance mode: a local node's tunnel, else the
 /// owning instance's internal listener (after checking its liveness key; one Redis round trip).
-pub(crate) type ClusterService = DirectoryDispatch<TunnelService, Forwarder>;
+pub type ClusterService = DirectoryDispatch<TunnelService, Forwarder>;
 
-/// The [`ClusterService`] of `cluster`.
-pub(crate) fn cluster_service(cluster: &Cluster) -> ClusterService {
+/// The [`ClusterService`] of `cluster`: its tunnels' service for local nodes, a [`Forwarder`]
+/// for remote ones.
+pub fn cluster_service(cluster: &Cluster) -> ClusterService {
     DirectoryDispatch::new(
         Arc::new(cluster.clone()),
         cluster.tunnels().service(),
@@ -205,13 +209,16 @@ impl Cluster {
 /// one pooled connection per peer). Response bodies stream frame by frame; dropping one resets
 /// the forwarded stream, which cancels the request on the node.
 #[derive(Clone, Debug)]
-pub(crate) struct Forwarder {
+pub struct Forwarder {
     cluster: Cluster,
     client: HttpClient,
 }
 
 impl Forwarder {
-    pub(crate) fn new(cluster: Cluster) -> Self {
+    /// A forwarder signing with `cluster`'s secret, which suspects owners that fail and
+    /// forgets nodes that moved. Connect timeout [`CONNECT_TIMEOUT`]; HTTP/2 PING every
+    /// [`KEEP_ALIVE_INTERVAL`], dead after [`KEEP_ALIVE_TIMEOUT`].
+    pub fn new(cluster: Cluster) -> Self {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         connector.set_connect_timeout(Some(CONNECT_TIMEOUT));
@@ -373,7 +380,7 @@ impl Forwarder {
 /// The owner's response body went silent for [`BODY_IDLE_TIMEOUT`].
 #[derive(Debug, thiserror::Error)]
 #[error("the relayed response body was silent for {0:?}")]
-pub(crate) struct BodyIdle(Duration);
+pub struct BodyIdle(Duration);
 
 pin_project_lite::pin_project! {
     /// A body that fails with [`BodyIdle`] when no frame arrives for `idle`
@@ -447,14 +454,13 @@ mod tests {
     use bytes::Bytes;
     use http_body_util::Empty;
     use spine_core::{EngineKind, ModelDescriptor, ModelId, NodeDescriptor};
-    use spine_router::NodeRegistry;
     use spine_transport::{StaticAuthenticator, TunnelServer, TunnelServerConfig};
     use tokio_util::sync::CancellationToken;
     use tower::ServiceExt;
 
-    use super::super::connect_redis;
+    use super::super::{connect_redis, ClusterConfig};
     use super::*;
-    use crate::config::ClusterConfig;
+    use crate::NodeRegistry;
 
     const REDIS: &str = "redis://127.0.0.1:6379";
 
@@ -564,14 +570,9 @@ mod tests {
         );
         let stop = CancellationToken::new();
         stop.cancel();
-        let config = ClusterConfig {
-            redis_url: REDIS.into(),
-            instance_id: "b".into(),
-            key_prefix: p.clone(),
-            internal_listen: "127.0.0.1:0".parse().unwrap(),
-            internal_advertise: None,
-            secret: "0123456789abcdef-secret".into(),
-        };
+        let mut config = ClusterConfig::new(REDIS, "0123456789abcdef-secret");
+        config.instance_id = "b".into();
+        config.key_prefix.clone_from(&p);
         let b = Cluster::start(
             &config,
             connect_redis(REDIS).unwrap(),

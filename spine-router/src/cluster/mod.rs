@@ -1,5 +1,6 @@
-//! Multi-instance mode (design brief §8): several gateway instances share PostgreSQL (ledger,
-//! accounts, keys) and Redis (directory, liveness, affinity, rate limits).
+//! Multi-instance mode (design brief §8), behind the `redis` feature: several gateway instances
+//! share PostgreSQL (ledger, accounts, keys) and Redis (directory, liveness, affinity, rate
+//! limits).
 //!
 //! Each instance
 //! - keeps one shared Redis connection ([`redis::aio::ConnectionManager`]: multiplexed,
@@ -23,13 +24,21 @@
 //! table, one warning is logged and `spine_cluster_redis_up` reads 0; all of it recovers when
 //! Redis answers again.
 //!
+//! Wiring, in outline: [`connect_redis`], then [`Cluster::start`] with this instance's
+//! [`ClusterConfig`], [`NodeRegistry`] and tunnels; feed it the tunnels' lifecycle
+//! ([`Cluster::local_ready`], [`Cluster::local_gone`]); give the router
+//! [`RedisAffinity`] and, as its inner service, [`cluster_service`]; serve the internal listener
+//! with [`serve_internal`]; call [`Cluster::leave`] on shutdown. The reference gateway's
+//! `main.rs` does exactly this.
+//!
 //! Keys assume one Redis server (or a primary with replicas): the Lua scripts read keys they do
 //! not declare, which Redis Cluster forbids.
 
 mod affinity;
+mod config;
 mod directory;
 mod forward;
-pub(crate) mod internal;
+mod internal;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -38,60 +47,69 @@ use std::time::Duration;
 
 use redis::aio::ConnectionManager;
 use spine_core::{ModelId, NodeDescriptor, NodeId};
-use spine_router::NodeRegistry;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-pub(crate) use affinity::RedisAffinity;
-pub(crate) use forward::{cluster_service, ClusterError};
+pub use affinity::RedisAffinity;
+pub use config::ClusterConfig;
+pub use forward::{
+    cluster_service, BodyIdle, ClusterError, ClusterService, Forwarder, BODY_IDLE_TIMEOUT,
+    CONNECT_TIMEOUT, HEAD_TIMEOUT, KEEP_ALIVE_INTERVAL, KEEP_ALIVE_TIMEOUT, MAX_CONCURRENT_STREAMS,
+    X_SPINE_NODE_ID, X_SPINE_REFUSAL,
+};
+pub use internal::{
+    internal_router, serve_internal, RelayError, RelayRefusal, FORWARDED_BODY_SLACK_BYTES,
+    MAX_CLOCK_SKEW_MS, REPLAY_CACHE_CAP, SIGNATURE_SCHEME,
+};
 
-use crate::config::ClusterConfig;
+use crate::NodeRegistry;
 
 /// Bound on every Redis call on a request path or in a background loop.
-pub(crate) const REDIS_TIMEOUT: Duration = Duration::from_millis(100);
+pub const REDIS_TIMEOUT: Duration = Duration::from_millis(100);
 /// Lifetime of an instance's liveness key.
-pub(crate) const LIVENESS_TTL: Duration = Duration::from_secs(3);
+pub const LIVENESS_TTL: Duration = Duration::from_secs(3);
 /// Lifetime of a directory entry; its owner refreshes it every [`REFRESH_EVERY`].
-pub(crate) const DIRECTORY_TTL: Duration = Duration::from_secs(5);
+pub const DIRECTORY_TTL: Duration = Duration::from_secs(5);
 /// How often the liveness key and the own directory entries are refreshed.
-pub(crate) const REFRESH_EVERY: Duration = Duration::from_secs(1);
+pub const REFRESH_EVERY: Duration = Duration::from_secs(1);
 /// How often the directory is read into the registry.
-pub(crate) const SYNC_EVERY: Duration = Duration::from_millis(500);
+pub const SYNC_EVERY: Duration = Duration::from_millis(500);
 /// A remote node not confirmed by the directory for this long leaves the registry (Redis
 /// down, or its entry expired).
-pub(crate) const REMOTE_TTL: Duration = DIRECTORY_TTL;
+pub const REMOTE_TTL: Duration = DIRECTORY_TTL;
 /// How long an owner found unreachable is skipped by the directory sync (its liveness key may
 /// outlive it by up to [`LIVENESS_TTL`]).
-pub(crate) const SUSPECT_FOR: Duration = LIVENESS_TTL;
+pub const SUSPECT_FOR: Duration = LIVENESS_TTL;
 /// Most directory entries one sync reads.
-pub(crate) const MAX_SYNC_NODES: usize = 10_000;
+pub const MAX_SYNC_NODES: usize = 10_000;
 /// The gateway's default `max_request_body_bytes` (4 MiB), the internal listener's body bound
 /// until [`Cluster::set_max_request_body_bytes`] sets the configured one.
-pub(crate) const DEFAULT_MAX_REQUEST_BODY_BYTES: usize = 4 * 1024 * 1024;
+pub const DEFAULT_MAX_REQUEST_BODY_BYTES: usize = 4 * 1024 * 1024;
 
 /// Counter of requests forwarded to another instance, `result` = `ok`, `owner_dead`,
 /// `unreachable`, `timeout`, `node_moved`, `node_full`, `refused` (the owner's internal listener
 /// refused the signature or the body: `cluster_secret`, clocks or body limits differ), `redis_error`,
 /// `error` (the forwarded request could not be built).
-pub(crate) const FORWARDED: &str = "spine_cluster_forwarded_total";
+pub const FORWARDED: &str = "spine_cluster_forwarded_total";
 /// Histogram: seconds from forwarding a request to the owner's response head.
-pub(crate) const FORWARD_SECONDS: &str = "spine_cluster_forward_seconds";
+pub const FORWARD_SECONDS: &str = "spine_cluster_forward_seconds";
 /// Counter of failed or timed-out Redis calls, `op` label.
-pub(crate) const REDIS_ERRORS: &str = "spine_cluster_redis_errors_total";
+pub const REDIS_ERRORS: &str = "spine_cluster_redis_errors_total";
 /// Gauge: 1 while the last Redis call succeeded, 0 after a failure.
-pub(crate) const REDIS_UP: &str = "spine_cluster_redis_up";
+pub const REDIS_UP: &str = "spine_cluster_redis_up";
 /// Gauge: live entries in the directory at the last sync (every instance's nodes).
-pub(crate) const DIRECTORY_NODES: &str = "spine_cluster_directory_nodes";
+pub const DIRECTORY_NODES: &str = "spine_cluster_directory_nodes";
 /// Gauge: remote nodes (tunnel on another instance) in this instance's registry.
-pub(crate) const REMOTE_NODES: &str = "spine_cluster_remote_nodes";
+pub const REMOTE_NODES: &str = "spine_cluster_remote_nodes";
 /// Counter of requests relayed by the internal listener, `result` = `ok`, `node_moved`,
 /// `node_full`, `error` (the node failed before its head), or a refusal before the tunnel:
 /// `missing_signature`, `bad_signature`, `wrong_target`, `stale`, `replayed`, `replay_cache_full`,
 /// `too_large`, `body_error`, `body_mismatch`.
-pub(crate) const RELAYED: &str = "spine_cluster_relayed_total";
+pub const RELAYED: &str = "spine_cluster_relayed_total";
 
-/// Registers the metrics' descriptions.
-pub(crate) fn describe() {
+/// Registers the descriptions of the metrics above with the installed `metrics` recorder; call
+/// it once after installing one.
+pub fn describe() {
     metrics::describe_counter!(
         FORWARDED,
         "Requests forwarded to the instance holding the node's tunnel"
@@ -117,16 +135,18 @@ pub(crate) fn describe() {
 /// Errors talking to Redis.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
-pub(crate) enum RedisError {
+pub enum RedisError {
+    /// No answer within the bound ([`REDIS_TIMEOUT`]).
     #[error("redis call timed out after {0:?}")]
     Timeout(Duration),
+    /// Redis answered with an error, or the connection failed.
     #[error("redis call failed")]
     Redis(#[source] redis::RedisError),
 }
 
 /// `CLIENT SETNAME` value of an instance: the key prefix without characters Redis names refuse
 /// (only letters, digits, `.`, `_`, `-` are kept), a dash, the instance id.
-pub(crate) fn client_name(prefix: &str, instance_id: &str) -> String {
+pub fn client_name(prefix: &str, instance_id: &str) -> String {
     let clean: String = prefix
         .chars()
         .filter(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
@@ -180,9 +200,12 @@ struct Inner {
     ops: mpsc::UnboundedSender<DirOp>,
 }
 
-/// This instance's part in the cluster. Cheap to clone.
+/// This instance's part in the cluster: the shared Redis connection, the directory kept in it
+/// and the remote nodes it feeds into the [`NodeRegistry`]. Cheap to clone (one shared state).
+///
+/// It is the [`NodeDirectory`](crate::NodeDirectory) of [`cluster_service`].
 #[derive(Clone)]
-pub(crate) struct Cluster {
+pub struct Cluster {
     inner: Arc<Inner>,
 }
 
@@ -200,12 +223,12 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 /// Opens the one shared Redis connection of an instance (lazily: an instance starts even while
-/// Redis is down and connects when it returns).
+/// Redis is down and connects when it returns). Connect timeout 500 ms, response timeout 2 s.
 ///
 /// # Errors
 ///
 /// The URL does not parse.
-pub(crate) fn connect_redis(url: &str) -> Result<ConnectionManager, redis::RedisError> {
+pub fn connect_redis(url: &str) -> Result<ConnectionManager, redis::RedisError> {
     let client = redis::Client::open(url)?;
     let config = redis::aio::ConnectionManagerConfig::new()
         .set_connection_timeout(Some(Duration::from_millis(500)))
@@ -218,8 +241,19 @@ pub(crate) fn connect_redis(url: &str) -> Result<ConnectionManager, redis::Redis
 impl Cluster {
     /// Joins the cluster: names the Redis connection, publishes liveness, and starts the
     /// refresh/sync loop (stopped by `shutdown`). `internal_addr` is the address other
-    /// instances dial for this one's internal listener.
-    pub(crate) async fn start(
+    /// instances dial for this one's internal listener (`config.internal_advertise`, else the
+    /// internal listener's bound address); `catalog` lists the models this instance serves
+    /// (remote nodes are registered with those only). Must be called within a tokio runtime
+    /// (it spawns two tasks).
+    ///
+    /// A Redis that does not answer does not fail the start: [`Cluster::redis_down`] then
+    /// reads `true` and the instance serves its local nodes until Redis answers.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropped before it returns, nothing has been spawned; at most the liveness key was
+    /// written (it expires after [`LIVENESS_TTL`]).
+    pub async fn start(
         config: &ClusterConfig,
         redis: ConnectionManager,
         internal_addr: String,
@@ -259,12 +293,12 @@ impl Cluster {
     }
 
     /// This instance's id.
-    pub(crate) fn instance_id(&self) -> &str {
+    pub fn instance_id(&self) -> &str {
         &self.inner.instance_id
     }
 
     /// A handle on the instance's one shared Redis connection (a clone shares it).
-    pub(crate) fn redis_connection(&self) -> ConnectionManager {
+    pub fn redis_connection(&self) -> ConnectionManager {
         self.inner.redis.clone()
     }
 
@@ -303,25 +337,28 @@ impl Cluster {
     /// Sets the gateway's request body limit, bytes (default
     /// [`DEFAULT_MAX_REQUEST_BODY_BYTES`]): the internal listener refuses a forwarded body over it
     /// plus [`internal::FORWARDED_BODY_SLACK_BYTES`] with 413. Every instance should use the same.
-    pub(crate) fn set_max_request_body_bytes(&self, bytes: usize) {
+    pub fn set_max_request_body_bytes(&self, bytes: usize) {
         self.inner
             .max_request_body_bytes
             .store(bytes, Ordering::Relaxed);
     }
 
     /// Most bytes of a forwarded body the internal listener reads.
-    pub(crate) fn max_forwarded_body_bytes(&self) -> usize {
+    pub fn max_forwarded_body_bytes(&self) -> usize {
         self.inner
             .max_request_body_bytes
             .load(Ordering::Relaxed)
             .saturating_add(internal::FORWARDED_BODY_SLACK_BYTES)
     }
 
-    pub(crate) fn tunnels(&self) -> &spine_transport::Tunnels {
+    /// The tunnels of this instance (the local nodes).
+    pub fn tunnels(&self) -> &spine_transport::Tunnels {
         &self.inner.tunnels
     }
 
-    pub(crate) fn key(&self, rest: &str) -> String {
+    /// `rest` under this instance's key prefix (`config.key_prefix`): every Redis key the
+    /// cluster uses, and those other shared state (rate limits) should use.
+    pub fn key(&self, rest: &str) -> String {
         format!("{}{rest}", self.inner.prefix)
     }
 
@@ -379,7 +416,7 @@ impl Cluster {
     }
 
     /// Whether the last Redis call failed.
-    pub(crate) fn redis_down(&self) -> bool {
+    pub fn redis_down(&self) -> bool {
         self.inner.redis_down.load(Ordering::Acquire)
     }
 
@@ -401,8 +438,10 @@ impl Cluster {
         self.outcome("liveness", res)
     }
 
-    /// A node became routable on this instance's tunnel.
-    pub(crate) fn local_ready(&self, node: &NodeId, descriptor: &NodeDescriptor) {
+    /// A node became routable on this instance's tunnel: it is published in the directory
+    /// (the whole descriptor; each instance filters by its own catalog). Call it from the
+    /// tunnels' `TunnelEvents::node_ready`.
+    pub fn local_ready(&self, node: &NodeId, descriptor: &NodeDescriptor) {
         lock(&self.inner.local).insert(node.clone(), descriptor.clone());
         lock(&self.inner.remote).remove(node);
         let _ = self
@@ -411,8 +450,9 @@ impl Cluster {
             .send(DirOp::Claim(node.clone(), descriptor.clone()));
     }
 
-    /// A node's tunnel on this instance is gone.
-    pub(crate) fn local_gone(&self, node: &NodeId) {
+    /// A node's tunnel on this instance is gone: its directory entry is removed (if this
+    /// instance still owns it). Call it from the tunnels' `TunnelEvents::node_gone`.
+    pub fn local_gone(&self, node: &NodeId) {
         lock(&self.inner.local).remove(node);
         let _ = self.inner.ops.send(DirOp::Release(node.clone()));
     }
@@ -449,7 +489,11 @@ impl Cluster {
 
     /// Graceful shutdown: the liveness key and this instance's directory entries go at once, so
     /// peers stop forwarding here without waiting for the TTLs.
-    pub(crate) async fn leave(&self) {
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropped midway, the remaining entries and the liveness key expire at their TTLs.
+    pub async fn leave(&self) {
         let nodes: Vec<NodeId> = lock(&self.inner.local).keys().cloned().collect();
         for node in nodes {
             let _ = self.release(&node).await;
@@ -496,7 +540,7 @@ impl Cluster {
 
     /// The instance holding `node`'s tunnel and its internal address at the last sync, when it
     /// is a remote node.
-    pub(crate) fn owner_of(&self, node: &NodeId) -> Option<(String, String)> {
+    pub fn owner_of(&self, node: &NodeId) -> Option<(String, String)> {
         lock(&self.inner.remote)
             .get(node)
             .map(|r| (r.owner.clone(), r.owner_addr.clone()))

@@ -12,7 +12,8 @@
 //! 8 bytes big-endian) the domain string `spine-cluster-forward-v1`, the target instance id, `t`
 //! (8 bytes big-endian), the nonce (16 bytes), the method, the path and query, the
 //! `x-spine-node-id` value and the body's SHA-256 (32 bytes). Other headers are not signed. The
-//! listener refuses, 401 in OpenAI's error shape with `x-spine-refusal: <code>`:
+//! listener refuses ([`RelayError::Refused`], 401 as the application renders it, with
+//! `x-spine-refusal: <code>`):
 //! no header (`missing_cluster_signature`), an unparsable header or a MAC that does not verify
 //! (`invalid_cluster_signature`, compared in constant time), a target that is not this instance
 //! (`wrong_cluster_target`: a signature made for instance B is useless at C), `t` more than
@@ -37,17 +38,14 @@
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
-use std::sync::Arc;
+use std::convert::Infallible;
 
-use axum::body::Body;
-use axum::extract::{Request, State};
-use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
 use hmac::{Hmac, Mac};
 use http::header::{HeaderValue, AUTHORIZATION};
-use http::StatusCode;
 use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
 use sha2::{Digest, Sha256};
-use spine_core::{BoxBody, NodeId};
+use spine_core::{BoxBody, BoxError, NodeId};
 
 use tokio::net::TcpListener;
 
@@ -56,23 +54,63 @@ use super::forward::{
     X_SPINE_REFUSAL,
 };
 use super::{Cluster, RELAYED};
-use crate::error::ApiError;
 
-/// The internal listener's router.
-pub(crate) fn router(cluster: Cluster) -> axum::Router {
-    axum::Router::new()
-        .fallback(relay)
-        .with_state(Arc::new(cluster))
+/// The internal listener's service: relays each request with [`Cluster`]'s tunnels and answers
+/// each [`RelayError`] with `render(&error)`, plus `x-spine-refusal: <code>` when the error
+/// has a [`RelayError::refusal_code`] (so that the forwarding instance never takes a refusal
+/// for the node's answer). `render` chooses the status and body (the reference gateway: the
+/// error's status in OpenAI's error shape).
+pub fn internal_router<B, F>(
+    cluster: Cluster,
+    render: F,
+) -> impl tower::Service<
+    http::Request<B>,
+    Response = http::Response<BoxBody>,
+    Error = Infallible,
+    Future = impl std::future::Future<Output = Result<http::Response<BoxBody>, Infallible>> + Send,
+> + Clone
+       + Send
+       + 'static
+where
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+    F: Fn(&RelayError) -> http::Response<BoxBody> + Clone + Send + Sync + 'static,
+{
+    tower::service_fn(move |req: http::Request<B>| {
+        let cluster = cluster.clone();
+        let render = render.clone();
+        async move {
+            Ok(match relay(&cluster, req).await {
+                Ok(resp) => resp,
+                Err(e) => {
+                    let mut resp = render(&e);
+                    if let Some(code) = e.refusal_code() {
+                        resp.headers_mut()
+                            .insert(X_SPINE_REFUSAL, HeaderValue::from_static(code));
+                    }
+                    resp
+                }
+            })
+        }
+    })
 }
 
-/// Serves [`router`] on `listener` (h2c prior knowledge) under `limits` (connection cap,
-/// header, body and idle timeouts: [`spine_transport::LimitedServer`]) until the task is dropped
-/// or aborted.
-pub(crate) async fn serve(
+/// Serves [`internal_router`] on `listener` (h2c prior knowledge) under `limits` (connection
+/// cap, header, body and idle timeouts: [`spine_transport::LimitedServer`]) until the task is
+/// dropped or aborted. Connections are PINGed every [`KEEP_ALIVE_INTERVAL`] and carry up to
+/// [`MAX_CONCURRENT_STREAMS`] streams.
+///
+/// # Cancel safety
+///
+/// Dropping the future stops accepting and drops the connections being served.
+pub async fn serve_internal<F>(
     listener: TcpListener,
     cluster: Cluster,
     limits: spine_transport::ListenerLimits,
-) {
+    render: F,
+) where
+    F: Fn(&RelayError) -> http::Response<BoxBody> + Clone + Send + Sync + 'static,
+{
     let mut server = spine_transport::LimitedServer::new("internal", limits).http2_only();
     server
         .http_mut()
@@ -81,7 +119,11 @@ pub(crate) async fn serve(
         .keep_alive_timeout(KEEP_ALIVE_TIMEOUT)
         .max_concurrent_streams(MAX_CONCURRENT_STREAMS);
     let _ = server
-        .serve(listener, router(cluster), std::future::pending())
+        .serve(
+            listener,
+            internal_router(cluster, render),
+            std::future::pending(),
+        )
         .await;
 }
 
@@ -89,17 +131,17 @@ pub(crate) async fn serve(
 pub(crate) type ClusterMac = Hmac<Sha256>;
 
 /// The `Authorization` scheme of a forwarded request.
-pub(crate) const SIGNATURE_SCHEME: &str = "Spine-HMAC-SHA256";
+pub const SIGNATURE_SCHEME: &str = "Spine-HMAC-SHA256";
 /// First field of every signed message: a signature made for anything else never verifies here.
 const SIGNATURE_DOMAIN: &[u8] = b"spine-cluster-forward-v1";
 /// Most milliseconds a forwarded request's timestamp may be from the owner's clock, either way.
-pub(crate) const MAX_CLOCK_SKEW_MS: u64 = 30_000;
+pub const MAX_CLOCK_SKEW_MS: u64 = 30_000;
 /// Most nonces the replay cache holds (about 16 bytes of key and 8 of expiry each, twice: map
 /// and queue), enough for ~17,000 forwarded requests a second into one instance.
-pub(crate) const REPLAY_CACHE_CAP: usize = 1 << 19;
+pub const REPLAY_CACHE_CAP: usize = 1 << 19;
 /// Bytes a forwarded body may exceed `max_request_body_bytes` by: the entry instance's meter
 /// may add to the body it buffered (`stream_options.include_usage`).
-pub(crate) const FORWARDED_BODY_SLACK_BYTES: usize = 64 * 1024;
+pub const FORWARDED_BODY_SLACK_BYTES: usize = 64 * 1024;
 
 /// [`ClusterMac`] keyed with `secret`.
 pub(crate) fn cluster_mac(secret: &[u8]) -> ClusterMac {
@@ -193,10 +235,11 @@ fn push_decimal(out: &mut String, n: u64) {
     let _ = write!(out, "{n}");
 }
 
-/// Why the internal listener refused a forwarded request before its tunnel.
+/// Why the internal listener refused a forwarded request's signature or body, before its
+/// tunnel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
-pub(crate) enum RelayRefusal {
+pub enum RelayRefusal {
     /// No `Authorization` header.
     #[error("the forwarded request carries no signature")]
     Missing,
@@ -228,7 +271,7 @@ pub(crate) enum RelayRefusal {
 
 impl RelayRefusal {
     /// The error `code` (and `x-spine-refusal` value) of the refusal.
-    pub(crate) fn code(self) -> &'static str {
+    pub fn code(self) -> &'static str {
         match self {
             RelayRefusal::Missing => "missing_cluster_signature",
             RelayRefusal::BadSignature => "invalid_cluster_signature",
@@ -256,21 +299,71 @@ impl RelayRefusal {
             RelayRefusal::BodyMismatch => "body_mismatch",
         }
     }
+}
 
-    /// The refusal, in OpenAI's error shape, with `x-spine-refusal: <code>` so that the
-    /// forwarding instance never takes it for the node's answer.
-    fn response(self) -> Response {
-        metrics::counter!(RELAYED, "result" => self.label()).increment(1);
-        let (status, kind) = match self {
-            RelayRefusal::ReplayCacheFull => (StatusCode::SERVICE_UNAVAILABLE, "api_error"),
-            RelayRefusal::TooLarge => (StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error"),
-            RelayRefusal::BodyError => (StatusCode::BAD_REQUEST, "invalid_request_error"),
-            _ => (StatusCode::UNAUTHORIZED, "invalid_request_error"),
-        };
-        let mut resp = ApiError::new(status, kind, self.code(), self.to_string()).into_response();
-        resp.headers_mut()
-            .insert(X_SPINE_REFUSAL, HeaderValue::from_static(self.code()));
-        resp
+/// Why the internal listener answered a forwarded request itself rather than with the node's
+/// answer. The application renders it ([`internal_router`]'s `render`); a status that fits each
+/// case is stated on it, and the forwarding instance relies on 413 for
+/// [`RelayRefusal::TooLarge`].
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RelayError {
+    /// The signature or the body was refused ([`RelayRefusal::code`]): 401, except
+    /// [`RelayRefusal::ReplayCacheFull`] 503, [`RelayRefusal::TooLarge`] 413 and
+    /// [`RelayRefusal::BodyError`] 400.
+    #[error(transparent)]
+    Refused(#[from] RelayRefusal),
+    /// A signed request with another method than `POST`: 405.
+    #[error("the internal listener relays POST requests only")]
+    MethodNotAllowed,
+    /// A signed request without `x-spine-node-id`: 400.
+    #[error("x-spine-node-id is required")]
+    MissingNodeId,
+    /// The node's tunnel is not on this instance (`node_moved`): 503.
+    #[error("the node's tunnel is not on this instance")]
+    NodeMoved,
+    /// The node has no free stream (`node_full`): 503.
+    #[error("the node has no free stream")]
+    NodeFull,
+    /// The node failed before its response head (`node_failure`): 502.
+    #[error("the node failed before responding")]
+    NodeFailure(#[source] spine_transport::TunnelError),
+}
+
+impl RelayError {
+    /// The error `code`: [`RelayRefusal::code`], `method_not_allowed`, `missing_node_id`,
+    /// `node_moved`, `node_full` or `node_failure`.
+    pub fn code(&self) -> &'static str {
+        match self {
+            RelayError::Refused(r) => r.code(),
+            RelayError::MethodNotAllowed => "method_not_allowed",
+            RelayError::MissingNodeId => "missing_node_id",
+            RelayError::NodeMoved => "node_moved",
+            RelayError::NodeFull => "node_full",
+            RelayError::NodeFailure(_) => "node_failure",
+        }
+    }
+
+    /// The `x-spine-refusal` value the answer carries: the code of a refusal, `node_moved` or
+    /// `node_full`; `None` for the others.
+    pub fn refusal_code(&self) -> Option<&'static str> {
+        match self {
+            RelayError::Refused(_) | RelayError::NodeMoved | RelayError::NodeFull => {
+                Some(self.code())
+            }
+            _ => None,
+        }
+    }
+
+    /// The `result` label of [`RELAYED`]; `None` for a request not counted there.
+    fn label(&self) -> Option<&'static str> {
+        match self {
+            RelayError::Refused(r) => Some(r.label()),
+            RelayError::NodeMoved => Some("node_moved"),
+            RelayError::NodeFull => Some("node_full"),
+            RelayError::NodeFailure(_) => Some("error"),
+            RelayError::MethodNotAllowed | RelayError::MissingNodeId => None,
+        }
     }
 }
 
@@ -427,14 +520,6 @@ impl ReplayCache {
     }
 }
 
-fn refusal(code: &'static str, message: &'static str) -> Response {
-    let mut resp =
-        ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "api_error", code, message).into_response();
-    resp.headers_mut()
-        .insert(X_SPINE_REFUSAL, HeaderValue::from_static(code));
-    resp
-}
-
 /// Removes every `x-spine-*` header from a node's response head.
 fn strip_spine_headers(headers: &mut http::HeaderMap) {
     let names: Vec<_> = headers
@@ -447,10 +532,37 @@ fn strip_spine_headers(headers: &mut http::HeaderMap) {
     }
 }
 
-async fn relay(State(cluster): State<Arc<Cluster>>, req: Request) -> Response {
+/// Relays one forwarded request into its node's tunnel, counting it in [`RELAYED`].
+async fn relay<B>(
+    cluster: &Cluster,
+    req: http::Request<B>,
+) -> Result<http::Response<BoxBody>, RelayError>
+where
+    B: http_body::Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    let result = relay_uncounted(cluster, req).await;
+    let label = match &result {
+        Ok(_) => Some("ok"),
+        Err(e) => e.label(),
+    };
+    if let Some(label) = label {
+        metrics::counter!(RELAYED, "result" => label).increment(1);
+    }
+    result
+}
+
+async fn relay_uncounted<B>(
+    cluster: &Cluster,
+    req: http::Request<B>,
+) -> Result<http::Response<BoxBody>, RelayError>
+where
+    B: http_body::Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
     let now_unix_ms = unix_ms();
     let (parts, body) = req.into_parts();
-    let verified = match verify_head(
+    let verified = verify_head(
         cluster.mac(),
         cluster.instance_id(),
         now_unix_ms,
@@ -461,22 +573,11 @@ async fn relay(State(cluster): State<Arc<Cluster>>, req: Request) -> Response {
             .get(X_SPINE_NODE_ID)
             .map_or(&b""[..], HeaderValue::as_bytes),
         parts.headers.get(AUTHORIZATION),
-    ) {
-        Ok(verified) => verified,
-        Err(failure) => return failure.response(),
-    };
+    )?;
     // only a request signed with the secret gets here: nobody else can fill the cache
-    if let Err(failure) = cluster.record_nonce(&verified.nonce, verified.t_unix_ms, now_unix_ms) {
-        return failure.response();
-    }
+    cluster.record_nonce(&verified.nonce, verified.t_unix_ms, now_unix_ms)?;
     if parts.method != http::Method::POST {
-        return ApiError::new(
-            StatusCode::METHOD_NOT_ALLOWED,
-            "invalid_request_error",
-            "method_not_allowed",
-            "the internal listener relays POST requests only",
-        )
-        .into_response();
+        return Err(RelayError::MethodNotAllowed);
     }
     let Some(node) = parts
         .headers
@@ -485,13 +586,11 @@ async fn relay(State(cluster): State<Arc<Cluster>>, req: Request) -> Response {
         .filter(|v| !v.is_empty())
         .map(NodeId::new)
     else {
-        return ApiError::invalid_request("missing_node_id", "x-spine-node-id is required")
-            .into_response();
+        return Err(RelayError::MissingNodeId);
     };
     let tunnels = cluster.tunnels();
     if !tunnels.contains(&node) {
-        metrics::counter!(RELAYED, "result" => "node_moved").increment(1);
-        return refusal("node_moved", "the node's tunnel is not on this instance");
+        return Err(RelayError::NodeMoved);
     }
     let body = match Limited::new(body, cluster.max_forwarded_body_bytes())
         .collect()
@@ -499,15 +598,15 @@ async fn relay(State(cluster): State<Arc<Cluster>>, req: Request) -> Response {
     {
         Ok(collected) => collected.to_bytes(),
         Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
-            return RelayRefusal::TooLarge.response()
+            return Err(RelayRefusal::TooLarge.into())
         }
         Err(e) => {
             tracing::debug!(error = %e, "forwarded body");
-            return RelayRefusal::BodyError.response();
+            return Err(RelayRefusal::BodyError.into());
         }
     };
     if Sha256::digest(&body)[..] != verified.body_sha256[..] {
-        return RelayRefusal::BodyMismatch.response();
+        return Err(RelayRefusal::BodyMismatch.into());
     }
     let mut upstream = http::Request::new(BoxBody::new(
         Full::new(body).map_err(|never| match never {}),
@@ -521,28 +620,12 @@ async fn relay(State(cluster): State<Arc<Cluster>>, req: Request) -> Response {
     }
     match tunnels.send(&node, upstream).await {
         Ok(resp) => {
-            metrics::counter!(RELAYED, "result" => "ok").increment(1);
             let (mut parts, body) = resp.into_parts();
             strip_spine_headers(&mut parts.headers);
-            Response::from_parts(parts, Body::new(body))
+            Ok(http::Response::from_parts(parts, body))
         }
-        Err(e) if e.is_node_full() => {
-            metrics::counter!(RELAYED, "result" => "node_full").increment(1);
-            refusal("node_full", "the node has no free stream")
-        }
-        Err(e) if e.is_unknown_node() => {
-            metrics::counter!(RELAYED, "result" => "node_moved").increment(1);
-            refusal("node_moved", "the node's tunnel is not on this instance")
-        }
-        Err(e) => {
-            metrics::counter!(RELAYED, "result" => "error").increment(1);
-            ApiError::new(
-                StatusCode::BAD_GATEWAY,
-                "api_error",
-                "node_failure",
-                format!("the node failed before responding: {e}"),
-            )
-            .into_response()
-        }
+        Err(e) if e.is_node_full() => Err(RelayError::NodeFull),
+        Err(e) if e.is_unknown_node() => Err(RelayError::NodeMoved),
+        Err(e) => Err(RelayError::NodeFailure(e)),
     }
 }

@@ -1,21 +1,25 @@
 //! Tests of multi-instance mode against the real Redis on 127.0.0.1:6379 (each test under its
 //! own key prefix, deleted at the end).
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::print_stdout
+)]
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::{AffinityKey, AffinityStore, NodeRegistry};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use spine_core::{EngineKind, ModelDescriptor, ModelId, NodeDescriptor, NodeId};
-use spine_router::{AffinityKey, AffinityStore, NodeRegistry};
 use spine_transport::{StaticAuthenticator, TunnelServer, TunnelServerConfig};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use super::*;
-use crate::config::ClusterConfig;
 
 const REDIS: &str = "redis://127.0.0.1:6379";
 
@@ -85,14 +89,9 @@ async fn instance_with(
 ) -> Instance {
     let registry = NodeRegistry::new();
     let stop = CancellationToken::new();
-    let config = ClusterConfig {
-        redis_url: redis_url.into(),
-        instance_id: id.into(),
-        key_prefix: prefix.into(),
-        internal_listen: "127.0.0.1:0".parse().unwrap(),
-        internal_advertise: None,
-        secret: SECRET.into(),
-    };
+    let mut config = ClusterConfig::new(redis_url, SECRET);
+    config.instance_id = id.into();
+    config.key_prefix = prefix.into();
     let cluster = Cluster::start(
         &config,
         connect_redis(redis_url).unwrap(),
@@ -394,6 +393,30 @@ async fn redis_down_degrades_to_local_and_recovers() {
 
 const SECRET: &str = "0123456789abcdef-secret";
 
+/// A relay error as the reference gateway renders it: its status, OpenAI's error shape.
+fn render(e: &RelayError) -> http::Response<spine_core::BoxBody> {
+    let (status, kind) = match e {
+        RelayError::Refused(RelayRefusal::ReplayCacheFull) => (503, "api_error"),
+        RelayError::Refused(RelayRefusal::TooLarge) => (413, "invalid_request_error"),
+        RelayError::Refused(RelayRefusal::BodyError) | RelayError::MissingNodeId => {
+            (400, "invalid_request_error")
+        }
+        RelayError::Refused(_) => (401, "invalid_request_error"),
+        RelayError::MethodNotAllowed => (405, "invalid_request_error"),
+        RelayError::NodeFailure(_) => (502, "api_error"),
+        _ => (503, "api_error"),
+    };
+    let body =
+        serde_json::json!({"error": {"message": e.to_string(), "type": kind, "code": e.code()}});
+    http::Response::builder()
+        .status(status)
+        .header("content-type", "application/json")
+        .body(spine_core::BoxBody::new(
+            Full::new(Bytes::from(body.to_string())).map_err(|n| match n {}),
+        ))
+        .unwrap()
+}
+
 /// One request to an internal listener: status, `x-spine-refusal`, JSON body.
 async fn h2_request(
     addr: std::net::SocketAddr,
@@ -530,10 +553,11 @@ where
     let internal_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let internal_addr = internal_listener.local_addr().unwrap();
     let instance = instance_on(p, "gw-owner", &internal_addr.to_string(), tunnels.clone()).await;
-    let internal_task = tokio::spawn(internal::serve(
+    let internal_task = tokio::spawn(serve_internal(
         internal_listener,
         instance.cluster.clone(),
         spine_transport::ListenerLimits::default(),
+        render,
     ));
     let mut config = TunnelClientConfig::new(
         format!("ws://127.0.0.1:{tunnel_port}/v1/tunnel"),
