@@ -9,7 +9,7 @@ use serde_json::json;
 use spine_core::BoxError;
 use spine_meter::meter::MeterError;
 use spine_meter::LedgerError;
-use spine_router::cluster::{RelayError, RelayRefusal};
+use spine_router::cluster::RelayError;
 use spine_router::RouteError;
 use spine_transport::TunnelError;
 
@@ -377,21 +377,12 @@ impl IntoResponse for ApiError {
 /// OpenAI's error shape; `spine_router::cluster::serve_internal` adds `x-spine-refusal`.
 pub(crate) fn relay_error_response(e: &RelayError) -> http::Response<spine_core::BoxBody> {
     use http_body_util::BodyExt as _;
-    let (status, kind) = match e {
-        RelayError::Refused(RelayRefusal::ReplayCacheFull) => {
-            (StatusCode::SERVICE_UNAVAILABLE, "api_error")
-        }
-        RelayError::Refused(RelayRefusal::TooLarge) => {
-            (StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error")
-        }
-        RelayError::Refused(RelayRefusal::BodyError) | RelayError::MissingNodeId => {
-            (StatusCode::BAD_REQUEST, "invalid_request_error")
-        }
-        RelayError::Refused(_) => (StatusCode::UNAUTHORIZED, "invalid_request_error"),
-        RelayError::MethodNotAllowed => (StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error"),
-        RelayError::NodeFailure(_) => (StatusCode::BAD_GATEWAY, "api_error"),
-        // node_moved, node_full, and any later case: the node cannot be reached here now
-        _ => (StatusCode::SERVICE_UNAVAILABLE, "api_error"),
+    // the status is the instances' protocol (the library's); the type follows it
+    let status = e.status();
+    let kind = if status.is_server_error() {
+        "api_error"
+    } else {
+        "invalid_request_error"
     };
     let message = match e {
         RelayError::NodeFailure(source) => format!("{e}: {source}"),
@@ -406,6 +397,48 @@ pub(crate) fn relay_error_response(e: &RelayError) -> http::Response<spine_core:
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+
+    /// The internal listener's answers: the library's protocol status (the forwarder reads 413
+    /// as "over the owner's body limit"), OpenAI's error shape, the error's code.
+    #[tokio::test]
+    async fn relay_errors_are_answered_with_their_protocol_status_in_openai_shape() {
+        use http_body_util::BodyExt as _;
+        use spine_router::cluster::RelayRefusal;
+        let cases = [
+            (
+                RelayError::Refused(RelayRefusal::TooLarge),
+                413,
+                "invalid_request_error",
+            ),
+            (
+                RelayError::Refused(RelayRefusal::BadSignature),
+                401,
+                "invalid_request_error",
+            ),
+            (
+                RelayError::Refused(RelayRefusal::ReplayCacheFull),
+                503,
+                "api_error",
+            ),
+            (
+                RelayError::Refused(RelayRefusal::BodyError),
+                400,
+                "invalid_request_error",
+            ),
+            (RelayError::MissingNodeId, 400, "invalid_request_error"),
+            (RelayError::MethodNotAllowed, 405, "invalid_request_error"),
+            (RelayError::NodeMoved, 503, "api_error"),
+            (RelayError::NodeFull, 503, "api_error"),
+        ];
+        for (e, status, kind) in cases {
+            let resp = relay_error_response(&e);
+            assert_eq!(resp.status().as_u16(), status, "{e}");
+            let body = resp.into_body().collect().await.unwrap().to_bytes();
+            let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+            assert_eq!(v["error"]["type"], kind, "{e}");
+            assert_eq!(v["error"]["code"], e.code(), "{e}");
+        }
+    }
 
     /// The class behind "500 error reading a body from connection": whatever error the stack
     /// returns that is not the gateway's own (a node's broken body, an I/O error) is the node's

@@ -344,6 +344,27 @@ impl RelayError {
         }
     }
 
+    /// The HTTP status the internal listener answers with, part of the instances' protocol (the
+    /// forwarder reads 413 as "the body is over the owner's limit"): 401 for a refused
+    /// signature, 503 for [`RelayRefusal::ReplayCacheFull`], `node_moved` and `node_full`, 413
+    /// for [`RelayRefusal::TooLarge`], 400 for [`RelayRefusal::BodyError`] and a missing node
+    /// id, 405 for another method than `POST`, 502 for `node_failure`.
+    pub fn status(&self) -> http::StatusCode {
+        use http::StatusCode;
+        match self {
+            RelayError::Refused(RelayRefusal::ReplayCacheFull)
+            | RelayError::NodeMoved
+            | RelayError::NodeFull => StatusCode::SERVICE_UNAVAILABLE,
+            RelayError::Refused(RelayRefusal::TooLarge) => StatusCode::PAYLOAD_TOO_LARGE,
+            RelayError::Refused(RelayRefusal::BodyError) | RelayError::MissingNodeId => {
+                StatusCode::BAD_REQUEST
+            }
+            RelayError::Refused(_) => StatusCode::UNAUTHORIZED,
+            RelayError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+            RelayError::NodeFailure(_) => StatusCode::BAD_GATEWAY,
+        }
+    }
+
     /// The `x-spine-refusal` value the answer carries: the code of a refusal, `node_moved` or
     /// `node_full`; `None` for the others.
     pub fn refusal_code(&self) -> Option<&'static str> {

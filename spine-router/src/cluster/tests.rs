@@ -395,16 +395,11 @@ const SECRET: &str = "0123456789abcdef-secret";
 
 /// A relay error as the reference gateway renders it: its status, OpenAI's error shape.
 fn render(e: &RelayError) -> http::Response<spine_core::BoxBody> {
-    let (status, kind) = match e {
-        RelayError::Refused(RelayRefusal::ReplayCacheFull) => (503, "api_error"),
-        RelayError::Refused(RelayRefusal::TooLarge) => (413, "invalid_request_error"),
-        RelayError::Refused(RelayRefusal::BodyError) | RelayError::MissingNodeId => {
-            (400, "invalid_request_error")
-        }
-        RelayError::Refused(_) => (401, "invalid_request_error"),
-        RelayError::MethodNotAllowed => (405, "invalid_request_error"),
-        RelayError::NodeFailure(_) => (502, "api_error"),
-        _ => (503, "api_error"),
+    let status = e.status();
+    let kind = if status.is_server_error() {
+        "api_error"
+    } else {
+        "invalid_request_error"
     };
     let body =
         serde_json::json!({"error": {"message": e.to_string(), "type": kind, "code": e.code()}});
