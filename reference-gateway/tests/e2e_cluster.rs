@@ -45,9 +45,9 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{keygen, random_hex, sse_data, Gateway, PgDb, ADMIN_TOKEN, CREDITS, SHARE_BPS};
+use common::{keygen, sse_data, Gateway, PgDb, ADMIN_TOKEN, CREDITS, SHARE_BPS};
 use serde_json::{json, Value};
-use spine_test_support::{Child, GatewayToml, Ready};
+use spine_test_support::{random_hex, Child, GatewayToml, Ready};
 use tokio::process::Command;
 
 /// Instances per cluster.

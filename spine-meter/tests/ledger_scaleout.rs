@@ -30,42 +30,25 @@ const PRICE: Price = Price {
     output_micros_per_mtok: 600_000_000,
 };
 
-fn pg_server_url() -> String {
-    std::env::var("SPINE_TEST_PG_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".to_owned())
-}
+use spine_test_support::pg_server_url;
 
 /// A fresh database for one test, dropped (`WITH (FORCE)`) on drop.
 struct FreshDb {
-    name: String,
+    db: spine_test_support::PgDb,
 }
 
 impl FreshDb {
     async fn new() -> Self {
-        let mut conn = sqlx::PgConnection::connect(&pg_server_url())
-            .await
-            .unwrap_or_else(|e| panic!("PostgreSQL unreachable at {}: {e}", pg_server_url()));
-        let name = format!(
-            "spine_scaleout_{}_{}",
-            std::process::id(),
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos()
-        );
-        sqlx::raw_sql(&format!("CREATE DATABASE \"{name}\""))
-            .execute(&mut conn)
-            .await
-            .unwrap();
-        conn.close().await.unwrap();
-        Self { name }
+        Self {
+            db: spine_test_support::PgDb::create(),
+        }
     }
 
     /// Options for this database, at `host:port` (the server, or a proxy in front of it).
     fn options(&self, at: Option<SocketAddr>) -> PgConnectOptions {
         let mut o = PgConnectOptions::from_str(&pg_server_url())
             .unwrap()
-            .database(&self.name);
+            .database(&self.db.name);
         if let Some(addr) = at {
             o = o.host(&addr.ip().to_string()).port(addr.port());
         }
@@ -87,27 +70,6 @@ impl FreshDb {
             Some(id) => l.with_instance_id(id),
             None => l,
         }
-    }
-}
-
-impl Drop for FreshDb {
-    fn drop(&mut self) {
-        let name = self.name.clone();
-        let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
-            rt.block_on(async {
-                if let Ok(mut c) = sqlx::PgConnection::connect(&pg_server_url()).await {
-                    let _ =
-                        sqlx::raw_sql(&format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)"))
-                            .execute(&mut c)
-                            .await;
-                }
-            });
-        })
-        .join();
     }
 }
 

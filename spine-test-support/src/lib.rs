@@ -4,6 +4,7 @@
 //! - [`LlamaServer`]: a real `llama-server` child process on a free port, killed on drop.
 //! - [`Child`]: a spine binary as a child process whose stderr is kept for assertions.
 //! - [`GatewayToml`] and [`Ready`]: a test gateway's configuration and its ready line.
+//! - [`PgDb`]: a fresh PostgreSQL database per test, dropped on drop.
 //! - [`ReplayEngine`]: a fake engine on a real socket replaying recorded bytes in given reads.
 //! - [`FakeEngine`]: fakes of vLLM, Ollama and SGLang following their documented API shapes.
 //! - [`CutProxy`]: a TCP proxy in front of a real server that a test cuts, stalls and restores.
@@ -19,10 +20,12 @@ use tokio::process::Command;
 
 pub mod fakes;
 mod gateway;
+mod pg;
 mod proxy;
 mod replay;
 pub use fakes::{FakeEngine, FakeKind, SeenRequest};
 pub use gateway::{GatewayToml, Ready};
+pub use pg::{pg_server_url, random_hex, with_database, PgDb, DEFAULT_PG_URL};
 pub use proxy::CutProxy;
 pub use replay::{ReplayEngine, Scripted};
 

@@ -21,8 +21,6 @@ const PRICE: Price = Price {
     output_micros_per_mtok: 600_000,
 };
 
-const DEFAULT_PG_URL: &str = "postgres://postgres@127.0.0.1:5432";
-
 /// Which store a test runs against.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Backend {
@@ -37,51 +35,7 @@ enum TestDb {
         _dir: tempfile::TempDir,
         path: PathBuf,
     },
-    Postgres(PgDatabase),
-}
-
-/// A PostgreSQL database created for one test; `Drop` drops it (`WITH (FORCE)`), also while a
-/// failing test unwinds.
-#[derive(Debug)]
-struct PgDatabase {
-    server_url: String,
-    name: String,
-    url: String,
-}
-
-fn pg_server_url() -> String {
-    std::env::var("SPINE_TEST_PG_URL").unwrap_or_else(|_| DEFAULT_PG_URL.to_owned())
-}
-
-/// `base` with its database (the URL path) replaced by `name`, query kept.
-fn with_database(base: &str, name: &str) -> String {
-    let (main, query) = match base.split_once('?') {
-        Some((m, q)) => (m, Some(q)),
-        None => (base, None),
-    };
-    let authority_start = main.find("://").map_or(0, |i| i + 3);
-    let main = match main[authority_start..].find('/') {
-        Some(i) => &main[..authority_start + i],
-        None => main,
-    };
-    match query {
-        Some(q) => format!("{main}/{name}?{q}"),
-        None => format!("{main}/{name}"),
-    }
-}
-
-fn random_hex() -> String {
-    use std::hash::{BuildHasher as _, Hasher as _};
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
-    h.write_u32(std::process::id());
-    h.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos()),
-    );
-    format!("{:016x}", h.finish())
+    Postgres(spine_test_support::PgDb),
 }
 
 impl TestDb {
@@ -92,29 +46,7 @@ impl TestDb {
                 let path = dir.path().join("ledger.db");
                 TestDb::Sqlite { _dir: dir, path }
             }
-            Backend::Postgres => {
-                let server_url = pg_server_url();
-                let mut conn = match sqlx::PgConnection::connect(&server_url).await {
-                    Ok(c) => c,
-                    Err(e) => panic!(
-                        "PostgreSQL is unreachable at {server_url} ({e}); the store suite runs \
-                         against PostgreSQL too: start it with scripts/services.sh, or point \
-                         SPINE_TEST_PG_URL at a server where this user may CREATE DATABASE"
-                    ),
-                };
-                let name = format!("spine_test_{}", random_hex());
-                sqlx::raw_sql(&format!("CREATE DATABASE \"{name}\""))
-                    .execute(&mut conn)
-                    .await
-                    .unwrap_or_else(|e| panic!("CREATE DATABASE {name} at {server_url}: {e}"));
-                conn.close().await.unwrap();
-                let url = with_database(&server_url, &name);
-                TestDb::Postgres(PgDatabase {
-                    server_url,
-                    name,
-                    url,
-                })
-            }
+            Backend::Postgres => TestDb::Postgres(spine_test_support::PgDb::create()),
         }
     }
 
@@ -160,39 +92,6 @@ impl TestDb {
     fn migrations(&self) -> i64 {
         match self {
             TestDb::Sqlite { .. } | TestDb::Postgres(_) => 6,
-        }
-    }
-}
-
-impl Drop for PgDatabase {
-    fn drop(&mut self) {
-        let server_url = self.server_url.clone();
-        let name = self.name.clone();
-        // Drop cannot await, and may run on a runtime's worker: drop it from a thread of its own
-        let dropped = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .map_err(|e| e.to_string())?;
-            rt.block_on(async {
-                let mut conn = sqlx::PgConnection::connect(&server_url)
-                    .await
-                    .map_err(|e| e.to_string())?;
-                sqlx::raw_sql(&format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)"))
-                    .execute(&mut conn)
-                    .await
-                    .map_err(|e| e.to_string())?;
-                conn.close().await.map_err(|e| e.to_string())
-            })
-        })
-        .join();
-        match dropped {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => eprintln!("warning: DROP DATABASE {}: {e}", self.name),
-            Err(_) => eprintln!(
-                "warning: DROP DATABASE {}: the dropping thread panicked",
-                self.name
-            ),
         }
     }
 }
@@ -1789,18 +1688,6 @@ store_tests!(
         concurrent_requests_on_a_small_balance_never_overdraw_and_keep_the_books,
     ]
 );
-
-#[test]
-fn database_urls_get_the_test_database() {
-    assert_eq!(
-        with_database("postgres://postgres@127.0.0.1:5432", "x"),
-        "postgres://postgres@127.0.0.1:5432/x"
-    );
-    assert_eq!(
-        with_database("postgres://u:p@h/postgres?sslmode=disable", "x"),
-        "postgres://u:p@h/x?sslmode=disable"
-    );
-}
 
 /// Switching a new file to WAL takes a lock SQLite's busy handler does not wait for; opens of
 /// one new file at the same instant used to fail now and then with "database is locked" (seen
