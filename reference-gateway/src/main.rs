@@ -387,7 +387,11 @@ async fn run(cli: Cli) -> Result<(), MainError> {
             store.clone(),
         ),
     });
+    // cancelled when the shutdown's grace period ends: streams still open end with an error
+    // event (`stream_bound_reached`) and settle `cut_at_bound` instead of being cut mid-chunk
+    let drain_deadline = CancellationToken::new();
     let meter = MeterLayer::new(store.clone().into_ledger(), catalog)
+        .drain_deadline(drain_deadline.clone())
         .operator_share_bps(config.operator_share_bps)
         .max_request_body_bytes(config.max_request_body_bytes)
         .max_sse_bytes(config.max_sse_line_bytes, config.max_sse_event_bytes)
@@ -592,8 +596,16 @@ async fn run(cli: Cli) -> Result<(), MainError> {
     shutdown.cancel();
     let grace = std::time::Duration::from_secs(config.shutdown_grace_secs);
     if tokio::time::timeout(grace, &mut public_task).await.is_err() {
-        tracing::warn!("streams still open after the grace period; closing them");
-        public_task.abort();
+        // each open stream ends with its error event and settles; the connections then close
+        tracing::warn!("streams still open after the grace period; ending them");
+        drain_deadline.cancel();
+        if tokio::time::timeout(DRAIN_CUT_WRITE_BOUND, &mut public_task)
+            .await
+            .is_err()
+        {
+            tracing::warn!("connections still open after their streams were ended; closing them");
+            public_task.abort();
+        }
     }
     if let Some(cluster) = &cluster {
         // only now, after the public drain: during the grace period peers could still reach
@@ -638,6 +650,10 @@ async fn run(cli: Cli) -> Result<(), MainError> {
     tracing::info!("gateway stopped");
     Ok(())
 }
+
+/// How long streams ended at the grace period's end get to write their error event to callers
+/// before the public listener is closed under them (a caller that reads nothing is cut).
+const DRAIN_CUT_WRITE_BOUND: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Refuses a GGUF whose SHA-256 is not `want` (hex): the model's identity (design brief §10).
 fn check_sha256(path: &std::path::Path, want: &str) -> Result<(), String> {

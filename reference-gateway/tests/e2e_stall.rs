@@ -257,3 +257,118 @@ async fn a_stream_stalled_after_its_first_token_is_cut_settled_and_scored() {
     assert_eq!(balance, (CREDITS - debit, 0));
     assert_eq!(fake.chats.load(Ordering::SeqCst), 2);
 }
+
+/// A stream still open when SIGTERM's grace period ends: the gateway ends it with its
+/// `stream_bound_reached` error event, whole (the chunked body is not cut mid-frame), settles it
+/// `cut_at_bound` (the caller pays the prompt and what was delivered, as its usage chunk said),
+/// and then exits. Before, the public listener was aborted under the stream: the caller got a
+/// broken chunked body and no error event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_open_when_the_shutdown_grace_ends_gets_an_error_event_and_settles() {
+    const GRACE: &str = "shutdown_grace_secs = 2";
+    let engine = Engine::discover().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let gw = Gateway::start_with(dir.path(), &engine, GRACE).await;
+    // an engine that streams one token every 100 ms, without end
+    let (url, task) = serve_fake_llama(|path, _body| async move {
+        if path != "/v1/chat/completions" {
+            return full(404, "application/json", r#"{"error":"not found"}"#.into());
+        }
+        let frames = futures_util::stream::unfold(0u64, |n| async move {
+            if n > 0 {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            let frame = if n == 0 {
+                ROLE.to_owned()
+            } else {
+                content("tok")
+            };
+            Some((
+                Ok::<_, std::io::Error>(Frame::data(Bytes::from(frame))),
+                n + 1,
+            ))
+        });
+        sse(frames)
+    })
+    .await;
+    let Tenant {
+        operator,
+        account,
+        api_key,
+    } = tenant(&gw).await;
+    let (_node_id, agent) = add_node(&gw, dir.path(), &operator, &url, "agent").await;
+
+    let mut resp = gw
+        .api_post(
+            &api_key,
+            "/v1/chat/completions",
+            &json!({"model":"smollm2","messages":[{"role":"user","content":"Count."}],
+                    "stream":true,"max_tokens":4000,"stream_options":{"include_usage":true}}),
+        )
+        .await;
+    assert_eq!(resp.status(), 200);
+    let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
+    let mut body = resp.chunk().await.unwrap().unwrap().to_vec();
+
+    let pid = gw.child.id().unwrap();
+    let killed = std::process::Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    // every chunk arrives whole: a body cut mid-chunk is an error here
+    let read = async {
+        loop {
+            match resp.chunk().await {
+                Ok(Some(chunk)) => body.extend_from_slice(&chunk),
+                Ok(None) => break,
+                Err(e) => panic!(
+                    "the stream was cut mid-body: {e:?}\nreceived: {}\ngateway:\n{}",
+                    String::from_utf8_lossy(&body),
+                    gw.child.stderr_tail(30)
+                ),
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(600), read)
+        .await
+        .expect("the caller's stream never ended after the grace period");
+    let events = sse_data(&String::from_utf8_lossy(&body));
+    assert!(!events.iter().any(|e| e == "[DONE]"), "{events:?}");
+    let last: Value = serde_json::from_str(events.last().unwrap()).unwrap();
+    assert_eq!(last["error"]["code"], "stream_bound_reached", "{events:?}");
+    let delivered = events
+        .iter()
+        .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+        .filter(|v| v["choices"][0]["delta"]["content"] == "tok")
+        .count() as u64;
+    assert!(delivered > 0, "{events:?}");
+    // the bill the caller was shown, just before the error event
+    let usage = events
+        .iter()
+        .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+        .find(|v| v["usage"].is_object())
+        .unwrap_or_else(|| panic!("no usage chunk: {events:?}"))["usage"]
+        .clone();
+    assert!(usage["completion_tokens"].as_u64().unwrap() > 0, "{usage}");
+    gw.child
+        .wait_for_stderr("gateway stopped", Duration::from_secs(600))
+        .await
+        .unwrap();
+    drop(gw);
+    drop(agent);
+    task.abort();
+
+    // same data dir, same ledger: settled once, at the bill the caller was shown
+    let gw = Gateway::start_with(dir.path(), &engine, GRACE).await;
+    let rec = gw.record(&id).await;
+    assert_eq!(rec["outcome"], "cut_at_bound", "{rec}");
+    assert_eq!(rec["billed"]["prompt_tokens"], usage["prompt_tokens"], "{rec}");
+    assert_eq!(
+        rec["billed"]["completion_tokens"], usage["completion_tokens"],
+        "{rec}"
+    );
+    let debit = rec["debit_micros"].as_u64().unwrap();
+    assert!(debit > 0, "{rec}");
+    assert_eq!(gw.balance(&account).await, (CREDITS - debit, 0));
+}

@@ -49,6 +49,11 @@ pub(crate) struct StreamSettings {
     pub(crate) max_sse_event_bytes: usize,
     /// Zero: no bound.
     pub(crate) max_stream_duration: Duration,
+    /// Cancelled when the process's drain ends ([`MeterLayer::drain_deadline`]): the stream is
+    /// ended at its bound.
+    ///
+    /// [`MeterLayer::drain_deadline`]: super::MeterLayer::drain_deadline
+    pub(crate) drain_deadline: Option<tokio_util::sync::CancellationToken>,
     /// Where a node fault is reported, for the router to score.
     pub(crate) slot: Option<NodeSlot>,
 }
@@ -152,6 +157,8 @@ struct State {
     /// The total bound, started on the first poll.
     deadline: Option<Pin<Box<tokio::time::Sleep>>>,
     deadline_started: bool,
+    /// The drain deadline's wait (registered on the first poll).
+    drain_wait: Option<Pin<Box<tokio_util::sync::WaitForCancellationFutureOwned>>>,
 }
 
 impl fmt::Debug for State {
@@ -214,6 +221,7 @@ impl<B> MeterBody<B> {
                 keepalive: None,
                 deadline: None,
                 deadline_started: false,
+                drain_wait: None,
             },
         }
     }
@@ -639,6 +647,20 @@ impl State {
             .is_some_and(|d| d.as_mut().poll(cx).is_ready())
     }
 
+    /// Polls the drain deadline (its wait registered on the first poll): true once the
+    /// process's drain ended and open streams must end.
+    fn drain_deadline_passed(&mut self, cx: &mut Context<'_>) -> bool {
+        if self.drain_wait.is_none() {
+            let Some(token) = self.settings.drain_deadline.as_ref() else {
+                return false;
+            };
+            self.drain_wait = Some(Box::pin(token.clone().cancelled_owned()));
+        }
+        self.drain_wait
+            .as_mut()
+            .is_some_and(|w| w.as_mut().poll(cx).is_ready())
+    }
+
     fn ended(&self) -> bool {
         self.ctx.is_none() && self.queue.is_empty()
     }
@@ -676,6 +698,13 @@ where
                     "the stream reached the gateway's total bound of {secs} s; what was \
                      delivered is billed"
                 ));
+                continue;
+            }
+            if state.drain_deadline_passed(cx) {
+                state.bound_reached(
+                    "the gateway is shutting down and its grace period for streams in flight \
+                     ended; what was delivered is billed",
+                );
                 continue;
             }
             match this.inner.as_mut().poll_frame(cx) {

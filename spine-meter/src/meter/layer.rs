@@ -56,8 +56,14 @@ pub struct MeterConfig {
     /// [`DEFAULT_MAX_EVENT_BYTES`](crate::sse::DEFAULT_MAX_EVENT_BYTES)); as above.
     pub max_sse_event_bytes: usize,
     /// Longest a streamed response may last from its head to its end (default 1 h; zero: no
-    /// bound). Past it the caller's stream ends with an error event, `upstream_failed`.
+    /// bound). Past it the caller's stream ends with an error event (code
+    /// `stream_bound_reached`) and settles `cut_at_bound`.
     pub max_stream_duration: std::time::Duration,
+    /// Cancelled when a draining process stops waiting for streams in flight (default: none):
+    /// each open stream then ends as at [`max_stream_duration`](Self::max_stream_duration),
+    /// with the `stream_bound_reached` error event and a `cut_at_bound` settlement, instead of
+    /// being cut mid-chunk when the process exits.
+    pub drain_deadline: Option<tokio_util::sync::CancellationToken>,
     /// Whether members outside OpenAI's response shape (llama.cpp's `timings`, cache and slot
     /// counters, `__verbose`, …) are removed from what the caller gets (default `true`): they
     /// tell one caller about other callers' requests on the same node (a cached-prefix length
@@ -81,6 +87,7 @@ impl fmt::Debug for MeterConfig {
             .field("max_sse_line_bytes", &self.max_sse_line_bytes)
             .field("max_sse_event_bytes", &self.max_sse_event_bytes)
             .field("max_stream_duration", &self.max_stream_duration)
+            .field("drain_deadline", &self.drain_deadline)
             .field("strip_engine_fields", &self.strip_engine_fields)
             .finish_non_exhaustive()
     }
@@ -182,6 +189,7 @@ impl MeterLayer {
                 max_sse_line_bytes: crate::sse::DEFAULT_MAX_LINE_BYTES,
                 max_sse_event_bytes: crate::sse::DEFAULT_MAX_EVENT_BYTES,
                 max_stream_duration: std::time::Duration::from_secs(3600),
+                drain_deadline: None,
                 strip_engine_fields: true,
             },
         }
@@ -223,6 +231,13 @@ impl MeterLayer {
     /// The total bound on a streamed response ([`MeterConfig::max_stream_duration`]).
     pub fn max_stream_duration(mut self, duration: std::time::Duration) -> Self {
         self.config.max_stream_duration = duration;
+        self
+    }
+
+    /// The drain deadline ([`MeterConfig::drain_deadline`]): cancel `token` when a shutdown's
+    /// grace period ends, then give open streams a moment to write their error event.
+    pub fn drain_deadline(mut self, token: tokio_util::sync::CancellationToken) -> Self {
+        self.config.drain_deadline = Some(token);
         self
     }
 

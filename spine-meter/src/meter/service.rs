@@ -335,6 +335,7 @@ where
             max_sse_line_bytes: config.max_sse_line_bytes,
             max_sse_event_bytes: config.max_sse_event_bytes,
             max_stream_duration: config.max_stream_duration,
+            drain_deadline: config.drain_deadline.clone(),
             slot: Some(guard.slot.clone()),
         };
         parts.extensions.insert(CountedUsage(Usage {
