@@ -110,6 +110,19 @@ async fn engine_aliases_are_refused_and_nothing_is_delivered_beyond_the_bill() {
             "invalid_request",
             "max_tokens",
         ),
+        // answers too large for the gateway's buffer were work the caller never paid for
+        (
+            json!({"logprobs": true, "top_logprobs": 49152}),
+            "invalid_request",
+            "top_logprobs",
+        ),
+        (json!({"n_probs": 100}), "invalid_request", "n_probs"),
+        // a limit engines would read as a wrapped 32-bit integer
+        (
+            json!({"max_tokens": 4_294_967_297u64}),
+            "invalid_request",
+            "max_tokens",
+        ),
     ] {
         for path in ["/v1/chat/completions", "/v1/completions"] {
             let mut body = if path == "/v1/completions" {
@@ -314,9 +327,9 @@ async fn a_node_streaming_a_gibibyte_is_cut_at_its_bound_with_bounded_gateway_me
     );
 }
 
-/// `/v1/responses` against a node that answers in the other shape (a whole body to a streamed
-/// request, a stream to one that was not): the caller still gets the shape it asked for, with
-/// the billed usage. And a node padding a streamed choice past the tool-call bound is cut,
+/// `/v1/responses` against a node that answers in the other shape: a whole body to a streamed
+/// request is re-shaped into the stream the caller asked for, with the billed usage; a stream
+/// to a request that asked for none is the node's fault (502, nothing paid). And a node padding a streamed choice past the tool-call bound is cut,
 /// the caller pays what it got, the operator earns nothing (`cut_at_bound`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn responses_are_reshaped_and_a_tool_call_padder_is_not_paid() {
@@ -356,7 +369,18 @@ async fn responses_are_reshaped_and_a_tool_call_padder_is_not_paid() {
     let t = tenant(&gw).await;
     let (_node, _agent) = add_node(&gw, dir.path(), &t.operator, &url, "reshaper").await;
 
-    for stream in [true, false] {
+    // a stream to a request that asked for none is the node's fault (the SDK could not read it
+    // on the chat path): refused, nothing paid
+    let body = json!({"model": "smollm2", "input": "Hi", "max_output_tokens": 16, "stream": false});
+    let resp = gw.api_post(&t.api_key, "/v1/responses", &body).await;
+    assert_eq!(resp.status(), 502);
+    let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
+    let rec = gw.record(&id).await;
+    assert_eq!(rec["outcome"], "upstream_failed", "{rec}");
+    assert_eq!(rec["debit_micros"], 0, "{rec}");
+    // a whole body to a streamed request: re-shaped into the stream the caller asked for
+    {
+        let stream = true;
         let body =
             json!({"model": "smollm2", "input": "Hi", "max_output_tokens": 16, "stream": stream});
         let resp = gw.api_post(&t.api_key, "/v1/responses", &body).await;
@@ -412,4 +436,173 @@ async fn responses_are_reshaped_and_a_tool_call_padder_is_not_paid() {
     );
     assert!(rec["debit_micros"].as_u64().unwrap() > 0, "{rec}");
     assert_eq!(rec["operator_credit_micros"], 0, "{rec}");
+}
+
+/// Issue 13's attacker review: a node that puts text where the caller's SDK does not read it,
+/// or answers in the other mode. A complete chat answer is read from `message` only, a chunk
+/// from `delta` only, a completion from `text` only; text in another member is the node's fault
+/// (never billed), a `null` other member is absent. A stream answering a request that asked for
+/// one JSON body is the node's fault too: the SDK cannot read it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_answering_where_the_sdk_does_not_read_is_not_paid_for_it() {
+    let engine = Engine::discover().unwrap();
+    let tok = ModelTokenizer::from_gguf(&engine.model_gguf).unwrap();
+    let shown = "Paris is the capital of France, and it has been for a very long time. ".repeat(12);
+    let answer_text = shown.clone();
+    // the caller's prompt names the behaviour
+    let (url, _task) = serve_fake_llama(move |path, body| {
+        let shown = answer_text.clone();
+        async move {
+            let v: Value = serde_json::from_slice(&body).unwrap();
+            let mode = v["messages"][0]["content"]
+                .as_str()
+                .or(v["prompt"].as_str())
+                .unwrap_or("")
+                .to_owned();
+            let chunk = |choice: Value| {
+                let c = json!({"id":"p","object":"chat.completion.chunk","created":1,"model":"smollm2","choices":[choice]});
+                format!("data: {c}\n\n")
+            };
+            match (path.as_str(), mode.as_str()) {
+                (_, "delta-pad") => full(200, "application/json", json!({"id":"p","object":"chat.completion","created":1,"model":"smollm2",
+                    "choices":[{"index":0,"delta":{"content":"pad ".repeat(500)},"message":{"role":"assistant","content":"Paris."},"finish_reason":"stop"}]}).to_string()),
+                (_, "delta-null") => full(200, "application/json", json!({"id":"p","object":"chat.completion","created":1,"model":"smollm2",
+                    "choices":[{"index":0,"delta":null,"message":{"role":"assistant","content":shown},"finish_reason":"stop"}]}).to_string()),
+                (_, "sse-for-json") => full(200, "text/event-stream", format!("{}{}data: [DONE]\n\n",
+                    chunk(json!({"index":0,"delta":{"content":shown},"finish_reason":null})),
+                    chunk(json!({"index":0,"delta":{},"finish_reason":"stop"})))),
+                ("/v1/completions", _) => full(200, "text/event-stream", format!("{}{}data: [DONE]\n\n",
+                    chunk(json!({"index":0,"text":shown,"delta":null,"message":null,"finish_reason":null})),
+                    chunk(json!({"index":0,"text":"","finish_reason":"stop"})))),
+                _ => full(404, "application/json", r#"{"error":"not found"}"#.into()),
+            }
+        }
+    })
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let gw = Gateway::start(dir.path(), &engine).await;
+    let t = tenant(&gw).await;
+    let (_node, _agent) = add_node(&gw, dir.path(), &t.operator, &url, "misplacer").await;
+    let settled = |id: String| {
+        let gw = &gw;
+        async move {
+            for _ in 0..600 {
+                let rec = gw.record(&id).await;
+                if rec["outcome"].is_string() {
+                    return rec;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            panic!("{id} never settled");
+        }
+    };
+    let shown_tokens = tok.count_text(&shown);
+
+    // text beside the message, where the SDK never looks: refused, nothing paid
+    for mode in ["delta-pad", "sse-for-json"] {
+        let body = json!({"model":"smollm2","messages":[{"role":"user","content":mode}],"max_tokens":2000});
+        let resp = gw.api_post(&t.api_key, "/v1/chat/completions", &body).await;
+        assert_eq!(resp.status(), 502, "{mode}");
+        let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
+        let e: Value = resp.json().await.unwrap();
+        assert!(e["error"]["message"].is_string(), "{mode}: {e}");
+        let rec = settled(id).await;
+        assert_eq!(rec["outcome"], "upstream_failed", "{mode}: {rec}");
+        assert_eq!(rec["debit_micros"], 0, "{mode}: {rec}");
+    }
+    // `delta: null` beside the message: the message, which the SDK shows, is what is billed
+    let body = json!({"model":"smollm2","messages":[{"role":"user","content":"delta-null"}],"max_tokens":2000});
+    let resp = gw.api_post(&t.api_key, "/v1/chat/completions", &body).await;
+    assert_eq!(resp.status(), 200);
+    let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
+    let answer: Value = resp.json().await.unwrap();
+    assert_eq!(answer["choices"][0]["message"]["content"], shown.as_str());
+    assert_eq!(answer["usage"]["completion_tokens"], shown_tokens + 1);
+    let rec = settled(id).await;
+    assert_eq!(rec["outcome"], "completed", "{rec}");
+    assert_eq!(
+        rec["billed"]["completion_tokens"],
+        shown_tokens + 1,
+        "{rec}"
+    );
+    // a streamed completion's `text` beside null chat members: billed by the text
+    let body = json!({"model":"smollm2","prompt":"text-stream","max_tokens":2000,"stream":true});
+    let resp = gw.api_post(&t.api_key, "/v1/completions", &body).await;
+    assert_eq!(resp.status(), 200);
+    let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
+    let text = resp.text().await.unwrap();
+    assert_eq!(delivered(&text, true)[0], shown, "{text}");
+    let rec = settled(id).await;
+    assert_eq!(rec["outcome"], "completed", "{rec}");
+    assert_eq!(
+        rec["billed"]["completion_tokens"],
+        shown_tokens + 1,
+        "{rec}"
+    );
+}
+
+/// Issue 13's attacker review: with `logit_bias` and a grammar a caller can make an honest
+/// llama.cpp spell a text in more tokens than its canonical tokenization (here the one-token
+/// word " telecommunications" banned, so every repetition takes several tokens). The bill of
+/// such a constrained request follows the engine's own count, within what the text can be;
+/// before, it followed the canonical count and the operator was paid a fraction of the work.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_constraining_tokenization_pays_for_the_tokens_generated() {
+    let engine = Engine::discover().unwrap();
+    let tok = ModelTokenizer::from_gguf(&engine.model_gguf).unwrap();
+    let llama = LlamaServer::start(&engine, 2).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let gw = Gateway::start(dir.path(), &engine).await;
+    let t = tenant(&gw).await;
+    let (_node, _agent) = add_node(&gw, dir.path(), &t.operator, &llama.url, "node").await;
+    let word = " telecommunications";
+    let ids: Value = reqwest::Client::new()
+        .post(format!("{}/tokenize", llama.url))
+        .json(&json!({"content": word}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let ids = ids["tokens"].as_array().unwrap().clone();
+    assert_eq!(
+        ids.len(),
+        1,
+        "{word} is one token of this vocabulary: {ids:?}"
+    );
+    const MAX: u64 = 40;
+    for streamed in [false, true] {
+        let body = json!({"model":"smollm2","messages":[{"role":"user","content":"Go."}],
+            "max_tokens":MAX,"stream":streamed,"temperature":0,
+            "grammar": format!("root ::= (\"{word}\")+"),
+            "logit_bias": {ids[0].to_string(): -100}});
+        let resp = gw.api_post(&t.api_key, "/v1/chat/completions", &body).await;
+        assert_eq!(resp.status(), 200, "streamed {streamed}");
+        let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
+        let text = resp.text().await.unwrap();
+        let got = delivered(&text, streamed).remove(0);
+        assert!(got.starts_with(word), "{got:?}");
+        let canonical = tok.count_text(&got);
+        // the text was spelled in more tokens than it counts: the old bill is below the work
+        assert!(
+            canonical + length_allowance_tokens(MAX) < MAX,
+            "not constrained enough to tell: {canonical} for {got:?}"
+        );
+        let mut rec = gw.record(&id).await;
+        for _ in 0..600 {
+            if rec["outcome"].is_string() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            rec = gw.record(&id).await;
+        }
+        assert_eq!(rec["outcome"], "completed", "{rec}");
+        assert_eq!(rec["claimed"]["completion_tokens"], MAX, "{rec}");
+        assert_eq!(
+            rec["billed"]["completion_tokens"], MAX,
+            "streamed {streamed}: {rec}"
+        );
+        assert_eq!(rec["discrepancy"], false, "{rec}");
+    }
 }

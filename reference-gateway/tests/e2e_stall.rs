@@ -363,7 +363,10 @@ async fn a_stream_open_when_the_shutdown_grace_ends_gets_an_error_event_and_sett
     let gw = Gateway::start_with(dir.path(), &engine, GRACE).await;
     let rec = gw.record(&id).await;
     assert_eq!(rec["outcome"], "cut_at_bound", "{rec}");
-    assert_eq!(rec["billed"]["prompt_tokens"], usage["prompt_tokens"], "{rec}");
+    assert_eq!(
+        rec["billed"]["prompt_tokens"], usage["prompt_tokens"],
+        "{rec}"
+    );
     assert_eq!(
         rec["billed"]["completion_tokens"], usage["completion_tokens"],
         "{rec}"

@@ -28,7 +28,8 @@ pub use ids::{AccountId, ModelId, NodeId, OperatorId, RequestId};
 pub use node::{Endpoints, EngineKind, ModelDescriptor, NodeDescriptor};
 pub use peek::{
     conversation_key, prompt_inputs, validate_chat_messages, PeekError, PromptSegment, RequestKind,
-    RequestPeek, ENGINE_GENERATION_FIELDS,
+    RequestPeek, ENGINE_GENERATION_FIELDS, MAX_COMPLETION_LOGPROBS, MAX_MAX_TOKENS,
+    MAX_TOP_LOGPROBS, TOKENIZATION_CONSTRAINT_FIELDS,
 };
 pub use slot::{NodeSlot, PromptTokens};
 pub use time::unix_time_ms;

@@ -25,6 +25,13 @@ pub struct RequestPeek {
     /// The automatic conversation key for affinity (design brief §5), `None` when the body has no
     /// well-formed `messages` array. See [`conversation_key`].
     pub conversation_key: Option<u64>,
+    /// Whether the request constrains sampling in a way that can make the engine generate
+    /// its text as more tokens than the text's canonical tokenization: one of
+    /// [`TOKENIZATION_CONSTRAINT_FIELDS`] is set (`logit_bias` non-empty, `response_format` of
+    /// a type other than `text`). The independent count of the delivered text is then only a
+    /// lower bound on what was generated (a caller can ban every multi-character token and
+    /// make the engine spell the text one character per token).
+    pub tokenization_constrained: bool,
 }
 
 /// Why a request body could not be peeked. Every variant is a 400 for the caller.
@@ -312,7 +319,81 @@ struct Fields<'a> {
     options: Option<&'a RawValue>,
     #[serde(borrow, default)]
     t_max_predict_ms: Option<&'a RawValue>,
+    // sizes of the answer (issue 13: a caller's answer too large for the gateway was free)
+    #[serde(borrow, default)]
+    top_logprobs: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    logprobs: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    n_probs: Option<&'a RawValue>,
+    // sampling constraints (TOKENIZATION_CONSTRAINT_FIELDS): only their presence is read
+    #[serde(borrow, default)]
+    logit_bias: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    response_format: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    grammar: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    json_schema: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    guided_json: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    guided_regex: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    guided_choice: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    guided_grammar: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    structured_outputs: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    regex: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    ebnf: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    format: Option<&'a RawValue>,
 }
+
+/// Request fields that constrain sampling so that an engine may generate a text as MORE tokens
+/// than its canonical tokenization (the independent count is then a lower bound only): a
+/// request that sets one (to anything but `null`; `logit_bias` to a non-empty object;
+/// `response_format` to a type other than `text`) is [`RequestPeek::tokenization_constrained`],
+/// and its bill follows the node's claim within what the delivered text can be
+/// (`docs/metering.md`, "Constrained sampling").
+///
+/// | field | engine | effect |
+/// |---|---|---|
+/// | `logit_bias` | OpenAI, all | bans or forces tokens: e.g. every multi-character token banned |
+/// | `response_format` (`json_object`, `json_schema`) | OpenAI, all | a grammar on the output |
+/// | `grammar`, `json_schema` | llama.cpp | a grammar on the output |
+/// | `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`, `structured_outputs` | vLLM | a grammar on the output |
+/// | `regex`, `ebnf` | SGLang | a grammar on the output |
+/// | `format` | Ollama | a JSON schema on the output |
+pub const TOKENIZATION_CONSTRAINT_FIELDS: [&str; 12] = [
+    "logit_bias",
+    "response_format",
+    "grammar",
+    "json_schema",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+    "regex",
+    "ebnf",
+    "format",
+];
+
+/// OpenAI's bound on `top_logprobs` (chat) and llama.cpp's `n_probs`: an answer's size grows
+/// with it, and an answer larger than the gateway's buffer would be work the caller never pays
+/// for.
+pub const MAX_TOP_LOGPROBS: u64 = 20;
+
+/// OpenAI's bound on `logprobs` as a number (`/v1/completions`).
+pub const MAX_COMPLETION_LOGPROBS: u64 = 5;
+
+/// The largest `max_tokens` / `max_completion_tokens` accepted: engines read it as a 32-bit
+/// signed integer (llama.cpp's `n_predict`), and a larger one wraps.
+pub const MAX_MAX_TOKENS: u64 = i32::MAX as u64;
 
 /// Request fields that some engine obeys to decide how many tokens or choices it generates,
 /// besides OpenAI's `max_tokens`, `max_completion_tokens` and `n`. A request that sets any of
@@ -462,6 +543,75 @@ fn parse_opt<'a, T: Deserialize<'a>>(
     }
 }
 
+impl Fields<'_> {
+    /// Whether a [`TOKENIZATION_CONSTRAINT_FIELDS`] field is set.
+    fn tokenization_constrained(&self) -> bool {
+        let set = |r: Option<&RawValue>| r.is_some_and(|r| !is_null(r));
+        // an empty object biases nothing; anything else that is not an object is the engine's
+        // to refuse, and counts as set
+        let logit_bias = self.logit_bias.is_some_and(|r| {
+            !is_null(r)
+                && serde_json::from_str::<serde_json::Map<String, Value>>(r.get())
+                    .map_or(true, |m| !m.is_empty())
+        });
+        let response_format = self.response_format.is_some_and(|r| {
+            !is_null(r)
+                && serde_json::from_str::<Value>(r.get()).map_or(true, |v| {
+                    v.get("type").and_then(Value::as_str) != Some("text")
+                })
+        });
+        logit_bias
+            || response_format
+            || [
+                self.grammar,
+                self.json_schema,
+                self.guided_json,
+                self.guided_regex,
+                self.guided_choice,
+                self.guided_grammar,
+                self.structured_outputs,
+                self.regex,
+                self.ebnf,
+                self.format,
+            ]
+            .into_iter()
+            .any(set)
+    }
+
+    /// Refuses answer sizes past OpenAI's bounds: `top_logprobs` and llama.cpp's `n_probs` at
+    /// most [`MAX_TOP_LOGPROBS`], a numeric `logprobs` at most [`MAX_COMPLETION_LOGPROBS`].
+    fn check_logprobs(&self) -> Result<(), PeekError> {
+        const TOP: &str = "an integer between 0 and 20";
+        for (raw, field) in [
+            (self.top_logprobs, "top_logprobs"),
+            (self.n_probs, "n_probs"),
+        ] {
+            if parse_opt::<u64>(raw, field, TOP)?.is_some_and(|n| n > MAX_TOP_LOGPROBS) {
+                return Err(PeekError::InvalidField {
+                    field,
+                    expected: TOP,
+                });
+            }
+        }
+        let bad = PeekError::InvalidField {
+            field: "logprobs",
+            expected: "a boolean, or an integer between 0 and 5",
+        };
+        match self
+            .logprobs
+            .map(|r| serde_json::from_str::<Value>(r.get()))
+        {
+            None | Some(Ok(Value::Null | Value::Bool(_))) => Ok(()),
+            Some(Ok(Value::Number(n)))
+                if n.as_u64().is_some_and(|n| n <= MAX_COMPLETION_LOGPROBS) =>
+            {
+                Ok(())
+            }
+            Some(_) => Err(bad),
+        }
+    }
+}
+
 impl RequestPeek {
     /// Reads the peek fields from a JSON request body.
     ///
@@ -471,7 +621,10 @@ impl RequestPeek {
     /// string, or `stream`, `stream_options.include_usage`, `n`, `max_tokens`,
     /// `max_completion_tokens` or `prompt_cache_key` has the wrong type (`n`, `max_tokens` and
     /// `max_completion_tokens` must be ≥ 1, and the last two equal when both are set), a known
-    /// field appears twice, an [`ENGINE_GENERATION_FIELDS`] field is set, or `echo` is `true`.
+    /// field appears twice, an [`ENGINE_GENERATION_FIELDS`] field is set, `echo` is `true`,
+    /// `max_tokens` / `max_completion_tokens` exceed [`MAX_MAX_TOKENS`], or `top_logprobs`,
+    /// `n_probs` or `logprobs` exceed OpenAI's bounds ([`MAX_TOP_LOGPROBS`],
+    /// [`MAX_COMPLETION_LOGPROBS`]).
     /// A malformed `messages` is not an error here (it only leaves
     /// [`RequestPeek::conversation_key`] empty); [`validate_chat_messages`] refuses it.
     pub fn from_json(body: &[u8]) -> Result<Self, PeekError> {
@@ -486,6 +639,7 @@ impl RequestPeek {
         if let Some(field) = fields.engine_generation_field() {
             return Err(PeekError::UnsupportedParameter { field });
         }
+        fields.check_logprobs()?;
         // the prompt echoed back arrives as completion text the caller did not ask to generate
         // (vLLM sends it as the first chunk): neither a fair bill nor within the hold's cap
         if parse_opt::<bool>(fields.echo, "echo", "a boolean")?.unwrap_or(false) {
@@ -545,6 +699,17 @@ impl RequestPeek {
                 expected: "an integer >= 1",
             });
         }
+        for (value, field) in [
+            (max_completion_tokens, "max_completion_tokens"),
+            (max_tokens, "max_tokens"),
+        ] {
+            if value.is_some_and(|v| v > MAX_MAX_TOKENS) {
+                return Err(PeekError::InvalidField {
+                    field,
+                    expected: "an integer between 1 and 2147483647",
+                });
+            }
+        }
         if let (Some(a), Some(b)) = (max_completion_tokens, max_tokens) {
             if a != b {
                 return Err(PeekError::InvalidField {
@@ -566,6 +731,7 @@ impl RequestPeek {
             max_tokens: max_completion_tokens.or(max_tokens),
             prompt_cache_key,
             conversation_key,
+            tokenization_constrained: fields.tokenization_constrained(),
         })
     }
 }

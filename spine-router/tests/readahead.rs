@@ -97,6 +97,7 @@ fn request() -> http::Request<BoxBody> {
         max_tokens: None,
         prompt_cache_key: None,
         conversation_key: None,
+        tokenization_constrained: false,
     });
     req.extensions_mut().insert(NodeSlot::new());
     req

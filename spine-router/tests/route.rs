@@ -262,6 +262,7 @@ fn request_streamed(key: Option<&str>, stream: bool) -> (http::Request<BoxBody>,
         max_tokens: None,
         prompt_cache_key: key.map(str::to_owned),
         conversation_key: None,
+        tokenization_constrained: false,
     });
     let slot = NodeSlot::new();
     req.extensions_mut().insert(slot.clone());

@@ -13,6 +13,7 @@ fn reads_fields_and_defaults() {
             max_tokens: None,
             prompt_cache_key: None,
             conversation_key: p.as_ref().ok().and_then(|p| p.conversation_key),
+            tokenization_constrained: false,
         })
     );
     assert!(p.is_ok_and(|p| p.conversation_key.is_some()));
@@ -30,6 +31,7 @@ fn reads_fields_and_defaults() {
             max_tokens: Some(7),
             prompt_cache_key: Some("k".into()),
             conversation_key: None,
+            tokenization_constrained: false,
         })
     );
 }
@@ -377,5 +379,72 @@ proptest::proptest! {
     #[test]
     fn never_panics_on_arbitrary_bytes(bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..256)) {
         let _ = RequestPeek::from_json(&bytes);
+    }
+}
+
+#[test]
+fn answer_sizes_past_openais_bounds_are_refused() {
+    let peek = |body: &str| RequestPeek::from_json(body.as_bytes());
+    for ok in [
+        r#"{"model":"m","logprobs":true,"top_logprobs":20}"#,
+        r#"{"model":"m","top_logprobs":0,"n_probs":20}"#,
+        r#"{"model":"m","prompt":"x","logprobs":5}"#,
+        r#"{"model":"m","logprobs":null,"top_logprobs":null}"#,
+        r#"{"model":"m","max_tokens":2147483647}"#,
+    ] {
+        assert!(peek(ok).is_ok(), "{ok}");
+    }
+    for (bad, field) in [
+        (
+            r#"{"model":"m","logprobs":true,"top_logprobs":21}"#,
+            "top_logprobs",
+        ),
+        (r#"{"model":"m","top_logprobs":49152}"#, "top_logprobs"),
+        (r#"{"model":"m","top_logprobs":-1}"#, "top_logprobs"),
+        (r#"{"model":"m","n_probs":100}"#, "n_probs"),
+        (r#"{"model":"m","prompt":"x","logprobs":6}"#, "logprobs"),
+        (r#"{"model":"m","logprobs":"yes"}"#, "logprobs"),
+        (r#"{"model":"m","max_tokens":2147483648}"#, "max_tokens"),
+        (
+            r#"{"model":"m","max_completion_tokens":4294967297}"#,
+            "max_completion_tokens",
+        ),
+    ] {
+        match peek(bad) {
+            Err(PeekError::InvalidField { field: f, .. }) => assert_eq!(f, field, "{bad}"),
+            other => panic!("{bad}: {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn sampling_constraints_mark_the_request() {
+    let constrained = |body: &str| {
+        RequestPeek::from_json(body.as_bytes())
+            .unwrap()
+            .tokenization_constrained
+    };
+    for body in [
+        r#"{"model":"m","logit_bias":{"27244":100}}"#,
+        r#"{"model":"m","logit_bias":"odd"}"#,
+        r#"{"model":"m","response_format":{"type":"json_object"}}"#,
+        r#"{"model":"m","response_format":{"type":"json_schema","json_schema":{}}}"#,
+        r#"{"model":"m","grammar":"root ::= \"x\""}"#,
+        r#"{"model":"m","json_schema":{}}"#,
+        r#"{"model":"m","guided_regex":"a+"}"#,
+        r#"{"model":"m","guided_choice":["a"]}"#,
+        r#"{"model":"m","structured_outputs":{"regex":"a"}}"#,
+        r#"{"model":"m","ebnf":"x"}"#,
+        r#"{"model":"m","format":"json"}"#,
+    ] {
+        assert!(constrained(body), "{body}");
+    }
+    for body in [
+        r#"{"model":"m"}"#,
+        r#"{"model":"m","logit_bias":{}}"#,
+        r#"{"model":"m","logit_bias":null,"grammar":null}"#,
+        r#"{"model":"m","response_format":{"type":"text"}}"#,
+    ] {
+        assert!(!constrained(body), "{body}");
     }
 }

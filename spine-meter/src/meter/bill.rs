@@ -7,7 +7,9 @@ use bytes::Bytes;
 use spine_core::{NodeSlot, RequestKind, StreamOutcome, Usage};
 
 use super::body::MAX_TOOL_CALLS_PER_CHOICE;
-use super::node_json::{engine_error_message, is_engine_error, read_choices, usage_claim, Members};
+use super::node_json::{
+    engine_error_message, is_engine_error, read_choices, usage_claim, Members, TextMember,
+};
 use super::settle::{BillNotes, SettleCtx};
 use super::MeterError;
 use crate::tokenizer::GeneratedCount;
@@ -66,17 +68,34 @@ pub(super) enum Cut {
 
 /// The usage billed for `choices` (requested choices only): the prompt plus each choice's
 /// capped completion tokens, with the EOS and `length` rules only when `completed`.
+///
+/// **Constrained sampling** ([`SettleCtx::tokenization_constrained`]: `logit_bias`, a grammar,
+/// a JSON schema): the engine may have generated the text as more tokens than its canonical
+/// tokenization (a caller that bans every multi-character token gets a text spelled one
+/// character per token), so the count above is only a lower bound. The most tokens a choice's
+/// text can have been is one per byte, plus the EOS and a held-back UTF-8 tail, within the cap:
+/// `U = min(cap, max(count, bytes + 4))`. A completed answer then bills the node's claim
+/// (`claimed`, the engine's own usage) clamped to `[Σ count, Σ U]`; an answer that ended early
+/// (the caller left; no claim ever comes) bills `Σ U`, the most the delivered text can be.
 pub(super) fn billed_usage(
     ctx: &SettleCtx,
     choices: &BTreeMap<u64, Choice>,
     completed: bool,
+    claimed: Option<&Usage>,
 ) -> (Usage, BillNotes) {
     let mut notes = BillNotes::default();
     let mut completion_tokens = 0u64;
+    let mut most_tokens = 0u64;
     for (i, c) in choices.values().enumerate() {
         let count =
             ctx.choice_completion_counted(&c.delivered, c.finish_reason.as_deref(), completed);
         completion_tokens = completion_tokens.saturating_add(count.tokens);
+        let spelled = c
+            .delivered
+            .len_bytes()
+            .saturating_add(crate::tokenizer::MAX_HELD_BACK_BYTES + 1)
+            .min(ctx.max_completion_tokens_per_choice);
+        most_tokens = most_tokens.saturating_add(count.tokens.max(spelled));
         if i == 0 && choices.len() > 1 {
             notes.first_choice_completion_tokens = Some(count.tokens);
         }
@@ -91,6 +110,15 @@ pub(super) fn billed_usage(
         notes.wrapper_allowance_tokens = notes
             .wrapper_allowance_tokens
             .saturating_add(c.delivered.wrapper_allowance_tokens());
+    }
+    if ctx.tokenization_constrained {
+        completion_tokens = match (completed, claimed) {
+            (true, Some(claim)) => claim
+                .completion_tokens
+                .clamp(completion_tokens, most_tokens.max(completion_tokens)),
+            (true, None) => completion_tokens,
+            (false, _) => most_tokens,
+        };
     }
     let usage = Usage {
         prompt_tokens: ctx.prompt_tokens,
@@ -191,7 +219,10 @@ pub(crate) fn meter_json(
         let why = engine_error_message(&members);
         return fail(ctx, nothing, claimed, why);
     }
-    let read = match members.get("choices").map(|raw| read_choices(raw, kind)) {
+    let read = match members
+        .get("choices")
+        .map(|raw| read_choices(raw, TextMember::of(kind, false)))
+    {
         Some(Ok(read)) => read,
         Some(Err(why)) => {
             return fail(ctx, nothing, claimed, format!("the body is invalid: {why}"))
@@ -224,10 +255,10 @@ pub(crate) fn meter_json(
     }
     if let Some((index, _)) = choices.iter().find(|(_, c)| c.finish_reason.is_none()) {
         let why = format!("choice {index} has no finish_reason");
-        let (billed, _) = billed_usage(&ctx, &choices, false);
+        let (billed, _) = billed_usage(&ctx, &choices, false, claimed.as_ref());
         return fail(ctx, billed, claimed, why);
     }
-    let (billed, notes) = billed_usage(&ctx, &choices, true);
+    let (billed, notes) = billed_usage(&ctx, &choices, true, claimed.as_ref());
     let usage = usage_json(&billed);
     let mut has_usage = false;
     let mut out = members.encode(strip, |name| match name {

@@ -16,7 +16,7 @@ use super::bill::{
     Cut,
 };
 use super::node_json::{
-    engine_error_message, is_engine_error, is_null, read_choices, usage_claim, Members,
+    engine_error_message, is_engine_error, is_null, read_choices, usage_claim, Members, TextMember,
 };
 use super::settle::SettleCtx;
 use crate::sse::{SseEvent, SseParser};
@@ -39,8 +39,7 @@ pub const MAX_TOOL_CALLS_PER_CHOICE: usize = 128;
 /// What a streamed response's metering needs besides the settlement context.
 #[derive(Clone, Debug)]
 pub(crate) struct StreamSettings {
-    /// Send the billed usage chunk: the caller asked for usage (`stream_options.include_usage`),
-    /// or asked for no stream at all (a node streaming anyway leaves it no other bill to read).
+    /// Send the billed usage chunk: the caller asked for usage (`stream_options.include_usage`).
     pub(crate) include_usage: bool,
     /// The endpoint: names the usage chunk's `object`.
     pub(crate) kind: RequestKind,
@@ -264,7 +263,7 @@ impl State {
         }
         let read = match members.get("choices") {
             Some(raw) if raw.get().trim() != "null" => {
-                match read_choices(raw, self.settings.kind) {
+                match read_choices(raw, TextMember::of(self.settings.kind, true)) {
                     Ok(read) => read,
                     Err(why) => {
                         return self.node_fault(&format!("the node sent an invalid chunk: {why}"))
@@ -339,7 +338,7 @@ impl State {
     }
 
     fn billed(&self, ctx: &SettleCtx, completed: bool) -> Usage {
-        billed_usage(ctx, &self.choices, completed).0
+        billed_usage(ctx, &self.choices, completed, self.claimed.as_ref()).0
     }
 
     /// The usage chunk sent before `[DONE]` when the caller asked for usage: the stream's
@@ -410,7 +409,7 @@ impl State {
         let completed = !self.error_seen
             && !self.choices.is_empty()
             && self.choices.values().all(|c| c.finish_reason.is_some());
-        let (billed, notes) = billed_usage(ctx, &self.choices, completed);
+        let (billed, notes) = billed_usage(ctx, &self.choices, completed, self.claimed.as_ref());
         if completed {
             if self.settings.include_usage {
                 let bytes = self.usage_chunk(&billed);

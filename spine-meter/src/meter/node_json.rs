@@ -165,14 +165,52 @@ pub(crate) struct ChoiceRead {
     pub(crate) raw: String,
 }
 
+/// The member of a choice that carries its text, as the caller's SDK reads it: a completion's
+/// `text`; a chat stream chunk's `delta`; a complete chat answer's `message`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum TextMember {
+    Text,
+    Delta,
+    Message,
+}
+
+impl TextMember {
+    /// The member for `kind`, in a stream chunk (`chunk`) or a complete answer.
+    pub(crate) fn of(kind: RequestKind, chunk: bool) -> Self {
+        match (kind, chunk) {
+            (RequestKind::Completions, _) => Self::Text,
+            (_, true) => Self::Delta,
+            (_, false) => Self::Message,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Self::Text => "text",
+            Self::Delta => "delta",
+            Self::Message => "message",
+        }
+    }
+
+    /// Why a choice that carries `other` (set, not null) is refused.
+    fn misplaced(self, other: Self) -> &'static str {
+        match (self, other) {
+            (Self::Text, _) => "a completion's choice carries a chat delta or message",
+            (_, Self::Text) => "a chat choice carries a completion's text",
+            (Self::Delta, _) => "a stream chunk's choice carries a complete message",
+            (Self::Message, _) => "a complete answer's choice carries a stream delta",
+        }
+    }
+}
+
 /// The choices of a chunk or completion; `Err` when `choices` is not an array of objects, an
-/// `index` is not a non-negative integer, or a choice has the other endpoint's shape: a
-/// completion's choice carries its text in `text`, a chat choice in `delta` / `message`. A
-/// choice with both (or the wrong one) would show the caller's SDK one text while the bill
-/// counts another: text in the member the SDK does not read is text the caller never sees.
+/// `index` is not a non-negative integer, or a choice carries text in a member other than
+/// `member` ([`TextMember::of`]: a completion's `text`, a chat chunk's `delta`, a complete chat
+/// answer's `message`). Only `member` is read: text in a member the caller's SDK does not read
+/// is text the caller never sees, so a choice with it is the node's fault, never billed.
 pub(crate) fn read_choices(
     raw: &RawValue,
-    kind: RequestKind,
+    member: TextMember,
 ) -> Result<Vec<ChoiceRead>, &'static str> {
     let items: Vec<&RawValue> =
         serde_json::from_str(raw.get()).map_err(|_| "its choices are not an array")?;
@@ -186,16 +224,10 @@ pub(crate) fn read_choices(
                 return Err("a choice is not an object");
             }
             let present = |k: &str| c.get(k).is_some_and(|v| !v.is_null());
-            let chat_shaped = present("delta") || present("message");
-            let text_shaped = present("text");
-            match kind {
-                RequestKind::Completions if chat_shaped => {
-                    return Err("a completion's choice carries a chat delta or message")
+            for other in [TextMember::Text, TextMember::Delta, TextMember::Message] {
+                if other != member && present(other.name()) {
+                    return Err(member.misplaced(other));
                 }
-                RequestKind::ChatCompletions if text_shaped => {
-                    return Err("a chat choice carries a completion's text")
-                }
-                _ => {}
             }
             check_text_types(&c)?;
             let index = match c.get("index") {
@@ -216,7 +248,13 @@ pub(crate) fn read_choices(
                 }
             }
             let mut generated = GeneratedText::new();
-            generated.push_choice_json(&c);
+            match (member, c.get(member.name())) {
+                (TextMember::Text, Some(Value::String(t))) => generated.push_content(t),
+                (TextMember::Delta | TextMember::Message, Some(part)) if part.is_object() => {
+                    generated.push_message_json(part);
+                }
+                _ => {}
+            }
             let finish_reason = c
                 .get("finish_reason")
                 .and_then(Value::as_str)
@@ -363,20 +401,20 @@ mod tests {
         let padded = raw(
             r#"[{"index":0,"text":"Paris.","message":{"content":"pad pad pad"},"finish_reason":"stop"}]"#,
         );
-        assert!(read_choices(&padded, RequestKind::Completions).is_err());
-        assert!(read_choices(&padded, RequestKind::ChatCompletions).is_err());
+        assert!(read_choices(&padded, TextMember::Text).is_err());
+        assert!(read_choices(&padded, TextMember::Delta).is_err());
         let message_only =
             raw(r#"[{"index":0,"message":{"content":"pad"},"finish_reason":"stop"}]"#);
-        assert!(read_choices(&message_only, RequestKind::Completions).is_err());
+        assert!(read_choices(&message_only, TextMember::Text).is_err());
         let text_only = raw(r#"[{"index":0,"text":"Paris.","finish_reason":"stop"}]"#);
-        assert!(read_choices(&text_only, RequestKind::ChatCompletions).is_err());
+        assert!(read_choices(&text_only, TextMember::Delta).is_err());
         // each endpoint's own shape is read, reasoning in either member counted once
-        let text = read_choices(&text_only, RequestKind::Completions).unwrap();
+        let text = read_choices(&text_only, TextMember::Text).unwrap();
         assert_eq!(text[0].generated.content(), "Paris.");
         let two = raw(
             r#"[{"index":0,"delta":{"content":"Hi","reasoning":"think","reasoning_content":"other"}}]"#,
         );
-        assert!(read_choices(&two, RequestKind::ChatCompletions).is_err());
+        assert!(read_choices(&two, TextMember::Delta).is_err());
         // generated text in a type the SDK shows but the count does not read
         for bad in [
             r#"[{"index":0,"delta":{"content":[{"type":"text","text":"free"}]}}]"#,
@@ -384,24 +422,61 @@ mod tests {
             r#"[{"index":0,"delta":"free"}]"#,
             r#"[{"index":0,"delta":{"tool_calls":{"0":{}}}}]"#,
         ] {
-            assert!(
-                read_choices(&raw(bad), RequestKind::ChatCompletions).is_err(),
-                "{bad}"
-            );
+            assert!(read_choices(&raw(bad), TextMember::Delta).is_err(), "{bad}");
         }
-        assert!(read_choices(
-            &raw(r#"[{"index":0,"text":["free"]}]"#),
-            RequestKind::Completions
-        )
-        .is_err());
+        assert!(read_choices(&raw(r#"[{"index":0,"text":["free"]}]"#), TextMember::Text).is_err());
         // a member set to null is absent
         let null_text = raw(r#"[{"index":0,"text":null,"delta":{"content":"Hi"}}]"#);
-        assert!(read_choices(&null_text, RequestKind::ChatCompletions).is_ok());
+        assert!(read_choices(&null_text, TextMember::Delta).is_ok());
         let chat = raw(
             r#"[{"index":0,"delta":{"content":"Hi","reasoning":"think","reasoning_content":"think"}}]"#,
         );
-        let chat = read_choices(&chat, RequestKind::ChatCompletions).unwrap();
+        let chat = read_choices(&chat, TextMember::Delta).unwrap();
         assert_eq!(chat[0].generated.content(), "Hi");
         assert_eq!(chat[0].generated.reasoning(), "think");
+    }
+
+    #[test]
+    fn only_the_member_the_callers_sdk_reads_is_counted() {
+        let raw = |s: &str| serde_json::value::RawValue::from_string(s.to_owned()).unwrap();
+        // a complete chat answer is read from `message`, a chunk from `delta`; the other one
+        // set beside it is text the caller's SDK never shows (a padded bill)
+        let both = raw(
+            r#"[{"index":0,"delta":{"content":"pad pad pad"},"message":{"content":"Paris."},"finish_reason":"stop"}]"#,
+        );
+        assert!(read_choices(&both, TextMember::Message).is_err());
+        assert!(read_choices(&both, TextMember::Delta).is_err());
+        assert!(read_choices(
+            &raw(r#"[{"index":0,"delta":{"content":"pad"},"finish_reason":"stop"}]"#),
+            TextMember::Message
+        )
+        .is_err());
+        assert!(read_choices(
+            &raw(r#"[{"index":0,"message":{"content":"pad"}}]"#),
+            TextMember::Delta
+        )
+        .is_err());
+        // `delta: null` beside the message the SDK reads: the message is counted
+        let message = raw(
+            r#"[{"index":0,"delta":null,"message":{"content":"Paris is the capital."},"finish_reason":"stop"}]"#,
+        );
+        let read = read_choices(&message, TextMember::Message).unwrap();
+        assert_eq!(read[0].generated.content(), "Paris is the capital.");
+        // a completion's `text` beside null chat members: the text is counted
+        let text = raw(r#"[{"index":0,"text":"Paris.","delta":null,"message":null}]"#);
+        let read = read_choices(&text, TextMember::Text).unwrap();
+        assert_eq!(read[0].generated.content(), "Paris.");
+        assert_eq!(
+            TextMember::of(RequestKind::Completions, true),
+            TextMember::Text
+        );
+        assert_eq!(
+            TextMember::of(RequestKind::ChatCompletions, true),
+            TextMember::Delta
+        );
+        assert_eq!(
+            TextMember::of(RequestKind::ChatCompletions, false),
+            TextMember::Message
+        );
     }
 }

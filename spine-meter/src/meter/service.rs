@@ -252,6 +252,7 @@ where
         n: choices,
         max_completion_tokens_per_choice: per_choice,
         max_tokens: peek.max_tokens,
+        tokenization_constrained: peek.tokenization_constrained,
         tolerance_tokens: config.discrepancy_tolerance_tokens,
         tolerance_bps: config.discrepancy_tolerance_bps,
         audit: config
@@ -273,9 +274,8 @@ where
         http::header::CONTENT_LENGTH,
         http::HeaderValue::from(body.len()),
     );
-    // the usage chunk goes to a caller that asked for it, and to one that asked for no stream
-    // at all: a node that streams anyway leaves that caller no other place to read its bill
-    let include_usage = peek.include_usage || !peek.stream;
+    let include_usage = peek.include_usage;
+    let stream_requested = peek.stream;
     parts.extensions.insert(peek);
     // issue 15: the router routes only to nodes whose context holds the longest prompt
     parts.extensions.insert(spine_core::PromptTokens(longest));
@@ -324,6 +324,20 @@ where
         .is_some_and(|v| v.trim_start().starts_with("text/event-stream"));
     let (mut parts, body) = resp.into_parts();
     parts.headers.remove(http::header::CONTENT_LENGTH);
+    if streaming && !stream_requested {
+        // a stream to a caller that asked for one JSON body: its SDK cannot read it (the Python
+        // SDK hands back a string), so it is not an answer to bill; the node broke the protocol
+        let Some(ctx) = guard.take() else {
+            return Err(MeterError::MissingExtension("settlement context").into());
+        };
+        tracing::warn!(request_id = %ctx.request_id, "node streamed an answer to a request that asked for none");
+        guard.slot.report_node_fault();
+        ctx.settle_prompt_only(StreamOutcome::UpstreamFailed);
+        return Err(MeterError::UpstreamInvalid(
+            "the node streamed its answer to a request that asked for no stream".to_owned(),
+        )
+        .into());
+    }
     if streaming && kind != RequestKind::Embeddings {
         let Some(ctx) = guard.take() else {
             return Err(MeterError::MissingExtension("settlement context").into());

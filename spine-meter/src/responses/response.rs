@@ -9,9 +9,7 @@ use http_body::{Body, Frame, SizeHint};
 use serde_json::{json, Map, Value};
 use spine_core::BoxError;
 
-use spine_core::RequestKind;
-
-use crate::meter::node_json::{read_choices, ChoiceRead, Members};
+use crate::meter::node_json::{read_choices, ChoiceRead, Members, TextMember};
 use crate::sse::SseParser;
 
 /// What a Responses answer says about its request: its id, creation time and the request's
@@ -139,9 +137,9 @@ fn function_call_item(id: &str, status: &str, call_id: &str, name: &str, argumen
 /// ([`read_choices`]: `delta` or `message`, refusal as content, the longer reasoning member,
 /// a tool call's place when it has no `index`): what is shown is what is counted. `None` when
 /// there is no such choice (the meter lets no other chat object through).
-fn choice_zero(members: &Members<'_>) -> Option<ChoiceRead> {
+fn choice_zero(members: &Members<'_>, member: TextMember) -> Option<ChoiceRead> {
     let raw = members.get("choices")?;
-    let choices = read_choices(raw, RequestKind::ChatCompletions).ok()?;
+    let choices = read_choices(raw, member).ok()?;
     choices.into_iter().find(|c| c.index == 0)
 }
 
@@ -157,7 +155,8 @@ fn choice_zero(members: &Members<'_>) -> Option<ChoiceRead> {
 pub fn response_from_chat(body: &[u8], meta: &ResponseMeta) -> Result<Value, String> {
     let text = std::str::from_utf8(body).map_err(|e| e.to_string())?;
     let members = Members::parse(text).ok_or("the chat completion is not one JSON object")?;
-    let choice = choice_zero(&members).ok_or("the chat completion has no choice 0")?;
+    let choice =
+        choice_zero(&members, TextMember::Message).ok_or("the chat completion has no choice 0")?;
     let g = &choice.generated;
     let mut output = Vec::new();
     if !g.reasoning().is_empty() {
@@ -205,7 +204,7 @@ pub fn chat_json_as_stream(body: &[u8]) -> Bytes {
     let mut out = Vec::new();
     let text = std::str::from_utf8(body).unwrap_or_default();
     if let Some(members) = Members::parse(text) {
-        if let Some(choice) = choice_zero(&members) {
+        if let Some(choice) = choice_zero(&members, TextMember::Message) {
             let g = &choice.generated;
             let calls: Vec<Value> = g
                 .tool_calls()
@@ -510,7 +509,7 @@ impl Converter {
                 self.usage = Some(u);
             }
         }
-        let Some(choice) = choice_zero(&members) else {
+        let Some(choice) = choice_zero(&members, TextMember::Delta) else {
             return;
         };
         let g = &choice.generated;

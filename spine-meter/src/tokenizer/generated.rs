@@ -61,6 +61,13 @@ impl GeneratedText {
             }
             return;
         };
+        self.push_message_json(part);
+    }
+
+    /// Appends what one `delta` or `message` object carries: `content`, `refusal`,
+    /// `reasoning_content` or `reasoning`, `tool_calls[].function.{name, arguments}`. Values of
+    /// the wrong type are ignored.
+    pub fn push_message_json(&mut self, part: &Value) {
         if let Some(t) = part.get("content").and_then(Value::as_str) {
             self.content.push_str(t);
         }

@@ -87,6 +87,7 @@ fn key_precedence() {
         max_tokens: None,
         prompt_cache_key: Some("pck".into()),
         conversation_key: Some(9),
+        tokenization_constrained: false,
     };
     assert_eq!(
         AffinityKey::for_request(&peek, Some("s")),

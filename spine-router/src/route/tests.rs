@@ -88,6 +88,7 @@ fn request() -> http::Request<BoxBody> {
         max_tokens: None,
         prompt_cache_key: Some("chat-1".into()),
         conversation_key: None,
+        tokenization_constrained: false,
     });
     req
 }
