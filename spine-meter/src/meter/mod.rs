@@ -6,7 +6,7 @@
 //! 2. buffers the body (up to `max_request_body_bytes`), peeks it ([`RequestPeek`]), refuses an
 //!    unknown model, checks chat `messages` ([`validate_chat_messages`]: a malformed or
 //!    unsupported message is [`MeterError::BadRequest`], never forwarded), counts the prompt with
-//!    the model's [`ModelTokenizer`] and refuses a prompt that leaves no room for a completion
+//!    the model's [`TokenCounter`] ([`CatalogEntry::tokenizer`]) and refuses a prompt that leaves no room for a completion
 //!    token (`prompt >= max_context_tokens`: [`MeterError::ContextLengthExceeded`]);
 //! 3. places a hold for the worst case: `cost(prompt + n × per_choice)` where
 //!    `per_choice = max(1, min(max_tokens, context − prompt))` (no `max_tokens`:
@@ -30,10 +30,18 @@
 //! `/v1/completions` and `/v1/embeddings` count their `prompt` / `input`
 //! ([`prompt_inputs`](spine_core::prompt_inputs): a string, strings, token ids or token-id
 //! arrays) without a chat template, each text segment with
-//! [`ModelTokenizer::count_text`](crate::ModelTokenizer::count_text) and each
+//! [`TokenCounter::count_text`] and each
 //! token id as one token; completions hold and bill `n` choices per prompt; embeddings hold and
 //! bill the input tokens only and their non-streamed answer must carry one vector per input
 //! (its `usage` becomes `{prompt_tokens, total_tokens}` = the billed count).
+//!
+//! **Counting.** Every count goes through the catalog entry's `Arc<dyn TokenCounter>`: the
+//! prompt ([`TokenCounter::count_prompt`], [`TokenCounter::count_text`]) and each streamed
+//! choice's delivered text as it passes ([`GeneratedCount`](crate::tokenizer::GeneratedCount)).
+//! The gateway's counter is [`ModelTokenizer`] (feature `tokenizer`, on by default: the model's
+//! own tokenizer and chat template from its GGUF). Without that feature this layer compiles
+//! without the tokenizers crate, minijinja or onig, and meters with whatever counter the
+//! application puts in its [`Catalog`]; the bill is as exact as that counter.
 //!
 //! **Admission.** With [`MeterLayer::admission`], an [`Admission`] hook sees the worst case the
 //! hold covers after counting and may refuse ([`MeterError::AdmissionRefused`], nothing held or
@@ -85,6 +93,9 @@
 //! [`NodeSlot`]: spine_core::NodeSlot
 //! [`validate_chat_messages`]: spine_core::validate_chat_messages
 //! [`ModelTokenizer`]: crate::ModelTokenizer
+//! [`TokenCounter`]: crate::TokenCounter
+//! [`TokenCounter::count_text`]: crate::TokenCounter::count_text
+//! [`TokenCounter::count_prompt`]: crate::TokenCounter::count_prompt
 
 mod admission;
 mod bill;
@@ -114,7 +125,11 @@ pub use service::Meter;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CountedUsage(pub spine_core::Usage);
 
-#[cfg(test)]
+// the stack's suites meter with the real model tokenizer on a SQLite ledger; `tests_counter`
+// runs without any optional feature
+#[cfg(all(test, feature = "tokenizer", feature = "sqlite"))]
 mod tests;
-#[cfg(test)]
+#[cfg(all(test, feature = "tokenizer", feature = "sqlite"))]
 mod tests_billing;
+#[cfg(test)]
+mod tests_counter;

@@ -16,7 +16,7 @@ use super::body::{MeterBody, StreamSettings};
 use super::embeddings::meter_embeddings;
 use super::settle::{AuditCapture, SettleCtx};
 use super::{AdmissionRequest, CountedUsage, MeterConfig, MeterError, ResponseFuture};
-use crate::{inject_include_usage, LedgerError, ModelTokenizer};
+use crate::{inject_include_usage, LedgerError, TokenCounter};
 
 /// The metering middleware. See the [module docs](super).
 #[derive(Clone, Debug)]
@@ -177,7 +177,7 @@ where
             RequestKind::Completions
         },
     );
-    let prompts = count_prompts(&entry.tokenizer, kind, &json)?;
+    let prompts = count_prompts(&*entry.tokenizer, kind, &json)?;
     // every prompt must leave room for a completion token (embeddings: fit the context)
     let longest = prompts.iter().copied().max().unwrap_or(0);
     if longest >= entry.max_context_tokens {
@@ -497,14 +497,14 @@ fn collect_response(body: BoxBody, limit: usize) -> BytesFuture {
 /// The independent prompt count of each prompt of a request (design brief §6):
 ///
 /// - chat completions: `messages` checked ([`validate_chat_messages`]), rendered with the model's
-///   chat template and counted ([`ModelTokenizer::count_prompt`]); one prompt;
+///   chat template and counted ([`TokenCounter::count_prompt`]); one prompt;
 /// - completions (`prompt`) and embeddings (`input`): each prompt of [`prompt_inputs`] counted
 ///   WITHOUT a chat template, as llama.cpp counts it: each text segment tokenized on its own
 ///   (special tokens parsed, no BOS: measured against `llama-server`, which adds none for this
 ///   kind of model), each token id one token. A prompt of 0 tokens is refused (llama.cpp refuses
 ///   empty embedding inputs, and an empty completion prompt has nothing to condition on).
 fn count_prompts(
-    tokenizer: &ModelTokenizer,
+    tokenizer: &dyn TokenCounter,
     kind: RequestKind,
     json: &serde_json::Value,
 ) -> Result<Vec<u64>, MeterError> {
