@@ -1,8 +1,10 @@
 //! The metering tower middleware (design brief §2, §6).
 //!
 //! [`MeterLayer`] wraps the routing service. For each request it:
-//! 1. reads the caller's [`RequestId`](spine_core::RequestId) and
-//!    [`AccountId`](spine_core::AccountId) from the request extensions (put there by auth);
+//! 1. reads the caller's [`RequestId`](spine_core::RequestId),
+//!    [`AccountId`](spine_core::AccountId) and [`RequestKind`](spine_core::RequestKind) from the
+//!    edge's [`RequestContext`](spine_core::RequestContext) in the request extensions (without
+//!    one: the separate `RequestId` and `AccountId` extensions and the URI path);
 //! 2. buffers the body (up to `max_request_body_bytes`), peeks it ([`RequestPeek`]), refuses an
 //!    unknown model, checks chat `messages` ([`validate_chat_messages`]: a malformed or
 //!    unsupported message is [`MeterError::BadRequest`], never forwarded), counts the prompt with
@@ -13,8 +15,11 @@
 //!    `context − prompt`; `max_tokens: 0` still holds one token, llama.cpp generates at least
 //!    one), refusing with [`MeterError::InsufficientCredit`] when the available balance cannot
 //!    cover it;
-//! 4. for `stream: true` sets `stream_options.include_usage = true` upstream, inserts the
-//!    [`RequestPeek`] and a [`NodeSlot`] into the request extensions and calls the inner service;
+//! 4. for `stream: true` sets `stream_options.include_usage = true` upstream, inserts a
+//!    [`BufferedRequest`](spine_core::BufferedRequest) (the body as it goes on, its peek and the
+//!    longest prompt's tokens: the router reads these instead of collecting and parsing the body
+//!    again), the [`RequestPeek`] and [`PromptTokens`](spine_core::PromptTokens) on their own
+//!    and a [`NodeSlot`] into the request extensions and calls the inner service;
 //! 5. wraps a streamed (`text/event-stream`) 2xx response body in [`MeterBody`], which forwards
 //!    each SSE event as soon as it is complete, captures the node's usage claim, shapes the
 //!    egress (see [`MeterBody`]) and settles the ledger once, on a spawned task, at whatever
@@ -26,8 +31,8 @@
 //!    `finish_reason` settles `upstream_failed` and is returned as
 //!    [`MeterError::UpstreamInvalid`] ([`MeterError::UpstreamBody`] when reading it failed).
 //!
-//! **Endpoints.** The request path picks the [`RequestKind`](spine_core::RequestKind):
-//! `/v1/completions` and `/v1/embeddings` count their `prompt` / `input`
+//! **Endpoints.** The context's (else the request path's)
+//! [`RequestKind`](spine_core::RequestKind) decides: `/v1/completions` and `/v1/embeddings` count their `prompt` / `input`
 //! ([`prompt_inputs`](spine_core::prompt_inputs): a string, strings, token ids or token-id
 //! arrays) without a chat template, each text segment with
 //! [`TokenCounter::count_text`] and each

@@ -5,8 +5,9 @@ use std::task::{Context, Poll};
 
 use http_body_util::{BodyExt, Full, Limited};
 use spine_core::{
-    prompt_inputs, validate_chat_messages, AccountId, BoxBody, BoxError, NodeId, NodeSlot,
-    PeekError, PromptSegment, RequestId, RequestKind, RequestPeek, StreamOutcome, Usage,
+    prompt_inputs, validate_chat_messages, AccountId, BoxBody, BoxError, BufferedRequest, NodeId,
+    NodeSlot, PeekError, PromptSegment, RequestContext, RequestId, RequestKind, RequestPeek,
+    StreamOutcome, Usage,
 };
 use tower::Service;
 
@@ -119,16 +120,25 @@ where
     S: Service<http::Request<BoxBody>, Response = http::Response<BoxBody>, Error = BoxError>,
     S::Future: Send + 'static,
 {
-    let request_id = req
-        .extensions()
-        .get::<RequestId>()
-        .cloned()
-        .ok_or(MeterError::MissingExtension("RequestId"))?;
-    let account = req
-        .extensions()
-        .get::<AccountId>()
-        .cloned()
-        .ok_or(MeterError::MissingExtension("AccountId"))?;
+    // the edge's typed context when it set one; else the separate extensions and the path
+    let context = req.extensions().get::<RequestContext>();
+    let context_kind = context.map(|c| c.kind);
+    let request_id = match context {
+        Some(c) => c.request_id.clone(),
+        None => req
+            .extensions()
+            .get::<RequestId>()
+            .cloned()
+            .ok_or(MeterError::MissingExtension("RequestId"))?,
+    };
+    let account = match context {
+        Some(c) => c.account.clone(),
+        None => req
+            .extensions()
+            .get::<AccountId>()
+            .cloned()
+            .ok_or(MeterError::MissingExtension("AccountId"))?,
+    };
     // an account that could not pay a moment ago is refused before its body is read,
     // templated or tokenized (the cheapest request any model could be: 1 + 1 tokens)
     if let Some(available_micros) = config
@@ -170,13 +180,15 @@ where
         .clone();
     let json: serde_json::Value = serde_json::from_slice(&bytes)
         .map_err(|e| MeterError::BadRequest(spine_core::PeekError::NotJson(e.to_string())))?;
-    let kind = RequestKind::from_path(parts.uri.path()).unwrap_or(
-        if json.get("messages").is_some() || json.get("prompt").is_none() {
-            RequestKind::ChatCompletions
-        } else {
-            RequestKind::Completions
-        },
-    );
+    let kind = context_kind
+        .or_else(|| RequestKind::from_path(parts.uri.path()))
+        .unwrap_or(
+            if json.get("messages").is_some() || json.get("prompt").is_none() {
+                RequestKind::ChatCompletions
+            } else {
+                RequestKind::Completions
+            },
+        );
     let prompts = count_prompts(&*entry.tokenizer, kind, &json)?;
     // every prompt must leave room for a completion token (embeddings: fit the context)
     let longest = prompts.iter().copied().max().unwrap_or(0);
@@ -276,6 +288,11 @@ where
     // the usage chunk goes to a caller that asked for it, and to one that asked for no stream
     // at all: a node that streams anyway leaves that caller no other place to read its bill
     let include_usage = peek.include_usage || !peek.stream;
+    // the body collected and read once: the router takes these bytes and this peek instead of
+    // collecting and reading the request body again (issue 20)
+    parts
+        .extensions
+        .insert(BufferedRequest::new(body.clone(), peek.clone(), longest));
     parts.extensions.insert(peek);
     // issue 15: the router routes only to nodes whose context holds the longest prompt
     parts.extensions.insert(spine_core::PromptTokens(longest));
