@@ -12,12 +12,14 @@ echo "[test] cargo fmt --check" >&2
 cargo fmt --all -- --check
 echo "[test] cargo clippy --all-targets -- -D warnings" >&2
 cargo clippy --workspace --all-targets -- -D warnings
-echo "[test] a MeterLayer or RouteLayer user compiles no sqlx or redis (no default features)" >&2
+echo "[test] a MeterLayer or RouteLayer user compiles no sqlx, redis, tokenizers, minijinja or onig (no default features)" >&2
 for crate in spine-meter spine-router; do
-  heavy="$(cargo tree -q -e normal -p "$crate" --no-default-features | grep -oE '(sqlx|redis)[a-z-]* v[0-9.]+' | sort -u || true)"
+  heavy="$(cargo tree -q -e normal -p "$crate" --no-default-features | grep -oE '(sqlx|redis|tokenizers|minijinja|onig)[a-z_-]* v[0-9.]+' | sort -u || true)"
   if [[ -n "$heavy" ]]; then echo "[test] $crate without default features pulls in: $heavy" >&2; exit 1; fi
 done
 cargo check --quiet -p spine-meter -p spine-router --no-default-features
+echo "[test] spine-meter's unit tests without default features (the meter with a counter of its own)" >&2
+cargo test --quiet -p spine-meter --no-default-features --lib
 echo "[test] cargo build --workspace --bins (the end-to-end test runs both binaries)" >&2
 cargo build --workspace --bins
 echo "[test] services the tests use: PostgreSQL and Redis on 127.0.0.1 (scripts/services.sh)" >&2

@@ -13,7 +13,7 @@ use axum::{Json, Router};
 use http::header::{self, HeaderName, HeaderValue};
 use http_body_util::BodyExt;
 use serde_json::json;
-use spine_core::{AccountId, BoxBody, BoxError, RequestId, RequestKind};
+use spine_core::{AccountId, BoxBody, BoxError, RequestContext, RequestId, RequestKind};
 use tower::ServiceExt;
 
 use crate::auth;
@@ -443,6 +443,15 @@ async fn proxy(state: &AppState, req: Request, kind: RequestKind, surface: Surfa
         .header(header::CONTENT_TYPE, "application/json")
         .body(body)
         .unwrap_or_else(|_| http::Request::new(BoxBody::default()));
+    // the request's context, typed once here: the meter and the router read it (the separate
+    // extensions stay for the rate limiter's `KeyHash` and the library's fallbacks)
+    if let Some(id) = &request_id {
+        let mut context = RequestContext::new(id.clone(), account.clone(), kind).with_key(&key.0);
+        if let Some(session) = &session {
+            context = context.with_session(&session.0);
+        }
+        upstream.extensions_mut().insert(context);
+    }
     upstream.extensions_mut().insert(account);
     upstream.extensions_mut().insert(key);
     let request_id_copy = request_id.clone();

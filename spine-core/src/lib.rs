@@ -10,7 +10,9 @@
 //! [`NodeSlot`] through which the router tells the metering layer which node it picked, and the
 //! [`ClassifyBody`] hook through which the router asks the metering crate whether a response body
 //! has started (retries before the first byte, design brief §5), and the [`ModelTrust`] through
-//! which the auditor tells the router which nodes failed their model's audit (§10).
+//! which the auditor tells the router which nodes failed their model's audit (§10). One request
+//! travels typed once: the edge's [`RequestContext`] and the metering layer's
+//! [`BufferedRequest`] (its body collected and parsed once), read by the layers below.
 //!
 //! It starts no runtime and does no I/O (design brief §3).
 
@@ -18,6 +20,7 @@ mod classify;
 mod ids;
 mod node;
 mod peek;
+mod request;
 mod slot;
 mod time;
 mod trust;
@@ -31,6 +34,7 @@ pub use peek::{
     RequestPeek, ENGINE_GENERATION_FIELDS, MAX_COMPLETION_LOGPROBS, MAX_MAX_TOKENS,
     MAX_TOP_LOGPROBS, TOKENIZATION_CONSTRAINT_FIELDS,
 };
+pub use request::{BufferedRequest, RequestContext};
 pub use slot::{NodeSlot, PromptTokens};
 pub use time::unix_time_ms;
 pub use trust::{AuditVerdict, ModelTrust};

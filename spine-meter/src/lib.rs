@@ -3,13 +3,16 @@
 //!
 //! # Features
 //!
-//! All on by default. `sqlite`: [`SqliteLedger`], the ledger store on one SQLite file;
-//! `postgres`: [`PgLedger`], the store for several gateway instances on PostgreSQL (both pull in
+//! All on by default. `tokenizer`: [`ModelTokenizer`] and the [`gguf`] reader, the model's own
+//! tokenizer and chat template (the tokenizers crate with onig, minijinja); without it the
+//! metering layer counts with any [`TokenCounter`] the application brings. `sqlite`:
+//! [`SqliteLedger`], the ledger store on one SQLite file; `postgres`: [`PgLedger`], the store for several gateway instances on PostgreSQL (both pull in
 //! sqlx; without either, the [`Ledger`] and [`Store`] traits stay for a store of your own);
 //! `llama-reference`: `audit::LlamaCppReference` (a hyper client to a llama-server).
 
 pub mod audit;
 pub mod classify;
+#[cfg(feature = "tokenizer")]
 pub mod gguf;
 pub mod inject;
 pub mod ledger;
@@ -22,6 +25,12 @@ pub mod sse;
 pub mod tokenizer;
 
 #[cfg(test)]
+// the helpers for the real model tokenizer and the captured fixtures serve the suites that need
+// the default features
+#[cfg_attr(
+    not(all(feature = "tokenizer", feature = "sqlite")),
+    allow(dead_code, unused_imports)
+)]
 mod test_support;
 
 pub use inject::{inject_include_usage, InjectError};
@@ -35,4 +44,6 @@ pub use ledger::{
 #[cfg(feature = "postgres")]
 pub use ledger::{InstanceUpkeep, PgLedger, PgPoolConfig};
 pub use price::Price;
-pub use tokenizer::{ModelTokenizer, TokenizerError};
+#[cfg(feature = "tokenizer")]
+pub use tokenizer::ModelTokenizer;
+pub use tokenizer::{TokenCounter, TokenizerError};

@@ -6,6 +6,7 @@ use std::sync::{Arc, OnceLock};
 
 use base64::Engine as _;
 
+#[cfg(feature = "tokenizer")]
 use crate::tokenizer::ModelTokenizer;
 
 /// The fixtures directory (`SPINE_FIXTURES`, default the repository's `fixtures/`, a copy of the
@@ -72,6 +73,7 @@ pub(crate) fn hostile_cases() -> Vec<HostileCase> {
 
 /// The model file: `SPINE_MODEL_GGUF`, default `~/.cache/spine/models/SmolLM2-135M-Instruct.Q4_1.gguf`.
 /// Panics with a clear message when it is missing: tests that need it must not pass silently.
+#[cfg(feature = "tokenizer")]
 pub(crate) fn model_gguf() -> PathBuf {
     let path = std::env::var_os("SPINE_MODEL_GGUF").map_or_else(
         || {
@@ -89,6 +91,7 @@ pub(crate) fn model_gguf() -> PathBuf {
 }
 
 /// The SmolLM2 tokenizer, built once per test binary.
+#[cfg(feature = "tokenizer")]
 pub(crate) fn smollm_tokenizer() -> Arc<ModelTokenizer> {
     static TOK: OnceLock<Arc<ModelTokenizer>> = OnceLock::new();
     TOK.get_or_init(|| Arc::new(ModelTokenizer::from_gguf(model_gguf()).unwrap()))

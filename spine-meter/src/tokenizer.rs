@@ -1,4 +1,7 @@
-//! Independent token counting: the model's own tokenizer and chat template (design brief §6).
+//! Independent token counting (design brief §6): the [`TokenCounter`] the metering layer
+//! counts with, the billing rules over its counts ([`bill_counted`], [`IncrementalText`],
+//! [`GeneratedCount`]) and, with feature `tokenizer` (on by default), the model's own tokenizer
+//! and chat template.
 //!
 //! A [`ModelTokenizer`] counts what the engine counts:
 //! - **prompt tokens**: the chat template rendered the way llama.cpp renders it (messages,
@@ -8,7 +11,7 @@
 //!   `content`, `reasoning_content` and each tool call's function `name` and `arguments`),
 //!   tokenized the same way, plus one EOS token when the choice's `finish_reason` is `"stop"` or
 //!   `"tool_calls"` (llama.cpp counts the EOS it sampled); a `"length"` finish bills exactly
-//!   `max_tokens` when the delivered text supports it ([`ModelTokenizer::bill_completion`]).
+//!   `max_tokens` when the delivered text supports it ([`bill_counted`]).
 //!
 //! **Tools.** A request's `tools` array is handed to the chat template, as llama.cpp does with
 //! `--jinja` (its default): a template that describes tools counts them; a template that ignores
@@ -20,42 +23,33 @@
 //! with `\n` between `{"type":"text"}` parts (other part types are ignored here; the metering
 //! layer refuses them before counting, see `spine_core::validate_chat_messages`); a missing or
 //! `null` content is `""`.
+//!
+//! [`ModelTokenizer`]: crate::ModelTokenizer
 
-use std::collections::{BTreeMap, HashMap};
-use std::path::Path;
-use std::sync::{PoisonError, RwLock, TryLockError};
+use std::collections::BTreeMap;
+use std::fmt;
 
 use serde_json::Value;
-use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
-use tokenizers::models::bpe::{Vocab, BPE};
-use tokenizers::pre_tokenizers::byte_level::ByteLevel;
-use tokenizers::pre_tokenizers::digits::Digits;
-use tokenizers::pre_tokenizers::sequence::Sequence;
-use tokenizers::pre_tokenizers::PreTokenizerWrapper;
-use tokenizers::utils::SysRegex;
-use tokenizers::{AddedToken, Model, ModelWrapper, Tokenizer};
 
-use crate::gguf::{GgufError, GgufMetadata};
-
+#[cfg(feature = "tokenizer")]
 mod fast;
 mod generated;
+#[cfg(feature = "tokenizer")]
+mod model;
 
-use fast::*;
 pub use generated::GeneratedText;
 use generated::*;
-
-/// llama.cpp's token type for control tokens (`LLAMA_TOKEN_TYPE_CONTROL`).
-const TOKEN_TYPE_CONTROL: i64 = 3;
-/// llama.cpp's token type for user-defined tokens (`LLAMA_TOKEN_TYPE_USER_DEFINED`).
-const TOKEN_TYPE_USER_DEFINED: i64 = 4;
+#[cfg(feature = "tokenizer")]
+pub use model::ModelTokenizer;
 
 /// Why a tokenizer could not be built or a request could not be counted.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum TokenizerError {
-    /// The GGUF header could not be read.
+    /// The GGUF header could not be read (feature `tokenizer`).
+    #[cfg(feature = "tokenizer")]
     #[error("cannot read gguf metadata")]
-    Gguf(#[source] GgufError),
+    Gguf(#[source] crate::gguf::GgufError),
     /// A key the tokenizer needs is missing or has the wrong type.
     #[error("gguf key {0:?} missing or of the wrong type")]
     MissingKey(&'static str),
@@ -65,399 +59,142 @@ pub enum TokenizerError {
     /// The tokenizers crate refused the vocabulary or input.
     #[error("tokenizer error: {0}")]
     Tokenizers(String),
-    /// The chat template failed to compile or render.
+    /// The chat template failed to compile or render (feature `tokenizer`).
+    #[cfg(feature = "tokenizer")]
     #[error("chat template error")]
     Template(#[source] minijinja::Error),
+    /// A [`TokenCounter`] of the application's own could not count the prompt.
+    #[error("token counter error")]
+    Counter(#[source] spine_core::BoxError),
     /// The request body has neither `messages` (array) nor `prompt` (string).
     #[error("request body has neither a messages array nor a prompt string")]
     NoPrompt,
 }
 
-/// One model's tokenizer and chat template.
-#[derive(Debug)]
-pub struct ModelTokenizer {
-    tokenizer: Tokenizer,
-    env: minijinja::Environment<'static>,
-    bos_token: String,
-    eos_token: String,
-    context_length_tokens: Option<u64>,
-    /// The longest token of the vocabulary, UTF-8 bytes of its vocabulary string (for a
-    /// byte-level vocabulary an upper bound of the bytes it decodes to), at least 1.
-    max_token_bytes: u64,
-    /// The counting fast path, for tokenizers built from a GGUF (whose pipeline it reproduces).
-    fast: Option<FastCounter>,
+/// Counts tokens the way a model's engine does: all the metering layer asks of a model's
+/// tokenizer (design brief §6). Held as `Arc<dyn TokenCounter>` in each
+/// [`CatalogEntry`](crate::meter::CatalogEntry).
+///
+/// [`ModelTokenizer`](crate::ModelTokenizer) (feature `tokenizer`, on by default) is the one
+/// the gateway uses: the model's own tokenizer and chat template, measured against
+/// llama.cpp. Without the feature the metering layer compiles without the tokenizers crate,
+/// minijinja or onig and meters with any counter an application brings (one that calls its
+/// engine's `/tokenize`, or an estimate); the bill is then only as exact as that counter.
+///
+/// Every call is synchronous and runs on the request's task: a counter must be quick (the
+/// meter counts each streamed chunk's text as it passes) and must not block.
+pub trait TokenCounter: fmt::Debug + Send + Sync {
+    /// Prompt tokens of a request body: for a chat body (`messages`, already checked by
+    /// `spine_core::validate_chat_messages`; `tools` when present) the chat template rendered
+    /// with the generation prompt and tokenized; for a `/v1/completions` body with a `prompt`
+    /// string, that string tokenized. The meter calls it for chat completions only; completions
+    /// and embeddings prompts go through [`count_text`](Self::count_text) segment by segment.
+    ///
+    /// # Errors
+    ///
+    /// [`TokenizerError::NoPrompt`] when the body has neither; a template failure
+    /// (`TokenizerError::Template`) or the counter's own ([`TokenizerError::Counter`]). The
+    /// meter refuses the request with 400 ([`MeterError::Prompt`](crate::meter::MeterError::Prompt)).
+    fn count_prompt(&self, body: &Value) -> Result<u64, TokenizerError>;
+
+    /// Tokens of `text`, special tokens parsed, no BOS or EOS added (0 for `""`). Infallible:
+    /// text a counter cannot encode should count as an upper bound (e.g. its bytes).
+    fn count_text(&self, text: &str) -> u64;
+
+    /// The longest token of the vocabulary, UTF-8 bytes, at least 1: a text of `B` bytes is at
+    /// least `B / max_token_bytes` tokens, however it is tokenized. Bounds what a choice capped
+    /// at `L` tokens may deliver before it is cut off: `L × max_token_bytes` bytes (a larger
+    /// value only loosens that bound).
+    fn max_token_bytes(&self) -> u64;
+
+    /// A byte index `cut` of `text`, at most `text.len() − keep_bytes` and above
+    /// `scanned_through`, such that for ANY text `rest` appended later
+    /// `count_text(text[..cut]) + count_text(text[cut..] + rest) == count_text(text + rest)`;
+    /// `None` when there is none. Lets [`IncrementalText`] count a streamed text and drop the
+    /// counted part. Positions up to `scanned_through` were already looked at with no cut found
+    /// (a counter may skip them); `keep_bytes` stay uncounted, more than any special token.
+    ///
+    /// The default names no cut: the whole text is kept and counted at the end (exact, with
+    /// memory bounded by the meter's per-choice delivery limit).
+    fn stable_cut(&self, text: &str, keep_bytes: usize, scanned_through: usize) -> Option<usize> {
+        let _ = (text, keep_bytes, scanned_through);
+        None
+    }
 }
 
-const TEMPLATE_NAME: &str = "chat";
-
-impl ModelTokenizer {
-    /// Builds the tokenizer and template from a GGUF file's metadata (only the header is read).
-    ///
-    /// Supports BPE vocabularies (`tokenizer.ggml.model == "gpt2"`) with the `smollm`
-    /// pre-tokenizer: `Sequence[Digits(individual_digits), ByteLevel(no prefix space, regex)]`.
-    /// Control and user-defined tokens become special tokens, matched before BPE.
-    ///
-    /// # Errors
-    ///
-    /// [`TokenizerError`] when the header cannot be read, a needed key is missing, or the
-    /// pre-tokenizer is not supported.
-    pub fn from_gguf(path: impl AsRef<Path>) -> Result<Self, TokenizerError> {
-        let meta = GgufMetadata::open(path).map_err(TokenizerError::Gguf)?;
-        Self::from_gguf_metadata(&meta)
+/// A shared counter counts as the counter it shares (so `&Arc<ModelTokenizer>` is a
+/// `&dyn TokenCounter`).
+impl<T: TokenCounter + ?Sized> TokenCounter for std::sync::Arc<T> {
+    fn count_prompt(&self, body: &Value) -> Result<u64, TokenizerError> {
+        (**self).count_prompt(body)
     }
 
-    /// Builds the tokenizer and template from already-read GGUF metadata.
-    ///
-    /// # Errors
-    ///
-    /// As [`ModelTokenizer::from_gguf`].
-    pub fn from_gguf_metadata(meta: &GgufMetadata) -> Result<Self, TokenizerError> {
-        match meta.get_str("tokenizer.ggml.model") {
-            Some("gpt2") | None => {}
-            Some(other) => return Err(TokenizerError::UnsupportedPreTokenizer(other.to_owned())),
+    fn count_text(&self, text: &str) -> u64 {
+        (**self).count_text(text)
+    }
+
+    fn max_token_bytes(&self) -> u64 {
+        (**self).max_token_bytes()
+    }
+
+    fn stable_cut(&self, text: &str, keep_bytes: usize, scanned_through: usize) -> Option<usize> {
+        (**self).stable_cut(text, keep_bytes, scanned_through)
+    }
+}
+
+/// Completion tokens billed for one choice whose delivered text counts `text_tokens` tokens
+/// in `bytes` UTF-8 bytes (the metering rules, `docs/metering.md`). With `T` =
+/// `text_tokens`, `B` = `bytes` and `L` = [`CompletionRule::cap_tokens`]:
+/// - not completed (the caller left, the node failed): `min(T, L)`, no EOS;
+/// - `"stop"` or `"tool_calls"`: `T + 1` (the EOS the engine sampled and counts), unless
+///   `T >= L`; at most `L`;
+/// - `"length"` with an explicit `max_tokens`: `min(L, T + A)` with the allowance
+///   `A = 3 + max(2, L / 50)` ([`length_allowance_tokens`]): the bill follows the DELIVERED
+///   text, never `L` on the node's word (a node that pads a `length` finish with cheap text
+///   is paid for the text's tokens). `A` covers what an honest engine generates but the
+///   text does not show: an incomplete UTF-8 tail llama.cpp holds back and never sends (at
+///   most 3 bytes, each at least one token) and a generation a little longer than the
+///   text's canonical tokenization (measured: 61–63 text tokens for 64 generated,
+///   `fixtures/llama.cpp/tokcheck_sampled.txt`). The finish is flagged
+///   [`CompletionCount::length_unsupported`] when the text cannot be `L` tokens at all:
+///   fewer bytes than `L − 3`, or more than `L + max(2, L / 50)` tokens;
+/// - anything else (`"length"` without `max_tokens`, where the engine's own context may
+///   have stopped it, or an unknown reason): `min(T, L)`.
+///
+/// The rules need no tokenizer: `T` comes from whichever [`TokenCounter`] metered the text.
+pub fn bill_counted(
+    text_tokens: u64,
+    bytes: u64,
+    finish_reason: Option<&str>,
+    rule: CompletionRule,
+) -> CompletionCount {
+    let cap = rule.cap_tokens;
+    let plain = text_tokens.min(cap);
+    let mut count = CompletionCount {
+        tokens: plain,
+        text_tokens,
+        length_unsupported: false,
+    };
+    if !rule.completed {
+        return count;
+    }
+    match finish_reason {
+        Some("stop" | "tool_calls") if text_tokens < cap => count.tokens = text_tokens + 1,
+        Some("length") if rule.max_tokens.is_some() => {
+            let slack = LENGTH_SLACK_TOKENS.max(cap / 50);
+            count.tokens = text_tokens
+                .saturating_add(length_allowance_tokens(cap))
+                .min(cap);
+            count.length_unsupported = text_tokens > cap.saturating_add(slack)
+                || cap > bytes.saturating_add(MAX_HELD_BACK_BYTES);
         }
-        let pre = meta.get_str("tokenizer.ggml.pre").unwrap_or("default");
-        let split_digits = pre == "smollm";
-        let pre_tokenizer: PreTokenizerWrapper = match pre {
-            "smollm" => Sequence::new(vec![
-                Digits::new(true).into(),
-                ByteLevel::new(false, true, true).into(),
-            ])
-            .into(),
-            "gpt-2" | "default" => ByteLevel::new(false, true, true).into(),
-            other => return Err(TokenizerError::UnsupportedPreTokenizer(other.to_owned())),
-        };
-        let tokens = meta
-            .get_strings("tokenizer.ggml.tokens")
-            .ok_or(TokenizerError::MissingKey("tokenizer.ggml.tokens"))?;
-        let merges = meta
-            .get_strings("tokenizer.ggml.merges")
-            .ok_or(TokenizerError::MissingKey("tokenizer.ggml.merges"))?;
-        let types = meta
-            .get_ints("tokenizer.ggml.token_type")
-            .ok_or(TokenizerError::MissingKey("tokenizer.ggml.token_type"))?;
-        let template = meta
-            .get_str("tokenizer.chat_template")
-            .ok_or(TokenizerError::MissingKey("tokenizer.chat_template"))?;
-
-        if u32::try_from(tokens.len()).is_err() {
-            return Err(TokenizerError::MissingKey("tokenizer.ggml.tokens"));
-        }
-        let vocab: Vocab = tokens
-            .iter()
-            .enumerate()
-            .map(|(id, tok)| (tok.clone(), id as u32))
-            .collect();
-        let merges: Vec<(String, String)> = merges
-            .iter()
-            .filter_map(|m| m.split_once(' ').map(|(a, b)| (a.to_owned(), b.to_owned())))
-            .collect();
-        let bpe = BPE::builder()
-            .vocab_and_merges(vocab, merges)
-            .build()
-            .map_err(|e| TokenizerError::Tokenizers(e.to_string()))?;
-        let mut tokenizer = Tokenizer::new(bpe);
-        tokenizer.with_pre_tokenizer(Some(pre_tokenizer));
-        tokenizer.with_decoder(Some(ByteLevelDecoder::default()));
-        let special: Vec<AddedToken> = tokens
-            .iter()
-            .zip(types.iter())
-            .filter(|(_, &t)| t == TOKEN_TYPE_CONTROL || t == TOKEN_TYPE_USER_DEFINED)
-            .map(|(tok, _)| AddedToken::from(tok.clone(), true))
-            .collect();
-        tokenizer.add_special_tokens(&special);
-        let fast = FastCounter::new(
-            special.iter().map(|t| t.content.clone()).collect(),
-            split_digits,
-        );
-
-        let token_text = |key: &'static str| -> String {
-            meta.get_u64(key)
-                .and_then(|id| usize::try_from(id).ok())
-                .and_then(|id| tokens.get(id))
-                .cloned()
-                .unwrap_or_default()
-        };
-        let mut built = Self::assemble(
-            tokenizer,
-            template.to_owned(),
-            token_text("tokenizer.ggml.bos_token_id"),
-            token_text("tokenizer.ggml.eos_token_id"),
-            meta.get_str("general.architecture")
-                .and_then(|arch| meta.get_u64(&format!("{arch}.context_length"))),
-        )?;
-        built.fast = fast;
-        Ok(built)
+        _ => {}
     }
-
-    /// Builds from a Hugging Face `tokenizer.json` and a chat template string.
-    ///
-    /// # Errors
-    ///
-    /// [`TokenizerError`] when the JSON is not a tokenizer or the template does not compile.
-    pub fn from_tokenizer_json(
-        tokenizer_json: &[u8],
-        chat_template: &str,
-        bos_token: &str,
-        eos_token: &str,
-    ) -> Result<Self, TokenizerError> {
-        let tokenizer = Tokenizer::from_bytes(tokenizer_json)
-            .map_err(|e| TokenizerError::Tokenizers(e.to_string()))?;
-        Self::assemble(
-            tokenizer,
-            chat_template.to_owned(),
-            bos_token.to_owned(),
-            eos_token.to_owned(),
-            None,
-        )
-    }
-
-    fn assemble(
-        tokenizer: Tokenizer,
-        template: String,
-        bos_token: String,
-        eos_token: String,
-        context_length_tokens: Option<u64>,
-    ) -> Result<Self, TokenizerError> {
-        let mut env = minijinja::Environment::new();
-        // HF's apply_chat_template and llama.cpp's renderer both trim and lstrip blocks
-        env.set_trim_blocks(true);
-        env.set_lstrip_blocks(true);
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function(
-            "raise_exception",
-            |msg: String| -> Result<String, minijinja::Error> {
-                Err(minijinja::Error::new(
-                    minijinja::ErrorKind::InvalidOperation,
-                    msg,
-                ))
-            },
-        );
-        env.add_template_owned(TEMPLATE_NAME, template)
-            .map_err(TokenizerError::Template)?;
-        let max_token_bytes = tokenizer
-            .get_vocab(true)
-            .keys()
-            .map(|t| t.len() as u64)
-            .max()
-            .unwrap_or(1)
-            .max(1);
-        Ok(Self {
-            tokenizer,
-            env,
-            bos_token,
-            eos_token,
-            context_length_tokens,
-            max_token_bytes,
-            fast: None,
-        })
-    }
-
-    /// Replaces the chat template (as llama.cpp's `--chat-template` does), keeping the tokenizer.
-    ///
-    /// # Errors
-    ///
-    /// [`TokenizerError::Template`] when the template does not compile.
-    pub fn with_chat_template(mut self, template: &str) -> Result<Self, TokenizerError> {
-        self.env
-            .add_template_owned(TEMPLATE_NAME, template.to_owned())
-            .map_err(TokenizerError::Template)?;
-        Ok(self)
-    }
-
-    /// The longest vocabulary token, bytes (at least 1): a text of `B` bytes is at least
-    /// `B / max_token_bytes` tokens, however it is tokenized. Bounds what a choice capped at `L`
-    /// tokens may deliver without counting it: `L × max_token_bytes` bytes.
-    pub fn max_token_bytes(&self) -> u64 {
-        self.max_token_bytes
-    }
-
-    /// The model's context window from the GGUF (`<arch>.context_length`), tokens.
-    pub fn context_length_tokens(&self) -> Option<u64> {
-        self.context_length_tokens
-    }
-
-    /// The EOS token's text.
-    pub fn eos_token(&self) -> &str {
-        &self.eos_token
-    }
-
-    /// The BOS token's text.
-    pub fn bos_token(&self) -> &str {
-        &self.bos_token
-    }
-
-    /// Renders the chat template for a request body's `messages` with the generation prompt, as
-    /// llama.cpp's `/apply-template` does.
-    ///
-    /// # Errors
-    ///
-    /// [`TokenizerError::NoPrompt`] when `messages` is not an array; [`TokenizerError::Template`]
-    /// when rendering fails.
-    pub fn render_chat(&self, body: &Value) -> Result<String, TokenizerError> {
-        let Some(messages) = body.get("messages").and_then(Value::as_array) else {
-            return Err(TokenizerError::NoPrompt);
-        };
-        let messages: Vec<Value> = messages.iter().map(normalize_message).collect();
-        let tmpl = self
-            .env
-            .get_template(TEMPLATE_NAME)
-            .map_err(TokenizerError::Template)?;
-        let mut ctx = serde_json::Map::new();
-        ctx.insert("messages".into(), Value::Array(messages));
-        ctx.insert("add_generation_prompt".into(), Value::Bool(true));
-        ctx.insert("bos_token".into(), Value::String(self.bos_token.clone()));
-        ctx.insert("eos_token".into(), Value::String(self.eos_token.clone()));
-        if let Some(tools) = body.get("tools").filter(|t| t.is_array()) {
-            ctx.insert("tools".into(), tools.clone());
-        }
-        tmpl.render(minijinja::Value::from_serialize(&ctx))
-            .map_err(TokenizerError::Template)
-    }
-
-    /// Prompt tokens of a request body: the rendered chat template for `messages`, or the
-    /// `prompt` string of a `/v1/completions` body, tokenized with special tokens parsed and no
-    /// BOS added.
-    ///
-    /// # Errors
-    ///
-    /// [`TokenizerError::NoPrompt`] when the body has neither; [`TokenizerError::Template`] when
-    /// the template fails to render.
-    pub fn count_prompt(&self, body: &Value) -> Result<u64, TokenizerError> {
-        if body.get("messages").is_some() {
-            let text = self.render_chat(body)?;
-            return Ok(self.count_text(&text));
-        }
-        match body.get("prompt") {
-            Some(Value::String(p)) => Ok(self.count_text(p)),
-            _ => Err(TokenizerError::NoPrompt),
-        }
-    }
-
-    /// Tokens of `text`, special tokens parsed, no BOS/EOS added. Input the tokenizer cannot
-    /// encode (none is known for byte-level BPE) counts as its byte length, an upper bound.
-    ///
-    /// For a tokenizer built from a GGUF this is the counting fast path ([`FastCounter`]): the
-    /// same splits as the full pipeline, each counted once through a bounded word cache,
-    /// without building an `Encoding`. It returns exactly what
-    /// [`count_text_full`](Self::count_text_full) returns (property-tested and fuzzed against
-    /// it); anything it cannot decide falls back to the full pipeline.
-    pub fn count_text(&self, text: &str) -> u64 {
-        if text.is_empty() {
-            return 0;
-        }
-        if let Some(fast) = &self.fast {
-            if let Some(n) = fast.count(self.tokenizer.get_model(), text) {
-                return n;
-            }
-        }
-        self.count_text_full(text)
-    }
-
-    /// Tokens of `text` through the tokenizers crate's full pipeline (`encode`, building the
-    /// `Encoding`): the reference [`count_text`](Self::count_text) must equal, kept for tests,
-    /// fuzzing and benchmarks.
-    pub fn count_text_full(&self, text: &str) -> u64 {
-        if text.is_empty() {
-            return 0;
-        }
-        match self.tokenizer.encode_fast(text, false) {
-            Ok(enc) => enc.len() as u64,
-            Err(_) => text.len() as u64,
-        }
-    }
-
-    /// Completion tokens of one choice: tokens of the delivered `text`, plus one for the EOS the
-    /// engine sampled when `finish_reason` is `"stop"` (llama.cpp's convention).
-    pub fn completion_tokens(&self, text: &str, finish_reason: Option<&str>) -> u64 {
-        self.count_text(text) + u64::from(finish_reason == Some("stop"))
-    }
-
-    /// Tokens of everything a choice generated: `content`, `reasoning_content`, and each tool
-    /// call's `name` and `arguments`, each piece tokenized on its own (see [`GeneratedText`] for
-    /// what this leaves out).
-    pub fn count_generated(&self, generated: &GeneratedText) -> u64 {
-        let calls = generated
-            .tool_calls
-            .values()
-            .map(|c| self.count_text(&c.name) + self.count_text(&c.arguments))
-            .fold(0u64, u64::saturating_add);
-        self.count_text(&generated.content)
-            .saturating_add(self.count_text(&generated.reasoning))
-            .saturating_add(calls)
-    }
-
-    /// Completion tokens billed for one choice (the metering rules, `docs/metering.md`).
-    ///
-    /// [`bill_counted`](Self::bill_counted) with `T` = [`count_generated`](Self::count_generated)
-    /// and `B` = the generated text's UTF-8 bytes.
-    pub fn bill_completion(
-        &self,
-        generated: &GeneratedText,
-        finish_reason: Option<&str>,
-        rule: CompletionRule,
-    ) -> CompletionCount {
-        self.bill_counted(
-            self.count_generated(generated),
-            generated.len_bytes(),
-            finish_reason,
-            rule,
-        )
-    }
-
-    /// Completion tokens billed for one choice whose delivered text counts `text_tokens` tokens
-    /// in `bytes` UTF-8 bytes (the metering rules, `docs/metering.md`). With `T` =
-    /// `text_tokens`, `B` = `bytes` and `L` = [`CompletionRule::cap_tokens`]:
-    /// - not completed (the caller left, the node failed): `min(T, L)`, no EOS;
-    /// - `"stop"` or `"tool_calls"`: `T + 1` (the EOS the engine sampled and counts), unless
-    ///   `T >= L`; at most `L`;
-    /// - `"length"` with an explicit `max_tokens`: `min(L, T + A)` with the allowance
-    ///   `A = 3 + max(2, L / 50)` ([`length_allowance_tokens`]): the bill follows the DELIVERED
-    ///   text, never `L` on the node's word (a node that pads a `length` finish with cheap text
-    ///   is paid for the text's tokens). `A` covers what an honest engine generates but the
-    ///   text does not show: an incomplete UTF-8 tail llama.cpp holds back and never sends (at
-    ///   most 3 bytes, each at least one token) and a generation a little longer than the
-    ///   text's canonical tokenization (measured: 61–63 text tokens for 64 generated,
-    ///   `fixtures/llama.cpp/tokcheck_sampled.txt`). The finish is flagged
-    ///   [`CompletionCount::length_unsupported`] when the text cannot be `L` tokens at all:
-    ///   fewer bytes than `L − 3`, or more than `L + max(2, L / 50)` tokens;
-    /// - anything else (`"length"` without `max_tokens`, where the engine's own context may
-    ///   have stopped it, or an unknown reason): `min(T, L)`.
-    pub fn bill_counted(
-        &self,
-        text_tokens: u64,
-        bytes: u64,
-        finish_reason: Option<&str>,
-        rule: CompletionRule,
-    ) -> CompletionCount {
-        let cap = rule.cap_tokens;
-        let plain = text_tokens.min(cap);
-        let mut count = CompletionCount {
-            tokens: plain,
-            text_tokens,
-            length_unsupported: false,
-        };
-        if !rule.completed {
-            return count;
-        }
-        match finish_reason {
-            Some("stop" | "tool_calls") if text_tokens < cap => count.tokens = text_tokens + 1,
-            Some("length") if rule.max_tokens.is_some() => {
-                let slack = LENGTH_SLACK_TOKENS.max(cap / 50);
-                count.tokens = text_tokens
-                    .saturating_add(length_allowance_tokens(cap))
-                    .min(cap);
-                count.length_unsupported = text_tokens > cap.saturating_add(slack)
-                    || cap > bytes.saturating_add(MAX_HELD_BACK_BYTES);
-            }
-            _ => {}
-        }
-        count
-    }
+    count
 }
 
 /// The tokens a `length` finish capped at `cap_tokens` may bill above its delivered text's count:
-/// `3 + max(2, cap / 50)` ([`ModelTokenizer::bill_counted`]).
+/// `3 + max(2, cap / 50)` ([`bill_counted`]).
 pub fn length_allowance_tokens(cap_tokens: u64) -> u64 {
     MAX_HELD_BACK_BYTES + LENGTH_SLACK_TOKENS.max(cap_tokens / 50)
 }
@@ -471,7 +208,7 @@ pub const MAX_HELD_BACK_BYTES: u64 = 3;
 /// generate a text as fewer tokens than its canonical tokenization.
 pub const LENGTH_SLACK_TOKENS: u64 = 2;
 
-/// The request's limits, for [`ModelTokenizer::bill_completion`].
+/// The request's limits, for [`bill_counted`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CompletionRule {
     /// The request's `max_tokens` / `max_completion_tokens`, when it set one.
@@ -484,12 +221,13 @@ pub struct CompletionRule {
     pub completed: bool,
 }
 
-/// What [`ModelTokenizer::bill_completion`] decided for one choice.
+/// What [`bill_counted`] decided for one choice.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CompletionCount {
     /// Completion tokens billed.
     pub tokens: u64,
-    /// Tokens of the generated text alone ([`ModelTokenizer::count_generated`]).
+    /// Tokens of the generated text alone (the counter's [`TokenCounter::count_text`] of each
+    /// piece).
     pub text_tokens: u64,
     /// The choice finished with `"length"` but its text cannot be `max_tokens` tokens (fewer
     /// bytes than that, or more tokens): billed by its text and flagged as a discrepancy.
@@ -504,18 +242,19 @@ const INCREMENTAL_STEP_BYTES: usize = 2048;
 
 /// A text that arrives in pieces (one choice's `content` in a stream), counted as it flows
 /// without keeping all of it: its total is always exactly
-/// [`ModelTokenizer::count_text`] of the whole text.
+/// [`TokenCounter::count_text`] of the whole text.
 ///
-/// How: the text is cut where the tokenizer's own pre-tokenization is sure to split whatever
+/// How: the text is cut where the counter says the count of the whole is the sum of the counts
+/// of the parts ([`TokenCounter::stable_cut`]). For [`ModelTokenizer`](crate::ModelTokenizer)'s
+/// GGUF fast path that is where the tokenizer's own pre-tokenization is sure to split whatever
 /// follows — between two ASCII characters where a non-space is followed by a space, or the
 /// character class (letter, digit, other) changes and the first is not an apostrophe (which
 /// may start a contraction such as `'s`), with no special token spanning the cut — so the
 /// count of the whole is the sum of the counts of the parts (BPE runs on each split alone).
 /// The part before the cut is counted and dropped; at most [`INCREMENTAL_STEP_BYTES`] plus
 /// [`INCREMENTAL_KEEP_BYTES`] stay uncounted, unless the text has no such place (a long run
-/// of CJK letters, one very long word): then the tail grows until it has one. Cuts are made
-/// only for tokenizers with the GGUF fast path (whose pipeline this reasoning is about);
-/// otherwise the whole text is kept and counted at the end.
+/// of CJK letters, one very long word): then the tail grows until it has one. A counter that
+/// names no cut (the trait's default) keeps the whole text and counts it at the end.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct IncrementalText {
     committed_tokens: u64,
@@ -526,14 +265,14 @@ pub struct IncrementalText {
     counted_tail: Option<(usize, u64)>,
     total_bytes: u64,
     /// Tail positions up to this one were looked at and are no cut, whatever follows (see
-    /// `FastCounter::stable_cut`): each byte is looked at once, however long a text without a
+    /// [`TokenCounter::stable_cut`]): each byte is looked at once, however long a text without a
     /// cut (a run of spaces, of CJK letters) grows.
     no_cut_through: usize,
 }
 
 impl IncrementalText {
     /// Appends `text`, counting what can be counted for good.
-    pub fn push(&mut self, tokenizer: &ModelTokenizer, text: &str) {
+    pub fn push(&mut self, tokenizer: &dyn TokenCounter, text: &str) {
         if text.is_empty() {
             return;
         }
@@ -543,10 +282,7 @@ impl IncrementalText {
             return;
         }
         self.next_try_bytes = self.tail.len() + INCREMENTAL_STEP_BYTES;
-        let Some(fast) = &tokenizer.fast else {
-            return;
-        };
-        let found = fast.stable_cut(&self.tail, INCREMENTAL_KEEP_BYTES, self.no_cut_through);
+        let found = tokenizer.stable_cut(&self.tail, INCREMENTAL_KEEP_BYTES, self.no_cut_through);
         if found.is_none() {
             self.no_cut_through = self.tail.len().saturating_sub(INCREMENTAL_KEEP_BYTES);
         }
@@ -567,8 +303,8 @@ impl IncrementalText {
         self.total_bytes
     }
 
-    /// Exact tokens of everything pushed ([`ModelTokenizer::count_text`] of the whole text).
-    pub fn tokens(&self, tokenizer: &ModelTokenizer) -> u64 {
+    /// Exact tokens of everything pushed ([`TokenCounter::count_text`] of the whole text).
+    pub fn tokens(&self, tokenizer: &dyn TokenCounter) -> u64 {
         let tail = match self.counted_tail {
             Some((len, n)) if len == self.tail.len() => n,
             _ => tokenizer.count_text(&self.tail),
@@ -596,7 +332,7 @@ impl IncrementalText {
     /// Counts the tail now when it grew by an eighth (at least 256 bytes) since its last count,
     /// so that [`tokens_upper_bound`](Self::tokens_upper_bound) is close again; amortized, the
     /// tail is counted O(1) times per byte.
-    pub fn refresh(&mut self, tokenizer: &ModelTokenizer) {
+    pub fn refresh(&mut self, tokenizer: &dyn TokenCounter) {
         let due = match self.counted_tail {
             Some((len, _)) => self.tail.len() >= len + (self.tail.len() / 8).max(256),
             None => true,
@@ -623,7 +359,7 @@ impl GeneratedCount {
     }
 
     /// Appends what `generated` holds (one chunk's delta of this choice).
-    pub fn push(&mut self, tokenizer: &ModelTokenizer, generated: &GeneratedText) {
+    pub fn push(&mut self, tokenizer: &dyn TokenCounter, generated: &GeneratedText) {
         self.content.push(tokenizer, &generated.content);
         self.reasoning.push(tokenizer, &generated.reasoning);
         for (index, call) in &generated.tool_calls {
@@ -639,8 +375,9 @@ impl GeneratedCount {
             .chain(self.tool_calls.values().flat_map(|(n, a)| [n, a]))
     }
 
-    /// Exact tokens, as [`ModelTokenizer::count_generated`] of everything pushed.
-    pub fn tokens(&self, tokenizer: &ModelTokenizer) -> u64 {
+    /// Exact tokens of everything pushed: the counter's [`TokenCounter::count_text`] of each
+    /// piece, summed.
+    pub fn tokens(&self, tokenizer: &dyn TokenCounter) -> u64 {
         self.pieces()
             .map(|p| p.tokens(tokenizer))
             .fold(0u64, u64::saturating_add)
@@ -659,7 +396,7 @@ impl GeneratedCount {
     }
 
     /// Counts the pieces' tails when due ([`IncrementalText::refresh`]).
-    pub fn refresh(&mut self, tokenizer: &ModelTokenizer) {
+    pub fn refresh(&mut self, tokenizer: &dyn TokenCounter) {
         self.content.refresh(tokenizer);
         self.reasoning.refresh(tokenizer);
         for (name, arguments) in self.tool_calls.values_mut() {
@@ -697,31 +434,5 @@ impl GeneratedCount {
     }
 }
 
-/// A message as llama.cpp hands it to a string-content template.
-fn normalize_message(msg: &Value) -> Value {
-    let Some(obj) = msg.as_object() else {
-        return msg.clone();
-    };
-    let mut out = obj.clone();
-    let content = match obj.get("content") {
-        Some(Value::String(s)) => s.clone(),
-        Some(Value::Array(parts)) => {
-            let mut text = String::new();
-            for part in parts {
-                if part.get("type").and_then(Value::as_str) == Some("text") {
-                    if !text.is_empty() {
-                        text.push('\n');
-                    }
-                    text.push_str(part.get("text").and_then(Value::as_str).unwrap_or(""));
-                }
-            }
-            text
-        }
-        _ => String::new(),
-    };
-    out.insert("content".into(), Value::String(content));
-    Value::Object(out)
-}
-
-#[cfg(test)]
+#[cfg(all(test, feature = "tokenizer"))]
 mod tests;

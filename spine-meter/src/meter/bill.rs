@@ -13,7 +13,7 @@ use super::node_json::{
 use super::settle::{BillNotes, SettleCtx};
 use super::MeterError;
 use crate::tokenizer::GeneratedCount;
-use crate::ModelTokenizer;
+use crate::TokenCounter;
 
 #[derive(Debug, Default)]
 pub(super) struct Choice {
@@ -130,7 +130,7 @@ pub(super) fn billed_usage(
 /// Why a streamed choice that delivered `delivered` is past what it may deliver, if it is.
 pub(super) fn over_limit_streamed(
     ctx: &SettleCtx,
-    tokenizer: &ModelTokenizer,
+    tokenizer: &dyn TokenCounter,
     delivered: &mut GeneratedCount,
     exact: bool,
 ) -> Option<Cut> {
@@ -151,7 +151,7 @@ pub(super) fn over_limit_streamed(
 /// node's fault (the engine was told the cap).
 pub(super) fn over_limit(
     ctx: &SettleCtx,
-    tokenizer: &ModelTokenizer,
+    tokenizer: &dyn TokenCounter,
     delivered: &mut GeneratedCount,
     exact: bool,
 ) -> Option<String> {
@@ -239,7 +239,7 @@ pub(crate) fn meter_json(
         }
         let choice = choices.entry(c.index).or_default();
         choice.finish_reason = c.finish_reason;
-        choice.delivered.push(&tokenizer, &c.generated);
+        choice.delivered.push(&*tokenizer, &c.generated);
         if let Some(capture) = ctx.audit.as_mut() {
             capture.push(c.index, &c.generated);
         }
@@ -249,7 +249,7 @@ pub(crate) fn meter_json(
         return fail(ctx, nothing, claimed, "the body has no choices".to_owned());
     }
     for choice in choices.values_mut() {
-        if let Some(why) = over_limit(&ctx, &tokenizer, &mut choice.delivered, true) {
+        if let Some(why) = over_limit(&ctx, &*tokenizer, &mut choice.delivered, true) {
             return fail(ctx, nothing, claimed, why);
         }
     }

@@ -21,7 +21,7 @@ use super::node_json::{
 use super::settle::SettleCtx;
 use crate::sse::{SseEvent, SseParser};
 use crate::tokenizer::GeneratedText;
-use crate::ModelTokenizer;
+use crate::TokenCounter;
 
 /// The error event sent when the node's stream ends before every choice finished.
 const TRUNCATED_EVENT: &[u8] = b"data: {\"error\":{\"message\":\"the node's stream ended before the response was complete\",\"type\":\"upstream_error\",\"param\":null,\"code\":\"upstream_failed\"}}\n\n";
@@ -123,7 +123,7 @@ pin_project_lite::pin_project! {
     /// `finish_reason`, settles `upstream_failed`. A completed stream bills the independent
     /// prompt count plus, per requested choice, the delivered text's tokens (content,
     /// reasoning, tool calls) with the EOS and `length` rules of
-    /// [`ModelTokenizer::bill_counted`](crate::ModelTokenizer::bill_counted), capped as the
+    /// [`bill_counted`](crate::tokenizer::bill_counted), capped as the
     /// [module docs](super) state.
     pub struct MeterBody<B> {
         #[pin]
@@ -140,7 +140,7 @@ struct Out {
 struct State {
     parser: Box<SseParser>,
     settings: StreamSettings,
-    tokenizer: Arc<ModelTokenizer>,
+    tokenizer: Arc<dyn TokenCounter>,
     /// The latest `id`, `object`, `created`, `model`, `system_fingerprint` the node sent (raw
     /// JSON), for the usage chunk.
     meta: Vec<(&'static str, Box<RawValue>)>,
@@ -398,7 +398,7 @@ impl State {
         let tokenizer = self.tokenizer.clone();
         let mut over = None;
         for choice in self.choices.values_mut() {
-            if let Some(cut) = over_limit_streamed(ctx, &tokenizer, &mut choice.delivered, true) {
+            if let Some(cut) = over_limit_streamed(ctx, &*tokenizer, &mut choice.delivered, true) {
                 over = Some(cut);
                 break;
             }
@@ -510,7 +510,7 @@ impl State {
                     .entry(index)
                     .or_default()
                     .delivered
-                    .push(&self.tokenizer, &text);
+                    .push(&*self.tokenizer, &text);
             }
         }
         if let Some(billed) = self.ctx.as_ref().map(|ctx| self.billed(ctx, false)) {
@@ -569,12 +569,12 @@ impl State {
         if let Some(ctx) = self.ctx.as_mut() {
             for (index, text) in &out.text {
                 let choice = self.choices.entry(*index).or_default();
-                choice.delivered.push(&self.tokenizer, text);
+                choice.delivered.push(&*self.tokenizer, text);
                 if let Some(capture) = ctx.audit.as_mut() {
                     capture.push(*index, text);
                 }
                 if over.is_none() {
-                    over = over_limit_streamed(ctx, &self.tokenizer, &mut choice.delivered, false);
+                    over = over_limit_streamed(ctx, &*self.tokenizer, &mut choice.delivered, false);
                 }
             }
         }

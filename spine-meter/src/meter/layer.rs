@@ -6,13 +6,16 @@ use spine_core::ModelId;
 use tower::Layer;
 
 use super::{Admission, Meter, MeterEvents};
-use crate::{Ledger, ModelTokenizer, Price};
+use crate::{Ledger, Price, TokenCounter};
 
 /// One model the gateway meters.
 #[derive(Clone, Debug)]
 pub struct CatalogEntry {
-    /// The model's tokenizer and chat template.
-    pub tokenizer: Arc<ModelTokenizer>,
+    /// The model's token counter: its tokenizer and chat template
+    /// ([`ModelTokenizer`](crate::ModelTokenizer), feature `tokenizer`), or any
+    /// [`TokenCounter`] of the application's. An `Arc<ModelTokenizer>` coerces:
+    /// `tokenizer: Arc::new(ModelTokenizer::from_gguf(path)?)`.
+    pub tokenizer: Arc<dyn TokenCounter>,
     /// Its price.
     pub price: Price,
     /// The model's context window, tokens: a prompt of this many tokens or more is refused

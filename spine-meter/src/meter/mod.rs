@@ -1,20 +1,25 @@
 //! The metering tower middleware (design brief §2, §6).
 //!
 //! [`MeterLayer`] wraps the routing service. For each request it:
-//! 1. reads the caller's [`RequestId`](spine_core::RequestId) and
-//!    [`AccountId`](spine_core::AccountId) from the request extensions (put there by auth);
+//! 1. reads the caller's [`RequestId`](spine_core::RequestId),
+//!    [`AccountId`](spine_core::AccountId) and [`RequestKind`](spine_core::RequestKind) from the
+//!    edge's [`RequestContext`](spine_core::RequestContext) in the request extensions (without
+//!    one: the separate `RequestId` and `AccountId` extensions and the URI path);
 //! 2. buffers the body (up to `max_request_body_bytes`), peeks it ([`RequestPeek`]), refuses an
 //!    unknown model, checks chat `messages` ([`validate_chat_messages`]: a malformed or
 //!    unsupported message is [`MeterError::BadRequest`], never forwarded), counts the prompt with
-//!    the model's [`ModelTokenizer`] and refuses a prompt that leaves no room for a completion
+//!    the model's [`TokenCounter`] ([`CatalogEntry::tokenizer`]) and refuses a prompt that leaves no room for a completion
 //!    token (`prompt >= max_context_tokens`: [`MeterError::ContextLengthExceeded`]);
 //! 3. places a hold for the worst case: `cost(prompt + n × per_choice)` where
 //!    `per_choice = max(1, min(max_tokens, context − prompt))` (no `max_tokens`:
 //!    `context − prompt`; `max_tokens: 0` still holds one token, llama.cpp generates at least
 //!    one), refusing with [`MeterError::InsufficientCredit`] when the available balance cannot
 //!    cover it;
-//! 4. for `stream: true` sets `stream_options.include_usage = true` upstream, inserts the
-//!    [`RequestPeek`] and a [`NodeSlot`] into the request extensions and calls the inner service;
+//! 4. for `stream: true` sets `stream_options.include_usage = true` upstream, inserts a
+//!    [`BufferedRequest`](spine_core::BufferedRequest) (the body as it goes on, its peek and the
+//!    longest prompt's tokens: the router reads these instead of collecting and parsing the body
+//!    again), the [`RequestPeek`] and [`PromptTokens`](spine_core::PromptTokens) on their own
+//!    and a [`NodeSlot`] into the request extensions and calls the inner service;
 //! 5. wraps a streamed (`text/event-stream`) 2xx response body in [`MeterBody`], which forwards
 //!    each SSE event as soon as it is complete, captures the node's usage claim, shapes the
 //!    egress (see [`MeterBody`]) and settles the ledger once, on a spawned task, at whatever
@@ -26,14 +31,22 @@
 //!    `finish_reason` settles `upstream_failed` and is returned as
 //!    [`MeterError::UpstreamInvalid`] ([`MeterError::UpstreamBody`] when reading it failed).
 //!
-//! **Endpoints.** The request path picks the [`RequestKind`](spine_core::RequestKind):
-//! `/v1/completions` and `/v1/embeddings` count their `prompt` / `input`
+//! **Endpoints.** The context's (else the request path's)
+//! [`RequestKind`](spine_core::RequestKind) decides: `/v1/completions` and `/v1/embeddings` count their `prompt` / `input`
 //! ([`prompt_inputs`](spine_core::prompt_inputs): a string, strings, token ids or token-id
 //! arrays) without a chat template, each text segment with
-//! [`ModelTokenizer::count_text`](crate::ModelTokenizer::count_text) and each
+//! [`TokenCounter::count_text`] and each
 //! token id as one token; completions hold and bill `n` choices per prompt; embeddings hold and
 //! bill the input tokens only and their non-streamed answer must carry one vector per input
 //! (its `usage` becomes `{prompt_tokens, total_tokens}` = the billed count).
+//!
+//! **Counting.** Every count goes through the catalog entry's `Arc<dyn TokenCounter>`: the
+//! prompt ([`TokenCounter::count_prompt`], [`TokenCounter::count_text`]) and each streamed
+//! choice's delivered text as it passes ([`GeneratedCount`](crate::tokenizer::GeneratedCount)).
+//! The gateway's counter is [`ModelTokenizer`] (feature `tokenizer`, on by default: the model's
+//! own tokenizer and chat template from its GGUF). Without that feature this layer compiles
+//! without the tokenizers crate, minijinja or onig, and meters with whatever counter the
+//! application puts in its [`Catalog`]; the bill is as exact as that counter.
 //!
 //! **Admission.** With [`MeterLayer::admission`], an [`Admission`] hook sees the worst case the
 //! hold covers after counting and may refuse ([`MeterError::AdmissionRefused`], nothing held or
@@ -85,6 +98,9 @@
 //! [`NodeSlot`]: spine_core::NodeSlot
 //! [`validate_chat_messages`]: spine_core::validate_chat_messages
 //! [`ModelTokenizer`]: crate::ModelTokenizer
+//! [`TokenCounter`]: crate::TokenCounter
+//! [`TokenCounter::count_text`]: crate::TokenCounter::count_text
+//! [`TokenCounter::count_prompt`]: crate::TokenCounter::count_prompt
 
 mod admission;
 mod bill;
@@ -114,7 +130,11 @@ pub use service::Meter;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CountedUsage(pub spine_core::Usage);
 
-#[cfg(test)]
+// the stack's suites meter with the real model tokenizer on a SQLite ledger; `tests_counter`
+// runs without any optional feature
+#[cfg(all(test, feature = "tokenizer", feature = "sqlite"))]
 mod tests;
-#[cfg(test)]
+#[cfg(all(test, feature = "tokenizer", feature = "sqlite"))]
 mod tests_billing;
+#[cfg(test)]
+mod tests_counter;

@@ -5,8 +5,9 @@ use std::task::{Context, Poll};
 
 use http_body_util::{BodyExt, Full, Limited};
 use spine_core::{
-    prompt_inputs, validate_chat_messages, AccountId, BoxBody, BoxError, NodeId, NodeSlot,
-    PeekError, PromptSegment, RequestId, RequestKind, RequestPeek, StreamOutcome, Usage,
+    prompt_inputs, validate_chat_messages, AccountId, BoxBody, BoxError, BufferedRequest, NodeId,
+    NodeSlot, PeekError, PromptSegment, RequestContext, RequestId, RequestKind, RequestPeek,
+    StreamOutcome, Usage,
 };
 use tower::Service;
 
@@ -16,7 +17,7 @@ use super::body::{MeterBody, StreamSettings};
 use super::embeddings::meter_embeddings;
 use super::settle::{AuditCapture, SettleCtx};
 use super::{AdmissionRequest, CountedUsage, MeterConfig, MeterError, ResponseFuture};
-use crate::{inject_include_usage, LedgerError, ModelTokenizer};
+use crate::{inject_include_usage, LedgerError, TokenCounter};
 
 /// The metering middleware. See the [module docs](super).
 #[derive(Clone, Debug)]
@@ -119,16 +120,25 @@ where
     S: Service<http::Request<BoxBody>, Response = http::Response<BoxBody>, Error = BoxError>,
     S::Future: Send + 'static,
 {
-    let request_id = req
-        .extensions()
-        .get::<RequestId>()
-        .cloned()
-        .ok_or(MeterError::MissingExtension("RequestId"))?;
-    let account = req
-        .extensions()
-        .get::<AccountId>()
-        .cloned()
-        .ok_or(MeterError::MissingExtension("AccountId"))?;
+    // the edge's typed context when it set one; else the separate extensions and the path
+    let context = req.extensions().get::<RequestContext>();
+    let context_kind = context.map(|c| c.kind);
+    let request_id = match context {
+        Some(c) => c.request_id.clone(),
+        None => req
+            .extensions()
+            .get::<RequestId>()
+            .cloned()
+            .ok_or(MeterError::MissingExtension("RequestId"))?,
+    };
+    let account = match context {
+        Some(c) => c.account.clone(),
+        None => req
+            .extensions()
+            .get::<AccountId>()
+            .cloned()
+            .ok_or(MeterError::MissingExtension("AccountId"))?,
+    };
     // an account that could not pay a moment ago is refused before its body is read,
     // templated or tokenized (the cheapest request any model could be: 1 + 1 tokens)
     if let Some(available_micros) = config
@@ -170,14 +180,16 @@ where
         .clone();
     let json: serde_json::Value = serde_json::from_slice(&bytes)
         .map_err(|e| MeterError::BadRequest(spine_core::PeekError::NotJson(e.to_string())))?;
-    let kind = RequestKind::from_path(parts.uri.path()).unwrap_or(
-        if json.get("messages").is_some() || json.get("prompt").is_none() {
-            RequestKind::ChatCompletions
-        } else {
-            RequestKind::Completions
-        },
-    );
-    let prompts = count_prompts(&entry.tokenizer, kind, &json)?;
+    let kind = context_kind
+        .or_else(|| RequestKind::from_path(parts.uri.path()))
+        .unwrap_or(
+            if json.get("messages").is_some() || json.get("prompt").is_none() {
+                RequestKind::ChatCompletions
+            } else {
+                RequestKind::Completions
+            },
+        );
+    let prompts = count_prompts(&*entry.tokenizer, kind, &json)?;
     // every prompt must leave room for a completion token (embeddings: fit the context)
     let longest = prompts.iter().copied().max().unwrap_or(0);
     if longest >= entry.max_context_tokens {
@@ -276,6 +288,11 @@ where
     );
     let include_usage = peek.include_usage;
     let stream_requested = peek.stream;
+    // the body collected and read once: the router takes these bytes and this peek instead of
+    // collecting and reading the request body again (issue 20)
+    parts
+        .extensions
+        .insert(BufferedRequest::new(body.clone(), peek.clone(), longest));
     parts.extensions.insert(peek);
     // issue 15: the router routes only to nodes whose context holds the longest prompt
     parts.extensions.insert(spine_core::PromptTokens(longest));
@@ -512,14 +529,14 @@ fn collect_response(body: BoxBody, limit: usize) -> BytesFuture {
 /// The independent prompt count of each prompt of a request (design brief §6):
 ///
 /// - chat completions: `messages` checked ([`validate_chat_messages`]), rendered with the model's
-///   chat template and counted ([`ModelTokenizer::count_prompt`]); one prompt;
+///   chat template and counted ([`TokenCounter::count_prompt`]); one prompt;
 /// - completions (`prompt`) and embeddings (`input`): each prompt of [`prompt_inputs`] counted
 ///   WITHOUT a chat template, as llama.cpp counts it: each text segment tokenized on its own
 ///   (special tokens parsed, no BOS: measured against `llama-server`, which adds none for this
 ///   kind of model), each token id one token. A prompt of 0 tokens is refused (llama.cpp refuses
 ///   empty embedding inputs, and an empty completion prompt has nothing to condition on).
 fn count_prompts(
-    tokenizer: &ModelTokenizer,
+    tokenizer: &dyn TokenCounter,
     kind: RequestKind,
     json: &serde_json::Value,
 ) -> Result<Vec<u64>, MeterError> {

@@ -10,7 +10,7 @@ use spine_core::{
 use super::{DiscrepancyReport, MeterEvents};
 use crate::audit::{AuditSample, AuditTap};
 use crate::tokenizer::{CompletionCount, CompletionRule, GeneratedCount, GeneratedText};
-use crate::{Ledger, ModelTokenizer, Price, Settlement};
+use crate::{Ledger, Price, Settlement, TokenCounter};
 
 /// What the end hook needs to settle one request.
 #[derive(Clone)]
@@ -23,7 +23,7 @@ pub(crate) struct SettleCtx {
     pub(crate) account: AccountId,
     pub(crate) model: ModelId,
     pub(crate) node: Option<NodeId>,
-    pub(crate) tokenizer: Arc<ModelTokenizer>,
+    pub(crate) tokenizer: Arc<dyn TokenCounter>,
     pub(crate) price: Price,
     pub(crate) share_bps: u16,
     pub(crate) prompt_tokens: u64,
@@ -133,7 +133,7 @@ impl SettleCtx {
     }
 
     /// Completion tokens billed for one choice (module docs, "Billing";
-    /// [`ModelTokenizer::bill_counted`]): EOS and the `length` rule only when `completed`; never
+    /// [`bill_counted`](crate::tokenizer::bill_counted)): EOS and the `length` rule only when `completed`; never
     /// more than the per-choice cap.
     pub(crate) fn choice_completion_counted(
         &self,
@@ -141,8 +141,8 @@ impl SettleCtx {
         finish_reason: Option<&str>,
         completed: bool,
     ) -> CompletionCount {
-        self.tokenizer.bill_counted(
-            generated.tokens(&self.tokenizer),
+        crate::tokenizer::bill_counted(
+            generated.tokens(&*self.tokenizer),
             generated.len_bytes(),
             finish_reason,
             CompletionRule {

@@ -1,7 +1,14 @@
 //! The fast path of token counting for the pipeline a GGUF's tokenizer builds: special tokens,
 //! digits, the byte-level split and BPE per split, with a word cache ([`FastCounter`]).
 
-use super::*;
+use std::collections::HashMap;
+use std::sync::{PoisonError, RwLock, TryLockError};
+
+use tokenizers::utils::SysRegex;
+use tokenizers::{Model, ModelWrapper};
+
+#[cfg(doc)]
+use super::ModelTokenizer;
 
 /// The split pattern of tokenizers' `ByteLevel` pre-tokenizer with `use_regex` (GPT-2's),
 /// compiled with the same engine (`tokenizers::utils::SysRegex`).

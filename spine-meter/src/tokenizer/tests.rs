@@ -1,6 +1,11 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
+use super::fast::*;
 use super::*;
 use serde_json::json;
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::PreTokenizerWrapper;
+use tokenizers::utils::SysRegex;
+use tokenizers::Tokenizer;
 
 fn tok() -> std::sync::Arc<ModelTokenizer> {
     crate::test_support::smollm_tokenizer()

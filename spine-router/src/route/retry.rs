@@ -6,8 +6,8 @@ use std::time::Duration;
 use bytes::BytesMut;
 use http_body_util::{BodyExt, Full};
 use spine_core::{
-    AccountId, BoxBody, BoxError, ClassifyBody, NodeId, NodeSlot, PromptTokens, RequestKind,
-    RequestPeek,
+    AccountId, BoxBody, BoxError, BufferedRequest, ClassifyBody, NodeId, NodeSlot, PromptTokens,
+    RequestContext, RequestKind, RequestPeek,
 };
 use tokio::time::Instant;
 use tower::Service;
@@ -70,15 +70,22 @@ where
         + 'static,
     S::Future: Send + 'static,
 {
-    let peek = req
-        .extensions()
-        .get::<RequestPeek>()
-        .cloned()
-        .ok_or(RouteError::MissingPeek)?;
-    let session = req
-        .extensions()
-        .get::<SessionId>()
-        .map(|s| s.0.clone())
+    // the edge's typed context and the metering layer's buffered body, when the stack has them
+    // (issue 20): then nothing here is re-derived from the URI, re-collected or re-parsed
+    let context = req.extensions().get::<RequestContext>().cloned();
+    let buffered = req.extensions().get::<BufferedRequest>().cloned();
+    let peek = match &buffered {
+        Some(b) => b.peek.clone(),
+        None => req
+            .extensions()
+            .get::<RequestPeek>()
+            .cloned()
+            .ok_or(RouteError::MissingPeek)?,
+    };
+    let session = context
+        .as_ref()
+        .and_then(|c| c.session.clone())
+        .or_else(|| req.extensions().get::<SessionId>().map(|s| s.0.clone()))
         .or_else(|| {
             req.headers()
                 .get("x-session-id")
@@ -95,20 +102,28 @@ where
     } = ctx;
     // scoped by account when the caller's account is known (design brief §5; no cross-tenant
     // affinity: a shared cached prefix would tell one account about another's prompt)
-    let account = req.extensions().get::<AccountId>().cloned();
+    let account = match &context {
+        Some(c) => Some(c.account.clone()),
+        None => req.extensions().get::<AccountId>().cloned(),
+    };
     let key = AffinityKey::for_request(&peek, session.as_deref()).map(|k| match &account {
         Some(account) => k.scoped_to(account),
         None => k,
     });
     let needs = Needs {
-        kind: RequestKind::from_path(req.uri().path()),
-        prompt_tokens: req.extensions().get::<PromptTokens>().map(|p| p.0),
+        kind: match &context {
+            Some(c) => Some(c.kind),
+            None => RequestKind::from_path(req.uri().path()),
+        },
+        prompt_tokens: match &buffered {
+            Some(b) => Some(b.prompt_tokens),
+            None => req.extensions().get::<PromptTokens>().map(|p| p.0),
+        },
     };
     // fairness class of the admission queue: the account (all unauthenticated callers share one)
     let ticket = QueueTicket {
-        class: req
-            .extensions()
-            .get::<AccountId>()
+        class: account
+            .as_ref()
             .map(|a| a.as_str().to_owned())
             .unwrap_or_default(),
         weight: req.extensions().get::<QueueWeight>().map_or(1, |w| w.0),
@@ -120,7 +135,11 @@ where
         .map(|a| a.0.clone())
         .unwrap_or_default();
     let (parts, body) = req.into_parts();
-    let body_bytes = body.collect().await?.to_bytes();
+    // the metering layer's bytes when it buffered them (the request body is then left unpolled)
+    let body_bytes = match buffered {
+        Some(b) => b.body,
+        None => body.collect().await?.to_bytes(),
+    };
     // The shared store's answer, asked once; `None` = use the in-memory table (no store, no key,
     // affinity disabled, or the store failed).
     let shared: Option<Option<NodeId>> = match (&affinity, &key) {

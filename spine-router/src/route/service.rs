@@ -14,15 +14,18 @@ use crate::NodeRegistry;
 /// another node while nothing has reached the caller.
 ///
 /// Per request:
-/// 1. Reads the model from the [`RequestPeek`] request extension and the affinity key
-///    ([`AffinityKey::for_request`]: `prompt_cache_key`, else [`SessionId`] extension or
+/// 1. Reads the model from the metering layer's [`BufferedRequest`] (else the [`RequestPeek`]
+///    request extension), the kind, account and session from the edge's [`RequestContext`]
+///    (else the URI path and the [`AccountId`] / [`SessionId`] extensions) and the affinity key
+///    ([`AffinityKey::for_request`]: `prompt_cache_key`, else the session or the
 ///    `x-session-id` header, else the automatic conversation key).
-/// 2. Collects the request body to `Bytes` once (the metering layer above has it buffered), so
-///    that every attempt sends the same bytes.
+/// 2. Takes the body bytes from the [`BufferedRequest`], leaving the request body unpolled (the
+///    body is collected and parsed once, by the metering layer); without one it collects the
+///    request body to `Bytes` once. Every attempt sends the same bytes.
 /// 3. Each attempt: picks a node not tried yet among those that fit the request's endpoint and
-///    [`PromptTokens`] ([`NodeRegistry::acquire`]; every attempt waits in the model's
-///    admission [`queue`] when they are all full, with the [`AccountId`] extension
-///    as its fairness class and the [`QueueWeight`] extension as its weight), inserts its [`NodeId`] into the request
+///    [`PromptTokens`] (the [`BufferedRequest`]'s when there is one; [`NodeRegistry::acquire`];
+///    every attempt waits in the model's admission [`queue`] when they are all full, with the
+///    account as its fairness class and the [`QueueWeight`] extension as its weight), inserts its [`NodeId`] into the request
 ///    extensions (the transport reads it) and records it in the [`NodeSlot`] extension, calls the
 ///    inner service, then
 ///    - inner error (connect failure, tunnel gone) or a 502 / 503 / 504, 408 or 429 head (and
@@ -84,6 +87,8 @@ use crate::NodeRegistry;
 /// attempt's inner error or body error.
 ///
 /// [`RequestPeek`]: spine_core::RequestPeek
+/// [`BufferedRequest`]: spine_core::BufferedRequest
+/// [`RequestContext`]: spine_core::RequestContext
 /// [`AffinityKey::for_request`]: crate::AffinityKey::for_request
 /// [`SessionId`]: crate::SessionId
 /// [`PromptTokens`]: spine_core::PromptTokens
