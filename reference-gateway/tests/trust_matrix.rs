@@ -7,8 +7,16 @@
 //! - `SPINE_TRUST_HONEST_RUNS` (per honest configuration, default 1) and
 //!   `SPINE_TRUST_HONEST_TOKENS` (audited tokens per honest run, default 2,000);
 //! - `SPINE_TRUST_SUBSTITUTE_RUNS` (per substitute, default 10) and
-//!   `SPINE_TRUST_SUBSTITUTE_TOKENS` (most audited tokens per substitute run, default 300);
-//! - `SPINE_TRUST_Q8_GGUF`, `SPINE_TRUST_GEMMA_GGUF` (optional substitutes).
+//!   `SPINE_TRUST_SUBSTITUTE_TOKENS` (audited tokens per substitute run, default 300; a run
+//!   goes on past `failed` so that every run's dump has the same length);
+//! - `SPINE_TRUST_Q8_GGUF`, `SPINE_TRUST_GEMMA_GGUF` (optional substitutes);
+//! - `SPINE_TRUST_DUMP` (where the raw scorings go, default
+//!   `~/.cache/spine/trust/trust-<unix seconds>.jsonl`).
+//!
+//! Every audited reply is written to the dump, one JSON object a line (`DumpLine`): the node
+//! configuration, run and reply, the request body (its sampling), the delivered text and the
+//! reference's forced positions with their top tokens. `trust_replay` scores dumps again with
+//! other statistics' settings, without the engines.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -17,14 +25,15 @@
     missing_docs
 )]
 
+use std::io::Write;
 use std::path::PathBuf;
 
 use bytes::Bytes;
 use serde_json::{json, Value};
 use spine_core::{AuditVerdict, ModelId, RequestKind};
 use spine_meter::audit::{
-    auditable, observations, LlamaCppReference, Reference, ReferenceQuery, ScoreConfig, Sprt,
-    SprtConfig,
+    auditable, observations, LlamaCppReference, Reference, ReferenceQuery, ScoreConfig,
+    ScoredToken, Sprt, SprtConfig,
 };
 use spine_test_support::{Engine, LlamaServer};
 
@@ -139,6 +148,47 @@ async fn generate(
     (bytes, text)
 }
 
+/// One audited reply in the dump (one JSON line).
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+struct DumpLine {
+    /// `honest` or `substitute`.
+    role: String,
+    /// The node configuration's label.
+    config: String,
+    run: usize,
+    /// The reply's index within the run.
+    reply: usize,
+    /// The request body as the auditor reads it (its sampling).
+    body: String,
+    /// The delivered text.
+    text: String,
+    /// The reference's forced positions (each one audited token).
+    tokens: Vec<ScoredToken>,
+}
+
+/// Where the dump goes: `SPINE_TRUST_DUMP` or `~/.cache/spine/trust/trust-<secs>.jsonl`.
+fn dump_file() -> (PathBuf, std::fs::File) {
+    let path = std::env::var_os("SPINE_TRUST_DUMP")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            let home = std::env::var_os("HOME").unwrap_or_default();
+            let secs = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_secs();
+            PathBuf::from(home).join(format!(".cache/spine/trust/trust-{secs}.jsonl"))
+        });
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).unwrap();
+    }
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)
+        .unwrap();
+    (path, file)
+}
+
 #[derive(Debug, Default)]
 struct RunResult {
     audited_tokens: u64,
@@ -156,7 +206,8 @@ async fn node_run(
     spec: &NodeSpec,
     run: usize,
     token_budget: u64,
-    stop_on_fail: bool,
+    role: &str,
+    dump: &mut std::fs::File,
     ref_tokens: &mut u64,
 ) -> RunResult {
     let http = reqwest::Client::new();
@@ -184,6 +235,7 @@ async fn node_run(
     let mut sprt = Sprt::default();
     let mut out = RunResult::default();
     let mut i = run * 7;
+    let mut reply = 0;
     while out.audited_tokens < token_budget {
         // `concurrency` replies generated at once (load on the node), audited in order
         let batch: Vec<(Bytes, String)> = futures_util::future::join_all(
@@ -209,6 +261,18 @@ async fn node_run(
             };
             let scored = reference.score(&query).await.unwrap();
             *ref_tokens += scored.len() as u64;
+            let line = DumpLine {
+                role: role.to_owned(),
+                config: spec.label.to_owned(),
+                run,
+                reply,
+                body: String::from_utf8_lossy(&body).into_owned(),
+                text: text.clone(),
+                tokens: scored.clone(),
+            };
+            reply += 1;
+            serde_json::to_writer(&mut *dump, &line).unwrap();
+            dump.write_all(b"\n").unwrap();
             let obs = observations(&scored, text.as_bytes(), req.mode, &score_config).unwrap();
             // every scored position is an audited token (clear or not); a verdict is reached
             // with the reply whose audit reaches it
@@ -223,14 +287,9 @@ async fn node_run(
             if v == AuditVerdict::Failed && out.tokens_to_fail.is_none() {
                 out.tokens_to_fail = Some(out.audited_tokens);
             }
-            if stop_on_fail && sprt.rejected {
-                break;
-            }
-        }
-        if stop_on_fail && sprt.rejected {
-            break;
         }
     }
+    dump.flush().unwrap();
     out.observations = sprt.observations;
     out.events = sprt.events;
     out.verdict = Some(sprt.verdict(&sprt_config));
@@ -248,6 +307,8 @@ async fn trust_matrix() {
     let ref_pid = reference_server.child.id().unwrap();
     let mut ref_tokens = 0u64;
     let ref_cpu_start = cpu_ticks(ref_pid);
+    let (dump_path, mut dump) = dump_file();
+    println!("raw scorings: {}", dump_path.display());
 
     let honest_runs = env_usize("SPINE_TRUST_HONEST_RUNS", 1);
     let honest_tokens = env_usize("SPINE_TRUST_HONEST_TOKENS", 2000) as u64;
@@ -313,7 +374,8 @@ async fn trust_matrix() {
                 spec,
                 run,
                 honest_tokens,
-                false,
+                "honest",
+                &mut dump,
                 &mut ref_tokens,
             )
             .await;
@@ -360,7 +422,12 @@ async fn trust_matrix() {
     }
     subs.push(NodeSpec {
         canned: true,
-        ..honest("canned text")
+        ..honest("canned text, greedy")
+    });
+    subs.push(NodeSpec {
+        canned: true,
+        temperature: Some(0.8),
+        ..honest("canned text, seeded T=0.8")
     });
     if let Ok(only) = std::env::var("SPINE_TRUST_ONLY") {
         subs.retain(|s| s.label.contains(only.as_str()));
@@ -376,7 +443,8 @@ async fn trust_matrix() {
                 spec,
                 run,
                 sub_tokens,
-                true,
+                "substitute",
+                &mut dump,
                 &mut ref_tokens,
             )
             .await;

@@ -25,7 +25,7 @@
 use super::sprt::{Observation, ObservationKind};
 
 /// One teacher-forced position from the reference.
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct ScoredToken {
     /// The forced token's bytes.
     pub bytes: Vec<u8>,
@@ -35,7 +35,7 @@ pub struct ScoredToken {
 }
 
 /// One of the reference's most probable tokens at a position.
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct TopToken {
     /// The token's bytes.
     pub bytes: Vec<u8>,
