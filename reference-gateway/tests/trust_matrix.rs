@@ -532,8 +532,9 @@ fn env_f64(name: &str) -> Option<f64> {
 /// `SPINE_REPLAY_ALPHA`, `SPINE_REPLAY_BETA`, `SPINE_REPLAY_P0`, `SPINE_REPLAY_P1`,
 /// `SPINE_REPLAY_BETS` (four, comma-separated), `SPINE_REPLAY_CAP` (nats),
 /// `SPINE_REPLAY_MARGIN`; `SPINE_REPLAY_STREAM=1` joins each configuration's runs into one
-/// node's traffic (tokens to `failed` over many replies); `SPINE_REPLAY_BUDGET` (audited tokens
-/// of the "within" column, default 300).
+/// node's traffic (tokens to `failed` over many replies), once from each run on (the runs in
+/// order, wrapping around: as many streams as runs); `SPINE_REPLAY_BUDGET` (audited tokens of
+/// the "within" column, default 300).
 #[test]
 #[ignore = "reads a trust-matrix dump; see the docs"]
 fn trust_replay() {
@@ -589,12 +590,29 @@ fn trust_replay() {
     // per (role, config): runs, failed within budget, failed, tokens to failed, tokens,
     // positions, events
     let mut summary: Vec<((String, String), Vec<RunResult>)> = Vec::new();
+    // (key, replies in order): one per run, or in stream mode one per starting run
+    let mut jobs: Vec<((String, String, usize), Vec<&DumpLine>)> = Vec::new();
     for key in &order {
-        let mut judge = Judge::new(score, sprt);
         let mut list: Vec<&DumpLine> = replies[key].iter().collect();
         if stream {
             list.sort_by_key(|d| (d.run, d.reply));
+            let mut runs: Vec<usize> = list.iter().map(|d| d.run).collect();
+            runs.dedup();
+            for (i, first) in runs.iter().enumerate() {
+                let start = list.iter().position(|d| d.run == *first).unwrap();
+                let rotated = list[start..]
+                    .iter()
+                    .chain(&list[..start])
+                    .copied()
+                    .collect();
+                jobs.push(((key.0.clone(), key.1.clone(), i), rotated));
+            }
+        } else {
+            jobs.push((key.clone(), list));
         }
+    }
+    for (key, list) in &jobs {
+        let mut judge = Judge::new(score, sprt);
         for d in list {
             judge.reply(d.body.as_bytes(), &d.text, &d.tokens);
             if judge.sprt.rejected && key.0 == "substitute" {
