@@ -523,6 +523,9 @@ async fn trust_matrix() {
     assert_eq!(honest_failed, 0, "an honest node was failed");
 }
 
+/// (role, configuration, run) of a dump line.
+type RunKey = (String, String, usize);
+
 fn env_f64(name: &str) -> Option<f64> {
     std::env::var(name).ok().and_then(|v| v.parse().ok())
 }
@@ -566,8 +569,8 @@ fn trust_replay() {
     let budget = env_usize("SPINE_REPLAY_BUDGET", 300) as u64;
     println!("score: {score:?}\nsprt: {sprt:?}\nstream: {stream}");
     // (role, config, run) → replies, in the dump's order
-    let mut order: Vec<(String, String, usize)> = Vec::new();
-    let mut replies: std::collections::HashMap<(String, String, usize), Vec<DumpLine>> =
+    let mut order: Vec<RunKey> = Vec::new();
+    let mut replies: std::collections::HashMap<RunKey, Vec<DumpLine>> =
         std::collections::HashMap::new();
     for path in paths.split(',') {
         let text = std::fs::read_to_string(path).unwrap();
@@ -591,7 +594,7 @@ fn trust_replay() {
     // positions, events
     let mut summary: Vec<((String, String), Vec<RunResult>)> = Vec::new();
     // (key, replies in order): one per run, or in stream mode one per starting run
-    let mut jobs: Vec<((String, String, usize), Vec<&DumpLine>)> = Vec::new();
+    let mut jobs: Vec<(RunKey, Vec<&DumpLine>)> = Vec::new();
     for key in &order {
         let mut list: Vec<&DumpLine> = replies[key].iter().collect();
         if stream {
