@@ -93,9 +93,9 @@ pub struct ScoreConfig {
     /// Least top-1 − top-2 probability at which a greedy position counts. Default 0.1.
     pub greedy_margin: f64,
     /// Most a sampled position's surprisal counts, in nats (the cap `c` of the module docs,
-    /// lowered at a position to `−ln` of its least listed probability). Default 3 (of 2, 3, 4,
-    /// 6 and 8, the most power against the Q2_K substitute's sampled replies in
-    /// `docs/trust.md`; any cap keeps the bound).
+    /// lowered at a position to `−ln` of its least listed probability). Default 3: of 2, 3, 4
+    /// and 8 on the sampled substitutes' replies of `docs/trust.md`, 2 and 3 detect the Q2_K
+    /// substitute soonest, 3 the canned text sooner than 2; any cap keeps the bound.
     pub surprisal_cap: f64,
 }
 
