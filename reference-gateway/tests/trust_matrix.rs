@@ -7,8 +7,18 @@
 //! - `SPINE_TRUST_HONEST_RUNS` (per honest configuration, default 1) and
 //!   `SPINE_TRUST_HONEST_TOKENS` (audited tokens per honest run, default 2,000);
 //! - `SPINE_TRUST_SUBSTITUTE_RUNS` (per substitute, default 10) and
-//!   `SPINE_TRUST_SUBSTITUTE_TOKENS` (most audited tokens per substitute run, default 300);
-//! - `SPINE_TRUST_Q8_GGUF`, `SPINE_TRUST_GEMMA_GGUF` (optional substitutes).
+//!   `SPINE_TRUST_SUBSTITUTE_TOKENS` (audited tokens per substitute run, default 300; a run
+//!   goes on past `failed` so that every run's dump has the same length);
+//! - `SPINE_TRUST_FIRST_RUN` (the first run's index, default 0: runs `first..first + runs`
+//!   have their own prompts and seeds, so several invocations add runs, not repeats);
+//! - `SPINE_TRUST_Q8_GGUF`, `SPINE_TRUST_GEMMA_GGUF` (optional substitutes);
+//! - `SPINE_TRUST_DUMP` (where the raw scorings go, default
+//!   `~/.cache/spine/trust/trust-<unix seconds>.jsonl`).
+//!
+//! Every audited reply is written to the dump, one JSON object a line (`DumpLine`): the node
+//! configuration, run and reply, the request body (its sampling), the delivered text and the
+//! reference's forced positions with their top tokens. `trust_replay` scores dumps again with
+//! other statistics' settings, without the engines.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -17,14 +27,15 @@
     missing_docs
 )]
 
+use std::io::Write;
 use std::path::PathBuf;
 
 use bytes::Bytes;
 use serde_json::{json, Value};
 use spine_core::{AuditVerdict, ModelId, RequestKind};
 use spine_meter::audit::{
-    auditable, observations, LlamaCppReference, Reference, ReferenceQuery, ScoreConfig, Sprt,
-    SprtConfig,
+    auditable, observations, LlamaCppReference, Reference, ReferenceQuery, ScoreConfig,
+    ScoredToken, Sprt, SprtConfig,
 };
 use spine_test_support::{Engine, LlamaServer};
 
@@ -139,6 +150,47 @@ async fn generate(
     (bytes, text)
 }
 
+/// One audited reply in the dump (one JSON line).
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+struct DumpLine {
+    /// `honest` or `substitute`.
+    role: String,
+    /// The node configuration's label.
+    config: String,
+    run: usize,
+    /// The reply's index within the run.
+    reply: usize,
+    /// The request body as the auditor reads it (its sampling).
+    body: String,
+    /// The delivered text.
+    text: String,
+    /// The reference's forced positions (each one audited token).
+    tokens: Vec<ScoredToken>,
+}
+
+/// Where the dump goes: `SPINE_TRUST_DUMP` or `~/.cache/spine/trust/trust-<secs>.jsonl`.
+fn dump_file() -> (PathBuf, std::fs::File) {
+    let path = std::env::var_os("SPINE_TRUST_DUMP")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            let home = std::env::var_os("HOME").unwrap_or_default();
+            let secs = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_secs();
+            PathBuf::from(home).join(format!(".cache/spine/trust/trust-{secs}.jsonl"))
+        });
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).unwrap();
+    }
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)
+        .unwrap();
+    (path, file)
+}
+
 #[derive(Debug, Default)]
 struct RunResult {
     audited_tokens: u64,
@@ -147,6 +199,54 @@ struct RunResult {
     verdict: Option<AuditVerdict>,
     tokens_to_pass: Option<u64>,
     tokens_to_fail: Option<u64>,
+    /// Λ at the end.
+    statistic: f64,
+}
+
+/// The auditor's statistic and test over one node-run's replies, in order.
+struct Judge {
+    score: ScoreConfig,
+    sprt_config: SprtConfig,
+    sprt: Sprt,
+    out: RunResult,
+}
+
+impl Judge {
+    fn new(score: ScoreConfig, sprt_config: SprtConfig) -> Self {
+        Self {
+            score,
+            sprt_config,
+            sprt: Sprt::default(),
+            out: RunResult::default(),
+        }
+    }
+
+    /// One audited reply: `body` the request, `scored` the reference's positions over `text`.
+    fn reply(&mut self, body: &[u8], text: &str, scored: &[ScoredToken]) {
+        let req = auditable(RequestKind::ChatCompletions, body).unwrap();
+        let obs = observations(scored, text.as_bytes(), req.mode, &self.score).unwrap();
+        // every scored position is an audited token (clear or not); a verdict is reached with
+        // the reply whose audit reaches it
+        self.out.audited_tokens += scored.len() as u64;
+        for o in obs {
+            self.sprt.observe(&self.sprt_config, o);
+        }
+        let v = self.sprt.verdict(&self.sprt_config);
+        if v == AuditVerdict::Passing && self.out.tokens_to_pass.is_none() {
+            self.out.tokens_to_pass = Some(self.out.audited_tokens);
+        }
+        if v == AuditVerdict::Failed && self.out.tokens_to_fail.is_none() {
+            self.out.tokens_to_fail = Some(self.out.audited_tokens);
+        }
+    }
+
+    fn finish(mut self) -> RunResult {
+        self.out.observations = self.sprt.observations;
+        self.out.events = self.sprt.events;
+        self.out.verdict = Some(self.sprt.verdict(&self.sprt_config));
+        self.out.statistic = self.sprt.llr;
+        self.out
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -156,7 +256,8 @@ async fn node_run(
     spec: &NodeSpec,
     run: usize,
     token_budget: u64,
-    stop_on_fail: bool,
+    role: &str,
+    dump: &mut std::fs::File,
     ref_tokens: &mut u64,
 ) -> RunResult {
     let http = reqwest::Client::new();
@@ -179,12 +280,10 @@ async fn node_run(
         )
     };
     let url = server.as_ref().map(|s| s.url.clone()).unwrap_or_default();
-    let sprt_config = SprtConfig::default();
-    let score_config = ScoreConfig::default();
-    let mut sprt = Sprt::default();
-    let mut out = RunResult::default();
+    let mut judge = Judge::new(ScoreConfig::default(), SprtConfig::default());
     let mut i = run * 7;
-    while out.audited_tokens < token_budget {
+    let mut reply = 0;
+    while judge.out.audited_tokens < token_budget {
         // `concurrency` replies generated at once (load on the node), audited in order
         let batch: Vec<(Bytes, String)> = futures_util::future::join_all(
             (0..spec.concurrency)
@@ -209,32 +308,23 @@ async fn node_run(
             };
             let scored = reference.score(&query).await.unwrap();
             *ref_tokens += scored.len() as u64;
-            let obs = observations(&scored, text.as_bytes(), req.mode, &score_config).unwrap();
-            // every scored position is an audited token (clear or not); a verdict is reached
-            // with the reply whose audit reaches it
-            out.audited_tokens += scored.len() as u64;
-            for o in obs {
-                sprt.observe(&sprt_config, o);
-            }
-            let v = sprt.verdict(&sprt_config);
-            if v == AuditVerdict::Passing && out.tokens_to_pass.is_none() {
-                out.tokens_to_pass = Some(out.audited_tokens);
-            }
-            if v == AuditVerdict::Failed && out.tokens_to_fail.is_none() {
-                out.tokens_to_fail = Some(out.audited_tokens);
-            }
-            if stop_on_fail && sprt.rejected {
-                break;
-            }
-        }
-        if stop_on_fail && sprt.rejected {
-            break;
+            let line = DumpLine {
+                role: role.to_owned(),
+                config: spec.label.to_owned(),
+                run,
+                reply,
+                body: String::from_utf8_lossy(&body).into_owned(),
+                text: text.clone(),
+                tokens: scored.clone(),
+            };
+            reply += 1;
+            serde_json::to_writer(&mut *dump, &line).unwrap();
+            dump.write_all(b"\n").unwrap();
+            judge.reply(&body, &text, &scored);
         }
     }
-    out.observations = sprt.observations;
-    out.events = sprt.events;
-    out.verdict = Some(sprt.verdict(&sprt_config));
-    out
+    dump.flush().unwrap();
+    judge.finish()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -248,11 +338,14 @@ async fn trust_matrix() {
     let ref_pid = reference_server.child.id().unwrap();
     let mut ref_tokens = 0u64;
     let ref_cpu_start = cpu_ticks(ref_pid);
+    let (dump_path, mut dump) = dump_file();
+    println!("raw scorings: {}", dump_path.display());
 
     let honest_runs = env_usize("SPINE_TRUST_HONEST_RUNS", 1);
     let honest_tokens = env_usize("SPINE_TRUST_HONEST_TOKENS", 2000) as u64;
     let sub_runs = env_usize("SPINE_TRUST_SUBSTITUTE_RUNS", 10);
     let sub_tokens = env_usize("SPINE_TRUST_SUBSTITUTE_TOKENS", 300) as u64;
+    let first_run = env_usize("SPINE_TRUST_FIRST_RUN", 0);
 
     let mut honest_specs = vec![
         honest("greedy -t 2 -np 1 fa on"),
@@ -306,14 +399,15 @@ async fn trust_matrix() {
     let mut honest_failed = 0;
     let mut honest_total = 0;
     for spec in &honest_specs {
-        for run in 0..honest_runs {
+        for run in first_run..first_run + honest_runs {
             let r = node_run(
                 &engine,
                 &reference,
                 spec,
                 run,
                 honest_tokens,
-                false,
+                "honest",
+                &mut dump,
                 &mut ref_tokens,
             )
             .await;
@@ -332,6 +426,12 @@ async fn trust_matrix() {
         }
     }
 
+    // substitutes run one thread: the weights are what is tested, and a two-thread engine on
+    // a shared two-core machine spends its time waiting for its other thread
+    let honest = |label| NodeSpec {
+        threads: "1",
+        ..honest(label)
+    };
     let mut subs: Vec<NodeSpec> = vec![NodeSpec {
         gguf: Some(engine.substitute_gguf().unwrap()),
         ..honest("Q2_K requant, greedy")
@@ -360,7 +460,12 @@ async fn trust_matrix() {
     }
     subs.push(NodeSpec {
         canned: true,
-        ..honest("canned text")
+        ..honest("canned text, greedy")
+    });
+    subs.push(NodeSpec {
+        canned: true,
+        temperature: Some(0.8),
+        ..honest("canned text, seeded T=0.8")
     });
     if let Ok(only) = std::env::var("SPINE_TRUST_ONLY") {
         subs.retain(|s| s.label.contains(only.as_str()));
@@ -369,14 +474,15 @@ async fn trust_matrix() {
     for spec in &subs {
         let mut caught = 0;
         let mut to_fail = Vec::new();
-        for run in 0..sub_runs {
+        for run in first_run..first_run + sub_runs {
             let r = node_run(
                 &engine,
                 &reference,
                 spec,
                 run,
                 sub_tokens,
-                true,
+                "substitute",
+                &mut dump,
                 &mut ref_tokens,
             )
             .await;
@@ -415,4 +521,148 @@ async fn trust_matrix() {
         ref_cpu_s * 1000.0 / ref_tokens.max(1) as f64
     );
     assert_eq!(honest_failed, 0, "an honest node was failed");
+}
+
+/// (role, configuration, run) of a dump line.
+type RunKey = (String, String, usize);
+
+fn env_f64(name: &str) -> Option<f64> {
+    std::env::var(name).ok().and_then(|v| v.parse().ok())
+}
+
+/// Scores trust-matrix dumps again with the auditor's statistic and test, without engines:
+/// `SPINE_TRUST_REPLAY=<dump.jsonl>[,<dump.jsonl>…]`. Settings (defaults: the auditor's):
+/// `SPINE_REPLAY_ALPHA`, `SPINE_REPLAY_BETA`, `SPINE_REPLAY_P0`, `SPINE_REPLAY_P1`,
+/// `SPINE_REPLAY_BETS` (four, comma-separated), `SPINE_REPLAY_CAP` (nats),
+/// `SPINE_REPLAY_MARGIN`; `SPINE_REPLAY_STREAM=1` joins each configuration's runs into one
+/// node's traffic (tokens to `failed` over many replies), once from each run on (the runs in
+/// order, wrapping around: as many streams as runs); `SPINE_REPLAY_BUDGET` (audited tokens of
+/// the "within" column, default 300).
+#[test]
+#[ignore = "reads a trust-matrix dump; see the docs"]
+fn trust_replay() {
+    let paths = std::env::var("SPINE_TRUST_REPLAY").expect("SPINE_TRUST_REPLAY=<dump.jsonl>");
+    let mut score = ScoreConfig::default();
+    let mut sprt = SprtConfig::default();
+    if let Some(v) = env_f64("SPINE_REPLAY_CAP") {
+        score.surprisal_cap = v;
+    }
+    if let Some(v) = env_f64("SPINE_REPLAY_MARGIN") {
+        score.greedy_margin = v;
+    }
+    sprt = sprt.with_error_rates(
+        env_f64("SPINE_REPLAY_ALPHA").unwrap_or(sprt.alpha),
+        env_f64("SPINE_REPLAY_BETA").unwrap_or(sprt.beta),
+    );
+    if let Some(v) = env_f64("SPINE_REPLAY_P0") {
+        sprt.greedy_p0 = v;
+    }
+    if let Some(v) = env_f64("SPINE_REPLAY_P1") {
+        sprt.greedy_p1 = v;
+    }
+    if let Ok(v) = std::env::var("SPINE_REPLAY_BETS") {
+        let bets: Vec<f64> = v.split(',').map(|x| x.trim().parse().unwrap()).collect();
+        sprt.sampled_bets = bets.try_into().expect("four bets");
+    }
+    assert!(sprt.is_valid(), "{sprt:?}");
+    let stream = std::env::var("SPINE_REPLAY_STREAM").is_ok_and(|v| v == "1");
+    let budget = env_usize("SPINE_REPLAY_BUDGET", 300) as u64;
+    println!("score: {score:?}\nsprt: {sprt:?}\nstream: {stream}");
+    // (role, config, run) → replies, in the dump's order
+    let mut order: Vec<RunKey> = Vec::new();
+    let mut replies: std::collections::HashMap<RunKey, Vec<DumpLine>> =
+        std::collections::HashMap::new();
+    for path in paths.split(',') {
+        let text = std::fs::read_to_string(path).unwrap();
+        for line in text.lines().filter(|l| !l.trim().is_empty()) {
+            let d: DumpLine = serde_json::from_str(line).unwrap();
+            let key = (
+                d.role.clone(),
+                d.config.clone(),
+                if stream { 0 } else { d.run },
+            );
+            let list = replies.entry(key.clone()).or_default();
+            if list.is_empty() {
+                order.push(key);
+            }
+            list.push(d);
+        }
+    }
+    println!("| node | run | audited tokens | positions | events | verdict | Λ | audited tokens to passing | audited tokens to failed |");
+    println!("|---|---|---|---|---|---|---|---|---|");
+    // per (role, config): runs, failed within budget, failed, tokens to failed, tokens,
+    // positions, events
+    let mut summary: Vec<((String, String), Vec<RunResult>)> = Vec::new();
+    // (key, replies in order): one per run, or in stream mode one per starting run
+    let mut jobs: Vec<(RunKey, Vec<&DumpLine>)> = Vec::new();
+    for key in &order {
+        let mut list: Vec<&DumpLine> = replies[key].iter().collect();
+        if stream {
+            list.sort_by_key(|d| (d.run, d.reply));
+            let mut runs: Vec<usize> = list.iter().map(|d| d.run).collect();
+            runs.dedup();
+            for (i, first) in runs.iter().enumerate() {
+                let start = list.iter().position(|d| d.run == *first).unwrap();
+                let rotated = list[start..]
+                    .iter()
+                    .chain(&list[..start])
+                    .copied()
+                    .collect();
+                jobs.push(((key.0.clone(), key.1.clone(), i), rotated));
+            }
+        } else {
+            jobs.push((key.clone(), list));
+        }
+    }
+    for (key, list) in &jobs {
+        let mut judge = Judge::new(score, sprt);
+        for d in list {
+            judge.reply(d.body.as_bytes(), &d.text, &d.tokens);
+            if judge.sprt.rejected && key.0 == "substitute" {
+                break;
+            }
+        }
+        let r = judge.finish();
+        println!(
+            "| {}: {} | {} | {} | {} | {} | {:?} | {:.1} | {:?} | {:?} |",
+            key.0,
+            key.1,
+            key.2,
+            r.audited_tokens,
+            r.observations,
+            r.events,
+            r.verdict,
+            r.statistic,
+            r.tokens_to_pass,
+            r.tokens_to_fail
+        );
+        let group = (key.0.clone(), key.1.clone());
+        match summary.iter_mut().find(|(g, _)| *g == group) {
+            Some((_, v)) => v.push(r),
+            None => summary.push((group, vec![r])),
+        }
+    }
+    println!();
+    let mut honest_failed = 0;
+    for ((role, config), rs) in &summary {
+        let mut to_fail: Vec<u64> = rs.iter().filter_map(|r| r.tokens_to_fail).collect();
+        to_fail.sort_unstable();
+        let within = to_fail.iter().filter(|t| **t <= budget).count();
+        let passing = rs
+            .iter()
+            .filter(|r| r.verdict == Some(AuditVerdict::Passing))
+            .count();
+        if role == "honest" {
+            honest_failed += to_fail.len();
+        }
+        println!(
+            "{role}: {config}: {} runs, {} audited tokens, {} positions, {} events; failed within {budget}: {within}, at all: {}, passing at the end: {passing}; tokens to failed (sorted): {to_fail:?}",
+            rs.len(),
+            rs.iter().map(|r| r.audited_tokens).sum::<u64>(),
+            rs.iter().map(|r| r.observations).sum::<u64>(),
+            rs.iter().map(|r| r.events).sum::<u64>(),
+            to_fail.len(),
+        );
+    }
+    println!("honest runs failed: {honest_failed}");
 }

@@ -149,7 +149,10 @@ pub struct AuditStatus {
     pub verdict: AuditVerdict,
     /// Scored positions (completion tokens) so far.
     pub tokens_audited: u64,
-    /// Of which disagreed with the reference.
+    /// Of which events ([`Observation::is_event`](super::Observation::is_event)): greedy, the
+    /// reference's clear top-1 did not continue the text; sampled, the text's surprisal
+    /// exceeded its bound at that position (common for honest nodes too: the evidence is
+    /// `statistic`).
     pub events: u64,
     /// The test statistic Λ now.
     pub statistic: f64,

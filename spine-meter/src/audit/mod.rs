@@ -12,8 +12,10 @@
 //!   path: the reference is teacher-forced through the delivered text and reports its
 //!   probabilities at each position.
 //! - Each position becomes one observation ([`observations`]: top-1 agreement at clear greedy
-//!   positions; head membership at sampled ones, both judged on the delivered text), fed to a
-//!   per-(node, model) sequential probability ratio test ([`Sprt`]) with configured α and β.
+//!   positions; the surprisal of the text against a proven bound of an honest node's expected
+//!   surprisal at sampled ones, both judged on the delivered text), fed to a per-(node, model)
+//!   sequential test ([`Sprt`]: an e-process, Wald's likelihood ratio on greedy positions and a
+//!   bounded bet on sampled ones) that fails an honest node with probability at most α.
 //! - The verdict ([`spine_core::AuditVerdict`]) reaches the router through
 //!   [`spine_core::ModelTrust`]: a `failed` node is not routed that model until
 //!   [`Auditor::reverify`].
@@ -41,7 +43,7 @@ pub use reference::LlamaCppReference;
 pub use reference::{Reference, ReferenceError, ReferenceQuery, ReferenceSet, ScoreFuture};
 pub use request::{auditable, AuditPrompt, AuditableRequest, NotAuditable};
 pub use score::{observations, SamplingMode, ScoreConfig, ScoreError, ScoredToken, TopToken};
-pub use sprt::{Observation, ObservationKind, Sprt, SprtConfig};
+pub use sprt::{Observation, ObservationKind, Sprt, SprtConfig, BETS};
 
 #[cfg(test)]
 mod tests;

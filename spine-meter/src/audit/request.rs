@@ -95,8 +95,10 @@ pub fn auditable(kind: RequestKind, body: &[u8]) -> Result<AuditableRequest, Not
         return Err(NotAuditable::HotSampling);
     } else {
         // absent: OpenAI's default is 1, llama.cpp's 0.8, vLLM's the model's (≤ 1 for the
-        // catalog's models)
-        SamplingMode::Sampled
+        // catalog's models): the bound at 1 holds for all of them
+        SamplingMode::Sampled {
+            temperature: temperature.unwrap_or(1.0),
+        }
     };
     let prompt = match kind {
         RequestKind::ChatCompletions => {

@@ -1,78 +1,123 @@
-//! Wald's sequential probability ratio test over audit observations, kept running (design brief
-//! §10).
+//! The sequential test over audit observations, kept running (design brief §10): a test
+//! martingale (an *e-process*) per (node, model), with Ville's inequality as its error bound.
 //!
-//! Each scored position of an audited completion is one Bernoulli observation: an *event*
-//! (the node's token disagrees with the reference, see [`super::score`]) or not. H0: the node
-//! serves the reference's model, events occur with probability at most `p0`; H1: a substitute,
-//! events with probability at least `p1`. The log-likelihood ratio
-//! `Λ = Σ ln(p1/p0)` over events `+ Σ ln((1−p1)/(1−p0))` over non-events is compared with Wald's
-//! boundaries (A. Wald, *Sequential Tests of Statistical Hypotheses*, Ann. Math. Statist. 16,
-//! 1945): `a = ln((1−β)/α)` (reject H0: `failed`) and `b = ln(β/(1−α))` (accept H0: `passing`),
-//! so one test falsely fails an honest node with probability ≤ α and passes a substitute with
-//! probability ≤ β.
+//! Each scored position of an audited completion ([`super::observations`]) multiplies the
+//! node's *wealth* `M` (start `M = 1`) by a factor whose expectation is at most 1 when the node
+//! serves the reference's model (H0):
 //!
-//! Audits go on after a node passes: Λ is not let below `b` (the test restarts from its lower
-//! boundary, a CUSUM-like floor), so a node that turns dishonest later climbs from `b`, not from
-//! far below it. Each climb from `b` to `a` is one Wald test, so α bounds each such excursion;
-//! the false-alarm rate over a run of many tokens is measured in `docs/trust.md`.
-//! Each observation kind has its own `(p0, p1)` ([`ObservationKind`]).
+//! - **greedy** positions: Wald's likelihood ratio of a Bernoulli event, `p1/p0` for an event
+//!   and `(1−p1)/(1−p0)` otherwise (A. Wald, *Sequential Tests of Statistical Hypotheses*,
+//!   Ann. Math. Statist. 16, 1945). Its expectation is `≤ 1` whenever the event rate is
+//!   `≤ p0`: that rate is an *assumption* about honest nondeterminism (near-ties flipped by
+//!   threads, slots, batching), set above the rates measured in `docs/trust.md`;
+//! - **sampled** positions: a bet `1 + λ·(s − h)/c` on the excess surprisal (surprisal `s` of
+//!   the delivered text, its bound `h`, both clipped at the position's cap `c`, see
+//!   [`super::score`]). `E[s] ≤ h` for an honest node is a *theorem* for any temperature up to
+//!   the request's and any truncation (top-k, top-p, min-p), so the factor's expectation is
+//!   `≤ 1`; it is positive since `s − h ≥ −c` and `λ < 1`. The bet size is not known in
+//!   advance: `M` is the average of [`BETS`] wealths, one per `λ` in
+//!   [`SprtConfig::sampled_bets`] (an average of e-processes is one; it costs `ln BETS` nats
+//!   against the best of them).
+//!
+//! `Λ = ln M` is compared with `a = ln(1/α)` (`failed`) and `b = ln β` (`passing`). Under H0,
+//! `M` is a non-negative supermartingale, so by Ville's inequality (J. Ville, *Étude critique de
+//! la notion de collectif*, 1939) `P(Λ ever ≥ a) ≤ α`, at any stopping time, however many
+//! audits. Audits go on after a node passes: `M` is not let below `e^b = β` (at the floor every
+//! wealth restarts at `β`), so a node that turns dishonest later climbs from `b`, not from far
+//! below it. A restart at position `j` is a fresh e-process started at `β`, which reaches `1/α`
+//! with probability `≤ αβ` (Ville again); a union over the start and the `n` positions where
+//! restarts can happen bounds **the probability that an honest node is ever failed within `n`
+//! observed positions by `α·(1 + n·β)`** (defaults: `2.1·10⁻⁴` for `n = 2,000`).
+//!
+//! `β` is not a miss rate here (the test has no fixed alternative): it sets the floor, and with
+//! it the `passing` verdict and the bound above.
 
 use serde::Serialize;
 
-/// Which statistic produced an observation; each has its own design rates.
+/// Bet sizes averaged on sampled positions.
+pub const BETS: usize = 4;
+
+/// Which statistic produced an observation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ObservationKind {
-    /// A greedy request's position with a clear reference top-1: event = the node's text does
-    /// not continue with the reference's top-1 token.
+    /// A greedy request's position (see [`Observation::Greedy`]).
     Greedy,
-    /// A sampled request's position: event = the node's text continues with none of the
-    /// reference's head tokens (those holding `1 − tail_mass` of the probability).
+    /// A sampled request's position (see [`Observation::Sampled`]).
     Sampled,
 }
 
 /// One scored position.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Observation {
-    /// The statistic.
-    pub kind: ObservationKind,
-    /// Whether the node's token disagreed with the reference.
-    pub event: bool,
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Observation {
+    /// A greedy request's position whose reference top-1 is clear.
+    Greedy {
+        /// The delivered text does not continue with the reference's top-1 token.
+        event: bool,
+    },
+    /// A sampled request's position. All three in nats, `0 ≤ surprisal, bound ≤ cap`.
+    Sampled {
+        /// The delivered text's surprisal under the reference, clipped at `cap` (a lower bound
+        /// of the node's token's `−ln p`).
+        surprisal: f64,
+        /// An upper bound of the clipped surprisal's expectation for an honest node.
+        bound: f64,
+        /// The position's clipping cap.
+        cap: f64,
+    },
 }
 
-/// Error rates and design event rates of the test. [`Default`] gives the documented values.
+impl Observation {
+    /// The statistic.
+    pub fn kind(&self) -> ObservationKind {
+        match self {
+            Self::Greedy { .. } => ObservationKind::Greedy,
+            Self::Sampled { .. } => ObservationKind::Sampled,
+        }
+    }
+
+    /// Whether the position counts as a disagreement in the evidence shown to operators:
+    /// greedy, the top-1 did not continue the text; sampled, the surprisal exceeded its bound.
+    pub fn is_event(&self) -> bool {
+        match *self {
+            Self::Greedy { event } => event,
+            Self::Sampled {
+                surprisal, bound, ..
+            } => surprisal > bound,
+        }
+    }
+}
+
+/// Error rates and design rates of the test. [`Default`] gives the documented values.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 #[non_exhaustive]
 pub struct SprtConfig {
-    /// Probability that one test fails an honest node (false accusation). Default 1e-4.
+    /// Bound of the probability that the test ever fails an honest node without a restart
+    /// (see the module docs for the bound with restarts). Default 1e-5: on the replies of
+    /// `docs/trust.md`, 1e-4 failed 2 of 10 sampled Q2_K runs within 300 tokens, 1e-5 one,
+    /// 1e-6 none; the greedy substitutes' detections within 300 were the same for all three.
     pub alpha: f64,
-    /// Probability that one test passes a substitute (miss). Default 1e-2.
+    /// The floor of the wealth, `e^b`: reaching it is `passing`. Default 1e-2.
     pub beta: f64,
-    /// Highest event rate of an honest node at a clear greedy position. Default 0.01 (measured
-    /// in the honest matrix of `docs/trust.md`: 8 in 27,281, 0.029 %).
+    /// Highest event rate of an honest node at a clear greedy position (an assumption the
+    /// honest matrix of `docs/trust.md` measured far below). Default 0.002.
     pub greedy_p0: f64,
-    /// Lowest event rate of a substitute at a clear greedy position. Default 0.08 (a spike
-    /// measured 0.17 for the Q2_K requantization and 0.33 for Gemma 3 270M at margin > 0.1).
+    /// The event rate of a substitute the greedy likelihood ratio is designed for. Default 0.08.
     pub greedy_p1: f64,
-    /// Highest event rate of an honest node at a sampled position: the tail mass
-    /// ([`ScoreConfig::tail_mass`](super::ScoreConfig)), a bound that holds for any temperature
-    /// ≤ 1 and any truncation (top-k, top-p, min-p). Default 0.01.
-    pub sampled_p0: f64,
-    /// Lowest event rate of a substitute at a sampled position. Default 0.05 (not met by the
-    /// substitutes of `docs/trust.md`, whose sampled event rates were 0–2 %: the sampled
-    /// statistic has little power).
-    pub sampled_p1: f64,
+    /// The bet sizes `λ ∈ (0, 1)` averaged on sampled positions. Default 0.3, 0.5, 0.7, 0.9
+    /// (the substitutes' sampled replies in `docs/trust.md` grow the wealth fastest at the
+    /// large ones; the small ones lose less on honest nodes).
+    pub sampled_bets: [f64; BETS],
 }
 
 impl Default for SprtConfig {
     fn default() -> Self {
         Self {
-            alpha: 1e-4,
+            alpha: 1e-5,
             beta: 1e-2,
-            greedy_p0: 0.01,
+            greedy_p0: 0.002,
             greedy_p1: 0.08,
-            sampled_p0: 0.01,
-            sampled_p1: 0.05,
+            sampled_bets: [0.3, 0.5, 0.7, 0.9],
         }
     }
 }
@@ -85,48 +130,54 @@ impl SprtConfig {
         self
     }
 
-    /// The rejection boundary `a = ln((1−β)/α)`.
+    /// The rejection boundary `a = ln(1/α)` (Ville's inequality).
     pub fn fail_threshold(&self) -> f64 {
-        ((1.0 - self.beta) / self.alpha).ln()
+        (1.0 / self.alpha).ln()
     }
 
-    /// The acceptance boundary `b = ln(β/(1−α))` (negative).
+    /// The floor and acceptance boundary `b = ln β` (negative).
     pub fn pass_threshold(&self) -> f64 {
-        (self.beta / (1.0 - self.alpha)).ln()
+        self.beta.ln()
     }
 
-    /// The log-likelihood-ratio step of one observation.
-    pub fn step(&self, obs: Observation) -> f64 {
-        let (p0, p1) = match obs.kind {
-            ObservationKind::Greedy => (self.greedy_p0, self.greedy_p1),
-            ObservationKind::Sampled => (self.sampled_p0, self.sampled_p1),
-        };
-        if obs.event {
-            (p1 / p0).ln()
+    /// The bound of the probability that an honest node is ever failed within `n` observed
+    /// positions: `α·(1 + n·β)` (module docs).
+    pub fn false_fail_bound(&self, n: u64) -> f64 {
+        self.alpha * (1.0 + n as f64 * self.beta)
+    }
+
+    /// The log-wealth step of a greedy observation (Wald's log-likelihood ratio).
+    pub fn greedy_step(&self, event: bool) -> f64 {
+        if event {
+            (self.greedy_p1 / self.greedy_p0).ln()
         } else {
-            ((1.0 - p1) / (1.0 - p0)).ln()
+            ((1.0 - self.greedy_p1) / (1.0 - self.greedy_p0)).ln()
         }
     }
 
-    /// Whether the rates make a test: `0 < α, β < 1/2`, `0 < p0 < p1 < 1` for both kinds.
+    /// Whether the rates make a test: `0 < α, β < 1/2`, `0 < p0 < p1 < 1`, every bet in
+    /// `(0, 1)`.
     pub fn is_valid(&self) -> bool {
         let rate = |x: f64| x > 0.0 && x < 0.5;
-        let pair = |p0: f64, p1: f64| p0 > 0.0 && p0 < p1 && p1 < 1.0;
         rate(self.alpha)
             && rate(self.beta)
-            && pair(self.greedy_p0, self.greedy_p1)
-            && pair(self.sampled_p0, self.sampled_p1)
+            && self.greedy_p0 > 0.0
+            && self.greedy_p0 < self.greedy_p1
+            && self.greedy_p1 < 1.0
+            && self.sampled_bets.iter().all(|&l| l > 0.0 && l < 1.0)
     }
 }
 
 /// The running test of one (node, model).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
 pub struct Sprt {
-    /// The log-likelihood ratio Λ now.
+    /// The statistic Λ now: the log of the average wealth.
     pub llr: f64,
+    /// The log of each bet size's wealth ([`SprtConfig::sampled_bets`], same order).
+    pub log_wealth: [f64; BETS],
     /// Positions observed.
     pub observations: u64,
-    /// Of which events.
+    /// Of which events ([`Observation::is_event`]).
     pub events: u64,
     /// Whether Λ has reached the acceptance boundary at least once.
     pub passed_once: bool,
@@ -135,17 +186,39 @@ pub struct Sprt {
 }
 
 impl Sprt {
-    /// Adds one observation. A rejected test stays rejected.
+    /// Adds one observation. A rejected test stays rejected; a sampled observation whose
+    /// numbers are not finite or whose cap is not positive is ignored.
     pub fn observe(&mut self, config: &SprtConfig, obs: Observation) {
         if self.rejected {
             return;
         }
+        match obs {
+            Observation::Greedy { event } => {
+                let step = config.greedy_step(event);
+                self.log_wealth.iter_mut().for_each(|w| *w += step);
+            }
+            Observation::Sampled {
+                surprisal,
+                bound,
+                cap,
+            } => {
+                let finite = surprisal.is_finite() && bound.is_finite() && cap.is_finite();
+                if !finite || cap <= 0.0 {
+                    return;
+                }
+                let x = ((surprisal - bound) / cap).clamp(-1.0, 1.0);
+                for (w, l) in self.log_wealth.iter_mut().zip(config.sampled_bets) {
+                    *w += (l * x).ln_1p();
+                }
+            }
+        }
         self.observations += 1;
-        self.events += u64::from(obs.event);
-        self.llr += config.step(obs);
+        self.events += u64::from(obs.is_event());
+        self.llr = log_mean_exp(&self.log_wealth);
         let floor = config.pass_threshold();
         if self.llr <= floor {
             self.llr = floor;
+            self.log_wealth = [floor; BETS];
             self.passed_once = true;
         }
         if self.llr >= config.fail_threshold() {
@@ -168,4 +241,9 @@ impl Sprt {
             V::Unverified
         }
     }
+}
+
+fn log_mean_exp(xs: &[f64; BETS]) -> f64 {
+    let max = xs.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    max + (xs.iter().map(|x| (x - max).exp()).sum::<f64>() / BETS as f64).ln()
 }

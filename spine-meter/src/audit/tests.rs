@@ -1,4 +1,4 @@
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -44,14 +44,8 @@ fn greedy_counts_clear_positions_and_judges_the_text_not_the_token_id() {
     assert_eq!(
         obs,
         vec![
-            Observation {
-                kind: ObservationKind::Greedy,
-                event: false
-            },
-            Observation {
-                kind: ObservationKind::Greedy,
-                event: false
-            },
+            Observation::Greedy { event: false },
+            Observation::Greedy { event: false },
         ]
     );
     let split = vec![
@@ -63,29 +57,89 @@ fn greedy_counts_clear_positions_and_judges_the_text_not_the_token_id() {
     // "Span" agrees with the text "Spanish." although the forced token is "Sp"; at "anish." the
     // reference's clear top-1 "ish" does not continue the text: an event
     assert_eq!(
-        obs.iter().map(|o| o.event).collect::<Vec<_>>(),
+        obs.iter().map(Observation::is_event).collect::<Vec<_>>(),
         [false, true]
     );
 }
 
 #[test]
-fn sampled_events_are_text_outside_the_head_and_unknown_heads_do_not_count() {
-    let cfg = ScoreConfig::default(); // tail 0.01
+fn sampled_surprisal_is_the_best_agreeing_tokens_and_the_bound_the_clipped_entropy() {
+    let cfg = ScoreConfig::default();
+    let full = [(" a", 0.6), (" b", 0.3), (" z", 0.1)];
+    let entropy: f64 = full.iter().map(|(_, p)| -p * f64::ln(*p)).sum();
     let tokens = vec![
-        // in the head (0.6 + 0.395 ≥ 0.99)
-        tok(" b", &[(" a", 0.6), (" b", 0.395), (" z", 0.004)]),
-        // outside the head: an event
-        tok(" z", &[(" a", 0.6), (" b", 0.395), (" z", 0.004)]),
-        // the listed tokens hold 0.9 < 0.99: the head is not known
-        tok(" q", &[(" a", 0.5), (" b", 0.4)]),
+        // the listed tokens hold all the mass: the bound at T = 1 is the entropy
+        tok(" b", &full),
+        // " zz" is continued by " z" (another split of the same text): its surprisal
+        tok(" zz", &full),
+        // no listed token continues the text: the cap, here −ln of the least listed (0.01)
+        tok(" q", &[(" a", 0.5), (" b", 0.4), (" c", 0.01)]),
+        // no top tokens (a token that splits a character): not scored
+        tok("!", &[]),
         tok(".", &[]),
     ];
-    let obs = observations(&tokens, b" b z q.", SamplingMode::Sampled, &cfg).unwrap();
-    assert_eq!(
-        obs.iter().map(|o| o.event).collect::<Vec<_>>(),
-        [false, true]
-    );
-    assert!(obs.iter().all(|o| o.kind == ObservationKind::Sampled));
+    let text = b" b zz q!.";
+    let at = |t: f64| {
+        observations(
+            &tokens,
+            text,
+            SamplingMode::Sampled { temperature: t },
+            &cfg,
+        )
+        .unwrap()
+    };
+    let obs = at(1.0);
+    assert_eq!(obs.len(), 3);
+    let close = |a: f64, b: f64| (a - b).abs() < 1e-9;
+    let Observation::Sampled {
+        surprisal,
+        bound,
+        cap,
+    } = obs[0]
+    else {
+        panic!("{obs:?}")
+    };
+    assert!(close(surprisal, -0.3f64.ln()) && close(bound, entropy) && close(cap, -0.1f64.ln()));
+    assert!(obs[0].is_event(), "1.20 nats above the bound 0.90");
+    let Observation::Sampled { surprisal, .. } = obs[1] else {
+        panic!()
+    };
+    assert!(close(surprisal, -0.1f64.ln()));
+    // third: 9 % unlisted, each at most 0.01; the cap is the default 3 nats (< −ln 0.01)
+    let Observation::Sampled {
+        surprisal,
+        bound,
+        cap,
+    } = obs[2]
+    else {
+        panic!()
+    };
+    let c = cfg.surprisal_cap;
+    assert!(close(c, 3.0));
+    let expect = 0.5 * -0.5f64.ln() + 0.4 * -0.4f64.ln() + 0.01 * c + 0.09 * c;
+    assert!(close(cap, c) && close(surprisal, c) && close(bound, expect));
+    assert!(obs[2].is_event());
+    // colder requests have lower bounds; the observed surprisal does not move
+    let cold = at(0.5);
+    for (hot, cold) in obs.iter().zip(&cold) {
+        let (
+            Observation::Sampled {
+                surprisal: s1,
+                bound: b1,
+                ..
+            },
+            Observation::Sampled {
+                surprisal: s2,
+                bound: b2,
+                ..
+            },
+        ) = (hot, cold)
+        else {
+            panic!()
+        };
+        assert!(close(*s1, *s2) && b2 < b1, "{b2} < {b1}");
+    }
+    assert!(obs.iter().all(|o| o.kind() == ObservationKind::Sampled));
 }
 
 #[test]
@@ -103,19 +157,14 @@ fn forced_tokens_that_do_not_spell_the_text_are_refused() {
 }
 
 #[test]
-fn wald_boundaries_and_the_floor() {
+fn boundaries_and_the_floor() {
     let cfg = SprtConfig::default();
     assert!(cfg.is_valid());
-    assert!((cfg.fail_threshold() - (0.99f64 / 1e-4).ln()).abs() < 1e-12);
-    assert!((cfg.pass_threshold() - (0.01f64 / (1.0 - 1e-4)).ln()).abs() < 1e-12);
-    let clear = Observation {
-        kind: ObservationKind::Greedy,
-        event: false,
-    };
-    let event = Observation {
-        kind: ObservationKind::Greedy,
-        event: true,
-    };
+    assert!((cfg.fail_threshold() - 1e5f64.ln()).abs() < 1e-12);
+    assert!((cfg.pass_threshold() - 0.01f64.ln()).abs() < 1e-12);
+    assert!((cfg.false_fail_bound(2_000) - 1e-5 * 21.0).abs() < 1e-15);
+    let clear = Observation::Greedy { event: false };
+    let event = Observation::Greedy { event: true };
     let mut honest = Sprt::default();
     assert_eq!(honest.verdict(&cfg), AuditVerdict::Unverified);
     let mut n = 0;
@@ -124,13 +173,14 @@ fn wald_boundaries_and_the_floor() {
         n += 1;
     }
     assert_eq!(honest.verdict(&cfg), AuditVerdict::Passing);
-    // b / ln(0.92/0.99) clear positions
-    let expect = (cfg.pass_threshold() / cfg.step(clear)).ceil() as u64;
+    // b / ln(0.92/0.998) clear positions
+    let expect = (cfg.pass_threshold() / cfg.greedy_step(false)).ceil() as u64;
     assert_eq!(n, expect);
     for _ in 0..10_000 {
         honest.observe(&cfg, clear);
     }
     assert_eq!(honest.llr, cfg.pass_threshold(), "held at the floor");
+    assert_eq!(honest.log_wealth, [cfg.pass_threshold(); BETS]);
     // a node that turns: climbs from the floor, suspect on the way, then failed
     let mut seen_suspect = false;
     while honest.verdict(&cfg) != AuditVerdict::Failed {
@@ -143,9 +193,9 @@ fn wald_boundaries_and_the_floor() {
     assert_eq!(honest, frozen, "failed is absorbing");
 }
 
-/// Monte Carlo check of the stated α: an honest node at the design rate p0 (the worst honest
-/// case) audited 2,000 tokens per run rarely fails; a substitute at p1 fails within 300 tokens
-/// nearly always.
+/// Monte Carlo check of the stated bound on greedy positions: an honest node at the design rate
+/// p0 (the worst honest case) audited 2,000 tokens per run fails in at most `α·(1 + 2,000·β)`
+/// of runs; a substitute at 0.17 (the spike's Q2_K rate) fails within 300 tokens nearly always.
 #[test]
 fn error_rates_hold_at_the_design_rates() {
     use rand::{Rng, SeedableRng};
@@ -155,13 +205,7 @@ fn error_rates_hold_at_the_design_rates() {
         let mut t = Sprt::default();
         for _ in 0..tokens {
             let event = rng.random_bool(p);
-            t.observe(
-                &cfg,
-                Observation {
-                    kind: ObservationKind::Greedy,
-                    event,
-                },
-            );
+            t.observe(&cfg, Observation::Greedy { event });
         }
         t.rejected
     };
@@ -171,7 +215,7 @@ fn error_rates_hold_at_the_design_rates() {
         .count();
     // at the bound p0 itself; honest nodes measured far below it (docs/trust.md)
     assert!(
-        honest_fails <= 4,
+        honest_fails as f64 <= runs as f64 * cfg.false_fail_bound(2_000),
         "{honest_fails} of {runs} honest runs failed"
     );
     let caught = (0..runs).filter(|_| run(&mut rng, 0.17, 300)).count();
@@ -188,12 +232,13 @@ fn which_requests_are_auditable() {
     let sampled = br#"{"model":"m","messages":[],"temperature":0.7,"top_p":0.9,"seed":3}"#;
     assert_eq!(
         auditable(chat, sampled).unwrap().mode,
-        SamplingMode::Sampled
+        SamplingMode::Sampled { temperature: 0.7 }
     );
+    // no temperature: the highest an audited request may use
     let default_t = br#"{"model":"m","messages":[]}"#;
     assert_eq!(
         auditable(chat, default_t).unwrap().mode,
-        SamplingMode::Sampled
+        SamplingMode::Sampled { temperature: 1.0 }
     );
     for (body, why) in [
         (
@@ -326,7 +371,7 @@ async fn an_honest_node_passes_a_substitute_fails_and_is_not_routed() {
     let s = &other.statuses()[0];
     // the test stops at the rejection boundary: ceil(a / ln(p1/p0)) events
     let cfg = SprtConfig::default();
-    let needed = (cfg.fail_threshold() / (cfg.greedy_p1 / cfg.greedy_p0).ln()).ceil() as u64;
+    let needed = (cfg.fail_threshold() / cfg.greedy_step(true)).ceil() as u64;
     assert_eq!(
         (s.verdict, s.tokens_audited, s.events),
         (AuditVerdict::Failed, needed, needed)
@@ -445,9 +490,9 @@ async fn a_suspect_nodes_earnings_are_held_and_verdict_changes_are_reported() {
     );
     let (node, model) = (NodeId::new("a"), ModelId::new("m"));
     assert!(!auditor.earnings_held(&node, &model), "unverified: paid");
-    // three disagreeing positions: past half the rejection boundary, not past it
+    // two disagreeing positions (2 ln 40 = 7.4): past half the rejection boundary, not past it
     assert_eq!(
-        auditor.audit_now(sample("a", &words(4))).await,
+        auditor.audit_now(sample("a", &words(3))).await,
         Some(AuditVerdict::Suspect)
     );
     assert!(auditor.earnings_held(&node, &model));
@@ -472,9 +517,9 @@ async fn a_suspect_nodes_earnings_are_held_and_verdict_changes_are_reported() {
 }
 
 /// The false-alarm probability of one honest run of `SPINE_SPRT_TOKENS` (default 2,000) clear
-/// positions when events occur at each rate of `SPINE_SPRT_P` (comma-separated, default the
-/// design p0 of both statistics), by Monte Carlo over `SPINE_SPRT_RUNS` runs (default 100,000),
-/// for `docs/trust.md`: `cargo test --workspace --lib -- --ignored --nocapture sprt_false_alarm`.
+/// greedy positions when events occur at each rate of `SPINE_SPRT_P` (comma-separated, default
+/// the design p0), by Monte Carlo over `SPINE_SPRT_RUNS` runs (default 100,000), for
+/// `docs/trust.md`: `cargo test -p spine-meter --lib -- --ignored --nocapture sprt_false_alarm`.
 #[test]
 #[ignore = "a measurement for docs/trust.md"]
 #[allow(clippy::print_stdout)]
@@ -487,35 +532,300 @@ fn sprt_false_alarm_at_rates() {
     let runs: usize = env("SPINE_SPRT_RUNS")
         .and_then(|v| v.parse().ok())
         .unwrap_or(100_000);
+    let cfg = SprtConfig::default();
     let rates: Vec<f64> = env("SPINE_SPRT_P")
         .map(|v| v.split(',').filter_map(|p| p.trim().parse().ok()).collect())
-        .unwrap_or_else(|| vec![0.01]);
-    let cfg = SprtConfig::default();
+        .unwrap_or_else(|| vec![cfg.greedy_p0]);
     let mut rng = rand::rngs::StdRng::seed_from_u64(19);
-    for kind in [ObservationKind::Greedy, ObservationKind::Sampled] {
-        for &p in &rates {
-            let failed = (0..runs)
-                .filter(|_| {
-                    let mut t = Sprt::default();
-                    for _ in 0..tokens {
-                        t.observe(
-                            &cfg,
-                            Observation {
-                                kind,
-                                event: rng.random_bool(p),
-                            },
-                        );
-                        if t.rejected {
-                            break;
-                        }
+    for &p in &rates {
+        let failed = (0..runs)
+            .filter(|_| {
+                let mut t = Sprt::default();
+                for _ in 0..tokens {
+                    t.observe(
+                        &cfg,
+                        Observation::Greedy {
+                            event: rng.random_bool(p),
+                        },
+                    );
+                    if t.rejected {
+                        break;
                     }
-                    t.rejected
-                })
-                .count();
-            println!(
-                "{kind:?} events at p = {p}: {failed} of {runs} runs of {tokens} clear positions failed ({:.2e})",
-                failed as f64 / runs as f64
-            );
+                }
+                t.rejected
+            })
+            .count();
+        println!(
+            "greedy events at p = {p}: {failed} of {runs} runs of {tokens} clear positions failed ({:.2e}; bound at p ≤ p0: {:.2e})",
+            failed as f64 / runs as f64,
+            cfg.false_fail_bound(tokens as u64)
+        );
+    }
+}
+
+/// A simulated vocabulary: token `i` is spelled `<i>` (no token is a prefix of another).
+mod sim {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    pub(super) const VOCAB: usize = 120;
+
+    pub(super) fn rng(seed: u64) -> rand::rngs::StdRng {
+        rand::rngs::StdRng::seed_from_u64(seed)
+    }
+
+    /// Raw probabilities from normal logits of standard deviation `scale` (Box–Muller).
+    pub(super) fn distribution(rng: &mut impl Rng, scale: f64) -> Vec<f64> {
+        let logits: Vec<f64> = (0..VOCAB)
+            .map(|_| {
+                let (u, v): (f64, f64) = (rng.random::<f64>().max(1e-300), rng.random());
+                scale * (-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()
+            })
+            .collect();
+        softmax(&logits, 1.0)
+    }
+
+    pub(super) fn softmax(logits: &[f64], temperature: f64) -> Vec<f64> {
+        let max = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let w: Vec<f64> = logits
+            .iter()
+            .map(|l| ((l - max) / temperature).exp())
+            .collect();
+        let z: f64 = w.iter().sum();
+        w.iter().map(|x| x / z).collect()
+    }
+
+    /// How an engine truncates.
+    #[derive(Clone, Copy, Debug)]
+    pub(super) enum Trunc {
+        None,
+        TopK(usize),
+        TopP(f64),
+        MinP(f64),
+        /// llama.cpp's defaults: top-k 40, top-p 0.95, min-p 0.05.
+        LlamaCpp,
+    }
+
+    fn truncate(p: &[f64], trunc: Trunc) -> Vec<f64> {
+        let mut order: Vec<usize> = (0..p.len()).collect();
+        order.sort_by(|&a, &b| p[b].total_cmp(&p[a]));
+        let mut keep = vec![false; p.len()];
+        let (k, top_p, min_p) = match trunc {
+            Trunc::None => (p.len(), 1.0, 0.0),
+            Trunc::TopK(k) => (k, 1.0, 0.0),
+            Trunc::TopP(x) => (p.len(), x, 0.0),
+            Trunc::MinP(x) => (p.len(), 1.0, x),
+            Trunc::LlamaCpp => (40, 0.95, 0.05),
+        };
+        let total: f64 = p.iter().sum();
+        let mut mass = 0.0;
+        for (rank, &i) in order.iter().enumerate() {
+            if rank >= k || p[i] < min_p * p[order[0]] || (rank > 0 && mass >= top_p * total) {
+                break;
+            }
+            keep[i] = true;
+            mass += p[i];
+        }
+        let z: f64 = (0..p.len()).filter(|&i| keep[i]).map(|i| p[i]).sum();
+        (0..p.len())
+            .map(|i| if keep[i] { p[i] / z } else { 0.0 })
+            .collect()
+    }
+
+    /// The node's sampling distribution: truncation of the raw probabilities then temperature
+    /// (llama.cpp's order), or temperature then truncation (vLLM's).
+    pub(super) fn node(p: &[f64], temperature: f64, trunc: Trunc, temp_first: bool) -> Vec<f64> {
+        let temper = |q: &[f64]| {
+            let logits: Vec<f64> = q
+                .iter()
+                .map(|x| if *x > 0.0 { x.ln() } else { f64::NEG_INFINITY })
+                .collect();
+            softmax(&logits, temperature)
+        };
+        if temp_first {
+            truncate(&temper(p), trunc)
+        } else {
+            temper(&truncate(p, trunc))
         }
     }
+
+    /// The reference's answer at a position whose delivered token is `x`: the 40 most probable
+    /// tokens of `p`, then a last position (never scored).
+    pub(super) fn scored(p: &[f64], x: usize) -> (Vec<ScoredToken>, Vec<u8>) {
+        let mut order: Vec<usize> = (0..p.len()).collect();
+        order.sort_by(|&a, &b| p[b].total_cmp(&p[a]));
+        let top = order[..40]
+            .iter()
+            .map(|&i| TopToken {
+                bytes: format!("<{i}>").into_bytes(),
+                logprob: p[i].ln(),
+            })
+            .collect();
+        let text = format!("<{x}>.").into_bytes();
+        let tokens = vec![
+            ScoredToken {
+                bytes: format!("<{x}>").into_bytes(),
+                top,
+            },
+            ScoredToken {
+                bytes: b".".to_vec(),
+                top: Vec::new(),
+            },
+        ];
+        (tokens, text)
+    }
+
+    pub(super) fn observe(p: &[f64], x: usize, temperature: f64) -> Option<Observation> {
+        let (tokens, text) = scored(p, x);
+        let mode = SamplingMode::Sampled { temperature };
+        observations(&tokens, &text, mode, &ScoreConfig::default())
+            .unwrap()
+            .pop()
+    }
+
+    pub(super) fn draw(rng: &mut impl Rng, q: &[f64]) -> usize {
+        let mut u: f64 = rng.random();
+        for (i, x) in q.iter().enumerate() {
+            u -= x;
+            if u < 0.0 {
+                return i;
+            }
+        }
+        q.iter().rposition(|x| *x > 0.0).unwrap_or(0)
+    }
+}
+
+/// The theorem behind the sampled statistic (`score` module docs), checked exactly: for
+/// distributions of every spread, an honest node at any temperature up to the request's and any
+/// truncation has an expected observed surprisal at most the bound the reference computes from
+/// its 40 listed tokens.
+#[test]
+fn honest_expected_surprisal_is_at_most_the_bound() {
+    use sim::*;
+    let mut rng = rng(1);
+    let truncs = [
+        Trunc::None,
+        Trunc::TopK(40),
+        Trunc::TopK(3),
+        Trunc::TopP(0.95),
+        Trunc::TopP(0.5),
+        Trunc::MinP(0.05),
+        Trunc::MinP(0.3),
+        Trunc::LlamaCpp,
+    ];
+    let mut checked = 0;
+    let mut tightest = f64::INFINITY;
+    for scale in [0.3, 1.0, 2.0, 3.0, 5.0] {
+        for _ in 0..8 {
+            let p = distribution(&mut rng, scale);
+            for requested in [0.5, 0.7, 1.0] {
+                // the node may sample colder than asked, never hotter
+                for used in [requested, requested * 0.6] {
+                    for trunc in truncs {
+                        for temp_first in [false, true] {
+                            let q = node(&p, used, trunc, temp_first);
+                            let mut mean = 0.0;
+                            let mut bound = None;
+                            for (x, qx) in q.iter().enumerate().filter(|(_, q)| **q > 0.0) {
+                                let Some(Observation::Sampled {
+                                    surprisal,
+                                    bound: b,
+                                    ..
+                                }) = observe(&p, x, requested)
+                                else {
+                                    panic!("a sampled observation")
+                                };
+                                mean += qx * surprisal;
+                                bound = Some(b);
+                            }
+                            let bound = bound.unwrap();
+                            assert!(
+                                mean <= bound + 1e-9,
+                                "scale {scale} T {requested} (used {used}) {trunc:?}: E[s] = {mean} > {bound}"
+                            );
+                            if used == requested && matches!(trunc, Trunc::None) {
+                                tightest = tightest.min(bound - mean);
+                            }
+                            checked += 1;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert_eq!(checked, 5 * 8 * 3 * 2 * 8 * 2);
+    // untruncated at the requested temperature the bound is nearly attained (only the clipping
+    // and the unlisted tokens' allowance separate them)
+    assert!(tightest < 0.05, "{tightest}");
+}
+
+/// Honest nodes sampled from known distributions at T ∈ {0.5, 0.7, 1.0}, with and without
+/// truncation, are failed in no more runs than the bound allows, and the statistic drifts down
+/// for them; a node sampling from another distribution (the reference's logits plus noise, the
+/// shape of another model) is failed.
+#[test]
+fn honest_sampling_is_not_failed_and_a_shifted_distribution_is() {
+    use rand::Rng;
+    use sim::*;
+    let mut rng = rng(2);
+    let cfg = SprtConfig::default();
+    let positions = 300;
+    let runs = 40;
+    let mut honest_failed = 0;
+    let mut honest_final = Vec::new();
+    for &(temperature, trunc) in &[
+        (1.0, Trunc::None),
+        (0.7, Trunc::None),
+        (0.5, Trunc::None),
+        (1.0, Trunc::LlamaCpp),
+        (0.7, Trunc::TopP(0.9)),
+    ] {
+        for _ in 0..runs {
+            let mut t = Sprt::default();
+            for _ in 0..positions {
+                let p = distribution(&mut rng, 2.5);
+                let x = draw(&mut rng, &node(&p, temperature, trunc, false));
+                t.observe(&cfg, observe(&p, x, temperature).unwrap());
+            }
+            honest_failed += usize::from(t.rejected);
+            honest_final.push(t.llr);
+        }
+    }
+    let honest_runs = 5 * runs;
+    assert!(
+        honest_failed as f64 <= honest_runs as f64 * cfg.false_fail_bound(positions as u64),
+        "{honest_failed} of {honest_runs}"
+    );
+    assert_eq!(honest_failed, 0);
+    // a supermartingale: E[Λ] ≤ ln E[M] ≤ 0 (Jensen), for every configuration
+    for (i, finals) in honest_final.chunks(runs).enumerate() {
+        let mean = finals.iter().sum::<f64>() / runs as f64;
+        assert!(mean < 0.0, "configuration {i}: mean Λ {mean}");
+    }
+    // another model: the reference's logits plus independent noise of sd 1.5, sampled at T = 1
+    let mut caught = 0;
+    let mut to_fail = Vec::new();
+    let runs = 100;
+    for _ in 0..runs {
+        let mut t = Sprt::default();
+        for n in 1..=1_000 {
+            let p = distribution(&mut rng, 2.5);
+            let noisy: Vec<f64> = p
+                .iter()
+                .map(|x| x.ln() + 1.5 * (rng.random::<f64>() - 0.5) * 12f64.sqrt())
+                .collect();
+            let x = draw(&mut rng, &softmax(&noisy, 1.0));
+            t.observe(&cfg, observe(&p, x, 1.0).unwrap());
+            if t.rejected {
+                to_fail.push(n);
+                break;
+            }
+        }
+        caught += usize::from(t.rejected);
+    }
+    to_fail.sort_unstable();
+    assert!(
+        caught * 100 >= runs * 99,
+        "caught {caught} of {runs}: {to_fail:?}"
+    );
 }
