@@ -9,13 +9,18 @@
 //! `llama-reference`: `audit::LlamaCppReference` (a hyper client to a llama-server).
 
 pub mod audit;
+pub mod catalog;
 pub mod classify;
 pub mod gguf;
 pub mod inject;
+pub mod keys;
 pub mod ledger;
 #[cfg(feature = "limits")]
 pub mod limits;
 pub mod meter;
+#[cfg(feature = "metrics")]
+pub mod metrics;
+pub mod node_error;
 pub mod price;
 pub mod responses;
 pub mod sse;
