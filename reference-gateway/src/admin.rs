@@ -18,9 +18,9 @@ use sha2::{Digest, Sha256};
 use spine_core::{AccountId, ModelId, OperatorId, RequestId};
 
 use crate::api;
-use crate::auth;
 use crate::error::{ledger_error, ApiError};
 use crate::state::AppState;
+use spine_meter::keys;
 use spine_meter::limits::KeyHash;
 use spine_meter::KeyLimits;
 
@@ -69,7 +69,7 @@ async fn require_admin(State(state): State<Arc<AppState>>, req: Request, next: N
         .headers()
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(auth::bearer_token)
+        .and_then(keys::bearer_token)
         .unwrap_or("");
     // Compare digests so the comparison time does not depend on how much of the token matched.
     if Sha256::digest(presented.as_bytes()) != Sha256::digest(state.admin_token.as_bytes()) {
@@ -96,8 +96,8 @@ fn parse_body<T: for<'de> Deserialize<'de> + Default>(bytes: &[u8]) -> Result<T,
 /// The caller's id if valid, else a fresh `<prefix>_…` id.
 fn checked_id(id: Option<String>, prefix: &str) -> Result<String, ApiError> {
     match id {
-        None => Ok(auth::new_id(prefix)),
-        Some(id) if auth::valid_id(&id) => Ok(id),
+        None => Ok(keys::new_id(prefix)),
+        Some(id) if keys::valid_id(&id) => Ok(id),
         Some(_) => Err(ApiError::invalid_request(
             "invalid_id",
             "id must be 1-64 characters of [A-Za-z0-9_.-]",
@@ -112,18 +112,18 @@ struct CreateBody {
     id: Option<String>,
 }
 
-async fn create_account(State(state): State<Arc<AppState>>, body: axum::body::Bytes) -> Response {
-    let result = async {
-        let body: CreateBody = parse_body(&body)?;
-        let id = AccountId::new(checked_id(body.id, "acct")?);
-        state
-            .store
-            .create_account(&id)
-            .await
-            .map_err(ledger_error)?;
-        Ok::<_, ApiError>((StatusCode::CREATED, Json(json!({"id": id}))))
-    };
-    result.await.into_response()
+async fn create_account(
+    State(state): State<Arc<AppState>>,
+    body: axum::body::Bytes,
+) -> Result<impl IntoResponse, ApiError> {
+    let body: CreateBody = parse_body(&body)?;
+    let id = AccountId::new(checked_id(body.id, "acct")?);
+    state
+        .store
+        .create_account(&id)
+        .await
+        .map_err(ledger_error)?;
+    Ok((StatusCode::CREATED, Json(json!({"id": id}))))
 }
 
 async fn account_json(state: &AppState, id: &AccountId) -> Result<Value, ApiError> {
@@ -158,44 +158,41 @@ async fn create_key(
     State(state): State<Arc<AppState>>,
     Path(id): Path<String>,
     body: axum::body::Bytes,
-) -> Response {
-    let result = async {
-        let body: CreateKeyBody = parse_body(&body)?;
-        let account = AccountId::new(id);
-        let key = auth::new_api_key();
-        let key_hash = auth::hash_api_key(&key);
-        state
-            .store
-            .create_api_key(&account, &key_hash)
-            .await
-            .map_err(ledger_error)?;
-        let key_hash = KeyHash(key_hash);
-        state
-            .limits
-            .set_key_limits(
-                &key_hash,
-                KeyLimits {
-                    rpm_limit: body.rpm_limit,
-                    tpm_limit: body.tpm_limit,
-                },
-            )
-            .await
-            .map_err(|e| {
-                tracing::error!(error = %e, "cannot save key limits");
-                ApiError::internal("the key was created but its limits could not be saved")
-            })?;
-        let (rpm_limit, tpm_limit) = state.limits.effective(&key_hash);
-        Ok::<_, ApiError>((
-            StatusCode::CREATED,
-            Json(json!({
-                "account_id": account,
-                "key": key,
-                "rpm_limit": rpm_limit,
-                "tpm_limit": tpm_limit,
-            })),
-        ))
-    };
-    result.await.into_response()
+) -> Result<impl IntoResponse, ApiError> {
+    let body: CreateKeyBody = parse_body(&body)?;
+    let account = AccountId::new(id);
+    let key = keys::new_api_key();
+    let key_hash = keys::hash_api_key(&key);
+    state
+        .store
+        .create_api_key(&account, &key_hash)
+        .await
+        .map_err(ledger_error)?;
+    let key_hash = KeyHash(key_hash);
+    state
+        .limits
+        .set_key_limits(
+            &key_hash,
+            KeyLimits {
+                rpm_limit: body.rpm_limit,
+                tpm_limit: body.tpm_limit,
+            },
+        )
+        .await
+        .map_err(|e| {
+            tracing::error!(error = %e, "cannot save key limits");
+            ApiError::internal("the key was created but its limits could not be saved")
+        })?;
+    let (rpm_limit, tpm_limit) = state.limits.effective(&key_hash);
+    Ok((
+        StatusCode::CREATED,
+        Json(json!({
+            "account_id": account,
+            "key": key,
+            "rpm_limit": rpm_limit,
+            "tpm_limit": tpm_limit,
+        })),
+    ))
 }
 
 #[derive(Deserialize, Default)]
@@ -211,85 +208,80 @@ async fn add_credits(
     Path(id): Path<String>,
     headers: HeaderMap,
     body: axum::body::Bytes,
-) -> Response {
-    let result = async {
-        let body: CreditsBody = serde_json::from_slice(&body).map_err(|e| {
+) -> Result<impl IntoResponse, ApiError> {
+    let body: CreditsBody = serde_json::from_slice(&body).map_err(|e| {
+        ApiError::invalid_request(
+            "invalid_json",
+            format!("expected {{\"amount_micros\": <u64>, \"idempotency_key\": <string>}}: {e}"),
+        )
+    })?;
+    let key = body
+        .idempotency_key
+        .or_else(|| {
+            headers
+                .get("idempotency-key")
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned)
+        })
+        .ok_or_else(|| {
             ApiError::invalid_request(
-                "invalid_json",
-                format!(
-                    "expected {{\"amount_micros\": <u64>, \"idempotency_key\": <string>}}: {e}"
-                ),
+                "missing_idempotency_key",
+                "credits need an idempotency key (body 'idempotency_key' or header 'Idempotency-Key')",
             )
         })?;
-        let key = body
-            .idempotency_key
-            .or_else(|| {
-                headers
-                    .get("idempotency-key")
-                    .and_then(|v| v.to_str().ok())
-                    .map(str::to_owned)
-            })
-            .ok_or_else(|| {
-                ApiError::invalid_request(
-                    "missing_idempotency_key",
-                    "credits need an idempotency key (body 'idempotency_key' or header 'Idempotency-Key')",
-                )
-            })?;
-        if body.amount_micros == 0 {
-            return Err(ApiError::invalid_request(
-                "invalid_amount",
-                "amount_micros must be positive",
-            ));
-        }
-        let account = AccountId::new(id);
-        let applied = state
-            .store
-            .add_credits(&account, body.amount_micros, &key)
-            .await
-            .map_err(ledger_error)?;
-        let mut out = account_json(&state, &account).await?;
-        out["applied"] = Value::Bool(applied);
-        Ok(Json(out))
-    };
-    result.await.into_response()
+    if body.amount_micros == 0 {
+        return Err(ApiError::invalid_request(
+            "invalid_amount",
+            "amount_micros must be positive",
+        ));
+    }
+    let account = AccountId::new(id);
+    let applied = state
+        .store
+        .add_credits(&account, body.amount_micros, &key)
+        .await
+        .map_err(ledger_error)?;
+    let mut out = account_json(&state, &account).await?;
+    out["applied"] = Value::Bool(applied);
+    Ok(Json(out))
 }
 
-async fn create_operator(State(state): State<Arc<AppState>>, body: axum::body::Bytes) -> Response {
-    let result = async {
-        let body: CreateBody = parse_body(&body)?;
-        let id = OperatorId::new(checked_id(body.id, "op")?);
-        state
-            .store
-            .create_operator(&id)
-            .await
-            .map_err(ledger_error)?;
-        Ok::<_, ApiError>((StatusCode::CREATED, Json(json!({"id": id}))))
-    };
-    result.await.into_response()
+async fn create_operator(
+    State(state): State<Arc<AppState>>,
+    body: axum::body::Bytes,
+) -> Result<impl IntoResponse, ApiError> {
+    let body: CreateBody = parse_body(&body)?;
+    let id = OperatorId::new(checked_id(body.id, "op")?);
+    state
+        .store
+        .create_operator(&id)
+        .await
+        .map_err(ledger_error)?;
+    Ok((StatusCode::CREATED, Json(json!({"id": id}))))
 }
 
-async fn get_operator(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
-    let result = async {
-        let id = OperatorId::new(id);
-        let earned = state
-            .store
-            .operator_earned_micros(&id)
-            .await
-            .map_err(ledger_error)?;
-        // each node: connected / routable / models now, requests served and credits so far
-        let nodes = crate::enroll::nodes_json(&state, &id).await?;
-        let requests_served: u64 = nodes
-            .iter()
-            .filter_map(|n| n["requests_served"].as_u64())
-            .sum();
-        Ok::<_, ApiError>(Json(json!({
-            "id": id,
-            "earned_micros": earned,
-            "requests_served": requests_served,
-            "nodes": nodes,
-        })))
-    };
-    result.await.into_response()
+async fn get_operator(
+    State(state): State<Arc<AppState>>,
+    Path(id): Path<String>,
+) -> Result<impl IntoResponse, ApiError> {
+    let id = OperatorId::new(id);
+    let earned = state
+        .store
+        .operator_earned_micros(&id)
+        .await
+        .map_err(ledger_error)?;
+    // each node: connected / routable / models now, requests served and credits so far
+    let nodes = crate::enroll::nodes_json(&state, &id).await?;
+    let requests_served: u64 = nodes
+        .iter()
+        .filter_map(|n| n["requests_served"].as_u64())
+        .sum();
+    Ok(Json(json!({
+        "id": id,
+        "earned_micros": earned,
+        "requests_served": requests_served,
+        "nodes": nodes,
+    })))
 }
 
 #[derive(Deserialize, Default)]
@@ -299,30 +291,29 @@ struct RegisterNodeBody {
     public_key: String,
 }
 
-async fn register_node(State(state): State<Arc<AppState>>, body: axum::body::Bytes) -> Response {
-    let result = async {
-        let body: RegisterNodeBody = serde_json::from_slice(&body).map_err(|e| {
-            ApiError::invalid_request(
-                "invalid_json",
-                format!("expected {{\"operator_id\": <id>, \"public_key\": \"ed25519:…\"}}: {e}"),
-            )
-        })?;
-        // Store the canonical text form so the tunnel's lookup matches byte for byte.
-        let key = spine_transport::parse_public_key_text(body.public_key.trim()).map_err(|e| {
-            ApiError::invalid_request("invalid_public_key", format!("public_key: {e}"))
-        })?;
-        let text = spine_transport::public_key_text(&key);
-        let node = state
-            .store
-            .register_node(&OperatorId::new(body.operator_id), &text)
-            .await
-            .map_err(ledger_error)?;
-        Ok::<_, ApiError>((
-            StatusCode::CREATED,
-            Json(json!({"node_id": node, "public_key": text})),
-        ))
-    };
-    result.await.into_response()
+async fn register_node(
+    State(state): State<Arc<AppState>>,
+    body: axum::body::Bytes,
+) -> Result<impl IntoResponse, ApiError> {
+    let body: RegisterNodeBody = serde_json::from_slice(&body).map_err(|e| {
+        ApiError::invalid_request(
+            "invalid_json",
+            format!("expected {{\"operator_id\": <id>, \"public_key\": \"ed25519:…\"}}: {e}"),
+        )
+    })?;
+    // Store the canonical text form so the tunnel's lookup matches byte for byte.
+    let key = spine_transport::parse_public_key_text(body.public_key.trim())
+        .map_err(|e| ApiError::invalid_request("invalid_public_key", format!("public_key: {e}")))?;
+    let text = spine_transport::public_key_text(&key);
+    let node = state
+        .store
+        .register_node(&OperatorId::new(body.operator_id), &text)
+        .await
+        .map_err(ledger_error)?;
+    Ok((
+        StatusCode::CREATED,
+        Json(json!({"node_id": node, "public_key": text})),
+    ))
 }
 
 /// The admission queue of each model that has queued a request since the gateway started.
@@ -428,7 +419,9 @@ async fn render_metrics(State(state): State<Arc<AppState>>) -> Response {
             "text/plain; version=0.0.4; charset=utf-8",
         )],
         {
-            crate::metrics::record_audits(state.auditor.as_ref());
+            if let Some(auditor) = &state.auditor {
+                spine_meter::metrics::record_audits(auditor);
+            }
             state.metrics.render()
         },
     )

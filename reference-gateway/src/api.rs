@@ -14,13 +14,16 @@ use http::header::{self, HeaderName, HeaderValue};
 use http_body_util::BodyExt;
 use serde_json::json;
 use spine_core::{AccountId, BoxBody, BoxError, RequestContext, RequestId, RequestKind};
+use spine_meter::keys::presented_key_hash;
+use spine_meter::limits::KeyHash;
+use spine_meter::metrics::TtftBody;
+use spine_meter::node_error::NodeError;
+use spine_meter::responses::{ReshapeError, ResponsesAnswer, TranslateError};
 use tower::ServiceExt;
 
-use crate::auth;
 use crate::error::ApiError;
-use crate::metrics::{TtftBody, HTTP_REQUESTS, RATE_LIMITED};
+use crate::metrics::{HTTP_REQUESTS, RATE_LIMITED};
 use crate::state::{AppState, Stack};
-use spine_meter::limits::KeyHash;
 
 pub(crate) const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
@@ -64,7 +67,7 @@ async fn count_http(req: Request, next: Next) -> Response {
 
 /// Gives every request a fresh [`RequestId`] and every response its `x-request-id` header.
 pub(crate) async fn request_id(mut req: Request, next: Next) -> Response {
-    let id = auth::new_request_id();
+    let id = spine_meter::keys::new_request_id();
     req.extensions_mut().insert(id.clone());
     let mut resp = next.run(req).await;
     if let Ok(v) = HeaderValue::from_str(id.as_str()) {
@@ -90,25 +93,10 @@ async fn method_not_allowed(req: Request) -> ApiError {
     )
 }
 
-/// SHA-256 of the bearer token, if the request has one.
-fn presented_key_hash(headers: &http::HeaderMap) -> Option<String> {
-    headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(auth::bearer_token)
-        .map(auth::hash_api_key)
-}
-
 async fn authenticate(state: &AppState, key_hash: Option<String>) -> Result<AccountId, ApiError> {
     let key_hash = key_hash.ok_or_else(ApiError::unauthorized)?;
-    if let Some(account) = state.keys.get(&key_hash) {
-        return Ok(account);
-    }
-    match state.store.account_for_key_hash(&key_hash).await {
-        Ok(Some(account)) => {
-            state.keys.insert(key_hash, account.clone());
-            Ok(account)
-        }
+    match state.keys.account_for(&*state.store, &key_hash).await {
+        Ok(Some(account)) => Ok(account),
         Ok(None) => Err(ApiError::unauthorized()),
         Err(e) => {
             tracing::error!(error = %e, "key lookup failed");
@@ -123,7 +111,12 @@ async fn authenticate(state: &AppState, key_hash: Option<String>) -> Result<Acco
 }
 
 async fn list_models(State(state): State<Arc<AppState>>, req: Request) -> Response {
-    if let Err(e) = authenticate(&state, presented_key_hash(req.headers())).await {
+    if let Err(e) = authenticate(
+        &state,
+        presented_key_hash(req.headers().get(header::AUTHORIZATION)),
+    )
+    .await
+    {
         return e.into_response();
     }
     let served = state.registry.models();
@@ -148,7 +141,12 @@ async fn retrieve_model(
     id: Result<axum::extract::Path<String>, axum::extract::rejection::PathRejection>,
     req: Request,
 ) -> Response {
-    if let Err(e) = authenticate(&state, presented_key_hash(req.headers())).await {
+    if let Err(e) = authenticate(
+        &state,
+        presented_key_hash(req.headers().get(header::AUTHORIZATION)),
+    )
+    .await
+    {
         return e.into_response();
     }
     let id = match id {
@@ -206,190 +204,67 @@ enum Surface {
     Responses,
 }
 
-/// A Responses request's body translated into a chat completion body, and what its answer
-/// needs; or the caller's error.
-async fn translate_responses(
-    state: &AppState,
-    body: Body,
-    request_id: Option<&RequestId>,
-) -> Result<(BoxBody, ResponsesAnswer), ApiError> {
-    let limit = state.max_request_body_bytes;
-    let bytes = match http_body_util::Limited::new(body, limit).collect().await {
-        Ok(c) => c.to_bytes(),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
-            return Err(ApiError::new(
-                http::StatusCode::PAYLOAD_TOO_LARGE,
-                "invalid_request_error",
-                "request_too_large",
-                format!("request body larger than {limit} bytes"),
-            ))
+/// The caller's error for a `/v1/responses` body that cannot be translated.
+fn translate_error(e: TranslateError) -> ApiError {
+    match e {
+        TranslateError::TooLarge { .. } => ApiError::new(
+            http::StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            "request_too_large",
+            e.to_string(),
+        ),
+        TranslateError::Invalid(e) => {
+            let err = ApiError::invalid_request(e.code, e.message);
+            match e.param {
+                Some(param) => err.with_param(param),
+                None => err,
+            }
         }
-        Err(e) => {
-            return Err(ApiError::invalid_request(
-                "invalid_body",
-                format!("cannot read the request body: {e}"),
-            ))
-        }
-    };
-    let translation = spine_meter::responses::chat_request(&bytes).map_err(|e| {
-        let err = ApiError::invalid_request(e.code, e.message);
-        match e.param {
-            Some(param) => err.with_param(param),
-            None => err,
-        }
-    })?;
-    let meta = spine_meter::responses::ResponseMeta::new(
-        request_id.map_or("", RequestId::as_str),
-        translation.echo,
-    );
-    let body = http_body_util::Full::new(bytes::Bytes::from(translation.chat_body))
-        .map_err(|never| match never {});
-    Ok((
-        BoxBody::new(body),
-        ResponsesAnswer {
-            meta,
-            stream: translation.stream,
-        },
-    ))
-}
-
-/// Buffers a whole body (one the meter has already bounded). A plain function returning a
-/// boxed future: collecting a `BoxBody` inside an async fn trips rustc's higher-ranked check
-/// on its `dyn Error` (as `spine_meter`'s own body buffering notes).
-fn collect_bytes(
-    body: BoxBody,
-) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<bytes::Bytes, String>> + Send>> {
-    use std::future::Future as _;
-    let mut collect = Box::pin(body.collect());
-    Box::pin(std::future::poll_fn(move |cx| {
-        collect
-            .as_mut()
-            .poll(cx)
-            .map(|r| r.map(|c| c.to_bytes()).map_err(|e| e.to_string()))
-    }))
-}
-
-/// What a `/v1/responses` answer needs: its meta, and whether the caller asked for a stream.
-struct ResponsesAnswer {
-    meta: spine_meter::responses::ResponseMeta,
-    stream: bool,
+        e => ApiError::invalid_request("invalid_body", e.to_string()),
+    }
 }
 
 /// An error about a chat member, named as the Responses API names it.
-fn responses_param(mut err: ApiError) -> ApiError {
-    let renamed = match err.param.as_deref() {
-        Some("messages") => Some("input"),
-        Some("max_tokens" | "max_completion_tokens") => Some("max_output_tokens"),
-        _ => None,
-    };
-    if let Some(p) = renamed {
-        err = err.with_param(p);
+fn responses_param(err: ApiError) -> ApiError {
+    match err
+        .param
+        .as_deref()
+        .and_then(spine_meter::responses::responses_param)
+    {
+        Some(p) => err.with_param(p),
+        None => err,
     }
-    err
 }
 
-/// A metered chat answer as the Responses answer the caller asked for: a stream re-shaped as
-/// it flows, a JSON body (already buffered by the meter) converted whole. A node that answered
-/// in the other shape (a whole body to a streamed request, or a stream to one that was not)
-/// is re-shaped too: the request is already metered, so the caller gets what it paid for in
-/// the shape its SDK expects.
+/// A metered chat answer as the Responses answer the caller asked for
+/// ([`ResponsesAnswer::reshape`]); what cannot be re-shaped is the node's failure (502) or the
+/// gateway's (500).
 async fn into_responses_answer(
     resp: http::Response<BoxBody>,
     answer: ResponsesAnswer,
 ) -> http::Response<BoxBody> {
-    use spine_meter::responses::{chat_json_as_stream, response_from_chat, ResponsesSse};
-    if !resp.status().is_success() {
-        return resp;
-    }
-    let ResponsesAnswer { meta, stream } = answer;
-    let streamed = resp
-        .headers()
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.starts_with("text/event-stream"));
-    let (mut parts, body) = resp.into_parts();
-    parts.headers.remove(header::CONTENT_LENGTH);
-    let sse = HeaderValue::from_static("text/event-stream");
-    match (stream, streamed) {
-        (true, true) => {
-            let body = ResponsesSse::new(body, meta);
-            return http::Response::from_parts(parts, BoxBody::new(body));
-        }
-        (true, false) => {
-            let whole = collect_bytes(body).await.unwrap_or_default();
-            let chat = http_body_util::Full::new(chat_json_as_stream(&whole))
-                .map_err(|never| match never {});
-            let body = ResponsesSse::new(BoxBody::new(chat), meta);
-            parts.headers.insert(header::CONTENT_TYPE, sse);
-            return http::Response::from_parts(parts, BoxBody::new(body));
-        }
-        (false, true) => {
-            // the stream converted, and its final response object is the answer
-            let events = collect_bytes(BoxBody::new(ResponsesSse::new(body, meta)))
-                .await
-                .unwrap_or_default();
-            let last = String::from_utf8_lossy(&events)
-                .split("\n\n")
-                .filter_map(|e| e.lines().find_map(|l| l.strip_prefix("data: ")))
-                .filter_map(|d| serde_json::from_str::<serde_json::Value>(d).ok())
-                .filter(|v| v["type"] != "error")
-                .last();
-            // a failed answer that was billed (cut at a gateway bound: its usage is there) is
-            // returned as the failed response object, since the caller pays for its output
-            let bytes = match last {
-                Some(v)
-                    if v["response"]["status"] != "failed"
-                        || v["response"]["usage"].is_object() =>
-                {
-                    v["response"].to_string()
-                }
-                _ => {
-                    return ApiError::new(
-                        http::StatusCode::BAD_GATEWAY,
-                        "api_error",
-                        "node_failure",
-                        "the node's answer ended before it was complete",
-                    )
-                    .into_response()
-                    .map(|b| BoxBody::new(b.map_err(BoxError::from)));
-                }
-            };
-            parts.headers.insert(
-                header::CONTENT_TYPE,
-                HeaderValue::from_static("application/json"),
-            );
-            let body = http_body_util::Full::new(bytes::Bytes::from(bytes))
-                .map_err(|never| match never {});
-            return http::Response::from_parts(parts, BoxBody::new(body));
-        }
-        (false, false) => {}
-    }
-    let converted = match collect_bytes(body).await {
-        Ok(bytes) => response_from_chat(&bytes, &meta),
-        Err(e) => Err(e),
-    };
-    let bytes = match converted {
-        Ok(v) => bytes::Bytes::from(v.to_string()),
+    let err = match answer.reshape(resp).await {
+        Ok(resp) => return resp,
+        Err(e @ ReshapeError::Incomplete) => ApiError::new(
+            http::StatusCode::BAD_GATEWAY,
+            "api_error",
+            "node_failure",
+            e.to_string(),
+        ),
         Err(why) => {
             tracing::error!(reason = %why, "cannot re-shape a metered chat answer as a response");
-            return ApiError::internal("cannot build the response object")
-                .into_response()
-                .map(|b| BoxBody::new(b.map_err(BoxError::from)));
+            ApiError::internal("cannot build the response object")
         }
     };
-    parts.headers.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
-    let body = http_body_util::Full::new(bytes).map_err(|never| match never {});
-    http::Response::from_parts(parts, BoxBody::new(body))
+    err.into_response()
+        .map(|b| BoxBody::new(b.map_err(BoxError::from)))
 }
 
 /// Authenticates, applies the key's RPM limit, and sends the request through the metered stack
 /// to a node at `kind`'s path (a `/v1/responses` request translated first).
 async fn proxy(state: &AppState, req: Request, kind: RequestKind, surface: Surface) -> Response {
     let started = std::time::Instant::now();
-    let key_hash = presented_key_hash(req.headers());
+    let key_hash = presented_key_hash(req.headers().get(header::AUTHORIZATION));
     let account = match authenticate(state, key_hash.clone()).await {
         Ok(a) => a,
         Err(e) => return e.into_response(),
@@ -422,10 +297,14 @@ async fn proxy(state: &AppState, req: Request, kind: RequestKind, surface: Surfa
     let (parts, body) = req.into_parts();
     let (body, responses) = match surface {
         Surface::Native => (BoxBody::new(body.map_err(BoxError::from)), None),
-        Surface::Responses => match translate_responses(state, body, request_id.as_ref()).await {
-            Ok((body, meta)) => (body, Some(meta)),
-            Err(e) => return e.into_response(),
-        },
+        Surface::Responses => {
+            let id = request_id.as_ref().map_or("", RequestId::as_str);
+            let limit = state.max_request_body_bytes;
+            match spine_meter::responses::translate_request(body, limit, id).await {
+                Ok((body, answer)) => (body, Some(answer)),
+                Err(e) => return translate_error(e).into_response(),
+            }
+        }
     };
     let route = match surface {
         Surface::Native => kind.path(),
@@ -464,7 +343,7 @@ async fn proxy(state: &AppState, req: Request, kind: RequestKind, surface: Surfa
 
     match call_stack(state.stack.clone(), upstream).await {
         Ok(resp) => {
-            note_serving_node(state, request_id_copy, &resp);
+            spine_meter::ledger::note_serving_node(&state.store, request_id_copy, &resp);
             match responses {
                 Some(answer) if resp.status().is_success() => {
                     let resp = into_responses_answer(resp, answer).await;
@@ -503,135 +382,29 @@ async fn proxy(state: &AppState, req: Request, kind: RequestKind, surface: Surfa
     }
 }
 
-/// A streamed answer has begun: records its node and the counted prompt on the request's hold
-/// (`Ledger::note_hold`), off the response path, so that if this process dies before the
-/// stream settles, the sweep's record names the node that served it and the prompt it read. One small write per
-/// streamed request; a non-streamed answer is settled as it is returned, so it needs none.
-fn note_serving_node(
-    state: &AppState,
-    request_id: Option<RequestId>,
-    resp: &http::Response<BoxBody>,
-) {
-    let streamed = resp
-        .headers()
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.starts_with("text/event-stream"));
-    let node = resp.extensions().get::<spine_core::NodeId>().cloned();
-    let known = resp
-        .extensions()
-        .get::<spine_meter::meter::CountedUsage>()
-        .map(|c| c.0);
-    let (Some(request_id), Some(node), true) =
-        (request_id, node, streamed && resp.status().is_success())
-    else {
-        return;
-    };
-    let store = state.store.clone();
-    tokio::spawn(async move {
-        let note = spine_meter::HoldNote {
-            node: Some(node),
-            known,
-        };
-        if let Err(e) = store.note_hold(request_id, note).await {
-            tracing::debug!(error = %e, "noting the serving node on the hold failed");
-        }
-    });
-}
-
-/// Largest node error body read to extract its message, bytes.
-const MAX_NODE_ERROR_BYTES: usize = 64 * 1024;
-/// Longest node error message passed on to the caller, bytes (the rest is cut, with `…`).
-const MAX_NODE_MESSAGE_BYTES: usize = 1024;
-
-/// A node's non-2xx answer in OpenAI's error shape: the node's message is kept, its status mapped
-/// ([`node_error_shape`]).
+/// A node's non-2xx answer in OpenAI's error shape: the node's message is kept, its status
+/// mapped ([`NodeError`]): over the context → 400 `context_length_exceeded` (`param`
+/// `messages`); 501 → 400 `unsupported_by_node` (the SDKs retry every 5xx, and asking again
+/// changes nothing); another 4xx keeps its status, `upstream_rejected`; else 502 `node_failure`.
 async fn node_error(resp: http::Response<BoxBody>) -> ApiError {
-    let status = resp.status();
-    let mut body = resp.into_body();
-    let mut buf = Vec::new();
-    while buf.len() < MAX_NODE_ERROR_BYTES {
-        match body.frame().await {
-            Some(Ok(frame)) => {
-                if let Ok(data) = frame.into_data() {
-                    buf.extend_from_slice(&data);
-                }
-            }
-            Some(Err(_)) | None => break,
+    let e = NodeError::read(resp).await;
+    let message = e.to_string();
+    let (status, kind, code) = match e {
+        NodeError::ContextLengthExceeded { .. } => {
+            let e = ApiError::invalid_request("context_length_exceeded", message);
+            return e.with_param("messages");
         }
-    }
-    node_error_shape(status, &buf)
-}
-
-/// The caller's error for a node's non-2xx `status` with body `body`:
-///
-/// - an engine saying the prompt is over its context (llama.cpp's `exceed_context_size_error`,
-///   or a 4xx message about the context length as vLLM, SGLang and Ollama word it) → 400
-///   `context_length_exceeded`, `param` `messages`, as OpenAI answers;
-/// - 501 (the engine does not support what was asked, e.g. tools without `--jinja`) → 400
-///   `unsupported_by_node`: the SDKs retry every 5xx, and asking again changes nothing (other
-///   nodes were already tried by the router);
-/// - any other 4xx keeps its status, `upstream_rejected`; anything else is 502 `node_failure`.
-fn node_error_shape(status: http::StatusCode, body: &[u8]) -> ApiError {
-    let parsed = serde_json::from_slice::<serde_json::Value>(body).ok();
-    // OpenAI's `{"error":{…}}`, or vLLM's / SGLang's top-level `{"object":"error",…}`
-    let field = |name: &str| {
-        parsed
-            .as_ref()
-            .and_then(|v| {
-                v.pointer(&format!("/error/{name}"))
-                    .or_else(|| (v["object"] == "error").then(|| v.get(name)).flatten())
-            })
-            .and_then(|m| m.as_str())
-            .map(str::to_owned)
-    };
-    let mut message = field("message")
-        .unwrap_or_else(|| String::from_utf8_lossy(&body[..body.len().min(512)]).into_owned());
-    if message.len() > MAX_NODE_MESSAGE_BYTES {
-        let mut end = MAX_NODE_MESSAGE_BYTES;
-        while !message.is_char_boundary(end) {
-            end -= 1;
-        }
-        message.truncate(end);
-        message.push('…');
-    }
-    let lower = message.to_ascii_lowercase();
-    let over_context = field("type").as_deref() == Some("exceed_context_size_error")
-        || (status.is_client_error()
-            && (lower.contains("context length")
-                || lower.contains("context size")
-                || lower.contains("context window")
-                || lower.contains("maximum context")));
-    if over_context {
-        ApiError::new(
-            http::StatusCode::BAD_REQUEST,
-            "invalid_request_error",
-            "context_length_exceeded",
-            format!("the prompt is over the node's context window: {message}"),
-        )
-        .with_param("messages")
-    } else if status == http::StatusCode::NOT_IMPLEMENTED {
-        ApiError::new(
+        NodeError::Unsupported { .. } => (
             http::StatusCode::BAD_REQUEST,
             "invalid_request_error",
             "unsupported_by_node",
-            format!("the node's engine does not support this request: {message}"),
-        )
-    } else if status.is_client_error() {
-        ApiError::new(
-            status,
-            "invalid_request_error",
-            "upstream_rejected",
-            format!("the node's engine refused the request: {message}"),
-        )
-    } else {
-        ApiError::new(
-            http::StatusCode::BAD_GATEWAY,
-            "api_error",
-            "node_failure",
-            format!("the node's engine failed ({status}): {message}"),
-        )
-    }
+        ),
+        NodeError::Rejected { status, .. } => {
+            (status, "invalid_request_error", "upstream_rejected")
+        }
+        _ => (http::StatusCode::BAD_GATEWAY, "api_error", "node_failure"),
+    };
+    ApiError::new(status, kind, code, message)
 }
 
 /// Calls the stack behind a boxed future, which keeps the `dyn Error` lifetimes inside the
@@ -676,52 +449,4 @@ async fn into_client_response(
         );
     }
     out
-}
-
-#[cfg(test)]
-#[allow(clippy::unwrap_used)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn engine_errors_get_the_codes_clients_branch_on() {
-        let shape = |status: u16, body: &str| {
-            let e = node_error_shape(http::StatusCode::from_u16(status).unwrap(), body.as_bytes());
-            (e.status.as_u16(), e.code)
-        };
-        // llama.cpp (the pinned server's own words and type)
-        assert_eq!(
-            shape(
-                400,
-                r#"{"error":{"code":400,"message":"request (9000 tokens) exceeds the available context size (2048 tokens), try increasing it","type":"exceed_context_size_error","n_prompt_tokens":9000,"n_ctx":2048}}"#
-            ),
-            (400, "context_length_exceeded")
-        );
-        // vLLM
-        assert_eq!(
-            shape(
-                400,
-                r#"{"object":"error","message":"This model's maximum context length is 2048 tokens. However, you requested 9000 tokens.","type":"BadRequestError","param":null,"code":400}"#
-            ),
-            (400, "context_length_exceeded")
-        );
-        assert_eq!(
-            shape(
-                400,
-                r#"{"object":"error","message":"max_tokens must be at least 1","type":"BadRequestError"}"#
-            ),
-            (400, "upstream_rejected")
-        );
-        assert_eq!(
-            shape(
-                501,
-                r#"{"error":{"code":501,"message":"tools param requires --jinja flag","type":"not_supported_error"}}"#
-            ),
-            (400, "unsupported_by_node")
-        );
-        assert_eq!(shape(422, "{}"), (422, "upstream_rejected"));
-        assert_eq!(shape(500, "boom"), (502, "node_failure"));
-        // a 5xx that mentions the context is still the node's failure
-        assert_eq!(shape(500, "context size"), (502, "node_failure"));
-    }
 }

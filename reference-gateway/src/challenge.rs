@@ -72,7 +72,7 @@ async fn challenge(
     else {
         return false;
     };
-    let request_id = crate::auth::new_request_id();
+    let request_id = spine_meter::keys::new_request_id();
     req.extensions_mut().insert(request_id.clone());
     req.extensions_mut().insert(account.clone());
     req.extensions_mut().insert(AvoidNodes(avoid));

@@ -4,6 +4,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
+use spine_meter::ledger::Database;
 use spine_router::cluster::ClusterConfig;
 
 #[derive(Clone, Copy)]
@@ -61,249 +62,128 @@ const ENV_KEYS: &[(&str, Kind)] = &[
 
 /// The gateway's configuration (design brief §7).
 #[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, default)]
 pub(crate) struct Config {
     /// Public OpenAI-compatible API listener.
-    #[serde(default = "default_public_listen")]
     pub(crate) public_listen: SocketAddr,
     /// Tunnel listener that agents dial (TLS unless `insecure_plaintext_tunnel`).
-    #[serde(default = "default_tunnel_listen")]
     pub(crate) tunnel_listen: SocketAddr,
     /// Admin API listener.
-    #[serde(default = "default_admin_listen")]
     pub(crate) admin_listen: SocketAddr,
     /// Bearer token for the admin API. Required.
     pub(crate) admin_token: String,
     /// Directory for the SQLite ledger and generated TLS material.
-    #[serde(default = "default_data_dir")]
     pub(crate) data_dir: PathBuf,
     /// Ledger database URL; default `sqlite://<data_dir>/spine.db`.
-    #[serde(default)]
     pub(crate) database_url: Option<String>,
     /// This gateway's id, sent in tunnel challenges.
-    #[serde(default = "default_gateway_id")]
     pub(crate) gateway_id: String,
     /// PEM certificate chain for the tunnel listener; generated (self-signed) when absent.
-    #[serde(default)]
     pub(crate) tunnel_tls_cert_file: Option<PathBuf>,
     /// PEM private key for the tunnel listener; generated with the certificate when absent.
-    #[serde(default)]
     pub(crate) tunnel_tls_key_file: Option<PathBuf>,
     /// Extra DNS names / IPs for the generated tunnel certificate (`localhost` and `127.0.0.1`
     /// are always included).
-    #[serde(default)]
     pub(crate) tunnel_tls_hosts: Vec<String>,
     /// The host names agents dial this gateway's tunnel by (the host of their `--gateway`
     /// URL). A tunnel hello signed for another name is refused `wrong_gateway`: a signature an
     /// agent made for a rogue gateway cannot be replayed here. Default: `localhost`,
     /// `127.0.0.1`, `::1` and `tunnel_tls_hosts`.
-    #[serde(default)]
     pub(crate) tunnel_public_names: Vec<String>,
     /// Serve the tunnel as plain `ws://` without TLS. Only for local experiments.
-    #[serde(default)]
     pub(crate) insecure_plaintext_tunnel: bool,
     /// Operator's share of each request's cost, in basis points (8000 = 80 %).
-    #[serde(default = "default_operator_share_bps")]
     pub(crate) operator_share_bps: u16,
     /// On SIGTERM, how long streams in flight may take to finish, seconds.
-    #[serde(default = "default_shutdown_grace_secs")]
     pub(crate) shutdown_grace_secs: u64,
     /// Largest accepted request body, bytes.
-    #[serde(default = "default_max_request_body_bytes")]
     pub(crate) max_request_body_bytes: usize,
     /// Requests per minute allowed per API key without its own `rpm_limit`; 0 = unlimited.
-    #[serde(default)]
     pub(crate) default_rpm_limit: u32,
     /// Tokens per minute (worst case reserved before forwarding, trued up at settlement) allowed
     /// per API key without its own `tpm_limit`; 0 = unlimited.
-    #[serde(default)]
     pub(crate) default_tpm_limit: u64,
     /// How long a conversation sticks to the node that last served it, seconds (design brief
     /// §5); 0 disables affinity.
-    #[serde(default = "default_affinity_ttl_secs")]
     pub(crate) affinity_ttl_secs: u64,
     /// Retries on another node before the first response byte (design brief §5).
-    #[serde(default = "default_route_max_retries")]
     pub(crate) route_max_retries: u32,
     /// Longest a request waits for a slot when every node that could serve it is full,
     /// seconds (the admission queue, `spine_router::queue`); 0 disables the queue (such a
     /// request gets 503 `no_capacity` at once).
-    #[serde(default = "default_queue_max_wait_secs")]
     pub(crate) queue_max_wait_secs: u64,
     /// Most requests waiting per model; past it, 503 `queue_full` with `Retry-After`.
-    #[serde(default = "default_queue_max_depth")]
     pub(crate) queue_max_depth: usize,
     /// Load-aware node pick (power of two choices, `spine_router::RegistryConfig::load_aware_pick`);
     /// `false` picks by weight alone among nodes with a free slot.
-    #[serde(default = "default_true")]
     pub(crate) load_aware_pick: bool,
     /// How long a node may take to send its first content (or an error answer) before the
     /// attempt counts as its failure and is retried elsewhere, seconds; 0 disables the deadline.
-    #[serde(default = "default_first_token_timeout_secs")]
     pub(crate) first_token_timeout_secs: u64,
     /// Longest a node may send nothing once its response has begun (between two frames of its
     /// body), seconds; past it the stream ends with an error event, the node is scored as for a
     /// mid-request disconnect and the request settles. 0 disables the bound.
-    #[serde(default = "default_stream_idle_timeout_secs")]
     pub(crate) stream_idle_timeout_secs: u64,
     /// Most VRAM, MiB, a node's self-reported `vram_mib` counts for in its routing weight.
-    #[serde(default = "default_max_vram_mib")]
     pub(crate) max_vram_mib: u64,
     /// Longest line of a node's SSE stream, bytes; a node that sends a longer one fails the
     /// request (`upstream_failed`) and is scored.
-    #[serde(default = "default_max_sse_bytes")]
     pub(crate) max_sse_line_bytes: usize,
     /// Largest SSE event of a node's stream, bytes; as above.
-    #[serde(default = "default_max_sse_bytes")]
     pub(crate) max_sse_event_bytes: usize,
     /// Longest a streamed response may last, seconds; past it the caller's stream ends with an
     /// error event. 0 disables the bound.
-    #[serde(default = "default_max_stream_duration_secs")]
     pub(crate) max_stream_duration_secs: u64,
     /// Remove members outside OpenAI's response shape (llama.cpp's `timings`, cache counters,
     /// …) from what callers get: they tell one caller about other callers' requests.
-    #[serde(default = "default_true")]
     pub(crate) strip_engine_fields: bool,
     /// A routable node with requests in flight and nothing received on any of them for this
     /// long is probed at once; when the probe times out with still nothing received, the node
     /// leaves routing (`TunnelServerConfig::stall_timeout`). 0 disables it. Seconds.
-    #[serde(default = "default_node_stall_timeout_secs")]
     pub(crate) node_stall_timeout_secs: u64,
     /// Per response stream: how many bytes of a node's answer the gateway reads ahead of a slow
     /// caller, so the node's slot is freed when generation ends, not when the caller has read
     /// it all (`spine_router::ReadAheadLayer`).
-    #[serde(default = "default_stream_buffer_bytes")]
     pub(crate) stream_buffer_bytes: u64,
     /// Redis URL (`redis://host:port[/db]`). Set: multi-instance mode (design brief §8), which
     /// needs a `postgres://` `database_url` and a `cluster_secret`.
-    #[serde(default)]
     pub(crate) redis_url: Option<String>,
     /// This instance's name in Redis and PostgreSQL; default `gw-` and 8 random hex digits.
     /// Letters, digits, `.`, `_` and `-` only.
-    #[serde(default = "default_instance_id")]
     pub(crate) instance_id: String,
     /// Every Redis key this instance reads or writes starts with it.
-    #[serde(default = "default_redis_key_prefix")]
     pub(crate) redis_key_prefix: String,
     /// The internal HTTP/2 listener other instances forward requests to (multi-instance mode).
-    #[serde(default = "default_internal_listen")]
     pub(crate) internal_listen: SocketAddr,
     /// `host:port` other instances dial for the internal listener; default its bound address.
-    #[serde(default)]
     pub(crate) internal_advertise: Option<String>,
     /// Shared secret (at least 16 bytes) that authenticates forwarding between instances.
     /// Required in multi-instance mode.
-    #[serde(default)]
     pub(crate) cluster_secret: Option<String>,
     /// Every listener (public, admin, tunnel, internal): a connection must send a complete
     /// request head within this of its start (after TLS) and, on HTTP/1.1, of its previous
     /// response's end, or it is closed. Milliseconds.
-    #[serde(default = "default_header_read_timeout_ms")]
     pub(crate) header_read_timeout_ms: u64,
     /// Every listener: a request body must arrive whole within this of its head, milliseconds.
-    #[serde(default = "default_body_read_timeout_ms")]
     pub(crate) body_read_timeout_ms: u64,
     /// Every listener: a connection with no request in flight for this long is closed,
     /// milliseconds.
-    #[serde(default = "default_idle_timeout_ms")]
     pub(crate) idle_timeout_ms: u64,
     /// Most connections the public listener holds at once; at the cap the longest-idle one is
     /// closed to make room (a request in flight is never cut), or the new one when all are busy.
-    #[serde(default = "default_public_max_connections")]
     pub(crate) public_max_connections: usize,
     /// As `public_max_connections`, for the admin listener.
-    #[serde(default = "default_admin_max_connections")]
     pub(crate) admin_max_connections: usize,
     /// As `public_max_connections`, for the tunnel listener (a connection counts until it is
     /// upgraded to a tunnel; `POST /v1/enroll` and `GET /v1/node/status` count too).
-    #[serde(default = "default_tunnel_max_connections")]
     pub(crate) tunnel_max_connections: usize,
     /// As `public_max_connections`, for the internal listener (multi-instance mode).
-    #[serde(default = "default_internal_max_connections")]
     pub(crate) internal_max_connections: usize,
     /// The model catalog: what callers may ask for, its tokenizer and its price.
-    #[serde(default)]
     pub(crate) models: Vec<ModelConfig>,
     /// Audits of nodes' models against a trusted reference (design brief §10); active for the
     /// models that set `reference_url`.
-    #[serde(default)]
-    pub(crate) audit: AuditSettings,
-}
-
-/// `[audit]`: how nodes' models are audited (design brief §10; `docs/trust.md`).
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub(crate) struct AuditSettings {
-    /// Share of a passing node's completed requests audited.
-    pub(crate) rate_passing: f64,
-    /// Share audited while a node's model is unverified (new nodes).
-    pub(crate) rate_unverified: f64,
-    /// Share audited while suspect.
-    pub(crate) rate_suspect: f64,
-    /// Bound of the probability that the test ever fails an honest node from a fresh start
-    /// (`spine_meter::audit::SprtConfig::alpha`).
-    pub(crate) alpha: f64,
-    /// The test's floor, reaching it is `passing` (`spine_meter::audit::SprtConfig::beta`).
-    pub(crate) beta: f64,
-    /// Most completion tokens scored per audit.
-    pub(crate) max_tokens: usize,
-    /// Audits scored at once.
-    pub(crate) concurrency: usize,
-    /// Longest one scoring may take before the audit is inconclusive, seconds.
-    pub(crate) timeout_secs: u64,
-    /// The account challenges are billed to (create it and credit it through the admin API);
-    /// none: no challenges.
-    pub(crate) challenge_account: Option<String>,
-    /// A routable node whose audited model had no audit for this long gets a challenge, seconds.
-    pub(crate) challenge_interval_secs: u64,
-}
-
-impl Default for AuditSettings {
-    fn default() -> Self {
-        let d = spine_meter::audit::AuditConfig::default();
-        Self {
-            rate_passing: d.rate_passing,
-            rate_unverified: d.rate_unverified,
-            rate_suspect: d.rate_suspect,
-            alpha: d.sprt.alpha,
-            beta: d.sprt.beta,
-            max_tokens: d.max_tokens,
-            concurrency: d.concurrency,
-            timeout_secs: d.timeout.as_secs(),
-            challenge_account: None,
-            challenge_interval_secs: 600,
-        }
-    }
-}
-
-impl AuditSettings {
-    /// The auditor's configuration, or why these settings make no test.
-    pub(crate) fn audit_config(&self) -> Result<spine_meter::audit::AuditConfig, String> {
-        let mut c = spine_meter::audit::AuditConfig::default();
-        for (name, rate) in [
-            ("rate_passing", self.rate_passing),
-            ("rate_unverified", self.rate_unverified),
-            ("rate_suspect", self.rate_suspect),
-        ] {
-            if !(0.0..=1.0).contains(&rate) {
-                return Err(format!("audit.{name} must be between 0 and 1 (got {rate})"));
-            }
-        }
-        c.rate_passing = self.rate_passing;
-        c.rate_unverified = self.rate_unverified;
-        c.rate_suspect = self.rate_suspect;
-        c.max_tokens = self.max_tokens.max(2);
-        c.concurrency = self.concurrency.max(1);
-        c.timeout = std::time::Duration::from_secs(self.timeout_secs.max(1));
-        c.sprt = c.sprt.with_error_rates(self.alpha, self.beta);
-        if !c.sprt.is_valid() {
-            return Err(format!(
-                "audit.alpha and audit.beta must each be above 0 and below 0.5 (got {} and {})",
-                self.alpha, self.beta
-            ));
-        }
-        Ok(c)
-    }
+    pub(crate) audit: spine_meter::audit::AuditSettings,
 }
 
 /// One catalog model.
@@ -332,95 +212,58 @@ pub(crate) struct ModelConfig {
     pub(crate) reference_url: Option<String>,
 }
 
-fn default_public_listen() -> SocketAddr {
-    SocketAddr::from(([127, 0, 0, 1], 8400))
-}
-fn default_tunnel_listen() -> SocketAddr {
-    SocketAddr::from(([0, 0, 0, 0], 19000))
-}
-fn default_admin_listen() -> SocketAddr {
-    SocketAddr::from(([127, 0, 0, 1], 8401))
-}
-fn default_data_dir() -> PathBuf {
-    PathBuf::from(".spine")
-}
-fn default_gateway_id() -> String {
-    "spine-gateway".to_owned()
-}
-fn default_operator_share_bps() -> u16 {
-    8000
-}
-fn default_shutdown_grace_secs() -> u64 {
-    30
-}
-fn default_affinity_ttl_secs() -> u64 {
-    30 * 60
-}
-fn default_route_max_retries() -> u32 {
-    2
-}
-fn default_queue_max_wait_secs() -> u64 {
-    30
-}
-fn default_queue_max_depth() -> usize {
-    1024
-}
-fn default_first_token_timeout_secs() -> u64 {
-    120
-}
-fn default_stream_idle_timeout_secs() -> u64 {
-    120
-}
-fn default_max_sse_bytes() -> usize {
-    spine_meter::sse::DEFAULT_MAX_EVENT_BYTES
-}
-fn default_max_stream_duration_secs() -> u64 {
-    3600
-}
-fn default_true() -> bool {
-    true
-}
-fn default_max_vram_mib() -> u64 {
-    196_608
-}
-fn default_node_stall_timeout_secs() -> u64 {
-    5
-}
-fn default_stream_buffer_bytes() -> u64 {
-    4 * 1024 * 1024
-}
-fn default_instance_id() -> String {
-    ClusterConfig::generated_instance_id()
-}
-fn default_redis_key_prefix() -> String {
-    "spine:".to_owned()
-}
-fn default_internal_listen() -> SocketAddr {
-    SocketAddr::from(([127, 0, 0, 1], 0))
-}
-fn default_header_read_timeout_ms() -> u64 {
-    15_000
-}
-fn default_body_read_timeout_ms() -> u64 {
-    60_000
-}
-fn default_idle_timeout_ms() -> u64 {
-    60_000
-}
-fn default_public_max_connections() -> usize {
-    4096
-}
-fn default_admin_max_connections() -> usize {
-    256
-}
-fn default_tunnel_max_connections() -> usize {
-    4096
-}
-fn default_internal_max_connections() -> usize {
-    1024
-}
-fn default_max_request_body_bytes() -> usize {
-    4 * 1024 * 1024
+impl Default for Config {
+    /// Every key's default; `admin_token` has none (`load` refuses a configuration without it).
+    fn default() -> Self {
+        Self {
+            public_listen: SocketAddr::from(([127, 0, 0, 1], 8400)),
+            tunnel_listen: SocketAddr::from(([0, 0, 0, 0], 19000)),
+            admin_listen: SocketAddr::from(([127, 0, 0, 1], 8401)),
+            admin_token: String::new(),
+            data_dir: PathBuf::from(".spine"),
+            database_url: Default::default(),
+            gateway_id: "spine-gateway".to_owned(),
+            tunnel_tls_cert_file: Default::default(),
+            tunnel_tls_key_file: Default::default(),
+            tunnel_tls_hosts: Default::default(),
+            tunnel_public_names: Default::default(),
+            insecure_plaintext_tunnel: Default::default(),
+            operator_share_bps: 8000,
+            shutdown_grace_secs: 30,
+            max_request_body_bytes: 4 * 1024 * 1024,
+            default_rpm_limit: Default::default(),
+            default_tpm_limit: Default::default(),
+            affinity_ttl_secs: 30 * 60,
+            route_max_retries: 2,
+            queue_max_wait_secs: 30,
+            queue_max_depth: 1024,
+            load_aware_pick: true,
+            first_token_timeout_secs: 120,
+            stream_idle_timeout_secs: 120,
+            max_vram_mib: 196_608,
+            max_sse_line_bytes: spine_meter::sse::DEFAULT_MAX_EVENT_BYTES,
+            max_sse_event_bytes: spine_meter::sse::DEFAULT_MAX_EVENT_BYTES,
+            max_stream_duration_secs: 3600,
+            strip_engine_fields: true,
+            node_stall_timeout_secs: 5,
+            stream_buffer_bytes: 4 * 1024 * 1024,
+            redis_url: Default::default(),
+            instance_id: ClusterConfig::generated_instance_id(),
+            redis_key_prefix: "spine:".to_owned(),
+            internal_listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            internal_advertise: Default::default(),
+            cluster_secret: Default::default(),
+            header_read_timeout_ms: 15_000,
+            body_read_timeout_ms: 60_000,
+            idle_timeout_ms: 60_000,
+            public_max_connections: 4096,
+            admin_max_connections: 256,
+            tunnel_max_connections: 4096,
+            internal_max_connections: 1024,
+            models: Default::default(),
+            audit: Default::default(),
+        }
+    }
 }
 
 /// Errors reading the configuration.
@@ -456,6 +299,9 @@ impl Config {
                     .ok_or_else(|| ConfigError::Invalid(format!("{var}: bad value {value:?}")))?;
                 table.insert((*key).to_owned(), value);
             }
+        }
+        if !table.contains_key("admin_token") {
+            return Err(<toml::de::Error as serde::de::Error>::missing_field("admin_token").into());
         }
         let config: Config = toml::Value::Table(table).try_into()?;
         if config.admin_token.len() < 16 {
@@ -496,7 +342,8 @@ impl Config {
         Ok(config)
     }
 
-    /// Multi-instance mode's requirements: PostgreSQL, a long enough secret, a usable id.
+    /// Multi-instance mode's requirements: PostgreSQL, a long enough secret, a usable id
+    /// ([`ClusterConfig::validate`]).
     fn check_cluster(&self) -> Result<(), ConfigError> {
         if self.redis_url.is_none() {
             return Ok(());
@@ -508,39 +355,10 @@ impl Config {
                     .into(),
             ));
         }
-        match &self.cluster_secret {
-            Some(s) if s.len() >= 16 => {}
-            _ => {
-                return Err(ConfigError::Invalid(
-                    "redis_url is set (multi-instance mode): cluster_secret must be set, at \
-                     least 16 bytes"
-                        .into(),
-                ))
-            }
-        }
-        let id_ok = !self.instance_id.is_empty()
-            && self.instance_id.len() <= 64
-            && self
-                .instance_id
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
-        if !id_ok {
-            return Err(ConfigError::Invalid(
-                "instance_id: 1 to 64 letters, digits, '.', '_' or '-'".into(),
-            ));
-        }
-        // peers dial the advertised address: 0.0.0.0 / :: would make them dial themselves
-        let advertised_ip = match &self.internal_advertise {
-            Some(a) => a.parse::<SocketAddr>().ok().map(|a| a.ip()),
-            None => Some(self.internal_listen.ip()),
-        };
-        if advertised_ip.is_some_and(|ip| ip.is_unspecified()) {
-            return Err(ConfigError::Invalid(
-                "internal_advertise: other instances cannot dial an unspecified address                  (0.0.0.0 or ::); with internal_listen on one, set internal_advertise to this                  instance's reachable host:port"
-                    .into(),
-            ));
-        }
-        Ok(())
+        let secret = self.cluster_secret.clone().unwrap_or_default();
+        self.cluster_with(secret)
+            .validate()
+            .map_err(|e| ConfigError::Invalid(e.to_string()))
     }
 
     /// The names the tunnel accepts hellos for (`tunnel_public_names`, else its default).
@@ -572,53 +390,26 @@ impl Config {
 
     /// The multi-instance settings; `None` in single-instance mode (no `redis_url`).
     pub(crate) fn cluster(&self) -> Option<ClusterConfig> {
-        let mut cluster = ClusterConfig::new(self.redis_url.clone()?, self.cluster_secret.clone()?);
+        self.redis_url.as_ref()?;
+        Some(self.cluster_with(self.cluster_secret.clone()?))
+    }
+
+    fn cluster_with(&self, secret: String) -> ClusterConfig {
+        let mut cluster = ClusterConfig::new(self.redis_url.clone().unwrap_or_default(), secret);
         cluster.instance_id.clone_from(&self.instance_id);
         cluster.key_prefix.clone_from(&self.redis_key_prefix);
         cluster.internal_listen = self.internal_listen;
         cluster
             .internal_advertise
             .clone_from(&self.internal_advertise);
-        Some(cluster)
+        cluster
     }
 
-    /// The ledger store `database_url` names: `sqlite://<path>` (a file; single instance),
-    /// `postgres://…` or `postgresql://…` (PostgreSQL; any number of instances), else the file
-    /// `<data_dir>/spine.db`.
+    /// The ledger store `database_url` names ([`Database::from_url`]; default the file
+    /// `<data_dir>/spine.db`).
     pub(crate) fn database(&self) -> Result<Database, ConfigError> {
-        match &self.database_url {
-            None => Ok(Database::Sqlite(self.data_dir.join("spine.db"))),
-            Some(url) => {
-                if let Some(path) = url.strip_prefix("sqlite://") {
-                    Ok(Database::Sqlite(PathBuf::from(path)))
-                } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-                    Ok(Database::Postgres(url.clone()))
-                } else {
-                    Err(ConfigError::Invalid(
-                        "database_url: expected sqlite://<path> or postgres://user@host:port/database"
-                            .into(),
-                    ))
-                }
-            }
-        }
-    }
-}
-
-/// Where the ledger lives (`database_url`).
-#[derive(Clone, PartialEq, Eq)]
-pub(crate) enum Database {
-    /// An SQLite file (`SqliteLedger`).
-    Sqlite(PathBuf),
-    /// A PostgreSQL URL (`PgLedger`); may hold a password, so it is never logged.
-    Postgres(String),
-}
-
-impl std::fmt::Debug for Database {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Database::Sqlite(path) => f.debug_tuple("Sqlite").field(path).finish(),
-            Database::Postgres(_) => f.write_str("Postgres(..)"),
-        }
+        Database::from_url(self.database_url.as_deref(), &self.data_dir)
+            .map_err(|e| ConfigError::Invalid(e.to_string()))
     }
 }
 
@@ -638,42 +429,6 @@ fn env_value(s: &str, kind: Kind) -> Option<toml::Value> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn database_url_names_sqlite_or_postgres() {
-        let mut config: Config = toml::from_str("data_dir = \"/d\"\nadmin_token = \"t\"")
-            .unwrap_or_else(|e| {
-                unreachable!("{e}");
-            });
-        assert_eq!(
-            config.database().ok(),
-            Some(Database::Sqlite(PathBuf::from("/d/spine.db")))
-        );
-        config.database_url = Some("sqlite:///var/lib/spine/l.db".into());
-        assert_eq!(
-            config.database().ok(),
-            Some(Database::Sqlite(PathBuf::from("/var/lib/spine/l.db")))
-        );
-        for url in ["postgres://u:p@db:5432/spine", "postgresql://db/spine"] {
-            config.database_url = Some(url.into());
-            assert_eq!(config.database().ok(), Some(Database::Postgres(url.into())));
-        }
-        config.database_url = Some("mysql://u:secret@db/spine".into());
-        let err = config
-            .database()
-            .err()
-            .map(|e| e.to_string())
-            .unwrap_or_default();
-        assert!(err.contains("postgres://"), "{err}");
-        assert!(!err.contains("secret"), "{err}");
-        assert_eq!(
-            format!(
-                "{:?}",
-                Database::Postgres("postgres://u:secret@db/x".into())
-            ),
-            "Postgres(..)"
-        );
-    }
 
     fn load_text(text: &str) -> Result<Config, ConfigError> {
         let dir = tempfile::tempdir().map_err(|source| ConfigError::Read {
@@ -753,7 +508,10 @@ mod tests {
         assert_eq!(cluster.instance_id.len(), 11);
         assert!(!format!("{cluster:?}").contains("0123456789abcdef"));
         // two defaults differ
-        assert_ne!(default_instance_id(), default_instance_id());
+        assert_ne!(
+            ClusterConfig::generated_instance_id(),
+            ClusterConfig::generated_instance_id()
+        );
 
         // single-instance mode: none of it is needed
         let single = load_text("admin_token = \"0123456789abcdef\"\n");

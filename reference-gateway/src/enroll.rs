@@ -23,18 +23,18 @@
 use std::sync::Arc;
 
 use axum::extract::{Path, State};
-use axum::response::{IntoResponse, Response};
+use axum::response::IntoResponse;
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use http::{HeaderMap, StatusCode};
 use serde::Deserialize;
 use serde_json::json;
 use spine_core::{NodeId, OperatorId};
+use spine_meter::keys;
 use spine_meter::LedgerError;
 use spine_transport::node_status::{verify_status_headers, NodeSignatureError};
 
 use crate::api;
-use crate::auth;
 use crate::error::{ledger_error, ApiError};
 use crate::state::AppState;
 
@@ -42,8 +42,6 @@ use crate::state::AppState;
 pub(crate) const DEFAULT_ENROLLMENT_TTL_SECS: u64 = 24 * 3600;
 /// Longest validity of an enrollment token, seconds (30 days).
 pub(crate) const MAX_ENROLLMENT_TTL_SECS: u64 = 30 * 24 * 3600;
-/// Prefix of enrollment tokens.
-const TOKEN_PREFIX: &str = "spine-enroll-";
 
 use spine_core::unix_time_ms as now_ms;
 
@@ -70,49 +68,43 @@ pub(crate) async fn create_enrollment(
     State(state): State<Arc<AppState>>,
     Path(id): Path<String>,
     body: axum::body::Bytes,
-) -> Response {
-    let result = async {
-        let body: CreateEnrollmentBody = if body.iter().all(u8::is_ascii_whitespace) {
-            CreateEnrollmentBody::default()
-        } else {
-            serde_json::from_slice(&body).map_err(|e| {
-                ApiError::invalid_request(
-                    "invalid_json",
-                    format!("expected {{\"ttl_secs\": <seconds>}} or no body: {e}"),
-                )
-            })?
-        };
-        let ttl_secs = body.ttl_secs.unwrap_or(DEFAULT_ENROLLMENT_TTL_SECS);
-        if ttl_secs == 0 || ttl_secs > MAX_ENROLLMENT_TTL_SECS {
-            return Err(ApiError::invalid_request(
-                "invalid_ttl",
-                format!("ttl_secs must be 1..={MAX_ENROLLMENT_TTL_SECS}"),
-            ));
-        }
-        let operator = OperatorId::new(id);
-        let token = format!(
-            "{TOKEN_PREFIX}{}",
-            auth::new_api_key().trim_start_matches("sk-spine-")
-        );
-        // ttl ≤ 30 days: no overflow
-        let expires_at_ms = now_ms().saturating_add((ttl_secs * 1000) as i64);
-        state
-            .store
-            .create_enrollment(&operator, &auth::hash_api_key(&token), expires_at_ms)
-            .await
-            .map_err(ledger_error)?;
-        tracing::info!(operator = %operator, expires_at_ms, "enrollment token issued");
-        Ok::<_, ApiError>((
-            StatusCode::CREATED,
-            Json(json!({
-                "token": token,
-                "operator_id": operator,
-                "expires_at_ms": expires_at_ms,
-                "ttl_secs": ttl_secs,
-            })),
-        ))
+) -> Result<impl IntoResponse, ApiError> {
+    let body: CreateEnrollmentBody = if body.iter().all(u8::is_ascii_whitespace) {
+        CreateEnrollmentBody::default()
+    } else {
+        serde_json::from_slice(&body).map_err(|e| {
+            ApiError::invalid_request(
+                "invalid_json",
+                format!("expected {{\"ttl_secs\": <seconds>}} or no body: {e}"),
+            )
+        })?
     };
-    result.await.into_response()
+    let ttl_secs = body.ttl_secs.unwrap_or(DEFAULT_ENROLLMENT_TTL_SECS);
+    if ttl_secs == 0 || ttl_secs > MAX_ENROLLMENT_TTL_SECS {
+        return Err(ApiError::invalid_request(
+            "invalid_ttl",
+            format!("ttl_secs must be 1..={MAX_ENROLLMENT_TTL_SECS}"),
+        ));
+    }
+    let operator = OperatorId::new(id);
+    let token = keys::new_enrollment_token();
+    // ttl ≤ 30 days: no overflow
+    let expires_at_ms = now_ms().saturating_add((ttl_secs * 1000) as i64);
+    state
+        .store
+        .create_enrollment(&operator, &keys::hash_api_key(&token), expires_at_ms)
+        .await
+        .map_err(ledger_error)?;
+    tracing::info!(operator = %operator, expires_at_ms, "enrollment token issued");
+    Ok((
+        StatusCode::CREATED,
+        Json(json!({
+            "token": token,
+            "operator_id": operator,
+            "expires_at_ms": expires_at_ms,
+            "ttl_secs": ttl_secs,
+        })),
+    ))
 }
 
 #[derive(Deserialize)]
@@ -167,65 +159,64 @@ fn enroll_error(e: LedgerError) -> ApiError {
 }
 
 /// `POST /v1/enroll` (tunnel listener).
-async fn enroll(State(state): State<Arc<AppState>>, body: axum::body::Bytes) -> Response {
-    let result = async {
-        let body: EnrollBody = serde_json::from_slice(&body).map_err(|e| {
-            ApiError::invalid_request(
-                "invalid_json",
+async fn enroll(
+    State(state): State<Arc<AppState>>,
+    body: axum::body::Bytes,
+) -> Result<impl IntoResponse, ApiError> {
+    let body: EnrollBody = serde_json::from_slice(&body).map_err(|e| {
+        ApiError::invalid_request(
+            "invalid_json",
+            format!(
+                "expected {{\"token\": <enrollment token>, \"public_key\": \"ed25519:…\", \"node_name\": <optional>}}: {e}"
+            ),
+        )
+    })?;
+    let key = spine_transport::parse_public_key_text(body.public_key.trim())
+        .map_err(|e| ApiError::invalid_request("invalid_public_key", format!("public_key: {e}")))?;
+    if let Some(name) = &body.node_name {
+        if !valid_node_name(name) {
+            return Err(ApiError::invalid_request(
+                "invalid_node_name",
+                "node_name must be 1-64 characters without control characters",
+            ));
+        }
+    }
+    if let Some(models) = &body.models {
+        let listed = |m: &String| state.catalog_ids.iter().any(|c| c.as_str() == m);
+        if !models.iter().any(listed) {
+            let catalog: Vec<&str> = state.catalog_ids.iter().map(|c| c.as_str()).collect();
+            return Err(ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "invalid_request_error",
+                "no_catalog_model",
                 format!(
-                    "expected {{\"token\": <enrollment token>, \"public_key\": \"ed25519:…\", \"node_name\": <optional>}}: {e}"
+                    "none of the engine's models ({}) is in the gateway's catalog ({}); serve one under a catalog name (llama.cpp --alias, vLLM/SGLang --served-model-name, `ollama cp`) and join again with the same token: it was not used",
+                    if models.is_empty() { "none".to_owned() } else { models.join(", ") },
+                    catalog.join(", ")
                 ),
-            )
-        })?;
-        let key = spine_transport::parse_public_key_text(body.public_key.trim()).map_err(|e| {
-            ApiError::invalid_request("invalid_public_key", format!("public_key: {e}"))
-        })?;
-        if let Some(name) = &body.node_name {
-            if !valid_node_name(name) {
-                return Err(ApiError::invalid_request(
-                    "invalid_node_name",
-                    "node_name must be 1-64 characters without control characters",
-                ));
-            }
+            ));
         }
-        if let Some(models) = &body.models {
-            let listed = |m: &String| state.catalog_ids.iter().any(|c| c.as_str() == m);
-            if !models.iter().any(listed) {
-                let catalog: Vec<&str> = state.catalog_ids.iter().map(|c| c.as_str()).collect();
-                return Err(ApiError::new(
-                    StatusCode::UNPROCESSABLE_ENTITY,
-                    "invalid_request_error",
-                    "no_catalog_model",
-                    format!(
-                        "none of the engine's models ({}) is in the gateway's catalog ({}); serve one under a catalog name (llama.cpp --alias, vLLM/SGLang --served-model-name, `ollama cp`) and join again with the same token: it was not used",
-                        if models.is_empty() { "none".to_owned() } else { models.join(", ") },
-                        catalog.join(", ")
-                    ),
-                ));
-            }
-        }
-        let text = spine_transport::public_key_text(&key);
-        let enrollment = state
-            .store
-            .redeem_enrollment(
-                &auth::hash_api_key(body.token.trim()),
-                &text,
-                body.node_name.as_deref(),
-            )
-            .await
-            .map_err(enroll_error)?;
-        tracing::info!(node = %enrollment.node, operator = %enrollment.operator, "node enrolled");
-        Ok::<_, ApiError>((
-            StatusCode::CREATED,
-            Json(json!({
-                "node_id": enrollment.node,
-                "operator_id": enrollment.operator,
-                "public_key": text,
-                "catalog_models": state.catalog_ids,
-            })),
-        ))
-    };
-    result.await.into_response()
+    }
+    let text = spine_transport::public_key_text(&key);
+    let enrollment = state
+        .store
+        .redeem_enrollment(
+            &keys::hash_api_key(body.token.trim()),
+            &text,
+            body.node_name.as_deref(),
+        )
+        .await
+        .map_err(enroll_error)?;
+    tracing::info!(node = %enrollment.node, operator = %enrollment.operator, "node enrolled");
+    Ok((
+        StatusCode::CREATED,
+        Json(json!({
+            "node_id": enrollment.node,
+            "operator_id": enrollment.operator,
+            "public_key": text,
+            "catalog_models": state.catalog_ids,
+        })),
+    ))
 }
 
 fn signature_error(code: &'static str, message: &str) -> ApiError {
@@ -243,39 +234,39 @@ fn node_signature_error(e: NodeSignatureError) -> ApiError {
 }
 
 /// `GET /v1/node/status` (tunnel listener): this node as the gateway sees it.
-async fn node_status(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
-    let result = async {
-        let key_text = verify_status_headers(&headers, now_ms()).map_err(node_signature_error)?;
-        let node = state
-            .store
-            .node_for_public_key(&key_text)
-            .await
-            .map_err(ledger_error)?
-            .ok_or_else(|| {
-                signature_error(
-                    "unknown_node",
-                    "this node key is not registered with the gateway",
-                )
-            })?;
-        let operator = state
-            .store
-            .node_operator(&node)
-            .await
-            .map_err(ledger_error)?;
-        let view = node_view(&state, &operator, &node).await?;
-        let operator_earned = state
-            .store
-            .operator_earned_micros(&operator)
-            .await
-            .map_err(ledger_error)?;
-        let mut out = view;
-        out["operator_id"] = json!(operator);
-        out["operator_earned_micros"] = json!(operator_earned);
-        out["catalog_models"] = json!(state.catalog_ids);
-        out["server_time_ms"] = json!(now_ms());
-        Ok::<_, ApiError>(Json(out))
-    };
-    result.await.into_response()
+async fn node_status(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+) -> Result<impl IntoResponse, ApiError> {
+    let key_text = verify_status_headers(&headers, now_ms()).map_err(node_signature_error)?;
+    let node = state
+        .store
+        .node_for_public_key(&key_text)
+        .await
+        .map_err(ledger_error)?
+        .ok_or_else(|| {
+            signature_error(
+                "unknown_node",
+                "this node key is not registered with the gateway",
+            )
+        })?;
+    let operator = state
+        .store
+        .node_operator(&node)
+        .await
+        .map_err(ledger_error)?;
+    let view = node_view(&state, &operator, &node).await?;
+    let operator_earned = state
+        .store
+        .operator_earned_micros(&operator)
+        .await
+        .map_err(ledger_error)?;
+    let mut out = view;
+    out["operator_id"] = json!(operator);
+    out["operator_earned_micros"] = json!(operator_earned);
+    out["catalog_models"] = json!(state.catalog_ids);
+    out["server_time_ms"] = json!(now_ms());
+    Ok(Json(out))
 }
 
 /// One node of an operator as JSON: stored record (name, requests served, earnings) and live

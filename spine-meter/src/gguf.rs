@@ -440,10 +440,81 @@ impl<R: Read> Reader<R> {
     }
 }
 
+/// A GGUF file whose SHA-256 is not the configured one, or that cannot be read.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DigestError {
+    /// The file could not be read.
+    #[error("{}: {source}", path.display())]
+    Io {
+        /// The file.
+        path: std::path::PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file has other bytes: not the model's weights.
+    #[error("{} has SHA-256 {got}, not the configured gguf_sha256 {want}: not the model's weights", path.display())]
+    Mismatch {
+        /// The file.
+        path: std::path::PathBuf,
+        /// Its SHA-256, lowercase hex.
+        got: String,
+        /// The SHA-256 asked for, as given.
+        want: String,
+    },
+}
+
+/// Refuses a GGUF whose SHA-256 is not `want` (hex, either case, surrounding space ignored):
+/// the model's identity (design brief §10). Reads the whole file.
+///
+/// # Errors
+///
+/// [`DigestError`]: unreadable, or other bytes.
+pub fn check_sha256(path: &Path, want: &str) -> Result<(), DigestError> {
+    use sha2::Digest as _;
+    let io = |source| DigestError::Io {
+        path: path.to_owned(),
+        source,
+    };
+    let mut file = std::fs::File::open(path).map_err(io)?;
+    let mut hasher = sha2::Sha256::new();
+    std::io::copy(&mut file, &mut hasher).map_err(io)?;
+    let got = hex::encode(hasher.finalize());
+    if got.eq_ignore_ascii_case(want.trim()) {
+        Ok(())
+    } else {
+        Err(DigestError::Mismatch {
+            path: path.to_owned(),
+            got,
+            want: want.to_owned(),
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
+
+    #[test]
+    fn a_gguf_is_refused_unless_its_sha256_is_the_configured_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.gguf");
+        std::fs::write(&path, b"abc").unwrap();
+        let abc = "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad";
+        assert!(check_sha256(&path, &format!(" {} ", abc.to_uppercase())).is_ok());
+        let err = check_sha256(&path, "00").unwrap_err().to_string();
+        assert_eq!(
+            err,
+            format!(
+                "{} has SHA-256 {abc}, not the configured gguf_sha256 00: not the model's weights",
+                path.display()
+            )
+        );
+        let missing = check_sha256(&dir.path().join("none.gguf"), abc);
+        assert!(matches!(missing, Err(DigestError::Io { .. })));
+    }
 
     fn s(out: &mut Vec<u8>, v: &str) {
         out.extend_from_slice(&(v.len() as u64).to_le_bytes());

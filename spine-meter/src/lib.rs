@@ -11,14 +11,20 @@
 //! `llama-reference`: `audit::LlamaCppReference` (a hyper client to a llama-server).
 
 pub mod audit;
+#[cfg(feature = "tokenizer")]
+pub mod catalog;
 pub mod classify;
 #[cfg(feature = "tokenizer")]
 pub mod gguf;
 pub mod inject;
+pub mod keys;
 pub mod ledger;
 #[cfg(feature = "limits")]
 pub mod limits;
 pub mod meter;
+#[cfg(feature = "metrics")]
+pub mod metrics;
+pub mod node_error;
 pub mod price;
 pub mod responses;
 pub mod sse;

@@ -34,6 +34,7 @@ mod client;
 mod error;
 pub mod handshake;
 mod identity;
+mod listen;
 #[cfg(feature = "logging")]
 pub mod logging;
 
@@ -52,6 +53,7 @@ pub use handshake::decode_hello;
 pub use identity::{
     parse_public_key_text, public_key_text, IdentityError, NodeIdentity, PUBLIC_KEY_PREFIX,
 };
+pub use listen::{bind_listener, raise_fd_limit, shutdown_signal, LISTEN_BACKLOG};
 pub use refusal::RefusalReason;
 pub use serve::{
     BodyReadTimeout, InFlightGuard, LimitedServer, ListenerLimits, TimedBody, TrackedBody,
@@ -62,7 +64,8 @@ pub use server::{
     Tunnels, UpgradeBody, HEALTH_PATH, PROBE_PATH, TUNNEL_PATH,
 };
 pub use tls::{
-    client_config_with_ca, self_signed_cert, server_config_from_pem, TlsError, TlsFiles,
+    client_config_with_ca, create_private_dir, self_signed_cert, server_config_from_pem,
+    tls_files_or_self_signed, write_private, TlsError, TlsFiles,
 };
 pub use ws_io::{WsIo, DEFAULT_MAX_WRITE_MESSAGE_BYTES};
 

@@ -155,5 +155,85 @@ pub fn client_config_with_ca(ca_pem: &str) -> Result<Arc<rustls::ClientConfig>, 
     Ok(Arc::new(config))
 }
 
+/// The configured certificate and key, or a self-signed pair for `localhost`, `127.0.0.1` and
+/// `extra_names` kept in `dir` as `tunnel-cert.pem` and `tunnel-key.pem` (generated when either
+/// is missing, reused on restart; the key written owner-only). Agents trust the result's
+/// `cert_path` with `--ca-file`.
+///
+/// # Errors
+///
+/// [`TlsError::Generate`] when a name is invalid, [`TlsError::Io`] when a file cannot be
+/// written.
+pub fn tls_files_or_self_signed(
+    configured: Option<TlsFiles>,
+    dir: &Path,
+    extra_names: &[String],
+) -> Result<TlsFiles, TlsError> {
+    if let Some(files) = configured {
+        return Ok(files);
+    }
+    let files = TlsFiles::new(dir.join("tunnel-cert.pem"), dir.join("tunnel-key.pem"));
+    if !files.cert_path.exists() || !files.key_path.exists() {
+        let mut names = vec!["localhost".to_owned(), "127.0.0.1".to_owned()];
+        names.extend(extra_names.iter().cloned());
+        let (cert_pem, key_pem) = self_signed_cert(&names)?;
+        let io = |path: &Path| {
+            let path = path.to_owned();
+            move |source| TlsError::Io { path, source }
+        };
+        std::fs::write(&files.cert_path, cert_pem).map_err(io(&files.cert_path))?;
+        write_private(&files.key_path, key_pem.as_bytes()).map_err(io(&files.key_path))?;
+        tracing::info!(cert = %files.cert_path.display(), "generated self-signed tunnel certificate");
+    }
+    Ok(files)
+}
+
+/// Writes `bytes` to `path`, created or truncated, owner-only (`0600` on Unix) when created.
+///
+/// # Errors
+///
+/// The file's I/O error.
+pub fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write as _;
+    let mut opts = std::fs::OpenOptions::new();
+    opts.write(true).create(true).truncate(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt as _;
+        opts.mode(0o600);
+    }
+    opts.open(path)?.write_all(bytes)
+}
+
+/// Creates `dir` (and its parents) owner-only (`0700` on Unix), as for a directory that holds
+/// a ledger and private keys. An existing `dir` that group or others can enter is set to
+/// `0700` (logged).
+///
+/// # Errors
+///
+/// When the directory cannot be created or its mode set.
+pub fn create_private_dir(dir: &Path) -> std::io::Result<()> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::{DirBuilderExt as _, PermissionsExt as _};
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)?;
+        let mode = std::fs::metadata(dir)?.permissions().mode();
+        if mode & 0o077 != 0 {
+            tracing::warn!(
+                data_dir = %dir.display(),
+                mode = %format_args!("{:o}", mode & 0o777),
+                "data_dir was open to group or others; set to 0700"
+            );
+            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode & 0o700))?;
+        }
+        Ok(())
+    }
+    #[cfg(not(unix))]
+    std::fs::create_dir_all(dir)
+}
+
 #[cfg(test)]
 mod tests;

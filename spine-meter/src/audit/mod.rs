@@ -30,6 +30,7 @@ mod escrow;
 mod reference;
 mod request;
 mod score;
+mod settings;
 mod sprt;
 
 pub use auditor::{
@@ -43,6 +44,7 @@ pub use reference::LlamaCppReference;
 pub use reference::{Reference, ReferenceError, ReferenceQuery, ReferenceSet, ScoreFuture};
 pub use request::{auditable, AuditPrompt, AuditableRequest, NotAuditable};
 pub use score::{observations, SamplingMode, ScoreConfig, ScoreError, ScoredToken, TopToken};
+pub use settings::{AuditSettings, AuditSettingsError};
 pub use sprt::{Observation, ObservationKind, Sprt, SprtConfig, BETS};
 
 #[cfg(test)]

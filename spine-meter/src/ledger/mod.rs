@@ -58,6 +58,7 @@
 mod amounts;
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 mod convert;
+mod lifecycle;
 #[cfg(feature = "postgres")]
 mod pg;
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
@@ -76,6 +77,11 @@ use spine_core::{
 
 use crate::price::Price;
 
+#[cfg(all(feature = "sqlite", feature = "postgres"))]
+pub use lifecycle::open_store;
+#[cfg(feature = "tunnel")]
+pub use lifecycle::StoreAuthenticator;
+pub use lifecycle::{drain_at_shutdown, note_serving_node, Database, DatabaseUrlError};
 #[cfg(feature = "postgres")]
 pub use pg::{InstanceUpkeep, PgLedger, PgPoolConfig};
 #[cfg(feature = "sqlite")]

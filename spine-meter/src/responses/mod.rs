@@ -14,9 +14,13 @@
 //! not serve is refused up front with a 400 naming the member (`previous_response_id`:
 //! nothing is stored; built-in tools; image and file inputs).
 
+mod answer;
 mod request;
 mod response;
 
+pub use answer::{
+    responses_param, translate_request, ReshapeError, ResponsesAnswer, TranslateError,
+};
 pub use request::{chat_request, ChatTranslation, ResponsesError};
 pub use response::{chat_json_as_stream, response_from_chat, ResponseMeta, ResponsesSse};
 

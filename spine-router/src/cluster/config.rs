@@ -57,7 +57,52 @@ impl ClusterConfig {
         }
         format!("gw-{}", hex::encode(bytes))
     }
+
+    /// Checks what an instance cannot run with: a `secret` of at least 16 bytes, an
+    /// `instance_id` of 1 to 64 letters, digits, `.`, `_` or `-`, and an advertised internal
+    /// address (`internal_advertise`, else `internal_listen`) that is not unspecified
+    /// (`0.0.0.0` or `::`: peers would dial themselves).
+    ///
+    /// # Errors
+    ///
+    /// [`ClusterConfigError`] naming the setting (in a gateway's configuration terms).
+    pub fn validate(&self) -> Result<(), ClusterConfigError> {
+        if self.secret.len() < 16 {
+            return Err(ClusterConfigError(
+                "redis_url is set (multi-instance mode): cluster_secret must be set, at \
+                 least 16 bytes",
+            ));
+        }
+        let id_ok = !self.instance_id.is_empty()
+            && self.instance_id.len() <= 64
+            && self
+                .instance_id
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+        if !id_ok {
+            return Err(ClusterConfigError(
+                "instance_id: 1 to 64 letters, digits, '.', '_' or '-'",
+            ));
+        }
+        // peers dial the advertised address: 0.0.0.0 / :: would make them dial themselves
+        let advertised_ip = match &self.internal_advertise {
+            Some(a) => a.parse::<SocketAddr>().ok().map(|a| a.ip()),
+            None => Some(self.internal_listen.ip()),
+        };
+        if advertised_ip.is_some_and(|ip| ip.is_unspecified()) {
+            return Err(ClusterConfigError(
+                "internal_advertise: other instances cannot dial an unspecified address                  (0.0.0.0 or ::); with internal_listen on one, set internal_advertise to this                  instance's reachable host:port",
+            ));
+        }
+        Ok(())
+    }
 }
+
+/// Settings an instance cannot run with ([`ClusterConfig::validate`]); the message names the
+/// setting.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct ClusterConfigError(&'static str);
 
 impl Default for ClusterConfig {
     /// Redis at `redis://127.0.0.1:6379`, a generated instance id, prefix `spine:`, internal

@@ -39,6 +39,7 @@ mod config;
 mod directory;
 mod forward;
 mod internal;
+mod tunnels;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -51,7 +52,7 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 pub use affinity::RedisAffinity;
-pub use config::ClusterConfig;
+pub use config::{ClusterConfig, ClusterConfigError};
 pub use forward::{
     cluster_service, BodyIdle, ClusterError, ClusterService, Forwarder, BODY_IDLE_TIMEOUT,
     CONNECT_TIMEOUT, HEAD_TIMEOUT, KEEP_ALIVE_INTERVAL, KEEP_ALIVE_TIMEOUT, MAX_CONCURRENT_STREAMS,
@@ -61,6 +62,7 @@ pub use internal::{
     internal_router, serve_internal, RelayError, RelayRefusal, FORWARDED_BODY_SLACK_BYTES,
     MAX_CLOCK_SKEW_MS, REPLAY_CACHE_CAP, SIGNATURE_SCHEME,
 };
+pub use tunnels::{join, tunnel_dispatch, tunnel_route_layer, JoinError, RegistryEvents};
 
 use crate::NodeRegistry;
 

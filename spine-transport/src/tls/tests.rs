@@ -24,3 +24,37 @@ fn bad_pem_is_refused() {
         Err(TlsError::Rustls(_))
     ));
 }
+
+#[cfg(unix)]
+#[test]
+fn the_data_dir_is_owner_only_and_so_is_the_tunnel_key() {
+    use std::os::unix::fs::PermissionsExt as _;
+    let mode = |p: &Path| {
+        std::fs::metadata(p)
+            .map(|m| m.permissions().mode() & 0o777)
+            .unwrap_or_default()
+    };
+    let Ok(tmp) = tempfile::tempdir() else {
+        unreachable!("a temporary directory")
+    };
+    let dir = tmp.path().join("a/data");
+    assert!(create_private_dir(&dir).is_ok());
+    assert_eq!(mode(&dir), 0o700);
+    // an existing directory open to others is tightened
+    assert!(std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).is_ok());
+    assert!(create_private_dir(&dir).is_ok());
+    assert_eq!(mode(&dir), 0o700);
+
+    let files = tls_files_or_self_signed(None, &dir, &["gw.example".to_owned()]);
+    let Ok(files) = files else {
+        unreachable!("{:?}", files.err())
+    };
+    assert_eq!(files.cert_path, dir.join("tunnel-cert.pem"));
+    assert_eq!(mode(&files.key_path), 0o600);
+    assert!(files.server_config().is_ok());
+    // reused, not generated again
+    let cert = std::fs::read(&files.cert_path).unwrap_or_default();
+    let again = tls_files_or_self_signed(None, &dir, &[]).map(|f| f.cert_path);
+    assert_eq!(again.ok(), Some(dir.join("tunnel-cert.pem")));
+    assert_eq!(std::fs::read(&files.cert_path).unwrap_or_default(), cert);
+}

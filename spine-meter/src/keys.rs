@@ -1,0 +1,147 @@
+//! API keys, enrollment tokens and ids: random generation, hashing, the bearer scheme, and the
+//! cache of keys already looked up in the [`Store`](crate::Store).
+//!
+//! API keys are `sk-spine-` followed by 32 random bytes in base64url; only their SHA-256 (hex) is
+//! stored, so a leaked database does not leak usable keys. Enrollment tokens are the same with
+//! the prefix `spine-enroll-`, and are stored the same way.
+
+use base64::Engine as _;
+use sha2::{Digest, Sha256};
+use spine_core::{AccountId, RequestId};
+
+fn random_bytes<const N: usize>() -> [u8; N] {
+    let mut buf = [0u8; N];
+    // The OS RNG failing is unrecoverable for a server that mints keys; fall back to nothing.
+    if let Err(e) = getrandom::fill(&mut buf) {
+        tracing::error!(error = %e, "OS random number generator failed");
+        std::process::abort();
+    }
+    buf
+}
+
+/// The token of an `Authorization: Bearer <token>` header value; the scheme is case-insensitive
+/// (RFC 9110 §11.1). `None` for another scheme or an empty token.
+pub fn bearer_token(value: &str) -> Option<&str> {
+    let (scheme, token) = value.trim().split_once(' ')?;
+    let token = token.trim();
+    (scheme.eq_ignore_ascii_case("bearer") && !token.is_empty()).then_some(token)
+}
+
+/// Whether `id` is acceptable as a caller-chosen account or operator id: 1–64 of
+/// `[A-Za-z0-9_.-]`.
+pub fn valid_id(id: &str) -> bool {
+    (1..=64).contains(&id.len())
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'))
+}
+
+/// A fresh API key (`sk-spine-` and 43 base64url characters), shown to its owner once.
+///
+/// # Panics
+///
+/// Never; the process aborts when the OS random number generator fails.
+pub fn new_api_key() -> String {
+    format!(
+        "sk-spine-{}",
+        base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(random_bytes::<32>())
+    )
+}
+
+/// Prefix of enrollment tokens.
+pub const ENROLLMENT_TOKEN_PREFIX: &str = "spine-enroll-";
+
+/// A fresh one-time enrollment token (`spine-enroll-` and 43 base64url characters); store its
+/// [`hash_api_key`].
+pub fn new_enrollment_token() -> String {
+    format!(
+        "{ENROLLMENT_TOKEN_PREFIX}{}",
+        new_api_key().trim_start_matches("sk-spine-")
+    )
+}
+
+/// SHA-256 of the key (or token), lowercase hex: what the store keeps.
+pub fn hash_api_key(key: &str) -> String {
+    hex::encode(Sha256::digest(key.as_bytes()))
+}
+
+/// SHA-256 (hex) of the bearer token of an `Authorization` header value, if it has one.
+pub fn presented_key_hash(authorization: Option<&http::HeaderValue>) -> Option<String> {
+    authorization
+        .and_then(|v| v.to_str().ok())
+        .and_then(bearer_token)
+        .map(hash_api_key)
+}
+
+/// A fresh id with a readable prefix: `<prefix>_<24 hex digits>`.
+pub fn new_id(prefix: &str) -> String {
+    format!("{prefix}_{}", hex::encode(random_bytes::<12>()))
+}
+
+/// A fresh request id (`req_` and 24 hex digits).
+pub fn new_request_id() -> RequestId {
+    RequestId::new(new_id("req"))
+}
+
+/// Most keys [`KeyCache`] remembers; when full it starts over (it is only a shortcut).
+const MAX_CACHED_KEYS: usize = 65_536;
+
+/// The accounts of API keys already found in the store, by key hash, so that a request costs
+/// no database read to authenticate (measured: a refused request's CPU was mostly the key's
+/// lookup). Only keys that exist are remembered: a key created on another instance is found in
+/// the store the first time it is used. A key's account never changes and keys are not revoked
+/// (no admin call does either); one that does must clear this cache. At most 65,536 keys; when
+/// full it starts over.
+#[derive(Debug, Default)]
+pub struct KeyCache(std::sync::RwLock<std::collections::HashMap<String, AccountId>>);
+
+impl KeyCache {
+    /// The account remembered for `key_hash`.
+    pub fn get(&self, key_hash: &str) -> Option<AccountId> {
+        self.0
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(key_hash)
+            .cloned()
+    }
+
+    /// Remembers that `key_hash` belongs to `account`.
+    pub fn insert(&self, key_hash: String, account: AccountId) {
+        let mut map = self
+            .0
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if map.len() >= MAX_CACHED_KEYS {
+            map.clear();
+        }
+        map.insert(key_hash, account);
+    }
+
+    /// The account of `key_hash`: remembered, else looked up in `store` (and remembered when
+    /// found); `None` for a key the store does not know.
+    ///
+    /// # Errors
+    ///
+    /// The store's error when the lookup fails.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: dropped before the lookup ends, nothing is remembered.
+    pub async fn account_for(
+        &self,
+        store: &dyn crate::Store,
+        key_hash: &str,
+    ) -> Result<Option<AccountId>, crate::LedgerError> {
+        if let Some(account) = self.get(key_hash) {
+            return Ok(Some(account));
+        }
+        let found = store.account_for_key_hash(key_hash).await?;
+        if let Some(account) = &found {
+            self.insert(key_hash.to_owned(), account.clone());
+        }
+        Ok(found)
+    }
+}
+
+#[cfg(test)]
+mod tests;

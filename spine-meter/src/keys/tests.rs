@@ -1,0 +1,60 @@
+use super::*;
+
+#[test]
+fn keys_are_random_and_hash_is_sha256_hex() {
+    let a = new_api_key();
+    let b = new_api_key();
+    assert_ne!(a, b);
+    assert!(a.starts_with("sk-spine-"));
+    assert_eq!(a.len(), "sk-spine-".len() + 43);
+    assert_eq!(
+        hash_api_key("abc"),
+        "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+    );
+    assert_eq!(new_id("acct").len(), "acct_".len() + 24);
+    assert!(valid_id(&new_id("acct")));
+    let token = new_enrollment_token();
+    assert!(token.starts_with("spine-enroll-"));
+    assert_eq!(token.len(), "spine-enroll-".len() + 43);
+}
+
+#[test]
+fn the_key_cache_remembers_and_starts_over_when_full() {
+    let cache = KeyCache::default();
+    assert_eq!(cache.get("h1"), None);
+    cache.insert("h1".into(), AccountId::new("a1"));
+    assert_eq!(cache.get("h1"), Some(AccountId::new("a1")));
+    for i in 0..MAX_CACHED_KEYS {
+        cache.insert(format!("k{i}"), AccountId::new("a"));
+    }
+    // full at the 65,536th: the memory started over, and holds only what came since
+    assert_eq!(cache.get("h1"), None);
+    assert_eq!(
+        cache.get(&format!("k{}", MAX_CACHED_KEYS - 1)),
+        Some(AccountId::new("a"))
+    );
+}
+
+#[test]
+fn bearer_scheme_is_case_insensitive() {
+    assert_eq!(bearer_token("Bearer abc"), Some("abc"));
+    assert_eq!(bearer_token("bearer  abc "), Some("abc"));
+    assert_eq!(bearer_token("BEARER abc"), Some("abc"));
+    assert_eq!(bearer_token("Basic abc"), None);
+    assert_eq!(bearer_token("Bearer "), None);
+    assert_eq!(bearer_token("Bearer"), None);
+    let header = http::HeaderValue::from_static("Bearer abc");
+    assert_eq!(
+        presented_key_hash(Some(&header)).as_deref(),
+        Some("ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad")
+    );
+    assert_eq!(presented_key_hash(None), None);
+}
+
+#[test]
+fn ids_are_restricted() {
+    assert!(valid_id("acct_1.a-B"));
+    assert!(!valid_id(""));
+    assert!(!valid_id("../../x y"));
+    assert!(!valid_id(&"a".repeat(65)));
+}
