@@ -483,19 +483,6 @@ async fn a_node_answering_where_the_sdk_does_not_read_is_not_paid_for_it() {
     let gw = Gateway::start(dir.path(), &engine).await;
     let t = tenant(&gw).await;
     let (_node, _agent) = add_node(&gw, dir.path(), &t.operator, &url, "misplacer").await;
-    let settled = |id: String| {
-        let gw = &gw;
-        async move {
-            for _ in 0..600 {
-                let rec = gw.record(&id).await;
-                if rec["outcome"].is_string() {
-                    return rec;
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-            panic!("{id} never settled");
-        }
-    };
     let shown_tokens = tok.count_text(&shown);
 
     // text beside the message, where the SDK never looks: refused, nothing paid
@@ -506,7 +493,7 @@ async fn a_node_answering_where_the_sdk_does_not_read_is_not_paid_for_it() {
         let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
         let e: Value = resp.json().await.unwrap();
         assert!(e["error"]["message"].is_string(), "{mode}: {e}");
-        let rec = settled(id).await;
+        let rec = gw.record(&id).await;
         assert_eq!(rec["outcome"], "upstream_failed", "{mode}: {rec}");
         assert_eq!(rec["debit_micros"], 0, "{mode}: {rec}");
     }
@@ -518,7 +505,7 @@ async fn a_node_answering_where_the_sdk_does_not_read_is_not_paid_for_it() {
     let answer: Value = resp.json().await.unwrap();
     assert_eq!(answer["choices"][0]["message"]["content"], shown.as_str());
     assert_eq!(answer["usage"]["completion_tokens"], shown_tokens + 1);
-    let rec = settled(id).await;
+    let rec = gw.record(&id).await;
     assert_eq!(rec["outcome"], "completed", "{rec}");
     assert_eq!(
         rec["billed"]["completion_tokens"],
@@ -532,7 +519,7 @@ async fn a_node_answering_where_the_sdk_does_not_read_is_not_paid_for_it() {
     let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
     let text = resp.text().await.unwrap();
     assert_eq!(delivered(&text, true)[0], shown, "{text}");
-    let rec = settled(id).await;
+    let rec = gw.record(&id).await;
     assert_eq!(rec["outcome"], "completed", "{rec}");
     assert_eq!(
         rec["billed"]["completion_tokens"],
@@ -589,14 +576,7 @@ async fn a_caller_constraining_tokenization_pays_for_the_tokens_generated() {
             canonical + length_allowance_tokens(MAX) < MAX,
             "not constrained enough to tell: {canonical} for {got:?}"
         );
-        let mut rec = gw.record(&id).await;
-        for _ in 0..600 {
-            if rec["outcome"].is_string() {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            rec = gw.record(&id).await;
-        }
+        let rec = gw.record(&id).await;
         assert_eq!(rec["outcome"], "completed", "{rec}");
         assert_eq!(rec["claimed"]["completion_tokens"], MAX, "{rec}");
         assert_eq!(

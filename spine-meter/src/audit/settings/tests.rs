@@ -13,16 +13,20 @@ fn settings_are_checked_into_a_config() {
     assert_eq!(c.timeout, std::time::Duration::from_secs(1));
     assert_eq!(AuditSettings::default().challenge_interval_secs, 600);
 
-    let mut bad = AuditSettings::default();
-    bad.rate_suspect = 1.5;
+    let bad = AuditSettings {
+        rate_suspect: 1.5,
+        ..AuditSettings::default()
+    };
     assert_eq!(
         bad.audit_config().map(|_| ()),
         Err(AuditSettingsError(
             "audit.rate_suspect must be between 0 and 1 (got 1.5)".into()
         ))
     );
-    let mut bad = AuditSettings::default();
-    bad.alpha = 0.5;
+    let bad = AuditSettings {
+        alpha: 0.5,
+        ..AuditSettings::default()
+    };
     let err = bad
         .audit_config()
         .err()
