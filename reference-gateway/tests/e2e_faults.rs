@@ -273,14 +273,15 @@ async fn a_hung_engine_with_full_slots_leaves_routing_within_15_s() {
 }
 
 /// A streamed chat that generates `max_tokens` tokens (end tokens banned), each chunk carrying
-/// 80 top log-probabilities (~5.8 KB a token: 600 tokens are ~3.5 MB, measured on llama.cpp),
+/// 20 top log-probabilities, OpenAI's bound (~1.5 KB a token: 2,400 tokens are ~3.5 MB; 80 gave
+/// ~5.8 KB a token, measured on llama.cpp),
 /// so that four unread streams of one node outgrow what the kernel's socket buffers and the
 /// tunnel's HTTP/2 windows (2 MiB a stream, 5 MiB a tunnel) absorb: without the gateway's
 /// read-ahead their generation stalls and the slots stay taken (checked by running this test
 /// with `stream_buffer_bytes = 0`: the queued callers were never served).
 fn heavy_stream_body(max_tokens: u64) -> Value {
     json!({"model":"smollm2","stream":true,"max_tokens":max_tokens,
-        "logit_bias":{"0":-100,"2":-100},"logprobs":true,"top_logprobs":80,
+        "logit_bias":{"0":-100,"2":-100},"logprobs":true,"top_logprobs":20,
         "messages":[{"role":"user","content":"Count from 1 to 1000, one number per line."}]})
 }
 
@@ -318,10 +319,13 @@ async fn node_in_flight(gw: &Gateway, node: &str) -> u64 {
 /// tunnel's 2 MiB stream window, per stream). The books balance once they read to the end.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slow_readers_leave_the_node_slots_free_once_generation_ends() {
-    const MAX_TOKENS: u64 = 600;
+    const MAX_TOKENS: u64 = 2400;
     let engine = Engine::discover().unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let llama = LlamaServer::start(&engine, 4).await.unwrap();
+    // 4 slots of 2,560 tokens: room for the 2,400-token answers
+    let llama = LlamaServer::start_with_args(&engine, 4, &["-c", "10240"])
+        .await
+        .unwrap();
     let gw = Gateway::start_with(dir.path(), &engine, "queue_max_wait_secs = 600").await;
     let t = tenant(&gw).await;
     let (node, _agent) =
@@ -353,7 +357,7 @@ async fn slow_readers_leave_the_node_slots_free_once_generation_ends() {
     let all_started = started.elapsed();
     // generation ends: the node's slots are free with every answer still unread
     let mut freed = None;
-    // (up to 15 min: 600 tokens on each of 4 slots take minutes on a machine busy with other
+    // (up to 15 min: 2,400 tokens on each of 4 slots take minutes on a machine busy with other
     // engines; a node that keeps its slots would never pass)
     for _ in 0..9000 {
         if node_in_flight(&gw, &node).await == 0

@@ -120,6 +120,15 @@ pub trait TokenCounter: fmt::Debug + Send + Sync {
         let _ = (text, keep_bytes, scanned_through);
         None
     }
+
+    /// Whether token `id` is a special token (EOS, BOS, a chat-template marker): one that is
+    /// never a piece of generated text, so biasing it cannot make the engine spell a text in
+    /// other tokens. The default is `false` for every id (every `logit_bias` then constrains
+    /// tokenization: the bill follows the engine's claim within the byte bound).
+    fn is_special_token(&self, id: u32) -> bool {
+        let _ = id;
+        false
+    }
 }
 
 /// A shared counter counts as the counter it shares (so `&Arc<ModelTokenizer>` is a
@@ -139,6 +148,10 @@ impl<T: TokenCounter + ?Sized> TokenCounter for std::sync::Arc<T> {
 
     fn stable_cut(&self, text: &str, keep_bytes: usize, scanned_through: usize) -> Option<usize> {
         (**self).stable_cut(text, keep_bytes, scanned_through)
+    }
+
+    fn is_special_token(&self, id: u32) -> bool {
+        (**self).is_special_token(id)
     }
 }
 

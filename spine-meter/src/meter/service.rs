@@ -264,7 +264,7 @@ where
         n: choices,
         max_completion_tokens_per_choice: per_choice,
         max_tokens: peek.max_tokens,
-        tokenization_constrained: peek.tokenization_constrained,
+        tokenization_constrained: constrains_tokenization(&peek, &json, &*entry.tokenizer),
         tolerance_tokens: config.discrepancy_tolerance_tokens,
         tolerance_bps: config.discrepancy_tolerance_bps,
         audit: config
@@ -569,4 +569,37 @@ fn count_prompts(
         }));
     }
     Ok(counts)
+}
+
+/// Whether the request constrains tokenization ([`RequestPeek::tokenization_constrained`]),
+/// with one refinement the peek cannot make without the vocabulary: a `logit_bias` that only
+/// biases special tokens (EOS banned to make an answer run to its limit, the usual use) cannot
+/// make the engine spell a text in other tokens, so it does not count.
+fn constrains_tokenization(
+    peek: &RequestPeek,
+    json: &serde_json::Value,
+    counter: &dyn TokenCounter,
+) -> bool {
+    use serde_json::Value;
+    if !peek.tokenization_constrained {
+        return false;
+    }
+    let other_constraint = spine_core::TOKENIZATION_CONSTRAINT_FIELDS
+        .iter()
+        .filter(|field| **field != "logit_bias")
+        .any(|field| match (json.get(*field), *field) {
+            (None | Some(Value::Null), _) => false,
+            (Some(v), "response_format") => v.get("type").and_then(Value::as_str) != Some("text"),
+            _ => true,
+        });
+    if other_constraint {
+        return true;
+    }
+    match json.get("logit_bias") {
+        Some(Value::Object(biases)) => !biases.keys().all(|id| {
+            id.parse::<u32>()
+                .is_ok_and(|id| counter.is_special_token(id))
+        }),
+        _ => true,
+    }
 }

@@ -393,6 +393,12 @@ impl TokenCounter for ModelTokenizer {
             .as_ref()?
             .stable_cut(text, keep_bytes, scanned_through)
     }
+
+    fn is_special_token(&self, id: u32) -> bool {
+        self.tokenizer
+            .id_to_token(id)
+            .is_some_and(|t| self.tokenizer.get_added_vocabulary().is_special_token(&t))
+    }
 }
 
 /// A message as llama.cpp hands it to a string-content template.
