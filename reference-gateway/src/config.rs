@@ -43,6 +43,7 @@ const ENV_KEYS: &[(&str, Kind)] = &[
     ("max_sse_event_bytes", Kind::Int),
     ("max_stream_duration_secs", Kind::Int),
     ("strip_engine_fields", Kind::Bool),
+    ("refused_credit_delay_ms", Kind::Int),
     ("node_stall_timeout_secs", Kind::Int),
     ("stream_buffer_bytes", Kind::Int),
     ("redis_url", Kind::Str),
@@ -137,6 +138,8 @@ pub(crate) struct Config {
     /// Remove members outside OpenAI's response shape (llama.cpp's `timings`, cache counters,
     /// …) from what callers get: they tell one caller about other callers' requests.
     pub(crate) strip_engine_fields: bool,
+    /// How long a remembered refusal for lack of credit is held back, ms (0: at once).
+    pub(crate) refused_credit_delay_ms: u64,
     /// A routable node with requests in flight and nothing received on any of them for this
     /// long is probed at once; when the probe times out with still nothing received, the node
     /// leaves routing (`TunnelServerConfig::stall_timeout`). 0 disables it. Seconds.
@@ -245,6 +248,7 @@ impl Default for Config {
             max_sse_event_bytes: spine_meter::sse::DEFAULT_MAX_EVENT_BYTES,
             max_stream_duration_secs: 3600,
             strip_engine_fields: true,
+            refused_credit_delay_ms: 250,
             node_stall_timeout_secs: 5,
             stream_buffer_bytes: 4 * 1024 * 1024,
             redis_url: Default::default(),

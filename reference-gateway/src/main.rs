@@ -225,6 +225,9 @@ async fn run(cli: Cli) -> Result<(), MainError> {
             config.max_stream_duration_secs,
         ))
         .strip_engine_fields(config.strip_engine_fields)
+        .refused_credit_delay(std::time::Duration::from_millis(
+            config.refused_credit_delay_ms,
+        ))
         // each usage discrepancy also lowers the node's score
         .events(Arc::new({
             let registry = registry.clone();

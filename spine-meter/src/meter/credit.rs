@@ -5,23 +5,46 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use spine_core::AccountId;
+use tokio::sync::Semaphore;
 
 /// How long a refusal for lack of credit is remembered: a request from the same account within
 /// this time that could not be paid for by the balance seen then is refused at once, before its
 /// body is read, templated or tokenized. Credits added meanwhile count from the next request
 /// after it.
 pub const REFUSED_CREDIT_TTL: Duration = Duration::from_secs(1);
+/// How long a remembered refusal's answer is held back by default
+/// ([`MeterConfig::refused_credit_delay`](super::MeterConfig::refused_credit_delay)).
+pub const DEFAULT_REFUSED_CREDIT_DELAY: Duration = Duration::from_millis(250);
+/// Most remembered refusals held back at once; past it they are answered at once. The delay
+/// bounds a flood's rate per connection; this bounds the connections it keeps busy: a held-back
+/// request is in flight, so a listener at its connection cap cannot evict its connection for a
+/// new caller. Keep it well under the public listener's cap (the reference gateway's default
+/// is 4,096 connections), so a flood never holds every connection.
+pub const MAX_DELAYED_REFUSALS: usize = 1024;
 /// Most accounts remembered; when full, the memory starts over (it is only a shortcut).
 const MAX_REMEMBERED: usize = 65_536;
 
-/// The accounts whose last hold was refused for lack of credit, with the available balance then.
-#[derive(Clone, Debug, Default)]
-pub(crate) struct RefusedCredit(Arc<Mutex<HashMap<AccountId, (u64, Instant)>>>);
+/// The accounts whose last hold was refused for lack of credit, with the available balance then,
+/// and the permits of the refusals being held back.
+#[derive(Clone, Debug)]
+pub(crate) struct RefusedCredit {
+    accounts: Arc<Mutex<HashMap<AccountId, (u64, Instant)>>>,
+    delayed: Arc<Semaphore>,
+}
+
+impl Default for RefusedCredit {
+    fn default() -> Self {
+        Self {
+            accounts: Arc::default(),
+            delayed: Arc::new(Semaphore::new(MAX_DELAYED_REFUSALS)),
+        }
+    }
+}
 
 impl RefusedCredit {
     /// Remembers that `account` had `available_micros` when a hold was refused.
     pub(crate) fn record(&self, account: &AccountId, available_micros: u64) {
-        let mut map = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut map = self.accounts.lock().unwrap_or_else(PoisonError::into_inner);
         if map.len() >= MAX_REMEMBERED && !map.contains_key(account) {
             map.clear();
         }
@@ -30,7 +53,7 @@ impl RefusedCredit {
 
     /// Forgets `account` (its hold succeeded).
     pub(crate) fn forget(&self, account: &AccountId) {
-        let mut map = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut map = self.accounts.lock().unwrap_or_else(PoisonError::into_inner);
         if !map.is_empty() {
             map.remove(account);
         }
@@ -39,15 +62,54 @@ impl RefusedCredit {
     /// The available balance remembered for `account` when it is below `min_cost_micros` and
     /// was seen within [`REFUSED_CREDIT_TTL`]: the request cannot be paid for.
     pub(crate) fn cannot_pay(&self, account: &AccountId, min_cost_micros: u64) -> Option<u64> {
-        let map = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let map = self.accounts.lock().unwrap_or_else(PoisonError::into_inner);
         let (available, at) = map.get(account)?;
         (at.elapsed() < REFUSED_CREDIT_TTL && *available < min_cost_micros).then_some(*available)
+    }
+
+    /// Waits `delay` before a remembered refusal is answered, unless [`MAX_DELAYED_REFUSALS`]
+    /// are already waiting (then at once). A caller that cannot pay and sends again as soon as
+    /// it is answered (a closed-loop flood) then gets one answer per connection per `delay`,
+    /// each costing a timer, instead of as many as a core can parse; an honest caller whose
+    /// credit ran out gets its 402 `delay` later.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: dropping the future gives its permit back.
+    pub(crate) async fn hold_back(&self, delay: Duration) {
+        if delay.is_zero() {
+            return;
+        }
+        if let Ok(_permit) = self.delayed.try_acquire() {
+            tokio::time::sleep(delay).await;
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn holds_back_refusals_up_to_its_bound_then_answers_at_once() {
+        let r = RefusedCredit::default();
+        let delay = Duration::from_millis(250);
+        let started = tokio::time::Instant::now();
+        r.hold_back(delay).await;
+        assert_eq!(started.elapsed(), delay);
+        // every permit taken: the next refusal is answered at once
+        let _all = r
+            .delayed
+            .clone()
+            .try_acquire_many_owned(u32::try_from(MAX_DELAYED_REFUSALS).unwrap_or(u32::MAX));
+        assert!(_all.is_ok());
+        let started = tokio::time::Instant::now();
+        r.hold_back(delay).await;
+        assert_eq!(started.elapsed(), Duration::ZERO);
+        drop(_all);
+        r.hold_back(Duration::ZERO).await;
+        assert_eq!(started.elapsed(), Duration::ZERO);
+    }
 
     #[test]
     fn remembers_a_refusal_for_its_ttl_and_forgets_on_success() {

@@ -72,6 +72,14 @@ pub struct MeterConfig {
     /// tell one caller about other callers' requests on the same node (a cached-prefix length
     /// is an oracle for another account's prompt).
     pub strip_engine_fields: bool,
+    /// How long the answer to a remembered refusal for lack of credit is held back (default
+    /// 250 ms, [`DEFAULT_REFUSED_CREDIT_DELAY`](super::DEFAULT_REFUSED_CREDIT_DELAY);
+    /// zero: answered at once). An account refused within
+    /// [`REFUSED_CREDIT_TTL`](super::REFUSED_CREDIT_TTL) is refused before its body is
+    /// parsed; holding the 402 back as well limits a closed-loop flood from a key that cannot
+    /// pay to one refusal per connection per delay (at most
+    /// [`MAX_DELAYED_REFUSALS`](super::MAX_DELAYED_REFUSALS) wait at once).
+    pub refused_credit_delay: std::time::Duration,
 }
 
 impl fmt::Debug for MeterConfig {
@@ -92,6 +100,7 @@ impl fmt::Debug for MeterConfig {
             .field("max_stream_duration", &self.max_stream_duration)
             .field("drain_deadline", &self.drain_deadline)
             .field("strip_engine_fields", &self.strip_engine_fields)
+            .field("refused_credit_delay", &self.refused_credit_delay)
             .finish_non_exhaustive()
     }
 }
@@ -194,6 +203,7 @@ impl MeterLayer {
                 max_stream_duration: std::time::Duration::from_secs(3600),
                 drain_deadline: None,
                 strip_engine_fields: true,
+                refused_credit_delay: super::credit::DEFAULT_REFUSED_CREDIT_DELAY,
             },
         }
     }
@@ -248,6 +258,13 @@ impl MeterLayer {
     /// ([`MeterConfig::strip_engine_fields`]).
     pub fn strip_engine_fields(mut self, strip: bool) -> Self {
         self.config.strip_engine_fields = strip;
+        self
+    }
+
+    /// How long a remembered refusal for lack of credit is held back
+    /// ([`MeterConfig::refused_credit_delay`]).
+    pub fn refused_credit_delay(mut self, delay: std::time::Duration) -> Self {
+        self.config.refused_credit_delay = delay;
         self
     }
 

@@ -149,6 +149,10 @@ where
         // before the caller finished sending would close its connection under its writes (a
         // broken pipe where the SDK expects the 402)
         drain(req.into_body(), config.max_request_body_bytes).await;
+        config
+            .refused_credit
+            .hold_back(config.refused_credit_delay)
+            .await;
         return Err(MeterError::InsufficientCredit {
             available_micros,
             needed_micros: config.min_request_cost_micros,
