@@ -306,9 +306,10 @@ fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
     hay.windows(needle.len()).position(|w| w == needle)
 }
 
-/// The `x_sent_ns` stamp in an event, if any.
+/// The mock engine's `x_sent_ns:<digits>` stamp in an event (in its `system_fingerprint`), if
+/// any.
 fn sent_ns(ev: &[u8]) -> Option<u128> {
-    const KEY: &[u8] = b"\"x_sent_ns\":";
+    const KEY: &[u8] = b"x_sent_ns:";
     let i = find(ev, KEY)? + KEY.len();
     let digits = ev[i..].iter().take_while(|b| b.is_ascii_digit()).count();
     std::str::from_utf8(&ev[i..i + digits]).ok()?.parse().ok()
@@ -569,7 +570,7 @@ mod tests {
 
     #[test]
     fn event_helpers() {
-        let ev = br#"data: {"choices":[{"delta":{"content":" the"}}],"x_sent_ns":1234567}"#;
+        let ev = br#"data: {"choices":[{"delta":{"content":" the"}}],"system_fingerprint":"x_sent_ns:1234567"}"#;
         assert!(is_content_event(ev));
         assert_eq!(sent_ns(ev), Some(1_234_567));
         assert!(!is_content_event(

@@ -19,9 +19,11 @@
 //! granularity, so non-zero TTFT/ITL are whole milliseconds in practice; with zero ITL every
 //! event is its own HTTP body frame, sent as fast as the connection takes them.
 //!
-//! **Timestamps.** Every streamed content chunk carries `"x_sent_ns"`: the wall-clock
-//! (`CLOCK_REALTIME`) nanoseconds since the Unix epoch when the mock handed the event to its
-//! connection. A client on the same machine subtracts it from the arrival time to get the
+//! **Timestamps.** Every streamed content chunk carries `"system_fingerprint":
+//! "x_sent_ns:<digits>"`: the wall-clock (`CLOCK_REALTIME`) nanoseconds since the Unix epoch
+//! when the mock handed the event to its connection. It rides in a member of OpenAI's chunk
+//! shape so that a gateway which drops members outside that shape (spine's
+//! `strip_engine_fields`, on by default) still relays it. A client on the same machine subtracts it from the arrival time to get the
 //! per-event delivery delay (see [`crate::load`]); the difference between two paths is the
 //! per-event latency the path adds.
 //!
@@ -446,7 +448,7 @@ impl MockStream {
                     }
                 };
                 Bytes::from(format!(
-                    "data: {{\"id\":\"{id}\",\"object\":\"{object}\",\"created\":0,\"model\":{model},\"choices\":{content},\"x_sent_ns\":"
+                    "data: {{\"id\":\"{id}\",\"object\":\"{object}\",\"created\":0,\"model\":{model},\"choices\":{content},\"system_fingerprint\":\"x_sent_ns:"
                 ))
             })
             .collect();
@@ -463,7 +465,7 @@ impl MockStream {
         tail.push(Bytes::from_static(b"data: [DONE]\n\n"));
         Self {
             chunk_heads,
-            chunk_tail: Bytes::from_static(b"}\n\n"),
+            chunk_tail: Bytes::from_static(b"\"}\n\n"),
             tail,
             tokens,
             sent_tokens: 0,
@@ -704,7 +706,9 @@ mod tests {
         for (ev, word) in events[..3].iter().zip([" the", " a", " of"]) {
             let v: Value = serde_json::from_str(ev.strip_prefix("data: ").unwrap()).unwrap();
             assert_eq!(v["choices"][0]["delta"]["content"], word);
-            assert!(v["x_sent_ns"].as_u64().unwrap() > 0);
+            let stamp = v["system_fingerprint"].as_str().unwrap();
+            let ns: u128 = stamp.strip_prefix("x_sent_ns:").unwrap().parse().unwrap();
+            assert!(ns > 0);
         }
         let fin: Value = serde_json::from_str(events[3].strip_prefix("data: ").unwrap()).unwrap();
         assert_eq!(fin["choices"][0]["finish_reason"], "stop");
