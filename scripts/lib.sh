@@ -28,6 +28,13 @@ spine_init() {
   LOG_TAG="$1"
   ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
   CACHE="${SPINE_CACHE:-$HOME/.cache/spine}"
+  # Builds are cached outside the clone: a clone with no target/ of its own gets a link to
+  # $CACHE/target, so a fresh clone (CI's) recompiles only the workspace's own crates, not its
+  # ~400 dependencies. CARGO_TARGET_DIR, or a target/ already there, is left as it is.
+  if [[ -z "${CARGO_TARGET_DIR:-}" && ! -e "$ROOT/target" && ! -L "$ROOT/target" ]]; then
+    mkdir -p "$CACHE/target"
+    ln -s "$CACHE/target" "$ROOT/target"
+  fi
   if [[ "$setup" == 1 ]]; then "$ROOT/scripts/setup.sh"; fi
   if [[ ! -f "$CACHE/env.sh" ]]; then
     echo "[$LOG_TAG] $CACHE/env.sh is missing: run scripts/setup.sh first" >&2
