@@ -331,7 +331,7 @@ async fn slow_readers_leave_the_node_slots_free_once_generation_ends() {
     let llama = LlamaServer::start_with_args(&engine, SLOTS, &["-c", "5120"])
         .await
         .unwrap();
-    let gw = Gateway::start_with(dir.path(), &engine, "queue_max_wait_secs = 600").await;
+    let gw = Gateway::start_with(dir.path(), &engine, "queue_max_wait_secs = 1800").await;
     let t = tenant(&gw).await;
     let (node, _agent) =
         common::add_node_with(&gw, dir.path(), &t.operator, &llama.url, "node", SLOTS).await;
@@ -353,7 +353,7 @@ async fn slow_readers_leave_the_node_slots_free_once_generation_ends() {
     let mut slow = Vec::new();
     for r in readers {
         // the last ones wait in the queue for slots the first ones' unread answers would hold
-        let (id, resp) = tokio::time::timeout(Duration::from_secs(900), r)
+        let (id, resp) = tokio::time::timeout(Duration::from_secs(1800), r)
             .await
             .expect("all slow readers served while none of them reads")
             .unwrap();
@@ -362,9 +362,10 @@ async fn slow_readers_leave_the_node_slots_free_once_generation_ends() {
     let all_started = started.elapsed();
     // generation ends: the node's slots are free with every answer still unread
     let mut freed = None;
-    // (up to 15 min: 2,400 tokens on each slot take minutes on a machine busy with other
-    // engines; a node that keeps its slots would never pass)
-    for _ in 0..9000 {
+    // (up to 30 min: 2,400 tokens on each slot took 10 min on a 2-core machine busy with builds
+    // — a queued caller then waited past a 600 s queue bound —; a node that keeps its slots
+    // would never pass)
+    for _ in 0..18_000 {
         if node_in_flight(&gw, &node).await == 0
             && common::llama_slots_busy(&http, &llama.url).await == 0
         {
