@@ -21,6 +21,8 @@ pub(crate) struct SettleCtx {
     pub(crate) settlements: super::layer::Settlements,
     pub(crate) request_id: RequestId,
     pub(crate) account: AccountId,
+    /// The caller's key as the edge named it ([`spine_core::RequestContext::key`]).
+    pub(crate) key: Option<String>,
     pub(crate) model: ModelId,
     pub(crate) node: Option<NodeId>,
     pub(crate) tokenizer: Arc<dyn TokenCounter>,
@@ -272,6 +274,7 @@ impl SettleCtx {
             price: self.price,
             share_bps: self.share_bps,
             earnings_held,
+            key: self.key,
         };
         let ledger = self.ledger;
         let events = self.events;

@@ -246,16 +246,23 @@ async fn settle_once<B: Backend>(
     }
     let hold_row = tx
         .optional(
-            "UPDATE holds SET state = 'settled' WHERE request_id = $1 AND state = 'held' RETURNING account_id, amount_micros",
+            "UPDATE holds SET state = 'settled' WHERE request_id = $1 AND state = 'held' RETURNING account_id, amount_micros, created_at_ms",
             &[Arg::Text(s.request_id.as_str())],
         )
         .await?;
-    let (hold_account, hold_micros) = match hold_row {
+    let settled_at_ms = now_ms();
+    let (hold_account, hold_micros, duration_ms) = match hold_row {
         Some(row) => (
             AccountId::from(row.text("account_id")?),
             row.u64("amount_micros")?,
+            // the hold is placed when the request arrives: hold to settlement is its duration
+            Some(
+                settled_at_ms
+                    .saturating_sub(row.i64("created_at_ms")?)
+                    .max(0),
+            ),
         ),
-        None => (s.account.clone(), 0),
+        None => (s.account.clone(), 0, None),
     };
     let operator: Option<String> = match &s.node {
         Some(node) => tx
@@ -296,8 +303,8 @@ async fn settle_once<B: Backend>(
             billed_prompt_tokens, billed_completion_tokens, claimed_prompt_tokens, claimed_completion_tokens,
             usage_source, discrepancy, input_micros_per_mtok, output_micros_per_mtok, share_bps,
             cost_micros, debit_micros, operator_credit_micros, fee_micros, hold_micros, created_at_ms, swept,
-            earnings)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23)",
+            earnings, key_hash, duration_ms)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24, $25)",
         &[
             Arg::Text(s.request_id.as_str()),
             Arg::Text(hold_account.as_str()),
@@ -319,9 +326,11 @@ async fn settle_once<B: Backend>(
             Arg::I64(credit),
             Arg::I64(fee),
             Arg::I64(to_i64(hold_micros)?),
-            Arg::I64(now_ms()),
+            Arg::I64(settled_at_ms),
             Arg::OptText(swept.map(SweepKind::as_str)),
             Arg::OptText(held.then_some("held")),
+            Arg::OptText(s.key.as_deref()),
+            Arg::OptI64(duration_ms),
         ],
     )
     .await?;
@@ -418,6 +427,7 @@ pub(in crate::ledger) async fn settle_hold_rows<B: Backend>(
             price: Price::default(),
             share_bps: 0,
             earnings_held: false,
+            key: None,
         };
         let result = retrying::<B, _, _, _>(|| settle_once(b, &settlement, Some(kind))).await?;
         if !result.already_settled {
