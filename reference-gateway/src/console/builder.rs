@@ -331,8 +331,12 @@ async fn usage_page(
         Ok(r) => r,
         Err(r) => return r,
     };
-    // the chart's series: tokens per day (all models and keys)
-    let mut per_day: std::collections::BTreeMap<i64, (u64, u64)> = Default::default();
+    // the chart's series: tokens per day (all models and keys), every day of the window
+    let (since, until, _) = usage_window(Some(days));
+    let mut per_day: std::collections::BTreeMap<i64, (u64, u64)> = (since / 86_400_000
+        ..until / 86_400_000)
+        .map(|d| (d, (0, 0)))
+        .collect();
     for r in &rows {
         let e = per_day.entry(r.day).or_default();
         e.0 += r.prompt_tokens;

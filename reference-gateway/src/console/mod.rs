@@ -290,6 +290,8 @@ pub(crate) fn router(state: Arc<ConsoleState>) -> Router {
         .route("/console/signin/link", post(auth::link_signin))
         .route("/console/signout", post(auth::signout))
         .route("/console/assets/{name}", get(asset))
+        // browsers ask for it at the origin's root; there is none
+        .route("/favicon.ico", get(|| async { StatusCode::NO_CONTENT }))
         .merge(builder::routes())
         .merge(operator::routes())
         .fallback(|State(s): State<Arc<ConsoleState>>| async move {
