@@ -1,5 +1,5 @@
-//! The console's security (issue 18), against a real gateway process over real sockets (SQLite
-//! ledger) with a real agent and llama.cpp node: no session → the sign-in page; a missing or
+//! The console's security (issue 18), against a real gateway process over real sockets (on the
+//! SQLite ledger, and again on PostgreSQL) with a real agent and llama.cpp node: no session → the sign-in page; a missing or
 //! wrong CSRF token → 403; a builder never sees another account's keys, requests or usage,
 //! an operator never another operator's nodes or tokens (every id-bearing URL tried with a
 //! foreign id); names with `<script>` escaped; the full API key shown exactly once; no prompt
@@ -114,11 +114,23 @@ const OPERATOR_PAGES: &[&str] = &[
 ];
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn console_sessions_csrf_isolation_escaping_and_rate_limits() {
+async fn console_sessions_csrf_isolation_escaping_and_rate_limits_sqlite() {
+    console_security("").await;
+}
+
+/// The same on the PostgreSQL ledger (a fresh database, dropped at the end).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn console_sessions_csrf_isolation_escaping_and_rate_limits_postgres() {
+    let db = PgDb::create();
+    console_security(&format!("database_url = \"{}\"", db.url)).await;
+}
+
+/// The whole check on a gateway started with `extra` top-level TOML.
+async fn console_security(extra: &str) {
     let engine = Engine::discover().unwrap();
     let llama = LlamaServer::start(&engine, 2).await.unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let gw = Gateway::start(dir.path(), &engine).await;
+    let gw = Gateway::start_with(dir.path(), &engine, extra).await;
     assert!(
         gw.console.starts_with("http://127.0.0.1:"),
         "{}",
