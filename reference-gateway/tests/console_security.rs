@@ -180,11 +180,30 @@ async fn console_security(extra: &str) {
         json!({"email":"opa@example.com","operator_id":a.operator,"sign_in_link":true}),
     )
     .await;
-    let op_b = create_user(
-        &gw,
-        json!({"email":"opb@example.com","operator_id":b_operator,"password":pw}),
-    )
-    .await;
+    // operator B's user through the admin CLI, the password from the environment
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_reference-gateway"))
+        .args([
+            "admin",
+            "console-users",
+            "create",
+            "--email",
+            "opb@example.com",
+        ])
+        .args(["--operator", &b_operator])
+        .env("SPINE_ADMIN_URL", &gw.admin)
+        .env("SPINE_ADMIN_TOKEN", ADMIN_TOKEN)
+        .env("SPINE_CONSOLE_PASSWORD", pw)
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let op_b: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(op_b["role"], "operator", "{op_b}");
+    assert!(op_b["sign_in_path"].is_null(), "no link asked for");
     // admin API refusals: both roles, no credential, a short password
     for bad in [
         json!({"email":"x@example.com","account_id":a.account,"operator_id":a.operator,"password":pw}),
