@@ -72,6 +72,7 @@ try {
   out.log_prompt_tokens = Number(await row.locator(".billed-prompt").textContent());
   out.log_completion_tokens = Number(await row.locator(".billed-completion").textContent());
   out.log_cost = (await row.locator(".cost").textContent()).trim();
+  out.log_ttft = (await row.locator(".ttft").textContent()).trim();
   await page.screenshot({ path: `${shots}/requests.png`, fullPage: true });
 
   await page.goto(`${base}/console/usage`);

@@ -125,6 +125,9 @@ async fn builder_and_operator_in_real_chromium() {
         seen["log_cost"],
         credits(record["debit_micros"].as_u64().unwrap())
     );
+    // TTFT: recorded for the streamed chat, shown in the log
+    let ttft: u64 = seen["log_ttft"].as_str().unwrap().parse().unwrap();
+    assert!(ttft > 0, "{seen}");
     assert_eq!(seen["chart_drawn"], true);
     assert_eq!(seen["usage_rows"], 1, "one day × model × key: {seen}");
     let usage = seen["usage_text"].as_str().unwrap();

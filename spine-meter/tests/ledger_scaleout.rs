@@ -120,6 +120,7 @@ fn failed_settlement(id: &RequestId, acct: &AccountId) -> Settlement {
         share_bps: 7_000,
         earnings_held: false,
         key: None,
+        ttft_ms: None,
     }
 }
 

@@ -461,6 +461,7 @@ struct RequestRow {
     claimed_completion_tokens: Option<u64>,
     discrepancy: bool,
     duration_ms: Option<i64>,
+    ttft_ms: Option<i64>,
     debit_micros: u64,
     node: Option<String>,
 }
@@ -515,6 +516,7 @@ async fn requests_page(
             claimed_completion_tokens: r.claimed.map(|c| c.completion_tokens),
             discrepancy: r.discrepancy,
             duration_ms: r.duration_ms,
+            ttft_ms: r.ttft_ms,
             debit_micros: r.debit_micros,
             node: r.node.map(|n| n.to_string()),
         })

@@ -137,6 +137,9 @@ pub struct RequestSummary {
     pub discrepancy: bool,
     /// Hold to settlement, milliseconds (the request's time in the gateway), when recorded.
     pub duration_ms: Option<i64>,
+    /// Time to the first generated content of a streamed answer, milliseconds
+    /// ([`Settlement::ttft_ms`](super::Settlement::ttft_ms)).
+    pub ttft_ms: Option<i64>,
     /// Taken from the account, micros.
     pub debit_micros: u64,
     /// The node that served it.

@@ -250,6 +250,10 @@ pub struct Settlement {
     /// The API key the caller presented, as the edge names it (the gateway: its SHA-256, hex;
     /// never the key), recorded so the console can show and filter requests by key.
     pub key: Option<String>,
+    /// Time to the first generated content of a streamed answer, milliseconds, measured by the
+    /// metering layer from the request's admission (after its prompt was counted) to the first
+    /// chunk with generated text; `None` for an answer that was not streamed or never had any.
+    pub ttft_ms: Option<u64>,
 }
 
 /// The money moved by one settlement, micros.

@@ -147,6 +147,7 @@ fn settlement(
         share_bps: 7_000,
         earnings_held: false,
         key: None,
+        ttft_ms: None,
     }
 }
 

@@ -261,6 +261,8 @@ where
         request_id: request_id.clone(),
         account: account.clone(),
         key,
+        started: tokio::time::Instant::now(),
+        ttft_ms: None,
         model: peek.model.clone(),
         node: None,
         tokenizer: entry.tokenizer.clone(),

@@ -349,7 +349,7 @@ pub(in crate::ledger) async fn account_requests<B: Backend>(
             "SELECT request_id, created_at_ms, key_hash, model, outcome, node_id,
                     billed_prompt_tokens, billed_completion_tokens,
                     claimed_prompt_tokens, claimed_completion_tokens,
-                    discrepancy, duration_ms, debit_micros
+                    discrepancy, duration_ms, ttft_ms, debit_micros
              FROM requests
              WHERE account_id = $1
                AND ($2 IS NULL OR key_hash = $2)
@@ -398,6 +398,7 @@ pub(in crate::ledger) async fn account_requests<B: Backend>(
             claimed,
             discrepancy: row.bool("discrepancy")?,
             duration_ms: row.opt_i64("duration_ms")?,
+            ttft_ms: row.opt_i64("ttft_ms")?,
             debit_micros: row.u64("debit_micros")?,
             node: row.opt_text("node_id")?.map(NodeId::from),
         });

@@ -303,8 +303,8 @@ async fn settle_once<B: Backend>(
             billed_prompt_tokens, billed_completion_tokens, claimed_prompt_tokens, claimed_completion_tokens,
             usage_source, discrepancy, input_micros_per_mtok, output_micros_per_mtok, share_bps,
             cost_micros, debit_micros, operator_credit_micros, fee_micros, hold_micros, created_at_ms, swept,
-            earnings, key_hash, duration_ms)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24, $25)",
+            earnings, key_hash, duration_ms, ttft_ms)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24, $25, $26)",
         &[
             Arg::Text(s.request_id.as_str()),
             Arg::Text(hold_account.as_str()),
@@ -331,6 +331,7 @@ async fn settle_once<B: Backend>(
             Arg::OptText(held.then_some("held")),
             Arg::OptText(s.key.as_deref()),
             Arg::OptI64(duration_ms),
+            Arg::OptI64(opt_i64(s.ttft_ms)?),
         ],
     )
     .await?;
@@ -428,6 +429,7 @@ pub(in crate::ledger) async fn settle_hold_rows<B: Backend>(
             share_bps: 0,
             earnings_held: false,
             key: None,
+            ttft_ms: None,
         };
         let result = retrying::<B, _, _, _>(|| settle_once(b, &settlement, Some(kind))).await?;
         if !result.already_settled {

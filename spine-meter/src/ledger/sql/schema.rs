@@ -178,6 +178,7 @@ ALTER TABLE api_keys ADD COLUMN revoked_at_ms {int};
 CREATE INDEX api_keys_account ON api_keys(account_id, created_at_ms, key_hash);
 ALTER TABLE requests ADD COLUMN key_hash TEXT;
 ALTER TABLE requests ADD COLUMN duration_ms {int};
+ALTER TABLE requests ADD COLUMN ttft_ms {int};
 CREATE INDEX requests_account_time ON requests(account_id, created_at_ms, request_id);
 CREATE INDEX requests_operator_time ON requests(operator_id, created_at_ms);
 CREATE INDEX credits_account_time ON credits(account_id, created_at_ms, idempotency_key);

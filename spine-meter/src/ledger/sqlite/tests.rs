@@ -159,6 +159,7 @@ async fn a_copy_of_the_files_of_an_open_store_has_every_committed_settlement() {
             share_bps: 0,
             earnings_held: false,
             key: None,
+            ttft_ms: None,
         })
         .await
         .unwrap();

@@ -220,6 +220,7 @@ async fn request_log_pages_filters_and_aggregates(backend: Backend) {
         if i == 6 {
             s.outcome = StreamOutcome::UpstreamFailed;
         }
+        s.ttft_ms = Some(100 + i);
         store.settle(s).await.unwrap();
     }
     store
@@ -279,6 +280,7 @@ async fn request_log_pages_filters_and_aggregates(backend: Backend) {
         }
     );
     assert!(first.duration_ms.is_some_and(|d| d >= 0));
+    assert_eq!(first.ttft_ms, Some(106), "the newest: req_06");
     assert_eq!(first.node, Some(node.clone()));
 
     let by_key = RequestFilter {
