@@ -31,12 +31,14 @@ fn page<T>(mut rows: Vec<T>, limit: i64, cursor: impl Fn(&T) -> PageCursor) -> P
     Page { rows, next }
 }
 
-/// The cursor's `(at_ms, id)` as arguments (`NULL`s: the first page).
+/// The cursor's `(at_ms, id)` as arguments; the first page's is `(i64::MAX, "")`, above every
+/// row. Always bound, so the statements compare `(created_at_ms, id) < (…)` with no `OR`: a
+/// range of the `(owner, created_at_ms, id)` index, whatever page is asked for.
 fn cursor_args(after: Option<&PageCursor>) -> (Arg<'_>, Arg<'_>) {
-    (
-        Arg::OptI64(after.map(|c| c.at_ms)),
-        Arg::OptText(after.map(|c| c.id.as_str())),
-    )
+    match after {
+        Some(c) => (Arg::I64(c.at_ms), Arg::Text(c.id.as_str())),
+        None => (Arg::I64(i64::MAX), Arg::Text("")),
+    }
 }
 
 const USER_COLUMNS: &str = "user_id, email, password_hash, account_id, operator_id, created_at_ms";
@@ -288,7 +290,7 @@ pub(in crate::ledger) async fn account_keys<B: Backend>(
             "SELECT k.key_hash, k.name, k.key_hint, k.created_at_ms, k.revoked_at_ms, l.rpm_limit, l.tpm_limit
              FROM api_keys k LEFT JOIN key_limits l ON l.key_hash = k.key_hash
              WHERE k.account_id = $1
-               AND ($2 IS NULL OR k.created_at_ms < $2 OR (k.created_at_ms = $2 AND k.key_hash < $3))
+               AND (k.created_at_ms, k.key_hash) < ($2, $3)
              ORDER BY k.created_at_ms DESC, k.key_hash DESC LIMIT $4",
             &[Arg::Text(account.as_str()), at, id, Arg::I64(limit + 1)],
         )
@@ -355,17 +357,16 @@ pub(in crate::ledger) async fn account_requests<B: Backend>(
                AND ($2 IS NULL OR key_hash = $2)
                AND ($3 IS NULL OR model = $3)
                AND ($4 IS NULL OR outcome = $4)
-               AND ($5 IS NULL OR created_at_ms >= $5)
-               AND ($6 IS NULL OR created_at_ms < $6)
-               AND ($7 IS NULL OR created_at_ms < $7 OR (created_at_ms = $7 AND request_id < $8))
+               AND created_at_ms >= $5 AND created_at_ms < $6
+               AND (created_at_ms, request_id) < ($7, $8)
              ORDER BY created_at_ms DESC, request_id DESC LIMIT $9",
             &[
                 Arg::Text(account.as_str()),
                 Arg::OptText(filter.key_hash.as_deref()),
                 Arg::OptText(filter.model.as_deref()),
                 Arg::OptText(filter.outcome.as_deref()),
-                Arg::OptI64(filter.since_ms),
-                Arg::OptI64(filter.until_ms),
+                Arg::I64(filter.since_ms.unwrap_or(i64::MIN)),
+                Arg::I64(filter.until_ms.unwrap_or(i64::MAX)),
                 at,
                 id,
                 Arg::I64(limit + 1),
@@ -467,7 +468,7 @@ pub(in crate::ledger) async fn account_credits<B: Backend>(
         .all(
             "SELECT idempotency_key, amount_micros, created_at_ms FROM credits
              WHERE account_id = $1
-               AND ($2 IS NULL OR created_at_ms < $2 OR (created_at_ms = $2 AND idempotency_key < $3))
+               AND (created_at_ms, idempotency_key) < ($2, $3)
              ORDER BY created_at_ms DESC, idempotency_key DESC LIMIT $4",
             &[Arg::Text(account.as_str()), at, id, Arg::I64(limit + 1)],
         )
@@ -543,7 +544,7 @@ pub(in crate::ledger) async fn operator_enrollments<B: Backend>(
         .all(
             "SELECT token_hash, created_at_ms, expires_at_ms, node_id, revoked_at_ms FROM enrollments
              WHERE operator_id = $1
-               AND ($2 IS NULL OR created_at_ms < $2 OR (created_at_ms = $2 AND token_hash < $3))
+               AND (created_at_ms, token_hash) < ($2, $3)
              ORDER BY created_at_ms DESC, token_hash DESC LIMIT $4",
             &[Arg::Text(operator.as_str()), at, id, Arg::I64(limit + 1)],
         )
