@@ -246,6 +246,14 @@ async fn console_security(extra: &str) {
     let (status, body, _) = anon.get("/console/nope").await;
     assert_eq!(status, 404);
     assert!(body.contains("<html"), "an HTML error page");
+    // hostile input: a form without its fields, a query that does not parse → HTML error pages
+    let (status, body, headers) = anon.post("/console/signin", &[("email", "x")]).await;
+    assert!((400..500).contains(&status), "{status}");
+    assert!(headers["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/html"));
+    assert!(body.contains("<html"), "{body}");
 
     // --- sign in: a wrong password is 401 and sets no cookie ----------------------------------
     let (status, body, headers) = anon
@@ -343,6 +351,9 @@ async fn console_security(extra: &str) {
     assert_eq!(headers["content-type"], "text/csv; charset=utf-8");
     assert!(csv.starts_with("date,model,key,requests,"), "{csv}");
     assert!(csv.contains("smollm2"), "{csv}");
+    let (status, body, _) = sa.get("/console/usage?days=lots").await;
+    assert_eq!(status, 400);
+    assert!(body.contains("<html"), "{body}");
     // a builder is not an operator
     for page in OPERATOR_PAGES {
         assert_eq!(sa.get(page).await.0, 403, "{page}");

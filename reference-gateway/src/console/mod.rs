@@ -297,7 +297,32 @@ pub(crate) fn router(state: Arc<ConsoleState>) -> Router {
         .fallback(|State(s): State<Arc<ConsoleState>>| async move {
             s.error(StatusCode::NOT_FOUND, "No such page.")
         })
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            html_errors,
+        ))
         .with_state(state)
+}
+
+/// Every error the console answers is an HTML page: an extractor's refusal (a form or query
+/// that does not parse, a wrong content type) comes from axum as plain text and is replaced.
+/// The playground's chat keeps the public API's JSON errors (its script reads them).
+async fn html_errors(
+    State(s): State<Arc<ConsoleState>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let keep = req.uri().path() == "/console/playground/chat";
+    let r = next.run(req).await;
+    let html = r
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("text/html"));
+    if keep || html || !(r.status().is_client_error() || r.status().is_server_error()) {
+        return r;
+    }
+    s.error(r.status(), "The request was not understood.")
 }
 
 /// `GET /console`: the user's first page, or the sign-in page.
