@@ -89,6 +89,27 @@ async fn main() {
             span = 90 * DAY_MS,
         );
         sqlx::query(&insert).execute(&mut c).await.unwrap();
+        // the seed bypasses settlement: fill the daily roll-ups as the migration does for
+        // records that predate it (a settlement adds to them one request at a time)
+        sqlx::query(
+            "INSERT INTO usage_daily (account_id, day, model, key_hash, requests, prompt_tokens, completion_tokens, debit_micros)
+             SELECT account_id, created_at_ms / 86400000, model, COALESCE(key_hash, ''), COUNT(*),
+                    SUM(billed_prompt_tokens), SUM(billed_completion_tokens), SUM(debit_micros)
+             FROM requests GROUP BY account_id, created_at_ms / 86400000, model, COALESCE(key_hash, '')",
+        )
+        .execute(&mut c)
+        .await
+        .unwrap();
+        sqlx::query(
+            "INSERT INTO earnings_daily (operator_id, day, model, requests_served, completion_tokens, earned_micros)
+             SELECT operator_id, created_at_ms / 86400000, model,
+                    SUM(CASE WHEN outcome = 'completed' THEN 1 ELSE 0 END), SUM(billed_completion_tokens),
+                    SUM(operator_credit_micros)
+             FROM requests WHERE operator_id IS NOT NULL GROUP BY operator_id, created_at_ms / 86400000, model",
+        )
+        .execute(&mut c)
+        .await
+        .unwrap();
         sqlx::query("ANALYZE").execute(&mut c).await.unwrap();
     }
     println!(
@@ -163,4 +184,19 @@ async fn main() {
     })
     .await;
     time("balance", || store.account(&acct)).await;
+    let usage = c
+        .account_usage(&acct, now - 30 * DAY_MS, now + 1, 500)
+        .await
+        .unwrap();
+    let earnings = c
+        .operator_earnings(&op, now - 30 * DAY_MS, now + 1, 500)
+        .await
+        .unwrap();
+    println!(
+        "usage, 30 days: {} rows, {} requests; earnings, 30 days: {} rows, {} requests served",
+        usage.len(),
+        usage.iter().map(|u| u.requests).sum::<u64>(),
+        earnings.len(),
+        earnings.iter().map(|e| e.requests_served).sum::<u64>()
+    );
 }

@@ -335,8 +335,9 @@ pub trait ConsoleStore: Send + Sync + std::fmt::Debug + 'static {
         limit: u32,
     ) -> LedgerFuture<'a, Page<RequestSummary>>;
 
-    /// An account's usage per day × model × key in `[since_ms, until_ms)`, newest day first, at
-    /// most `limit` rows.
+    /// An account's usage per day × model × key for the UTC days that start in
+    /// `[since_ms, until_ms)`, newest day first, at most `limit` rows (read from a daily
+    /// roll-up kept at settlement).
     ///
     /// # Errors
     ///
@@ -361,8 +362,9 @@ pub trait ConsoleStore: Send + Sync + std::fmt::Debug + 'static {
         limit: u32,
     ) -> LedgerFuture<'a, Page<CreditEntry>>;
 
-    /// An operator's requests served and earnings per day × model in `[since_ms, until_ms)`,
-    /// newest day first, at most `limit` rows.
+    /// An operator's requests served and earnings per day × model for the UTC days that start
+    /// in `[since_ms, until_ms)`, newest day first, at most `limit` rows (read from a daily
+    /// roll-up kept at settlement; escrowed credit counts once paid).
     ///
     /// # Errors
     ///

@@ -335,6 +335,22 @@ async fn settle_once<B: Backend>(
         ],
     )
     .await?;
+    super::console::record_settlement(
+        &mut *tx,
+        super::console::SettledRow {
+            account: hold_account.as_str(),
+            operator: operator.as_deref(),
+            model: s.model.as_str(),
+            key: s.key.as_deref(),
+            created_at_ms: settled_at_ms,
+            completed: s.outcome == StreamOutcome::Completed,
+            prompt_tokens: to_i64(s.billed.prompt_tokens)?,
+            completion_tokens: to_i64(s.billed.completion_tokens)?,
+            debit_micros: debit,
+            paid_micros: if held { 0 } else { credit },
+        },
+    )
+    .await?;
     if debit > 0 {
         let reference = format!("request:{}", s.request_id);
         let mut entries = vec![("account", hold_account.as_str(), -debit)];
@@ -519,7 +535,7 @@ async fn resolve_held_earnings_once<B: Backend>(
     let rows = tx
         .all(
             "UPDATE requests SET earnings = $1 WHERE node_id = $2 AND model = $3 AND earnings = 'held'
-             RETURNING operator_id, operator_credit_micros",
+             RETURNING operator_id, operator_credit_micros, created_at_ms",
             &[
                 Arg::Text(if pay { "paid" } else { "forfeited" }),
                 Arg::Text(node.as_str()),
@@ -529,10 +545,22 @@ async fn resolve_held_earnings_once<B: Backend>(
         .await?;
     let mut credits = Vec::with_capacity(rows.len());
     for row in &rows {
-        credits.push((
+        let (op, credit) = (
             row.opt_text("operator_id")?,
             row.i64("operator_credit_micros")?,
-        ));
+        );
+        if let (true, Some(op)) = (pay, op.as_deref()) {
+            // the console's earnings roll-up counts escrow once it is paid
+            super::console::record_paid_escrow(
+                &mut *tx,
+                op,
+                model.as_str(),
+                row.i64("created_at_ms")?,
+                credit,
+            )
+            .await?;
+        }
+        credits.push((op, credit));
     }
     let release = crate::ledger::amounts::escrow_release(node, model, pay, credits);
     for (op, credit) in &release.operator_credits {

@@ -168,9 +168,10 @@ CREATE INDEX requests_held_earnings ON requests(node_id, model) WHERE earnings =
 "#;
 
 /// The console (issue 18): console users (each of one account or one operator), their sessions
-/// and one-time sign-in links (hashes only), key names and revocation, the request's key and
-/// duration, revocable enrollment tokens, and the indexes the console's keyset-paged queries
-/// read (newest first, per account or operator).
+/// and one-time sign-in links (hashes only), key names and revocation, the request's key,
+/// duration and TTFT, revocable enrollment tokens, the indexes the console's keyset-paged
+/// queries read (newest first, per account or operator), and the daily roll-ups of usage and
+/// earnings (filled from the records already there, then kept by each settlement).
 pub(in crate::ledger) const CONSOLE: &str = r#"
 ALTER TABLE api_keys ADD COLUMN name TEXT;
 ALTER TABLE api_keys ADD COLUMN key_hint TEXT;
@@ -201,6 +202,35 @@ CREATE TABLE console_sessions (
     revoked_at_ms {int}
 );
 CREATE INDEX console_sessions_user ON console_sessions(user_id);
+CREATE TABLE usage_daily (
+    account_id TEXT NOT NULL,
+    day {int} NOT NULL,
+    model TEXT NOT NULL,
+    key_hash TEXT NOT NULL,
+    requests {int} NOT NULL,
+    prompt_tokens {int} NOT NULL,
+    completion_tokens {int} NOT NULL,
+    debit_micros {int} NOT NULL,
+    PRIMARY KEY (account_id, day, model, key_hash)
+);
+INSERT INTO usage_daily (account_id, day, model, key_hash, requests, prompt_tokens, completion_tokens, debit_micros)
+    SELECT account_id, created_at_ms / 86400000, model, '', COUNT(*),
+           SUM(billed_prompt_tokens), SUM(billed_completion_tokens), SUM(debit_micros)
+    FROM requests GROUP BY account_id, created_at_ms / 86400000, model;
+CREATE TABLE earnings_daily (
+    operator_id TEXT NOT NULL,
+    day {int} NOT NULL,
+    model TEXT NOT NULL,
+    requests_served {int} NOT NULL,
+    completion_tokens {int} NOT NULL,
+    earned_micros {int} NOT NULL,
+    PRIMARY KEY (operator_id, day, model)
+);
+INSERT INTO earnings_daily (operator_id, day, model, requests_served, completion_tokens, earned_micros)
+    SELECT operator_id, created_at_ms / 86400000, model,
+           SUM(CASE WHEN outcome = 'completed' THEN 1 ELSE 0 END), SUM(billed_completion_tokens),
+           SUM(CASE WHEN earnings IS NULL OR earnings = 'paid' THEN operator_credit_micros ELSE 0 END)
+    FROM requests WHERE operator_id IS NOT NULL GROUP BY operator_id, created_at_ms / 86400000, model;
 CREATE TABLE console_links (
     token_hash TEXT PRIMARY KEY,
     user_id TEXT NOT NULL REFERENCES console_users(user_id),

@@ -408,6 +408,63 @@ async fn enrollments_are_listed_and_revoked_per_operator(backend: Backend) {
     );
 }
 
+/// The earnings roll-up counts a request's operator credit once it is paid: held in escrow →
+/// not yet; the audit passed → paid and counted; forfeited → never. Always equal to what the
+/// operator was credited.
+async fn earnings_rollup_counts_escrow_once_paid(backend: Backend) {
+    let (_db, store, c) = console_setup(backend).await;
+    let (a, node, op) = setup_with(&*store, "").await;
+    store.add_credits(&a, 1_000_000, "big").await.unwrap();
+    let settle = |id: &'static str, held: bool, model: &'static str| {
+        let store = store.clone();
+        let (a, node) = (a.clone(), node.clone());
+        async move {
+            store
+                .hold(RequestId::from(id), a.clone(), ModelId::from(model), 100)
+                .await
+                .unwrap();
+            let mut s = settlement(id, &a, Some(node), StreamOutcome::Completed);
+            s.model = ModelId::from(model);
+            s.earnings_held = held;
+            store.settle(s).await.unwrap()
+        }
+    };
+    let paid = settle("r_paid", false, "smollm2")
+        .await
+        .operator_credit_micros;
+    let held = settle("r_held", true, "smollm2")
+        .await
+        .operator_credit_micros;
+    let lost = settle("r_lost", true, "other").await.operator_credit_micros;
+    assert!(paid > 0 && held > 0 && lost > 0);
+    let earned = |rows: Vec<EarningsDay>, model: &str| {
+        rows.iter()
+            .filter(|r| r.model.as_str() == model)
+            .map(|r| (r.requests_served, r.earned_micros))
+            .fold((0, 0), |acc, x| (acc.0 + x.0, acc.1 + x.1))
+    };
+    let rows = c.operator_earnings(&op, 0, i64::MAX, 100).await.unwrap();
+    assert_eq!(earned(rows.clone(), "smollm2"), (2, paid), "held: not yet");
+    assert_eq!(earned(rows, "other"), (1, 0));
+    store
+        .resolve_held_earnings(&node, &ModelId::from("smollm2"), true)
+        .await
+        .unwrap();
+    store
+        .resolve_held_earnings(&node, &ModelId::from("other"), false)
+        .await
+        .unwrap();
+    let rows = c.operator_earnings(&op, 0, i64::MAX, 100).await.unwrap();
+    assert_eq!(earned(rows.clone(), "smollm2"), (2, paid + held));
+    assert_eq!(earned(rows.clone(), "other"), (1, 0), "forfeited: never");
+    let total: u64 = rows.iter().map(|r| r.earned_micros).sum();
+    assert_eq!(total, store.operator_earned_micros(&op).await.unwrap());
+    // a request without a key is usage under no key
+    let usage = c.account_usage(&a, 0, i64::MAX, 100).await.unwrap();
+    assert!(usage.iter().all(|u| u.key_hash.is_none()), "{usage:?}");
+    assert_eq!(usage.iter().map(|u| u.requests).sum::<u64>(), 3);
+}
+
 macro_rules! console_tests {
     ($($t:ident),* $(,)?) => {
         mod sqlite {
@@ -434,4 +491,5 @@ console_tests!(
     keys_are_named_scoped_and_revocable,
     request_log_pages_filters_and_aggregates,
     enrollments_are_listed_and_revoked_per_operator,
+    earnings_rollup_counts_escrow_once_paid,
 );

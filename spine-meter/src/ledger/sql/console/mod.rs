@@ -1,8 +1,14 @@
 //! The console's statements ([`ConsoleStore`](crate::ledger::ConsoleStore)), once for both
 //! stores. Lists are keyset-paged, newest first: `(created_at_ms, id) < cursor`, ordered by
 //! `created_at_ms DESC, id DESC`, `limit + 1` rows read to know whether a next page exists;
-//! the indexes of schema version 7 ([`super::schema::CONSOLE`]) serve them. Aggregates group
-//! by `created_at_ms / 86400000` (the UTC day; integer division in both stores).
+//! the indexes of schema version 7 ([`super::schema::CONSOLE`]) serve them. Usage and
+//! earnings read the daily roll-ups ([`rollup`]), whole UTC days.
+
+mod rollup;
+mod store;
+
+pub(in crate::ledger) use rollup::{record_paid_escrow, record_settlement, SettledRow};
+pub(in crate::ledger) use store::sql_console;
 
 use spine_core::{AccountId, ModelId, NodeId, OperatorId, StreamOutcome, Usage};
 
@@ -13,6 +19,17 @@ use crate::ledger::console::{
 };
 use crate::ledger::convert::{db, key_limits, now_ms, to_u64};
 use crate::ledger::LedgerError;
+
+/// The first UTC day that starts at or after `ms` (days since the epoch): the roll-ups count
+/// whole days, so a window `[since_ms, until_ms)` covers the days that start inside it.
+fn first_day(ms: i64) -> i64 {
+    let day = ms.div_euclid(rollup::MS_PER_DAY);
+    if ms.rem_euclid(rollup::MS_PER_DAY) == 0 {
+        day
+    } else {
+        day.saturating_add(1)
+    }
+}
 
 /// `limit` within `1..=MAX_PAGE_ROWS`, as the `i64` a `LIMIT` binds (one more row is read).
 fn bounded(limit: u32) -> i64 {
@@ -422,18 +439,14 @@ pub(in crate::ledger) async fn account_usage<B: Backend>(
         .read()
         .await?
         .all(
-            "SELECT created_at_ms / 86400000 AS day, model, key_hash, COUNT(*) AS requests,
-                    CAST(SUM(billed_prompt_tokens) AS BIGINT) AS prompt_tokens,
-                    CAST(SUM(billed_completion_tokens) AS BIGINT) AS completion_tokens,
-                    CAST(SUM(debit_micros) AS BIGINT) AS debit
-             FROM requests
-             WHERE account_id = $1 AND created_at_ms >= $2 AND created_at_ms < $3
-             GROUP BY created_at_ms / 86400000, model, key_hash
+            "SELECT day, model, key_hash, requests, prompt_tokens, completion_tokens, debit_micros AS debit
+             FROM usage_daily
+             WHERE account_id = $1 AND day >= $2 AND day < $3
              ORDER BY day DESC, model, key_hash LIMIT $4",
             &[
                 Arg::Text(account.as_str()),
-                Arg::I64(since_ms),
-                Arg::I64(until_ms),
+                Arg::I64(first_day(since_ms)),
+                Arg::I64(first_day(until_ms)),
                 Arg::I64(bounded(limit)),
             ],
         )
@@ -443,7 +456,7 @@ pub(in crate::ledger) async fn account_usage<B: Backend>(
         out.push(UsageDay {
             day: row.i64("day")?,
             model: ModelId::from(row.text("model")?),
-            key_hash: row.opt_text("key_hash")?,
+            key_hash: Some(row.text("key_hash")?).filter(|k| !k.is_empty()),
             requests: row.u64("requests")?,
             prompt_tokens: row.u64("prompt_tokens")?,
             completion_tokens: row.u64("completion_tokens")?,
@@ -500,18 +513,14 @@ pub(in crate::ledger) async fn operator_earnings<B: Backend>(
         .read()
         .await?
         .all(
-            "SELECT created_at_ms / 86400000 AS day, model,
-                    CAST(SUM(CASE WHEN outcome = 'completed' THEN 1 ELSE 0 END) AS BIGINT) AS served,
-                    CAST(SUM(billed_completion_tokens) AS BIGINT) AS completion_tokens,
-                    CAST(SUM(CASE WHEN earnings IS NULL OR earnings = 'paid' THEN operator_credit_micros ELSE 0 END) AS BIGINT) AS earned
-             FROM requests
-             WHERE operator_id = $1 AND created_at_ms >= $2 AND created_at_ms < $3
-             GROUP BY created_at_ms / 86400000, model
+            "SELECT day, model, requests_served AS served, completion_tokens, earned_micros AS earned
+             FROM earnings_daily
+             WHERE operator_id = $1 AND day >= $2 AND day < $3
              ORDER BY day DESC, model LIMIT $4",
             &[
                 Arg::Text(operator.as_str()),
-                Arg::I64(since_ms),
-                Arg::I64(until_ms),
+                Arg::I64(first_day(since_ms)),
+                Arg::I64(first_day(until_ms)),
                 Arg::I64(bounded(limit)),
             ],
         )
@@ -587,205 +596,3 @@ pub(in crate::ledger) async fn revoke_enrollment<B: Backend>(
         .await?;
     Ok(changed == 1)
 }
-
-/// Implements [`ConsoleStore`](crate::ledger::ConsoleStore) for a [`Backend`] with this
-/// module's statements.
-macro_rules! sql_console {
-    ($store:ty) => {
-        impl $crate::ledger::ConsoleStore for $store {
-            fn create_console_user<'a>(
-                &'a self,
-                user: &'a $crate::ledger::ConsoleUser,
-            ) -> $crate::ledger::LedgerFuture<'a, ()> {
-                Box::pin($crate::ledger::sql::console::create_console_user(
-                    self, user,
-                ))
-            }
-
-            fn console_user_by_email<'a>(
-                &'a self,
-                email: &'a str,
-            ) -> $crate::ledger::LedgerFuture<'a, Option<$crate::ledger::ConsoleUser>> {
-                Box::pin($crate::ledger::sql::console::console_user_by_email(
-                    self, email,
-                ))
-            }
-
-            fn create_console_session<'a>(
-                &'a self,
-                token_hash: &'a str,
-                user_id: &'a str,
-                expires_at_ms: i64,
-            ) -> $crate::ledger::LedgerFuture<'a, ()> {
-                Box::pin($crate::ledger::sql::console::create_console_session(
-                    self,
-                    token_hash,
-                    user_id,
-                    expires_at_ms,
-                ))
-            }
-
-            fn console_session<'a>(
-                &'a self,
-                token_hash: &'a str,
-                now_ms: i64,
-            ) -> $crate::ledger::LedgerFuture<'a, Option<$crate::ledger::ConsoleUser>> {
-                Box::pin($crate::ledger::sql::console::console_session(
-                    self, token_hash, now_ms,
-                ))
-            }
-
-            fn revoke_console_session<'a>(
-                &'a self,
-                token_hash: &'a str,
-            ) -> $crate::ledger::LedgerFuture<'a, ()> {
-                Box::pin($crate::ledger::sql::console::revoke_console_session(
-                    self, token_hash,
-                ))
-            }
-
-            fn revoke_console_sessions<'a>(
-                &'a self,
-                user_id: &'a str,
-            ) -> $crate::ledger::LedgerFuture<'a, u64> {
-                Box::pin($crate::ledger::sql::console::revoke_console_sessions(
-                    self, user_id,
-                ))
-            }
-
-            fn create_console_link<'a>(
-                &'a self,
-                token_hash: &'a str,
-                user_id: &'a str,
-                expires_at_ms: i64,
-            ) -> $crate::ledger::LedgerFuture<'a, ()> {
-                Box::pin($crate::ledger::sql::console::create_console_link(
-                    self,
-                    token_hash,
-                    user_id,
-                    expires_at_ms,
-                ))
-            }
-
-            fn redeem_console_link<'a>(
-                &'a self,
-                token_hash: &'a str,
-                now_ms: i64,
-            ) -> $crate::ledger::LedgerFuture<'a, Option<$crate::ledger::ConsoleUser>> {
-                Box::pin($crate::ledger::sql::console::redeem_console_link(
-                    self, token_hash, now_ms,
-                ))
-            }
-
-            fn create_named_api_key<'a>(
-                &'a self,
-                account: &'a spine_core::AccountId,
-                key_hash: &'a str,
-                name: &'a str,
-                key_hint: &'a str,
-            ) -> $crate::ledger::LedgerFuture<'a, ()> {
-                Box::pin($crate::ledger::sql::console::create_named_api_key(
-                    self, account, key_hash, name, key_hint,
-                ))
-            }
-
-            fn account_keys<'a>(
-                &'a self,
-                account: &'a spine_core::AccountId,
-                after: Option<&'a $crate::ledger::PageCursor>,
-                limit: u32,
-            ) -> $crate::ledger::LedgerFuture<'a, $crate::ledger::Page<$crate::ledger::ApiKeyInfo>>
-            {
-                Box::pin($crate::ledger::sql::console::account_keys(
-                    self, account, after, limit,
-                ))
-            }
-
-            fn revoke_api_key<'a>(
-                &'a self,
-                account: &'a spine_core::AccountId,
-                key_hash: &'a str,
-            ) -> $crate::ledger::LedgerFuture<'a, bool> {
-                Box::pin($crate::ledger::sql::console::revoke_api_key(
-                    self, account, key_hash,
-                ))
-            }
-
-            fn account_requests<'a>(
-                &'a self,
-                account: &'a spine_core::AccountId,
-                filter: &'a $crate::ledger::RequestFilter,
-                after: Option<&'a $crate::ledger::PageCursor>,
-                limit: u32,
-            ) -> $crate::ledger::LedgerFuture<
-                'a,
-                $crate::ledger::Page<$crate::ledger::RequestSummary>,
-            > {
-                Box::pin($crate::ledger::sql::console::account_requests(
-                    self, account, filter, after, limit,
-                ))
-            }
-
-            fn account_usage<'a>(
-                &'a self,
-                account: &'a spine_core::AccountId,
-                since_ms: i64,
-                until_ms: i64,
-                limit: u32,
-            ) -> $crate::ledger::LedgerFuture<'a, Vec<$crate::ledger::UsageDay>> {
-                Box::pin($crate::ledger::sql::console::account_usage(
-                    self, account, since_ms, until_ms, limit,
-                ))
-            }
-
-            fn account_credits<'a>(
-                &'a self,
-                account: &'a spine_core::AccountId,
-                after: Option<&'a $crate::ledger::PageCursor>,
-                limit: u32,
-            ) -> $crate::ledger::LedgerFuture<'a, $crate::ledger::Page<$crate::ledger::CreditEntry>>
-            {
-                Box::pin($crate::ledger::sql::console::account_credits(
-                    self, account, after, limit,
-                ))
-            }
-
-            fn operator_earnings<'a>(
-                &'a self,
-                operator: &'a spine_core::OperatorId,
-                since_ms: i64,
-                until_ms: i64,
-                limit: u32,
-            ) -> $crate::ledger::LedgerFuture<'a, Vec<$crate::ledger::EarningsDay>> {
-                Box::pin($crate::ledger::sql::console::operator_earnings(
-                    self, operator, since_ms, until_ms, limit,
-                ))
-            }
-
-            fn operator_enrollments<'a>(
-                &'a self,
-                operator: &'a spine_core::OperatorId,
-                after: Option<&'a $crate::ledger::PageCursor>,
-                limit: u32,
-            ) -> $crate::ledger::LedgerFuture<
-                'a,
-                $crate::ledger::Page<$crate::ledger::EnrollmentInfo>,
-            > {
-                Box::pin($crate::ledger::sql::console::operator_enrollments(
-                    self, operator, after, limit,
-                ))
-            }
-
-            fn revoke_enrollment<'a>(
-                &'a self,
-                operator: &'a spine_core::OperatorId,
-                token_hash: &'a str,
-            ) -> $crate::ledger::LedgerFuture<'a, bool> {
-                Box::pin($crate::ledger::sql::console::revoke_enrollment(
-                    self, operator, token_hash,
-                ))
-            }
-        }
-    };
-}
-pub(in crate::ledger) use sql_console;
