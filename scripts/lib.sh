@@ -83,6 +83,7 @@ start_gateway() {
 public_listen = "127.0.0.1:0"
 tunnel_listen = "127.0.0.1:0"
 admin_listen = "127.0.0.1:0"
+console_listen = "127.0.0.1:0"
 admin_token = "$ADMIN_TOKEN"
 data_dir = "$WORK/data"
 

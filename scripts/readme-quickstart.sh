@@ -4,7 +4,7 @@
 # API key the block printed goes in place of the example's placeholder). Every process the block
 # starts is stopped at the end and the files it writes (gateway.toml, spine-data/, node.key,
 # *.log: all in .gitignore) are removed. Needs scripts/setup.sh to have run and the ports the
-# README names free (8080, 8400, 8401, 19000).
+# README names free (8080, 8082, 8400, 8401, 19000).
 set -euo pipefail
 # shellcheck source=scripts/lib.sh
 source "$(dirname "$0")/lib.sh"

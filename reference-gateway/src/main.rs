@@ -10,6 +10,7 @@ mod admin_cli;
 mod api;
 mod challenge;
 mod config;
+mod console;
 mod enroll;
 mod error;
 mod metrics;
@@ -302,11 +303,13 @@ async fn run(cli: Cli) -> Result<(), MainError> {
     let public = bind_listener(config.public_listen)?;
     let tunnel = bind_listener(config.tunnel_listen)?;
     let admin = bind_listener(config.admin_listen)?;
+    let console_listener = bind_listener(config.console_listen)?;
     let ready = serde_json::json!({
         "event": "ready",
         "public_addr": public.local_addr()?.to_string(),
         "tunnel_addr": tunnel.local_addr()?.to_string(),
         "admin_addr": admin.local_addr()?.to_string(),
+        "console_addr": console_listener.local_addr()?.to_string(),
         "tunnel_tls": tls.is_some(),
         "tunnel_ca_file": tls.as_ref().map(|(_, ca_file)| ca_file.display().to_string()),
         "instance_id": config.instance_id,
@@ -350,6 +353,23 @@ async fn run(cli: Cli) -> Result<(), MainError> {
         )
         .serve(public, public_app, shutdown.clone().cancelled_owned()),
     );
+    // the console (issue 18): builders' and GPU operators' pages on their own listener
+    let join_url = config.console_join_gateway_url.clone().unwrap_or_else(|| {
+        let port = tunnel
+            .local_addr()
+            .map_or(config.tunnel_listen.port(), |a| a.port());
+        format!("wss://localhost:{port}")
+    });
+    let console_state = Arc::new(console::ConsoleState::new(
+        state.clone(),
+        config.console_secure_cookies,
+        join_url,
+    )?);
+    let mut console_task = tokio::spawn(console::serve(
+        console_listener,
+        console_state,
+        shutdown.clone(),
+    ));
     let mut admin_task = tokio::spawn(
         spine_transport::LimitedServer::new(
             "admin",
@@ -387,6 +407,7 @@ async fn run(cli: Cli) -> Result<(), MainError> {
         () = spine_transport::shutdown_signal() => None,
         r = &mut public_task => Some(("public", r)),
         r = &mut admin_task => Some(("admin", r)),
+        r = &mut console_task => Some(("console", r)),
         r = &mut tunnel_task => Some(("tunnel", r)),
     };
     if let Some((which, r)) = early_exit {
@@ -425,6 +446,7 @@ async fn run(cli: Cli) -> Result<(), MainError> {
         cluster.leave().await;
     }
     admin_task.abort();
+    console_task.abort();
     tunnel_task.abort();
     if let Some(t) = internal_task {
         t.abort();

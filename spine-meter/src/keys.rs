@@ -89,9 +89,10 @@ const MAX_CACHED_KEYS: usize = 65_536;
 /// The accounts of API keys already found in the store, by key hash, so that a request costs
 /// no database read to authenticate (measured: a refused request's CPU was mostly the key's
 /// lookup). Only keys that exist are remembered: a key created on another instance is found in
-/// the store the first time it is used. A key's account never changes and keys are not revoked
-/// (no admin call does either); one that does must clear this cache. At most 65,536 keys; when
-/// full it starts over.
+/// the store the first time it is used. A key's account never changes; a key revoked (the
+/// console's `ConsoleStore::revoke_api_key`) must be [removed](KeyCache::remove) here, and
+/// stays usable on other instances of a several-instance gateway until their cache drops it
+/// (at a restart, or when the cache starts over). At most 65,536 keys; when full it starts over.
 #[derive(Debug, Default)]
 pub struct KeyCache(std::sync::RwLock<std::collections::HashMap<String, AccountId>>);
 
@@ -103,6 +104,14 @@ impl KeyCache {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .get(key_hash)
             .cloned()
+    }
+
+    /// Forgets `key_hash` (a revoked key): the next use looks it up in the store again.
+    pub fn remove(&self, key_hash: &str) {
+        self.0
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .remove(key_hash);
     }
 
     /// Remembers that `key_hash` belongs to `account`.

@@ -119,6 +119,8 @@ fn failed_settlement(id: &RequestId, acct: &AccountId) -> Settlement {
         price: PRICE,
         share_bps: 7_000,
         earnings_held: false,
+        key: None,
+        ttft_ms: None,
     }
 }
 

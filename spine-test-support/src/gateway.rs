@@ -27,12 +27,13 @@ pub struct GatewayToml {
 }
 
 impl GatewayToml {
-    /// The base: `public_listen`, `tunnel_listen` and `admin_listen` on `127.0.0.1:0`,
+    /// The base: `public_listen`, `tunnel_listen`, `admin_listen` and `console_listen` on
+    /// `127.0.0.1:0`,
     /// `admin_token` and `data_dir`.
     pub fn new(admin_token: &str, data_dir: &Path) -> Self {
         Self {
             top: format!(
-                "public_listen = \"127.0.0.1:0\"\ntunnel_listen = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nadmin_token = \"{admin_token}\"\ndata_dir = \"{}\"\n",
+                "public_listen = \"127.0.0.1:0\"\ntunnel_listen = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nconsole_listen = \"127.0.0.1:0\"\nadmin_token = \"{admin_token}\"\ndata_dir = \"{}\"\n",
                 data_dir.display()
             ),
             models: String::new(),
@@ -108,6 +109,8 @@ pub struct Ready {
     pub instance_id: Option<String>,
     /// `internal_addr` (several-instance mode), when the line has one.
     pub internal_addr: Option<String>,
+    /// `http://<console_addr>`, when the line has one.
+    pub console: Option<String>,
 }
 
 impl Ready {
@@ -133,6 +136,7 @@ impl Ready {
             tunnel_ca_file: PathBuf::from(field("tunnel_ca_file")?),
             instance_id: field("instance_id").ok(),
             internal_addr: field("internal_addr").ok(),
+            console: field("console_addr").ok().map(|a| format!("http://{a}")),
         })
     }
 }

@@ -39,6 +39,8 @@ pub struct Gateway {
     pub admin: String,
     pub tunnel: String,
     pub ca_file: PathBuf,
+    /// `http://<console_addr>` (the console's listener).
+    pub console: String,
     pub http: reqwest::Client,
 }
 
@@ -108,6 +110,7 @@ impl Gateway {
             admin: ready.admin,
             tunnel: ready.tunnel,
             ca_file: ready.tunnel_ca_file,
+            console: ready.console.unwrap_or_default(),
             child,
             // idle connections are dropped by the client well before the gateway's 15 s
             // header-read timeout closes them: otherwise a request that reuses one just as the

@@ -56,6 +56,7 @@
 
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 mod amounts;
+mod console;
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 mod convert;
 mod lifecycle;
@@ -77,6 +78,10 @@ use spine_core::{
 
 use crate::price::Price;
 
+pub use console::{
+    ApiKeyInfo, ConsoleRole, ConsoleStore, ConsoleUser, CreditEntry, EarningsDay, EnrollmentInfo,
+    Page, PageCursor, RequestFilter, RequestSummary, UsageDay, MAX_PAGE_ROWS,
+};
 #[cfg(all(feature = "sqlite", feature = "postgres"))]
 pub use lifecycle::open_store;
 #[cfg(feature = "tunnel")]
@@ -242,6 +247,13 @@ pub struct Settlement {
     /// The node's model audit is `suspect` (design brief §10): the operator's credit is held in
     /// escrow, not paid, until the verdict ([`Store::resolve_held_earnings`]).
     pub earnings_held: bool,
+    /// The API key the caller presented, as the edge names it (the gateway: its SHA-256, hex;
+    /// never the key), recorded so the console can show and filter requests by key.
+    pub key: Option<String>,
+    /// Time to the first generated content of a streamed answer, milliseconds, measured by the
+    /// metering layer from the request's admission (after its prompt was counted) to the first
+    /// chunk with generated text; `None` for an answer that was not streamed or never had any.
+    pub ttft_ms: Option<u64>,
 }
 
 /// The money moved by one settlement, micros.
@@ -541,6 +553,9 @@ impl EntryTotals {
 pub trait Store: Ledger {
     /// This store as the metering layer's `Arc<dyn Ledger>`.
     fn into_ledger(self: Arc<Self>) -> Arc<dyn Ledger>;
+
+    /// This store as the console's `Arc<dyn ConsoleStore>` (issue 18).
+    fn console(self: Arc<Self>) -> Arc<dyn ConsoleStore>;
 
     /// Creates an account with a zero balance.
     ///

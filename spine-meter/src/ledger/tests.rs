@@ -91,7 +91,7 @@ impl TestDb {
 
     fn migrations(&self) -> i64 {
         match self {
-            TestDb::Sqlite { .. } | TestDb::Postgres(_) => 6,
+            TestDb::Sqlite { .. } | TestDb::Postgres(_) => 7,
         }
     }
 }
@@ -146,6 +146,8 @@ fn settlement(
         price: PRICE,
         share_bps: 7_000,
         earnings_held: false,
+        key: None,
+        ttft_ms: None,
     }
 }
 
@@ -1719,9 +1721,12 @@ async fn sqlite_opens_of_one_new_file_at_the_same_instant_never_fail_busy() {
             .fetch_one(stores[0].reader_pool())
             .await
             .unwrap();
-        assert_eq!(migrated, 6, "round {round}");
+        assert_eq!(migrated, 7, "round {round}");
         for s in &stores {
             s.close().await;
         }
     }
 }
+
+/// The console's store (issue 18), on both stores.
+mod console;

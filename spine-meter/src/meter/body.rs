@@ -302,6 +302,11 @@ impl State {
         if n_read > 0 && kept.is_empty() {
             return;
         }
+        if !text.is_empty() {
+            if let Some(ctx) = self.ctx.as_mut() {
+                ctx.note_first_content();
+            }
+        }
         let strip = self.settings.strip_engine_fields && members.has_engine_fields();
         let rewrite = strip || has_usage || kept.len() != n_read || !ev.is_data_only();
         let bytes = if !rewrite {

@@ -123,6 +123,7 @@ where
     // the edge's typed context when it set one; else the separate extensions and the path
     let context = req.extensions().get::<RequestContext>();
     let context_kind = context.map(|c| c.kind);
+    let key = context.and_then(|c| c.key.clone());
     let request_id = match context {
         Some(c) => c.request_id.clone(),
         None => req
@@ -259,6 +260,9 @@ where
         settlements: config.settlements.clone(),
         request_id: request_id.clone(),
         account: account.clone(),
+        key,
+        started: tokio::time::Instant::now(),
+        ttft_ms: None,
         model: peek.model.clone(),
         node: None,
         tokenizer: entry.tokenizer.clone(),

@@ -21,6 +21,13 @@ pub(crate) struct SettleCtx {
     pub(crate) settlements: super::layer::Settlements,
     pub(crate) request_id: RequestId,
     pub(crate) account: AccountId,
+    /// The caller's key as the edge named it ([`spine_core::RequestContext::key`]).
+    pub(crate) key: Option<String>,
+    /// When the request was admitted (the TTFT's start).
+    pub(crate) started: tokio::time::Instant,
+    /// Milliseconds from `started` to the first generated content delivered
+    /// ([`SettleCtx::note_first_content`]).
+    pub(crate) ttft_ms: Option<u64>,
     pub(crate) model: ModelId,
     pub(crate) node: Option<NodeId>,
     pub(crate) tokenizer: Arc<dyn TokenCounter>,
@@ -127,6 +134,14 @@ fn beyond(claimed: u64, billed: u64, tokens: u64, bps: u16) -> bool {
 }
 
 impl SettleCtx {
+    /// Records the time to the first generated content, once.
+    pub(crate) fn note_first_content(&mut self) {
+        if self.ttft_ms.is_none() {
+            self.ttft_ms =
+                Some(u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX));
+        }
+    }
+
     /// Whether choice `index` is one the caller asked for (`index < n`).
     pub(crate) fn is_requested_choice(&self, index: u64) -> bool {
         index < u64::from(self.n)
@@ -272,6 +287,8 @@ impl SettleCtx {
             price: self.price,
             share_bps: self.share_bps,
             earnings_held,
+            key: self.key,
+            ttft_ms: self.ttft_ms,
         };
         let ledger = self.ledger;
         let events = self.events;

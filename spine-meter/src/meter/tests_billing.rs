@@ -526,3 +526,48 @@ async fn a_node_failing_mid_stream_gets_an_openai_error_event() {
     let st = s.settled().await;
     assert_eq!(st.outcome, StreamOutcome::UpstreamFailed);
 }
+
+/// TTFT (recorded with the settlement, shown in the console's request log) is the time from
+/// admission to the first chunk with generated text: a role-only chunk does not count. (Real
+/// clock: the SQLite ledger's pool cannot run on a paused one; the bounds hold on any machine.)
+#[tokio::test]
+async fn ttft_is_the_time_to_the_first_generated_text() {
+    let mut s = setup().await;
+    let (tx, rx) = mpsc::unbounded_channel();
+    let before = tokio::time::Instant::now();
+    let resp = s
+        .send(
+            &chat(Some(20), true),
+            "text/event-stream",
+            BoxBody::new(Fed(rx)),
+        )
+        .await;
+    let mut body = resp.into_body();
+    let chunk = |delta: Value| {
+        Bytes::from(format!(
+            "data: {}\n\n",
+            json!({"id":"c1","object":"chat.completion.chunk","choices":[{"index":0,"delta":delta,"finish_reason":null}]})
+        ))
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    tx.send(chunk(json!({"role":"assistant","content":""})))
+        .unwrap();
+    body.frame().await.unwrap().unwrap();
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    tx.send(chunk(json!({"content":"Red"}))).unwrap();
+    body.frame().await.unwrap().unwrap();
+    let upper = u64::try_from(before.elapsed().as_millis()).unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    tx.send(Bytes::from(format!(
+        "data: {}\n\ndata: [DONE]\n\n",
+        json!({"id":"c1","object":"chat.completion.chunk","choices":[{"index":0,"delta":{},"finish_reason":"stop"}]})
+    )))
+    .unwrap();
+    drop(tx);
+    drop(body.collect().await.unwrap());
+    let st = s.settled().await;
+    assert_eq!(st.outcome, StreamOutcome::Completed);
+    let ttft = st.ttft_ms.unwrap();
+    // after both sleeps (the role chunk does not count), before the content chunk was read
+    assert!((250..=upper).contains(&ttft), "{ttft} not in 250..={upper}");
+}

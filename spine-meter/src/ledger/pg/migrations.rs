@@ -47,5 +47,7 @@ pub(super) fn migrations() -> Vec<(i64, String)> {
         (5, TYPES.put(schema::HOLD_NOTES)),
         // SQLite's 6
         (6, TYPES.put(schema::HELD_EARNINGS)),
+        // SQLite's 7
+        (7, TYPES.put(schema::CONSOLE)),
     ]
 }

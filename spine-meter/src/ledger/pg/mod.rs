@@ -347,6 +347,7 @@ impl PgLedger {
 
 sql::sql_conn!(Postgres, sqlx::PgConnection, sqlx::postgres::PgRow);
 sql::sql_store!(PgLedger);
+sql::console::sql_console!(PgLedger);
 
 impl Backend for PgLedger {
     type Db = Postgres;

@@ -65,7 +65,7 @@ pub(in crate::ledger) async fn account_for_key_hash<B: Backend>(
         .read()
         .await?
         .optional(
-            "SELECT account_id FROM api_keys WHERE key_hash = $1",
+            "SELECT account_id FROM api_keys WHERE key_hash = $1 AND revoked_at_ms IS NULL",
             &[Arg::Text(key_hash)],
         )
         .await?;

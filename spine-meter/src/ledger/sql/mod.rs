@@ -15,6 +15,7 @@
 //! [`Store`](super::Store) for a backend from them.
 
 pub(super) mod accounts;
+pub(super) mod console;
 pub(super) mod money;
 pub(super) mod nodes;
 pub(super) mod schema;
@@ -408,6 +409,12 @@ macro_rules! sql_store {
             fn into_ledger(
                 self: std::sync::Arc<Self>,
             ) -> std::sync::Arc<dyn $crate::ledger::Ledger> {
+                self
+            }
+
+            fn console(
+                self: std::sync::Arc<Self>,
+            ) -> std::sync::Arc<dyn $crate::ledger::ConsoleStore> {
                 self
             }
 

@@ -246,16 +246,23 @@ async fn settle_once<B: Backend>(
     }
     let hold_row = tx
         .optional(
-            "UPDATE holds SET state = 'settled' WHERE request_id = $1 AND state = 'held' RETURNING account_id, amount_micros",
+            "UPDATE holds SET state = 'settled' WHERE request_id = $1 AND state = 'held' RETURNING account_id, amount_micros, created_at_ms",
             &[Arg::Text(s.request_id.as_str())],
         )
         .await?;
-    let (hold_account, hold_micros) = match hold_row {
+    let settled_at_ms = now_ms();
+    let (hold_account, hold_micros, duration_ms) = match hold_row {
         Some(row) => (
             AccountId::from(row.text("account_id")?),
             row.u64("amount_micros")?,
+            // the hold is placed when the request arrives: hold to settlement is its duration
+            Some(
+                settled_at_ms
+                    .saturating_sub(row.i64("created_at_ms")?)
+                    .max(0),
+            ),
         ),
-        None => (s.account.clone(), 0),
+        None => (s.account.clone(), 0, None),
     };
     let operator: Option<String> = match &s.node {
         Some(node) => tx
@@ -296,8 +303,8 @@ async fn settle_once<B: Backend>(
             billed_prompt_tokens, billed_completion_tokens, claimed_prompt_tokens, claimed_completion_tokens,
             usage_source, discrepancy, input_micros_per_mtok, output_micros_per_mtok, share_bps,
             cost_micros, debit_micros, operator_credit_micros, fee_micros, hold_micros, created_at_ms, swept,
-            earnings)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23)",
+            earnings, key_hash, duration_ms, ttft_ms)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24, $25, $26)",
         &[
             Arg::Text(s.request_id.as_str()),
             Arg::Text(hold_account.as_str()),
@@ -319,10 +326,29 @@ async fn settle_once<B: Backend>(
             Arg::I64(credit),
             Arg::I64(fee),
             Arg::I64(to_i64(hold_micros)?),
-            Arg::I64(now_ms()),
+            Arg::I64(settled_at_ms),
             Arg::OptText(swept.map(SweepKind::as_str)),
             Arg::OptText(held.then_some("held")),
+            Arg::OptText(s.key.as_deref()),
+            Arg::OptI64(duration_ms),
+            Arg::OptI64(opt_i64(s.ttft_ms)?),
         ],
+    )
+    .await?;
+    super::console::record_settlement(
+        &mut *tx,
+        super::console::SettledRow {
+            account: hold_account.as_str(),
+            operator: operator.as_deref(),
+            model: s.model.as_str(),
+            key: s.key.as_deref(),
+            created_at_ms: settled_at_ms,
+            completed: s.outcome == StreamOutcome::Completed,
+            prompt_tokens: to_i64(s.billed.prompt_tokens)?,
+            completion_tokens: to_i64(s.billed.completion_tokens)?,
+            debit_micros: debit,
+            paid_micros: if held { 0 } else { credit },
+        },
     )
     .await?;
     if debit > 0 {
@@ -418,6 +444,8 @@ pub(in crate::ledger) async fn settle_hold_rows<B: Backend>(
             price: Price::default(),
             share_bps: 0,
             earnings_held: false,
+            key: None,
+            ttft_ms: None,
         };
         let result = retrying::<B, _, _, _>(|| settle_once(b, &settlement, Some(kind))).await?;
         if !result.already_settled {
@@ -507,7 +535,7 @@ async fn resolve_held_earnings_once<B: Backend>(
     let rows = tx
         .all(
             "UPDATE requests SET earnings = $1 WHERE node_id = $2 AND model = $3 AND earnings = 'held'
-             RETURNING operator_id, operator_credit_micros",
+             RETURNING operator_id, operator_credit_micros, created_at_ms",
             &[
                 Arg::Text(if pay { "paid" } else { "forfeited" }),
                 Arg::Text(node.as_str()),
@@ -517,10 +545,22 @@ async fn resolve_held_earnings_once<B: Backend>(
         .await?;
     let mut credits = Vec::with_capacity(rows.len());
     for row in &rows {
-        credits.push((
+        let (op, credit) = (
             row.opt_text("operator_id")?,
             row.i64("operator_credit_micros")?,
-        ));
+        );
+        if let (true, Some(op)) = (pay, op.as_deref()) {
+            // the console's earnings roll-up counts escrow once it is paid
+            super::console::record_paid_escrow(
+                &mut *tx,
+                op,
+                model.as_str(),
+                row.i64("created_at_ms")?,
+                credit,
+            )
+            .await?;
+        }
+        credits.push((op, credit));
     }
     let release = crate::ledger::amounts::escrow_release(node, model, pay, credits);
     for (op, credit) in &release.operator_credits {

@@ -166,3 +166,76 @@ pub(in crate::ledger) const HELD_EARNINGS: &str = r#"
 ALTER TABLE requests ADD COLUMN earnings TEXT;
 CREATE INDEX requests_held_earnings ON requests(node_id, model) WHERE earnings = 'held';
 "#;
+
+/// The console (issue 18): console users (each of one account or one operator), their sessions
+/// and one-time sign-in links (hashes only), key names and revocation, the request's key,
+/// duration and TTFT, revocable enrollment tokens, the indexes the console's keyset-paged
+/// queries read (newest first, per account or operator), and the daily roll-ups of usage and
+/// earnings (filled from the records already there, then kept by each settlement).
+pub(in crate::ledger) const CONSOLE: &str = r#"
+ALTER TABLE api_keys ADD COLUMN name TEXT;
+ALTER TABLE api_keys ADD COLUMN key_hint TEXT;
+ALTER TABLE api_keys ADD COLUMN revoked_at_ms {int};
+CREATE INDEX api_keys_account ON api_keys(account_id, created_at_ms, key_hash);
+ALTER TABLE requests ADD COLUMN key_hash TEXT;
+ALTER TABLE requests ADD COLUMN duration_ms {int};
+ALTER TABLE requests ADD COLUMN ttft_ms {int};
+CREATE INDEX requests_account_time ON requests(account_id, created_at_ms, request_id);
+CREATE INDEX requests_operator_time ON requests(operator_id, created_at_ms);
+CREATE INDEX credits_account_time ON credits(account_id, created_at_ms, idempotency_key);
+ALTER TABLE enrollments ADD COLUMN revoked_at_ms {int};
+CREATE INDEX enrollments_operator ON enrollments(operator_id, created_at_ms, token_hash);
+CREATE TABLE console_users (
+    user_id TEXT PRIMARY KEY,
+    email TEXT NOT NULL UNIQUE,
+    password_hash TEXT,
+    account_id TEXT REFERENCES accounts(id),
+    operator_id TEXT REFERENCES operators(id),
+    created_at_ms {int} NOT NULL,
+    CHECK ((account_id IS NULL) <> (operator_id IS NULL))
+);
+CREATE TABLE console_sessions (
+    token_hash TEXT PRIMARY KEY,
+    user_id TEXT NOT NULL REFERENCES console_users(user_id),
+    created_at_ms {int} NOT NULL,
+    expires_at_ms {int} NOT NULL,
+    revoked_at_ms {int}
+);
+CREATE INDEX console_sessions_user ON console_sessions(user_id);
+CREATE TABLE usage_daily (
+    account_id TEXT NOT NULL,
+    day {int} NOT NULL,
+    model TEXT NOT NULL,
+    key_hash TEXT NOT NULL,
+    requests {int} NOT NULL,
+    prompt_tokens {int} NOT NULL,
+    completion_tokens {int} NOT NULL,
+    debit_micros {int} NOT NULL,
+    PRIMARY KEY (account_id, day, model, key_hash)
+);
+INSERT INTO usage_daily (account_id, day, model, key_hash, requests, prompt_tokens, completion_tokens, debit_micros)
+    SELECT account_id, created_at_ms / 86400000, model, '', COUNT(*),
+           SUM(billed_prompt_tokens), SUM(billed_completion_tokens), SUM(debit_micros)
+    FROM requests GROUP BY account_id, created_at_ms / 86400000, model;
+CREATE TABLE earnings_daily (
+    operator_id TEXT NOT NULL,
+    day {int} NOT NULL,
+    model TEXT NOT NULL,
+    requests_served {int} NOT NULL,
+    completion_tokens {int} NOT NULL,
+    earned_micros {int} NOT NULL,
+    PRIMARY KEY (operator_id, day, model)
+);
+INSERT INTO earnings_daily (operator_id, day, model, requests_served, completion_tokens, earned_micros)
+    SELECT operator_id, created_at_ms / 86400000, model,
+           SUM(CASE WHEN outcome = 'completed' THEN 1 ELSE 0 END), SUM(billed_completion_tokens),
+           SUM(CASE WHEN earnings IS NULL OR earnings = 'paid' THEN operator_credit_micros ELSE 0 END)
+    FROM requests WHERE operator_id IS NOT NULL GROUP BY operator_id, created_at_ms / 86400000, model;
+CREATE TABLE console_links (
+    token_hash TEXT PRIMARY KEY,
+    user_id TEXT NOT NULL REFERENCES console_users(user_id),
+    created_at_ms {int} NOT NULL,
+    expires_at_ms {int} NOT NULL,
+    used_at_ms {int}
+);
+"#;

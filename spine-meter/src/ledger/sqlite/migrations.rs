@@ -27,5 +27,7 @@ pub(super) fn migrations() -> Vec<(i64, String)> {
         (5, TYPES.put(schema::HOLD_NOTES)),
         // PostgreSQL's 6
         (6, TYPES.put(schema::HELD_EARNINGS)),
+        // PostgreSQL's 7
+        (7, TYPES.put(schema::CONSOLE)),
     ]
 }

@@ -330,6 +330,7 @@ impl SqliteLedger {
 
 sql::sql_conn!(Sqlite, SqliteConnection, sqlx::sqlite::SqliteRow);
 sql::sql_store!(SqliteLedger);
+sql::console::sql_console!(SqliteLedger);
 
 impl Backend for SqliteLedger {
     type Db = Sqlite;

@@ -1,0 +1,165 @@
+//! The admin API's console calls (bearer admin token, on the admin listener):
+//!
+//! - `POST /admin/v1/console/users` `{"email", "account_id" | "operator_id", "password"?,
+//!   "sign_in_link"?: true}` → `201 {"user_id", "email", "role", "owner_id", "sign_in_path"?}`:
+//!   a console user of exactly one account (a builder) or one operator; with `sign_in_link`, a
+//!   one-time sign-in path (`/console/signin/link/<token>`, valid 24 h; only its hash is kept).
+//! - `POST /admin/v1/console/users/{id}/sign-in-link` → `201 {"sign_in_path"}`: another link.
+//! - `POST /admin/v1/console/users/{id}/revoke-sessions` → `{"revoked": n}`.
+
+use std::sync::Arc;
+
+use axum::extract::{Path, State};
+use axum::response::IntoResponse;
+use axum::Json;
+use http::StatusCode;
+use serde::Deserialize;
+use serde_json::json;
+use spine_core::{AccountId, OperatorId};
+use spine_meter::keys;
+use spine_meter::ledger::{ConsoleRole, ConsoleUser};
+
+use super::auth::{hash_password, new_token, token_hash};
+use crate::error::{ledger_error, ApiError};
+use crate::state::AppState;
+
+/// How long a sign-in link stays valid, milliseconds (24 h).
+const LINK_TTL_MS: i64 = 24 * 3_600_000;
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct CreateUserBody {
+    email: String,
+    #[serde(default)]
+    account_id: Option<String>,
+    #[serde(default)]
+    operator_id: Option<String>,
+    #[serde(default)]
+    password: Option<String>,
+    #[serde(default)]
+    sign_in_link: bool,
+}
+
+/// Issues a sign-in link for `user_id`; the path to open on the console listener.
+async fn issue_link(state: &AppState, user_id: &str) -> Result<String, ApiError> {
+    let token = new_token().ok_or_else(|| ApiError::internal("no randomness available"))?;
+    let expires = spine_core::unix_time_ms().saturating_add(LINK_TTL_MS);
+    state
+        .store
+        .clone()
+        .console()
+        .create_console_link(&token_hash(&token), user_id, expires)
+        .await
+        .map_err(ledger_error)?;
+    Ok(format!("/console/signin/link/{token}"))
+}
+
+/// `POST /admin/v1/console/users`.
+pub(crate) async fn create_user(
+    State(state): State<Arc<AppState>>,
+    body: axum::body::Bytes,
+) -> Result<impl IntoResponse, ApiError> {
+    let body: CreateUserBody = serde_json::from_slice(&body).map_err(|e| {
+        ApiError::invalid_request("invalid_json", format!("invalid JSON body: {e}"))
+    })?;
+    let email = body.email.trim().to_owned();
+    if email.is_empty() || email.len() > 254 || !email.contains('@') {
+        return Err(ApiError::invalid_request(
+            "invalid_email",
+            "email must be an address",
+        ));
+    }
+    let role = match (body.account_id, body.operator_id) {
+        (Some(a), None) => ConsoleRole::Builder(AccountId::new(a)),
+        (None, Some(o)) => ConsoleRole::Operator(OperatorId::new(o)),
+        _ => {
+            return Err(ApiError::invalid_request(
+                "invalid_role",
+                "give exactly one of account_id (a builder) or operator_id (a GPU operator)",
+            ))
+        }
+    };
+    if body.password.is_none() && !body.sign_in_link {
+        return Err(ApiError::invalid_request(
+            "no_credential",
+            "give a password, or sign_in_link: true, or both",
+        ));
+    }
+    let password_hash = match body.password {
+        Some(p) if p.len() < 12 || p.len() > 1024 => {
+            return Err(ApiError::invalid_request(
+                "weak_password",
+                "password must be 12 to 1024 bytes",
+            ))
+        }
+        Some(p) => Some(
+            tokio::task::spawn_blocking(move || hash_password(&p))
+                .await
+                .map_err(|_| ApiError::internal("password hashing failed"))?
+                .map_err(|_| ApiError::internal("password hashing failed"))?,
+        ),
+        None => None,
+    };
+    let user = ConsoleUser {
+        user_id: keys::new_id("cu"),
+        email,
+        role,
+        password_hash,
+        created_at_ms: 0,
+    };
+    state
+        .store
+        .clone()
+        .console()
+        .create_console_user(&user)
+        .await
+        .map_err(ledger_error)?;
+    let sign_in_path = if body.sign_in_link {
+        Some(issue_link(&state, &user.user_id).await?)
+    } else {
+        None
+    };
+    let (role, owner) = match &user.role {
+        ConsoleRole::Builder(a) => ("builder", a.to_string()),
+        ConsoleRole::Operator(o) => ("operator", o.to_string()),
+    };
+    Ok((
+        StatusCode::CREATED,
+        Json(json!({
+            "user_id": user.user_id,
+            "email": user.email,
+            "role": role,
+            "owner_id": owner,
+            "sign_in_path": sign_in_path,
+        })),
+    ))
+}
+
+/// `POST /admin/v1/console/users/{id}/sign-in-link`.
+pub(crate) async fn create_link(
+    State(state): State<Arc<AppState>>,
+    Path(id): Path<String>,
+) -> Result<impl IntoResponse, ApiError> {
+    if !keys::valid_id(&id) {
+        return Err(ApiError::not_found("no such console user"));
+    }
+    let path = issue_link(&state, &id)
+        .await
+        .map_err(|_| ApiError::not_found("no such console user"))?;
+    Ok((StatusCode::CREATED, Json(json!({ "sign_in_path": path }))))
+}
+
+/// `POST /admin/v1/console/users/{id}/revoke-sessions`.
+pub(crate) async fn revoke_sessions(
+    State(state): State<Arc<AppState>>,
+    Path(id): Path<String>,
+) -> Result<impl IntoResponse, ApiError> {
+    let revoked = state
+        .store
+        .clone()
+        .console()
+        .revoke_console_sessions(&id)
+        .await
+        .map_err(ledger_error)?;
+    Ok(Json(json!({ "user_id": id, "revoked": revoked })))
+}

@@ -1,0 +1,395 @@
+//! Sign-in, sessions and CSRF.
+//!
+//! - Passwords: argon2id (the `argon2` crate's defaults, RFC 9106's second recommended set:
+//!   19 MiB, 2 passes), PHC strings in the store.
+//! - Sessions: a random 256-bit token in the `spine_console` cookie (`HttpOnly; SameSite=Strict;
+//!   Path=/console`, `Secure` with `console_secure_cookies`); the store keeps only its SHA-256,
+//!   with an expiry ([`SESSION_TTL_MS`]); sign-out and the admin API revoke it.
+//! - CSRF: every state-changing form carries `csrf`, the SHA-256 of a fixed label and the session
+//!   token (a value only a page of this session can know; it is never stored); a POST without
+//!   the right one is refused 403 before anything else is done.
+//! - Sign-in attempts are rate limited per client IP and per e-mail address (governor's GCRA):
+//!   [`SignInLimits`].
+
+use std::net::{IpAddr, SocketAddr};
+use std::num::NonZeroU32;
+use std::sync::Arc;
+
+use argon2::password_hash::{PasswordHash, PasswordHasher, PasswordVerifier, SaltString};
+use argon2::Argon2;
+use axum::extract::{ConnectInfo, Path, State};
+use axum::response::{IntoResponse, Redirect, Response};
+use axum::Form;
+use governor::{DefaultKeyedRateLimiter, Quota, RateLimiter};
+use http::{header, HeaderMap, HeaderValue, StatusCode};
+use serde::Deserialize;
+use sha2::{Digest, Sha256};
+use spine_meter::ledger::ConsoleUser;
+use spine_meter::LedgerError;
+
+use super::ConsoleState;
+
+/// The session cookie's name.
+pub(super) const COOKIE: &str = "spine_console";
+
+/// How long a session lasts, milliseconds (12 h).
+pub(crate) const SESSION_TTL_MS: i64 = 12 * 3_600_000;
+
+/// Sign-in attempts allowed per client IP: a burst of 10, then one every 6 s.
+const PER_IP_PER_MINUTE: u32 = 10;
+/// Sign-in attempts allowed per e-mail address: a burst of 5, then one every 12 s.
+const PER_USER_PER_MINUTE: u32 = 5;
+
+/// The sign-in rate limits: per client IP and per e-mail address.
+pub(crate) struct SignInLimits {
+    per_ip: DefaultKeyedRateLimiter<IpAddr>,
+    per_user: DefaultKeyedRateLimiter<String>,
+}
+
+impl Default for SignInLimits {
+    fn default() -> Self {
+        let quota = |n: u32| Quota::per_minute(NonZeroU32::new(n).unwrap_or(NonZeroU32::MIN));
+        Self {
+            per_ip: RateLimiter::keyed(quota(PER_IP_PER_MINUTE)),
+            per_user: RateLimiter::keyed(quota(PER_USER_PER_MINUTE)),
+        }
+    }
+}
+
+impl SignInLimits {
+    /// Whether one more attempt from `ip` for `email` is allowed now (each check takes one).
+    fn allow(&self, ip: IpAddr, email: &str) -> bool {
+        // keep the maps bounded: drop keys whose limit has fully recovered
+        if self.per_ip.len() > 10_000 {
+            self.per_ip.retain_recent();
+        }
+        if self.per_user.len() > 10_000 {
+            self.per_user.retain_recent();
+        }
+        let ip_ok = self.per_ip.check_key(&ip).is_ok();
+        let user_ok = self.per_user.check_key(&email.to_owned()).is_ok();
+        ip_ok && user_ok
+    }
+}
+
+/// A new random token (256 bits, hex).
+pub(crate) fn new_token() -> Option<String> {
+    let mut bytes = [0u8; 32];
+    getrandom::fill(&mut bytes).ok()?;
+    Some(hex::encode(bytes))
+}
+
+/// SHA-256 of `token`, hex: what the store keeps of a session or a sign-in link.
+pub(crate) fn token_hash(token: &str) -> String {
+    hex::encode(Sha256::digest(token.as_bytes()))
+}
+
+/// The CSRF token of the session whose cookie holds `session_token`.
+pub(super) fn csrf_token(session_token: &str) -> String {
+    let mut h = Sha256::new();
+    h.update(b"spine-console-csrf\0");
+    h.update(session_token.as_bytes());
+    hex::encode(h.finalize())
+}
+
+/// Whether `presented` is the session's CSRF token (digests compared, so the time taken does
+/// not depend on how much of it matched).
+pub(super) fn csrf_ok(session_token: &str, presented: &str) -> bool {
+    Sha256::digest(presented.as_bytes()) == Sha256::digest(csrf_token(session_token).as_bytes())
+}
+
+/// An argon2id hash (PHC string) of `password`.
+///
+/// # Errors
+///
+/// No randomness for the salt, or argon2 refused the input.
+pub(crate) fn hash_password(password: &str) -> Result<String, argon2::password_hash::Error> {
+    let mut salt = [0u8; 16];
+    getrandom::fill(&mut salt).map_err(|_| argon2::password_hash::Error::Crypto)?;
+    let salt = SaltString::encode_b64(&salt)?;
+    Ok(Argon2::default()
+        .hash_password(password.as_bytes(), &salt)?
+        .to_string())
+}
+
+/// Whether `password` matches the stored PHC hash.
+fn password_ok(hash: &str, password: &str) -> bool {
+    PasswordHash::new(hash).is_ok_and(|h| {
+        Argon2::default()
+            .verify_password(password.as_bytes(), &h)
+            .is_ok()
+    })
+}
+
+/// A hash to verify against when the e-mail is unknown, so an unknown address takes as long
+/// as a wrong password.
+fn dummy_hash() -> &'static str {
+    static DUMMY: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    DUMMY.get_or_init(|| hash_password("spine-console-dummy").unwrap_or_default())
+}
+
+/// The session token in the request's cookie, if any (a well-formed one: 64 hex digits).
+fn session_token(headers: &HeaderMap) -> Option<String> {
+    headers
+        .get_all(header::COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(';'))
+        .filter_map(|kv| kv.trim().split_once('='))
+        .find(|(k, _)| *k == COOKIE)
+        .map(|(_, v)| v.to_owned())
+        .filter(|v| v.len() == 64 && v.bytes().all(|b| b.is_ascii_hexdigit()))
+}
+
+/// The signed-in user and the session token, or `None` without a live session.
+///
+/// # Errors
+///
+/// The store failed.
+pub(super) async fn session_user(
+    s: &ConsoleState,
+    headers: &HeaderMap,
+) -> Result<Option<(ConsoleUser, String)>, LedgerError> {
+    let Some(token) = session_token(headers) else {
+        return Ok(None);
+    };
+    let user = s
+        .store
+        .console_session(&token_hash(&token), spine_core::unix_time_ms())
+        .await?;
+    Ok(user.map(|u| (u, token)))
+}
+
+/// The signed-in user of a page: else the response to send instead (a redirect to sign in, an
+/// error page).
+pub(super) async fn require_user(
+    s: &ConsoleState,
+    headers: &HeaderMap,
+) -> Result<(ConsoleUser, String), Response> {
+    match session_user(s, headers).await {
+        Ok(Some(found)) => Ok(found),
+        Ok(None) => Err(Redirect::to("/console/signin").into_response()),
+        Err(e) => Err(s.store_error(&e)),
+    }
+}
+
+/// For a state-changing request: the signed-in user, after the CSRF token `presented` was
+/// checked (403 without a session or with a missing or wrong token).
+pub(super) async fn require_post(
+    s: &ConsoleState,
+    headers: &HeaderMap,
+    presented: Option<&str>,
+) -> Result<(ConsoleUser, String), Response> {
+    let forbidden = || {
+        s.error(
+            StatusCode::FORBIDDEN,
+            "Missing or wrong form token; reload the page.",
+        )
+    };
+    let Some(token) = session_token(headers) else {
+        return Err(forbidden());
+    };
+    if !presented.is_some_and(|p| csrf_ok(&token, p)) {
+        return Err(forbidden());
+    }
+    match s
+        .store
+        .console_session(&token_hash(&token), spine_core::unix_time_ms())
+        .await
+    {
+        Ok(Some(user)) => Ok((user, token)),
+        Ok(None) => Err(forbidden()),
+        Err(e) => Err(s.store_error(&e)),
+    }
+}
+
+/// The `Set-Cookie` value of a session (`max_age_secs` 0 clears it).
+fn cookie(s: &ConsoleState, token: &str, max_age_secs: i64) -> Option<HeaderValue> {
+    let secure = if s.secure_cookies { "; Secure" } else { "" };
+    HeaderValue::from_str(&format!(
+        "{COOKIE}={token}; Path=/console; HttpOnly; SameSite=Strict; Max-Age={max_age_secs}{secure}"
+    ))
+    .ok()
+}
+
+/// Starts a session for `user` and redirects to the console's first page.
+async fn start_session(s: &ConsoleState, user: &ConsoleUser) -> Response {
+    let Some(token) = new_token() else {
+        return s.error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "No randomness available.",
+        );
+    };
+    let expires = spine_core::unix_time_ms().saturating_add(SESSION_TTL_MS);
+    if let Err(e) = s
+        .store
+        .create_console_session(&token_hash(&token), &user.user_id, expires)
+        .await
+    {
+        return s.store_error(&e);
+    }
+    tracing::info!(user = %user.user_id, "console sign-in");
+    let mut r = Redirect::to("/console").into_response();
+    if let Some(c) = cookie(s, &token, SESSION_TTL_MS / 1000) {
+        r.headers_mut().insert(header::SET_COOKIE, c);
+    }
+    r
+}
+
+/// `GET /console/signin`.
+pub(super) async fn signin_page(State(s): State<Arc<ConsoleState>>) -> Response {
+    s.render(
+        "signin.html",
+        minijinja::context! { user => None::<()>, csrf => "", message => None::<&str>, link => None::<&str> },
+    )
+}
+
+#[derive(Deserialize)]
+pub(super) struct SignInForm {
+    email: String,
+    password: String,
+}
+
+/// `POST /console/signin`: e-mail and password. The same answer for an unknown address and a
+/// wrong password; 429 past the rate limits.
+pub(super) async fn signin(
+    State(s): State<Arc<ConsoleState>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    Form(form): Form<SignInForm>,
+) -> Response {
+    let email = form.email.trim();
+    if email.len() > 254 || form.password.len() > 1024 {
+        return s.error(StatusCode::BAD_REQUEST, "E-mail or password too long.");
+    }
+    if !s.limits.allow(peer.ip(), email) {
+        tracing::warn!(ip = %peer.ip(), "console sign-in rate limited");
+        let mut r = s.render(
+            "signin.html",
+            minijinja::context! { user => None::<()>, csrf => "", link => None::<&str>,
+            message => Some("Too many sign-in attempts; wait a minute.") },
+        );
+        *r.status_mut() = StatusCode::TOO_MANY_REQUESTS;
+        return r;
+    }
+    let user = match s.store.console_user_by_email(email).await {
+        Ok(u) => u,
+        Err(e) => return s.store_error(&e),
+    };
+    let password = form.password;
+    let hash = user
+        .as_ref()
+        .and_then(|u| u.password_hash.clone())
+        .unwrap_or_else(|| dummy_hash().to_owned());
+    // argon2 takes tens of milliseconds of CPU: off the async workers
+    let matches = tokio::task::spawn_blocking(move || password_ok(&hash, &password))
+        .await
+        .unwrap_or(false);
+    match user {
+        Some(user) if matches && user.password_hash.is_some() => start_session(&s, &user).await,
+        _ => {
+            let mut r = s.render(
+                "signin.html",
+                minijinja::context! { user => None::<()>, csrf => "", link => None::<&str>,
+                message => Some("Wrong e-mail or password.") },
+            );
+            *r.status_mut() = StatusCode::UNAUTHORIZED;
+            r
+        }
+    }
+}
+
+/// `GET /console/signin/link/{token}`: a page with one button that uses the link (a GET must
+/// not sign in: link scanners and previews fetch URLs).
+pub(super) async fn link_page(
+    State(s): State<Arc<ConsoleState>>,
+    Path(token): Path<String>,
+) -> Response {
+    if token.len() != 64 || !token.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return s.error(StatusCode::NOT_FOUND, "This sign-in link is not valid.");
+    }
+    s.render(
+        "signin.html",
+        minijinja::context! { user => None::<()>, csrf => "", message => None::<&str>, link => Some(token) },
+    )
+}
+
+#[derive(Deserialize)]
+pub(super) struct LinkForm {
+    token: String,
+}
+
+/// `POST /console/signin/link`: uses a one-time sign-in link (rate limited per IP as a
+/// sign-in).
+pub(super) async fn link_signin(
+    State(s): State<Arc<ConsoleState>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    Form(form): Form<LinkForm>,
+) -> Response {
+    if !s.limits.allow(peer.ip(), "(link)") {
+        return s.error(
+            StatusCode::TOO_MANY_REQUESTS,
+            "Too many sign-in attempts; wait a minute.",
+        );
+    }
+    match s
+        .store
+        .redeem_console_link(&token_hash(&form.token), spine_core::unix_time_ms())
+        .await
+    {
+        Ok(Some(user)) => start_session(&s, &user).await,
+        Ok(None) => s.error(
+            StatusCode::FORBIDDEN,
+            "This sign-in link was used already or has expired.",
+        ),
+        Err(e) => s.store_error(&e),
+    }
+}
+
+#[derive(Deserialize)]
+pub(super) struct CsrfForm {
+    #[serde(default)]
+    csrf: Option<String>,
+}
+
+/// `POST /console/signout`: revokes the session and clears the cookie.
+pub(super) async fn signout(
+    State(s): State<Arc<ConsoleState>>,
+    headers: HeaderMap,
+    Form(form): Form<CsrfForm>,
+) -> Response {
+    let (_, token) = match require_post(&s, &headers, form.csrf.as_deref()).await {
+        Ok(found) => found,
+        Err(r) => return r,
+    };
+    if let Err(e) = s.store.revoke_console_session(&token_hash(&token)).await {
+        return s.store_error(&e);
+    }
+    let mut r = Redirect::to("/console/signin").into_response();
+    if let Some(c) = cookie(&s, "", 0) {
+        r.headers_mut().insert(header::SET_COOKIE, c);
+    }
+    r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{csrf_ok, csrf_token, hash_password, password_ok};
+
+    #[test]
+    fn csrf_tokens_belong_to_one_session() {
+        let t = csrf_token("a");
+        assert!(csrf_ok("a", &t));
+        assert!(!csrf_ok("b", &t));
+        assert!(!csrf_ok("a", ""));
+    }
+
+    #[test]
+    fn passwords_verify_only_themselves() -> Result<(), argon2::password_hash::Error> {
+        let h = hash_password("correct horse")?;
+        assert!(h.starts_with("$argon2id$"));
+        assert!(password_ok(&h, "correct horse"));
+        assert!(!password_ok(&h, "correct hors"));
+        assert!(!password_ok("not a hash", "x"));
+        Ok(())
+    }
+}

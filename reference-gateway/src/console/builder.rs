@@ -1,0 +1,654 @@
+//! A builder's pages: API keys, balance and credit history, usage (table, chart, CSV), the
+//! request log, the playground. Every query is the signed-in user's account's.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::{Query, State};
+use axum::response::{IntoResponse, Redirect, Response};
+use axum::routing::{get, post};
+use axum::{Form, Router};
+use http::{header, HeaderMap, StatusCode};
+use serde::{Deserialize, Serialize};
+use spine_core::AccountId;
+use spine_meter::keys;
+use spine_meter::ledger::{ApiKeyInfo, ConsoleRole, ConsoleUser, PageCursor, RequestFilter};
+use tower::ServiceExt;
+
+use super::auth::{csrf_token, require_post, require_user};
+use super::{ConsoleState, PageUser};
+
+/// Rows per page of the request log and the credit history.
+const PAGE_ROWS: u32 = 50;
+/// Keys listed (and named in the request log); an account with more sees the newest.
+const KEYS_LISTED: u32 = 200;
+/// The longest key name kept, characters.
+const MAX_KEY_NAME_CHARS: usize = 64;
+
+pub(super) fn routes() -> Router<Arc<ConsoleState>> {
+    Router::new()
+        .route("/console/keys", get(keys_page).post(create_key))
+        .route("/console/keys/revoke", post(revoke_key))
+        .route("/console/balance", get(balance_page))
+        .route("/console/usage", get(usage_page))
+        .route("/console/usage.csv", get(usage_csv))
+        .route("/console/requests", get(requests_page))
+        .route("/console/playground", get(playground_page))
+        .route("/console/playground/chat", post(playground_chat))
+}
+
+/// The signed-in builder's account; operators get 403.
+async fn builder(
+    s: &ConsoleState,
+    headers: &HeaderMap,
+) -> Result<(ConsoleUser, String, AccountId), Response> {
+    let (user, token) = require_user(s, headers).await?;
+    match user.role.clone() {
+        ConsoleRole::Builder(account) => Ok((user, token, account)),
+        ConsoleRole::Operator(_) => {
+            Err(s.error(StatusCode::FORBIDDEN, "This page is for builders."))
+        }
+    }
+}
+
+/// As [`builder`], for a state-changing request (CSRF checked).
+async fn builder_post(
+    s: &ConsoleState,
+    headers: &HeaderMap,
+    csrf: Option<&str>,
+) -> Result<(ConsoleUser, String, AccountId), Response> {
+    let (user, token) = require_post(s, headers, csrf).await?;
+    match user.role.clone() {
+        ConsoleRole::Builder(account) => Ok((user, token, account)),
+        ConsoleRole::Operator(_) => {
+            Err(s.error(StatusCode::FORBIDDEN, "This page is for builders."))
+        }
+    }
+}
+
+/// A key as the keys page shows it.
+#[derive(Serialize)]
+struct KeyRow {
+    key_hash: String,
+    name: String,
+    hint: String,
+    created_at_ms: i64,
+    revoked: bool,
+    /// The key's RPM limit in force (0 = unlimited).
+    rpm_limit: u32,
+    /// The key's TPM limit in force (0 = unlimited).
+    tpm_limit: u64,
+}
+
+fn key_rows(s: &ConsoleState, keys: Vec<ApiKeyInfo>) -> Vec<KeyRow> {
+    keys.into_iter()
+        .map(|k| {
+            let (rpm_limit, tpm_limit) = s
+                .app
+                .limits
+                .effective(&spine_meter::limits::KeyHash(k.key_hash.clone()));
+            KeyRow {
+                name: k.name.unwrap_or_default(),
+                hint: k.key_hint.map(|h| format!("…{h}")).unwrap_or_default(),
+                created_at_ms: k.created_at_ms,
+                revoked: k.revoked_at_ms.is_some(),
+                rpm_limit,
+                tpm_limit,
+                key_hash: k.key_hash,
+            }
+        })
+        .collect()
+}
+
+/// The keys page, with `new_key` shown when one was just created (the only time it is).
+async fn render_keys(
+    s: &ConsoleState,
+    user: &ConsoleUser,
+    token: &str,
+    account: &AccountId,
+    new_key: Option<(String, String)>,
+) -> Response {
+    let page = match s.store.account_keys(account, None, KEYS_LISTED).await {
+        Ok(p) => p,
+        Err(e) => return s.store_error(&e),
+    };
+    s.render(
+        "keys.html",
+        minijinja::context! {
+            user => PageUser::of(user), csrf => csrf_token(token),
+            keys => key_rows(s, page.rows), new_key => new_key.as_ref().map(|(k, _)| k),
+            new_key_name => new_key.as_ref().map(|(_, n)| n),
+        },
+    )
+}
+
+async fn keys_page(State(s): State<Arc<ConsoleState>>, headers: HeaderMap) -> Response {
+    match builder(&s, &headers).await {
+        Ok((user, token, account)) => render_keys(&s, &user, &token, &account, None).await,
+        Err(r) => r,
+    }
+}
+
+#[derive(Deserialize)]
+struct CreateKeyForm {
+    #[serde(default)]
+    csrf: Option<String>,
+    #[serde(default)]
+    name: String,
+}
+
+/// `POST /console/keys`: a new key for the account, shown once in this answer.
+async fn create_key(
+    State(s): State<Arc<ConsoleState>>,
+    headers: HeaderMap,
+    Form(form): Form<CreateKeyForm>,
+) -> Response {
+    let (user, token, account) = match builder_post(&s, &headers, form.csrf.as_deref()).await {
+        Ok(found) => found,
+        Err(r) => return r,
+    };
+    let name: String = form.name.trim().chars().take(MAX_KEY_NAME_CHARS).collect();
+    let key = keys::new_api_key();
+    let hint: String = key
+        .chars()
+        .rev()
+        .take(4)
+        .collect::<Vec<_>>()
+        .into_iter()
+        .rev()
+        .collect();
+    if let Err(e) = s
+        .store
+        .create_named_api_key(&account, &keys::hash_api_key(&key), &name, &hint)
+        .await
+    {
+        return s.store_error(&e);
+    }
+    tracing::info!(account = %account, "console key created");
+    render_keys(&s, &user, &token, &account, Some((key, name))).await
+}
+
+#[derive(Deserialize)]
+struct RevokeKeyForm {
+    #[serde(default)]
+    csrf: Option<String>,
+    key_hash: String,
+}
+
+/// `POST /console/keys/revoke`: revokes one of the account's keys (another account's key hash
+/// changes nothing: 404).
+async fn revoke_key(
+    State(s): State<Arc<ConsoleState>>,
+    headers: HeaderMap,
+    Form(form): Form<RevokeKeyForm>,
+) -> Response {
+    let (_, _, account) = match builder_post(&s, &headers, form.csrf.as_deref()).await {
+        Ok(found) => found,
+        Err(r) => return r,
+    };
+    match s.store.revoke_api_key(&account, &form.key_hash).await {
+        Ok(true) => {
+            s.app.keys.remove(&form.key_hash);
+            Redirect::to("/console/keys").into_response()
+        }
+        Ok(false) => s.error(StatusCode::NOT_FOUND, "No such key."),
+        Err(e) => s.store_error(&e),
+    }
+}
+
+#[derive(Deserialize, Default)]
+struct PageQuery {
+    #[serde(default)]
+    after: Option<String>,
+}
+
+async fn balance_page(
+    State(s): State<Arc<ConsoleState>>,
+    headers: HeaderMap,
+    Query(q): Query<PageQuery>,
+) -> Response {
+    let (user, token, account) = match builder(&s, &headers).await {
+        Ok(found) => found,
+        Err(r) => return r,
+    };
+    let after = q.after.as_deref().and_then(PageCursor::decode);
+    let balance = match s.app.store.account(&account).await {
+        Ok(b) => b,
+        Err(e) => return s.store_error(&e),
+    };
+    let credits = match s
+        .store
+        .account_credits(&account, after.as_ref(), PAGE_ROWS)
+        .await
+    {
+        Ok(p) => p,
+        Err(e) => return s.store_error(&e),
+    };
+    s.render(
+        "balance.html",
+        minijinja::context! {
+            user => PageUser::of(&user), csrf => csrf_token(&token), balance => balance,
+            credits => credits.rows, next => credits.next.map(|c| super::after_query(&c)),
+        },
+    )
+}
+
+#[derive(Deserialize, Default)]
+struct UsageQuery {
+    #[serde(default)]
+    days: Option<u32>,
+}
+
+/// The usage window: the last `days` (1–90, default 30) UTC days including today.
+fn usage_window(days: Option<u32>) -> (i64, i64, u32) {
+    let days = days.unwrap_or(30).clamp(1, 90);
+    let today = spine_core::unix_time_ms().div_euclid(86_400_000);
+    (
+        (today - i64::from(days) + 1) * 86_400_000,
+        (today + 1) * 86_400_000,
+        days,
+    )
+}
+
+/// Key names by hash, for the account's keys listed.
+async fn key_names(s: &ConsoleState, account: &AccountId) -> HashMap<String, String> {
+    match s.store.account_keys(account, None, KEYS_LISTED).await {
+        Ok(p) => p
+            .rows
+            .into_iter()
+            .map(|k| {
+                let label = match (k.name.filter(|n| !n.is_empty()), k.key_hint) {
+                    (Some(n), Some(h)) => format!("{n} (…{h})"),
+                    (Some(n), None) => n,
+                    (None, Some(h)) => format!("…{h}"),
+                    (None, None) => k.key_hash.chars().take(8).collect(),
+                };
+                (k.key_hash, label)
+            })
+            .collect(),
+        Err(_) => HashMap::new(),
+    }
+}
+
+#[derive(Serialize)]
+struct UsageRow {
+    day: i64,
+    model: String,
+    key: String,
+    requests: u64,
+    prompt_tokens: u64,
+    completion_tokens: u64,
+    debit_micros: u64,
+}
+
+async fn usage_rows(
+    s: &ConsoleState,
+    account: &AccountId,
+    days: Option<u32>,
+) -> Result<(Vec<UsageRow>, u32), Response> {
+    let (since, until, days) = usage_window(days);
+    let names = key_names(s, account).await;
+    let rows = s
+        .store
+        .account_usage(account, since, until, spine_meter::ledger::MAX_PAGE_ROWS)
+        .await
+        .map_err(|e| s.store_error(&e))?;
+    Ok((
+        rows.into_iter()
+            .map(|u| UsageRow {
+                day: u.day,
+                model: u.model.to_string(),
+                key: u
+                    .key_hash
+                    .map(|h| {
+                        names
+                            .get(&h)
+                            .cloned()
+                            .unwrap_or_else(|| h.chars().take(8).collect())
+                    })
+                    .unwrap_or_else(|| "(admin API)".to_owned()),
+                requests: u.requests,
+                prompt_tokens: u.prompt_tokens,
+                completion_tokens: u.completion_tokens,
+                debit_micros: u.debit_micros,
+            })
+            .collect(),
+        days,
+    ))
+}
+
+async fn usage_page(
+    State(s): State<Arc<ConsoleState>>,
+    headers: HeaderMap,
+    Query(q): Query<UsageQuery>,
+) -> Response {
+    let (user, token, account) = match builder(&s, &headers).await {
+        Ok(found) => found,
+        Err(r) => return r,
+    };
+    let (rows, days) = match usage_rows(&s, &account, q.days).await {
+        Ok(r) => r,
+        Err(r) => return r,
+    };
+    // the chart's series: tokens per day (all models and keys), every day of the window
+    let (since, until, _) = usage_window(Some(days));
+    let mut per_day: std::collections::BTreeMap<i64, (u64, u64)> = (since / 86_400_000
+        ..until / 86_400_000)
+        .map(|d| (d, (0, 0)))
+        .collect();
+    for r in &rows {
+        let e = per_day.entry(r.day).or_default();
+        e.0 += r.prompt_tokens;
+        e.1 += r.completion_tokens;
+    }
+    let chart = serde_json::json!({
+        "days": per_day.keys().map(|d| d * 86_400).collect::<Vec<_>>(),
+        "prompt_tokens": per_day.values().map(|v| v.0).collect::<Vec<_>>(),
+        "completion_tokens": per_day.values().map(|v| v.1).collect::<Vec<_>>(),
+    });
+    s.render(
+        "usage.html",
+        minijinja::context! {
+            user => PageUser::of(&user), csrf => csrf_token(&token), rows => rows, days => days,
+            chart => chart,
+        },
+    )
+}
+
+/// A CSV field: quoted, quotes doubled, and a leading `=`, `+`, `-` or `@` defused (a
+/// spreadsheet would run it as a formula).
+fn csv_field(v: &str) -> String {
+    let v = if v.starts_with(['=', '+', '-', '@']) {
+        format!("'{v}")
+    } else {
+        v.to_owned()
+    };
+    format!("\"{}\"", v.replace('"', "\"\""))
+}
+
+async fn usage_csv(
+    State(s): State<Arc<ConsoleState>>,
+    headers: HeaderMap,
+    Query(q): Query<UsageQuery>,
+) -> Response {
+    let (_, _, account) = match builder(&s, &headers).await {
+        Ok(found) => found,
+        Err(r) => return r,
+    };
+    let (rows, _) = match usage_rows(&s, &account, q.days).await {
+        Ok(r) => r,
+        Err(r) => return r,
+    };
+    let mut csv =
+        String::from("date,model,key,requests,prompt_tokens,completion_tokens,cost_credits\n");
+    for r in rows {
+        csv.push_str(&format!(
+            "{},{},{},{},{},{},{}\n",
+            super::date(r.day),
+            csv_field(&r.model),
+            csv_field(&r.key),
+            r.requests,
+            r.prompt_tokens,
+            r.completion_tokens,
+            super::credits(r.debit_micros)
+        ));
+    }
+    (
+        [
+            (header::CONTENT_TYPE, "text/csv; charset=utf-8"),
+            (
+                header::CONTENT_DISPOSITION,
+                "attachment; filename=\"usage.csv\"",
+            ),
+            (header::CACHE_CONTROL, "no-store"),
+        ],
+        csv,
+    )
+        .into_response()
+}
+
+#[derive(Deserialize, Default)]
+struct RequestsQuery {
+    #[serde(default)]
+    key: Option<String>,
+    #[serde(default)]
+    model: Option<String>,
+    #[serde(default)]
+    outcome: Option<String>,
+    /// `YYYY-MM-DD`: requests on this UTC day.
+    #[serde(default)]
+    day: Option<String>,
+    #[serde(default)]
+    after: Option<String>,
+}
+
+/// `YYYY-MM-DD` as days since the Unix epoch.
+fn parse_day(s: &str) -> Option<i64> {
+    let mut it = s.splitn(3, '-');
+    let y: i64 = it.next()?.parse().ok()?;
+    let m: i64 = it.next()?.parse().ok()?;
+    let d: i64 = it.next()?.parse().ok()?;
+    if !(1970..=9999).contains(&y) || !(1..=12).contains(&m) || !(1..=31).contains(&d) {
+        return None;
+    }
+    // Howard Hinnant's days_from_civil
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let mp = (m + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + d - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    Some(era * 146_097 + doe - 719_468)
+}
+
+/// A filter value: trimmed, empty = none, at most 128 characters.
+fn filter_value(v: Option<String>) -> Option<String> {
+    v.map(|v| v.trim().to_owned())
+        .filter(|v| !v.is_empty() && v.len() <= 128)
+}
+
+#[derive(Serialize)]
+struct RequestRow {
+    request_id: String,
+    created_at_ms: i64,
+    key: String,
+    model: String,
+    outcome: &'static str,
+    billed_prompt_tokens: u64,
+    billed_completion_tokens: u64,
+    claimed_prompt_tokens: Option<u64>,
+    claimed_completion_tokens: Option<u64>,
+    discrepancy: bool,
+    duration_ms: Option<i64>,
+    ttft_ms: Option<i64>,
+    debit_micros: u64,
+    node: Option<String>,
+}
+
+async fn requests_page(
+    State(s): State<Arc<ConsoleState>>,
+    headers: HeaderMap,
+    Query(q): Query<RequestsQuery>,
+) -> Response {
+    let (user, token, account) = match builder(&s, &headers).await {
+        Ok(found) => found,
+        Err(r) => return r,
+    };
+    let day = q.day.as_deref().and_then(parse_day);
+    let filter = RequestFilter {
+        key_hash: filter_value(q.key.clone()),
+        model: filter_value(q.model.clone()),
+        outcome: filter_value(q.outcome.clone()),
+        since_ms: day.map(|d| d * 86_400_000),
+        until_ms: day.map(|d| (d + 1) * 86_400_000),
+    };
+    let after = q.after.as_deref().and_then(PageCursor::decode);
+    let page = match s
+        .store
+        .account_requests(&account, &filter, after.as_ref(), PAGE_ROWS)
+        .await
+    {
+        Ok(p) => p,
+        Err(e) => return s.store_error(&e),
+    };
+    let names = key_names(&s, &account).await;
+    let rows: Vec<RequestRow> = page
+        .rows
+        .into_iter()
+        .map(|r| RequestRow {
+            key: r
+                .key_hash
+                .map(|h| {
+                    names
+                        .get(&h)
+                        .cloned()
+                        .unwrap_or_else(|| h.chars().take(8).collect())
+                })
+                .unwrap_or_else(|| "(admin API)".to_owned()),
+            request_id: r.request_id,
+            created_at_ms: r.created_at_ms,
+            model: r.model.to_string(),
+            outcome: r.outcome.as_str(),
+            billed_prompt_tokens: r.billed.prompt_tokens,
+            billed_completion_tokens: r.billed.completion_tokens,
+            claimed_prompt_tokens: r.claimed.map(|c| c.prompt_tokens),
+            claimed_completion_tokens: r.claimed.map(|c| c.completion_tokens),
+            discrepancy: r.discrepancy,
+            duration_ms: r.duration_ms,
+            ttft_ms: r.ttft_ms,
+            debit_micros: r.debit_micros,
+            node: r.node.map(|n| n.to_string()),
+        })
+        .collect();
+    let mut key_options: Vec<(String, String)> = names.into_iter().collect();
+    key_options.sort_by(|a, b| a.1.cmp(&b.1));
+    // the next page keeps the filters: a query string built here, escaped by the template
+    let next = page.next.map(|c| {
+        let mut qs = vec![("after", c.encode())];
+        for (k, v) in [
+            ("key", &filter.key_hash),
+            ("model", &filter.model),
+            ("outcome", &filter.outcome),
+        ] {
+            if let Some(v) = v {
+                qs.push((k, v.clone()));
+            }
+        }
+        if let Some(d) = &q.day {
+            qs.push(("day", d.clone()));
+        }
+        serde_urlencoded::to_string(qs).unwrap_or_default()
+    });
+    s.render(
+        "requests.html",
+        minijinja::context! {
+            user => PageUser::of(&user), csrf => csrf_token(&token), rows => rows, next => next,
+            keys => key_options, filter => filter, day => q.day,
+            outcomes => ["completed", "client_cancelled", "upstream_failed", "rejected", "cut_at_bound"],
+            models => s.app.catalog_ids.iter().map(ToString::to_string).collect::<Vec<_>>(),
+        },
+    )
+}
+
+async fn playground_page(State(s): State<Arc<ConsoleState>>, headers: HeaderMap) -> Response {
+    let (user, token, _) = match builder(&s, &headers).await {
+        Ok(found) => found,
+        Err(r) => return r,
+    };
+    s.render(
+        "playground.html",
+        minijinja::context! {
+            user => PageUser::of(&user), csrf => csrf_token(&token),
+            models => s.app.catalog_ids.iter().map(ToString::to_string).collect::<Vec<_>>(),
+        },
+    )
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ChatForm {
+    key: String,
+    model: String,
+    prompt: String,
+    #[serde(default)]
+    max_tokens: Option<u32>,
+}
+
+/// `POST /console/playground/chat` (JSON; CSRF token in `x-csrf-token`): streams a chat
+/// through the gateway's own public API, called in process, with the key the builder pasted
+/// (one of the account's keys; the request is metered and billed to it like any other).
+async fn playground_chat(
+    State(s): State<Arc<ConsoleState>>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
+    let csrf = headers.get("x-csrf-token").and_then(|v| v.to_str().ok());
+    let (_, _, account) = match builder_post(&s, &headers, csrf).await {
+        Ok(found) => found,
+        Err(r) => return r,
+    };
+    let Ok(form) = serde_json::from_slice::<ChatForm>(&body) else {
+        return s.error(
+            StatusCode::BAD_REQUEST,
+            "Expected {key, model, prompt, max_tokens}.",
+        );
+    };
+    let key_hash = keys::hash_api_key(form.key.trim());
+    match s.app.store.account_for_key_hash(&key_hash).await {
+        Ok(Some(owner)) if owner == account => {}
+        Ok(_) => {
+            return s.error(
+                StatusCode::FORBIDDEN,
+                "That is not a live key of this account.",
+            )
+        }
+        Err(e) => return s.store_error(&e),
+    }
+    let chat = serde_json::json!({
+        "model": form.model,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+        "max_tokens": form.max_tokens.unwrap_or(64).clamp(1, 1024),
+        "messages": [{"role": "user", "content": form.prompt}],
+    });
+    let Ok(req) = http::Request::post("/v1/chat/completions")
+        .header(header::AUTHORIZATION, format!("Bearer {}", form.key.trim()))
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Body::from(chat.to_string()))
+    else {
+        return s.error(
+            StatusCode::BAD_REQUEST,
+            "The key is not a valid header value.",
+        );
+    };
+    match s.public_api.clone().oneshot(req).await {
+        Ok(mut r) => {
+            r.headers_mut().insert(
+                header::CACHE_CONTROL,
+                http::HeaderValue::from_static("no-store"),
+            );
+            r
+        }
+        Err(never) => match never {},
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{csv_field, parse_day};
+
+    #[test]
+    fn days_parse_back_to_the_epoch_count() {
+        assert_eq!(parse_day("1970-01-01"), Some(0));
+        assert_eq!(parse_day("2025-12-02"), Some(20_424));
+        assert_eq!(parse_day("2025-13-02"), None);
+        assert_eq!(parse_day("x"), None);
+    }
+
+    #[test]
+    fn csv_fields_are_quoted_and_formulas_defused() {
+        assert_eq!(csv_field("a\"b"), "\"a\"\"b\"");
+        assert_eq!(csv_field("=cmd()"), "\"'=cmd()\"");
+    }
+}

@@ -1,0 +1,404 @@
+//! The console (issue 18): server-rendered HTML pages for builders (an account's keys, balance,
+//! usage, requests, a playground) and GPU operators (an operator's nodes, earnings, enrollment
+//! tokens), on its own listener (`console_listen`, default `127.0.0.1:8082`).
+//!
+//! Handlers are thin: the store's [`ConsoleStore`](spine_meter::ledger::ConsoleStore) answers
+//! every query, scoped to the signed-in user's account or operator (a URL never names the
+//! account or operator: it comes from the session, so there is no foreign id to try).
+//! Templates are minijinja with auto-escaping, every template and asset is embedded in the
+//! binary, and pages work without JavaScript except the playground and the charts.
+//! See `docs/console.md`.
+
+pub(crate) mod admin;
+mod auth;
+mod builder;
+mod operator;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::response::{Html, IntoResponse, Redirect, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use http::{header, HeaderValue, StatusCode};
+use minijinja::Environment;
+use serde::Serialize;
+use spine_meter::ledger::{ConsoleRole, ConsoleStore, ConsoleUser};
+
+use crate::state::AppState;
+
+pub(crate) use auth::SignInLimits;
+
+/// What the console's handlers share.
+pub(crate) struct ConsoleState {
+    pub(crate) app: Arc<AppState>,
+    pub(crate) store: Arc<dyn ConsoleStore>,
+    templates: Environment<'static>,
+    /// The gateway's own public API, called in process by the playground.
+    public_api: Router,
+    limits: SignInLimits,
+    /// Add `Secure` to the session cookie (`console_secure_cookies`: the console is served to
+    /// browsers over TLS by a proxy in front of it).
+    secure_cookies: bool,
+    /// The gateway's tunnel URL as agents dial it, for the `join` command the operator copies.
+    join_gateway_url: String,
+}
+
+impl std::fmt::Debug for ConsoleState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConsoleState")
+            .field("secure_cookies", &self.secure_cookies)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The templates, embedded.
+const TEMPLATES: &[(&str, &str)] = &[
+    ("base.html", include_str!("templates/base.html")),
+    ("error.html", include_str!("templates/error.html")),
+    ("signin.html", include_str!("templates/signin.html")),
+    ("keys.html", include_str!("templates/keys.html")),
+    ("balance.html", include_str!("templates/balance.html")),
+    ("usage.html", include_str!("templates/usage.html")),
+    ("requests.html", include_str!("templates/requests.html")),
+    ("playground.html", include_str!("templates/playground.html")),
+    ("nodes.html", include_str!("templates/nodes.html")),
+    ("earnings.html", include_str!("templates/earnings.html")),
+    (
+        "enrollments.html",
+        include_str!("templates/enrollments.html"),
+    ),
+];
+
+/// The static assets, embedded: `(name, content type, bytes)`.
+const ASSETS: &[(&str, &str, &[u8])] = &[
+    (
+        "console.css",
+        "text/css; charset=utf-8",
+        include_bytes!("assets/console.css"),
+    ),
+    (
+        "playground.js",
+        "text/javascript; charset=utf-8",
+        include_bytes!("assets/playground.js"),
+    ),
+    (
+        "chart.js",
+        "text/javascript; charset=utf-8",
+        include_bytes!("assets/chart.js"),
+    ),
+    (
+        "uPlot.iife.min.js",
+        "text/javascript; charset=utf-8",
+        include_bytes!("assets/vendor/uPlot.iife.min.js"),
+    ),
+    (
+        "uPlot.min.css",
+        "text/css; charset=utf-8",
+        include_bytes!("assets/vendor/uPlot.min.css"),
+    ),
+    (
+        "uPlot.LICENSE",
+        "text/plain; charset=utf-8",
+        include_bytes!("assets/vendor/uPlot.LICENSE"),
+    ),
+];
+
+/// `after=<cursor>`, URL-encoded: the query of a list's next page.
+fn after_query(cursor: &spine_meter::ledger::PageCursor) -> String {
+    serde_urlencoded::to_string([("after", cursor.encode())]).unwrap_or_default()
+}
+
+/// Micros as credits with six decimals (`1234567` → `1.234567`).
+fn credits(micros: u64) -> String {
+    format!("{}.{:06}", micros / 1_000_000, micros % 1_000_000)
+}
+
+/// Unix milliseconds as UTC `YYYY-MM-DD HH:MM:SS`.
+fn utc(ms: i64) -> String {
+    let secs = ms.div_euclid(1000);
+    let day = secs.div_euclid(86_400);
+    let rem = secs.rem_euclid(86_400);
+    format!(
+        "{} {:02}:{:02}:{:02}",
+        date(day),
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
+/// Days since the Unix epoch as `YYYY-MM-DD` (the proleptic Gregorian calendar; Howard
+/// Hinnant's `civil_from_days`).
+fn date(days: i64) -> String {
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!("{y:04}-{m:02}-{d:02}")
+}
+
+fn templates() -> Result<Environment<'static>, minijinja::Error> {
+    let mut env = Environment::new();
+    // `.html` templates are auto-escaped (minijinja's default for the extension); say so
+    env.set_auto_escape_callback(|_| minijinja::AutoEscape::Html);
+    env.set_undefined_behavior(minijinja::UndefinedBehavior::Strict);
+    env.add_filter("credits", |v: u64| credits(v));
+    env.add_filter("utc", |v: i64| utc(v));
+    env.add_filter("date", |v: i64| date(v));
+    for (name, source) in TEMPLATES {
+        env.add_template(name, source)?;
+    }
+    Ok(env)
+}
+
+impl ConsoleState {
+    /// The console over the gateway's state.
+    ///
+    /// # Errors
+    ///
+    /// A template does not parse (a build defect: they are embedded).
+    pub(crate) fn new(
+        app: Arc<AppState>,
+        secure_cookies: bool,
+        join_gateway_url: String,
+    ) -> Result<Self, minijinja::Error> {
+        Ok(Self {
+            store: app.store.clone().console(),
+            public_api: crate::api::router(app.clone()),
+            app,
+            templates: templates()?,
+            limits: SignInLimits::default(),
+            secure_cookies,
+            join_gateway_url,
+        })
+    }
+
+    /// Renders `name` with `ctx`; an error page (500) when rendering fails.
+    fn render<S: Serialize>(&self, name: &str, ctx: S) -> Response {
+        match self
+            .templates
+            .get_template(name)
+            .and_then(|t| t.render(ctx))
+        {
+            Ok(html) => page_headers(Html(html).into_response()),
+            Err(e) => {
+                tracing::error!(error = %e, template = name, "console template failed");
+                self.error(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "The page could not be drawn.",
+                )
+            }
+        }
+    }
+
+    /// An HTML error page with `status`.
+    fn error(&self, status: StatusCode, message: &str) -> Response {
+        let html = self
+            .templates
+            .get_template("error.html")
+            .and_then(|t| {
+                t.render(minijinja::context! {
+                    status => status.as_u16(), message => message, user => None::<()>, csrf => "",
+                })
+            })
+            .unwrap_or_else(|_| "error".to_owned());
+        let mut r = page_headers(Html(html).into_response());
+        *r.status_mut() = status;
+        r
+    }
+
+    /// A store failure as an error page (the cause logged, not shown).
+    fn store_error(&self, e: &spine_meter::LedgerError) -> Response {
+        tracing::error!(error = %e, "console store call failed");
+        if e.is_unavailable() {
+            self.error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "The ledger is unavailable; try again.",
+            )
+        } else {
+            self.error(StatusCode::INTERNAL_SERVER_ERROR, "Something went wrong.")
+        }
+    }
+}
+
+/// Headers every console page carries: no caching (pages show balances and keys), no framing,
+/// no sniffing, and a content security policy that allows only the console's own scripts and
+/// styles (no inline script).
+fn page_headers(mut r: Response) -> Response {
+    let h = r.headers_mut();
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    h.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
+    );
+    h.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
+    h.insert(
+        header::REFERRER_POLICY,
+        HeaderValue::from_static("same-origin"),
+    );
+    h.insert(
+        header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static(
+            "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; \
+             connect-src 'self'; frame-ancestors 'none'; form-action 'self'; base-uri 'none'",
+        ),
+    );
+    r
+}
+
+/// What every signed-in page's template gets.
+#[derive(Serialize)]
+struct PageUser<'a> {
+    email: &'a str,
+    /// `builder` or `operator`.
+    role: &'static str,
+    /// The account or operator id.
+    owner: &'a str,
+}
+
+impl<'a> PageUser<'a> {
+    fn of(user: &'a ConsoleUser) -> Self {
+        match &user.role {
+            ConsoleRole::Builder(a) => Self {
+                email: &user.email,
+                role: "builder",
+                owner: a.as_str(),
+            },
+            ConsoleRole::Operator(o) => Self {
+                email: &user.email,
+                role: "operator",
+                owner: o.as_str(),
+            },
+        }
+    }
+}
+
+/// The console's routes.
+pub(crate) fn router(state: Arc<ConsoleState>) -> Router {
+    Router::new()
+        .route("/", get(|| async { Redirect::to("/console") }))
+        .route("/console", get(home))
+        .route("/console/signin", get(auth::signin_page).post(auth::signin))
+        .route("/console/signin/link/{token}", get(auth::link_page))
+        .route("/console/signin/link", post(auth::link_signin))
+        .route("/console/signout", post(auth::signout))
+        .route("/console/assets/{name}", get(asset))
+        // browsers ask for it at the origin's root; there is none
+        .route("/favicon.ico", get(|| async { StatusCode::NO_CONTENT }))
+        .merge(builder::routes())
+        .merge(operator::routes())
+        .fallback(|State(s): State<Arc<ConsoleState>>| async move {
+            s.error(StatusCode::NOT_FOUND, "No such page.")
+        })
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            html_errors,
+        ))
+        .with_state(state)
+}
+
+/// Every error the console answers is an HTML page: an extractor's refusal (a form or query
+/// that does not parse, a wrong content type) comes from axum as plain text and is replaced.
+/// The playground's chat keeps the public API's JSON errors (its script reads them).
+async fn html_errors(
+    State(s): State<Arc<ConsoleState>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let keep = req.uri().path() == "/console/playground/chat";
+    let r = next.run(req).await;
+    let html = r
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("text/html"));
+    if keep || html || !(r.status().is_client_error() || r.status().is_server_error()) {
+        return r;
+    }
+    s.error(r.status(), "The request was not understood.")
+}
+
+/// `GET /console`: the user's first page, or the sign-in page.
+async fn home(State(s): State<Arc<ConsoleState>>, headers: http::HeaderMap) -> Response {
+    match auth::session_user(&s, &headers).await {
+        Ok(Some((user, _))) => match user.role {
+            ConsoleRole::Builder(_) => Redirect::to("/console/keys").into_response(),
+            ConsoleRole::Operator(_) => Redirect::to("/console/nodes").into_response(),
+        },
+        Ok(None) => Redirect::to("/console/signin").into_response(),
+        Err(e) => s.store_error(&e),
+    }
+}
+
+/// `GET /console/assets/{name}`: an embedded asset.
+async fn asset(
+    State(s): State<Arc<ConsoleState>>,
+    axum::extract::Path(name): axum::extract::Path<String>,
+) -> Response {
+    match ASSETS.iter().find(|(n, _, _)| *n == name) {
+        Some((_, content_type, bytes)) => (
+            [
+                (header::CONTENT_TYPE, *content_type),
+                (header::CACHE_CONTROL, "public, max-age=3600"),
+                (header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
+            ],
+            *bytes,
+        )
+            .into_response(),
+        None => s.error(StatusCode::NOT_FOUND, "No such asset."),
+    }
+}
+
+/// Serves the console on `listener` until `shutdown`, with each connection's peer address (the
+/// sign-in rate limit is per client IP).
+///
+/// # Errors
+///
+/// The listener fails.
+pub(crate) async fn serve(
+    listener: tokio::net::TcpListener,
+    state: Arc<ConsoleState>,
+    shutdown: tokio_util::sync::CancellationToken,
+) -> std::io::Result<()> {
+    let app = router(state).into_make_service_with_connect_info::<SocketAddr>();
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown.cancelled_owned())
+        .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{credits, date, templates, utc};
+
+    #[test]
+    fn dates_times_and_amounts_render_exactly() {
+        assert_eq!(date(0), "1970-01-01");
+        assert_eq!(date(20_424), "2025-12-02");
+        assert_eq!(utc(1_764_633_600_000 + 3_723_000), "2025-12-02 01:02:03");
+        assert_eq!(credits(1_234_567), "1.234567");
+        assert_eq!(credits(5), "0.000005");
+    }
+
+    #[test]
+    fn every_template_parses_and_escapes() -> Result<(), minijinja::Error> {
+        let env = templates()?;
+        let html = env
+            .get_template("error.html")?
+            .render(minijinja::context! {
+                status => 404, message => "<script>x</script>", user => None::<()>, csrf => "",
+            })?;
+        assert!(
+            html.contains("&lt;script&gt;x&lt;&#x2f;script&gt;"),
+            "{html}"
+        );
+        assert!(!html.contains("<script>x"));
+        Ok(())
+    }
+}

@@ -1,0 +1,305 @@
+//! A GPU operator's pages: nodes (the router's and the tunnel's live view of the operator's
+//! own nodes), earnings per day × model, enrollment tokens. Every query is the signed-in
+//! user's operator's.
+
+use std::sync::Arc;
+
+use axum::extract::{Query, State};
+use axum::response::{IntoResponse, Redirect, Response};
+use axum::routing::{get, post};
+use axum::{Form, Router};
+use http::{HeaderMap, StatusCode};
+use serde::{Deserialize, Serialize};
+use spine_core::OperatorId;
+use spine_meter::keys;
+use spine_meter::ledger::{ConsoleRole, ConsoleUser, PageCursor};
+
+use super::auth::{csrf_token, require_post, require_user};
+use super::{after_query, ConsoleState, PageUser};
+
+/// How long a token issued from the console stays valid (as the admin API's default: 24 h).
+const ENROLLMENT_TTL_MS: i64 = 24 * 3_600_000;
+
+pub(super) fn routes() -> Router<Arc<ConsoleState>> {
+    Router::new()
+        .route("/console/nodes", get(nodes_page))
+        .route("/console/earnings", get(earnings_page))
+        .route(
+            "/console/enrollments",
+            get(enrollments_page).post(issue_enrollment),
+        )
+        .route("/console/enrollments/revoke", post(revoke_enrollment))
+}
+
+async fn operator(
+    s: &ConsoleState,
+    headers: &HeaderMap,
+) -> Result<(ConsoleUser, String, OperatorId), Response> {
+    let (user, token) = require_user(s, headers).await?;
+    match user.role.clone() {
+        ConsoleRole::Operator(op) => Ok((user, token, op)),
+        ConsoleRole::Builder(_) => {
+            Err(s.error(StatusCode::FORBIDDEN, "This page is for GPU operators."))
+        }
+    }
+}
+
+async fn operator_post(
+    s: &ConsoleState,
+    headers: &HeaderMap,
+    csrf: Option<&str>,
+) -> Result<(ConsoleUser, String, OperatorId), Response> {
+    let (user, token) = require_post(s, headers, csrf).await?;
+    match user.role.clone() {
+        ConsoleRole::Operator(op) => Ok((user, token, op)),
+        ConsoleRole::Builder(_) => {
+            Err(s.error(StatusCode::FORBIDDEN, "This page is for GPU operators."))
+        }
+    }
+}
+
+/// One node as the nodes page shows it.
+#[derive(Serialize)]
+struct NodeRow {
+    node_id: String,
+    name: String,
+    connected: bool,
+    routable: bool,
+    models: Vec<String>,
+    /// `score (success · latency · uptime · penalty)`, formatted.
+    score: Option<String>,
+    ttft_ema_ms: Option<String>,
+    in_flight: Option<u32>,
+    sticky_hits: Option<u64>,
+    sticky_misses: Option<u64>,
+    discrepancies: Option<u64>,
+    last_seen: Option<String>,
+    requests_served: u64,
+    earned_micros: u64,
+    audits: Vec<AuditRow>,
+}
+
+#[derive(Serialize)]
+struct AuditRow {
+    model: String,
+    verdict: String,
+    tokens_audited: u64,
+}
+
+async fn nodes_page(State(s): State<Arc<ConsoleState>>, headers: HeaderMap) -> Response {
+    let (user, token, op) = match operator(&s, &headers).await {
+        Ok(found) => found,
+        Err(r) => return r,
+    };
+    // the operator's own nodes (the store), then what this instance knows live of each
+    let records = match s.app.store.operator_nodes(&op).await {
+        Ok(n) => n,
+        Err(e) => return s.store_error(&e),
+    };
+    let live = s.app.registry.snapshot();
+    let rows: Vec<NodeRow> = records
+        .into_iter()
+        .map(|rec| {
+            let snap = live.iter().find(|n| n.node_id == rec.node_id);
+            let tunnel = s.app.tunnels.status(&rec.node_id);
+            let audits = s
+                .app
+                .auditor
+                .as_ref()
+                .map(|a| a.statuses_of(&rec.node_id))
+                .unwrap_or_default()
+                .into_iter()
+                .map(|a| AuditRow {
+                    model: a.model.to_string(),
+                    verdict: serde_json::to_value(a.verdict)
+                        .ok()
+                        .and_then(|v| v.as_str().map(str::to_owned))
+                        .unwrap_or_default(),
+                    tokens_audited: a.tokens_audited,
+                })
+                .collect();
+            NodeRow {
+                node_id: rec.node_id.to_string(),
+                name: rec.name.unwrap_or_default(),
+                connected: s.app.tunnels.contains(&rec.node_id),
+                routable: snap.is_some(),
+                models: match (snap, &tunnel) {
+                    (Some(n), _) => n
+                        .descriptor
+                        .models
+                        .iter()
+                        .map(|m| m.id.to_string())
+                        .collect(),
+                    (None, Some(t)) => t.models.iter().map(|m| m.model.to_string()).collect(),
+                    (None, None) => Vec::new(),
+                },
+                score: snap.map(|n| {
+                    let p = &n.score;
+                    format!(
+                        "{:.3} ({:.2} · {:.2} · {:.2} · {:.2})",
+                        p.score,
+                        p.success_rate_ema,
+                        p.latency_score,
+                        p.uptime_score,
+                        p.failure_penalty
+                    )
+                }),
+                ttft_ema_ms: snap
+                    .and_then(|n| n.score.ttft_ema_ms)
+                    .map(|t| format!("{t:.0}")),
+                in_flight: snap.map(|n| n.in_flight),
+                sticky_hits: snap.map(|n| n.sticky_hits),
+                sticky_misses: snap.map(|n| n.sticky_misses),
+                discrepancies: snap.map(|n| n.discrepancies),
+                last_seen: snap.map(|n| format!("{:.0} s ago", n.score.last_seen_secs)),
+                requests_served: rec.requests_served,
+                earned_micros: rec.earned_micros,
+                audits,
+            }
+        })
+        .collect();
+    s.render(
+        "nodes.html",
+        minijinja::context! { user => PageUser::of(&user), csrf => csrf_token(&token), nodes => rows },
+    )
+}
+
+#[derive(Deserialize, Default)]
+struct EarningsQuery {
+    #[serde(default)]
+    days: Option<u32>,
+}
+
+async fn earnings_page(
+    State(s): State<Arc<ConsoleState>>,
+    headers: HeaderMap,
+    Query(q): Query<EarningsQuery>,
+) -> Response {
+    let (user, token, op) = match operator(&s, &headers).await {
+        Ok(found) => found,
+        Err(r) => return r,
+    };
+    let days = q.days.unwrap_or(30).clamp(1, 90);
+    let today = spine_core::unix_time_ms().div_euclid(86_400_000);
+    let rows = match s
+        .store
+        .operator_earnings(
+            &op,
+            (today - i64::from(days) + 1) * 86_400_000,
+            (today + 1) * 86_400_000,
+            spine_meter::ledger::MAX_PAGE_ROWS,
+        )
+        .await
+    {
+        Ok(r) => r,
+        Err(e) => return s.store_error(&e),
+    };
+    let total = match s.app.store.operator_earned_micros(&op).await {
+        Ok(t) => t,
+        Err(e) => return s.store_error(&e),
+    };
+    let window_micros: u64 = rows.iter().map(|r| r.earned_micros).sum();
+    s.render(
+        "earnings.html",
+        minijinja::context! {
+            user => PageUser::of(&user), csrf => csrf_token(&token), rows => rows, days => days,
+            total_micros => total, window_micros => window_micros,
+        },
+    )
+}
+
+#[derive(Deserialize, Default)]
+struct PageQuery {
+    #[serde(default)]
+    after: Option<String>,
+}
+
+async fn render_enrollments(
+    s: &ConsoleState,
+    user: &ConsoleUser,
+    token: &str,
+    op: &OperatorId,
+    after: Option<&PageCursor>,
+    issued: Option<String>,
+) -> Response {
+    let page = match s.store.operator_enrollments(op, after, 50).await {
+        Ok(p) => p,
+        Err(e) => return s.store_error(&e),
+    };
+    let now = spine_core::unix_time_ms();
+    s.render(
+        "enrollments.html",
+        minijinja::context! {
+            user => PageUser::of(user), csrf => csrf_token(token), now_ms => now,
+            tokens => page.rows, next => page.next.map(|c| after_query(&c)),
+            issued => issued, gateway_url => &s.join_gateway_url,
+        },
+    )
+}
+
+async fn enrollments_page(
+    State(s): State<Arc<ConsoleState>>,
+    headers: HeaderMap,
+    Query(q): Query<PageQuery>,
+) -> Response {
+    let (user, token, op) = match operator(&s, &headers).await {
+        Ok(found) => found,
+        Err(r) => return r,
+    };
+    let after = q.after.as_deref().and_then(PageCursor::decode);
+    render_enrollments(&s, &user, &token, &op, after.as_ref(), None).await
+}
+
+#[derive(Deserialize)]
+struct CsrfForm {
+    #[serde(default)]
+    csrf: Option<String>,
+}
+
+/// `POST /console/enrollments`: a one-time enrollment token, shown once with the `join`
+/// command.
+async fn issue_enrollment(
+    State(s): State<Arc<ConsoleState>>,
+    headers: HeaderMap,
+    Form(form): Form<CsrfForm>,
+) -> Response {
+    let (user, token, op) = match operator_post(&s, &headers, form.csrf.as_deref()).await {
+        Ok(found) => found,
+        Err(r) => return r,
+    };
+    let enrollment = keys::new_enrollment_token();
+    let expires = spine_core::unix_time_ms().saturating_add(ENROLLMENT_TTL_MS);
+    if let Err(e) = s
+        .app
+        .store
+        .create_enrollment(&op, &keys::hash_api_key(&enrollment), expires)
+        .await
+    {
+        return s.store_error(&e);
+    }
+    tracing::info!(operator = %op, "enrollment token issued from the console");
+    render_enrollments(&s, &user, &token, &op, None, Some(enrollment)).await
+}
+
+#[derive(Deserialize)]
+struct RevokeForm {
+    #[serde(default)]
+    csrf: Option<String>,
+    token_hash: String,
+}
+
+async fn revoke_enrollment(
+    State(s): State<Arc<ConsoleState>>,
+    headers: HeaderMap,
+    Form(form): Form<RevokeForm>,
+) -> Response {
+    let (_, _, op) = match operator_post(&s, &headers, form.csrf.as_deref()).await {
+        Ok(found) => found,
+        Err(r) => return r,
+    };
+    match s.store.revoke_enrollment(&op, &form.token_hash).await {
+        Ok(true) => Redirect::to("/console/enrollments").into_response(),
+        Ok(false) => s.error(StatusCode::NOT_FOUND, "No such unused token."),
+        Err(e) => s.store_error(&e),
+    }
+}

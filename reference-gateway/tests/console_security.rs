@@ -1,0 +1,556 @@
+//! The console's security (issue 18), against a real gateway process over real sockets (on the
+//! SQLite ledger, and again on PostgreSQL) with a real agent and llama.cpp node: no session → the sign-in page; a missing or
+//! wrong CSRF token → 403; a builder never sees another account's keys, requests or usage,
+//! an operator never another operator's nodes or tokens (every id-bearing URL tried with a
+//! foreign id); names with `<script>` escaped; the full API key shown exactly once; no prompt
+//! or completion text on any page; sign-in links single use; sessions revocable; the sign-in
+//! rate limit answers 429.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, missing_docs)]
+
+mod common;
+
+use common::*;
+use serde_json::{json, Value};
+use spine_test_support::{Engine, LlamaServer};
+
+/// A browser without JavaScript: one cookie jar of one session, redirects not followed.
+struct Session {
+    http: reqwest::Client,
+    base: String,
+    cookie: Option<String>,
+}
+
+impl Session {
+    fn new(base: &str) -> Self {
+        Session {
+            http: reqwest::Client::builder()
+                .redirect(reqwest::redirect::Policy::none())
+                .build()
+                .unwrap(),
+            base: base.to_owned(),
+            cookie: None,
+        }
+    }
+
+    async fn get(&self, path: &str) -> (u16, String, reqwest::header::HeaderMap) {
+        let mut req = self.http.get(format!("{}{path}", self.base));
+        if let Some(c) = &self.cookie {
+            req = req.header("cookie", c);
+        }
+        let r = req.send().await.unwrap();
+        let (status, headers) = (r.status().as_u16(), r.headers().clone());
+        (status, r.text().await.unwrap(), headers)
+    }
+
+    async fn post(
+        &self,
+        path: &str,
+        form: &[(&str, &str)],
+    ) -> (u16, String, reqwest::header::HeaderMap) {
+        let mut req = self.http.post(format!("{}{path}", self.base)).form(form);
+        if let Some(c) = &self.cookie {
+            req = req.header("cookie", c);
+        }
+        let r = req.send().await.unwrap();
+        let (status, headers) = (r.status().as_u16(), r.headers().clone());
+        (status, r.text().await.unwrap(), headers)
+    }
+
+    /// Signs in with a password; asserts the cookie's attributes.
+    async fn sign_in(&mut self, email: &str, password: &str) {
+        let (status, body, headers) = self
+            .post(
+                "/console/signin",
+                &[("email", email), ("password", password)],
+            )
+            .await;
+        assert_eq!(status, 303, "{body}");
+        self.take_cookie(&headers);
+    }
+
+    fn take_cookie(&mut self, headers: &reqwest::header::HeaderMap) {
+        let set = headers["set-cookie"].to_str().unwrap().to_owned();
+        for attr in ["HttpOnly", "SameSite=Strict", "Path=/console"] {
+            assert!(set.contains(attr), "{set}");
+        }
+        let pair = set.split(';').next().unwrap().to_owned();
+        assert!(
+            pair.starts_with("spine_console=") && pair.len() == 14 + 64,
+            "{pair}"
+        );
+        self.cookie = Some(pair);
+    }
+}
+
+/// The value of the first form field named `name` in `html`.
+fn value_of(html: &str, name: &str) -> Option<String> {
+    let prefix = format!("name=\"{name}\" value=\"");
+    let at = html.find(&prefix)? + prefix.len();
+    Some(html[at..].split('"').next()?.to_owned()).filter(|v| !v.is_empty())
+}
+
+fn csrf_in(html: &str) -> Option<String> {
+    value_of(html, "csrf")
+}
+
+async fn create_user(gw: &Gateway, body: Value) -> Value {
+    let (s, v) = gw.admin_post("/admin/v1/console/users", body).await;
+    assert_eq!(s, 201, "{v}");
+    v
+}
+
+const BUILDER_PAGES: &[&str] = &[
+    "/console/keys",
+    "/console/balance",
+    "/console/usage",
+    "/console/usage.csv",
+    "/console/requests",
+    "/console/playground",
+];
+const OPERATOR_PAGES: &[&str] = &[
+    "/console/nodes",
+    "/console/earnings",
+    "/console/enrollments",
+];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn console_sessions_csrf_isolation_escaping_and_rate_limits_sqlite() {
+    console_security("").await;
+}
+
+/// The same on the PostgreSQL ledger (a fresh database, dropped at the end).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn console_sessions_csrf_isolation_escaping_and_rate_limits_postgres() {
+    let db = PgDb::create();
+    console_security(&format!("database_url = \"{}\"", db.url)).await;
+}
+
+/// The whole check on a gateway started with `extra` top-level TOML.
+async fn console_security(extra: &str) {
+    let engine = Engine::discover().unwrap();
+    let llama = LlamaServer::start(&engine, 2).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let gw = Gateway::start_with(dir.path(), &engine, extra).await;
+    assert!(
+        gw.console.starts_with("http://127.0.0.1:"),
+        "{}",
+        gw.console
+    );
+    let a = setup(&gw, dir.path(), &llama.url).await;
+    // tenant B: another account (and key) and another operator (`tenant`'s credit key is one
+    // per gateway)
+    let (b_account, _b_key) = account_with_credit(&gw, CREDITS).await;
+    let (s, b_op) = gw.admin_post("/admin/v1/operators", json!({})).await;
+    assert_eq!(s, 201);
+    let b_operator = b_op["id"].as_str().unwrap().to_owned();
+
+    // a request of account A through the public API: its prompt and answer must never show
+    let marker = "zebracorn-7431";
+    let resp = gw
+        .api_post(
+            &a.api_key,
+            "/v1/chat/completions",
+            &json!({"model":"smollm2","max_tokens":24,"temperature":0,
+                    "messages":[{"role":"user","content":format!("Write a sentence about {marker}.")}]}),
+        )
+        .await;
+    assert_eq!(resp.status(), 200);
+    let a_request = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
+    let answer: Value = resp.json().await.unwrap();
+    let completion = answer["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let record = gw.record(&a_request).await;
+
+    // console users: builders A and B (passwords), operator A (link only), operator B
+    let pw = "correct horse battery";
+    create_user(
+        &gw,
+        json!({"email":"a@example.com","account_id":a.account,"password":pw}),
+    )
+    .await;
+    create_user(
+        &gw,
+        json!({"email":"b@example.com","account_id":b_account,"password":pw}),
+    )
+    .await;
+    let op_a = create_user(
+        &gw,
+        json!({"email":"opa@example.com","operator_id":a.operator,"sign_in_link":true}),
+    )
+    .await;
+    // operator B's user through the admin CLI, the password from the environment
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_reference-gateway"))
+        .args([
+            "admin",
+            "console-users",
+            "create",
+            "--email",
+            "opb@example.com",
+        ])
+        .args(["--operator", &b_operator])
+        .env("SPINE_ADMIN_URL", &gw.admin)
+        .env("SPINE_ADMIN_TOKEN", ADMIN_TOKEN)
+        .env("SPINE_CONSOLE_PASSWORD", pw)
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let op_b: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(op_b["role"], "operator", "{op_b}");
+    assert!(op_b["sign_in_path"].is_null(), "no link asked for");
+    // admin API refusals: both roles, no credential, a short password
+    for bad in [
+        json!({"email":"x@example.com","account_id":a.account,"operator_id":a.operator,"password":pw}),
+        json!({"email":"x@example.com","account_id":a.account}),
+        json!({"email":"x@example.com","account_id":a.account,"password":"short"}),
+    ] {
+        let (s, v) = gw.admin_post("/admin/v1/console/users", bad).await;
+        assert_eq!(s, 400, "{v}");
+    }
+    let (s, _) = gw
+        .admin_post(
+            "/admin/v1/console/users",
+            json!({"email":"a@example.com","account_id":a.account,"password":pw}),
+        )
+        .await;
+    assert_eq!(s, 409, "the same e-mail twice");
+
+    // --- no session: every page redirects to the sign-in page; posts are 403 ------------------
+    let anon = Session::new(&gw.console);
+    for page in BUILDER_PAGES
+        .iter()
+        .chain(OPERATOR_PAGES)
+        .chain(&["/console"])
+    {
+        let (status, _, headers) = anon.get(page).await;
+        assert_eq!(status, 303, "{page}");
+        assert_eq!(headers["location"], "/console/signin", "{page}");
+    }
+    let (status, body, _) = anon.get("/console/signin").await;
+    assert_eq!(status, 200);
+    assert!(body.contains("name=\"password\""));
+    for (path, form) in [
+        ("/console/keys", vec![("name", "x")]),
+        ("/console/keys/revoke", vec![("key_hash", "x")]),
+        ("/console/enrollments", vec![]),
+        ("/console/signout", vec![]),
+    ] {
+        assert_eq!(anon.post(path, &form).await.0, 403, "{path}");
+    }
+    let (status, body, _) = anon.get("/console/nope").await;
+    assert_eq!(status, 404);
+    assert!(body.contains("<html"), "an HTML error page");
+    // hostile input: a form without its fields, a query that does not parse → HTML error pages
+    let (status, body, headers) = anon.post("/console/signin", &[("email", "x")]).await;
+    assert!((400..500).contains(&status), "{status}");
+    assert!(headers["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/html"));
+    assert!(body.contains("<html"), "{body}");
+
+    // --- sign in: a wrong password is 401 and sets no cookie ----------------------------------
+    let (status, body, headers) = anon
+        .post(
+            "/console/signin",
+            &[("email", "a@example.com"), ("password", "wrong password!")],
+        )
+        .await;
+    assert_eq!(status, 401);
+    assert!(headers.get("set-cookie").is_none());
+    assert!(body.contains("Wrong e-mail or password."));
+    let mut sa = Session::new(&gw.console);
+    sa.sign_in("a@example.com", pw).await;
+    let (status, _, headers) = sa.get("/console").await;
+    assert_eq!(
+        (status, headers["location"].to_str().unwrap()),
+        (303, "/console/keys")
+    );
+    let (status, keys_page, headers) = sa.get("/console/keys").await;
+    assert_eq!(status, 200);
+    assert_eq!(headers["cache-control"], "no-store");
+    assert!(headers["content-security-policy"]
+        .to_str()
+        .unwrap()
+        .contains("script-src 'self'"));
+    let csrf = csrf_in(&keys_page).unwrap();
+    assert_eq!(csrf.len(), 64);
+
+    // --- CSRF: missing or wrong → 403, nothing created ------------------------------------------
+    let evil = "<script>alert(1)</script>";
+    assert_eq!(sa.post("/console/keys", &[("name", evil)]).await.0, 403);
+    assert_eq!(
+        sa.post("/console/keys", &[("name", evil), ("csrf", "00")])
+            .await
+            .0,
+        403
+    );
+    let other_csrf = "a".repeat(64);
+    assert_eq!(
+        sa.post("/console/keys", &[("name", evil), ("csrf", &other_csrf)])
+            .await
+            .0,
+        403
+    );
+    assert!(
+        !sa.get("/console/keys").await.1.contains("alert(1)"),
+        "no key was created"
+    );
+
+    // --- a key created in the console: shown exactly once, its name escaped -------------------
+    let (status, created, _) = sa
+        .post("/console/keys", &[("name", evil), ("csrf", &csrf)])
+        .await;
+    assert_eq!(status, 200, "{created}");
+    let start = created.find("sk-spine-").expect("the new key is shown");
+    let new_key: String = created[start..]
+        .chars()
+        .take_while(|c| c.is_ascii_alphanumeric() || *c == '-' || *c == '_')
+        .collect();
+    assert!(new_key.len() > 20, "{new_key}");
+    assert_eq!(
+        created.matches(&new_key).count(),
+        1,
+        "the full key appears exactly once"
+    );
+    assert!(!created.contains(evil), "the name is escaped");
+    assert!(created.contains("&lt;script&gt;alert(1)&lt;&#x2f;script&gt;"));
+    let (_, later, _) = sa.get("/console/keys").await;
+    assert!(!later.contains(&new_key), "never shown again");
+    assert!(later.contains(&new_key[new_key.len() - 4..]), "its hint is");
+    // the key works on the public API and is billed to A with the key recorded
+    let (s, id) = gw.say_hi(&new_key).await;
+    assert_eq!(s, 200);
+    let new_key_request = gw.record(&id).await;
+    assert_eq!(new_key_request["account"], a.account.as_str());
+
+    // --- A's own pages: the request with its billed tokens, never its text ---------------------
+    let (_, requests, _) = sa.get("/console/requests").await;
+    assert!(requests.contains(&a_request), "A sees its request");
+    let billed = format!(
+        "<span class=\"billed-prompt\">{}</span>",
+        record["billed"]["prompt_tokens"].as_u64().unwrap()
+    );
+    assert!(requests.contains(&billed), "{billed}");
+    for page in BUILDER_PAGES {
+        let (status, body, _) = sa.get(page).await;
+        assert_eq!(status, 200, "{page}");
+        assert!(!body.contains(marker), "{page} shows the prompt");
+        assert!(
+            completion.len() < 12 || !body.contains(&completion),
+            "{page} shows the completion"
+        );
+    }
+    let (_, csv, headers) = sa.get("/console/usage.csv").await;
+    assert_eq!(headers["content-type"], "text/csv; charset=utf-8");
+    assert!(csv.starts_with("date,model,key,requests,"), "{csv}");
+    assert!(csv.contains("smollm2"), "{csv}");
+    let (status, body, _) = sa.get("/console/usage?days=lots").await;
+    assert_eq!(status, 400);
+    assert!(body.contains("<html"), "{body}");
+    // a builder is not an operator
+    for page in OPERATOR_PAGES {
+        assert_eq!(sa.get(page).await.0, 403, "{page}");
+    }
+
+    // --- B never sees A: every id-bearing URL with A's ids ------------------------------------
+    let mut sb = Session::new(&gw.console);
+    sb.sign_in("b@example.com", pw).await;
+    let b_csrf = csrf_in(&sb.get("/console/keys").await.1).unwrap();
+    let a_key_hash = {
+        // A's key hash, from A's own revoke form
+        value_of(&later, "key_hash").unwrap()
+    };
+    for page in BUILDER_PAGES {
+        let (status, body, _) = sb.get(page).await;
+        assert_eq!(status, 200, "{page}");
+        for foreign in [
+            a_request.as_str(),
+            a_key_hash.as_str(),
+            a.account.as_str(),
+            marker,
+        ] {
+            assert!(!body.contains(foreign), "B's {page} shows {foreign}");
+        }
+    }
+    let cursor = format!("{}.{}", i64::MAX, a_request);
+    for url in [
+        format!("/console/requests?key={a_key_hash}"),
+        format!("/console/requests?key={a_key_hash}&model=smollm2&outcome=completed"),
+        format!("/console/requests?after={cursor}"),
+        format!("/console/balance?after={cursor}"),
+    ] {
+        let (status, body, _) = sb.get(&url).await;
+        assert_eq!(status, 200, "{url}");
+        assert!(
+            !body.contains(&a_request) && !body.contains(&a.account),
+            "{url}"
+        );
+    }
+    let (status, _, _) = sb
+        .post(
+            "/console/keys/revoke",
+            &[("csrf", &b_csrf), ("key_hash", &a_key_hash)],
+        )
+        .await;
+    assert_eq!(status, 404, "B cannot revoke A's key");
+    assert_eq!(gw.say_hi(&new_key).await.0, 200, "A's key still works");
+    // B's playground with A's key: refused before anything is sent
+    let r = sb
+        .http
+        .post(format!("{}/console/playground/chat", gw.console))
+        .header("cookie", sb.cookie.clone().unwrap())
+        .header("x-csrf-token", &b_csrf)
+        .body(json!({"key": new_key, "model":"smollm2","prompt":"hi"}).to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 403);
+    // and the playground without the CSRF header
+    let r = sa
+        .http
+        .post(format!("{}/console/playground/chat", gw.console))
+        .header("cookie", sa.cookie.clone().unwrap())
+        .body(json!({"key": new_key, "model":"smollm2","prompt":"hi"}).to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 403);
+
+    // --- operators: a one-time link for A's operator; B's operator never sees A's node -------
+    let link = op_a["sign_in_path"].as_str().unwrap().to_owned();
+    let (status, page, _) = anon.get(&link).await;
+    assert_eq!(status, 200);
+    assert!(page.contains("id=\"use-link\""));
+    let token = link.rsplit('/').next().unwrap().to_owned();
+    let mut so = Session::new(&gw.console);
+    let (status, _, headers) = so.post("/console/signin/link", &[("token", &token)]).await;
+    assert_eq!(status, 303);
+    so.take_cookie(&headers);
+    assert_eq!(
+        anon.post("/console/signin/link", &[("token", &token)])
+            .await
+            .0,
+        403,
+        "single use"
+    );
+    let (status, nodes, _) = so.get("/console/nodes").await;
+    assert_eq!(status, 200);
+    assert!(
+        nodes.contains(&a.node_id) && nodes.contains("routable"),
+        "{nodes}"
+    );
+    let o_csrf = csrf_in(&nodes).unwrap();
+    let (status, issued, _) = so.post("/console/enrollments", &[("csrf", &o_csrf)]).await;
+    assert_eq!(status, 200);
+    let join = issued.replace("&#x2f;", "/");
+    assert!(
+        join.contains("reference-agent join --gateway wss://localhost:")
+            && !join.contains("wss://localhost:0 "),
+        "{issued}"
+    );
+    assert_eq!(
+        issued.matches("spine-enroll-").count(),
+        1,
+        "the token, once"
+    );
+    let a_token_hash = value_of(&issued, "token_hash").unwrap();
+    assert_eq!(a_token_hash.len(), 64);
+    for page in BUILDER_PAGES {
+        assert_eq!(
+            so.get(page).await.0,
+            403,
+            "an operator is not a builder: {page}"
+        );
+    }
+
+    let mut sob = Session::new(&gw.console);
+    sob.sign_in("opb@example.com", pw).await;
+    let ob_csrf = csrf_in(&sob.get("/console/nodes").await.1).unwrap();
+    for page in OPERATOR_PAGES {
+        let (status, body, _) = sob.get(page).await;
+        assert_eq!(status, 200, "{page}");
+        for foreign in [
+            a.node_id.as_str(),
+            a.operator.as_str(),
+            a_token_hash.as_str(),
+        ] {
+            assert!(
+                !body.contains(foreign),
+                "operator B's {page} shows {foreign}"
+            );
+        }
+    }
+    let (status, _, _) = sob
+        .post(
+            "/console/enrollments/revoke",
+            &[("csrf", &ob_csrf), ("token_hash", &a_token_hash)],
+        )
+        .await;
+    assert_eq!(status, 404, "B's operator cannot revoke A's token");
+    let (status, _, _) = so
+        .post(
+            "/console/enrollments/revoke",
+            &[("csrf", &o_csrf), ("token_hash", &a_token_hash)],
+        )
+        .await;
+    assert_eq!(status, 303, "A's operator can");
+
+    // --- sessions end: sign-out, and the admin API revokes a user's sessions ------------------
+    let (status, _, headers) = sb.post("/console/signout", &[("csrf", &b_csrf)]).await;
+    assert_eq!(status, 303);
+    assert!(headers["set-cookie"]
+        .to_str()
+        .unwrap()
+        .contains("Max-Age=0"));
+    assert_eq!(sb.get("/console/keys").await.0, 303, "signed out");
+    let (s, v) = gw
+        .admin_post(
+            &format!(
+                "/admin/v1/console/users/{}/revoke-sessions",
+                op_b["user_id"].as_str().unwrap()
+            ),
+            json!({}),
+        )
+        .await;
+    assert_eq!((s, v["revoked"].as_u64()), (200, Some(1)), "{v}");
+    assert_eq!(sob.get("/console/nodes").await.0, 303, "revoked");
+
+    // --- the sign-in rate limit: an address tried too often gets 429 --------------------------
+    let mut statuses = Vec::new();
+    for _ in 0..8 {
+        let (status, _, _) = anon
+            .post(
+                "/console/signin",
+                &[
+                    ("email", "nobody@example.com"),
+                    ("password", "guess guess guess"),
+                ],
+            )
+            .await;
+        statuses.push(status);
+    }
+    // per address a burst of 5 (this client IP's own burst of 10 may end it sooner: it signed in
+    // six times above); once refused, every further attempt is
+    assert_eq!(statuses[0], 401, "{statuses:?}");
+    let first_refused = statuses
+        .iter()
+        .position(|s| *s == 429)
+        .expect("rate limited");
+    assert!((1..=5).contains(&first_refused), "{statuses:?}");
+    assert!(
+        statuses[first_refused..].iter().all(|s| *s == 429),
+        "{statuses:?}"
+    );
+    assert!(
+        statuses[..first_refused].iter().all(|s| *s == 401),
+        "{statuses:?}"
+    );
+    drop(llama);
+}

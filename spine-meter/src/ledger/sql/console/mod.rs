@@ -1,0 +1,598 @@
+//! The console's statements ([`ConsoleStore`](crate::ledger::ConsoleStore)), once for both
+//! stores. Lists are keyset-paged, newest first: `(created_at_ms, id) < cursor`, ordered by
+//! `created_at_ms DESC, id DESC`, `limit + 1` rows read to know whether a next page exists;
+//! the indexes of schema version 7 ([`super::schema::CONSOLE`]) serve them. Usage and
+//! earnings read the daily roll-ups ([`rollup`]), whole UTC days.
+
+mod rollup;
+mod store;
+
+pub(in crate::ledger) use rollup::{record_paid_escrow, record_settlement, SettledRow};
+pub(in crate::ledger) use store::sql_console;
+
+use spine_core::{AccountId, ModelId, NodeId, OperatorId, StreamOutcome, Usage};
+
+use super::{unique_as, Arg, Backend, SqlConn, SqlRow};
+use crate::ledger::console::{
+    ApiKeyInfo, ConsoleRole, ConsoleUser, CreditEntry, EarningsDay, EnrollmentInfo, Page,
+    PageCursor, RequestFilter, RequestSummary, UsageDay, MAX_PAGE_ROWS,
+};
+use crate::ledger::convert::{db, key_limits, now_ms, to_u64};
+use crate::ledger::LedgerError;
+
+/// The first UTC day that starts at or after `ms` (days since the epoch): the roll-ups count
+/// whole days, so a window `[since_ms, until_ms)` covers the days that start inside it.
+fn first_day(ms: i64) -> i64 {
+    let day = ms.div_euclid(rollup::MS_PER_DAY);
+    if ms.rem_euclid(rollup::MS_PER_DAY) == 0 {
+        day
+    } else {
+        day.saturating_add(1)
+    }
+}
+
+/// `limit` within `1..=MAX_PAGE_ROWS`, as the `i64` a `LIMIT` binds (one more row is read).
+fn bounded(limit: u32) -> i64 {
+    i64::from(limit.clamp(1, MAX_PAGE_ROWS))
+}
+
+/// The first `limit` of `rows` as a page; the cursor of the next page when there were more.
+fn page<T>(mut rows: Vec<T>, limit: i64, cursor: impl Fn(&T) -> PageCursor) -> Page<T> {
+    let limit = usize::try_from(limit).unwrap_or(usize::MAX);
+    let next = if rows.len() > limit {
+        rows.truncate(limit);
+        rows.last().map(cursor)
+    } else {
+        None
+    };
+    Page { rows, next }
+}
+
+/// The cursor's `(at_ms, id)` as arguments; the first page's is `(i64::MAX, "")`, above every
+/// row. Always bound, so the statements compare `(created_at_ms, id) < (…)` with no `OR`: a
+/// range of the `(owner, created_at_ms, id)` index, whatever page is asked for.
+fn cursor_args(after: Option<&PageCursor>) -> (Arg<'_>, Arg<'_>) {
+    match after {
+        Some(c) => (Arg::I64(c.at_ms), Arg::Text(c.id.as_str())),
+        None => (Arg::I64(i64::MAX), Arg::Text("")),
+    }
+}
+
+const USER_COLUMNS: &str = "user_id, email, password_hash, account_id, operator_id, created_at_ms";
+
+fn user_from_row<R: SqlRow>(row: &R) -> Result<ConsoleUser, LedgerError> {
+    let role = match (row.opt_text("account_id")?, row.opt_text("operator_id")?) {
+        (Some(a), None) => ConsoleRole::Builder(AccountId::from(a)),
+        (None, Some(o)) => ConsoleRole::Operator(OperatorId::from(o)),
+        _ => return Err(LedgerError::Corrupt("console user role")),
+    };
+    Ok(ConsoleUser {
+        user_id: row.text("user_id")?,
+        email: row.text("email")?,
+        role,
+        password_hash: row.opt_text("password_hash")?,
+        created_at_ms: row.i64("created_at_ms")?,
+    })
+}
+
+/// [`ConsoleStore::create_console_user`](crate::ledger::ConsoleStore::create_console_user).
+pub(in crate::ledger) async fn create_console_user<B: Backend>(
+    b: &B,
+    user: &ConsoleUser,
+) -> Result<(), LedgerError> {
+    let (account, operator) = match &user.role {
+        ConsoleRole::Builder(a) => (Some(a.as_str()), None),
+        ConsoleRole::Operator(o) => (None, Some(o.as_str())),
+    };
+    // the owner must exist: one statement, inserted only when it does
+    let owner = match &user.role {
+        ConsoleRole::Builder(_) => "SELECT 1 FROM accounts WHERE id = $4",
+        ConsoleRole::Operator(_) => "SELECT 1 FROM operators WHERE id = $5",
+    };
+    let inserted = b
+        .write()
+        .await?
+        .exec(
+            &format!(
+                "INSERT INTO console_users (user_id, email, password_hash, account_id, operator_id, created_at_ms)
+                 SELECT $1, $2, $3, $4, $5, $6 WHERE EXISTS ({owner})"
+            ),
+            &[
+                Arg::Text(&user.user_id),
+                Arg::Text(&user.email),
+                Arg::OptText(user.password_hash.as_deref()),
+                Arg::OptText(account),
+                Arg::OptText(operator),
+                Arg::I64(now_ms()),
+            ],
+        )
+        .await
+        .map_err(|e| unique_as(e, "console user"))?;
+    if inserted == 0 {
+        return Err(match &user.role {
+            ConsoleRole::Builder(a) => LedgerError::UnknownAccount(a.clone()),
+            ConsoleRole::Operator(o) => LedgerError::UnknownOperator(o.clone()),
+        });
+    }
+    Ok(())
+}
+
+/// [`ConsoleStore::console_user_by_email`](crate::ledger::ConsoleStore::console_user_by_email).
+pub(in crate::ledger) async fn console_user_by_email<B: Backend>(
+    b: &B,
+    email: &str,
+) -> Result<Option<ConsoleUser>, LedgerError> {
+    b.read()
+        .await?
+        .optional(
+            &format!("SELECT {USER_COLUMNS} FROM console_users WHERE email = $1"),
+            &[Arg::Text(email)],
+        )
+        .await?
+        .map(|row| user_from_row(&row))
+        .transpose()
+}
+
+/// [`ConsoleStore::create_console_session`](crate::ledger::ConsoleStore::create_console_session).
+pub(in crate::ledger) async fn create_console_session<B: Backend>(
+    b: &B,
+    token_hash: &str,
+    user_id: &str,
+    expires_at_ms: i64,
+) -> Result<(), LedgerError> {
+    b.write()
+        .await?
+        .exec(
+            "INSERT INTO console_sessions (token_hash, user_id, created_at_ms, expires_at_ms) VALUES ($1, $2, $3, $4)",
+            &[
+                Arg::Text(token_hash),
+                Arg::Text(user_id),
+                Arg::I64(now_ms()),
+                Arg::I64(expires_at_ms),
+            ],
+        )
+        .await
+        .map_err(|e| unique_as(e, "console session"))?;
+    Ok(())
+}
+
+/// [`ConsoleStore::console_session`](crate::ledger::ConsoleStore::console_session).
+pub(in crate::ledger) async fn console_session<B: Backend>(
+    b: &B,
+    token_hash: &str,
+    now: i64,
+) -> Result<Option<ConsoleUser>, LedgerError> {
+    b.read()
+        .await?
+        .optional(
+            "SELECT u.user_id, u.email, u.password_hash, u.account_id, u.operator_id, u.created_at_ms
+             FROM console_sessions s JOIN console_users u ON u.user_id = s.user_id
+             WHERE s.token_hash = $1 AND s.revoked_at_ms IS NULL AND s.expires_at_ms > $2",
+            &[Arg::Text(token_hash), Arg::I64(now)],
+        )
+        .await?
+        .map(|row| user_from_row(&row))
+        .transpose()
+}
+
+/// [`ConsoleStore::revoke_console_session`](crate::ledger::ConsoleStore::revoke_console_session).
+pub(in crate::ledger) async fn revoke_console_session<B: Backend>(
+    b: &B,
+    token_hash: &str,
+) -> Result<(), LedgerError> {
+    b.write()
+        .await?
+        .exec(
+            "UPDATE console_sessions SET revoked_at_ms = $1 WHERE token_hash = $2 AND revoked_at_ms IS NULL",
+            &[Arg::I64(now_ms()), Arg::Text(token_hash)],
+        )
+        .await?;
+    Ok(())
+}
+
+/// [`ConsoleStore::revoke_console_sessions`](crate::ledger::ConsoleStore::revoke_console_sessions).
+pub(in crate::ledger) async fn revoke_console_sessions<B: Backend>(
+    b: &B,
+    user_id: &str,
+) -> Result<u64, LedgerError> {
+    let now = now_ms();
+    b.write()
+        .await?
+        .exec(
+            "UPDATE console_sessions SET revoked_at_ms = $1
+             WHERE user_id = $2 AND revoked_at_ms IS NULL AND expires_at_ms > $1",
+            &[Arg::I64(now), Arg::Text(user_id)],
+        )
+        .await
+}
+
+/// [`ConsoleStore::create_console_link`](crate::ledger::ConsoleStore::create_console_link).
+pub(in crate::ledger) async fn create_console_link<B: Backend>(
+    b: &B,
+    token_hash: &str,
+    user_id: &str,
+    expires_at_ms: i64,
+) -> Result<(), LedgerError> {
+    b.write()
+        .await?
+        .exec(
+            "INSERT INTO console_links (token_hash, user_id, created_at_ms, expires_at_ms) VALUES ($1, $2, $3, $4)",
+            &[
+                Arg::Text(token_hash),
+                Arg::Text(user_id),
+                Arg::I64(now_ms()),
+                Arg::I64(expires_at_ms),
+            ],
+        )
+        .await
+        .map_err(|e| unique_as(e, "console link"))?;
+    Ok(())
+}
+
+/// [`ConsoleStore::redeem_console_link`](crate::ledger::ConsoleStore::redeem_console_link):
+/// one conditional `UPDATE … RETURNING`, so two uses at once cannot both succeed.
+pub(in crate::ledger) async fn redeem_console_link<B: Backend>(
+    b: &B,
+    token_hash: &str,
+    now: i64,
+) -> Result<Option<ConsoleUser>, LedgerError> {
+    let mut tx = b.begin().await?;
+    let used = tx
+        .optional(
+            "UPDATE console_links SET used_at_ms = $1
+             WHERE token_hash = $2 AND used_at_ms IS NULL AND expires_at_ms > $1 RETURNING user_id",
+            &[Arg::I64(now), Arg::Text(token_hash)],
+        )
+        .await?;
+    let user = match used {
+        Some(row) => {
+            let user_id = row.text("user_id")?;
+            tx.optional(
+                &format!("SELECT {USER_COLUMNS} FROM console_users WHERE user_id = $1"),
+                &[Arg::Text(&user_id)],
+            )
+            .await?
+            .map(|row| user_from_row(&row))
+            .transpose()?
+        }
+        None => None,
+    };
+    tx.commit().await.map_err(db)?;
+    Ok(user)
+}
+
+/// [`ConsoleStore::create_named_api_key`](crate::ledger::ConsoleStore::create_named_api_key).
+pub(in crate::ledger) async fn create_named_api_key<B: Backend>(
+    b: &B,
+    account: &AccountId,
+    key_hash: &str,
+    name: &str,
+    key_hint: &str,
+) -> Result<(), LedgerError> {
+    let inserted = b
+        .write()
+        .await?
+        .exec(
+            "INSERT INTO api_keys (key_hash, account_id, created_at_ms, name, key_hint)
+             SELECT $1, id, $2, $3, $4 FROM accounts WHERE id = $5",
+            &[
+                Arg::Text(key_hash),
+                Arg::I64(now_ms()),
+                Arg::Text(name),
+                Arg::Text(key_hint),
+                Arg::Text(account.as_str()),
+            ],
+        )
+        .await
+        .map_err(|e| unique_as(e, "api key"))?;
+    if inserted == 0 {
+        return Err(LedgerError::UnknownAccount(account.clone()));
+    }
+    Ok(())
+}
+
+/// [`ConsoleStore::account_keys`](crate::ledger::ConsoleStore::account_keys).
+pub(in crate::ledger) async fn account_keys<B: Backend>(
+    b: &B,
+    account: &AccountId,
+    after: Option<&PageCursor>,
+    limit: u32,
+) -> Result<Page<ApiKeyInfo>, LedgerError> {
+    let limit = bounded(limit);
+    let (at, id) = cursor_args(after);
+    let rows = b
+        .read()
+        .await?
+        .all(
+            "SELECT k.key_hash, k.name, k.key_hint, k.created_at_ms, k.revoked_at_ms, l.rpm_limit, l.tpm_limit
+             FROM api_keys k LEFT JOIN key_limits l ON l.key_hash = k.key_hash
+             WHERE k.account_id = $1
+               AND (k.created_at_ms, k.key_hash) < ($2, $3)
+             ORDER BY k.created_at_ms DESC, k.key_hash DESC LIMIT $4",
+            &[Arg::Text(account.as_str()), at, id, Arg::I64(limit + 1)],
+        )
+        .await?;
+    let mut keys = Vec::with_capacity(rows.len());
+    for row in &rows {
+        keys.push(ApiKeyInfo {
+            key_hash: row.text("key_hash")?,
+            name: row.opt_text("name")?,
+            key_hint: row.opt_text("key_hint")?,
+            created_at_ms: row.i64("created_at_ms")?,
+            revoked_at_ms: row.opt_i64("revoked_at_ms")?,
+            limits: key_limits(row.opt_i64("rpm_limit")?, row.opt_i64("tpm_limit")?)?,
+        });
+    }
+    Ok(page(keys, limit, |k| PageCursor {
+        at_ms: k.created_at_ms,
+        id: k.key_hash.clone(),
+    }))
+}
+
+/// [`ConsoleStore::revoke_api_key`](crate::ledger::ConsoleStore::revoke_api_key).
+pub(in crate::ledger) async fn revoke_api_key<B: Backend>(
+    b: &B,
+    account: &AccountId,
+    key_hash: &str,
+) -> Result<bool, LedgerError> {
+    let changed = b
+        .write()
+        .await?
+        .exec(
+            "UPDATE api_keys SET revoked_at_ms = $1
+             WHERE key_hash = $2 AND account_id = $3 AND revoked_at_ms IS NULL",
+            &[
+                Arg::I64(now_ms()),
+                Arg::Text(key_hash),
+                Arg::Text(account.as_str()),
+            ],
+        )
+        .await?;
+    Ok(changed == 1)
+}
+
+/// [`ConsoleStore::account_requests`](crate::ledger::ConsoleStore::account_requests).
+pub(in crate::ledger) async fn account_requests<B: Backend>(
+    b: &B,
+    account: &AccountId,
+    filter: &RequestFilter,
+    after: Option<&PageCursor>,
+    limit: u32,
+) -> Result<Page<RequestSummary>, LedgerError> {
+    let limit = bounded(limit);
+    let (at, id) = cursor_args(after);
+    let rows = b
+        .read()
+        .await?
+        .all(
+            "SELECT request_id, created_at_ms, key_hash, model, outcome, node_id,
+                    billed_prompt_tokens, billed_completion_tokens,
+                    claimed_prompt_tokens, claimed_completion_tokens,
+                    discrepancy, duration_ms, ttft_ms, debit_micros
+             FROM requests
+             WHERE account_id = $1
+               AND ($2 IS NULL OR key_hash = $2)
+               AND ($3 IS NULL OR model = $3)
+               AND ($4 IS NULL OR outcome = $4)
+               AND created_at_ms >= $5 AND created_at_ms < $6
+               AND (created_at_ms, request_id) < ($7, $8)
+             ORDER BY created_at_ms DESC, request_id DESC LIMIT $9",
+            &[
+                Arg::Text(account.as_str()),
+                Arg::OptText(filter.key_hash.as_deref()),
+                Arg::OptText(filter.model.as_deref()),
+                Arg::OptText(filter.outcome.as_deref()),
+                Arg::I64(filter.since_ms.unwrap_or(i64::MIN)),
+                Arg::I64(filter.until_ms.unwrap_or(i64::MAX)),
+                at,
+                id,
+                Arg::I64(limit + 1),
+            ],
+        )
+        .await?;
+    let mut out = Vec::with_capacity(rows.len());
+    for row in &rows {
+        let claimed = match (
+            row.opt_i64("claimed_prompt_tokens")?,
+            row.opt_i64("claimed_completion_tokens")?,
+        ) {
+            (Some(p), Some(c)) => Some(Usage {
+                prompt_tokens: to_u64(p, "claimed_prompt_tokens")?,
+                completion_tokens: to_u64(c, "claimed_completion_tokens")?,
+            }),
+            _ => None,
+        };
+        out.push(RequestSummary {
+            request_id: row.text("request_id")?,
+            created_at_ms: row.i64("created_at_ms")?,
+            key_hash: row.opt_text("key_hash")?,
+            model: ModelId::from(row.text("model")?),
+            outcome: StreamOutcome::parse(&row.text("outcome")?)
+                .ok_or(LedgerError::Corrupt("outcome"))?,
+            billed: Usage {
+                prompt_tokens: row.u64("billed_prompt_tokens")?,
+                completion_tokens: row.u64("billed_completion_tokens")?,
+            },
+            claimed,
+            discrepancy: row.bool("discrepancy")?,
+            duration_ms: row.opt_i64("duration_ms")?,
+            ttft_ms: row.opt_i64("ttft_ms")?,
+            debit_micros: row.u64("debit_micros")?,
+            node: row.opt_text("node_id")?.map(NodeId::from),
+        });
+    }
+    Ok(page(out, limit, |r| PageCursor {
+        at_ms: r.created_at_ms,
+        id: r.request_id.clone(),
+    }))
+}
+
+/// [`ConsoleStore::account_usage`](crate::ledger::ConsoleStore::account_usage).
+pub(in crate::ledger) async fn account_usage<B: Backend>(
+    b: &B,
+    account: &AccountId,
+    since_ms: i64,
+    until_ms: i64,
+    limit: u32,
+) -> Result<Vec<UsageDay>, LedgerError> {
+    let rows = b
+        .read()
+        .await?
+        .all(
+            "SELECT day, model, key_hash, requests, prompt_tokens, completion_tokens, debit_micros AS debit
+             FROM usage_daily
+             WHERE account_id = $1 AND day >= $2 AND day < $3
+             ORDER BY day DESC, model, key_hash LIMIT $4",
+            &[
+                Arg::Text(account.as_str()),
+                Arg::I64(first_day(since_ms)),
+                Arg::I64(first_day(until_ms)),
+                Arg::I64(bounded(limit)),
+            ],
+        )
+        .await?;
+    let mut out = Vec::with_capacity(rows.len());
+    for row in &rows {
+        out.push(UsageDay {
+            day: row.i64("day")?,
+            model: ModelId::from(row.text("model")?),
+            key_hash: Some(row.text("key_hash")?).filter(|k| !k.is_empty()),
+            requests: row.u64("requests")?,
+            prompt_tokens: row.u64("prompt_tokens")?,
+            completion_tokens: row.u64("completion_tokens")?,
+            debit_micros: row.u64("debit")?,
+        });
+    }
+    Ok(out)
+}
+
+/// [`ConsoleStore::account_credits`](crate::ledger::ConsoleStore::account_credits).
+pub(in crate::ledger) async fn account_credits<B: Backend>(
+    b: &B,
+    account: &AccountId,
+    after: Option<&PageCursor>,
+    limit: u32,
+) -> Result<Page<CreditEntry>, LedgerError> {
+    let limit = bounded(limit);
+    let (at, id) = cursor_args(after);
+    let rows = b
+        .read()
+        .await?
+        .all(
+            "SELECT idempotency_key, amount_micros, created_at_ms FROM credits
+             WHERE account_id = $1
+               AND (created_at_ms, idempotency_key) < ($2, $3)
+             ORDER BY created_at_ms DESC, idempotency_key DESC LIMIT $4",
+            &[Arg::Text(account.as_str()), at, id, Arg::I64(limit + 1)],
+        )
+        .await?;
+    let mut out = Vec::with_capacity(rows.len());
+    for row in &rows {
+        out.push(CreditEntry {
+            idempotency_key: row.text("idempotency_key")?,
+            amount_micros: row.u64("amount_micros")?,
+            created_at_ms: row.i64("created_at_ms")?,
+        });
+    }
+    Ok(page(out, limit, |c| PageCursor {
+        at_ms: c.created_at_ms,
+        id: c.idempotency_key.clone(),
+    }))
+}
+
+/// [`ConsoleStore::operator_earnings`](crate::ledger::ConsoleStore::operator_earnings): the
+/// credits paid (as [`Store::operator_nodes`](crate::ledger::Store::operator_nodes) counts them).
+pub(in crate::ledger) async fn operator_earnings<B: Backend>(
+    b: &B,
+    operator: &OperatorId,
+    since_ms: i64,
+    until_ms: i64,
+    limit: u32,
+) -> Result<Vec<EarningsDay>, LedgerError> {
+    let rows = b
+        .read()
+        .await?
+        .all(
+            "SELECT day, model, requests_served AS served, completion_tokens, earned_micros AS earned
+             FROM earnings_daily
+             WHERE operator_id = $1 AND day >= $2 AND day < $3
+             ORDER BY day DESC, model LIMIT $4",
+            &[
+                Arg::Text(operator.as_str()),
+                Arg::I64(first_day(since_ms)),
+                Arg::I64(first_day(until_ms)),
+                Arg::I64(bounded(limit)),
+            ],
+        )
+        .await?;
+    let mut out = Vec::with_capacity(rows.len());
+    for row in &rows {
+        out.push(EarningsDay {
+            day: row.i64("day")?,
+            model: ModelId::from(row.text("model")?),
+            requests_served: row.u64("served")?,
+            completion_tokens: row.u64("completion_tokens")?,
+            earned_micros: row.u64("earned")?,
+        });
+    }
+    Ok(out)
+}
+
+/// [`ConsoleStore::operator_enrollments`](crate::ledger::ConsoleStore::operator_enrollments).
+pub(in crate::ledger) async fn operator_enrollments<B: Backend>(
+    b: &B,
+    operator: &OperatorId,
+    after: Option<&PageCursor>,
+    limit: u32,
+) -> Result<Page<EnrollmentInfo>, LedgerError> {
+    let limit = bounded(limit);
+    let (at, id) = cursor_args(after);
+    let rows = b
+        .read()
+        .await?
+        .all(
+            "SELECT token_hash, created_at_ms, expires_at_ms, node_id, revoked_at_ms FROM enrollments
+             WHERE operator_id = $1
+               AND (created_at_ms, token_hash) < ($2, $3)
+             ORDER BY created_at_ms DESC, token_hash DESC LIMIT $4",
+            &[Arg::Text(operator.as_str()), at, id, Arg::I64(limit + 1)],
+        )
+        .await?;
+    let mut out = Vec::with_capacity(rows.len());
+    for row in &rows {
+        out.push(EnrollmentInfo {
+            token_hash: row.text("token_hash")?,
+            created_at_ms: row.i64("created_at_ms")?,
+            expires_at_ms: row.i64("expires_at_ms")?,
+            node: row.opt_text("node_id")?.map(NodeId::from),
+            revoked_at_ms: row.opt_i64("revoked_at_ms")?,
+        });
+    }
+    Ok(page(out, limit, |e| PageCursor {
+        at_ms: e.created_at_ms,
+        id: e.token_hash.clone(),
+    }))
+}
+
+/// [`ConsoleStore::revoke_enrollment`](crate::ledger::ConsoleStore::revoke_enrollment): the
+/// token expires now, so redeeming it fails as an expired one.
+pub(in crate::ledger) async fn revoke_enrollment<B: Backend>(
+    b: &B,
+    operator: &OperatorId,
+    token_hash: &str,
+) -> Result<bool, LedgerError> {
+    let changed = b
+        .write()
+        .await?
+        .exec(
+            "UPDATE enrollments SET revoked_at_ms = $1, expires_at_ms = $1
+             WHERE token_hash = $2 AND operator_id = $3 AND node_id IS NULL AND revoked_at_ms IS NULL",
+            &[
+                Arg::I64(now_ms()),
+                Arg::Text(token_hash),
+                Arg::Text(operator.as_str()),
+            ],
+        )
+        .await?;
+    Ok(changed == 1)
+}

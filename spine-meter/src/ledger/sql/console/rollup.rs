@@ -1,0 +1,121 @@
+//! The console's daily roll-ups, written in the settlement's own transaction so the usage and
+//! earnings pages read at most a row per day × model (× key) instead of every request record:
+//! `usage_daily` (account × UTC day × model × key: requests, prompt and completion tokens
+//! billed, debit) and `earnings_daily` (operator × UTC day × model: requests served to the end,
+//! completion tokens, operator credit paid). Credit held in escrow is added to `earnings_daily`
+//! when it is paid ([`record_paid_escrow`]), never when it is forfeited. Both upserts touch rows
+//! of the account and the operator whose balance rows the same transaction already updates, so
+//! they add no new lock order.
+
+use super::super::{Arg, SqlConn};
+use crate::ledger::LedgerError;
+
+/// Milliseconds per UTC day: a record's day is `created_at_ms / MS_PER_DAY`.
+pub(in crate::ledger) const MS_PER_DAY: i64 = 86_400_000;
+
+/// One settled request, as the roll-ups count it.
+#[derive(Clone, Copy, Debug)]
+pub(in crate::ledger) struct SettledRow<'a> {
+    pub(in crate::ledger) account: &'a str,
+    pub(in crate::ledger) operator: Option<&'a str>,
+    pub(in crate::ledger) model: &'a str,
+    /// The key's name, `None` for a request without one (stored as `''`).
+    pub(in crate::ledger) key: Option<&'a str>,
+    pub(in crate::ledger) created_at_ms: i64,
+    pub(in crate::ledger) completed: bool,
+    pub(in crate::ledger) prompt_tokens: i64,
+    pub(in crate::ledger) completion_tokens: i64,
+    pub(in crate::ledger) debit_micros: i64,
+    /// Operator credit paid now (0 when held in escrow or when there is no operator).
+    pub(in crate::ledger) paid_micros: i64,
+}
+
+/// Adds one settled request to the roll-ups (inside the settlement's transaction).
+///
+/// # Errors
+///
+/// [`LedgerError::Database`].
+pub(in crate::ledger) async fn record_settlement<C: SqlConn + ?Sized>(
+    tx: &mut C,
+    r: SettledRow<'_>,
+) -> Result<(), LedgerError> {
+    let day = r.created_at_ms.div_euclid(MS_PER_DAY);
+    tx.exec(
+        "INSERT INTO usage_daily (account_id, day, model, key_hash, requests, prompt_tokens, completion_tokens, debit_micros)
+         VALUES ($1, $2, $3, $4, 1, $5, $6, $7)
+         ON CONFLICT (account_id, day, model, key_hash) DO UPDATE SET
+            requests = usage_daily.requests + 1,
+            prompt_tokens = usage_daily.prompt_tokens + excluded.prompt_tokens,
+            completion_tokens = usage_daily.completion_tokens + excluded.completion_tokens,
+            debit_micros = usage_daily.debit_micros + excluded.debit_micros",
+        &[
+            Arg::Text(r.account),
+            Arg::I64(day),
+            Arg::Text(r.model),
+            Arg::Text(r.key.unwrap_or("")),
+            Arg::I64(r.prompt_tokens),
+            Arg::I64(r.completion_tokens),
+            Arg::I64(r.debit_micros),
+        ],
+    )
+    .await?;
+    if let Some(op) = r.operator {
+        add_earnings(
+            tx,
+            op,
+            day,
+            r.model,
+            i64::from(r.completed),
+            r.completion_tokens,
+            r.paid_micros,
+        )
+        .await?;
+    }
+    Ok(())
+}
+
+/// Adds escrowed operator credit now paid (`credit_micros` of a request of `model` settled at
+/// `created_at_ms`) to `earnings_daily`.
+///
+/// # Errors
+///
+/// [`LedgerError::Database`].
+pub(in crate::ledger) async fn record_paid_escrow<C: SqlConn + ?Sized>(
+    tx: &mut C,
+    operator: &str,
+    model: &str,
+    created_at_ms: i64,
+    credit_micros: i64,
+) -> Result<(), LedgerError> {
+    let day = created_at_ms.div_euclid(MS_PER_DAY);
+    add_earnings(tx, operator, day, model, 0, 0, credit_micros).await
+}
+
+async fn add_earnings<C: SqlConn + ?Sized>(
+    tx: &mut C,
+    operator: &str,
+    day: i64,
+    model: &str,
+    served: i64,
+    completion_tokens: i64,
+    earned_micros: i64,
+) -> Result<(), LedgerError> {
+    tx.exec(
+        "INSERT INTO earnings_daily (operator_id, day, model, requests_served, completion_tokens, earned_micros)
+         VALUES ($1, $2, $3, $4, $5, $6)
+         ON CONFLICT (operator_id, day, model) DO UPDATE SET
+            requests_served = earnings_daily.requests_served + excluded.requests_served,
+            completion_tokens = earnings_daily.completion_tokens + excluded.completion_tokens,
+            earned_micros = earnings_daily.earned_micros + excluded.earned_micros",
+        &[
+            Arg::Text(operator),
+            Arg::I64(day),
+            Arg::Text(model),
+            Arg::I64(served),
+            Arg::I64(completion_tokens),
+            Arg::I64(earned_micros),
+        ],
+    )
+    .await?;
+    Ok(())
+}
