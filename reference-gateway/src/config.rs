@@ -62,6 +62,7 @@ const ENV_KEYS: &[(&str, Kind)] = &[
     ("admin_max_connections", Kind::Int),
     ("tunnel_max_connections", Kind::Int),
     ("internal_max_connections", Kind::Int),
+    ("console_max_connections", Kind::Int),
 ];
 
 /// The gateway's configuration (design brief §7).
@@ -193,6 +194,8 @@ pub(crate) struct Config {
     pub(crate) tunnel_max_connections: usize,
     /// As `public_max_connections`, for the internal listener (multi-instance mode).
     pub(crate) internal_max_connections: usize,
+    /// As `public_max_connections`, for the console listener.
+    pub(crate) console_max_connections: usize,
     /// The model catalog: what callers may ask for, its tokenizer and its price.
     pub(crate) models: Vec<ModelConfig>,
     /// Audits of nodes' models against a trusted reference (design brief §10); active for the
@@ -278,6 +281,7 @@ impl Default for Config {
             admin_max_connections: 256,
             tunnel_max_connections: 4096,
             internal_max_connections: 1024,
+            console_max_connections: 256,
             models: Default::default(),
             audit: Default::default(),
         }
@@ -351,6 +355,7 @@ impl Config {
             ("admin_max_connections", config.admin_max_connections),
             ("tunnel_max_connections", config.tunnel_max_connections),
             ("internal_max_connections", config.internal_max_connections),
+            ("console_max_connections", config.console_max_connections),
         ] {
             if n == 0 {
                 return Err(ConfigError::Invalid(format!("{key} must be at least 1")));

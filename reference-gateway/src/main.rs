@@ -368,6 +368,7 @@ async fn run(cli: Cli) -> Result<(), MainError> {
     let mut console_task = tokio::spawn(console::serve(
         console_listener,
         console_state,
+        config.listener_limits(config.console_max_connections),
         shutdown.clone(),
     ));
     let mut admin_task = tokio::spawn(

@@ -332,6 +332,11 @@ impl Registry {
     }
 }
 
+/// The address of the peer a request came from: [`LimitedServer`] puts it in every request's
+/// extensions (for per-client limits, e.g. a sign-in rate limit per IP).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct PeerAddr(pub std::net::SocketAddr);
+
 /// Serves HTTP (1.1 and HTTP/2 with prior knowledge, with upgrades) on a listener under
 /// [`ListenerLimits`]; see the [module docs](self).
 ///
@@ -505,7 +510,7 @@ impl LimitedServer {
             let span = tracing::debug_span!("conn", listener = name, %peer);
             tokio::spawn(
                 async move {
-                    shared.run(tcp, conn.clone(), service).await;
+                    shared.run(tcp, peer, conn.clone(), service).await;
                     registry.lock().remove(&id);
                     // back to the semaphore, unless an eviction handed it on already
                     drop(conn.take_permit());
@@ -533,8 +538,13 @@ struct ConnShared {
 }
 
 impl ConnShared {
-    async fn run<S, B>(&self, tcp: TcpStream, conn: Arc<Conn>, service: S)
-    where
+    async fn run<S, B>(
+        &self,
+        tcp: TcpStream,
+        peer: std::net::SocketAddr,
+        conn: Arc<Conn>,
+        service: S,
+    ) where
         S: tower::Service<Request<TimedBody>, Response = Response<B>, Error = Infallible>
             + Clone
             + Send
@@ -559,7 +569,7 @@ impl ConnShared {
                     Ok(Ok(tls)) => {
                         conn.idle_since_ms
                             .store(ms_since(self.epoch), Ordering::Relaxed);
-                        self.serve_io(tls, conn, service).await;
+                        self.serve_io(tls, peer, conn, service).await;
                     }
                     Ok(Err(e)) => {
                         metric::rejected("tls");
@@ -572,12 +582,17 @@ impl ConnShared {
                     }
                 }
             }
-            None => self.serve_io(tcp, conn, service).await,
+            None => self.serve_io(tcp, peer, conn, service).await,
         }
     }
 
-    async fn serve_io<IO, S, B>(&self, io: IO, conn: Arc<Conn>, service: S)
-    where
+    async fn serve_io<IO, S, B>(
+        &self,
+        io: IO,
+        peer: std::net::SocketAddr,
+        conn: Arc<Conn>,
+        service: S,
+    ) where
         IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
         S: tower::Service<Request<TimedBody>, Response = Response<B>, Error = Infallible>
             + Clone
@@ -592,7 +607,8 @@ impl ConnShared {
         let tracked = conn.clone();
         let hyper_service = hyper::service::service_fn(move |req: Request<Incoming>| {
             let guard = InFlightGuard(InFlight::start(tracked.clone(), epoch));
-            let req = req.map(|b| TimedBody::new(b, body_timeout));
+            let mut req = req.map(|b| TimedBody::new(b, body_timeout));
+            req.extensions_mut().insert(PeerAddr(peer));
             let call = tower::ServiceExt::oneshot(service.clone(), req);
             async move {
                 let resp = match call.await {

@@ -11,14 +11,15 @@
 //! - Sign-in attempts are rate limited per client IP and per e-mail address (governor's GCRA):
 //!   [`SignInLimits`].
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::IpAddr;
 use std::num::NonZeroU32;
 use std::sync::Arc;
 
 use argon2::password_hash::{PasswordHash, PasswordHasher, PasswordVerifier, SaltString};
 use argon2::Argon2;
-use axum::extract::{ConnectInfo, Path, State};
+use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Redirect, Response};
+use axum::Extension;
 use axum::Form;
 use governor::{DefaultKeyedRateLimiter, Quota, RateLimiter};
 use http::{header, HeaderMap, HeaderValue, StatusCode};
@@ -26,6 +27,7 @@ use serde::Deserialize;
 use sha2::{Digest, Sha256};
 use spine_meter::ledger::ConsoleUser;
 use spine_meter::LedgerError;
+use spine_transport::PeerAddr;
 
 use super::ConsoleState;
 
@@ -254,7 +256,7 @@ pub(super) struct SignInForm {
 /// wrong password; 429 past the rate limits.
 pub(super) async fn signin(
     State(s): State<Arc<ConsoleState>>,
-    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    Extension(PeerAddr(peer)): Extension<PeerAddr>,
     Form(form): Form<SignInForm>,
 ) -> Response {
     let email = form.email.trim();
@@ -322,7 +324,7 @@ pub(super) struct LinkForm {
 /// sign-in).
 pub(super) async fn link_signin(
     State(s): State<Arc<ConsoleState>>,
-    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    Extension(PeerAddr(peer)): Extension<PeerAddr>,
     Form(form): Form<LinkForm>,
 ) -> Response {
     if !s.limits.allow(peer.ip(), "(link)") {

@@ -14,7 +14,6 @@ mod auth;
 mod builder;
 mod operator;
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 
 use axum::extract::State;
@@ -356,8 +355,9 @@ async fn asset(
     }
 }
 
-/// Serves the console on `listener` until `shutdown`, with each connection's peer address (the
-/// sign-in rate limit is per client IP).
+/// Serves the console on `listener` until `shutdown`, under the same connection cap and
+/// header, body and idle timeouts as the other listeners; each request carries its peer's
+/// address ([`spine_transport::PeerAddr`]: the sign-in rate limit is per client IP).
 ///
 /// # Errors
 ///
@@ -365,11 +365,11 @@ async fn asset(
 pub(crate) async fn serve(
     listener: tokio::net::TcpListener,
     state: Arc<ConsoleState>,
+    limits: spine_transport::ListenerLimits,
     shutdown: tokio_util::sync::CancellationToken,
 ) -> std::io::Result<()> {
-    let app = router(state).into_make_service_with_connect_info::<SocketAddr>();
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown.cancelled_owned())
+    spine_transport::LimitedServer::new("console", limits)
+        .serve(listener, router(state), shutdown.cancelled_owned())
         .await
 }
 
