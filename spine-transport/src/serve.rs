@@ -123,6 +123,9 @@ pin_project_lite::pin_project! {
         deadline: Instant,
         timeout: Duration,
         sleep: Option<Pin<Box<Sleep>>>,
+        // counts the request as still receiving its body on its connection, until the body
+        // ends, fails or is dropped
+        receiving: Option<Receiving>,
     }
 }
 
@@ -135,8 +138,9 @@ impl fmt::Debug for TimedBody {
 }
 
 impl TimedBody {
-    fn new(inner: Incoming, timeout: Duration) -> Self {
+    fn new(inner: Incoming, timeout: Duration, conn: &Arc<Conn>) -> Self {
         let now = Instant::now();
+        let receiving = (!inner.is_end_stream()).then(|| Receiving::start(conn.clone()));
         Self {
             inner,
             deadline: now
@@ -144,7 +148,25 @@ impl TimedBody {
                 .unwrap_or(now + Duration::from_secs(86_400 * 365)),
             timeout,
             sleep: None,
+            receiving,
         }
+    }
+}
+
+/// A request on a connection whose body has not all arrived: such a connection is as
+/// evictable as an idle one (see [`Registry::evict_oldest_idle`]).
+struct Receiving(Arc<Conn>);
+
+impl Receiving {
+    fn start(conn: Arc<Conn>) -> Self {
+        conn.receiving.fetch_add(1, Ordering::AcqRel);
+        Self(conn)
+    }
+}
+
+impl Drop for Receiving {
+    fn drop(&mut self) {
+        self.0.receiving.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -156,9 +178,14 @@ impl Body for TimedBody {
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        let this = self.project();
-        match this.inner.poll_frame(cx) {
-            Poll::Ready(frame) => return Poll::Ready(frame.map(|f| f.map_err(BoxError::from))),
+        let mut this = self.project();
+        match this.inner.as_mut().poll_frame(cx) {
+            Poll::Ready(frame) => {
+                if !matches!(frame, Some(Ok(_))) || this.inner.is_end_stream() {
+                    this.receiving.take();
+                }
+                return Poll::Ready(frame.map(|f| f.map_err(BoxError::from)));
+            }
             Poll::Pending => {}
         }
         // the timer exists only while a body is actually waited on
@@ -167,10 +194,13 @@ impl Body for TimedBody {
             .sleep
             .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
         match sleep.as_mut().poll(cx) {
-            Poll::Ready(()) => Poll::Ready(Some(Err(BodyReadTimeout {
-                timeout: *this.timeout,
+            Poll::Ready(()) => {
+                this.receiving.take();
+                Poll::Ready(Some(Err(BodyReadTimeout {
+                    timeout: *this.timeout,
+                }
+                .into())))
             }
-            .into()))),
             Poll::Pending => Poll::Pending,
         }
     }
@@ -188,6 +218,8 @@ impl Body for TimedBody {
 struct Conn {
     /// Requests whose response has not ended.
     in_flight: AtomicU32,
+    /// Of those, requests whose body has not all arrived yet.
+    receiving: AtomicU32,
     /// Requests started on this connection.
     served: AtomicU64,
     /// When the last request ended (or the connection started), ms since the listener started.
@@ -202,6 +234,11 @@ struct Conn {
 }
 
 impl Conn {
+    /// No request in flight, or every one still receiving its body.
+    fn is_evictable(&self) -> bool {
+        self.in_flight.load(Ordering::Acquire) <= self.receiving.load(Ordering::Acquire)
+    }
+
     fn take_permit(&self) -> Option<OwnedSemaphorePermit> {
         self.permit
             .lock()
@@ -307,13 +344,17 @@ impl Registry {
 
     /// Tells the connection idle the longest to close and takes its place under the cap
     /// (handed over at once: the accept loop never waits for the victim to wind down); `None`
-    /// when none is idle.
+    /// when none is idle. A connection whose every request in flight is still receiving its
+    /// body counts as idle: a peer that sends a head and then trickles (or withholds) its body
+    /// would otherwise keep its place until the body timeout, and enough of them would keep
+    /// every paying caller out. Such a connection is closed at once, its requests unanswered
+    /// (nothing was done for them: their body never arrived).
     fn evict_oldest_idle(&self) -> Option<OwnedSemaphorePermit> {
         let mut conns = self.lock();
         loop {
             let id = conns
                 .iter()
-                .filter(|(_, c)| c.in_flight.load(Ordering::Acquire) == 0)
+                .filter(|(_, c)| c.is_evictable())
                 .min_by_key(|(_, c)| c.idle_since_ms.load(Ordering::Relaxed))
                 .map(|(id, _)| *id)?;
             let victim = conns.remove(&id)?;
@@ -497,6 +538,7 @@ impl LimitedServer {
             let id = next_id;
             let conn = Arc::new(Conn {
                 in_flight: AtomicU32::new(0),
+                receiving: AtomicU32::new(0),
                 served: AtomicU64::new(0),
                 idle_since_ms: AtomicU64::new(ms_since(shared.epoch)),
                 close: Notify::new(),
@@ -607,7 +649,7 @@ impl ConnShared {
         let tracked = conn.clone();
         let hyper_service = hyper::service::service_fn(move |req: Request<Incoming>| {
             let guard = InFlightGuard(InFlight::start(tracked.clone(), epoch));
-            let mut req = req.map(|b| TimedBody::new(b, body_timeout));
+            let mut req = req.map(|b| TimedBody::new(b, body_timeout, &tracked));
             req.extensions_mut().insert(PeerAddr(peer));
             let call = tower::ServiceExt::oneshot(service.clone(), req);
             async move {
@@ -654,7 +696,7 @@ impl ConnShared {
                 // the deadline moves: computed afresh at the top of the loop
                 () = conn.request_ended.notified() => {}
                 () = conn.close.notified() => {
-                    if conn.in_flight.load(Ordering::Acquire) == 0 {
+                    if conn.is_evictable() {
                         debug!("idle connection closed (evicted or shutting down)");
                         return;
                     }

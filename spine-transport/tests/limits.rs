@@ -194,6 +194,40 @@ async fn at_the_cap_idle_connections_make_room_and_busy_ones_are_kept() {
     assert!(closed >= 14, "{closed} of 20 idle connections closed");
 }
 
+/// Issue 13's attacker: every connection under the cap sends a complete head with
+/// `content-length: 1000` and withholds the body. Those requests are "in flight" from their
+/// head, yet a caller past the cap is served at once: a connection whose requests are all still
+/// receiving their body is as evictable as an idle one (not kept until the 60 s body timeout).
+#[tokio::test]
+async fn at_the_cap_connections_withholding_their_body_make_room() {
+    let addr = start(ListenerLimits::default().max_connections(8)).await;
+    let mut stalled = Vec::new();
+    for _ in 0..8 {
+        let mut tcp = TcpStream::connect(addr).await.unwrap();
+        tcp.write_all(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 1000\r\n\r\nab")
+            .await
+            .unwrap();
+        stalled.push(tcp);
+    }
+    // the heads are read and the requests started before the next caller comes
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let started = Instant::now();
+    let answer = tokio::time::timeout(HANG, get_ok(addr)).await.unwrap();
+    assert!(answer.starts_with("HTTP/1.1 200 OK"), "{answer}");
+    // evicted at once, not at the body timeout (60 s)
+    assert!(started.elapsed() < CUT, "{:?}", started.elapsed());
+    let mut closed = 0;
+    for tcp in &mut stalled {
+        let mut buf = [0u8; 1];
+        if let Ok(Ok(0) | Err(_)) =
+            tokio::time::timeout(Duration::from_millis(200), tcp.read(&mut buf)).await
+        {
+            closed += 1;
+        }
+    }
+    assert!(closed >= 1, "no stalled connection made room");
+}
+
 #[tokio::test]
 async fn the_tunnel_listener_cuts_slowloris_heads_too() {
     let (cert, key) = self_signed_cert(&["localhost".into()]).unwrap();
