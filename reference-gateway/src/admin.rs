@@ -253,6 +253,8 @@ async fn add_credits(
         .add_credits(&account, body.amount_micros, &key)
         .await
         .map_err(ledger_error)?;
+    // a refusal remembered on the old balance must not refuse the next request
+    state.credit_refusals.credit_added(&account);
     let mut out = account_json(&state, &account).await?;
     out["applied"] = Value::Bool(applied);
     Ok(Json(out))

@@ -46,9 +46,17 @@ pub(crate) const MAX_ENROLLMENT_TTL_SECS: u64 = 30 * 24 * 3600;
 use spine_core::unix_time_ms as now_ms;
 
 /// `/v1/enroll` and `/v1/node/status`, for the tunnel listener.
+/// Largest `POST /v1/enroll` body, bytes: a token, a public key and a node name are a few
+/// hundred bytes. The listener takes enrollments from anyone, before any check, so its bodies
+/// are kept small (axum's default would buffer 2 MB for each of thousands of connections).
+pub(crate) const MAX_ENROLL_BODY_BYTES: usize = 16 * 1024;
+
 pub(crate) fn tunnel_router(state: Arc<AppState>) -> Router {
     Router::new()
-        .route("/v1/enroll", post(enroll))
+        .route(
+            "/v1/enroll",
+            post(enroll).layer(axum::extract::DefaultBodyLimit::max(MAX_ENROLL_BODY_BYTES)),
+        )
         .route("/v1/node/status", get(node_status))
         .layer(axum::middleware::from_fn(api::request_id))
         .with_state(state)

@@ -250,6 +250,7 @@ async fn run(cli: Cli) -> Result<(), MainError> {
         None => meter,
     };
     let settlements = meter.settlements();
+    let credit_refusals = meter.credit_refusals();
     let route =
         cluster::tunnel_route_layer(registry.clone(), cluster.as_ref(), config.affinity_ttl_secs);
     let dispatch = cluster::tunnel_dispatch(cluster.as_ref(), &tunnels);
@@ -288,6 +289,7 @@ async fn run(cli: Cli) -> Result<(), MainError> {
 
     let state = Arc::new(AppState {
         store: store.clone(),
+        credit_refusals,
         keys: spine_meter::keys::KeyCache::default(),
         registry: registry.clone(),
         tunnels: tunnels.clone(),

@@ -18,6 +18,8 @@ pub(crate) type Stack = tower::util::BoxCloneSyncService<
 /// What the public and admin handlers share.
 pub(crate) struct AppState {
     pub(crate) store: Arc<dyn Store>,
+    /// The meter's remembered refusals for lack of credit, dropped when credit is added.
+    pub(crate) credit_refusals: spine_meter::meter::CreditRefusals,
     /// Keys already found in `store` ([`KeyCache`](spine_meter::keys::KeyCache)).
     pub(crate) keys: spine_meter::keys::KeyCache,
     pub(crate) registry: NodeRegistry,

@@ -265,3 +265,38 @@ async fn ten_thousand_idle_connections_do_not_stop_paid_requests() {
     drop(idle);
     drop(gw);
 }
+
+/// Issue 13's attacker, F4: a caller refused 402 for lack of credit, then topped up through the
+/// admin API, is served by its very next request — not refused (and held back 250 ms) on the
+/// balance the meter remembered from before the top-up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_top_up_lifts_a_remembered_refusal_at_once() {
+    let engine = Engine::discover().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (url, _task) = serve_fake_llama(|path, _body| fake_llama(path)).await;
+    let gw = Gateway::start(dir.path(), &engine).await;
+    let t = tenant(&gw).await;
+    let (_node, _agent) = add_node(&gw, dir.path(), &t.operator, &url, "node").await;
+    let (s, acct) = gw.admin_post("/admin/v1/accounts", json!({})).await;
+    assert_eq!(s, 201);
+    let account = acct["id"].as_str().unwrap().to_owned();
+    let (s, key) = gw
+        .admin_post(&format!("/admin/v1/accounts/{account}/keys"), json!({}))
+        .await;
+    assert_eq!(s, 201);
+    let key = key["key"].as_str().unwrap().to_owned();
+    // refused, then refused again from the meter's memory (held back)
+    for _ in 0..2 {
+        let (status, body) = paid_chat(&gw, &key).await;
+        assert_eq!(status, 402, "{body}");
+    }
+    let (s, _) = gw
+        .admin_post(
+            &format!("/admin/v1/accounts/{account}/credits"),
+            json!({"amount_micros": 1_000_000, "idempotency_key": "top-up"}),
+        )
+        .await;
+    assert_eq!(s, 200);
+    let (status, body) = paid_chat(&gw, &key).await;
+    assert_eq!(status, 200, "the next request after the top-up: {body}");
+}

@@ -9,8 +9,10 @@ use tokio::sync::Semaphore;
 
 /// How long a refusal for lack of credit is remembered: a request from the same account within
 /// this time that could not be paid for by the balance seen then is refused at once, before its
-/// body is read, templated or tokenized. Credits added meanwhile count from the next request
-/// after it.
+/// body is parsed, templated or tokenized. The memory is dropped when the account's hold is
+/// placed, when one of its settlements commits (its holds shrink) and when credit is added
+/// through [`CreditRefusals::credit_added`]; credit added by another process counts within
+/// this time.
 pub const REFUSED_CREDIT_TTL: Duration = Duration::from_secs(1);
 /// How long a remembered refusal's answer is held back by default
 /// ([`MeterConfig::refused_credit_delay`](super::MeterConfig::refused_credit_delay)).
@@ -23,6 +25,21 @@ pub const DEFAULT_REFUSED_CREDIT_DELAY: Duration = Duration::from_millis(250);
 pub const MAX_DELAYED_REFUSALS: usize = 1024;
 /// Most accounts remembered; when full, the memory starts over (it is only a shortcut).
 const MAX_REMEMBERED: usize = 65_536;
+
+/// A handle on a [`MeterLayer`](super::MeterLayer)'s remembered refusals for lack of credit
+/// ([`MeterLayer::credit_refusals`](super::MeterLayer::credit_refusals)): a process that adds
+/// credit to an account calls [`CreditRefusals::credit_added`] so that the account's next
+/// request is not refused on the balance remembered from before (another process's meter
+/// forgets it within [`REFUSED_CREDIT_TTL`]). Cheap to clone.
+#[derive(Clone, Debug)]
+pub struct CreditRefusals(pub(crate) RefusedCredit);
+
+impl CreditRefusals {
+    /// Forgets any refusal remembered for `account`.
+    pub fn credit_added(&self, account: &AccountId) {
+        self.0.forget(account);
+    }
+}
 
 /// The accounts whose last hold was refused for lack of credit, with the available balance then,
 /// and the permits of the refusals being held back.

@@ -297,6 +297,12 @@ impl MeterLayer {
         self.config.settlements.clone()
     }
 
+    /// The handle a process that adds credit uses to drop this layer's remembered refusals of
+    /// the account ([`CreditRefusals`](super::CreditRefusals)).
+    pub fn credit_refusals(&self) -> super::CreditRefusals {
+        super::CreditRefusals(self.config.refused_credit.clone())
+    }
+
     /// The configuration.
     pub fn config(&self) -> &MeterConfig {
         &self.config

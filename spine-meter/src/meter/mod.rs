@@ -117,7 +117,9 @@ mod settle;
 
 pub use admission::{Admission, AdmissionRefusal, AdmissionRequest, AdmitFuture};
 pub use body::{MeterBody, KEEPALIVE_INTERVAL, MAX_TOOL_CALLS_PER_CHOICE};
-pub use credit::{DEFAULT_REFUSED_CREDIT_DELAY, MAX_DELAYED_REFUSALS, REFUSED_CREDIT_TTL};
+pub use credit::{
+    CreditRefusals, DEFAULT_REFUSED_CREDIT_DELAY, MAX_DELAYED_REFUSALS, REFUSED_CREDIT_TTL,
+};
 pub use error::MeterError;
 pub use events::{DiscrepancyReport, MeterEvents};
 pub use future::ResponseFuture;

@@ -258,6 +258,7 @@ where
         events,
         runtime: tokio::runtime::Handle::current(),
         settlements: config.settlements.clone(),
+        refused_credit: config.refused_credit.clone(),
         request_id: request_id.clone(),
         account: account.clone(),
         key,

@@ -19,6 +19,8 @@ pub(crate) struct SettleCtx {
     pub(crate) events: Arc<dyn MeterEvents>,
     pub(crate) runtime: tokio::runtime::Handle,
     pub(crate) settlements: super::layer::Settlements,
+    /// Forgotten for the account once its settlement commits (its hold is released).
+    pub(crate) refused_credit: super::credit::RefusedCredit,
     pub(crate) request_id: RequestId,
     pub(crate) account: AccountId,
     /// The caller's key as the edge named it ([`spine_core::RequestContext::key`]).
@@ -293,6 +295,7 @@ impl SettleCtx {
         let ledger = self.ledger;
         let events = self.events;
         let runtime = self.runtime;
+        let refused_credit = self.refused_credit;
         let settlements = self.settlements.clone();
         settlements.mark_pending(&settlement.request_id);
         self.settlements.spawn_on(
@@ -302,6 +305,9 @@ impl SettleCtx {
                     match ledger.settle(settlement.clone()).await {
                         Ok(result) => {
                             settlements.mark_committed(&settlement.request_id);
+                            // the hold is released: a refusal remembered while it was held
+                            // (its own holds left too little) no longer holds
+                            refused_credit.forget(&settlement.account);
                             events.on_settled(&settlement, &result);
                             return;
                         }
