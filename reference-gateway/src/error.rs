@@ -258,6 +258,12 @@ impl ApiError {
                 "request_too_large",
                 e.to_string(),
             ),
+            MeterError::BodiesOverBudget { .. } => Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                "server_busy",
+                e.to_string(),
+            ),
             MeterError::UnknownModel(m) => Self::new(
                 StatusCode::NOT_FOUND,
                 "invalid_request_error",

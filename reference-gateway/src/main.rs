@@ -229,6 +229,9 @@ async fn run(cli: Cli) -> Result<(), MainError> {
         .refused_credit_delay(std::time::Duration::from_millis(
             config.refused_credit_delay_ms,
         ))
+        .max_buffered_request_bytes(
+            usize::try_from(config.max_buffered_request_bytes).unwrap_or(usize::MAX),
+        )
         // each usage discrepancy also lowers the node's score
         .events(Arc::new({
             let registry = registry.clone();

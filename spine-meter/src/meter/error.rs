@@ -27,6 +27,16 @@ pub enum MeterError {
     /// Reading the request body failed.
     #[error("cannot read the request body")]
     Body(#[source] BoxError),
+    /// Request bodies being read hold the whole budget for them
+    /// ([`MeterConfig::max_buffered_request_bytes`](super::MeterConfig::max_buffered_request_bytes);
+    /// 503): the request is refused, nothing held or forwarded.
+    #[error(
+        "too many request bodies being read at once ({limit_bytes} bytes buffered); retry shortly"
+    )]
+    BodiesOverBudget {
+        /// The budget, bytes.
+        limit_bytes: usize,
+    },
     /// The model is not in the catalog (404).
     #[error("unknown model {0}")]
     UnknownModel(ModelId),

@@ -80,6 +80,24 @@ pub struct MeterConfig {
     /// pay to one refusal per connection per delay (at most
     /// [`MAX_DELAYED_REFUSALS`](super::MAX_DELAYED_REFUSALS) wait at once).
     pub refused_credit_delay: std::time::Duration,
+    /// Most bytes of request bodies being read at once, across every request (default 256 MiB;
+    /// set with [`MeterLayer::max_buffered_request_bytes`]). A request whose body would go over
+    /// it is refused ([`MeterError::BodiesOverBudget`](super::MeterError::BodiesOverBudget),
+    /// 503): bodies that are sent slowly or never finished hold at most this much memory, not
+    /// [`max_request_body_bytes`](Self::max_request_body_bytes) per connection.
+    pub max_buffered_request_bytes: usize,
+    pub(crate) request_body_budget: Arc<tokio::sync::Semaphore>,
+}
+
+/// Default of [`MeterConfig::max_buffered_request_bytes`]: 256 MiB.
+pub const DEFAULT_MAX_BUFFERED_REQUEST_BYTES: usize = 256 * 1024 * 1024;
+
+fn body_budget(bytes: usize) -> Arc<tokio::sync::Semaphore> {
+    Arc::new(tokio::sync::Semaphore::new(
+        bytes
+            .div_ceil(1024)
+            .min(tokio::sync::Semaphore::MAX_PERMITS),
+    ))
 }
 
 impl fmt::Debug for MeterConfig {
@@ -101,6 +119,10 @@ impl fmt::Debug for MeterConfig {
             .field("drain_deadline", &self.drain_deadline)
             .field("strip_engine_fields", &self.strip_engine_fields)
             .field("refused_credit_delay", &self.refused_credit_delay)
+            .field(
+                "max_buffered_request_bytes",
+                &self.max_buffered_request_bytes,
+            )
             .finish_non_exhaustive()
     }
 }
@@ -204,6 +226,8 @@ impl MeterLayer {
                 drain_deadline: None,
                 strip_engine_fields: true,
                 refused_credit_delay: super::credit::DEFAULT_REFUSED_CREDIT_DELAY,
+                max_buffered_request_bytes: DEFAULT_MAX_BUFFERED_REQUEST_BYTES,
+                request_body_budget: body_budget(DEFAULT_MAX_BUFFERED_REQUEST_BYTES),
             },
         }
     }
@@ -217,6 +241,14 @@ impl MeterLayer {
     /// Sets the request body limit, bytes.
     pub fn max_request_body_bytes(mut self, limit: usize) -> Self {
         self.config.max_request_body_bytes = limit;
+        self
+    }
+
+    /// Sets the budget of request-body bytes being read at once
+    /// ([`MeterConfig::max_buffered_request_bytes`]).
+    pub fn max_buffered_request_bytes(mut self, bytes: usize) -> Self {
+        self.config.max_buffered_request_bytes = bytes;
+        self.config.request_body_budget = body_budget(bytes);
         self
     }
 

@@ -123,7 +123,9 @@ pub use credit::{
 pub use error::MeterError;
 pub use events::{DiscrepancyReport, MeterEvents};
 pub use future::ResponseFuture;
-pub use layer::{Catalog, CatalogEntry, MeterConfig, MeterLayer, Settlements};
+pub use layer::{
+    Catalog, CatalogEntry, MeterConfig, MeterLayer, Settlements, DEFAULT_MAX_BUFFERED_REQUEST_BYTES,
+};
 pub use service::Meter;
 
 /// A response extension on a streamed answer: the usage the metering layer had counted when the

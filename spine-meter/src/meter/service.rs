@@ -162,7 +162,13 @@ where
     }
     let (mut parts, body) = req.into_parts();
     let limit = config.max_request_body_bytes;
-    let bytes = collect_limited(body, limit).await?;
+    let bytes = collect_limited(
+        body,
+        limit,
+        &config.request_body_budget,
+        config.max_buffered_request_bytes,
+    )
+    .await?;
     // a large prompt is counted only for an account that can pay for something at all: one
     // balance read (cheap next to templating and tokenizing it)
     if bytes.len() >= PRECHECK_BODY_BYTES && config.min_request_cost_micros > 0 {
@@ -508,17 +514,45 @@ type BytesFuture = Pin<Box<dyn Future<Output = Result<bytes::Bytes, MeterError>>
 
 /// Buffers a request body up to `limit` bytes. A plain function returning a boxed future: the
 /// `Into<BoxError>` bound of `Limited` trips rustc's higher-ranked check inside an async fn.
-fn collect_limited(body: BoxBody, limit: usize) -> BytesFuture {
-    let mut collect = Box::pin(Limited::new(body, limit).collect());
-    Box::pin(std::future::poll_fn(move |cx| {
-        collect.as_mut().poll(cx).map(|r| match r {
-            Ok(c) => Ok(c.to_bytes()),
-            Err(e) if e.is::<http_body_util::LengthLimitError>() => {
-                Err(MeterError::BodyTooLarge { limit_bytes: limit })
+/// Buffers a request body up to `limit` bytes, each KiB of it taken from `budget` (the bytes
+/// of every body being read at once, [`MeterConfig::max_buffered_request_bytes`]) until the
+/// body is whole: a peer that sends most of a large body and withholds the rest holds at most
+/// the budget across all connections, not `limit` on each. Past the budget:
+/// [`MeterError::BodiesOverBudget`].
+async fn collect_limited(
+    mut body: BoxBody,
+    limit: usize,
+    budget: &Arc<tokio::sync::Semaphore>,
+    budget_bytes: usize,
+) -> Result<bytes::Bytes, MeterError> {
+    let mut buf = bytes::BytesMut::new();
+    let mut held: Option<tokio::sync::OwnedSemaphorePermit> = None;
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(MeterError::Body)?;
+        let Ok(data) = frame.into_data() else {
+            continue; // trailers: not part of the JSON body
+        };
+        if buf.len().saturating_add(data.len()) > limit {
+            return Err(MeterError::BodyTooLarge { limit_bytes: limit });
+        }
+        // KiB taken so far cover `held_kib * 1024` bytes; take what the new bytes need
+        let held_kib = held.as_ref().map_or(0, |p| p.num_permits());
+        let need_kib = (buf.len() + data.len()).div_ceil(1024);
+        if need_kib > held_kib {
+            let more = u32::try_from(need_kib - held_kib).unwrap_or(u32::MAX);
+            let permit = budget.clone().try_acquire_many_owned(more).map_err(|_| {
+                MeterError::BodiesOverBudget {
+                    limit_bytes: budget_bytes,
+                }
+            })?;
+            match held.as_mut() {
+                Some(h) => h.merge(permit),
+                None => held = Some(permit),
             }
-            Err(e) => Err(MeterError::Body(e)),
-        })
-    }))
+        }
+        buf.extend_from_slice(&data);
+    }
+    Ok(buf.freeze())
 }
 
 /// Buffers a node's non-streamed response body up to `limit` bytes.
@@ -610,5 +644,65 @@ fn constrains_tokenization(
                 .is_ok_and(|id| counter.is_special_token(id))
         }),
         _ => true,
+    }
+}
+
+#[cfg(test)]
+mod budget_tests {
+    #![allow(clippy::unwrap_used)]
+    use std::sync::Arc;
+
+    use bytes::Bytes;
+    use spine_core::BoxBody;
+
+    use super::{collect_limited, MeterError};
+
+    /// A body of data frames of the given sizes.
+    struct Frames(std::collections::VecDeque<Bytes>);
+
+    impl http_body::Body for Frames {
+        type Data = Bytes;
+        type Error = spine_core::BoxError;
+
+        fn poll_frame(
+            mut self: std::pin::Pin<&mut Self>,
+            _cx: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+            std::task::Poll::Ready(self.0.pop_front().map(|b| Ok(http_body::Frame::data(b))))
+        }
+    }
+
+    fn body(parts: &[usize]) -> BoxBody {
+        BoxBody::new(Frames(
+            parts.iter().map(|&n| Bytes::from(vec![b'x'; n])).collect(),
+        ))
+    }
+
+    #[tokio::test]
+    async fn a_body_takes_its_kib_from_the_budget_while_it_is_read_and_gives_them_back() {
+        let budget = Arc::new(tokio::sync::Semaphore::new(4)); // 4 KiB
+        let got = collect_limited(body(&[1000, 1000, 2000]), 1 << 20, &budget, 4096)
+            .await
+            .unwrap();
+        assert_eq!(got.len(), 4000);
+        assert_eq!(budget.available_permits(), 4, "given back once whole");
+        // a body that needs more than what is left of the budget is refused
+        let _held = budget.clone().try_acquire_many_owned(3).unwrap();
+        let refused = collect_limited(body(&[1000, 1000]), 1 << 20, &budget, 4096).await;
+        assert!(matches!(
+            refused,
+            Err(MeterError::BodiesOverBudget { limit_bytes: 4096 })
+        ));
+        assert_eq!(
+            budget.available_permits(),
+            1,
+            "nothing kept by the refused one"
+        );
+        // the per-request limit still answers first
+        let too_large = collect_limited(body(&[3000]), 2000, &budget, 4096).await;
+        assert!(matches!(
+            too_large,
+            Err(MeterError::BodyTooLarge { limit_bytes: 2000 })
+        ));
     }
 }
