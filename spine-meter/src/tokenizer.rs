@@ -170,7 +170,9 @@ impl<T: TokenCounter + ?Sized> TokenCounter for std::sync::Arc<T> {
 ///   text's canonical tokenization (measured: 61–63 text tokens for 64 generated,
 ///   `fixtures/llama.cpp/tokcheck_sampled.txt`). The finish is flagged
 ///   [`CompletionCount::length_unsupported`] when the text cannot be `L` tokens at all:
-///   fewer bytes than `L − 3`, or more than `L + max(2, L / 50)` tokens;
+///   fewer bytes than `L − 3`, or more than `L + max(2, L / 50)` tokens; such a finish bills
+///   `min(T, L)`, without the allowance (a node that ends one-token texts with `length` is
+///   paid for one token each, not `1 + A`);
 /// - anything else (`"length"` without `max_tokens`, where the engine's own context may
 ///   have stopped it, or an unknown reason): `min(T, L)`.
 ///
@@ -195,11 +197,15 @@ pub fn bill_counted(
         Some("stop" | "tool_calls") if text_tokens < cap => count.tokens = text_tokens + 1,
         Some("length") if rule.max_tokens.is_some() => {
             let slack = LENGTH_SLACK_TOKENS.max(cap / 50);
-            count.tokens = text_tokens
-                .saturating_add(length_allowance_tokens(cap))
-                .min(cap);
             count.length_unsupported = text_tokens > cap.saturating_add(slack)
                 || cap > bytes.saturating_add(MAX_HELD_BACK_BYTES);
+            // a finish the text cannot support earns no allowance: the node is paid for the
+            // tokens it delivered, not for a `length` it claims
+            if !count.length_unsupported {
+                count.tokens = text_tokens
+                    .saturating_add(length_allowance_tokens(cap))
+                    .min(cap);
+            }
         }
         _ => {}
     }

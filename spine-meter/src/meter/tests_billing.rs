@@ -390,12 +390,13 @@ async fn a_length_finish_bills_the_delivered_text_plus_its_allowance() {
     let text = "1. Red\n2. Blue\n3. Green"; // 11 tokens, 23 bytes
     assert_eq!(t.count_text(text), 11);
     // (max_tokens, billed completion, discrepancy): min(L, 11 + 3 + max(2, L / 50)); a claim
-    // of L is not flagged while the text has the bytes to be L tokens (L <= 23 + 3)
+    // of L is not flagged while the text has the bytes to be L tokens (L <= 23 + 3); past
+    // that the finish is flagged and the text's 11 tokens are billed, without the allowance
     for (max_tokens, want, flagged) in [
         (11u64, 11u64, false),
         (14, 14, false),
         (26, 16, false),
-        (40, 16, true),
+        (40, 11, true),
     ] {
         for stream in [false, true] {
             let mut s = setup().await;
