@@ -150,6 +150,8 @@ struct State {
     claimed: Option<Usage>,
     error_seen: bool,
     upstream_done: bool,
+    /// Bytes of the node's SSE events so far (bounded by [`stream_bytes_bound`]).
+    node_bytes: u64,
     queue: VecDeque<Out>,
     scratch: Vec<SseEvent>,
     keepalive: Option<Pin<Box<tokio::time::Sleep>>>,
@@ -168,6 +170,7 @@ impl fmt::Debug for State {
             .field("claimed", &self.claimed)
             .field("error_seen", &self.error_seen)
             .field("upstream_done", &self.upstream_done)
+            .field("node_bytes", &self.node_bytes)
             .field("queued", &self.queue.len())
             .finish_non_exhaustive()
     }
@@ -215,6 +218,7 @@ impl<B> MeterBody<B> {
                 claimed: None,
                 error_seen: false,
                 upstream_done: false,
+                node_bytes: 0,
                 queue: VecDeque::new(),
                 scratch: Vec::new(),
                 keepalive: None,
@@ -226,11 +230,43 @@ impl<B> MeterBody<B> {
     }
 }
 
+/// Bytes a whole stream's events may take before the node is cut as at fault:
+/// [`STREAM_BYTES_FLOOR`] plus [`STREAM_BYTES_PER_TOKEN`] for each completion token the
+/// request may bill (`n` × the per-choice cap, with the cap's delivery slack). Text is bounded
+/// per choice already; this bounds what is not text — log-probabilities, ids, tool-call
+/// wrappers, members the SDK ignores (`delta.audio` of megabytes) — relative to the cap, so a
+/// node cannot send the caller gigabytes for a few billed tokens. An honest llama.cpp chunk
+/// with 20 top log-probabilities is ≈ 1.5 KB a token.
+fn stream_bytes_bound(ctx: &SettleCtx) -> u64 {
+    let cap = ctx.max_completion_tokens_per_choice;
+    let per_choice = cap.saturating_add(16.max(cap / 10));
+    STREAM_BYTES_FLOOR.saturating_add(
+        per_choice
+            .saturating_mul(u64::from(ctx.n.max(1)))
+            .saturating_mul(STREAM_BYTES_PER_TOKEN),
+    )
+}
+
+/// See [`stream_bytes_bound`]: 1 MiB.
+pub(crate) const STREAM_BYTES_FLOOR: u64 = 1 << 20;
+/// See [`stream_bytes_bound`]: 8 KiB a token.
+pub(crate) const STREAM_BYTES_PER_TOKEN: u64 = 8 * 1024;
+
 impl State {
     /// One event from the node.
     fn on_event(&mut self, ev: &SseEvent) {
         if self.upstream_done {
             return;
+        }
+        let raw_len = u64::try_from(ev.raw().len()).unwrap_or(u64::MAX);
+        self.node_bytes = self.node_bytes.saturating_add(raw_len);
+        if let Some(bound) = self.ctx.as_ref().map(stream_bytes_bound) {
+            if self.node_bytes > bound {
+                return self.node_fault(&format!(
+                    "the node sent more than {bound} bytes of events for this request's cap \
+                     of completion tokens"
+                ));
+            }
         }
         let data = ev.data();
         if data.trim() == "[DONE]" {

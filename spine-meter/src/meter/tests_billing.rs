@@ -572,3 +572,43 @@ async fn ttft_is_the_time_to_the_first_generated_text() {
     // after both sleeps (the role chunk does not count), before the content chunk was read
     assert!((250..=upper).contains(&ttft), "{ttft} not in 250..={upper}");
 }
+
+/// Issue 13's attacker, F7: a node that pads each chunk with megabytes the SDK does not show
+/// (`delta.audio`) for a few billed tokens is cut past the stream's byte bound (1 MiB plus 8 KiB
+/// a token of the cap) as at fault: `upstream_failed`, nothing billed.
+#[tokio::test]
+async fn a_stream_padded_with_megabytes_outside_the_text_is_cut_as_the_nodes_fault() {
+    let padding = "x".repeat(600 * 1024);
+    let events: Vec<serde_json::Value> = (0..4)
+        .map(|_| {
+            json!({"choices":[{"index":0,"delta":{"content":"a","audio":{"data":padding}},"finish_reason":null}]})
+        })
+        .chain([json!({"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]})])
+        .collect();
+    let mut s = setup().await;
+    let resp = s
+        .send(&chat(Some(16), true), "text/event-stream", sse(&events))
+        .await;
+    let got = resp.into_body().collect().await.unwrap().to_bytes();
+    // the bound is 1 MiB + (16 + 16) × 8 KiB: the second 600 KiB chunk passes it
+    assert!(got.len() < 2 * 1024 * 1024, "{} bytes delivered", got.len());
+    let text = String::from_utf8_lossy(&got);
+    assert!(
+        text.contains("more than"),
+        "{}",
+        &text[text.len().saturating_sub(300)..]
+    );
+    let st = s.settled().await;
+    assert_eq!(st.outcome, StreamOutcome::UpstreamFailed);
+    // an honest stream of the same request is untouched
+    let mut s = setup().await;
+    let small: Vec<serde_json::Value> = vec![
+        json!({"choices":[{"index":0,"delta":{"content":"Hi"},"finish_reason":null}]}),
+        json!({"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}),
+    ];
+    let resp = s
+        .send(&chat(Some(16), true), "text/event-stream", sse(&small))
+        .await;
+    drop(resp.into_body().collect().await.unwrap());
+    assert_eq!(s.settled().await.outcome, StreamOutcome::Completed);
+}
