@@ -19,6 +19,23 @@ use crate::price::Price;
 pub(in crate::ledger) const HOLD_COLUMNS: &str =
     "request_id, account_id, model, node_id, prompt_tokens, completion_tokens";
 
+/// The node's claimed usage of a `requests` row (`claimed_prompt_tokens`,
+/// `claimed_completion_tokens`), `None` when it made none.
+pub(in crate::ledger) fn claimed_usage<R: SqlRow>(row: &R) -> Result<Option<Usage>, LedgerError> {
+    Ok(
+        match (
+            row.opt_i64("claimed_prompt_tokens")?,
+            row.opt_i64("claimed_completion_tokens")?,
+        ) {
+            (Some(p), Some(c)) => Some(Usage {
+                prompt_tokens: to_u64(p, "claimed_prompt_tokens")?,
+                completion_tokens: to_u64(c, "claimed_completion_tokens")?,
+            }),
+            _ => None,
+        },
+    )
+}
+
 /// Inserts ledger entries `(party kind, party id, amount)` under one reference, in order, with
 /// one statement (one round trip).
 pub(super) async fn insert_entries<C: SqlConn + ?Sized>(
@@ -473,16 +490,7 @@ pub(in crate::ledger) async fn request_record<B: Backend>(
     };
     let outcome = row.text("outcome")?;
     let source = row.text("usage_source")?;
-    let claimed = match (
-        row.opt_i64("claimed_prompt_tokens")?,
-        row.opt_i64("claimed_completion_tokens")?,
-    ) {
-        (Some(p), Some(c)) => Some(Usage {
-            prompt_tokens: to_u64(p, "claimed_prompt_tokens")?,
-            completion_tokens: to_u64(c, "claimed_completion_tokens")?,
-        }),
-        _ => None,
-    };
+    let claimed = claimed_usage(&row)?;
     Ok(Some(RequestRecord {
         request_id,
         account: AccountId::from(row.text("account_id")?),

@@ -17,7 +17,7 @@ use crate::ledger::console::{
     ApiKeyInfo, ConsoleRole, ConsoleUser, CreditEntry, EarningsDay, EnrollmentInfo, Page,
     PageCursor, RequestFilter, RequestSummary, UsageDay, MAX_PAGE_ROWS,
 };
-use crate::ledger::convert::{db, key_limits, now_ms, to_u64};
+use crate::ledger::convert::{db, key_limits, now_ms};
 use crate::ledger::LedgerError;
 
 /// The first UTC day that starts at or after `ms` (days since the epoch): the roll-ups count
@@ -133,9 +133,12 @@ pub(in crate::ledger) async fn console_user_by_email<B: Backend>(
         .transpose()
 }
 
-/// [`ConsoleStore::create_console_session`](crate::ledger::ConsoleStore::create_console_session).
-pub(in crate::ledger) async fn create_console_session<B: Backend>(
+/// Inserts a console token row (`console_sessions` or `console_links`): its hash, its user and
+/// when it expires; [`LedgerError::Duplicate`] `what` when the hash exists.
+async fn insert_console_token<B: Backend>(
     b: &B,
+    table: &str,
+    what: &'static str,
     token_hash: &str,
     user_id: &str,
     expires_at_ms: i64,
@@ -143,7 +146,9 @@ pub(in crate::ledger) async fn create_console_session<B: Backend>(
     b.write()
         .await?
         .exec(
-            "INSERT INTO console_sessions (token_hash, user_id, created_at_ms, expires_at_ms) VALUES ($1, $2, $3, $4)",
+            &format!(
+                "INSERT INTO {table} (token_hash, user_id, created_at_ms, expires_at_ms) VALUES ($1, $2, $3, $4)"
+            ),
             &[
                 Arg::Text(token_hash),
                 Arg::Text(user_id),
@@ -152,8 +157,26 @@ pub(in crate::ledger) async fn create_console_session<B: Backend>(
             ],
         )
         .await
-        .map_err(|e| unique_as(e, "console session"))?;
+        .map_err(|e| unique_as(e, what))?;
     Ok(())
+}
+
+/// [`ConsoleStore::create_console_session`](crate::ledger::ConsoleStore::create_console_session).
+pub(in crate::ledger) async fn create_console_session<B: Backend>(
+    b: &B,
+    token_hash: &str,
+    user_id: &str,
+    expires_at_ms: i64,
+) -> Result<(), LedgerError> {
+    insert_console_token(
+        b,
+        "console_sessions",
+        "console session",
+        token_hash,
+        user_id,
+        expires_at_ms,
+    )
+    .await
 }
 
 /// [`ConsoleStore::console_session`](crate::ledger::ConsoleStore::console_session).
@@ -213,20 +236,15 @@ pub(in crate::ledger) async fn create_console_link<B: Backend>(
     user_id: &str,
     expires_at_ms: i64,
 ) -> Result<(), LedgerError> {
-    b.write()
-        .await?
-        .exec(
-            "INSERT INTO console_links (token_hash, user_id, created_at_ms, expires_at_ms) VALUES ($1, $2, $3, $4)",
-            &[
-                Arg::Text(token_hash),
-                Arg::Text(user_id),
-                Arg::I64(now_ms()),
-                Arg::I64(expires_at_ms),
-            ],
-        )
-        .await
-        .map_err(|e| unique_as(e, "console link"))?;
-    Ok(())
+    insert_console_token(
+        b,
+        "console_links",
+        "console link",
+        token_hash,
+        user_id,
+        expires_at_ms,
+    )
+    .await
 }
 
 /// [`ConsoleStore::redeem_console_link`](crate::ledger::ConsoleStore::redeem_console_link):
@@ -392,16 +410,7 @@ pub(in crate::ledger) async fn account_requests<B: Backend>(
         .await?;
     let mut out = Vec::with_capacity(rows.len());
     for row in &rows {
-        let claimed = match (
-            row.opt_i64("claimed_prompt_tokens")?,
-            row.opt_i64("claimed_completion_tokens")?,
-        ) {
-            (Some(p), Some(c)) => Some(Usage {
-                prompt_tokens: to_u64(p, "claimed_prompt_tokens")?,
-                completion_tokens: to_u64(c, "claimed_completion_tokens")?,
-            }),
-            _ => None,
-        };
+        let claimed = super::money::claimed_usage(row)?;
         out.push(RequestSummary {
             request_id: row.text("request_id")?,
             created_at_ms: row.i64("created_at_ms")?,
