@@ -592,14 +592,25 @@ async fn a_stream_padded_with_megabytes_outside_the_text_is_cut_as_the_nodes_fau
     let got = resp.into_body().collect().await.unwrap().to_bytes();
     // the bound is 1 MiB + (16 + 16) × 8 KiB: the second 600 KiB chunk passes it
     assert!(got.len() < 2 * 1024 * 1024, "{} bytes delivered", got.len());
+    // the caller's stream ends with the gateway's error event (code `upstream_failed`), no
+    // `[DONE]`
     let text = String::from_utf8_lossy(&got);
-    assert!(
-        text.contains("more than"),
-        "{}",
-        &text[text.len().saturating_sub(300)..]
-    );
+    assert!(!text.contains("[DONE]"));
+    let last = text
+        .trim_end()
+        .rsplit("\n\n")
+        .next()
+        .and_then(|ev| ev.strip_prefix("data: "))
+        .unwrap();
+    let last: Value = serde_json::from_str(last).unwrap();
+    assert_eq!(last["error"]["code"], "upstream_failed", "{last}");
+    // the record names the one token delivered before the cut ("a"); `upstream_failed` is
+    // never paid
     let st = s.settled().await;
-    assert_eq!(st.outcome, StreamOutcome::UpstreamFailed);
+    assert_eq!(
+        (st.outcome, st.billed.completion_tokens),
+        (StreamOutcome::UpstreamFailed, 1)
+    );
     // an honest stream of the same request is untouched
     let mut s = setup().await;
     let small: Vec<serde_json::Value> = vec![
