@@ -299,10 +299,16 @@ async fn proxy(state: &AppState, req: Request, kind: RequestKind, surface: Surfa
         Surface::Native => (BoxBody::new(body.map_err(BoxError::from)), None),
         Surface::Responses => {
             let id = request_id.as_ref().map_or("", RequestId::as_str);
-            let limit = state.max_request_body_bytes;
-            match spine_meter::responses::translate_request(body, limit, id).await {
+            // read within the meter's bounds (a caller that cannot pay is refused before its
+            // body is parsed here, as on the other endpoints), then translated
+            let body = BoxBody::new(body.map_err(BoxError::from));
+            let bytes = match state.body_gate.read(&account, body).await {
+                Ok(bytes) => bytes,
+                Err(e) => return ApiError::from_stack(&BoxError::from(e)).into_response(),
+            };
+            match spine_meter::responses::translate_body(&bytes, id) {
                 Ok((body, answer)) => (body, Some(answer)),
-                Err(e) => return translate_error(e).into_response(),
+                Err(e) => return translate_error(TranslateError::Invalid(e)).into_response(),
             }
         }
     };

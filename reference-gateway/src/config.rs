@@ -48,6 +48,7 @@ const ENV_KEYS: &[(&str, Kind)] = &[
     ("strip_engine_fields", Kind::Bool),
     ("refused_credit_delay_ms", Kind::Int),
     ("max_buffered_request_bytes", Kind::Int),
+    ("max_response_body_bytes", Kind::Int),
     ("node_stall_timeout_secs", Kind::Int),
     ("stream_buffer_bytes", Kind::Int),
     ("redis_url", Kind::Str),
@@ -155,6 +156,9 @@ pub(crate) struct Config {
     pub(crate) refused_credit_delay_ms: u64,
     /// Most bytes of request bodies being read at once (503 `server_busy` past it).
     pub(crate) max_buffered_request_bytes: u64,
+    /// Most bytes of one non-streamed answer buffered (502 `response_too_large` past it, when
+    /// the request could honestly be answered with more).
+    pub(crate) max_response_body_bytes: u64,
     /// A routable node with requests in flight and nothing received on any of them for this
     /// long is probed at once; when the probe times out with still nothing received, the node
     /// leaves routing (`TunnelServerConfig::stall_timeout`). 0 disables it. Seconds.
@@ -270,6 +274,7 @@ impl Default for Config {
             strip_engine_fields: true,
             refused_credit_delay_ms: 250,
             max_buffered_request_bytes: 256 * 1024 * 1024,
+            max_response_body_bytes: 16 * 1024 * 1024,
             node_stall_timeout_secs: 5,
             stream_buffer_bytes: 4 * 1024 * 1024,
             redis_url: Default::default(),

@@ -258,6 +258,12 @@ impl ApiError {
                 "request_too_large",
                 e.to_string(),
             ),
+            MeterError::AnswerTooLarge { .. } => Self::new(
+                StatusCode::BAD_GATEWAY,
+                "server_error",
+                "response_too_large",
+                e.to_string(),
+            ),
             MeterError::BodiesOverBudget { .. } => Self::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "server_error",

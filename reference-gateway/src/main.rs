@@ -229,6 +229,9 @@ async fn run(cli: Cli) -> Result<(), MainError> {
         .refused_credit_delay(std::time::Duration::from_millis(
             config.refused_credit_delay_ms,
         ))
+        .max_response_body_bytes(
+            usize::try_from(config.max_response_body_bytes).unwrap_or(usize::MAX),
+        )
         .max_buffered_request_bytes(
             usize::try_from(config.max_buffered_request_bytes).unwrap_or(usize::MAX),
         )
@@ -254,6 +257,7 @@ async fn run(cli: Cli) -> Result<(), MainError> {
     };
     let settlements = meter.settlements();
     let credit_refusals = meter.credit_refusals();
+    let body_gate = meter.body_gate();
     let route =
         cluster::tunnel_route_layer(registry.clone(), cluster.as_ref(), config.affinity_ttl_secs);
     let dispatch = cluster::tunnel_dispatch(cluster.as_ref(), &tunnels);
@@ -298,7 +302,7 @@ async fn run(cli: Cli) -> Result<(), MainError> {
         tunnels: tunnels.clone(),
         stack,
         catalog_ids,
-        max_request_body_bytes: config.max_request_body_bytes,
+        body_gate,
         admin_token: config.admin_token.clone(),
         limits,
         auditor,

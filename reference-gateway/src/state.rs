@@ -27,8 +27,8 @@ pub(crate) struct AppState {
     pub(crate) tunnels: spine_transport::Tunnels,
     pub(crate) stack: Stack,
     pub(crate) catalog_ids: Vec<ModelId>,
-    /// `max_request_body_bytes`: bounds a body the handlers read themselves (`/v1/responses`).
-    pub(crate) max_request_body_bytes: usize,
+    /// Reads a body the handlers read themselves (`/v1/responses`) within the meter's bounds.
+    pub(crate) body_gate: spine_meter::meter::BodyGate,
     pub(crate) admin_token: String,
     /// Per-key RPM/TPM limits (TPM also sits in the stack as the meter's admission hook).
     pub(crate) limits: Arc<RateLimits>,

@@ -290,6 +290,25 @@ async fn a_top_up_lifts_a_remembered_refusal_at_once() {
         let (status, body) = paid_chat(&gw, &key).await;
         assert_eq!(status, 402, "{body}");
     }
+    // `/v1/responses` (read and translated by the gateway before the meter) goes through the
+    // same gate: a body no translation could serve is refused for the credit, not parsed
+    let r = tokio::time::timeout(
+        HANG,
+        gw.api_post(
+            &key,
+            "/v1/responses",
+            &json!({"model": "smollm2", "input": 42}),
+        ),
+    )
+    .await
+    .expect("in time");
+    let status = r.status().as_u16();
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (402, Some("insufficient_quota")),
+        "{body}"
+    );
     let (s, _) = gw
         .admin_post(
             &format!("/admin/v1/accounts/{account}/credits"),
@@ -299,4 +318,18 @@ async fn a_top_up_lifts_a_remembered_refusal_at_once() {
     assert_eq!(s, 200);
     let (status, body) = paid_chat(&gw, &key).await;
     assert_eq!(status, 200, "the next request after the top-up: {body}");
+    let r = tokio::time::timeout(
+        HANG,
+        gw.api_post(
+            &key,
+            "/v1/responses",
+            &json!({"model": "smollm2", "max_output_tokens": 8, "input": "Hello"}),
+        ),
+    )
+    .await
+    .expect("in time");
+    let status = r.status().as_u16();
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["object"], "response", "{body}");
 }

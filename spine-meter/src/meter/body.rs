@@ -237,7 +237,7 @@ impl<B> MeterBody<B> {
 /// wrappers, members the SDK ignores (`delta.audio` of megabytes) — relative to the cap, so a
 /// node cannot send the caller gigabytes for a few billed tokens. An honest llama.cpp chunk
 /// with 20 top log-probabilities is ≈ 1.5 KB a token.
-fn stream_bytes_bound(ctx: &SettleCtx) -> u64 {
+pub(crate) fn stream_bytes_bound(ctx: &SettleCtx) -> u64 {
     let cap = ctx.max_completion_tokens_per_choice;
     let per_choice = cap.saturating_add(16.max(cap / 10));
     STREAM_BYTES_FLOOR.saturating_add(

@@ -60,10 +60,23 @@ pub enum MeterError {
         max_context_tokens: u64,
     },
     /// The node answered a non-streamed request with a 2xx body that is not a usable
-    /// completion: not JSON, over `max_response_body_bytes`, an `error` member, no (requested)
+    /// completion: not JSON, over the request's byte bound, an `error` member, no (requested)
     /// choices, or a choice without `finish_reason` (502). Settled `upstream_failed`.
     #[error("invalid response from the node: {0}")]
     UpstreamInvalid(String),
+    /// A non-streamed answer the request could honestly make (within its byte bound, relative
+    /// to its cap of completion tokens) is larger than the gateway buffers
+    /// (`max_response_body_bytes`; 502 `response_too_large`, the caller told to stream it).
+    /// The gateway's limit, not the node's fault: settled `cut_at_bound` (the caller pays the
+    /// prompt, nothing was delivered; the operator earns nothing; the node is not scored).
+    #[error(
+        "the answer is larger than the {limit_bytes} bytes this gateway buffers for a non-streamed \
+         response; ask for it with \"stream\": true (or lower max_tokens, n or top_logprobs)"
+    )]
+    AnswerTooLarge {
+        /// `max_response_body_bytes`, bytes.
+        limit_bytes: usize,
+    },
     /// Reading the node's non-streamed response body failed (502). Settled `upstream_failed`.
     #[error("cannot read the node's response body")]
     UpstreamBody(#[source] BoxError),

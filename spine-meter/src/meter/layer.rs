@@ -5,7 +5,7 @@ use std::sync::Arc;
 use spine_core::ModelId;
 use tower::Layer;
 
-use super::{Admission, Meter, MeterEvents};
+use super::{Admission, Meter, MeterError, MeterEvents};
 use crate::{Ledger, Price, TokenCounter};
 
 /// One model the gateway meters.
@@ -44,8 +44,12 @@ pub struct MeterConfig {
     pub operator_share_bps: u16,
     /// Largest request body buffered, bytes. Default 4 MiB.
     pub max_request_body_bytes: usize,
-    /// Largest non-streamed response body buffered, bytes; a larger one is
-    /// [`MeterError::UpstreamInvalid`](super::MeterError::UpstreamInvalid). Default 16 MiB.
+    /// Largest non-streamed response body buffered, bytes. Default 16 MiB. An answer larger than
+    /// the request could honestly make (the stream byte bound of its cap: 1 MiB + 8 KiB a token
+    /// of `n` × cap; embeddings 1 MiB + 256 KiB a vector) is the node's fault,
+    /// [`MeterError::UpstreamInvalid`](super::MeterError::UpstreamInvalid); one within that
+    /// bound but over this limit is the gateway's,
+    /// [`MeterError::AnswerTooLarge`](super::MeterError::AnswerTooLarge).
     pub max_response_body_bytes: usize,
     /// Absolute discrepancy tolerance, tokens. Default 2.
     pub discrepancy_tolerance_tokens: u64,
@@ -335,6 +339,12 @@ impl MeterLayer {
         super::CreditRefusals(self.config.refused_credit.clone())
     }
 
+    /// The handle a handler uses to read a request body itself, before this layer, within the
+    /// same bounds ([`BodyGate`]).
+    pub fn body_gate(&self) -> BodyGate {
+        BodyGate(self.config.clone())
+    }
+
     /// The configuration.
     pub fn config(&self) -> &MeterConfig {
         &self.config
@@ -346,5 +356,35 @@ impl<S> Layer<S> for MeterLayer {
 
     fn layer(&self, inner: S) -> Self::Service {
         Meter::new(inner, self.config.clone())
+    }
+}
+
+/// Reads a request body as a [`MeterLayer`] does before it parses anything: an account refused
+/// for lack of credit a moment ago gets its 402 (after the layer's delay) without its body being
+/// kept, the body is buffered within `max_request_body_bytes` and the shared
+/// `max_buffered_request_bytes` budget, and a large body's account must be able to pay for the
+/// cheapest request. For a handler that must read (and, say, translate) a body before handing it
+/// to the layer — the reference gateway's `/v1/responses` — so that a caller who cannot pay
+/// makes it do no more work there than on the layer's own endpoints. Cheap to clone.
+#[derive(Clone, Debug)]
+pub struct BodyGate(MeterConfig);
+
+impl BodyGate {
+    /// The body of `account`'s request, whole.
+    ///
+    /// # Errors
+    ///
+    /// [`MeterError::InsufficientCredit`] (402), [`MeterError::BodyTooLarge`] (413),
+    /// [`MeterError::BodiesOverBudget`] (503), [`MeterError::Body`] when reading fails.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future drops the body and the budget it held; nothing is recorded.
+    pub async fn read(
+        &self,
+        account: &spine_core::AccountId,
+        body: spine_core::BoxBody,
+    ) -> Result<bytes::Bytes, MeterError> {
+        super::service::read_request_body(&self.0, account, body).await
     }
 }

@@ -124,7 +124,8 @@ pub use error::MeterError;
 pub use events::{DiscrepancyReport, MeterEvents};
 pub use future::ResponseFuture;
 pub use layer::{
-    Catalog, CatalogEntry, MeterConfig, MeterLayer, Settlements, DEFAULT_MAX_BUFFERED_REQUEST_BYTES,
+    BodyGate, Catalog, CatalogEntry, MeterConfig, MeterLayer, Settlements,
+    DEFAULT_MAX_BUFFERED_REQUEST_BYTES,
 };
 pub use service::Meter;
 

@@ -140,49 +140,8 @@ where
             .cloned()
             .ok_or(MeterError::MissingExtension("AccountId"))?,
     };
-    // an account that could not pay a moment ago is refused before its body is read,
-    // templated or tokenized (the cheapest request any model could be: 1 + 1 tokens)
-    if let Some(available_micros) = config
-        .refused_credit
-        .cannot_pay(&account, config.min_request_cost_micros)
-    {
-        // the body is read and dropped (up to the limit), never kept or parsed: answering
-        // before the caller finished sending would close its connection under its writes (a
-        // broken pipe where the SDK expects the 402)
-        drain(req.into_body(), config.max_request_body_bytes).await;
-        config
-            .refused_credit
-            .hold_back(config.refused_credit_delay)
-            .await;
-        return Err(MeterError::InsufficientCredit {
-            available_micros,
-            needed_micros: config.min_request_cost_micros,
-        }
-        .into());
-    }
     let (mut parts, body) = req.into_parts();
-    let limit = config.max_request_body_bytes;
-    let bytes = collect_limited(
-        body,
-        limit,
-        &config.request_body_budget,
-        config.max_buffered_request_bytes,
-    )
-    .await?;
-    // a large prompt is counted only for an account that can pay for something at all: one
-    // balance read (cheap next to templating and tokenizing it)
-    if bytes.len() >= PRECHECK_BODY_BYTES && config.min_request_cost_micros > 0 {
-        if let Ok(Some(available_micros)) = config.ledger.available_micros(&account).await {
-            if available_micros < config.min_request_cost_micros {
-                config.refused_credit.record(&account, available_micros);
-                return Err(MeterError::InsufficientCredit {
-                    available_micros,
-                    needed_micros: config.min_request_cost_micros,
-                }
-                .into());
-            }
-        }
-    }
+    let bytes = read_request_body(&config, &account, body).await?;
     let peek = RequestPeek::from_json(&bytes).map_err(MeterError::BadRequest)?;
     let entry = config
         .catalog
@@ -394,15 +353,32 @@ where
     // Non-streamed: the whole body is read and checked before the head goes out, so an invalid
     // body becomes an error instead of a 200. Dropped while reading, the guard settles
     // client_cancelled with the node.
-    let limit = config.max_response_body_bytes;
+    // An answer past what the request can honestly produce (its byte bound) is the node's
+    // fault; one within it but past what the gateway buffers is the gateway's limit.
+    let bound = guard.ctx.as_ref().map_or(0, |ctx| {
+        if kind == RequestKind::Embeddings {
+            embeddings_bytes_bound(prompts.len())
+        } else {
+            super::body::stream_bytes_bound(ctx)
+        }
+    });
+    let ceiling = u64::try_from(config.max_response_body_bytes).unwrap_or(u64::MAX);
+    let limit = usize::try_from(bound.min(ceiling)).unwrap_or(usize::MAX);
     let read = collect_response(body, limit).await;
     let Some(ctx) = guard.take() else {
         return Err(MeterError::MissingExtension("settlement context").into());
     };
     let bytes = match read {
         Ok(bytes) => bytes,
-        Err(e) => {
+        Err(ResponseRead::OverLimit) if bound > ceiling => {
+            tracing::warn!(request_id = %ctx.request_id, limit, "non-streamed answer over the gateway's buffer");
+            ctx.settle_prompt_only(StreamOutcome::CutAtBound);
+            return Err(MeterError::AnswerTooLarge { limit_bytes: limit }.into());
+        }
+        Err(read) => {
+            let e = read.into_error(limit);
             tracing::warn!(request_id = %ctx.request_id, error = %e, "node response body unusable");
+            guard.slot.report_node_fault();
             ctx.settle_prompt_only(StreamOutcome::UpstreamFailed);
             return Err(e.into());
         }
@@ -422,6 +398,69 @@ where
         parts,
         BoxBody::new(Full::new(bytes).map_err(|never| match never {})),
     ))
+}
+
+/// The request body of `account`, read within the layer's bounds before anything parses it:
+///
+/// 1. an account that could not pay a moment ago ([`RefusedCredit`](super::credit::RefusedCredit))
+///    is refused at once: its body is read and dropped (up to the limit, so the caller sees the
+///    402 rather than a broken pipe), the answer held back by `refused_credit_delay`;
+/// 2. the body is buffered up to `max_request_body_bytes` within the shared
+///    `max_buffered_request_bytes` budget ([`collect_limited`]);
+/// 3. a body of [`PRECHECK_BODY_BYTES`] or more has the account's balance read first: one that
+///    cannot pay the cheapest request is refused (and remembered) before its prompt is parsed,
+///    templated or counted.
+///
+/// The metering service runs it on every request; [`MeterLayer::body_gate`](super::MeterLayer::body_gate)
+/// hands it to a handler that must read a body itself before the layer (a translation such as
+/// `/v1/responses`), so that work is bounded the same way.
+///
+/// # Errors
+///
+/// [`MeterError::InsufficientCredit`] (402), [`MeterError::BodyTooLarge`] (413),
+/// [`MeterError::BodiesOverBudget`] (503), [`MeterError::Body`] when reading fails.
+///
+/// # Cancel safety
+///
+/// Dropping the future drops the body and the budget it held; nothing is recorded.
+pub(crate) async fn read_request_body(
+    config: &MeterConfig,
+    account: &AccountId,
+    body: BoxBody,
+) -> Result<bytes::Bytes, MeterError> {
+    if let Some(available_micros) = config
+        .refused_credit
+        .cannot_pay(account, config.min_request_cost_micros)
+    {
+        drain(body, config.max_request_body_bytes).await;
+        config
+            .refused_credit
+            .hold_back(config.refused_credit_delay)
+            .await;
+        return Err(MeterError::InsufficientCredit {
+            available_micros,
+            needed_micros: config.min_request_cost_micros,
+        });
+    }
+    let bytes = collect_limited(
+        body,
+        config.max_request_body_bytes,
+        &config.request_body_budget,
+        config.max_buffered_request_bytes,
+    )
+    .await?;
+    if bytes.len() >= PRECHECK_BODY_BYTES && config.min_request_cost_micros > 0 {
+        if let Ok(Some(available_micros)) = config.ledger.available_micros(account).await {
+            if available_micros < config.min_request_cost_micros {
+                config.refused_credit.record(account, available_micros);
+                return Err(MeterError::InsufficientCredit {
+                    available_micros,
+                    needed_micros: config.min_request_cost_micros,
+                });
+            }
+        }
+    }
+    Ok(bytes)
 }
 
 /// Request bodies from this size on have the caller's balance read before their prompt is
@@ -510,8 +549,6 @@ async fn drain(mut body: BoxBody, limit: usize) {
     }
 }
 
-type BytesFuture = Pin<Box<dyn Future<Output = Result<bytes::Bytes, MeterError>> + Send>>;
-
 /// Buffers a request body up to `limit` bytes. A plain function returning a boxed future: the
 /// `Into<BoxError>` bound of `Limited` trips rustc's higher-ranked check inside an async fn.
 /// Buffers a request body up to `limit` bytes, each KiB of it taken from `budget` (the bytes
@@ -555,16 +592,46 @@ async fn collect_limited(
     Ok(buf.freeze())
 }
 
+/// Why a node's non-streamed body could not be read whole.
+enum ResponseRead {
+    /// Longer than the limit.
+    OverLimit,
+    /// Reading failed.
+    Failed(BoxError),
+}
+
+impl ResponseRead {
+    fn into_error(self, limit: usize) -> MeterError {
+        match self {
+            Self::OverLimit => {
+                MeterError::UpstreamInvalid(format!("the body is larger than {limit} bytes"))
+            }
+            Self::Failed(e) => MeterError::UpstreamBody(e),
+        }
+    }
+}
+
+/// Bytes an embeddings answer of `inputs` vectors may take before the node is at fault: 1 MiB
+/// plus 256 KiB a vector (a vector of 8,192 dimensions as JSON numbers is ≈ 170 KB).
+fn embeddings_bytes_bound(inputs: usize) -> u64 {
+    const PER_VECTOR: u64 = 256 * 1024;
+    (1u64 << 20).saturating_add(
+        u64::try_from(inputs)
+            .unwrap_or(u64::MAX)
+            .saturating_mul(PER_VECTOR),
+    )
+}
+
+type ResponseFutureBytes = Pin<Box<dyn Future<Output = Result<bytes::Bytes, ResponseRead>> + Send>>;
+
 /// Buffers a node's non-streamed response body up to `limit` bytes.
-fn collect_response(body: BoxBody, limit: usize) -> BytesFuture {
+fn collect_response(body: BoxBody, limit: usize) -> ResponseFutureBytes {
     let mut collect = Box::pin(Limited::new(body, limit).collect());
     Box::pin(std::future::poll_fn(move |cx| {
         collect.as_mut().poll(cx).map(|r| match r {
             Ok(c) => Ok(c.to_bytes()),
-            Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(
-                MeterError::UpstreamInvalid(format!("the body is larger than {limit} bytes")),
-            ),
-            Err(e) => Err(MeterError::UpstreamBody(e)),
+            Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(ResponseRead::OverLimit),
+            Err(e) => Err(ResponseRead::Failed(e)),
         })
     }))
 }

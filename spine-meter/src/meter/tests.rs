@@ -8,7 +8,7 @@ use std::task::{Context, Poll};
 use crate::Ledger;
 use bytes::Bytes;
 use http_body::{Body, Frame};
-use http_body_util::BodyExt;
+use http_body_util::{BodyExt, Full};
 use serde_json::{json, Value};
 use spine_core::{
     AccountId, BoxBody, BoxError, ModelId, NodeId, OperatorId, RequestId, StreamOutcome, Usage,
@@ -750,6 +750,85 @@ async fn inner_error_after_the_pick_is_upstream_failed_with_the_node_and_free() 
     assert_eq!((b.balance_micros, b.held_micros), (START_MICROS, 0));
 }
 
+/// A non-streamed answer past the request's byte bound (1 MiB + 8 KiB a token of its cap: 1.6 MiB
+/// for 64 tokens) is the node's fault; one within the bound but past the gateway's buffer is the
+/// gateway's limit: 502 `response_too_large`, settled `cut_at_bound` (the prompt paid, the operator
+/// earns nothing, the node not scored).
+#[tokio::test]
+async fn a_non_streamed_answer_over_its_bound_is_the_nodes_fault_and_over_the_buffer_the_gateways()
+{
+    let capture = Bytes::from(capture_body("a_chat_nonstream.txt"));
+    // over the bound: 2 MiB of body for a 64-token cap, under a 16 MiB buffer
+    let trimmed = capture.trim_ascii_end();
+    let mut padded = trimmed[..trimmed.len() - 1].to_vec();
+    padded.extend_from_slice(b",\"pad\":\"");
+    padded.extend(std::iter::repeat_n(b'x', 2 << 20));
+    padded.extend_from_slice(b"\"}");
+    let padded = Bytes::from(padded);
+    let mut h = harness().await;
+    let slot = Arc::new(Mutex::new(None));
+    let svc = h.layer(2048).layer(slot_node(
+        h.node.clone(),
+        slot.clone(),
+        "application/json",
+        move || Full::new(padded.clone()).map_err(|never| -> BoxError { match never {} }),
+    ));
+    let err = svc
+        .oneshot(request("over-bound", &chat(false, None)))
+        .await
+        .unwrap_err();
+    match err.downcast_ref::<MeterError>() {
+        Some(MeterError::UpstreamInvalid(got)) => {
+            assert!(got.starts_with("the body is larger than"), "{got}");
+        }
+        _ => panic!("{err}"),
+    }
+    let (s, r) = h.settled().await;
+    assert_eq!(
+        (s.outcome, r.debit_micros, r.operator_credit_micros),
+        (StreamOutcome::UpstreamFailed, 0, 0)
+    );
+    assert!(slot.lock().unwrap().as_ref().unwrap().node_fault_reported());
+
+    // within the bound, over a 100-byte buffer: the gateway's limit
+    let mut h = harness().await;
+    let slot = Arc::new(Mutex::new(None));
+    let svc = h.layer(2048).max_response_body_bytes(100).layer(slot_node(
+        h.node.clone(),
+        slot.clone(),
+        "application/json",
+        move || Full::new(capture.clone()).map_err(|never| -> BoxError { match never {} }),
+    ));
+    let err = svc
+        .oneshot(request("over-buffer", &chat(false, None)))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err.downcast_ref::<MeterError>(),
+            Some(MeterError::AnswerTooLarge { limit_bytes: 100 })
+        ),
+        "{err}"
+    );
+    let (s, r) = h.settled().await;
+    assert_eq!(
+        (
+            s.outcome,
+            s.billed.completion_tokens,
+            r.operator_credit_micros
+        ),
+        (StreamOutcome::CutAtBound, 0, 0)
+    );
+    assert_eq!(s.billed.prompt_tokens, 34);
+    assert!(r.debit_micros > 0, "the prompt is paid");
+    assert!(!slot.lock().unwrap().as_ref().unwrap().node_fault_reported());
+    let b = h.ledger.account(&h.account).await.unwrap();
+    assert_eq!(
+        (b.balance_micros, b.held_micros),
+        (START_MICROS - r.debit_micros, 0)
+    );
+}
+
 #[tokio::test]
 async fn non_streamed_head_waits_for_the_whole_body_and_a_drop_meanwhile_pays_the_prompt() {
     let mut h = harness().await;
@@ -1018,12 +1097,6 @@ async fn invalid_non_streamed_2xx_bodies_are_errors_and_free() {
             End::Eof,
             1 << 20,
             "the node's engine reported an error: out of memory",
-        ),
-        (
-            reads_of(&capture, 100),
-            End::Eof,
-            100,
-            "the body is larger than 100 bytes",
         ),
     ];
     for (i, (reads, end, limit, why)) in cases.into_iter().enumerate() {

@@ -74,7 +74,20 @@ where
         }
         Err(e) => return Err(TranslateError::Unreadable(e)),
     };
-    let translation = chat_request(&bytes).map_err(TranslateError::Invalid)?;
+    translate_body(&bytes, request_id).map_err(TranslateError::Invalid)
+}
+
+/// [`translate_request`] of a body already read whole (within the bounds the application
+/// keeps, e.g. [`BodyGate`](crate::meter::BodyGate)).
+///
+/// # Errors
+///
+/// A [`ResponsesError`] when `body` is not a Responses request this translation serves.
+pub fn translate_body(
+    body: &[u8],
+    request_id: &str,
+) -> Result<(BoxBody, ResponsesAnswer), ResponsesError> {
+    let translation = chat_request(body)?;
     let meta = ResponseMeta::new(request_id, translation.echo);
     let body = http_body_util::Full::new(Bytes::from(translation.chat_body))
         .map_err(|never| match never {});

@@ -19,7 +19,8 @@ mod request;
 mod response;
 
 pub use answer::{
-    responses_param, translate_request, ReshapeError, ResponsesAnswer, TranslateError,
+    responses_param, translate_body, translate_request, ReshapeError, ResponsesAnswer,
+    TranslateError,
 };
 pub use request::{chat_request, ChatTranslation, ResponsesError};
 pub use response::{chat_json_as_stream, response_from_chat, ResponseMeta, ResponsesSse};
