@@ -35,7 +35,7 @@ pub use peek::{
     MAX_TOP_LOGPROBS, TOKENIZATION_CONSTRAINT_FIELDS,
 };
 pub use request::{BufferedRequest, RequestContext};
-pub use slot::{NodeSlot, PromptTokens};
+pub use slot::{NodeFault, NodeSlot, PromptTokens};
 pub use time::unix_time_ms;
 pub use trust::{AuditVerdict, ModelTrust};
 pub use usage::{StreamOutcome, Usage, UsageSource};

@@ -1,4 +1,4 @@
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use crate::NodeId;
@@ -28,13 +28,44 @@ use crate::NodeId;
 #[derive(Clone, Debug, Default)]
 pub struct NodeSlot(Arc<SlotInner>);
 
+/// Why the metering layer judged a committed answer the node's fault: tells the router how to
+/// score the attempt (design brief §5, "what feeds the score").
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum NodeFault {
+    /// The answer broke the rules (an SSE event that is not one JSON chunk, an event over the
+    /// size cap, a choice past its token cap, an invalid body): scored as a failed attempt.
+    Broke,
+    /// The stream kept its connection alive (comments, empty deltas, role-only or usage
+    /// chunks) but made no progress for the stall bound: scored as a mid-request disconnect.
+    Stalled,
+}
+
+impl NodeFault {
+    fn to_u8(self) -> u8 {
+        match self {
+            Self::Broke => 1,
+            Self::Stalled => 2,
+        }
+    }
+
+    fn from_u8(v: u8) -> Option<Self> {
+        match v {
+            1 => Some(Self::Broke),
+            2 => Some(Self::Stalled),
+            _ => None,
+        }
+    }
+}
+
 /// What the router runs when a node fault is reported: scores the attempt.
-type FaultHook = Box<dyn FnOnce() + Send>;
+type FaultHook = Box<dyn FnOnce(NodeFault) + Send>;
 
 #[derive(Default)]
 struct SlotInner {
     node: Mutex<Option<NodeId>>,
-    fault: AtomicBool,
+    /// 0: no fault; else [`NodeFault::to_u8`] of the first one reported.
+    fault: AtomicU8,
     on_fault: Mutex<Option<FaultHook>>,
 }
 
@@ -61,9 +92,22 @@ impl NodeSlot {
     /// The node's answer broke the rules (see the type's docs): the router scores the attempt
     /// as the node's failure. Sticky: once reported, it stays reported.
     ///
-    /// Runs the hook set with [`NodeSlot::on_node_fault`] (once, on the first report).
+    /// Same as [`NodeSlot::report`] with [`NodeFault::Broke`].
     pub fn report_node_fault(&self) {
-        if self.0.fault.swap(true, Ordering::AcqRel) {
+        self.report(NodeFault::Broke);
+    }
+
+    /// Reports a node fault of the given kind. Sticky: only the first report counts (its kind
+    /// is the one [`NodeSlot::node_fault`] gives and the hook gets).
+    ///
+    /// Runs the hook set with [`NodeSlot::on_node_fault`] (once, on the first report).
+    pub fn report(&self, fault: NodeFault) {
+        if self
+            .0
+            .fault
+            .compare_exchange(0, fault.to_u8(), Ordering::AcqRel, Ordering::Acquire)
+            .is_err()
+        {
             return;
         }
         let hook = self
@@ -73,16 +117,16 @@ impl NodeSlot {
             .unwrap_or_else(PoisonError::into_inner)
             .take();
         if let Some(hook) = hook {
-            hook();
+            hook(fault);
         }
     }
 
-    /// Sets what a later [`NodeSlot::report_node_fault`] runs (the router: score the committed
-    /// attempt as a failure), replacing an earlier hook. Runs at once when a fault was already
+    /// Sets what a later [`NodeSlot::report`] runs (the router: score the committed attempt
+    /// by the fault's kind), replacing an earlier hook. Runs at once when a fault was already
     /// reported.
-    pub fn on_node_fault(&self, hook: impl FnOnce() + Send + 'static) {
-        if self.node_fault_reported() {
-            hook();
+    pub fn on_node_fault(&self, hook: impl FnOnce(NodeFault) + Send + 'static) {
+        if let Some(fault) = self.node_fault() {
+            hook(fault);
             return;
         }
         *self
@@ -91,7 +135,7 @@ impl NodeSlot {
             .lock()
             .unwrap_or_else(PoisonError::into_inner) = Some(Box::new(hook));
         // a report that raced with the store above: run the hook now if it is still there
-        if self.node_fault_reported() {
+        if let Some(fault) = self.node_fault() {
             let hook = self
                 .0
                 .on_fault
@@ -99,14 +143,19 @@ impl NodeSlot {
                 .unwrap_or_else(PoisonError::into_inner)
                 .take();
             if let Some(hook) = hook {
-                hook();
+                hook(fault);
             }
         }
     }
 
-    /// Whether [`NodeSlot::report_node_fault`] was called on any clone.
+    /// Whether a node fault was reported on any clone.
     pub fn node_fault_reported(&self) -> bool {
-        self.0.fault.load(Ordering::Acquire)
+        self.node_fault().is_some()
+    }
+
+    /// The first node fault reported on any clone, if any.
+    pub fn node_fault(&self) -> Option<NodeFault> {
+        NodeFault::from_u8(self.0.fault.load(Ordering::Acquire))
     }
 
     /// The node recorded, if any.

@@ -74,8 +74,12 @@ enum Script {
     EmptyStream,
     /// One token, then the body breaks.
     BreakAfterToken,
-    /// A 400 (the caller's fault).
+    /// A 400: the caller's fault, or a node refusing work.
     Status400,
+    /// A 413 (as 400).
+    Status413,
+    /// A 422 (as 400).
+    Status422,
     /// A 429 (transient: another node may take it).
     Status429,
     /// A 404 from the node: it does not serve what it advertised (its fault, not the caller's).
@@ -205,6 +209,8 @@ fn upstream(
                 Script::EmptyStream => Ok(sse(vec![])),
                 Script::BreakAfterToken => Ok(sse(vec![Ok("data: tok\n\n"), Err("tunnel lost")])),
                 Script::Status400 => Ok(status(400, "bad request")),
+                Script::Status413 => Ok(status(413, "too large")),
+                Script::Status422 => Ok(status(422, "unprocessable")),
                 Script::Status429 => Ok(status(429, "slow down")),
                 Script::Status404 => Ok(status(404, "model not found")),
                 Script::SlowWholeAnswer => {
@@ -466,18 +472,74 @@ async fn no_peek_is_refused() {
 }
 
 #[tokio::test]
-async fn a_client_error_is_passed_through_without_retry_or_penalty() {
-    let (r, log, out, _) = run_one(&[("a", Script::Status400), ("b", Script::Status400)], 2).await;
-    let (node, body) = out.unwrap();
-    assert_eq!(&body.unwrap()[..], b"bad request");
-    assert_eq!(log.0.lock().unwrap().len(), 1, "a 400 was retried");
-    let (attempts, failures, _) = stats(&r, node.as_str());
-    assert_eq!(
-        (attempts, failures),
-        (0, 0),
-        "a 400 was scored against the node"
-    );
-    assert!(r.snapshot().iter().all(|s| s.score.score > 0.99));
+async fn a_refusal_from_two_nodes_is_the_requests_fault_and_passes_through_unscored() {
+    // any two of 400 / 413 / 422: the request was bad, no third node, nobody scored
+    for (first, second) in [
+        (Script::Status400, Script::Status400),
+        (Script::Status422, Script::Status400),
+        (Script::Status413, Script::Status422),
+    ] {
+        let (r, log, out, _) = run_one(&[("a", first), ("b", second)], 2).await;
+        let (node, body) = out.unwrap();
+        assert_eq!(log.0.lock().unwrap().len(), 2, "{first:?} {second:?}");
+        let second_node = log.0.lock().unwrap()[1].0.clone();
+        assert_eq!(node, second_node, "the last refusal goes to the caller");
+        let second_script = if second_node.as_str() == "a" {
+            first
+        } else {
+            second
+        };
+        let expected: &[u8] = match second_script {
+            Script::Status400 => b"bad request",
+            Script::Status413 => b"too large",
+            _ => b"unprocessable",
+        };
+        assert_eq!(&body.unwrap()[..], expected);
+        for n in ["a", "b"] {
+            assert_eq!(stats(&r, n), (0, 0, 0), "{n} scored");
+        }
+        assert!(r.snapshot().iter().all(|s| s.score.score > 0.99));
+        assert!(r.snapshot().iter().all(|s| s.in_flight == 0));
+    }
+}
+
+#[tokio::test]
+async fn a_refusal_is_retried_and_scored_only_when_another_node_serves_the_request() {
+    for refusal in [Script::Status400, Script::Status413, Script::Status422] {
+        let mut refused_first_seen = 0;
+        for run in 0..24 {
+            let stream = run % 2 == 0;
+            let (r, log, out, _) =
+                run_one_streamed(&[("a", refusal), ("b", Script::Ok)], 2, stream).await;
+            let (node, body) = out.unwrap();
+            let log = log.0.lock().unwrap().clone();
+            let refused_first = log[0].0.as_str() == "a";
+            if refused_first {
+                refused_first_seen += 1;
+                // a refused, b served: a's refusal was its fault
+                assert_eq!(log.len(), 2, "{refusal:?}");
+                assert_eq!(stats(&r, "a"), (1, 1, 0), "{refusal:?}");
+            } else {
+                // b was picked first and served: a never saw the request
+                assert_eq!(log.len(), 1, "{refusal:?}");
+                assert_eq!(stats(&r, "a"), (0, 0, 0), "{refusal:?}");
+            }
+            assert_eq!(node.as_str(), "b");
+            assert_eq!(stats(&r, "b").1, 0);
+            assert!(!body.unwrap().is_empty());
+            assert!(r.snapshot().iter().all(|s| s.in_flight == 0));
+        }
+        // a weighted random pick of two equal nodes: a is first in about half the runs
+        assert!(refused_first_seen > 0, "{refusal:?}");
+    }
+}
+
+#[tokio::test]
+async fn a_lone_nodes_refusal_passes_through_unscored() {
+    let (r, log, out, _) = run_one(&[("a", Script::Status422)], 2).await;
+    assert_eq!(log.0.lock().unwrap().len(), 1);
+    assert_eq!(&out.unwrap().1.unwrap()[..], b"unprocessable");
+    assert_eq!(stats(&r, "a"), (0, 0, 0));
     assert!(r.snapshot().iter().all(|s| s.in_flight == 0));
 }
 

@@ -19,7 +19,8 @@ fn a_fault_runs_the_hook_once_whenever_it_was_set() {
     let runs = Arc::new(AtomicU32::new(0));
     let slot = NodeSlot::new();
     let r = runs.clone();
-    slot.on_node_fault(move || {
+    slot.on_node_fault(move |fault| {
+        assert_eq!(fault, NodeFault::Broke);
         r.fetch_add(1, Ordering::SeqCst);
     });
     assert!(!slot.node_fault_reported());
@@ -29,8 +30,24 @@ fn a_fault_runs_the_hook_once_whenever_it_was_set() {
     assert_eq!(runs.load(Ordering::SeqCst), 1);
     // set after the report: runs at once
     let r = runs.clone();
-    slot.on_node_fault(move || {
+    slot.on_node_fault(move |_| {
         r.fetch_add(1, Ordering::SeqCst);
     });
     assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
+#[test]
+fn the_first_fault_kind_reported_is_the_one_kept() {
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let slot = NodeSlot::new();
+    let s = seen.clone();
+    slot.on_node_fault(move |fault| s.lock().unwrap_or_else(PoisonError::into_inner).push(fault));
+    assert_eq!(slot.node_fault(), None);
+    slot.report(NodeFault::Stalled);
+    slot.report_node_fault();
+    assert_eq!(slot.node_fault(), Some(NodeFault::Stalled));
+    assert_eq!(
+        *seen.lock().unwrap_or_else(PoisonError::into_inner),
+        vec![NodeFault::Stalled]
+    );
 }

@@ -15,8 +15,6 @@ use crate::{InFlightLease, NodeRegistry, RouteError};
 /// How one attempt ended before commit.
 pub(super) enum Attempt {
     Committed(http::Response<BoxBody>),
-    /// The caller's own fault (a 4xx other than 408/429): returned as is, not retried.
-    Final(http::Response<BoxBody>),
     /// A failure, with its answer (or error) for the caller if no retry is left. `None`: already
     /// scored (connect failure, timeout, broken body) or never scored (node full); `Some`: an
     /// answer-type failure whose scoring waits for the other attempts (see [`Route`]).
@@ -46,6 +44,13 @@ pub(super) enum AnswerFault {
         /// Whether the node sent no byte at all.
         empty: bool,
     },
+    /// The node called the request itself wrong: 400, 413 or 422 (any of the three: one node
+    /// may say 400 where another says 422 for the same bad request). A hostile or
+    /// misconfigured node can refuse every request to draw none of the work and keep its score,
+    /// so the request goes to another node: if that one serves it, the refusal was the node's
+    /// fault (scored); if it refuses too, the request was bad (neither scored, the refusal goes
+    /// to the caller).
+    Refused,
 }
 
 /// Awaits `fut` until `deadline` (none: no limit); `None` when the deadline passed first.
@@ -60,25 +65,21 @@ pub(super) fn first_content_timeout(config: &RouteConfig) -> BoxError {
     RouteError::FirstContentTimeout(config.first_content_timeout).into()
 }
 
-/// Whether a non-2xx status is the node's (or a transient) failure worth another node. Only the
-/// statuses that say the caller's request itself is wrong — 400, 413 and 422 — are the caller's
-/// fault and go back as they are; anything else (5xx, 408, 429, and 401/403/404/405…, which from
-/// a node mean it is misconfigured or does not serve what it advertised) counts against the node
-/// and is retried elsewhere.
-fn retryable_status(status: http::StatusCode) -> bool {
-    !matches!(
+/// Whether a failed non-2xx head is an answer-type failure (scored only once the request's other
+/// attempts show that it was the node's): the statuses that say the caller's request itself is
+/// wrong — 400, 413 and 422 ([`AnswerFault::Refused`]) — and a 5xx other than 502 / 503 / 504.
+/// Those three, like 408 / 429 / 401 / 404…, say that the node (or the proxy in front of its
+/// engine) cannot serve at all, whatever the request, and are scored at once. Every non-2xx is
+/// retried on another node while retries are left.
+fn answer_fault_status(status: http::StatusCode) -> Option<AnswerFault> {
+    if matches!(
         status,
         http::StatusCode::BAD_REQUEST
             | http::StatusCode::PAYLOAD_TOO_LARGE
             | http::StatusCode::UNPROCESSABLE_ENTITY
-    )
-}
-
-/// Whether a failed non-2xx head is an answer-type failure (scored only once the request's other
-/// attempts show that it was the node's): a 5xx other than 502 / 503 / 504. Those three, like
-/// 408 / 429 / 401 / 404…, say that the node (or the proxy in front of its engine) cannot serve
-/// at all, whatever the request, and are scored at once.
-fn answer_fault_status(status: http::StatusCode) -> Option<AnswerFault> {
+    ) {
+        return Some(AnswerFault::Refused);
+    }
     let deferred = status.is_server_error()
         && !matches!(
             status,
@@ -139,15 +140,6 @@ pub(super) async fn try_commit(
             return Attempt::Failed(Err(e), None);
         }
     };
-    if !resp.status().is_success() && !retryable_status(resp.status()) {
-        // the caller's own fault: the node did its job; the lease rides with the body
-        let (mut parts, body) = resp.into_parts();
-        parts.extensions.insert(node.clone());
-        return Attempt::Final(http::Response::from_parts(
-            parts,
-            BoxBody::new(RoutedBody::passthrough(body, lease, config)),
-        ));
-    }
     if !resp.status().is_success() {
         let fault = answer_fault_status(resp.status());
         if fault.is_none() {

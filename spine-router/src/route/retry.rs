@@ -6,8 +6,8 @@ use std::time::Duration;
 use bytes::BytesMut;
 use http_body_util::{BodyExt, Full};
 use spine_core::{
-    AccountId, BoxBody, BoxError, BufferedRequest, ClassifyBody, NodeId, NodeSlot, PromptTokens,
-    RequestContext, RequestKind, RequestPeek,
+    AccountId, BoxBody, BoxError, BufferedRequest, ClassifyBody, NodeFault, NodeId, NodeSlot,
+    PromptTokens, RequestContext, RequestKind, RequestPeek,
 };
 use tokio::time::Instant;
 use tower::Service;
@@ -33,7 +33,7 @@ impl Deferred {
 
     /// The attempts are over without a commit: nothing proves the nodes wrong. `result` is the
     /// [`ATTEMPTS_METRIC`](crate::ATTEMPTS_METRIC) label: `request_fault` (the same failure on
-    /// two nodes, or a caller's 4xx from another node) or `unresolved` (no other node answered
+    /// two nodes: two 5xx of one status, two failed streams alike, two refusals) or `unresolved` (no other node answered
     /// to compare with).
     fn unscored(self, result: &'static str) {
         if !self.0.is_empty() {
@@ -232,17 +232,16 @@ where
             deadline,
         };
         match try_commit(result, pick.lease, ctx).await {
-            Attempt::Final(resp) => {
-                // another node calls the request itself wrong: earlier 5xx were likely its too
-                deferred.unscored("request_fault");
-                return Ok(resp);
-            }
             Attempt::Committed(resp) => {
                 deferred.node_faults(&registry);
                 if let Some(slot) = parts.extensions.get::<NodeSlot>() {
-                    // the metering layer found the committed answer broke the rules
+                    // the metering layer found the committed answer broke the rules (a failure)
+                    // or made no progress for its stall bound (a mid-request disconnect)
                     let (registry, node) = (registry.clone(), node.clone());
-                    slot.on_node_fault(move || registry.record_failure(&node));
+                    slot.on_node_fault(move |fault| match fault {
+                        NodeFault::Stalled => registry.record_disconnect(&node),
+                        _ => registry.record_failure(&node),
+                    });
                 }
                 if let Some(key) = &key {
                     registry.remember(&peek.model, key, &node);
@@ -265,8 +264,9 @@ where
                     deferred.0.push((node.clone(), fault));
                     if seen {
                         // the same answer from two nodes follows the request: no third node
+                        // (two refusals: the request was bad, the refusal goes to the caller)
                         deferred.unscored("request_fault");
-                        return answer;
+                        return with_node(answer, &node);
                     }
                 }
                 tried.push(node);
@@ -303,6 +303,18 @@ where
         Some(last) => last,
         None => Err(RouteError::NoNodeForModel(peek.model).into()),
     }
+}
+
+/// The answer that goes to the caller, with the node that gave it in its extensions (the
+/// metering layer records it).
+fn with_node(
+    answer: Result<http::Response<BoxBody>, BoxError>,
+    node: &NodeId,
+) -> Result<http::Response<BoxBody>, BoxError> {
+    answer.map(|mut resp| {
+        resp.extensions_mut().insert(node.clone());
+        resp
+    })
 }
 
 /// Most bytes of a failed answer's body kept for the caller while the request tries another node.

@@ -33,8 +33,9 @@ use crate::NodeRegistry;
 ///    - any other 5xx head: an *answer-type* failure, retry; scored only as described below;
 ///    - an inner error recognised by [`RouteLayer::not_node_fault`] (the tunnel's per-node stream
 ///      limit): retry, not scored against the node;
-///    - any other 4xx head (the caller's fault): returned to the caller as is, no retry, not
-///      scored;
+///    - a 400, 413 or 422 head (the request called wrong): an *answer-type* failure of its own
+///      kind (any two of the three are alike), retry; scored only as described below — a node
+///      that refuses every request would otherwise draw no work and keep its score;
 ///    - 2xx: buffers body frames and feeds them to the classifier until it says
 ///      [`BodySignal::Content`] (commit) or [`BodySignal::Failed`] (error event or empty stream:
 ///      an answer-type failure, retry; a body broken before content: a disconnect, scored at
@@ -58,7 +59,9 @@ use crate::NodeRegistry;
 ///   stream) on a second node → the request itself fails: no further node is tried, the second
 ///   answer goes back to the caller, and neither node is scored
 ///   (`spine_router_attempts_total{result="request_fault"}`);
-/// - a later node answers with the caller's 4xx → likewise not scored (`request_fault`);
+/// - a refusal (400 / 413 / 422) on a second node → the request was bad: likewise, the second
+///   refusal goes to the caller and neither node is scored (`request_fault`); a lone node's
+///   refusal is `unresolved` (below) and goes to the caller unscored;
 /// - otherwise (a single candidate, `max_retries` 0, different failures on different nodes with
 ///   no node left, the other attempts all connect failures or timeouts) → not scored either
 ///   (`result="unresolved"`). With one answer there is nothing to compare it with, and scoring it
