@@ -48,7 +48,9 @@ const ENV_KEYS: &[(&str, Kind)] = &[
     ("strip_engine_fields", Kind::Bool),
     ("refused_credit_delay_ms", Kind::Int),
     ("max_buffered_request_bytes", Kind::Int),
+    ("max_buffered_request_bytes_per_account", Kind::Int),
     ("max_response_body_bytes", Kind::Int),
+    ("response_body_timeout_secs", Kind::Int),
     ("node_stall_timeout_secs", Kind::Int),
     ("stream_buffer_bytes", Kind::Int),
     ("redis_url", Kind::Str),
@@ -156,9 +158,15 @@ pub(crate) struct Config {
     pub(crate) refused_credit_delay_ms: u64,
     /// Most bytes of request bodies being read at once (503 `server_busy` past it).
     pub(crate) max_buffered_request_bytes: u64,
+    /// Most bytes of request bodies being read at once for one account (429
+    /// `rate_limit_exceeded` past it; other accounts are served).
+    pub(crate) max_buffered_request_bytes_per_account: u64,
     /// Most bytes of one non-streamed answer buffered (502 `response_too_large` past it, when
     /// the request could honestly be answered with more).
     pub(crate) max_response_body_bytes: u64,
+    /// Longest a non-streamed answer's body may take from its head to its end, seconds (a node
+    /// whose body trickles is cut: 502, settled `upstream_failed`, scored). 0 disables it.
+    pub(crate) response_body_timeout_secs: u64,
     /// A routable node with requests in flight and nothing received on any of them for this
     /// long is probed at once; when the probe times out with still nothing received, the node
     /// leaves routing (`TunnelServerConfig::stall_timeout`). 0 disables it. Seconds.
@@ -274,7 +282,9 @@ impl Default for Config {
             strip_engine_fields: true,
             refused_credit_delay_ms: 250,
             max_buffered_request_bytes: 256 * 1024 * 1024,
+            max_buffered_request_bytes_per_account: 32 * 1024 * 1024,
             max_response_body_bytes: 16 * 1024 * 1024,
+            response_body_timeout_secs: 120,
             node_stall_timeout_secs: 5,
             stream_buffer_bytes: 4 * 1024 * 1024,
             redis_url: Default::default(),

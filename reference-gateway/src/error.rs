@@ -270,6 +270,9 @@ impl ApiError {
                 "server_busy",
                 e.to_string(),
             ),
+            MeterError::AccountBodiesOverBudget { .. } => {
+                Self::rate_limited("requests", e.to_string(), Some(1))
+            }
             MeterError::UnknownModel(m) => Self::new(
                 StatusCode::NOT_FOUND,
                 "invalid_request_error",
@@ -289,7 +292,7 @@ impl ApiError {
                 "ledger_unavailable",
                 "the ledger is unavailable; the request was not forwarded",
             ),
-            MeterError::ContextLengthExceeded { .. } => {
+            MeterError::ContextLengthExceeded { .. } | MeterError::PromptOverContext { .. } => {
                 Self::invalid_request("context_length_exceeded", e.to_string())
                     .with_param("messages")
             }

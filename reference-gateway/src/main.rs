@@ -225,6 +225,14 @@ async fn run(cli: Cli) -> Result<(), MainError> {
         .max_stream_duration(std::time::Duration::from_secs(
             config.max_stream_duration_secs,
         ))
+        // the same bound as the router's silence bound, on progress instead of bytes: a node
+        // that keeps its stream alive with comments or empty chunks is cut as stalled
+        .stream_stall_timeout(std::time::Duration::from_secs(
+            config.stream_idle_timeout_secs,
+        ))
+        .response_body_timeout(std::time::Duration::from_secs(
+            config.response_body_timeout_secs,
+        ))
         .strip_engine_fields(config.strip_engine_fields)
         .refused_credit_delay(std::time::Duration::from_millis(
             config.refused_credit_delay_ms,
@@ -234,6 +242,9 @@ async fn run(cli: Cli) -> Result<(), MainError> {
         )
         .max_buffered_request_bytes(
             usize::try_from(config.max_buffered_request_bytes).unwrap_or(usize::MAX),
+        )
+        .max_buffered_request_bytes_per_account(
+            usize::try_from(config.max_buffered_request_bytes_per_account).unwrap_or(usize::MAX),
         )
         // each usage discrepancy also lowers the node's score
         .events(Arc::new({

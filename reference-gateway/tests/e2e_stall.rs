@@ -375,3 +375,209 @@ async fn a_stream_open_when_the_shutdown_grace_ends_gets_an_error_event_and_sett
     assert!(debit > 0, "{rec}");
     assert_eq!(gw.balance(&account).await, (CREDITS - debit, 0));
 }
+
+/// What a hostile engine keeps a stream alive with, none of it progress: a comment, an empty
+/// delta, a role-only chunk, a usage-only chunk, a chunk with an empty delta.
+fn alive_without_progress() -> Vec<String> {
+    let chunk = |choice: Value| {
+        format!(
+            "data: {}\n\n",
+            json!({"id":"x","object":"chat.completion.chunk","created":1,"model":"smollm2",
+                "choices":[choice]})
+        )
+    };
+    vec![
+        ": ping\n\n".to_owned(),
+        chunk(json!({"index":0,"delta":{"content":""},"finish_reason":null})),
+        chunk(json!({"index":0,"delta":{"role":"assistant"},"finish_reason":null})),
+        format!(
+            "data: {}\n\n",
+            json!({"id":"x","object":"chat.completion.chunk","created":1,"model":"smollm2",
+                "choices":[],"usage":{"prompt_tokens":9,"completion_tokens":1,"total_tokens":10}})
+        ),
+        chunk(json!({"index":0,"delta":{},"finish_reason":null})),
+    ]
+}
+
+/// A node whose engine streams a role chunk and one token, then keeps the stream alive forever
+/// (every 100 ms: comments, empty deltas, role-only and usage chunks) without a new token: the
+/// gateway's silence bound never fires (bytes keep coming), its progress bound does. The
+/// caller's stream ends with the `upstream_failed` error event (no `[DONE]`) after about
+/// `stream_idle_timeout_secs`; the record keeps the delivered tokens (`upstream_failed`,
+/// nothing charged); the node is scored as for a mid-request disconnect; the engine request is
+/// cancelled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_kept_alive_without_progress_is_cut_as_stalled_and_scored_as_a_disconnect() {
+    let engine = Engine::discover().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let gw = Gateway::start_with(dir.path(), &engine, "stream_idle_timeout_secs = 2").await;
+    let cancelled = Arc::new(AtomicBool::new(false));
+    let flag = cancelled.clone();
+    let (url, task) = serve_fake_llama(move |path, _body| {
+        let flag = flag.clone();
+        async move {
+            if path != "/v1/chat/completions" {
+                return full(404, "application/json", r#"{"error":"not found"}"#.into());
+            }
+            let alive = alive_without_progress();
+            let guard = DropFlag(flag);
+            let frames = futures_util::stream::unfold((0usize, guard), move |(n, guard)| {
+                let alive = alive.clone();
+                async move {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    let frame = match n {
+                        0 => ROLE.to_owned(),
+                        1 => content("Hello"),
+                        _ => alive[(n - 2) % alive.len()].clone(),
+                    };
+                    Some((
+                        Ok::<_, std::io::Error>(Frame::data(Bytes::from(frame))),
+                        (n + 1, guard),
+                    ))
+                }
+            });
+            sse(frames)
+        }
+    })
+    .await;
+    let Tenant {
+        operator,
+        account,
+        api_key,
+    } = tenant(&gw).await;
+    let (node_id, agent) = add_node(&gw, dir.path(), &operator, &url, "agent").await;
+    let before = gw
+        .node_view(&node_id)
+        .await
+        .unwrap_or_else(|| panic!("node not listed; agent stderr:\n{}", agent.stderr_tail(30)));
+    assert_eq!(before["disconnects"], 0);
+
+    let started = Instant::now();
+    let (id, status, events) = chat(&gw, &api_key).await;
+    let took = started.elapsed();
+    assert_eq!(status, 200);
+    assert!(took >= Duration::from_secs(2), "cut too early: {took:?}");
+    assert!(took < Duration::from_secs(15), "cut too late: {took:?}");
+    let text: String = events
+        .iter()
+        .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+        .filter_map(|v| {
+            v["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(str::to_owned)
+        })
+        .collect();
+    assert_eq!(text, "Hello", "{events:?}");
+    assert!(!events.iter().any(|e| e == "[DONE]"), "{events:?}");
+    let last: Value = serde_json::from_str(events.last().unwrap()).unwrap();
+    assert_eq!(last["error"]["code"], "upstream_failed", "{events:?}");
+    assert_eq!(last["error"]["type"], "upstream_error", "{events:?}");
+    assert!(
+        last["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("no progress"),
+        "{events:?}"
+    );
+
+    // the record: upstream_failed with the delivered token, nothing charged
+    let rec = gw.record(&id).await;
+    assert_eq!(rec["outcome"], "upstream_failed", "{rec}");
+    let tok = spine_meter::ModelTokenizer::from_gguf(&engine.model_gguf).unwrap();
+    assert_eq!(
+        rec["billed"]["completion_tokens"].as_u64().unwrap(),
+        tok.count_text("Hello"),
+        "{rec}"
+    );
+    assert_eq!(rec["debit_micros"], 0, "{rec}");
+    assert_eq!(gw.balance_once_released(&account).await, (CREDITS, 0));
+
+    // the node: one attempt, scored as a mid-request disconnect, its slot freed
+    let after = gw.node_view(&node_id).await.unwrap();
+    assert_eq!(after["attempts"], 1, "{after}");
+    assert_eq!(after["disconnects"], 1, "{after}");
+    assert_eq!(after["in_flight"], 0, "{after}");
+    assert!(
+        after["score_parts"]["failure_penalty"].as_f64().unwrap() < 0.51,
+        "{after}"
+    );
+    // the engine request was dropped
+    let mut dropped = false;
+    for _ in 0..100 {
+        if cancelled.load(Ordering::SeqCst) {
+            dropped = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(dropped, "agent stderr:\n{}", agent.stderr_tail(30));
+    task.abort();
+}
+
+/// A node whose engine answers a non-streamed request with a 200 head and then a body that
+/// trickles (a byte every 100 ms, forever): never silent, never whole. Cut at
+/// `response_body_timeout_secs`: the caller gets a 502 in OpenAI's shape, the request settles
+/// `upstream_failed` (nothing charged) and the node is scored a failure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_non_streamed_body_that_trickles_is_cut_at_its_total_bound() {
+    let engine = Engine::discover().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let gw = Gateway::start_with(dir.path(), &engine, "response_body_timeout_secs = 2").await;
+    let (url, task) = serve_fake_llama(|path, _body| async move {
+        if path != "/v1/chat/completions" {
+            return full(404, "application/json", r#"{"error":"not found"}"#.into());
+        }
+        use http_body_util::BodyExt as _;
+        let frames = futures_util::stream::unfold(0u64, |n| async move {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let frame = if n == 0 { "{\"id\":\"x\"," } else { " " };
+            Some((
+                Ok::<_, std::io::Error>(Frame::data(Bytes::from_static(frame.as_bytes()))),
+                n + 1,
+            ))
+        });
+        hyper::Response::builder()
+            .status(200)
+            .header("content-type", "application/json")
+            .body(http_body_util::StreamBody::new(frames).boxed())
+            .unwrap()
+    })
+    .await;
+    let Tenant {
+        operator,
+        account,
+        api_key,
+    } = tenant(&gw).await;
+    let (node_id, _agent) = add_node(&gw, dir.path(), &operator, &url, "agent").await;
+
+    let started = Instant::now();
+    let resp = gw
+        .api_post(
+            &api_key,
+            "/v1/chat/completions",
+            &json!({"model":"smollm2","messages":[{"role":"user","content":"Say hi."}],"max_tokens":8}),
+        )
+        .await;
+    let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
+    let status = resp.status().as_u16();
+    let body: Value = tokio::time::timeout(Duration::from_secs(30), resp.json())
+        .await
+        .expect("the answer hung")
+        .unwrap();
+    let took = started.elapsed();
+    assert_eq!(status, 502, "{body}");
+    assert!(body["error"]["message"].is_string(), "{body}");
+    assert!(body["error"]["type"].is_string(), "{body}");
+    assert!(body["error"]["code"].is_string(), "{body}");
+    assert!(took >= Duration::from_secs(2), "cut too early: {took:?}");
+    assert!(took < Duration::from_secs(15), "cut too late: {took:?}");
+    let rec = gw.record(&id).await;
+    assert_eq!(rec["outcome"], "upstream_failed", "{rec}");
+    assert_eq!(rec["debit_micros"], 0, "{rec}");
+    assert_eq!(gw.balance_once_released(&account).await, (CREDITS, 0));
+    let node = gw.node_view(&node_id).await.unwrap();
+    assert_eq!(node["attempts"], 1, "{node}");
+    assert_eq!(node["failures"], 1, "{node}");
+    assert_eq!(node["in_flight"], 0, "{node}");
+    task.abort();
+}

@@ -21,6 +21,11 @@
 //!   `REFUSED_CREDIT_TTL`, before its body is read); and `paid_small` (a 20-token paid chat,
 //!   non-streamed) for scale.
 //!
+//! - `prompt_count`: a 4 MiB chat prompt templated and counted whole
+//!   ([`ModelTokenizer::count_prompt`]) against counted until it passes a limit
+//!   (`TokenCounter::count_prompt_within`): the context window (refused on its bytes) and the
+//!   tokens a balance pays for (counted in 64 KiB pieces until past it).
+//!
 //! The tokenizer comes from `SPINE_MODEL_GGUF` (default
 //! `~/.cache/spine/models/SmolLM2-135M-Instruct.Q4_1.gguf`); without it the groups that need it
 //! are skipped with a message. Run: `cargo bench -p spine-meter --bench meter`.
@@ -445,11 +450,51 @@ fn refused_credit(c: &mut Criterion) {
     group.finish();
 }
 
+/// A 4 MiB chat prompt counted whole against counted until it passes a limit (issue 13: an
+/// account that cannot pay, a prompt that cannot fit, is refused before the work).
+fn prompt_count(c: &mut Criterion) {
+    use spine_meter::tokenizer::Counted;
+    use spine_meter::TokenCounter;
+    let Some(gguf) = model_gguf() else { return };
+    let tokenizer = Arc::new(ModelTokenizer::from_gguf(&gguf).unwrap());
+    let prompt =
+        "The quick brown fox jumps over the lazy dog. ".repeat((4 * 1024 * 1024 - 1024) / 45);
+    let body = serde_json::json!({"model":"smollm2","max_tokens":16,
+        "messages":[{"role":"user","content":prompt}]});
+    let whole = tokenizer.count_prompt(&body).unwrap();
+    let mut group = c.benchmark_group("prompt_count");
+    group.sample_size(10);
+    group.bench_function(BenchmarkId::new("full_count_4mib_prompt", whole), |b| {
+        b.iter(|| tokenizer.count_prompt(std::hint::black_box(&body)).unwrap());
+    });
+    // the context of the gateway's SmolLM2 (8,192 tokens): refused on the byte bound
+    group.bench_function("refused_over_context_8192_4mib_prompt", |b| {
+        b.iter(|| {
+            let n = tokenizer
+                .count_prompt_within(std::hint::black_box(&body), 8191)
+                .unwrap();
+            assert!(matches!(n, Counted::AtLeast(_)), "{n:?}");
+        });
+    });
+    // an account whose balance pays 100,000 prompt tokens (15,000 micros at 0.15 $/M), within a
+    // context large enough to hold the prompt: counted in 64 KiB pieces until it passes
+    group.bench_function("refused_over_balance_100k_tokens_4mib_prompt", |b| {
+        b.iter(|| {
+            let n = tokenizer
+                .count_prompt_within(std::hint::black_box(&body), 100_000)
+                .unwrap();
+            assert!(matches!(n, Counted::AtLeast(_)), "{n:?}");
+        });
+    });
+    group.finish();
+}
+
 criterion_group!(
     benches,
     sse_parse,
     meter_body,
     token_counting,
-    refused_credit
+    refused_credit,
+    prompt_count
 );
 criterion_main!(benches);

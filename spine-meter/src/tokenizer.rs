@@ -97,6 +97,23 @@ pub trait TokenCounter: fmt::Debug + Send + Sync {
     /// meter refuses the request with 400 ([`MeterError::Prompt`](crate::meter::MeterError::Prompt)).
     fn count_prompt(&self, body: &Value) -> Result<u64, TokenizerError>;
 
+    /// [`count_prompt`](Self::count_prompt), allowed to stop as soon as the count passes
+    /// `limit` tokens: [`Counted::Exact`], or [`Counted::AtLeast`] a number above `limit` when
+    /// it stopped early. Lets the meter refuse a prompt over the context or over what the
+    /// caller can pay without tokenizing all of it.
+    ///
+    /// The default counts the whole prompt ([`count_prompt`](Self::count_prompt)). A counter
+    /// that renders a chat template first should render, then count the text with
+    /// [`count_text_within`] (as [`ModelTokenizer`](crate::ModelTokenizer) does).
+    ///
+    /// # Errors
+    ///
+    /// As [`count_prompt`](Self::count_prompt).
+    fn count_prompt_within(&self, body: &Value, limit: u64) -> Result<Counted, TokenizerError> {
+        let _ = limit;
+        self.count_prompt(body).map(Counted::Exact)
+    }
+
     /// Tokens of `text`, special tokens parsed, no BOS or EOS added (0 for `""`). Infallible:
     /// text a counter cannot encode should count as an upper bound (e.g. its bytes).
     fn count_text(&self, text: &str) -> u64;
@@ -136,6 +153,10 @@ pub trait TokenCounter: fmt::Debug + Send + Sync {
 impl<T: TokenCounter + ?Sized> TokenCounter for std::sync::Arc<T> {
     fn count_prompt(&self, body: &Value) -> Result<u64, TokenizerError> {
         (**self).count_prompt(body)
+    }
+
+    fn count_prompt_within(&self, body: &Value, limit: u64) -> Result<Counted, TokenizerError> {
+        (**self).count_prompt_within(body, limit)
     }
 
     fn count_text(&self, text: &str) -> u64 {
@@ -251,6 +272,92 @@ pub struct CompletionCount {
     /// The choice finished with `"length"` but its text cannot be `max_tokens` tokens (fewer
     /// bytes than that, or more tokens): billed by its text and flagged as a discrepancy.
     pub length_unsupported: bool,
+}
+
+/// Bytes of text [`count_text_within`] tokenizes at a time: 64 KiB.
+pub const COUNT_PIECE_BYTES: usize = 64 * 1024;
+
+/// A token count that may have stopped early ([`count_text_within`],
+/// [`TokenCounter::count_prompt_within`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Counted {
+    /// The whole text counted: its exact count.
+    Exact(u64),
+    /// Counting stopped once past the limit: the exact count is at least this (which is above
+    /// the limit).
+    AtLeast(u64),
+}
+
+impl Counted {
+    /// The count (exact, or the lower bound).
+    pub fn tokens(self) -> u64 {
+        match self {
+            Self::Exact(n) | Self::AtLeast(n) => n,
+        }
+    }
+
+    /// `self` plus `more` tokens counted after it (at least, when either is at least).
+    pub fn plus(self, more: Counted) -> Counted {
+        let n = self.tokens().saturating_add(more.tokens());
+        match (self, more) {
+            (Self::Exact(_), Self::Exact(_)) => Self::Exact(n),
+            _ => Self::AtLeast(n),
+        }
+    }
+}
+
+/// Tokens of `text` as `counter`'s [`TokenCounter::count_text`] counts the whole, counted in
+/// pieces of about [`COUNT_PIECE_BYTES`] cut where the count of the whole is the sum of the
+/// counts of the parts ([`TokenCounter::stable_cut`], as [`IncrementalText`] does), stopping as
+/// soon as the count passes `limit`: [`Counted::Exact`] when the whole text was counted
+/// (whatever its count), else [`Counted::AtLeast`] a number above `limit`. Before each piece,
+/// what is left counts at least its bytes over [`TokenCounter::max_token_bytes`]: a text that
+/// cannot fit is refused before any more of it is tokenized.
+///
+/// Work: O(bytes counted before the stop). A counter that names no cut (the trait's default)
+/// is counted whole, once, unless the byte bound already passes `limit`.
+pub fn count_text_within(counter: &dyn TokenCounter, text: &str, limit: u64) -> Counted {
+    let per_token = counter.max_token_bytes().max(1);
+    let mut counted = 0u64;
+    let mut rest = text;
+    // positions of `rest` already looked at with no cut found
+    let mut scanned = 0usize;
+    let mut window = COUNT_PIECE_BYTES;
+    loop {
+        let at_least = counted.saturating_add(rest.len() as u64 / per_token);
+        if at_least > limit {
+            return Counted::AtLeast(at_least);
+        }
+        if rest.len() <= window.saturating_add(INCREMENTAL_KEEP_BYTES) {
+            return Counted::Exact(counted.saturating_add(counter.count_text(rest)));
+        }
+        let mut end = window.saturating_add(INCREMENTAL_KEEP_BYTES);
+        while !rest.is_char_boundary(end) {
+            end -= 1;
+        }
+        let piece = rest.get(..end).unwrap_or(rest);
+        match counter.stable_cut(piece, INCREMENTAL_KEEP_BYTES, scanned) {
+            Some(cut) if cut > 0 && rest.is_char_boundary(cut) => {
+                let head = rest.get(..cut).unwrap_or_default();
+                counted = counted.saturating_add(counter.count_text(head));
+                rest = rest.get(cut..).unwrap_or_default();
+                scanned = 0;
+                window = COUNT_PIECE_BYTES;
+                if counted > limit {
+                    return if rest.is_empty() {
+                        Counted::Exact(counted)
+                    } else {
+                        Counted::AtLeast(counted)
+                    };
+                }
+            }
+            _ => {
+                // no cut in this piece (a long word, a run of CJK letters): look further
+                scanned = end.saturating_sub(INCREMENTAL_KEEP_BYTES);
+                window = window.saturating_add(COUNT_PIECE_BYTES);
+            }
+        }
+    }
 }
 
 /// Bytes kept uncounted at the end of an [`IncrementalText`]: more than the longest special

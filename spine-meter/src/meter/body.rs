@@ -9,7 +9,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use serde_json::value::RawValue;
-use spine_core::{BoxError, NodeSlot, RequestKind, StreamOutcome, Usage};
+use spine_core::{BoxError, NodeFault, NodeSlot, RequestKind, StreamOutcome, Usage};
 
 use super::bill::{
     billed_usage, bound_event, encode_event, error_event, over_limit_streamed, usage_json, Choice,
@@ -48,6 +48,10 @@ pub(crate) struct StreamSettings {
     pub(crate) max_sse_event_bytes: usize,
     /// Zero: no bound.
     pub(crate) max_stream_duration: Duration,
+    /// Longest without progress ([`MeterConfig::stream_stall_timeout`]); zero: no bound.
+    ///
+    /// [`MeterConfig::stream_stall_timeout`]: super::MeterConfig::stream_stall_timeout
+    pub(crate) stream_stall_timeout: Duration,
     /// Cancelled when the process's drain ends ([`MeterLayer::drain_deadline`]): the stream is
     /// ended at its bound.
     ///
@@ -160,6 +164,89 @@ struct State {
     deadline_started: bool,
     /// The drain deadline's wait (registered on the first poll).
     drain_wait: Option<Pin<Box<tokio_util::sync::WaitForCancellationFutureOwned>>>,
+    /// The bound on a stream without progress; `None` when disabled.
+    stall: Option<StallClock>,
+}
+
+/// The bound on a stream without progress ([`StreamSettings::stream_stall_timeout`]): progress
+/// (new delivered text, a `finish_reason`) only stores a deadline; one `Sleep` (armed on the
+/// first poll) re-arms itself to the latest deadline when it fires early. The clock stops while
+/// the caller holds a frame: the time between a frame handed out and the caller's next poll
+/// moves the deadline by as much, so a slow reader (whose frames wait in the read-ahead buffer)
+/// never makes an honest node look stalled.
+struct StallClock {
+    timeout: Duration,
+    /// When the stream is stalled; `None` before the first poll, or "never" (overflow).
+    at: Option<tokio::time::Instant>,
+    started: bool,
+    sleep: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// When the last frame went to the caller (its next poll resumes the clock).
+    handed_out: Option<tokio::time::Instant>,
+}
+
+impl StallClock {
+    fn new(timeout: Duration) -> Option<Self> {
+        (!timeout.is_zero()).then_some(Self {
+            timeout,
+            at: None,
+            started: false,
+            sleep: None,
+            handed_out: None,
+        })
+    }
+
+    /// New text or a finish: the node made progress.
+    fn progress(&mut self) {
+        if self.started {
+            self.at = tokio::time::Instant::now().checked_add(self.timeout);
+        }
+    }
+
+    /// A frame goes to the caller: the clock stops until its next poll.
+    fn handed_out(&mut self) {
+        if self.started {
+            self.handed_out = Some(tokio::time::Instant::now());
+        }
+    }
+
+    /// The caller polls again: the time it held the frame does not count.
+    fn resumed(&mut self) {
+        if let Some(out) = self.handed_out.take() {
+            let held = tokio::time::Instant::now().saturating_duration_since(out);
+            self.at = self.at.and_then(|at| at.checked_add(held));
+        }
+    }
+
+    /// True once the stream went without progress for the timeout (started on the first
+    /// call, when a tokio runtime is there; without one the bound is not kept).
+    fn passed(&mut self, cx: &mut Context<'_>) -> bool {
+        if !self.started {
+            self.started = true;
+            if tokio::runtime::Handle::try_current().is_err() {
+                return false;
+            }
+            self.at = tokio::time::Instant::now().checked_add(self.timeout);
+        }
+        let Some(at) = self.at else {
+            return false;
+        };
+        let sleep = self
+            .sleep
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(at)));
+        loop {
+            if sleep.as_mut().poll(cx).is_pending() {
+                return false;
+            }
+            // fired: progress (or a caller's pause) may have moved the deadline since
+            let Some(at) = self.at else {
+                return false;
+            };
+            if at <= tokio::time::Instant::now() {
+                return true;
+            }
+            sleep.as_mut().reset(at);
+        }
+    }
 }
 
 impl fmt::Debug for State {
@@ -202,6 +289,7 @@ impl Drop for State {
 
 impl<B> MeterBody<B> {
     pub(crate) fn streaming(inner: B, ctx: SettleCtx, settings: StreamSettings) -> Self {
+        let settings_stall = settings.stream_stall_timeout;
         Self {
             inner,
             state: State {
@@ -225,6 +313,7 @@ impl<B> MeterBody<B> {
                 deadline: None,
                 deadline_started: false,
                 drain_wait: None,
+                stall: StallClock::new(settings_stall),
             },
         }
     }
@@ -316,6 +405,7 @@ impl State {
         }
         self.remember_meta(&members);
         let n_read = read.len();
+        let mut progressed = false;
         let mut kept: Vec<String> = Vec::new();
         let mut text = Vec::new();
         for c in read {
@@ -327,6 +417,9 @@ impl State {
                 continue;
             }
             let choice = self.choices.entry(c.index).or_default();
+            if c.finish_reason.is_some() || !c.generated.is_empty() {
+                progressed = true;
+            }
             if let Some(f) = c.finish_reason {
                 choice.finish_reason = Some(f);
             }
@@ -334,6 +427,11 @@ impl State {
                 text.push((c.index, c.generated));
             }
             kept.push(c.raw);
+        }
+        if progressed {
+            if let Some(stall) = self.stall.as_mut() {
+                stall.progress();
+            }
         }
         if n_read > 0 && kept.is_empty() {
             return;
@@ -530,6 +628,28 @@ impl State {
         self.fail(bound_event(message), StreamOutcome::CutAtBound);
     }
 
+    /// The node kept its stream alive without progress for the stall bound: reported as
+    /// [`NodeFault::Stalled`] (the router scores a mid-request disconnect), the caller's stream
+    /// ends with the `upstream_failed` error event, settled `upstream_failed` (the delivered
+    /// tokens recorded, nothing paid).
+    fn stalled(&mut self) {
+        let secs = self.settings.stream_stall_timeout.as_secs_f64();
+        tracing::warn!(
+            request_id = ?self.ctx.as_ref().map(|c| c.request_id.as_str()),
+            stall_timeout_secs = secs,
+            "node stream made no progress; cutting it"
+        );
+        if let Some(slot) = &self.settings.slot {
+            slot.report(NodeFault::Stalled);
+        }
+        self.fail(
+            error_event(&format!(
+                "the node's stream made no progress (no new text) for {secs} s"
+            )),
+            StreamOutcome::UpstreamFailed,
+        );
+    }
+
     fn cut(&mut self, cut: Cut) {
         match cut {
             Cut::NodeFault(why) => self.node_fault(&why),
@@ -720,9 +840,15 @@ where
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let mut this = self.project();
         let state: &mut State = this.state;
+        if let Some(stall) = state.stall.as_mut() {
+            stall.resumed();
+        }
         loop {
             if let Some(out) = state.queue.pop_front() {
                 let bytes = state.deliver(out);
+                if let Some(stall) = state.stall.as_mut() {
+                    stall.handed_out();
+                }
                 return Poll::Ready(Some(Ok(Frame::data(bytes))));
             }
             if state.ctx.is_none() {
@@ -747,9 +873,16 @@ where
                 );
                 continue;
             }
+            if state.stall.as_mut().is_some_and(|s| s.passed(cx)) {
+                state.stalled();
+                continue;
+            }
             match this.inner.as_mut().poll_frame(cx) {
                 Poll::Pending => {
                     if state.keepalive_due(cx) {
+                        if let Some(stall) = state.stall.as_mut() {
+                            stall.handed_out();
+                        }
                         return Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(
                             KEEPALIVE_EVENT,
                         )))));

@@ -4,7 +4,7 @@ use bytes::Bytes;
 use indexmap::IndexMap;
 use serde_json::value::RawValue;
 use serde_json::Value;
-use spine_core::{StreamOutcome, Usage};
+use spine_core::{NodeSlot, StreamOutcome, Usage};
 
 use super::settle::SettleCtx;
 use super::MeterError;
@@ -13,16 +13,21 @@ type JsonMap = IndexMap<String, Box<RawValue>>;
 
 /// Meters a complete 2xx `/v1/embeddings` body and settles.
 ///
-/// A usable answer (a JSON object without a non-null `error`, whose `data` is an array of
-/// exactly `inputs` objects each with an `embedding`) settles `completed` with the independent
-/// input count and 0 completion tokens, and comes back with `usage` rewritten to
+/// A usable answer is OpenAI's shape: a JSON object without a non-null `error`, whose `data` is
+/// an array of exactly `inputs` objects, each with an `embedding` that is a non-empty array of
+/// JSON numbers (or, for `encoding_format: "base64"`, a base64 string of whole little-endian
+/// `f32`s), every vector of the same dimension, and an `index` (when present) that is an
+/// integer below `inputs`, each index once. It settles `completed` with the independent input
+/// count and 0 completion tokens, and comes back with `usage` rewritten to
 /// `{"prompt_tokens": billed, "total_tokens": billed}` (OpenAI's embeddings usage shape). The
-/// node's `usage.prompt_tokens` is kept as its claim. Anything else settles `upstream_failed`
-/// (the caller pays nothing) and is a [`MeterError::UpstreamInvalid`].
+/// node's `usage.prompt_tokens` is kept as its claim. Anything else is the node's fault: the
+/// fault is reported on `slot` (the router scores it), the request settles `upstream_failed`
+/// (the caller pays nothing) and it is a [`MeterError::UpstreamInvalid`] (502).
 pub(crate) fn meter_embeddings(
     ctx: SettleCtx,
     body: &[u8],
     inputs: usize,
+    slot: Option<&NodeSlot>,
 ) -> Result<Bytes, MeterError> {
     let billed = Usage {
         prompt_tokens: ctx.prompt_tokens,
@@ -30,6 +35,9 @@ pub(crate) fn meter_embeddings(
     };
     let fail = |ctx: SettleCtx, claimed: Option<Usage>, why: String| {
         tracing::warn!(request_id = %ctx.request_id, reason = %why, "invalid node response");
+        if let Some(slot) = slot {
+            slot.report_node_fault();
+        }
         ctx.settle(StreamOutcome::UpstreamFailed, billed, claimed);
         Err(MeterError::UpstreamInvalid(why))
     };
@@ -47,20 +55,15 @@ pub(crate) fn meter_embeddings(
     if map.get("error").is_some_and(|e| e.get().trim() != "null") {
         return fail(ctx, claimed, "the body carries an error".to_owned());
     }
-    let data = map
+    let checked = map
         .get("data")
-        .and_then(|d| serde_json::from_str::<Vec<Value>>(d.get()).ok());
-    let usable = data.as_ref().is_some_and(|d| {
-        d.len() == inputs
-            && d.iter()
-                .all(|e| e.get("embedding").is_some_and(|v| !v.is_null()))
-    });
-    if !usable {
-        let got = data.map_or(0, |d| d.len());
+        .ok_or_else(|| "no `data` member".to_owned())
+        .and_then(|data| check_data(data, inputs));
+    if let Err(why) = checked {
         return fail(
             ctx,
             claimed,
-            format!("expected {inputs} embeddings in `data`, got {got} usable"),
+            format!("not an embeddings answer for {inputs} inputs: {why}"),
         );
     }
     let usage = format!(
@@ -78,4 +81,181 @@ pub(crate) fn meter_embeddings(
     };
     ctx.settle(StreamOutcome::Completed, billed, claimed);
     Ok(bytes)
+}
+
+/// One item of `data` as read for checking: the vector stays raw until [`vector_len`].
+#[derive(serde::Deserialize)]
+struct Item<'a> {
+    #[serde(borrow)]
+    embedding: Option<&'a RawValue>,
+    #[serde(borrow)]
+    index: Option<&'a RawValue>,
+}
+
+/// Checks `data` (see [`meter_embeddings`]); the reason when it is not usable.
+fn check_data(data: &RawValue, inputs: usize) -> Result<(), String> {
+    let not_objects = || "`data` is not an array of objects".to_owned();
+    let raw: Vec<&RawValue> = serde_json::from_str(data.get()).map_err(|_| not_objects())?;
+    let items = raw
+        .iter()
+        .map(|item| {
+            // an object, not a sequence that serde would also read into the struct
+            if !item.get().trim_start().starts_with('{') {
+                return Err(not_objects());
+            }
+            serde_json::from_str::<Item<'_>>(item.get()).map_err(|_| not_objects())
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    if items.len() != inputs {
+        return Err(format!("{} vectors in `data`", items.len()));
+    }
+    let mut seen = vec![false; inputs];
+    let mut dimension = None;
+    for (i, item) in items.iter().enumerate() {
+        let Some(embedding) = item.embedding else {
+            return Err(format!("item {i} has no `embedding`"));
+        };
+        let len = vector_len(embedding).map_err(|why| format!("item {i}: {why}"))?;
+        if len == 0 {
+            return Err(format!("item {i} has an empty embedding"));
+        }
+        match dimension {
+            None => dimension = Some(len),
+            Some(d) if d != len => {
+                return Err(format!(
+                    "item {i} has {len} dimensions where the first has {d}"
+                ))
+            }
+            Some(_) => {}
+        }
+        if let Some(index) = item.index {
+            let at = index
+                .get()
+                .parse::<usize>()
+                .ok()
+                .filter(|&at| at < inputs)
+                .ok_or_else(|| {
+                    format!("item {i} has index {} (not below {inputs})", index.get())
+                })?;
+            let Some(slot) = seen.get_mut(at) else {
+                return Err(format!("item {i} has index {at}"));
+            };
+            if std::mem::replace(slot, true) {
+                return Err(format!("index {at} appears twice"));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The dimension of one `embedding`: an array of JSON numbers (each read as an `f64`, nothing
+/// kept), or a base64 string of little-endian `f32`s (`encoding_format: "base64"`).
+fn vector_len(raw: &RawValue) -> Result<usize, String> {
+    let text = raw.get().trim_start();
+    if text.starts_with('"') {
+        use base64::Engine as _;
+        let s: &str = serde_json::from_str(raw.get())
+            .map_err(|_| "`embedding` is not a plain base64 string".to_owned())?;
+        let bytes = base64::engine::general_purpose::STANDARD
+            .decode(s)
+            .map_err(|_| "`embedding` is a string but not base64".to_owned())?;
+        if bytes.len() % 4 != 0 {
+            return Err("`embedding` is base64 but not whole f32 values".to_owned());
+        }
+        return Ok(bytes.len() / 4);
+    }
+    let Numbers(n) = serde_json::from_str(raw.get())
+        .map_err(|_| "`embedding` is not an array of numbers".to_owned())?;
+    Ok(n)
+}
+
+/// How many numbers a JSON array holds; fails on anything but an array of numbers.
+struct Numbers(usize);
+
+impl<'de> serde::Deserialize<'de> for Numbers {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visit;
+        impl<'de> serde::de::Visitor<'de> for Visit {
+            type Value = Numbers;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("an array of numbers")
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<Numbers, A::Error> {
+                let mut n = 0usize;
+                while seq.next_element::<f64>()?.is_some() {
+                    n += 1;
+                }
+                Ok(Numbers(n))
+            }
+        }
+        d.deserialize_seq(Visit)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::check_data;
+    use serde_json::value::RawValue;
+
+    fn check(data: &str, inputs: usize) -> Result<(), String> {
+        check_data(&RawValue::from_string(data.to_owned()).unwrap(), inputs)
+    }
+
+    #[test]
+    fn only_openais_shape_with_one_vector_per_input_is_usable() {
+        // usable: arrays of numbers, one per input, same dimension, indices once each
+        assert_eq!(
+            check(
+                r#"[{"object":"embedding","index":1,"embedding":[0.5,-1e-3]},{"index":0,"embedding":[1,2]}]"#,
+                2
+            ),
+            Ok(())
+        );
+        // base64 of two f32s; no index at all
+        assert_eq!(check(r#"[{"embedding":"AACAPwAAAEA="}]"#, 1), Ok(()));
+        for (data, inputs) in [
+            // not an array of objects
+            (r#"{"embedding":[1]}"#, 1),
+            (r#"[[1,2]]"#, 1),
+            (r#"[[[1,2]]]"#, 1),
+            (r#"["x"]"#, 1),
+            // wrong count
+            (r#"[{"embedding":[1]}]"#, 2),
+            (r#"[{"embedding":[1]},{"embedding":[2]}]"#, 1),
+            (r#"[]"#, 1),
+            // not numbers
+            (r#"[{"embedding":["1","2"]}]"#, 1),
+            (r#"[{"embedding":[1,null]}]"#, 1),
+            (r#"[{"embedding":[1,[2]]}]"#, 1),
+            (r#"[{"embedding":[true]}]"#, 1),
+            (r#"[{"embedding":{"0":1}}]"#, 1),
+            (r#"[{"embedding":null}]"#, 1),
+            (r#"[{"embedding":1}]"#, 1),
+            (r#"[{}]"#, 1),
+            // a string that is not base64 of whole f32s
+            (r#"[{"embedding":"not base64!"}]"#, 1),
+            (r#"[{"embedding":"AAAA"}]"#, 1),
+            // empty, or of different dimensions
+            (r#"[{"embedding":[]}]"#, 1),
+            (r#"[{"embedding":[1,2]},{"embedding":[1]}]"#, 2),
+            // indices out of range, repeated, not integers
+            (
+                r#"[{"index":2,"embedding":[1]},{"index":0,"embedding":[1]}]"#,
+                2,
+            ),
+            (
+                r#"[{"index":0,"embedding":[1]},{"index":0,"embedding":[1]}]"#,
+                2,
+            ),
+            (r#"[{"index":-1,"embedding":[1]}]"#, 1),
+            (r#"[{"index":"0","embedding":[1]}]"#, 1),
+            (r#"[{"index":0.0,"embedding":[1]}]"#, 1),
+        ] {
+            assert!(check(data, inputs).is_err(), "{data} for {inputs}");
+        }
+    }
 }

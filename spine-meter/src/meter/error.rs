@@ -37,6 +37,17 @@ pub enum MeterError {
         /// The budget, bytes.
         limit_bytes: usize,
     },
+    /// The account's request bodies being read hold its whole share of the budget for them
+    /// ([`MeterConfig::max_buffered_request_bytes_per_account`](super::MeterConfig::max_buffered_request_bytes_per_account);
+    /// 429): the request is refused, nothing held or forwarded; other accounts are served.
+    #[error(
+        "this account has too many request bodies being read at once ({limit_bytes} bytes \
+         buffered); retry once they are sent"
+    )]
+    AccountBodiesOverBudget {
+        /// The account's share, bytes.
+        limit_bytes: usize,
+    },
     /// The model is not in the catalog (404).
     #[error("unknown model {0}")]
     UnknownModel(ModelId),
@@ -56,6 +67,19 @@ pub enum MeterError {
     ContextLengthExceeded {
         /// The prompt, counted independently, tokens.
         prompt_tokens: u64,
+        /// The catalog's context window for the model, tokens.
+        max_context_tokens: u64,
+    },
+    /// The prompt is past the model's context window, found before all of it was counted: the
+    /// count stopped at `at_least_tokens` (400 `context_length_exceeded`). Counting stops as
+    /// soon as the prompt cannot fit, so a huge prompt costs no more than what fits.
+    #[error(
+        "the prompt is over {max_context_tokens} tokens (counting stopped at {at_least_tokens}) \
+         and the model's context window is {max_context_tokens} tokens"
+    )]
+    PromptOverContext {
+        /// Tokens counted before counting stopped (the prompt has at least this many).
+        at_least_tokens: u64,
         /// The catalog's context window for the model, tokens.
         max_context_tokens: u64,
     },

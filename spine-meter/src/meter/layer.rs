@@ -66,6 +66,23 @@ pub struct MeterConfig {
     /// bound). Past it the caller's stream ends with an error event (code
     /// `stream_bound_reached`) and settles `cut_at_bound`.
     pub max_stream_duration: std::time::Duration,
+    /// Longest a streamed response may go without PROGRESS (default 120 s,
+    /// [`DEFAULT_STREAM_STALL_TIMEOUT`]; zero: no bound): new delivered text (content,
+    /// reasoning, tool calls) or a `finish_reason` of a requested choice. Comments, empty deltas,
+    /// role-only and usage chunks keep a connection alive but are not progress. Past it the
+    /// node is stalled: the caller's stream ends with the `upstream_failed` error event (no
+    /// `[DONE]`), the request settles `upstream_failed` with the delivered tokens recorded,
+    /// and the fault is reported on the [`NodeSlot`](spine_core::NodeSlot) as
+    /// [`NodeFault::Stalled`](spine_core::NodeFault::Stalled) (the router scores it as a
+    /// mid-request disconnect). Only time spent waiting for or reading the node counts: while
+    /// the caller has not asked for the next frame (a slow reader) the clock stops.
+    pub stream_stall_timeout: std::time::Duration,
+    /// Longest the body of a non-streamed answer may take to arrive, from its head to its end
+    /// (default 120 s, [`DEFAULT_RESPONSE_BODY_TIMEOUT`]; zero: no bound). A node whose body
+    /// trickles (bytes keep coming, slowly, forever) is cut when it passes: the caller gets a
+    /// 502 ([`MeterError::UpstreamInvalid`](super::MeterError::UpstreamInvalid)), the request
+    /// settles `upstream_failed` (the caller pays nothing) and the node is scored.
+    pub response_body_timeout: std::time::Duration,
     /// Cancelled when a draining process stops waiting for streams in flight (default: none):
     /// each open stream then ends as at [`max_stream_duration`](Self::max_stream_duration),
     /// with the `stream_bound_reached` error event and a `cut_at_bound` settlement, instead of
@@ -91,7 +108,89 @@ pub struct MeterConfig {
     /// [`max_request_body_bytes`](Self::max_request_body_bytes) per connection.
     pub max_buffered_request_bytes: usize,
     pub(crate) request_body_budget: Arc<tokio::sync::Semaphore>,
+    /// Most bytes of request bodies being read at once for ONE account (default 32 MiB,
+    /// [`DEFAULT_MAX_BUFFERED_REQUEST_BYTES_PER_ACCOUNT`]; set with
+    /// [`MeterLayer::max_buffered_request_bytes_per_account`]), within
+    /// [`max_buffered_request_bytes`](Self::max_buffered_request_bytes). A request whose body
+    /// would take its account over it is refused
+    /// ([`MeterError::AccountBodiesOverBudget`](super::MeterError::AccountBodiesOverBudget),
+    /// 429): one account that opens many connections and sends slowly holds at most this much,
+    /// and the other accounts keep the rest of the shared budget.
+    pub max_buffered_request_bytes_per_account: usize,
+    pub(crate) account_body_bytes: Arc<AccountBodyBytes>,
 }
+
+/// Default of [`MeterConfig::max_buffered_request_bytes_per_account`]: 32 MiB.
+pub const DEFAULT_MAX_BUFFERED_REQUEST_BYTES_PER_ACCOUNT: usize = 32 * 1024 * 1024;
+
+/// Bytes of request bodies being read at once, per account
+/// ([`MeterConfig::max_buffered_request_bytes_per_account`]). An account's entry lives while
+/// one of its bodies is being read.
+#[derive(Debug, Default)]
+pub(crate) struct AccountBodyBytes {
+    used: std::sync::Mutex<HashMap<spine_core::AccountId, usize>>,
+}
+
+impl AccountBodyBytes {
+    /// Grows what one body of `account` holds from `*held` to `want` bytes, when the account's
+    /// bodies stay within `limit`; false (nothing taken) otherwise.
+    pub(crate) fn grow(
+        &self,
+        account: &spine_core::AccountId,
+        held: &mut usize,
+        want: usize,
+        limit: usize,
+    ) -> bool {
+        if want <= *held {
+            return true;
+        }
+        let mut map = self.used.lock().unwrap_or_else(|e| e.into_inner());
+        let used = match map.get_mut(account) {
+            Some(used) => used,
+            None => map.entry(account.clone()).or_insert(0),
+        };
+        let others = used.saturating_sub(*held);
+        if others.saturating_add(want) > limit {
+            return false;
+        }
+        *used = others.saturating_add(want);
+        *held = want;
+        true
+    }
+
+    /// Gives back the `held` bytes of one body of `account`.
+    pub(crate) fn release(&self, account: &spine_core::AccountId, held: usize) {
+        if held == 0 {
+            return;
+        }
+        let mut map = self.used.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(used) = map.get_mut(account) {
+            *used = used.saturating_sub(held);
+            if *used == 0 {
+                map.remove(account);
+            }
+        }
+    }
+
+    /// Bytes `account`'s bodies hold now.
+    #[cfg(test)]
+    pub(crate) fn used(&self, account: &spine_core::AccountId) -> usize {
+        self.used
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(account)
+            .copied()
+            .unwrap_or(0)
+    }
+}
+
+/// Default of [`MeterConfig::stream_stall_timeout`]: 120 s.
+pub const DEFAULT_STREAM_STALL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);
+
+/// Default of [`MeterConfig::response_body_timeout`]: 120 s (an honest node sends a finished
+/// answer's body at once: 16 MiB at 1 Mbit/s is ~130 s, the largest buffered body on the
+/// slowest uplink worth serving).
+pub const DEFAULT_RESPONSE_BODY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);
 
 /// Default of [`MeterConfig::max_buffered_request_bytes`]: 256 MiB.
 pub const DEFAULT_MAX_BUFFERED_REQUEST_BYTES: usize = 256 * 1024 * 1024;
@@ -120,12 +219,18 @@ impl fmt::Debug for MeterConfig {
             .field("max_sse_line_bytes", &self.max_sse_line_bytes)
             .field("max_sse_event_bytes", &self.max_sse_event_bytes)
             .field("max_stream_duration", &self.max_stream_duration)
+            .field("stream_stall_timeout", &self.stream_stall_timeout)
+            .field("response_body_timeout", &self.response_body_timeout)
             .field("drain_deadline", &self.drain_deadline)
             .field("strip_engine_fields", &self.strip_engine_fields)
             .field("refused_credit_delay", &self.refused_credit_delay)
             .field(
                 "max_buffered_request_bytes",
                 &self.max_buffered_request_bytes,
+            )
+            .field(
+                "max_buffered_request_bytes_per_account",
+                &self.max_buffered_request_bytes_per_account,
             )
             .finish_non_exhaustive()
     }
@@ -227,11 +332,16 @@ impl MeterLayer {
                 max_sse_line_bytes: crate::sse::DEFAULT_MAX_LINE_BYTES,
                 max_sse_event_bytes: crate::sse::DEFAULT_MAX_EVENT_BYTES,
                 max_stream_duration: std::time::Duration::from_secs(3600),
+                stream_stall_timeout: DEFAULT_STREAM_STALL_TIMEOUT,
+                response_body_timeout: DEFAULT_RESPONSE_BODY_TIMEOUT,
                 drain_deadline: None,
                 strip_engine_fields: true,
                 refused_credit_delay: super::credit::DEFAULT_REFUSED_CREDIT_DELAY,
                 max_buffered_request_bytes: DEFAULT_MAX_BUFFERED_REQUEST_BYTES,
                 request_body_budget: body_budget(DEFAULT_MAX_BUFFERED_REQUEST_BYTES),
+                max_buffered_request_bytes_per_account:
+                    DEFAULT_MAX_BUFFERED_REQUEST_BYTES_PER_ACCOUNT,
+                account_body_bytes: Arc::default(),
             },
         }
     }
@@ -253,6 +363,13 @@ impl MeterLayer {
     pub fn max_buffered_request_bytes(mut self, bytes: usize) -> Self {
         self.config.max_buffered_request_bytes = bytes;
         self.config.request_body_budget = body_budget(bytes);
+        self
+    }
+
+    /// Sets one account's share of request-body bytes being read at once
+    /// ([`MeterConfig::max_buffered_request_bytes_per_account`]).
+    pub fn max_buffered_request_bytes_per_account(mut self, bytes: usize) -> Self {
+        self.config.max_buffered_request_bytes_per_account = bytes;
         self
     }
 
@@ -280,6 +397,19 @@ impl MeterLayer {
     /// The total bound on a streamed response ([`MeterConfig::max_stream_duration`]).
     pub fn max_stream_duration(mut self, duration: std::time::Duration) -> Self {
         self.config.max_stream_duration = duration;
+        self
+    }
+
+    /// The bound on a stream without progress ([`MeterConfig::stream_stall_timeout`]).
+    pub fn stream_stall_timeout(mut self, timeout: std::time::Duration) -> Self {
+        self.config.stream_stall_timeout = timeout;
+        self
+    }
+
+    /// The total bound on reading a non-streamed answer's body
+    /// ([`MeterConfig::response_body_timeout`]).
+    pub fn response_body_timeout(mut self, timeout: std::time::Duration) -> Self {
+        self.config.response_body_timeout = timeout;
         self
     }
 

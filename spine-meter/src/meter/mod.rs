@@ -9,7 +9,12 @@
 //!    unknown model, checks chat `messages` ([`validate_chat_messages`]: a malformed or
 //!    unsupported message is [`MeterError::BadRequest`], never forwarded), counts the prompt with
 //!    the model's [`TokenCounter`] ([`CatalogEntry::tokenizer`]) and refuses a prompt that leaves no room for a completion
-//!    token (`prompt >= max_context_tokens`: [`MeterError::ContextLengthExceeded`]);
+//!    token (`prompt >= max_context_tokens`: [`MeterError::ContextLengthExceeded`]). The count
+//!    is made in 64 KiB pieces and stops as soon as a prompt cannot fit the context
+//!    ([`MeterError::PromptOverContext`]) or, for a body of 64 KiB or more (whose account's
+//!    balance is read first), as soon as the prompt costs more than the balance
+//!    ([`MeterError::InsufficientCredit`]): a prompt that cannot be served or paid for costs
+//!    the tokenizer no more than what fits;
 //! 3. places a hold for the worst case: `cost(prompt + n × per_choice)` where
 //!    `per_choice = max(1, min(max_tokens, context − prompt))` (no `max_tokens`:
 //!    `context − prompt`; `max_tokens: 0` still holds one token, llama.cpp generates at least
@@ -27,9 +32,11 @@
 //! 6. reads a non-streamed 2xx response body whole (up to `max_response_body_bytes`) BEFORE
 //!    returning the response head: a usable completion comes back with the node's status and
 //!    `usage` rewritten to the billed counts; a body that is not a JSON object, is over the
-//!    limit, carries an `error`, has no requested choice or a requested choice without
-//!    `finish_reason` settles `upstream_failed` and is returned as
-//!    [`MeterError::UpstreamInvalid`] ([`MeterError::UpstreamBody`] when reading it failed).
+//!    limit, not whole within `response_body_timeout` (a body that trickles), carries an
+//!    `error`, has no requested choice or a requested choice without `finish_reason` settles
+//!    `upstream_failed` and is returned as [`MeterError::UpstreamInvalid`]
+//!    ([`MeterError::UpstreamBody`] when reading it failed); the fault is reported on the
+//!    [`NodeSlot`] for the router to score.
 //!
 //! **Endpoints.** The context's (else the request path's)
 //! [`RequestKind`](spine_core::RequestKind) decides: `/v1/completions` and `/v1/embeddings` count their `prompt` / `input`
@@ -125,7 +132,8 @@ pub use events::{DiscrepancyReport, MeterEvents};
 pub use future::ResponseFuture;
 pub use layer::{
     BodyGate, Catalog, CatalogEntry, MeterConfig, MeterLayer, Settlements,
-    DEFAULT_MAX_BUFFERED_REQUEST_BYTES,
+    DEFAULT_MAX_BUFFERED_REQUEST_BYTES, DEFAULT_MAX_BUFFERED_REQUEST_BYTES_PER_ACCOUNT,
+    DEFAULT_RESPONSE_BODY_TIMEOUT, DEFAULT_STREAM_STALL_TIMEOUT,
 };
 pub use service::Meter;
 

@@ -17,6 +17,7 @@ use super::body::{MeterBody, StreamSettings};
 use super::embeddings::meter_embeddings;
 use super::settle::{AuditCapture, SettleCtx};
 use super::{AdmissionRequest, CountedUsage, MeterConfig, MeterError, ResponseFuture};
+use crate::tokenizer::{count_text_within, Counted};
 use crate::{inject_include_usage, LedgerError, TokenCounter};
 
 /// The metering middleware. See the [module docs](super).
@@ -141,7 +142,7 @@ where
             .ok_or(MeterError::MissingExtension("AccountId"))?,
     };
     let (mut parts, body) = req.into_parts();
-    let bytes = read_request_body(&config, &account, body).await?;
+    let (bytes, available_micros) = read_request_body_and_balance(&config, &account, body).await?;
     let peek = RequestPeek::from_json(&bytes).map_err(MeterError::BadRequest)?;
     let entry = config
         .catalog
@@ -159,7 +160,15 @@ where
                 RequestKind::Completions
             },
         );
-    let prompts = count_prompts(&*entry.tokenizer, kind, &json)?;
+    // counting stops as soon as a prompt cannot fit the context, or the prompts cost more than
+    // the account's balance (read for large bodies): a caller that cannot pay, or a prompt that
+    // cannot be served, costs the tokenizer no more than what fits
+    let limits = PromptLimits {
+        max_context_tokens: entry.max_context_tokens,
+        affordable: available_micros.map(|a| (affordable_prompt_tokens(&entry.price, a), a)),
+        price: entry.price,
+    };
+    let prompts = count_prompts(&*entry.tokenizer, kind, &json, &limits)?;
     // every prompt must leave room for a completion token (embeddings: fit the context)
     let longest = prompts.iter().copied().max().unwrap_or(0);
     if longest >= entry.max_context_tokens {
@@ -340,6 +349,7 @@ where
             max_sse_line_bytes: config.max_sse_line_bytes,
             max_sse_event_bytes: config.max_sse_event_bytes,
             max_stream_duration: config.max_stream_duration,
+            stream_stall_timeout: config.stream_stall_timeout,
             drain_deadline: config.drain_deadline.clone(),
             slot: Some(guard.slot.clone()),
         };
@@ -364,7 +374,10 @@ where
     });
     let ceiling = u64::try_from(config.max_response_body_bytes).unwrap_or(u64::MAX);
     let limit = usize::try_from(bound.min(ceiling)).unwrap_or(usize::MAX);
-    let read = collect_response(body, limit).await;
+    let read = match within(config.response_body_timeout, collect_response(body, limit)).await {
+        Some(read) => read,
+        None => Err(ResponseRead::TimedOut(config.response_body_timeout)),
+    };
     let Some(ctx) = guard.take() else {
         return Err(MeterError::MissingExtension("settlement context").into());
     };
@@ -384,7 +397,7 @@ where
         }
     };
     let bytes = if kind == RequestKind::Embeddings {
-        meter_embeddings(ctx, &bytes, prompts.len())?
+        meter_embeddings(ctx, &bytes, prompts.len(), Some(&guard.slot))?
     } else {
         meter_json(
             ctx,
@@ -428,6 +441,18 @@ pub(crate) async fn read_request_body(
     account: &AccountId,
     body: BoxBody,
 ) -> Result<bytes::Bytes, MeterError> {
+    read_request_body_and_balance(config, account, body)
+        .await
+        .map(|(bytes, _)| bytes)
+}
+
+/// [`read_request_body`], with the account's available balance when it was read (a body of
+/// [`PRECHECK_BODY_BYTES`] or more): the prompt's count then stops once it costs more.
+async fn read_request_body_and_balance(
+    config: &MeterConfig,
+    account: &AccountId,
+    body: BoxBody,
+) -> Result<(bytes::Bytes, Option<u64>), MeterError> {
     if let Some(available_micros) = config
         .refused_credit
         .cannot_pay(account, config.min_request_cost_micros)
@@ -447,8 +472,14 @@ pub(crate) async fn read_request_body(
         config.max_request_body_bytes,
         &config.request_body_budget,
         config.max_buffered_request_bytes,
+        Some(AccountShare {
+            bytes: &config.account_body_bytes,
+            account,
+            limit: config.max_buffered_request_bytes_per_account,
+        }),
     )
     .await?;
+    let mut available = None;
     if bytes.len() >= PRECHECK_BODY_BYTES && config.min_request_cost_micros > 0 {
         if let Ok(Some(available_micros)) = config.ledger.available_micros(account).await {
             if available_micros < config.min_request_cost_micros {
@@ -458,9 +489,10 @@ pub(crate) async fn read_request_body(
                     needed_micros: config.min_request_cost_micros,
                 });
             }
+            available = Some(available_micros);
         }
     }
-    Ok(bytes)
+    Ok((bytes, available))
 }
 
 /// Request bodies from this size on have the caller's balance read before their prompt is
@@ -555,15 +587,20 @@ async fn drain(mut body: BoxBody, limit: usize) {
 /// of every body being read at once, [`MeterConfig::max_buffered_request_bytes`]) until the
 /// body is whole: a peer that sends most of a large body and withholds the rest holds at most
 /// the budget across all connections, not `limit` on each. Past the budget:
-/// [`MeterError::BodiesOverBudget`].
+/// [`MeterError::BodiesOverBudget`]. With `share`, the body's bytes also count against its
+/// account's share ([`MeterConfig::max_buffered_request_bytes_per_account`], checked first):
+/// past it, [`MeterError::AccountBodiesOverBudget`].
 async fn collect_limited(
     mut body: BoxBody,
     limit: usize,
     budget: &Arc<tokio::sync::Semaphore>,
     budget_bytes: usize,
+    share: Option<AccountShare<'_>>,
 ) -> Result<bytes::Bytes, MeterError> {
     let mut buf = bytes::BytesMut::new();
     let mut held: Option<tokio::sync::OwnedSemaphorePermit> = None;
+    // what this body holds of its account's share, given back when it ends however it ends
+    let mut share = share.map(|share| ShareGuard { share, held: 0 });
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(MeterError::Body)?;
         let Ok(data) = frame.into_data() else {
@@ -571,6 +608,17 @@ async fn collect_limited(
         };
         if buf.len().saturating_add(data.len()) > limit {
             return Err(MeterError::BodyTooLarge { limit_bytes: limit });
+        }
+        if let Some(guard) = share.as_mut() {
+            let want = buf.len().saturating_add(data.len());
+            let AccountShare {
+                bytes,
+                account,
+                limit,
+            } = guard.share;
+            if !bytes.grow(account, &mut guard.held, want, limit) {
+                return Err(MeterError::AccountBodiesOverBudget { limit_bytes: limit });
+            }
         }
         // KiB taken so far cover `held_kib * 1024` bytes; take what the new bytes need
         let held_kib = held.as_ref().map_or(0, |p| p.num_permits());
@@ -592,12 +640,34 @@ async fn collect_limited(
     Ok(buf.freeze())
 }
 
+/// One account's share of the request-body budget, for [`collect_limited`].
+#[derive(Clone, Copy)]
+struct AccountShare<'a> {
+    bytes: &'a super::layer::AccountBodyBytes,
+    account: &'a AccountId,
+    limit: usize,
+}
+
+/// Gives back what one body holds of its account's share when dropped.
+struct ShareGuard<'a> {
+    share: AccountShare<'a>,
+    held: usize,
+}
+
+impl Drop for ShareGuard<'_> {
+    fn drop(&mut self) {
+        self.share.bytes.release(self.share.account, self.held);
+    }
+}
+
 /// Why a node's non-streamed body could not be read whole.
 enum ResponseRead {
     /// Longer than the limit.
     OverLimit,
     /// Reading failed.
     Failed(BoxError),
+    /// Not whole within [`MeterConfig::response_body_timeout`] (a trickling body).
+    TimedOut(std::time::Duration),
 }
 
 impl ResponseRead {
@@ -607,8 +677,20 @@ impl ResponseRead {
                 MeterError::UpstreamInvalid(format!("the body is larger than {limit} bytes"))
             }
             Self::Failed(e) => MeterError::UpstreamBody(e),
+            Self::TimedOut(bound) => MeterError::UpstreamInvalid(format!(
+                "the body did not arrive whole within {} s",
+                bound.as_secs_f64()
+            )),
         }
     }
+}
+
+/// Awaits `fut` for at most `bound` (zero: no bound); `None` when the bound passed first.
+async fn within<F: Future>(bound: std::time::Duration, fut: F) -> Option<F::Output> {
+    if bound.is_zero() {
+        return Some(fut.await);
+    }
+    tokio::time::timeout(bound, fut).await.ok()
 }
 
 /// Bytes an embeddings answer of `inputs` vectors may take before the node is at fault: 1 MiB
@@ -645,33 +727,52 @@ fn collect_response(body: BoxBody, limit: usize) -> ResponseFutureBytes {
 ///   (special tokens parsed, no BOS: measured against `llama-server`, which adds none for this
 ///   kind of model), each token id one token. A prompt of 0 tokens is refused (llama.cpp refuses
 ///   empty embedding inputs, and an empty completion prompt has nothing to condition on).
+///
+/// Counting stops early ([`TokenCounter::count_prompt_within`], [`count_text_within`]: in
+/// pieces of 64 KiB) once a prompt cannot fit the context (`>= max_context_tokens`:
+/// [`MeterError::PromptOverContext`], 400) or the prompts together cost more than the account's
+/// available balance when it is known ([`MeterError::InsufficientCredit`], 402: the hold could
+/// not cover the prompt alone).
 fn count_prompts(
     tokenizer: &dyn TokenCounter,
     kind: RequestKind,
     json: &serde_json::Value,
+    limits: &PromptLimits,
 ) -> Result<Vec<u64>, MeterError> {
+    // a prompt of max_context_tokens or more leaves no room for a completion token
+    let per_prompt = limits.max_context_tokens.saturating_sub(1);
+    let affordable = limits.affordable.map_or(u64::MAX, |(tokens, _)| tokens);
     let field = match kind {
         RequestKind::Embeddings => "input",
         RequestKind::Completions => "prompt",
         _ => {
             validate_chat_messages(json).map_err(MeterError::BadRequest)?;
-            let n = tokenizer.count_prompt(json).map_err(MeterError::Prompt)?;
-            return Ok(vec![n]);
+            let n = tokenizer
+                .count_prompt_within(json, per_prompt.min(affordable))
+                .map_err(MeterError::Prompt)?;
+            limits.check(n, n.tokens())?;
+            return Ok(vec![n.tokens()]);
         }
     };
     let prompts = prompt_inputs(json, field).map_err(MeterError::BadRequest)?;
-    let counts: Vec<u64> = prompts
-        .iter()
-        .map(|segments| {
-            segments
-                .iter()
-                .map(|s| match s {
-                    PromptSegment::Text(t) => tokenizer.count_text(t),
-                    PromptSegment::TokenIds(n) => *n,
-                })
-                .fold(0u64, u64::saturating_add)
-        })
-        .collect();
+    let mut counts = Vec::with_capacity(prompts.len());
+    let mut total = 0u64;
+    for segments in &prompts {
+        let mut prompt = Counted::Exact(0);
+        for segment in segments {
+            let room = per_prompt
+                .saturating_sub(prompt.tokens())
+                .min(affordable.saturating_sub(total.saturating_add(prompt.tokens())));
+            let n = match segment {
+                PromptSegment::Text(t) => count_text_within(tokenizer, t, room),
+                PromptSegment::TokenIds(n) => Counted::Exact(*n),
+            };
+            prompt = prompt.plus(n);
+            limits.check(prompt, total.saturating_add(prompt.tokens()))?;
+        }
+        total = total.saturating_add(prompt.tokens());
+        counts.push(prompt.tokens());
+    }
     if counts.contains(&0) {
         return Err(MeterError::BadRequest(PeekError::InvalidField {
             field,
@@ -679,6 +780,55 @@ fn count_prompts(
         }));
     }
     Ok(counts)
+}
+
+/// What a request's prompts may count before counting stops ([`count_prompts`]).
+struct PromptLimits {
+    max_context_tokens: u64,
+    /// `(prompt tokens the account can pay for, its available balance in micros)`, when the
+    /// balance was read.
+    affordable: Option<(u64, u64)>,
+    price: crate::Price,
+}
+
+impl PromptLimits {
+    /// Refuses one prompt counted as `prompt` (with `total` tokens for every prompt so far)
+    /// when it cannot fit the context or be paid for.
+    fn check(&self, prompt: Counted, total: u64) -> Result<(), MeterError> {
+        match prompt {
+            Counted::AtLeast(n) if n >= self.max_context_tokens => {
+                return Err(MeterError::PromptOverContext {
+                    at_least_tokens: n,
+                    max_context_tokens: self.max_context_tokens,
+                })
+            }
+            // an exact count over the context: refused with the exact count by the caller
+            Counted::Exact(n) if n >= self.max_context_tokens => return Ok(()),
+            _ => {}
+        }
+        if let Some((tokens, available_micros)) = self.affordable {
+            if total > tokens {
+                return Err(MeterError::InsufficientCredit {
+                    available_micros,
+                    needed_micros: self.price.cost_micros(&Usage {
+                        prompt_tokens: total,
+                        completion_tokens: 0,
+                    }),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The most prompt tokens `available_micros` pays for at `price` (no completion token):
+/// the largest `t` with `ceil(t × input / 10⁶) <= available`; `u64::MAX` when prompts are free.
+fn affordable_prompt_tokens(price: &crate::Price, available_micros: u64) -> u64 {
+    if price.input_micros_per_mtok == 0 {
+        return u64::MAX;
+    }
+    let t = u128::from(available_micros) * 1_000_000 / u128::from(price.input_micros_per_mtok);
+    u64::try_from(t).unwrap_or(u64::MAX)
 }
 
 /// Whether the request constrains tokenization ([`RequestPeek::tokenization_constrained`]),
@@ -748,14 +898,14 @@ mod budget_tests {
     #[tokio::test]
     async fn a_body_takes_its_kib_from_the_budget_while_it_is_read_and_gives_them_back() {
         let budget = Arc::new(tokio::sync::Semaphore::new(4)); // 4 KiB
-        let got = collect_limited(body(&[1000, 1000, 2000]), 1 << 20, &budget, 4096)
+        let got = collect_limited(body(&[1000, 1000, 2000]), 1 << 20, &budget, 4096, None)
             .await
             .unwrap();
         assert_eq!(got.len(), 4000);
         assert_eq!(budget.available_permits(), 4, "given back once whole");
         // a body that needs more than what is left of the budget is refused
         let _held = budget.clone().try_acquire_many_owned(3).unwrap();
-        let refused = collect_limited(body(&[1000, 1000]), 1 << 20, &budget, 4096).await;
+        let refused = collect_limited(body(&[1000, 1000]), 1 << 20, &budget, 4096, None).await;
         assert!(matches!(
             refused,
             Err(MeterError::BodiesOverBudget { limit_bytes: 4096 })
@@ -766,10 +916,119 @@ mod budget_tests {
             "nothing kept by the refused one"
         );
         // the per-request limit still answers first
-        let too_large = collect_limited(body(&[3000]), 2000, &budget, 4096).await;
+        let too_large = collect_limited(body(&[3000]), 2000, &budget, 4096, None).await;
         assert!(matches!(
             too_large,
             Err(MeterError::BodyTooLarge { limit_bytes: 2000 })
         ));
+    }
+
+    /// Frames of the given sizes, then nothing, ever (a sender that stalls mid-body).
+    struct Stalled(std::collections::VecDeque<Bytes>);
+
+    impl http_body::Body for Stalled {
+        type Data = Bytes;
+        type Error = spine_core::BoxError;
+
+        fn poll_frame(
+            mut self: std::pin::Pin<&mut Self>,
+            _cx: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+            match self.0.pop_front() {
+                Some(b) => std::task::Poll::Ready(Some(Ok(http_body::Frame::data(b)))),
+                None => std::task::Poll::Pending,
+            }
+        }
+    }
+
+    fn stalled(parts: &[usize]) -> BoxBody {
+        BoxBody::new(Stalled(
+            parts.iter().map(|&n| Bytes::from(vec![b'x'; n])).collect(),
+        ))
+    }
+
+    #[tokio::test]
+    async fn one_account_past_its_share_is_refused_while_others_are_served() {
+        use super::super::layer::AccountBodyBytes;
+        use super::AccountShare;
+        use spine_core::AccountId;
+        let budget = Arc::new(tokio::sync::Semaphore::new(1024)); // 1 MiB shared
+        let shares = Arc::new(AccountBodyBytes::default());
+        let (greedy, other) = (AccountId::from("greedy"), AccountId::from("other"));
+        let share = |account: &AccountId| {
+            let (shares, account) = (shares.clone(), account.clone());
+            (shares, account)
+        };
+        // the greedy account opens two bodies that stall at 100 KB each (200 KB of its 256 KiB
+        // share); a third that needs 80 KB more is refused
+        let mut tasks = Vec::new();
+        for _ in 0..2 {
+            let (shares, account) = share(&greedy);
+            let budget = budget.clone();
+            tasks.push(tokio::spawn(async move {
+                let share = AccountShare {
+                    bytes: &shares,
+                    account: &account,
+                    limit: 256 * 1024,
+                };
+                collect_limited(stalled(&[100_000]), 1 << 20, &budget, 1 << 20, Some(share)).await
+            }));
+        }
+        for _ in 0..100 {
+            if shares.used(&greedy) == 200_000 {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(shares.used(&greedy), 200_000);
+        let (s, a) = share(&greedy);
+        let refused = collect_limited(
+            body(&[40_000, 40_000]),
+            1 << 20,
+            &budget,
+            1 << 20,
+            Some(AccountShare {
+                bytes: &s,
+                account: &a,
+                limit: 256 * 1024,
+            }),
+        )
+        .await;
+        assert!(
+            matches!(
+                refused,
+                Err(MeterError::AccountBodiesOverBudget {
+                    limit_bytes: 262_144
+                })
+            ),
+            "{:?}",
+            refused.as_ref().map(bytes::Bytes::len)
+        );
+        // nothing kept by the refused body
+        assert_eq!(shares.used(&greedy), 200_000);
+        // another account is served meanwhile, from the same shared budget
+        let (s, a) = share(&other);
+        let got = collect_limited(
+            body(&[100_000, 100_000]),
+            1 << 20,
+            &budget,
+            1 << 20,
+            Some(AccountShare {
+                bytes: &s,
+                account: &a,
+                limit: 256 * 1024,
+            }),
+        )
+        .await
+        .unwrap();
+        assert_eq!(got.len(), 200_000);
+        assert_eq!(shares.used(&other), 0, "given back once whole");
+        // the stalled senders go away: their share is given back
+        for t in tasks {
+            t.abort();
+            let _ = t.await;
+        }
+        assert_eq!(shares.used(&greedy), 0);
+        assert_eq!(budget.available_permits(), 1024);
     }
 }

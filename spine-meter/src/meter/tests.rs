@@ -1724,3 +1724,343 @@ async fn completed_requests_offer_choice_zero_text_to_the_audit_tap_and_nothing_
         "only the two completed plain replies"
     );
 }
+
+// --- stalls: a node alive without progress, a non-streamed body that trickles -----------------
+
+/// A node body that sends each event of `script` `every` apart, then (when `cycle` is not
+/// empty) the events of `cycle` in turn, `every` apart, forever; ends after `script` otherwise.
+struct Timed {
+    script: VecDeque<Bytes>,
+    cycle: Vec<Bytes>,
+    next: usize,
+    every: std::time::Duration,
+    sleep: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl Timed {
+    fn new(script: Vec<Bytes>, cycle: Vec<Bytes>, every: std::time::Duration) -> Self {
+        Self {
+            script: script.into(),
+            cycle,
+            next: 0,
+            every,
+            sleep: None,
+        }
+    }
+}
+
+impl Body for Timed {
+    type Data = Bytes;
+    type Error = BoxError;
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if self.script.is_empty() && self.cycle.is_empty() {
+            return Poll::Ready(None);
+        }
+        let every = self.every;
+        let sleep = self
+            .sleep
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(every)));
+        if std::future::Future::poll(sleep.as_mut(), cx).is_pending() {
+            return Poll::Pending;
+        }
+        sleep.as_mut().reset(tokio::time::Instant::now() + every);
+        let event = match self.script.pop_front() {
+            Some(e) => e,
+            None => {
+                let i = self.next % self.cycle.len();
+                self.next += 1;
+                self.cycle[i].clone()
+            }
+        };
+        Poll::Ready(Some(Ok(Frame::data(event))))
+    }
+}
+
+fn chunk_event(choice: Value) -> Bytes {
+    let chunk = json!({"id":"c1","object":"chat.completion.chunk","created":1,"model":"smollm2",
+        "choices":[choice]});
+    Bytes::from(format!("data: {chunk}\n\n"))
+}
+
+/// What a hostile node keeps a stream alive with, none of it progress: a comment, an empty
+/// delta, a role-only chunk, a usage-only chunk, a chunk with no choice.
+fn keepalive_without_progress() -> Vec<Bytes> {
+    vec![
+        Bytes::from_static(b": still here\n\n"),
+        chunk_event(json!({"index":0,"delta":{"content":""},"finish_reason":null})),
+        chunk_event(json!({"index":0,"delta":{"role":"assistant"},"finish_reason":null})),
+        Bytes::from(format!(
+            "data: {}\n\n",
+            json!({"id":"c1","object":"chat.completion.chunk","created":1,"model":"smollm2",
+                "choices":[],"usage":{"prompt_tokens":5,"completion_tokens":1,"total_tokens":6}})
+        )),
+        chunk_event(json!({"index":0,"delta":{},"finish_reason":null})),
+    ]
+}
+
+#[tokio::test]
+async fn a_stream_alive_without_progress_is_cut_as_stalled_with_the_delivered_tokens_recorded() {
+    let mut h = harness().await;
+    let slot = Arc::new(Mutex::new(None));
+    // real time (the SQLite ledger's worker thread and a paused clock do not mix): short bounds
+    let stall = std::time::Duration::from_millis(600);
+    let svc = h.layer(2048).stream_stall_timeout(stall).layer(slot_node(
+        h.node.clone(),
+        slot.clone(),
+        "text/event-stream",
+        || {
+            Timed::new(
+                vec![
+                    chunk_event(
+                        json!({"index":0,"delta":{"role":"assistant"},"finish_reason":null}),
+                    ),
+                    content_event("Hello there"),
+                ],
+                keepalive_without_progress(),
+                std::time::Duration::from_millis(50),
+            )
+        },
+    ));
+    let started = tokio::time::Instant::now();
+    let resp = svc
+        .oneshot(request("stalled", &chat(true, Some(true))))
+        .await
+        .unwrap();
+    let got = frames(resp.into_body()).await.concat();
+    let took = started.elapsed();
+    // cut once the bound passed after the last text (sent at 0.1 s), not before
+    assert!(took >= stall, "{took:?}");
+    assert!(took < stall * 8, "{took:?}");
+    let events = crate::sse::parse_all(&got).unwrap();
+    assert!(events.iter().all(|e| e.data() != "[DONE]"));
+    let last: Value = serde_json::from_str(events.last().unwrap().data()).unwrap();
+    assert_eq!(last["error"]["code"], "upstream_failed", "{last}");
+    assert_eq!(last["error"]["type"], "upstream_error", "{last}");
+    assert!(
+        last["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("no progress"),
+        "{last}"
+    );
+    let delivered: String = events
+        .iter()
+        .filter_map(|e| serde_json::from_str::<Value>(e.data()).ok())
+        .filter_map(|v| {
+            v["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(str::to_owned)
+        })
+        .collect();
+    assert_eq!(delivered, "Hello there");
+    let (s, _) = h.settled().await;
+    assert_eq!(s.outcome, StreamOutcome::UpstreamFailed);
+    // the record keeps what was delivered; the caller pays nothing for a failed stream
+    assert_eq!(
+        s.billed.completion_tokens,
+        smollm_tokenizer().count_text("Hello there")
+    );
+    assert_eq!(
+        slot.lock().unwrap().as_ref().unwrap().node_fault(),
+        Some(spine_core::NodeFault::Stalled)
+    );
+    let account = h.ledger.account(&h.account).await.unwrap();
+    assert_eq!(
+        (account.balance_micros, account.held_micros),
+        (START_MICROS, 0)
+    );
+}
+
+#[tokio::test]
+async fn a_slow_caller_does_not_make_a_progressing_node_look_stalled() {
+    let mut h = harness().await;
+    let slot = Arc::new(Mutex::new(None));
+    let stall = std::time::Duration::from_millis(400);
+    let mut script: Vec<Bytes> = (0..6).map(|i| content_event(&format!(" w{i}"))).collect();
+    script.push(chunk_event(
+        json!({"index":0,"delta":{},"finish_reason":"stop"}),
+    ));
+    script.push(Bytes::from_static(b"data: [DONE]\n\n"));
+    let svc = h.layer(2048).stream_stall_timeout(stall).layer(slot_node(
+        h.node.clone(),
+        slot.clone(),
+        "text/event-stream",
+        move || {
+            let mut script = script.clone();
+            // keepalives between every two texts: not progress, not a stall either
+            let mut with_pings = Vec::new();
+            for e in script.drain(..) {
+                with_pings.push(Bytes::from_static(b": ping\n\n"));
+                with_pings.push(e);
+            }
+            Timed::new(with_pings, Vec::new(), std::time::Duration::from_millis(60))
+        },
+    ));
+    let resp = svc
+        .oneshot(request("slow-reader", &chat(true, None)))
+        .await
+        .unwrap();
+    let mut body = resp.into_body();
+    let mut got = Vec::new();
+    while let Some(f) = body.frame().await {
+        got.extend_from_slice(&f.unwrap().into_data().unwrap());
+        // the caller takes 0.5 s over each frame: past the stall bound
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    }
+    let events = crate::sse::parse_all(&got).unwrap();
+    assert_eq!(events.last().unwrap().data(), "[DONE]");
+    let (s, _) = h.settled().await;
+    assert_eq!(s.outcome, StreamOutcome::Completed);
+    assert_eq!(slot.lock().unwrap().as_ref().unwrap().node_fault(), None);
+}
+
+#[tokio::test]
+async fn a_non_streamed_body_that_trickles_is_cut_at_its_total_bound() {
+    let mut h = harness().await;
+    let slot = Arc::new(Mutex::new(None));
+    let bound = std::time::Duration::from_millis(500);
+    let svc = h.layer(2048).response_body_timeout(bound).layer(slot_node(
+        h.node.clone(),
+        slot.clone(),
+        "application/json",
+        || {
+            // a byte every 50 ms, forever: never idle, never whole
+            Timed::new(
+                vec![Bytes::from_static(b"{\"id\":\"x\",")],
+                vec![Bytes::from_static(b" ")],
+                std::time::Duration::from_millis(50),
+            )
+        },
+    ));
+    let started = tokio::time::Instant::now();
+    let err = svc
+        .oneshot(request("trickle", &chat(false, None)))
+        .await
+        .unwrap_err();
+    let took = started.elapsed();
+    assert!(took >= bound && took < bound * 8, "{took:?}");
+    let err = err.downcast::<MeterError>().unwrap();
+    assert!(matches!(*err, MeterError::UpstreamInvalid(_)), "{err:?}");
+    let (s, _) = h.settled().await;
+    assert_eq!(s.outcome, StreamOutcome::UpstreamFailed);
+    assert_eq!(
+        slot.lock().unwrap().as_ref().unwrap().node_fault(),
+        Some(spine_core::NodeFault::Broke)
+    );
+    let account = h.ledger.account(&h.account).await.unwrap();
+    assert_eq!(
+        (account.balance_micros, account.held_micros),
+        (START_MICROS, 0)
+    );
+}
+
+// --- counting stops early: a prompt that cannot fit or cannot be paid for ------------------
+
+#[tokio::test]
+async fn a_large_prompt_past_the_context_or_the_balance_is_refused_before_it_is_all_counted() {
+    let h = harness().await;
+    let text = "Lorem ipsum dolor sit amet, consectetur adipiscing elit. ".repeat(50_000); // 2.9 MB
+    let body =
+        json!({"model":"smollm2","max_tokens":8,"messages":[{"role":"user","content":text}]});
+    // past the context: 400, counting stopped
+    let svc = h
+        .layer(4096)
+        .layer(h.inner(200, "text/event-stream", Vec::new(), End::Eof));
+    let err = svc.oneshot(request("ctx", &body)).await.unwrap_err();
+    match err.downcast_ref::<MeterError>() {
+        Some(&MeterError::PromptOverContext {
+            at_least_tokens,
+            max_context_tokens: 4096,
+        }) => assert!(at_least_tokens >= 4096, "{at_least_tokens}"),
+        other => panic!("{other:?}"),
+    }
+    // within a huge context, but past what the balance pays (100 000 micros at 1 micro a
+    // prompt token: 100 000 tokens; the prompt is ~600 000): 402, counting stopped
+    let svc = h
+        .layer(10_000_000)
+        .layer(h.inner(200, "text/event-stream", Vec::new(), End::Eof));
+    let err = svc.oneshot(request("poor", &body)).await.unwrap_err();
+    match err.downcast_ref::<MeterError>() {
+        Some(&MeterError::InsufficientCredit {
+            available_micros: START_MICROS,
+            needed_micros,
+        }) => assert!(needed_micros > START_MICROS, "{needed_micros}"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(h.upstream.lock().unwrap().as_ref(), None);
+    for id in ["ctx", "poor"] {
+        assert_eq!(
+            h.ledger.request_record(RequestId::from(id)).await.unwrap(),
+            None
+        );
+    }
+    let b = h.ledger.account(&h.account).await.unwrap();
+    assert_eq!((b.balance_micros, b.held_micros), (START_MICROS, 0));
+}
+
+// --- embeddings: an answer outside OpenAI's shape is the node's fault -------------------------
+
+#[tokio::test]
+async fn an_invalid_embeddings_answer_is_the_nodes_fault_and_free() {
+    let mut h = harness().await;
+    let valid = r#"{"object":"list","data":[{"object":"embedding","index":0,"embedding":[0.1,0.2]},{"object":"embedding","index":1,"embedding":[0.3,0.4]}],"model":"smollm2","usage":{"prompt_tokens":4,"total_tokens":4}}"#;
+    let invalid = [
+        r#"{"object":"list","data":[{"index":0,"embedding":[0.1,0.2]}]}"#,
+        r#"{"object":"list","data":[{"index":0,"embedding":["a","b"]},{"index":1,"embedding":[1,2]}]}"#,
+        r#"{"object":"list","data":[{"index":0,"embedding":[1,2]},{"index":0,"embedding":[1,2]}]}"#,
+        r#"{"object":"list","data":[{"index":0,"embedding":[1,2]},{"index":1,"embedding":[1]}]}"#,
+        r#"{"embeddings":[[1,2],[3,4]]}"#,
+        r#"[[1,2],[3,4]]"#,
+    ];
+    for (i, answer) in std::iter::once(valid).chain(invalid).enumerate() {
+        let slot = Arc::new(Mutex::new(None));
+        let body = Bytes::from_static(answer.as_bytes());
+        let svc = h.layer(2048).layer(slot_node(
+            h.node.clone(),
+            slot.clone(),
+            "application/json",
+            move || Full::new(body.clone()).map_err(|never| match never {}),
+        ));
+        let json = json!({"model":"smollm2","input":["red","green"]});
+        let mut req = http::Request::post("/v1/embeddings")
+            .body(BoxBody::new(
+                Full::new(Bytes::from(json.to_string())).map_err(|never| match never {}),
+            ))
+            .unwrap();
+        let id = format!("emb{i}");
+        req.extensions_mut().insert(RequestId::from(id.as_str()));
+        req.extensions_mut().insert(AccountId::from("acct"));
+        let got = svc.oneshot(req).await;
+        let (s, _) = h.settled().await;
+        let fault = slot.lock().unwrap().as_ref().unwrap().node_fault();
+        if i == 0 {
+            assert!(got.is_ok());
+            assert_eq!(s.outcome, StreamOutcome::Completed);
+            assert_eq!(fault, None);
+            continue;
+        }
+        let err = got.unwrap_err();
+        assert!(
+            matches!(
+                err.downcast_ref::<MeterError>(),
+                Some(MeterError::UpstreamInvalid(_))
+            ),
+            "{answer}: {err}"
+        );
+        assert_eq!(s.outcome, StreamOutcome::UpstreamFailed, "{answer}");
+        assert_eq!(fault, Some(spine_core::NodeFault::Broke), "{answer}");
+    }
+    // only the valid answer was paid
+    let a = h.ledger.account(&h.account).await.unwrap();
+    assert_eq!(a.held_micros, 0);
+    let paid = h
+        .ledger
+        .request_record(RequestId::from("emb0"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(START_MICROS - a.balance_micros, paid.debit_micros);
+}

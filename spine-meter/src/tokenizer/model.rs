@@ -380,6 +380,21 @@ impl TokenCounter for ModelTokenizer {
         ModelTokenizer::count_prompt(self, body)
     }
 
+    fn count_prompt_within(
+        &self,
+        body: &Value,
+        limit: u64,
+    ) -> Result<super::Counted, TokenizerError> {
+        if body.get("messages").is_some() {
+            let text = self.render_chat(body)?;
+            return Ok(super::count_text_within(self, &text, limit));
+        }
+        match body.get("prompt") {
+            Some(Value::String(p)) => Ok(super::count_text_within(self, p, limit)),
+            _ => Err(TokenizerError::NoPrompt),
+        }
+    }
+
     fn count_text(&self, text: &str) -> u64 {
         ModelTokenizer::count_text(self, text)
     }

@@ -776,3 +776,71 @@ fn one_text_cannot_flush_the_word_cache() {
     assert!(later >= before, "{before} -> {later}");
     assert!(later <= WORD_CACHE_ENTRIES);
 }
+
+#[test]
+fn counting_within_a_limit_is_exact_when_whole_and_stops_early_past_it() {
+    let t = tok();
+    // texts of several shapes and sizes: words, code-like text, CJK, one long word
+    let texts = [
+        "The quick brown fox jumps over the lazy dog. ".repeat(6000),
+        "fn main() { let x = 42; println!(\"{x}\"); }\n".repeat(5000),
+        "日本語のテキスト、".repeat(20_000),
+        "x".repeat(300_000),
+        "short".to_owned(),
+    ];
+    for text in &texts {
+        let exact = t.count_text(text);
+        // a limit at or above the count: the whole is counted, exactly
+        assert_eq!(count_text_within(&*t, text, exact), Counted::Exact(exact));
+        assert_eq!(
+            count_text_within(&*t, text, u64::MAX),
+            Counted::Exact(exact)
+        );
+        // a limit below: stops with a lower bound above the limit (or the exact count)
+        for limit in [0, 10, exact / 3, exact.saturating_sub(1)] {
+            if limit >= exact {
+                continue;
+            }
+            match count_text_within(&*t, text, limit) {
+                Counted::AtLeast(n) => assert!(n > limit && n <= exact, "{n} {limit} {exact}"),
+                Counted::Exact(n) => assert_eq!(n, exact),
+            }
+        }
+    }
+}
+
+#[test]
+fn a_prompt_far_over_the_limit_is_refused_after_one_piece_at_most() {
+    // a counter that counts how many bytes it tokenized
+    #[derive(Debug)]
+    struct Spy(
+        std::sync::Arc<ModelTokenizer>,
+        std::sync::atomic::AtomicUsize,
+    );
+    impl TokenCounter for Spy {
+        fn count_prompt(&self, body: &serde_json::Value) -> Result<u64, TokenizerError> {
+            self.0.count_prompt(body)
+        }
+        fn count_text(&self, text: &str) -> u64 {
+            self.1
+                .fetch_add(text.len(), std::sync::atomic::Ordering::Relaxed);
+            self.0.count_text(text)
+        }
+        fn max_token_bytes(&self) -> u64 {
+            self.0.max_token_bytes()
+        }
+        fn stable_cut(&self, text: &str, keep: usize, scanned: usize) -> Option<usize> {
+            self.0.stable_cut(text, keep, scanned)
+        }
+    }
+    let spy = Spy(tok(), std::sync::atomic::AtomicUsize::new(0));
+    let text = "Lorem ipsum dolor sit amet, consectetur adipiscing elit. ".repeat(73_000); // ~4 MiB
+    let got = count_text_within(&spy, &text, 8192);
+    assert!(matches!(got, Counted::AtLeast(n) if n > 8192), "{got:?}");
+    let tokenized = spy.1.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(
+        tokenized <= 2 * COUNT_PIECE_BYTES,
+        "tokenized {tokenized} bytes of {}",
+        text.len()
+    );
+}
