@@ -116,7 +116,7 @@ async fn engine_aliases_are_refused_and_nothing_is_delivered_beyond_the_bill() {
             "invalid_request",
             "top_logprobs",
         ),
-        (json!({"n_probs": 100}), "invalid_request", "n_probs"),
+        (json!({"n_probs": 100}), "unsupported_parameter", "n_probs"),
         // a limit engines would read as a wrapped 32-bit integer
         (
             json!({"max_tokens": 4_294_967_297u64}),

@@ -5,9 +5,8 @@ use std::task::{Context, Poll};
 
 use http_body_util::{BodyExt, Full, Limited};
 use spine_core::{
-    prompt_inputs, validate_chat_messages, AccountId, BoxBody, BoxError, BufferedRequest, NodeId,
-    NodeSlot, PeekError, PromptSegment, RequestContext, RequestId, RequestKind, RequestPeek,
-    StreamOutcome, Usage,
+    AccountId, BoxBody, BoxError, BufferedRequest, NodeId, NodeSlot, PeekError, RequestContext,
+    RequestId, RequestKind, RequestPeek, StreamOutcome, Usage,
 };
 use tower::Service;
 
@@ -15,9 +14,10 @@ use super::admission::{AdmissionEvents, AdmitGuard};
 use super::bill::meter_json;
 use super::body::{MeterBody, StreamSettings};
 use super::embeddings::meter_embeddings;
+use super::prompt::{constrains_tokenization, count_prompts, developer_to_system};
 use super::settle::{AuditCapture, SettleCtx};
 use super::{AdmissionRequest, CountedUsage, MeterConfig, MeterError, ResponseFuture};
-use crate::{inject_include_usage, LedgerError, TokenCounter};
+use crate::{inject_include_usage, LedgerError};
 
 /// The metering middleware. See the [module docs](super).
 #[derive(Clone, Debug)]
@@ -141,24 +141,37 @@ where
             .ok_or(MeterError::MissingExtension("AccountId"))?,
     };
     let (mut parts, body) = req.into_parts();
-    let bytes = read_request_body(&config, &account, body).await?;
-    let peek = RequestPeek::from_json(&bytes).map_err(MeterError::BadRequest)?;
+    let mut bytes = read_request_body(&config, &account, body).await?;
+    // the endpoint decides the request's allowlist: the edge's context, else the path
+    let known_kind = context_kind.or_else(|| RequestKind::from_path(parts.uri.path()));
+    let peek = match known_kind {
+        Some(kind) => RequestPeek::for_endpoint(kind, &bytes),
+        None => RequestPeek::from_json(&bytes),
+    }
+    .map_err(MeterError::BadRequest)?;
     let entry = config
         .catalog
         .get(&peek.model)
         .ok_or_else(|| MeterError::UnknownModel(peek.model.clone()))?
         .clone();
-    let json: serde_json::Value = serde_json::from_slice(&bytes)
+    let mut json: serde_json::Value = serde_json::from_slice(&bytes)
         .map_err(|e| MeterError::BadRequest(spine_core::PeekError::NotJson(e.to_string())))?;
-    let kind = context_kind
-        .or_else(|| RequestKind::from_path(parts.uri.path()))
-        .unwrap_or(
-            if json.get("messages").is_some() || json.get("prompt").is_none() {
-                RequestKind::ChatCompletions
-            } else {
-                RequestKind::Completions
-            },
-        );
+    // as `RequestPeek::from_json` infers it when the path is not an endpoint's
+    let kind = known_kind.unwrap_or(if json.get("messages").is_some() {
+        RequestKind::ChatCompletions
+    } else if json.get("prompt").is_some() {
+        RequestKind::Completions
+    } else if json.get("input").is_some() {
+        RequestKind::Embeddings
+    } else {
+        RequestKind::ChatCompletions
+    });
+    if kind == RequestKind::ChatCompletions && developer_to_system(&mut json) {
+        // what the node reads is what the meter counted
+        bytes = serde_json::to_vec(&json)
+            .map_err(|e| MeterError::BadRequest(PeekError::NotJson(e.to_string())))?
+            .into();
+    }
     let prompts = count_prompts(&*entry.tokenizer, kind, &json)?;
     // every prompt must leave room for a completion token (embeddings: fit the context)
     let longest = prompts.iter().copied().max().unwrap_or(0);
@@ -634,84 +647,6 @@ fn collect_response(body: BoxBody, limit: usize) -> ResponseFutureBytes {
             Err(e) => Err(ResponseRead::Failed(e)),
         })
     }))
-}
-
-/// The independent prompt count of each prompt of a request (design brief §6):
-///
-/// - chat completions: `messages` checked ([`validate_chat_messages`]), rendered with the model's
-///   chat template and counted ([`TokenCounter::count_prompt`]); one prompt;
-/// - completions (`prompt`) and embeddings (`input`): each prompt of [`prompt_inputs`] counted
-///   WITHOUT a chat template, as llama.cpp counts it: each text segment tokenized on its own
-///   (special tokens parsed, no BOS: measured against `llama-server`, which adds none for this
-///   kind of model), each token id one token. A prompt of 0 tokens is refused (llama.cpp refuses
-///   empty embedding inputs, and an empty completion prompt has nothing to condition on).
-fn count_prompts(
-    tokenizer: &dyn TokenCounter,
-    kind: RequestKind,
-    json: &serde_json::Value,
-) -> Result<Vec<u64>, MeterError> {
-    let field = match kind {
-        RequestKind::Embeddings => "input",
-        RequestKind::Completions => "prompt",
-        _ => {
-            validate_chat_messages(json).map_err(MeterError::BadRequest)?;
-            let n = tokenizer.count_prompt(json).map_err(MeterError::Prompt)?;
-            return Ok(vec![n]);
-        }
-    };
-    let prompts = prompt_inputs(json, field).map_err(MeterError::BadRequest)?;
-    let counts: Vec<u64> = prompts
-        .iter()
-        .map(|segments| {
-            segments
-                .iter()
-                .map(|s| match s {
-                    PromptSegment::Text(t) => tokenizer.count_text(t),
-                    PromptSegment::TokenIds(n) => *n,
-                })
-                .fold(0u64, u64::saturating_add)
-        })
-        .collect();
-    if counts.contains(&0) {
-        return Err(MeterError::BadRequest(PeekError::InvalidField {
-            field,
-            expected: "non-empty prompts (each at least one token)",
-        }));
-    }
-    Ok(counts)
-}
-
-/// Whether the request constrains tokenization ([`RequestPeek::tokenization_constrained`]),
-/// with one refinement the peek cannot make without the vocabulary: a `logit_bias` that only
-/// biases special tokens (EOS banned to make an answer run to its limit, the usual use) cannot
-/// make the engine spell a text in other tokens, so it does not count.
-fn constrains_tokenization(
-    peek: &RequestPeek,
-    json: &serde_json::Value,
-    counter: &dyn TokenCounter,
-) -> bool {
-    use serde_json::Value;
-    if !peek.tokenization_constrained {
-        return false;
-    }
-    let other_constraint = spine_core::TOKENIZATION_CONSTRAINT_FIELDS
-        .iter()
-        .filter(|field| **field != "logit_bias")
-        .any(|field| match (json.get(*field), *field) {
-            (None | Some(Value::Null), _) => false,
-            (Some(v), "response_format") => v.get("type").and_then(Value::as_str) != Some("text"),
-            _ => true,
-        });
-    if other_constraint {
-        return true;
-    }
-    match json.get("logit_bias") {
-        Some(Value::Object(biases)) => !biases.keys().all(|id| {
-            id.parse::<u32>()
-                .is_ok_and(|id| counter.is_special_token(id))
-        }),
-        _ => true,
-    }
 }
 
 #[cfg(test)]

@@ -905,7 +905,7 @@ async fn malformed_or_unsupported_messages_are_400_and_never_forwarded() {
             "expected a non-empty array of message objects",
         ),
         (
-            json!({"model":"smollm2","prompt":"no messages on the chat path"}),
+            json!({"model":"smollm2","max_tokens":8}),
             "messages",
             "expected a non-empty array of message objects",
         ),
@@ -1724,3 +1724,5 @@ async fn completed_requests_offer_choice_zero_text_to_the_audit_tap_and_nothing_
         "only the two completed plain replies"
     );
 }
+
+mod surface;
