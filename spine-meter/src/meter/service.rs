@@ -372,7 +372,7 @@ where
         if kind == RequestKind::Embeddings {
             embeddings_bytes_bound(prompts.len())
         } else {
-            super::body::stream_bytes_bound(ctx)
+            super::bill::stream_bytes_bound(ctx)
         }
     });
     let ceiling = u64::try_from(config.max_response_body_bytes).unwrap_or(u64::MAX);

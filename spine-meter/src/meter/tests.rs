@@ -1725,4 +1725,5 @@ async fn completed_requests_offer_choice_zero_text_to_the_audit_tap_and_nothing_
     );
 }
 
+mod answer;
 mod surface;
