@@ -12,7 +12,8 @@
 //! | `input`, `dimensions`, `encoding_format` | | | ✓ | OpenAI |
 //! | `stream`, `stream_options` (`include_usage`, `include_obfuscation`; vLLM's `continuous_usage_stats`) | ✓ | ✓ | | OpenAI |
 //! | `n`, `max_tokens`, `stop`, `seed`, `temperature`, `top_p`, `frequency_penalty`, `presence_penalty`, `logprobs` | ✓ | ✓ | | OpenAI |
-//! | `max_completion_tokens`, `top_logprobs`, `tools`, `tool_choice`, `parallel_tool_calls`, `reasoning_effort`, `verbosity`, `metadata`, `store`, `service_tier`, `safety_identifier`, `prompt_cache_retention` | ✓ | | | OpenAI |
+//! | `max_completion_tokens`, `top_logprobs` | ✓ | ✓ | | OpenAI (chat); llama.cpp reads them on completions too, held and checked the same |
+//! | `tools`, `tool_choice`, `parallel_tool_calls`, `reasoning_effort`, `verbosity`, `metadata`, `store`, `service_tier`, `safety_identifier`, `prompt_cache_retention` | ✓ | | | OpenAI |
 //! | `user` | ✓ | ✓ | ✓ | OpenAI |
 //! | `prompt_cache_key` | ✓ | ✓ | | OpenAI (chat); the gateway's affinity key on both |
 //! | `top_k`, `min_p`, `repetition_penalty` | ✓ | ✓ | | [`SAMPLING_EXTRAS`]: shared by llama.cpp, vLLM and SGLang; they change which token is drawn, never how many tokens or choices |
@@ -82,8 +83,10 @@ pub const CHAT_COMPLETIONS_MEMBERS: [&str; 29] = [
     "prompt_cache_retention",
 ];
 
-/// OpenAI's (legacy) completion request members served here; `echo` only `false`.
-pub const COMPLETIONS_MEMBERS: [&str; 17] = [
+/// OpenAI's (legacy) completion request members served here; `echo` only `false`. Also
+/// `max_completion_tokens` and `top_logprobs` (OpenAI's chat members, which llama.cpp reads on
+/// this endpoint too): held and range-checked exactly as on chat completions.
+pub const COMPLETIONS_MEMBERS: [&str; 19] = [
     "model",
     "prompt",
     "stream",
@@ -101,6 +104,8 @@ pub const COMPLETIONS_MEMBERS: [&str; 17] = [
     "echo",
     "user",
     "prompt_cache_key",
+    "max_completion_tokens",
+    "top_logprobs",
 ];
 
 /// OpenAI's embeddings request members.

@@ -225,8 +225,8 @@ fn every_member_outside_the_endpoints_allowlist_is_refused_with_its_name() {
         ),
         (
             text,
-            r#"{"model":"m","prompt":"x","max_completion_tokens":5}"#,
-            "max_completion_tokens",
+            r#"{"model":"m","prompt":"x","reasoning_effort":"low"}"#,
+            "reasoning_effort",
         ),
         (text, r#"{"model":"m","prompt":"x","tools":[]}"#, "tools"),
         (
@@ -286,7 +286,8 @@ fn every_member_outside_the_endpoints_allowlist_is_refused_with_its_name() {
     let text_body = r#"{"model":"m","prompt":"x","stream":false,"n":1,"max_tokens":5,"stop":null,
         "seed":1,"temperature":1,"top_p":1,"frequency_penalty":0,"presence_penalty":0,
         "logit_bias":null,"logprobs":2,"echo":false,"user":"u","suffix":null,"best_of":null,
-        "top_k":1,"min_p":0,"repetition_penalty":1}"#;
+        "top_k":1,"min_p":0,"repetition_penalty":1,"max_completion_tokens":5,
+        "top_logprobs":1}"#;
     assert!(RequestPeek::for_endpoint(text, text_body.as_bytes()).is_ok());
     let embed_body =
         r#"{"model":"m","input":["a"],"dimensions":8,"encoding_format":"float","user":"u"}"#;
