@@ -169,8 +169,22 @@ fn enroll_error(e: LedgerError) -> ApiError {
 /// `POST /v1/enroll` (tunnel listener).
 async fn enroll(
     State(state): State<Arc<AppState>>,
-    body: axum::body::Bytes,
+    body: Result<axum::body::Bytes, axum::extract::rejection::BytesRejection>,
 ) -> Result<impl IntoResponse, ApiError> {
+    // past `MAX_ENROLL_BODY_BYTES` (or a body that failed to arrive): OpenAI's error shape,
+    // never axum's plain-text rejection
+    let body = body.map_err(|e| {
+        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "invalid_request_error",
+                "request_too_large",
+                format!("an enrollment body is at most {MAX_ENROLL_BODY_BYTES} bytes"),
+            )
+        } else {
+            ApiError::invalid_request("invalid_body", format!("the body could not be read: {e}"))
+        }
+    })?;
     let body: EnrollBody = serde_json::from_slice(&body).map_err(|e| {
         ApiError::invalid_request(
             "invalid_json",

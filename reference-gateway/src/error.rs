@@ -245,6 +245,13 @@ impl ApiError {
                 inner @ spine_core::PeekError::UnsupportedParameter { field },
             ) => Self::invalid_request("unsupported_parameter", inner.to_string())
                 .with_param(field.to_string()),
+            MeterError::BadRequest(
+                inner @ spine_core::PeekError::UnrecognizedArgument { param },
+            ) => Self::invalid_request("unsupported_parameter", inner.to_string())
+                .with_param(param.clone()),
+            MeterError::BadRequest(inner @ spine_core::PeekError::InvalidMessage { path, .. }) => {
+                Self::invalid_request("invalid_request", inner.to_string()).with_param(path.clone())
+            }
             MeterError::BadRequest(inner @ spine_core::PeekError::InvalidField { field, .. }) => {
                 Self::invalid_request("invalid_request", inner.to_string())
                     .with_param(field.to_string())

@@ -116,7 +116,7 @@ async fn engine_aliases_are_refused_and_nothing_is_delivered_beyond_the_bill() {
             "invalid_request",
             "top_logprobs",
         ),
-        (json!({"n_probs": 100}), "invalid_request", "n_probs"),
+        (json!({"n_probs": 100}), "unsupported_parameter", "n_probs"),
         // a limit engines would read as a wrapped 32-bit integer
         (
             json!({"max_tokens": 4_294_967_297u64}),
@@ -585,4 +585,64 @@ async fn a_caller_constraining_tokenization_pays_for_the_tokens_generated() {
         );
         assert_eq!(rec["discrepancy"], false, "{rec}");
     }
+}
+
+/// The request surface on the real llama.cpp: a `developer` message is served, its prompt
+/// counted as the engine counted it (no discrepancy: the node read `system`, as the meter
+/// rendered it); an assistant prefill, an engine alias set to `null` and an unknown member of a
+/// message are 400s in OpenAI's shape, never forwarded, nothing held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn developer_messages_are_served_and_the_surface_is_an_allowlist() {
+    let engine = Engine::discover().unwrap();
+    let llama = LlamaServer::start(&engine, 1).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let gw = Gateway::start(dir.path(), &engine).await;
+    let t = tenant(&gw).await;
+    let (_node, _agent) = add_node(&gw, dir.path(), &t.operator, &llama.url, "node").await;
+    for streamed in [false, true] {
+        let body = json!({"model":"smollm2","max_tokens":8,"stream":streamed,
+            "stream_options": if streamed { json!({"include_usage": true}) } else { Value::Null },
+            "messages":[{"role":"developer","content":"Answer in one word."},
+                {"role":"user","content":"What color is the sky?"}]});
+        let resp = gw.api_post(&t.api_key, "/v1/chat/completions", &body).await;
+        assert_eq!(resp.status(), 200, "streamed {streamed}");
+        let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
+        let _ = resp.text().await.unwrap();
+        let rec = gw.record(&id).await;
+        assert_eq!(rec["outcome"], "completed", "{rec}");
+        assert_eq!(
+            rec["billed"]["prompt_tokens"], rec["claimed"]["prompt_tokens"],
+            "{rec}"
+        );
+        assert_eq!(rec["discrepancy"], false, "{rec}");
+    }
+    let (balance, _) = gw.balance(&t.account).await;
+    let user = json!({"role":"user","content":"Name three colors."});
+    for (body, code, param) in [
+        (
+            json!({"model":"smollm2","max_tokens":8,
+                "messages":[user.clone(), {"role":"assistant","content":"Red, "}]}),
+            "invalid_request",
+            "messages[1].role",
+        ),
+        (
+            json!({"model":"smollm2","max_tokens":8,"n_predict":null,"messages":[user.clone()]}),
+            "unsupported_parameter",
+            "n_predict",
+        ),
+        (
+            json!({"model":"smollm2","max_tokens":8,
+                "messages":[{"role":"user","content":"hi","cache_control":{"type":"ephemeral"}}]}),
+            "unsupported_parameter",
+            "messages[0].cache_control",
+        ),
+    ] {
+        let resp = gw.api_post(&t.api_key, "/v1/chat/completions", &body).await;
+        assert_eq!(resp.status(), 400, "{body}");
+        let e: Value = resp.json().await.unwrap();
+        assert_eq!(e["error"]["type"], "invalid_request_error", "{e}");
+        assert_eq!(e["error"]["code"], code, "{e}");
+        assert_eq!(e["error"]["param"], param, "{e}");
+    }
+    assert_eq!(gw.balance(&t.account).await, (balance, 0));
 }

@@ -333,3 +333,33 @@ async fn a_top_up_lifts_a_remembered_refusal_at_once() {
     assert_eq!(status, 200, "{body}");
     assert_eq!(body["object"], "response", "{body}");
 }
+
+/// An enrollment body past `MAX_ENROLL_BODY_BYTES` (16 KiB) on the tunnel listener is a 413 in
+/// OpenAI's error shape, not axum's plain-text rejection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversized_enrollment_is_an_openai_shaped_413() {
+    let engine = Engine::discover().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let gw = Gateway::start(dir.path(), &engine).await;
+    let ca = reqwest::Certificate::from_pem(&std::fs::read(&gw.ca_file).unwrap()).unwrap();
+    let client = reqwest::Client::builder()
+        .add_root_certificate(ca)
+        .build()
+        .unwrap();
+    let base = gw
+        .tunnel
+        .replacen("wss://", "https://", 1)
+        .replace("/v1/tunnel", "");
+    let body = json!({"token": "x".repeat(20_000), "public_key": "ed25519:x"});
+    let resp = client
+        .post(format!("{base}/v1/enroll"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 413);
+    let e: Value = resp.json().await.unwrap();
+    assert_eq!(e["error"]["type"], "invalid_request_error", "{e}");
+    assert_eq!(e["error"]["code"], "request_too_large", "{e}");
+    assert!(e["error"]["message"].is_string(), "{e}");
+}

@@ -4,6 +4,17 @@ use serde_json::Value;
 
 use crate::ModelId;
 
+mod fields;
+mod messages;
+
+use fields::{Member, MembersError};
+pub use fields::{
+    CHAT_COMPLETIONS_MEMBERS, COMPLETIONS_MEMBERS, EMBEDDINGS_MEMBERS, NOT_SERVED, SAMPLING_EXTRAS,
+};
+pub use messages::validate_chat_messages;
+#[cfg(test)]
+use messages::CONTENT_EXPECTED;
+
 /// The fields of an OpenAI request body the gateway needs, read without touching the rest.
 ///
 /// Covers `/v1/chat/completions` and `/v1/completions` bodies (OpenAI API reference). Fields the
@@ -55,13 +66,21 @@ pub enum PeekError {
         /// What was expected.
         expected: &'static str,
     },
-    /// An engine-specific field that changes how many tokens or choices the engine generates
-    /// (see [`ENGINE_GENERATION_FIELDS`]): refused, because the hold and the bill follow the
-    /// OpenAI fields (`max_tokens`, `max_completion_tokens`, `n`) and an engine obeys its own.
-    #[error("unsupported parameter '{field}': this gateway limits generation with max_tokens / max_completion_tokens and n")]
+    /// A member OpenAI documents that this gateway does not serve ([`NOT_SERVED`]; `echo`
+    /// `true`): the meter could not count what it would make the engine read or generate.
+    #[error("Unsupported parameter: '{field}' is not supported with this gateway.")]
     UnsupportedParameter {
         /// The field's name.
         field: &'static str,
+    },
+    /// A member the endpoint's allowlist does not hold (`peek/fields.rs`), whatever its value,
+    /// `null` included: engine aliases that change how many tokens or choices are generated
+    /// ([`ENGINE_GENERATION_FIELDS`]), template switches, typos. OpenAI's own wording.
+    #[error("Unrecognized request argument supplied: {param}")]
+    UnrecognizedArgument {
+        /// The member, as a path for a nested one: `n_predict`, `messages[0].cache_control`,
+        /// `tools[1].function.examples`.
+        param: String,
     },
     /// A chat `messages` entry is malformed or not supported (see [`validate_chat_messages`]).
     #[error("invalid value for '{path}': {reason}")]
@@ -72,89 +91,6 @@ pub enum PeekError {
         /// What is wrong.
         reason: &'static str,
     },
-}
-
-const CONTENT_EXPECTED: &str =
-    "expected a string or an array of content parts (null only for an assistant message with tool_calls)";
-
-fn invalid(path: String, reason: &'static str) -> PeekError {
-    PeekError::InvalidMessage { path, reason }
-}
-
-/// Checks the `messages` of a chat completion body before anything is counted or forwarded
-/// (OpenAI API reference, chat completions; design brief §7: a malformed request is a 400 and is
-/// never forwarded).
-///
-/// `messages` must be a non-empty array of objects, each with a string `role`, and a `content`
-/// that is
-/// - a string, or
-/// - an array of content parts, each `{"type":"text","text":<string>}` — any other part type
-///   (`image_url`, `input_audio`, `file`, ...) is refused, because the text models spine serves
-///   cannot take it, or
-/// - `null` or absent, only for an `assistant` message with a non-empty `tool_calls` array.
-///
-/// # Errors
-///
-/// [`PeekError::InvalidMessage`] naming the first offending path, e.g. `messages[0].content` or
-/// `messages[0].content[1].type` (reason `unsupported content part type for this model`);
-/// [`PeekError::NotObject`] when `body` is not an object.
-pub fn validate_chat_messages(body: &Value) -> Result<(), PeekError> {
-    let body = body.as_object().ok_or(PeekError::NotObject)?;
-    let messages = body
-        .get("messages")
-        .and_then(Value::as_array)
-        .filter(|m| !m.is_empty())
-        .ok_or_else(|| {
-            invalid(
-                "messages".to_owned(),
-                "expected a non-empty array of message objects",
-            )
-        })?;
-    for (i, message) in messages.iter().enumerate() {
-        let message = message
-            .as_object()
-            .ok_or_else(|| invalid(format!("messages[{i}]"), "expected an object"))?;
-        let role = message
-            .get("role")
-            .and_then(Value::as_str)
-            .ok_or_else(|| invalid(format!("messages[{i}].role"), "expected a string"))?;
-        match message.get("content") {
-            Some(Value::String(_)) => {}
-            Some(Value::Array(parts)) => {
-                for (j, part) in parts.iter().enumerate() {
-                    let path = format!("messages[{i}].content[{j}]");
-                    let part = part
-                        .as_object()
-                        .ok_or_else(|| invalid(path.clone(), "expected an object"))?;
-                    match part.get("type").and_then(Value::as_str) {
-                        Some("text") => {
-                            if !part.get("text").is_some_and(Value::is_string) {
-                                return Err(invalid(format!("{path}.text"), "expected a string"));
-                            }
-                        }
-                        Some(_) => {
-                            return Err(invalid(
-                                format!("{path}.type"),
-                                "unsupported content part type for this model",
-                            ))
-                        }
-                        None => return Err(invalid(format!("{path}.type"), "expected a string")),
-                    }
-                }
-            }
-            None | Some(Value::Null) => {
-                let tool_calls = message
-                    .get("tool_calls")
-                    .and_then(Value::as_array)
-                    .is_some_and(|t| !t.is_empty());
-                if role != "assistant" || !tool_calls {
-                    return Err(invalid(format!("messages[{i}].content"), CONTENT_EXPECTED));
-                }
-            }
-            Some(_) => return Err(invalid(format!("messages[{i}].content"), CONTENT_EXPECTED)),
-        }
-    }
-    Ok(())
 }
 
 /// Which OpenAI endpoint a request is for: it decides how the prompt is counted and how the
@@ -275,82 +211,52 @@ pub fn prompt_inputs<'a>(
     }
 }
 
-#[derive(Deserialize)]
+/// The top-level members of a request body, values raw and borrowed (see [`fields`]).
 struct Fields<'a> {
-    #[serde(borrow, default)]
-    model: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    stream: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    stream_options: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    n: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    max_tokens: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    max_completion_tokens: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    prompt_cache_key: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    messages: Option<&'a RawValue>,
-    /// OpenAI's `echo` (completions; vLLM's chat too): the prompt sent back as generated text.
-    #[serde(borrow, default)]
-    echo: Option<&'a RawValue>,
-    // engine-specific generation fields (ENGINE_GENERATION_FIELDS): only their presence is read
-    #[serde(borrow, default)]
-    n_predict: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    n_cmpl: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    max_new_tokens: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    min_tokens: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    min_new_tokens: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    ignore_eos: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    best_of: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    use_beam_search: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    num_predict: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    options: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    t_max_predict_ms: Option<&'a RawValue>,
-    // sizes of the answer (issue 13: a caller's answer too large for the gateway was free)
-    #[serde(borrow, default)]
-    top_logprobs: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    logprobs: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    n_probs: Option<&'a RawValue>,
-    // sampling constraints (TOKENIZATION_CONSTRAINT_FIELDS): only their presence is read
-    #[serde(borrow, default)]
-    logit_bias: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    response_format: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    grammar: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    json_schema: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    guided_json: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    guided_regex: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    guided_choice: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    guided_grammar: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    structured_outputs: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    regex: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    ebnf: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    format: Option<&'a RawValue>,
+    members: Vec<(&'static str, &'a RawValue)>,
+}
+
+impl<'a> Fields<'a> {
+    fn get(&self, name: &str) -> Option<&'a RawValue> {
+        self.members
+            .iter()
+            .find(|(k, _)| *k == name)
+            .map(|(_, v)| *v)
+    }
+
+    /// The endpoint of a body whose path is not known: `messages` → chat, `prompt` →
+    /// completions, `input` → embeddings, else chat.
+    fn infer_kind(&self) -> RequestKind {
+        if self.get("messages").is_some() {
+            RequestKind::ChatCompletions
+        } else if self.get("prompt").is_some() {
+            RequestKind::Completions
+        } else if self.get("input").is_some() {
+            RequestKind::Embeddings
+        } else {
+            RequestKind::ChatCompletions
+        }
+    }
+
+    /// Every member is one `kind` accepts ([`fields::member`]); a not-served OpenAI member
+    /// only as `null`.
+    fn check_allowed(&self, kind: RequestKind) -> Result<(), PeekError> {
+        for (name, raw) in &self.members {
+            match fields::member(kind, name) {
+                Some(Member::Served) => {}
+                Some(Member::NotServed) if is_null(raw) => {}
+                Some(Member::NotServed) => {
+                    return Err(PeekError::UnsupportedParameter { field: name })
+                }
+                None => {
+                    return Err(PeekError::UnrecognizedArgument {
+                        param: (*name).to_owned(),
+                    })
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Request fields that constrain sampling so that an engine may generate a text as MORE tokens
@@ -368,7 +274,8 @@ struct Fields<'a> {
 /// | `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`, `structured_outputs` | vLLM | a grammar on the output |
 /// | `regex`, `ebnf` | SGLang | a grammar on the output |
 /// | `format` | Ollama | a JSON schema on the output |
-pub const TOKENIZATION_CONSTRAINT_FIELDS: [&str; 12] = [
+/// | `allowed_token_ids` | vLLM | only these tokens may be drawn |
+pub const TOKENIZATION_CONSTRAINT_FIELDS: [&str; 13] = [
     "logit_bias",
     "response_format",
     "grammar",
@@ -381,9 +288,10 @@ pub const TOKENIZATION_CONSTRAINT_FIELDS: [&str; 12] = [
     "regex",
     "ebnf",
     "format",
+    "allowed_token_ids",
 ];
 
-/// OpenAI's bound on `top_logprobs` (chat) and llama.cpp's `n_probs`: an answer's size grows
+/// OpenAI's bound on `top_logprobs` (chat): an answer's size grows
 /// with it, and an answer larger than the gateway's buffer would be work the caller never pays
 /// for.
 pub const MAX_TOP_LOGPROBS: u64 = 20;
@@ -396,10 +304,11 @@ pub const MAX_COMPLETION_LOGPROBS: u64 = 5;
 pub const MAX_MAX_TOKENS: u64 = i32::MAX as u64;
 
 /// Request fields that some engine obeys to decide how many tokens or choices it generates,
-/// besides OpenAI's `max_tokens`, `max_completion_tokens` and `n`. A request that sets any of
-/// them (to anything but `null`, which every engine treats as absent) is refused with
-/// [`PeekError::UnsupportedParameter`]: the hold and the bill follow the OpenAI fields, and a
-/// node would otherwise deliver more than the caller is held and billed for.
+/// besides OpenAI's `max_tokens`, `max_completion_tokens` and `n`: the aliases found in the
+/// engines' docs and code, kept as a tested list. They are refused by the allowlist
+/// ([`fields`]: every member an endpoint does not list is refused, even `null`), never by
+/// this list — a denylist is never complete. The hold and the bill follow the OpenAI fields,
+/// and a node would otherwise deliver more than the caller is held and billed for.
 ///
 /// | field | engine | effect |
 /// |---|---|---|
@@ -424,30 +333,6 @@ pub const ENGINE_GENERATION_FIELDS: [&str; 11] = [
     "options",
     "t_max_predict_ms",
 ];
-
-impl Fields<'_> {
-    /// The first engine generation field set to something other than `null`.
-    fn engine_generation_field(&self) -> Option<&'static str> {
-        let set = [
-            self.n_predict,
-            self.n_cmpl,
-            self.max_new_tokens,
-            self.min_tokens,
-            self.min_new_tokens,
-            self.ignore_eos,
-            self.best_of,
-            self.use_beam_search,
-            self.num_predict,
-            self.options,
-            self.t_max_predict_ms,
-        ];
-        ENGINE_GENERATION_FIELDS
-            .iter()
-            .zip(set)
-            .find(|(_, raw)| raw.is_some_and(|r| !is_null(r)))
-            .map(|(name, _)| *name)
-    }
-}
 
 /// One chat message, as far as the conversation key reads it.
 #[derive(Deserialize)]
@@ -519,11 +404,9 @@ pub fn conversation_key(model: &str, messages: &RawValue) -> Option<u64> {
     Some(hash)
 }
 
-#[derive(Deserialize)]
-struct StreamOptions<'a> {
-    #[serde(borrow, default)]
-    include_usage: Option<&'a RawValue>,
-}
+/// OpenAI's `reasoning_effort` values.
+const REASONING_EFFORTS: [&str; 6] = ["none", "minimal", "low", "medium", "high", "xhigh"];
+const REASONING_EFFORT_EXPECTED: &str = "one of none, minimal, low, medium, high, xhigh";
 
 fn is_null(raw: &RawValue) -> bool {
     raw.get() == "null"
@@ -549,12 +432,12 @@ impl Fields<'_> {
         let set = |r: Option<&RawValue>| r.is_some_and(|r| !is_null(r));
         // an empty object biases nothing; anything else that is not an object is the engine's
         // to refuse, and counts as set
-        let logit_bias = self.logit_bias.is_some_and(|r| {
+        let logit_bias = self.get("logit_bias").is_some_and(|r| {
             !is_null(r)
                 && serde_json::from_str::<serde_json::Map<String, Value>>(r.get())
                     .map_or(true, |m| !m.is_empty())
         });
-        let response_format = self.response_format.is_some_and(|r| {
+        let response_format = self.get("response_format").is_some_and(|r| {
             !is_null(r)
                 && serde_json::from_str::<Value>(r.get()).map_or(true, |v| {
                     v.get("type").and_then(Value::as_str) != Some("text")
@@ -562,43 +445,29 @@ impl Fields<'_> {
         });
         logit_bias
             || response_format
-            || [
-                self.grammar,
-                self.json_schema,
-                self.guided_json,
-                self.guided_regex,
-                self.guided_choice,
-                self.guided_grammar,
-                self.structured_outputs,
-                self.regex,
-                self.ebnf,
-                self.format,
-            ]
-            .into_iter()
-            .any(set)
+            || TOKENIZATION_CONSTRAINT_FIELDS
+                .iter()
+                .filter(|f| !matches!(**f, "logit_bias" | "response_format"))
+                .any(|f| set(self.get(f)))
     }
 
-    /// Refuses answer sizes past OpenAI's bounds: `top_logprobs` and llama.cpp's `n_probs` at
-    /// most [`MAX_TOP_LOGPROBS`], a numeric `logprobs` at most [`MAX_COMPLETION_LOGPROBS`].
+    /// Refuses answer sizes past OpenAI's bounds: `top_logprobs` at most
+    /// [`MAX_TOP_LOGPROBS`], a numeric `logprobs` at most [`MAX_COMPLETION_LOGPROBS`].
     fn check_logprobs(&self) -> Result<(), PeekError> {
         const TOP: &str = "an integer between 0 and 20";
-        for (raw, field) in [
-            (self.top_logprobs, "top_logprobs"),
-            (self.n_probs, "n_probs"),
-        ] {
-            if parse_opt::<u64>(raw, field, TOP)?.is_some_and(|n| n > MAX_TOP_LOGPROBS) {
-                return Err(PeekError::InvalidField {
-                    field,
-                    expected: TOP,
-                });
-            }
+        let field = "top_logprobs";
+        if parse_opt::<u64>(self.get(field), field, TOP)?.is_some_and(|n| n > MAX_TOP_LOGPROBS) {
+            return Err(PeekError::InvalidField {
+                field,
+                expected: TOP,
+            });
         }
         let bad = PeekError::InvalidField {
             field: "logprobs",
             expected: "a boolean, or an integer between 0 and 5",
         };
         match self
-            .logprobs
+            .get("logprobs")
             .map(|r| serde_json::from_str::<Value>(r.get()))
         {
             None | Some(Ok(Value::Null | Value::Bool(_))) => Ok(()),
@@ -613,39 +482,58 @@ impl Fields<'_> {
 }
 
 impl RequestPeek {
-    /// Reads the peek fields from a JSON request body.
+    /// Reads the peek fields from a JSON request body whose endpoint is not known: it is
+    /// inferred from the body (`messages` → chat completions, `prompt` → completions, `input`
+    /// → embeddings, else chat completions). See [`RequestPeek::for_endpoint`].
     ///
     /// # Errors
     ///
-    /// [`PeekError`] when the body is not a JSON object, `model` is missing or not a non-empty
-    /// string, or `stream`, `stream_options.include_usage`, `n`, `max_tokens`,
-    /// `max_completion_tokens` or `prompt_cache_key` has the wrong type (`n`, `max_tokens` and
-    /// `max_completion_tokens` must be ≥ 1, and the last two equal when both are set), a known
-    /// field appears twice, an [`ENGINE_GENERATION_FIELDS`] field is set, `echo` is `true`,
-    /// `max_tokens` / `max_completion_tokens` exceed [`MAX_MAX_TOKENS`], or `top_logprobs`,
-    /// `n_probs` or `logprobs` exceed OpenAI's bounds ([`MAX_TOP_LOGPROBS`],
-    /// [`MAX_COMPLETION_LOGPROBS`]).
+    /// As [`RequestPeek::for_endpoint`].
+    pub fn from_json(body: &[u8]) -> Result<Self, PeekError> {
+        Self::parse(body, None)
+    }
+
+    /// Reads the peek fields from a JSON request body for the endpoint `kind`, refusing every
+    /// member that endpoint does not accept (the allowlist of `peek/fields.rs`, tabled in
+    /// `docs/metering.md`). One pass over the body's top level; values are borrowed.
+    ///
+    /// # Errors
+    ///
+    /// [`PeekError`] when the body is not a JSON object, a top-level member is given twice, a
+    /// member is not in the endpoint's allowlist ([`PeekError::UnrecognizedArgument`], even
+    /// with value `null`; among them every [`ENGINE_GENERATION_FIELDS`] alias) or is an OpenAI
+    /// member this gateway does not serve ([`PeekError::UnsupportedParameter`]), `model` is
+    /// missing or not a non-empty string, or `stream`, `stream_options` (whose members are
+    /// allowlisted too), `n`, `max_tokens`, `max_completion_tokens`, `reasoning_effort` or
+    /// `prompt_cache_key` has the wrong type (`n`, `max_tokens` and `max_completion_tokens`
+    /// must be ≥ 1, and the last two equal when both are set), `echo` is `true`,
+    /// `max_tokens` / `max_completion_tokens` exceed [`MAX_MAX_TOKENS`], or `top_logprobs` or
+    /// `logprobs` exceed OpenAI's bounds ([`MAX_TOP_LOGPROBS`], [`MAX_COMPLETION_LOGPROBS`]).
     /// A malformed `messages` is not an error here (it only leaves
     /// [`RequestPeek::conversation_key`] empty); [`validate_chat_messages`] refuses it.
-    pub fn from_json(body: &[u8]) -> Result<Self, PeekError> {
+    pub fn for_endpoint(kind: RequestKind, body: &[u8]) -> Result<Self, PeekError> {
+        Self::parse(body, Some(kind))
+    }
+
+    fn parse(body: &[u8], kind: Option<RequestKind>) -> Result<Self, PeekError> {
         let value: &RawValue =
             serde_json::from_slice(body).map_err(|e| PeekError::NotJson(e.to_string()))?;
-        if !value.get().trim_start().starts_with('{') {
-            return Err(PeekError::NotObject);
-        }
-        let fields: Fields<'_> =
-            serde_json::from_str(value.get()).map_err(|e| PeekError::NotJson(e.to_string()))?;
-
-        if let Some(field) = fields.engine_generation_field() {
-            return Err(PeekError::UnsupportedParameter { field });
-        }
+        let fields = match fields::read_members(value.get()) {
+            Ok(members) => Fields { members },
+            Err(MembersError::NotObject) => return Err(PeekError::NotObject),
+            Err(MembersError::Unknown(param)) => {
+                return Err(PeekError::UnrecognizedArgument { param })
+            }
+            Err(MembersError::Json(e)) => return Err(PeekError::NotJson(e)),
+        };
+        fields.check_allowed(kind.unwrap_or_else(|| fields.infer_kind()))?;
         fields.check_logprobs()?;
         // the prompt echoed back arrives as completion text the caller did not ask to generate
         // (vLLM sends it as the first chunk): neither a fair bill nor within the hold's cap
-        if parse_opt::<bool>(fields.echo, "echo", "a boolean")?.unwrap_or(false) {
+        if parse_opt::<bool>(fields.get("echo"), "echo", "a boolean")?.unwrap_or(false) {
             return Err(PeekError::UnsupportedParameter { field: "echo" });
         }
-        let model: String = parse_opt(fields.model, "model", "a non-empty string")?
+        let model: String = parse_opt(fields.get("model"), "model", "a non-empty string")?
             .ok_or(PeekError::MissingModel)?;
         if model.is_empty() {
             return Err(PeekError::InvalidField {
@@ -653,24 +541,43 @@ impl RequestPeek {
                 expected: "a non-empty string",
             });
         }
-        let stream: bool = parse_opt(fields.stream, "stream", "a boolean")?.unwrap_or(false);
-        let include_usage = match fields.stream_options {
+        let stream: bool = parse_opt(fields.get("stream"), "stream", "a boolean")?.unwrap_or(false);
+        let include_usage = match fields.get("stream_options") {
             Some(r) if !is_null(r) => {
-                let opts: StreamOptions<'_> =
-                    serde_json::from_str(r.get()).map_err(|_| PeekError::InvalidField {
-                        field: "stream_options",
-                        expected: "an object",
-                    })?;
-                parse_opt(
-                    opts.include_usage,
-                    "stream_options.include_usage",
-                    "a boolean",
-                )?
-                .unwrap_or(false)
+                let opts = match fields::read_nested(r.get(), &fields::STREAM_OPTIONS_MEMBERS) {
+                    Ok(opts) => opts,
+                    Err(MembersError::Unknown(name)) => {
+                        return Err(PeekError::UnrecognizedArgument {
+                            param: format!("stream_options.{name}"),
+                        })
+                    }
+                    Err(_) => {
+                        return Err(PeekError::InvalidField {
+                            field: "stream_options",
+                            expected: "an object",
+                        })
+                    }
+                };
+                let raw = opts
+                    .iter()
+                    .find(|(k, _)| *k == "include_usage")
+                    .map(|(_, v)| *v);
+                parse_opt(raw, "stream_options.include_usage", "a boolean")?.unwrap_or(false)
             }
             _ => false,
         };
-        let n: u32 = parse_opt(fields.n, "n", "an integer >= 1")?.unwrap_or(1);
+        let reasoning_effort: Option<String> = parse_opt(
+            fields.get("reasoning_effort"),
+            "reasoning_effort",
+            REASONING_EFFORT_EXPECTED,
+        )?;
+        if reasoning_effort.is_some_and(|e| !REASONING_EFFORTS.contains(&e.as_str())) {
+            return Err(PeekError::InvalidField {
+                field: "reasoning_effort",
+                expected: REASONING_EFFORT_EXPECTED,
+            });
+        }
+        let n: u32 = parse_opt(fields.get("n"), "n", "an integer >= 1")?.unwrap_or(1);
         if n == 0 {
             return Err(PeekError::InvalidField {
                 field: "n",
@@ -681,12 +588,12 @@ impl RequestPeek {
         // disagree on which one wins (llama.cpp and vLLM: max_completion_tokens; SGLang:
         // `max_completion_tokens or max_tokens`, so a 0 there falls through to the other)
         let max_completion_tokens: Option<u64> = parse_opt(
-            fields.max_completion_tokens,
+            fields.get("max_completion_tokens"),
             "max_completion_tokens",
             "an integer >= 1",
         )?;
         let max_tokens: Option<u64> =
-            parse_opt(fields.max_tokens, "max_tokens", "an integer >= 1")?;
+            parse_opt(fields.get("max_tokens"), "max_tokens", "an integer >= 1")?;
         if max_completion_tokens == Some(0) {
             return Err(PeekError::InvalidField {
                 field: "max_completion_tokens",
@@ -718,10 +625,13 @@ impl RequestPeek {
                 });
             }
         }
-        let prompt_cache_key: Option<String> =
-            parse_opt(fields.prompt_cache_key, "prompt_cache_key", "a string")?;
+        let prompt_cache_key: Option<String> = parse_opt(
+            fields.get("prompt_cache_key"),
+            "prompt_cache_key",
+            "a string",
+        )?;
         let conversation_key = fields
-            .messages
+            .get("messages")
             .and_then(|messages| conversation_key(&model, messages));
         Ok(Self {
             model: ModelId::new(model),

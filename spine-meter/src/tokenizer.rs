@@ -562,3 +562,5 @@ impl GeneratedCount {
 
 #[cfg(all(test, feature = "tokenizer"))]
 mod tests;
+#[cfg(all(test, feature = "tokenizer"))]
+mod tests_template;

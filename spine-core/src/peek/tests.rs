@@ -119,13 +119,13 @@ fn token_limits_are_at_least_one_and_agree_and_echo_is_refused() {
         Err(PeekError::UnsupportedParameter { field: "echo" })
     );
     for ok in [
-        &br#"{"model":"m","echo":false}"#[..],
-        br#"{"model":"m","echo":null}"#,
+        &br#"{"model":"m","prompt":"hi","echo":false}"#[..],
+        br#"{"model":"m","prompt":"hi","echo":null}"#,
     ] {
         assert!(RequestPeek::from_json(ok).is_ok());
     }
     assert!(matches!(
-        RequestPeek::from_json(br#"{"model":"m","echo":"yes"}"#),
+        RequestPeek::from_json(br#"{"model":"m","prompt":"hi","echo":"yes"}"#),
         Err(PeekError::InvalidField { field: "echo", .. })
     ));
 }
@@ -142,22 +142,24 @@ fn at(path: &str, reason: &'static str) -> Result<(), PeekError> {
 }
 
 #[test]
-fn engine_generation_fields_are_refused_by_name_and_null_is_absent() {
-    for field in ENGINE_GENERATION_FIELDS {
-        let body = format!(r#"{{"model":"m","max_tokens":1,"{field}":300}}"#);
-        assert_eq!(
-            RequestPeek::from_json(body.as_bytes()),
-            Err(PeekError::UnsupportedParameter { field }),
-            "{field}"
-        );
-        let body = format!(r#"{{"model":"m","{field}":null}}"#);
-        assert!(RequestPeek::from_json(body.as_bytes()).is_ok(), "{field}");
+fn engine_generation_fields_are_refused_by_the_allowlist_even_null() {
+    for kind in [RequestKind::ChatCompletions, RequestKind::Completions] {
+        for field in ENGINE_GENERATION_FIELDS {
+            for value in ["300", "null", "true", r#"{"num_predict":300}"#] {
+                let body = format!(r#"{{"model":"m","max_tokens":1,"{field}":{value}}}"#);
+                let got = RequestPeek::for_endpoint(kind, body.as_bytes());
+                let refused = match &got {
+                    Err(PeekError::UnrecognizedArgument { param }) => param == field,
+                    // OpenAI's own `best_of` (completions): documented, not served
+                    Err(PeekError::UnsupportedParameter { field: f }) => *f == field,
+                    _ => false,
+                };
+                // a documented-but-not-served member set to null is absent
+                let null_ok = value == "null" && field == "best_of" && got.is_ok();
+                assert!(refused || null_ok, "{kind:?} {field}={value}: {got:?}");
+            }
+        }
     }
-    // Ollama's options object, any content
-    assert_eq!(
-        RequestPeek::from_json(br#"{"model":"m","options":{"num_predict":300}}"#),
-        Err(PeekError::UnsupportedParameter { field: "options" })
-    );
     // a field given twice is ambiguous (engines take the last, serde the first): refused
     assert!(matches!(
         RequestPeek::from_json(br#"{"model":"m","max_tokens":1,"max_tokens":300}"#),
@@ -166,6 +168,145 @@ fn engine_generation_fields_are_refused_by_name_and_null_is_absent() {
     assert!(matches!(
         RequestPeek::from_json(br#"{"model":"m","n":1,"n":2}"#),
         Err(PeekError::NotJson(_))
+    ));
+    assert!(matches!(
+        RequestPeek::from_json(br#"{"model":"m","n":1,"\u006e":2}"#),
+        Err(PeekError::NotJson(_))
+    ));
+}
+
+#[test]
+fn every_member_outside_the_endpoints_allowlist_is_refused_with_its_name() {
+    let refused = |kind, body: &str| match RequestPeek::for_endpoint(kind, body.as_bytes()) {
+        Err(PeekError::UnrecognizedArgument { param }) => Some(param),
+        _ => None,
+    };
+    let chat = RequestKind::ChatCompletions;
+    let text = RequestKind::Completions;
+    let embed = RequestKind::Embeddings;
+    for (kind, body, param) in [
+        // engine switches that change what is generated or rendered
+        (
+            chat,
+            r#"{"model":"m","chat_template_kwargs":{"enable_thinking":true}}"#,
+            "chat_template_kwargs",
+        ),
+        (
+            chat,
+            r#"{"model":"m","continue_final_message":true}"#,
+            "continue_final_message",
+        ),
+        (
+            chat,
+            r#"{"model":"m","add_generation_prompt":false}"#,
+            "add_generation_prompt",
+        ),
+        (chat, r#"{"model":"m","n_probs":5}"#, "n_probs"),
+        (
+            chat,
+            r#"{"model":"m","timings_per_token":true}"#,
+            "timings_per_token",
+        ),
+        (text, r#"{"model":"m","prompt":"x","n_keep":-1}"#, "n_keep"),
+        (
+            text,
+            r#"{"model":"m","prompt":"x","cache_prompt":null}"#,
+            "cache_prompt",
+        ),
+        // escaped names are read unescaped
+        (chat, r#"{"model":"m","n_pr\u0065dict":9}"#, "n_predict"),
+        // another endpoint's members
+        (chat, r#"{"model":"m","prompt":"x"}"#, "prompt"),
+        (chat, r#"{"model":"m","echo":false}"#, "echo"),
+        (
+            text,
+            r#"{"model":"m","prompt":"x","messages":[]}"#,
+            "messages",
+        ),
+        (
+            text,
+            r#"{"model":"m","prompt":"x","reasoning_effort":"low"}"#,
+            "reasoning_effort",
+        ),
+        (text, r#"{"model":"m","prompt":"x","tools":[]}"#, "tools"),
+        (
+            embed,
+            r#"{"model":"m","input":"x","stream":false}"#,
+            "stream",
+        ),
+        (
+            embed,
+            r#"{"model":"m","input":"x","max_tokens":5}"#,
+            "max_tokens",
+        ),
+        (embed, r#"{"model":"m","input":"x","top_k":5}"#, "top_k"),
+        // nested
+        (
+            chat,
+            r#"{"model":"m","stream_options":{"chunk_size":1}}"#,
+            "stream_options.chunk_size",
+        ),
+    ] {
+        assert_eq!(refused(kind, body), Some(param.to_owned()), "{body}");
+    }
+    // documented by OpenAI, not served: refused unless null
+    for (kind, body, field) in [
+        (chat, r#"{"model":"m","audio":{"voice":"x"}}"#, "audio"),
+        (chat, r#"{"model":"m","functions":[]}"#, "functions"),
+        (
+            chat,
+            r#"{"model":"m","prediction":{"type":"content","content":"x"}}"#,
+            "prediction",
+        ),
+        (
+            text,
+            r#"{"model":"m","prompt":"x","suffix":"end"}"#,
+            "suffix",
+        ),
+        (text, r#"{"model":"m","prompt":"x","best_of":3}"#, "best_of"),
+    ] {
+        assert_eq!(
+            RequestPeek::for_endpoint(kind, body.as_bytes()),
+            Err(PeekError::UnsupportedParameter { field }),
+            "{body}"
+        );
+    }
+    // every member OpenAI documents and this gateway serves, plus the shared sampling extras
+    let chat_body = r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,
+        "stream_options":{"include_usage":true,"include_obfuscation":false,
+        "continuous_usage_stats":false},"n":1,"max_tokens":5,
+        "max_completion_tokens":5,"stop":["x"],"seed":1,"temperature":0.5,"top_p":0.9,
+        "frequency_penalty":0,"presence_penalty":0,"logit_bias":{},"logprobs":true,
+        "top_logprobs":2,"response_format":{"type":"text"},"tools":[],"tool_choice":"auto",
+        "parallel_tool_calls":true,"reasoning_effort":"low","verbosity":"low","user":"u",
+        "metadata":{},"store":false,"service_tier":"auto","safety_identifier":"s",
+        "prompt_cache_key":"k","prompt_cache_retention":"in_memory","top_k":40,"min_p":0.05,
+        "repetition_penalty":1.1,"audio":null,"modalities":null}"#;
+    assert!(RequestPeek::for_endpoint(chat, chat_body.as_bytes()).is_ok());
+    let text_body = r#"{"model":"m","prompt":"x","stream":false,"n":1,"max_tokens":5,"stop":null,
+        "seed":1,"temperature":1,"top_p":1,"frequency_penalty":0,"presence_penalty":0,
+        "logit_bias":null,"logprobs":2,"echo":false,"user":"u","suffix":null,"best_of":null,
+        "top_k":1,"min_p":0,"repetition_penalty":1,"max_completion_tokens":5,
+        "top_logprobs":1}"#;
+    assert!(RequestPeek::for_endpoint(text, text_body.as_bytes()).is_ok());
+    let embed_body =
+        r#"{"model":"m","input":["a"],"dimensions":8,"encoding_format":"float","user":"u"}"#;
+    assert!(RequestPeek::for_endpoint(embed, embed_body.as_bytes()).is_ok());
+    // the message is OpenAI's own
+    assert_eq!(
+        PeekError::UnrecognizedArgument {
+            param: "n_predict".into()
+        }
+        .to_string(),
+        "Unrecognized request argument supplied: n_predict"
+    );
+    // reasoning_effort: OpenAI's values only
+    assert!(matches!(
+        RequestPeek::for_endpoint(chat, br#"{"model":"m","reasoning_effort":"max"}"#),
+        Err(PeekError::InvalidField {
+            field: "reasoning_effort",
+            ..
+        })
     ));
 }
 
@@ -180,6 +321,104 @@ fn valid_messages_pass() {
             {"role":"assistant","tool_calls":[{"id":"c2"}]},
             {"role":"tool","tool_call_id":"c1","content":"42"}
         ]})),
+        Ok(())
+    );
+}
+
+#[test]
+fn members_inside_messages_and_tools_are_allowlisted_with_their_path() {
+    use serde_json::json;
+    let unrecognized = |param: &str| {
+        Err(PeekError::UnrecognizedArgument {
+            param: param.to_owned(),
+        })
+    };
+    let user = json!({"role":"user","content":"hi"});
+    for (body, param) in [
+        (
+            json!({"messages":[{"role":"user","content":"hi","cache_control":null}]}),
+            "messages[0].cache_control",
+        ),
+        (
+            json!({"messages":[{"role":"user","content":"hi","tool_calls":[]}]}),
+            "messages[0].tool_calls",
+        ),
+        (
+            json!({"messages":[{"role":"system","content":"x","prefix":true}, user]}),
+            "messages[0].prefix",
+        ),
+        (
+            json!({"messages":[{"role":"user","content":[{"type":"text","text":"a","cache_control":{}}]}]}),
+            "messages[0].content[0].cache_control",
+        ),
+        (
+            json!({"messages":[user, {"role":"assistant","content":null,"tool_calls":[{"id":"c","type":"function","index":0,"function":{"name":"f","arguments":"{}"}}]}, {"role":"tool","tool_call_id":"c","content":"1"}]}),
+            "messages[1].tool_calls[0].index",
+        ),
+        (
+            json!({"messages":[user, {"role":"assistant","tool_calls":[{"id":"c","type":"function","function":{"name":"f","arguments":"{}","parsed":{}}}]}, {"role":"tool","tool_call_id":"c","content":"1"}]}),
+            "messages[1].tool_calls[0].function.parsed",
+        ),
+        (
+            json!({"messages":[{"role":"tool","tool_call_id":"c","content":"1","name":"f"}]}),
+            "messages[0].name",
+        ),
+        (
+            json!({"messages":[user],"tools":[{"type":"function","function":{"name":"f","examples":[]}}]}),
+            "tools[0].function.examples",
+        ),
+        (
+            json!({"messages":[user],"tools":[{"type":"function","function":{"name":"f"},"cache_control":{}}]}),
+            "tools[0].cache_control",
+        ),
+    ] {
+        assert_eq!(msg_err(body), unrecognized(param), "{param}");
+    }
+    for (body, path) in [
+        (
+            json!({"messages":[{"role":"function","name":"f","content":"1"}]}),
+            "messages[0].role",
+        ),
+        (
+            json!({"messages":[{"role":"ipython","content":"1"}]}),
+            "messages[0].role",
+        ),
+        (
+            json!({"messages":[user],"tools":[{"type":"custom","custom":{"name":"f"}}]}),
+            "tools[0].type",
+        ),
+        (
+            json!({"messages":[user],"tools":[{"type":"function"}]}),
+            "tools[0].function",
+        ),
+        (json!({"messages":[user],"tools":{}}), "tools"),
+        (
+            json!({"messages":[user, {"role":"assistant","content":"x","audio":{"id":"a"}}, user]}),
+            "messages[1].audio",
+        ),
+        (
+            json!({"messages":[user, {"role":"assistant","content":null,"function_call":{"name":"f","arguments":"{}"}}, user]}),
+            "messages[1].function_call",
+        ),
+        (
+            json!({"messages":[user, {"role":"assistant","tool_calls":[{"id":"c","type":"custom"}]}, user]}),
+            "messages[1].tool_calls[0].type",
+        ),
+    ] {
+        assert!(
+            matches!(msg_err(body), Err(PeekError::InvalidMessage { path: p, .. }) if p == path),
+            "{path}"
+        );
+    }
+    // what an SDK sends back of an answer, and the developer role
+    assert_eq!(
+        msg_err(json!({"messages":[
+            {"role":"developer","content":"be brief","name":"ops"},
+            user,
+            {"role":"assistant","content":"x","refusal":null,"audio":null,"function_call":null,
+             "annotations":[],"reasoning_content":"hm","tool_calls":null},
+            user
+        ],"tools":[{"type":"function","function":{"name":"f","description":"d","parameters":{},"strict":true}}]})),
         Ok(())
     );
 }
@@ -216,9 +455,12 @@ fn malformed_messages_name_the_exact_path() {
         msg_err(json!({"messages":[{"role":"user"}]})),
         at("messages[0].content", CONTENT_EXPECTED)
     );
+    // a user message has no tool_calls member at all
     assert_eq!(
         msg_err(json!({"messages":[{"role":"user","content":null,"tool_calls":[{"id":"c"}]}]})),
-        at("messages[0].content", CONTENT_EXPECTED)
+        Err(PeekError::UnrecognizedArgument {
+            param: "messages[0].tool_calls".into()
+        })
     );
     assert_eq!(
         msg_err(json!({"messages":[{"role":"assistant","content":null,"tool_calls":[]}]})),
@@ -387,7 +629,7 @@ fn answer_sizes_past_openais_bounds_are_refused() {
     let peek = |body: &str| RequestPeek::from_json(body.as_bytes());
     for ok in [
         r#"{"model":"m","logprobs":true,"top_logprobs":20}"#,
-        r#"{"model":"m","top_logprobs":0,"n_probs":20}"#,
+        r#"{"model":"m","top_logprobs":0}"#,
         r#"{"model":"m","prompt":"x","logprobs":5}"#,
         r#"{"model":"m","logprobs":null,"top_logprobs":null}"#,
         r#"{"model":"m","max_tokens":2147483647}"#,
@@ -401,7 +643,6 @@ fn answer_sizes_past_openais_bounds_are_refused() {
         ),
         (r#"{"model":"m","top_logprobs":49152}"#, "top_logprobs"),
         (r#"{"model":"m","top_logprobs":-1}"#, "top_logprobs"),
-        (r#"{"model":"m","n_probs":100}"#, "n_probs"),
         (r#"{"model":"m","prompt":"x","logprobs":6}"#, "logprobs"),
         (r#"{"model":"m","logprobs":"yes"}"#, "logprobs"),
         (r#"{"model":"m","max_tokens":2147483648}"#, "max_tokens"),
@@ -434,6 +675,7 @@ fn sampling_constraints_mark_the_request() {
         r#"{"model":"m","structured_outputs":{"regex":"a"}}"#,
         r#"{"model":"m","ebnf":"x"}"#,
         r#"{"model":"m","format":"json"}"#,
+        r#"{"model":"m","allowed_token_ids":[1,2]}"#,
     ] {
         assert_eq!(constrained(body), Ok(true), "{body}");
     }
@@ -445,4 +687,34 @@ fn sampling_constraints_mark_the_request() {
     ] {
         assert_eq!(constrained(body), Ok(false), "{body}");
     }
+}
+
+#[test]
+fn a_chat_ending_with_the_assistant_is_a_refused_prefill() {
+    use serde_json::json;
+    let user = json!({"role":"user","content":"Name three colors."});
+    for last in [
+        json!({"role":"assistant","content":"Red, "}),
+        json!({"role":"assistant","content":[{"type":"text","text":"Red"}]}),
+        json!({"role":"assistant","content":null,"tool_calls":[{"id":"c","type":"function","function":{"name":"f","arguments":"{}"}}]}),
+    ] {
+        assert!(
+            matches!(
+                msg_err(json!({"messages":[user.clone(), last.clone()]})),
+                Err(PeekError::InvalidMessage { path, .. }) if path == "messages[1].role"
+            ),
+            "{last}"
+        );
+    }
+    assert_eq!(
+        msg_err(json!({"messages":[{"role":"assistant","content":"x"}]})),
+        at(
+            "messages[0].role",
+            "the last message must not be an assistant message: continuing an assistant turn (prefill) is not supported"
+        )
+    );
+    assert_eq!(
+        msg_err(json!({"messages":[user.clone(), {"role":"assistant","content":"Red"}, user]})),
+        Ok(())
+    );
 }

@@ -47,6 +47,12 @@ pub(super) fn error_event(message: &str) -> Bytes {
     openai_error_event(message, "upstream_error", "upstream_failed")
 }
 
+/// The error event of a stream cut at its byte bound or its SSE line / event cap (the node's
+/// fault): OpenAI's `server_error` type, code `upstream_failed`.
+pub(super) fn bytes_bound_event(message: &str) -> Bytes {
+    openai_error_event(message, "server_error", "upstream_failed")
+}
+
 /// The error event that ends a stream cut at one of the gateway's own bounds.
 pub(super) fn bound_event(message: &str) -> Bytes {
     openai_error_event(message, "invalid_request_error", "stream_bound_reached")
@@ -232,7 +238,9 @@ pub(crate) fn meter_json(
     let tokenizer = ctx.tokenizer.clone();
     let mut choices: BTreeMap<u64, Choice> = BTreeMap::new();
     let mut kept: Vec<String> = Vec::with_capacity(read.len());
-    let dropped = read.iter().any(|c| !ctx.is_requested_choice(c.index));
+    let dropped = read
+        .iter()
+        .any(|c| c.rebuilt || !ctx.is_requested_choice(c.index));
     for c in read {
         if !ctx.is_requested_choice(c.index) {
             continue;
@@ -281,3 +289,25 @@ pub(crate) fn meter_json(
     ctx.settle_checked(StreamOutcome::Completed, billed, claimed, notes);
     Ok(Bytes::from(out))
 }
+
+/// Bytes a whole stream's events may take before the node is cut as at fault:
+/// [`STREAM_BYTES_FLOOR`] plus [`STREAM_BYTES_PER_TOKEN`] for each completion token the
+/// request may bill (`n` × the per-choice cap, with the cap's delivery slack). Text is bounded
+/// per choice already; this bounds what is not text — log-probabilities, ids, tool-call
+/// wrappers, members the SDK ignores (`delta.audio` of megabytes) — relative to the cap, so a
+/// node cannot send the caller gigabytes for a few billed tokens. An honest llama.cpp chunk
+/// with 20 top log-probabilities is ≈ 1.5 KB a token.
+pub(crate) fn stream_bytes_bound(ctx: &SettleCtx) -> u64 {
+    let cap = ctx.max_completion_tokens_per_choice;
+    let per_choice = cap.saturating_add(16.max(cap / 10));
+    STREAM_BYTES_FLOOR.saturating_add(
+        per_choice
+            .saturating_mul(u64::from(ctx.n.max(1)))
+            .saturating_mul(STREAM_BYTES_PER_TOKEN),
+    )
+}
+
+/// See [`stream_bytes_bound`]: 1 MiB.
+pub(crate) const STREAM_BYTES_FLOOR: u64 = 1 << 20;
+/// See [`stream_bytes_bound`]: 8 KiB a token.
+pub(crate) const STREAM_BYTES_PER_TOKEN: u64 = 8 * 1024;

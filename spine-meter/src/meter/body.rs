@@ -12,8 +12,8 @@ use serde_json::value::RawValue;
 use spine_core::{BoxError, NodeFault, NodeSlot, RequestKind, StreamOutcome, Usage};
 
 use super::bill::{
-    billed_usage, bound_event, encode_event, error_event, over_limit_streamed, usage_json, Choice,
-    Cut,
+    billed_usage, bound_event, bytes_bound_event, encode_event, error_event, over_limit_streamed,
+    stream_bytes_bound, usage_json, Choice, Cut,
 };
 use super::node_json::{
     engine_error_message, is_engine_error, is_null, read_choices, usage_claim, Members, TextMember,
@@ -319,28 +319,6 @@ impl<B> MeterBody<B> {
     }
 }
 
-/// Bytes a whole stream's events may take before the node is cut as at fault:
-/// [`STREAM_BYTES_FLOOR`] plus [`STREAM_BYTES_PER_TOKEN`] for each completion token the
-/// request may bill (`n` × the per-choice cap, with the cap's delivery slack). Text is bounded
-/// per choice already; this bounds what is not text — log-probabilities, ids, tool-call
-/// wrappers, members the SDK ignores (`delta.audio` of megabytes) — relative to the cap, so a
-/// node cannot send the caller gigabytes for a few billed tokens. An honest llama.cpp chunk
-/// with 20 top log-probabilities is ≈ 1.5 KB a token.
-pub(crate) fn stream_bytes_bound(ctx: &SettleCtx) -> u64 {
-    let cap = ctx.max_completion_tokens_per_choice;
-    let per_choice = cap.saturating_add(16.max(cap / 10));
-    STREAM_BYTES_FLOOR.saturating_add(
-        per_choice
-            .saturating_mul(u64::from(ctx.n.max(1)))
-            .saturating_mul(STREAM_BYTES_PER_TOKEN),
-    )
-}
-
-/// See [`stream_bytes_bound`]: 1 MiB.
-pub(crate) const STREAM_BYTES_FLOOR: u64 = 1 << 20;
-/// See [`stream_bytes_bound`]: 8 KiB a token.
-pub(crate) const STREAM_BYTES_PER_TOKEN: u64 = 8 * 1024;
-
 impl State {
     /// One event from the node.
     fn on_event(&mut self, ev: &SseEvent) {
@@ -351,13 +329,18 @@ impl State {
         self.node_bytes = self.node_bytes.saturating_add(raw_len);
         if let Some(bound) = self.ctx.as_ref().map(stream_bytes_bound) {
             if self.node_bytes > bound {
-                return self.node_fault(&format!(
+                return self.bytes_fault(&format!(
                     "the node sent more than {bound} bytes of events for this request's cap \
                      of completion tokens"
                 ));
             }
         }
         let data = ev.data();
+        // llama.cpp's stream of several prompts sends `data: null` between them: its bytes are
+        // counted against the bound above, and it is neither forwarded nor an error
+        if data.trim() == "null" {
+            return;
+        }
         if data.trim() == "[DONE]" {
             self.done_raw = Some(if ev.is_data_only() {
                 ev.raw().clone()
@@ -406,6 +389,7 @@ impl State {
         self.remember_meta(&members);
         let n_read = read.len();
         let mut progressed = false;
+        let rebuilt = read.iter().any(|c| c.rebuilt);
         let mut kept: Vec<String> = Vec::new();
         let mut text = Vec::new();
         for c in read {
@@ -442,13 +426,13 @@ impl State {
             }
         }
         let strip = self.settings.strip_engine_fields && members.has_engine_fields();
-        let rewrite = strip || has_usage || kept.len() != n_read || !ev.is_data_only();
+        let dropped = rebuilt || kept.len() != n_read;
+        let rewrite = strip || has_usage || dropped || !ev.is_data_only();
         let bytes = if !rewrite {
             ev.raw().clone()
-        } else if !strip && !has_usage && kept.len() == n_read {
+        } else if !strip && !has_usage && !dropped {
             encode_event(data)
         } else {
-            let dropped = kept.len() != n_read;
             let json = members.encode(self.settings.strip_engine_fields, |name| match name {
                 "usage" if has_usage => Some(None),
                 "choices" if dropped => Some(Some(format!("[{}]", kept.join(",")))),
@@ -595,7 +579,7 @@ impl State {
         self.scratch = events;
         if let Err(e) = res {
             if !self.upstream_done {
-                self.node_fault(&format!("the node's stream broke the limits: {e}"));
+                self.bytes_fault(&format!("the node's stream broke the limits: {e}"));
             }
         }
     }
@@ -604,6 +588,16 @@ impl State {
     /// to score, end the caller's stream with an error event, settle `upstream_failed`. Events
     /// already queued are still delivered before the error event.
     fn node_fault(&mut self, message: &str) {
+        self.fault(message, error_event(message));
+    }
+
+    /// A node fault that is a size: the stream's byte bound, an SSE line or event cap. As
+    /// [`State::node_fault`], with the `server_error` event ([`bytes_bound_event`]).
+    fn bytes_fault(&mut self, message: &str) {
+        self.fault(message, bytes_bound_event(message));
+    }
+
+    fn fault(&mut self, message: &str, event: Bytes) {
         tracing::warn!(
             request_id = ?self.ctx.as_ref().map(|c| c.request_id.as_str()),
             reason = %message,
@@ -612,7 +606,7 @@ impl State {
         if let Some(slot) = &self.settings.slot {
             slot.report_node_fault();
         }
-        self.fail(error_event(message), StreamOutcome::UpstreamFailed);
+        self.fail(event, StreamOutcome::UpstreamFailed);
     }
 
     /// The stream reached one of the gateway's bounds that an honest node can reach too (the
@@ -712,7 +706,7 @@ impl State {
         }
         if let Err(e) = res {
             if !self.upstream_done {
-                self.node_fault(&format!("the node's stream broke the limits: {e}"));
+                self.bytes_fault(&format!("the node's stream broke the limits: {e}"));
             }
             return;
         }

@@ -91,7 +91,10 @@ pub struct MeterConfig {
     /// Whether members outside OpenAI's response shape (llama.cpp's `timings`, cache and slot
     /// counters, `__verbose`, …) are removed from what the caller gets (default `true`): they
     /// tell one caller about other callers' requests on the same node (a cached-prefix length
-    /// is an oracle for another account's prompt).
+    /// is an oracle for another account's prompt). This switch governs the response's top
+    /// level; inside each choice only OpenAI's members are ever passed on, whatever it says
+    /// (`stop_reason`, `token_ids`, a legacy `function_call`, … are always dropped: the
+    /// caller's SDK reads the choice, and text there that the meter does not count is free).
     pub strip_engine_fields: bool,
     /// How long the answer to a remembered refusal for lack of credit is held back (default
     /// 250 ms, [`DEFAULT_REFUSED_CREDIT_DELAY`](super::DEFAULT_REFUSED_CREDIT_DELAY);

@@ -119,6 +119,7 @@ mod events;
 mod future;
 mod layer;
 pub(crate) mod node_json;
+mod prompt;
 mod service;
 mod settle;
 

@@ -162,7 +162,116 @@ pub(crate) struct ChoiceRead {
     pub(crate) index: u64,
     pub(crate) generated: GeneratedText,
     pub(crate) finish_reason: Option<String>,
+    /// The choice as the caller gets it: rebuilt from OpenAI's members ([`openai_choice`]).
     pub(crate) raw: String,
+    /// Whether `raw` differs from the node's choice (a member was dropped).
+    pub(crate) rebuilt: bool,
+}
+
+/// A choice's members the caller gets (OpenAI API reference: chat completion, chat completion
+/// chunk, completion), besides its text member (`text`, `delta` or `message`).
+const CHOICE_MEMBERS: [&str; 3] = ["index", "finish_reason", "logprobs"];
+
+/// A `delta` / `message` object's members the caller gets: OpenAI's, plus the reasoning text
+/// engines send beside the content (counted and billed, see [`GeneratedText`]).
+/// The legacy `function_call` and `audio` are dropped: text the meter does not count.
+const MESSAGE_MEMBERS: [&str; 7] = [
+    "role",
+    "content",
+    "refusal",
+    "tool_calls",
+    "annotations",
+    "reasoning_content",
+    "reasoning",
+];
+
+/// A tool call's members (`index` in a stream chunk).
+const TOOL_CALL_MEMBERS: [&str; 4] = ["index", "id", "type", "function"];
+
+/// A tool call's `function` members.
+const TOOL_CALL_FUNCTION_MEMBERS: [&str; 2] = ["name", "arguments"];
+
+/// OpenAI's `finish_reason` values (`null` mid-stream).
+pub(crate) const FINISH_REASONS: [&str; 5] = [
+    "stop",
+    "length",
+    "tool_calls",
+    "content_filter",
+    "function_call",
+];
+
+/// The longest tool call `id` a node may send, bytes (OpenAI's ids are about 30): an id is
+/// text the caller receives and the meter does not count.
+pub(crate) const MAX_TOOL_CALL_ID_BYTES: usize = 128;
+
+/// Keeps only `allowed` members of `object`; whether one was dropped.
+fn retain(object: &mut serde_json::Map<String, Value>, allowed: &[&str]) -> bool {
+    let before = object.len();
+    object.retain(|k, _| allowed.contains(&k.as_str()));
+    object.len() != before
+}
+
+/// The choice `c` rebuilt from OpenAI's members only (engine members such as `stop_reason`,
+/// `token_ids`, `prompt_logprobs`, `matched_stop`, a message's `function_call` or `audio` are
+/// dropped), after checking the values the caller's SDK reads as enumerations: `finish_reason`
+/// one of [`FINISH_REASONS`] or null, `role` `assistant`, a tool call's `type` `function` and
+/// its `id` at most [`MAX_TOOL_CALL_ID_BYTES`]. Whether a member was dropped.
+///
+/// # Errors
+///
+/// Why the choice is not OpenAI's: the node's fault.
+fn openai_choice(c: &mut Value, member: TextMember) -> Result<bool, &'static str> {
+    let Some(choice) = c.as_object_mut() else {
+        return Err("a choice is not an object");
+    };
+    match choice.get("finish_reason") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(f)) if FINISH_REASONS.contains(&f.as_str()) => {}
+        Some(_) => return Err("a choice's finish_reason is not one of OpenAI's"),
+    }
+    let mut dropped = choice
+        .keys()
+        .any(|k| k != member.name() && !CHOICE_MEMBERS.contains(&k.as_str()));
+    if dropped {
+        choice.retain(|k, _| k == member.name() || CHOICE_MEMBERS.contains(&k.as_str()));
+    }
+    let Some(part) = choice.get_mut(member.name()).and_then(Value::as_object_mut) else {
+        return Ok(dropped);
+    };
+    match part.get("role") {
+        None | Some(Value::Null) => {}
+        Some(r) if r == "assistant" => {}
+        Some(_) => return Err("a choice's role is not assistant"),
+    }
+    dropped |= retain(part, &MESSAGE_MEMBERS);
+    let Some(calls) = part.get_mut("tool_calls").and_then(Value::as_array_mut) else {
+        return Ok(dropped);
+    };
+    for call in calls {
+        let Some(call) = call.as_object_mut() else {
+            return Err("a tool call is not an object");
+        };
+        match call.get("type") {
+            None | Some(Value::Null) => {}
+            Some(t) if t == "function" => {}
+            Some(_) => return Err("a tool call's type is not function"),
+        }
+        match call.get("id") {
+            None | Some(Value::Null) => {}
+            Some(Value::String(id)) if id.len() <= MAX_TOOL_CALL_ID_BYTES => {}
+            Some(Value::String(_)) => return Err("a tool call's id is over 128 bytes"),
+            Some(_) => return Err("a tool call's id is not a string"),
+        }
+        dropped |= retain(call, &TOOL_CALL_MEMBERS);
+        match call.get_mut("function") {
+            None | Some(Value::Null) => {}
+            Some(Value::Object(function)) => {
+                dropped |= retain(function, &TOOL_CALL_FUNCTION_MEMBERS);
+            }
+            Some(_) => return Err("a tool call's function is not an object"),
+        }
+    }
+    Ok(dropped)
 }
 
 /// The member of a choice that carries its text, as the caller's SDK reads it: a completion's
@@ -203,8 +312,10 @@ impl TextMember {
     }
 }
 
-/// The choices of a chunk or completion; `Err` when `choices` is not an array of objects, an
-/// `index` is not a non-negative integer, or a choice carries text in a member other than
+/// The choices of a chunk or completion, each rebuilt from OpenAI's members
+/// ([`openai_choice`]); `Err` when `choices` is not an array of objects, an `index` is not a
+/// non-negative integer, a choice is not OpenAI's (`finish_reason`, `role`, a tool call's
+/// `type` or `id`), or a choice carries text in a member other than
 /// `member` ([`TextMember::of`]: a completion's `text`, a chat chunk's `delta`, a complete chat
 /// answer's `message`). Only `member` is read: text in a member the caller's SDK does not read
 /// is text the caller never sees, so a choice with it is the node's fault, never billed.
@@ -218,7 +329,7 @@ pub(crate) fn read_choices(
         .into_iter()
         .enumerate()
         .map(|(pos, item)| {
-            let c: Value =
+            let mut c: Value =
                 serde_json::from_str(item.get()).map_err(|_| "a choice is not valid JSON")?;
             if !c.is_object() {
                 return Err("a choice is not an object");
@@ -259,11 +370,18 @@ pub(crate) fn read_choices(
                 .get("finish_reason")
                 .and_then(Value::as_str)
                 .map(str::to_owned);
+            let rebuilt = openai_choice(&mut c, member)?;
+            let raw = if rebuilt {
+                c.to_string()
+            } else {
+                item.get().to_owned()
+            };
             Ok(ChoiceRead {
                 index,
                 generated,
                 finish_reason,
-                raw: item.get().to_owned(),
+                raw,
+                rebuilt,
             })
         })
         .collect()
@@ -392,6 +510,60 @@ mod tests {
         }
         let ok = Members::parse(r#"{"error":null,"object":"chat.completion.chunk"}"#).unwrap();
         assert!(!is_engine_error(&ok));
+    }
+
+    #[test]
+    fn choices_are_rebuilt_from_openais_members_and_checked() {
+        let raw = |s: &str| serde_json::value::RawValue::from_string(s.to_owned()).unwrap();
+        // an OpenAI choice is passed on byte for byte
+        let clean = r#"[{"index":0,"delta":{"role":"assistant","content":"Hi","tool_calls":[{"index":0,"id":"c","type":"function","function":{"name":"f","arguments":""}}]},"logprobs":null,"finish_reason":null}]"#;
+        let read = read_choices(&raw(clean), TextMember::Delta).unwrap();
+        assert!(!read[0].rebuilt);
+        assert_eq!(format!("[{}]", read[0].raw), clean);
+        // engine members at every level are dropped, the order of the rest kept
+        let engine = r#"[{"index":0,"delta":{"role":"assistant","content":"Hi","function_call":{"arguments":"FREE"},"audio":{"data":"FREE"},"token_ids":[1],"tool_calls":[{"index":0,"id":"c","type":"function","function":{"name":"f","arguments":"","parsed":{}},"extra":1}]},"finish_reason":"stop","stop_reason":null,"matched_stop":2,"prompt_logprobs":null,"text":null}]"#;
+        let read = read_choices(&raw(engine), TextMember::Delta).unwrap();
+        assert!(read[0].rebuilt);
+        assert_eq!(
+            read[0].raw,
+            r#"{"index":0,"delta":{"role":"assistant","content":"Hi","tool_calls":[{"index":0,"id":"c","type":"function","function":{"name":"f","arguments":""}}]},"finish_reason":"stop"}"#
+        );
+        assert_eq!(read[0].generated.content(), "Hi");
+        let text = read_choices(
+            &raw(r#"[{"index":0,"text":"Hi","finish_reason":"length","stop_reason":null,"timings":{}}]"#),
+            TextMember::Text,
+        )
+        .unwrap();
+        assert_eq!(
+            text[0].raw,
+            r#"{"index":0,"text":"Hi","finish_reason":"length"}"#
+        );
+        // what the caller's SDK reads as an enumeration, or an unbounded id: the node's fault
+        for bad in [
+            r#"[{"index":0,"delta":{},"finish_reason":"abort"}]"#,
+            r#"[{"index":0,"delta":{},"finish_reason":"eos"}]"#,
+            r#"[{"index":0,"delta":{},"finish_reason":1}]"#,
+            r#"[{"index":0,"delta":{"role":"system","content":"x"}}]"#,
+            r#"[{"index":0,"delta":{"role":"tool"}}]"#,
+            r#"[{"index":0,"delta":{"tool_calls":[{"index":0,"type":"custom"}]}}]"#,
+            r#"[{"index":0,"delta":{"tool_calls":[{"index":0,"id":5}]}}]"#,
+            r#"[{"index":0,"delta":{"tool_calls":["x"]}}]"#,
+            r#"[{"index":0,"delta":{"tool_calls":[{"index":0,"function":"f"}]}}]"#,
+        ] {
+            assert!(read_choices(&raw(bad), TextMember::Delta).is_err(), "{bad}");
+        }
+        let long = format!(
+            r#"[{{"index":0,"delta":{{"tool_calls":[{{"index":0,"id":"{}"}}]}}}}]"#,
+            "x".repeat(MAX_TOOL_CALL_ID_BYTES + 1)
+        );
+        assert!(read_choices(&raw(&long), TextMember::Delta).is_err());
+        for reason in FINISH_REASONS {
+            let ok = format!(r#"[{{"index":0,"delta":{{}},"finish_reason":"{reason}"}}]"#);
+            assert!(
+                read_choices(&raw(&ok), TextMember::Delta).is_ok(),
+                "{reason}"
+            );
+        }
     }
 
     #[test]

@@ -5,9 +5,8 @@ use std::task::{Context, Poll};
 
 use http_body_util::{BodyExt, Full, Limited};
 use spine_core::{
-    prompt_inputs, validate_chat_messages, AccountId, BoxBody, BoxError, BufferedRequest, NodeId,
-    NodeSlot, PeekError, PromptSegment, RequestContext, RequestId, RequestKind, RequestPeek,
-    StreamOutcome, Usage,
+    AccountId, BoxBody, BoxError, BufferedRequest, NodeId, NodeSlot, PeekError, RequestContext,
+    RequestId, RequestKind, RequestPeek, StreamOutcome, Usage,
 };
 use tower::Service;
 
@@ -15,10 +14,13 @@ use super::admission::{AdmissionEvents, AdmitGuard};
 use super::bill::meter_json;
 use super::body::{MeterBody, StreamSettings};
 use super::embeddings::meter_embeddings;
+use super::prompt::{
+    affordable_prompt_tokens, constrains_tokenization, count_prompts, developer_to_system,
+    PromptLimits,
+};
 use super::settle::{AuditCapture, SettleCtx};
 use super::{AdmissionRequest, CountedUsage, MeterConfig, MeterError, ResponseFuture};
-use crate::tokenizer::{count_text_within, Counted};
-use crate::{inject_include_usage, LedgerError, TokenCounter};
+use crate::{inject_include_usage, LedgerError};
 
 /// The metering middleware. See the [module docs](super).
 #[derive(Clone, Debug)]
@@ -142,24 +144,38 @@ where
             .ok_or(MeterError::MissingExtension("AccountId"))?,
     };
     let (mut parts, body) = req.into_parts();
-    let (bytes, available_micros) = read_request_body_and_balance(&config, &account, body).await?;
-    let peek = RequestPeek::from_json(&bytes).map_err(MeterError::BadRequest)?;
+    let (mut bytes, available_micros) =
+        read_request_body_and_balance(&config, &account, body).await?;
+    // the endpoint decides the request's allowlist: the edge's context, else the path
+    let known_kind = context_kind.or_else(|| RequestKind::from_path(parts.uri.path()));
+    let peek = match known_kind {
+        Some(kind) => RequestPeek::for_endpoint(kind, &bytes),
+        None => RequestPeek::from_json(&bytes),
+    }
+    .map_err(MeterError::BadRequest)?;
     let entry = config
         .catalog
         .get(&peek.model)
         .ok_or_else(|| MeterError::UnknownModel(peek.model.clone()))?
         .clone();
-    let json: serde_json::Value = serde_json::from_slice(&bytes)
+    let mut json: serde_json::Value = serde_json::from_slice(&bytes)
         .map_err(|e| MeterError::BadRequest(spine_core::PeekError::NotJson(e.to_string())))?;
-    let kind = context_kind
-        .or_else(|| RequestKind::from_path(parts.uri.path()))
-        .unwrap_or(
-            if json.get("messages").is_some() || json.get("prompt").is_none() {
-                RequestKind::ChatCompletions
-            } else {
-                RequestKind::Completions
-            },
-        );
+    // as `RequestPeek::from_json` infers it when the path is not an endpoint's
+    let kind = known_kind.unwrap_or(if json.get("messages").is_some() {
+        RequestKind::ChatCompletions
+    } else if json.get("prompt").is_some() {
+        RequestKind::Completions
+    } else if json.get("input").is_some() {
+        RequestKind::Embeddings
+    } else {
+        RequestKind::ChatCompletions
+    });
+    if kind == RequestKind::ChatCompletions && developer_to_system(&mut json) {
+        // what the node reads is what the meter counted
+        bytes = serde_json::to_vec(&json)
+            .map_err(|e| MeterError::BadRequest(PeekError::NotJson(e.to_string())))?
+            .into();
+    }
     // counting stops as soon as a prompt cannot fit the context, or the prompts cost more than
     // the account's balance (read for large bodies): a caller that cannot pay, or a prompt that
     // cannot be served, costs the tokenizer no more than what fits
@@ -369,7 +385,7 @@ where
         if kind == RequestKind::Embeddings {
             embeddings_bytes_bound(prompts.len())
         } else {
-            super::body::stream_bytes_bound(ctx)
+            super::bill::stream_bytes_bound(ctx)
         }
     });
     let ceiling = u64::try_from(config.max_response_body_bytes).unwrap_or(u64::MAX);
@@ -716,152 +732,6 @@ fn collect_response(body: BoxBody, limit: usize) -> ResponseFutureBytes {
             Err(e) => Err(ResponseRead::Failed(e)),
         })
     }))
-}
-
-/// The independent prompt count of each prompt of a request (design brief §6):
-///
-/// - chat completions: `messages` checked ([`validate_chat_messages`]), rendered with the model's
-///   chat template and counted ([`TokenCounter::count_prompt`]); one prompt;
-/// - completions (`prompt`) and embeddings (`input`): each prompt of [`prompt_inputs`] counted
-///   WITHOUT a chat template, as llama.cpp counts it: each text segment tokenized on its own
-///   (special tokens parsed, no BOS: measured against `llama-server`, which adds none for this
-///   kind of model), each token id one token. A prompt of 0 tokens is refused (llama.cpp refuses
-///   empty embedding inputs, and an empty completion prompt has nothing to condition on).
-///
-/// Counting stops early ([`TokenCounter::count_prompt_within`], [`count_text_within`]: in
-/// pieces of 64 KiB) once a prompt cannot fit the context (`>= max_context_tokens`:
-/// [`MeterError::PromptOverContext`], 400) or the prompts together cost more than the account's
-/// available balance when it is known ([`MeterError::InsufficientCredit`], 402: the hold could
-/// not cover the prompt alone).
-fn count_prompts(
-    tokenizer: &dyn TokenCounter,
-    kind: RequestKind,
-    json: &serde_json::Value,
-    limits: &PromptLimits,
-) -> Result<Vec<u64>, MeterError> {
-    // a prompt of max_context_tokens or more leaves no room for a completion token
-    let per_prompt = limits.max_context_tokens.saturating_sub(1);
-    let affordable = limits.affordable.map_or(u64::MAX, |(tokens, _)| tokens);
-    let field = match kind {
-        RequestKind::Embeddings => "input",
-        RequestKind::Completions => "prompt",
-        _ => {
-            validate_chat_messages(json).map_err(MeterError::BadRequest)?;
-            let n = tokenizer
-                .count_prompt_within(json, per_prompt.min(affordable))
-                .map_err(MeterError::Prompt)?;
-            limits.check(n, n.tokens())?;
-            return Ok(vec![n.tokens()]);
-        }
-    };
-    let prompts = prompt_inputs(json, field).map_err(MeterError::BadRequest)?;
-    let mut counts = Vec::with_capacity(prompts.len());
-    let mut total = 0u64;
-    for segments in &prompts {
-        let mut prompt = Counted::Exact(0);
-        for segment in segments {
-            let room = per_prompt
-                .saturating_sub(prompt.tokens())
-                .min(affordable.saturating_sub(total.saturating_add(prompt.tokens())));
-            let n = match segment {
-                PromptSegment::Text(t) => count_text_within(tokenizer, t, room),
-                PromptSegment::TokenIds(n) => Counted::Exact(*n),
-            };
-            prompt = prompt.plus(n);
-            limits.check(prompt, total.saturating_add(prompt.tokens()))?;
-        }
-        total = total.saturating_add(prompt.tokens());
-        counts.push(prompt.tokens());
-    }
-    if counts.contains(&0) {
-        return Err(MeterError::BadRequest(PeekError::InvalidField {
-            field,
-            expected: "non-empty prompts (each at least one token)",
-        }));
-    }
-    Ok(counts)
-}
-
-/// What a request's prompts may count before counting stops ([`count_prompts`]).
-struct PromptLimits {
-    max_context_tokens: u64,
-    /// `(prompt tokens the account can pay for, its available balance in micros)`, when the
-    /// balance was read.
-    affordable: Option<(u64, u64)>,
-    price: crate::Price,
-}
-
-impl PromptLimits {
-    /// Refuses one prompt counted as `prompt` (with `total` tokens for every prompt so far)
-    /// when it cannot fit the context or be paid for.
-    fn check(&self, prompt: Counted, total: u64) -> Result<(), MeterError> {
-        match prompt {
-            Counted::AtLeast(n) if n >= self.max_context_tokens => {
-                return Err(MeterError::PromptOverContext {
-                    at_least_tokens: n,
-                    max_context_tokens: self.max_context_tokens,
-                })
-            }
-            // an exact count over the context: refused with the exact count by the caller
-            Counted::Exact(n) if n >= self.max_context_tokens => return Ok(()),
-            _ => {}
-        }
-        if let Some((tokens, available_micros)) = self.affordable {
-            if total > tokens {
-                return Err(MeterError::InsufficientCredit {
-                    available_micros,
-                    needed_micros: self.price.cost_micros(&Usage {
-                        prompt_tokens: total,
-                        completion_tokens: 0,
-                    }),
-                });
-            }
-        }
-        Ok(())
-    }
-}
-
-/// The most prompt tokens `available_micros` pays for at `price` (no completion token):
-/// the largest `t` with `ceil(t × input / 10⁶) <= available`; `u64::MAX` when prompts are free.
-fn affordable_prompt_tokens(price: &crate::Price, available_micros: u64) -> u64 {
-    if price.input_micros_per_mtok == 0 {
-        return u64::MAX;
-    }
-    let t = u128::from(available_micros) * 1_000_000 / u128::from(price.input_micros_per_mtok);
-    u64::try_from(t).unwrap_or(u64::MAX)
-}
-
-/// Whether the request constrains tokenization ([`RequestPeek::tokenization_constrained`]),
-/// with one refinement the peek cannot make without the vocabulary: a `logit_bias` that only
-/// biases special tokens (EOS banned to make an answer run to its limit, the usual use) cannot
-/// make the engine spell a text in other tokens, so it does not count.
-fn constrains_tokenization(
-    peek: &RequestPeek,
-    json: &serde_json::Value,
-    counter: &dyn TokenCounter,
-) -> bool {
-    use serde_json::Value;
-    if !peek.tokenization_constrained {
-        return false;
-    }
-    let other_constraint = spine_core::TOKENIZATION_CONSTRAINT_FIELDS
-        .iter()
-        .filter(|field| **field != "logit_bias")
-        .any(|field| match (json.get(*field), *field) {
-            (None | Some(Value::Null), _) => false,
-            (Some(v), "response_format") => v.get("type").and_then(Value::as_str) != Some("text"),
-            _ => true,
-        });
-    if other_constraint {
-        return true;
-    }
-    match json.get("logit_bias") {
-        Some(Value::Object(biases)) => !biases.keys().all(|id| {
-            id.parse::<u32>()
-                .is_ok_and(|id| counter.is_special_token(id))
-        }),
-        _ => true,
-    }
 }
 
 #[cfg(test)]

@@ -905,7 +905,7 @@ async fn malformed_or_unsupported_messages_are_400_and_never_forwarded() {
             "expected a non-empty array of message objects",
         ),
         (
-            json!({"model":"smollm2","prompt":"no messages on the chat path"}),
+            json!({"model":"smollm2","max_tokens":8}),
             "messages",
             "expected a non-empty array of message objects",
         ),
@@ -2064,3 +2064,6 @@ async fn an_invalid_embeddings_answer_is_the_nodes_fault_and_free() {
         .unwrap();
     assert_eq!(START_MICROS - a.balance_micros, paid.debit_micros);
 }
+
+mod answer;
+mod surface;

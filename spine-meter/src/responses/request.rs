@@ -68,7 +68,8 @@ const IGNORED: &[&str] = &[
 /// `json_object`, `json_schema` → `response_format`), `user`, `metadata` (echoed only).
 /// Accepted and ignored: [`IGNORED`], and `background` false, `truncation` `disabled`,
 /// `include` empty, `reasoning` null or without `effort` (anything else for those four is
-/// refused). Everything else — `previous_response_id`, `conversation`, `prompt`, built-in tools,
+/// refused). An input whose last item is the assistant's (a message or a `function_call`) is
+/// refused: a prefill, which the engine would continue. Everything else — `previous_response_id`, `conversation`, `prompt`, built-in tools,
 /// image or file inputs, unknown members — is a 400 naming the member: nothing is forwarded
 /// that the meter does not count.
 ///
@@ -128,6 +129,15 @@ pub fn chat_request(body: &[u8]) -> Result<ChatTranslation, ResponsesError> {
     }
     if messages.is_empty() {
         return Err(ResponsesError::invalid("input", "`input` has no items"));
+    }
+    // an assistant item last (a message or a function call) is a prefill: the engine would
+    // continue that turn, and the meter's count of the prompt would disagree with its own
+    if messages.last().and_then(|m| m.get("role")) == Some(&json!("assistant")) {
+        return Err(ResponsesError::invalid(
+            "input",
+            "the last input item must not be an assistant message or function call: \
+             continuing an assistant turn (prefill) is not supported",
+        ));
     }
     for (key, value) in &req {
         match key.as_str() {

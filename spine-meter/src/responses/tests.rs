@@ -45,6 +45,7 @@ fn input_items_become_chat_turns() {
             {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
             {"role": "assistant", "content": [{"type": "output_text", "text": "It is sunny."}]},
             {"type": "reasoning", "id": "rs_1", "summary": []},
+            {"role": "user", "content": "And tomorrow?"},
         ],
         "tools": [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}, "strict": true}],
         "tool_choice": {"type": "function", "name": "get_weather"},
@@ -61,6 +62,7 @@ fn input_items_become_chat_turns() {
             ]},
             {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
             {"role": "assistant", "content": [{"type": "text", "text": "It is sunny."}]},
+            {"role": "user", "content": "And tomorrow?"},
         ])
     );
     assert_eq!(
@@ -76,6 +78,28 @@ fn input_items_become_chat_turns() {
         json!({"type": "json_schema", "json_schema": {"name": "w", "schema": {"type": "object"}}})
     );
     assert!(chat.get("stream").is_none());
+}
+
+#[test]
+fn an_input_ending_with_the_assistant_is_a_refused_prefill() {
+    let user = json!({"role": "user", "content": "Hi"});
+    for last in [
+        json!({"role": "assistant", "content": "Hello, "}),
+        json!({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "x"}]}),
+        json!({"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}),
+    ] {
+        let e = refused(json!({"model": "m", "input": [user.clone(), last.clone()]}));
+        assert_eq!(
+            (e.param.as_deref(), e.code),
+            (Some("input"), "invalid_request"),
+            "{last}"
+        );
+    }
+    // a dropped reasoning item after the assistant's turn does not hide it
+    let e = refused(json!({"model": "m", "input": [user.clone(),
+        {"role": "assistant", "content": "x"}, {"type": "reasoning", "id": "rs", "summary": []}]}));
+    assert_eq!(e.param.as_deref(), Some("input"));
+    chat_of(json!({"model": "m", "input": [user]}));
 }
 
 #[test]

@@ -239,7 +239,9 @@ impl ModelTokenizer {
     }
 
     /// Renders the chat template for a request body's `messages` with the generation prompt, as
-    /// llama.cpp's `/apply-template` does.
+    /// llama.cpp's `/apply-template` does: `tools` and `reasoning_effort` passed as llama.cpp
+    /// passes them (`reasoning_effort` `none` as `enable_thinking` false, any other value as
+    /// `reasoning_effort` and `reasoning_strength`).
     ///
     /// # Errors
     ///
@@ -261,6 +263,19 @@ impl ModelTokenizer {
         ctx.insert("eos_token".into(), Value::String(self.eos_token.clone()));
         if let Some(tools) = body.get("tools").filter(|t| t.is_array()) {
             ctx.insert("tools".into(), tools.clone());
+        }
+        // OpenAI's `reasoning_effort`, as llama.cpp passes it to the template
+        // (`server-common.cpp`, `caps_apply_reasoning_effort`): `none` turns thinking off,
+        // any other value is the template's `reasoning_effort` and `reasoning_strength`
+        match body.get("reasoning_effort").and_then(Value::as_str) {
+            Some("none") => {
+                ctx.insert("enable_thinking".into(), Value::Bool(false));
+            }
+            Some(effort) if !effort.is_empty() => {
+                ctx.insert("reasoning_effort".into(), Value::from(effort));
+                ctx.insert("reasoning_strength".into(), Value::from(effort));
+            }
+            _ => {}
         }
         tmpl.render(minijinja::Value::from_serialize(&ctx))
             .map_err(TokenizerError::Template)

@@ -1,0 +1,177 @@
+//! The prompt side of a request: what the node reads (`developer` sent as `system`) and the
+//! independent count of each prompt (design brief §6).
+
+use spine_core::{
+    prompt_inputs, validate_chat_messages, PeekError, PromptSegment, RequestKind, RequestPeek,
+};
+
+use spine_core::Usage;
+
+use super::MeterError;
+use crate::tokenizer::{count_text_within, Counted};
+use crate::TokenCounter;
+
+/// Sends `developer` messages as `system` ones: OpenAI's newer name for the same role, which
+/// chat templates do not know (llama.cpp's renders some of them without it, others refuse it),
+/// so the node and the meter both read `system`. Whether a message changed.
+pub(super) fn developer_to_system(json: &mut serde_json::Value) -> bool {
+    let Some(messages) = json.get_mut("messages").and_then(|m| m.as_array_mut()) else {
+        return false;
+    };
+    let mut changed = false;
+    for message in messages {
+        if let Some(role) = message.get_mut("role") {
+            if role == "developer" {
+                *role = serde_json::Value::from("system");
+                changed = true;
+            }
+        }
+    }
+    changed
+}
+
+/// The independent prompt count of each prompt of a request (design brief §6):
+///
+/// - chat completions: `messages` checked ([`validate_chat_messages`]), rendered with the model's
+///   chat template and counted ([`TokenCounter::count_prompt`]); one prompt;
+/// - completions (`prompt`) and embeddings (`input`): each prompt of [`prompt_inputs`] counted
+///   WITHOUT a chat template, as llama.cpp counts it: each text segment tokenized on its own
+///   (special tokens parsed, no BOS: measured against `llama-server`, which adds none for this
+///   kind of model), each token id one token. A prompt of 0 tokens is refused (llama.cpp refuses
+///   empty embedding inputs, and an empty completion prompt has nothing to condition on).
+///
+/// Counting stops early ([`TokenCounter::count_prompt_within`], [`count_text_within`]: in
+/// pieces of 64 KiB) once a prompt cannot fit the context (`>= max_context_tokens`:
+/// [`MeterError::PromptOverContext`], 400) or the prompts together cost more than the account's
+/// available balance when it is known ([`MeterError::InsufficientCredit`], 402: the hold could
+/// not cover the prompt alone).
+pub(super) fn count_prompts(
+    tokenizer: &dyn TokenCounter,
+    kind: RequestKind,
+    json: &serde_json::Value,
+    limits: &PromptLimits,
+) -> Result<Vec<u64>, MeterError> {
+    // a prompt of max_context_tokens or more leaves no room for a completion token
+    let per_prompt = limits.max_context_tokens.saturating_sub(1);
+    let affordable = limits.affordable.map_or(u64::MAX, |(tokens, _)| tokens);
+    let field = match kind {
+        RequestKind::Embeddings => "input",
+        RequestKind::Completions => "prompt",
+        _ => {
+            validate_chat_messages(json).map_err(MeterError::BadRequest)?;
+            let n = tokenizer
+                .count_prompt_within(json, per_prompt.min(affordable))
+                .map_err(MeterError::Prompt)?;
+            limits.check(n, n.tokens())?;
+            return Ok(vec![n.tokens()]);
+        }
+    };
+    let prompts = prompt_inputs(json, field).map_err(MeterError::BadRequest)?;
+    let mut counts = Vec::with_capacity(prompts.len());
+    let mut total = 0u64;
+    for segments in &prompts {
+        let mut prompt = Counted::Exact(0);
+        for segment in segments {
+            let room = per_prompt
+                .saturating_sub(prompt.tokens())
+                .min(affordable.saturating_sub(total.saturating_add(prompt.tokens())));
+            let n = match segment {
+                PromptSegment::Text(t) => count_text_within(tokenizer, t, room),
+                PromptSegment::TokenIds(n) => Counted::Exact(*n),
+            };
+            prompt = prompt.plus(n);
+            limits.check(prompt, total.saturating_add(prompt.tokens()))?;
+        }
+        total = total.saturating_add(prompt.tokens());
+        counts.push(prompt.tokens());
+    }
+    if counts.contains(&0) {
+        return Err(MeterError::BadRequest(PeekError::InvalidField {
+            field,
+            expected: "non-empty prompts (each at least one token)",
+        }));
+    }
+    Ok(counts)
+}
+
+/// What a request's prompts may count before counting stops ([`count_prompts`]).
+pub(super) struct PromptLimits {
+    pub(super) max_context_tokens: u64,
+    /// `(prompt tokens the account can pay for, its available balance in micros)`, when the
+    /// balance was read.
+    pub(super) affordable: Option<(u64, u64)>,
+    pub(super) price: crate::Price,
+}
+
+impl PromptLimits {
+    /// Refuses one prompt counted as `prompt` (with `total` tokens for every prompt so far)
+    /// when it cannot fit the context or be paid for.
+    fn check(&self, prompt: Counted, total: u64) -> Result<(), MeterError> {
+        match prompt {
+            Counted::AtLeast(n) if n >= self.max_context_tokens => {
+                return Err(MeterError::PromptOverContext {
+                    at_least_tokens: n,
+                    max_context_tokens: self.max_context_tokens,
+                })
+            }
+            // an exact count over the context: refused with the exact count by the caller
+            Counted::Exact(n) if n >= self.max_context_tokens => return Ok(()),
+            _ => {}
+        }
+        if let Some((tokens, available_micros)) = self.affordable {
+            if total > tokens {
+                return Err(MeterError::InsufficientCredit {
+                    available_micros,
+                    needed_micros: self.price.cost_micros(&Usage {
+                        prompt_tokens: total,
+                        completion_tokens: 0,
+                    }),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The most prompt tokens `available_micros` pays for at `price` (no completion token):
+/// the largest `t` with `ceil(t × input / 10⁶) <= available`; `u64::MAX` when prompts are free.
+pub(super) fn affordable_prompt_tokens(price: &crate::Price, available_micros: u64) -> u64 {
+    if price.input_micros_per_mtok == 0 {
+        return u64::MAX;
+    }
+    let t = u128::from(available_micros) * 1_000_000 / u128::from(price.input_micros_per_mtok);
+    u64::try_from(t).unwrap_or(u64::MAX)
+}
+
+/// Whether the request constrains tokenization ([`RequestPeek::tokenization_constrained`]),
+/// with one refinement the peek cannot make without the vocabulary: a `logit_bias` that only
+/// biases special tokens (EOS banned to make an answer run to its limit, the usual use) cannot
+/// make the engine spell a text in other tokens, so it does not count.
+pub(super) fn constrains_tokenization(
+    peek: &RequestPeek,
+    json: &serde_json::Value,
+    counter: &dyn TokenCounter,
+) -> bool {
+    use serde_json::Value;
+    if !peek.tokenization_constrained {
+        return false;
+    }
+    let other_constraint = spine_core::TOKENIZATION_CONSTRAINT_FIELDS
+        .iter()
+        .filter(|field| **field != "logit_bias")
+        .any(|field| match (json.get(*field), *field) {
+            (None | Some(Value::Null), _) => false,
+            (Some(v), "response_format") => v.get("type").and_then(Value::as_str) != Some("text"),
+            _ => true,
+        });
+    if other_constraint {
+        return true;
+    }
+    match json.get("logit_bias") {
+        Some(Value::Object(biases)) => !biases.keys().all(|id| {
+            id.parse::<u32>()
+                .is_ok_and(|id| counter.is_special_token(id))
+        }),
+        _ => true,
+    }
+}
