@@ -233,15 +233,20 @@ pub(crate) fn meter_json(
     let mut choices: BTreeMap<u64, Choice> = BTreeMap::new();
     let mut kept: Vec<String> = Vec::with_capacity(read.len());
     let dropped = read.iter().any(|c| !ctx.is_requested_choice(c.index));
-    for c in read {
+    let mut stripped = false;
+    for mut c in read {
         if !ctx.is_requested_choice(c.index) {
             continue;
         }
         let choice = choices.entry(c.index).or_default();
-        choice.finish_reason = c.finish_reason;
+        choice.finish_reason = c.finish_reason.take();
         choice.delivered.push(&*tokenizer, &c.generated);
         if let Some(capture) = ctx.audit.as_mut() {
             capture.push(c.index, &c.generated);
+            capture.push_logprobs(c.index, c.logprobs.as_ref());
+            if capture.strip_logprobs {
+                stripped |= c.strip_logprobs(kind);
+            }
         }
         kept.push(c.raw);
     }
@@ -266,7 +271,7 @@ pub(crate) fn meter_json(
             has_usage = true;
             Some(Some(usage.clone()))
         }
-        "choices" if dropped => Some(Some(format!("[{}]", kept.join(",")))),
+        "choices" if dropped || stripped => Some(Some(format!("[{}]", kept.join(",")))),
         _ => None,
     });
     if !has_usage {

@@ -318,13 +318,20 @@ impl State {
         let n_read = read.len();
         let mut kept: Vec<String> = Vec::new();
         let mut text = Vec::new();
-        for c in read {
-            let Some(ctx) = self.ctx.as_ref() else {
+        let mut stripped = false;
+        for mut c in read {
+            let Some(ctx) = self.ctx.as_mut() else {
                 return;
             };
             // a choice the caller did not ask for is neither delivered nor billed
             if !ctx.is_requested_choice(c.index) {
                 continue;
+            }
+            if let Some(capture) = ctx.audit.as_mut() {
+                capture.push_logprobs(c.index, c.logprobs.as_ref());
+                if capture.strip_logprobs {
+                    stripped |= c.strip_logprobs(self.settings.kind);
+                }
             }
             let choice = self.choices.entry(c.index).or_default();
             if let Some(f) = c.finish_reason {
@@ -344,13 +351,13 @@ impl State {
             }
         }
         let strip = self.settings.strip_engine_fields && members.has_engine_fields();
-        let rewrite = strip || has_usage || kept.len() != n_read || !ev.is_data_only();
+        let rewrite = strip || stripped || has_usage || kept.len() != n_read || !ev.is_data_only();
         let bytes = if !rewrite {
             ev.raw().clone()
-        } else if !strip && !has_usage && kept.len() == n_read {
+        } else if !strip && !stripped && !has_usage && kept.len() == n_read {
             encode_event(data)
         } else {
-            let dropped = kept.len() != n_read;
+            let dropped = kept.len() != n_read || stripped;
             let json = members.encode(self.settings.strip_engine_fields, |name| match name {
                 "usage" if has_usage => Some(None),
                 "choices" if dropped => Some(Some(format!("[{}]", kept.join(",")))),

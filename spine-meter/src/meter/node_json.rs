@@ -163,6 +163,30 @@ pub(crate) struct ChoiceRead {
     pub(crate) generated: GeneratedText,
     pub(crate) finish_reason: Option<String>,
     pub(crate) raw: String,
+    /// The choice's `logprobs` member, when not null.
+    pub(crate) logprobs: Option<Value>,
+}
+
+impl ChoiceRead {
+    /// Removes the choice's logprobs from what the caller receives (they were added for an
+    /// audit): a chat choice loses its `logprobs` member, a completion's becomes `null`, as
+    /// llama.cpp answers without them. Whether the raw choice changed.
+    pub(crate) fn strip_logprobs(&mut self, kind: RequestKind) -> bool {
+        if self.logprobs.is_none() {
+            return false;
+        }
+        let Some(members) = Members::parse(&self.raw) else {
+            return false;
+        };
+        let chat = kind != RequestKind::Completions;
+        let stripped = members.encode(false, |name| match name {
+            "logprobs" if chat => Some(None),
+            "logprobs" => Some(Some("null".to_owned())),
+            _ => None,
+        });
+        self.raw = stripped;
+        true
+    }
 }
 
 /// The member of a choice that carries its text, as the caller's SDK reads it: a completion's
@@ -259,11 +283,13 @@ pub(crate) fn read_choices(
                 .get("finish_reason")
                 .and_then(Value::as_str)
                 .map(str::to_owned);
+            let logprobs = c.get("logprobs").filter(|l| !l.is_null()).cloned();
             Ok(ChoiceRead {
                 index,
                 generated,
                 finish_reason,
                 raw: item.get().to_owned(),
+                logprobs,
             })
         })
         .collect()
