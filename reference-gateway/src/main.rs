@@ -254,9 +254,14 @@ async fn run(cli: Cli) -> Result<(), MainError> {
         }))
         .admission(limits.clone());
     // each catalog model with a `reference_url` is audited against that llama-server
+    // (`[audit] node_logprobs`: scored on the nodes' own logprobs, the GGUF's vocabulary)
     let references = config.models.iter().filter_map(|m| {
-        let url = m.reference_url.as_deref()?;
-        Some((m.id.as_str(), url))
+        Some(spine_meter::audit::AuditedModel {
+            model: m.id.as_str(),
+            reference_url: m.reference_url.as_deref()?,
+            gguf: m.gguf.as_deref(),
+            node_logprobs: config.audit.node_logprobs,
+        })
     });
     let auditor = config.audit.spawn_auditor(references, store.clone())?;
     let meter = match &auditor {

@@ -408,3 +408,128 @@ async fn a_reference_that_is_down_blocks_nothing_and_fails_no_one() {
     // still routed
     chat(&gw, &api_key, 9, false).await;
 }
+
+/// One sampled chat (temperature 0.8, a seed per request); returns the caller's body. Panics
+/// on anything but a complete answer, or on logprobs the caller did not ask for.
+async fn sampled_chat(gw: &Gateway, key: &str, i: usize, stream: bool) -> String {
+    let topic = TOPICS[i % TOPICS.len()];
+    let body = json!({
+        "model": "smollm2",
+        "messages": [{"role": "user", "content": format!("Write a few sentences about {topic}. ({i})")}],
+        "max_tokens": 64,
+        "temperature": 0.8,
+        "seed": i,
+        "stream": stream,
+    });
+    let r = gw.api_post(key, "/v1/chat/completions", &body).await;
+    let status = r.status().as_u16();
+    let text = r.text().await.unwrap();
+    assert_eq!(status, 200, "request {i}: {text}");
+    assert!(!text.contains("logprobs"), "request {i}: {text}");
+    if stream {
+        assert!(text.contains("data: [DONE]"), "request {i}: {text}");
+        assert!(!text.contains("\"error\""), "request {i}: {text}");
+    }
+    text
+}
+
+/// Node logprobs (`[audit] node_logprobs = true`, `docs/trust.md`): on sampled traffic the
+/// Q2_K substitute is `failed` on its own token choices while the honest node is not; callers
+/// never see the logprobs the gateway asked the nodes for, and one who asks gets them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_logprobs_fail_a_sampled_substitute_and_callers_never_see_them() {
+    let engine = Engine::discover().unwrap();
+    let substitute_gguf = engine.substitute_gguf().unwrap();
+    let reference = LlamaServer::start(&engine, 1).await.unwrap();
+    let honest = LlamaServer::start(&engine, 2).await.unwrap();
+    let substitute = LlamaServer::start_model(&engine, &substitute_gguf, 2, &[])
+        .await
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let gw = Gateway::start_full(
+        dir.path(),
+        &engine,
+        "[audit]\nrate_passing = 1.0\nrate_unverified = 1.0\nrate_suspect = 1.0\nnode_logprobs = true\n",
+        &format!("reference_url = \"{}\"", reference.url),
+    )
+    .await;
+    let Tenant {
+        operator, api_key, ..
+    } = tenant(&gw).await;
+    let (honest_id, _honest_agent) =
+        add_node(&gw, dir.path(), &operator, &honest.url, "honest").await;
+    let (sub_id, _sub_agent) =
+        add_node(&gw, dir.path(), &operator, &substitute.url, "substitute").await;
+
+    let started = Instant::now();
+    let mut i = 0;
+    loop {
+        sampled_chat(&gw, &api_key, i, i % 2 == 0).await;
+        i += 1;
+        let (_, nodes) = gw.admin_get("/admin/v1/nodes").await;
+        if audit_of(&nodes, &sub_id).is_some_and(|a| a["verdict"] == "failed") {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(900),
+            "the substitute was not failed after {i} requests; nodes: {nodes:#}\ngateway:\n{}",
+            gw.child.stderr_tail(40)
+        );
+    }
+    let (_, nodes) = gw.admin_get("/admin/v1/nodes").await;
+    let sub = audit_of(&nodes, &sub_id).unwrap();
+    println!("substitute failed after {i} requests: {sub}");
+    assert!(sub["events"].as_u64().unwrap() > 0);
+
+    // a few more to the honest node: audited on its logprobs, never failed
+    for j in 0..4 {
+        sampled_chat(&gw, &api_key, i + j, j % 2 == 0).await;
+    }
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let honest_audit = loop {
+        let (_, nodes) = gw.admin_get("/admin/v1/nodes").await;
+        let a = audit_of(&nodes, &honest_id);
+        if a.as_ref()
+            .is_some_and(|a| a["tokens_audited"].as_u64() > Some(0))
+            || Instant::now() > deadline
+        {
+            break a.expect("the honest node was audited");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    println!("honest node: {honest_audit}");
+    assert_ne!(honest_audit["verdict"], "failed", "{honest_audit}");
+    assert_ne!(honest_audit["verdict"], "suspect", "{honest_audit}");
+    let m = gw.metrics().await;
+    assert!(
+        metric(&m, "spine_audit_requests_total{result=\"node_logprobs\"}") >= 2.0,
+        "{m}"
+    );
+    assert_eq!(
+        metric(
+            &m,
+            "spine_audit_requests_total{result=\"node_logprobs_missing\"}"
+        ),
+        0.0,
+        "{m}"
+    );
+
+    // a caller who asks for logprobs gets them
+    let body = json!({
+        "model": "smollm2",
+        "messages": [{"role": "user", "content": "Say hello."}],
+        "max_tokens": 8,
+        "logprobs": true,
+        "top_logprobs": 2,
+    });
+    let r = gw.api_post(&api_key, "/v1/chat/completions", &body).await;
+    assert_eq!(r.status().as_u16(), 200);
+    let v: Value = r.json().await.unwrap();
+    let content = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert!(!content.is_empty(), "{v}");
+    assert_eq!(
+        content[0]["top_logprobs"].as_array().unwrap().len(),
+        2,
+        "{v}"
+    );
+}

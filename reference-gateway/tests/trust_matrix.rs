@@ -12,6 +12,10 @@
 //! - `SPINE_TRUST_FIRST_RUN` (the first run's index, default 0: runs `first..first + runs`
 //!   have their own prompts and seeds, so several invocations add runs, not repeats);
 //! - `SPINE_TRUST_Q8_GGUF`, `SPINE_TRUST_GEMMA_GGUF` (optional substitutes);
+//! - `SPINE_TRUST_NODE_LOGPROBS=1`: score the nodes' own logprobs (`[audit] node_logprobs`):
+//!   each node is asked for them, the reference forces the node's tokens
+//!   (`LlamaCppReference::force`) and each position is `|claimed − reference|` against 1 nat;
+//!   the canned node claims −0.5 for each token of its text (the vocabulary's longest match);
 //! - `SPINE_TRUST_DUMP` (where the raw scorings go, default
 //!   `~/.cache/spine/trust/trust-<unix seconds>.jsonl`).
 //!
@@ -33,9 +37,10 @@ use std::path::PathBuf;
 use bytes::Bytes;
 use serde_json::{json, Value};
 use spine_core::{AuditVerdict, ModelId, RequestKind};
+use spine_meter::audit::node_logprobs::{logprob_observations, missing_observation};
 use spine_meter::audit::{
-    auditable, observations, LlamaCppReference, Reference, ReferenceQuery, ScoreConfig,
-    ScoredToken, Sprt, SprtConfig,
+    align, auditable, observations, ForceQuery, LlamaCppReference, NodeLogprobs, Observation,
+    Reference, ReferenceQuery, ScoreConfig, ScoredToken, Sprt, SprtConfig, TokenVocabulary,
 };
 use spine_test_support::{Engine, LlamaServer};
 
@@ -112,7 +117,8 @@ async fn generate(
     spec: &NodeSpec,
     prompt: &str,
     seed: u64,
-) -> (Bytes, String) {
+    vocab: Option<&TokenVocabulary>,
+) -> (Bytes, String, Option<NodeLogprobs>) {
     let mut body = json!({
         "model": "smollm2",
         // a run-specific tag: greedy replies differ between runs
@@ -126,10 +132,16 @@ async fn generate(
             body["seed"] = json!(seed);
         }
     }
+    if vocab.is_some() {
+        // as the meter asks (spine_meter::inject::inject_logprobs)
+        body["logprobs"] = json!(true);
+        body["top_logprobs"] = json!(1);
+    }
     let bytes = Bytes::from(body.to_string());
     if spec.canned {
         let text = "Thank you for your question! Here is a helpful answer. ".repeat(6);
-        return (bytes, text);
+        let claims = vocab.map(|v| canned_claims(v, &text));
+        return (bytes, text, claims);
     }
     // engine-only field: sent to the node, not part of what the audit reads
     let mut sent = body.clone();
@@ -147,7 +159,34 @@ async fn generate(
         .as_str()
         .unwrap_or_default()
         .to_owned();
-    (bytes, text)
+    let claims = vocab.map(|_| {
+        let mut c = NodeLogprobs::new(256);
+        c.push(v["choices"][0].get("logprobs"));
+        c
+    });
+    (bytes, text, claims)
+}
+
+/// A canned node's made-up claims: its text split at the vocabulary's longest matches, each
+/// token claimed at −0.5 nats.
+fn canned_claims(vocab: &TokenVocabulary, text: &str) -> NodeLogprobs {
+    let b = text.as_bytes();
+    let mut tokens = Vec::new();
+    let mut i = 0;
+    while i < b.len() {
+        let len = (1..=16.min(b.len() - i))
+            .rev()
+            .find(|l| vocab.id(&b[i..i + l]).is_some())
+            .unwrap_or(1);
+        tokens.push(serde_json::json!({
+            "token": String::from_utf8_lossy(&b[i..i + len]),
+            "logprob": -0.5,
+        }));
+        i += len;
+    }
+    let mut c = NodeLogprobs::new(256);
+    c.push(Some(&serde_json::json!({ "content": tokens })));
+    c
 }
 
 /// One audited reply in the dump (one JSON line).
@@ -166,6 +205,12 @@ struct DumpLine {
     text: String,
     /// The reference's forced positions (each one audited token).
     tokens: Vec<ScoredToken>,
+    /// Node-logprob mode: the node's claims of its aligned tokens, and the reference's
+    /// logprobs of the same forced tokens.
+    #[serde(default)]
+    node_claims: Vec<f64>,
+    #[serde(default)]
+    reference_logprobs: Vec<Option<f64>>,
 }
 
 /// Where the dump goes: `SPINE_TRUST_DUMP` or `~/.cache/spine/trust/trust-<secs>.jsonl`.
@@ -201,6 +246,8 @@ struct RunResult {
     tokens_to_fail: Option<u64>,
     /// Λ at the end.
     statistic: f64,
+    /// Largest |claimed − reference| seen (node-logprob mode), nats.
+    max_delta: f64,
 }
 
 /// The auditor's statistic and test over one node-run's replies, in order.
@@ -240,6 +287,24 @@ impl Judge {
         }
     }
 
+    /// One audited reply in node-logprob mode: its observations, `positions` audited tokens.
+    fn reply_obs(&mut self, obs: &[Observation], positions: u64) {
+        self.out.audited_tokens += positions;
+        for o in obs {
+            if let Observation::Logprob { delta, .. } = o {
+                self.out.max_delta = self.out.max_delta.max(*delta);
+            }
+            self.sprt.observe(&self.sprt_config, *o);
+        }
+        let v = self.sprt.verdict(&self.sprt_config);
+        if v == AuditVerdict::Passing && self.out.tokens_to_pass.is_none() {
+            self.out.tokens_to_pass = Some(self.out.audited_tokens);
+        }
+        if v == AuditVerdict::Failed && self.out.tokens_to_fail.is_none() {
+            self.out.tokens_to_fail = Some(self.out.audited_tokens);
+        }
+    }
+
     fn finish(mut self) -> RunResult {
         self.out.observations = self.sprt.observations;
         self.out.events = self.sprt.events;
@@ -259,6 +324,7 @@ async fn node_run(
     role: &str,
     dump: &mut std::fs::File,
     ref_tokens: &mut u64,
+    vocab: Option<&TokenVocabulary>,
 ) -> RunResult {
     let http = reqwest::Client::new();
     let server = if spec.canned {
@@ -285,21 +351,64 @@ async fn node_run(
     let mut reply = 0;
     while judge.out.audited_tokens < token_budget {
         // `concurrency` replies generated at once (load on the node), audited in order
-        let batch: Vec<(Bytes, String)> = futures_util::future::join_all(
+        let batch: Vec<(Bytes, String, Option<NodeLogprobs>)> = futures_util::future::join_all(
             (0..spec.concurrency)
                 .map(|k| {
                     let prompt = PROMPTS[(i + k) % PROMPTS.len()];
-                    generate(&http, &url, spec, prompt, (run * 1000 + i + k) as u64)
+                    generate(
+                        &http,
+                        &url,
+                        spec,
+                        prompt,
+                        (run * 1000 + i + k) as u64,
+                        vocab,
+                    )
                 })
                 .collect::<Vec<_>>(),
         )
         .await;
         i += spec.concurrency;
-        for (body, text) in batch {
+        for (body, text, claims) in batch {
             if text.is_empty() {
                 continue;
             }
             let req = auditable(RequestKind::ChatCompletions, &body).unwrap();
+            if let (Some(vocab), Some(claims)) = (vocab, claims) {
+                let aligned = if claims.is_usable() {
+                    align(vocab, &claims.tokens, text.as_bytes(), 256).ok()
+                } else {
+                    None
+                };
+                let (obs, node_claims, reference_logprobs) = match aligned {
+                    None => (vec![missing_observation()], Vec::new(), Vec::new()),
+                    Some(a) => {
+                        let query = ForceQuery {
+                            model: ModelId::new("smollm2"),
+                            prompt: req.prompt,
+                            ids: a.ids,
+                        };
+                        let r = reference.force(&query).await.unwrap();
+                        *ref_tokens += r.len() as u64;
+                        (logprob_observations(&a.logprobs, &r, 1.0), a.logprobs, r)
+                    }
+                };
+                let line = DumpLine {
+                    role: role.to_owned(),
+                    config: spec.label.to_owned(),
+                    run,
+                    reply,
+                    body: String::from_utf8_lossy(&body).into_owned(),
+                    text: text.clone(),
+                    tokens: Vec::new(),
+                    node_claims,
+                    reference_logprobs,
+                };
+                reply += 1;
+                serde_json::to_writer(&mut *dump, &line).unwrap();
+                dump.write_all(b"\n").unwrap();
+                judge.reply_obs(&obs, obs.len() as u64);
+                continue;
+            }
             let query = ReferenceQuery {
                 model: ModelId::new("smollm2"),
                 prompt: req.prompt,
@@ -316,6 +425,8 @@ async fn node_run(
                 body: String::from_utf8_lossy(&body).into_owned(),
                 text: text.clone(),
                 tokens: scored.clone(),
+                node_claims: Vec::new(),
+                reference_logprobs: Vec::new(),
             };
             reply += 1;
             serde_json::to_writer(&mut *dump, &line).unwrap();
@@ -346,6 +457,10 @@ async fn trust_matrix() {
     let sub_runs = env_usize("SPINE_TRUST_SUBSTITUTE_RUNS", 10);
     let sub_tokens = env_usize("SPINE_TRUST_SUBSTITUTE_TOKENS", 300) as u64;
     let first_run = env_usize("SPINE_TRUST_FIRST_RUN", 0);
+    let vocab = (env_usize("SPINE_TRUST_NODE_LOGPROBS", 0) == 1)
+        .then(|| TokenVocabulary::from_gguf(&engine.model_gguf).unwrap());
+    let vocab = vocab.as_ref();
+    println!("node logprobs: {}", vocab.is_some());
 
     let mut honest_specs = vec![
         honest("greedy -t 2 -np 1 fa on"),
@@ -409,19 +524,21 @@ async fn trust_matrix() {
                 "honest",
                 &mut dump,
                 &mut ref_tokens,
+                vocab,
             )
             .await;
             honest_total += 1;
             honest_failed += usize::from(r.verdict == Some(AuditVerdict::Failed));
             println!(
-                "| honest: {} | {run} | {} | {} | {} | {:?} | {:?} | {:?} |",
+                "| honest: {} | {run} | {} | {} | {} | {:?} | {:?} | {:?} | max |Δ| {:.3} |",
                 spec.label,
                 r.audited_tokens,
                 r.observations,
                 r.events,
                 r.verdict,
                 r.tokens_to_pass,
-                r.tokens_to_fail
+                r.tokens_to_fail,
+                r.max_delta
             );
         }
     }
@@ -484,6 +601,7 @@ async fn trust_matrix() {
                 "substitute",
                 &mut dump,
                 &mut ref_tokens,
+                vocab,
             )
             .await;
             if let Some(t) = r.tokens_to_fail {

@@ -13,7 +13,7 @@
 //! | `spine_audit_tokens` | `node`, `model` | gauge: completion tokens audited |
 //! | `spine_audit_statistic` | `node`, `model` | gauge: the test statistic Λ (fails at `spine_audit_fail_threshold`) |
 //! | `spine_audit_fail_threshold` | | gauge: Λ at which a node's model fails |
-//! | `spine_audit_requests_total` | `result` (`offered`, `sampled`, `dropped_queue_full`, `not_auditable`, `audited`, `inconclusive`) | audit sampling and scoring; `inconclusive`: the reference was down, slow or answered garbage |
+//! | `spine_audit_requests_total` | `result` (`offered`, `sampled`, `dropped_queue_full`, `not_auditable`, `audited`, `inconclusive`, `node_logprobs`, `node_logprobs_missing`) | audit sampling and scoring; `inconclusive`: the reference was down, slow or answered garbage; `node_logprobs`: audits scored on the node's own logprobs, `node_logprobs_missing`: of which the node sent none or a list that is not its text (one event each) |
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -142,6 +142,8 @@ pub fn record_audits(auditor: &crate::audit::Auditor) {
         ("not_auditable", c.not_auditable),
         ("audited", c.audited),
         ("inconclusive", c.inconclusive),
+        ("node_logprobs", c.node_logprobs_audits),
+        ("node_logprobs_missing", c.node_logprobs_missing),
     ] {
         counter!("spine_audit_requests_total", "result" => result).absolute(n);
     }

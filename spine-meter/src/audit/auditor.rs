@@ -14,10 +14,13 @@ use std::collections::VecDeque;
 
 use tokio::sync::Notify;
 
-use super::reference::{Reference, ReferenceQuery};
-use super::request::{auditable, NotAuditable};
-use super::score::{observations, ScoreConfig};
-use super::sprt::{Sprt, SprtConfig};
+use super::node_logprobs::{
+    align, logprob_observations, missing_observation, NodeLogprobs, TokenVocabulary,
+};
+use super::reference::{ForceQuery, Reference, ReferenceQuery};
+use super::request::{auditable, AuditPrompt, NotAuditable};
+use super::score::{observations, SamplingMode, ScoreConfig};
+use super::sprt::{Observation, Sprt, SprtConfig};
 
 /// A completed request offered for audit: what the node delivered for choice 0.
 #[derive(Clone, Debug, PartialEq)]
@@ -37,6 +40,9 @@ pub struct AuditSample {
     pub completion: String,
     /// The request carried [`AuditAlways`] (a challenge): audited whatever the coin says.
     pub always: bool,
+    /// Choice 0's logprobs as the node reported them, when the tap asked for them
+    /// ([`AuditTap::node_logprobs`]); `None` when not asked.
+    pub node_logprobs: Option<NodeLogprobs>,
 }
 
 /// A request extension: audit this request whatever the sampling rate says. The reference
@@ -54,6 +60,21 @@ pub trait AuditTap: Send + Sync + 'static {
     fn max_completion_bytes(&self) -> usize;
     /// A completed request, for the tap to audit or not.
     fn offer(&self, sample: AuditSample);
+
+    /// Whether nodes serving `model` are asked for their logprobs ([`super::node_logprobs`]):
+    /// the metering layer then adds `logprobs` to the body it forwards when the caller did not
+    /// ask for them, removes them from the answer, and hands choice 0's list to
+    /// [`offer`](Self::offer). Default `false`.
+    fn node_logprobs(&self, model: &ModelId) -> bool {
+        let _ = model;
+        false
+    }
+
+    /// Most logprob entries worth capturing per request (the metering layer also stops at
+    /// [`MAX_NODE_TOKENS`](super::node_logprobs::MAX_NODE_TOKENS)). Default 0.
+    fn max_node_tokens(&self) -> usize {
+        0
+    }
 
     /// Whether the operator's credit for a request `node` served for `model` is held in escrow
     /// until the audit's verdict ([`Settlement::earnings_held`](crate::Settlement)). Asked at
@@ -183,6 +204,11 @@ pub struct AuditCounters {
     pub inconclusive: u64,
     /// Positions scored.
     pub tokens_scored: u64,
+    /// Audits scored on the node's own logprobs ([`super::node_logprobs`]).
+    pub node_logprobs_audits: u64,
+    /// Of which the node, asked for its logprobs, sent none or a list that is not its
+    /// delivered text (one event each).
+    pub node_logprobs_missing: u64,
 }
 
 #[derive(Debug, Default)]
@@ -194,6 +220,8 @@ struct Counters {
     audited: AtomicU64,
     inconclusive: AtomicU64,
     tokens_scored: AtomicU64,
+    node_logprobs_audits: AtomicU64,
+    node_logprobs_missing: AtomicU64,
 }
 
 #[derive(Clone, Copy, Debug, Default)]
@@ -211,6 +239,8 @@ struct Inner {
     config: AuditConfig,
     reference: Arc<dyn Reference>,
     events: Arc<dyn AuditEvents>,
+    /// The reference vocabularies of the models whose nodes report their logprobs.
+    vocabularies: HashMap<ModelId, Arc<TokenVocabulary>>,
     pairs: Mutex<HashMap<PairKey, Pair>>,
     queue: Mutex<AuditQueue>,
     /// Wakes a worker when a sample is queued, and every worker when the auditor is dropped.
@@ -311,11 +341,28 @@ impl Auditor {
         reference: Arc<dyn Reference>,
         events: Arc<dyn AuditEvents>,
     ) -> Self {
+        Self::spawn_with_node_logprobs(config, reference, events, HashMap::new())
+    }
+
+    /// As [`Auditor::spawn_with`]; the models in `vocabularies` are audited on their nodes'
+    /// own logprobs ([`super::node_logprobs`]: the tap asks for them, [`Reference::force`]
+    /// scores them), each with its reference's vocabulary.
+    ///
+    /// # Panics
+    ///
+    /// Outside a tokio runtime.
+    pub fn spawn_with_node_logprobs(
+        config: AuditConfig,
+        reference: Arc<dyn Reference>,
+        events: Arc<dyn AuditEvents>,
+        vocabularies: HashMap<ModelId, Arc<TokenVocabulary>>,
+    ) -> Self {
         let wake = Arc::new(Notify::new());
         let inner = Arc::new(Inner {
             config,
             reference,
             events,
+            vocabularies,
             pairs: Mutex::default(),
             queue: Mutex::default(),
             wake: wake.clone(),
@@ -391,6 +438,8 @@ impl Auditor {
             audited: l(&c.audited),
             inconclusive: l(&c.inconclusive),
             tokens_scored: l(&c.tokens_scored),
+            node_logprobs_audits: l(&c.node_logprobs_audits),
+            node_logprobs_missing: l(&c.node_logprobs_missing),
         }
     }
 
@@ -441,6 +490,14 @@ impl AuditTap for Auditor {
 
     fn earnings_held(&self, node: &NodeId, model: &ModelId) -> bool {
         self.verdict(node, model) == AuditVerdict::Suspect
+    }
+
+    fn node_logprobs(&self, model: &ModelId) -> bool {
+        self.inner.vocabularies.contains_key(model)
+    }
+
+    fn max_node_tokens(&self) -> usize {
+        self.inner.config.max_tokens
     }
 
     fn offer(&self, sample: AuditSample) {
@@ -509,24 +566,26 @@ async fn audit_one(inner: &Inner, sample: AuditSample) -> Option<AuditVerdict> {
             return None;
         }
     };
-    let query = ReferenceQuery {
-        model: sample.model.clone(),
-        prompt: req.prompt,
-        completion: sample.completion,
-        max_tokens: config.max_tokens,
-    };
     let key = (sample.node.clone(), sample.model.clone());
-    let scored = tokio::time::timeout(config.timeout, inner.reference.score(&query)).await;
-    let obs = match scored {
-        Ok(Ok(tokens)) => observations(
-            &tokens,
-            query.completion.as_bytes(),
-            req.mode,
-            &config.score,
-        )
-        .map_err(|e| e.to_string()),
-        Ok(Err(e)) => Err(e.to_string()),
-        Err(_) => Err(format!("the reference took over {:?}", config.timeout)),
+    let obs = match (
+        inner.vocabularies.get(&sample.model),
+        sample.node_logprobs.as_ref(),
+    ) {
+        (Some(vocab), Some(node)) => {
+            counters
+                .node_logprobs_audits
+                .fetch_add(1, Ordering::Relaxed);
+            node_logprob_observations(inner, vocab, node, &sample, req.prompt).await
+        }
+        _ => {
+            let query = ReferenceQuery {
+                model: sample.model.clone(),
+                prompt: req.prompt,
+                completion: sample.completion.clone(),
+                max_tokens: config.max_tokens,
+            };
+            text_observations(inner, &query, req.mode).await
+        }
     };
     let mut pairs = inner.pairs.lock().unwrap_or_else(PoisonError::into_inner);
     let pair = pairs.entry(key).or_default();
@@ -569,4 +628,80 @@ async fn audit_one(inner: &Inner, sample: AuditSample) -> Option<AuditVerdict> {
             .on_verdict(&sample.node, &sample.model, before, after);
     }
     Some(after)
+}
+
+/// The rank/PIT statistic of the delivered text ([`super::score`]).
+async fn text_observations(
+    inner: &Inner,
+    query: &ReferenceQuery,
+    mode: SamplingMode,
+) -> Result<Vec<Observation>, String> {
+    let config = &inner.config;
+    match tokio::time::timeout(config.timeout, inner.reference.score(query)).await {
+        Ok(Ok(tokens)) => observations(&tokens, query.completion.as_bytes(), mode, &config.score)
+            .map_err(|e| e.to_string()),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err(format!("the reference took over {:?}", config.timeout)),
+    }
+}
+
+/// The node's claimed logprobs against the reference's ([`super::node_logprobs`]): one event
+/// for a missing or misaligned list, else one observation per aligned position.
+async fn node_logprob_observations(
+    inner: &Inner,
+    vocab: &TokenVocabulary,
+    node: &NodeLogprobs,
+    sample: &AuditSample,
+    prompt: AuditPrompt,
+) -> Result<Vec<Observation>, String> {
+    let config = &inner.config;
+    let missing = || {
+        inner
+            .counters
+            .node_logprobs_missing
+            .fetch_add(1, Ordering::Relaxed);
+        Ok(vec![missing_observation()])
+    };
+    if !node.is_usable() {
+        tracing::info!(request_id = %sample.request_id, node = %sample.node, error = ?node.error, "node sent no usable logprobs");
+        return missing();
+    }
+    let aligned = match align(
+        vocab,
+        &node.tokens,
+        sample.completion.as_bytes(),
+        config.max_tokens,
+    ) {
+        Ok(a) => a,
+        Err(e) => {
+            tracing::info!(request_id = %sample.request_id, node = %sample.node, error = %e, "node logprobs misaligned");
+            return missing();
+        }
+    };
+    if aligned.ids.is_empty() {
+        return Ok(Vec::new());
+    }
+    let query = ForceQuery {
+        model: sample.model.clone(),
+        prompt,
+        ids: aligned.ids,
+    };
+    let reference = match tokio::time::timeout(config.timeout, inner.reference.force(&query)).await
+    {
+        Ok(Ok(r)) => r,
+        Ok(Err(e)) => return Err(e.to_string()),
+        Err(_) => return Err(format!("the reference took over {:?}", config.timeout)),
+    };
+    if reference.len() != aligned.logprobs.len() {
+        return Err(format!(
+            "the reference forced {} of {} ids",
+            reference.len(),
+            aligned.logprobs.len()
+        ));
+    }
+    Ok(logprob_observations(
+        &aligned.logprobs,
+        &reference,
+        config.score.logprob_event_nats,
+    ))
 }

@@ -19,6 +19,11 @@
 //! - The verdict ([`spine_core::AuditVerdict`]) reaches the router through
 //!   [`spine_core::ModelTrust`]: a `failed` node is not routed that model until
 //!   [`Auditor::reverify`].
+//! - Models configured with node logprobs ([`node_logprobs`]) are scored on the node's own
+//!   token choices instead: the metering layer asks the node for its logprobs (the caller
+//!   never sees them unless it asked), and each position compares the node's claimed logprob
+//!   of its token with the reference's, teacher-forced through the same tokens
+//!   ([`Reference::force`]).
 //! - [`EscrowOnVerdict`] (an [`AuditEvents`]) pays a node's escrowed earnings to its operator
 //!   when it reaches `passing` and keeps them when it reaches `failed`.
 //!
@@ -27,6 +32,7 @@
 mod auditor;
 mod challenge;
 mod escrow;
+pub mod node_logprobs;
 mod reference;
 mod request;
 mod score;
@@ -39,12 +45,18 @@ pub use auditor::{
 };
 pub use challenge::challenge_body;
 pub use escrow::EscrowOnVerdict;
+pub use node_logprobs::{
+    align, parse_node_logprobs, NodeLogprobs, NodeLogprobsError, NodeToken, TokenVocabulary,
+    VocabularyError,
+};
 #[cfg(feature = "llama-reference")]
 pub use reference::LlamaCppReference;
-pub use reference::{Reference, ReferenceError, ReferenceQuery, ReferenceSet, ScoreFuture};
+pub use reference::{
+    ForceFuture, ForceQuery, Reference, ReferenceError, ReferenceQuery, ReferenceSet, ScoreFuture,
+};
 pub use request::{auditable, AuditPrompt, AuditableRequest, NotAuditable};
 pub use score::{observations, SamplingMode, ScoreConfig, ScoreError, ScoredToken, TopToken};
-pub use settings::{AuditSettings, AuditSettingsError};
+pub use settings::{AuditSettings, AuditSettingsError, AuditedModel};
 pub use sprt::{Observation, ObservationKind, Sprt, SprtConfig, BETS};
 
 #[cfg(test)]

@@ -42,6 +42,23 @@ pub enum ReferenceError {
 pub type ScoreFuture<'a> =
     Pin<Box<dyn Future<Output = Result<Vec<ScoredToken>, ReferenceError>> + Send + 'a>>;
 
+/// What the reference is asked to teacher-force: the node's own tokens
+/// ([`super::node_logprobs`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ForceQuery {
+    /// The model.
+    pub model: ModelId,
+    /// The request's prompt.
+    pub prompt: AuditPrompt,
+    /// The node's tokens as reference ids (no control token), in order.
+    pub ids: Vec<u32>,
+}
+
+/// A future returned by [`Reference::force`]: per forced id, the reference's raw logprob of it
+/// (`None` where the reference listed none).
+pub type ForceFuture<'a> =
+    Pin<Box<dyn Future<Output = Result<Vec<Option<f64>>, ReferenceError>> + Send + 'a>>;
+
 /// A trusted engine serving a model's exact weights (design brief §10).
 ///
 /// `score` teacher-forces the completion through the model after the prompt and returns, for
@@ -55,6 +72,16 @@ pub type ScoreFuture<'a> =
 pub trait Reference: Send + Sync + 'static {
     /// Scores `query` (see the trait docs).
     fn score<'a>(&'a self, query: &'a ReferenceQuery) -> ScoreFuture<'a>;
+
+    /// Teacher-forces `query.ids` after the prompt and returns, for each in order, the raw
+    /// model's (temperature 1, before any sampler) natural log of its probability at its
+    /// position. The default answers [`ReferenceError::NoReference`] (a reference that cannot
+    /// force ids: node-logprob audits of its models are inconclusive).
+    fn force<'a>(&'a self, query: &'a ForceQuery) -> ForceFuture<'a> {
+        Box::pin(std::future::ready(Err(ReferenceError::NoReference(
+            query.model.clone(),
+        ))))
+    }
 }
 
 /// A reference `llama-server` (llama.cpp) serving the model's GGUF.
@@ -136,10 +163,12 @@ impl LlamaCppReference {
         serde_json::from_slice(&body).map_err(|e| ReferenceError::Garbage(format!("{path}: {e}")))
     }
 
-    async fn score_inner(&self, q: &ReferenceQuery) -> Result<Vec<ScoredToken>, ReferenceError> {
+    /// The prompt as the node's engine saw it: a chat request's messages through the model's
+    /// template (`POST /apply-template`), a completions prompt as is.
+    async fn render(&self, prompt: &AuditPrompt) -> Result<String, ReferenceError> {
         use serde_json::{json, Value};
         let garbage = |what: &str| ReferenceError::Garbage(what.to_owned());
-        let prompt = match &q.prompt {
+        Ok(match prompt {
             AuditPrompt::Text(s) => s.clone(),
             AuditPrompt::Chat(messages) => {
                 let messages: Value = serde_json::from_str(messages)
@@ -152,7 +181,13 @@ impl LlamaCppReference {
                     .ok_or_else(|| garbage("/apply-template: no prompt"))?
                     .to_owned()
             }
-        };
+        })
+    }
+
+    async fn score_inner(&self, q: &ReferenceQuery) -> Result<Vec<ScoredToken>, ReferenceError> {
+        use serde_json::{json, Value};
+        let garbage = |what: &str| ReferenceError::Garbage(what.to_owned());
+        let prompt = self.render(&q.prompt).await?;
         let v = self
             .post(
                 "/tokenize",
@@ -213,7 +248,7 @@ impl LlamaCppReference {
                 mixed.extend(pieces[..start].iter().map(|p| json!(p.0)));
                 Value::Array(mixed)
             };
-            out.extend(self.force(prompt_json, &pieces[start..end]).await?);
+            out.extend(self.force_pieces(prompt_json, &pieces[start..end]).await?);
             start = end;
         }
         Ok(out)
@@ -224,7 +259,7 @@ impl LlamaCppReference {
 
     /// Forces `pieces` (whole-character tokens) after `prompt` and reads each position's top
     /// tokens.
-    async fn force(
+    async fn force_pieces(
         &self,
         prompt: serde_json::Value,
         pieces: &[(u64, Vec<u8>, bool)],
@@ -302,6 +337,65 @@ impl LlamaCppReference {
     }
 }
 
+#[cfg(feature = "llama-reference")]
+impl LlamaCppReference {
+    /// Forces the node's ids in one `/completion` request (a token-id grammar, `n_probs: 1`,
+    /// `post_sampling_probs: false`: each listed position's `logprob` is the raw model's of
+    /// the forced token). The ids are whole-character tokens ([`super::align`] stops before
+    /// any other), so the pinned llama.cpp lists every position.
+    async fn force_ids(&self, q: &ForceQuery) -> Result<Vec<Option<f64>>, ReferenceError> {
+        use serde_json::{json, Value};
+        if q.ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let prompt = self.render(&q.prompt).await?;
+        let grammar = format!(
+            "root ::= {}",
+            q.ids
+                .iter()
+                .map(|id| format!("<[{id}]>"))
+                .collect::<Vec<_>>()
+                .join(" ")
+        );
+        let v = self
+            .post(
+                "/completion",
+                json!({
+                    "prompt": prompt,
+                    "grammar": grammar,
+                    "n_predict": q.ids.len(),
+                    "n_probs": 1,
+                    "post_sampling_probs": false,
+                    "temperature": 0.0,
+                    "stream": false,
+                    "cache_prompt": true,
+                }),
+            )
+            .await?;
+        let probs = v
+            .get("completion_probabilities")
+            .and_then(Value::as_array)
+            .ok_or_else(|| {
+                ReferenceError::Garbage("/completion: no completion_probabilities".into())
+            })?;
+        let mut listed = probs.iter().peekable();
+        let mut out = Vec::with_capacity(q.ids.len());
+        for id in &q.ids {
+            let want = u64::from(*id);
+            let p = listed.next_if(|p| p.get("id").and_then(Value::as_u64) == Some(want));
+            out.push(p.and_then(|p| p.get("logprob")).and_then(Value::as_f64));
+        }
+        if listed.next().is_some() {
+            return Err(ReferenceError::Garbage(format!(
+                "/completion: {} positions listed that are not the {} forced ids in order",
+                probs.len(),
+                q.ids.len()
+            )));
+        }
+        Ok(out)
+    }
+}
+
 /// Bytes from a JSON array of integers 0–255.
 #[cfg(feature = "llama-reference")]
 fn bytes_of_array(v: Option<&serde_json::Value>) -> Result<Vec<u8>, ReferenceError> {
@@ -320,6 +414,10 @@ fn bytes_of_array(v: Option<&serde_json::Value>) -> Result<Vec<u8>, ReferenceErr
 impl Reference for LlamaCppReference {
     fn score<'a>(&'a self, query: &'a ReferenceQuery) -> ScoreFuture<'a> {
         Box::pin(self.score_inner(query))
+    }
+
+    fn force<'a>(&'a self, query: &'a ForceQuery) -> ForceFuture<'a> {
+        Box::pin(self.force_ids(query))
     }
 }
 
@@ -360,6 +458,15 @@ impl Reference for ReferenceSet {
     fn score<'a>(&'a self, query: &'a ReferenceQuery) -> ScoreFuture<'a> {
         match self.by_model.get(&query.model) {
             Some(r) => r.score(query),
+            None => Box::pin(std::future::ready(Err(ReferenceError::NoReference(
+                query.model.clone(),
+            )))),
+        }
+    }
+
+    fn force<'a>(&'a self, query: &'a ForceQuery) -> ForceFuture<'a> {
+        match self.by_model.get(&query.model) {
+            Some(r) => r.force(query),
             None => Box::pin(std::future::ready(Err(ReferenceError::NoReference(
                 query.model.clone(),
             )))),

@@ -97,6 +97,10 @@ pub struct ScoreConfig {
     /// and 8 on the sampled substitutes' replies of `docs/trust.md`, 2 and 3 detect the Q2_K
     /// substitute soonest, 3 the canned text sooner than 2; any cap keeps the bound.
     pub surprisal_cap: f64,
+    /// Least `|claimed − reference|` logprob difference at which a node-logprob position is an
+    /// event, nats ([`super::node_logprobs`]). Default 1.0 (honest configurations of
+    /// `docs/trust.md` differ by far less).
+    pub logprob_event_nats: f64,
 }
 
 impl Default for ScoreConfig {
@@ -104,6 +108,7 @@ impl Default for ScoreConfig {
         Self {
             greedy_margin: 0.1,
             surprisal_cap: 3.0,
+            logprob_event_nats: 1.0,
         }
     }
 }

@@ -36,6 +36,24 @@ pub struct AuditSettings {
     pub challenge_account: Option<String>,
     /// A routable node whose audited model had no audit for this long gets a challenge, seconds.
     pub challenge_interval_secs: u64,
+    /// Score the audited models on their nodes' own logprobs ([`super::node_logprobs`]): the
+    /// gateway asks nodes for them (callers never see logprobs they did not ask for); each
+    /// audited model then needs its `gguf` (the reference vocabulary). Default `false`: the
+    /// delivered text is re-tokenized and scored ([`super::score`]).
+    pub node_logprobs: bool,
+}
+
+/// One audited model, as the application configures it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AuditedModel<'a> {
+    /// The model id.
+    pub model: &'a str,
+    /// The `http://` URL of a llama-server its operator trusts with the model's exact weights.
+    pub reference_url: &'a str,
+    /// The model's GGUF (the reference's vocabulary, read when `node_logprobs`).
+    pub gguf: Option<&'a std::path::Path>,
+    /// Audit on the nodes' own logprobs ([`super::node_logprobs`]).
+    pub node_logprobs: bool,
 }
 
 impl Default for AuditSettings {
@@ -52,6 +70,7 @@ impl Default for AuditSettings {
             timeout_secs: d.timeout.as_secs(),
             challenge_account: None,
             challenge_interval_secs: 600,
+            node_logprobs: false,
         }
     }
 }
@@ -99,16 +118,18 @@ impl AuditSettings {
         Ok(c)
     }
 
-    /// The auditor, when a model names a reference: `references` pairs a model id with the
-    /// `http://` URL of a llama-server its operator trusts with the model's exact weights
-    /// ([`LlamaCppReference`](super::LlamaCppReference)); verdicts move the node's earnings in
+    /// The auditor, when a model names a reference: each [`AuditedModel`] names the `http://`
+    /// URL of a llama-server its operator trusts with the model's exact weights
+    /// ([`LlamaCppReference`](super::LlamaCppReference)) and, for models audited on their
+    /// nodes' logprobs, the GGUF its vocabulary is read from; verdicts move the node's earnings in
     /// and out of escrow in `store` ([`EscrowOnVerdict`](super::EscrowOnVerdict)). `None` when no
     /// model names one (the settings are then not checked).
     ///
     /// # Errors
     ///
-    /// [`AuditSettingsError`] for a reference that is not an `http://` or `https://` URL, or
-    /// settings that make no test ([`audit_config`](Self::audit_config)).
+    /// [`AuditSettingsError`] for a reference that is not an `http://` or `https://` URL, a
+    /// node-logprob model without a readable GGUF vocabulary, or settings that make no test
+    /// ([`audit_config`](Self::audit_config)).
     ///
     /// # Panics
     ///
@@ -116,13 +137,24 @@ impl AuditSettings {
     #[cfg(feature = "llama-reference")]
     pub fn spawn_auditor<'a>(
         &self,
-        references: impl IntoIterator<Item = (&'a str, &'a str)>,
+        models: impl IntoIterator<Item = AuditedModel<'a>>,
         store: std::sync::Arc<dyn crate::Store>,
     ) -> Result<Option<super::Auditor>, AuditSettingsError> {
         use std::sync::Arc;
         let mut set = super::ReferenceSet::new();
         let mut any = false;
-        for (model, url) in references {
+        let mut vocabularies = std::collections::HashMap::new();
+        for m in models {
+            let (model, url) = (m.model, m.reference_url);
+            if m.node_logprobs {
+                let vocabulary = vocabulary_of(model, m.gguf)?;
+                tracing::info!(
+                    model,
+                    tokens = vocabulary.len(),
+                    "auditing on nodes' own logprobs"
+                );
+                vocabularies.insert(spine_core::ModelId::new(model), Arc::new(vocabulary));
+            }
             if !(url.starts_with("http://") || url.starts_with("https://")) {
                 return Err(AuditSettingsError(format!(
                     "model '{model}': reference_url must be an http:// URL of a llama-server (got {url})"
@@ -140,12 +172,41 @@ impl AuditSettings {
             ?audit_config,
             "auditing nodes' models against their references"
         );
-        Ok(Some(super::Auditor::spawn_with(
+        Ok(Some(super::Auditor::spawn_with_node_logprobs(
             audit_config,
             Arc::new(set),
             Arc::new(super::EscrowOnVerdict::new(store)),
+            vocabularies,
         )))
     }
+}
+
+#[cfg(all(feature = "llama-reference", feature = "tokenizer"))]
+fn vocabulary_of(
+    model: &str,
+    gguf: Option<&std::path::Path>,
+) -> Result<super::TokenVocabulary, AuditSettingsError> {
+    let Some(path) = gguf else {
+        return Err(AuditSettingsError(format!(
+            "model '{model}': audit.node_logprobs needs the model's gguf (its vocabulary)"
+        )));
+    };
+    super::TokenVocabulary::from_gguf(path).map_err(|e| {
+        AuditSettingsError(format!(
+            "model '{model}': reading the vocabulary of {}: {e}",
+            path.display()
+        ))
+    })
+}
+
+#[cfg(all(feature = "llama-reference", not(feature = "tokenizer")))]
+fn vocabulary_of(
+    model: &str,
+    _gguf: Option<&std::path::Path>,
+) -> Result<super::TokenVocabulary, AuditSettingsError> {
+    Err(AuditSettingsError(format!(
+        "model '{model}': audit.node_logprobs needs spine-meter's `tokenizer` feature (the gguf reader)"
+    )))
 }
 
 #[cfg(test)]

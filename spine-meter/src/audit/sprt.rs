@@ -45,6 +45,8 @@ pub enum ObservationKind {
     Greedy,
     /// A sampled request's position (see [`Observation::Sampled`]).
     Sampled,
+    /// A position scored on the node's own logprob (see [`Observation::Logprob`]).
+    Logprob,
 }
 
 /// One scored position.
@@ -65,6 +67,15 @@ pub enum Observation {
         /// The position's clipping cap.
         cap: f64,
     },
+    /// A position of a node that reports its logprobs ([`super::node_logprobs`]): the node's
+    /// claimed logprob of its own token against the reference's, greedy or sampled alike.
+    Logprob {
+        /// `|claimed − reference|`, nats.
+        delta: f64,
+        /// `delta` exceeded [`ScoreConfig::logprob_event_nats`](super::ScoreConfig::logprob_event_nats)
+        /// (or the node sent no usable list).
+        event: bool,
+    },
 }
 
 impl Observation {
@@ -73,6 +84,7 @@ impl Observation {
         match self {
             Self::Greedy { .. } => ObservationKind::Greedy,
             Self::Sampled { .. } => ObservationKind::Sampled,
+            Self::Logprob { .. } => ObservationKind::Logprob,
         }
     }
 
@@ -80,7 +92,7 @@ impl Observation {
     /// greedy, the top-1 did not continue the text; sampled, the surprisal exceeded its bound.
     pub fn is_event(&self) -> bool {
         match *self {
-            Self::Greedy { event } => event,
+            Self::Greedy { event } | Self::Logprob { event, .. } => event,
             Self::Sampled {
                 surprisal, bound, ..
             } => surprisal > bound,
@@ -108,6 +120,13 @@ pub struct SprtConfig {
     /// (the substitutes' sampled replies in `docs/trust.md` grow the wealth fastest at the
     /// large ones; the small ones lose less on honest nodes).
     pub sampled_bets: [f64; BETS],
+    /// Highest event rate of an honest node at a node-logprob position (|Δ| above
+    /// [`ScoreConfig::logprob_event_nats`](super::ScoreConfig::logprob_event_nats); an
+    /// assumption the honest runs of `docs/trust.md` measured far below). Default 0.005.
+    pub logprob_p0: f64,
+    /// The event rate of a substitute the node-logprob likelihood ratio is designed for.
+    /// Default 0.10.
+    pub logprob_p1: f64,
 }
 
 impl Default for SprtConfig {
@@ -118,6 +137,8 @@ impl Default for SprtConfig {
             greedy_p0: 0.002,
             greedy_p1: 0.08,
             sampled_bets: [0.3, 0.5, 0.7, 0.9],
+            logprob_p0: 0.005,
+            logprob_p1: 0.10,
         }
     }
 }
@@ -155,6 +176,16 @@ impl SprtConfig {
         }
     }
 
+    /// The log-wealth step of a node-logprob observation (Wald's log-likelihood ratio of a
+    /// Bernoulli event, `logprob_p1` against `logprob_p0`).
+    pub fn logprob_step(&self, event: bool) -> f64 {
+        if event {
+            (self.logprob_p1 / self.logprob_p0).ln()
+        } else {
+            ((1.0 - self.logprob_p1) / (1.0 - self.logprob_p0)).ln()
+        }
+    }
+
     /// Whether the rates make a test: `0 < α, β < 1/2`, `0 < p0 < p1 < 1`, every bet in
     /// `(0, 1)`.
     pub fn is_valid(&self) -> bool {
@@ -164,6 +195,9 @@ impl SprtConfig {
             && self.greedy_p0 > 0.0
             && self.greedy_p0 < self.greedy_p1
             && self.greedy_p1 < 1.0
+            && self.logprob_p0 > 0.0
+            && self.logprob_p0 < self.logprob_p1
+            && self.logprob_p1 < 1.0
             && self.sampled_bets.iter().all(|&l| l > 0.0 && l < 1.0)
     }
 }
@@ -195,6 +229,10 @@ impl Sprt {
         match obs {
             Observation::Greedy { event } => {
                 let step = config.greedy_step(event);
+                self.log_wealth.iter_mut().for_each(|w| *w += step);
+            }
+            Observation::Logprob { event, .. } => {
+                let step = config.logprob_step(event);
                 self.log_wealth.iter_mut().for_each(|w| *w += step);
             }
             Observation::Sampled {

@@ -332,6 +332,7 @@ fn sample(node: &str, completion: &str) -> AuditSample {
         ),
         completion: completion.to_owned(),
         always: false,
+        node_logprobs: None,
     }
 }
 
@@ -828,4 +829,92 @@ fn honest_sampling_is_not_failed_and_a_shifted_distribution_is() {
         caught * 100 >= runs * 99,
         "caught {caught} of {runs}: {to_fail:?}"
     );
+}
+
+/// A reference that forces ids and answers each one's logprob: `-0.5` (what the node below
+/// claims: an honest node) or `-4.0` (a substitute's claims are off by 3.5 nats).
+struct ForcingReference(f64);
+
+impl Reference for ForcingReference {
+    fn score<'a>(&'a self, _q: &'a ReferenceQuery) -> ScoreFuture<'a> {
+        Box::pin(async { Err(ReferenceError::Garbage("score not used".into())) })
+    }
+
+    fn force<'a>(&'a self, q: &'a ForceQuery) -> ForceFuture<'a> {
+        let lp = self.0;
+        Box::pin(async move { Ok(q.ids.iter().map(|_| Some(lp)).collect()) })
+    }
+}
+
+fn node_logprobs_auditor(reference_logprob: f64) -> Auditor {
+    let tokens: Vec<String> = (0..40).map(|i| format!("Ġw{i}")).collect();
+    let vocab = TokenVocabulary::from_tokens("gpt2", &tokens, None).unwrap();
+    let vocabularies = std::collections::HashMap::from([(ModelId::new("m"), Arc::new(vocab))]);
+    Auditor::spawn_with_node_logprobs(
+        AuditConfig::default().with_rate(1.0),
+        Arc::new(ForcingReference(reference_logprob)),
+        Arc::new(()),
+        vocabularies,
+    )
+}
+
+/// A sample of `n` tokens " w0", " w1", … whose node claims logprob −0.5 for each.
+fn logprob_sample(node: &str, n: usize) -> AuditSample {
+    let text: String = (0..n).map(|i| format!(" w{i}")).collect();
+    let json = serde_json::json!({
+        "content": (0..n)
+            .map(|i| serde_json::json!({"token": format!(" w{i}"), "logprob": -0.5}))
+            .collect::<Vec<_>>()
+    });
+    let mut capture = NodeLogprobs::new(256);
+    capture.push(Some(&json));
+    AuditSample {
+        node_logprobs: Some(capture),
+        ..sample(node, &text)
+    }
+}
+
+#[tokio::test]
+async fn node_logprobs_score_the_nodes_claims_against_the_reference() {
+    let honest = node_logprobs_auditor(-0.5);
+    let (node, model) = (NodeId::new("a"), ModelId::new("m"));
+    assert!(honest.node_logprobs(&model));
+    assert!(!honest.node_logprobs(&ModelId::new("other")));
+    assert_eq!(honest.max_node_tokens(), 256);
+    for _ in 0..2 {
+        honest.audit_now(logprob_sample("a", 40)).await;
+    }
+    let s = &honest.statuses_of(&node)[0];
+    assert_eq!((s.tokens_audited, s.events), (80, 0));
+    assert_eq!(s.verdict, AuditVerdict::Passing);
+    assert_eq!(honest.counters().node_logprobs_audits, 2);
+
+    // claims 3.5 nats off the reference's: every position an event, failed within one audit
+    // (ln(1e5) / ln 20 ≈ 3.8 events)
+    let substitute = node_logprobs_auditor(-4.0);
+    let v = substitute.audit_now(logprob_sample("b", 10)).await;
+    assert_eq!(v, Some(AuditVerdict::Failed));
+    let s = &substitute.statuses_of(&NodeId::new("b"))[0];
+    assert_eq!((s.tokens_audited, s.events), (4, 4));
+    assert_eq!(model, s.model);
+}
+
+#[tokio::test]
+async fn a_node_that_sends_no_logprobs_or_a_list_that_is_not_its_text_gets_one_event() {
+    let a = node_logprobs_auditor(-0.5);
+    let missing = AuditSample {
+        node_logprobs: Some(NodeLogprobs::new(256)),
+        ..sample("a", " w1 w2")
+    };
+    a.audit_now(missing).await;
+    let mut wrong = logprob_sample("a", 3);
+    wrong.completion = " w0 w9 w2".to_owned();
+    a.audit_now(wrong).await;
+    let s = &a.statuses_of(&NodeId::new("a"))[0];
+    assert_eq!((s.tokens_audited, s.events), (2, 2));
+    assert!((s.statistic - 2.0 * (0.10f64 / 0.005).ln()).abs() < 1e-9);
+    assert_eq!(a.counters().node_logprobs_missing, 2);
+    // no capture (the tap was not asked): the text statistic, here inconclusive
+    a.audit_now(sample("c", " w1")).await;
+    assert_eq!(a.counters().inconclusive, 1);
 }

@@ -241,15 +241,20 @@ pub(crate) fn meter_json(
     let dropped = read
         .iter()
         .any(|c| c.rebuilt || !ctx.is_requested_choice(c.index));
-    for c in read {
+    let mut stripped = false;
+    for mut c in read {
         if !ctx.is_requested_choice(c.index) {
             continue;
         }
         let choice = choices.entry(c.index).or_default();
-        choice.finish_reason = c.finish_reason;
+        choice.finish_reason = c.finish_reason.take();
         choice.delivered.push(&*tokenizer, &c.generated);
         if let Some(capture) = ctx.audit.as_mut() {
             capture.push(c.index, &c.generated);
+            capture.push_logprobs(c.index, c.logprobs.as_ref());
+            if capture.strip_logprobs {
+                stripped |= c.strip_logprobs(kind);
+            }
         }
         kept.push(c.raw);
     }
@@ -274,7 +279,7 @@ pub(crate) fn meter_json(
             has_usage = true;
             Some(Some(usage.clone()))
         }
-        "choices" if dropped => Some(Some(format!("[{}]", kept.join(",")))),
+        "choices" if dropped || stripped => Some(Some(format!("[{}]", kept.join(",")))),
         _ => None,
     });
     if !has_usage {

@@ -392,13 +392,20 @@ impl State {
         let rebuilt = read.iter().any(|c| c.rebuilt);
         let mut kept: Vec<String> = Vec::new();
         let mut text = Vec::new();
-        for c in read {
-            let Some(ctx) = self.ctx.as_ref() else {
+        let mut stripped = false;
+        for mut c in read {
+            let Some(ctx) = self.ctx.as_mut() else {
                 return;
             };
             // a choice the caller did not ask for is neither delivered nor billed
             if !ctx.is_requested_choice(c.index) {
                 continue;
+            }
+            if let Some(capture) = ctx.audit.as_mut() {
+                capture.push_logprobs(c.index, c.logprobs.as_ref());
+                if capture.strip_logprobs {
+                    stripped |= c.strip_logprobs(self.settings.kind);
+                }
             }
             let choice = self.choices.entry(c.index).or_default();
             if c.finish_reason.is_some() || !c.generated.is_empty() {
@@ -426,7 +433,7 @@ impl State {
             }
         }
         let strip = self.settings.strip_engine_fields && members.has_engine_fields();
-        let dropped = rebuilt || kept.len() != n_read;
+        let dropped = rebuilt || stripped || kept.len() != n_read;
         let rewrite = strip || has_usage || dropped || !ev.is_data_only();
         let bytes = if !rewrite {
             ev.raw().clone()

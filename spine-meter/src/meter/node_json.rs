@@ -166,6 +166,30 @@ pub(crate) struct ChoiceRead {
     pub(crate) raw: String,
     /// Whether `raw` differs from the node's choice (a member was dropped).
     pub(crate) rebuilt: bool,
+    /// The choice's `logprobs` member, when not null.
+    pub(crate) logprobs: Option<Value>,
+}
+
+impl ChoiceRead {
+    /// Removes the choice's logprobs from what the caller receives (they were added for an
+    /// audit): a chat choice loses its `logprobs` member, a completion's becomes `null`, as
+    /// llama.cpp answers without them. Whether the raw choice changed.
+    pub(crate) fn strip_logprobs(&mut self, kind: RequestKind) -> bool {
+        if self.logprobs.is_none() {
+            return false;
+        }
+        let Some(members) = Members::parse(&self.raw) else {
+            return false;
+        };
+        let chat = kind != RequestKind::Completions;
+        let stripped = members.encode(false, |name| match name {
+            "logprobs" if chat => Some(None),
+            "logprobs" => Some(Some("null".to_owned())),
+            _ => None,
+        });
+        self.raw = stripped;
+        true
+    }
 }
 
 /// A choice's members the caller gets (OpenAI API reference: chat completion, chat completion
@@ -370,6 +394,7 @@ pub(crate) fn read_choices(
                 .get("finish_reason")
                 .and_then(Value::as_str)
                 .map(str::to_owned);
+            let logprobs = c.get("logprobs").filter(|l| !l.is_null()).cloned();
             let rebuilt = openai_choice(&mut c, member)?;
             let raw = if rebuilt {
                 c.to_string()
@@ -382,6 +407,7 @@ pub(crate) fn read_choices(
                 finish_reason,
                 raw,
                 rebuilt,
+                logprobs,
             })
         })
         .collect()

@@ -221,6 +221,23 @@ where
     } else {
         bytes
     };
+    // design brief §10: a model audited on its nodes' own logprobs has them asked for on every
+    // auditable request (the node cannot tell which ones are audited); the caller who did not
+    // ask gets the answer without them
+    let chat = kind == RequestKind::ChatCompletions;
+    let node_logprobs = kind != RequestKind::Embeddings
+        && config
+            .audit
+            .as_ref()
+            .is_some_and(|tap| tap.node_logprobs(&peek.model));
+    let caller_logprobs = crate::inject::asks_logprobs(chat, &json);
+    let inject_logprobs =
+        node_logprobs && !caller_logprobs && crate::audit::auditable(kind, &body).is_ok();
+    let body = if inject_logprobs {
+        crate::inject::inject_logprobs(&body, chat).map_err(MeterError::Inject)?
+    } else {
+        body
+    };
     let mut admitted = AdmitGuard { armed: None };
     let mut events = config.events.clone();
     if let Some(admission) = &config.admission {
@@ -276,6 +293,9 @@ where
                     .extensions
                     .get::<crate::audit::AuditAlways>()
                     .is_some();
+                if inject_logprobs || (node_logprobs && caller_logprobs) {
+                    capture.capture_logprobs(tap.max_node_tokens(), inject_logprobs);
+                }
                 Box::new(capture)
             }),
     };

@@ -8,7 +8,7 @@ use spine_core::{
 };
 
 use super::{DiscrepancyReport, MeterEvents};
-use crate::audit::{AuditSample, AuditTap};
+use crate::audit::{AuditSample, AuditTap, NodeLogprobs};
 use crate::tokenizer::{CompletionCount, CompletionRule, GeneratedCount, GeneratedText};
 use crate::{Ledger, Price, Settlement, TokenCounter};
 
@@ -68,6 +68,10 @@ pub(crate) struct AuditCapture {
     plain: bool,
     /// The request carried [`AuditAlways`](crate::audit::AuditAlways).
     pub(crate) always: bool,
+    /// Choice 0's logprobs, when the tap audits the model on its nodes' own logprobs.
+    node_logprobs: Option<NodeLogprobs>,
+    /// The logprobs were added for the audit: removed from what the caller receives.
+    pub(crate) strip_logprobs: bool,
 }
 
 impl AuditCapture {
@@ -81,6 +85,25 @@ impl AuditCapture {
             max_bytes,
             plain: true,
             always: false,
+            node_logprobs: None,
+            strip_logprobs: false,
+        }
+    }
+
+    /// Captures choice 0's logprobs (at most `max_tokens` entries); `strip`: they were added
+    /// for the audit and are removed from the caller's answer.
+    pub(crate) fn capture_logprobs(&mut self, max_tokens: usize, strip: bool) {
+        self.node_logprobs = Some(NodeLogprobs::new(max_tokens));
+        self.strip_logprobs = strip;
+    }
+
+    /// Appends choice `index`'s `logprobs` member, when captured (only choice 0 is kept).
+    pub(crate) fn push_logprobs(&mut self, index: u64, logprobs: Option<&serde_json::Value>) {
+        if index != 0 {
+            return;
+        }
+        if let Some(c) = self.node_logprobs.as_mut() {
+            c.push(logprobs);
         }
     }
 
@@ -273,6 +296,7 @@ impl SettleCtx {
                     request_body: capture.body,
                     completion: capture.text,
                     always: capture.always,
+                    node_logprobs: capture.node_logprobs,
                 });
             }
         }

@@ -2067,3 +2067,172 @@ async fn an_invalid_embeddings_answer_is_the_nodes_fault_and_free() {
 
 mod answer;
 mod surface;
+
+/// An audit tap that audits `smollm2` on its nodes' own logprobs.
+#[derive(Default)]
+struct LogprobsTap(Mutex<Vec<crate::audit::AuditSample>>);
+
+impl crate::audit::AuditTap for LogprobsTap {
+    fn max_completion_bytes(&self) -> usize {
+        4096
+    }
+    fn offer(&self, sample: crate::audit::AuditSample) {
+        self.0.lock().unwrap().push(sample);
+    }
+    fn node_logprobs(&self, model: &spine_core::ModelId) -> bool {
+        model.as_str() == "smollm2"
+    }
+    fn max_node_tokens(&self) -> usize {
+        2
+    }
+}
+
+/// A llama.cpp logprobs member for one token.
+fn lp(token: &str, logprob: f64) -> Value {
+    json!({"content":[{"id":1,"token":token,"bytes":token.as_bytes(),"logprob":logprob,
+        "top_logprobs":[{"id":1,"token":token,"bytes":token.as_bytes(),"logprob":logprob}]}]})
+}
+
+#[tokio::test]
+async fn node_logprobs_are_asked_for_captured_and_never_reach_a_caller_who_did_not_ask() {
+    let mut h = harness().await;
+    let tap = Arc::new(LogprobsTap::default());
+    // llama.cpp's chunk shape: the choice's logprobs member last, only when asked
+    let chunk = |delta: Value, finish: Value, logprobs: Option<Value>| {
+        let mut choice = json!({"finish_reason":finish,"index":0,"delta":delta});
+        if let Some(l) = logprobs {
+            choice["logprobs"] = l;
+        }
+        format!(
+            "data: {}\n\n",
+            json!({"choices":[choice],"created":1,"id":"c","model":"smollm2","object":"chat.completion.chunk"})
+        )
+    };
+    let stream = |with: bool| {
+        [
+            chunk(
+                json!({"content":"Red"}),
+                Value::Null,
+                with.then(|| lp("Red", -0.25)),
+            ),
+            chunk(
+                json!({"content":","}),
+                Value::Null,
+                with.then(|| lp(",", -1.5)),
+            ),
+            chunk(
+                json!({"content":" blue"}),
+                Value::Null,
+                with.then(|| lp(" blue", -2.0)),
+            ),
+            chunk(json!({}), json!("stop"), None),
+            "data: [DONE]\n\n".to_owned(),
+        ]
+        .concat()
+    };
+    // the caller did not ask: asked for upstream, captured (bounded at the tap's 2), stripped
+    let svc = h.layer(2048).audit(tap.clone()).layer(h.inner(
+        200,
+        "text/event-stream",
+        vec![Bytes::from(stream(true))],
+        End::Eof,
+    ));
+    let resp = svc
+        .oneshot(request("l1", &chat(true, Some(false))))
+        .await
+        .unwrap();
+    let got: Vec<u8> = frames(resp.into_body()).await.concat();
+    let forwarded: Value =
+        serde_json::from_slice(h.upstream.lock().unwrap().as_ref().unwrap()).unwrap();
+    assert_eq!(
+        (
+            forwarded["logprobs"].clone(),
+            forwarded["top_logprobs"].clone()
+        ),
+        (json!(true), json!(1))
+    );
+    h.settled().await;
+    assert_eq!(String::from_utf8(got).unwrap(), stream(false));
+    {
+        let samples = tap.0.lock().unwrap();
+        let node = samples[0].node_logprobs.as_ref().unwrap();
+        assert!(node.is_usable());
+        let claims: Vec<(&[u8], f64)> = node
+            .tokens
+            .iter()
+            .map(|t| (&t.bytes[..], t.logprob))
+            .collect();
+        assert_eq!(claims, vec![(&b"Red"[..], -0.25), (&b","[..], -1.5)]);
+        assert_eq!(samples[0].completion, "Red, blue");
+    }
+    // non-streamed: the choice's logprobs member removed, the answer otherwise the node's
+    let answer = |with: bool| {
+        let mut choice = json!({"finish_reason":"stop","index":0,"message":{"role":"assistant","content":"Red"}});
+        if with {
+            choice["logprobs"] = lp("Red", -0.25);
+        }
+        json!({"choices":[choice],"created":1,"model":"smollm2","object":"chat.completion",
+            "usage":{"completion_tokens":1,"prompt_tokens":1,"total_tokens":2},"id":"c"})
+    };
+    let svc = h.layer(2048).audit(tap.clone()).layer(h.inner(
+        200,
+        "application/json",
+        vec![Bytes::from(answer(true).to_string())],
+        End::Eof,
+    ));
+    let resp = svc
+        .oneshot(request("l2", &chat(false, None)))
+        .await
+        .unwrap();
+    let body: Value =
+        serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap();
+    h.settled().await;
+    assert_eq!(body["choices"], answer(false)["choices"]);
+    assert_eq!(
+        tap.0.lock().unwrap()[1]
+            .node_logprobs
+            .as_ref()
+            .unwrap()
+            .tokens
+            .len(),
+        1
+    );
+    // a caller who asked gets them, and the capture reads them; nothing injected
+    let mut asked = chat(false, None);
+    asked["logprobs"] = json!(true);
+    let svc = h.layer(2048).audit(tap.clone()).layer(h.inner(
+        200,
+        "application/json",
+        vec![Bytes::from(answer(true).to_string())],
+        End::Eof,
+    ));
+    let resp = svc.oneshot(request("l3", &asked)).await.unwrap();
+    let body: Value =
+        serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap();
+    h.settled().await;
+    assert_eq!(body["choices"], answer(true)["choices"]);
+    let forwarded: Value =
+        serde_json::from_slice(h.upstream.lock().unwrap().as_ref().unwrap()).unwrap();
+    assert!(forwarded.get("top_logprobs").is_none());
+    assert!(tap.0.lock().unwrap()[2]
+        .node_logprobs
+        .as_ref()
+        .unwrap()
+        .is_usable());
+    // a node that sent none although asked: captured as such (the auditor's one event)
+    let svc = h.layer(2048).audit(tap.clone()).layer(h.inner(
+        200,
+        "application/json",
+        vec![Bytes::from(answer(false).to_string())],
+        End::Eof,
+    ));
+    let resp = svc
+        .oneshot(request("l4", &chat(false, None)))
+        .await
+        .unwrap();
+    resp.into_body().collect().await.unwrap();
+    h.settled().await;
+    let samples = tap.0.lock().unwrap();
+    let none = samples[3].node_logprobs.as_ref().unwrap();
+    assert!(!none.seen && !none.is_usable());
+}
