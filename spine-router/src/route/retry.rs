@@ -33,8 +33,9 @@ impl Deferred {
 
     /// The attempts are over without a commit: nothing proves the nodes wrong. `result` is the
     /// [`ATTEMPTS_METRIC`](crate::ATTEMPTS_METRIC) label: `request_fault` (the same failure on
-    /// two nodes: two 5xx of one status, two failed streams alike, two refusals) or `unresolved` (no other node answered
-    /// to compare with).
+    /// two nodes: two 5xx of one status, two failed streams alike, two refusals, or a refusal
+    /// beside another answer-type failure) or `unresolved` (no other node answered to compare
+    /// with).
     fn unscored(self, result: &'static str) {
         if !self.0.is_empty() {
             tracing::info!(
@@ -156,6 +157,9 @@ where
     };
 
     let mut last: Option<Result<http::Response<BoxBody>, BoxError>> = None;
+    // a node's refusal (400 / 413 / 422), kept apart: when no node serves the request, the
+    // caller gets it rather than another node's failure
+    let mut refusal: Option<Result<http::Response<BoxBody>, BoxError>> = None;
     let mut deferred = Deferred::default();
     let mut full_repicks = 0u32;
     let mut attempt = 0u32;
@@ -186,7 +190,7 @@ where
             Ok(pick) => pick,
             Err(e) => {
                 deferred.unscored("unresolved");
-                match last {
+                match refusal.or(last) {
                     Some(last) => return last,
                     None => return Err(e.into()),
                 }
@@ -260,24 +264,37 @@ where
             Attempt::Failed(answer, fault) => {
                 tracing::info!(node = %node, attempt, ?fault, "attempt failed before the first byte");
                 if let Some(fault) = fault {
-                    let seen = deferred.0.iter().any(|(_, f)| *f == fault);
+                    // the same answer from two nodes, or a refusal beside another answer-type
+                    // failure (llama.cpp's 500 "Failed to parse tools" where another engine
+                    // says 400), follows the request: no third node, no one scored
+                    let seen = deferred.0.iter().any(|(_, f)| {
+                        *f == fault || *f == AnswerFault::Refused || fault == AnswerFault::Refused
+                    });
                     deferred.0.push((node.clone(), fault));
                     if seen {
-                        // the same answer from two nodes follows the request: no third node
-                        // (two refusals: the request was bad, the refusal goes to the caller)
                         deferred.unscored("request_fault");
-                        return with_node(answer, &node);
+                        // a refusal says what is wrong with the request: it is what the caller
+                        // gets, whichever node answered first
+                        return match refusal {
+                            Some(refused) if fault != AnswerFault::Refused => refused,
+                            _ => with_node(answer, &node),
+                        };
                     }
                 }
-                tried.push(node);
                 // the next attempt may wait in the queue: the failed answer must not keep its
                 // node's slot (lease and tunnel stream) meanwhile (the last one goes to the
                 // caller as it comes)
-                last = Some(if attempt < config.max_retries {
+                let answer = if attempt < config.max_retries {
                     release_failed(answer).await
                 } else {
                     answer
-                });
+                };
+                if fault == Some(AnswerFault::Refused) {
+                    refusal = Some(with_node(answer, &node));
+                } else {
+                    last = Some(answer);
+                }
+                tried.push(node);
             }
             Attempt::Full(e) => {
                 if full_repicks < MAX_FULL_REPICKS {
@@ -299,7 +316,7 @@ where
         attempt += 1;
     }
     deferred.unscored("unresolved");
-    match last {
+    match refusal.or(last) {
         Some(last) => last,
         None => Err(RouteError::NoNodeForModel(peek.model).into()),
     }
