@@ -551,7 +551,7 @@ async fn affinity_ttft_bench() {
 }
 
 /// A request the gateway accepts but every llama-server answers 500 ("Failed to parse tools": a
-/// tool without `function`), aimed at one node with `prompt_cache_key`: the failure follows the
+/// function tool whose `description` is a number), aimed at one node with `prompt_cache_key`: the failure follows the
 /// request, not the node, so no node is scored (design brief §5; `Route`'s docs), only two nodes
 /// are tried, and the caller pays nothing. The nodes stay at the healthy score and still serve.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -576,7 +576,7 @@ async fn caller_input_that_makes_llama_500_does_not_penalise_healthy_nodes() {
                 "/v1/chat/completions",
                 &json!({"model":"smollm2","max_tokens":2,"prompt_cache_key":"victim",
                         "messages":[{"role":"user","content":"hi"}],
-                        "tools":[{"type":"function"}]}),
+                        "tools":[{"type":"function","function":{"name":"f","description":5}}]}),
             )
             .await;
         statuses.push(resp.status().as_u16());
