@@ -7,10 +7,11 @@ use crate::ModelId;
 mod fields;
 mod messages;
 
-use fields::{Member, MembersError};
 pub use fields::{
-    CHAT_COMPLETIONS_MEMBERS, COMPLETIONS_MEMBERS, EMBEDDINGS_MEMBERS, NOT_SERVED, SAMPLING_EXTRAS,
+    JsonKey, CHAT_COMPLETIONS_MEMBERS, COMPLETIONS_MEMBERS, EMBEDDINGS_MEMBERS, NOT_SERVED,
+    SAMPLING_EXTRAS,
 };
+use fields::{Member, MembersError};
 pub use messages::validate_chat_messages;
 #[cfg(test)]
 use messages::CONTENT_EXPECTED;

@@ -303,7 +303,7 @@ impl<'de, F: Fn(&str) -> Option<&'static str>> Visitor<'de> for Seed<'_, F> {
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
         let mut members: Vec<(&'static str, &'de RawValue)> = Vec::with_capacity(8);
-        while let Some(Key(key)) = map.next_key::<Key<'de>>()? {
+        while let Some(JsonKey(key)) = map.next_key::<JsonKey<'de>>()? {
             let Some(name) = (self.lookup)(&key) else {
                 *self.unknown = Some(key.into_owned());
                 return Err(A::Error::custom("unrecognized member"));
@@ -318,22 +318,29 @@ impl<'de, F: Fn(&str) -> Option<&'static str>> Visitor<'de> for Seed<'_, F> {
     }
 }
 
-/// A member name, borrowed from the input when it has no escapes.
-struct Key<'a>(Cow<'a, str>);
+/// A JSON object's member name as serde reads it: borrowed from the input when it has no
+/// escapes, owned (unescaped) otherwise, so that `"a"` and `"\u0061"` compare equal. Used by
+/// every reader of untrusted JSON objects that must see each member name (allowlists,
+/// duplicate refusal) without building a `serde_json::Value`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct JsonKey<'a>(pub Cow<'a, str>);
 
-impl<'de: 'a, 'a> Deserialize<'de> for Key<'a> {
+impl<'de: 'a, 'a> Deserialize<'de> for JsonKey<'a> {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         struct V;
         impl<'de> Visitor<'de> for V {
-            type Value = Key<'de>;
+            type Value = JsonKey<'de>;
             fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
                 f.write_str("a member name")
             }
-            fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Key<'de>, E> {
-                Ok(Key(Cow::Borrowed(v)))
+            fn visit_borrowed_str<E>(self, v: &'de str) -> Result<JsonKey<'de>, E> {
+                Ok(JsonKey(Cow::Borrowed(v)))
             }
-            fn visit_str<E>(self, v: &str) -> Result<Key<'de>, E> {
-                Ok(Key(Cow::Owned(v.to_owned())))
+            fn visit_str<E>(self, v: &str) -> Result<JsonKey<'de>, E> {
+                Ok(JsonKey(Cow::Owned(v.to_owned())))
+            }
+            fn visit_string<E>(self, v: String) -> Result<JsonKey<'de>, E> {
+                Ok(JsonKey(Cow::Owned(v)))
             }
         }
         d.deserialize_str(V)

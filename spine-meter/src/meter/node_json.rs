@@ -6,7 +6,7 @@ use std::fmt;
 
 use serde_json::value::RawValue;
 use serde_json::Value;
-use spine_core::{RequestKind, Usage};
+use spine_core::{JsonKey as Key, RequestKind, Usage};
 
 use crate::tokenizer::GeneratedText;
 
@@ -46,31 +46,6 @@ pub(crate) fn usage_claim(raw: &RawValue) -> Option<Usage> {
 
 pub(crate) fn is_null(raw: Option<&RawValue>) -> bool {
     raw.is_none_or(|r| r.get().trim() == "null")
-}
-
-/// A member name, borrowed from the input when it has no escapes.
-pub(crate) struct Key<'a>(Cow<'a, str>);
-
-impl<'de: 'a, 'a> serde::Deserialize<'de> for Key<'a> {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
-        impl<'de> serde::de::Visitor<'de> for V {
-            type Value = Key<'de>;
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("a member name")
-            }
-            fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Key<'de>, E> {
-                Ok(Key(Cow::Borrowed(v)))
-            }
-            fn visit_str<E>(self, v: &str) -> Result<Key<'de>, E> {
-                Ok(Key(Cow::Owned(v.to_owned())))
-            }
-            fn visit_string<E>(self, v: String) -> Result<Key<'de>, E> {
-                Ok(Key(Cow::Owned(v)))
-            }
-        }
-        d.deserialize_str(V)
-    }
 }
 
 /// A JSON object's members in order, values raw, refusing duplicate names (engines and SDKs
