@@ -47,6 +47,7 @@ const ENV_KEYS: &[(&str, Kind)] = &[
     ("max_stream_duration_secs", Kind::Int),
     ("strip_engine_fields", Kind::Bool),
     ("refused_credit_delay_ms", Kind::Int),
+    ("key_cache_ttl_secs", Kind::Int),
     ("max_buffered_request_bytes", Kind::Int),
     ("max_buffered_request_bytes_per_account", Kind::Int),
     ("max_response_body_bytes", Kind::Int),
@@ -156,6 +157,10 @@ pub(crate) struct Config {
     pub(crate) strip_engine_fields: bool,
     /// How long a remembered refusal for lack of credit is held back, ms (0: at once).
     pub(crate) refused_credit_delay_ms: u64,
+    /// How long an API key found in the store is trusted without reading the store again,
+    /// seconds: how long a key revoked through another instance keeps working here (0: every
+    /// request reads the store).
+    pub(crate) key_cache_ttl_secs: u64,
     /// Most bytes of request bodies being read at once (503 `server_busy` past it).
     pub(crate) max_buffered_request_bytes: u64,
     /// Most bytes of request bodies being read at once for one account (429
@@ -281,6 +286,7 @@ impl Default for Config {
             max_stream_duration_secs: 3600,
             strip_engine_fields: true,
             refused_credit_delay_ms: 250,
+            key_cache_ttl_secs: 10,
             max_buffered_request_bytes: 256 * 1024 * 1024,
             max_buffered_request_bytes_per_account: 32 * 1024 * 1024,
             max_response_body_bytes: 16 * 1024 * 1024,

@@ -313,7 +313,9 @@ async fn run(cli: Cli) -> Result<(), MainError> {
     let state = Arc::new(AppState {
         store: store.clone(),
         credit_refusals,
-        keys: spine_meter::keys::KeyCache::default(),
+        keys: spine_meter::keys::KeyCache::new(std::time::Duration::from_secs(
+            config.key_cache_ttl_secs,
+        )),
         registry: registry.clone(),
         tunnels: tunnels.clone(),
         stack,

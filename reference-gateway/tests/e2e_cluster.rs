@@ -1143,6 +1143,59 @@ async fn a_keys_rate_limit_holds_across_instances() {
     );
 }
 
+/// A key revoked through one instance (what the console's revocation writes: `revoked_at_ms`
+/// in the shared database) stops working on every instance within `key_cache_ttl_secs`, though
+/// each one had it cached from a request just before. Before the cache had a time to live, the
+/// other instances kept serving a revoked key until they restarted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_revoked_through_one_instance_stops_on_every_instance() {
+    const TTL_SECS: u64 = 2;
+    let _serial = SERIAL.lock().await;
+    let cluster = Cluster::start(Options {
+        extra: format!("key_cache_ttl_secs = {TTL_SECS}"),
+        ..Options::default()
+    })
+    .await;
+    let key = limited_key(&cluster, json!({})).await;
+    for on in 0..INSTANCES {
+        let (s, body, _) = chat(cluster.gw(on), &key, &model(on), 4).await;
+        assert_eq!(s, 200, "instance {on}: {body}");
+    }
+    let hash = spine_meter::keys::hash_api_key(&key);
+    cluster
+        .db
+        .query(&format!(
+            "UPDATE api_keys SET revoked_at_ms = 1 WHERE key_hash = '{hash}'"
+        ))
+        .await;
+    let revoked = Instant::now();
+    // a bound a hang would take, not a timing claim: the TTL is 2 s
+    let limit = Duration::from_secs(60);
+    for on in 0..INSTANCES {
+        loop {
+            let (s, body, _) = chat(cluster.gw(on), &key, &model(on), 4).await;
+            if s == 401 {
+                assert_eq!(body["error"]["code"], "invalid_api_key", "{body}");
+                break;
+            }
+            assert_eq!(s, 200, "instance {on}: {body}");
+            assert!(
+                revoked.elapsed() < limit,
+                "instance {on} still serves a key revoked {limit:?} ago"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    println!(
+        "key cache: a revoked key refused on all {INSTANCES} instances {:.2} s after the \
+         revocation (key_cache_ttl_secs = {TTL_SECS})",
+        revoked.elapsed().as_secs_f64()
+    );
+    // the account's other key is not touched
+    let (s, body, _) = chat(cluster.gw(1), &cluster.api_key, &model(1), 4).await;
+    assert_eq!(s, 200, "{body}");
+}
+
 // --- 6 ---------------------------------------------------------------------------------------
 
 /// ~500 mixed requests through all instances (streamed and not, same- and cross-instance, some

@@ -86,44 +86,72 @@ pub fn new_request_id() -> RequestId {
 /// Most keys [`KeyCache`] remembers; when full it starts over (it is only a shortcut).
 const MAX_CACHED_KEYS: usize = 65_536;
 
+/// How long [`KeyCache::default`] trusts a key it found in the store before it reads the store
+/// again: 10 s.
+pub const DEFAULT_KEY_CACHE_TTL: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// The accounts of API keys already found in the store, by key hash, so that a request costs
 /// no database read to authenticate (measured: a refused request's CPU was mostly the key's
 /// lookup). Only keys that exist are remembered: a key created on another instance is found in
-/// the store the first time it is used. A key's account never changes; a key revoked (the
-/// console's `ConsoleStore::revoke_api_key`) must be [removed](KeyCache::remove) here, and
-/// stays usable on other instances of a several-instance gateway until their cache drops it
-/// (at a restart, or when the cache starts over). At most 65,536 keys; when full it starts over.
-#[derive(Debug, Default)]
-pub struct KeyCache(std::sync::RwLock<std::collections::HashMap<String, AccountId>>);
+/// the store the first time it is used.
+///
+/// **Revocation.** A key revoked on this instance (the console's
+/// `ConsoleStore::revoke_api_key`) must be [removed](KeyCache::remove) here and stops working
+/// at once. A key revoked through another instance of a several-instance gateway (sharing one
+/// database) stops working here within the cache's time to live: an entry older than `ttl` is
+/// not used, and the next request reads the store again (one read per key and `ttl`).
+/// At most 65,536 keys; when full it starts over.
+#[derive(Debug)]
+pub struct KeyCache {
+    ttl: std::time::Duration,
+    map: std::sync::RwLock<std::collections::HashMap<String, (AccountId, std::time::Instant)>>,
+}
+
+impl Default for KeyCache {
+    /// A cache whose entries live [`DEFAULT_KEY_CACHE_TTL`].
+    fn default() -> Self {
+        Self::new(DEFAULT_KEY_CACHE_TTL)
+    }
+}
 
 impl KeyCache {
-    /// The account remembered for `key_hash`.
+    /// A cache that trusts a key found in the store for `ttl` (zero: never remembers).
+    pub fn new(ttl: std::time::Duration) -> Self {
+        Self {
+            ttl,
+            map: Default::default(),
+        }
+    }
+
+    /// The account remembered for `key_hash`, if it was found in the store less than the
+    /// cache's time to live ago.
     pub fn get(&self, key_hash: &str) -> Option<AccountId> {
-        self.0
+        self.map
             .read()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .get(key_hash)
-            .cloned()
+            .filter(|(_, found_at)| found_at.elapsed() < self.ttl)
+            .map(|(account, _)| account.clone())
     }
 
     /// Forgets `key_hash` (a revoked key): the next use looks it up in the store again.
     pub fn remove(&self, key_hash: &str) {
-        self.0
+        self.map
             .write()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .remove(key_hash);
     }
 
-    /// Remembers that `key_hash` belongs to `account`.
+    /// Remembers that `key_hash` belongs to `account`, as of now.
     pub fn insert(&self, key_hash: String, account: AccountId) {
         let mut map = self
-            .0
+            .map
             .write()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         if map.len() >= MAX_CACHED_KEYS {
             map.clear();
         }
-        map.insert(key_hash, account);
+        map.insert(key_hash, (account, std::time::Instant::now()));
     }
 
     /// The account of `key_hash`: remembered, else looked up in `store` (and remembered when

@@ -36,6 +36,23 @@ fn the_key_cache_remembers_and_starts_over_when_full() {
 }
 
 #[test]
+fn a_cached_key_is_read_again_after_the_time_to_live() {
+    // a key revoked through another instance must stop working here: past the TTL the cache
+    // does not answer, so the store is read again
+    let kept = KeyCache::new(std::time::Duration::from_secs(3600));
+    kept.insert("h1".into(), AccountId::new("a1"));
+    assert_eq!(kept.get("h1"), Some(AccountId::new("a1")));
+    let cache = KeyCache::new(std::time::Duration::from_millis(20));
+    cache.insert("h1".into(), AccountId::new("a1"));
+    std::thread::sleep(std::time::Duration::from_millis(30));
+    assert_eq!(cache.get("h1"), None);
+    // a zero TTL never answers from memory
+    let never = KeyCache::new(std::time::Duration::ZERO);
+    never.insert("h2".into(), AccountId::new("a2"));
+    assert_eq!(never.get("h2"), None);
+}
+
+#[test]
 fn bearer_scheme_is_case_insensitive() {
     assert_eq!(bearer_token("Bearer abc"), Some("abc"));
     assert_eq!(bearer_token("bearer  abc "), Some("abc"));
