@@ -585,6 +585,32 @@ async fn a_caller_constraining_tokenization_pays_for_the_tokens_generated() {
         );
         assert_eq!(rec["discrepancy"], false, "{rec}");
     }
+    // JSON mode alone (a grammar on the text, no token-level bias): the honest engine's few
+    // extra tokens are billed as it claims them, unflagged, within the count's allowance
+    for (i, streamed) in [false, true, false, true].into_iter().enumerate() {
+        let body = json!({"model":"smollm2","max_tokens":120,"stream":streamed,"temperature":0.8,
+            "seed": i,
+            "messages":[{"role":"user","content":"Describe a cat as JSON with name, age and color."}],
+            "response_format":{"type":"json_object"}});
+        let resp = gw.api_post(&t.api_key, "/v1/chat/completions", &body).await;
+        assert_eq!(resp.status(), 200, "streamed {streamed}");
+        let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
+        let text = resp.text().await.unwrap();
+        let got = delivered(&text, streamed).remove(0);
+        let rec = gw.record(&id).await;
+        assert_eq!(rec["outcome"], "completed", "{rec}");
+        assert_eq!(rec["discrepancy"], false, "{rec}");
+        assert_eq!(
+            rec["billed"]["completion_tokens"], rec["claimed"]["completion_tokens"],
+            "{rec}"
+        );
+        let canonical = tok.count_text(&got);
+        assert!(
+            rec["billed"]["completion_tokens"].as_u64().unwrap()
+                <= canonical + 1 + 16 + canonical / 8,
+            "{rec}"
+        );
+    }
 }
 
 /// The request surface on the real llama.cpp: a `developer` message is served, its prompt

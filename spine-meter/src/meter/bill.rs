@@ -10,6 +10,7 @@ use super::body::MAX_TOOL_CALLS_PER_CHOICE;
 use super::node_json::{
     engine_error_message, is_engine_error, read_choices, usage_claim, Members, TextMember,
 };
+use super::prompt::{SamplingConstraint, GRAMMAR_ALLOWANCE_DIVISOR, GRAMMAR_ALLOWANCE_TOKENS};
 use super::settle::{BillNotes, SettleCtx};
 use super::MeterError;
 use crate::tokenizer::GeneratedCount;
@@ -75,14 +76,23 @@ pub(super) enum Cut {
 /// The usage billed for `choices` (requested choices only): the prompt plus each choice's
 /// capped completion tokens, with the EOS and `length` rules only when `completed`.
 ///
-/// **Constrained sampling** ([`SettleCtx::tokenization_constrained`]: `logit_bias`, a grammar,
-/// a JSON schema): the engine may have generated the text as more tokens than its canonical
-/// tokenization (a caller that bans every multi-character token gets a text spelled one
-/// character per token), so the count above is only a lower bound. The most tokens a choice's
-/// text can have been is one per byte, plus the EOS and a held-back UTF-8 tail, within the cap:
-/// `U = min(cap, max(count, bytes + 4))`. A completed answer then bills the node's claim
-/// (`claimed`, the engine's own usage) clamped to `[Σ count, Σ U]`; an answer that ended early
-/// (the caller left; no claim ever comes) bills `Σ U`, the most the delivered text can be.
+/// **Constrained sampling** ([`SettleCtx::sampling_constraint`]): the engine may have
+/// generated the text as more tokens than its canonical tokenization, so the count above is
+/// only a lower bound. The most tokens a choice's text can have been:
+///
+/// - a grammar on the text ([`SamplingConstraint::Text`]): the count plus
+///   `16 + count / 8` (the measured honest excess with room to spare; [`GRAMMAR_ALLOWANCE_TOKENS`]);
+/// - token-level constraints ([`SamplingConstraint::Tokens`]: a caller that bans every
+///   multi-character token gets a text spelled one character per token): one per byte, plus
+///   the EOS and a held-back UTF-8 tail;
+///
+/// each within the cap: `U = min(cap, max(count, most))`. A completed answer then bills the
+/// node's claim (`claimed`, the engine's own usage) clamped to `[Σ count, Σ U]`. An answer that
+/// ended early (the caller left; no claim ever comes) bills `Σ U` under token-level
+/// constraints (the most the delivered text can be) and `Σ count` under a grammar (the
+/// allowance is the engine's, not a measure of the text).
+///
+/// [`GRAMMAR_ALLOWANCE_TOKENS`]: super::prompt::GRAMMAR_ALLOWANCE_TOKENS
 pub(super) fn billed_usage(
     ctx: &SettleCtx,
     choices: &BTreeMap<u64, Choice>,
@@ -96,12 +106,19 @@ pub(super) fn billed_usage(
         let count =
             ctx.choice_completion_counted(&c.delivered, c.finish_reason.as_deref(), completed);
         completion_tokens = completion_tokens.saturating_add(count.tokens);
-        let spelled = c
-            .delivered
-            .len_bytes()
-            .saturating_add(crate::tokenizer::MAX_HELD_BACK_BYTES + 1)
-            .min(ctx.max_completion_tokens_per_choice);
-        most_tokens = most_tokens.saturating_add(count.tokens.max(spelled));
+        let most = match ctx.sampling_constraint {
+            SamplingConstraint::None => count.tokens,
+            SamplingConstraint::Text => count
+                .tokens
+                .saturating_add(GRAMMAR_ALLOWANCE_TOKENS)
+                .saturating_add(count.tokens / GRAMMAR_ALLOWANCE_DIVISOR),
+            SamplingConstraint::Tokens => c
+                .delivered
+                .len_bytes()
+                .saturating_add(crate::tokenizer::MAX_HELD_BACK_BYTES + 1),
+        }
+        .min(ctx.max_completion_tokens_per_choice);
+        most_tokens = most_tokens.saturating_add(count.tokens.max(most));
         if i == 0 && choices.len() > 1 {
             notes.first_choice_completion_tokens = Some(count.tokens);
         }
@@ -117,13 +134,14 @@ pub(super) fn billed_usage(
             .wrapper_allowance_tokens
             .saturating_add(c.delivered.wrapper_allowance_tokens());
     }
-    if ctx.tokenization_constrained {
+    if ctx.sampling_constraint != SamplingConstraint::None {
         completion_tokens = match (completed, claimed) {
             (true, Some(claim)) => claim
                 .completion_tokens
                 .clamp(completion_tokens, most_tokens.max(completion_tokens)),
             (true, None) => completion_tokens,
-            (false, _) => most_tokens,
+            (false, _) if ctx.sampling_constraint == SamplingConstraint::Tokens => most_tokens,
+            (false, _) => completion_tokens,
         };
     }
     let usage = Usage {

@@ -15,8 +15,7 @@ use super::bill::meter_json;
 use super::body::{MeterBody, StreamSettings};
 use super::embeddings::meter_embeddings;
 use super::prompt::{
-    affordable_prompt_tokens, constrains_tokenization, count_prompts, developer_to_system,
-    PromptLimits,
+    affordable_prompt_tokens, count_prompts, developer_to_system, sampling_constraint, PromptLimits,
 };
 use super::settle::{AuditCapture, SettleCtx};
 use super::{AdmissionRequest, CountedUsage, MeterConfig, MeterError, ResponseFuture};
@@ -280,7 +279,7 @@ where
         n: choices,
         max_completion_tokens_per_choice: per_choice,
         max_tokens: peek.max_tokens,
-        tokenization_constrained: constrains_tokenization(&peek, &json, &*entry.tokenizer),
+        sampling_constraint: sampling_constraint(&peek, &json, &*entry.tokenizer),
         tolerance_tokens: config.discrepancy_tolerance_tokens,
         tolerance_bps: config.discrepancy_tolerance_bps,
         audit: config

@@ -44,11 +44,9 @@ pub(crate) struct SettleCtx {
     /// The request's own `max_tokens` / `max_completion_tokens`, when it set one (the `length`
     /// rule applies only then).
     pub(crate) max_tokens: Option<u64>,
-    /// The request constrains sampling ([`RequestPeek::tokenization_constrained`]): the
-    /// delivered text's count is a lower bound only (see [`super::bill::billed_usage`]).
-    ///
-    /// [`RequestPeek::tokenization_constrained`]: spine_core::RequestPeek::tokenization_constrained
-    pub(crate) tokenization_constrained: bool,
+    /// How the request constrains sampling: with a constraint the delivered text's count is
+    /// a lower bound only (see [`super::bill::billed_usage`]).
+    pub(crate) sampling_constraint: super::prompt::SamplingConstraint,
     pub(crate) tolerance_tokens: u64,
     pub(crate) tolerance_bps: u16,
     /// Choice 0's text captured for the audit tap, when one is configured.

@@ -623,3 +623,69 @@ async fn a_stream_padded_with_megabytes_outside_the_text_is_cut_as_the_nodes_fau
     drop(resp.into_body().collect().await.unwrap());
     assert_eq!(s.settled().await.outcome, StreamOutcome::Completed);
 }
+
+/// Bills `answer` (a complete chat answer claiming `claimed` completion tokens) for `req` on a
+/// fresh ledger: (billed completion tokens, whether a discrepancy was reported).
+async fn billed_for(req: &Value, content: &str, claimed: u64) -> (u64, bool) {
+    let mut s = setup().await;
+    let resp = s
+        .send(
+            req,
+            "application/json",
+            full(
+                &json!({"id":"c1","object":"chat.completion","choices":[{"index":0,
+                "finish_reason":"stop","message":{"role":"assistant","content":content}}],
+                "usage":{"prompt_tokens":PROMPT,"completion_tokens":claimed,
+                         "total_tokens":PROMPT + claimed}}),
+            ),
+        )
+        .await;
+    drop(resp.into_body().collect().await.unwrap());
+    let st = s.settled().await;
+    assert_eq!(st.outcome, StreamOutcome::Completed);
+    let flagged = !s.events.1.lock().unwrap().is_empty();
+    (st.billed.completion_tokens, flagged)
+}
+
+/// Under a grammar (JSON mode) an honest engine spells its text in a few more tokens than the
+/// canonical count (measured on llama.cpp: up to +18), so the node's claim is billed within
+/// `16 + count / 8` of the count; a claim padded past that is billed at the bound and flagged.
+/// Token-level constraints (a `logit_bias` on a normal token) keep the byte bound.
+#[tokio::test]
+async fn a_grammar_bills_the_claim_within_the_measured_allowance() {
+    let content = r#"{"name": "Tom", "colors": ["red", "green", "blue"], "count": 3}"#;
+    let plain = chat(Some(400), false);
+    let (count, flagged) = billed_for(&plain, content, 0).await;
+    assert!(flagged, "an unconstrained claim of 0 is a discrepancy");
+    let (billed, _) = billed_for(&plain, content, 400).await;
+    assert_eq!(
+        billed, count,
+        "unconstrained: the count, whatever the claim"
+    );
+
+    let mut json_mode = plain.clone();
+    json_mode["response_format"] = json!({"type": "json_object"});
+    let most = count + 16 + count / 8;
+    // an honest engine's few extra tokens are billed as claimed, unflagged
+    assert_eq!(
+        billed_for(&json_mode, content, count + 10).await,
+        (count + 10, false)
+    );
+    assert_eq!(billed_for(&json_mode, content, most).await, (most, false));
+    // a padded claim: billed at the bound, flagged
+    assert_eq!(billed_for(&json_mode, content, 400).await, (most, true));
+    // a claim below the count: the count
+    assert_eq!(billed_for(&json_mode, content, 1).await.0, count);
+
+    let mut banned = plain.clone();
+    banned["logit_bias"] = json!({"1000": -100});
+    let (billed, flagged) = billed_for(&banned, content, 400).await;
+    let bytes_bound = content.len() as u64 + 4;
+    assert_eq!((billed, flagged), (bytes_bound.min(400), true));
+    let (billed, flagged) = billed_for(&banned, content, 60).await;
+    assert_eq!(
+        (billed, flagged),
+        (60, false),
+        "within the byte bound: the claim"
+    );
+}
