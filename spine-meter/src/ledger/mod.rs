@@ -514,7 +514,8 @@ pub struct NodeRecord {
     pub created_at_ms: i64,
     /// Settled requests it served to the end (outcome `completed`).
     pub requests_served: u64,
-    /// Operator credits from the requests it served, micros (every outcome).
+    /// Operator credits paid for the requests it served, micros (every outcome; credit held in
+    /// escrow counts once paid, forfeited credit never).
     pub earned_micros: u64,
 }
 
@@ -704,7 +705,8 @@ pub trait Store: Ledger {
     ) -> LedgerFuture<'a, Enrollment>;
 
     /// An operator's nodes, by registration order, each with the requests it served and the
-    /// credits they earned.
+    /// credits they earned, all time (the SQL stores sum the node's rows of the daily earnings
+    /// roll-up: days × models rows, not its request records).
     ///
     /// # Errors
     ///

@@ -89,9 +89,37 @@ impl TestDb {
         }
     }
 
+    /// Runs `sql` (any number of statements, no arguments) on a connection of its own; a
+    /// SQLite file is created if missing.
+    async fn batch(&self, sql: &str) {
+        match self {
+            TestDb::Sqlite { path, .. } => {
+                let options = sqlx::sqlite::SqliteConnectOptions::new()
+                    .filename(path)
+                    .create_if_missing(true);
+                let mut c = sqlx::SqliteConnection::connect_with(&options)
+                    .await
+                    .unwrap();
+                sqlx::raw_sql(sql).execute(&mut c).await.unwrap();
+            }
+            TestDb::Postgres(db) => {
+                let mut c = sqlx::PgConnection::connect(&db.url).await.unwrap();
+                sqlx::raw_sql(sql).execute(&mut c).await.unwrap();
+            }
+        }
+    }
+
+    /// This store's schema migrations, `(version, sql)`.
+    fn migrations_sql(&self) -> Vec<(i64, String)> {
+        match self {
+            TestDb::Sqlite { .. } => crate::ledger::sqlite::migrations::migrations(),
+            TestDb::Postgres(_) => crate::ledger::pg::migrations::migrations(),
+        }
+    }
+
     fn migrations(&self) -> i64 {
         match self {
-            TestDb::Sqlite { .. } | TestDb::Postgres(_) => 7,
+            TestDb::Sqlite { .. } | TestDb::Postgres(_) => 8,
         }
     }
 }
@@ -1721,7 +1749,7 @@ async fn sqlite_opens_of_one_new_file_at_the_same_instant_never_fail_busy() {
             .fetch_one(stores[0].reader_pool())
             .await
             .unwrap();
-        assert_eq!(migrated, 7, "round {round}");
+        assert_eq!(migrated, 8, "round {round}");
         for s in &stores {
             s.close().await;
         }

@@ -25,7 +25,7 @@ CREATE TABLE instances (
 /// `spine_schema_migrations`), all in one transaction under the migration lock.
 ///
 /// Version 1 is SQLite's versions 1 and 2 together (PostgreSQL support started there).
-pub(super) fn migrations() -> Vec<(i64, String)> {
+pub(in crate::ledger) fn migrations() -> Vec<(i64, String)> {
     vec![
         (
             1,
@@ -49,5 +49,7 @@ pub(super) fn migrations() -> Vec<(i64, String)> {
         (6, TYPES.put(schema::HELD_EARNINGS)),
         // SQLite's 7
         (7, TYPES.put(schema::CONSOLE)),
+        // SQLite's 8
+        (8, TYPES.put(schema::NODE_EARNINGS)),
     ]
 }

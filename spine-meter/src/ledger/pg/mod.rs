@@ -2,7 +2,7 @@
 //! locks and how it places a hold; the statements are the shared ones ([`super::sql`]).
 
 mod instances;
-mod migrations;
+pub(in crate::ledger) mod migrations;
 
 use std::future::Future;
 use std::str::FromStr;

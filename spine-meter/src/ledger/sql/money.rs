@@ -357,6 +357,7 @@ async fn settle_once<B: Backend>(
         super::console::SettledRow {
             account: hold_account.as_str(),
             operator: operator.as_deref(),
+            node: s.node.as_ref().map(NodeId::as_str),
             model: s.model.as_str(),
             key: s.key.as_deref(),
             created_at_ms: settled_at_ms,
@@ -562,6 +563,7 @@ async fn resolve_held_earnings_once<B: Backend>(
             super::console::record_paid_escrow(
                 &mut *tx,
                 op,
+                node.as_str(),
                 model.as_str(),
                 row.i64("created_at_ms")?,
                 credit,

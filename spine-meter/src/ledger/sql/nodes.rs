@@ -201,23 +201,29 @@ async fn redeem_in<B: Backend>(
     Ok((Enrollment { node, operator }, true))
 }
 
-/// [`Store::operator_nodes`](crate::ledger::Store::operator_nodes).
+/// [`Store::operator_nodes`](crate::ledger::Store::operator_nodes): each node's totals are the
+/// sums of its rows of the earnings roll-up (`earnings_daily`, operator × day × model × node,
+/// schema version 8), which every settlement and every escrow payment keeps in its own
+/// transaction, not a count of its request records. The statement reads the operator's
+/// roll-up rows once (a range of the `(operator_id, day, model, node_id)` primary key: days ×
+/// models × nodes rows, however many requests they count).
 pub(in crate::ledger) async fn operator_nodes<B: Backend>(
     b: &B,
     operator: &OperatorId,
 ) -> Result<Vec<NodeRecord>, LedgerError> {
-    // one statement, one snapshot: the operator row and its nodes
+    // one statement, one snapshot: the operator row, its nodes and their totals
     let rows = b
         .read()
         .await?
         .all(
             "SELECT o.id AS operator_id, n.node_id, n.public_key_text, n.name, n.created_at_ms,
-                    (SELECT COUNT(*) FROM requests r
-                      WHERE r.node_id = n.node_id AND r.outcome = 'completed') AS served,
-                    (SELECT CAST(COALESCE(SUM(r.operator_credit_micros), 0) AS BIGINT) FROM requests r
-                      WHERE r.node_id = n.node_id
-                        AND (r.earnings IS NULL OR r.earnings = 'paid')) AS earned
-             FROM operators o LEFT JOIN nodes n ON n.operator_id = o.id
+                    COALESCE(e.served, 0) AS served, COALESCE(e.earned, 0) AS earned
+             FROM operators o
+             LEFT JOIN nodes n ON n.operator_id = o.id
+             LEFT JOIN (SELECT node_id, CAST(SUM(requests_served) AS BIGINT) AS served,
+                               CAST(SUM(earned_micros) AS BIGINT) AS earned
+                        FROM earnings_daily WHERE operator_id = $1 GROUP BY node_id) e
+                    ON e.node_id = n.node_id
              WHERE o.id = $1
              ORDER BY n.created_at_ms, n.node_id",
             &[Arg::Text(operator.as_str())],

@@ -239,3 +239,35 @@ CREATE TABLE console_links (
     used_at_ms {int}
 );
 "#;
+
+/// The nodes page from a roll-up (issue 18): `earnings_daily` gains the node (operator × UTC
+/// day × model × node), so [`Store::operator_nodes`](crate::ledger::Store::operator_nodes)
+/// sums a node's rows instead of counting its request records, and a settlement still writes
+/// one `earnings_daily` row; and the request log's model filter reads an
+/// `(account, model, time)` index instead of every record of the account.
+///
+/// Changing a primary key needs a new table on SQLite; the roll-up is refilled from the request
+/// records (as version 7 filled it: requests served to the end, completion tokens billed, credit
+/// paid: neither held in escrow nor forfeited), so the old table is dropped first and the new
+/// one keeps its name (and, on PostgreSQL, its primary key's name). A record's node is never
+/// NULL when it has an operator (the operator is the node's); `''` stands in if one were.
+pub(in crate::ledger) const NODE_EARNINGS: &str = r#"
+DROP TABLE earnings_daily;
+CREATE TABLE earnings_daily (
+    operator_id TEXT NOT NULL,
+    day {int} NOT NULL,
+    model TEXT NOT NULL,
+    node_id TEXT NOT NULL,
+    requests_served {int} NOT NULL,
+    completion_tokens {int} NOT NULL,
+    earned_micros {int} NOT NULL,
+    PRIMARY KEY (operator_id, day, model, node_id)
+);
+INSERT INTO earnings_daily (operator_id, day, model, node_id, requests_served, completion_tokens, earned_micros)
+    SELECT operator_id, created_at_ms / 86400000, model, COALESCE(node_id, ''),
+           SUM(CASE WHEN outcome = 'completed' THEN 1 ELSE 0 END), SUM(billed_completion_tokens),
+           SUM(CASE WHEN earnings IS NULL OR earnings = 'paid' THEN operator_credit_micros ELSE 0 END)
+    FROM requests WHERE operator_id IS NOT NULL
+    GROUP BY operator_id, created_at_ms / 86400000, model, COALESCE(node_id, '');
+CREATE INDEX requests_account_model_time ON requests(account_id, model, created_at_ms, request_id);
+"#;

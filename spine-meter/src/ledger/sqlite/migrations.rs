@@ -6,7 +6,7 @@ const TYPES: SchemaTypes = SchemaTypes::SQLITE;
 
 /// Schema migrations `(version, sql)`, applied in order, each once (recorded in
 /// `spine_schema_migrations`).
-pub(super) fn migrations() -> Vec<(i64, String)> {
+pub(in crate::ledger) fn migrations() -> Vec<(i64, String)> {
     vec![
         (
             1,
@@ -29,5 +29,7 @@ pub(super) fn migrations() -> Vec<(i64, String)> {
         (6, TYPES.put(schema::HELD_EARNINGS)),
         // PostgreSQL's 7
         (7, TYPES.put(schema::CONSOLE)),
+        // PostgreSQL's 8
+        (8, TYPES.put(schema::NODE_EARNINGS)),
     ]
 }

@@ -3,7 +3,7 @@
 //! ([`super::sql`]).
 
 mod api;
-mod migrations;
+pub(in crate::ledger) mod migrations;
 
 use std::future::Future;
 use std::path::Path;

@@ -369,7 +369,68 @@ pub(in crate::ledger) async fn revoke_api_key<B: Backend>(
     Ok(changed == 1)
 }
 
-/// [`ConsoleStore::account_requests`](crate::ledger::ConsoleStore::account_requests).
+/// The request log's statement and its arguments for `filter`, the page after `after` and
+/// `limit + 1` rows. Only the filters given are in the text, each an equality (never
+/// `$n IS NULL OR …`, which neither SQLite's planner nor a PostgreSQL generic plan can turn
+/// into an index range): with a model, a range of `requests_account_model_time`
+/// `(account_id, model, created_at_ms, request_id)` (schema version 8), otherwise of
+/// `requests_account_time` `(account_id, created_at_ms, request_id)`, in index order either
+/// way (no sort; SQLite picks the model index without `ANALYZE` statistics too). A key or
+/// outcome filter is checked on the rows that range reads.
+pub(in crate::ledger) fn account_requests_statement<'a>(
+    account: &'a AccountId,
+    filter: &'a RequestFilter,
+    after: Option<&'a PageCursor>,
+    limit: i64,
+) -> (String, Vec<Arg<'a>>) {
+    let mut sql = String::from(
+        "SELECT request_id, created_at_ms, key_hash, model, outcome, node_id,
+                billed_prompt_tokens, billed_completion_tokens,
+                claimed_prompt_tokens, claimed_completion_tokens,
+                discrepancy, duration_ms, ttft_ms, debit_micros
+         FROM requests
+         WHERE account_id = $1",
+    );
+    let mut args = vec![Arg::Text(account.as_str())];
+    for (column, value) in [
+        ("model", &filter.model),
+        ("key_hash", &filter.key_hash),
+        ("outcome", &filter.outcome),
+    ] {
+        if let Some(value) = value {
+            args.push(Arg::Text(value));
+            sql.push_str(&format!(" AND {column} = ${}", args.len()));
+        }
+    }
+    // the window's end and the cursor are one upper bound, the lower of the two row values
+    // (`created_at_ms < until` is `(created_at_ms, request_id) < (until, '')`: no id is below
+    // ''): SQLite's planner, without statistics, ranges an index on a row value or on a
+    // column's bounds, not both, and would rather take `requests_account_time` for both
+    let until = filter.until_ms.unwrap_or(i64::MAX);
+    let (at, id) = match after {
+        Some(c) if c.at_ms < until => (c.at_ms, c.id.as_str()),
+        _ => (until, ""),
+    };
+    let n = args.len();
+    sql.push_str(&format!(
+        " AND created_at_ms >= ${} AND (created_at_ms, request_id) < (${}, ${})
+         ORDER BY created_at_ms DESC, request_id DESC LIMIT ${}",
+        n + 1,
+        n + 2,
+        n + 3,
+        n + 4
+    ));
+    args.extend([
+        Arg::I64(filter.since_ms.unwrap_or(i64::MIN)),
+        Arg::I64(at),
+        Arg::Text(id),
+        Arg::I64(limit + 1),
+    ]);
+    (sql, args)
+}
+
+/// [`ConsoleStore::account_requests`](crate::ledger::ConsoleStore::account_requests): one
+/// statement ([`account_requests_statement`]).
 pub(in crate::ledger) async fn account_requests<B: Backend>(
     b: &B,
     account: &AccountId,
@@ -378,36 +439,8 @@ pub(in crate::ledger) async fn account_requests<B: Backend>(
     limit: u32,
 ) -> Result<Page<RequestSummary>, LedgerError> {
     let limit = bounded(limit);
-    let (at, id) = cursor_args(after);
-    let rows = b
-        .read()
-        .await?
-        .all(
-            "SELECT request_id, created_at_ms, key_hash, model, outcome, node_id,
-                    billed_prompt_tokens, billed_completion_tokens,
-                    claimed_prompt_tokens, claimed_completion_tokens,
-                    discrepancy, duration_ms, ttft_ms, debit_micros
-             FROM requests
-             WHERE account_id = $1
-               AND ($2 IS NULL OR key_hash = $2)
-               AND ($3 IS NULL OR model = $3)
-               AND ($4 IS NULL OR outcome = $4)
-               AND created_at_ms >= $5 AND created_at_ms < $6
-               AND (created_at_ms, request_id) < ($7, $8)
-             ORDER BY created_at_ms DESC, request_id DESC LIMIT $9",
-            &[
-                Arg::Text(account.as_str()),
-                Arg::OptText(filter.key_hash.as_deref()),
-                Arg::OptText(filter.model.as_deref()),
-                Arg::OptText(filter.outcome.as_deref()),
-                Arg::I64(filter.since_ms.unwrap_or(i64::MIN)),
-                Arg::I64(filter.until_ms.unwrap_or(i64::MAX)),
-                at,
-                id,
-                Arg::I64(limit + 1),
-            ],
-        )
-        .await?;
+    let (sql, args) = account_requests_statement(account, filter, after, limit);
+    let rows = b.read().await?.all(&sql, &args).await?;
     let mut out = Vec::with_capacity(rows.len());
     for row in &rows {
         let claimed = super::money::claimed_usage(row)?;
@@ -510,7 +543,8 @@ pub(in crate::ledger) async fn account_credits<B: Backend>(
 }
 
 /// [`ConsoleStore::operator_earnings`](crate::ledger::ConsoleStore::operator_earnings): the
-/// credits paid (as [`Store::operator_nodes`](crate::ledger::Store::operator_nodes) counts them).
+/// credits paid (as [`Store::operator_nodes`](crate::ledger::Store::operator_nodes) counts them),
+/// the roll-up's rows summed over the operator's nodes.
 pub(in crate::ledger) async fn operator_earnings<B: Backend>(
     b: &B,
     operator: &OperatorId,
@@ -522,9 +556,12 @@ pub(in crate::ledger) async fn operator_earnings<B: Backend>(
         .read()
         .await?
         .all(
-            "SELECT day, model, requests_served AS served, completion_tokens, earned_micros AS earned
+            "SELECT day, model, CAST(SUM(requests_served) AS BIGINT) AS served,
+                    CAST(SUM(completion_tokens) AS BIGINT) AS completion_tokens,
+                    CAST(SUM(earned_micros) AS BIGINT) AS earned
              FROM earnings_daily
              WHERE operator_id = $1 AND day >= $2 AND day < $3
+             GROUP BY day, model
              ORDER BY day DESC, model LIMIT $4",
             &[
                 Arg::Text(operator.as_str()),

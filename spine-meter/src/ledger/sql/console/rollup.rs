@@ -1,9 +1,12 @@
 //! The console's daily roll-ups, written in the settlement's own transaction so the usage and
 //! earnings pages read at most a row per day × model (× key) instead of every request record:
 //! `usage_daily` (account × UTC day × model × key: requests, prompt and completion tokens
-//! billed, debit) and `earnings_daily` (operator × UTC day × model: requests served to the end,
-//! completion tokens, operator credit paid). Credit held in escrow is added to `earnings_daily`
-//! when it is paid ([`record_paid_escrow`]), never when it is forfeited. Both upserts touch rows
+//! billed, debit) and `earnings_daily` (operator × UTC day × model × node, schema version 8:
+//! requests served to the end, completion tokens, operator credit paid), which the earnings page
+//! sums over nodes and the nodes page ([`Store::operator_nodes`](crate::ledger::Store::operator_nodes))
+//! over days and models. Credit held in escrow is added to `earnings_daily` when it is paid
+//! ([`record_paid_escrow`]), never when it is forfeited. A settlement writes one row of each
+//! (the node is a key column of the earnings row, not a third table); both upserts touch rows
 //! of the account and the operator whose balance rows the same transaction already updates, so
 //! they add no new lock order.
 
@@ -18,6 +21,8 @@ pub(in crate::ledger) const MS_PER_DAY: i64 = 86_400_000;
 pub(in crate::ledger) struct SettledRow<'a> {
     pub(in crate::ledger) account: &'a str,
     pub(in crate::ledger) operator: Option<&'a str>,
+    /// The node that served it; always `Some` when `operator` is (the operator is the node's).
+    pub(in crate::ledger) node: Option<&'a str>,
     pub(in crate::ledger) model: &'a str,
     /// The key's name, `None` for a request without one (stored as `''`).
     pub(in crate::ledger) key: Option<&'a str>,
@@ -62,9 +67,12 @@ pub(in crate::ledger) async fn record_settlement<C: SqlConn + ?Sized>(
     if let Some(op) = r.operator {
         add_earnings(
             tx,
-            op,
-            day,
-            r.model,
+            EarningsKey {
+                operator: op,
+                day,
+                model: r.model,
+                node: r.node.unwrap_or(""),
+            },
             i64::from(r.completed),
             r.completion_tokens,
             r.paid_micros,
@@ -74,8 +82,8 @@ pub(in crate::ledger) async fn record_settlement<C: SqlConn + ?Sized>(
     Ok(())
 }
 
-/// Adds escrowed operator credit now paid (`credit_micros` of a request of `model` settled at
-/// `created_at_ms`) to `earnings_daily`.
+/// Adds escrowed operator credit now paid (`credit_micros` of a request of `model` that `node`
+/// served, settled at `created_at_ms`) to `earnings_daily`.
 ///
 /// # Errors
 ///
@@ -83,34 +91,53 @@ pub(in crate::ledger) async fn record_settlement<C: SqlConn + ?Sized>(
 pub(in crate::ledger) async fn record_paid_escrow<C: SqlConn + ?Sized>(
     tx: &mut C,
     operator: &str,
+    node: &str,
     model: &str,
     created_at_ms: i64,
     credit_micros: i64,
 ) -> Result<(), LedgerError> {
     let day = created_at_ms.div_euclid(MS_PER_DAY);
-    add_earnings(tx, operator, day, model, 0, 0, credit_micros).await
+    let key = EarningsKey {
+        operator,
+        day,
+        model,
+        node,
+    };
+    add_earnings(tx, key, 0, 0, credit_micros).await
 }
 
+/// The key of one `earnings_daily` row.
+#[derive(Clone, Copy, Debug)]
+struct EarningsKey<'a> {
+    operator: &'a str,
+    /// UTC day, days since the epoch.
+    day: i64,
+    model: &'a str,
+    node: &'a str,
+}
+
+/// Adds to the `earnings_daily` row `key` (inserted when missing): `served` requests served to
+/// the end, `completion_tokens`, `earned_micros` paid. One statement for both stores, the
+/// settlement's and the escrow payment's.
 async fn add_earnings<C: SqlConn + ?Sized>(
     tx: &mut C,
-    operator: &str,
-    day: i64,
-    model: &str,
+    key: EarningsKey<'_>,
     served: i64,
     completion_tokens: i64,
     earned_micros: i64,
 ) -> Result<(), LedgerError> {
     tx.exec(
-        "INSERT INTO earnings_daily (operator_id, day, model, requests_served, completion_tokens, earned_micros)
-         VALUES ($1, $2, $3, $4, $5, $6)
-         ON CONFLICT (operator_id, day, model) DO UPDATE SET
+        "INSERT INTO earnings_daily (operator_id, day, model, node_id, requests_served, completion_tokens, earned_micros)
+         VALUES ($1, $2, $3, $4, $5, $6, $7)
+         ON CONFLICT (operator_id, day, model, node_id) DO UPDATE SET
             requests_served = earnings_daily.requests_served + excluded.requests_served,
             completion_tokens = earnings_daily.completion_tokens + excluded.completion_tokens,
             earned_micros = earnings_daily.earned_micros + excluded.earned_micros",
         &[
-            Arg::Text(operator),
-            Arg::I64(day),
-            Arg::Text(model),
+            Arg::Text(key.operator),
+            Arg::I64(key.day),
+            Arg::Text(key.model),
+            Arg::Text(key.node),
             Arg::I64(served),
             Arg::I64(completion_tokens),
             Arg::I64(earned_micros),
