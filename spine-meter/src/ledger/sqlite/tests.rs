@@ -36,7 +36,7 @@ async fn migration_2_upgrades_a_version_1_file_and_old_holds_settle_as_unknown_m
             .fetch_all(l.pool())
             .await
             .unwrap();
-    assert_eq!(versions, vec![1, 2, 3, 4, 5, 6, 7]);
+    assert_eq!(versions, vec![1, 2, 3, 4, 5, 6, 7, 9]);
     assert_eq!(l.settle_stale_holds().await.unwrap(), 1);
     let rec = l
         .request_record(RequestId::from("old"))
