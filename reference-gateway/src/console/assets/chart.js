@@ -13,7 +13,10 @@
       series.push({ label: x.label, stroke: colors[i % colors.length], width: 2, points: { show: true } });
       data.push(x.values);
     });
-    var opts = { title: s.title, width: Math.max(320, el.clientWidth - 16), height: 240, series: series, axes: [{}, { size: 70 }] };
+    // credits are small numbers: uPlot's own labels would round them all to 0
+    var label = function (u, splits) { return splits.map(function (v) { return v == null ? "" : String(+v.toPrecision(6)); }); };
+    var opts = { title: s.title, width: Math.max(320, el.clientWidth - 16), height: 240, series: series,
+                 axes: [{}, { size: 80, values: label }] };
     el.setAttribute("data-drawn", "true");
     new uPlot(opts, data, el);
   }
