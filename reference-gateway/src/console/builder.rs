@@ -147,11 +147,11 @@ struct CreateKeyForm {
 }
 
 /// The RPM/TPM limits a key form asks for (`rpm`, `tpm`: whole numbers; empty = the gateway's
-/// default), within the gateway's defaults ([`RateLimits::within_defaults`]); else the 400
-/// page that says what is allowed.
+/// default), within the gateway's defaults ([`RateLimits::within_defaults`]); else what is
+/// allowed, for the 400 page.
 ///
 /// [`RateLimits::within_defaults`]: spine_meter::limits::RateLimits::within_defaults
-fn asked_limits(s: &ConsoleState, rpm: &str, tpm: &str) -> Result<KeyLimits, Response> {
+fn asked_limits(s: &ConsoleState, rpm: &str, tpm: &str) -> Result<KeyLimits, String> {
     fn parse(v: &str) -> Result<Option<u64>, ()> {
         match v.trim() {
             "" => Ok(None),
@@ -182,13 +182,10 @@ fn asked_limits(s: &ConsoleState, rpm: &str, tpm: &str) -> Result<KeyLimits, Res
                 0 => "a whole number (0: unlimited)".to_owned(),
                 d => format!("a whole number from 1 to {d}"),
             };
-            Err(s.error(
-                StatusCode::BAD_REQUEST,
-                &format!(
-                    "The RPM limit must be {}, the TPM limit {}.",
-                    allowed(rpm.into()),
-                    allowed(tpm)
-                ),
+            Err(format!(
+                "The RPM limit must be {}, the TPM limit {}.",
+                allowed(rpm.into()),
+                allowed(tpm)
             ))
         }
     }
@@ -206,7 +203,7 @@ async fn create_key(
     };
     let limits = match asked_limits(&s, &form.rpm, &form.tpm) {
         Ok(l) => l,
-        Err(r) => return r,
+        Err(allowed) => return s.error(StatusCode::BAD_REQUEST, &allowed),
     };
     let name: String = form.name.trim().chars().take(MAX_KEY_NAME_CHARS).collect();
     let key = keys::new_api_key();
@@ -296,7 +293,7 @@ async fn set_key_limits(
     let limits = match asked_limits(&s, &form.rpm, &form.tpm) {
         Ok(l) if l.rpm_limit.is_some() && l.tpm_limit.is_some() => l,
         Ok(_) => return s.error(StatusCode::BAD_REQUEST, "Give both limits."),
-        Err(r) => return r,
+        Err(allowed) => return s.error(StatusCode::BAD_REQUEST, &allowed),
     };
     match s.app.store.account_for_key_hash(&form.key_hash).await {
         Ok(Some(owner)) if owner == account => {}
