@@ -81,7 +81,7 @@ async fn main() {
                     CASE WHEN i % 3 = 0 THEN 'other-model' ELSE 'smollm2' END,
                     CASE WHEN i % 20 = 0 THEN 'upstream_failed' ELSE 'completed' END,
                     '{node}', 'op_big', 34 + i % 50, 10 + i % 200, 34 + i % 50, 10 + i % 200,
-                    'independent', 0, 150000, 600000, 8000, 20, 20, 16, 4, 100,
+                    'independent', CASE WHEN i % 1000 = 7 THEN 1 ELSE 0 END, 150000, 600000, 8000, 20, 20, 16, 4, 100,
                     {now} - (i * {span} / {rows}), 'key_' || (i % 4), 900 + i % 500, 100 + i % 300
              FROM n",
             last = rows - 1,
@@ -106,6 +106,17 @@ async fn main() {
                     SUM(CASE WHEN outcome = 'completed' THEN 1 ELSE 0 END), SUM(billed_completion_tokens),
                     SUM(operator_credit_micros)
              FROM requests WHERE operator_id IS NOT NULL GROUP BY operator_id, created_at_ms / 86400000, model",
+        )
+        .execute(&mut c)
+        .await
+        .unwrap();
+        // a hold per record, settled, and 10 still in flight (the platform's credit held)
+        sqlx::query(
+            "INSERT INTO holds (request_id, account_id, model, amount_micros, state, created_at_ms)
+             SELECT request_id, account_id, model, 100,
+                    CASE WHEN rowid % (SELECT COUNT(*) / 10 FROM requests) = 0 THEN 'held' ELSE 'settled' END,
+                    created_at_ms
+             FROM requests",
         )
         .execute(&mut c)
         .await
@@ -184,6 +195,38 @@ async fn main() {
     })
     .await;
     time("balance", || store.account(&acct)).await;
+    let deep_discrepancy = PageCursor {
+        at_ms: now - 45 * DAY_MS,
+        id: "req_~".to_owned(),
+    };
+    time("platform: 30 days (roll-ups of every account)", || {
+        c.platform_days(now - 30 * DAY_MS, now + 1, 500)
+    })
+    .await;
+    time("platform: 90 days", || {
+        c.platform_days(now - 90 * DAY_MS, now + 1, 500)
+    })
+    .await;
+    time("platform: operators, 30 days", || {
+        c.platform_operators(now - 30 * DAY_MS, now + 1, 500)
+    })
+    .await;
+    time("platform: all nodes, first page", || {
+        c.platform_nodes(None, 50)
+    })
+    .await;
+    time("platform: discrepancies (0.1 %), first page", || {
+        c.platform_discrepancies(None, 50)
+    })
+    .await;
+    time("platform: discrepancies, a page 45 days back", || {
+        c.platform_discrepancies(Some(&deep_discrepancy), 50)
+    })
+    .await;
+    time("platform: credit held (holds in flight, escrow)", || {
+        c.platform_held()
+    })
+    .await;
     let usage = c
         .account_usage(&acct, now - 30 * DAY_MS, now + 1, 500)
         .await
