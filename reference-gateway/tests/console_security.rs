@@ -638,6 +638,36 @@ async fn console_security(extra: &str) {
         .next()
         .unwrap()
         .to_owned();
+    // and through the admin CLI (`--platform`, alone: not beside an account)
+    let cli = |args: &[&str]| {
+        tokio::process::Command::new(env!("CARGO_BIN_EXE_reference-gateway"))
+            .args(["admin", "console-users", "create"])
+            .args(args)
+            .env("SPINE_ADMIN_URL", &gw.admin)
+            .env("SPINE_ADMIN_TOKEN", ADMIN_TOKEN)
+            .env("SPINE_CONSOLE_PASSWORD", pw)
+            .output()
+    };
+    let out = cli(&["--email", "staff2@example.com", "--platform"])
+        .await
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let staff2: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(staff2["role"], "platform", "{staff2}");
+    let out = cli(&[
+        "--email",
+        "staff3@example.com",
+        "--platform",
+        "--account",
+        &a.account,
+    ])
+    .await
+    .unwrap();
+    assert!(!out.status.success(), "--platform with --account");
     let mut sp = Session::new(&gw.console);
     let (status, _, headers) = sp.post("/console/signin/link", &[("token", &token)]).await;
     assert_eq!(status, 303);
