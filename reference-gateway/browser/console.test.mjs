@@ -3,8 +3,8 @@
 // line; `reference-gateway/tests/console_browser.rs` starts the gateway, agent and llama.cpp
 // node, runs this, and checks the numbers against the ledger.
 //
-// Environment: CONSOLE_URL, BUILDER_EMAIL, OPERATOR_EMAIL, PASSWORD, NODE_ID, SCREENSHOT_DIR,
-// CHROMIUM (default /usr/bin/chromium).
+// Environment: CONSOLE_URL, BUILDER_EMAIL, OPERATOR_EMAIL, PLATFORM_EMAIL, PASSWORD, NODE_ID,
+// SCREENSHOT_DIR, CHROMIUM (default /usr/bin/chromium).
 import { chromium } from "playwright-core";
 
 const env = (k) => {
@@ -37,11 +37,15 @@ try {
   await Promise.all([page.waitForURL("**/console/keys", WAIT), page.click("#signin")]);
 
   await page.fill("#key-name", "playground <script>x</script>");
+  await page.fill("#key-rpm", "30");
+  await page.fill("#key-tpm", "50000");
   await Promise.all([page.waitForLoadState("load"), page.click("#create-key")]);
   const key = (await page.textContent("#new-key", WAIT)).trim();
   out.key_prefix_ok = key.startsWith("sk-spine-");
   out.key_name_escaped =
     (await page.locator(".key-name").first().textContent()) === "playground <script>x</script>";
+  out.key_rpm = (await page.locator("#keys tbody tr .rpm").first().textContent()).trim();
+  out.key_tpm = (await page.locator("#keys tbody tr .tpm").first().textContent()).trim();
   await page.screenshot({ path: `${shots}/keys.png`, fullPage: true });
   await page.goto(`${base}/console/keys`);
   out.key_shown_again = (await page.content()).includes(key);
@@ -78,6 +82,9 @@ try {
   await page.goto(`${base}/console/usage`);
   await page.waitForSelector("#chart[data-drawn] canvas", WAIT);
   out.chart_drawn = true;
+  await page.waitForSelector("#chart-spend[data-drawn] canvas", WAIT);
+  const spend = JSON.parse(await page.getAttribute("#chart-spend", "data-series"));
+  out.spend_micros = Math.round(spend.series[0].values.reduce((a, v) => a + v, 0) * 1e6);
   out.usage_rows = await page.locator("#usage tbody tr").count();
   out.usage_text = await page.textContent("#usage tbody");
   await page.screenshot({ path: `${shots}/usage.png`, fullPage: true });
@@ -109,7 +116,36 @@ try {
   await Promise.all([op.waitForLoadState("load"), op.click("#issue-token")]);
   out.join_command = (await op.textContent("#join-command", WAIT)).trim();
   await op.screenshot({ path: `${shots}/enrollments.png`, fullPage: true });
+  // (a request, not a page: a 403 page would be a console error)
+  out.operator_platform_status = (await op.request.get(`${base}/console/platform`, { maxRedirects: 0 })).status();
   await o.close();
+
+  // ---- the platform -----------------------------------------------------------------------
+  const p = await browser.newContext({ viewport: { width: 1360, height: 820 } });
+  const pl = await p.newPage();
+  pl.setDefaultTimeout(90_000);
+  pl.on("pageerror", (e) => out.page_errors.push(String(e)));
+  pl.on("console", (m) => { if (m.type() === "error") out.page_errors.push(m.text()); });
+  await pl.goto(`${base}/console/signin`);
+  await pl.fill("#email", env("PLATFORM_EMAIL"));
+  await pl.fill("#password", env("PASSWORD"));
+  await Promise.all([pl.waitForURL("**/console/platform", WAIT), pl.click("#signin")]);
+  await pl.waitForSelector("#chart-money[data-drawn] canvas", WAIT);
+  out.platform_revenue = (await pl.textContent("#revenue")).trim();
+  out.platform_operator_credits = (await pl.textContent("#operator-credits")).trim();
+  out.platform_fees = (await pl.textContent("#fees")).trim();
+  out.platform_requests = (await pl.textContent("#requests")).trim();
+  out.platform_held = (await pl.textContent("#held")).trim();
+  await pl.screenshot({ path: `${shots}/platform.png`, fullPage: true });
+  await pl.goto(`${base}/console/platform/nodes`);
+  const pnode = pl.locator(`tr[data-node-id="${env("NODE_ID")}"]`);
+  out.platform_node_state = (await pnode.locator(".state").textContent()).trim();
+  out.platform_node_operator = (await pnode.locator(".operator").textContent()).trim();
+  await pl.screenshot({ path: `${shots}/platform-nodes.png`, fullPage: true });
+  await pl.goto(`${base}/console/platform/discrepancies`);
+  await pl.screenshot({ path: `${shots}/platform-discrepancies.png`, fullPage: true });
+  out.platform_keys_status = (await pl.request.get(`${base}/console/keys`, { maxRedirects: 0 })).status();
+  await p.close();
 } catch (e) {
   // what was seen so far, for the failure message
   console.log(JSON.stringify(out));

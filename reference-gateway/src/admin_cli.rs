@@ -59,22 +59,21 @@ enum Resource {
 
 #[derive(Debug, Subcommand)]
 enum ConsoleUserCmd {
-    /// Creates a console user of one account (a builder) or one operator (a GPU owner), with
-    /// the password in the environment variable `SPINE_CONSOLE_PASSWORD` (12+ bytes; never on
+    /// Creates a console user of one account (a builder), one operator (a GPU owner) or the
+    /// platform (`--platform`: the platform pages), with the password in the environment variable `SPINE_CONSOLE_PASSWORD` (12+ bytes; never on
     /// the command line, which every local user can read) and/or a one-time sign-in link.
     Create {
         #[arg(long)]
         email: String,
         /// The builder's account.
-        #[arg(
-            long,
-            conflicts_with = "operator",
-            required_unless_present = "operator"
-        )]
+        #[arg(long, conflicts_with_all = ["operator", "platform"], required_unless_present_any = ["operator", "platform"])]
         account: Option<String>,
         /// The GPU owner's operator.
-        #[arg(long)]
+        #[arg(long, conflicts_with = "platform")]
         operator: Option<String>,
+        /// A user of the platform itself (every node, traffic, revenue and fees).
+        #[arg(long)]
+        platform: bool,
         /// Also issue a one-time sign-in link (24 h), printed as `sign_in_path`.
         #[arg(long)]
         link: bool,
@@ -231,12 +230,14 @@ impl AdminArgs {
                 email,
                 account,
                 operator,
+                platform,
                 link,
             }) => {
                 let mut body = json!({ "email": email, "sign_in_link": link });
                 match (account, operator) {
                     (Some(a), _) => body["account_id"] = json!(a),
-                    (None, o) => body["operator_id"] = json!(o),
+                    (None, Some(o)) => body["operator_id"] = json!(o),
+                    (None, None) => body["platform"] = json!(platform),
                 }
                 if let Ok(p) = std::env::var("SPINE_CONSOLE_PASSWORD") {
                     body["password"] = json!(p);

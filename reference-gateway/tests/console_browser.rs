@@ -3,8 +3,10 @@
 //! gateway, agent and llama.cpp node. A builder signs in, creates a key, streams a chat in the
 //! playground and finds that request in the log with the billed tokens of the ledger's record,
 //! and the usage table and chart updated; a GPU operator signs in, sees the node routable and
-//! earnings equal to the ledger's operator credit, and issues an enrollment token. Every page
-//! is screenshotted under `<target>/tmp/console-screenshots/`.
+//! earnings equal to the ledger's operator credit, and issues an enrollment token; a platform
+//! user signs in and sees revenue equal to the callers' debits, fees equal to debits less
+//! operator credits, and the node. Every page is screenshotted under
+//! `<target>/tmp/console-screenshots/`.
 //!
 //! Needs `chromium` and `npm ci` in `reference-gateway/browser` (both done by
 //! `scripts/setup.sh`); fails, rather than skips, without them.
@@ -47,12 +49,19 @@ async fn builder_and_operator_in_real_chromium() {
     let engine = Engine::discover().unwrap();
     let llama = LlamaServer::start(&engine, 2).await.unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let gw = Gateway::start(dir.path(), &engine).await;
+    // defaults the builder's own key limits must stay within
+    let gw = Gateway::start_with(
+        dir.path(),
+        &engine,
+        "default_rpm_limit = 600\ndefault_tpm_limit = 1000000",
+    )
+    .await;
     let s = setup(&gw, dir.path(), &llama.url).await;
     let password = "a long console password";
     for body in [
         json!({"email":"builder@example.com","account_id":s.account,"password":password}),
         json!({"email":"gpu@example.com","operator_id":s.operator,"password":password}),
+        json!({"email":"staff@example.com","platform":true,"password":password}),
     ] {
         let (status, v) = gw.admin_post("/admin/v1/console/users", body).await;
         assert_eq!(status, 201, "{v}");
@@ -65,6 +74,7 @@ async fn builder_and_operator_in_real_chromium() {
         .env("CONSOLE_URL", &gw.console)
         .env("BUILDER_EMAIL", "builder@example.com")
         .env("OPERATOR_EMAIL", "gpu@example.com")
+        .env("PLATFORM_EMAIL", "staff@example.com")
         .env("PASSWORD", password)
         .env("NODE_ID", &s.node_id)
         .env("SCREENSHOT_DIR", &shots)
@@ -129,6 +139,15 @@ async fn builder_and_operator_in_real_chromium() {
     let ttft: u64 = seen["log_ttft"].as_str().unwrap().parse().unwrap();
     assert!(ttft > 0, "{seen}");
     assert_eq!(seen["chart_drawn"], true);
+    assert_eq!(
+        seen["spend_micros"].as_u64(),
+        record["debit_micros"].as_u64(),
+        "the spend chart sums to the debit"
+    );
+    assert_eq!(
+        (seen["key_rpm"].as_str(), seen["key_tpm"].as_str()),
+        (Some("30"), Some("50000"))
+    );
     assert_eq!(seen["usage_rows"], 1, "one day × model × key: {seen}");
     let usage = seen["usage_text"].as_str().unwrap();
     assert!(
@@ -152,7 +171,30 @@ async fn builder_and_operator_in_real_chromium() {
         "{join}"
     );
 
+    // the platform: revenue = Σ caller debits (one account, one request), fees = revenue −
+    // operator credits, nothing held once settled
+    let revenue = CREDITS - balance;
+    assert_eq!(revenue, record["debit_micros"].as_u64().unwrap());
+    assert_eq!(seen["platform_revenue"], credits(revenue));
+    assert_eq!(seen["platform_operator_credits"], credits(earned));
+    assert_eq!(seen["platform_fees"], credits(revenue - earned));
+    assert_eq!(seen["platform_requests"], "1");
+    assert_eq!(seen["platform_held"], credits(0));
+    assert_eq!(seen["platform_node_state"], "routable");
+    assert_eq!(seen["platform_node_operator"], s.operator.as_str());
+    assert_eq!(
+        seen["platform_keys_status"], 403,
+        "the platform is not a builder"
+    );
+    assert_eq!(
+        seen["operator_platform_status"], 403,
+        "an operator is not the platform"
+    );
+
     for page in [
+        "platform",
+        "platform-nodes",
+        "platform-discrepancies",
         "signin",
         "keys",
         "playground",

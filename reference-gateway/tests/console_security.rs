@@ -4,7 +4,10 @@
 //! an operator never another operator's nodes or tokens (every id-bearing URL tried with a
 //! foreign id); names with `<script>` escaped; the full API key shown exactly once; no prompt
 //! or completion text on any page; sign-in links single use; sessions revocable; the sign-in
-//! rate limit answers 429.
+//! rate limit answers 429. The platform's pages: signed out → sign in, builders and operators
+//! 403 there and a platform user 403 on theirs, its e-mail (`<script>…`) escaped, no request
+//! text, hostile cursors harmless; key RPM/TPM set within the gateway's cap, hostile values a
+//! clear 400 page, another account's key 404.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, missing_docs)]
 
 mod common;
@@ -54,6 +57,17 @@ impl Session {
         let r = req.send().await.unwrap();
         let (status, headers) = (r.status().as_u16(), r.headers().clone());
         (status, r.text().await.unwrap(), headers)
+    }
+
+    /// `POST /console/keys/limits` with `rpm` and TPM 1200; the status.
+    async fn set_limits(&self, key_hash: &str, rpm: &str, csrf: &str) -> u16 {
+        let form = [
+            ("key_hash", key_hash),
+            ("rpm", rpm),
+            ("tpm", "1200"),
+            ("csrf", csrf),
+        ];
+        self.post("/console/keys/limits", &form).await.0
     }
 
     /// Signs in with a password; asserts the cookie's attributes.
@@ -112,6 +126,11 @@ const OPERATOR_PAGES: &[&str] = &[
     "/console/earnings",
     "/console/enrollments",
 ];
+const PLATFORM_PAGES: &[&str] = &[
+    "/console/platform",
+    "/console/platform/nodes",
+    "/console/platform/discrepancies",
+];
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn console_sessions_csrf_isolation_escaping_and_rate_limits_sqlite() {
@@ -130,7 +149,13 @@ async fn console_security(extra: &str) {
     let engine = Engine::discover().unwrap();
     let llama = LlamaServer::start(&engine, 2).await.unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let gw = Gateway::start_with(dir.path(), &engine, extra).await;
+    // a cap for the keys' own limits a builder sets (RPM 1000, TPM unlimited)
+    let gw = Gateway::start_with(
+        dir.path(),
+        &engine,
+        &format!("{extra}\ndefault_rpm_limit = 1000"),
+    )
+    .await;
     assert!(
         gw.console.starts_with("http://127.0.0.1:"),
         "{}",
@@ -226,6 +251,7 @@ async fn console_security(extra: &str) {
     for page in BUILDER_PAGES
         .iter()
         .chain(OPERATOR_PAGES)
+        .chain(PLATFORM_PAGES)
         .chain(&["/console"])
     {
         let (status, _, headers) = anon.get(page).await;
@@ -354,10 +380,84 @@ async fn console_security(extra: &str) {
     let (status, body, _) = sa.get("/console/usage?days=lots").await;
     assert_eq!(status, 400);
     assert!(body.contains("<html"), "{body}");
-    // a builder is not an operator
-    for page in OPERATOR_PAGES {
+    // a builder is not an operator, nor the platform
+    for page in OPERATOR_PAGES.iter().chain(PLATFORM_PAGES) {
         assert_eq!(sa.get(page).await.0, 403, "{page}");
     }
+
+    // --- per-key RPM/TPM: within the cap, hostile values a clear 400 page ----------------------
+    let (status, limited, _) = sa
+        .post(
+            "/console/keys",
+            &[
+                ("name", "limited"),
+                ("rpm", "7"),
+                ("tpm", "900"),
+                ("csrf", &csrf),
+            ],
+        )
+        .await;
+    assert_eq!(status, 200, "{limited}");
+    assert!(
+        limited.contains("<td class=\"rpm\">7</td>")
+            && limited.contains("<td class=\"tpm\">900</td>"),
+        "{limited}"
+    );
+    for (rpm, tpm) in [
+        ("1001", ""),
+        ("0", ""),
+        ("-1", ""),
+        ("7", "99999999999999999999"),
+        ("<script>alert(1)</script>", ""),
+        ("\u{0}\u{ff}\u{202e}", "1e3"),
+    ] {
+        let (status, body, headers) = sa
+            .post(
+                "/console/keys",
+                &[
+                    ("name", "over"),
+                    ("rpm", rpm),
+                    ("tpm", tpm),
+                    ("csrf", &csrf),
+                ],
+            )
+            .await;
+        assert_eq!(status, 400, "rpm {rpm:?} tpm {tpm:?}: {body}");
+        assert!(headers["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("text/html"));
+        assert!(
+            body.contains("The RPM limit must be a whole number from 1 to 1000"),
+            "{body}"
+        );
+        assert!(!body.contains("sk-spine-"), "no key was created");
+    }
+    assert!(
+        !sa.get("/console/keys").await.1.contains(">over<"),
+        "nothing created"
+    );
+    // edit: the account's own live key; CSRF checked; both limits needed
+    // the newest key is the first row
+    let limited_hash = value_of(&limited, "key_hash").unwrap();
+    assert_eq!(sa.set_limits(&limited_hash, "8", "00").await, 403, "CSRF");
+    assert_eq!(
+        sa.set_limits(&limited_hash, "", &csrf).await,
+        400,
+        "both limits"
+    );
+    assert_eq!(
+        sa.set_limits(&limited_hash, "5000", &csrf).await,
+        400,
+        "over the cap"
+    );
+    assert_eq!(sa.set_limits(&limited_hash, "8", &csrf).await, 303);
+    let keys_now = sa.get("/console/keys").await.1;
+    assert!(
+        keys_now.contains("<td class=\"rpm\">8</td>")
+            && keys_now.contains("<td class=\"tpm\">1200</td>"),
+        "{keys_now}"
+    );
 
     // --- B never sees A: every id-bearing URL with A's ids ------------------------------------
     let mut sb = Session::new(&gw.console);
@@ -400,6 +500,18 @@ async fn console_security(extra: &str) {
         )
         .await;
     assert_eq!(status, 404, "B cannot revoke A's key");
+    let (status, _, _) = sb
+        .post(
+            "/console/keys/limits",
+            &[
+                ("csrf", &b_csrf),
+                ("key_hash", &a_key_hash),
+                ("rpm", "1"),
+                ("tpm", "1"),
+            ],
+        )
+        .await;
+    assert_eq!(status, 404, "B cannot set A's key's limits");
     assert_eq!(gw.say_hi(&new_key).await.0, 200, "A's key still works");
     // B's playground with A's key: refused before anything is sent
     let r = sb
@@ -462,11 +574,11 @@ async fn console_security(extra: &str) {
     );
     let a_token_hash = value_of(&issued, "token_hash").unwrap();
     assert_eq!(a_token_hash.len(), 64);
-    for page in BUILDER_PAGES {
+    for page in BUILDER_PAGES.iter().chain(PLATFORM_PAGES) {
         assert_eq!(
             so.get(page).await.0,
             403,
-            "an operator is not a builder: {page}"
+            "an operator is neither a builder nor the platform: {page}"
         );
     }
 
@@ -501,6 +613,120 @@ async fn console_security(extra: &str) {
         )
         .await;
     assert_eq!(status, 303, "A's operator can");
+
+    // --- the platform: every node and the money, never a builder's or operator's page ---------
+    let (s, v) = gw
+        .admin_post(
+            "/admin/v1/console/users",
+            json!({"email":"x@example.com","platform":true,"account_id":a.account,"password":pw}),
+        )
+        .await;
+    assert_eq!(s, 400, "the platform and an account: {v}");
+    let staff = create_user(
+        &gw,
+        json!({"email": format!("{evil}@example.com"), "platform": true, "sign_in_link": true}),
+    )
+    .await;
+    assert_eq!(
+        (staff["role"].as_str(), &staff["owner_id"]),
+        (Some("platform"), &Value::Null)
+    );
+    let token = staff["sign_in_path"]
+        .as_str()
+        .unwrap()
+        .rsplit('/')
+        .next()
+        .unwrap()
+        .to_owned();
+    // and through the admin CLI (`--platform`, alone: not beside an account)
+    let cli = |args: &[&str]| {
+        tokio::process::Command::new(env!("CARGO_BIN_EXE_reference-gateway"))
+            .args(["admin", "console-users", "create"])
+            .args(args)
+            .env("SPINE_ADMIN_URL", &gw.admin)
+            .env("SPINE_ADMIN_TOKEN", ADMIN_TOKEN)
+            .env("SPINE_CONSOLE_PASSWORD", pw)
+            .output()
+    };
+    let out = cli(&["--email", "staff2@example.com", "--platform"])
+        .await
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let staff2: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(staff2["role"], "platform", "{staff2}");
+    let out = cli(&[
+        "--email",
+        "staff3@example.com",
+        "--platform",
+        "--account",
+        &a.account,
+    ])
+    .await
+    .unwrap();
+    assert!(!out.status.success(), "--platform with --account");
+    let mut sp = Session::new(&gw.console);
+    let (status, _, headers) = sp.post("/console/signin/link", &[("token", &token)]).await;
+    assert_eq!(status, 303);
+    sp.take_cookie(&headers);
+    let (status, _, headers) = sp.get("/console").await;
+    assert_eq!(
+        (status, headers["location"].to_str().unwrap()),
+        (303, "/console/platform")
+    );
+    for page in BUILDER_PAGES.iter().chain(OPERATOR_PAGES) {
+        assert_eq!(
+            sp.get(page).await.0,
+            403,
+            "the platform is not an owner: {page}"
+        );
+    }
+    let (_, overview, _) = sp.get("/console/platform").await;
+    let p_csrf = csrf_in(&overview).unwrap();
+    let cursor_of_hostility = format!("{}.%3Cscript%3Ealert(1)%3C%2Fscript%3E", i64::MAX);
+    for page in PLATFORM_PAGES.iter().map(|p| (*p).to_owned()).chain([
+        format!("/console/platform/nodes?after={cursor_of_hostility}"),
+        format!("/console/platform/discrepancies?after={cursor_of_hostility}"),
+        "/console/platform?days=7".to_owned(),
+    ]) {
+        let (status, body, headers) = sp.get(&page).await;
+        assert_eq!(status, 200, "{page}");
+        assert!(headers["content-security-policy"]
+            .to_str()
+            .unwrap()
+            .contains("script-src 'self'"));
+        assert!(!body.contains(evil), "{page}: the e-mail is escaped");
+        assert!(body.contains("&lt;script&gt;alert(1)"), "{page}");
+        assert!(!body.contains(marker), "{page} shows the prompt");
+        assert!(
+            completion.len() < 12 || !body.contains(&completion),
+            "{page} shows the completion"
+        );
+    }
+    let (_, all_nodes, _) = sp.get("/console/platform/nodes").await;
+    assert!(
+        all_nodes.contains(&a.node_id) && all_nodes.contains(&a.operator),
+        "every operator's nodes: {all_nodes}"
+    );
+    let (status, body, _) = sp.get("/console/platform?days=lots").await;
+    assert_eq!(status, 400);
+    assert!(body.contains("<html"), "{body}");
+    // its only POST, sign-out, needs the CSRF token
+    assert_eq!(sp.post("/console/signout", &[]).await.0, 403);
+    assert_eq!(
+        sp.post("/console/signout", &[("csrf", &other_csrf)])
+            .await
+            .0,
+        403
+    );
+    assert_eq!(
+        sp.post("/console/signout", &[("csrf", &p_csrf)]).await.0,
+        303
+    );
+    assert_eq!(sp.get("/console/platform").await.0, 303, "signed out");
 
     // --- sessions end: sign-out, and the admin API revokes a user's sessions ------------------
     let (status, _, headers) = sb.post("/console/signout", &[("csrf", &b_csrf)]).await;

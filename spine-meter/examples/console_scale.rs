@@ -230,9 +230,10 @@ struct Measured {
 /// The records' seed for `rows` records of `node`, ending at `now` (the dialect's own row
 /// generator; the same values on both stores).
 fn seed_sql(kind: Kind, rows: i64, node: &str, now: i64) -> String {
-    let (id, false_, from) = match kind {
+    let (id, true_, false_, from) = match kind {
         Kind::Sqlite => (
             "printf('req_%024d', i)",
+            "1",
             "0",
             format!(
                 "(WITH RECURSIVE n(i) AS (SELECT 0 UNION ALL SELECT i + 1 FROM n WHERE i < {}) SELECT i FROM n) AS n",
@@ -241,6 +242,7 @@ fn seed_sql(kind: Kind, rows: i64, node: &str, now: i64) -> String {
         ),
         Kind::Postgres => (
             "'req_' || lpad(i::text, 24, '0')",
+            "TRUE",
             "FALSE",
             format!("generate_series(0::BIGINT, {}) AS n(i)", rows - 1),
         ),
@@ -255,7 +257,7 @@ fn seed_sql(kind: Kind, rows: i64, node: &str, now: i64) -> String {
                 CASE WHEN i % 3 = 0 THEN 'other-model' ELSE 'smollm2' END,
                 CASE WHEN i % 20 = 0 THEN 'upstream_failed' ELSE 'completed' END,
                 '{node}', 'op_big', 34 + i % 50, 10 + i % 200, 34 + i % 50, 10 + i % 200,
-                'independent', {false_}, 150000, 600000, 8000, 20, 20, 16, 4, 100,
+                'independent', CASE WHEN i % 1000 = 7 THEN {true_} ELSE {false_} END, 150000, 600000, 8000, 20, 20, 16, 4, 100,
                 {now} - (i * {span} / {rows}), 'key_' || (i % 4), 900 + i % 500, 100 + i % 300
          FROM {from}",
         span = 90 * DAY_MS,
@@ -335,6 +337,16 @@ async fn measure(kind: Kind, rows: i64) -> Measured {
     )
     .await;
     raw.batch(&history_sql(kind, now.div_euclid(DAY_MS))).await;
+    // a hold per record, settled, and 10 still in flight (the platform's credit held)
+    raw.batch(
+        "INSERT INTO holds (request_id, account_id, model, amount_micros, state, created_at_ms)
+         SELECT request_id, account_id, model, 100,
+                CASE WHEN request_id IN (SELECT request_id FROM requests ORDER BY request_id LIMIT 10)
+                     THEN 'held' ELSE 'settled' END,
+                created_at_ms
+         FROM requests",
+    )
+    .await;
     // PostgreSQL: what autovacuum does after a bulk insert (statistics, visibility map)
     raw.batch(match kind {
         Kind::Sqlite => "ANALYZE",
@@ -481,6 +493,38 @@ async fn measure(kind: Kind, rows: i64) -> Measured {
         time(|| c.operator_earnings(&history, now - 30 * DAY_MS, now + 1, 500)).await,
     );
     page("balance", time(|| store.account(&acct)).await);
+    let deep_discrepancy = PageCursor {
+        at_ms: now - 45 * DAY_MS,
+        id: "req_~".to_owned(),
+    };
+    page(
+        "platform: 30 days (roll-ups of every account)",
+        time(|| c.platform_days(now - 30 * DAY_MS, now + 1, 500)).await,
+    );
+    page(
+        "platform: 90 days",
+        time(|| c.platform_days(now - 90 * DAY_MS, now + 1, 500)).await,
+    );
+    page(
+        "platform: operators, 30 days",
+        time(|| c.platform_operators(now - 30 * DAY_MS, now + 1, 500)).await,
+    );
+    page(
+        "platform: all nodes, first page",
+        time(|| c.platform_nodes(None, 50)).await,
+    );
+    page(
+        "platform: discrepancies (0.1 %), first page",
+        time(|| c.platform_discrepancies(None, 50)).await,
+    );
+    page(
+        "platform: discrepancies, a page 45 days back",
+        time(|| c.platform_discrepancies(Some(&deep_discrepancy), 50)).await,
+    );
+    page(
+        "platform: credit held (holds in flight, escrow)",
+        time(|| c.platform_held()).await,
+    );
 
     // what the pages read, checked against the records
     let usage = c

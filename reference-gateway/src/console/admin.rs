@@ -1,8 +1,9 @@
 //! The admin API's console calls (bearer admin token, on the admin listener):
 //!
-//! - `POST /admin/v1/console/users` `{"email", "account_id" | "operator_id", "password"?,
-//!   "sign_in_link"?: true}` → `201 {"user_id", "email", "role", "owner_id", "sign_in_path"?}`:
-//!   a console user of exactly one account (a builder) or one operator; with `sign_in_link`, a
+//! - `POST /admin/v1/console/users` `{"email", "account_id" | "operator_id" | "platform": true,
+//!   "password"?, "sign_in_link"?: true}` → `201 {"user_id", "email", "role", "owner_id",
+//!   "sign_in_path"?}`: a console user of exactly one account (a builder), one operator or the
+//!   platform (`owner_id` null); with `sign_in_link`, a
 //!   one-time sign-in path (`/console/signin/link/<token>`, valid 24 h; only its hash is kept).
 //! - `POST /admin/v1/console/users/{id}/sign-in-link` → `201 {"sign_in_path"}`: another link.
 //! - `POST /admin/v1/console/users/{id}/revoke-sessions` → `{"revoked": n}`.
@@ -34,6 +35,9 @@ pub(crate) struct CreateUserBody {
     account_id: Option<String>,
     #[serde(default)]
     operator_id: Option<String>,
+    /// A user of the platform pages (neither an account nor an operator).
+    #[serde(default)]
+    platform: bool,
     #[serde(default)]
     password: Option<String>,
     #[serde(default)]
@@ -69,13 +73,15 @@ pub(crate) async fn create_user(
             "email must be an address",
         ));
     }
-    let role = match (body.account_id, body.operator_id) {
-        (Some(a), None) => ConsoleRole::Builder(AccountId::new(a)),
-        (None, Some(o)) => ConsoleRole::Operator(OperatorId::new(o)),
+    let role = match (body.account_id, body.operator_id, body.platform) {
+        (Some(a), None, false) => ConsoleRole::Builder(AccountId::new(a)),
+        (None, Some(o), false) => ConsoleRole::Operator(OperatorId::new(o)),
+        (None, None, true) => ConsoleRole::Platform,
         _ => {
             return Err(ApiError::invalid_request(
                 "invalid_role",
-                "give exactly one of account_id (a builder) or operator_id (a GPU operator)",
+                "give exactly one of account_id (a builder), operator_id (a GPU operator) or \
+                 platform: true (the platform's staff)",
             ))
         }
     };
@@ -120,8 +126,9 @@ pub(crate) async fn create_user(
         None
     };
     let (role, owner) = match &user.role {
-        ConsoleRole::Builder(a) => ("builder", a.to_string()),
-        ConsoleRole::Operator(o) => ("operator", o.to_string()),
+        ConsoleRole::Builder(a) => ("builder", Some(a.to_string())),
+        ConsoleRole::Operator(o) => ("operator", Some(o.to_string())),
+        ConsoleRole::Platform => ("platform", None),
     };
     Ok((
         StatusCode::CREATED,

@@ -14,6 +14,8 @@ use serde::{Deserialize, Serialize};
 use spine_core::AccountId;
 use spine_meter::keys;
 use spine_meter::ledger::{ApiKeyInfo, ConsoleRole, ConsoleUser, PageCursor, RequestFilter};
+use spine_meter::limits::KeyHash;
+use spine_meter::KeyLimits;
 use tower::ServiceExt;
 
 use super::auth::{csrf_token, require_post, require_user};
@@ -30,6 +32,7 @@ pub(super) fn routes() -> Router<Arc<ConsoleState>> {
     Router::new()
         .route("/console/keys", get(keys_page).post(create_key))
         .route("/console/keys/revoke", post(revoke_key))
+        .route("/console/keys/limits", post(set_key_limits))
         .route("/console/balance", get(balance_page))
         .route("/console/usage", get(usage_page))
         .route("/console/usage.csv", get(usage_csv))
@@ -46,7 +49,7 @@ async fn builder(
     let (user, token) = require_user(s, headers).await?;
     match user.role.clone() {
         ConsoleRole::Builder(account) => Ok((user, token, account)),
-        ConsoleRole::Operator(_) => {
+        ConsoleRole::Operator(_) | ConsoleRole::Platform => {
             Err(s.error(StatusCode::FORBIDDEN, "This page is for builders."))
         }
     }
@@ -61,7 +64,7 @@ async fn builder_post(
     let (user, token) = require_post(s, headers, csrf).await?;
     match user.role.clone() {
         ConsoleRole::Builder(account) => Ok((user, token, account)),
-        ConsoleRole::Operator(_) => {
+        ConsoleRole::Operator(_) | ConsoleRole::Platform => {
             Err(s.error(StatusCode::FORBIDDEN, "This page is for builders."))
         }
     }
@@ -84,10 +87,7 @@ struct KeyRow {
 fn key_rows(s: &ConsoleState, keys: Vec<ApiKeyInfo>) -> Vec<KeyRow> {
     keys.into_iter()
         .map(|k| {
-            let (rpm_limit, tpm_limit) = s
-                .app
-                .limits
-                .effective(&spine_meter::limits::KeyHash(k.key_hash.clone()));
+            let (rpm_limit, tpm_limit) = s.app.limits.effective(&KeyHash(k.key_hash.clone()));
             KeyRow {
                 name: k.name.unwrap_or_default(),
                 hint: k.key_hint.map(|h| format!("…{h}")).unwrap_or_default(),
@@ -113,10 +113,12 @@ async fn render_keys(
         Ok(p) => p,
         Err(e) => return s.store_error(&e),
     };
+    let (default_rpm, default_tpm) = s.app.limits.defaults();
     s.render(
         "keys.html",
         minijinja::context! {
             user => PageUser::of(user), csrf => csrf_token(token),
+            default_rpm => default_rpm, default_tpm => default_tpm,
             keys => key_rows(s, page.rows), new_key => new_key.as_ref().map(|(k, _)| k),
             new_key_name => new_key.as_ref().map(|(_, n)| n),
         },
@@ -136,6 +138,57 @@ struct CreateKeyForm {
     csrf: Option<String>,
     #[serde(default)]
     name: String,
+    /// Requests per minute; empty: the gateway's default.
+    #[serde(default)]
+    rpm: String,
+    /// Tokens per minute; empty: the gateway's default.
+    #[serde(default)]
+    tpm: String,
+}
+
+/// The RPM/TPM limits a key form asks for (`rpm`, `tpm`: whole numbers; empty = the gateway's
+/// default), within the gateway's defaults ([`RateLimits::within_defaults`]); else what is
+/// allowed, for the 400 page.
+///
+/// [`RateLimits::within_defaults`]: spine_meter::limits::RateLimits::within_defaults
+fn asked_limits(s: &ConsoleState, rpm: &str, tpm: &str) -> Result<KeyLimits, String> {
+    fn parse(v: &str) -> Result<Option<u64>, ()> {
+        match v.trim() {
+            "" => Ok(None),
+            v => match v.parse::<u64>() {
+                // the store keeps a signed 64-bit integer
+                Ok(n) if i64::try_from(n).is_ok() => Ok(Some(n)),
+                _ => Err(()),
+            },
+        }
+    }
+    let asked = match (parse(rpm), parse(tpm)) {
+        (Ok(r), Ok(tpm_limit)) => {
+            r.map(u32::try_from)
+                .transpose()
+                .ok()
+                .map(|rpm_limit| KeyLimits {
+                    rpm_limit,
+                    tpm_limit,
+                })
+        }
+        _ => None,
+    };
+    match asked {
+        Some(l) if s.app.limits.within_defaults(l) => Ok(l),
+        _ => {
+            let (rpm, tpm) = s.app.limits.defaults();
+            let allowed = |d: u64| match d {
+                0 => "a whole number (0: unlimited)".to_owned(),
+                d => format!("a whole number from 1 to {d}"),
+            };
+            Err(format!(
+                "The RPM limit must be {}, the TPM limit {}.",
+                allowed(rpm.into()),
+                allowed(tpm)
+            ))
+        }
+    }
 }
 
 /// `POST /console/keys`: a new key for the account, shown once in this answer.
@@ -148,6 +201,10 @@ async fn create_key(
         Ok(found) => found,
         Err(r) => return r,
     };
+    let limits = match asked_limits(&s, &form.rpm, &form.tpm) {
+        Ok(l) => l,
+        Err(allowed) => return s.error(StatusCode::BAD_REQUEST, &allowed),
+    };
     let name: String = form.name.trim().chars().take(MAX_KEY_NAME_CHARS).collect();
     let key = keys::new_api_key();
     let hint: String = key
@@ -158,12 +215,25 @@ async fn create_key(
         .into_iter()
         .rev()
         .collect();
+    let key_hash = keys::hash_api_key(&key);
     if let Err(e) = s
         .store
-        .create_named_api_key(&account, &keys::hash_api_key(&key), &name, &hint)
+        .create_named_api_key(&account, &key_hash, &name, &hint)
         .await
     {
         return s.store_error(&e);
+    }
+    if let Err(e) = s
+        .app
+        .limits
+        .set_key_limits(&KeyHash(key_hash), limits)
+        .await
+    {
+        tracing::error!(error = %e, "cannot save a console key's limits");
+        return s.error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "The key was created but its limits could not be saved; revoke it and try again.",
+        );
     }
     tracing::info!(account = %account, "console key created");
     render_keys(&s, &user, &token, &account, Some((key, name))).await
@@ -194,6 +264,56 @@ async fn revoke_key(
         }
         Ok(false) => s.error(StatusCode::NOT_FOUND, "No such key."),
         Err(e) => s.store_error(&e),
+    }
+}
+
+#[derive(Deserialize)]
+struct KeyLimitsForm {
+    #[serde(default)]
+    csrf: Option<String>,
+    key_hash: String,
+    #[serde(default)]
+    rpm: String,
+    #[serde(default)]
+    tpm: String,
+}
+
+/// `POST /console/keys/limits`: new RPM and TPM limits for one of the account's live keys
+/// (both given, within the gateway's defaults; another account's key: 404). Other instances
+/// see them within their 10 s cache of a key's limits.
+async fn set_key_limits(
+    State(s): State<Arc<ConsoleState>>,
+    headers: HeaderMap,
+    Form(form): Form<KeyLimitsForm>,
+) -> Response {
+    let (_, _, account) = match builder_post(&s, &headers, form.csrf.as_deref()).await {
+        Ok(found) => found,
+        Err(r) => return r,
+    };
+    let limits = match asked_limits(&s, &form.rpm, &form.tpm) {
+        Ok(l) if l.rpm_limit.is_some() && l.tpm_limit.is_some() => l,
+        Ok(_) => return s.error(StatusCode::BAD_REQUEST, "Give both limits."),
+        Err(allowed) => return s.error(StatusCode::BAD_REQUEST, &allowed),
+    };
+    match s.app.store.account_for_key_hash(&form.key_hash).await {
+        Ok(Some(owner)) if owner == account => {}
+        Ok(_) => return s.error(StatusCode::NOT_FOUND, "No such live key."),
+        Err(e) => return s.store_error(&e),
+    }
+    match s
+        .app
+        .limits
+        .set_key_limits(&KeyHash(form.key_hash), limits)
+        .await
+    {
+        Ok(()) => Redirect::to("/console/keys").into_response(),
+        Err(e) => {
+            tracing::error!(error = %e, "cannot save a console key's limits");
+            s.error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "The limits could not be saved; try again.",
+            )
+        }
     }
 }
 
@@ -240,17 +360,6 @@ struct UsageQuery {
     days: Option<u32>,
 }
 
-/// The usage window: the last `days` (1–90, default 30) UTC days including today.
-fn usage_window(days: Option<u32>) -> (i64, i64, u32) {
-    let days = days.unwrap_or(30).clamp(1, 90);
-    let today = spine_core::unix_time_ms().div_euclid(86_400_000);
-    (
-        (today - i64::from(days) + 1) * 86_400_000,
-        (today + 1) * 86_400_000,
-        days,
-    )
-}
-
 /// Key names by hash, for the account's keys listed.
 async fn key_names(s: &ConsoleState, account: &AccountId) -> HashMap<String, String> {
     match s.store.account_keys(account, None, KEYS_LISTED).await {
@@ -287,7 +396,7 @@ async fn usage_rows(
     account: &AccountId,
     days: Option<u32>,
 ) -> Result<(Vec<UsageRow>, u32), Response> {
-    let (since, until, days) = usage_window(days);
+    let (since, until, days) = super::day_window(days);
     let names = key_names(s, account).await;
     let rows = s
         .store
@@ -331,27 +440,43 @@ async fn usage_page(
         Ok(r) => r,
         Err(r) => return r,
     };
-    // the chart's series: tokens per day (all models and keys), every day of the window
-    let (since, until, _) = usage_window(Some(days));
-    let mut per_day: std::collections::BTreeMap<i64, (u64, u64)> = (since / 86_400_000
+    // the charts' series: tokens and spend per day (all models and keys), every day of the
+    // window
+    let (since, until, _) = super::day_window(Some(days));
+    let mut per_day: std::collections::BTreeMap<i64, [u64; 3]> = (since / 86_400_000
         ..until / 86_400_000)
-        .map(|d| (d, (0, 0)))
+        .map(|d| (d, [0; 3]))
         .collect();
     for r in &rows {
         let e = per_day.entry(r.day).or_default();
-        e.0 += r.prompt_tokens;
-        e.1 += r.completion_tokens;
+        e[0] += r.prompt_tokens;
+        e[1] += r.completion_tokens;
+        e[2] += r.debit_micros;
     }
-    let chart = serde_json::json!({
-        "days": per_day.keys().map(|d| d * 86_400).collect::<Vec<_>>(),
-        "prompt_tokens": per_day.values().map(|v| v.0).collect::<Vec<_>>(),
-        "completion_tokens": per_day.values().map(|v| v.1).collect::<Vec<_>>(),
-    });
+    let days_axis: Vec<i64> = per_day.keys().copied().collect();
+    let column = |i: usize| per_day.values().map(|v| v[i] as f64).collect::<Vec<_>>();
+    let charts = [
+        super::chart(
+            "chart",
+            "Tokens per day (UTC)",
+            &days_axis,
+            &[
+                ("prompt tokens", column(0)),
+                ("completion tokens", column(1)),
+            ],
+        ),
+        super::chart(
+            "chart-spend",
+            "Spend per day (UTC), credits",
+            &days_axis,
+            &[("spend", super::as_credits(column(2)))],
+        ),
+    ];
     s.render(
         "usage.html",
         minijinja::context! {
             user => PageUser::of(&user), csrf => csrf_token(&token), rows => rows, days => days,
-            chart => chart,
+            charts => charts,
         },
     )
 }

@@ -1,6 +1,7 @@
 //! The console (issue 18): server-rendered HTML pages for builders (an account's keys, balance,
-//! usage, requests, a playground) and GPU operators (an operator's nodes, earnings, enrollment
-//! tokens), on its own listener (`console_listen`, default `127.0.0.1:8082`).
+//! usage, requests, a playground), GPU operators (an operator's nodes, earnings, enrollment
+//! tokens) and the platform's staff (every node, traffic, revenue and fees, discrepancies,
+//! credit held), on its own listener (`console_listen`, default `127.0.0.1:8082`).
 //!
 //! Handlers are thin: the store's [`ConsoleStore`](spine_meter::ledger::ConsoleStore) answers
 //! every query, scoped to the signed-in user's account or operator (a URL never names the
@@ -13,6 +14,7 @@ pub(crate) mod admin;
 mod auth;
 mod builder;
 mod operator;
+mod platform;
 
 use std::sync::Arc;
 
@@ -68,6 +70,12 @@ const TEMPLATES: &[(&str, &str)] = &[
         "enrollments.html",
         include_str!("templates/enrollments.html"),
     ),
+    ("charts.html", include_str!("templates/charts.html")),
+    ("platform.html", include_str!("templates/platform.html")),
+    (
+        "discrepancies.html",
+        include_str!("templates/discrepancies.html"),
+    ),
 ];
 
 /// The static assets, embedded: `(name, content type, bytes)`.
@@ -107,6 +115,36 @@ const ASSETS: &[(&str, &str, &[u8])] = &[
 /// `after=<cursor>`, URL-encoded: the query of a list's next page.
 fn after_query(cursor: &spine_meter::ledger::PageCursor) -> String {
     serde_urlencoded::to_string([("after", cursor.encode())]).unwrap_or_default()
+}
+
+/// The last `days` (1–90, default 30) UTC days including today: `(since_ms, until_ms, days)`.
+fn day_window(days: Option<u32>) -> (i64, i64, u32) {
+    let days = days.unwrap_or(30).clamp(1, 90);
+    let today = spine_core::unix_time_ms().div_euclid(86_400_000);
+    (
+        (today - i64::from(days) + 1) * 86_400_000,
+        (today + 1) * 86_400_000,
+        days,
+    )
+}
+
+/// A chart as `assets/chart.js` draws it (uPlot): its element's `id`, a title, the x axis
+/// (UTC days since the epoch, sent as Unix seconds) and named series of one value per day.
+fn chart(id: &str, title: &str, days: &[i64], series: &[(&str, Vec<f64>)]) -> serde_json::Value {
+    serde_json::json!({
+        "id": id,
+        "title": title,
+        "days": days.iter().map(|d| d * 86_400).collect::<Vec<_>>(),
+        "series": series
+            .iter()
+            .map(|(label, values)| serde_json::json!({ "label": label, "values": values }))
+            .collect::<Vec<_>>(),
+    })
+}
+
+/// Micros as credits, for a chart's values.
+fn as_credits(micros: Vec<f64>) -> Vec<f64> {
+    micros.into_iter().map(|m| m / 1e6).collect()
 }
 
 /// Micros as credits with six decimals (`1234567` → `1.234567`).
@@ -256,9 +294,9 @@ fn page_headers(mut r: Response) -> Response {
 #[derive(Serialize)]
 struct PageUser<'a> {
     email: &'a str,
-    /// `builder` or `operator`.
+    /// `builder`, `operator` or `platform`.
     role: &'static str,
-    /// The account or operator id.
+    /// The account or operator id (empty for the platform).
     owner: &'a str,
 }
 
@@ -274,6 +312,11 @@ impl<'a> PageUser<'a> {
                 email: &user.email,
                 role: "operator",
                 owner: o.as_str(),
+            },
+            ConsoleRole::Platform => Self {
+                email: &user.email,
+                role: "platform",
+                owner: "",
             },
         }
     }
@@ -293,6 +336,7 @@ pub(crate) fn router(state: Arc<ConsoleState>) -> Router {
         .route("/favicon.ico", get(|| async { StatusCode::NO_CONTENT }))
         .merge(builder::routes())
         .merge(operator::routes())
+        .merge(platform::routes())
         .fallback(|State(s): State<Arc<ConsoleState>>| async move {
             s.error(StatusCode::NOT_FOUND, "No such page.")
         })
@@ -330,6 +374,7 @@ async fn home(State(s): State<Arc<ConsoleState>>, headers: http::HeaderMap) -> R
         Ok(Some((user, _))) => match user.role {
             ConsoleRole::Builder(_) => Redirect::to("/console/keys").into_response(),
             ConsoleRole::Operator(_) => Redirect::to("/console/nodes").into_response(),
+            ConsoleRole::Platform => Redirect::to("/console/platform").into_response(),
         },
         Ok(None) => Redirect::to("/console/signin").into_response(),
         Err(e) => s.store_error(&e),

@@ -10,7 +10,7 @@ use axum::routing::{get, post};
 use axum::{Form, Router};
 use http::{HeaderMap, StatusCode};
 use serde::{Deserialize, Serialize};
-use spine_core::OperatorId;
+use spine_core::{NodeId, OperatorId};
 use spine_meter::keys;
 use spine_meter::ledger::{ConsoleRole, ConsoleUser, PageCursor};
 
@@ -38,7 +38,7 @@ async fn operator(
     let (user, token) = require_user(s, headers).await?;
     match user.role.clone() {
         ConsoleRole::Operator(op) => Ok((user, token, op)),
-        ConsoleRole::Builder(_) => {
+        ConsoleRole::Builder(_) | ConsoleRole::Platform => {
             Err(s.error(StatusCode::FORBIDDEN, "This page is for GPU operators."))
         }
     }
@@ -52,17 +52,19 @@ async fn operator_post(
     let (user, token) = require_post(s, headers, csrf).await?;
     match user.role.clone() {
         ConsoleRole::Operator(op) => Ok((user, token, op)),
-        ConsoleRole::Builder(_) => {
+        ConsoleRole::Builder(_) | ConsoleRole::Platform => {
             Err(s.error(StatusCode::FORBIDDEN, "This page is for GPU operators."))
         }
     }
 }
 
-/// One node as the nodes page shows it.
+/// One node as the nodes pages (an operator's, the platform's) show it.
 #[derive(Serialize)]
-struct NodeRow {
+pub(super) struct NodeRow {
     node_id: String,
     name: String,
+    /// Its operator (the platform's list only).
+    pub(super) operator: Option<String>,
     connected: bool,
     routable: bool,
     models: Vec<String>,
@@ -74,8 +76,10 @@ struct NodeRow {
     sticky_misses: Option<u64>,
     discrepancies: Option<u64>,
     last_seen: Option<String>,
-    requests_served: u64,
-    earned_micros: u64,
+    /// Stored: requests served, all time (the operator's page only).
+    requests_served: Option<u64>,
+    /// Stored: operator credits paid, micros, all time (the operator's page only).
+    earned_micros: Option<u64>,
     audits: Vec<AuditRow>,
 }
 
@@ -84,6 +88,69 @@ struct AuditRow {
     model: String,
     verdict: String,
     tokens_audited: u64,
+}
+
+/// A node's row: what this instance knows live of it (the router's snapshot `live`, the
+/// tunnel, the auditor); stored counts and the operator are the caller's to fill in.
+pub(super) fn node_row(
+    s: &ConsoleState,
+    live: &[spine_router::NodeSnapshot],
+    node_id: &NodeId,
+    name: Option<String>,
+) -> NodeRow {
+    let snap = live.iter().find(|n| &n.node_id == node_id);
+    let tunnel = s.app.tunnels.status(node_id);
+    let audits = s
+        .app
+        .auditor
+        .as_ref()
+        .map(|a| a.statuses_of(node_id))
+        .unwrap_or_default()
+        .into_iter()
+        .map(|a| AuditRow {
+            model: a.model.to_string(),
+            verdict: serde_json::to_value(a.verdict)
+                .ok()
+                .and_then(|v| v.as_str().map(str::to_owned))
+                .unwrap_or_default(),
+            tokens_audited: a.tokens_audited,
+        })
+        .collect();
+    NodeRow {
+        node_id: node_id.to_string(),
+        name: name.unwrap_or_default(),
+        operator: None,
+        connected: s.app.tunnels.contains(node_id),
+        routable: snap.is_some(),
+        models: match (snap, &tunnel) {
+            (Some(n), _) => n
+                .descriptor
+                .models
+                .iter()
+                .map(|m| m.id.to_string())
+                .collect(),
+            (None, Some(t)) => t.models.iter().map(|m| m.model.to_string()).collect(),
+            (None, None) => Vec::new(),
+        },
+        score: snap.map(|n| {
+            let p = &n.score;
+            format!(
+                "{:.3} ({:.2} · {:.2} · {:.2} · {:.2})",
+                p.score, p.success_rate_ema, p.latency_score, p.uptime_score, p.failure_penalty
+            )
+        }),
+        ttft_ema_ms: snap
+            .and_then(|n| n.score.ttft_ema_ms)
+            .map(|t| format!("{t:.0}")),
+        in_flight: snap.map(|n| n.in_flight),
+        sticky_hits: snap.map(|n| n.sticky_hits),
+        sticky_misses: snap.map(|n| n.sticky_misses),
+        discrepancies: snap.map(|n| n.discrepancies),
+        last_seen: snap.map(|n| format!("{:.0} s ago", n.score.last_seen_secs)),
+        requests_served: None,
+        earned_micros: None,
+        audits,
+    }
 }
 
 async fn nodes_page(State(s): State<Arc<ConsoleState>>, headers: HeaderMap) -> Response {
@@ -99,68 +166,18 @@ async fn nodes_page(State(s): State<Arc<ConsoleState>>, headers: HeaderMap) -> R
     let live = s.app.registry.snapshot();
     let rows: Vec<NodeRow> = records
         .into_iter()
-        .map(|rec| {
-            let snap = live.iter().find(|n| n.node_id == rec.node_id);
-            let tunnel = s.app.tunnels.status(&rec.node_id);
-            let audits = s
-                .app
-                .auditor
-                .as_ref()
-                .map(|a| a.statuses_of(&rec.node_id))
-                .unwrap_or_default()
-                .into_iter()
-                .map(|a| AuditRow {
-                    model: a.model.to_string(),
-                    verdict: serde_json::to_value(a.verdict)
-                        .ok()
-                        .and_then(|v| v.as_str().map(str::to_owned))
-                        .unwrap_or_default(),
-                    tokens_audited: a.tokens_audited,
-                })
-                .collect();
-            NodeRow {
-                node_id: rec.node_id.to_string(),
-                name: rec.name.unwrap_or_default(),
-                connected: s.app.tunnels.contains(&rec.node_id),
-                routable: snap.is_some(),
-                models: match (snap, &tunnel) {
-                    (Some(n), _) => n
-                        .descriptor
-                        .models
-                        .iter()
-                        .map(|m| m.id.to_string())
-                        .collect(),
-                    (None, Some(t)) => t.models.iter().map(|m| m.model.to_string()).collect(),
-                    (None, None) => Vec::new(),
-                },
-                score: snap.map(|n| {
-                    let p = &n.score;
-                    format!(
-                        "{:.3} ({:.2} · {:.2} · {:.2} · {:.2})",
-                        p.score,
-                        p.success_rate_ema,
-                        p.latency_score,
-                        p.uptime_score,
-                        p.failure_penalty
-                    )
-                }),
-                ttft_ema_ms: snap
-                    .and_then(|n| n.score.ttft_ema_ms)
-                    .map(|t| format!("{t:.0}")),
-                in_flight: snap.map(|n| n.in_flight),
-                sticky_hits: snap.map(|n| n.sticky_hits),
-                sticky_misses: snap.map(|n| n.sticky_misses),
-                discrepancies: snap.map(|n| n.discrepancies),
-                last_seen: snap.map(|n| format!("{:.0} s ago", n.score.last_seen_secs)),
-                requests_served: rec.requests_served,
-                earned_micros: rec.earned_micros,
-                audits,
-            }
+        .map(|rec| NodeRow {
+            requests_served: Some(rec.requests_served),
+            earned_micros: Some(rec.earned_micros),
+            ..node_row(&s, &live, &rec.node_id, rec.name)
         })
         .collect();
     s.render(
         "nodes.html",
-        minijinja::context! { user => PageUser::of(&user), csrf => csrf_token(&token), nodes => rows },
+        minijinja::context! {
+            user => PageUser::of(&user), csrf => csrf_token(&token), nodes => rows,
+            platform => false, next => None::<String>,
+        },
     )
 }
 

@@ -28,6 +28,9 @@ pub enum ConsoleRole {
     Builder(AccountId),
     /// A GPU owner: sees one operator's nodes, earnings and enrollment tokens.
     Operator(OperatorId),
+    /// The platform's own staff: sees every node, the traffic, revenue and fees per day,
+    /// usage discrepancies and credit held (schema version 9).
+    Platform,
 }
 
 /// A console user.
@@ -204,6 +207,87 @@ pub struct EnrollmentInfo {
     pub node: Option<NodeId>,
     /// When it was revoked, if it was.
     pub revoked_at_ms: Option<i64>,
+}
+
+/// The whole platform's traffic and money of one UTC day (the platform page), summed from the
+/// daily roll-ups over every account and operator.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PlatformDay {
+    /// Days since the Unix epoch (UTC).
+    pub day: i64,
+    /// Requests settled.
+    pub requests: u64,
+    /// Prompt tokens billed.
+    pub prompt_tokens: u64,
+    /// Completion tokens billed.
+    pub completion_tokens: u64,
+    /// Revenue: taken from callers (Σ debits), micros.
+    pub debit_micros: u64,
+    /// Operator credits paid for that day's requests (escrow counts once paid), micros.
+    /// `debit_micros - operator_credit_micros` is the platform's fee plus credit still held in
+    /// escrow or forfeited.
+    pub operator_credit_micros: u64,
+}
+
+/// One operator's requests served and credits paid in a window (the platform's node list).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OperatorWindow {
+    /// The operator.
+    pub operator: OperatorId,
+    /// Requests its nodes served to the end.
+    pub requests_served: u64,
+    /// Operator credits paid, micros.
+    pub earned_micros: u64,
+}
+
+/// A node as the platform lists it (every operator's).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeInfo {
+    /// The node.
+    pub node_id: NodeId,
+    /// Its operator.
+    pub operator: OperatorId,
+    /// The name it enrolled with, if any.
+    pub name: Option<String>,
+    /// When it was registered, Unix milliseconds.
+    pub created_at_ms: i64,
+}
+
+/// A request whose node's usage claim disagreed with the gateway's count (numbers only).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DiscrepancyRecord {
+    /// The request.
+    pub request_id: String,
+    /// When it was settled, Unix milliseconds.
+    pub created_at_ms: i64,
+    /// The caller's account.
+    pub account: AccountId,
+    /// The node that served it and its operator.
+    pub node: Option<NodeId>,
+    /// The node's operator.
+    pub operator: Option<OperatorId>,
+    /// The model.
+    pub model: ModelId,
+    /// The usage billed (the gateway's count).
+    pub billed: Usage,
+    /// The node's claim.
+    pub claimed: Option<Usage>,
+}
+
+/// Credit held now: by holds of requests in flight (callers' credit reserved) and in escrow
+/// (operator credit withheld while a node's audit is suspect).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeldCredit {
+    /// Active holds.
+    pub holds: u64,
+    /// Credit they hold, micros.
+    pub hold_micros: u64,
+    /// When the oldest was placed, Unix milliseconds.
+    pub oldest_hold_at_ms: Option<i64>,
+    /// Requests whose operator credit is held in escrow.
+    pub escrow_requests: u64,
+    /// That credit, micros.
+    pub escrow_micros: u64,
 }
 
 /// What the console needs from the store. Object safe; [`Store::console`](super::Store::console)
@@ -400,4 +484,62 @@ pub trait ConsoleStore: Send + Sync + std::fmt::Debug + 'static {
         operator: &'a OperatorId,
         token_hash: &'a str,
     ) -> LedgerFuture<'a, bool>;
+
+    /// The platform's traffic and money per UTC day for the days that start in
+    /// `[since_ms, until_ms)`, newest first, at most `limit` days (summed from the daily
+    /// roll-ups' rows of those days, never from the request records).
+    ///
+    /// # Errors
+    ///
+    /// [`LedgerError::Database`](super::LedgerError), [`LedgerError::Corrupt`](super::LedgerError::Corrupt).
+    fn platform_days(
+        &self,
+        since_ms: i64,
+        until_ms: i64,
+        limit: u32,
+    ) -> LedgerFuture<'_, Vec<PlatformDay>>;
+
+    /// Each operator's requests served and credits paid for the days that start in
+    /// `[since_ms, until_ms)` (the earnings roll-up), most earned first, at most `limit`.
+    ///
+    /// # Errors
+    ///
+    /// [`LedgerError::Database`](super::LedgerError), [`LedgerError::Corrupt`](super::LedgerError::Corrupt).
+    fn platform_operators(
+        &self,
+        since_ms: i64,
+        until_ms: i64,
+        limit: u32,
+    ) -> LedgerFuture<'_, Vec<OperatorWindow>>;
+
+    /// A page of every operator's nodes, newest first.
+    ///
+    /// # Errors
+    ///
+    /// [`LedgerError::Database`](super::LedgerError).
+    fn platform_nodes<'a>(
+        &'a self,
+        after: Option<&'a PageCursor>,
+        limit: u32,
+    ) -> LedgerFuture<'a, Page<NodeInfo>>;
+
+    /// A page of the requests with a usage discrepancy, newest first (a partial index of
+    /// those records only).
+    ///
+    /// # Errors
+    ///
+    /// [`LedgerError::Database`](super::LedgerError), [`LedgerError::Corrupt`](super::LedgerError::Corrupt).
+    fn platform_discrepancies<'a>(
+        &'a self,
+        after: Option<&'a PageCursor>,
+        limit: u32,
+    ) -> LedgerFuture<'a, Page<DiscrepancyRecord>>;
+
+    /// Credit held now by active holds and in escrow (partial indexes of active holds and
+    /// escrowed records: bounded by what is in flight or held, not by all records).
+    ///
+    /// # Errors
+    ///
+    /// [`LedgerError::Database`](super::LedgerError), [`LedgerError::Corrupt`](super::LedgerError::Corrupt).
+    fn platform_held(&self) -> LedgerFuture<'_, HeldCredit>;
 }

@@ -79,8 +79,9 @@ use spine_core::{
 use crate::price::Price;
 
 pub use console::{
-    ApiKeyInfo, ConsoleRole, ConsoleStore, ConsoleUser, CreditEntry, EarningsDay, EnrollmentInfo,
-    Page, PageCursor, RequestFilter, RequestSummary, UsageDay, MAX_PAGE_ROWS,
+    ApiKeyInfo, ConsoleRole, ConsoleStore, ConsoleUser, CreditEntry, DiscrepancyRecord,
+    EarningsDay, EnrollmentInfo, HeldCredit, NodeInfo, OperatorWindow, Page, PageCursor,
+    PlatformDay, RequestFilter, RequestSummary, UsageDay, MAX_PAGE_ROWS,
 };
 #[cfg(all(feature = "sqlite", feature = "postgres"))]
 pub use lifecycle::open_store;

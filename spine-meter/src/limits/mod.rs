@@ -239,6 +239,23 @@ impl RateLimits {
         }
     }
 
+    /// The gateway's defaults `(default_rpm_limit, default_tpm_limit)`: requests and tokens per
+    /// minute for a key without its own limits; 0 = unlimited.
+    pub fn defaults(&self) -> (u32, u64) {
+        (self.default_rpm, self.default_tpm)
+    }
+
+    /// Whether a key's own limits stay within the gateway's defaults, the cap a console user
+    /// (not the admin API) may set: each given limit in `1..=default` (0, unlimited, only when
+    /// the default is unlimited too); `None` takes the default.
+    pub fn within_defaults(&self, asked: KeyLimits) -> bool {
+        fn ok(asked: Option<u64>, default: u64) -> bool {
+            asked.is_none_or(|v| default == 0 || (1..=default).contains(&v))
+        }
+        ok(asked.rpm_limit.map(u64::from), u64::from(self.default_rpm))
+            && ok(asked.tpm_limit, self.default_tpm)
+    }
+
     /// Whether decisions are local because Redis is unreachable (always false without Redis).
     pub fn is_degraded(&self) -> bool {
         #[cfg(feature = "redis")]

@@ -9,6 +9,23 @@ mod local {
         RateLimits::in_memory(rpm, tpm)
     }
 
+    #[test]
+    fn console_limits_stay_within_the_defaults() {
+        let capped = limits(60, 10_000);
+        let asked = |rpm, tpm| KeyLimits {
+            rpm_limit: rpm,
+            tpm_limit: tpm,
+        };
+        assert_eq!(capped.defaults(), (60, 10_000));
+        assert!(capped.within_defaults(asked(None, None)));
+        assert!(capped.within_defaults(asked(Some(1), Some(10_000))));
+        assert!(!capped.within_defaults(asked(Some(61), None)));
+        assert!(!capped.within_defaults(asked(None, Some(10_001))));
+        assert!(!capped.within_defaults(asked(Some(0), None)), "unlimited");
+        let open = limits(0, 0);
+        assert!(open.within_defaults(asked(Some(0), Some(u64::MAX))));
+    }
+
     #[tokio::test]
     async fn rpm_allows_the_burst_then_refuses_with_retry_after() {
         let l = limits(3, 0);

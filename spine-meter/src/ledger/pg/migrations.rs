@@ -21,6 +21,19 @@ CREATE TABLE instances (
 );
 "#;
 
+/// Platform console users (schema version 9; SQLite rebuilds the table): a `platform` flag,
+/// and [`schema::CONSOLE_USER_ONE_OWNER`] in place of version 7's account-or-operator check
+/// (PostgreSQL named it `console_users_check`).
+fn platform_users() -> String {
+    format!(
+        "ALTER TABLE console_users ADD COLUMN platform BOOLEAN NOT NULL DEFAULT FALSE;
+ALTER TABLE console_users DROP CONSTRAINT console_users_check;
+ALTER TABLE console_users ADD CONSTRAINT console_users_one_owner {};
+",
+        schema::CONSOLE_USER_ONE_OWNER
+    )
+}
+
 /// Schema migrations `(version, sql)`, applied in order, each once (recorded in
 /// `spine_schema_migrations`), all in one transaction under the migration lock.
 ///
@@ -51,5 +64,10 @@ pub(in crate::ledger) fn migrations() -> Vec<(i64, String)> {
         (7, TYPES.put(schema::CONSOLE)),
         // SQLite's 8
         (8, TYPES.put(schema::NODE_EARNINGS)),
+        // SQLite's 9
+        (
+            9,
+            [platform_users(), TYPES.put(schema::PLATFORM_INDEXES)].concat(),
+        ),
     ]
 }

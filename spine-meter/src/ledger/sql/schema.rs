@@ -271,3 +271,18 @@ INSERT INTO earnings_daily (operator_id, day, model, node_id, requests_served, c
     GROUP BY operator_id, created_at_ms / 86400000, model, COALESCE(node_id, '');
 CREATE INDEX requests_account_model_time ON requests(account_id, model, created_at_ms, request_id);
 "#;
+
+/// Exactly one owner of a console user (schema version 9): an account (a builder), an operator
+/// (a GPU operator), or the platform (`platform`: the gateway's own staff).
+pub(in crate::ledger) const CONSOLE_USER_ONE_OWNER: &str = "CHECK ((CASE WHEN account_id IS NULL THEN 0 ELSE 1 END) \
+     + (CASE WHEN operator_id IS NULL THEN 0 ELSE 1 END) + (CASE WHEN platform THEN 1 ELSE 0 END) = 1)";
+
+/// The platform page's indexes (schema version 9): the roll-ups by day across every account
+/// and operator, the records with a usage discrepancy (newest first) and the nodes by time, so
+/// each of its queries reads a bounded range.
+pub(in crate::ledger) const PLATFORM_INDEXES: &str = r#"
+CREATE INDEX usage_daily_day ON usage_daily(day);
+CREATE INDEX earnings_daily_day ON earnings_daily(day, operator_id);
+CREATE INDEX requests_discrepancy ON requests(created_at_ms, request_id) WHERE discrepancy;
+CREATE INDEX nodes_time ON nodes(created_at_ms, node_id);
+"#;

@@ -36,7 +36,7 @@ async fn migration_2_upgrades_a_version_1_file_and_old_holds_settle_as_unknown_m
             .fetch_all(l.pool())
             .await
             .unwrap();
-    assert_eq!(versions, vec![1, 2, 3, 4, 5, 6, 7, 8]);
+    assert_eq!(versions, vec![1, 2, 3, 4, 5, 6, 7, 8, 9]);
     assert_eq!(l.settle_stale_holds().await.unwrap(), 1);
     let rec = l
         .request_record(RequestId::from("old"))
@@ -209,4 +209,98 @@ async fn database_wal_and_shm_files_are_owner_only() {
     assert_eq!(mode(&wal), 0o600);
     assert_eq!(mode(&shm), 0o600);
     l.close().await;
+}
+
+/// Schema version 9 rebuilds `console_users` (and the sessions and links that reference it) on a
+/// file written at version 7: users, sessions and links keep their roles, the foreign keys point
+/// at the new table and hold, the one-owner check holds, and a platform user can be created.
+#[tokio::test]
+async fn migration_9_keeps_the_console_users_sessions_and_links_of_a_version_7_file() {
+    use crate::ledger::{ConsoleRole, ConsoleUser, Store};
+    use spine_core::OperatorId;
+    use std::sync::Arc;
+
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ledger.db");
+    {
+        let opts = sqlx::sqlite::SqliteConnectOptions::new()
+            .filename(&path)
+            .create_if_missing(true);
+        let pool = sqlx::SqlitePool::connect_with(opts).await.unwrap();
+        sqlx::raw_sql(
+            "CREATE TABLE spine_schema_migrations (version INTEGER PRIMARY KEY, applied_at_ms INTEGER NOT NULL)",
+        )
+        .execute(&pool)
+        .await
+        .unwrap();
+        for (v, sql) in super::migrations::migrations() {
+            if v <= 7 {
+                sqlx::raw_sql(&sql).execute(&pool).await.unwrap();
+                sqlx::query("INSERT INTO spine_schema_migrations VALUES (?, 0)")
+                    .bind(v)
+                    .execute(&pool)
+                    .await
+                    .unwrap();
+            }
+        }
+        sqlx::raw_sql(
+            "INSERT INTO accounts (id, created_at_ms) VALUES ('a', 0);
+             INSERT INTO operators (id, created_at_ms) VALUES ('o', 0);
+             INSERT INTO console_users (user_id, email, account_id, created_at_ms) VALUES ('cu_b', 'b@x', 'a', 0);
+             INSERT INTO console_users (user_id, email, operator_id, created_at_ms) VALUES ('cu_o', 'o@x', 'o', 0);
+             INSERT INTO console_sessions (token_hash, user_id, created_at_ms, expires_at_ms) VALUES ('s', 'cu_b', 0, 9000000000000);
+             INSERT INTO console_links (token_hash, user_id, created_at_ms, expires_at_ms) VALUES ('l', 'cu_o', 0, 9000000000000);",
+        )
+        .execute(&pool)
+        .await
+        .unwrap();
+        pool.close().await;
+    }
+    let l = Arc::new(SqliteLedger::open(&path).await.unwrap());
+    let c = l.clone().console();
+    let now = spine_core::unix_time_ms();
+    assert_eq!(
+        c.console_session("s", now).await.unwrap().unwrap().role,
+        ConsoleRole::Builder(AccountId::from("a"))
+    );
+    assert_eq!(
+        c.redeem_console_link("l", now).await.unwrap().unwrap().role,
+        ConsoleRole::Operator(OperatorId::from("o"))
+    );
+    c.create_console_user(&ConsoleUser {
+        user_id: "cu_p".into(),
+        email: "p@x".into(),
+        role: ConsoleRole::Platform,
+        password_hash: None,
+        created_at_ms: 0,
+    })
+    .await
+    .unwrap();
+    c.create_console_session("sp", "cu_p", now + 60_000)
+        .await
+        .unwrap();
+    assert_eq!(
+        c.console_session("sp", now).await.unwrap().unwrap().role,
+        ConsoleRole::Platform
+    );
+    let dangling = sqlx::query("PRAGMA foreign_key_check")
+        .fetch_all(l.pool())
+        .await
+        .unwrap();
+    assert!(dangling.is_empty());
+    assert!(
+        c.create_console_session("sx", "nobody", now + 60_000)
+            .await
+            .is_err(),
+        "the sessions' foreign key holds"
+    );
+    assert!(
+        sqlx::query(
+            "INSERT INTO console_users (user_id, email, account_id, operator_id, created_at_ms) VALUES ('x', 'x@x', 'a', 'o', 0)",
+        )
+        .execute(l.pool())
+        .await
+        .is_err(),
+        "one owner"
+    );
 }

@@ -935,6 +935,109 @@ async fn sqlite_request_log_filters_read_their_index() {
     store.close().await;
 }
 
+/// The platform's page (schema version 9): a platform user (no account, no operator); the
+/// days' debits and operator credits equal the records' (escrow once paid), the discrepancy
+/// list holds only the records with one, newest first and paged, and credit held counts the
+/// holds in flight and the escrow.
+async fn platform_days_discrepancies_and_held_credit(backend: Backend) {
+    let (_db, store, c) = console_setup(backend).await;
+    let (a, node, op) = setup_with(&*store, "").await;
+    let (b, _, _) = setup_with(&*store, "b").await;
+    store.add_credits(&a, 1_000_000, "big").await.unwrap();
+    c.create_console_user(&user("cu_p", "p@example.com", ConsoleRole::Platform))
+        .await
+        .unwrap();
+    let now = spine_core::unix_time_ms();
+    c.create_console_session("sp", "cu_p", now + 60_000)
+        .await
+        .unwrap();
+    let u = c.console_session("sp", now).await.unwrap().unwrap();
+    assert_eq!(u.role, ConsoleRole::Platform);
+    let mut debits = 0;
+    let mut paid = 0;
+    for (i, (held, discrepancy)) in [(false, false), (false, true), (true, true), (false, false)]
+        .into_iter()
+        .enumerate()
+    {
+        let id = format!("p_{i}");
+        store
+            .hold(
+                RequestId::from(id.as_str()),
+                a.clone(),
+                ModelId::from("smollm2"),
+                100,
+            )
+            .await
+            .unwrap();
+        let mut s = settlement(&id, &a, Some(node.clone()), StreamOutcome::Completed);
+        s.earnings_held = held;
+        s.discrepancy = discrepancy;
+        let r = store.settle(s).await.unwrap();
+        debits += r.debit_micros;
+        if !held {
+            paid += r.operator_credit_micros;
+        }
+    }
+    // one request in flight of `b`
+    store
+        .hold(
+            RequestId::from("p_live"),
+            b.clone(),
+            ModelId::from("smollm2"),
+            77,
+        )
+        .await
+        .unwrap();
+    let days = c.platform_days(0, i64::MAX, 100).await.unwrap();
+    assert_eq!(days.len(), 1, "{days:?}");
+    assert_eq!(
+        (
+            days[0].requests,
+            days[0].debit_micros,
+            days[0].operator_credit_micros
+        ),
+        (4, debits, paid)
+    );
+    assert_eq!(days[0].completion_tokens, 4 * 12);
+    let ops = c.platform_operators(0, i64::MAX, 100).await.unwrap();
+    assert_eq!(ops.len(), 1);
+    assert_eq!(
+        (
+            &ops[0].operator,
+            ops[0].requests_served,
+            ops[0].earned_micros
+        ),
+        (&op, 4, paid)
+    );
+    let nodes = c.platform_nodes(None, 100).await.unwrap();
+    assert!(nodes
+        .rows
+        .iter()
+        .any(|n| n.node_id == node && n.operator == op));
+    assert!(nodes.rows.len() >= 2, "every operator's nodes");
+    let first = c.platform_discrepancies(None, 1).await.unwrap();
+    assert_eq!(first.rows.len(), 1);
+    assert_eq!(first.rows[0].request_id, "p_2", "newest first");
+    assert_eq!(first.rows[0].account, a);
+    let second = c
+        .platform_discrepancies(first.next.as_ref(), 1)
+        .await
+        .unwrap();
+    assert_eq!(
+        (
+            second.rows.len(),
+            second.rows[0].request_id.as_str(),
+            second.next
+        ),
+        (1, "p_1", None)
+    );
+    let held = c.platform_held().await.unwrap();
+    assert_eq!((held.holds, held.hold_micros), (1, 77));
+    assert!(held.oldest_hold_at_ms.is_some());
+    assert_eq!(held.escrow_requests, 1);
+    assert!(held.escrow_micros > 0);
+}
+
 macro_rules! console_tests {
     ($($t:ident),* $(,)?) => {
         mod sqlite {
@@ -964,4 +1067,5 @@ console_tests!(
     earnings_rollup_counts_escrow_once_paid,
     rollups_equal_the_records_sums_after_settlements,
     version_7_with_records_migrates_to_per_node_earnings,
+    platform_days_discrepancies_and_held_credit,
 );

@@ -4,9 +4,13 @@
 //! the indexes of schema version 7 ([`super::schema::CONSOLE`]) serve them. Usage and
 //! earnings read the daily roll-ups ([`rollup`]), whole UTC days.
 
+mod platform;
 mod rollup;
 mod store;
 
+pub(in crate::ledger) use platform::{
+    platform_days, platform_discrepancies, platform_held, platform_nodes, platform_operators,
+};
 pub(in crate::ledger) use rollup::{record_paid_escrow, record_settlement, SettledRow};
 pub(in crate::ledger) use store::sql_console;
 
@@ -58,12 +62,18 @@ fn cursor_args(after: Option<&PageCursor>) -> (Arg<'_>, Arg<'_>) {
     }
 }
 
-const USER_COLUMNS: &str = "user_id, email, password_hash, account_id, operator_id, created_at_ms";
+const USER_COLUMNS: &str =
+    "user_id, email, password_hash, account_id, operator_id, platform, created_at_ms";
 
 fn user_from_row<R: SqlRow>(row: &R) -> Result<ConsoleUser, LedgerError> {
-    let role = match (row.opt_text("account_id")?, row.opt_text("operator_id")?) {
-        (Some(a), None) => ConsoleRole::Builder(AccountId::from(a)),
-        (None, Some(o)) => ConsoleRole::Operator(OperatorId::from(o)),
+    let role = match (
+        row.opt_text("account_id")?,
+        row.opt_text("operator_id")?,
+        row.bool("platform")?,
+    ) {
+        (Some(a), None, false) => ConsoleRole::Builder(AccountId::from(a)),
+        (None, Some(o), false) => ConsoleRole::Operator(OperatorId::from(o)),
+        (None, None, true) => ConsoleRole::Platform,
         _ => return Err(LedgerError::Corrupt("console user role")),
     };
     Ok(ConsoleUser {
@@ -83,19 +93,21 @@ pub(in crate::ledger) async fn create_console_user<B: Backend>(
     let (account, operator) = match &user.role {
         ConsoleRole::Builder(a) => (Some(a.as_str()), None),
         ConsoleRole::Operator(o) => (None, Some(o.as_str())),
+        ConsoleRole::Platform => (None, None),
     };
     // the owner must exist: one statement, inserted only when it does
     let owner = match &user.role {
         ConsoleRole::Builder(_) => "SELECT 1 FROM accounts WHERE id = $4",
         ConsoleRole::Operator(_) => "SELECT 1 FROM operators WHERE id = $5",
+        ConsoleRole::Platform => "SELECT 1",
     };
     let inserted = b
         .write()
         .await?
         .exec(
             &format!(
-                "INSERT INTO console_users (user_id, email, password_hash, account_id, operator_id, created_at_ms)
-                 SELECT $1, $2, $3, $4, $5, $6 WHERE EXISTS ({owner})"
+                "INSERT INTO console_users (user_id, email, password_hash, account_id, operator_id, created_at_ms, platform)
+                 SELECT $1, $2, $3, $4, $5, $6, $7 WHERE EXISTS ({owner})"
             ),
             &[
                 Arg::Text(&user.user_id),
@@ -104,15 +116,15 @@ pub(in crate::ledger) async fn create_console_user<B: Backend>(
                 Arg::OptText(account),
                 Arg::OptText(operator),
                 Arg::I64(now_ms()),
+                Arg::Bool(user.role == ConsoleRole::Platform),
             ],
         )
         .await
         .map_err(|e| unique_as(e, "console user"))?;
-    if inserted == 0 {
-        return Err(match &user.role {
-            ConsoleRole::Builder(a) => LedgerError::UnknownAccount(a.clone()),
-            ConsoleRole::Operator(o) => LedgerError::UnknownOperator(o.clone()),
-        });
+    match (&user.role, inserted) {
+        (ConsoleRole::Builder(a), 0) => return Err(LedgerError::UnknownAccount(a.clone())),
+        (ConsoleRole::Operator(o), 0) => return Err(LedgerError::UnknownOperator(o.clone())),
+        _ => {}
     }
     Ok(())
 }
@@ -188,7 +200,7 @@ pub(in crate::ledger) async fn console_session<B: Backend>(
     b.read()
         .await?
         .optional(
-            "SELECT u.user_id, u.email, u.password_hash, u.account_id, u.operator_id, u.created_at_ms
+            "SELECT u.user_id, u.email, u.password_hash, u.account_id, u.operator_id, u.platform, u.created_at_ms
              FROM console_sessions s JOIN console_users u ON u.user_id = s.user_id
              WHERE s.token_hash = $1 AND s.revoked_at_ms IS NULL AND s.expires_at_ms > $2",
             &[Arg::Text(token_hash), Arg::I64(now)],

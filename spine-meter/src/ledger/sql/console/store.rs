@@ -198,6 +198,57 @@ macro_rules! sql_console {
                     self, operator, token_hash,
                 ))
             }
+            fn platform_days(
+                &self,
+                since_ms: i64,
+                until_ms: i64,
+                limit: u32,
+            ) -> $crate::ledger::LedgerFuture<'_, Vec<$crate::ledger::PlatformDay>> {
+                Box::pin($crate::ledger::sql::console::platform_days(
+                    self, since_ms, until_ms, limit,
+                ))
+            }
+
+            fn platform_operators(
+                &self,
+                since_ms: i64,
+                until_ms: i64,
+                limit: u32,
+            ) -> $crate::ledger::LedgerFuture<'_, Vec<$crate::ledger::OperatorWindow>> {
+                Box::pin($crate::ledger::sql::console::platform_operators(
+                    self, since_ms, until_ms, limit,
+                ))
+            }
+
+            fn platform_nodes<'a>(
+                &'a self,
+                after: Option<&'a $crate::ledger::PageCursor>,
+                limit: u32,
+            ) -> $crate::ledger::LedgerFuture<'a, $crate::ledger::Page<$crate::ledger::NodeInfo>>
+            {
+                Box::pin($crate::ledger::sql::console::platform_nodes(
+                    self, after, limit,
+                ))
+            }
+
+            fn platform_discrepancies<'a>(
+                &'a self,
+                after: Option<&'a $crate::ledger::PageCursor>,
+                limit: u32,
+            ) -> $crate::ledger::LedgerFuture<
+                'a,
+                $crate::ledger::Page<$crate::ledger::DiscrepancyRecord>,
+            > {
+                Box::pin($crate::ledger::sql::console::platform_discrepancies(
+                    self, after, limit,
+                ))
+            }
+
+            fn platform_held(
+                &self,
+            ) -> $crate::ledger::LedgerFuture<'_, $crate::ledger::HeldCredit> {
+                Box::pin($crate::ledger::sql::console::platform_held(self))
+            }
         }
     };
 }
