@@ -119,7 +119,7 @@ impl TestDb {
 
     fn migrations(&self) -> i64 {
         match self {
-            TestDb::Sqlite { .. } | TestDb::Postgres(_) => 8,
+            TestDb::Sqlite { .. } | TestDb::Postgres(_) => 9,
         }
     }
 }
@@ -1749,7 +1749,7 @@ async fn sqlite_opens_of_one_new_file_at_the_same_instant_never_fail_busy() {
             .fetch_one(stores[0].reader_pool())
             .await
             .unwrap();
-        assert_eq!(migrated, 8, "round {round}");
+        assert_eq!(migrated, 9, "round {round}");
         for s in &stores {
             s.close().await;
         }
