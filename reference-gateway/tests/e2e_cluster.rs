@@ -45,6 +45,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use common::console::{csrf_in, Session};
 use common::{keygen, sse_data, Gateway, PgDb, ADMIN_TOKEN, CREDITS, SHARE_BPS};
 use serde_json::{json, Value};
 use spine_test_support::{random_hex, Child, GatewayToml, Ready};
@@ -1143,13 +1144,16 @@ async fn a_keys_rate_limit_holds_across_instances() {
     );
 }
 
-/// A key revoked through one instance (what the console's revocation writes: `revoked_at_ms`
-/// in the shared database) stops working on every instance within `key_cache_ttl_secs`, though
-/// each one had it cached from a request just before. Before the cache had a time to live, the
-/// other instances kept serving a revoked key until they restarted.
+/// Several instances, one database: a builder signs in to the console of instance 1 (a user
+/// the admin API of instance 0 created), the session works on instance 2's console too, and a
+/// key revoked there stops at once on instance 1 and on every other instance within
+/// `key_cache_ttl_secs`, though each had it cached from a request just before. Before the
+/// cache had a time to live, the other instances kept serving a revoked key until they
+/// restarted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_key_revoked_through_one_instance_stops_on_every_instance() {
+async fn a_key_revoked_in_one_instances_console_stops_on_every_instance() {
     const TTL_SECS: u64 = 2;
+    const PASSWORD: &str = "a long console passphrase";
     let _serial = SERIAL.lock().await;
     let cluster = Cluster::start(Options {
         extra: format!("key_cache_ttl_secs = {TTL_SECS}"),
@@ -1161,14 +1165,35 @@ async fn a_key_revoked_through_one_instance_stops_on_every_instance() {
         let (s, body, _) = chat(cluster.gw(on), &key, &model(on), 4).await;
         assert_eq!(s, 200, "instance {on}: {body}");
     }
-    let hash = spine_meter::keys::hash_api_key(&key);
-    cluster
-        .db
-        .query(&format!(
-            "UPDATE api_keys SET revoked_at_ms = 1 WHERE key_hash = '{hash}'"
-        ))
+    let (s, user) = cluster
+        .gw(0)
+        .admin_post(
+            "/admin/v1/console/users",
+            json!({"email": "dev@example.com", "account_id": cluster.account, "password": PASSWORD}),
+        )
         .await;
+    assert_eq!(s, 201, "{user}");
+    let mut one = Session::new(&cluster.gw(1).console);
+    one.sign_in("dev@example.com", PASSWORD).await;
+    // the same session on another instance's console
+    let mut two = Session::new(&cluster.gw(2).console);
+    two.cookie = one.cookie.clone();
+    let (s, page, _) = two.get("/console/keys").await;
+    assert_eq!(s, 200, "{page}");
+    let (s, page, _) = one.get("/console/keys").await;
+    assert_eq!(s, 200, "{page}");
+    let csrf = csrf_in(&page).expect("a CSRF token on the keys page");
+    let hash = spine_meter::keys::hash_api_key(&key);
+    let (s, body, _) = one
+        .post(
+            "/console/keys/revoke",
+            &[("key_hash", &hash), ("csrf", &csrf)],
+        )
+        .await;
+    assert_eq!(s, 303, "{body}");
     let revoked = Instant::now();
+    let (s, body, _) = chat(cluster.gw(1), &key, &model(1), 4).await;
+    assert_eq!(s, 401, "at once on the instance that revoked it: {body}");
     // a bound a hang would take, not a timing claim: the TTL is 2 s
     let limit = Duration::from_secs(60);
     for on in 0..INSTANCES {
@@ -1187,12 +1212,12 @@ async fn a_key_revoked_through_one_instance_stops_on_every_instance() {
         }
     }
     println!(
-        "key cache: a revoked key refused on all {INSTANCES} instances {:.2} s after the \
-         revocation (key_cache_ttl_secs = {TTL_SECS})",
+        "key cache: a key revoked in instance 1's console refused on all {INSTANCES} instances \
+         {:.2} s after the revocation (key_cache_ttl_secs = {TTL_SECS})",
         revoked.elapsed().as_secs_f64()
     );
     // the account's other key is not touched
-    let (s, body, _) = chat(cluster.gw(1), &cluster.api_key, &model(1), 4).await;
+    let (s, body, _) = chat(cluster.gw(3), &cluster.api_key, &model(3), 4).await;
     assert_eq!(s, 200, "{body}");
 }
 

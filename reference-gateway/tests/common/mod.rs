@@ -16,6 +16,8 @@ use serde_json::{json, Value};
 use spine_test_support::{Child, Engine, GatewayToml, Ready};
 use tokio::process::Command;
 
+pub mod console;
+
 pub const ADMIN_TOKEN: &str = "test-admin-token-0123456789";
 pub const INPUT_PRICE: u64 = 150_000; // micros per million prompt tokens
 pub const OUTPUT_PRICE: u64 = 600_000; // micros per million completion tokens
