@@ -1219,6 +1219,40 @@ async fn a_key_revoked_in_one_instances_console_stops_on_every_instance() {
     // the account's other key is not touched
     let (s, body, _) = chat(cluster.gw(3), &cluster.api_key, &model(3), 4).await;
     assert_eq!(s, 200, "{body}");
+
+    // sign-in attempts count across instances (Redis): wrong passwords for the address spread
+    // over every instance's console meet one budget of 5 a minute (one already spent on the
+    // sign-in above), not 5 per instance
+    let started = Instant::now();
+    let mut admitted = 0;
+    for j in 0..4 * INSTANCES {
+        let s = Session::new(&cluster.gw(j % INSTANCES).console);
+        let (status, body, _) = s
+            .post(
+                "/console/signin",
+                &[
+                    ("email", "dev@example.com"),
+                    ("password", "wrong password!"),
+                ],
+            )
+            .await;
+        match status {
+            429 => {}
+            303 => panic!("signed in with a wrong password: {body}"),
+            _ => admitted += 1,
+        }
+    }
+    let refill = (started.elapsed().as_secs_f64() / 12.0).ceil() as usize;
+    println!(
+        "sign-in: {} wrong-password attempts over {INSTANCES} instances → {admitted} checked, \
+         the rest 429",
+        4 * INSTANCES
+    );
+    assert!(
+        (1..=4 + refill).contains(&admitted),
+        "{admitted} attempts checked (budget 5 a minute, one spent, + {refill} refilled); \
+         {INSTANCES} instances must not give {INSTANCES}× the budget"
+    );
 }
 
 // --- 6 ---------------------------------------------------------------------------------------

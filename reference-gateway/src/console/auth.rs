@@ -8,7 +8,8 @@
 //! - CSRF: every state-changing form carries `csrf`, the SHA-256 of a fixed label and the session
 //!   token (a value only a page of this session can know; it is never stored); a POST without
 //!   the right one is refused 403 before anything else is done.
-//! - Sign-in attempts are rate limited per client IP and per e-mail address (governor's GCRA):
+//! - Sign-in attempts are rate limited per client IP and per e-mail address (a GCRA: in Redis,
+//!   shared by every instance, when the gateway has one; else governor's, per instance):
 //!   [`SignInLimits`].
 
 use std::net::IpAddr;
@@ -26,6 +27,7 @@ use http::{header, HeaderMap, HeaderValue, StatusCode};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 use spine_meter::ledger::ConsoleUser;
+use spine_meter::limits::RateLimits;
 use spine_meter::LedgerError;
 use spine_transport::PeerAddr;
 
@@ -59,8 +61,11 @@ impl Default for SignInLimits {
 }
 
 impl SignInLimits {
-    /// Whether one more attempt from `ip` for `email` is allowed now (each check takes one).
-    fn allow(&self, ip: IpAddr, email: &str) -> bool {
+    /// Whether one more attempt from `ip` (for `email`, when one is named) is allowed now (each
+    /// check takes one). With Redis (several instances) the budgets are shared by every
+    /// instance ([`RateLimits::check_shared`]); without it, or while Redis fails, each
+    /// instance counts its own.
+    async fn allow(&self, shared: &RateLimits, ip: IpAddr, email: Option<&str>) -> bool {
         // keep the maps bounded: drop keys whose limit has fully recovered
         if self.per_ip.len() > 10_000 {
             self.per_ip.retain_recent();
@@ -68,8 +73,27 @@ impl SignInLimits {
         if self.per_user.len() > 10_000 {
             self.per_user.retain_recent();
         }
-        let ip_ok = self.per_ip.check_key(&ip).is_ok();
-        let user_ok = self.per_user.check_key(&email.to_owned()).is_ok();
+        let per_minute = |n: u32| NonZeroU32::new(n).unwrap_or(NonZeroU32::MIN);
+        let ip_ok = match shared
+            .check_shared(&format!("signin:ip:{ip}"), per_minute(PER_IP_PER_MINUTE))
+            .await
+        {
+            Some(ok) => ok,
+            None => self.per_ip.check_key(&ip).is_ok(),
+        };
+        let Some(email) = email else {
+            return ip_ok;
+        };
+        let user_ok = match shared
+            .check_shared(
+                &format!("signin:user:{email}"),
+                per_minute(PER_USER_PER_MINUTE),
+            )
+            .await
+        {
+            Some(ok) => ok,
+            None => self.per_user.check_key(&email.to_owned()).is_ok(),
+        };
         ip_ok && user_ok
     }
 }
@@ -263,7 +287,7 @@ pub(super) async fn signin(
     if email.len() > 254 || form.password.len() > 1024 {
         return s.error(StatusCode::BAD_REQUEST, "E-mail or password too long.");
     }
-    if !s.limits.allow(peer.ip(), email) {
+    if !s.limits.allow(&s.app.limits, peer.ip(), Some(email)).await {
         tracing::warn!(ip = %peer.ip(), "console sign-in rate limited");
         let mut r = s.render(
             "signin.html",
@@ -327,7 +351,7 @@ pub(super) async fn link_signin(
     Extension(PeerAddr(peer)): Extension<PeerAddr>,
     Form(form): Form<LinkForm>,
 ) -> Response {
-    if !s.limits.allow(peer.ip(), "(link)") {
+    if !s.limits.allow(&s.app.limits, peer.ip(), None).await {
         return s.error(
             StatusCode::TOO_MANY_REQUESTS,
             "Too many sign-in attempts; wait a minute.",

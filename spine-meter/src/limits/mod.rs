@@ -391,6 +391,30 @@ impl RateLimits {
         self.check_rpm_local(key, rpm)
     }
 
+    /// Counts one event against the budget `name` in Redis, shared by every instance: a GCRA
+    /// of `per_minute` events a minute with a burst of as many (the RPM bucket's script, under
+    /// `<key_prefix>rl:named:<SHA-256 of name>`). For limits beside the API keys' that must
+    /// hold across instances (the console's sign-in attempts). `None` without Redis, or when
+    /// Redis is degraded or failed: the caller decides in this instance.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropped, the event may or may not have been counted.
+    pub async fn check_shared(&self, name: &str, per_minute: NonZeroU32) -> Option<bool> {
+        #[cfg(feature = "redis")]
+        if let Some(redis) = self.redis.as_ref().filter(|r| r.usable()) {
+            use sha2::Digest;
+            let name = KeyHash(hex::encode(sha2::Sha256::digest(name.as_bytes())));
+            let bucket = redis.bucket_key("named", &name);
+            return redis
+                .invoke::<u64>(&redis.rpm_script, &bucket, &[per_minute.to_string()])
+                .await
+                .map(|wait_micros| wait_micros == 0);
+        }
+        let _ = (name, per_minute);
+        None
+    }
+
     fn check_rpm_local(&self, key: &KeyHash, rpm: NonZeroU32) -> Result<(), Refused> {
         let limiter = self
             .rpm
