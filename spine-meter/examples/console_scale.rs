@@ -82,16 +82,23 @@ fn requests_before() -> String {
     )
 }
 
-/// The request log's statement now for one filter column (as `account_requests` builds it),
-/// for its plan.
+/// The request log's statement now for one filter column (as `account_requests` builds it:
+/// down to the last record a page may search, or the window's start), for its plan.
 fn requests_now(column: &str) -> String {
     format!(
         "SELECT {REQUEST_COLUMNS} FROM requests
          WHERE account_id = $1 AND {column} = $2
-           AND created_at_ms >= $3 AND (created_at_ms, request_id) < ($4, $5)
+           AND (created_at_ms, request_id) >= ($3, '') AND (created_at_ms, request_id) < ($4, $5)
          ORDER BY created_at_ms DESC, request_id DESC LIMIT $6"
     )
 }
+
+/// The statement that finds the last record a key- or outcome-filtered page searches (the
+/// 10,000th below the cursor), for its plan.
+const SCAN_END_NOW: &str = "SELECT created_at_ms, request_id FROM requests
+     WHERE account_id = $1
+       AND (created_at_ms, request_id) >= ($2, '') AND (created_at_ms, request_id) < ($3, $4)
+     ORDER BY created_at_ms DESC, request_id DESC LIMIT 1 OFFSET $5";
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Kind {
@@ -436,15 +443,19 @@ async fn measure(kind: Kind, rows: i64) -> Measured {
     );
     page("request log, one key", time(|| log(&by_key, None)).await);
     page(
-        "request log, a key with no rows (every record of the account read)",
+        "request log, a key with no rows (10,000 records searched)",
         time(|| log(&no_key, None)).await,
+    );
+    page(
+        "request log, a key with no rows, 45 days back (search older)",
+        time(|| log(&no_key, Some(&deep))).await,
     );
     page(
         "request log, outcome `upstream_failed` (5 %)",
         time(|| log(&failed, None)).await,
     );
     page(
-        "request log, an outcome with no rows (every record of the account read)",
+        "request log, an outcome with no rows (10,000 records searched)",
         time(|| log(&no_outcome, None)).await,
     );
     page(
@@ -460,7 +471,7 @@ async fn measure(kind: Kind, rows: i64) -> Measured {
         time(|| log(&no_model, None)).await,
     );
     page(
-        "request log, a model and a key with no rows (every record of the model read)",
+        "request log, a model and a key with no rows (10,000 of the model's searched)",
         time(|| log(&model_key_none, None)).await,
     );
     page(
@@ -526,7 +537,10 @@ async fn measure(kind: Kind, rows: i64) -> Measured {
         time(|| c.platform_held()).await,
     );
 
-    // what the pages read, checked against the records
+    // what the pages read, checked against the records: a key with no rows searches
+    // 10,000 records and says where to search on
+    let none = log(&no_key, None).await.unwrap();
+    assert!(none.rows.is_empty() && none.next.is_some(), "{none:?}");
     let usage = c
         .account_usage(&acct, now - 30 * DAY_MS, now + 1, 500)
         .await
@@ -579,6 +593,17 @@ async fn measure(kind: Kind, rows: i64) -> Measured {
             "request log, outcome filter",
             requests_now("outcome"),
             window("upstream_failed").to_vec(),
+        ),
+        (
+            "request log, the last record a filtered page searches",
+            SCAN_END_NOW.to_owned(),
+            vec![
+                Bind::Text("acct_big"),
+                Bind::I64(i64::MIN),
+                Bind::I64(i64::MAX),
+                Bind::Text(""),
+                Bind::I64(9_999),
+            ],
         ),
         (
             "nodes page",

@@ -13,7 +13,9 @@ use http::{header, HeaderMap, StatusCode};
 use serde::{Deserialize, Serialize};
 use spine_core::AccountId;
 use spine_meter::keys;
-use spine_meter::ledger::{ApiKeyInfo, ConsoleRole, ConsoleUser, PageCursor, RequestFilter};
+use spine_meter::ledger::{
+    ApiKeyInfo, ConsoleRole, ConsoleUser, PageCursor, RequestFilter, MAX_SCANNED_PER_PAGE,
+};
 use spine_meter::limits::KeyHash;
 use spine_meter::KeyLimits;
 use tower::ServiceExt;
@@ -567,6 +569,19 @@ fn parse_day(s: &str) -> Option<i64> {
     Some(era * 146_097 + doe - 719_468)
 }
 
+/// `n` with a comma between each three digits (`10,000`).
+fn with_thousands(n: u32) -> String {
+    let digits = n.to_string();
+    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
 /// A filter value: trimmed, empty = none, at most 128 characters.
 fn filter_value(v: Option<String>) -> Option<String> {
     v.map(|v| v.trim().to_owned())
@@ -617,6 +632,10 @@ async fn requests_page(
         Ok(p) => p,
         Err(e) => return s.store_error(&e),
     };
+    // fewer rows than a page and a next cursor: the store searched its bound of records and
+    // found no more matches there; the next page searches the older ones
+    let searched = (page.next.is_some() && page.rows.len() < PAGE_ROWS as usize)
+        .then(|| with_thousands(MAX_SCANNED_PER_PAGE));
     let names = key_names(&s, &account).await;
     let rows: Vec<RequestRow> = page
         .rows
@@ -669,7 +688,7 @@ async fn requests_page(
         "requests.html",
         minijinja::context! {
             user => PageUser::of(&user), csrf => csrf_token(&token), rows => rows, next => next,
-            keys => key_options, filter => filter, day => q.day,
+            searched => searched, keys => key_options, filter => filter, day => q.day,
             outcomes => ["completed", "client_cancelled", "upstream_failed", "rejected", "cut_at_bound"],
             models => s.app.catalog_ids.iter().map(ToString::to_string).collect::<Vec<_>>(),
         },
@@ -761,7 +780,15 @@ async fn playground_chat(
 
 #[cfg(test)]
 mod tests {
-    use super::{csv_field, parse_day};
+    use super::{csv_field, parse_day, with_thousands};
+
+    #[test]
+    fn counts_have_thousands_separators() {
+        assert_eq!(with_thousands(0), "0");
+        assert_eq!(with_thousands(999), "999");
+        assert_eq!(with_thousands(10_000), "10,000");
+        assert_eq!(with_thousands(1_234_567), "1,234,567");
+    }
 
     #[test]
     fn days_parse_back_to_the_epoch_count() {

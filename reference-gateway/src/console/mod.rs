@@ -446,4 +446,30 @@ mod tests {
         assert!(!html.contains("<script>x"));
         Ok(())
     }
+
+    /// A request-log page whose search found no more matches in its bound of records says so
+    /// and links to the older ones (a plain link); a last page has no link.
+    #[test]
+    fn a_searched_request_page_links_to_older_records() -> Result<(), minijinja::Error> {
+        let env = templates()?;
+        let render = |next: Option<&str>, searched: Option<&str>| {
+            env.get_template("requests.html")?
+                .render(minijinja::context! {
+                    user => minijinja::context! { email => "b@x", role => "builder", owner => "a" },
+                    csrf => "", rows => Vec::<()>::new(), next => next, searched => searched,
+                    keys => Vec::<(String, String)>::new(), day => None::<String>,
+                    filter => minijinja::context! { key_hash => "k", model => None::<String>, outcome => None::<String> },
+                    outcomes => ["completed"], models => ["m"],
+                })
+        };
+        let html = render(Some("after=5.r&key=k"), Some("10,000"))?;
+        assert!(
+            html.contains("No more matches in the last 10,000 requests searched — <a href=\"/console/requests?after=5.r&amp;key=k\" id=\"older\">search older →</a>"),
+            "{html}"
+        );
+        let html = render(None, None)?;
+        assert!(!html.contains("id=\"older\""), "{html}");
+        assert!(html.contains("No requests match."), "{html}");
+        Ok(())
+    }
 }

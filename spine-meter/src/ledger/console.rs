@@ -20,6 +20,12 @@ use super::{KeyLimits, LedgerFuture};
 /// The most rows one page or aggregate returns, whatever `limit` asks.
 pub const MAX_PAGE_ROWS: u32 = 500;
 
+/// The most of an account's request records one request-log page reads when it filters by
+/// key or outcome (newest first, below the cursor, in the window): a page with fewer rows than
+/// asked and a next cursor searched this many records and found no more matches there; its
+/// cursor is the last record read, so the next page searches the older ones.
+pub const MAX_SCANNED_PER_PAGE: u32 = 10_000;
+
 /// Whose console user this is: a builder's (an account's) or a GPU operator's.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -407,6 +413,12 @@ pub trait ConsoleStore: Send + Sync + std::fmt::Debug + 'static {
     ) -> LedgerFuture<'a, bool>;
 
     /// A page of an account's settled requests matching `filter`, newest first.
+    ///
+    /// A key or outcome filter searches at most [`MAX_SCANNED_PER_PAGE`] of the account's
+    /// records (of the model's, with a model filter) below `after`: when those hold fewer than
+    /// `limit` matches, the page has the matches found and, unless no older record is left,
+    /// a next cursor at the last record searched (fewer rows than `limit` with a next cursor:
+    /// "no more matches in the records searched"). Paging never skips or repeats a record.
     ///
     /// # Errors
     ///

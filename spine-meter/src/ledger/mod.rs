@@ -81,7 +81,7 @@ use crate::price::Price;
 pub use console::{
     ApiKeyInfo, ConsoleRole, ConsoleStore, ConsoleUser, CreditEntry, DiscrepancyRecord,
     EarningsDay, EnrollmentInfo, HeldCredit, NodeInfo, OperatorWindow, Page, PageCursor,
-    PlatformDay, RequestFilter, RequestSummary, UsageDay, MAX_PAGE_ROWS,
+    PlatformDay, RequestFilter, RequestSummary, UsageDay, MAX_PAGE_ROWS, MAX_SCANNED_PER_PAGE,
 };
 #[cfg(all(feature = "sqlite", feature = "postgres"))]
 pub use lifecycle::open_store;

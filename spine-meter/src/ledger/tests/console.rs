@@ -861,6 +861,177 @@ async fn version_7_with_records_migrates_to_per_node_earnings(backend: Backend) 
     );
 }
 
+/// Pages of `account`'s request log with at most `max_scanned` records searched a page,
+/// through the store's own statements: each page's request ids and whether it had a next.
+async fn scanned_pages<B: crate::ledger::sql::Backend>(
+    b: &B,
+    account: &AccountId,
+    filter: &RequestFilter,
+    first: Option<PageCursor>,
+    limit: u32,
+    max_scanned: i64,
+) -> Vec<(Vec<String>, bool)> {
+    let mut pages = Vec::new();
+    let mut cursor = first;
+    loop {
+        let page = crate::ledger::sql::console::account_requests_scanning(
+            b,
+            account,
+            filter,
+            cursor.as_ref(),
+            limit,
+            max_scanned,
+        )
+        .await
+        .unwrap();
+        assert!(pages.len() < 100, "paging ends");
+        pages.push((
+            page.rows.iter().map(|r| r.request_id.clone()).collect(),
+            page.next.is_some(),
+        ));
+        match page.next {
+            Some(next) => cursor = Some(PageCursor::decode(&next.encode()).unwrap()),
+            None => return pages,
+        }
+    }
+}
+
+/// A key filter that matches few of an account's records searches at most `max_scanned`
+/// records a page: pages with fewer rows (none, even) and a cursor at the last record searched,
+/// then the older ones, every match exactly once, newest first, and no next page once no
+/// record is left. A cursor of another account's record reads only the account's own.
+async fn sparse_filters_search_a_bounded_number_of_records(backend: Backend) {
+    let (db, store, _c) = console_setup(backend).await;
+    let (a, node, _) = setup_with(&*store, "").await;
+    let (b, _, _) = setup_with(&*store, "b").await;
+    store.add_credits(&a, 1_000_000, "big").await.unwrap();
+    // 12 records of `a`: key `k1` on req_01 and req_10, an upstream failure on req_05; `b`
+    // has records with `k1` in between
+    for i in 0..12 {
+        let id = format!("req_{i:02}");
+        store
+            .hold(
+                RequestId::from(id.as_str()),
+                a.clone(),
+                ModelId::from("smollm2"),
+                100,
+            )
+            .await
+            .unwrap();
+        let mut s = settlement(&id, &a, Some(node.clone()), StreamOutcome::Completed);
+        s.key = Some(if i == 1 || i == 10 { "k1" } else { "k2" }.to_owned());
+        if i == 5 {
+            s.outcome = StreamOutcome::UpstreamFailed;
+        }
+        store.settle(s).await.unwrap();
+        if i % 4 == 0 {
+            let id = format!("req_b{i:02}");
+            store
+                .hold(
+                    RequestId::from(id.as_str()),
+                    b.clone(),
+                    ModelId::from("smollm2"),
+                    100,
+                )
+                .await
+                .unwrap();
+            let mut s = settlement(&id, &b, Some(node.clone()), StreamOutcome::Completed);
+            s.key = Some("k1".to_owned());
+            store.settle(s).await.unwrap();
+        }
+    }
+    let k1 = RequestFilter {
+        key_hash: Some("k1".into()),
+        ..RequestFilter::default()
+    };
+    let failed = RequestFilter {
+        outcome: Some("upstream_failed".into()),
+        ..RequestFilter::default()
+    };
+    let model_k1 = RequestFilter {
+        model: Some("smollm2".into()),
+        ..k1.clone()
+    };
+    let ids = |v: &[&str]| v.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+    let check = |pages: Vec<(Vec<String>, bool)>, expected: Vec<(Vec<String>, bool)>| {
+        assert_eq!(pages, expected);
+    };
+    macro_rules! run {
+        ($ledger:expr) => {{
+            let l = $ledger;
+            // 4 records searched a page: req_11..08, 07..04, 03..00, then none left
+            for filter in [&k1, &model_k1] {
+                check(
+                    scanned_pages(&l, &a, filter, None, 2, 4).await,
+                    vec![
+                        (ids(&["req_10"]), true),
+                        (vec![], true),
+                        (ids(&["req_01"]), true),
+                        (vec![], false),
+                    ],
+                );
+            }
+            check(
+                scanned_pages(&l, &a, &failed, None, 2, 4).await,
+                vec![
+                    (vec![], true),
+                    (ids(&["req_05"]), true),
+                    (vec![], true),
+                    (vec![], false),
+                ],
+            );
+            // a full page stops at its last row, as without a bound; the next searches the
+            // 10 records left, fewer than the bound: the last page
+            check(
+                scanned_pages(&l, &a, &k1, None, 1, 12).await,
+                vec![(ids(&["req_10"]), true), (ids(&["req_01"]), false)],
+            );
+            // more records searched than are left: one page, no next
+            check(
+                scanned_pages(&l, &a, &k1, None, 50, 13).await,
+                vec![(ids(&["req_10", "req_01"]), false)],
+            );
+            // the bound is the default's: every match, no next
+            let page = crate::ledger::sql::console::account_requests(&l, &a, &k1, None, 50)
+                .await
+                .unwrap();
+            assert_eq!(page.rows.len(), 2);
+            assert!(page.next.is_none());
+            // a cursor at another account's record (`b`'s req_b08, settled between a's
+            // req_08 and req_09): `a`'s own records below it only
+            let b_rows = crate::ledger::sql::console::account_requests(
+                &l,
+                &b,
+                &RequestFilter::default(),
+                None,
+                50,
+            )
+            .await
+            .unwrap()
+            .rows;
+            let b08 = b_rows.iter().find(|r| r.request_id == "req_b08").unwrap();
+            let foreign = PageCursor {
+                at_ms: b08.created_at_ms,
+                id: b08.request_id.clone(),
+            };
+            let pages = scanned_pages(&l, &a, &k1, Some(foreign.clone()), 2, 4).await;
+            let rows: Vec<String> = pages.iter().flat_map(|p| p.0.clone()).collect();
+            assert!(rows.contains(&"req_01".to_owned()), "{pages:?}");
+            assert!(
+                rows.iter().all(|r| r == "req_01" || r == "req_10"),
+                "{pages:?}"
+            );
+            let pages = scanned_pages(&l, &b, &k1, Some(foreign), 2, 2).await;
+            let rows: Vec<String> = pages.iter().flat_map(|p| p.0.clone()).collect();
+            assert_eq!(rows, ids(&["req_b04", "req_b00"]), "{pages:?}");
+        }};
+    }
+    match &db {
+        TestDb::Sqlite { path, .. } => run!(SqliteLedger::open(path).await.unwrap()),
+        TestDb::Postgres(pg) => run!(PgLedger::connect(&pg.url).await.unwrap()),
+    }
+}
+
 /// The request log's statement for each filter the console offers reads the index that serves
 /// it (SQLite's `EXPLAIN QUERY PLAN` on an empty ledger: the plan does not depend on row counts
 /// there; PostgreSQL's plans at 1,000,000 records are in docs/benchmarks.md).
@@ -875,16 +1046,38 @@ async fn sqlite_request_log_filters_read_their_index() {
         at_ms: 5,
         id: "r".to_owned(),
     };
-    let plan = |filter: RequestFilter, after: Option<PageCursor>| {
+    let scan_end = PageCursor {
+        at_ms: 2,
+        id: "q".to_owned(),
+    };
+    // the page's statement (0: to the window's start, 1: to a scan's end) or the scan's end's
+    let plan_of = |filter: RequestFilter, after: Option<PageCursor>, statement: u8| {
         let store = store.clone();
         let account = account.clone();
+        let scan_end = scan_end.clone();
         async move {
-            let (sql, args) = crate::ledger::sql::console::account_requests_statement(
-                &account,
-                &filter,
-                after.as_ref(),
-                50,
-            );
+            let (sql, args) = match statement {
+                0 => crate::ledger::sql::console::account_requests_statement(
+                    &account,
+                    &filter,
+                    after.as_ref(),
+                    None,
+                    50,
+                ),
+                1 => crate::ledger::sql::console::account_requests_statement(
+                    &account,
+                    &filter,
+                    after.as_ref(),
+                    Some(&scan_end),
+                    50,
+                ),
+                _ => crate::ledger::sql::console::request_scan_end_statement(
+                    &account,
+                    &filter,
+                    after.as_ref(),
+                    10_000,
+                ),
+            };
             let explain = format!("EXPLAIN QUERY PLAN {sql}");
             let mut q = sqlx::query_as::<_, (i64, i64, i64, String)>(&explain);
             for arg in args {
@@ -898,6 +1091,7 @@ async fn sqlite_request_log_filters_read_their_index() {
             rows.into_iter().map(|r| r.3).collect::<Vec<_>>().join("; ")
         }
     };
+    let plan = |filter: RequestFilter, after: Option<PageCursor>| plan_of(filter, after, 0);
     let model = RequestFilter {
         model: Some("m".into()),
         ..RequestFilter::default()
@@ -928,10 +1122,34 @@ async fn sqlite_request_log_filters_read_their_index() {
             ..RequestFilter::default()
         },
     ] {
-        let p = plan(filter, Some(cursor.clone())).await;
+        let p = plan(filter.clone(), Some(cursor.clone())).await;
         assert!(p.contains("requests_account_time"), "{p}");
         assert!(!p.contains("TEMP B-TREE"), "no sort: {p}");
+        // a page bounded by the scan's end: one range, both ends row values
+        let p = plan_of(filter.clone(), Some(cursor.clone()), 1).await;
+        assert!(p.contains("requests_account_time"), "{p}");
+        assert!(p.contains("(created_at_ms,request_id)>"), "{p}");
+        assert!(p.contains("(created_at_ms,request_id)<"), "{p}");
+        assert!(!p.contains("TEMP B-TREE"), "no sort: {p}");
+        // the scan's end: the index alone
+        let p = plan_of(filter, Some(cursor.clone()), 2).await;
+        assert!(p.contains("COVERING INDEX requests_account_time"), "{p}");
+        assert!(!p.contains("TEMP B-TREE"), "no sort: {p}");
     }
+    let p = plan_of(
+        RequestFilter {
+            model: Some("m".into()),
+            key_hash: Some("k".into()),
+            ..RequestFilter::default()
+        },
+        None,
+        2,
+    )
+    .await;
+    assert!(
+        p.contains("COVERING INDEX requests_account_model_time"),
+        "{p}"
+    );
     store.close().await;
 }
 
@@ -1068,4 +1286,5 @@ console_tests!(
     rollups_equal_the_records_sums_after_settlements,
     version_7_with_records_migrates_to_per_node_earnings,
     platform_days_discrepancies_and_held_credit,
+    sparse_filters_search_a_bounded_number_of_records,
 );

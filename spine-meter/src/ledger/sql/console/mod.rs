@@ -19,7 +19,7 @@ use spine_core::{AccountId, ModelId, NodeId, OperatorId, StreamOutcome, Usage};
 use super::{unique_as, Arg, Backend, SqlConn, SqlRow};
 use crate::ledger::console::{
     ApiKeyInfo, ConsoleRole, ConsoleUser, CreditEntry, EarningsDay, EnrollmentInfo, Page,
-    PageCursor, RequestFilter, RequestSummary, UsageDay, MAX_PAGE_ROWS,
+    PageCursor, RequestFilter, RequestSummary, UsageDay, MAX_PAGE_ROWS, MAX_SCANNED_PER_PAGE,
 };
 use crate::ledger::convert::{db, key_limits, now_ms};
 use crate::ledger::LedgerError;
@@ -381,59 +381,113 @@ pub(in crate::ledger) async fn revoke_api_key<B: Backend>(
     Ok(changed == 1)
 }
 
-/// The request log's statement and its arguments for `filter`, the page after `after` and
-/// `limit + 1` rows. Only the filters given are in the text, each an equality (never
-/// `$n IS NULL OR …`, which neither SQLite's planner nor a PostgreSQL generic plan can turn
-/// into an index range): with a model, a range of `requests_account_model_time`
-/// `(account_id, model, created_at_ms, request_id)` (schema version 8), otherwise of
-/// `requests_account_time` `(account_id, created_at_ms, request_id)`, in index order either
-/// way (no sort; SQLite picks the model index without `ANALYZE` statistics too). A key or
-/// outcome filter is checked on the rows that range reads.
-pub(in crate::ledger) fn account_requests_statement<'a>(
-    account: &'a AccountId,
-    filter: &'a RequestFilter,
+/// The request log's range for `filter` below `after`: the upper bound, the lower of the
+/// window's end and the cursor (`created_at_ms < until` is `(created_at_ms, request_id) <
+/// (until, '')`: no id is below ''), and the window's start as a lower bound `(since, '')`.
+/// SQLite's planner, without statistics, ranges an index on a row value or on a column's
+/// bounds, not both, and would rather take `requests_account_time` for both: so both bounds
+/// are row values.
+fn request_range<'a>(
+    filter: &RequestFilter,
     after: Option<&'a PageCursor>,
-    limit: i64,
-) -> (String, Vec<Arg<'a>>) {
-    let mut sql = String::from(
-        "SELECT request_id, created_at_ms, key_hash, model, outcome, node_id,
-                billed_prompt_tokens, billed_completion_tokens,
-                claimed_prompt_tokens, claimed_completion_tokens,
-                discrepancy, duration_ms, ttft_ms, debit_micros
-         FROM requests
-         WHERE account_id = $1",
-    );
-    let mut args = vec![Arg::Text(account.as_str())];
-    for (column, value) in [
-        ("model", &filter.model),
-        ("key_hash", &filter.key_hash),
-        ("outcome", &filter.outcome),
-    ] {
-        if let Some(value) = value {
-            args.push(Arg::Text(value));
-            sql.push_str(&format!(" AND {column} = ${}", args.len()));
-        }
-    }
-    // the window's end and the cursor are one upper bound, the lower of the two row values
-    // (`created_at_ms < until` is `(created_at_ms, request_id) < (until, '')`: no id is below
-    // ''): SQLite's planner, without statistics, ranges an index on a row value or on a
-    // column's bounds, not both, and would rather take `requests_account_time` for both
+) -> ((i64, &'a str), (i64, &'a str)) {
     let until = filter.until_ms.unwrap_or(i64::MAX);
-    let (at, id) = match after {
+    let upper = match after {
         Some(c) if c.at_ms < until => (c.at_ms, c.id.as_str()),
         _ => (until, ""),
     };
+    (upper, (filter.since_ms.unwrap_or(i64::MIN), ""))
+}
+
+/// `WHERE account_id = $1 [AND model = $2]`, the index's equality prefix, and its arguments.
+fn request_prefix<'a>(account: &'a AccountId, filter: &'a RequestFilter) -> (String, Vec<Arg<'a>>) {
+    let mut sql = String::from(" WHERE account_id = $1");
+    let mut args = vec![Arg::Text(account.as_str())];
+    if let Some(model) = &filter.model {
+        args.push(Arg::Text(model));
+        sql.push_str(" AND model = $2");
+    }
+    (sql, args)
+}
+
+/// The statement that finds where a filtered request-log page stops searching: the
+/// `max_scanned`-th record below `after` in the window (of the model's, with a model filter),
+/// newest first, read from the index alone (`requests_account_time` or
+/// `requests_account_model_time` holds both columns); no row when fewer are left.
+pub(in crate::ledger) fn request_scan_end_statement<'a>(
+    account: &'a AccountId,
+    filter: &'a RequestFilter,
+    after: Option<&'a PageCursor>,
+    max_scanned: i64,
+) -> (String, Vec<Arg<'a>>) {
+    let (mut sql, mut args) = request_prefix(account, filter);
+    sql.insert_str(0, "SELECT created_at_ms, request_id FROM requests");
+    let ((at, id), (since, _)) = request_range(filter, after);
     let n = args.len();
     sql.push_str(&format!(
-        " AND created_at_ms >= ${} AND (created_at_ms, request_id) < (${}, ${})
-         ORDER BY created_at_ms DESC, request_id DESC LIMIT ${}",
+        " AND (created_at_ms, request_id) >= (${}, '') AND (created_at_ms, request_id) < (${}, ${})
+         ORDER BY created_at_ms DESC, request_id DESC LIMIT 1 OFFSET ${}",
         n + 1,
         n + 2,
         n + 3,
         n + 4
     ));
     args.extend([
-        Arg::I64(filter.since_ms.unwrap_or(i64::MIN)),
+        Arg::I64(since),
+        Arg::I64(at),
+        Arg::Text(id),
+        Arg::I64(max_scanned.max(1) - 1),
+    ]);
+    (sql, args)
+}
+
+/// The request log's statement and its arguments for `filter`, the page after `after`, down
+/// to and including `scan_end` (the last record a filtered page searches, from
+/// [`request_scan_end_statement`]; `None`: the window's start), and `limit + 1` rows. Only the
+/// filters given are in the text, each an equality (never `$n IS NULL OR …`, which neither
+/// SQLite's planner nor a PostgreSQL generic plan can turn into an index range): with a model,
+/// a range of `requests_account_model_time` `(account_id, model, created_at_ms, request_id)`
+/// (schema version 8), otherwise of `requests_account_time` `(account_id, created_at_ms,
+/// request_id)`, in index order either way (no sort; SQLite picks the model index without
+/// `ANALYZE` statistics too). A key or outcome filter is checked on the rows that range reads,
+/// at most the records down to `scan_end`.
+pub(in crate::ledger) fn account_requests_statement<'a>(
+    account: &'a AccountId,
+    filter: &'a RequestFilter,
+    after: Option<&'a PageCursor>,
+    scan_end: Option<&'a PageCursor>,
+    limit: i64,
+) -> (String, Vec<Arg<'a>>) {
+    let (prefix, mut args) = request_prefix(account, filter);
+    let mut sql = format!(
+        "SELECT request_id, created_at_ms, key_hash, model, outcome, node_id,
+                billed_prompt_tokens, billed_completion_tokens,
+                claimed_prompt_tokens, claimed_completion_tokens,
+                discrepancy, duration_ms, ttft_ms, debit_micros
+         FROM requests{prefix}"
+    );
+    for (column, value) in [("key_hash", &filter.key_hash), ("outcome", &filter.outcome)] {
+        if let Some(value) = value {
+            args.push(Arg::Text(value));
+            sql.push_str(&format!(" AND {column} = ${}", args.len()));
+        }
+    }
+    let ((at, id), since) = request_range(filter, after);
+    // the scan's end is at or above the window's start: it was found inside the window
+    let (low_at, low_id) = scan_end.map_or(since, |c| (c.at_ms, c.id.as_str()));
+    let n = args.len();
+    sql.push_str(&format!(
+        " AND (created_at_ms, request_id) >= (${}, ${}) AND (created_at_ms, request_id) < (${}, ${})
+         ORDER BY created_at_ms DESC, request_id DESC LIMIT ${}",
+        n + 1,
+        n + 2,
+        n + 3,
+        n + 4,
+        n + 5
+    ));
+    args.extend([
+        Arg::I64(low_at),
+        Arg::Text(low_id),
         Arg::I64(at),
         Arg::Text(id),
         Arg::I64(limit + 1),
@@ -441,8 +495,8 @@ pub(in crate::ledger) fn account_requests_statement<'a>(
     (sql, args)
 }
 
-/// [`ConsoleStore::account_requests`](crate::ledger::ConsoleStore::account_requests): one
-/// statement ([`account_requests_statement`]).
+/// [`ConsoleStore::account_requests`](crate::ledger::ConsoleStore::account_requests), searching
+/// at most [`MAX_SCANNED_PER_PAGE`] records a page.
 pub(in crate::ledger) async fn account_requests<B: Backend>(
     b: &B,
     account: &AccountId,
@@ -450,9 +504,49 @@ pub(in crate::ledger) async fn account_requests<B: Backend>(
     after: Option<&PageCursor>,
     limit: u32,
 ) -> Result<Page<RequestSummary>, LedgerError> {
+    account_requests_scanning(
+        b,
+        account,
+        filter,
+        after,
+        limit,
+        i64::from(MAX_SCANNED_PER_PAGE),
+    )
+    .await
+}
+
+/// A request-log page that searches at most `max_scanned` records when it filters by key or
+/// outcome: first the last record it may search ([`request_scan_end_statement`], from the
+/// index alone), then the page's rows down to it ([`account_requests_statement`]). Both are
+/// bounded by keys, not counts, so a record settled between the two statements is either in
+/// the searched range or not, and the next page (below the last record searched, when the
+/// page is not full) neither skips nor repeats one. Without a key or outcome filter every
+/// record read is a row: one statement, `limit + 1` rows.
+pub(in crate::ledger) async fn account_requests_scanning<B: Backend>(
+    b: &B,
+    account: &AccountId,
+    filter: &RequestFilter,
+    after: Option<&PageCursor>,
+    limit: u32,
+    max_scanned: i64,
+) -> Result<Page<RequestSummary>, LedgerError> {
     let limit = bounded(limit);
-    let (sql, args) = account_requests_statement(account, filter, after, limit);
-    let rows = b.read().await?.all(&sql, &args).await?;
+    let sparse = filter.key_hash.is_some() || filter.outcome.is_some();
+    let mut conn = b.read().await?;
+    let scan_end = if sparse {
+        let (sql, args) = request_scan_end_statement(account, filter, after, max_scanned);
+        match conn.optional(&sql, &args).await? {
+            Some(row) => Some(PageCursor {
+                at_ms: row.i64("created_at_ms")?,
+                id: row.text("request_id")?,
+            }),
+            None => None,
+        }
+    } else {
+        None
+    };
+    let (sql, args) = account_requests_statement(account, filter, after, scan_end.as_ref(), limit);
+    let rows = conn.all(&sql, &args).await?;
     let mut out = Vec::with_capacity(rows.len());
     for row in &rows {
         let claimed = super::money::claimed_usage(row)?;
@@ -475,10 +569,15 @@ pub(in crate::ledger) async fn account_requests<B: Backend>(
             node: row.opt_text("node_id")?.map(NodeId::from),
         });
     }
-    Ok(page(out, limit, |r| PageCursor {
+    let mut page = page(out, limit, |r| PageCursor {
         at_ms: r.created_at_ms,
         id: r.request_id.clone(),
-    }))
+    });
+    if page.next.is_none() {
+        // fewer matches than a page down to the scan's end: search on below it
+        page.next = scan_end;
+    }
+    Ok(page)
 }
 
 /// [`ConsoleStore::account_usage`](crate::ledger::ConsoleStore::account_usage).
