@@ -498,6 +498,11 @@ async fn node_logprobs_fail_a_sampled_substitute_and_callers_never_see_them() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
     println!("honest node: {honest_audit}");
+    for line in gw.child.stderr_tail(400).lines() {
+        if line.contains("inconclusive") || line.contains("node logprobs") {
+            println!("gateway: {line}");
+        }
+    }
     assert_ne!(honest_audit["verdict"], "failed", "{honest_audit}");
     assert_ne!(honest_audit["verdict"], "suspect", "{honest_audit}");
     let m = gw.metrics().await;
@@ -509,6 +514,15 @@ async fn node_logprobs_fail_a_sampled_substitute_and_callers_never_see_them() {
         metric(
             &m,
             "spine_audit_requests_total{result=\"node_logprobs_missing\"}"
+        ),
+        0.0,
+        "{m}"
+    );
+    // an honest node's list always covers its text (no `node_logprobs_short` event)
+    assert_eq!(
+        metric(
+            &m,
+            "spine_audit_requests_total{result=\"node_logprobs_short\"}"
         ),
         0.0,
         "{m}"

@@ -39,8 +39,9 @@ use serde_json::{json, Value};
 use spine_core::{AuditVerdict, ModelId, RequestKind};
 use spine_meter::audit::node_logprobs::{logprob_observations, missing_observation};
 use spine_meter::audit::{
-    align, auditable, observations, ForceQuery, LlamaCppReference, NodeLogprobs, Observation,
-    Reference, ReferenceQuery, ScoreConfig, ScoredToken, Sprt, SprtConfig, TokenVocabulary,
+    auditable, judge_node_list, observations, ForceQuery, LlamaCppReference, NodeList,
+    NodeLogprobs, Observation, Reference, ReferenceQuery, ScoreConfig, ScoredToken, Sprt,
+    SprtConfig, TokenVocabulary,
 };
 use spine_test_support::{Engine, LlamaServer};
 
@@ -167,6 +168,31 @@ async fn generate(
     (bytes, text, claims)
 }
 
+/// The positions the alignment before issue 19's change scored: the leading entries that are
+/// exactly one vocabulary token (whole UTF-8, the id the node sent), at most 256 (a measure to
+/// compare coverage in one run).
+fn positions_before_split(vocab: &TokenVocabulary, claims: &NodeLogprobs, text: &[u8]) -> u64 {
+    if !claims.is_usable() {
+        return 0;
+    }
+    let mut offset = 0;
+    let mut n = 0;
+    for t in claims.tokens.iter().take(256) {
+        let ok = !t.bytes.is_empty()
+            && text[offset..].starts_with(&t.bytes)
+            && std::str::from_utf8(&t.bytes).is_ok()
+            && vocab
+                .id(&t.bytes)
+                .is_some_and(|id| t.id.is_none_or(|c| c == u64::from(id)));
+        if !ok {
+            break;
+        }
+        offset += t.bytes.len();
+        n += 1;
+    }
+    n
+}
+
 /// A canned node's made-up claims: its text split at the vocabulary's longest matches, each
 /// token claimed at −0.5 nats.
 fn canned_claims(vocab: &TokenVocabulary, text: &str) -> NodeLogprobs {
@@ -205,10 +231,10 @@ struct DumpLine {
     text: String,
     /// The reference's forced positions (each one audited token).
     tokens: Vec<ScoredToken>,
-    /// Node-logprob mode: the node's claims of its aligned tokens, and the reference's
-    /// logprobs of the same forced tokens.
+    /// Node-logprob mode: the node's claims of its aligned tokens (`null`: not scored), and
+    /// the reference's logprobs of the same forced tokens.
     #[serde(default)]
-    node_claims: Vec<f64>,
+    node_claims: Vec<Option<f64>>,
     #[serde(default)]
     reference_logprobs: Vec<Option<f64>>,
 }
@@ -248,6 +274,16 @@ struct RunResult {
     statistic: f64,
     /// Largest |claimed − reference| seen (node-logprob mode), nats.
     max_delta: f64,
+    /// Node-logprob mode: replies audited; of which with no scored position, judged short,
+    /// judged missing (no usable list, or not the text).
+    replies: u64,
+    unscored_replies: u64,
+    /// What alignment scored before it went on past split characters (issue 19): positions,
+    /// and replies with none.
+    positions_before_split: u64,
+    unscored_before_split: u64,
+    short_replies: u64,
+    missing_replies: u64,
 }
 
 /// The auditor's statistic and test over one node-run's replies, in order.
@@ -374,22 +410,38 @@ async fn node_run(
             }
             let req = auditable(RequestKind::ChatCompletions, &body).unwrap();
             if let (Some(vocab), Some(claims)) = (vocab, claims) {
-                let aligned = if claims.is_usable() {
-                    align(vocab, &claims.tokens, text.as_bytes(), 256).ok()
-                } else {
-                    None
-                };
-                let (obs, node_claims, reference_logprobs) = match aligned {
-                    None => (vec![missing_observation()], Vec::new(), Vec::new()),
-                    Some(a) => {
+                // the auditor's own judgment of the list (`judge_node_list`)
+                let judged = judge_node_list(vocab, &claims, text.as_bytes(), &body, 256);
+                judge.out.replies += 1;
+                let before = positions_before_split(vocab, &claims, text.as_bytes());
+                judge.out.positions_before_split += before;
+                judge.out.unscored_before_split += u64::from(before == 0);
+                let (obs, node_claims, reference_logprobs) = match judged {
+                    NodeList::Aligned(a) if a.scored() == 0 => {
+                        judge.out.unscored_replies += 1;
+                        (Vec::new(), a.logprobs, Vec::new())
+                    }
+                    NodeList::Aligned(a) => {
                         let query = ForceQuery {
                             model: ModelId::new("smollm2"),
                             prompt: req.prompt,
-                            ids: a.ids,
+                            tokens: a.tokens,
                         };
                         let r = reference.force(&query).await.unwrap();
                         *ref_tokens += r.len() as u64;
-                        (logprob_observations(&a.logprobs, &r, 1.0), a.logprobs, r)
+                        let obs = logprob_observations(&a.logprobs, &r, 1.0);
+                        if obs.is_empty() {
+                            judge.out.unscored_replies += 1;
+                        }
+                        (obs, a.logprobs, r)
+                    }
+                    NodeList::Short { .. } => {
+                        judge.out.short_replies += 1;
+                        (vec![missing_observation()], Vec::new(), Vec::new())
+                    }
+                    _ => {
+                        judge.out.missing_replies += 1;
+                        (vec![missing_observation()], Vec::new(), Vec::new())
                     }
                 };
                 let line = DumpLine {
@@ -530,7 +582,7 @@ async fn trust_matrix() {
             honest_total += 1;
             honest_failed += usize::from(r.verdict == Some(AuditVerdict::Failed));
             println!(
-                "| honest: {} | {run} | {} | {} | {} | {:?} | {:?} | {:?} | max |Δ| {:.3} |",
+                "| honest: {} | {run} | {} | {} | {} | {:?} | {:?} | {:?} | max |Δ| {:.3} | replies {}, unscored {}, short {}, missing {}; before going past split characters: {} positions, {} replies unscored |",
                 spec.label,
                 r.audited_tokens,
                 r.observations,
@@ -538,7 +590,13 @@ async fn trust_matrix() {
                 r.verdict,
                 r.tokens_to_pass,
                 r.tokens_to_fail,
-                r.max_delta
+                r.max_delta,
+                r.replies,
+                r.unscored_replies,
+                r.short_replies,
+                r.missing_replies,
+                r.positions_before_split,
+                r.unscored_before_split
             );
         }
     }

@@ -13,7 +13,7 @@
 //! | `spine_audit_tokens` | `node`, `model` | gauge: completion tokens audited |
 //! | `spine_audit_statistic` | `node`, `model` | gauge: the test statistic Λ (fails at `spine_audit_fail_threshold`) |
 //! | `spine_audit_fail_threshold` | | gauge: Λ at which a node's model fails |
-//! | `spine_audit_requests_total` | `result` (`offered`, `sampled`, `dropped_queue_full`, `not_auditable`, `audited`, `inconclusive`, `node_logprobs`, `node_logprobs_missing`) | audit sampling and scoring; `inconclusive`: the reference was down, slow or answered garbage; `node_logprobs`: audits scored on the node's own logprobs, `node_logprobs_missing`: of which the node sent none or a list that is not its text (one event each) |
+//! | `spine_audit_requests_total` | `result` (`offered`, `sampled`, `dropped_queue_full`, `not_auditable`, `audited`, `inconclusive`, `node_logprobs`, `node_logprobs_missing`, `node_logprobs_short`) | audit sampling and scoring; `inconclusive`: the reference was down, slow or answered garbage; `node_logprobs`: audits scored on the node's own logprobs, `node_logprobs_missing`: of which the node sent none or a list that is not its text, `node_logprobs_short`: of which the list covered less of the text than an honest llama.cpp's (one event each) |
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -144,6 +144,7 @@ pub fn record_audits(auditor: &crate::audit::Auditor) {
         ("inconclusive", c.inconclusive),
         ("node_logprobs", c.node_logprobs_audits),
         ("node_logprobs_missing", c.node_logprobs_missing),
+        ("node_logprobs_short", c.node_logprobs_short),
     ] {
         counter!("spine_audit_requests_total", "result" => result).absolute(n);
     }

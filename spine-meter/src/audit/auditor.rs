@@ -15,7 +15,8 @@ use std::collections::VecDeque;
 use tokio::sync::Notify;
 
 use super::node_logprobs::{
-    align, logprob_observations, missing_observation, NodeLogprobs, TokenVocabulary,
+    judge_node_list, logprob_observations, missing_observation, NodeList, NodeLogprobs,
+    TokenVocabulary,
 };
 use super::reference::{ForceQuery, Reference, ReferenceQuery};
 use super::request::{auditable, AuditPrompt, NotAuditable};
@@ -209,6 +210,10 @@ pub struct AuditCounters {
     /// Of which the node, asked for its logprobs, sent none or a list that is not its
     /// delivered text (one event each).
     pub node_logprobs_missing: u64,
+    /// Of which the node's list, not cut by the capture's bound, spelled less of its delivered
+    /// text than an honest llama.cpp's would ([`super::node_logprobs::honest_tail`]; one event
+    /// each, as a missing list).
+    pub node_logprobs_short: u64,
 }
 
 #[derive(Debug, Default)]
@@ -222,6 +227,7 @@ struct Counters {
     tokens_scored: AtomicU64,
     node_logprobs_audits: AtomicU64,
     node_logprobs_missing: AtomicU64,
+    node_logprobs_short: AtomicU64,
 }
 
 #[derive(Clone, Copy, Debug, Default)]
@@ -440,6 +446,7 @@ impl Auditor {
             tokens_scored: l(&c.tokens_scored),
             node_logprobs_audits: l(&c.node_logprobs_audits),
             node_logprobs_missing: l(&c.node_logprobs_missing),
+            node_logprobs_short: l(&c.node_logprobs_short),
         }
     }
 
@@ -646,7 +653,7 @@ async fn text_observations(
 }
 
 /// The node's claimed logprobs against the reference's ([`super::node_logprobs`]): one event
-/// for a missing or misaligned list, else one observation per aligned position.
+/// for a missing, misaligned or short list, else one observation per scored position.
 async fn node_logprob_observations(
     inner: &Inner,
     vocab: &TokenVocabulary,
@@ -655,36 +662,37 @@ async fn node_logprob_observations(
     prompt: AuditPrompt,
 ) -> Result<Vec<Observation>, String> {
     let config = &inner.config;
-    let missing = || {
-        inner
-            .counters
-            .node_logprobs_missing
-            .fetch_add(1, Ordering::Relaxed);
+    let event = |counter: &AtomicU64| {
+        counter.fetch_add(1, Ordering::Relaxed);
         Ok(vec![missing_observation()])
     };
-    if !node.is_usable() {
-        tracing::info!(request_id = %sample.request_id, node = %sample.node, error = ?node.error, "node sent no usable logprobs");
-        return missing();
-    }
-    let aligned = match align(
+    let aligned = match judge_node_list(
         vocab,
-        &node.tokens,
+        node,
         sample.completion.as_bytes(),
+        &sample.request_body,
         config.max_tokens,
     ) {
-        Ok(a) => a,
-        Err(e) => {
-            tracing::info!(request_id = %sample.request_id, node = %sample.node, error = %e, "node logprobs misaligned");
-            return missing();
+        NodeList::Aligned(a) => a,
+        NodeList::Short {
+            covered_bytes,
+            delivered_bytes,
+        } => {
+            tracing::info!(request_id = %sample.request_id, node = %sample.node, covered_bytes, delivered_bytes, "node logprobs short");
+            return event(&inner.counters.node_logprobs_short);
+        }
+        other => {
+            tracing::info!(request_id = %sample.request_id, node = %sample.node, error = ?node.error, list = ?other, "node sent no usable logprobs, or a list that is not its text");
+            return event(&inner.counters.node_logprobs_missing);
         }
     };
-    if aligned.ids.is_empty() {
+    if aligned.scored() == 0 {
         return Ok(Vec::new());
     }
     let query = ForceQuery {
         model: sample.model.clone(),
         prompt,
-        ids: aligned.ids,
+        tokens: aligned.tokens,
     };
     let reference = match tokio::time::timeout(config.timeout, inner.reference.force(&query)).await
     {
@@ -694,7 +702,7 @@ async fn node_logprob_observations(
     };
     if reference.len() != aligned.logprobs.len() {
         return Err(format!(
-            "the reference forced {} of {} ids",
+            "the reference forced {} of {} tokens",
             reference.len(),
             aligned.logprobs.len()
         ));

@@ -46,13 +46,14 @@ pub use auditor::{
 pub use challenge::challenge_body;
 pub use escrow::EscrowOnVerdict;
 pub use node_logprobs::{
-    align, parse_node_logprobs, NodeLogprobs, NodeLogprobsError, NodeToken, TokenVocabulary,
-    VocabularyError,
+    align, judge_node_list, parse_node_logprobs, NodeList, NodeLogprobs, NodeLogprobsError,
+    NodeToken, TokenVocabulary, VocabularyError,
 };
 #[cfg(feature = "llama-reference")]
 pub use reference::LlamaCppReference;
 pub use reference::{
-    ForceFuture, ForceQuery, Reference, ReferenceError, ReferenceQuery, ReferenceSet, ScoreFuture,
+    ForceFuture, ForceQuery, ForcedToken, Reference, ReferenceError, ReferenceQuery, ReferenceSet,
+    ScoreFuture,
 };
 pub use request::{auditable, AuditPrompt, AuditableRequest, NotAuditable};
 pub use score::{observations, SamplingMode, ScoreConfig, ScoreError, ScoredToken, TopToken};

@@ -21,16 +21,33 @@
 //! A node that was asked for its logprobs and sent none, or a list that does not spell what it
 //! delivered, gives one event of [`MISSING_DELTA_NATS`] for the audit.
 //!
-//! Positions are scored up to the first token that cannot be mapped to one reference id: an
-//! entry whose bytes are no single token of the vocabulary (llama.cpp sends a token that
-//! completes a UTF-8 character, or that ends a held-back partial stop string, with the bytes of
-//! the tokens held before it), an empty entry (a held-back token, the end-of-generation token),
-//! or an entry whose `id` (when the node sends one) is not the vocabulary's id of its bytes.
+//! What the pinned llama.cpp lists (`server-context.cpp` `process_token`, `send_final_response`;
+//! `server-task.cpp` `probs_vector_to_json`), and how [`align`] reads it:
+//!
+//! - A token after which the generated text ends inside a UTF-8 character is not listed at all;
+//!   the token that completes the character gets one entry: the bytes of the held-back tokens
+//!   and its own, its own `id` and `logprob`. [`align`] feeds the held-back tokens as unscored
+//!   context (their decomposition: [`align`]'s docs) and goes on.
+//! - A token held back by a partial stop string gets an empty entry (its `id` and `logprob`);
+//!   the next entry carries both texts. [`align`] scores the held tokens when the next entry's
+//!   bytes start with exactly their bytes.
+//! - The end-of-generation token gets an empty entry (or one carrying held text) whose id is a
+//!   control token: alignment ends there.
+//! - Non-streamed answers that stopped at a stop word drop as many entries from the end of the
+//!   list as the stop word has tokens; at `max_tokens` the bytes of a character cut at the end
+//!   are never listed. Beyond that slack ([`honest_tail`]), a list that covers less of the
+//!   delivered text than the node delivered ([`covered_bytes`]) is *short*: one event, as a
+//!   missing list.
+//!
+//! A token that splits a UTF-8 character cannot be forced through the pinned llama.cpp's
+//! token-id grammar: the reference feeds it as prompt ([`ForcedToken::split`]); its position is
+//! never scored.
 
 use std::collections::HashMap;
 
 use serde_json::Value;
 
+use super::reference::ForcedToken;
 use super::sprt::Observation;
 
 /// The |Δ| recorded for the one event of an audit whose node was asked for logprobs and sent
@@ -98,6 +115,12 @@ impl NodeLogprobs {
         if let Err(e) = read_list(v, &mut self.tokens, room) {
             self.error = Some(e);
         }
+    }
+
+    /// Whether the capture kept as many entries as it may (later ones were not kept: the list
+    /// cannot be judged short).
+    pub fn is_full(&self) -> bool {
+        self.tokens.len() >= self.max_tokens
     }
 
     /// Whether the capture holds a usable list: one arrived, and none was malformed.
@@ -215,6 +238,11 @@ pub enum VocabularyError {
 #[derive(Clone, Debug, Default)]
 pub struct TokenVocabulary {
     by_bytes: HashMap<Vec<u8>, u32>,
+    /// Each id's bytes (empty: not kept).
+    by_id: Vec<Vec<u8>>,
+    /// Byte strings two kept tokens share (their id is ambiguous without the node's `id`).
+    shared: std::collections::HashSet<Vec<u8>>,
+    max_token_bytes: usize,
 }
 
 impl TokenVocabulary {
@@ -254,20 +282,43 @@ impl TokenVocabulary {
             "llama" => spm_bytes,
             other => return Err(VocabularyError::Unsupported(other.to_owned())),
         };
-        let mut by_bytes = HashMap::with_capacity(tokens.len());
+        let mut v = Self {
+            by_bytes: HashMap::with_capacity(tokens.len()),
+            by_id: Vec::with_capacity(tokens.len()),
+            ..Self::default()
+        };
         for (id, text) in tokens.iter().enumerate() {
             let kept = types
                 .and_then(|t| t.get(id))
                 .is_none_or(|t| matches!(t, 1 | 4 | 6));
             let Ok(id) = u32::try_from(id) else { break };
-            if !kept {
-                continue;
+            let bytes = decode(text)
+                .filter(|b| kept && !b.is_empty())
+                .unwrap_or_default();
+            if !bytes.is_empty() {
+                v.max_token_bytes = v.max_token_bytes.max(bytes.len());
+                if v.by_bytes.contains_key(&bytes) {
+                    v.shared.insert(bytes.clone());
+                } else {
+                    v.by_bytes.insert(bytes.clone(), id);
+                }
             }
-            if let Some(bytes) = decode(text).filter(|b| !b.is_empty()) {
-                by_bytes.entry(bytes).or_insert(id);
-            }
+            v.by_id.push(bytes);
         }
-        Ok(Self { by_bytes })
+        Ok(v)
+    }
+
+    /// The bytes of token `id` (`None`: out of range, or not kept: a control token).
+    pub fn bytes(&self, id: u32) -> Option<&[u8]> {
+        self.by_id
+            .get(usize::try_from(id).ok()?)
+            .map(Vec::as_slice)
+            .filter(|b| !b.is_empty())
+    }
+
+    /// The most bytes one kept token spells.
+    pub fn max_token_bytes(&self) -> usize {
+        self.max_token_bytes
     }
 
     /// The id of the token whose bytes are `bytes`.
@@ -319,13 +370,35 @@ fn spm_bytes(text: &str) -> Option<Vec<u8>> {
     Some(text.replace('\u{2581}', " ").into_bytes())
 }
 
-/// The node's tokens mapped to reference ids, with its claims.
+/// The node's tokens mapped to reference ids, with its claims: one entry per token the
+/// reference is fed, in order.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct AlignedTokens {
-    /// Reference ids of the scored prefix.
-    pub ids: Vec<u32>,
-    /// The node's claimed logprob of each.
-    pub logprobs: Vec<f64>,
+    /// The tokens, as the reference is asked to force them ([`ForceQuery`](super::ForceQuery)).
+    pub tokens: Vec<ForcedToken>,
+    /// The node's claimed logprob of each token, nats (`None` where not scored: a held-back
+    /// token the node listed no logprob for, or one that splits a UTF-8 character).
+    pub logprobs: Vec<Option<f64>>,
+}
+
+impl AlignedTokens {
+    /// Positions scored (tokens with a claim).
+    pub fn scored(&self) -> usize {
+        self.logprobs.iter().filter(|l| l.is_some()).count()
+    }
+
+    fn push(&mut self, vocab: &TokenVocabulary, id: u32, claim: Option<f64>) {
+        let split = vocab
+            .bytes(id)
+            .is_none_or(|b| std::str::from_utf8(b).is_err());
+        let claim = claim.filter(|_| !split);
+        self.tokens.push(ForcedToken {
+            id,
+            split,
+            scored: claim.is_some(),
+        });
+        self.logprobs.push(claim);
+    }
 }
 
 /// Why a node's list cannot be scored against what it delivered (one event: the node claimed
@@ -334,15 +407,40 @@ pub struct AlignedTokens {
 #[error("the node's logprobs do not spell its delivered text (at byte {0})")]
 pub struct Misaligned(pub usize);
 
+/// Most empty entries (tokens held back by a partial stop string) carried to the next entry.
+const MAX_HELD: usize = 64;
+
 /// Maps the node's `tokens` to reference ids, checking they spell `text` (choice 0's
-/// delivered text, possibly cut at the capture cap); at most `max_tokens` positions.
+/// delivered text, possibly cut at the capture cap); at most `max_tokens` tokens (scored or
+/// not).
 ///
-/// Stops (without error) at the first token that is not exactly one vocabulary token (module
-/// docs), that is not whole UTF-8, or that runs past the end of `text`.
+/// An entry is read as llama.cpp writes it (module docs): its `id`'s bytes end its bytes, and
+/// what comes before them (the prefix) is the text of tokens it held back:
+///
+/// - after empty entries (held by a partial stop string), the prefix must be exactly the held
+///   tokens' bytes: those tokens are scored with their own entries' claims;
+/// - else the tokens were held because the text ended inside a UTF-8 character after each:
+///   the prefix is split into vocabulary tokens such that every cut, and the prefix's end, falls
+///   inside a character of `text` (otherwise llama.cpp would have listed them), taking the split
+///   with the **fewest tokens** when exactly one split has that count; none or a tie stops
+///   alignment. The held tokens are fed as unscored context. Why fewest: the node's model was
+///   trained on byte-pair-encoded text, where a mergeable byte pair is merged, so it samples
+///   the merged token far more often; a wrong split changes the reference's context for every
+///   later position (possibly false events for an honest node), so ambiguity is never guessed
+///   beyond that one rule (measured in `docs/trust.md`).
+///
+/// Without an `id` (OpenAI's legacy shape) an entry must be exactly one vocabulary token.
+///
+/// Stops (without error) at an entry it cannot read so: the last entry when its `id` is out
+/// of the vocabulary, a control token (the end of generation) or one whose bytes do not end the
+/// entry (a stop word's token, its text cut before the stop word); an entry that is not whole UTF-8 (unless it is exactly its token); one that runs past
+/// the end of `text` (the capture cap); a prefix with no split or a tie; or when `max_tokens`
+/// would be passed.
 ///
 /// # Errors
 ///
-/// [`Misaligned`] when a token's bytes are not the text at its place.
+/// [`Misaligned`] when an entry's bytes are not the text at its place, or an entry that is not
+/// the last has such an `id` (an honest llama.cpp never sends one).
 pub fn align(
     vocab: &TokenVocabulary,
     tokens: &[NodeToken],
@@ -351,43 +449,328 @@ pub fn align(
 ) -> Result<AlignedTokens, Misaligned> {
     let mut out = AlignedTokens::default();
     let mut offset = 0usize;
-    for t in tokens {
-        if out.ids.len() >= max_tokens || t.bytes.is_empty() {
-            break;
-        }
-        let rest = &text[offset.min(text.len())..];
-        if !rest.starts_with(&t.bytes) {
-            if t.bytes.starts_with(rest) {
-                break; // the capture cap cut this token's text
+    // (id, claim) of empty entries: tokens a partial stop string held back
+    let mut held: Vec<(u32, f64)> = Vec::new();
+    for (i, t) in tokens.iter().enumerate() {
+        let spelled = match meets(&t.bytes, &text[offset..]) {
+            Meets::Spells(n) => n,
+            Meets::Cut => break, // the capture cap cut this token's text
+            Meets::Diverges => return Err(Misaligned(offset)),
+        };
+        let readable = t.id.is_none_or(|id| {
+            u32::try_from(id)
+                .ok()
+                .and_then(|id| vocab.bytes(id))
+                .is_some_and(|b| t.bytes.ends_with(b))
+        });
+        if !t.bytes.is_empty() && !readable {
+            // honest llama.cpp: only the last entry (end of generation, a stop word's token)
+            if i + 1 < tokens.len() {
+                return Err(Misaligned(offset));
             }
-            return Err(Misaligned(offset));
-        }
-        if std::str::from_utf8(&t.bytes).is_err() {
             break;
         }
-        let Some(id) = vocab.id(&t.bytes) else { break };
-        if t.id.is_some_and(|claimed| claimed != u64::from(id)) {
+        if t.bytes.is_empty() {
+            let id = t.id.and_then(|id| u32::try_from(id).ok());
+            match id.filter(|id| vocab.bytes(*id).is_some()) {
+                Some(id) if held.len() < MAX_HELD => {
+                    held.push((id, t.logprob));
+                    continue;
+                }
+                Some(_) => break,
+                // the end of generation: llama.cpp's last entry
+                None if t.id.is_some() && i + 1 < tokens.len() => {
+                    return Err(Misaligned(offset));
+                }
+                None => break,
+            }
+        }
+        let entry = if std::str::from_utf8(&t.bytes).is_ok() {
+            entry_tokens(vocab, t, &held, text, offset)
+        } else {
+            // a token that makes the text invalid UTF-8 (a stray continuation byte), delivered
+            // as U+FFFD: fed as context when the entry is exactly its token
+            t.id.and_then(|id| u32::try_from(id).ok())
+                .filter(|id| held.is_empty() && vocab.bytes(*id) == Some(&t.bytes[..]))
+                .map(|id| vec![(id, None)])
+        };
+        let Some(entry) = entry else {
+            break;
+        };
+        if out.tokens.len() + entry.len() > max_tokens {
             break;
         }
-        out.ids.push(id);
-        out.logprobs.push(t.logprob);
-        offset += t.bytes.len();
+        for (id, claim) in entry {
+            out.push(vocab, id, claim);
+        }
+        held.clear();
+        offset += spelled;
     }
     Ok(out)
 }
 
-/// One observation per position: `node` the node's claims, `reference` the reference's
-/// logprob of the same forced token (`None`: not listed, not scored); an event when they differ
-/// by more than `event_nats`.
+/// How an entry's bytes meet the delivered text at its place.
+enum Meets {
+    /// The entry spells the text's next `n` bytes.
+    Spells(usize),
+    /// The text ends inside the entry (the capture cap cut it).
+    Cut,
+    /// The entry is not the text.
+    Diverges,
+}
+
+fn meets(bytes: &[u8], rest: &[u8]) -> Meets {
+    if rest.starts_with(bytes) {
+        return Meets::Spells(bytes.len());
+    }
+    if std::str::from_utf8(bytes).is_err() {
+        // llama.cpp's JSON (nlohmann's `replace`) delivers invalid UTF-8 as U+FFFD
+        let lossy = String::from_utf8_lossy(bytes);
+        if rest.starts_with(lossy.as_bytes()) {
+            return Meets::Spells(lossy.len());
+        }
+        if lossy.as_bytes().starts_with(rest) {
+            return Meets::Cut;
+        }
+    }
+    if bytes.starts_with(rest) {
+        Meets::Cut
+    } else {
+        Meets::Diverges
+    }
+}
+
+/// The tokens one non-empty entry at `offset` of `text` stands for, with their claims
+/// (`None`: held back, unlisted); `None` when the entry cannot be read ([`align`]).
+fn entry_tokens(
+    vocab: &TokenVocabulary,
+    t: &NodeToken,
+    held: &[(u32, f64)],
+    text: &[u8],
+    offset: usize,
+) -> Option<Vec<(u32, Option<f64>)>> {
+    let Some(id) = t.id else {
+        if !held.is_empty() || vocab.shared.contains(&t.bytes) {
+            return None;
+        }
+        return Some(vec![(vocab.id(&t.bytes)?, Some(t.logprob))]);
+    };
+    let id = u32::try_from(id).ok()?;
+    let prefix = t.bytes.strip_suffix(vocab.bytes(id)?)?;
+    let mut out = Vec::new();
+    if !held.is_empty() {
+        let spelled: Vec<u8> = held
+            .iter()
+            .filter_map(|(h, _)| vocab.bytes(*h))
+            .flatten()
+            .copied()
+            .collect();
+        if spelled != prefix {
+            return None;
+        }
+        out.extend(held.iter().map(|(h, lp)| (*h, Some(*lp))));
+    } else if !prefix.is_empty() {
+        let ids = held_back_split(vocab, prefix, text, offset)?;
+        out.extend(ids.into_iter().map(|h| (h, None)));
+    }
+    out.push((id, Some(t.logprob)));
+    Some(out)
+}
+
+/// The split of `prefix` (at `offset` of `text`) into the vocabulary tokens llama.cpp held
+/// back: every cut after a token falls inside a UTF-8 character of `text` (a byte of `text`
+/// that is a continuation byte follows it); the split with the fewest tokens, when exactly one
+/// has that count (a byte string two ids share counts twice).
+fn held_back_split(
+    vocab: &TokenVocabulary,
+    prefix: &[u8],
+    text: &[u8],
+    offset: usize,
+) -> Option<Vec<u32>> {
+    // cuts other than the start lie inside one character (at most 3 bytes after its first)
+    if prefix.len() > vocab.max_token_bytes() + 3 {
+        return None;
+    }
+    let inside = |j: usize| text.get(offset + j).is_some_and(|b| b & 0xc0 == 0x80);
+    if !inside(prefix.len()) {
+        return None;
+    }
+    // best[j]: (fewest tokens spelling prefix[..j], ways with that count capped at 2, the
+    // last token's start, its id)
+    let mut best: Vec<Option<(usize, u8, usize, u32)>> = vec![None; prefix.len() + 1];
+    best[0] = Some((0, 1, 0, 0));
+    for j in 1..=prefix.len() {
+        if !inside(j) {
+            continue;
+        }
+        let lo = j.saturating_sub(vocab.max_token_bytes());
+        for i in lo..j {
+            let Some((n, ways, _, _)) = best[i] else {
+                continue;
+            };
+            let piece = &prefix[i..j];
+            let Some(id) = vocab.id(piece) else { continue };
+            let ways = if vocab.shared.contains(piece) {
+                2
+            } else {
+                ways
+            };
+            best[j] = match best[j] {
+                Some((m, w, li, lid)) if m < n + 1 => Some((m, w, li, lid)),
+                Some((m, w, li, lid)) if m == n + 1 => Some((m, (w + ways).min(2), li, lid)),
+                _ => Some((n + 1, ways, i, id)),
+            };
+        }
+    }
+    let (_, ways, _, _) = best[prefix.len()]?;
+    if ways != 1 {
+        return None;
+    }
+    let mut ids = Vec::new();
+    let mut j = prefix.len();
+    while j > 0 {
+        let (_, _, i, id) = best[j]?;
+        ids.push(id);
+        j = i;
+    }
+    ids.reverse();
+    Some(ids)
+}
+
+/// Bytes of `text` the node's entries spell together, from its start (`text.len()` when they
+/// run past its end: the capture cap cut the text). An entry that is not valid UTF-8 spells
+/// its U+FFFD replacement (what llama.cpp's JSON delivers).
+///
+/// # Errors
+///
+/// [`Misaligned`] when an entry's bytes are not the text at its place.
+pub fn covered_bytes(tokens: &[NodeToken], text: &[u8]) -> Result<usize, Misaligned> {
+    let mut offset = 0usize;
+    for t in tokens {
+        match meets(&t.bytes, &text[offset..]) {
+            Meets::Spells(n) => offset += n,
+            Meets::Cut => return Ok(text.len()),
+            Meets::Diverges => return Err(Misaligned(offset)),
+        }
+    }
+    Ok(offset)
+}
+
+/// Whether an honest llama.cpp may leave `tail` (the delivered text after what its list
+/// spells) unlisted, for a request whose longest stop word is `stop_bytes` long (0: none), with
+/// a vocabulary whose longest token is `max_token_bytes`.
+///
+/// The slack, from the pinned llama.cpp (`server-context.cpp`):
+///
+/// - at the `max_tokens` limit, a character cut at the end is never listed; a non-streamed
+///   answer sends its bytes, which JSON makes replacement characters: at most 3 U+FFFD;
+/// - with stop words: a non-streamed answer that stopped at one drops the last entries, as many
+///   as the stop word has tokens (at most `stop_bytes + 1`), each carrying at most one token and
+///   the text held before it; one that ended while a partial stop string held text sends that
+///   text with empty entries. At most `(stop_bytes + 2) · max_token_bytes + stop_bytes + 3`
+///   bytes.
+///
+/// A chat template that adds its own stop strings (llama.cpp: Laguna, Ling 3) is not covered:
+/// none of the catalog's does.
+pub fn honest_tail(tail: &[u8], stop_bytes: usize, max_token_bytes: usize) -> bool {
+    const REPLACEMENT: &[u8] = "\u{fffd}".as_bytes();
+    if tail.is_empty() {
+        return true;
+    }
+    if tail.len() <= 3 * REPLACEMENT.len()
+        && tail.chunks(REPLACEMENT.len()).all(|c| c == REPLACEMENT)
+    {
+        return true;
+    }
+    stop_bytes > 0
+        && tail.len()
+            <= (stop_bytes + 2)
+                .saturating_mul(max_token_bytes)
+                .saturating_add(stop_bytes + 3)
+}
+
+/// The longest stop word of a request body's `stop` (a string or an array of strings), bytes;
+/// 0 when it has none (or the body is not JSON).
+pub fn longest_stop_bytes(request_body: &[u8]) -> usize {
+    let Ok(v) = serde_json::from_slice::<Value>(request_body) else {
+        return 0;
+    };
+    match v.get("stop") {
+        Some(Value::String(s)) => s.len(),
+        Some(Value::Array(a)) => a
+            .iter()
+            .filter_map(Value::as_str)
+            .map(str::len)
+            .max()
+            .unwrap_or(0),
+        _ => 0,
+    }
+}
+
+/// What an audit makes of a node's captured list ([`judge_node_list`]).
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub enum NodeList {
+    /// The node sent no usable list ([`NodeLogprobs::is_usable`]): one event, counted as
+    /// missing.
+    Unusable,
+    /// The list does not spell the delivered text: one event, counted as missing.
+    Misaligned(Misaligned),
+    /// The list, not cut by the capture's bound, spells only `covered_bytes` of the delivered
+    /// text's `delivered_bytes`, less than an honest llama.cpp's would ([`honest_tail`]): one
+    /// event, counted as short.
+    Short {
+        /// Bytes of the text the list spells.
+        covered_bytes: usize,
+        /// Bytes delivered.
+        delivered_bytes: usize,
+    },
+    /// The tokens to force and the node's claims ([`align`]).
+    Aligned(AlignedTokens),
+}
+
+/// Judges a node's captured list against its delivered `text` for a request `request_body`
+/// (its `stop` words set the honest slack): unusable, misaligned, short, or aligned (at most
+/// `max_tokens` tokens).
+pub fn judge_node_list(
+    vocab: &TokenVocabulary,
+    capture: &NodeLogprobs,
+    text: &[u8],
+    request_body: &[u8],
+    max_tokens: usize,
+) -> NodeList {
+    if !capture.is_usable() {
+        return NodeList::Unusable;
+    }
+    let covered = match covered_bytes(&capture.tokens, text) {
+        Ok(c) => c,
+        Err(e) => return NodeList::Misaligned(e),
+    };
+    let stop_bytes = longest_stop_bytes(request_body);
+    if !capture.is_full() && !honest_tail(&text[covered..], stop_bytes, vocab.max_token_bytes()) {
+        return NodeList::Short {
+            covered_bytes: covered,
+            delivered_bytes: text.len(),
+        };
+    }
+    match align(vocab, &capture.tokens, text, max_tokens) {
+        Ok(a) => NodeList::Aligned(a),
+        Err(e) => NodeList::Misaligned(e),
+    }
+}
+
+/// One observation per position both sides scored: `node` the node's claims (`None`: not
+/// scored), `reference` the reference's logprob of the same forced token (`None`: not listed,
+/// not scored); an event when they differ by more than `event_nats`.
 pub fn logprob_observations(
-    node: &[f64],
+    node: &[Option<f64>],
     reference: &[Option<f64>],
     event_nats: f64,
 ) -> Vec<Observation> {
     node.iter()
         .zip(reference)
         .filter_map(|(n, r)| {
-            let r = (*r)?;
+            let (n, r) = ((*n)?, (*r)?);
             let delta = (n - r).abs();
             let delta = if delta.is_nan() { f64::INFINITY } else { delta };
             Some(Observation::Logprob {
@@ -398,7 +781,7 @@ pub fn logprob_observations(
         .collect()
 }
 
-/// The observation of an audit whose node sent no usable list: one event of
+/// The observation of an audit whose node sent no usable list, or a short one: one event of
 /// [`MISSING_DELTA_NATS`].
 pub fn missing_observation() -> Observation {
     Observation::Logprob {
@@ -475,30 +858,257 @@ mod tests {
         }
     }
 
+    fn ids(a: &AlignedTokens) -> Vec<u32> {
+        a.tokens.iter().map(|t| t.id).collect()
+    }
+
     #[test]
     fn align_maps_and_stops_at_unmappable_or_cut_tokens() {
         let v = vocab();
         let toks = [tok("Hello", -0.1), tok(" world", -0.2), tok("!\n", -0.3)];
         let a = align(&v, &toks, b"Hello world!\n", 10).unwrap();
-        assert_eq!(a.ids, vec![0, 1]);
-        assert_eq!(a.logprobs, vec![-0.1, -0.2]);
+        assert_eq!(ids(&a), vec![0, 1]);
+        assert_eq!(a.logprobs, vec![Some(-0.1), Some(-0.2)]);
+        assert!(a.tokens.iter().all(|t| t.scored && !t.split));
         // cut by the capture cap
         let a = align(&v, &toks, b"Hello wor", 10).unwrap();
-        assert_eq!(a.ids, vec![0]);
-        // an empty entry (a held-back token) stops
+        assert_eq!(ids(&a), vec![0]);
+        // an empty entry without an id (legacy shape) stops
         let a = align(&v, &[tok("", -1.0), tok("Hello", -0.1)], b"Hello", 10).unwrap();
-        assert!(a.ids.is_empty());
-        // a claimed id that is not the vocabulary's stops
+        assert!(a.tokens.is_empty());
+        // a claimed id whose bytes are not the entry's: the last entry stops
         let mut t = tok("Hello", -0.1);
-        t.id = Some(7);
-        assert!(align(&v, &[t], b"Hello", 10).unwrap().ids.is_empty());
+        t.id = Some(1);
+        assert!(align(&v, &[t], b"Hello", 10).unwrap().tokens.is_empty());
         assert_eq!(align(&v, &toks, b"Hello there", 10), Err(Misaligned(5)));
-        assert_eq!(align(&v, &toks, b"Hello world!\n", 1).unwrap().ids, vec![0]);
+        assert_eq!(
+            ids(&align(&v, &toks, b"Hello world!\n", 1).unwrap()),
+            vec![0]
+        );
+    }
+
+    /// GPT-2's alphabet text of `bytes` (the inverse of [`gpt2_bytes`]).
+    fn gpt2_text(bytes: &[u8]) -> String {
+        let printable =
+            |b: u8| (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || b >= 0xae;
+        bytes
+            .iter()
+            .map(|&b| {
+                if printable(b) {
+                    char::from(b)
+                } else {
+                    let n = (0u8..=255).filter(|x| !printable(*x)).position(|x| x == b);
+                    char::from_u32(256 + u32::try_from(n.unwrap()).unwrap()).unwrap()
+                }
+            })
+            .collect()
+    }
+
+    /// Ids: 0 "Hello", 1 " world", 2 "!", 3 `<|im_end|>` (control), 4 [E4 B8], 5 [AD],
+    /// 6 [E4], 7 [B8], 8 [F0 9F], 9 [98], 10 [F0], 11 [9F 98], 12 [80], 13 "中" (E4 B8 AD),
+    /// 14 " a", 15 "a" (and a second "a": 16, shared).
+    fn split_vocab() -> TokenVocabulary {
+        let bytes: [&[u8]; 17] = [
+            b"Hello",
+            b" world",
+            b"!",
+            b"<|im_end|>",
+            &[0xe4, 0xb8],
+            &[0xad],
+            &[0xe4],
+            &[0xb8],
+            &[0xf0, 0x9f],
+            &[0x98],
+            &[0xf0],
+            &[0x9f, 0x98],
+            &[0x80],
+            "中".as_bytes(),
+            b" a",
+            b"a",
+            b"a",
+        ];
+        let tokens: Vec<String> = bytes.iter().map(|b| gpt2_text(b)).collect();
+        let mut types = vec![1i64; tokens.len()];
+        types[3] = 3;
+        TokenVocabulary::from_tokens("gpt2", &tokens, Some(&types)).unwrap()
+    }
+
+    fn entry(bytes: &[u8], id: u64, lp: f64) -> NodeToken {
+        NodeToken {
+            bytes: bytes.to_vec(),
+            logprob: lp,
+            id: Some(id),
+        }
+    }
+
+    #[test]
+    fn vocabulary_knows_each_ids_bytes() {
+        let v = split_vocab();
+        assert_eq!(v.bytes(4), Some(&[0xe4, 0xb8][..]));
+        assert_eq!(v.bytes(3), None); // control
+        assert_eq!(v.bytes(17), None); // out of range
+        assert_eq!(v.max_token_bytes(), 6); // " world": the control token is not kept
+        assert_eq!(v.id(b"a"), Some(15));
+    }
+
+    #[test]
+    fn align_goes_on_past_a_character_split_across_tokens() {
+        let v = split_vocab();
+        let text = "Hello中 world!".as_bytes();
+        // llama.cpp: [E4 B8] held back, [AD] listed with the bytes of both
+        let toks = [
+            entry(b"Hello", 0, -0.1),
+            entry("中".as_bytes(), 5, -0.7),
+            entry(b" world", 1, -0.2),
+            entry(b"!", 2, -0.3),
+        ];
+        let a = align(&v, &toks, text, 10).unwrap();
+        // the fewest-token split of the prefix [E4 B8] is the one token 4, not 6 + 7
+        assert_eq!(ids(&a), vec![0, 4, 5, 1, 2]);
+        assert_eq!(
+            a.logprobs,
+            vec![Some(-0.1), None, None, Some(-0.2), Some(-0.3)]
+        );
+        assert_eq!(a.scored(), 3);
+        let split: Vec<bool> = a.tokens.iter().map(|t| t.split).collect();
+        assert_eq!(split, vec![false, true, true, false, false]);
+        // the positions bound counts the held token too: the entry is not taken in part
+        assert_eq!(ids(&align(&v, &toks, text, 2).unwrap()), vec![0]);
+        // the character as one token: scored
+        let toks = [entry(b"Hello", 0, -0.1), entry("中".as_bytes(), 13, -0.7)];
+        let a = align(&v, &toks, "Hello中".as_bytes(), 10).unwrap();
+        assert_eq!(a.logprobs, vec![Some(-0.1), Some(-0.7)]);
+        // without the token [E4 B8], the prefix's one split is two byte tokens
+        let toks = [entry("中".as_bytes(), 5, -0.7), entry(b"!", 2, -0.3)];
+        let mut v2 = split_vocab();
+        v2.by_bytes.remove(&vec![0xe4, 0xb8]);
+        let a = align(&v2, &toks, "中!".as_bytes(), 10).unwrap();
+        assert_eq!(ids(&a), vec![6, 7, 5, 2]);
+        assert_eq!(a.scored(), 1);
+    }
+
+    #[test]
+    fn align_stops_where_the_held_tokens_are_not_known() {
+        let v = split_vocab();
+        let text = "😀 world".as_bytes(); // F0 9F 98 80
+                                          // [F0 9F] + [98] or [F0] + [9F 98]: two splits of two tokens, none of one: stop
+        let toks = [entry("😀".as_bytes(), 12, -0.5), entry(b" world", 1, -0.2)];
+        assert!(align(&v, &toks, text, 10).unwrap().tokens.is_empty());
+        // a prefix that is no token
+        let text = "x中!".as_bytes();
+        let toks = [entry("x中".as_bytes(), 5, -0.5), entry(b"!", 2, -0.2)];
+        assert!(align(&v, &toks, text, 10).unwrap().tokens.is_empty());
+        // a prefix ending at a character boundary: llama.cpp would have listed it
+        let toks = [entry(b"Hello world", 1, -0.5), entry(b"!", 2, -0.1)];
+        assert!(align(&v, &toks, b"Hello world!", 10)
+            .unwrap()
+            .tokens
+            .is_empty());
+        // an id whose bytes do not end the entry, an id out of range, a control token: the
+        // last entry stops alignment (a stop word's token, the end of generation), an earlier
+        // one is not what llama.cpp sends
+        for id in [2, 99, 3, u64::MAX] {
+            let toks = [entry(b"Hello", 0, -0.1), entry(b" world", id, -0.5)];
+            let a = align(&v, &toks, b"Hello world", 10).unwrap();
+            assert_eq!(ids(&a), vec![0], "id {id}");
+            let toks = [entry(b"Hello", id, -0.1), entry(b" world", 1, -0.5)];
+            assert_eq!(
+                align(&v, &toks, b"Hello world", 10),
+                Err(Misaligned(0)),
+                "id {id}"
+            );
+        }
+        // a byte string two ids share, without the node's id: stop
+        let a = align(&v, &[tok("a", -0.1)], b"a", 10).unwrap();
+        assert!(a.tokens.is_empty());
+        // with its id: that id
+        let a = align(&v, &[entry(b"a", 16, -0.1)], b"a", 10).unwrap();
+        assert_eq!(ids(&a), vec![16]);
+    }
+
+    #[test]
+    fn align_scores_tokens_a_partial_stop_string_held() {
+        let v = split_vocab();
+        // "Hello" held (an empty entry: " wo…" could start a stop word), then " world" with both
+        let toks = [
+            entry(b"", 0, -0.1),
+            entry(b"Hello world", 1, -0.2),
+            entry(b"", 3, -0.01), // end of generation: stops
+        ];
+        let a = align(&v, &toks, b"Hello world", 10).unwrap();
+        assert_eq!(ids(&a), vec![0, 1]);
+        assert_eq!(a.logprobs, vec![Some(-0.1), Some(-0.2)]);
+        // the held token's bytes are not the prefix: stop
+        let toks = [entry(b"", 2, -0.1), entry(b"Hello world", 1, -0.2)];
+        assert!(align(&v, &toks, b"Hello world", 10)
+            .unwrap()
+            .tokens
+            .is_empty());
+        // an empty entry of a control token or an unknown id: the last one ends alignment
+        // (the end of generation), an earlier one is not what llama.cpp sends
+        for id in [3, 99] {
+            let toks = [entry(b"Hello", 0, -0.2), entry(b"", id, -0.1)];
+            assert_eq!(ids(&align(&v, &toks, b"Hello", 10).unwrap()), vec![0]);
+            let toks = [entry(b"", id, -0.1), entry(b"Hello", 0, -0.2)];
+            assert_eq!(align(&v, &toks, b"Hello", 10), Err(Misaligned(0)));
+        }
+    }
+
+    #[test]
+    fn coverage_counts_what_the_list_spells() {
+        let toks = [tok("Hello", -0.1), tok(" world", -0.2)];
+        assert_eq!(covered_bytes(&toks, b"Hello world!"), Ok(11));
+        assert_eq!(covered_bytes(&toks[..1], b"Hello world!"), Ok(5)); // stops early
+        assert_eq!(covered_bytes(&[], b"Hello"), Ok(0)); // empty list
+        assert_eq!(covered_bytes(&toks, b"Hello wo"), Ok(8)); // spells more: the cap cut
+        assert_eq!(covered_bytes(&toks, b"Hello there"), Err(Misaligned(5)));
+        let empty = [tok("", -0.1), tok("Hello", -0.1)];
+        assert_eq!(covered_bytes(&empty, b"Hello"), Ok(5));
+        // a stray continuation byte, delivered as U+FFFD
+        let stray = [tok("Hello", -0.1), entry(&[0xad], 5, -3.0), tok("!", -0.1)];
+        let text = "Hello\u{fffd}!".as_bytes();
+        assert_eq!(covered_bytes(&stray, text), Ok(text.len()));
+        assert_eq!(covered_bytes(&stray, b"Hello!"), Err(Misaligned(5)));
+        let v = split_vocab();
+        let a = align(&v, &stray, text, 10).unwrap();
+        assert_eq!(ids(&a), vec![0, 5, 2]);
+        assert_eq!(a.logprobs, vec![Some(-0.1), None, Some(-0.1)]);
+    }
+
+    #[test]
+    fn an_honest_tail_is_a_cut_character_or_within_the_stop_words_slack() {
+        assert!(honest_tail(b"", 0, 10));
+        assert!(honest_tail("\u{fffd}".as_bytes(), 0, 10));
+        assert!(honest_tail("\u{fffd}\u{fffd}\u{fffd}".as_bytes(), 0, 10));
+        assert!(!honest_tail(
+            "\u{fffd}\u{fffd}\u{fffd}\u{fffd}".as_bytes(),
+            0,
+            10
+        ));
+        assert!(!honest_tail(b"x", 0, 10));
+        assert!(!honest_tail(b" world", 0, 10));
+        // a stop word of 2 bytes, tokens of at most 10: (2 + 2) * 10 + 2 + 3 = 45 bytes
+        assert!(honest_tail(&[b'x'; 45], 2, 10));
+        assert!(!honest_tail(&[b'x'; 46], 2, 10));
+        assert_eq!(longest_stop_bytes(br#"{"stop":"\n\n"}"#), 2);
+        assert_eq!(longest_stop_bytes(br#"{"stop":["a","END"]}"#), 3);
+        assert_eq!(longest_stop_bytes(br#"{"stop":null}"#), 0);
+        assert_eq!(longest_stop_bytes(b"{"), 0);
+        let mut c = NodeLogprobs::new(1);
+        assert!(!c.is_full());
+        c.push(Some(
+            &serde_json::json!({"content": [{"token": "a", "logprob": -1}]}),
+        ));
+        assert!(c.is_full());
     }
 
     #[test]
     fn observations_fire_past_the_event_threshold() {
-        let o = logprob_observations(&[-0.1, -0.2, -5.0], &[Some(-0.3), None, Some(-1.0)], 1.0);
+        let o = logprob_observations(
+            &[Some(-0.1), Some(-0.2), Some(-5.0), None],
+            &[Some(-0.3), None, Some(-1.0), Some(-1.0)],
+            1.0,
+        );
         assert_eq!(o.len(), 2);
         assert!(!o[0].is_event());
         assert!(o[1].is_event());

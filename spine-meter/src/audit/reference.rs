@@ -51,11 +51,24 @@ pub struct ForceQuery {
     /// The request's prompt.
     pub prompt: AuditPrompt,
     /// The node's tokens as reference ids (no control token), in order.
-    pub ids: Vec<u32>,
+    pub tokens: Vec<ForcedToken>,
 }
 
-/// A future returned by [`Reference::force`]: per forced id, the reference's raw logprob of it
-/// (`None` where the reference listed none).
+/// One token of a [`ForceQuery`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ForcedToken {
+    /// The reference's id of the token.
+    pub id: u32,
+    /// Its bytes are not whole UTF-8 (it splits a character): the pinned llama.cpp cannot
+    /// force it through a token-id grammar, so it is fed as prompt; never scored.
+    pub split: bool,
+    /// Its logprob is wanted (`false`: context only, e.g. a token the node held back and
+    /// listed no logprob for).
+    pub scored: bool,
+}
+
+/// A future returned by [`Reference::force`]: per forced token, the reference's raw logprob of
+/// it (`None` where not scored: split, not wanted, or not listed).
 pub type ForceFuture<'a> =
     Pin<Box<dyn Future<Output = Result<Vec<Option<f64>>, ReferenceError>> + Send + 'a>>;
 
@@ -73,9 +86,10 @@ pub trait Reference: Send + Sync + 'static {
     /// Scores `query` (see the trait docs).
     fn score<'a>(&'a self, query: &'a ReferenceQuery) -> ScoreFuture<'a>;
 
-    /// Teacher-forces `query.ids` after the prompt and returns, for each in order, the raw
+    /// Teacher-forces `query.tokens` after the prompt and returns, for each in order, the raw
     /// model's (temperature 1, before any sampler) natural log of its probability at its
-    /// position. The default answers [`ReferenceError::NoReference`] (a reference that cannot
+    /// position (`None` for a split token, one not [`scored`](ForcedToken::scored), or one the
+    /// reference did not list: one entry per token). The default answers [`ReferenceError::NoReference`] (a reference that cannot
     /// force ids: node-logprob audits of its models are inconclusive).
     fn force<'a>(&'a self, query: &'a ForceQuery) -> ForceFuture<'a> {
         Box::pin(std::future::ready(Err(ReferenceError::NoReference(
@@ -96,6 +110,8 @@ pub trait Reference: Send + Sync + 'static {
 /// grammar sampler then rejects every candidate: also a 500): such tokens are fed as prompt and
 /// the runs of whole-character tokens between them forced one request each (at most
 /// [`MAX_REQUESTS_PER_AUDIT`](Self::MAX_REQUESTS_PER_AUDIT)), with the prompt cache on.
+/// [`Reference::force`] forces the node's own tokens through the same helper (`n_probs: 1`),
+/// its [`split`](ForcedToken::split) tokens fed as prompt.
 #[cfg(feature = "llama-reference")]
 #[derive(Clone, Debug)]
 pub struct LlamaCppReference {
@@ -219,69 +235,115 @@ impl LlamaCppReference {
                 }
             })
             .collect::<Result<_, ReferenceError>>()?;
-        // The pinned llama.cpp's token-id grammar cannot force a token that splits a UTF-8
-        // character (its grammar sampler rejects every candidate after one, and the request
-        // fails with HTTP 500): each run of whole-character tokens is forced by one request
-        // whose prompt carries every token before it (the prompt cache makes that a short
-        // prefill); split tokens are fed as prompt, never scored.
-        let mut out = Vec::with_capacity(pieces.len());
-        let mut start = 0;
-        let mut requests = 0;
-        while start < pieces.len() {
-            if !pieces[start].2 {
-                out.push(ScoredToken {
-                    bytes: pieces[start].1.clone(),
-                    top: Vec::new(),
-                });
-                start += 1;
-                continue;
-            }
-            let end = start + pieces[start..].iter().take_while(|p| p.2).count();
-            if requests == Self::MAX_REQUESTS_PER_AUDIT {
-                break;
-            }
-            requests += 1;
-            let prompt_json = if start == 0 {
-                json!(prompt)
-            } else {
-                let mut mixed = vec![json!(prompt)];
-                mixed.extend(pieces[..start].iter().map(|p| json!(p.0)));
-                Value::Array(mixed)
-            };
-            out.extend(self.force_pieces(prompt_json, &pieces[start..end]).await?);
-            start = end;
-        }
-        Ok(out)
+        let runs: Vec<(u64, bool)> = pieces.iter().map(|p| (p.0, !p.2)).collect();
+        let listed = self.force_runs(&prompt, &runs, self.n_probs).await?;
+        listed
+            .into_iter()
+            .zip(pieces)
+            .map(|(p, (_, bytes, _))| {
+                let top = match p {
+                    None => Vec::new(),
+                    Some(p) => p
+                        .get("top_logprobs")
+                        .and_then(Value::as_array)
+                        .ok_or_else(|| garbage("/completion: no top_logprobs"))?
+                        .iter()
+                        .map(|t| {
+                            Ok(TopToken {
+                                bytes: bytes_of_array(t.get("bytes"))?,
+                                logprob: t.get("logprob").and_then(Value::as_f64).ok_or_else(
+                                    || garbage("/completion: a top token without logprob"),
+                                )?,
+                            })
+                        })
+                        .collect::<Result<Vec<_>, ReferenceError>>()?,
+                };
+                Ok(ScoredToken { bytes, top })
+            })
+            .collect()
     }
 
     /// Most `/completion` requests one audit makes (one per run of whole-character tokens).
     pub const MAX_REQUESTS_PER_AUDIT: usize = 64;
 
-    /// Forces `pieces` (whole-character tokens) after `prompt` and reads each position's top
-    /// tokens.
-    async fn force_pieces(
+    /// Teacher-forces `tokens` (`(id, split)`) after the rendered `prompt`: each run of
+    /// whole-character tokens is forced by one `/completion` request whose prompt carries every
+    /// token before it (the prompt cache makes that a short prefill); split tokens are fed as
+    /// prompt, never forced. The pinned llama.cpp's token-id grammar cannot force a token that
+    /// splits a UTF-8 character (its grammar sampler rejects every candidate after one: HTTP
+    /// 500), nor does it list a forced token after which the text ends inside a character.
+    ///
+    /// Returns, per token in order, the `completion_probabilities` entry listed for it (`None`:
+    /// split or not listed); shorter than `tokens` when
+    /// [`MAX_REQUESTS_PER_AUDIT`](Self::MAX_REQUESTS_PER_AUDIT) runs were forced before the end.
+    ///
+    /// # Errors
+    ///
+    /// [`ReferenceError`] when a request fails or lists positions that are not the forced
+    /// tokens in order.
+    async fn force_runs(
+        &self,
+        prompt: &str,
+        tokens: &[(u64, bool)],
+        n_probs: u32,
+    ) -> Result<Vec<Option<serde_json::Value>>, ReferenceError> {
+        use serde_json::{json, Value};
+        let mut out = Vec::with_capacity(tokens.len());
+        let mut start = 0;
+        let mut requests = 0;
+        while start < tokens.len() {
+            if tokens[start].1 {
+                out.push(None);
+                start += 1;
+                continue;
+            }
+            if requests == Self::MAX_REQUESTS_PER_AUDIT {
+                break;
+            }
+            requests += 1;
+            let end = start + tokens[start..].iter().take_while(|t| !t.1).count();
+            let prompt_json = if start == 0 {
+                json!(prompt)
+            } else {
+                let mut mixed = vec![json!(prompt)];
+                mixed.extend(tokens[..start].iter().map(|t| json!(t.0)));
+                Value::Array(mixed)
+            };
+            out.extend(
+                self.force_run(prompt_json, &tokens[start..end], n_probs)
+                    .await?,
+            );
+            start = end;
+        }
+        Ok(out)
+    }
+
+    /// One teacher-forcing request: `run` (whole-character tokens) after `prompt` (a string, or
+    /// a string then token ids), a token-id grammar `root ::= <[t1]> <[t2]> …`, `n_probs`,
+    /// `post_sampling_probs: false`, greedy, the prompt cache on. Returns each token's listed
+    /// entry (`None`: not listed).
+    async fn force_run(
         &self,
         prompt: serde_json::Value,
-        pieces: &[(u64, Vec<u8>, bool)],
-    ) -> Result<Vec<ScoredToken>, ReferenceError> {
+        run: &[(u64, bool)],
+        n_probs: u32,
+    ) -> Result<Vec<Option<serde_json::Value>>, ReferenceError> {
         use serde_json::{json, Value};
-        let garbage = |what: &str| ReferenceError::Garbage(what.to_owned());
         let grammar = format!(
             "root ::= {}",
-            pieces
-                .iter()
-                .map(|p| format!("<[{}]>", p.0))
+            run.iter()
+                .map(|t| format!("<[{}]>", t.0))
                 .collect::<Vec<_>>()
                 .join(" ")
         );
-        let v = self
+        let mut v = self
             .post(
                 "/completion",
                 json!({
                     "prompt": prompt,
                     "grammar": grammar,
-                    "n_predict": pieces.len(),
-                    "n_probs": self.n_probs,
+                    "n_predict": run.len(),
+                    "n_probs": n_probs,
                     "post_sampling_probs": false,
                     "temperature": 0.0,
                     "stream": false,
@@ -289,48 +351,25 @@ impl LlamaCppReference {
                 }),
             )
             .await?;
-        let probs = v
-            .get("completion_probabilities")
-            .and_then(Value::as_array)
-            .ok_or_else(|| garbage("/completion: no completion_probabilities"))?;
+        let Some(Value::Array(probs)) = v.get_mut("completion_probabilities").map(Value::take)
+        else {
+            return Err(ReferenceError::Garbage(
+                "/completion: no completion_probabilities".into(),
+            ));
+        };
         // llama.cpp lists no probabilities for a token after which the text ends inside a
         // UTF-8 character (its `process_token` holds such a token back): the list is the forced
-        // tokens minus those, in order. Such positions get no top tokens (never scored).
-        let mut out = Vec::with_capacity(pieces.len());
-        let mut listed = probs.iter().peekable();
-        for (id, forced, _) in pieces {
-            let Some(p) = listed.next_if(|p| p.get("id").and_then(Value::as_u64) == Some(*id))
-            else {
-                out.push(ScoredToken {
-                    bytes: forced.clone(),
-                    top: Vec::new(),
-                });
-                continue;
-            };
-            let top =
-                p.get("top_logprobs")
-                    .and_then(Value::as_array)
-                    .ok_or_else(|| garbage("/completion: no top_logprobs"))?
-                    .iter()
-                    .map(|t| {
-                        Ok(TopToken {
-                            bytes: bytes_of_array(t.get("bytes"))?,
-                            logprob: t.get("logprob").and_then(Value::as_f64).ok_or_else(|| {
-                                garbage("/completion: a top token without logprob")
-                            })?,
-                        })
-                    })
-                    .collect::<Result<Vec<_>, ReferenceError>>()?;
-            out.push(ScoredToken {
-                bytes: forced.clone(),
-                top,
-            });
-        }
+        // tokens minus those, in order
+        let n_listed = probs.len();
+        let mut listed = probs.into_iter().peekable();
+        let out: Vec<Option<Value>> = run
+            .iter()
+            .map(|t| listed.next_if(|p| p.get("id").and_then(Value::as_u64) == Some(t.0)))
+            .collect();
         if listed.next().is_some() {
             return Err(ReferenceError::Garbage(format!(
-                "/completion: {} positions listed that are not the {} forced tokens in order",
-                probs.len(),
-                pieces.len()
+                "/completion: {n_listed} positions listed that are not the {} forced tokens in order",
+                run.len()
             )));
         }
         Ok(out)
@@ -339,59 +378,31 @@ impl LlamaCppReference {
 
 #[cfg(feature = "llama-reference")]
 impl LlamaCppReference {
-    /// Forces the node's ids in one `/completion` request (a token-id grammar, `n_probs: 1`,
-    /// `post_sampling_probs: false`: each listed position's `logprob` is the raw model's of
-    /// the forced token). The ids are whole-character tokens ([`super::align`] stops before
-    /// any other), so the pinned llama.cpp lists every position.
+    /// Forces the node's tokens ([`force_runs`](Self::force_runs), `n_probs: 1`): each listed
+    /// position's `logprob` is the raw model's of the forced token. One entry per token.
     async fn force_ids(&self, q: &ForceQuery) -> Result<Vec<Option<f64>>, ReferenceError> {
-        use serde_json::{json, Value};
-        if q.ids.is_empty() {
+        use serde_json::Value;
+        if q.tokens.is_empty() {
             return Ok(Vec::new());
         }
         let prompt = self.render(&q.prompt).await?;
-        let grammar = format!(
-            "root ::= {}",
-            q.ids
-                .iter()
-                .map(|id| format!("<[{id}]>"))
-                .collect::<Vec<_>>()
-                .join(" ")
-        );
-        let v = self
-            .post(
-                "/completion",
-                json!({
-                    "prompt": prompt,
-                    "grammar": grammar,
-                    "n_predict": q.ids.len(),
-                    "n_probs": 1,
-                    "post_sampling_probs": false,
-                    "temperature": 0.0,
-                    "stream": false,
-                    "cache_prompt": true,
-                }),
-            )
-            .await?;
-        let probs = v
-            .get("completion_probabilities")
-            .and_then(Value::as_array)
-            .ok_or_else(|| {
-                ReferenceError::Garbage("/completion: no completion_probabilities".into())
-            })?;
-        let mut listed = probs.iter().peekable();
-        let mut out = Vec::with_capacity(q.ids.len());
-        for id in &q.ids {
-            let want = u64::from(*id);
-            let p = listed.next_if(|p| p.get("id").and_then(Value::as_u64) == Some(want));
-            out.push(p.and_then(|p| p.get("logprob")).and_then(Value::as_f64));
-        }
-        if listed.next().is_some() {
-            return Err(ReferenceError::Garbage(format!(
-                "/completion: {} positions listed that are not the {} forced ids in order",
-                probs.len(),
-                q.ids.len()
-            )));
-        }
+        let runs: Vec<(u64, bool)> = q
+            .tokens
+            .iter()
+            .map(|t| (u64::from(t.id), t.split))
+            .collect();
+        let listed = self.force_runs(&prompt, &runs, 1).await?;
+        let mut out: Vec<Option<f64>> = listed
+            .iter()
+            .zip(&q.tokens)
+            .map(|(p, t)| {
+                p.as_ref()
+                    .filter(|_| t.scored)
+                    .and_then(|p| p.get("logprob"))
+                    .and_then(Value::as_f64)
+            })
+            .collect();
+        out.resize(q.tokens.len(), None);
         Ok(out)
     }
 }

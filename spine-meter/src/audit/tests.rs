@@ -842,7 +842,12 @@ impl Reference for ForcingReference {
 
     fn force<'a>(&'a self, q: &'a ForceQuery) -> ForceFuture<'a> {
         let lp = self.0;
-        Box::pin(async move { Ok(q.ids.iter().map(|_| Some(lp)).collect()) })
+        Box::pin(async move {
+            Ok(q.tokens
+                .iter()
+                .map(|t| Some(lp).filter(|_| t.scored && !t.split))
+                .collect())
+        })
     }
 }
 
@@ -917,4 +922,78 @@ async fn a_node_that_sends_no_logprobs_or_a_list_that_is_not_its_text_gets_one_e
     // no capture (the tap was not asked): the text statistic, here inconclusive
     a.audit_now(sample("c", " w1")).await;
     assert_eq!(a.counters().inconclusive, 1);
+}
+
+/// A sample whose node lists the first `listed` of `n` words, for a request `body`, captured
+/// with a bound of `bound` entries.
+fn short_sample(
+    node: &str,
+    n: usize,
+    listed: usize,
+    bound: usize,
+    body: &'static [u8],
+) -> AuditSample {
+    let full = logprob_sample(node, n);
+    let json = serde_json::json!({
+        "content": (0..listed)
+            .map(|i| serde_json::json!({"token": format!(" w{i}"), "logprob": -0.5}))
+            .collect::<Vec<_>>()
+    });
+    let mut capture = NodeLogprobs::new(bound);
+    capture.push(Some(&json));
+    AuditSample {
+        node_logprobs: Some(capture),
+        request_body: bytes::Bytes::from_static(body),
+        ..full
+    }
+}
+
+const CHAT: &[u8] = br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"temperature":0}"#;
+const CHAT_STOP: &[u8] =
+    br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"temperature":0,"stop":["\n\n"]}"#;
+
+#[tokio::test]
+async fn a_list_that_stops_short_of_the_text_gets_one_event() {
+    // 3 of 10 words listed, no stop word: short, one event (not its 3 positions)
+    let a = node_logprobs_auditor(-0.5);
+    a.audit_now(short_sample("a", 10, 3, 256, CHAT)).await;
+    let s = &a.statuses_of(&NodeId::new("a"))[0];
+    assert_eq!((s.tokens_audited, s.events), (1, 1));
+    let c = a.counters();
+    assert_eq!((c.node_logprobs_short, c.node_logprobs_missing), (1, 0));
+
+    // the capture kept all it may (3): not judged short, its 3 positions scored
+    let a = node_logprobs_auditor(-0.5);
+    a.audit_now(short_sample("a", 10, 3, 3, CHAT)).await;
+    let s = &a.statuses_of(&NodeId::new("a"))[0];
+    assert_eq!((s.tokens_audited, s.events), (3, 0));
+    assert_eq!(a.counters().node_logprobs_short, 0);
+
+    // a stop word: a non-streamed llama.cpp drops the stop word's entries; the last word
+    // (4 bytes) is within the slack ((2 + 2) · 4 + 2 + 3 = 21 bytes of tokens of 4 bytes)
+    let a = node_logprobs_auditor(-0.5);
+    a.audit_now(short_sample("a", 10, 9, 256, CHAT_STOP)).await;
+    let s = &a.statuses_of(&NodeId::new("a"))[0];
+    assert_eq!((s.tokens_audited, s.events), (9, 0));
+    // but not 9 words (29 bytes)
+    a.audit_now(short_sample("b", 12, 3, 256, CHAT_STOP)).await;
+    let s = &a.statuses_of(&NodeId::new("b"))[0];
+    assert_eq!((s.tokens_audited, s.events), (1, 1));
+    assert_eq!(a.counters().node_logprobs_short, 1);
+
+    // a character cut at max_tokens: its bytes arrive as U+FFFD, never listed
+    let a = node_logprobs_auditor(-0.5);
+    let mut cut = short_sample("a", 4, 4, 256, CHAT);
+    cut.completion.push('\u{fffd}');
+    a.audit_now(cut).await;
+    let s = &a.statuses_of(&NodeId::new("a"))[0];
+    assert_eq!((s.tokens_audited, s.events), (4, 0));
+
+    // a list spelling more than was delivered (the text capture cut): not short
+    let mut more = short_sample("c", 10, 10, 256, CHAT);
+    more.completion.truncate(10);
+    a.audit_now(more).await;
+    let s = &a.statuses_of(&NodeId::new("c"))[0];
+    assert_eq!(s.events, 0);
+    assert_eq!(a.counters().node_logprobs_short, 0);
 }
