@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
-use spine_core::{BodyClassifier, BodySignal, BoxBody, BoxError, NodeSlot};
+use spine_core::{BodyClassifier, BodySignal, BoxBody, BoxError, NodeFault, NodeSlot};
 
 use super::RouteConfig;
 use crate::idle::IdleTimer;
@@ -94,8 +94,12 @@ impl RoutedBody {
         drop(std::mem::take(&mut self.inner));
         let lease = self.lease.take();
         if let (Some(watch), Some(lease)) = (self.watch.take(), lease) {
-            if !watch.fault_reported() {
-                watch.registry.record_disconnect(lease.node());
+            match &watch.slot {
+                // reported on the slot, whose hook (set at commit) scores a disconnect: once,
+                // whoever reports first — the metering layer's stall bound and this body's idle
+                // bound can fire together (seen: one stalled stream scored as two disconnects)
+                Some(slot) => slot.report(NodeFault::Stalled),
+                None => watch.registry.record_disconnect(lease.node()),
             }
         }
     }
