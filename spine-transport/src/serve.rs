@@ -17,7 +17,11 @@
 //!   past it, reading the body fails with [`BodyReadTimeout`] (the handler answers its error and
 //!   the connection closes).
 //! - **Idle connections**: a connection with no request in flight for `idle_timeout` is closed
-//!   (HTTP/1.1 and HTTP/2).
+//!   (HTTP/1.1 and HTTP/2). A connection whose socket is still draining a response (the last
+//!   write to it did not complete: the peer reads slowly, or not yet) is not idle: an answer
+//!   that was generated, billed and settled is not cut because its reader is slow. Its idle
+//!   clock starts when the socket accepts the last bytes. At the cap such a connection can
+//!   still be evicted, as an idle one.
 //! - **TLS**: the handshake must finish within `tls_handshake_timeout`.
 //!
 //! Every accepted socket gets `TCP_NODELAY`.
@@ -27,7 +31,7 @@ use std::convert::Infallible;
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -39,7 +43,7 @@ use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use spine_core::BoxError;
-use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::time::{Instant, Sleep};
@@ -222,8 +226,11 @@ struct Conn {
     receiving: AtomicU32,
     /// Requests started on this connection.
     served: AtomicU64,
-    /// When the last request ended (or the connection started), ms since the listener started.
+    /// When the last request ended, the socket last accepted bytes after a blocked write, or
+    /// the connection started: ms since the listener started.
     idle_since_ms: AtomicU64,
+    /// The last write to the socket returned `Pending`: a response is still draining.
+    write_blocked: AtomicBool,
     /// Fired to close the connection: at once when idle, gracefully otherwise.
     close: Notify,
     /// Fired when a request ends, so the connection's idle deadline is computed afresh.
@@ -237,6 +244,11 @@ impl Conn {
     /// No request in flight, or every one still receiving its body.
     fn is_evictable(&self) -> bool {
         self.in_flight.load(Ordering::Acquire) <= self.receiving.load(Ordering::Acquire)
+    }
+
+    /// A request in flight, or a response still draining into a slow socket.
+    fn is_busy(&self) -> bool {
+        self.in_flight.load(Ordering::Acquire) > 0 || self.write_blocked.load(Ordering::Acquire)
     }
 
     fn take_permit(&self) -> Option<OwnedSemaphorePermit> {
@@ -326,6 +338,85 @@ where
 
     fn size_hint(&self) -> SizeHint {
         self.inner.size_hint()
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// The accepted socket, watched for writes that block: while one is pending the
+    /// connection is draining a response and the idle bound leaves it alone.
+    struct WriteWatched<IO> {
+        #[pin]
+        io: IO,
+        conn: Arc<Conn>,
+        epoch: Instant,
+    }
+}
+
+impl<IO> WriteWatched<IO> {
+    /// Records the outcome of one write (or flush) to the socket. Only a change of state
+    /// touches the shared counters: the common case (a write that completes on a connection
+    /// that was not blocked) is one relaxed load.
+    fn note<T>(conn: &Conn, epoch: Instant, polled: &Poll<std::io::Result<T>>) {
+        let blocked = conn.write_blocked.load(Ordering::Relaxed);
+        match polled {
+            Poll::Pending if !blocked => conn.write_blocked.store(true, Ordering::Release),
+            Poll::Ready(_) if blocked => {
+                conn.idle_since_ms.store(ms_since(epoch), Ordering::Relaxed);
+                conn.write_blocked.store(false, Ordering::Release);
+                // the idle deadline is computed afresh
+                conn.request_ended.notify_one();
+            }
+            _ => {}
+        }
+    }
+}
+
+impl<IO: AsyncRead> AsyncRead for WriteWatched<IO> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        self.project().io.poll_read(cx, buf)
+    }
+}
+
+impl<IO: AsyncWrite> AsyncWrite for WriteWatched<IO> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        let this = self.project();
+        let polled = this.io.poll_write(cx, buf);
+        Self::note(this.conn, *this.epoch, &polled);
+        polled
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        let this = self.project();
+        let polled = this.io.poll_write_vectored(cx, bufs);
+        Self::note(this.conn, *this.epoch, &polled);
+        polled
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        let this = self.project();
+        let polled = this.io.poll_flush(cx);
+        Self::note(this.conn, *this.epoch, &polled);
+        polled
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        self.project().io.poll_shutdown(cx)
     }
 }
 
@@ -541,6 +632,7 @@ impl LimitedServer {
                 receiving: AtomicU32::new(0),
                 served: AtomicU64::new(0),
                 idle_since_ms: AtomicU64::new(ms_since(shared.epoch)),
+                write_blocked: AtomicBool::new(false),
                 close: Notify::new(),
                 request_ended: Notify::new(),
                 permit: Mutex::new(Some(permit)),
@@ -598,6 +690,12 @@ impl ConnShared {
         if let Err(e) = tcp.set_nodelay(true) {
             debug!(error = %e, "set TCP_NODELAY failed");
         }
+        // below TLS: the socket's writes are the ones a slow reader blocks
+        let tcp = WriteWatched {
+            io: tcp,
+            conn: conn.clone(),
+            epoch: self.epoch,
+        };
         match &self.tls {
             Some(acceptor) => {
                 let accepted = tokio::select! {
@@ -675,8 +773,9 @@ impl ConnShared {
                 self.limits.idle_timeout
             };
             let idle_since = conn.idle_since_ms.load(Ordering::Relaxed);
-            let busy = conn.in_flight.load(Ordering::Acquire) > 0;
-            // busy: look again when the request ends (`request_ended`), or after a full bound
+            let busy = conn.is_busy();
+            // busy: look again when the request ends or the socket drains (`request_ended`),
+            // or after a full bound
             let wake = if busy {
                 Instant::now() + idle_bound
             } else {
@@ -707,8 +806,7 @@ impl ConnShared {
                 }
                 () = tokio::time::sleep_until(wake) => {
                     let idle_ms = ms_since(epoch).saturating_sub(conn.idle_since_ms.load(Ordering::Relaxed));
-                    if conn.in_flight.load(Ordering::Acquire) == 0
-                        && u128::from(idle_ms) >= idle_bound.as_millis()
+                    if !conn.is_busy() && u128::from(idle_ms) >= idle_bound.as_millis()
                     {
                         let reason = if conn.served.load(Ordering::Relaxed) == 0 {
                             "header_timeout"

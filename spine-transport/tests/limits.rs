@@ -21,6 +21,10 @@ const HANG: Duration = Duration::from_secs(60);
 /// below the time a trickle or another timer would take.
 const CUT: Duration = Duration::from_secs(15);
 
+/// A response far larger than the loopback socket buffers (a few MiB on Linux): most of it
+/// waits in the server until the client reads.
+const BIG_BYTES: usize = 64 << 20;
+
 /// A request head that never completes, 200 bytes long (20 s at one byte per 100 ms).
 fn endless_head(start: &str) -> Vec<u8> {
     let mut head = start.as_bytes().to_vec();
@@ -36,6 +40,7 @@ fn app() -> axum::Router {
             "/echo",
             post(|body: axum::body::Bytes| async move { format!("{}", body.len()) }),
         )
+        .route("/big", get(|| async { vec![b'x'; BIG_BYTES] }))
         .route(
             "/slow",
             get(|| async {
@@ -270,4 +275,29 @@ async fn the_tunnel_listener_cuts_slowloris_heads_too() {
     let elapsed = started.elapsed();
     assert!(elapsed >= Duration::from_millis(450), "{elapsed:?}");
     assert!(elapsed < CUT, "{elapsed:?}");
+}
+
+#[tokio::test]
+async fn a_slow_reader_gets_its_whole_answer_past_the_idle_timeout() {
+    // the response body ends at once (one frame) but most of it is still waiting to be written
+    // when the idle bound (300 ms) passes, many times over
+    let addr = start(ListenerLimits::default().idle_timeout(Duration::from_millis(300))).await;
+    let mut tcp = TcpStream::connect(addr).await.unwrap();
+    tcp.write_all(b"GET /big HTTP/1.1\r\nhost: x\r\n\r\n")
+        .await
+        .unwrap();
+    // nothing read for 10 idle bounds (and past the 1 s grace an idle close gives)
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let (seen, _) = read_to_close(&mut tcp).await;
+    let head_end = seen
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .expect("a response head")
+        + 4;
+    assert!(seen.starts_with(b"HTTP/1.1 200"));
+    assert_eq!(
+        seen.len() - head_end,
+        BIG_BYTES,
+        "the whole answer, then the idle close"
+    );
 }
