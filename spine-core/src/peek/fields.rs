@@ -169,6 +169,11 @@ pub(super) fn message_members(role: &str) -> Option<&'static [&'static str]> {
 /// Assistant message members accepted only as `null` (an SDK sends them back that way).
 pub(super) const NULL_ONLY_MESSAGE_MEMBERS: [&str; 2] = ["audio", "function_call"];
 
+/// Message members that must be strings when present (not `null`): llama.cpp reads each into
+/// a string and answers 500 to anything else, so the caller gets a 400 naming the member
+/// instead of a server error.
+pub(super) const STRING_MESSAGE_MEMBERS: [&str; 3] = ["name", "tool_call_id", "reasoning_content"];
+
 /// A text content part's members.
 pub(super) const CONTENT_PART_MEMBERS: [&str; 2] = ["type", "text"];
 

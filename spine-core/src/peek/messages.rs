@@ -90,6 +90,15 @@ pub fn validate_chat_messages(body: &Value) -> Result<(), PeekError> {
                 ));
             }
         }
+        // members an engine reads as text: llama.cpp answers 500 to one that is null or a number
+        for name in fields::STRING_MESSAGE_MEMBERS {
+            if message.get(name).is_some_and(|v| !v.is_string()) {
+                return Err(invalid(
+                    format!("messages[{i}].{name}"),
+                    "expected a string",
+                ));
+            }
+        }
         if let Some(calls) = message.get("tool_calls").filter(|t| !t.is_null()) {
             check_tool_calls(calls, i)?;
         }
@@ -176,7 +185,45 @@ fn check_tool(tool: &Value, i: usize) -> Result<(), PeekError> {
         function,
         &fields::FUNCTION_MEMBERS,
         &format!("{at}.function"),
+    )?;
+    // typed as OpenAI types them: an engine handed another type fails the request (llama.cpp
+    // answers 500 to a numeric or null `description`), and that is the caller's input
+    check_member_type(
+        function,
+        "description",
+        Value::is_string,
+        "expected a string",
+        &at,
+    )?;
+    check_member_type(
+        function,
+        "parameters",
+        Value::is_object,
+        "expected an object",
+        &at,
+    )?;
+    check_member_type(
+        function,
+        "strict",
+        |v| v.is_boolean() || v.is_null(),
+        "expected a boolean",
+        &at,
     )
+}
+
+/// `{at}.function.{member}`, when present, passes `is`: else a 400 naming the member, with
+/// `reason`.
+fn check_member_type(
+    function: &serde_json::Map<String, Value>,
+    member: &str,
+    is: impl Fn(&Value) -> bool,
+    reason: &'static str,
+    at: &str,
+) -> Result<(), PeekError> {
+    match function.get(member) {
+        Some(v) if !is(v) => Err(invalid(format!("{at}.function.{member}"), reason)),
+        _ => Ok(()),
+    }
 }
 
 /// An assistant message's `tool_calls`: an array of `{id, type: "function", function: {name,
@@ -194,23 +241,33 @@ fn check_tool_calls(calls: &Value, i: usize) -> Result<(), PeekError> {
             .as_object()
             .ok_or_else(|| invalid(at.clone(), "expected an object"))?;
         check_members(call, &fields::TOOL_CALL_MEMBERS, &at)?;
-        if call
-            .get("type")
-            .is_some_and(|t| !t.is_null() && t.as_str() != Some("function"))
-        {
+        // as OpenAI requires them: llama.cpp answers 500 to a call without `type` or
+        // `function.arguments`, or with a null or numeric `id`
+        if call.get("id").is_some_and(|id| !id.is_string()) {
+            return Err(invalid(format!("{at}.id"), "expected a string"));
+        }
+        if call.get("type").and_then(Value::as_str) != Some("function") {
             return Err(invalid(
                 format!("{at}.type"),
                 "only tool calls of type function are supported",
             ));
         }
-        match call.get("function") {
-            None | Some(Value::Null) => {}
-            Some(Value::Object(function)) => check_members(
-                function,
-                &fields::TOOL_CALL_FUNCTION_MEMBERS,
-                &format!("{at}.function"),
-            )?,
-            Some(_) => return Err(invalid(format!("{at}.function"), "expected an object")),
+        let function = call
+            .get("function")
+            .and_then(Value::as_object)
+            .ok_or_else(|| invalid(format!("{at}.function"), "expected an object"))?;
+        check_members(
+            function,
+            &fields::TOOL_CALL_FUNCTION_MEMBERS,
+            &format!("{at}.function"),
+        )?;
+        for member in ["name", "arguments"] {
+            if !function.get(member).is_some_and(Value::is_string) {
+                return Err(invalid(
+                    format!("{at}.function.{member}"),
+                    "expected a string",
+                ));
+            }
         }
     }
     Ok(())

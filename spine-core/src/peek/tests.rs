@@ -318,7 +318,7 @@ fn valid_messages_pass() {
             {"role":"system","content":"be brief"},
             {"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]},
             {"role":"assistant","content":null,"tool_calls":[{"id":"c1","type":"function","function":{"name":"f","arguments":"{}"}}]},
-            {"role":"assistant","tool_calls":[{"id":"c2"}]},
+            {"role":"assistant","tool_calls":[{"id":"c2","type":"function","function":{"name":"g","arguments":"not json"}}]},
             {"role":"tool","tool_call_id":"c1","content":"42"}
         ]})),
         Ok(())
@@ -403,6 +403,68 @@ fn members_inside_messages_and_tools_are_allowlisted_with_their_path() {
         (
             json!({"messages":[user, {"role":"assistant","tool_calls":[{"id":"c","type":"custom"}]}, user]}),
             "messages[1].tool_calls[0].type",
+        ),
+        // member types, as OpenAI types them (llama.cpp answers 500 to a numeric description)
+        (
+            json!({"messages":[user],"tools":[{"type":"function","function":{"name":"f","description":5}}]}),
+            "tools[0].function.description",
+        ),
+        (
+            json!({"messages":[user],"tools":[{"type":"function","function":{"name":"f","description":null}}]}),
+            "tools[0].function.description",
+        ),
+        (
+            json!({"messages":[user],"tools":[{"type":"function","function":{"name":"f","parameters":"{}"}}]}),
+            "tools[0].function.parameters",
+        ),
+        (
+            json!({"messages":[user],"tools":[{"type":"function","function":{"name":"f","strict":"yes"}}]}),
+            "tools[0].function.strict",
+        ),
+        (
+            json!({"messages":[user, {"role":"assistant","tool_calls":[{"id":7,"type":"function","function":{"name":"f","arguments":"{}"}}]}, user]}),
+            "messages[1].tool_calls[0].id",
+        ),
+        (
+            json!({"messages":[user, {"role":"assistant","tool_calls":[{"id":"c","type":"function","function":{"name":["f"],"arguments":"{}"}}]}, user]}),
+            "messages[1].tool_calls[0].function.name",
+        ),
+        (
+            json!({"messages":[user, {"role":"assistant","tool_calls":[{"id":"c","type":"function","function":{"name":"f","arguments":{}}}]}, user]}),
+            "messages[1].tool_calls[0].function.arguments",
+        ),
+        // each of these is a 500 from llama.cpp ("Failed to parse messages")
+        (
+            json!({"messages":[user, {"role":"assistant","tool_calls":[{"id":null,"type":"function","function":{"name":"f","arguments":"{}"}}]}, user]}),
+            "messages[1].tool_calls[0].id",
+        ),
+        (
+            json!({"messages":[user, {"role":"assistant","tool_calls":[{"id":"c","function":{"name":"f","arguments":"{}"}}]}, user]}),
+            "messages[1].tool_calls[0].type",
+        ),
+        (
+            json!({"messages":[user, {"role":"assistant","tool_calls":[{"id":"c","type":"function"}]}, user]}),
+            "messages[1].tool_calls[0].function",
+        ),
+        (
+            json!({"messages":[user, {"role":"assistant","tool_calls":[{"id":"c","type":"function","function":{"name":"f"}}]}, user]}),
+            "messages[1].tool_calls[0].function.arguments",
+        ),
+        (
+            json!({"messages":[{"role":"user","content":"hi","name":5}]}),
+            "messages[0].name",
+        ),
+        (
+            json!({"messages":[user, {"role":"assistant","content":"x","name":null}, user]}),
+            "messages[1].name",
+        ),
+        (
+            json!({"messages":[user, {"role":"assistant","content":"x","reasoning_content":null}, user]}),
+            "messages[1].reasoning_content",
+        ),
+        (
+            json!({"messages":[user, {"role":"tool","content":"1","tool_call_id":null}]}),
+            "messages[1].tool_call_id",
         ),
     ] {
         assert!(
