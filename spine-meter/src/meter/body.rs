@@ -1,6 +1,5 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::fmt;
-use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -19,6 +18,10 @@ use super::node_json::{
     engine_error_message, is_engine_error, is_null, read_choices, usage_claim, Members, TextMember,
 };
 use super::settle::SettleCtx;
+use stall::StallClock;
+
+mod stall;
+mod timers;
 use crate::sse::{SseEvent, SseParser};
 use crate::tokenizer::GeneratedText;
 use crate::TokenCounter;
@@ -166,87 +169,6 @@ struct State {
     drain_wait: Option<Pin<Box<tokio_util::sync::WaitForCancellationFutureOwned>>>,
     /// The bound on a stream without progress; `None` when disabled.
     stall: Option<StallClock>,
-}
-
-/// The bound on a stream without progress ([`StreamSettings::stream_stall_timeout`]): progress
-/// (new delivered text, a `finish_reason`) only stores a deadline; one `Sleep` (armed on the
-/// first poll) re-arms itself to the latest deadline when it fires early. The clock stops while
-/// the caller holds a frame: the time between a frame handed out and the caller's next poll
-/// moves the deadline by as much, so a slow reader (whose frames wait in the read-ahead buffer)
-/// never makes an honest node look stalled.
-struct StallClock {
-    timeout: Duration,
-    /// When the stream is stalled; `None` before the first poll, or "never" (overflow).
-    at: Option<tokio::time::Instant>,
-    started: bool,
-    sleep: Option<Pin<Box<tokio::time::Sleep>>>,
-    /// When the last frame went to the caller (its next poll resumes the clock).
-    handed_out: Option<tokio::time::Instant>,
-}
-
-impl StallClock {
-    fn new(timeout: Duration) -> Option<Self> {
-        (!timeout.is_zero()).then_some(Self {
-            timeout,
-            at: None,
-            started: false,
-            sleep: None,
-            handed_out: None,
-        })
-    }
-
-    /// New text or a finish: the node made progress.
-    fn progress(&mut self) {
-        if self.started {
-            self.at = tokio::time::Instant::now().checked_add(self.timeout);
-        }
-    }
-
-    /// A frame goes to the caller: the clock stops until its next poll.
-    fn handed_out(&mut self) {
-        if self.started {
-            self.handed_out = Some(tokio::time::Instant::now());
-        }
-    }
-
-    /// The caller polls again: the time it held the frame does not count.
-    fn resumed(&mut self) {
-        if let Some(out) = self.handed_out.take() {
-            let held = tokio::time::Instant::now().saturating_duration_since(out);
-            self.at = self.at.and_then(|at| at.checked_add(held));
-        }
-    }
-
-    /// True once the stream went without progress for the timeout (started on the first
-    /// call, when a tokio runtime is there; without one the bound is not kept).
-    fn passed(&mut self, cx: &mut Context<'_>) -> bool {
-        if !self.started {
-            self.started = true;
-            if tokio::runtime::Handle::try_current().is_err() {
-                return false;
-            }
-            self.at = tokio::time::Instant::now().checked_add(self.timeout);
-        }
-        let Some(at) = self.at else {
-            return false;
-        };
-        let sleep = self
-            .sleep
-            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(at)));
-        loop {
-            if sleep.as_mut().poll(cx).is_pending() {
-                return false;
-            }
-            // fired: progress (or a caller's pause) may have moved the deadline since
-            let Some(at) = self.at else {
-                return false;
-            };
-            if at <= tokio::time::Instant::now() {
-                return true;
-            }
-            sleep.as_mut().reset(at);
-        }
-    }
 }
 
 impl fmt::Debug for State {
@@ -757,69 +679,6 @@ impl State {
                     .map_or_else(|| Bytes::from_static(TRUNCATED_EVENT), |o| o.bytes)
             }
         }
-    }
-
-    /// The keepalive timer restarts after every frame the client gets.
-    fn reset_keepalive(&mut self) {
-        if let Some(sleep) = self.keepalive.as_mut() {
-            sleep
-                .as_mut()
-                .reset(tokio::time::Instant::now() + KEEPALIVE_INTERVAL);
-        }
-    }
-
-    /// Polls the keepalive timer (started on first use, when a tokio runtime is there): true
-    /// when the client has had no frame for [`KEEPALIVE_INTERVAL`].
-    fn keepalive_due(&mut self, cx: &mut Context<'_>) -> bool {
-        if self.keepalive.is_none() {
-            if tokio::runtime::Handle::try_current().is_err() {
-                return false;
-            }
-            self.keepalive = Some(Box::pin(tokio::time::sleep(KEEPALIVE_INTERVAL)));
-        }
-        let Some(sleep) = self.keepalive.as_mut() else {
-            return false;
-        };
-        if sleep.as_mut().poll(cx).is_ready() {
-            self.reset_keepalive();
-            // register the waker on the restarted timer
-            if let Some(sleep) = self.keepalive.as_mut() {
-                let _ = sleep.as_mut().poll(cx);
-            }
-            return true;
-        }
-        false
-    }
-
-    /// Polls the total bound (started on the first poll, when a tokio runtime is there and a
-    /// bound is set): true once it passed.
-    fn deadline_passed(&mut self, cx: &mut Context<'_>) -> bool {
-        if !self.deadline_started {
-            self.deadline_started = true;
-            let bound = self.settings.max_stream_duration;
-            if !bound.is_zero() && tokio::runtime::Handle::try_current().is_ok() {
-                if let Some(at) = tokio::time::Instant::now().checked_add(bound) {
-                    self.deadline = Some(Box::pin(tokio::time::sleep_until(at)));
-                }
-            }
-        }
-        self.deadline
-            .as_mut()
-            .is_some_and(|d| d.as_mut().poll(cx).is_ready())
-    }
-
-    /// Polls the drain deadline (its wait registered on the first poll): true once the
-    /// process's drain ended and open streams must end.
-    fn drain_deadline_passed(&mut self, cx: &mut Context<'_>) -> bool {
-        if self.drain_wait.is_none() {
-            let Some(token) = self.settings.drain_deadline.as_ref() else {
-                return false;
-            };
-            self.drain_wait = Some(Box::pin(token.clone().cancelled_owned()));
-        }
-        self.drain_wait
-            .as_mut()
-            .is_some_and(|w| w.as_mut().poll(cx).is_ready())
     }
 
     fn ended(&self) -> bool {

@@ -1,0 +1,87 @@
+//! The stall bound of a metered stream ([`StallClock`]).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::Context;
+use std::time::Duration;
+
+/// The bound on a stream without progress ([`StreamSettings::stream_stall_timeout`](super::StreamSettings)): progress
+/// (new delivered text, a `finish_reason`) only stores a deadline; one `Sleep` (armed on the
+/// first poll) re-arms itself to the latest deadline when it fires early. The clock stops while
+/// the caller holds a frame: the time between a frame handed out and the caller's next poll
+/// moves the deadline by as much, so a slow reader (whose frames wait in the read-ahead buffer)
+/// never makes an honest node look stalled.
+pub(in crate::meter) struct StallClock {
+    timeout: Duration,
+    /// When the stream is stalled; `None` before the first poll, or "never" (overflow).
+    at: Option<tokio::time::Instant>,
+    started: bool,
+    sleep: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// When the last frame went to the caller (its next poll resumes the clock).
+    handed_out: Option<tokio::time::Instant>,
+}
+
+impl StallClock {
+    pub(in crate::meter) fn new(timeout: Duration) -> Option<Self> {
+        (!timeout.is_zero()).then_some(Self {
+            timeout,
+            at: None,
+            started: false,
+            sleep: None,
+            handed_out: None,
+        })
+    }
+
+    /// New text or a finish: the node made progress.
+    pub(in crate::meter) fn progress(&mut self) {
+        if self.started {
+            self.at = tokio::time::Instant::now().checked_add(self.timeout);
+        }
+    }
+
+    /// A frame goes to the caller: the clock stops until its next poll.
+    pub(in crate::meter) fn handed_out(&mut self) {
+        if self.started {
+            self.handed_out = Some(tokio::time::Instant::now());
+        }
+    }
+
+    /// The caller polls again: the time it held the frame does not count.
+    pub(in crate::meter) fn resumed(&mut self) {
+        if let Some(out) = self.handed_out.take() {
+            let held = tokio::time::Instant::now().saturating_duration_since(out);
+            self.at = self.at.and_then(|at| at.checked_add(held));
+        }
+    }
+
+    /// True once the stream went without progress for the timeout (started on the first
+    /// call, when a tokio runtime is there; without one the bound is not kept).
+    pub(in crate::meter) fn passed(&mut self, cx: &mut Context<'_>) -> bool {
+        if !self.started {
+            self.started = true;
+            if tokio::runtime::Handle::try_current().is_err() {
+                return false;
+            }
+            self.at = tokio::time::Instant::now().checked_add(self.timeout);
+        }
+        let Some(at) = self.at else {
+            return false;
+        };
+        let sleep = self
+            .sleep
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(at)));
+        loop {
+            if sleep.as_mut().poll(cx).is_pending() {
+                return false;
+            }
+            // fired: progress (or a caller's pause) may have moved the deadline since
+            let Some(at) = self.at else {
+                return false;
+            };
+            if at <= tokio::time::Instant::now() {
+                return true;
+            }
+            sleep.as_mut().reset(at);
+        }
+    }
+}
