@@ -3,14 +3,18 @@
 delivered, per kind of sampling constraint (docs/metering.md, "Constrained sampling").
 
 Usage: start a llama-server (e.g. `$SPINE_LLAMA_SERVER -m $SPINE_MODEL_GGUF --port 18555 -t 1`),
-then `python3 scripts/measure-constrained.py http://127.0.0.1:18555`. Prints, per mode, the
-engine's `completion_tokens` minus `/tokenize`'s count of the delivered text for 20 requests.
+then `python3 scripts/measure-constrained.py http://127.0.0.1:18555 [mode ...]`. Prints, per mode,
+the engine's `completion_tokens` minus `/tokenize`'s count of the delivered text for 20 requests.
+Modes: none, json_object, json_schema, grammar (text-level constraints) and logit_bias_up,
+logit_bias_ban, logit_bias_one_char (token-level: a bias on common tokens, or a strong one
+on a one-letter token); all of them when none is named.
 """
 import json
 import sys
 import urllib.request
 
 BASE = sys.argv[1] if len(sys.argv) > 1 else "http://127.0.0.1:18555"
+ONLY = set(sys.argv[2:])
 
 
 def post(path, body):
@@ -41,7 +45,30 @@ MODES = {
     "grammar": {"grammar": 'root ::= [A-Za-z ,.]+ "."'},
 }
 
+
+def token_ids(texts):
+    """The vocabulary id of each text that is one token."""
+    ids = []
+    for t in texts:
+        toks = post("/tokenize", {"content": t})["tokens"]
+        if len(toks) == 1:
+            ids.append(toks[0])
+    return ids
+
+
+# token-level constraints: a caller's logit_bias on common words (pushing them in, or banning
+# them so that the words are spelled from smaller pieces)
+COMMON = [" the", " a", " and", " of", " to", " is", " in", " with", " for", " that", " it",
+          " as", " on", " are", " The", " name", " color", " JSON", "\n", ":", ",", "."]
+MODES["logit_bias_up"] = {"logit_bias": {str(i): 4 for i in token_ids([" the", " and", ","])}}
+MODES["logit_bias_ban"] = {"logit_bias": {str(i): -100 for i in token_ids(COMMON)}}
+# one strong bias on a one-letter token: the engine emits that token over and over, a text whose
+# canonical tokenization merges the letters
+MODES["logit_bias_one_char"] = {"logit_bias": {str(i): 100 for i in token_ids(["e"])}}
+
 for mode, extra in MODES.items():
+    if ONLY and mode not in ONLY:
+        continue
     rows = []
     for i, prompt in enumerate(PROMPTS):
         for temperature in (0.0, 0.8):
