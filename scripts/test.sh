@@ -10,6 +10,9 @@ cd "$ROOT"
 
 echo "[test] cargo fmt --check" >&2
 cargo fmt --all -- --check
+echo "[test] no file under any src/ over 800 lines (test files excepted: tests*.rs and src/**/tests/)" >&2
+long="$(git ls-files -- '*/src/*.rs' ':!:*/tests*.rs' | xargs wc -l | awk '$2 != "total" && $1 > 800')"
+if [[ -n "$long" ]]; then echo "[test] over 800 lines: $long" >&2; exit 1; fi
 echo "[test] cargo clippy --all-targets -- -D warnings" >&2
 cargo clippy --workspace --all-targets -- -D warnings
 echo "[test] a MeterLayer or RouteLayer user compiles no sqlx, redis, tokenizers, minijinja or onig (no default features)" >&2
