@@ -1,0 +1,121 @@
+//! An adversary's review, end to end through the real binaries (gateway → TLS tunnel → agent)
+//! in front of a hostile fake engine speaking real HTTP: what a node can make the gateway do
+//! that an honest engine never would.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, missing_docs)]
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use common::{add_node, full, serve_fake_llama, sse, sse_data, tenant, Gateway};
+use hyper::body::Frame;
+use serde_json::{json, Value};
+use spine_test_support::Engine;
+
+fn chunk(choice: &Value) -> String {
+    format!(
+        "data: {}\n\n",
+        json!({"id":"x","object":"chat.completion.chunk","created":1,"model":"smollm2",
+            "choices":[choice]})
+    )
+}
+
+/// Sets its flag when dropped: the engine's response body went away.
+struct DropFlag(Arc<AtomicBool>);
+
+impl Drop for DropFlag {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
+/// Posts a streamed chat and reads the whole answer (at most 60 s): `(request id, status,
+/// data payloads, how long it took)`.
+async fn stream_chat(
+    gw: &Gateway,
+    key: &str,
+    body: &Value,
+) -> (String, u16, Vec<String>, Duration) {
+    let started = Instant::now();
+    let mut resp = gw.api_post(key, "/v1/chat/completions", body).await;
+    let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
+    let status = resp.status().as_u16();
+    let mut got = Vec::new();
+    let read = async {
+        while let Ok(Some(c)) = resp.chunk().await {
+            got.extend_from_slice(&c);
+        }
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(60), read).await;
+    let text = String::from_utf8_lossy(&got).into_owned();
+    (id, status, sse_data(&text), started.elapsed())
+}
+
+/// A node that streams one token and `finish_reason: "stop"`, then repeats the same finished
+/// chunk every 100 ms forever: no new text, nothing but a finish it already sent. That is no
+/// progress, and the stream must be cut at `stream_idle_timeout_secs` as a stream kept alive
+/// with empty deltas is (`e2e_stall`); instead each repeated finish counts as progress and the
+/// caller's stream (and the node's slot) is held until `max_stream_duration_secs` (an hour by
+/// default).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_repeating_its_finish_without_end_is_cut_as_stalled() {
+    let engine = Engine::discover().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let gw = Gateway::start_with(dir.path(), &engine, "stream_idle_timeout_secs = 2").await;
+    let dropped = Arc::new(AtomicBool::new(false));
+    let flag = dropped.clone();
+    let (url, task) = serve_fake_llama(move |path, _body| {
+        let flag = flag.clone();
+        async move {
+            if path != "/v1/chat/completions" {
+                return full(404, "application/json", r#"{"error":"not found"}"#.into());
+            }
+            let guard = DropFlag(flag);
+            let frames = futures_util::stream::unfold((0usize, guard), move |(n, guard)| async move {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                let frame = match n {
+                    0 => chunk(&json!({"index":0,"delta":{"role":"assistant","content":"Hello"},"finish_reason":null})),
+                    _ => chunk(&json!({"index":0,"delta":{},"finish_reason":"stop"})),
+                };
+                Some((
+                    Ok::<_, std::io::Error>(Frame::data(Bytes::from(frame))),
+                    (n + 1, guard),
+                ))
+            });
+            sse(frames)
+        }
+    })
+    .await;
+    let t = tenant(&gw).await;
+    let (_node, _agent) = add_node(&gw, dir.path(), &t.operator, &url, "refinish").await;
+    let body = json!({"model":"smollm2","messages":[{"role":"user","content":"Say hi."}],
+        "stream":true,"max_tokens":8});
+    let (id, status, events, took) = stream_chat(&gw, &t.api_key, &body).await;
+    assert_eq!(status, 200);
+    assert!(
+        took < Duration::from_secs(15),
+        "a stream repeating its finish was held {took:?} ({} events) past the 2 s progress bound",
+        events.len()
+    );
+    let last: Value = serde_json::from_str(events.last().unwrap()).unwrap();
+    assert_eq!(last["error"]["code"], "upstream_failed", "{events:?}");
+    assert!(!events.iter().any(|e| e == "[DONE]"), "{events:?}");
+    let rec = gw.record(&id).await;
+    assert_eq!(rec["outcome"], "upstream_failed", "{rec}");
+    assert_eq!(rec["debit_micros"], 0, "{rec}");
+    // the engine's request was dropped
+    for _ in 0..100 {
+        if dropped.load(Ordering::SeqCst) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        dropped.load(Ordering::SeqCst),
+        "the engine request was never dropped"
+    );
+    task.abort();
+}
