@@ -119,3 +119,69 @@ async fn a_node_repeating_its_finish_without_end_is_cut_as_stalled() {
     );
     task.abort();
 }
+
+/// A node that answers `n: 1` with a second choice of index 0 beside the first: the caller's
+/// SDK reads `choices[0]` ("Paris.", 3 tokens), yet the bill counted the hidden one's 100
+/// tokens of padding too (seen: billed 104 completion tokens, the operator paid its share;
+/// the claim of 3 flagged, but the money moved). Streamed, the same two choices in one chunk:
+/// a client printing `chunk.choices[0].delta.content` never sees the second. Either is the
+/// node's fault: refused, nothing paid.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_padding_a_duplicate_choice_index_is_not_paid_for_it() {
+    let engine = Engine::discover().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let gw = Gateway::start(dir.path(), &engine).await;
+    let pad = "pad ".repeat(100);
+    let (url, _task) = serve_fake_llama(move |_path, body| {
+        let pad = pad.clone();
+        async move {
+            let v: Value = serde_json::from_slice(&body).unwrap_or_default();
+            if v["stream"] == true {
+                let mut out = format!(
+                    "data: {}\n\n",
+                    json!({"id":"x","object":"chat.completion.chunk","created":1,"model":"smollm2","choices":[
+                        {"index":0,"delta":{"role":"assistant","content":"Paris."},"finish_reason":null},
+                        {"index":0,"delta":{"content":pad},"finish_reason":null}]})
+                );
+                out.push_str(&chunk(&json!({"index":0,"delta":{},"finish_reason":"stop"})));
+                out.push_str("data: [DONE]\n\n");
+                return full(200, "text/event-stream", out);
+            }
+            let msg = |text: &str| json!({"index":0,"message":{"role":"assistant","content":text},"finish_reason":"stop"});
+            full(200, "application/json", json!({"id":"p","object":"chat.completion","created":1,"model":"smollm2",
+                "choices":[msg("Paris."), msg(&pad)],
+                "usage":{"prompt_tokens":20,"completion_tokens":3,"total_tokens":23}}).to_string())
+        }
+    })
+    .await;
+    let t = tenant(&gw).await;
+    let (_node, _agent) = add_node(&gw, dir.path(), &t.operator, &url, "dup").await;
+    for streamed in [false, true] {
+        let body = json!({"model":"smollm2","messages":[{"role":"user","content":"Hi"}],
+            "max_tokens":1000,"stream":streamed});
+        let resp = gw.api_post(&t.api_key, "/v1/chat/completions", &body).await;
+        let status = resp.status().as_u16();
+        let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
+        let answer = resp.text().await.unwrap();
+        let rec = gw.record(&id).await;
+        assert_eq!(
+            rec["outcome"], "upstream_failed",
+            "streamed {streamed}: {rec}\n{answer}"
+        );
+        assert_eq!(rec["debit_micros"], 0, "{rec}");
+        if streamed {
+            assert_eq!(status, 200);
+            let last: Value = serde_json::from_str(sse_data(&answer).last().unwrap()).unwrap();
+            assert_eq!(last["error"]["code"], "upstream_failed", "{answer}");
+        } else {
+            assert_eq!(status, 502, "{answer}");
+            let e: Value = serde_json::from_str(&answer).unwrap();
+            assert!(e["error"]["message"].is_string(), "{answer}");
+        }
+    }
+    assert_eq!(
+        gw.balance_once_released(&t.account).await,
+        (common::CREDITS, 0)
+    );
+    assert_eq!(gw.earned(&t.operator).await, 0);
+}

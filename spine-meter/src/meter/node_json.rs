@@ -324,7 +324,7 @@ pub(crate) fn read_choices(
 ) -> Result<Vec<ChoiceRead>, &'static str> {
     let items: Vec<&RawValue> =
         serde_json::from_str(raw.get()).map_err(|_| "its choices are not an array")?;
-    items
+    let read: Vec<ChoiceRead> = items
         .into_iter()
         .enumerate()
         .map(|(pos, item)| {
@@ -385,7 +385,14 @@ pub(crate) fn read_choices(
                 logprobs,
             })
         })
-        .collect()
+        .collect::<Result<_, _>>()?;
+    // one index twice in one array: an SDK reads `choices[i]` for choice `i` (or the first
+    // choice of a chunk), so the other one's text is text the caller never sees
+    let mut seen = std::collections::BTreeSet::new();
+    if read.iter().any(|c| !seen.insert(c.index)) {
+        return Err("two choices carry the same index");
+    }
+    Ok(read)
 }
 
 /// Whether every member that carries generated text has its type in OpenAI's shape: `text`,
