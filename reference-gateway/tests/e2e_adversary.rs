@@ -185,3 +185,98 @@ async fn a_node_padding_a_duplicate_choice_index_is_not_paid_for_it() {
     );
     assert_eq!(gw.earned(&t.operator).await, 0);
 }
+
+/// A caller with little credit fires many streamed requests at once, and leaves some of them
+/// mid-stream: the balance never goes below zero, every hold is released, and the ledger
+/// balances (Σ debits = what the account paid = operator credits + fees).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_with_little_credit_cannot_overdraw_in_parallel() {
+    let engine = Engine::discover().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let gw = Gateway::start(dir.path(), &engine).await;
+    // a slow honest-looking stream: 40 words, one every 20 ms
+    let (url, _task) = serve_fake_llama(move |_path, _body| async move {
+        let frames = futures_util::stream::unfold(0usize, move |n| async move {
+            if n > 42 {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            let frame = match n {
+                0..=39 => chunk(&json!({"index":0,"delta":{"content":" word"},"finish_reason":null})),
+                40 => chunk(&json!({"index":0,"delta":{},"finish_reason":"stop"})),
+                41 => format!("data: {}\n\n", json!({"id":"x","object":"chat.completion.chunk","created":1,"model":"smollm2","choices":[],
+                    "usage":{"prompt_tokens":31,"completion_tokens":41,"total_tokens":72}})),
+                _ => "data: [DONE]\n\n".to_owned(),
+            };
+            Some((Ok::<_, std::io::Error>(Frame::data(Bytes::from(frame))), n + 1))
+        });
+        sse(frames)
+    })
+    .await;
+    let t = tenant(&gw).await;
+    let (_node, _agent) =
+        common::add_node_with(&gw, dir.path(), &t.operator, &url, "slow", 64).await;
+    // each request holds ≤ 31·0.15 + 64·0.6 ≈ 43 micros; 300 micros pays for about 7 at once
+    let (account, key) = common::account_with_credit(&gw, 300).await;
+    let mut tasks = Vec::new();
+    for i in 0..40 {
+        let http = gw.http.clone();
+        let url = format!("{}/v1/chat/completions", gw.public);
+        let key = key.clone();
+        tasks.push(tokio::spawn(async move {
+            let body = json!({"model":"smollm2","messages":[{"role":"user","content":"Say hi."}],
+                "stream":true,"max_tokens":64});
+            let mut resp = http.post(url).bearer_auth(key).json(&body).send().await.unwrap();
+            let status = resp.status().as_u16();
+            let id = resp
+                .headers()
+                .get("x-request-id")
+                .map(|v| v.to_str().unwrap().to_owned());
+            let mut got = 0;
+            while let Ok(Some(c)) = resp.chunk().await {
+                got += c.len();
+                // every third caller leaves mid-stream
+                if i % 3 == 0 && got > 600 {
+                    break;
+                }
+            }
+            (status, id)
+        }));
+    }
+    let mut ok = Vec::new();
+    let mut refused = 0;
+    for task in tasks {
+        let (status, id) = task.await.unwrap();
+        match status {
+            200 => ok.push(id.unwrap()),
+            402 | 429 => refused += 1,
+            s => panic!("status {s}"),
+        }
+    }
+    let (balance, held) = gw.balance_once_released(&account).await;
+    eprintln!("{} served, {refused} refused; balance {balance}, held {held}", ok.len());
+    assert_eq!(held, 0);
+    let mut debits = 0u64;
+    for id in &ok {
+        let rec = gw.record(id).await;
+        debits += rec["debit_micros"].as_u64().unwrap();
+        assert!(
+            rec["debit_micros"].as_u64() <= rec["hold_micros"].as_u64(),
+            "{rec}"
+        );
+    }
+    assert_eq!(300 - balance, debits, "the account paid other than its debits");
+    let ledger = common::LedgerDb::open(dir.path(), None).await;
+    assert_eq!(
+        ledger
+            .int("SELECT COUNT(*) FROM holds WHERE state = 'held'")
+            .await,
+        0
+    );
+    assert_eq!(
+        ledger
+            .int("SELECT CAST(COALESCE(SUM(amount_micros), 0) AS BIGINT) FROM ledger_entries")
+            .await,
+        0
+    );
+}
