@@ -280,3 +280,123 @@ async fn a_caller_with_little_credit_cannot_overdraw_in_parallel() {
         0
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn explore_caller() {
+    let engine = Engine::discover().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let gw = Gateway::start(dir.path(), &engine).await;
+    // echoes what it received as the answer's text
+    let (url, _task) = serve_fake_llama(move |path, body| async move {
+        let text = format!("{path} {}", String::from_utf8_lossy(&body));
+        let v: Value = serde_json::from_slice(&body).unwrap_or_default();
+        if v["stream"] == true {
+            let mut out = chunk(&json!({"index":0,"delta":{"role":"assistant","content":text},"finish_reason":null}));
+            out.push_str(&chunk(&json!({"index":0,"delta":{},"finish_reason":"stop"})));
+            out.push_str("data: [DONE]\n\n");
+            return full(200, "text/event-stream", out);
+        }
+        if path == "/v1/completions" {
+            return full(200, "application/json", json!({"id":"p","object":"text_completion","created":1,"model":"smollm2",
+                "choices":[{"index":0,"text":text,"finish_reason":"stop"}]}).to_string());
+        }
+        full(200, "application/json", json!({"id":"p","object":"chat.completion","created":1,"model":"smollm2",
+            "choices":[{"index":0,"message":{"role":"assistant","content":text},"finish_reason":"stop"}]}).to_string())
+    })
+    .await;
+    let t = tenant(&gw).await;
+    let (_node, _agent) = add_node(&gw, dir.path(), &t.operator, &url, "echo").await;
+    let cases: Vec<(&str, String)> = vec![
+        ("/v1/responses", r#"{"model":"smollm2","input":"hi","max_output_tokens":4294967297}"#.into()),
+        ("/v1/responses", r#"{"model":"smollm2","input":"hi","text":{"format":{"type":"json_object"}},"max_output_tokens":50}"#.into()),
+        ("/v1/responses", r#"{"model":"smollm2","input":"hi","max_output_tokens":5,"max_output_tokens":500}"#.into()),
+        ("/v1/chat/completions", r#"{"model":"smollm2","messages":[{"role":"user","content":"a","content":"bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb"}],"max_tokens":5}"#.into()),
+        ("/v1/chat/completions", r#"{"model":"smollm2","messages":[{"role":"user","content":"a"}],"stream":true,"stream_options":{"include_usage":false,"include_usage":true},"max_tokens":5}"#.into()),
+        ("/v1/chat/completions", r#"{"model":"smollm2","messages":[{"role":"user","content":"a"}],"response_format":{"type":"text","type":"json_object"},"max_tokens":5}"#.into()),
+        ("/v1/chat/completions", r#"{"model":"smollm2","messages":[{"role":"user","content":"a"}],"logit_bias":{"2":-100,"2":5},"max_tokens":5}"#.into()),
+        ("/v1/chat/completions", r#"{"model":"smollm2","messages":[{"role":"user","content":"a"}],"n":-0,"max_tokens":5}"#.into()),
+        ("/v1/chat/completions", r#"{"model":"smollm2","messages":[{"role":"user","content":"a"}],"temperature":1e400}"#.into()),
+        ("/v1/chat/completions", r#"{"model":"smollm2","messages":[{"role":"user","content":"a"}],"max_tokens":5,"tools":[{"type":"function","function":{"name":"f","parameters":{"type":"object"}}}],"tool_choice":{"type":"function","function":{"name":"f"},"extra":1}}"#.into()),
+        ("/v1/completions", r#"{"model":"smollm2","prompt":[[1,2],[3]],"max_tokens":5}"#.into()),
+        ("/v1/completions", r#"{"model":"smollm2","prompt":["a","b"],"n":2,"max_tokens":5,"stream":true}"#.into()),
+        ("/v1/embeddings", r#"{"model":"smollm2","input":[[]]}"#.into()),
+        ("/v1/chat/completions", r#"{"model":"smollm2","messages":[{"role":"user","content":"a"}],"seed":1.5,"max_tokens":5}"#.into()),
+        ("/v1/chat/completions", r#"{"model":"smollm2","messages":[{"role":"user","content":"a"}],"stop":{"a":1},"max_tokens":5}"#.into()),
+        ("/v1/chat/completions", r#"{"model":"smollm2","messages":[{"role":"user","content":"a"}],"top_k":-1,"min_p":"x","max_tokens":5}"#.into()),
+    ];
+    for (path, body) in cases {
+        let resp = gw
+            .http
+            .post(format!("{}{path}", gw.public))
+            .bearer_auth(&t.api_key)
+            .header("content-type", "application/json")
+            .body(body.clone())
+            .send()
+            .await
+            .unwrap();
+        let status = resp.status();
+        let id = resp.headers().get("x-request-id").map(|v| v.to_str().unwrap().to_owned());
+        let answer = resp.text().await.unwrap();
+        let billed = match id {
+            Some(id) if status == 200 => gw.record(&id).await["billed"].to_string(),
+            _ => String::new(),
+        };
+        eprintln!("{path} {body}\n  → {status} {billed}\n  {}", &answer[..answer.len().min(900)]);
+    }
+}
+
+/// A caller raises a control token with `logit_bias` (`{"3": 100}`: `<repo_name>`, special in
+/// SmolLM2's vocabulary, not an end-of-generation token). The honest llama.cpp then generates
+/// `max_tokens` of it, each rendered as no text: measured, 50 tokens, `content: ""`,
+/// `finish_reason: "length"`, its usage 50. The gateway counted the request unconstrained (a
+/// bias on special tokens only is taken for an EOS ban) and billed what it saw: 0 completion
+/// tokens, and flagged the honest node's `length` as unsupported by its text (a discrepancy
+/// that lowers its score). A caller could so get the work free and mark every node a liar.
+/// Raising a control token is refused before any node (400 naming `logit_bias`); banning one
+/// (the EOS ban) is still served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_raising_a_control_token_is_refused_before_any_node() {
+    let engine = Engine::discover().unwrap();
+    let llama = spine_test_support::LlamaServer::start(&engine, 2).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let gw = Gateway::start(dir.path(), &engine).await;
+    let t = tenant(&gw).await;
+    let (node, _agent) = add_node(&gw, dir.path(), &t.operator, &llama.url, "node").await;
+    for (path, bias) in [
+        ("/v1/chat/completions", json!({"3": 100})),
+        ("/v1/chat/completions", json!({" 3": 100})),
+        ("/v1/chat/completions", json!([[3, 100]])),
+        ("/v1/completions", json!({"1": 50})),
+    ] {
+        let mut body = if path == "/v1/completions" {
+            json!({"model":"smollm2","prompt":"Say hi"})
+        } else {
+            json!({"model":"smollm2","messages":[{"role":"user","content":"Say hi"}]})
+        };
+        body["max_tokens"] = json!(50);
+        body["logit_bias"] = bias.clone();
+        let resp = gw.api_post(&t.api_key, path, &body).await;
+        let status = resp.status().as_u16();
+        let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
+        let answer = resp.text().await.unwrap();
+        if status == 200 {
+            let rec = gw.record(&id).await;
+            panic!("{path} logit_bias {bias}: served: {answer}\nrecord: {rec}");
+        }
+        assert_eq!(status, 400, "{bias}: {answer}");
+        let e: Value = serde_json::from_str(&answer).unwrap();
+        assert_eq!(e["error"]["param"], "logit_bias", "{answer}");
+        assert_eq!(e["error"]["type"], "invalid_request_error", "{answer}");
+    }
+    // the EOS ban is served and billed as an unconstrained request; the node is not flagged
+    let body = json!({"model":"smollm2","messages":[{"role":"user","content":"Say hi"}],
+        "max_tokens":20,"logit_bias":{"2": -100}});
+    let resp = gw.api_post(&t.api_key, "/v1/chat/completions", &body).await;
+    assert_eq!(resp.status(), 200);
+    let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
+    let _ = resp.text().await.unwrap();
+    let rec = gw.record(&id).await;
+    assert_eq!(rec["outcome"], "completed", "{rec}");
+    assert_eq!(rec["discrepancy"], false, "{rec}");
+    assert_eq!(gw.node(&node).await["discrepancies"], 0);
+}
