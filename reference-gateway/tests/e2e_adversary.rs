@@ -400,3 +400,45 @@ async fn a_caller_raising_a_control_token_is_refused_before_any_node() {
     assert_eq!(rec["discrepancy"], false, "{rec}");
     assert_eq!(gw.node(&node).await["discrepancies"], 0);
 }
+
+/// The same through llama.cpp's grammar: GBNF names tokens (`<[3]>`, `<|im_end|>`), so
+/// `root ::= ("a" <[3]>)+` with the end-of-generation tokens banned made the honest engine
+/// generate `max_tokens` (50) tokens delivering 25 bytes of `a` (measured, usage 50,
+/// `length`). Billed as a grammar on the text, the gateway paid count + 16 and flagged the
+/// honest node's `length` as unsupported. A grammar naming tokens is a token-level
+/// constraint the gateway cannot meter: refused before any node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grammar_naming_tokens_is_refused_before_any_node() {
+    let engine = Engine::discover().unwrap();
+    let llama = spine_test_support::LlamaServer::start(&engine, 2).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let gw = Gateway::start(dir.path(), &engine).await;
+    let t = tenant(&gw).await;
+    let (_node, _agent) = add_node(&gw, dir.path(), &t.operator, &llama.url, "node").await;
+    for grammar in [
+        r#"root ::= ("a" <[3]>)+"#,
+        r#"root ::= ("a" <repo_name>)+"#,
+        "root ::= (\"a\" !<[97]>)+",
+    ] {
+        let body = json!({"model":"smollm2","messages":[{"role":"user","content":"Say hi"}],
+            "max_tokens":50,"grammar":grammar,"logit_bias":{"0":-100,"2":-100}});
+        let resp = gw.api_post(&t.api_key, "/v1/chat/completions", &body).await;
+        let status = resp.status().as_u16();
+        let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
+        let answer = resp.text().await.unwrap();
+        if status == 200 {
+            let rec = gw.record(&id).await;
+            panic!("grammar {grammar}: served: {answer}\nrecord: {rec}");
+        }
+        assert_eq!(status, 400, "{grammar}: {answer}");
+        let e: Value = serde_json::from_str(&answer).unwrap();
+        assert_eq!(e["error"]["param"], "grammar", "{answer}");
+    }
+    // a grammar on characters only (`<` inside a literal or a class is a character) is served
+    let body = json!({"model":"smollm2","messages":[{"role":"user","content":"Say hi"}],
+        "max_tokens":8,"grammar":"root ::= \"<[3]>\" [<>a-z]+ # <x>\n"});
+    let resp = gw.api_post(&t.api_key, "/v1/chat/completions", &body).await;
+    let status = resp.status();
+    let answer = resp.text().await.unwrap();
+    assert_eq!(status, 200, "{answer}");
+}

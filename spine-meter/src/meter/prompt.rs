@@ -248,3 +248,42 @@ pub(super) fn raises_control_token(json: &serde_json::Value, counter: &dyn Token
         _ => false,
     }
 }
+
+/// Why a grammar naming tokens is refused.
+pub(super) const GRAMMAR_NAMES_TOKENS: &str =
+    "a grammar on characters (token references such as <[id]> or <|token|> cannot be metered)";
+
+/// Whether llama.cpp's `grammar` (GBNF) names tokens: a `<` outside a string literal, a
+/// character class and a comment starts a token reference (`<[3]>`, `<|im_end|>`, negated
+/// `!<[3]>`). A token-level grammar can make the engine generate tokens the delivered text
+/// does not show (a control token renders as no text), which no count of the text can bill.
+pub(super) fn grammar_names_tokens(json: &serde_json::Value) -> bool {
+    let Some(grammar) = json.get("grammar").and_then(serde_json::Value::as_str) else {
+        return false;
+    };
+    let mut chars = grammar.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '<' => return true,
+            '#' => {
+                for c in chars.by_ref() {
+                    if c == '\n' || c == '\r' {
+                        break;
+                    }
+                }
+            }
+            '"' | '[' => {
+                let close = if c == '"' { '"' } else { ']' };
+                while let Some(c) = chars.next() {
+                    if c == '\\' {
+                        chars.next();
+                    } else if c == close {
+                        break;
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    false
+}

@@ -15,8 +15,9 @@ use super::bill::meter_json;
 use super::body::{MeterBody, StreamSettings};
 use super::embeddings::meter_embeddings;
 use super::prompt::{
-    affordable_prompt_tokens, count_prompts, developer_to_system, raises_control_token,
-    sampling_constraint, PromptLimits, RAISED_CONTROL_TOKEN,
+    affordable_prompt_tokens, count_prompts, developer_to_system, grammar_names_tokens,
+    raises_control_token, sampling_constraint, PromptLimits, GRAMMAR_NAMES_TOKENS,
+    RAISED_CONTROL_TOKEN,
 };
 use super::settle::{AuditCapture, SettleCtx};
 use super::{AdmissionRequest, CountedUsage, MeterConfig, MeterError, ResponseFuture};
@@ -180,6 +181,13 @@ where
         return Err(MeterError::BadRequest(PeekError::InvalidField {
             field: "logit_bias",
             expected: RAISED_CONTROL_TOKEN,
+        })
+        .into());
+    }
+    if kind != RequestKind::Embeddings && grammar_names_tokens(&json) {
+        return Err(MeterError::BadRequest(PeekError::InvalidField {
+            field: "grammar",
+            expected: GRAMMAR_NAMES_TOKENS,
         })
         .into());
     }
