@@ -226,7 +226,13 @@ async fn a_caller_with_little_credit_cannot_overdraw_in_parallel() {
         tasks.push(tokio::spawn(async move {
             let body = json!({"model":"smollm2","messages":[{"role":"user","content":"Say hi."}],
                 "stream":true,"max_tokens":64});
-            let mut resp = http.post(url).bearer_auth(key).json(&body).send().await.unwrap();
+            let mut resp = http
+                .post(url)
+                .bearer_auth(key)
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
             let status = resp.status().as_u16();
             let id = resp
                 .headers()
@@ -254,7 +260,10 @@ async fn a_caller_with_little_credit_cannot_overdraw_in_parallel() {
         }
     }
     let (balance, held) = gw.balance_once_released(&account).await;
-    eprintln!("{} served, {refused} refused; balance {balance}, held {held}", ok.len());
+    eprintln!(
+        "{} served, {refused} refused; balance {balance}, held {held}",
+        ok.len()
+    );
     assert_eq!(held, 0);
     let mut debits = 0u64;
     for id in &ok {
@@ -265,7 +274,11 @@ async fn a_caller_with_little_credit_cannot_overdraw_in_parallel() {
             "{rec}"
         );
     }
-    assert_eq!(300 - balance, debits, "the account paid other than its debits");
+    assert_eq!(
+        300 - balance,
+        debits,
+        "the account paid other than its debits"
+    );
     let ledger = common::LedgerDb::open(dir.path(), None).await;
     assert_eq!(
         ledger
@@ -281,70 +294,6 @@ async fn a_caller_with_little_credit_cannot_overdraw_in_parallel() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn explore_caller() {
-    let engine = Engine::discover().unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let gw = Gateway::start(dir.path(), &engine).await;
-    // echoes what it received as the answer's text
-    let (url, _task) = serve_fake_llama(move |path, body| async move {
-        let text = format!("{path} {}", String::from_utf8_lossy(&body));
-        let v: Value = serde_json::from_slice(&body).unwrap_or_default();
-        if v["stream"] == true {
-            let mut out = chunk(&json!({"index":0,"delta":{"role":"assistant","content":text},"finish_reason":null}));
-            out.push_str(&chunk(&json!({"index":0,"delta":{},"finish_reason":"stop"})));
-            out.push_str("data: [DONE]\n\n");
-            return full(200, "text/event-stream", out);
-        }
-        if path == "/v1/completions" {
-            return full(200, "application/json", json!({"id":"p","object":"text_completion","created":1,"model":"smollm2",
-                "choices":[{"index":0,"text":text,"finish_reason":"stop"}]}).to_string());
-        }
-        full(200, "application/json", json!({"id":"p","object":"chat.completion","created":1,"model":"smollm2",
-            "choices":[{"index":0,"message":{"role":"assistant","content":text},"finish_reason":"stop"}]}).to_string())
-    })
-    .await;
-    let t = tenant(&gw).await;
-    let (_node, _agent) = add_node(&gw, dir.path(), &t.operator, &url, "echo").await;
-    let cases: Vec<(&str, String)> = vec![
-        ("/v1/responses", r#"{"model":"smollm2","input":"hi","max_output_tokens":4294967297}"#.into()),
-        ("/v1/responses", r#"{"model":"smollm2","input":"hi","text":{"format":{"type":"json_object"}},"max_output_tokens":50}"#.into()),
-        ("/v1/responses", r#"{"model":"smollm2","input":"hi","max_output_tokens":5,"max_output_tokens":500}"#.into()),
-        ("/v1/chat/completions", r#"{"model":"smollm2","messages":[{"role":"user","content":"a","content":"bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb"}],"max_tokens":5}"#.into()),
-        ("/v1/chat/completions", r#"{"model":"smollm2","messages":[{"role":"user","content":"a"}],"stream":true,"stream_options":{"include_usage":false,"include_usage":true},"max_tokens":5}"#.into()),
-        ("/v1/chat/completions", r#"{"model":"smollm2","messages":[{"role":"user","content":"a"}],"response_format":{"type":"text","type":"json_object"},"max_tokens":5}"#.into()),
-        ("/v1/chat/completions", r#"{"model":"smollm2","messages":[{"role":"user","content":"a"}],"logit_bias":{"2":-100,"2":5},"max_tokens":5}"#.into()),
-        ("/v1/chat/completions", r#"{"model":"smollm2","messages":[{"role":"user","content":"a"}],"n":-0,"max_tokens":5}"#.into()),
-        ("/v1/chat/completions", r#"{"model":"smollm2","messages":[{"role":"user","content":"a"}],"temperature":1e400}"#.into()),
-        ("/v1/chat/completions", r#"{"model":"smollm2","messages":[{"role":"user","content":"a"}],"max_tokens":5,"tools":[{"type":"function","function":{"name":"f","parameters":{"type":"object"}}}],"tool_choice":{"type":"function","function":{"name":"f"},"extra":1}}"#.into()),
-        ("/v1/completions", r#"{"model":"smollm2","prompt":[[1,2],[3]],"max_tokens":5}"#.into()),
-        ("/v1/completions", r#"{"model":"smollm2","prompt":["a","b"],"n":2,"max_tokens":5,"stream":true}"#.into()),
-        ("/v1/embeddings", r#"{"model":"smollm2","input":[[]]}"#.into()),
-        ("/v1/chat/completions", r#"{"model":"smollm2","messages":[{"role":"user","content":"a"}],"seed":1.5,"max_tokens":5}"#.into()),
-        ("/v1/chat/completions", r#"{"model":"smollm2","messages":[{"role":"user","content":"a"}],"stop":{"a":1},"max_tokens":5}"#.into()),
-        ("/v1/chat/completions", r#"{"model":"smollm2","messages":[{"role":"user","content":"a"}],"top_k":-1,"min_p":"x","max_tokens":5}"#.into()),
-    ];
-    for (path, body) in cases {
-        let resp = gw
-            .http
-            .post(format!("{}{path}", gw.public))
-            .bearer_auth(&t.api_key)
-            .header("content-type", "application/json")
-            .body(body.clone())
-            .send()
-            .await
-            .unwrap();
-        let status = resp.status();
-        let id = resp.headers().get("x-request-id").map(|v| v.to_str().unwrap().to_owned());
-        let answer = resp.text().await.unwrap();
-        let billed = match id {
-            Some(id) if status == 200 => gw.record(&id).await["billed"].to_string(),
-            _ => String::new(),
-        };
-        eprintln!("{path} {body}\n  → {status} {billed}\n  {}", &answer[..answer.len().min(900)]);
-    }
-}
-
 /// A caller raises a control token with `logit_bias` (`{"3": 100}`: `<repo_name>`, special in
 /// SmolLM2's vocabulary, not an end-of-generation token). The honest llama.cpp then generates
 /// `max_tokens` of it, each rendered as no text: measured, 50 tokens, `content: ""`,
@@ -357,7 +306,9 @@ async fn explore_caller() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_caller_raising_a_control_token_is_refused_before_any_node() {
     let engine = Engine::discover().unwrap();
-    let llama = spine_test_support::LlamaServer::start(&engine, 2).await.unwrap();
+    let llama = spine_test_support::LlamaServer::start(&engine, 2)
+        .await
+        .unwrap();
     let dir = tempfile::tempdir().unwrap();
     let gw = Gateway::start(dir.path(), &engine).await;
     let t = tenant(&gw).await;
@@ -410,7 +361,9 @@ async fn a_caller_raising_a_control_token_is_refused_before_any_node() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_grammar_naming_tokens_is_refused_before_any_node() {
     let engine = Engine::discover().unwrap();
-    let llama = spine_test_support::LlamaServer::start(&engine, 2).await.unwrap();
+    let llama = spine_test_support::LlamaServer::start(&engine, 2)
+        .await
+        .unwrap();
     let dir = tempfile::tempdir().unwrap();
     let gw = Gateway::start(dir.path(), &engine).await;
     let t = tenant(&gw).await;
@@ -441,4 +394,57 @@ async fn a_grammar_naming_tokens_is_refused_before_any_node() {
     let status = resp.status();
     let answer = resp.text().await.unwrap();
     assert_eq!(status, 200, "{answer}");
+}
+
+/// Tool calls in shapes OpenAI's SDKs cannot read: `function.arguments` an object (seen:
+/// delivered to the caller as is, a chunk outside OpenAI's shape, billed only the name's
+/// tokens, 2), a streamed `index` that is a string (seen: delivered, billed 103). Each is the
+/// node's fault: the stream ends with the error event, nothing paid.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tool_calls_outside_openais_shape_are_the_nodes_fault() {
+    let engine = Engine::discover().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let gw = Gateway::start(dir.path(), &engine).await;
+    let (url, _task) = serve_fake_llama(move |_path, body| async move {
+        let v: Value = serde_json::from_slice(&body).unwrap_or_default();
+        let pad = "pad ".repeat(100);
+        let call = match v["user"].as_str() {
+            Some("object-arguments") => {
+                json!({"index":0,"id":"c1","type":"function","function":{"name":"f","arguments":{"a":pad}}})
+            }
+            _ => json!({"index":"0","id":"c1","type":"function","function":{"name":"f","arguments":pad}}),
+        };
+        if v["stream"] == true {
+            let mut out = chunk(&json!({"index":0,"delta":{"role":"assistant","tool_calls":[call]},"finish_reason":null}));
+            out.push_str(&chunk(&json!({"index":0,"delta":{},"finish_reason":"tool_calls"})));
+            out.push_str("data: [DONE]\n\n");
+            return full(200, "text/event-stream", out);
+        }
+        let mut call = call;
+        call.as_object_mut().unwrap().remove("index");
+        full(200, "application/json", json!({"id":"p","object":"chat.completion","created":1,"model":"smollm2",
+            "choices":[{"index":0,"message":{"role":"assistant","content":null,"tool_calls":[call]},"finish_reason":"tool_calls"}]}).to_string())
+    })
+    .await;
+    let t = tenant(&gw).await;
+    let (_node, _agent) = add_node(&gw, dir.path(), &t.operator, &url, "tools").await;
+    for (user, streamed) in [
+        ("object-arguments", true),
+        ("object-arguments", false),
+        ("string-index", true),
+    ] {
+        let body = json!({"model":"smollm2","messages":[{"role":"user","content":"Hi"}],
+            "max_tokens":1000,"stream":streamed,"user":user,
+            "tools":[{"type":"function","function":{"name":"f","parameters":{"type":"object"}}}]});
+        let resp = gw.api_post(&t.api_key, "/v1/chat/completions", &body).await;
+        let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
+        let answer = resp.text().await.unwrap();
+        let rec = gw.record(&id).await;
+        assert_eq!(
+            rec["outcome"], "upstream_failed",
+            "{user} {streamed}: {rec}\n{answer}"
+        );
+        assert_eq!(rec["debit_micros"], 0, "{rec}");
+    }
+    assert_eq!(gw.earned(&t.operator).await, 0);
 }

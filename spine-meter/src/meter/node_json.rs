@@ -265,9 +265,24 @@ fn openai_choice(c: &mut Value, member: TextMember) -> Result<bool, &'static str
         match call.get_mut("function") {
             None | Some(Value::Null) => {}
             Some(Value::Object(function)) => {
+                // text the SDK reads as a string: another type is text it cannot read, and
+                // is not counted either (an object `arguments` was delivered unbilled)
+                if ["name", "arguments"].iter().any(|k| {
+                    function
+                        .get(*k)
+                        .is_some_and(|v| !v.is_null() && !v.is_string())
+                }) {
+                    return Err("a tool call's function name or arguments is not a string");
+                }
                 dropped |= retain(function, &TOOL_CALL_FUNCTION_MEMBERS);
             }
             Some(_) => return Err("a tool call's function is not an object"),
+        }
+        if call
+            .get("index")
+            .is_some_and(|i| !i.is_null() && !i.is_u64())
+        {
+            return Err("a tool call's index is not an integer");
         }
     }
     Ok(dropped)
