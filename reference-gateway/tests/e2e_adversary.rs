@@ -448,3 +448,50 @@ async fn tool_calls_outside_openais_shape_are_the_nodes_fault() {
     }
     assert_eq!(gw.earned(&t.operator).await, 0);
 }
+
+/// A caller whose `stop` string the answer keeps matching in part: llama.cpp holds back a
+/// partial stop-string match while streaming and, when generation ends on `max_tokens`, never
+/// sends it. Measured on the honest engine: `/v1/completions`, prompt `1, 2, …, 29`,
+/// `max_tokens` 30, `temperature` 0, `stop` `[", 30, 31, …, 199"]`, streamed: no text at all,
+/// `finish_reason: "length"`, usage 30 completion tokens (non-streamed, the same request
+/// delivers `, 30, 31, …, 36, `). The gateway bills 0 completion tokens and flags the honest
+/// node: a `length` finish whose 0 bytes cannot be 30 tokens. Any caller can so mark every
+/// node a liar (its score lowered) and have its work for nothing. The `length` rule's byte
+/// bound must allow for the longest stop string held back (or a streamed `stop` be refused).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "finding: a held-back partial stop-string match flags an honest node's length finish (fix: allow the longest stop string in the length rule's byte bound, docs/metering.md §2)"]
+async fn a_stop_string_held_back_does_not_flag_an_honest_node() {
+    let engine = Engine::discover().unwrap();
+    let llama = spine_test_support::LlamaServer::start(&engine, 2)
+        .await
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let gw = Gateway::start(dir.path(), &engine).await;
+    let t = tenant(&gw).await;
+    let (node, _agent) = add_node(&gw, dir.path(), &t.operator, &llama.url, "node").await;
+    let prompt = (1..30)
+        .map(|i| i.to_string())
+        .collect::<Vec<_>>()
+        .join(", ");
+    let stop = format!(
+        ", {}",
+        (30..200)
+            .map(|i| i.to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    let body = json!({"model":"smollm2","prompt":prompt,"max_tokens":30,"temperature":0,
+        "stop":[stop],"stream":true});
+    let resp = gw.api_post(&t.api_key, "/v1/completions", &body).await;
+    assert_eq!(resp.status(), 200);
+    let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
+    let answer = resp.text().await.unwrap();
+    let rec = gw.record(&id).await;
+    assert_eq!(rec["outcome"], "completed", "{rec}\n{answer}");
+    assert_eq!(rec["claimed"]["completion_tokens"], 30, "{rec}");
+    assert_eq!(
+        rec["discrepancy"], false,
+        "an honest node flagged: {rec}\n{answer}"
+    );
+    assert_eq!(gw.node(&node).await["discrepancies"], 0);
+}
