@@ -495,3 +495,55 @@ async fn a_stop_string_held_back_does_not_flag_an_honest_node() {
     );
     assert_eq!(gw.node(&node).await["discrepancies"], 0);
 }
+
+/// The same stop string matched whole: the engine generates it and counts it, but never sends
+/// it. Measured on the honest engine, non-streamed: prompt `1, 2, …, 29`, `max_tokens` 200,
+/// `stop` `[", 30, 31, …, 59"]`: text `""`, `finish_reason: "stop"`, usage 120 completion
+/// tokens. The gateway bills 1 (the EOS rule) and flags the honest node (claim 120). The caller
+/// learns for one token that the model generates its stop string (a scoring oracle, what
+/// refusing `echo: true` keeps from it) and marks the node a liar. The bill of a `stop` finish
+/// on a request with `stop` strings must allow for the tokens of the longest one (e.g. the
+/// claim clamped to `[T + 1, T + 1 + tokens(longest stop)]`, as constrained sampling is), and
+/// the discrepancy check with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "finding: a whole stop-string match is generated and counted by the engine but billed as 1 token, and the honest node flagged (fix: bill a stop finish with stop strings within tokens of the longest one, docs/metering.md §2 'Not covered')"]
+async fn a_stop_string_matched_whole_is_paid_and_does_not_flag_an_honest_node() {
+    let engine = Engine::discover().unwrap();
+    let llama = spine_test_support::LlamaServer::start(&engine, 2)
+        .await
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let gw = Gateway::start(dir.path(), &engine).await;
+    let t = tenant(&gw).await;
+    let (node, _agent) = add_node(&gw, dir.path(), &t.operator, &llama.url, "node").await;
+    let prompt = (1..30)
+        .map(|i| i.to_string())
+        .collect::<Vec<_>>()
+        .join(", ");
+    let stop = format!(
+        ", {}",
+        (30..60)
+            .map(|i| i.to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    let body = json!({"model":"smollm2","prompt":prompt,"max_tokens":200,"temperature":0,
+        "stop":[stop]});
+    let resp = gw.api_post(&t.api_key, "/v1/completions", &body).await;
+    assert_eq!(resp.status(), 200);
+    let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
+    let answer = resp.text().await.unwrap();
+    let rec = gw.record(&id).await;
+    assert_eq!(rec["outcome"], "completed", "{rec}\n{answer}");
+    let claimed = rec["claimed"]["completion_tokens"].as_u64().unwrap();
+    assert!(claimed > 100, "{rec}");
+    assert_eq!(
+        rec["discrepancy"], false,
+        "an honest node flagged: {rec}\n{answer}"
+    );
+    assert!(
+        rec["billed"]["completion_tokens"].as_u64().unwrap() + 2 >= claimed,
+        "{claimed} tokens generated, billed {rec}"
+    );
+    assert_eq!(gw.node(&node).await["discrepancies"], 0);
+}
