@@ -330,7 +330,11 @@ impl State {
                 }
             }
             let choice = self.choices.entry(c.index).or_default();
-            if c.finish_reason.is_some() || !c.generated.is_empty() {
+            // a finish is progress once per choice: a node repeating one it already sent (or
+            // sending another) makes none, and is cut at the stall bound like any keep-alive
+            if (c.finish_reason.is_some() && choice.finish_reason.is_none())
+                || !c.generated.is_empty()
+            {
                 progressed = true;
             }
             if let Some(f) = c.finish_reason {

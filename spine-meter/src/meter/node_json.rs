@@ -265,9 +265,24 @@ fn openai_choice(c: &mut Value, member: TextMember) -> Result<bool, &'static str
         match call.get_mut("function") {
             None | Some(Value::Null) => {}
             Some(Value::Object(function)) => {
+                // text the SDK reads as a string: another type is text it cannot read, and
+                // is not counted either (an object `arguments` was delivered unbilled)
+                if ["name", "arguments"].iter().any(|k| {
+                    function
+                        .get(*k)
+                        .is_some_and(|v| !v.is_null() && !v.is_string())
+                }) {
+                    return Err("a tool call's function name or arguments is not a string");
+                }
                 dropped |= retain(function, &TOOL_CALL_FUNCTION_MEMBERS);
             }
             Some(_) => return Err("a tool call's function is not an object"),
+        }
+        if call
+            .get("index")
+            .is_some_and(|i| !i.is_null() && !i.is_u64())
+        {
+            return Err("a tool call's index is not an integer");
         }
     }
     Ok(dropped)
@@ -324,7 +339,7 @@ pub(crate) fn read_choices(
 ) -> Result<Vec<ChoiceRead>, &'static str> {
     let items: Vec<&RawValue> =
         serde_json::from_str(raw.get()).map_err(|_| "its choices are not an array")?;
-    items
+    let read: Vec<ChoiceRead> = items
         .into_iter()
         .enumerate()
         .map(|(pos, item)| {
@@ -385,7 +400,14 @@ pub(crate) fn read_choices(
                 logprobs,
             })
         })
-        .collect()
+        .collect::<Result<_, _>>()?;
+    // one index twice in one array: an SDK reads `choices[i]` for choice `i` (or the first
+    // choice of a chunk), so the other one's text is text the caller never sees
+    let mut seen = std::collections::BTreeSet::new();
+    if read.iter().any(|c| !seen.insert(c.index)) {
+        return Err("two choices carry the same index");
+    }
+    Ok(read)
 }
 
 /// Whether every member that carries generated text has its type in OpenAI's shape: `text`,

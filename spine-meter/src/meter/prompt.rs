@@ -213,3 +213,77 @@ pub(super) fn sampling_constraint(
         SamplingConstraint::None
     }
 }
+
+/// Why a `logit_bias` that raises a control token is refused (`docs/metering.md`,
+/// "Constrained sampling").
+pub(super) const RAISED_CONTROL_TOKEN: &str =
+    "no positive bias on a control token (it is generated as no text, so it cannot be metered)";
+
+/// Whether the request's `logit_bias` raises a control token (a special token of the
+/// vocabulary, [`TokenCounter::is_special_token`]) by a positive bias. The engine then spends
+/// tokens that render as no text: its `length` finish looks unsupported by its text (an honest
+/// node flagged) and the caller pays nothing for the work. Read as llama.cpp reads it: an
+/// object keyed by token id (`strtol`: leading white space and a sign allowed) or an array
+/// of `[id, bias]` pairs.
+pub(super) fn raises_control_token(json: &serde_json::Value, counter: &dyn TokenCounter) -> bool {
+    use serde_json::Value;
+    let special = |id: &str| {
+        id.trim_start()
+            .parse::<i64>()
+            .ok()
+            .and_then(|id| u32::try_from(id).ok())
+            .is_some_and(|id| counter.is_special_token(id))
+    };
+    let raised = |bias: &Value| bias.as_f64().is_some_and(|b| b > 0.0);
+    match json.get("logit_bias") {
+        Some(Value::Object(biases)) => biases.iter().any(|(id, b)| special(id) && raised(b)),
+        Some(Value::Array(pairs)) => pairs.iter().any(|pair| {
+            let id = match pair.get(0) {
+                Some(Value::Number(n)) => n.to_string(),
+                Some(Value::String(s)) => s.clone(),
+                _ => return false,
+            };
+            special(&id) && pair.get(1).is_some_and(raised)
+        }),
+        _ => false,
+    }
+}
+
+/// Why a grammar naming tokens is refused.
+pub(super) const GRAMMAR_NAMES_TOKENS: &str =
+    "a grammar on characters (token references such as <[id]> or <|token|> cannot be metered)";
+
+/// Whether llama.cpp's `grammar` (GBNF) names tokens: a `<` outside a string literal, a
+/// character class and a comment starts a token reference (`<[3]>`, `<|im_end|>`, negated
+/// `!<[3]>`). A token-level grammar can make the engine generate tokens the delivered text
+/// does not show (a control token renders as no text), which no count of the text can bill.
+pub(super) fn grammar_names_tokens(json: &serde_json::Value) -> bool {
+    let Some(grammar) = json.get("grammar").and_then(serde_json::Value::as_str) else {
+        return false;
+    };
+    let mut chars = grammar.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '<' => return true,
+            '#' => {
+                for c in chars.by_ref() {
+                    if c == '\n' || c == '\r' {
+                        break;
+                    }
+                }
+            }
+            '"' | '[' => {
+                let close = if c == '"' { '"' } else { ']' };
+                while let Some(c) = chars.next() {
+                    if c == '\\' {
+                        chars.next();
+                    } else if c == close {
+                        break;
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    false
+}

@@ -15,7 +15,9 @@ use super::bill::meter_json;
 use super::body::{MeterBody, StreamSettings};
 use super::embeddings::meter_embeddings;
 use super::prompt::{
-    affordable_prompt_tokens, count_prompts, developer_to_system, sampling_constraint, PromptLimits,
+    affordable_prompt_tokens, count_prompts, developer_to_system, grammar_names_tokens,
+    raises_control_token, sampling_constraint, PromptLimits, GRAMMAR_NAMES_TOKENS,
+    RAISED_CONTROL_TOKEN,
 };
 use super::settle::{AuditCapture, SettleCtx};
 use super::{AdmissionRequest, CountedUsage, MeterConfig, MeterError, ResponseFuture};
@@ -174,6 +176,20 @@ where
         bytes = serde_json::to_vec(&json)
             .map_err(|e| MeterError::BadRequest(PeekError::NotJson(e.to_string())))?
             .into();
+    }
+    if kind != RequestKind::Embeddings && raises_control_token(&json, &*entry.tokenizer) {
+        return Err(MeterError::BadRequest(PeekError::InvalidField {
+            field: "logit_bias",
+            expected: RAISED_CONTROL_TOKEN,
+        })
+        .into());
+    }
+    if kind != RequestKind::Embeddings && grammar_names_tokens(&json) {
+        return Err(MeterError::BadRequest(PeekError::InvalidField {
+            field: "grammar",
+            expected: GRAMMAR_NAMES_TOKENS,
+        })
+        .into());
     }
     // counting stops as soon as a prompt cannot fit the context, or the prompts cost more than
     // the account's balance (read for large bodies): a caller that cannot pay, or a prompt that
