@@ -86,6 +86,10 @@ pub(super) enum Cut {
 ///   multi-character token gets a text spelled one character per token): one per byte, plus
 ///   the EOS and a held-back UTF-8 tail;
 ///
+/// **Stop strings** ([`SettleCtx::stop_hidden_bytes`], `S` bytes for the longest): a choice
+/// that completed with `stop` or `length` may also have generated a matched (or held-back
+/// partial) stop string the caller never gets: `most` gains `S + 1`.
+///
 /// each within the cap: `U = min(cap, max(count, most))`. A completed answer then bills the
 /// node's claim (`claimed`, the engine's own usage) clamped to `[Σ count, Σ U]`. An answer that
 /// ended early (the caller left; no claim ever comes) bills `Σ U` under token-level
@@ -117,6 +121,14 @@ pub(super) fn billed_usage(
                 .len_bytes()
                 .saturating_add(crate::tokenizer::MAX_HELD_BACK_BYTES + 1),
         }
+        // a matched stop string (or a partial match held back at `length`): generated, counted
+        // by the engine, never delivered; one more for a token across its start
+        .saturating_add(match c.finish_reason.as_deref() {
+            Some("stop" | "length") if completed && ctx.stop_hidden_bytes > 0 => {
+                ctx.stop_hidden_bytes.saturating_add(1)
+            }
+            _ => 0,
+        })
         .min(ctx.max_completion_tokens_per_choice);
         most_tokens = most_tokens.saturating_add(count.tokens.max(most));
         if i == 0 && choices.len() > 1 {
@@ -134,7 +146,7 @@ pub(super) fn billed_usage(
             .wrapper_allowance_tokens
             .saturating_add(c.delivered.wrapper_allowance_tokens());
     }
-    if ctx.sampling_constraint != SamplingConstraint::None {
+    if ctx.sampling_constraint != SamplingConstraint::None || ctx.stop_hidden_bytes > 0 {
         completion_tokens = match (completed, claimed) {
             (true, Some(claim)) => claim
                 .completion_tokens

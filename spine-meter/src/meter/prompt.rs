@@ -162,6 +162,22 @@ pub(crate) enum SamplingConstraint {
     Tokens,
 }
 
+/// The longest of the request's `stop` strings, UTF-8 bytes (0 without): what an engine may
+/// generate for a choice and never send. OpenAI's semantics, which llama.cpp, vLLM and SGLang
+/// follow: a matched stop string ends the choice and is not returned, though its tokens were
+/// generated and are counted in `usage`; llama.cpp holds back a partial match while it may
+/// still complete and never sends it when generation ends on `length` (measured on llama.cpp:
+/// a 120-token stop string matched whole gave `""`, `stop`, usage 120).
+pub(super) fn stop_hidden_bytes(json: &serde_json::Value) -> u64 {
+    use serde_json::Value;
+    let len = |v: &Value| v.as_str().map_or(0, |s| s.len() as u64);
+    match json.get("stop") {
+        Some(Value::Array(stops)) => stops.iter().map(len).max().unwrap_or(0),
+        Some(stop) => len(stop),
+        None => 0,
+    }
+}
+
 /// Per choice, the fixed part of the tokens an engine may generate above the canonical count
 /// of a grammar-constrained text: 16.
 pub(crate) const GRAMMAR_ALLOWANCE_TOKENS: u64 = 16;

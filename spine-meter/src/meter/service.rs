@@ -16,8 +16,8 @@ use super::body::{MeterBody, StreamSettings};
 use super::embeddings::meter_embeddings;
 use super::prompt::{
     affordable_prompt_tokens, count_prompts, developer_to_system, grammar_names_tokens,
-    raises_control_token, sampling_constraint, PromptLimits, GRAMMAR_NAMES_TOKENS,
-    RAISED_CONTROL_TOKEN,
+    raises_control_token, sampling_constraint, stop_hidden_bytes, PromptLimits,
+    GRAMMAR_NAMES_TOKENS, RAISED_CONTROL_TOKEN,
 };
 use super::settle::{AuditCapture, SettleCtx};
 use super::{AdmissionRequest, CountedUsage, MeterConfig, MeterError, ResponseFuture};
@@ -296,6 +296,7 @@ where
         max_completion_tokens_per_choice: per_choice,
         max_tokens: peek.max_tokens,
         sampling_constraint: sampling_constraint(&peek, &json, &*entry.tokenizer),
+        stop_hidden_bytes: stop_hidden_bytes(&json),
         tolerance_tokens: config.discrepancy_tolerance_tokens,
         tolerance_bps: config.discrepancy_tolerance_bps,
         audit: config

@@ -47,6 +47,11 @@ pub(crate) struct SettleCtx {
     /// How the request constrains sampling: with a constraint the delivered text's count is
     /// a lower bound only (see [`super::bill::billed_usage`]).
     pub(crate) sampling_constraint: super::prompt::SamplingConstraint,
+    /// Most UTF-8 bytes an engine may generate for a choice and never send because of the
+    /// request's `stop` strings: the longest one's bytes (0 without). A matched stop string is
+    /// generated and counted but not delivered; a partial match is held back and, when
+    /// generation ends on `length`, never sent ([`super::prompt::stop_hidden_bytes`]).
+    pub(crate) stop_hidden_bytes: u64,
     pub(crate) tolerance_tokens: u64,
     pub(crate) tolerance_bps: u16,
     /// Choice 0's text captured for the audit tap, when one is configured.
@@ -181,7 +186,8 @@ impl SettleCtx {
     ) -> CompletionCount {
         crate::tokenizer::bill_counted(
             generated.tokens(&*self.tokenizer),
-            generated.len_bytes(),
+            // a `length` finish may have generated a held-back partial stop string as well
+            generated.len_bytes().saturating_add(self.stop_hidden_bytes),
             finish_reason,
             CompletionRule {
                 max_tokens: self.max_tokens,

@@ -689,3 +689,35 @@ async fn a_grammar_bills_the_claim_within_the_measured_allowance() {
         "within the byte bound: the claim"
     );
 }
+
+/// A `stop` finish on a request with `stop` strings may have generated a matched stop string
+/// the caller never gets (OpenAI's semantics; llama.cpp counts it in `usage`): the node's claim
+/// is billed within the longest stop string's bytes + 1 of the count; a claim padded past that
+/// is billed at the bound and flagged, and without stop strings the count is the bill.
+#[tokio::test]
+async fn a_stop_string_bills_the_claim_within_its_bytes() {
+    let content = "The answer is 42.";
+    let plain = chat(Some(400), false);
+    let (count, _) = billed_for(&plain, content, 0).await;
+    assert_eq!(billed_for(&plain, content, count + 30).await, (count, true));
+
+    let mut with_stop = plain.clone();
+    with_stop["stop"] = json!(["\n\n", "THE END OF THE STORY"]);
+    let most = count + "THE END OF THE STORY".len() as u64 + 1;
+    // an honest engine that generated the stop string: billed as claimed, unflagged
+    assert_eq!(
+        billed_for(&with_stop, content, count + 6).await,
+        (count + 6, false)
+    );
+    assert_eq!(billed_for(&with_stop, content, most).await, (most, false));
+    // padded past the longest stop string: billed at the bound, flagged
+    assert_eq!(billed_for(&with_stop, content, 400).await, (most, true));
+    // a claim below the count: the count
+    assert_eq!(billed_for(&with_stop, content, 1).await.0, count);
+    // one stop string as a plain string
+    with_stop["stop"] = json!("THE END");
+    assert_eq!(
+        billed_for(&with_stop, content, 400).await,
+        (count + "THE END".len() as u64 + 1, true)
+    );
+}
