@@ -77,6 +77,13 @@ const IGNORED: &[&str] = &[
 /// [`ResponsesError`] for a body that is not a JSON object, a member of the wrong shape, or a
 /// member that is not served.
 pub fn chat_request(body: &[u8]) -> Result<ChatTranslation, ResponsesError> {
+    // as on chat: engines and serde disagree on which of two same-named members wins
+    if let Some(name) = duplicate_member(body) {
+        return Err(ResponsesError::invalid(
+            name.clone(),
+            format!("duplicate member `{name}`"),
+        ));
+    }
     let value: Value = serde_json::from_slice(body).map_err(|e| ResponsesError {
         param: None,
         code: "invalid_request",
@@ -525,4 +532,35 @@ fn text_format(value: &Value) -> Result<Option<Value>, ResponsesError> {
             "`text.format.type` must be text, json_object or json_schema",
         )),
     }
+}
+
+/// The first top-level member name given twice in `body` (compared unescaped), if any; `None`
+/// also for a body that is not a JSON object (the caller's parse reports that).
+fn duplicate_member(body: &[u8]) -> Option<String> {
+    use serde::de::{DeserializeSeed, IgnoredAny, MapAccess, Visitor};
+    struct Names;
+    impl<'de> Visitor<'de> for Names {
+        type Value = Option<String>;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a JSON object")
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+            let mut seen = std::collections::HashSet::new();
+            while let Some(spine_core::JsonKey(key)) = map.next_key()? {
+                map.next_value::<IgnoredAny>()?;
+                if !seen.insert(key.clone()) {
+                    return Ok(Some(key.into_owned()));
+                }
+            }
+            Ok(None)
+        }
+    }
+    impl<'de> DeserializeSeed<'de> for Names {
+        type Value = Option<String>;
+        fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+            d.deserialize_map(self)
+        }
+    }
+    let mut de = serde_json::Deserializer::from_slice(body);
+    Names.deserialize(&mut de).ok().flatten()
 }

@@ -435,3 +435,17 @@ async fn a_whole_body_answer_to_a_streamed_request_becomes_the_stream() {
     assert_eq!(done["output"][0]["content"][0]["text"], "Hello!");
     assert_eq!(done["usage"]["output_tokens"], 3);
 }
+
+#[test]
+fn a_member_given_twice_is_refused_as_on_chat() {
+    for body in [
+        r#"{"model":"m","input":"hi","max_output_tokens":5,"max_output_tokens":500}"#,
+        r#"{"model":"m","input":"hi","max_output_tokens":5,"max_output_token\u0073":500}"#,
+    ] {
+        let e = chat_request(body.as_bytes()).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("max_output_tokens"), "{body}");
+        assert_eq!(e.code, "invalid_request");
+    }
+    // nested objects are the translation's own business (rebuilt, never forwarded as sent)
+    assert!(chat_request(br#"{"model":"m","input":"hi","metadata":{"a":"1"}}"#).is_ok());
+}
