@@ -449,101 +449,72 @@ async fn tool_calls_outside_openais_shape_are_the_nodes_fault() {
     assert_eq!(gw.earned(&t.operator).await, 0);
 }
 
+/// A `/v1/completions` request to a real llama-server through the gateway: prompt `1, 2, …, 29`,
+/// `temperature` 0, one stop string `", 30, 31, …, {last}"`. Returns the request's record and
+/// the node's discrepancy count.
+async fn stop_string_run(last: u32, max_tokens: u32, stream: bool) -> (Value, u64) {
+    let engine = Engine::discover().unwrap();
+    let llama = spine_test_support::LlamaServer::start(&engine, 2)
+        .await
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let gw = Gateway::start(dir.path(), &engine).await;
+    let t = tenant(&gw).await;
+    let (node, _agent) = add_node(&gw, dir.path(), &t.operator, &llama.url, "node").await;
+    let list = |from: u32, to: u32| {
+        (from..to)
+            .map(|i| i.to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let body = json!({"model":"smollm2","prompt":list(1, 30),"max_tokens":max_tokens,
+        "temperature":0,"stop":[format!(", {}", list(30, last))],"stream":stream});
+    let resp = gw.api_post(&t.api_key, "/v1/completions", &body).await;
+    assert_eq!(resp.status(), 200);
+    let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
+    let answer = resp.text().await.unwrap();
+    let rec = gw.record(&id).await;
+    assert_eq!(rec["outcome"], "completed", "{rec}\n{answer}");
+    let discrepancies = gw.node(&node).await["discrepancies"].as_u64().unwrap();
+    (rec, discrepancies)
+}
+
 /// A caller whose `stop` string the answer keeps matching in part: llama.cpp holds back a
 /// partial stop-string match while streaming and, when generation ends on `max_tokens`, never
 /// sends it. Measured on the honest engine: `/v1/completions`, prompt `1, 2, …, 29`,
 /// `max_tokens` 30, `temperature` 0, `stop` `[", 30, 31, …, 199"]`, streamed: no text at all,
 /// `finish_reason: "length"`, usage 30 completion tokens (non-streamed, the same request
-/// delivers `, 30, 31, …, 36, `). The gateway bills 0 completion tokens and flags the honest
-/// node: a `length` finish whose 0 bytes cannot be 30 tokens. Any caller can so mark every
-/// node a liar (its score lowered) and have its work for nothing. The `length` rule's byte
-/// bound must allow for the longest stop string held back (or a streamed `stop` be refused).
+/// delivers `, 30, 31, …, 36, `). The gateway billed 0 completion tokens and flagged the honest
+/// node (a `length` finish whose 0 bytes cannot be 30 tokens): any caller could so mark every
+/// node a liar and have its work for nothing. The `length` rule now allows for the longest
+/// stop string held back, and the claim is billed within it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stop_string_held_back_does_not_flag_an_honest_node() {
-    let engine = Engine::discover().unwrap();
-    let llama = spine_test_support::LlamaServer::start(&engine, 2)
-        .await
-        .unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let gw = Gateway::start(dir.path(), &engine).await;
-    let t = tenant(&gw).await;
-    let (node, _agent) = add_node(&gw, dir.path(), &t.operator, &llama.url, "node").await;
-    let prompt = (1..30)
-        .map(|i| i.to_string())
-        .collect::<Vec<_>>()
-        .join(", ");
-    let stop = format!(
-        ", {}",
-        (30..200)
-            .map(|i| i.to_string())
-            .collect::<Vec<_>>()
-            .join(", ")
-    );
-    let body = json!({"model":"smollm2","prompt":prompt,"max_tokens":30,"temperature":0,
-        "stop":[stop],"stream":true});
-    let resp = gw.api_post(&t.api_key, "/v1/completions", &body).await;
-    assert_eq!(resp.status(), 200);
-    let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
-    let answer = resp.text().await.unwrap();
-    let rec = gw.record(&id).await;
-    assert_eq!(rec["outcome"], "completed", "{rec}\n{answer}");
+    let (rec, discrepancies) = stop_string_run(200, 30, true).await;
     assert_eq!(rec["claimed"]["completion_tokens"], 30, "{rec}");
     // the tokens it generated are paid: the held-back text was the caller's stop string
     assert_eq!(rec["billed"]["completion_tokens"], 30, "{rec}");
-    assert_eq!(
-        rec["discrepancy"], false,
-        "an honest node flagged: {rec}\n{answer}"
-    );
-    assert_eq!(gw.node(&node).await["discrepancies"], 0);
+    assert_eq!(rec["discrepancy"], false, "an honest node flagged: {rec}");
+    assert_eq!(discrepancies, 0);
 }
 
 /// The same stop string matched whole: the engine generates it and counts it, but never sends
 /// it. Measured on the honest engine, non-streamed: prompt `1, 2, …, 29`, `max_tokens` 200,
 /// `stop` `[", 30, 31, …, 59"]`: text `""`, `finish_reason: "stop"`, usage 120 completion
-/// tokens. The gateway bills 1 (the EOS rule) and flags the honest node (claim 120). The caller
-/// learns for one token that the model generates its stop string (a scoring oracle, what
-/// refusing `echo: true` keeps from it) and marks the node a liar. The bill of a `stop` finish
-/// on a request with `stop` strings must allow for the tokens of the longest one (e.g. the
-/// claim clamped to `[T + 1, T + 1 + tokens(longest stop)]`, as constrained sampling is), and
-/// the discrepancy check with it.
+/// tokens. The gateway billed 1 (the EOS rule) and flagged the honest node (claim 120). The caller
+/// learned for one token that the model generates its stop string (a scoring oracle, what
+/// refusing `echo: true` keeps from it) and marked the node a liar. A `stop` finish on a
+/// request with `stop` strings now bills the claim within the longest one's bytes + 1
+/// (`docs/metering.md` §2, "Stop strings").
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stop_string_matched_whole_is_paid_and_does_not_flag_an_honest_node() {
-    let engine = Engine::discover().unwrap();
-    let llama = spine_test_support::LlamaServer::start(&engine, 2)
-        .await
-        .unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let gw = Gateway::start(dir.path(), &engine).await;
-    let t = tenant(&gw).await;
-    let (node, _agent) = add_node(&gw, dir.path(), &t.operator, &llama.url, "node").await;
-    let prompt = (1..30)
-        .map(|i| i.to_string())
-        .collect::<Vec<_>>()
-        .join(", ");
-    let stop = format!(
-        ", {}",
-        (30..60)
-            .map(|i| i.to_string())
-            .collect::<Vec<_>>()
-            .join(", ")
-    );
-    let body = json!({"model":"smollm2","prompt":prompt,"max_tokens":200,"temperature":0,
-        "stop":[stop]});
-    let resp = gw.api_post(&t.api_key, "/v1/completions", &body).await;
-    assert_eq!(resp.status(), 200);
-    let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
-    let answer = resp.text().await.unwrap();
-    let rec = gw.record(&id).await;
-    assert_eq!(rec["outcome"], "completed", "{rec}\n{answer}");
+    let (rec, discrepancies) = stop_string_run(60, 200, false).await;
     let claimed = rec["claimed"]["completion_tokens"].as_u64().unwrap();
     assert!(claimed > 100, "{rec}");
-    assert_eq!(
-        rec["discrepancy"], false,
-        "an honest node flagged: {rec}\n{answer}"
-    );
+    assert_eq!(rec["discrepancy"], false, "an honest node flagged: {rec}");
     assert!(
         rec["billed"]["completion_tokens"].as_u64().unwrap() + 2 >= claimed,
         "{claimed} tokens generated, billed {rec}"
     );
-    assert_eq!(gw.node(&node).await["discrepancies"], 0);
+    assert_eq!(discrepancies, 0);
 }
