@@ -294,6 +294,54 @@ async fn a_caller_with_little_credit_cannot_overdraw_in_parallel() {
     );
 }
 
+/// A gateway with one node on a real llama-server (2 slots), and a tenant.
+struct OneNode {
+    gw: Gateway,
+    t: common::Tenant,
+    node: String,
+    _agent: spine_test_support::Child,
+    _llama: spine_test_support::LlamaServer,
+    _dir: tempfile::TempDir,
+}
+
+impl OneNode {
+    async fn start() -> Self {
+        let engine = Engine::discover().unwrap();
+        let llama = spine_test_support::LlamaServer::start(&engine, 2)
+            .await
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let gw = Gateway::start(dir.path(), &engine).await;
+        let t = tenant(&gw).await;
+        let (node, agent) = add_node(&gw, dir.path(), &t.operator, &llama.url, "node").await;
+        Self {
+            gw,
+            t,
+            node,
+            _agent: agent,
+            _llama: llama,
+            _dir: dir,
+        }
+    }
+
+    /// Posts `body`; asserts a 400 `invalid_request_error` naming `param`, the request never
+    /// served (a 200 panics with its record).
+    async fn assert_refused(&self, path: &str, body: &Value, param: &str) {
+        let resp = self.gw.api_post(&self.t.api_key, path, body).await;
+        let status = resp.status().as_u16();
+        let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
+        let answer = resp.text().await.unwrap();
+        if status == 200 {
+            let rec = self.gw.record(&id).await;
+            panic!("{path} {body}: served: {answer}\nrecord: {rec}");
+        }
+        assert_eq!(status, 400, "{body}: {answer}");
+        let e: Value = serde_json::from_str(&answer).unwrap();
+        assert_eq!(e["error"]["param"], param, "{answer}");
+        assert_eq!(e["error"]["type"], "invalid_request_error", "{answer}");
+    }
+}
+
 /// A caller raises a control token with `logit_bias` (`{"3": 100}`: `<repo_name>`, special in
 /// SmolLM2's vocabulary, not an end-of-generation token). The honest llama.cpp then generates
 /// `max_tokens` of it, each rendered as no text: measured, 50 tokens, `content: ""`,
@@ -305,14 +353,7 @@ async fn a_caller_with_little_credit_cannot_overdraw_in_parallel() {
 /// (the EOS ban) is still served.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_caller_raising_a_control_token_is_refused_before_any_node() {
-    let engine = Engine::discover().unwrap();
-    let llama = spine_test_support::LlamaServer::start(&engine, 2)
-        .await
-        .unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let gw = Gateway::start(dir.path(), &engine).await;
-    let t = tenant(&gw).await;
-    let (node, _agent) = add_node(&gw, dir.path(), &t.operator, &llama.url, "node").await;
+    let one = OneNode::start().await;
     for (path, bias) in [
         ("/v1/chat/completions", json!({"3": 100})),
         ("/v1/chat/completions", json!({" 3": 100})),
@@ -325,20 +366,10 @@ async fn a_caller_raising_a_control_token_is_refused_before_any_node() {
             json!({"model":"smollm2","messages":[{"role":"user","content":"Say hi"}]})
         };
         body["max_tokens"] = json!(50);
-        body["logit_bias"] = bias.clone();
-        let resp = gw.api_post(&t.api_key, path, &body).await;
-        let status = resp.status().as_u16();
-        let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
-        let answer = resp.text().await.unwrap();
-        if status == 200 {
-            let rec = gw.record(&id).await;
-            panic!("{path} logit_bias {bias}: served: {answer}\nrecord: {rec}");
-        }
-        assert_eq!(status, 400, "{bias}: {answer}");
-        let e: Value = serde_json::from_str(&answer).unwrap();
-        assert_eq!(e["error"]["param"], "logit_bias", "{answer}");
-        assert_eq!(e["error"]["type"], "invalid_request_error", "{answer}");
+        body["logit_bias"] = bias;
+        one.assert_refused(path, &body, "logit_bias").await;
     }
+    let (gw, t, node) = (&one.gw, &one.t, &one.node);
     // the EOS ban is served and billed as an unconstrained request; the node is not flagged
     let body = json!({"model":"smollm2","messages":[{"role":"user","content":"Say hi"}],
         "max_tokens":20,"logit_bias":{"2": -100}});
@@ -349,7 +380,7 @@ async fn a_caller_raising_a_control_token_is_refused_before_any_node() {
     let rec = gw.record(&id).await;
     assert_eq!(rec["outcome"], "completed", "{rec}");
     assert_eq!(rec["discrepancy"], false, "{rec}");
-    assert_eq!(gw.node(&node).await["discrepancies"], 0);
+    assert_eq!(gw.node(node).await["discrepancies"], 0);
 }
 
 /// The same through llama.cpp's grammar: GBNF names tokens (`<[3]>`, `<|im_end|>`), so
@@ -360,14 +391,7 @@ async fn a_caller_raising_a_control_token_is_refused_before_any_node() {
 /// constraint the gateway cannot meter: refused before any node.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_grammar_naming_tokens_is_refused_before_any_node() {
-    let engine = Engine::discover().unwrap();
-    let llama = spine_test_support::LlamaServer::start(&engine, 2)
-        .await
-        .unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let gw = Gateway::start(dir.path(), &engine).await;
-    let t = tenant(&gw).await;
-    let (_node, _agent) = add_node(&gw, dir.path(), &t.operator, &llama.url, "node").await;
+    let one = OneNode::start().await;
     for grammar in [
         r#"root ::= ("a" <[3]>)+"#,
         r#"root ::= ("a" <repo_name>)+"#,
@@ -375,18 +399,10 @@ async fn a_grammar_naming_tokens_is_refused_before_any_node() {
     ] {
         let body = json!({"model":"smollm2","messages":[{"role":"user","content":"Say hi"}],
             "max_tokens":50,"grammar":grammar,"logit_bias":{"0":-100,"2":-100}});
-        let resp = gw.api_post(&t.api_key, "/v1/chat/completions", &body).await;
-        let status = resp.status().as_u16();
-        let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
-        let answer = resp.text().await.unwrap();
-        if status == 200 {
-            let rec = gw.record(&id).await;
-            panic!("grammar {grammar}: served: {answer}\nrecord: {rec}");
-        }
-        assert_eq!(status, 400, "{grammar}: {answer}");
-        let e: Value = serde_json::from_str(&answer).unwrap();
-        assert_eq!(e["error"]["param"], "grammar", "{answer}");
+        one.assert_refused("/v1/chat/completions", &body, "grammar")
+            .await;
     }
+    let (gw, t) = (&one.gw, &one.t);
     // a grammar on characters only (`<` inside a literal or a class is a character) is served
     let body = json!({"model":"smollm2","messages":[{"role":"user","content":"Say hi"}],
         "max_tokens":8,"grammar":"root ::= \"<[3]>\" [<>a-z]+ # <x>\n"});
@@ -453,14 +469,8 @@ async fn tool_calls_outside_openais_shape_are_the_nodes_fault() {
 /// `temperature` 0, one stop string `", 30, 31, …, {last}"`. Returns the request's record and
 /// the node's discrepancy count.
 async fn stop_string_run(last: u32, max_tokens: u32, stream: bool) -> (Value, u64) {
-    let engine = Engine::discover().unwrap();
-    let llama = spine_test_support::LlamaServer::start(&engine, 2)
-        .await
-        .unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let gw = Gateway::start(dir.path(), &engine).await;
-    let t = tenant(&gw).await;
-    let (node, _agent) = add_node(&gw, dir.path(), &t.operator, &llama.url, "node").await;
+    let one = OneNode::start().await;
+    let (gw, t) = (&one.gw, &one.t);
     let list = |from: u32, to: u32| {
         (from..to)
             .map(|i| i.to_string())
@@ -475,7 +485,7 @@ async fn stop_string_run(last: u32, max_tokens: u32, stream: bool) -> (Value, u6
     let answer = resp.text().await.unwrap();
     let rec = gw.record(&id).await;
     assert_eq!(rec["outcome"], "completed", "{rec}\n{answer}");
-    let discrepancies = gw.node(&node).await["discrepancies"].as_u64().unwrap();
+    let discrepancies = gw.node(&one.node).await["discrepancies"].as_u64().unwrap();
     (rec, discrepancies)
 }
 
@@ -512,8 +522,10 @@ async fn a_stop_string_matched_whole_is_paid_and_does_not_flag_an_honest_node() 
     let claimed = rec["claimed"]["completion_tokens"].as_u64().unwrap();
     assert!(claimed > 100, "{rec}");
     assert_eq!(rec["discrepancy"], false, "an honest node flagged: {rec}");
-    assert!(
-        rec["billed"]["completion_tokens"].as_u64().unwrap() + 2 >= claimed,
+    // within the longest stop string's bytes + 1 of the text's count: the claim, exactly
+    assert_eq!(
+        rec["billed"]["completion_tokens"].as_u64().unwrap(),
+        claimed,
         "{claimed} tokens generated, billed {rec}"
     );
     assert_eq!(discrepancies, 0);

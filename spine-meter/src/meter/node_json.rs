@@ -403,9 +403,13 @@ pub(crate) fn read_choices(
         .collect::<Result<_, _>>()?;
     // one index twice in one array: an SDK reads `choices[i]` for choice `i` (or the first
     // choice of a chunk), so the other one's text is text the caller never sees
-    let mut seen = std::collections::BTreeSet::new();
-    if read.iter().any(|c| !seen.insert(c.index)) {
-        return Err("two choices carry the same index");
+    // (a chunk carries one choice: nothing to compare, nothing allocated on the hot path)
+    if read.len() > 1 {
+        let mut indexes: Vec<u64> = read.iter().map(|c| c.index).collect();
+        indexes.sort_unstable();
+        if indexes.windows(2).any(|w| w[0] == w[1]) {
+            return Err("two choices carry the same index");
+        }
     }
     Ok(read)
 }

@@ -204,13 +204,11 @@ pub(super) fn sampling_constraint(
     }
     let set = |field: &str| !matches!(json.get(field), None | Some(Value::Null));
     let token_level = set("allowed_token_ids")
-        || match json.get("logit_bias") {
-            None | Some(Value::Null) => false,
-            Some(Value::Object(biases)) => !biases.keys().all(|id| {
-                id.parse::<u32>()
-                    .is_ok_and(|id| counter.is_special_token(id))
-            }),
-            Some(_) => true,
+        || match logit_biases(json) {
+            Some(biases) => !biases
+                .iter()
+                .all(|(id, _)| id.is_some_and(|id| counter.is_special_token(id))),
+            None => set("logit_bias"),
         };
     if token_level {
         return SamplingConstraint::Tokens;
@@ -242,26 +240,46 @@ pub(super) const RAISED_CONTROL_TOKEN: &str =
 /// object keyed by token id (`strtol`: leading white space and a sign allowed) or an array
 /// of `[id, bias]` pairs.
 pub(super) fn raises_control_token(json: &serde_json::Value, counter: &dyn TokenCounter) -> bool {
+    logit_biases(json).is_some_and(|biases| {
+        biases.iter().any(|(id, bias)| {
+            id.is_some_and(|id| counter.is_special_token(id)) && bias.is_some_and(|b| b > 0.0)
+        })
+    })
+}
+
+/// The request's `logit_bias` as llama.cpp reads it: `(token id, bias)` per entry of an
+/// object keyed by token id (`strtol`: leading white space and a sign allowed) or of an array
+/// of `[id, bias]` pairs. An id that is no token id (negative, not a number) is `None`, as is
+/// a bias that is not a number. `None` for a `logit_bias` absent, `null` or of another shape.
+fn logit_biases(json: &serde_json::Value) -> Option<Vec<(Option<u32>, Option<f64>)>> {
     use serde_json::Value;
-    let special = |id: &str| {
+    let id = |id: &str| {
         id.trim_start()
             .parse::<i64>()
             .ok()
             .and_then(|id| u32::try_from(id).ok())
-            .is_some_and(|id| counter.is_special_token(id))
     };
-    let raised = |bias: &Value| bias.as_f64().is_some_and(|b| b > 0.0);
-    match json.get("logit_bias") {
-        Some(Value::Object(biases)) => biases.iter().any(|(id, b)| special(id) && raised(b)),
-        Some(Value::Array(pairs)) => pairs.iter().any(|pair| {
-            let id = match pair.get(0) {
-                Some(Value::Number(n)) => n.to_string(),
-                Some(Value::String(s)) => s.clone(),
-                _ => return false,
-            };
-            special(&id) && pair.get(1).is_some_and(raised)
-        }),
-        _ => false,
+    match json.get("logit_bias")? {
+        Value::Object(biases) => Some(
+            biases
+                .iter()
+                .map(|(k, bias)| (id(k), bias.as_f64()))
+                .collect(),
+        ),
+        Value::Array(pairs) => Some(
+            pairs
+                .iter()
+                .map(|pair| {
+                    let key = match pair.get(0) {
+                        Some(Value::Number(n)) => id(&n.to_string()),
+                        Some(Value::String(s)) => id(s),
+                        _ => None,
+                    };
+                    (key, pair.get(1).and_then(Value::as_f64))
+                })
+                .collect(),
+        ),
+        _ => None,
     }
 }
 
