@@ -23,6 +23,16 @@ pub const DEFAULT_REFUSED_CREDIT_DELAY: Duration = Duration::from_millis(250);
 /// new caller. Keep it well under the public listener's cap (the reference gateway's default
 /// is 4,096 connections), so a flood never holds every connection.
 pub const MAX_DELAYED_REFUSALS: usize = 1024;
+/// Body bytes a remembered refusal reads per delay: a refused request whose body is larger is
+/// held back one `refused_credit_delay` per started `REFUSED_BODY_BYTES_PER_DELAY` (a 4 MiB
+/// body, 16 delays: 4 s by default), up to [`MAX_REFUSED_DELAYS`]. Reading and dropping a body
+/// costs the gateway about 0.15 ms of CPU per MiB (the kernel's copy; measured in
+/// `docs/benchmarks.md`), so a closed-loop flood from one connection then costs the same CPU
+/// per second whatever its bodies' size: one small refusal's worth per delay.
+pub const REFUSED_BODY_BYTES_PER_DELAY: usize = 256 * 1024;
+/// Most delays one remembered refusal is held back, whatever its body's size (16: 4 s by
+/// default, a 4 MiB body's share).
+pub const MAX_REFUSED_DELAYS: u32 = 16;
 /// Most accounts remembered; when full, the memory starts over (it is only a shortcut).
 const MAX_REMEMBERED: usize = 65_536;
 
@@ -84,23 +94,32 @@ impl RefusedCredit {
         (at.elapsed() < REFUSED_CREDIT_TTL && *available < min_cost_micros).then_some(*available)
     }
 
-    /// Waits `delay` before a remembered refusal is answered, unless [`MAX_DELAYED_REFUSALS`]
-    /// are already waiting (then at once). A caller that cannot pay and sends again as soon as
-    /// it is answered (a closed-loop flood) then gets one answer per connection per `delay`,
-    /// each costing a timer, instead of as many as a core can parse; an honest caller whose
-    /// credit ran out gets its 402 `delay` later.
+    /// Waits before a remembered refusal whose body was `body_bytes` long is answered:
+    /// `delay` per started [`REFUSED_BODY_BYTES_PER_DELAY`] of body (at least one, at most
+    /// [`MAX_REFUSED_DELAYS`]), unless [`MAX_DELAYED_REFUSALS`] are already waiting (then at
+    /// once). A caller that cannot pay and sends again as soon as it is answered (a
+    /// closed-loop flood) then gets one answer per connection per `delay` (per
+    /// `REFUSED_BODY_BYTES_PER_DELAY` of body read), each costing a timer, instead of as many as
+    /// a core can parse or copy; an honest caller whose credit ran out gets its 402 that much
+    /// later.
     ///
     /// # Cancel safety
     ///
     /// Cancel safe: dropping the future gives its permit back.
-    pub(crate) async fn hold_back(&self, delay: Duration) {
+    pub(crate) async fn hold_back(&self, delay: Duration, body_bytes: usize) {
         if delay.is_zero() {
             return;
         }
         if let Ok(_permit) = self.delayed.try_acquire() {
-            tokio::time::sleep(delay).await;
+            tokio::time::sleep(delay.saturating_mul(refused_delays(body_bytes))).await;
         }
     }
+}
+
+/// How many delays a remembered refusal of `body_bytes` is held back ([`RefusedCredit::hold_back`]).
+fn refused_delays(body_bytes: usize) -> u32 {
+    let started = body_bytes.div_ceil(REFUSED_BODY_BYTES_PER_DELAY).max(1);
+    u32::try_from(started).map_or(MAX_REFUSED_DELAYS, |n| n.min(MAX_REFUSED_DELAYS))
 }
 
 #[cfg(test)]
@@ -112,7 +131,7 @@ mod tests {
         let r = RefusedCredit::default();
         let delay = Duration::from_millis(250);
         let started = tokio::time::Instant::now();
-        r.hold_back(delay).await;
+        r.hold_back(delay, 100).await;
         assert_eq!(started.elapsed(), delay);
         // every permit taken: the next refusal is answered at once
         let _all = r
@@ -121,11 +140,29 @@ mod tests {
             .try_acquire_many_owned(u32::try_from(MAX_DELAYED_REFUSALS).unwrap_or(u32::MAX));
         assert!(_all.is_ok());
         let started = tokio::time::Instant::now();
-        r.hold_back(delay).await;
+        r.hold_back(delay, 100).await;
         assert_eq!(started.elapsed(), Duration::ZERO);
         drop(_all);
-        r.hold_back(Duration::ZERO).await;
+        r.hold_back(Duration::ZERO, 4 << 20).await;
         assert_eq!(started.elapsed(), Duration::ZERO);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_larger_body_is_held_back_longer_up_to_its_bound() {
+        let r = RefusedCredit::default();
+        let delay = Duration::from_millis(250);
+        for (body_bytes, delays) in [
+            (0, 1),
+            (REFUSED_BODY_BYTES_PER_DELAY, 1),
+            (REFUSED_BODY_BYTES_PER_DELAY + 1, 2),
+            (4 << 20, 16),
+            (64 << 20, MAX_REFUSED_DELAYS),
+            (usize::MAX, MAX_REFUSED_DELAYS),
+        ] {
+            let started = tokio::time::Instant::now();
+            r.hold_back(delay, body_bytes).await;
+            assert_eq!(started.elapsed(), delay * delays, "{body_bytes} bytes");
+        }
     }
 
     #[test]

@@ -101,7 +101,9 @@ pub struct MeterConfig {
     /// zero: answered at once). An account refused within
     /// [`REFUSED_CREDIT_TTL`](super::REFUSED_CREDIT_TTL) is refused before its body is
     /// parsed; holding the 402 back as well limits a closed-loop flood from a key that cannot
-    /// pay to one refusal per connection per delay (at most
+    /// pay to one refusal per connection per delay, a body larger than
+    /// [`REFUSED_BODY_BYTES_PER_DELAY`](super::REFUSED_BODY_BYTES_PER_DELAY) one delay per
+    /// started share of it, up to [`MAX_REFUSED_DELAYS`](super::MAX_REFUSED_DELAYS) (at most
     /// [`MAX_DELAYED_REFUSALS`](super::MAX_DELAYED_REFUSALS) wait at once).
     pub refused_credit_delay: std::time::Duration,
     /// Most bytes of request bodies being read at once, across every request (default 256 MiB;

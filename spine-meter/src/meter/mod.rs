@@ -126,7 +126,8 @@ mod settle;
 pub use admission::{Admission, AdmissionRefusal, AdmissionRequest, AdmitFuture};
 pub use body::{MeterBody, KEEPALIVE_INTERVAL, MAX_TOOL_CALLS_PER_CHOICE};
 pub use credit::{
-    CreditRefusals, DEFAULT_REFUSED_CREDIT_DELAY, MAX_DELAYED_REFUSALS, REFUSED_CREDIT_TTL,
+    CreditRefusals, DEFAULT_REFUSED_CREDIT_DELAY, MAX_DELAYED_REFUSALS, MAX_REFUSED_DELAYS,
+    REFUSED_BODY_BYTES_PER_DELAY, REFUSED_CREDIT_TTL,
 };
 pub use error::MeterError;
 pub use events::{DiscrepancyReport, MeterEvents};

@@ -469,7 +469,8 @@ where
 ///
 /// 1. an account that could not pay a moment ago ([`RefusedCredit`](super::credit::RefusedCredit))
 ///    is refused at once: its body is read and dropped (up to the limit, so the caller sees the
-///    402 rather than a broken pipe), the answer held back by `refused_credit_delay`;
+///    402 rather than a broken pipe), the answer held back by `refused_credit_delay` per started
+///    [`REFUSED_BODY_BYTES_PER_DELAY`](super::REFUSED_BODY_BYTES_PER_DELAY) of body;
 /// 2. the body is buffered up to `max_request_body_bytes` within the shared
 ///    `max_buffered_request_bytes` budget ([`collect_limited`]);
 /// 3. a body of [`PRECHECK_BODY_BYTES`] or more has the account's balance read first: one that
@@ -509,10 +510,10 @@ async fn read_request_body_and_balance(
         .refused_credit
         .cannot_pay(account, config.min_request_cost_micros)
     {
-        drain(body, config.max_request_body_bytes).await;
+        let body_bytes = drain(body, config.max_request_body_bytes).await;
         config
             .refused_credit
-            .hold_back(config.refused_credit_delay)
+            .hold_back(config.refused_credit_delay, body_bytes)
             .await;
         return Err(MeterError::InsufficientCredit {
             available_micros,
@@ -622,19 +623,19 @@ async fn hold_owned(
     }
 }
 
-/// Reads and drops a request body, up to `limit` bytes (an error or the limit ends it).
-async fn drain(mut body: BoxBody, limit: usize) {
+/// Reads and drops a request body, up to `limit` bytes (an error or the limit ends it), and
+/// returns how many bytes it read.
+async fn drain(mut body: BoxBody, limit: usize) -> usize {
     let mut read = 0usize;
     while let Some(Ok(frame)) = body.frame().await {
         read = read.saturating_add(frame.data_ref().map_or(0, bytes::Buf::remaining));
         if read > limit {
-            return;
+            break;
         }
     }
+    read
 }
 
-/// Buffers a request body up to `limit` bytes. A plain function returning a boxed future: the
-/// `Into<BoxError>` bound of `Limited` trips rustc's higher-ranked check inside an async fn.
 /// Buffers a request body up to `limit` bytes, each KiB of it taken from `budget` (the bytes
 /// of every body being read at once, [`MeterConfig::max_buffered_request_bytes`]) until the
 /// body is whole: a peer that sends most of a large body and withholds the rest holds at most
