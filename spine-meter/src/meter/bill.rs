@@ -6,7 +6,6 @@ use std::collections::BTreeMap;
 use bytes::Bytes;
 use spine_core::{NodeSlot, RequestKind, StreamOutcome, Usage};
 
-use super::body::MAX_TOOL_CALLS_PER_CHOICE;
 use super::node_json::{
     engine_error_message, is_engine_error, read_choices, usage_claim, Members, TextMember,
 };
@@ -15,6 +14,12 @@ use super::settle::{BillNotes, SettleCtx};
 use super::MeterError;
 use crate::tokenizer::GeneratedCount;
 use crate::TokenCounter;
+
+/// Most tool calls one streamed choice may carry. An honest engine can be asked for more, so
+/// the cut is the gateway's bound, not the node's fault: the stream ends `cut_at_bound`, the
+/// caller pays what was delivered and the node is not penalised. A non-streamed body is
+/// already whole when it is metered and is delivered whatever its number of tool calls.
+pub const MAX_TOOL_CALLS_PER_CHOICE: usize = 128;
 
 #[derive(Debug, Default)]
 pub(super) struct Choice {

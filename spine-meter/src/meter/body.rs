@@ -34,11 +34,6 @@ const KEEPALIVE_EVENT: &[u8] = b": keepalive\n\n";
 /// Longest the client waits without a byte while the node is silent (long prefill, slow
 /// node): [`MeterBody`] writes an SSE comment keepalive after this much quiet.
 pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(15);
-/// Most tool calls one streamed choice may carry. An honest engine can be asked for more, so
-/// the cut is the gateway's bound, not the node's fault: the stream ends `cut_at_bound`, the
-/// caller pays what was delivered and the node is not penalised. A non-streamed body is
-/// already whole when it is metered and is delivered whatever its number of tool calls.
-pub const MAX_TOOL_CALLS_PER_CHOICE: usize = 128;
 /// What a streamed response's metering needs besides the settlement context.
 #[derive(Clone, Debug)]
 pub(crate) struct StreamSettings {

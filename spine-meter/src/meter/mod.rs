@@ -112,6 +112,7 @@
 mod admission;
 mod bill;
 mod body;
+mod config;
 mod credit;
 mod embeddings;
 mod error;
@@ -124,7 +125,13 @@ mod service;
 mod settle;
 
 pub use admission::{Admission, AdmissionRefusal, AdmissionRequest, AdmitFuture};
-pub use body::{MeterBody, KEEPALIVE_INTERVAL, MAX_TOOL_CALLS_PER_CHOICE};
+pub use bill::MAX_TOOL_CALLS_PER_CHOICE;
+pub use body::{MeterBody, KEEPALIVE_INTERVAL};
+pub use config::{
+    Catalog, CatalogEntry, MeterConfig, DEFAULT_MAX_BUFFERED_REQUEST_BYTES,
+    DEFAULT_MAX_BUFFERED_REQUEST_BYTES_PER_ACCOUNT, DEFAULT_RESPONSE_BODY_TIMEOUT,
+    DEFAULT_STREAM_STALL_TIMEOUT,
+};
 pub use credit::{
     CreditRefusals, DEFAULT_REFUSED_CREDIT_DELAY, MAX_DELAYED_REFUSALS, MAX_REFUSED_DELAYS,
     REFUSED_BODY_BYTES_PER_DELAY, REFUSED_CREDIT_TTL,
@@ -132,12 +139,9 @@ pub use credit::{
 pub use error::MeterError;
 pub use events::{DiscrepancyReport, MeterEvents};
 pub use future::ResponseFuture;
-pub use layer::{
-    BodyGate, Catalog, CatalogEntry, MeterConfig, MeterLayer, Settlements,
-    DEFAULT_MAX_BUFFERED_REQUEST_BYTES, DEFAULT_MAX_BUFFERED_REQUEST_BYTES_PER_ACCOUNT,
-    DEFAULT_RESPONSE_BODY_TIMEOUT, DEFAULT_STREAM_STALL_TIMEOUT,
-};
+pub use layer::{BodyGate, MeterLayer};
 pub use service::Meter;
+pub use settle::Settlements;
 
 /// A response extension on a streamed answer: the usage the metering layer had counted when the
 /// answer began (the prompt; 0 completion tokens). A binary may note it on the request's hold

@@ -696,7 +696,7 @@ async fn collect_limited(
 /// One account's share of the request-body budget, for [`collect_limited`].
 #[derive(Clone, Copy)]
 struct AccountShare<'a> {
-    bytes: &'a super::layer::AccountBodyBytes,
+    bytes: &'a super::config::AccountBodyBytes,
     account: &'a AccountId,
     limit: usize,
 }

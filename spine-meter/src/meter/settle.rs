@@ -13,12 +13,72 @@ use crate::tokenizer::{CompletionCount, CompletionRule, GeneratedCount, Generate
 use crate::{Ledger, Price, Settlement, TokenCounter};
 
 /// What the end hook needs to settle one request.
+/// Settlement tasks in flight (spawned when a response body ends); cheap to clone, shared.
+///
+/// A settlement the ledger refuses (e.g. PostgreSQL unreachable) is retried with backoff until it
+/// commits; [`Settlements::pending_request_ids`] names those not committed yet, so a shutdown
+/// that cannot wait for them can log them instead of dropping them silently.
+#[derive(Clone, Debug, Default)]
+pub struct Settlements {
+    tracker: tokio_util::task::TaskTracker,
+    pending: Arc<std::sync::Mutex<std::collections::BTreeSet<spine_core::RequestId>>>,
+}
+
+impl Settlements {
+    /// Settlements not yet committed to the ledger.
+    pub fn pending(&self) -> usize {
+        self.tracker.len()
+    }
+
+    /// The request ids whose settlement is not committed yet, in id order.
+    pub fn pending_request_ids(&self) -> Vec<spine_core::RequestId> {
+        self.pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .cloned()
+            .collect()
+    }
+
+    pub(crate) fn mark_pending(&self, request_id: &spine_core::RequestId) {
+        self.pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(request_id.clone());
+    }
+
+    pub(crate) fn mark_committed(&self, request_id: &spine_core::RequestId) {
+        self.pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(request_id);
+    }
+
+    /// Waits until every settlement spawned so far, and any spawned while waiting, is committed.
+    /// Call when no new request can arrive (e.g. at shutdown).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: dropping the future stops waiting; settlements carry on.
+    pub async fn drain(&self) {
+        self.tracker.close();
+        self.tracker.wait().await;
+    }
+
+    pub(crate) fn spawn_on<F>(&self, task: F, runtime: &tokio::runtime::Handle)
+    where
+        F: std::future::Future<Output = ()> + Send + 'static,
+    {
+        self.tracker.spawn_on(task, runtime);
+    }
+}
+
 #[derive(Clone)]
 pub(crate) struct SettleCtx {
     pub(crate) ledger: Arc<dyn Ledger>,
     pub(crate) events: Arc<dyn MeterEvents>,
     pub(crate) runtime: tokio::runtime::Handle,
-    pub(crate) settlements: super::layer::Settlements,
+    pub(crate) settlements: Settlements,
     /// Forgotten for the account once its settlement commits (its hold is released).
     pub(crate) refused_credit: super::credit::RefusedCredit,
     pub(crate) request_id: RequestId,
@@ -231,7 +291,7 @@ impl SettleCtx {
     /// Settles on a spawned task. Retries with backoff (50 ms doubling, capped at 5 s) until the
     /// ledger accepts: settlement is idempotent by request id, so a retry never double-charges
     /// (a retry after a commit whose answer was lost returns the first result). Until it commits
-    /// the request id is listed by [`Settlements::pending_request_ids`](super::Settlements).
+    /// the request id is listed by [`Settlements::pending_request_ids`].
     ///
     /// A completed request is a discrepancy when the claim differs from the billed count beyond
     /// the tolerance (a claimed completion ABOVE the billed one may exceed it by

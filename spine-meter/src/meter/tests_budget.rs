@@ -82,7 +82,7 @@ fn stalled(parts: &[usize]) -> BoxBody {
 
 #[tokio::test]
 async fn one_account_past_its_share_is_refused_while_others_are_served() {
-    use super::super::layer::AccountBodyBytes;
+    use super::super::config::AccountBodyBytes;
     use super::AccountShare;
     use spine_core::AccountId;
     let budget = Arc::new(tokio::sync::Semaphore::new(1024)); // 1 MiB shared

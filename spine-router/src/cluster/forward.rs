@@ -15,7 +15,7 @@ use crate::{
     DirectoryDispatch, DirectoryError, DirectoryFuture, IdleTimer, NodeDirectory, NodeLocation,
     RemoteOwner,
 };
-use http::header::{HeaderName, HeaderValue, AUTHORIZATION};
+use http::header::{HeaderValue, AUTHORIZATION};
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
@@ -24,25 +24,14 @@ use sha2::{Digest, Sha256};
 use spine_core::{BoxBody, BoxError, NodeId};
 use spine_transport::TunnelService;
 
-use super::internal::{unix_ms, SignedHead};
+use super::wire::{
+    unix_ms, SignedHead, KEEP_ALIVE_INTERVAL, KEEP_ALIVE_TIMEOUT, MAX_CONCURRENT_STREAMS,
+    X_SPINE_NODE_ID, X_SPINE_REFUSAL,
+};
 use super::{Cluster, FORWARDED, FORWARD_SECONDS};
 
-/// Header naming the target node on the internal hop.
-pub const X_SPINE_NODE_ID: HeaderName = HeaderName::from_static("x-spine-node-id");
-/// Header on an internal listener's refusal: `node_moved`, `node_full`, or the code of a refused
-/// signature or body ([`super::internal::RelayRefusal::code`]).
-pub const X_SPINE_REFUSAL: HeaderName = HeaderName::from_static("x-spine-refusal");
 /// Connect timeout of the internal hop.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_millis(200);
-/// HTTP/2 PING interval on the internal hop (both ends), idle or not.
-pub const KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(1);
-/// A PING unanswered for this long closes the connection: every stream on it fails, so an owner
-/// that went silent without closing its sockets (stopped, partitioned) is noticed within
-/// about [`KEEP_ALIVE_INTERVAL`] + [`KEEP_ALIVE_TIMEOUT`].
-pub const KEEP_ALIVE_TIMEOUT: Duration = Duration::from_secs(3);
-/// Most concurrent streams on one internal connection (one per peer instance), far above any
-/// node's stream limit so forwarded requests never queue behind the connection.
-pub const MAX_CONCURRENT_STREAMS: u32 = 4096;
 /// Bound on waiting for the owner's response head: a backstop behind the keep-alive, for an
 /// owner that answers PINGs but never the stream. Long, because a node answers a non-streamed
 /// request's head only once generation is done (streamed requests are bounded sooner by the

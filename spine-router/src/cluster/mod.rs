@@ -40,6 +40,7 @@ mod directory;
 mod forward;
 mod internal;
 mod tunnels;
+mod wire;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -55,14 +56,17 @@ pub use affinity::RedisAffinity;
 pub use config::{ClusterConfig, ClusterConfigError};
 pub use forward::{
     cluster_service, BodyIdle, ClusterError, ClusterService, Forwarder, BODY_IDLE_TIMEOUT,
-    CONNECT_TIMEOUT, HEAD_TIMEOUT, KEEP_ALIVE_INTERVAL, KEEP_ALIVE_TIMEOUT, MAX_CONCURRENT_STREAMS,
-    X_SPINE_NODE_ID, X_SPINE_REFUSAL,
+    CONNECT_TIMEOUT, HEAD_TIMEOUT,
 };
 pub use internal::{
     internal_router, serve_internal, RelayError, RelayRefusal, FORWARDED_BODY_SLACK_BYTES,
-    MAX_CLOCK_SKEW_MS, REPLAY_CACHE_CAP, SIGNATURE_SCHEME,
+    MAX_CLOCK_SKEW_MS, REPLAY_CACHE_CAP,
 };
 pub use tunnels::{join, tunnel_dispatch, tunnel_route_layer, JoinError, RegistryEvents};
+pub use wire::{
+    KEEP_ALIVE_INTERVAL, KEEP_ALIVE_TIMEOUT, MAX_CONCURRENT_STREAMS, SIGNATURE_SCHEME,
+    X_SPINE_NODE_ID, X_SPINE_REFUSAL,
+};
 
 use crate::NodeRegistry;
 
@@ -178,7 +182,7 @@ struct Inner {
     prefix: String,
     client_name: String,
     /// HMAC-SHA256 keyed with the cluster secret (the secret itself is not kept).
-    mac: internal::ClusterMac,
+    mac: wire::ClusterMac,
     /// Nonces of the forwarded requests relayed within their validity window.
     nonces: Mutex<internal::ReplayCache>,
     /// When this process began (Unix ms): the replay cache knows no nonce from before it, so a
@@ -270,9 +274,9 @@ impl Cluster {
                 instance_id: config.instance_id.clone(),
                 prefix: config.key_prefix.clone(),
                 client_name: client_name(&config.key_prefix, &config.instance_id),
-                mac: internal::cluster_mac(config.secret.as_bytes()),
+                mac: wire::cluster_mac(config.secret.as_bytes()),
                 nonces: Mutex::new(internal::ReplayCache::new(internal::REPLAY_CACHE_CAP)),
-                started_unix_ms: internal::unix_ms(),
+                started_unix_ms: wire::unix_ms(),
                 max_request_body_bytes: AtomicUsize::new(DEFAULT_MAX_REQUEST_BODY_BYTES),
                 internal_addr,
                 redis,
@@ -306,7 +310,7 @@ impl Cluster {
 
     /// HMAC-SHA256 keyed with the cluster secret: signs forwarded requests and checks the ones
     /// relayed here (clone it per message).
-    pub(crate) fn mac(&self) -> &internal::ClusterMac {
+    pub(crate) fn mac(&self) -> &wire::ClusterMac {
         &self.inner.mac
     }
 

@@ -459,7 +459,7 @@ fn signature(
     body: &[u8],
 ) -> String {
     use sha2::Digest as _;
-    internal::SignedHead {
+    wire::SignedHead {
         target,
         t_unix_ms,
         nonce: [nonce; 16],
@@ -468,7 +468,7 @@ fn signature(
         node: node.as_bytes(),
         body_sha256: sha2::Sha256::digest(body).into(),
     }
-    .authorization(&internal::cluster_mac(secret.as_bytes()))
+    .authorization(&wire::cluster_mac(secret.as_bytes()))
     .unwrap()
     .to_str()
     .unwrap()
@@ -589,7 +589,7 @@ async fn internal_listener_checks_the_forwarding_signature() {
     let owner = owner_with_recording_node(&p).await;
     let addr = owner.internal_addr;
     let body = Bytes::from_static(b"{\"model\":\"m\",\"messages\":[]}");
-    let now = internal::unix_ms();
+    let now = wire::unix_ms();
     let post = |auth: String, body: Bytes| async move {
         let headers = [("x-spine-node-id", "n1"), ("authorization", auth.as_str())];
         h2_request(addr, http::Method::POST, &headers, body).await
@@ -603,7 +603,7 @@ async fn internal_listener_checks_the_forwarding_signature() {
         let auth = signature(
             SECRET,
             "gw-owner",
-            internal::unix_ms(),
+            wire::unix_ms(),
             nonce,
             "POST",
             "n1",
@@ -869,12 +869,12 @@ async fn the_forwarder_signs_and_never_sends_the_secret() {
         .unwrap()
         .starts_with("Spine-HMAC-SHA256 v=1,i=gw-b,t="));
 
-    let mac = internal::cluster_mac(SECRET.as_bytes());
+    let mac = wire::cluster_mac(SECRET.as_bytes());
     let verify = |own_id: &str, auth: &http::HeaderValue| {
         internal::verify_head(
             &mac,
             own_id,
-            internal::unix_ms(),
+            wire::unix_ms(),
             "POST",
             "/v1/chat/completions?x=1",
             b"n1",
@@ -901,12 +901,12 @@ async fn the_forwarder_signs_and_never_sends_the_secret() {
         Err(internal::RelayRefusal::BadSignature)
     );
     // nor does another secret verify it
-    let other = internal::cluster_mac(b"another-secret-0123456");
+    let other = wire::cluster_mac(b"another-secret-0123456");
     assert_eq!(
         internal::verify_head(
             &other,
             "gw-b",
-            internal::unix_ms(),
+            wire::unix_ms(),
             "POST",
             "/v1/chat/completions?x=1",
             b"n1",
@@ -1011,7 +1011,7 @@ async fn a_capture_replayed_after_the_owner_restarts_is_refused() {
         let auth = signature(
             SECRET,
             "gw-owner",
-            internal::unix_ms(),
+            wire::unix_ms(),
             nonce,
             "POST",
             "n1",

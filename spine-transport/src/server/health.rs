@@ -1,15 +1,16 @@
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use http_body_util::{BodyExt as _, Limited};
+use bytes::Bytes;
+use http::{Request, Uri};
+use http_body_util::{BodyExt as _, Empty, Limited};
 use hyper::client::conn::http2::SendRequest;
 use spine_core::{BoxBody, NodeId};
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
-use super::session::get_request;
 use super::state::{SessionShared, Shared};
-use super::{now_ms, TunnelState, HEALTH_PATH};
+use super::{now_ms, TunnelState, HEALTH_PATH, PROBE_PATH};
 use crate::metric;
 
 /// The result of one health probe.
@@ -269,4 +270,39 @@ async fn wait_or_stall(
             }
         }
     }
+}
+
+/// Whether the old session answers a liveness probe (`GET` [`PROBE_PATH`], answered by the
+/// agent's tunnel layer itself) or receives anything at all within `timeout`.
+pub(super) async fn probe_alive(
+    mut sender: SendRequest<BoxBody>,
+    old: &SessionShared,
+    timeout: Duration,
+) -> bool {
+    if sender.is_closed() {
+        return false;
+    }
+    let before = old.activity.load(Ordering::Relaxed);
+    let probe = async {
+        sender.ready().await?;
+        let resp = sender.send_request(get_request(PROBE_PATH)).await?;
+        let _ = resp.into_body().collect().await;
+        Ok::<_, hyper::Error>(())
+    };
+    match tokio::time::timeout(timeout, probe).await {
+        Ok(Ok(())) => true,
+        // a busy node may have no free stream for the probe, but its data keeps arriving
+        Ok(Err(_)) | Err(_) => old.activity.load(Ordering::Relaxed) != before,
+    }
+}
+
+/// A body-less `GET` of one of the paths the gateway probes a node on.
+fn get_request(path: &'static str) -> Request<BoxBody> {
+    let mut req = Request::new(Empty::<Bytes>::new().map_err(|e| match e {}).boxed_unsync());
+    *req.uri_mut() = Uri::from_static(match path {
+        PROBE_PATH => "http://spine-node/_spine/probe",
+        "/v1/models" => "http://spine-node/v1/models",
+        _ => "http://spine-node/health",
+    });
+    req
 }

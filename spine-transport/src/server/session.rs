@@ -2,10 +2,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
 use futures_util::StreamExt as _;
-use http::{Request, Uri};
-use http_body_util::{BodyExt as _, Empty};
 use hyper::client::conn::http2::SendRequest;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use spine_core::{BoxBody, NodeDescriptor, NodeId};
@@ -18,9 +15,9 @@ use tokio_tungstenite::tungstenite::{Message, Utf8Bytes};
 use tokio_tungstenite::WebSocketStream;
 use tracing::{debug, info, warn};
 
-use super::health::maintain;
+use super::health::{maintain, probe_alive};
 use super::state::{Session, SessionShared, Shared};
-use super::{now_ms, TunnelState, PROBE_PATH};
+use super::{now_ms, TunnelState};
 use crate::handshake::{decode_hello, Accepted, Challenge, GatewayMessage};
 use crate::{metric, RefusalReason, WsIo};
 
@@ -318,40 +315,6 @@ fn reserve(
             Slot::Reserved(session_shared)
         }
     }
-}
-
-/// Whether the old session answers a liveness probe (`GET` [`PROBE_PATH`], answered by the
-/// agent's tunnel layer itself) or receives anything at all within `timeout`.
-async fn probe_alive(
-    mut sender: SendRequest<BoxBody>,
-    old: &SessionShared,
-    timeout: Duration,
-) -> bool {
-    if sender.is_closed() {
-        return false;
-    }
-    let before = old.activity.load(Ordering::Relaxed);
-    let probe = async {
-        sender.ready().await?;
-        let resp = sender.send_request(get_request(PROBE_PATH)).await?;
-        let _ = resp.into_body().collect().await;
-        Ok::<_, hyper::Error>(())
-    };
-    match tokio::time::timeout(timeout, probe).await {
-        Ok(Ok(())) => true,
-        // a busy node may have no free stream for the probe, but its data keeps arriving
-        Ok(Err(_)) | Err(_) => old.activity.load(Ordering::Relaxed) != before,
-    }
-}
-
-pub(super) fn get_request(path: &'static str) -> Request<BoxBody> {
-    let mut req = Request::new(Empty::<Bytes>::new().map_err(|e| match e {}).boxed_unsync());
-    *req.uri_mut() = Uri::from_static(match path {
-        PROBE_PATH => "http://spine-node/_spine/probe",
-        "/v1/models" => "http://spine-node/v1/models",
-        _ => "http://spine-node/health",
-    });
-    req
 }
 
 /// Removes a session from the table (only if it is still this one) when the session ends, and
