@@ -21,7 +21,7 @@ use spine_meter::KeyLimits;
 use tower::ServiceExt;
 
 use super::auth::{csrf_token, require_post, require_user};
-use super::{ConsoleState, PageUser};
+use super::{with_role, ConsoleState, PageUser};
 
 /// Rows per page of the request log and the credit history.
 const PAGE_ROWS: u32 = 50;
@@ -43,18 +43,24 @@ pub(super) fn routes() -> Router<Arc<ConsoleState>> {
         .route("/console/playground/chat", post(playground_chat))
 }
 
+/// The builder's account of `role`; `None` for another role.
+fn builder_account(role: &ConsoleRole) -> Option<AccountId> {
+    match role {
+        ConsoleRole::Builder(account) => Some(account.clone()),
+        ConsoleRole::Operator(_) | ConsoleRole::Platform => None,
+    }
+}
+
+/// What a user of another role is told here (403).
+const BUILDERS_ONLY: &str = "This page is for builders.";
+
 /// The signed-in builder's account; operators get 403.
 async fn builder(
     s: &ConsoleState,
     headers: &HeaderMap,
 ) -> Result<(ConsoleUser, String, AccountId), Response> {
-    let (user, token) = require_user(s, headers).await?;
-    match user.role.clone() {
-        ConsoleRole::Builder(account) => Ok((user, token, account)),
-        ConsoleRole::Operator(_) | ConsoleRole::Platform => {
-            Err(s.error(StatusCode::FORBIDDEN, "This page is for builders."))
-        }
-    }
+    let found = require_user(s, headers).await?;
+    with_role(s, found, builder_account, BUILDERS_ONLY)
 }
 
 /// As [`builder`], for a state-changing request (CSRF checked).
@@ -63,13 +69,8 @@ async fn builder_post(
     headers: &HeaderMap,
     csrf: Option<&str>,
 ) -> Result<(ConsoleUser, String, AccountId), Response> {
-    let (user, token) = require_post(s, headers, csrf).await?;
-    match user.role.clone() {
-        ConsoleRole::Builder(account) => Ok((user, token, account)),
-        ConsoleRole::Operator(_) | ConsoleRole::Platform => {
-            Err(s.error(StatusCode::FORBIDDEN, "This page is for builders."))
-        }
-    }
+    let found = require_post(s, headers, csrf).await?;
+    with_role(s, found, builder_account, BUILDERS_ONLY)
 }
 
 /// A key as the keys page shows it.

@@ -112,6 +112,24 @@ const ASSETS: &[(&str, &str, &[u8])] = &[
     ),
 ];
 
+/// The signed-in user `found` ([`auth::require_user`], or [`auth::require_post`] for a
+/// state-changing request) with the id that `role_id` picks from their role; 403 with
+/// `refusal` when it picks none (a user of another role).
+// the error is the page to send, as from the async guards that call it (which the lint spares)
+#[allow(clippy::result_large_err)]
+fn with_role<T>(
+    s: &ConsoleState,
+    found: (ConsoleUser, String),
+    role_id: impl FnOnce(&ConsoleRole) -> Option<T>,
+    refusal: &str,
+) -> Result<(ConsoleUser, String, T), Response> {
+    let (user, token) = found;
+    match role_id(&user.role) {
+        Some(id) => Ok((user, token, id)),
+        None => Err(s.error(StatusCode::FORBIDDEN, refusal)),
+    }
+}
+
 /// `after=<cursor>`, URL-encoded: the query of a list's next page.
 fn after_query(cursor: &spine_meter::ledger::PageCursor) -> String {
     serde_urlencoded::to_string([("after", cursor.encode())]).unwrap_or_default()

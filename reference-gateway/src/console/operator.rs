@@ -15,7 +15,7 @@ use spine_meter::keys;
 use spine_meter::ledger::{ConsoleRole, ConsoleUser, PageCursor};
 
 use super::auth::{csrf_token, require_post, require_user};
-use super::{after_query, ConsoleState, PageUser};
+use super::{after_query, with_role, ConsoleState, PageUser};
 
 /// How long a token issued from the console stays valid (as the admin API's default: 24 h).
 const ENROLLMENT_TTL_MS: i64 = 24 * 3_600_000;
@@ -31,17 +31,23 @@ pub(super) fn routes() -> Router<Arc<ConsoleState>> {
         .route("/console/enrollments/revoke", post(revoke_enrollment))
 }
 
+/// The operator of `role`; `None` for another role.
+fn operator_id(role: &ConsoleRole) -> Option<OperatorId> {
+    match role {
+        ConsoleRole::Operator(op) => Some(op.clone()),
+        ConsoleRole::Builder(_) | ConsoleRole::Platform => None,
+    }
+}
+
+/// What a user of another role is told here (403).
+const OPERATORS_ONLY: &str = "This page is for GPU operators.";
+
 async fn operator(
     s: &ConsoleState,
     headers: &HeaderMap,
 ) -> Result<(ConsoleUser, String, OperatorId), Response> {
-    let (user, token) = require_user(s, headers).await?;
-    match user.role.clone() {
-        ConsoleRole::Operator(op) => Ok((user, token, op)),
-        ConsoleRole::Builder(_) | ConsoleRole::Platform => {
-            Err(s.error(StatusCode::FORBIDDEN, "This page is for GPU operators."))
-        }
-    }
+    let found = require_user(s, headers).await?;
+    with_role(s, found, operator_id, OPERATORS_ONLY)
 }
 
 async fn operator_post(
@@ -49,13 +55,8 @@ async fn operator_post(
     headers: &HeaderMap,
     csrf: Option<&str>,
 ) -> Result<(ConsoleUser, String, OperatorId), Response> {
-    let (user, token) = require_post(s, headers, csrf).await?;
-    match user.role.clone() {
-        ConsoleRole::Operator(op) => Ok((user, token, op)),
-        ConsoleRole::Builder(_) | ConsoleRole::Platform => {
-            Err(s.error(StatusCode::FORBIDDEN, "This page is for GPU operators."))
-        }
-    }
+    let found = require_post(s, headers, csrf).await?;
+    with_role(s, found, operator_id, OPERATORS_ONLY)
 }
 
 /// One node as the nodes pages (an operator's, the platform's) show it.

@@ -2,7 +2,7 @@
 
 use spine_core::AccountId;
 
-use super::{unique_as, Arg, Backend, SqlConn, SqlRow};
+use super::{insert, insert_owned, read_text, Arg, Backend, SqlConn, SqlRow};
 use crate::ledger::convert::{now_ms, to_i64};
 use crate::ledger::{AccountBalance, KeyLimits, LedgerError};
 
@@ -24,14 +24,13 @@ pub(in crate::ledger) async fn create_account<B: Backend>(
     b: &B,
     account: &AccountId,
 ) -> Result<(), LedgerError> {
-    b.write()
-        .await?
-        .exec(
-            "INSERT INTO accounts (id, created_at_ms) VALUES ($1, $2)",
-            &[Arg::Text(account.as_str()), Arg::I64(now_ms())],
-        )
-        .await
-        .map_err(|e| unique_as(e, "account"))?;
+    insert(
+        b,
+        "INSERT INTO accounts (id, created_at_ms) VALUES ($1, $2)",
+        &[Arg::Text(account.as_str()), Arg::I64(now_ms())],
+        "account",
+    )
+    .await?;
     Ok(())
 }
 
@@ -41,19 +40,14 @@ pub(in crate::ledger) async fn create_api_key<B: Backend>(
     account: &AccountId,
     key_hash: &str,
 ) -> Result<(), LedgerError> {
-    let inserted = b
-        .write()
-        .await?
-        .exec(
-            "INSERT INTO api_keys (key_hash, account_id, created_at_ms) SELECT $1, id, $2 FROM accounts WHERE id = $3",
-            &[Arg::Text(key_hash), Arg::I64(now_ms()), Arg::Text(account.as_str())],
-        )
-        .await
-        .map_err(|e| unique_as(e, "api key"))?;
-    if inserted == 0 {
-        return Err(LedgerError::UnknownAccount(account.clone()));
-    }
-    Ok(())
+    insert_owned(
+        b,
+        "INSERT INTO api_keys (key_hash, account_id, created_at_ms) SELECT $1, id, $2 FROM accounts WHERE id = $3",
+        &[Arg::Text(key_hash), Arg::I64(now_ms()), Arg::Text(account.as_str())],
+        "api key",
+        || LedgerError::UnknownAccount(account.clone()),
+    )
+    .await
 }
 
 /// [`Store::account_for_key_hash`](crate::ledger::Store::account_for_key_hash).
@@ -61,16 +55,14 @@ pub(in crate::ledger) async fn account_for_key_hash<B: Backend>(
     b: &B,
     key_hash: &str,
 ) -> Result<Option<AccountId>, LedgerError> {
-    let row = b
-        .read()
-        .await?
-        .optional(
-            "SELECT account_id FROM api_keys WHERE key_hash = $1 AND revoked_at_ms IS NULL",
-            &[Arg::Text(key_hash)],
-        )
-        .await?;
-    row.map(|row| row.text("account_id").map(AccountId::from))
-        .transpose()
+    let account = read_text(
+        b,
+        "SELECT account_id FROM api_keys WHERE key_hash = $1 AND revoked_at_ms IS NULL",
+        &[Arg::Text(key_hash)],
+        "account_id",
+    )
+    .await?;
+    Ok(account.map(AccountId::from))
 }
 
 /// [`Store::account`](crate::ledger::Store::account).

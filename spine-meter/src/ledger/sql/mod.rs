@@ -43,6 +43,14 @@ pub(super) enum Arg<'a> {
     Bool(bool),
 }
 
+/// Appends `new` to a statement's `args` and returns their placeholders (`"$n"`, numbered on
+/// from the arguments already there), for a statement whose text is built as it goes.
+pub(super) fn bind<'a, const N: usize>(args: &mut Vec<Arg<'a>>, new: [Arg<'a>; N]) -> [String; N] {
+    let first = args.len() + 1;
+    args.extend(new);
+    std::array::from_fn(|i| format!("${}", first + i))
+}
+
 /// A row read back: its columns by name.
 pub(super) trait SqlRow: Send + Sync + 'static {
     /// An integer column.
@@ -295,6 +303,64 @@ pub(super) fn unique_as(e: LedgerError, what: &'static str) -> LedgerError {
         }
         e => e,
     }
+}
+
+/// The text column `col` of the first row `sql` returns (with `args`, on a read connection);
+/// `None` when it returns none.
+///
+/// # Errors
+///
+/// [`LedgerError::Database`]; [`LedgerError::Corrupt`] when the column is not text.
+pub(super) async fn read_text<B: Backend>(
+    b: &B,
+    sql: &str,
+    args: &[Arg<'_>],
+    col: &str,
+) -> Result<Option<String>, LedgerError> {
+    b.read()
+        .await?
+        .optional(sql, args)
+        .await?
+        .map(|row| row.text(col))
+        .transpose()
+}
+
+/// Runs `sql`, an `INSERT` (with `args`, on a write connection); how many rows it inserted.
+///
+/// # Errors
+///
+/// [`LedgerError::Duplicate`] `what` on a unique violation ([`unique_as`]),
+/// [`LedgerError::Database`].
+pub(super) async fn insert<B: Backend>(
+    b: &B,
+    sql: &str,
+    args: &[Arg<'_>],
+    what: &'static str,
+) -> Result<u64, LedgerError> {
+    b.write()
+        .await?
+        .exec(sql, args)
+        .await
+        .map_err(|e| unique_as(e, what))
+}
+
+/// [`insert`]s with `sql`, an `INSERT … SELECT … FROM <owner> WHERE id = …` that inserts a row
+/// only when its owner exists.
+///
+/// # Errors
+///
+/// As [`insert`]; `unknown()` when nothing was inserted (no such owner).
+pub(super) async fn insert_owned<B: Backend>(
+    b: &B,
+    sql: &str,
+    args: &[Arg<'_>],
+    what: &'static str,
+    unknown: impl FnOnce() -> LedgerError,
+) -> Result<(), LedgerError> {
+    if insert(b, sql, args, what).await? == 0 {
+        return Err(unknown());
+    }
+    Ok(())
 }
 
 /// Commits `tx` when `write`, else rolls it back.

@@ -6,7 +6,7 @@ use spine_core::{
 };
 
 use super::accounts::balance_from_row;
-use super::{retrying, unique_as, Arg, Backend, HoldRequest, Row, SqlConn, SqlRow};
+use super::{bind, retrying, unique_as, Arg, Backend, HoldRequest, Row, SqlConn, SqlRow};
 use crate::ledger::amounts::SettleAmounts;
 use crate::ledger::convert::{db, now_ms, to_i64, to_u64};
 use crate::ledger::{
@@ -52,25 +52,20 @@ pub(super) async fn insert_entries<C: SqlConn + ?Sized>(
     let now = now_ms();
     let mut args = Vec::with_capacity(entries.len() * 5);
     for (i, &(party_kind, party_id, amount_micros)) in entries.iter().enumerate() {
-        let n = i * 5;
         if i > 0 {
             sql.push_str(", ");
         }
-        sql.push_str(&format!(
-            "(${}, ${}, ${}, ${}, ${})",
-            n + 1,
-            n + 2,
-            n + 3,
-            n + 4,
-            n + 5
-        ));
-        args.extend([
-            Arg::Text(reference),
-            Arg::Text(party_kind),
-            Arg::Text(party_id),
-            Arg::I64(amount_micros),
-            Arg::I64(now),
-        ]);
+        let row = bind(
+            &mut args,
+            [
+                Arg::Text(reference),
+                Arg::Text(party_kind),
+                Arg::Text(party_id),
+                Arg::I64(amount_micros),
+                Arg::I64(now),
+            ],
+        );
+        sql.push_str(&format!("({})", row.join(", ")));
     }
     c.exec(&sql, &args).await?;
     Ok(())

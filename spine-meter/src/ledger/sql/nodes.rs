@@ -2,7 +2,9 @@
 
 use spine_core::{NodeId, OperatorId};
 
-use super::{finish, retrying, unique_as, Arg, Backend, SqlConn, SqlRow};
+use super::{
+    finish, insert, insert_owned, read_text, retrying, unique_as, Arg, Backend, SqlConn, SqlRow,
+};
 use crate::ledger::convert::{db, now_ms, to_u64};
 use crate::ledger::{Enrollment, LedgerError, NodeRecord};
 
@@ -11,14 +13,13 @@ pub(in crate::ledger) async fn create_operator<B: Backend>(
     b: &B,
     operator: &OperatorId,
 ) -> Result<(), LedgerError> {
-    b.write()
-        .await?
-        .exec(
-            "INSERT INTO operators (id, created_at_ms) VALUES ($1, $2)",
-            &[Arg::Text(operator.as_str()), Arg::I64(now_ms())],
-        )
-        .await
-        .map_err(|e| unique_as(e, "operator"))?;
+    insert(
+        b,
+        "INSERT INTO operators (id, created_at_ms) VALUES ($1, $2)",
+        &[Arg::Text(operator.as_str()), Arg::I64(now_ms())],
+        "operator",
+    )
+    .await?;
     Ok(())
 }
 
@@ -101,25 +102,20 @@ pub(in crate::ledger) async fn create_enrollment<B: Backend>(
     token_hash: &str,
     expires_at_ms: i64,
 ) -> Result<(), LedgerError> {
-    let inserted = b
-        .write()
-        .await?
-        .exec(
-            "INSERT INTO enrollments (token_hash, operator_id, expires_at_ms, created_at_ms)
-             SELECT $1, id, $3, $4 FROM operators WHERE id = $2",
-            &[
-                Arg::Text(token_hash),
-                Arg::Text(operator.as_str()),
-                Arg::I64(expires_at_ms),
-                Arg::I64(now_ms()),
-            ],
-        )
-        .await
-        .map_err(|e| unique_as(e, "enrollment token"))?;
-    if inserted == 0 {
-        return Err(LedgerError::UnknownOperator(operator.clone()));
-    }
-    Ok(())
+    insert_owned(
+        b,
+        "INSERT INTO enrollments (token_hash, operator_id, expires_at_ms, created_at_ms)
+         SELECT $1, id, $3, $4 FROM operators WHERE id = $2",
+        &[
+            Arg::Text(token_hash),
+            Arg::Text(operator.as_str()),
+            Arg::I64(expires_at_ms),
+            Arg::I64(now_ms()),
+        ],
+        "enrollment token",
+        || LedgerError::UnknownOperator(operator.clone()),
+    )
+    .await
 }
 
 /// [`Store::redeem_enrollment`](crate::ledger::Store::redeem_enrollment).
@@ -255,16 +251,14 @@ pub(in crate::ledger) async fn node_for_public_key<B: Backend>(
     b: &B,
     public_key_text: &str,
 ) -> Result<Option<NodeId>, LedgerError> {
-    let row = b
-        .read()
-        .await?
-        .optional(
-            "SELECT node_id FROM nodes WHERE public_key_text = $1",
-            &[Arg::Text(public_key_text)],
-        )
-        .await?;
-    row.map(|row| row.text("node_id").map(NodeId::from))
-        .transpose()
+    let node = read_text(
+        b,
+        "SELECT node_id FROM nodes WHERE public_key_text = $1",
+        &[Arg::Text(public_key_text)],
+        "node_id",
+    )
+    .await?;
+    Ok(node.map(NodeId::from))
 }
 
 /// [`Store::node_operator`](crate::ledger::Store::node_operator).
@@ -272,14 +266,13 @@ pub(in crate::ledger) async fn node_operator<B: Backend>(
     b: &B,
     node: &NodeId,
 ) -> Result<OperatorId, LedgerError> {
-    let row = b
-        .read()
-        .await?
-        .optional(
-            "SELECT operator_id FROM nodes WHERE node_id = $1",
-            &[Arg::Text(node.as_str())],
-        )
-        .await?
-        .ok_or_else(|| LedgerError::UnknownNode(node.clone()))?;
-    row.text("operator_id").map(OperatorId::from)
+    read_text(
+        b,
+        "SELECT operator_id FROM nodes WHERE node_id = $1",
+        &[Arg::Text(node.as_str())],
+        "operator_id",
+    )
+    .await?
+    .map(OperatorId::from)
+    .ok_or_else(|| LedgerError::UnknownNode(node.clone()))
 }

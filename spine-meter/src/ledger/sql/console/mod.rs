@@ -4,6 +4,7 @@
 //! the indexes of schema version 7 ([`super::schema::CONSOLE`]) serve them. Usage and
 //! earnings read the daily roll-ups ([`rollup`]), whole UTC days.
 
+mod lists;
 mod platform;
 mod rollup;
 mod store;
@@ -16,51 +17,14 @@ pub(in crate::ledger) use store::sql_console;
 
 use spine_core::{AccountId, ModelId, NodeId, OperatorId, StreamOutcome, Usage};
 
-use super::{unique_as, Arg, Backend, SqlConn, SqlRow};
+use super::{bind, insert, insert_owned, Arg, Backend, SqlConn, SqlRow};
 use crate::ledger::console::{
     ApiKeyInfo, ConsoleRole, ConsoleUser, CreditEntry, EarningsDay, EnrollmentInfo, Page,
-    PageCursor, RequestFilter, RequestSummary, UsageDay, MAX_PAGE_ROWS, MAX_SCANNED_PER_PAGE,
+    PageCursor, RequestFilter, RequestSummary, UsageDay, MAX_SCANNED_PER_PAGE,
 };
 use crate::ledger::convert::{db, key_limits, now_ms};
 use crate::ledger::LedgerError;
-
-/// The first UTC day that starts at or after `ms` (days since the epoch): the roll-ups count
-/// whole days, so a window `[since_ms, until_ms)` covers the days that start inside it.
-fn first_day(ms: i64) -> i64 {
-    let day = ms.div_euclid(rollup::MS_PER_DAY);
-    if ms.rem_euclid(rollup::MS_PER_DAY) == 0 {
-        day
-    } else {
-        day.saturating_add(1)
-    }
-}
-
-/// `limit` within `1..=MAX_PAGE_ROWS`, as the `i64` a `LIMIT` binds (one more row is read).
-fn bounded(limit: u32) -> i64 {
-    i64::from(limit.clamp(1, MAX_PAGE_ROWS))
-}
-
-/// The first `limit` of `rows` as a page; the cursor of the next page when there were more.
-fn page<T>(mut rows: Vec<T>, limit: i64, cursor: impl Fn(&T) -> PageCursor) -> Page<T> {
-    let limit = usize::try_from(limit).unwrap_or(usize::MAX);
-    let next = if rows.len() > limit {
-        rows.truncate(limit);
-        rows.last().map(cursor)
-    } else {
-        None
-    };
-    Page { rows, next }
-}
-
-/// The cursor's `(at_ms, id)` as arguments; the first page's is `(i64::MAX, "")`, above every
-/// row. Always bound, so the statements compare `(created_at_ms, id) < (…)` with no `OR`: a
-/// range of the `(owner, created_at_ms, id)` index, whatever page is asked for.
-fn cursor_args(after: Option<&PageCursor>) -> (Arg<'_>, Arg<'_>) {
-    match after {
-        Some(c) => (Arg::I64(c.at_ms), Arg::Text(c.id.as_str())),
-        None => (Arg::I64(i64::MAX), Arg::Text("")),
-    }
-}
+use lists::{bounded, day_rows, keyset_page, page};
 
 const USER_COLUMNS: &str =
     "user_id, email, password_hash, account_id, operator_id, platform, created_at_ms";
@@ -101,26 +65,24 @@ pub(in crate::ledger) async fn create_console_user<B: Backend>(
         ConsoleRole::Operator(_) => "SELECT 1 FROM operators WHERE id = $5",
         ConsoleRole::Platform => "SELECT 1",
     };
-    let inserted = b
-        .write()
-        .await?
-        .exec(
-            &format!(
-                "INSERT INTO console_users (user_id, email, password_hash, account_id, operator_id, created_at_ms, platform)
-                 SELECT $1, $2, $3, $4, $5, $6, $7 WHERE EXISTS ({owner})"
-            ),
-            &[
-                Arg::Text(&user.user_id),
-                Arg::Text(&user.email),
-                Arg::OptText(user.password_hash.as_deref()),
-                Arg::OptText(account),
-                Arg::OptText(operator),
-                Arg::I64(now_ms()),
-                Arg::Bool(user.role == ConsoleRole::Platform),
-            ],
-        )
-        .await
-        .map_err(|e| unique_as(e, "console user"))?;
+    let inserted = insert(
+        b,
+        &format!(
+            "INSERT INTO console_users (user_id, email, password_hash, account_id, operator_id, created_at_ms, platform)
+             SELECT $1, $2, $3, $4, $5, $6, $7 WHERE EXISTS ({owner})"
+        ),
+        &[
+            Arg::Text(&user.user_id),
+            Arg::Text(&user.email),
+            Arg::OptText(user.password_hash.as_deref()),
+            Arg::OptText(account),
+            Arg::OptText(operator),
+            Arg::I64(now_ms()),
+            Arg::Bool(user.role == ConsoleRole::Platform),
+        ],
+        "console user",
+    )
+    .await?;
     match (&user.role, inserted) {
         (ConsoleRole::Builder(a), 0) => return Err(LedgerError::UnknownAccount(a.clone())),
         (ConsoleRole::Operator(o), 0) => return Err(LedgerError::UnknownOperator(o.clone())),
@@ -155,21 +117,20 @@ async fn insert_console_token<B: Backend>(
     user_id: &str,
     expires_at_ms: i64,
 ) -> Result<(), LedgerError> {
-    b.write()
-        .await?
-        .exec(
-            &format!(
-                "INSERT INTO {table} (token_hash, user_id, created_at_ms, expires_at_ms) VALUES ($1, $2, $3, $4)"
-            ),
-            &[
-                Arg::Text(token_hash),
-                Arg::Text(user_id),
-                Arg::I64(now_ms()),
-                Arg::I64(expires_at_ms),
-            ],
-        )
-        .await
-        .map_err(|e| unique_as(e, what))?;
+    insert(
+        b,
+        &format!(
+            "INSERT INTO {table} (token_hash, user_id, created_at_ms, expires_at_ms) VALUES ($1, $2, $3, $4)"
+        ),
+        &[
+            Arg::Text(token_hash),
+            Arg::Text(user_id),
+            Arg::I64(now_ms()),
+            Arg::I64(expires_at_ms),
+        ],
+        what,
+    )
+    .await?;
     Ok(())
 }
 
@@ -299,26 +260,21 @@ pub(in crate::ledger) async fn create_named_api_key<B: Backend>(
     name: &str,
     key_hint: &str,
 ) -> Result<(), LedgerError> {
-    let inserted = b
-        .write()
-        .await?
-        .exec(
-            "INSERT INTO api_keys (key_hash, account_id, created_at_ms, name, key_hint)
-             SELECT $1, id, $2, $3, $4 FROM accounts WHERE id = $5",
-            &[
-                Arg::Text(key_hash),
-                Arg::I64(now_ms()),
-                Arg::Text(name),
-                Arg::Text(key_hint),
-                Arg::Text(account.as_str()),
-            ],
-        )
-        .await
-        .map_err(|e| unique_as(e, "api key"))?;
-    if inserted == 0 {
-        return Err(LedgerError::UnknownAccount(account.clone()));
-    }
-    Ok(())
+    insert_owned(
+        b,
+        "INSERT INTO api_keys (key_hash, account_id, created_at_ms, name, key_hint)
+         SELECT $1, id, $2, $3, $4 FROM accounts WHERE id = $5",
+        &[
+            Arg::Text(key_hash),
+            Arg::I64(now_ms()),
+            Arg::Text(name),
+            Arg::Text(key_hint),
+            Arg::Text(account.as_str()),
+        ],
+        "api key",
+        || LedgerError::UnknownAccount(account.clone()),
+    )
+    .await
 }
 
 /// [`ConsoleStore::account_keys`](crate::ledger::ConsoleStore::account_keys).
@@ -328,35 +284,32 @@ pub(in crate::ledger) async fn account_keys<B: Backend>(
     after: Option<&PageCursor>,
     limit: u32,
 ) -> Result<Page<ApiKeyInfo>, LedgerError> {
-    let limit = bounded(limit);
-    let (at, id) = cursor_args(after);
-    let rows = b
-        .read()
-        .await?
-        .all(
-            "SELECT k.key_hash, k.name, k.key_hint, k.created_at_ms, k.revoked_at_ms, l.rpm_limit, l.tpm_limit
-             FROM api_keys k LEFT JOIN key_limits l ON l.key_hash = k.key_hash
-             WHERE k.account_id = $1
-               AND (k.created_at_ms, k.key_hash) < ($2, $3)
-             ORDER BY k.created_at_ms DESC, k.key_hash DESC LIMIT $4",
-            &[Arg::Text(account.as_str()), at, id, Arg::I64(limit + 1)],
-        )
-        .await?;
-    let mut keys = Vec::with_capacity(rows.len());
-    for row in &rows {
-        keys.push(ApiKeyInfo {
-            key_hash: row.text("key_hash")?,
-            name: row.opt_text("name")?,
-            key_hint: row.opt_text("key_hint")?,
-            created_at_ms: row.i64("created_at_ms")?,
-            revoked_at_ms: row.opt_i64("revoked_at_ms")?,
-            limits: key_limits(row.opt_i64("rpm_limit")?, row.opt_i64("tpm_limit")?)?,
-        });
-    }
-    Ok(page(keys, limit, |k| PageCursor {
-        at_ms: k.created_at_ms,
-        id: k.key_hash.clone(),
-    }))
+    keyset_page(
+        b,
+        "SELECT k.key_hash, k.name, k.key_hint, k.created_at_ms, k.revoked_at_ms, l.rpm_limit, l.tpm_limit
+         FROM api_keys k LEFT JOIN key_limits l ON l.key_hash = k.key_hash
+         WHERE k.account_id = $1
+           AND (k.created_at_ms, k.key_hash) < ($2, $3)
+         ORDER BY k.created_at_ms DESC, k.key_hash DESC LIMIT $4",
+        &[Arg::Text(account.as_str())],
+        after,
+        limit,
+        |row| {
+            Ok(ApiKeyInfo {
+                key_hash: row.text("key_hash")?,
+                name: row.opt_text("name")?,
+                key_hint: row.opt_text("key_hint")?,
+                created_at_ms: row.i64("created_at_ms")?,
+                revoked_at_ms: row.opt_i64("revoked_at_ms")?,
+                limits: key_limits(row.opt_i64("rpm_limit")?, row.opt_i64("tpm_limit")?)?,
+            })
+        },
+        |k| PageCursor {
+            at_ms: k.created_at_ms,
+            id: k.key_hash.clone(),
+        },
+    )
+    .await
 }
 
 /// [`ConsoleStore::revoke_api_key`](crate::ledger::ConsoleStore::revoke_api_key).
@@ -423,21 +376,19 @@ pub(in crate::ledger) fn request_scan_end_statement<'a>(
     let (mut sql, mut args) = request_prefix(account, filter);
     sql.insert_str(0, "SELECT created_at_ms, request_id FROM requests");
     let ((at, id), (since, _)) = request_range(filter, after);
-    let n = args.len();
+    let [since, at, id, offset] = bind(
+        &mut args,
+        [
+            Arg::I64(since),
+            Arg::I64(at),
+            Arg::Text(id),
+            Arg::I64(max_scanned.max(1) - 1),
+        ],
+    );
     sql.push_str(&format!(
-        " AND (created_at_ms, request_id) >= (${}, '') AND (created_at_ms, request_id) < (${}, ${})
-         ORDER BY created_at_ms DESC, request_id DESC LIMIT 1 OFFSET ${}",
-        n + 1,
-        n + 2,
-        n + 3,
-        n + 4
+        " AND (created_at_ms, request_id) >= ({since}, '') AND (created_at_ms, request_id) < ({at}, {id})
+         ORDER BY created_at_ms DESC, request_id DESC LIMIT 1 OFFSET {offset}"
     ));
-    args.extend([
-        Arg::I64(since),
-        Arg::I64(at),
-        Arg::Text(id),
-        Arg::I64(max_scanned.max(1) - 1),
-    ]);
     (sql, args)
 }
 
@@ -468,30 +419,27 @@ pub(in crate::ledger) fn account_requests_statement<'a>(
     );
     for (column, value) in [("key_hash", &filter.key_hash), ("outcome", &filter.outcome)] {
         if let Some(value) = value {
-            args.push(Arg::Text(value));
-            sql.push_str(&format!(" AND {column} = ${}", args.len()));
+            let [value] = bind(&mut args, [Arg::Text(value)]);
+            sql.push_str(&format!(" AND {column} = {value}"));
         }
     }
     let ((at, id), since) = request_range(filter, after);
     // the scan's end is at or above the window's start: it was found inside the window
     let (low_at, low_id) = scan_end.map_or(since, |c| (c.at_ms, c.id.as_str()));
-    let n = args.len();
+    let [low_at, low_id, at, id, rows] = bind(
+        &mut args,
+        [
+            Arg::I64(low_at),
+            Arg::Text(low_id),
+            Arg::I64(at),
+            Arg::Text(id),
+            Arg::I64(limit + 1),
+        ],
+    );
     sql.push_str(&format!(
-        " AND (created_at_ms, request_id) >= (${}, ${}) AND (created_at_ms, request_id) < (${}, ${})
-         ORDER BY created_at_ms DESC, request_id DESC LIMIT ${}",
-        n + 1,
-        n + 2,
-        n + 3,
-        n + 4,
-        n + 5
+        " AND (created_at_ms, request_id) >= ({low_at}, {low_id}) AND (created_at_ms, request_id) < ({at}, {id})
+         ORDER BY created_at_ms DESC, request_id DESC LIMIT {rows}"
     ));
-    args.extend([
-        Arg::I64(low_at),
-        Arg::Text(low_id),
-        Arg::I64(at),
-        Arg::Text(id),
-        Arg::I64(limit + 1),
-    ]);
     (sql, args)
 }
 
@@ -547,32 +495,35 @@ pub(in crate::ledger) async fn account_requests_scanning<B: Backend>(
     };
     let (sql, args) = account_requests_statement(account, filter, after, scan_end.as_ref(), limit);
     let rows = conn.all(&sql, &args).await?;
-    let mut out = Vec::with_capacity(rows.len());
-    for row in &rows {
-        let claimed = super::money::claimed_usage(row)?;
-        out.push(RequestSummary {
-            request_id: row.text("request_id")?,
-            created_at_ms: row.i64("created_at_ms")?,
-            key_hash: row.opt_text("key_hash")?,
-            model: ModelId::from(row.text("model")?),
-            outcome: StreamOutcome::parse(&row.text("outcome")?)
-                .ok_or(LedgerError::Corrupt("outcome"))?,
-            billed: Usage {
-                prompt_tokens: row.u64("billed_prompt_tokens")?,
-                completion_tokens: row.u64("billed_completion_tokens")?,
-            },
-            claimed,
-            discrepancy: row.bool("discrepancy")?,
-            duration_ms: row.opt_i64("duration_ms")?,
-            ttft_ms: row.opt_i64("ttft_ms")?,
-            debit_micros: row.u64("debit_micros")?,
-            node: row.opt_text("node_id")?.map(NodeId::from),
-        });
-    }
-    let mut page = page(out, limit, |r| PageCursor {
-        at_ms: r.created_at_ms,
-        id: r.request_id.clone(),
-    });
+    let mut page = page(
+        &rows,
+        limit,
+        |row| {
+            let claimed = super::money::claimed_usage(row)?;
+            Ok(RequestSummary {
+                request_id: row.text("request_id")?,
+                created_at_ms: row.i64("created_at_ms")?,
+                key_hash: row.opt_text("key_hash")?,
+                model: ModelId::from(row.text("model")?),
+                outcome: StreamOutcome::parse(&row.text("outcome")?)
+                    .ok_or(LedgerError::Corrupt("outcome"))?,
+                billed: Usage {
+                    prompt_tokens: row.u64("billed_prompt_tokens")?,
+                    completion_tokens: row.u64("billed_completion_tokens")?,
+                },
+                claimed,
+                discrepancy: row.bool("discrepancy")?,
+                duration_ms: row.opt_i64("duration_ms")?,
+                ttft_ms: row.opt_i64("ttft_ms")?,
+                debit_micros: row.u64("debit_micros")?,
+                node: row.opt_text("node_id")?.map(NodeId::from),
+            })
+        },
+        |r| PageCursor {
+            at_ms: r.created_at_ms,
+            id: r.request_id.clone(),
+        },
+    )?;
     if page.next.is_none() {
         // fewer matches than a page down to the scan's end: search on below it
         page.next = scan_end;
@@ -588,35 +539,29 @@ pub(in crate::ledger) async fn account_usage<B: Backend>(
     until_ms: i64,
     limit: u32,
 ) -> Result<Vec<UsageDay>, LedgerError> {
-    let rows = b
-        .read()
-        .await?
-        .all(
-            "SELECT day, model, key_hash, requests, prompt_tokens, completion_tokens, debit_micros AS debit
-             FROM usage_daily
-             WHERE account_id = $1 AND day >= $2 AND day < $3
-             ORDER BY day DESC, model, key_hash LIMIT $4",
-            &[
-                Arg::Text(account.as_str()),
-                Arg::I64(first_day(since_ms)),
-                Arg::I64(first_day(until_ms)),
-                Arg::I64(bounded(limit)),
-            ],
-        )
-        .await?;
-    let mut out = Vec::with_capacity(rows.len());
-    for row in &rows {
-        out.push(UsageDay {
-            day: row.i64("day")?,
-            model: ModelId::from(row.text("model")?),
-            key_hash: Some(row.text("key_hash")?).filter(|k| !k.is_empty()),
-            requests: row.u64("requests")?,
-            prompt_tokens: row.u64("prompt_tokens")?,
-            completion_tokens: row.u64("completion_tokens")?,
-            debit_micros: row.u64("debit")?,
-        });
-    }
-    Ok(out)
+    day_rows(
+        b,
+        "SELECT day, model, key_hash, requests, prompt_tokens, completion_tokens, debit_micros AS debit
+         FROM usage_daily
+         WHERE account_id = $1 AND day >= $2 AND day < $3
+         ORDER BY day DESC, model, key_hash LIMIT $4",
+        &[Arg::Text(account.as_str())],
+        since_ms,
+        until_ms,
+        limit,
+        |row| {
+            Ok(UsageDay {
+                day: row.i64("day")?,
+                model: ModelId::from(row.text("model")?),
+                key_hash: Some(row.text("key_hash")?).filter(|k| !k.is_empty()),
+                requests: row.u64("requests")?,
+                prompt_tokens: row.u64("prompt_tokens")?,
+                completion_tokens: row.u64("completion_tokens")?,
+                debit_micros: row.u64("debit")?,
+            })
+        },
+    )
+    .await
 }
 
 /// [`ConsoleStore::account_credits`](crate::ledger::ConsoleStore::account_credits).
@@ -626,31 +571,28 @@ pub(in crate::ledger) async fn account_credits<B: Backend>(
     after: Option<&PageCursor>,
     limit: u32,
 ) -> Result<Page<CreditEntry>, LedgerError> {
-    let limit = bounded(limit);
-    let (at, id) = cursor_args(after);
-    let rows = b
-        .read()
-        .await?
-        .all(
-            "SELECT idempotency_key, amount_micros, created_at_ms FROM credits
-             WHERE account_id = $1
-               AND (created_at_ms, idempotency_key) < ($2, $3)
-             ORDER BY created_at_ms DESC, idempotency_key DESC LIMIT $4",
-            &[Arg::Text(account.as_str()), at, id, Arg::I64(limit + 1)],
-        )
-        .await?;
-    let mut out = Vec::with_capacity(rows.len());
-    for row in &rows {
-        out.push(CreditEntry {
-            idempotency_key: row.text("idempotency_key")?,
-            amount_micros: row.u64("amount_micros")?,
-            created_at_ms: row.i64("created_at_ms")?,
-        });
-    }
-    Ok(page(out, limit, |c| PageCursor {
-        at_ms: c.created_at_ms,
-        id: c.idempotency_key.clone(),
-    }))
+    keyset_page(
+        b,
+        "SELECT idempotency_key, amount_micros, created_at_ms FROM credits
+         WHERE account_id = $1
+           AND (created_at_ms, idempotency_key) < ($2, $3)
+         ORDER BY created_at_ms DESC, idempotency_key DESC LIMIT $4",
+        &[Arg::Text(account.as_str())],
+        after,
+        limit,
+        |row| {
+            Ok(CreditEntry {
+                idempotency_key: row.text("idempotency_key")?,
+                amount_micros: row.u64("amount_micros")?,
+                created_at_ms: row.i64("created_at_ms")?,
+            })
+        },
+        |c| PageCursor {
+            at_ms: c.created_at_ms,
+            id: c.idempotency_key.clone(),
+        },
+    )
+    .await
 }
 
 /// [`ConsoleStore::operator_earnings`](crate::ledger::ConsoleStore::operator_earnings): the
@@ -663,36 +605,30 @@ pub(in crate::ledger) async fn operator_earnings<B: Backend>(
     until_ms: i64,
     limit: u32,
 ) -> Result<Vec<EarningsDay>, LedgerError> {
-    let rows = b
-        .read()
-        .await?
-        .all(
-            "SELECT day, model, CAST(SUM(requests_served) AS BIGINT) AS served,
-                    CAST(SUM(completion_tokens) AS BIGINT) AS completion_tokens,
-                    CAST(SUM(earned_micros) AS BIGINT) AS earned
-             FROM earnings_daily
-             WHERE operator_id = $1 AND day >= $2 AND day < $3
-             GROUP BY day, model
-             ORDER BY day DESC, model LIMIT $4",
-            &[
-                Arg::Text(operator.as_str()),
-                Arg::I64(first_day(since_ms)),
-                Arg::I64(first_day(until_ms)),
-                Arg::I64(bounded(limit)),
-            ],
-        )
-        .await?;
-    let mut out = Vec::with_capacity(rows.len());
-    for row in &rows {
-        out.push(EarningsDay {
-            day: row.i64("day")?,
-            model: ModelId::from(row.text("model")?),
-            requests_served: row.u64("served")?,
-            completion_tokens: row.u64("completion_tokens")?,
-            earned_micros: row.u64("earned")?,
-        });
-    }
-    Ok(out)
+    day_rows(
+        b,
+        "SELECT day, model, CAST(SUM(requests_served) AS BIGINT) AS served,
+                CAST(SUM(completion_tokens) AS BIGINT) AS completion_tokens,
+                CAST(SUM(earned_micros) AS BIGINT) AS earned
+         FROM earnings_daily
+         WHERE operator_id = $1 AND day >= $2 AND day < $3
+         GROUP BY day, model
+         ORDER BY day DESC, model LIMIT $4",
+        &[Arg::Text(operator.as_str())],
+        since_ms,
+        until_ms,
+        limit,
+        |row| {
+            Ok(EarningsDay {
+                day: row.i64("day")?,
+                model: ModelId::from(row.text("model")?),
+                requests_served: row.u64("served")?,
+                completion_tokens: row.u64("completion_tokens")?,
+                earned_micros: row.u64("earned")?,
+            })
+        },
+    )
+    .await
 }
 
 /// [`ConsoleStore::operator_enrollments`](crate::ledger::ConsoleStore::operator_enrollments).
@@ -702,33 +638,30 @@ pub(in crate::ledger) async fn operator_enrollments<B: Backend>(
     after: Option<&PageCursor>,
     limit: u32,
 ) -> Result<Page<EnrollmentInfo>, LedgerError> {
-    let limit = bounded(limit);
-    let (at, id) = cursor_args(after);
-    let rows = b
-        .read()
-        .await?
-        .all(
-            "SELECT token_hash, created_at_ms, expires_at_ms, node_id, revoked_at_ms FROM enrollments
-             WHERE operator_id = $1
-               AND (created_at_ms, token_hash) < ($2, $3)
-             ORDER BY created_at_ms DESC, token_hash DESC LIMIT $4",
-            &[Arg::Text(operator.as_str()), at, id, Arg::I64(limit + 1)],
-        )
-        .await?;
-    let mut out = Vec::with_capacity(rows.len());
-    for row in &rows {
-        out.push(EnrollmentInfo {
-            token_hash: row.text("token_hash")?,
-            created_at_ms: row.i64("created_at_ms")?,
-            expires_at_ms: row.i64("expires_at_ms")?,
-            node: row.opt_text("node_id")?.map(NodeId::from),
-            revoked_at_ms: row.opt_i64("revoked_at_ms")?,
-        });
-    }
-    Ok(page(out, limit, |e| PageCursor {
-        at_ms: e.created_at_ms,
-        id: e.token_hash.clone(),
-    }))
+    keyset_page(
+        b,
+        "SELECT token_hash, created_at_ms, expires_at_ms, node_id, revoked_at_ms FROM enrollments
+         WHERE operator_id = $1
+           AND (created_at_ms, token_hash) < ($2, $3)
+         ORDER BY created_at_ms DESC, token_hash DESC LIMIT $4",
+        &[Arg::Text(operator.as_str())],
+        after,
+        limit,
+        |row| {
+            Ok(EnrollmentInfo {
+                token_hash: row.text("token_hash")?,
+                created_at_ms: row.i64("created_at_ms")?,
+                expires_at_ms: row.i64("expires_at_ms")?,
+                node: row.opt_text("node_id")?.map(NodeId::from),
+                revoked_at_ms: row.opt_i64("revoked_at_ms")?,
+            })
+        },
+        |e| PageCursor {
+            at_ms: e.created_at_ms,
+            id: e.token_hash.clone(),
+        },
+    )
+    .await
 }
 
 /// [`ConsoleStore::revoke_enrollment`](crate::ledger::ConsoleStore::revoke_enrollment): the

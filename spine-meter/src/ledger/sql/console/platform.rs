@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use spine_core::{AccountId, ModelId, NodeId, OperatorId, Usage};
 
 use super::super::{Arg, Backend, SqlConn, SqlRow};
-use super::{bounded, cursor_args, first_day, page};
+use super::lists::{bounded, day_rows, first_day, keyset_page};
 use crate::ledger::console::{
     DiscrepancyRecord, HeldCredit, NodeInfo, OperatorWindow, Page, PageCursor, PlatformDay,
 };
@@ -80,30 +80,25 @@ pub(in crate::ledger) async fn platform_operators<B: Backend>(
     until_ms: i64,
     limit: u32,
 ) -> Result<Vec<OperatorWindow>, LedgerError> {
-    let rows = b
-        .read()
-        .await?
-        .all(
-            "SELECT operator_id, CAST(SUM(requests_served) AS BIGINT) AS served,
-                    CAST(SUM(earned_micros) AS BIGINT) AS earned
-             FROM earnings_daily WHERE day >= $1 AND day < $2
-             GROUP BY operator_id ORDER BY earned DESC, operator_id LIMIT $3",
-            &[
-                Arg::I64(first_day(since_ms)),
-                Arg::I64(first_day(until_ms)),
-                Arg::I64(bounded(limit)),
-            ],
-        )
-        .await?;
-    let mut out = Vec::with_capacity(rows.len());
-    for row in &rows {
-        out.push(OperatorWindow {
-            operator: OperatorId::from(row.text("operator_id")?),
-            requests_served: row.u64("served")?,
-            earned_micros: row.u64("earned")?,
-        });
-    }
-    Ok(out)
+    day_rows(
+        b,
+        "SELECT operator_id, CAST(SUM(requests_served) AS BIGINT) AS served,
+                CAST(SUM(earned_micros) AS BIGINT) AS earned
+         FROM earnings_daily WHERE day >= $1 AND day < $2
+         GROUP BY operator_id ORDER BY earned DESC, operator_id LIMIT $3",
+        &[],
+        since_ms,
+        until_ms,
+        limit,
+        |row| {
+            Ok(OperatorWindow {
+                operator: OperatorId::from(row.text("operator_id")?),
+                requests_served: row.u64("served")?,
+                earned_micros: row.u64("earned")?,
+            })
+        },
+    )
+    .await
 }
 
 /// [`ConsoleStore::platform_nodes`](crate::ledger::ConsoleStore::platform_nodes).
@@ -112,31 +107,28 @@ pub(in crate::ledger) async fn platform_nodes<B: Backend>(
     after: Option<&PageCursor>,
     limit: u32,
 ) -> Result<Page<NodeInfo>, LedgerError> {
-    let limit = bounded(limit);
-    let (at, id) = cursor_args(after);
-    let rows = b
-        .read()
-        .await?
-        .all(
-            "SELECT node_id, operator_id, name, created_at_ms FROM nodes
-             WHERE (created_at_ms, node_id) < ($1, $2)
-             ORDER BY created_at_ms DESC, node_id DESC LIMIT $3",
-            &[at, id, Arg::I64(limit + 1)],
-        )
-        .await?;
-    let mut out = Vec::with_capacity(rows.len());
-    for row in &rows {
-        out.push(NodeInfo {
-            node_id: NodeId::from(row.text("node_id")?),
-            operator: OperatorId::from(row.text("operator_id")?),
-            name: row.opt_text("name")?,
-            created_at_ms: row.i64("created_at_ms")?,
-        });
-    }
-    Ok(page(out, limit, |n| PageCursor {
-        at_ms: n.created_at_ms,
-        id: n.node_id.to_string(),
-    }))
+    keyset_page(
+        b,
+        "SELECT node_id, operator_id, name, created_at_ms FROM nodes
+         WHERE (created_at_ms, node_id) < ($1, $2)
+         ORDER BY created_at_ms DESC, node_id DESC LIMIT $3",
+        &[],
+        after,
+        limit,
+        |row| {
+            Ok(NodeInfo {
+                node_id: NodeId::from(row.text("node_id")?),
+                operator: OperatorId::from(row.text("operator_id")?),
+                name: row.opt_text("name")?,
+                created_at_ms: row.i64("created_at_ms")?,
+            })
+        },
+        |n| PageCursor {
+            at_ms: n.created_at_ms,
+            id: n.node_id.to_string(),
+        },
+    )
+    .await
 }
 
 /// [`ConsoleStore::platform_discrepancies`](crate::ledger::ConsoleStore::platform_discrepancies):
@@ -146,41 +138,38 @@ pub(in crate::ledger) async fn platform_discrepancies<B: Backend>(
     after: Option<&PageCursor>,
     limit: u32,
 ) -> Result<Page<DiscrepancyRecord>, LedgerError> {
-    let limit = bounded(limit);
-    let (at, id) = cursor_args(after);
-    let rows = b
-        .read()
-        .await?
-        .all(
-            "SELECT request_id, created_at_ms, account_id, node_id, operator_id, model,
-                    billed_prompt_tokens, billed_completion_tokens,
-                    claimed_prompt_tokens, claimed_completion_tokens
-             FROM requests
-             WHERE discrepancy AND (created_at_ms, request_id) < ($1, $2)
-             ORDER BY created_at_ms DESC, request_id DESC LIMIT $3",
-            &[at, id, Arg::I64(limit + 1)],
-        )
-        .await?;
-    let mut out = Vec::with_capacity(rows.len());
-    for row in &rows {
-        out.push(DiscrepancyRecord {
-            request_id: row.text("request_id")?,
-            created_at_ms: row.i64("created_at_ms")?,
-            account: AccountId::from(row.text("account_id")?),
-            node: row.opt_text("node_id")?.map(NodeId::from),
-            operator: row.opt_text("operator_id")?.map(OperatorId::from),
-            model: ModelId::from(row.text("model")?),
-            billed: Usage {
-                prompt_tokens: row.u64("billed_prompt_tokens")?,
-                completion_tokens: row.u64("billed_completion_tokens")?,
-            },
-            claimed: super::super::money::claimed_usage(row)?,
-        });
-    }
-    Ok(page(out, limit, |r| PageCursor {
-        at_ms: r.created_at_ms,
-        id: r.request_id.clone(),
-    }))
+    keyset_page(
+        b,
+        "SELECT request_id, created_at_ms, account_id, node_id, operator_id, model,
+                billed_prompt_tokens, billed_completion_tokens,
+                claimed_prompt_tokens, claimed_completion_tokens
+         FROM requests
+         WHERE discrepancy AND (created_at_ms, request_id) < ($1, $2)
+         ORDER BY created_at_ms DESC, request_id DESC LIMIT $3",
+        &[],
+        after,
+        limit,
+        |row| {
+            Ok(DiscrepancyRecord {
+                request_id: row.text("request_id")?,
+                created_at_ms: row.i64("created_at_ms")?,
+                account: AccountId::from(row.text("account_id")?),
+                node: row.opt_text("node_id")?.map(NodeId::from),
+                operator: row.opt_text("operator_id")?.map(OperatorId::from),
+                model: ModelId::from(row.text("model")?),
+                billed: Usage {
+                    prompt_tokens: row.u64("billed_prompt_tokens")?,
+                    completion_tokens: row.u64("billed_completion_tokens")?,
+                },
+                claimed: super::super::money::claimed_usage(row)?,
+            })
+        },
+        |r| PageCursor {
+            at_ms: r.created_at_ms,
+            id: r.request_id.clone(),
+        },
+    )
+    .await
 }
 
 /// [`ConsoleStore::platform_held`](crate::ledger::ConsoleStore::platform_held).
