@@ -47,7 +47,7 @@ mod server;
 mod tls;
 mod ws_io;
 
-pub use client::{Backoff, TunnelClient, TunnelClientConfig, TunnelSession};
+pub use client::{Backoff, NodeService, TunnelClient, TunnelClientConfig, TunnelSession};
 pub use error::TunnelError;
 pub use handshake::decode_hello;
 pub use identity::{
