@@ -56,7 +56,8 @@ pub use identity::{
 pub use listen::{bind_listener, raise_fd_limit, shutdown_signal, LISTEN_BACKLOG};
 pub use refusal::RefusalReason;
 pub use serve::{
-    BodyReadTimeout, InFlightGuard, LimitedServer, ListenerLimits, PeerAddr, TimedBody, TrackedBody,
+    BodyReadTimeout, InFlightGuard, LimitedServer, ListenerLimits, ListenerService, PeerAddr,
+    TimedBody, TrackedBody,
 };
 pub use server::{
     serve_listener, ModelStatus, NodeAuthenticator, StaticAuthenticator, TunnelEvents,
