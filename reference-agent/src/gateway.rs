@@ -254,14 +254,7 @@ pub(crate) async fn run_failover<S, F>(
     service: S,
     shutdown: F,
 ) where
-    S: tower::Service<
-            Request<hyper::body::Incoming>,
-            Response = http::Response<spine_core::BoxBody>,
-        > + Clone
-        + Send
-        + 'static,
-    S::Future: Send + 'static,
-    S::Error: Into<spine_core::BoxError>,
+    S: spine_transport::NodeService,
     F: std::future::Future<Output = ()>,
 {
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
@@ -281,14 +274,7 @@ async fn failover_loop<S>(
     service: S,
     stop: tokio::sync::watch::Receiver<bool>,
 ) where
-    S: tower::Service<
-            Request<hyper::body::Incoming>,
-            Response = http::Response<spine_core::BoxBody>,
-        > + Clone
-        + Send
-        + 'static,
-    S::Future: Send + 'static,
-    S::Error: Into<spine_core::BoxError>,
+    S: spine_transport::NodeService,
 {
     let stopped = || {
         let mut rx = stop.clone();

@@ -427,6 +427,24 @@ fn parse_opt<'a, T: Deserialize<'a>>(
     }
 }
 
+/// What a count that must be at least 1 (`n`, `max_tokens`, `max_completion_tokens`) is
+/// refused with.
+const AT_LEAST_ONE: &str = "an integer >= 1";
+
+/// `value` as given, or [`PeekError::InvalidField`] for `field` ([`AT_LEAST_ONE`]) when it is 0.
+fn at_least_one<T: PartialEq + From<u8>>(
+    value: Option<T>,
+    field: &'static str,
+) -> Result<Option<T>, PeekError> {
+    if value == Some(T::from(0)) {
+        return Err(PeekError::InvalidField {
+            field,
+            expected: AT_LEAST_ONE,
+        });
+    }
+    Ok(value)
+}
+
 impl Fields<'_> {
     /// Whether a [`TOKENIZATION_CONSTRAINT_FIELDS`] field is set.
     fn tokenization_constrained(&self) -> bool {
@@ -578,35 +596,20 @@ impl RequestPeek {
                 expected: REASONING_EFFORT_EXPECTED,
             });
         }
-        let n: u32 = parse_opt(fields.get("n"), "n", "an integer >= 1")?.unwrap_or(1);
-        if n == 0 {
-            return Err(PeekError::InvalidField {
-                field: "n",
-                expected: "an integer >= 1",
-            });
-        }
+        let n: u32 =
+            at_least_one(parse_opt(fields.get("n"), "n", AT_LEAST_ONE)?, "n")?.unwrap_or(1);
         // ≥ 1, as OpenAI requires; and when both are set they must agree, because engines
         // disagree on which one wins (llama.cpp and vLLM: max_completion_tokens; SGLang:
         // `max_completion_tokens or max_tokens`, so a 0 there falls through to the other)
         let max_completion_tokens: Option<u64> = parse_opt(
             fields.get("max_completion_tokens"),
             "max_completion_tokens",
-            "an integer >= 1",
+            AT_LEAST_ONE,
         )?;
         let max_tokens: Option<u64> =
-            parse_opt(fields.get("max_tokens"), "max_tokens", "an integer >= 1")?;
-        if max_completion_tokens == Some(0) {
-            return Err(PeekError::InvalidField {
-                field: "max_completion_tokens",
-                expected: "an integer >= 1",
-            });
-        }
-        if max_tokens == Some(0) {
-            return Err(PeekError::InvalidField {
-                field: "max_tokens",
-                expected: "an integer >= 1",
-            });
-        }
+            parse_opt(fields.get("max_tokens"), "max_tokens", AT_LEAST_ONE)?;
+        at_least_one(max_completion_tokens, "max_completion_tokens")?;
+        at_least_one(max_tokens, "max_tokens")?;
         for (value, field) in [
             (max_completion_tokens, "max_completion_tokens"),
             (max_tokens, "max_tokens"),

@@ -110,15 +110,7 @@ impl NodeSlot {
         {
             return;
         }
-        let hook = self
-            .0
-            .on_fault
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
-        if let Some(hook) = hook {
-            hook(fault);
-        }
+        self.run_hook(fault);
     }
 
     /// Sets what a later [`NodeSlot::report`] runs (the router: score the committed attempt
@@ -136,15 +128,21 @@ impl NodeSlot {
             .unwrap_or_else(PoisonError::into_inner) = Some(Box::new(hook));
         // a report that raced with the store above: run the hook now if it is still there
         if let Some(fault) = self.node_fault() {
-            let hook = self
-                .0
-                .on_fault
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .take();
-            if let Some(hook) = hook {
-                hook(fault);
-            }
+            self.run_hook(fault);
+        }
+    }
+
+    /// Takes the hook set with [`NodeSlot::on_node_fault`], if one is still there, and runs it
+    /// with `fault` (outside the lock): a hook runs at most once.
+    fn run_hook(&self, fault: NodeFault) {
+        let hook = self
+            .0
+            .on_fault
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(hook) = hook {
+            hook(fault);
         }
     }
 

@@ -28,6 +28,36 @@ use crate::{NodeIdentity, RefusalReason, TunnelError, WsIo};
 /// at most `max_concurrency` requests itself.
 const PROBE_STREAMS: u32 = 4;
 
+/// The service an agent serves over its tunnel ([`TunnelClient::run`], [`TunnelSession::serve`]
+/// and their variants): a cloneable tower service from a request of the gateway (hyper's
+/// [`Incoming`](hyper::body::Incoming) body) to a response with a [`BoxBody`], whose error
+/// converts into [`BoxError`] and whose future can move to another task.
+///
+/// Implemented for every such service (an axum `Router`, a `tower::service_fn`, a
+/// `tower::ServiceBuilder` stack); it only names the bounds.
+pub trait NodeService:
+    tower::Service<
+        Request<hyper::body::Incoming>,
+        Response = Response<BoxBody>,
+        Error: Into<BoxError>,
+        Future: Send + 'static,
+    > + Clone
+    + Send
+    + 'static
+{
+}
+
+impl<S> NodeService for S
+where
+    S: tower::Service<Request<hyper::body::Incoming>, Response = Response<BoxBody>>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+    S::Error: Into<BoxError>,
+{
+}
+
 /// Agent-side tunnel settings.
 #[derive(Clone, Debug)]
 #[non_exhaustive]
@@ -478,12 +508,7 @@ impl TunnelClient {
     /// requests in flight then fail on the gateway side.
     pub async fn connect_once<S>(&self, service: S) -> Result<(), TunnelError>
     where
-        S: tower::Service<Request<hyper::body::Incoming>, Response = Response<BoxBody>>
-            + Clone
-            + Send
-            + 'static,
-        S::Future: Send + 'static,
-        S::Error: Into<BoxError>,
+        S: NodeService,
     {
         let session = self.connect().await?;
         info!(node = %session.node_id(), gateway = %self.target.url, "tunnel established");
@@ -503,12 +528,7 @@ impl TunnelClient {
     /// Dropping the future closes the tunnel; requests in flight fail on the gateway side.
     pub async fn run<S>(self, service: S)
     where
-        S: tower::Service<Request<hyper::body::Incoming>, Response = Response<BoxBody>>
-            + Clone
-            + Send
-            + 'static,
-        S::Future: Send + 'static,
-        S::Error: Into<BoxError>,
+        S: NodeService,
     {
         self.run_until(service, std::future::pending::<()>()).await;
     }
@@ -523,12 +543,7 @@ impl TunnelClient {
     /// side.
     pub async fn run_until<S, F>(self, service: S, shutdown: F)
     where
-        S: tower::Service<Request<hyper::body::Incoming>, Response = Response<BoxBody>>
-            + Clone
-            + Send
-            + 'static,
-        S::Future: Send + 'static,
-        S::Error: Into<BoxError>,
+        S: NodeService,
         F: std::future::Future<Output = ()>,
     {
         let shutdown = Shutdown::new(shutdown);
@@ -666,12 +681,7 @@ impl TunnelSession {
     /// Dropping the future closes the tunnel.
     pub async fn serve<S>(self, service: S) -> Result<(), TunnelError>
     where
-        S: tower::Service<Request<hyper::body::Incoming>, Response = Response<BoxBody>>
-            + Clone
-            + Send
-            + 'static,
-        S::Future: Send + 'static,
-        S::Error: Into<BoxError>,
+        S: NodeService,
     {
         self.serve_until(service, std::future::pending::<()>())
             .await
@@ -691,12 +701,7 @@ impl TunnelSession {
     /// Dropping the future closes the tunnel at once.
     pub async fn serve_until<S, F>(self, service: S, shutdown: F) -> Result<(), TunnelError>
     where
-        S: tower::Service<Request<hyper::body::Incoming>, Response = Response<BoxBody>>
-            + Clone
-            + Send
-            + 'static,
-        S::Future: Send + 'static,
-        S::Error: Into<BoxError>,
+        S: NodeService,
         F: std::future::Future<Output = ()>,
     {
         let config = &self.config;

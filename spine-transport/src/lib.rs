@@ -47,7 +47,7 @@ mod server;
 mod tls;
 mod ws_io;
 
-pub use client::{Backoff, TunnelClient, TunnelClientConfig, TunnelSession};
+pub use client::{Backoff, NodeService, TunnelClient, TunnelClientConfig, TunnelSession};
 pub use error::TunnelError;
 pub use handshake::decode_hello;
 pub use identity::{
@@ -56,7 +56,8 @@ pub use identity::{
 pub use listen::{bind_listener, raise_fd_limit, shutdown_signal, LISTEN_BACKLOG};
 pub use refusal::RefusalReason;
 pub use serve::{
-    BodyReadTimeout, InFlightGuard, LimitedServer, ListenerLimits, PeerAddr, TimedBody, TrackedBody,
+    BodyReadTimeout, InFlightGuard, LimitedServer, ListenerLimits, ListenerService, PeerAddr,
+    TimedBody, TrackedBody,
 };
 pub use server::{
     serve_listener, ModelStatus, NodeAuthenticator, StaticAuthenticator, TunnelEvents,

@@ -385,6 +385,34 @@ impl Registry {
     }
 }
 
+/// The service a [`LimitedServer`] serves: a cloneable tower service from a request with a
+/// [`TimedBody`] to a response with body `B`, which never fails (errors are answers) and whose
+/// future can move to the connection's task.
+///
+/// Implemented for every such service (an axum `Router`, a `tower::service_fn`); it only names
+/// the bounds.
+pub trait ListenerService<B>:
+    tower::Service<
+        Request<TimedBody>,
+        Response = Response<B>,
+        Error = Infallible,
+        Future: Send + 'static,
+    > + Clone
+    + Send
+    + 'static
+{
+}
+
+impl<S, B> ListenerService<B> for S
+where
+    S: tower::Service<Request<TimedBody>, Response = Response<B>, Error = Infallible>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+{
+}
+
 /// The address of the peer a request came from: [`LimitedServer`] puts it in every request's
 /// extensions (for per-client limits, e.g. a sign-in rate limit per IP).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -484,13 +512,8 @@ impl LimitedServer {
         shutdown: F,
     ) -> std::io::Result<()>
     where
-        S: tower::Service<Request<TimedBody>, Response = Response<B>, Error = Infallible>
-            + Clone
-            + Send
-            + 'static,
-        S::Future: Send + 'static,
-        B: Body<Data = Bytes> + Send + 'static,
-        B::Error: Into<BoxError>,
+        S: ListenerService<B>,
+        B: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static,
         F: Future<Output = ()> + Send,
     {
         let name = self.name;
@@ -600,13 +623,8 @@ impl ConnShared {
         conn: Arc<Conn>,
         service: S,
     ) where
-        S: tower::Service<Request<TimedBody>, Response = Response<B>, Error = Infallible>
-            + Clone
-            + Send
-            + 'static,
-        S::Future: Send + 'static,
-        B: Body<Data = Bytes> + Send + 'static,
-        B::Error: Into<BoxError>,
+        S: ListenerService<B>,
+        B: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static,
     {
         if let Err(e) = tcp.set_nodelay(true) {
             debug!(error = %e, "set TCP_NODELAY failed");
@@ -651,13 +669,8 @@ impl ConnShared {
         service: S,
     ) where
         IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
-        S: tower::Service<Request<TimedBody>, Response = Response<B>, Error = Infallible>
-            + Clone
-            + Send
-            + 'static,
-        S::Future: Send + 'static,
-        B: Body<Data = Bytes> + Send + 'static,
-        B::Error: Into<BoxError>,
+        S: ListenerService<B>,
+        B: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static,
     {
         let body_timeout = self.limits.body_read_timeout;
         let epoch = self.epoch;

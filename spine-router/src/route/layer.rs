@@ -4,6 +4,7 @@ use std::time::Duration;
 use spine_core::{BoxError, ClassifyBody, FirstBytes};
 use tower::Layer;
 
+use super::retry::RouteCtx;
 use super::Route;
 use crate::affinity::AffinityStore;
 use crate::NodeRegistry;
@@ -48,12 +49,7 @@ impl Default for RouteConfig {
 /// byte.
 #[derive(Debug, Clone)]
 pub struct RouteLayer {
-    registry: NodeRegistry,
-    classify: Arc<dyn ClassifyBody>,
-    config: RouteConfig,
-    not_node_fault: NotNodeFault,
-    node_full: NotNodeFault,
-    affinity: Option<Arc<dyn AffinityStore>>,
+    ctx: RouteCtx,
 }
 
 /// How many times one request may find its picked node momentarily full
@@ -79,12 +75,14 @@ impl RouteLayer {
     /// an SSE-aware one).
     pub fn new(registry: NodeRegistry) -> Self {
         Self {
-            registry,
-            classify: Arc::new(FirstBytes::default()),
-            config: RouteConfig::default(),
-            not_node_fault: never_not_node_fault,
-            node_full: never_not_node_fault,
-            affinity: None,
+            ctx: RouteCtx {
+                registry,
+                classify: Arc::new(FirstBytes::default()),
+                config: RouteConfig::default(),
+                not_node_fault: never_not_node_fault,
+                node_full: never_not_node_fault,
+                affinity: None,
+            },
         }
     }
 
@@ -92,20 +90,20 @@ impl RouteLayer {
     /// in the registry's in-memory table, which is the fallback when the store fails. See
     /// [`AffinityStore`]. Default: the in-memory table only.
     pub fn affinity_store(mut self, store: Arc<dyn AffinityStore>) -> Self {
-        self.affinity = Some(store);
+        self.ctx.affinity = Some(store);
         self
     }
 
     /// Decides when a 2xx body has started (its first content) or failed before it; the metering
     /// crate provides `spine_meter::classify::SseClassify`.
     pub fn classify(mut self, classify: Arc<dyn ClassifyBody>) -> Self {
-        self.classify = classify;
+        self.ctx.classify = classify;
         self
     }
 
     /// Sets the retry bound and buffer limit.
     pub fn config(mut self, config: RouteConfig) -> Self {
-        self.config = config;
+        self.ctx.config = config;
         self
     }
 
@@ -113,7 +111,7 @@ impl RouteLayer {
     /// gateway passes `TunnelError::is_node_full`): retried elsewhere, never scored. By default
     /// every inner error counts against the node.
     pub fn not_node_fault(mut self, not_node_fault: NotNodeFault) -> Self {
-        self.not_node_fault = not_node_fault;
+        self.ctx.not_node_fault = not_node_fault;
         self
     }
 
@@ -126,7 +124,7 @@ impl RouteLayer {
     /// [`RouteConfig::max_retries`]. An error recognised here is treated as
     /// [`not_node_fault`](Self::not_node_fault) too. By default no error is.
     pub fn node_full(mut self, node_full: NotNodeFault) -> Self {
-        self.node_full = node_full;
+        self.ctx.node_full = node_full;
         self
     }
 }
@@ -137,12 +135,7 @@ impl<S> Layer<S> for RouteLayer {
     fn layer(&self, inner: S) -> Self::Service {
         Route {
             inner,
-            registry: self.registry.clone(),
-            classify: self.classify.clone(),
-            config: self.config,
-            not_node_fault: self.not_node_fault,
-            node_full: self.node_full,
-            affinity: self.affinity.clone(),
+            ctx: self.ctx.clone(),
         }
     }
 }

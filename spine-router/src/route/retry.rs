@@ -49,7 +49,10 @@ impl Deferred {
     }
 }
 
-/// What [`route`] needs besides the inner service and the request.
+/// What [`route`] needs besides the inner service and the request: the settings a
+/// [`RouteLayer`](super::RouteLayer) is built with, which each [`Route`](super::Route) it makes
+/// holds and hands (cloned) to every request.
+#[derive(Debug, Clone)]
 pub(super) struct RouteCtx {
     pub(super) registry: NodeRegistry,
     pub(super) classify: Arc<dyn ClassifyBody>,

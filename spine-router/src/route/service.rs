@@ -1,12 +1,10 @@
-use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use spine_core::{BoxBody, BoxError, ClassifyBody};
+use spine_core::{BoxBody, BoxError};
 use tower::{Layer, Service, ServiceExt};
 
 use super::retry::{route, RouteCtx};
-use super::{NotNodeFault, ResponseFuture, RouteConfig, RouteLayer};
-use crate::affinity::AffinityStore;
+use super::{ResponseFuture, RouteLayer};
 use crate::NodeRegistry;
 
 /// Picks a node for each request (conversation affinity, then a weighted pick by reliability
@@ -105,15 +103,13 @@ use crate::NodeRegistry;
 /// [`RouteError::FirstContentTimeout`]: crate::RouteError::FirstContentTimeout
 /// [`RouteError::StreamIdleTimeout`]: crate::RouteError::StreamIdleTimeout
 /// [`RouteError`]: crate::RouteError
+/// [`RouteConfig::first_content_timeout`]: crate::RouteConfig::first_content_timeout
+/// [`RouteConfig::max_retries`]: crate::RouteConfig::max_retries
+/// [`RouteConfig::stream_idle_timeout`]: crate::RouteConfig::stream_idle_timeout
 #[derive(Debug, Clone)]
 pub struct Route<S> {
     pub(super) inner: S,
-    pub(super) registry: NodeRegistry,
-    pub(super) classify: Arc<dyn ClassifyBody>,
-    pub(super) config: RouteConfig,
-    pub(super) not_node_fault: NotNodeFault,
-    pub(super) node_full: NotNodeFault,
-    pub(super) affinity: Option<Arc<dyn AffinityStore>>,
+    pub(super) ctx: RouteCtx,
 }
 
 impl<S> Route<S> {
@@ -161,18 +157,7 @@ where
         let inner =
             std::mem::replace(&mut self.inner, clone).map_err(Into::into as fn(E) -> BoxError);
         ResponseFuture {
-            inner: Box::pin(route(
-                inner,
-                RouteCtx {
-                    registry: self.registry.clone(),
-                    classify: self.classify.clone(),
-                    config: self.config,
-                    not_node_fault: self.not_node_fault,
-                    node_full: self.node_full,
-                    affinity: self.affinity.clone(),
-                },
-                req,
-            )),
+            inner: Box::pin(route(inner, self.ctx.clone(), req)),
         }
     }
 }

@@ -5,7 +5,7 @@ use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
-use http::{Request, Response, StatusCode};
+use http::{Request, StatusCode};
 use spine_core::BoxError;
 use tokio::net::TcpListener;
 
@@ -14,7 +14,7 @@ use super::upgrade::plain;
 use super::{
     NodeAuthenticator, TunnelEvents, TunnelServerConfig, TunnelUpgrade, Tunnels, TUNNEL_PATH,
 };
-use crate::serve::{LimitedServer, ListenerLimits, TimedBody};
+use crate::serve::{LimitedServer, ListenerLimits, ListenerService, TimedBody};
 
 /// The gateway's tunnel listener (design brief §4).
 ///
@@ -128,13 +128,8 @@ pub async fn serve_listener<S, B>(
     service: S,
 ) -> std::io::Result<()>
 where
-    S: tower::Service<Request<TimedBody>, Response = Response<B>, Error = Infallible>
-        + Clone
-        + Send
-        + 'static,
-    S::Future: Send + 'static,
-    B: http_body::Body<Data = Bytes> + Send + 'static,
-    B::Error: Into<BoxError>,
+    S: ListenerService<B>,
+    B: http_body::Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static,
 {
     LimitedServer::new("tunnel", limits)
         .tls(tls)
