@@ -161,8 +161,8 @@ async fn place_hold(l: &dyn Store, req: &str, acct: &AccountId, model: &str, mic
     .unwrap();
 }
 
-/// Holds 100 micros for `req` of `acct` (as [`place_hold`] on `smollm2`), then settles it: [`settlement`]
-/// completed on `node`, after `edit` has changed what the test needs.
+/// Holds 100 micros for `req` of `acct` (as [`place_hold`] on `smollm2`), then settles it:
+/// [`settlement`] completed on `node`, after `edit` has changed what the test needs.
 async fn hold_and_settle(
     l: &dyn Store,
     req: &str,
