@@ -1,4 +1,5 @@
-//! Helpers shared by this crate's unit tests: fixture loading and the real model tokenizer.
+//! Helpers shared by this crate's unit tests: fixture loading, the real model tokenizer, and the
+//! metering layer's fixtures (a funded ledger, recorded events, requests and node answers).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::path::PathBuf;
@@ -6,6 +7,7 @@ use std::sync::{Arc, OnceLock};
 
 use base64::Engine as _;
 
+use crate::ledger::{SettleResult, Settlement};
 #[cfg(feature = "tokenizer")]
 use crate::tokenizer::ModelTokenizer;
 
@@ -96,4 +98,129 @@ pub(crate) fn smollm_tokenizer() -> Arc<ModelTokenizer> {
     static TOK: OnceLock<Arc<ModelTokenizer>> = OnceLock::new();
     TOK.get_or_init(|| Arc::new(ModelTokenizer::from_gguf(model_gguf()).unwrap()))
         .clone()
+}
+
+// ---- the metering layer's suites (`meter::tests`, `meter::tests_billing`) ----
+
+/// Meter events as the suites watch them: each settlement is sent on a channel (see
+/// [`next_settled`]), each discrepancy report is kept in `.1`.
+pub(crate) struct RecordedEvents(
+    tokio::sync::mpsc::UnboundedSender<(Settlement, SettleResult)>,
+    pub(crate) std::sync::Mutex<Vec<crate::meter::DiscrepancyReport>>,
+);
+
+/// The settlements [`RecordedEvents`] sends, in order.
+pub(crate) type SettledRx = tokio::sync::mpsc::UnboundedReceiver<(Settlement, SettleResult)>;
+
+impl RecordedEvents {
+    /// The events, and the receiver of their settlements.
+    pub(crate) fn new() -> (Arc<Self>, SettledRx) {
+        let (tx, settled) = tokio::sync::mpsc::unbounded_channel();
+        (
+            Arc::new(Self(tx, std::sync::Mutex::new(Vec::new()))),
+            settled,
+        )
+    }
+}
+
+impl crate::meter::MeterEvents for RecordedEvents {
+    fn on_settled(&self, s: &Settlement, r: &SettleResult) {
+        let _ = self.0.send((s.clone(), *r));
+    }
+    fn on_discrepancy(&self, report: &crate::meter::DiscrepancyReport) {
+        self.1.lock().unwrap().push(report.clone());
+    }
+}
+
+/// The next settlement; panics when none comes within 10 s.
+pub(crate) async fn next_settled(settled: &mut SettledRx) -> (Settlement, SettleResult) {
+    tokio::time::timeout(std::time::Duration::from_secs(10), settled.recv())
+        .await
+        .unwrap()
+        .unwrap()
+}
+
+/// What the meter suites start from: an in-memory ledger with an account `acct` holding
+/// `credit_micros` (idempotency key `k`) and an operator `op` with one node (public key `pk`).
+#[cfg(feature = "sqlite")]
+pub(crate) struct FundedLedger {
+    pub(crate) ledger: Arc<crate::SqliteLedger>,
+    pub(crate) account: spine_core::AccountId,
+    pub(crate) operator: spine_core::OperatorId,
+    pub(crate) node: spine_core::NodeId,
+}
+
+#[cfg(feature = "sqlite")]
+impl FundedLedger {
+    pub(crate) async fn new(credit_micros: u64) -> Self {
+        let ledger = Arc::new(crate::SqliteLedger::in_memory().await.unwrap());
+        let account = spine_core::AccountId::from("acct");
+        ledger.create_account(&account).await.unwrap();
+        ledger
+            .add_credits(&account, credit_micros, "k")
+            .await
+            .unwrap();
+        let operator = spine_core::OperatorId::from("op");
+        ledger.create_operator(&operator).await.unwrap();
+        let node = ledger.register_node(&operator, "pk").await.unwrap();
+        Self {
+            ledger,
+            account,
+            operator,
+            node,
+        }
+    }
+}
+
+/// A catalog of one model, `smollm2`: the SmolLM2 tokenizer at `price`, with a context window
+/// of `max_context_tokens`.
+#[cfg(feature = "tokenizer")]
+pub(crate) fn smollm_catalog(
+    price: crate::Price,
+    max_context_tokens: u64,
+) -> crate::meter::Catalog {
+    let mut catalog = crate::meter::Catalog::new();
+    catalog.insert(
+        spine_core::ModelId::from("smollm2"),
+        crate::meter::CatalogEntry {
+            tokenizer: smollm_tokenizer(),
+            price,
+            max_context_tokens,
+        },
+    );
+    catalog
+}
+
+/// `POST /v1/chat/completions` with `body`, carrying the `RequestId` `id` and the `AccountId`
+/// `account`, as the gateway hands it to the metering layer.
+pub(crate) fn chat_request(
+    id: &str,
+    account: spine_core::AccountId,
+    body: bytes::Bytes,
+) -> http::Request<spine_core::BoxBody> {
+    use http_body_util::BodyExt as _;
+    let mut req = http::Request::post("/v1/chat/completions")
+        .body(spine_core::BoxBody::new(
+            http_body_util::Full::new(body).map_err(|never| match never {}),
+        ))
+        .unwrap();
+    req.extensions_mut().insert(spine_core::RequestId::from(id));
+    req.extensions_mut().insert(account);
+    req
+}
+
+/// A node's answer as the router hands it back: `body` as `content_type`, with the `NodeId`
+/// `node` in its extensions (status 200).
+pub(crate) fn node_response(
+    node: spine_core::NodeId,
+    content_type: &'static str,
+    body: spine_core::BoxBody,
+) -> http::Response<spine_core::BoxBody> {
+    let mut resp = http::Response::new(body);
+    resp.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static(content_type),
+    );
+    resp.extensions_mut().insert(node);
+    resp
 }

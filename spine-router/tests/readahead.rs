@@ -6,13 +6,12 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full, StreamBody};
-use spine_core::{
-    BodyClassifier, BodySignal, BoxBody, BoxError, ClassifyBody, EngineKind, ModelDescriptor,
-    ModelId, NodeDescriptor, NodeId, NodeSlot, RequestPeek,
-};
+use http_body_util::{BodyExt, StreamBody};
+use spine_core::{BodyClassifier, BodySignal, BoxBody, BoxError, ClassifyBody};
 use spine_router::{NodeRegistry, ReadAheadLayer, RouteLayer};
 use tower::{Layer, Service, ServiceExt};
+
+mod common;
 
 const FRAMES: usize = 30;
 
@@ -64,43 +63,14 @@ fn upstream() -> impl Service<
     })
 }
 
+/// One node, `n1`, with 4 slots.
 fn registry() -> NodeRegistry {
-    let r = NodeRegistry::new();
-    r.node_ready(
-        &NodeId::new("n1"),
-        &NodeDescriptor {
-            engine: EngineKind::LlamaCpp,
-            models: vec![ModelDescriptor {
-                id: ModelId::new("m"),
-                max_context_tokens: None,
-                endpoints: None,
-            }],
-            vram_mib: 1,
-            max_concurrency: 4,
-            agent_version: "t".into(),
-        },
-    );
-    r
+    common::registry(&["n1"])
 }
 
+/// A streamed chat request, no cache key.
 fn request() -> http::Request<BoxBody> {
-    let mut req = http::Request::post("/v1/chat/completions")
-        .body(BoxBody::new(
-            Full::new(Bytes::from_static(b"{\"model\":\"m\"}")).map_err(|n| match n {}),
-        ))
-        .unwrap();
-    req.extensions_mut().insert(RequestPeek {
-        model: ModelId::new("m"),
-        stream: true,
-        include_usage: false,
-        n: 1,
-        max_tokens: None,
-        prompt_cache_key: None,
-        conversation_key: None,
-        tokenization_constrained: false,
-    });
-    req.extensions_mut().insert(NodeSlot::new());
-    req
+    common::request_streamed(None, true).0
 }
 
 fn in_flight(r: &NodeRegistry) -> u32 {

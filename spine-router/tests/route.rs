@@ -11,10 +11,13 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use spine_core::{
     BodyClassifier, BodySignal, BoxBody, BoxError, ClassifyBody, EngineKind, ModelDescriptor,
-    ModelId, NodeDescriptor, NodeId, NodeSlot, RequestPeek,
+    ModelId, NodeDescriptor, NodeId, NodeSlot,
 };
 use spine_router::{AvoidNodes, NodeRegistry, RouteConfig, RouteError, RouteLayer};
 use tower::{Layer, ServiceExt};
+
+mod common;
+use common::{registry, request_streamed};
 
 /// Test classifier: an event `data: tok` is content, `data: err` a failure.
 #[derive(Debug)]
@@ -229,50 +232,27 @@ fn upstream(
     })
 }
 
-fn registry(nodes: &[&str]) -> NodeRegistry {
-    let r = NodeRegistry::new();
-    for n in nodes {
-        r.node_ready(
-            &NodeId::new(*n),
-            &NodeDescriptor {
-                engine: EngineKind::LlamaCpp,
-                models: vec![ModelDescriptor {
-                    id: ModelId::new("m"),
-                    max_context_tokens: None,
-                    endpoints: None,
-                }],
-                vram_mib: 1,
-                max_concurrency: 4,
-                agent_version: "t".into(),
-            },
-        );
-    }
-    r
+/// A route (default config, the test classifier) over one node per script, each registered
+/// serving `m`: the registry, the log of what the nodes received, and the service.
+fn scripted_route(
+    scripts: &[(&'static str, Script)],
+) -> (
+    NodeRegistry,
+    Log,
+    impl tower::Service<http::Request<BoxBody>, Response = http::Response<BoxBody>, Error = BoxError>
+        + Clone,
+) {
+    let names: Vec<&str> = scripts.iter().map(|(n, _)| *n).collect();
+    let r = registry(&names);
+    let log = Log::default();
+    let svc = RouteLayer::new(r.clone())
+        .classify(Arc::new(Words))
+        .layer(upstream(scripts.iter().copied().collect(), log.clone()));
+    (r, log, svc)
 }
 
 fn request(key: Option<&str>) -> (http::Request<BoxBody>, NodeSlot) {
     request_streamed(key, true)
-}
-
-fn request_streamed(key: Option<&str>, stream: bool) -> (http::Request<BoxBody>, NodeSlot) {
-    let mut req = http::Request::post("/v1/chat/completions")
-        .body(BoxBody::new(
-            Full::new(Bytes::from_static(b"{\"model\":\"m\"}")).map_err(|n| match n {}),
-        ))
-        .unwrap();
-    req.extensions_mut().insert(RequestPeek {
-        model: ModelId::new("m"),
-        stream,
-        include_usage: false,
-        n: 1,
-        max_tokens: None,
-        prompt_cache_key: key.map(str::to_owned),
-        conversation_key: None,
-        tokenization_constrained: false,
-    });
-    let slot = NodeSlot::new();
-    req.extensions_mut().insert(slot.clone());
-    (req, slot)
 }
 
 fn stats(r: &NodeRegistry, node: &str) -> (u64, u64, u64) {
@@ -437,14 +417,7 @@ async fn retries_are_bounded_and_the_last_answer_is_returned() {
 
 #[tokio::test]
 async fn the_answering_node_becomes_sticky() {
-    let r = registry(&["a", "b", "c"]);
-    let log = Log::default();
-    let scripts: HashMap<&str, Script> = [("a", Script::Ok), ("b", Script::Ok), ("c", Script::Ok)]
-        .into_iter()
-        .collect();
-    let svc = RouteLayer::new(r.clone())
-        .classify(Arc::new(Words))
-        .layer(upstream(scripts, log.clone()));
+    let (r, log, svc) = scripted_route(&[("a", Script::Ok), ("b", Script::Ok), ("c", Script::Ok)]);
     for _ in 0..10 {
         let (req, _) = request(Some("chat-1"));
         let resp = svc.clone().oneshot(req).await.unwrap();
@@ -690,14 +663,7 @@ async fn a_failure_every_node_gives_is_not_scored() {
 #[tokio::test]
 async fn a_caller_cannot_aim_a_failing_request_at_a_node() {
     // the reviewer's attack: the same bad body, again and again, with one prompt_cache_key
-    let r = registry(&["a", "b"]);
-    let log = Log::default();
-    let scripts: HashMap<&str, Script> = [("a", Script::Status500), ("b", Script::Status500)]
-        .into_iter()
-        .collect();
-    let svc = RouteLayer::new(r.clone())
-        .classify(Arc::new(Words))
-        .layer(upstream(scripts, log.clone()));
+    let (r, log, svc) = scripted_route(&[("a", Script::Status500), ("b", Script::Status500)]);
     for _ in 0..12 {
         let (req, _) = request(Some("victim"));
         let resp = svc.clone().oneshot(req).await.unwrap();
@@ -716,14 +682,7 @@ async fn a_caller_cannot_aim_a_failing_request_at_a_node() {
 async fn a_broken_node_is_scored_when_another_node_serves_the_request() {
     // the pick is weighted at random: over 20 requests the broken node is tried at least once
     // (the odds that it never is are about 2^-20)
-    let r = registry(&["broken", "good"]);
-    let log = Log::default();
-    let scripts: HashMap<&str, Script> = [("broken", Script::Status500), ("good", Script::Ok)]
-        .into_iter()
-        .collect();
-    let svc = RouteLayer::new(r.clone())
-        .classify(Arc::new(Words))
-        .layer(upstream(scripts, log.clone()));
+    let (r, log, svc) = scripted_route(&[("broken", Script::Status500), ("good", Script::Ok)]);
     for _ in 0..20 {
         let (req, _) = request(None);
         let resp = svc.clone().oneshot(req).await.unwrap();
@@ -1090,14 +1049,7 @@ async fn a_retry_waiting_in_the_queue_holds_no_slot_of_the_failed_node() {
 
 #[tokio::test]
 async fn avoided_nodes_are_never_picked_and_a_request_avoiding_all_fails() {
-    let r = registry(&["a", "b", "c"]);
-    let log = Log::default();
-    let scripts: HashMap<&str, Script> = [("a", Script::Ok), ("b", Script::Ok), ("c", Script::Ok)]
-        .into_iter()
-        .collect();
-    let svc = RouteLayer::new(r.clone())
-        .classify(Arc::new(Words))
-        .layer(upstream(scripts, log.clone()));
+    let (_r, log, svc) = scripted_route(&[("a", Script::Ok), ("b", Script::Ok), ("c", Script::Ok)]);
     for _ in 0..20 {
         let (mut req, _) = request(None);
         req.extensions_mut()

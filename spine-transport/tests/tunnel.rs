@@ -11,18 +11,22 @@ use futures_util::{SinkExt as _, StreamExt as _};
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt as _, Full, StreamBody};
 use hyper::body::{Frame, Incoming};
-use spine_core::{BoxBody, EngineKind, ModelDescriptor, ModelId, NodeDescriptor, NodeId};
-use spine_transport::handshake::{AgentMessage, GatewayMessage, Hello};
+use spine_core::{BoxBody, ModelId, NodeDescriptor, NodeId};
+use spine_transport::handshake::{AgentMessage, Hello};
 use spine_transport::{
     client_config_with_ca, self_signed_cert, server_config_from_pem, NodeIdentity, RefusalReason,
-    StaticAuthenticator, TunnelClient, TunnelClientConfig, TunnelEvents, TunnelServer,
+    StaticAuthenticator, TunnelClient, TunnelClientConfig, TunnelError, TunnelEvents, TunnelServer,
     TunnelServerConfig, Tunnels,
 };
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
 use tokio_tungstenite::tungstenite::Message;
 use tower::ServiceExt as _;
+
+mod common;
+use common::{read_challenge, RawWs};
 
 const WAIT: Duration = Duration::from_secs(10);
 
@@ -50,18 +54,11 @@ impl TunnelEvents for Recorder {
 }
 
 fn descriptor() -> NodeDescriptor {
-    NodeDescriptor {
-        engine: EngineKind::LlamaCpp,
-        models: vec![ModelDescriptor {
-            id: ModelId::new("smollm2"),
-            max_context_tokens: Some(2048),
-            endpoints: None,
-        }],
-        vram_mib: 8192,
-        max_concurrency: 4,
-        agent_version: "test-agent".into(),
-    }
+    common::descriptor("test-agent")
 }
+
+/// The task serving a session: [`TunnelSession::serve`](spine_transport::TunnelSession::serve).
+type ServeTask = JoinHandle<Result<(), TunnelError>>;
 
 struct Gateway {
     port: u16,
@@ -103,13 +100,65 @@ impl Gateway {
     }
 
     fn client(&self, identity: NodeIdentity) -> TunnelClient {
+        self.client_at(self.port, identity, descriptor())
+    }
+
+    /// A client dialling `wss://localhost:{port}` (the gateway, or a relay in front of it) with
+    /// the gateway's CA, as `identity` advertising `descriptor`.
+    fn client_at(
+        &self,
+        port: u16,
+        identity: NodeIdentity,
+        descriptor: NodeDescriptor,
+    ) -> TunnelClient {
         let mut config = TunnelClientConfig::new(
-            format!("wss://localhost:{}/v1/tunnel", self.port),
+            format!("wss://localhost:{port}/v1/tunnel"),
             identity,
-            descriptor(),
+            descriptor,
         );
         config.tls = Some(client_config_with_ca(&self.ca_pem).unwrap());
         TunnelClient::new(config).unwrap()
+    }
+
+    /// Connects `client` and serves `agent` on the session, in a task.
+    async fn serve_as(&self, client: TunnelClient, agent: &Agent) -> ServeTask {
+        let session = client.connect().await.unwrap();
+        tokio::spawn(session.serve(agent.service()))
+    }
+
+    /// [`Self::serve_as`], then waits for the node to be ready.
+    async fn serve_ready_as(&mut self, client: TunnelClient, agent: &Agent) -> ServeTask {
+        let serve = self.serve_as(client, agent).await;
+        assert!(matches!(self.next_event().await, Event::Ready(..)));
+        serve
+    }
+
+    /// [`Self::serve_as`] for the registered node dialling the gateway directly.
+    async fn serve(&self, agent: &Agent) -> ServeTask {
+        self.serve_as(self.client(self.identity.clone()), agent)
+            .await
+    }
+
+    /// [`Self::serve_ready_as`] for the registered node dialling the gateway directly.
+    async fn serve_ready(&mut self, agent: &Agent) -> ServeTask {
+        let client = self.client(self.identity.clone());
+        self.serve_ready_as(client, agent).await
+    }
+
+    /// `method path` with no body, sent to the node through the tunnels.
+    async fn send(&self, method: &str, path: &str) -> Result<Response<BoxBody>, TunnelError> {
+        self.tunnels
+            .send(&self.node, empty_request(method, path))
+            .await
+    }
+
+    /// Opens `GET /stream` on the node: `agent` answers it with the chunks sent on the returned
+    /// sender, one by one.
+    async fn open_stream(&self, agent: &Agent) -> (mpsc::Sender<Bytes>, Response<BoxBody>) {
+        let (tx, rx) = mpsc::channel::<Bytes>(1);
+        *agent.chunks.lock().unwrap() = Some(rx);
+        let resp = self.send("GET", "/stream").await.unwrap();
+        (tx, resp)
     }
 
     async fn next_event(&mut self) -> Event {
@@ -120,22 +169,12 @@ impl Gateway {
     }
 
     /// A raw TLS + WebSocket connection, for speaking the handshake by hand.
-    async fn raw_ws(
-        &self,
-    ) -> tokio_tungstenite::WebSocketStream<tokio_rustls::client::TlsStream<TcpStream>> {
-        let tls = self.raw_tls().await;
-        let url = format!("wss://localhost:{}/v1/tunnel", self.port);
-        let (ws, resp) = tokio_tungstenite::client_async(url, tls).await.unwrap();
-        assert_eq!(resp.status(), StatusCode::SWITCHING_PROTOCOLS);
-        ws
+    async fn raw_ws(&self) -> RawWs {
+        common::raw_ws(self.port, &self.ca_pem).await
     }
 
     async fn raw_tls(&self) -> tokio_rustls::client::TlsStream<TcpStream> {
-        let tcp = TcpStream::connect(("127.0.0.1", self.port)).await.unwrap();
-        let connector =
-            tokio_rustls::TlsConnector::from(client_config_with_ca(&self.ca_pem).unwrap());
-        let name = rustls_pki_types::ServerName::try_from("localhost").unwrap();
-        connector.connect(name, tcp).await.unwrap()
+        common::raw_tls(self.port, &self.ca_pem).await
     }
 }
 
@@ -222,9 +261,7 @@ fn empty_request(method: &str, uri: &str) -> Request<BoxBody> {
         .unwrap()
 }
 
-async fn expect_close(
-    ws: &mut tokio_tungstenite::WebSocketStream<tokio_rustls::client::TlsStream<TcpStream>>,
-) -> (u16, String) {
+async fn expect_close(ws: &mut RawWs) -> (u16, String) {
     loop {
         match tokio::time::timeout(WAIT, ws.next())
             .await
@@ -239,18 +276,12 @@ async fn expect_close(
     }
 }
 
-async fn read_challenge(
-    ws: &mut tokio_tungstenite::WebSocketStream<tokio_rustls::client::TlsStream<TcpStream>>,
-) -> spine_transport::handshake::Challenge {
-    match ws.next().await.unwrap().unwrap() {
-        Message::Text(t) => {
-            match spine_transport::handshake::decode_gateway_message(t.as_bytes()).unwrap() {
-                GatewayMessage::Challenge(c) => c,
-                other => panic!("expected a challenge, got {other:?}"),
-            }
-        }
-        other => panic!("expected text, got {other:?}"),
-    }
+/// Sends `last` on the stream, ends it, and checks that `last` is all the body had left.
+async fn finish_stream(tx: mpsc::Sender<Bytes>, resp: Response<BoxBody>, last: &'static [u8]) {
+    tx.send(Bytes::from_static(last)).await.unwrap();
+    drop(tx);
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(&body[..], last);
 }
 
 fn hello_text(hello: Hello) -> Message {
@@ -293,13 +324,7 @@ async fn handshake_accepted_and_round_trip_with_streamed_body() {
     assert_eq!(&body[..], b"x=1|ping");
 
     // a streamed body: each chunk arrives before the next one is even produced
-    let (tx, rx) = mpsc::channel::<Bytes>(1);
-    *agent.chunks.lock().unwrap() = Some(rx);
-    let resp = gw
-        .tunnels
-        .send(&gw.node, empty_request("GET", "/stream"))
-        .await
-        .unwrap();
+    let (tx, resp) = gw.open_stream(&agent).await;
     assert_eq!(resp.status(), StatusCode::OK);
     let mut body = resp.into_body();
     for chunk in ["data: one\n\n", "data: two\n\n", "data: [DONE]\n\n"] {
@@ -469,19 +494,13 @@ async fn malformed_and_future_hellos_are_refused() {
 async fn second_session_for_a_live_node_is_refused() {
     let mut gw = Gateway::start(TunnelServerConfig::default()).await;
     let agent = Agent::new(true);
-    let first = gw.client(gw.identity.clone()).connect().await.unwrap();
-    let serve = tokio::spawn(first.serve(agent.service()));
-    assert!(matches!(gw.next_event().await, Event::Ready(..)));
+    let serve = gw.serve_ready(&agent).await;
 
     let err = gw.client(gw.identity.clone()).connect().await.unwrap_err();
     assert_eq!(err.refusal(), Some(RefusalReason::DuplicateSession));
 
     // the first session is untouched
-    let resp = gw
-        .tunnels
-        .send(&gw.node, empty_request("GET", "/health"))
-        .await
-        .unwrap();
+    let resp = gw.send("GET", "/health").await.unwrap();
     assert_eq!(resp.status(), StatusCode::OK);
     serve.abort();
 }
@@ -492,8 +511,7 @@ async fn node_ready_only_after_the_health_probe_passes() {
     config.health_probe_interval = Duration::from_millis(50);
     let mut gw = Gateway::start(config).await;
     let agent = Agent::new(false);
-    let session = gw.client(gw.identity.clone()).connect().await.unwrap();
-    let serve = tokio::spawn(session.serve(agent.service()));
+    let serve = gw.serve(&agent).await;
 
     // accepted and probed, but unhealthy: not ready, not listed
     tokio::time::sleep(Duration::from_millis(400)).await;
@@ -524,13 +542,7 @@ async fn node_gone_when_the_agent_drops_and_it_can_come_back() {
     assert!(matches!(gw.next_event().await, Event::Ready(..)));
 
     // a request in flight when the agent goes away fails as closed
-    let (tx, rx) = mpsc::channel::<Bytes>(1);
-    *agent.chunks.lock().unwrap() = Some(rx);
-    let resp = gw
-        .tunnels
-        .send(&gw.node, empty_request("GET", "/stream"))
-        .await
-        .unwrap();
+    let (tx, resp) = gw.open_stream(&agent).await;
     let mut body = resp.into_body();
     serve.abort();
     let err = tokio::time::timeout(WAIT, body.frame())
@@ -543,11 +555,7 @@ async fn node_gone_when_the_agent_drops_and_it_can_come_back() {
 
     assert_eq!(gw.next_event().await, Event::Gone(gw.node.clone()));
     assert!(gw.tunnels.connected().is_empty());
-    let err = gw
-        .tunnels
-        .send(&gw.node, empty_request("GET", "/health"))
-        .await
-        .unwrap_err();
+    let err = gw.send("GET", "/health").await.unwrap_err();
     assert!(err.is_unknown_node());
 
     // the node reconnects: a new session is accepted
@@ -681,14 +689,12 @@ impl FreezableRelay {
     }
 }
 
-fn client_via(gw: &Gateway, port: u16) -> TunnelClient {
-    let mut config = TunnelClientConfig::new(
-        format!("wss://localhost:{port}/v1/tunnel"),
-        gw.identity.clone(),
-        descriptor(),
-    );
-    config.tls = Some(client_config_with_ca(&gw.ca_pem).unwrap());
-    TunnelClient::new(config).unwrap()
+/// A relay in front of `gw`, and `agent` served through it as the registered node, ready.
+async fn serve_ready_through_relay(gw: &mut Gateway, agent: &Agent) -> (FreezableRelay, ServeTask) {
+    let relay = FreezableRelay::start(gw.port).await;
+    let relayed = gw.client_at(relay.port, gw.identity.clone(), descriptor());
+    let serve = gw.serve_ready_as(relayed, agent).await;
+    (relay, serve)
 }
 
 #[tokio::test]
@@ -700,19 +706,10 @@ async fn frozen_agent_is_detected_within_two_ping_intervals_and_in_flight_fails(
     // keep the health loop quiet so only keepalive can notice
     config.health_check_interval = Duration::from_secs(600);
     let mut gw = Gateway::start(config).await;
-    let relay = FreezableRelay::start(gw.port).await;
     let agent = Agent::new(true);
-    let session = client_via(&gw, relay.port).connect().await.unwrap();
-    let serve = tokio::spawn(session.serve(agent.service()));
-    assert!(matches!(gw.next_event().await, Event::Ready(..)));
+    let (relay, serve) = serve_ready_through_relay(&mut gw, &agent).await;
 
-    let (_tx, rx) = mpsc::channel::<Bytes>(1);
-    *agent.chunks.lock().unwrap() = Some(rx);
-    let resp = gw
-        .tunnels
-        .send(&gw.node, empty_request("GET", "/stream"))
-        .await
-        .unwrap();
+    let (_tx, resp) = gw.open_stream(&agent).await;
     let mut body = resp.into_body();
 
     relay.freeze();
@@ -741,20 +738,11 @@ async fn dead_old_session_is_taken_over_by_the_reconnecting_node() {
     config.takeover_probe_timeout = Duration::from_millis(500);
     config.health_probe_interval = Duration::from_millis(50);
     let mut gw = Gateway::start(config).await;
-    let relay = FreezableRelay::start(gw.port).await;
     let agent = Agent::new(true);
-    let old = client_via(&gw, relay.port).connect().await.unwrap();
-    let old_serve = tokio::spawn(old.serve(agent.service()));
-    assert!(matches!(gw.next_event().await, Event::Ready(..)));
+    let (relay, old_serve) = serve_ready_through_relay(&mut gw, &agent).await;
 
     // a stream in flight on the old session
-    let (_tx, rx) = mpsc::channel::<Bytes>(1);
-    *agent.chunks.lock().unwrap() = Some(rx);
-    let resp = gw
-        .tunnels
-        .send(&gw.node, empty_request("GET", "/stream"))
-        .await
-        .unwrap();
+    let (_tx, resp) = gw.open_stream(&agent).await;
     let mut old_body = resp.into_body();
 
     // the old path dies silently; the agent reconnects directly before keepalive notices
@@ -784,11 +772,7 @@ async fn dead_old_session_is_taken_over_by_the_reconnecting_node() {
 
     // one session, and it serves
     assert_eq!(gw.tunnels.len(), 1);
-    let resp = gw
-        .tunnels
-        .send(&gw.node, empty_request("GET", "/health"))
-        .await
-        .unwrap();
+    let resp = gw.send("GET", "/health").await.unwrap();
     assert_eq!(resp.status(), StatusCode::OK);
     old_serve.abort();
     new_serve.abort();
@@ -802,9 +786,7 @@ async fn failing_probes_take_the_node_out_of_routing_and_back() {
     config.health_failures_to_leave = 2;
     let mut gw = Gateway::start(config).await;
     let agent = Agent::new(true);
-    let session = gw.client(gw.identity.clone()).connect().await.unwrap();
-    let serve = tokio::spawn(session.serve(agent.service()));
-    assert!(matches!(gw.next_event().await, Event::Ready(..)));
+    let serve = gw.serve_ready(&agent).await;
     let status = gw.tunnels.status(&gw.node).unwrap();
     assert_eq!(status.state, spine_transport::TunnelState::Ready);
     assert_eq!(status.max_streams, 4);
@@ -843,9 +825,7 @@ async fn heartbeats_come_with_probes_at_most_once_a_second() {
     config.health_check_interval = Duration::from_millis(20);
     let mut gw = Gateway::start(config).await;
     let agent = Agent::new(true);
-    let session = gw.client(gw.identity.clone()).connect().await.unwrap();
-    let serve = tokio::spawn(session.serve(agent.service()));
-    assert!(matches!(gw.next_event().await, Event::Ready(..)));
+    let serve = gw.serve_ready(&agent).await;
     // ~75 probes pass in 1.5 s; heartbeats are capped at one per second
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let beats = gw.heartbeats.load(Ordering::SeqCst);
@@ -859,8 +839,7 @@ async fn events_and_connected_carry_the_tunnels_clamped_stream_limit() {
     config.max_streams_per_node = 2; // the node advertises 4
     let mut gw = Gateway::start(config).await;
     let agent = Agent::new(true);
-    let session = gw.client(gw.identity.clone()).connect().await.unwrap();
-    let serve = tokio::spawn(session.serve(agent.service()));
+    let serve = gw.serve(&agent).await;
     let Event::Ready(node, ready) = gw.next_event().await else {
         panic!("expected node_ready");
     };
@@ -882,40 +861,20 @@ async fn a_busy_node_still_answers_probes_and_stays_routable() {
     config.health_failures_to_leave = 2;
     let mut gw = Gateway::start(config).await;
     let agent = Agent::new(true);
-    let mut client_config = TunnelClientConfig::new(
-        format!("wss://localhost:{}/v1/tunnel", gw.port),
-        gw.identity.clone(),
-        NodeDescriptor {
-            max_concurrency: 1,
-            ..descriptor()
-        },
-    );
-    client_config.tls = Some(client_config_with_ca(&gw.ca_pem).unwrap());
-    let session = TunnelClient::new(client_config)
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    let serve = tokio::spawn(session.serve(agent.service()));
-    assert!(matches!(gw.next_event().await, Event::Ready(..)));
+    let one_stream = NodeDescriptor {
+        max_concurrency: 1,
+        ..descriptor()
+    };
+    let client = gw.client_at(gw.port, gw.identity.clone(), one_stream);
+    let serve = gw.serve_ready_as(client, &agent).await;
 
     // the node's one request stream, held open
-    let (tx, rx) = mpsc::channel::<Bytes>(1);
-    *agent.chunks.lock().unwrap() = Some(rx);
-    let resp = gw
-        .tunnels
-        .send(&gw.node, empty_request("GET", "/stream"))
-        .await
-        .unwrap();
+    let (tx, resp) = gw.open_stream(&agent).await;
     let status = gw.tunnels.status(&gw.node).unwrap();
     assert_eq!((status.streams_open, status.max_streams), (1, 1));
     let ok_before = status.last_probe_ok_unix_ms.unwrap();
     // the gateway still refuses a second request
-    let err = gw
-        .tunnels
-        .send(&gw.node, empty_request("GET", "/health"))
-        .await
-        .unwrap_err();
+    let err = gw.send("GET", "/health").await.unwrap_err();
     assert!(err.is_node_full(), "{err}");
 
     // many probe rounds (and probe timeouts) later, probes still pass: the node kept a stream
@@ -927,10 +886,7 @@ async fn a_busy_node_still_answers_probes_and_stays_routable() {
     assert_eq!(gw.tunnels.connected().len(), 1);
     assert!(gw.events.try_recv().is_err(), "no node_gone while busy");
 
-    tx.send(Bytes::from_static(b"x")).await.unwrap();
-    drop(tx);
-    let body = resp.into_body().collect().await.unwrap().to_bytes();
-    assert_eq!(&body[..], b"x");
+    finish_stream(tx, resp, b"x").await;
     serve.abort();
 }
 
@@ -940,35 +896,16 @@ async fn a_full_node_is_refused_before_any_byte_and_frees_its_stream() {
     config.max_streams_per_node = 1;
     let mut gw = Gateway::start(config).await;
     let agent = Agent::new(true);
-    let session = gw.client(gw.identity.clone()).connect().await.unwrap();
-    let serve = tokio::spawn(session.serve(agent.service()));
-    assert!(matches!(gw.next_event().await, Event::Ready(..)));
+    let serve = gw.serve_ready(&agent).await;
 
-    let (tx, rx) = mpsc::channel::<Bytes>(1);
-    *agent.chunks.lock().unwrap() = Some(rx);
-    let resp = gw
-        .tunnels
-        .send(&gw.node, empty_request("GET", "/stream"))
-        .await
-        .unwrap();
+    let (tx, resp) = gw.open_stream(&agent).await;
     assert_eq!(gw.tunnels.status(&gw.node).unwrap().streams_open, 1);
-    let err = gw
-        .tunnels
-        .send(&gw.node, empty_request("GET", "/health"))
-        .await
-        .unwrap_err();
+    let err = gw.send("GET", "/health").await.unwrap_err();
     assert!(err.is_node_full(), "{err}");
 
-    tx.send(Bytes::from_static(b"x")).await.unwrap();
-    drop(tx);
-    let body = resp.into_body().collect().await.unwrap().to_bytes();
-    assert_eq!(&body[..], b"x");
+    finish_stream(tx, resp, b"x").await;
     assert_eq!(gw.tunnels.status(&gw.node).unwrap().streams_open, 0);
-    let resp = gw
-        .tunnels
-        .send(&gw.node, empty_request("GET", "/health"))
-        .await
-        .unwrap();
+    let resp = gw.send("GET", "/health").await.unwrap();
     assert_eq!(resp.status(), StatusCode::OK);
     serve.abort();
 }
@@ -984,27 +921,14 @@ async fn graceful_shutdown_finishes_in_flight_then_closes() {
     }));
     assert!(matches!(gw.next_event().await, Event::Ready(..)));
 
-    let (tx, rx) = mpsc::channel::<Bytes>(1);
-    *agent.chunks.lock().unwrap() = Some(rx);
-    let resp = gw
-        .tunnels
-        .send(&gw.node, empty_request("GET", "/stream"))
-        .await
-        .unwrap();
+    let (tx, resp) = gw.open_stream(&agent).await;
     stop_tx.send(()).unwrap();
     tokio::time::sleep(Duration::from_millis(200)).await;
     // after GOAWAY no new stream is accepted
-    let err = gw
-        .tunnels
-        .send(&gw.node, empty_request("GET", "/health"))
-        .await
-        .unwrap_err();
+    let err = gw.send("GET", "/health").await.unwrap_err();
     assert!(!err.is_node_full(), "{err}");
     // the stream in flight still completes
-    tx.send(Bytes::from_static(b"last")).await.unwrap();
-    drop(tx);
-    let body = resp.into_body().collect().await.unwrap().to_bytes();
-    assert_eq!(&body[..], b"last");
+    finish_stream(tx, resp, b"last").await;
     let res = tokio::time::timeout(WAIT, serve).await.unwrap().unwrap();
     assert!(res.is_ok(), "{res:?}");
     assert_eq!(gw.next_event().await, Event::Gone(gw.node.clone()));
@@ -1074,11 +998,7 @@ async fn a_hung_engine_with_requests_in_flight_leaves_routing_within_the_stall_b
     assert!(matches!(gw.next_event().await, Event::Ready(..)));
 
     // a stream that has delivered its first token
-    let slow = gw
-        .tunnels
-        .send(&gw.node, empty_request("GET", "/slow"))
-        .await
-        .unwrap();
+    let slow = gw.send("GET", "/slow").await.unwrap();
     let mut slow = slow.into_body();
     let first = slow.frame().await.unwrap().unwrap().into_data().unwrap();
     assert_eq!(&first[..], b"tok");
@@ -1139,16 +1059,8 @@ async fn quiet_streams_with_a_passing_probe_are_not_a_stall() {
     config.stall_timeout = Duration::from_millis(100);
     let mut gw = Gateway::start(config).await;
     let agent = Agent::new(true);
-    let session = gw.client(gw.identity.clone()).connect().await.unwrap();
-    let serve = tokio::spawn(session.serve(agent.service()));
-    assert!(matches!(gw.next_event().await, Event::Ready(..)));
-    let (tx, rx) = mpsc::channel::<Bytes>(1);
-    *agent.chunks.lock().unwrap() = Some(rx);
-    let resp = gw
-        .tunnels
-        .send(&gw.node, empty_request("GET", "/stream"))
-        .await
-        .unwrap();
+    let serve = gw.serve_ready(&agent).await;
+    let (tx, resp) = gw.open_stream(&agent).await;
     let ok_before = gw
         .tunnels
         .status(&gw.node)
@@ -1163,9 +1075,6 @@ async fn quiet_streams_with_a_passing_probe_are_not_a_stall() {
     // the stall clock made it probe early (the regular check is 10 s away)
     assert!(status.last_probe_ok_unix_ms.unwrap() > ok_before);
     assert!(gw.events.try_recv().is_err(), "no node_gone");
-    tx.send(Bytes::from_static(b"done")).await.unwrap();
-    drop(tx);
-    let body = resp.into_body().collect().await.unwrap().to_bytes();
-    assert_eq!(&body[..], b"done");
+    finish_stream(tx, resp, b"done").await;
     serve.abort();
 }

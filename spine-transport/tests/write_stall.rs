@@ -18,19 +18,21 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures_util::{SinkExt as _, StreamExt as _};
-use http::{Request, StatusCode};
+use http::Request;
 use http_body::Frame;
 use http_body_util::BodyExt as _;
 use metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit};
-use spine_core::{BoxError, EngineKind, ModelDescriptor, ModelId, NodeDescriptor, NodeId};
+use spine_core::{BoxError, NodeId};
 use spine_transport::handshake::{decode_gateway_message, AgentMessage, GatewayMessage, Hello};
 use spine_transport::{
-    client_config_with_ca, metric, self_signed_cert, server_config_from_pem, NodeIdentity,
-    StaticAuthenticator, TunnelServer, TunnelServerConfig,
+    metric, self_signed_cert, server_config_from_pem, NodeIdentity, StaticAuthenticator,
+    TunnelServer, TunnelServerConfig,
 };
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 use tokio::time::Instant;
 use tokio_tungstenite::tungstenite::Message;
+
+mod common;
 
 /// The write timeout under test (the default, stated in the design brief).
 const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -110,20 +112,6 @@ impl http_body::Body for Firehose {
     }
 }
 
-fn descriptor() -> NodeDescriptor {
-    NodeDescriptor {
-        engine: EngineKind::LlamaCpp,
-        models: vec![ModelDescriptor {
-            id: ModelId::new("smollm2"),
-            max_context_tokens: Some(2048),
-            endpoints: None,
-        }],
-        vram_mib: 8192,
-        max_concurrency: 4,
-        agent_version: "hostile-test-agent".into(),
-    }
-}
-
 /// One HTTP/2 frame: 24-bit length, type, flags, 31-bit stream id, payload.
 fn h2_frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
     let len = u32::try_from(payload.len()).unwrap();
@@ -187,27 +175,13 @@ async fn gateway_kills_a_tunnel_whose_writes_stall_for_5s_on_real_sockets() {
     tokio::spawn(server.serve(listener, Some(tls)));
 
     // hostile node: TCP → TLS → WebSocket → the real signed handshake
-    let tcp = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
-    let connector = tokio_rustls::TlsConnector::from(client_config_with_ca(&cert).unwrap());
-    let name = rustls_pki_types::ServerName::try_from("localhost").unwrap();
-    let tls_stream = connector.connect(name, tcp).await.unwrap();
-    let url = format!("wss://localhost:{port}/v1/tunnel");
-    let (mut ws, resp) = tokio_tungstenite::client_async(url, tls_stream)
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), StatusCode::SWITCHING_PROTOCOLS);
-    let challenge = match ws.next().await.unwrap().unwrap() {
-        Message::Text(t) => match decode_gateway_message(t.as_bytes()).unwrap() {
-            GatewayMessage::Challenge(c) => c,
-            other => panic!("expected a challenge, got {other:?}"),
-        },
-        other => panic!("expected text, got {other:?}"),
-    };
+    let mut ws = common::raw_ws(port, &cert).await;
+    let challenge = common::read_challenge(&mut ws).await;
     let hello = AgentMessage::Hello(Hello::sign(
         &identity,
         &challenge,
         "localhost",
-        descriptor(),
+        common::descriptor("hostile-test-agent"),
     ));
     ws.send(Message::text(serde_json::to_string(&hello).unwrap()))
         .await

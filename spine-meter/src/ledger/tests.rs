@@ -149,6 +149,33 @@ async fn setup(backend: Backend) -> (TestDb, Arc<dyn Store>, AccountId, NodeId, 
     (db, l, acct, node, op)
 }
 
+/// Holds `micros` for request `req` of `acct` on `model`; panics if the store refuses.
+async fn place_hold(l: &dyn Store, req: &str, acct: &AccountId, model: &str, micros: u64) {
+    l.hold(
+        RequestId::from(req),
+        acct.clone(),
+        ModelId::from(model),
+        micros,
+    )
+    .await
+    .unwrap();
+}
+
+/// Holds 100 micros for `req` of `acct` (as [`place_hold`] on `smollm2`), then settles it:
+/// [`settlement`] completed on `node`, after `edit` has changed what the test needs.
+async fn hold_and_settle(
+    l: &dyn Store,
+    req: &str,
+    acct: &AccountId,
+    node: &NodeId,
+    edit: impl FnOnce(&mut Settlement),
+) -> SettleResult {
+    place_hold(l, req, acct, "smollm2", 100).await;
+    let mut s = settlement(req, acct, Some(node.clone()), StreamOutcome::Completed);
+    edit(&mut s);
+    l.settle(s).await.unwrap()
+}
+
 fn settlement(
     req: &str,
     acct: &AccountId,
@@ -267,14 +294,7 @@ async fn store_operations_for_the_gateway(backend: Backend) {
 
 async fn hold_refuses_past_available_with_exact_numbers(backend: Backend) {
     let (_db, l, acct, _, _) = setup(backend).await;
-    l.hold(
-        RequestId::from("r1"),
-        acct.clone(),
-        ModelId::from("smollm2"),
-        700,
-    )
-    .await
-    .unwrap();
+    place_hold(&*l, "r1", &acct, "smollm2", 700).await;
     let err = l
         .hold(
             RequestId::from("r2"),
@@ -351,14 +371,7 @@ async fn amounts_beyond_i64_are_out_of_range(backend: Backend) {
 
 async fn settle_moves_exact_amounts_once(backend: Backend) {
     let (_db, l, acct, node, op) = setup(backend).await;
-    l.hold(
-        RequestId::from("r1"),
-        acct.clone(),
-        ModelId::from("smollm2"),
-        100,
-    )
-    .await
-    .unwrap();
+    place_hold(&*l, "r1", &acct, "smollm2", 100).await;
     let s = settlement("r1", &acct, Some(node.clone()), StreamOutcome::Completed);
     let first = l.settle(s.clone()).await.unwrap();
     // 34*0.15 + 12*0.6 = 12.3 -> 13; operator 70% floor = 9; fee 4
@@ -439,14 +452,7 @@ async fn settle_moves_exact_amounts_once(backend: Backend) {
 
 async fn failed_and_rejected_pay_nothing_and_debit_is_capped_by_the_hold(backend: Backend) {
     let (_db, l, acct, node, op) = setup(backend).await;
-    l.hold(
-        RequestId::from("f"),
-        acct.clone(),
-        ModelId::from("smollm2"),
-        100,
-    )
-    .await
-    .unwrap();
+    place_hold(&*l, "f", &acct, "smollm2", 100).await;
     let r = l
         .settle(settlement(
             "f",
@@ -460,14 +466,7 @@ async fn failed_and_rejected_pay_nothing_and_debit_is_capped_by_the_hold(backend
     l.settle(settlement("rej", &acct, None, StreamOutcome::Rejected))
         .await
         .unwrap();
-    l.hold(
-        RequestId::from("c"),
-        acct.clone(),
-        ModelId::from("smollm2"),
-        5,
-    )
-    .await
-    .unwrap();
+    place_hold(&*l, "c", &acct, "smollm2", 5).await;
     let r = l
         .settle(settlement("c", &acct, Some(node), StreamOutcome::Completed))
         .await
@@ -482,14 +481,7 @@ async fn failed_and_rejected_pay_nothing_and_debit_is_capped_by_the_hold(backend
         (13, 5, 3, 2)
     );
     // no node: the platform keeps the whole debit
-    l.hold(
-        RequestId::from("n"),
-        acct.clone(),
-        ModelId::from("smollm2"),
-        50,
-    )
-    .await
-    .unwrap();
+    place_hold(&*l, "n", &acct, "smollm2", 50).await;
     let mut s = settlement("n", &acct, None, StreamOutcome::ClientCancelled);
     s.claimed = None;
     s.usage_source = UsageSource::NodeClaim;
@@ -617,14 +609,7 @@ async fn concurrent_opens_on_an_empty_database_all_come_up(backend: Backend) {
 
 async fn concurrent_settles_of_one_request_move_money_once(backend: Backend) {
     let (_db, l, acct, node, op) = setup(backend).await;
-    l.hold(
-        RequestId::from("r"),
-        acct.clone(),
-        ModelId::from("smollm2"),
-        100,
-    )
-    .await
-    .unwrap();
+    place_hold(&*l, "r", &acct, "smollm2", 100).await;
     let s = settlement("r", &acct, Some(node), StreamOutcome::Completed);
     let tasks: Vec<_> = (0..8)
         .map(|_| {
@@ -738,42 +723,14 @@ async fn stale_holds_after_a_crash_settle_upstream_failed_at_no_cost(backend: Ba
         let op = OperatorId::from("op");
         l.create_operator(&op).await.unwrap();
         let node = l.register_node(&op, "pk").await.unwrap();
-        l.hold(
-            RequestId::from("s1"),
-            acct.clone(),
-            ModelId::from("m1"),
-            300,
-        )
-        .await
-        .unwrap();
-        l.hold(
-            RequestId::from("s2"),
-            acct.clone(),
-            ModelId::from("m2"),
-            200,
-        )
-        .await
-        .unwrap();
+        place_hold(&*l, "s1", &acct, "m1", 300).await;
+        place_hold(&*l, "s2", &acct, "m2", 200).await;
         // a settled and a released request are not stale
-        l.hold(
-            RequestId::from("done"),
-            acct.clone(),
-            ModelId::from("m1"),
-            100,
-        )
-        .await
-        .unwrap();
+        place_hold(&*l, "done", &acct, "m1", 100).await;
         let mut s = settlement("done", &acct, Some(node.clone()), StreamOutcome::Completed);
         s.model = ModelId::from("m1");
         l.settle(s).await.unwrap();
-        l.hold(
-            RequestId::from("gone"),
-            acct.clone(),
-            ModelId::from("m1"),
-            50,
-        )
-        .await
-        .unwrap();
+        place_hold(&*l, "gone", &acct, "m1", 50).await;
         l.release(RequestId::from("gone")).await.unwrap();
         (acct, node, op)
     };
@@ -862,14 +819,7 @@ async fn sweep_records_keep_the_noted_node_and_usage(backend: Backend) {
     let l = db.open_instance("gw-1").await;
     let (acct, node, op) = setup_with(&*l, "").await;
     for (id, amount) in [("noted", 300), ("bare", 200), ("done", 100)] {
-        l.hold(
-            RequestId::from(id),
-            acct.clone(),
-            ModelId::from("smollm2"),
-            amount,
-        )
-        .await
-        .unwrap();
+        place_hold(&*l, id, &acct, "smollm2", amount).await;
     }
     // the node once picked, then what was counted so far
     l.note_hold(
@@ -1464,14 +1414,7 @@ async fn operator_nodes_count_served_requests_and_earnings(backend: Backend) {
         ("r3", StreamOutcome::ClientCancelled),
         ("r4", StreamOutcome::UpstreamFailed),
     ] {
-        l.hold(
-            RequestId::from(req),
-            acct.clone(),
-            ModelId::from("smollm2"),
-            100,
-        )
-        .await
-        .unwrap();
+        place_hold(&*l, req, &acct, "smollm2", 100).await;
         let r = l
             .settle(settlement(req, &acct, Some(node.clone()), outcome))
             .await
@@ -1585,19 +1528,7 @@ async fn held_earnings_are_escrowed_then_paid_or_forfeited_once(backend: Backend
     let model = ModelId::from("smollm2");
     let settle_held = |req: &'static str, held: bool| {
         let (l, acct, node) = (l.clone(), acct.clone(), node.clone());
-        async move {
-            l.hold(
-                RequestId::from(req),
-                acct.clone(),
-                ModelId::from("smollm2"),
-                100,
-            )
-            .await
-            .unwrap();
-            let mut s = settlement(req, &acct, Some(node), StreamOutcome::Completed);
-            s.earnings_held = held;
-            l.settle(s).await.unwrap()
-        }
+        async move { hold_and_settle(&*l, req, &acct, &node, |s| s.earnings_held = held).await }
     };
     // 13 micros each: 9 to the operator, 4 fee
     assert_eq!(settle_held("paid", false).await.operator_credit_micros, 9);

@@ -13,12 +13,14 @@ use serde_json::{json, Value};
 use spine_core::{
     AccountId, BoxBody, BoxError, ModelId, NodeId, OperatorId, RequestId, StreamOutcome, Usage,
 };
-use tokio::sync::mpsc;
 use tower::{Layer, Service, ServiceExt};
 
 use super::*;
 use crate::ledger::{SettleResult, Settlement};
-use crate::test_support::{capture_body, hostile_cases, smollm_tokenizer};
+use crate::test_support::{
+    capture_body, chat_request, hostile_cases, next_settled, node_response, smollm_catalog,
+    smollm_tokenizer, FundedLedger, RecordedEvents, SettledRx,
+};
 use crate::{Price, SqliteLedger};
 
 const PRICE: Price = Price {
@@ -63,66 +65,39 @@ fn reads_of(bytes: &[u8], size: usize) -> Vec<Bytes> {
     bytes.chunks(size).map(Bytes::copy_from_slice).collect()
 }
 
-struct Events(
-    mpsc::UnboundedSender<(Settlement, SettleResult)>,
-    Mutex<Vec<DiscrepancyReport>>,
-);
-
-impl MeterEvents for Events {
-    fn on_settled(&self, s: &Settlement, r: &SettleResult) {
-        let _ = self.0.send((s.clone(), *r));
-    }
-    fn on_discrepancy(&self, report: &DiscrepancyReport) {
-        self.1.lock().unwrap().push(report.clone());
-    }
-}
-
 struct Harness {
     ledger: Arc<SqliteLedger>,
     account: AccountId,
     operator: OperatorId,
     node: NodeId,
-    settled: mpsc::UnboundedReceiver<(Settlement, SettleResult)>,
-    events: Arc<Events>,
+    settled: SettledRx,
+    events: Arc<RecordedEvents>,
     upstream: Arc<Mutex<Option<Bytes>>>,
 }
 
 const START_MICROS: u64 = 100_000;
 
 async fn harness() -> Harness {
-    let ledger = Arc::new(SqliteLedger::in_memory().await.unwrap());
-    let account = AccountId::from("acct");
-    ledger.create_account(&account).await.unwrap();
-    ledger
-        .add_credits(&account, START_MICROS, "k")
-        .await
-        .unwrap();
-    let operator = OperatorId::from("op");
-    ledger.create_operator(&operator).await.unwrap();
-    let node = ledger.register_node(&operator, "pk").await.unwrap();
-    let (tx, settled) = mpsc::unbounded_channel();
+    let FundedLedger {
+        ledger,
+        account,
+        operator,
+        node,
+    } = FundedLedger::new(START_MICROS).await;
+    let (events, settled) = RecordedEvents::new();
     Harness {
         ledger,
         account,
         operator,
         node,
         settled,
-        events: Arc::new(Events(tx, Mutex::new(Vec::new()))),
+        events,
         upstream: Arc::new(Mutex::new(None)),
     }
 }
 
 fn catalog(max_context_tokens: u64) -> Catalog {
-    let mut catalog = Catalog::new();
-    catalog.insert(
-        ModelId::from("smollm2"),
-        CatalogEntry {
-            tokenizer: smollm_tokenizer(),
-            price: PRICE,
-            max_context_tokens,
-        },
-    );
-    catalog
+    smollm_catalog(PRICE, max_context_tokens)
 }
 
 impl Harness {
@@ -171,39 +146,31 @@ impl Harness {
                 assert!(req.extensions().get::<spine_core::RequestPeek>().is_some());
                 let body = req.into_body().collect().await?.to_bytes();
                 *upstream.lock().unwrap() = Some(body);
-                let mut resp = http::Response::new(BoxBody::new(Replay {
+                let body = BoxBody::new(Replay {
                     reads: reads.into(),
                     end,
-                }));
+                });
+                let mut resp = node_response(node, content_type, body);
                 *resp.status_mut() = http::StatusCode::from_u16(status).unwrap();
-                resp.headers_mut().insert(
-                    http::header::CONTENT_TYPE,
-                    http::HeaderValue::from_static(content_type),
-                );
-                resp.extensions_mut().insert(node);
                 Ok::<_, BoxError>(resp)
             }
         })
     }
 
+    /// Asserts the caller's account is as it started: nothing debited, nothing held.
+    async fn assert_account_untouched(&self) {
+        let b = self.ledger.account(&self.account).await.unwrap();
+        assert_eq!((b.balance_micros, b.held_micros), (START_MICROS, 0));
+    }
+
     async fn settled(&mut self) -> (Settlement, SettleResult) {
-        tokio::time::timeout(std::time::Duration::from_secs(10), self.settled.recv())
-            .await
-            .unwrap()
-            .unwrap()
+        next_settled(&mut self.settled).await
     }
 }
 
 fn request(id: &str, body: &Value) -> http::Request<BoxBody> {
     let bytes = Bytes::from(serde_json::to_vec(body).unwrap());
-    let mut req = http::Request::post("/v1/chat/completions")
-        .body(BoxBody::new(
-            http_body_util::Full::new(bytes).map_err(|never| match never {}),
-        ))
-        .unwrap();
-    req.extensions_mut().insert(RequestId::from(id));
-    req.extensions_mut().insert(AccountId::from("acct"));
-    req
+    chat_request(id, AccountId::from("acct"), bytes)
 }
 
 async fn frames(body: BoxBody) -> Vec<Bytes> {
@@ -410,8 +377,7 @@ async fn truncated_or_failed_streams_pay_nothing() {
         let (s, r) = h.settled().await;
         assert_eq!(s.outcome, StreamOutcome::UpstreamFailed);
         assert_eq!((r.cost_micros, r.debit_micros), (0, 0));
-        let b = h.ledger.account(&h.account).await.unwrap();
-        assert_eq!((b.balance_micros, b.held_micros), (START_MICROS, 0));
+        h.assert_account_untouched().await;
         assert_eq!(
             h.ledger.operator_earned_micros(&h.operator).await.unwrap(),
             0
@@ -606,8 +572,7 @@ async fn node_errors_and_inner_errors_settle_without_charge() {
         (s.outcome, s.node, r.debit_micros),
         (StreamOutcome::Rejected, None, 0)
     );
-    let b = h.ledger.account(&h.account).await.unwrap();
-    assert_eq!((b.balance_micros, b.held_micros), (START_MICROS, 0));
+    h.assert_account_untouched().await;
 }
 
 // ---- caller gone before the response head ----
@@ -725,8 +690,7 @@ async fn caller_gone_before_any_node_was_picked_is_rejected_and_free() {
         (s.outcome, s.node, r.debit_micros, r.hold_micros),
         (StreamOutcome::Rejected, None, 0, 162)
     );
-    let b = h.ledger.account(&h.account).await.unwrap();
-    assert_eq!((b.balance_micros, b.held_micros), (START_MICROS, 0));
+    h.assert_account_untouched().await;
 }
 
 #[tokio::test]
@@ -746,8 +710,7 @@ async fn inner_error_after_the_pick_is_upstream_failed_with_the_node_and_free() 
         (s.outcome, s.node, r.debit_micros, r.operator_credit_micros),
         (StreamOutcome::UpstreamFailed, Some(h.node.clone()), 0, 0)
     );
-    let b = h.ledger.account(&h.account).await.unwrap();
-    assert_eq!((b.balance_micros, b.held_micros), (START_MICROS, 0));
+    h.assert_account_untouched().await;
 }
 
 /// A non-streamed answer past the request's byte bound (1 MiB + 8 KiB a token of its cap: 1.6 MiB
@@ -925,8 +888,7 @@ async fn malformed_or_unsupported_messages_are_400_and_never_forwarded() {
         );
     }
     assert_eq!(h.upstream.lock().unwrap().as_ref(), None);
-    let b = h.ledger.account(&h.account).await.unwrap();
-    assert_eq!((b.balance_micros, b.held_micros), (START_MICROS, 0));
+    h.assert_account_untouched().await;
 }
 
 #[tokio::test]
@@ -997,8 +959,7 @@ async fn prompt_at_or_over_the_context_is_refused_before_the_node() {
             .unwrap(),
         None
     );
-    let b = h.ledger.account(&h.account).await.unwrap();
-    assert_eq!((b.balance_micros, b.held_micros), (START_MICROS, 0));
+    h.assert_account_untouched().await;
 }
 
 #[tokio::test]
@@ -1121,8 +1082,7 @@ async fn invalid_non_streamed_2xx_bodies_are_errors_and_free() {
             (StreamOutcome::UpstreamFailed, Some(h.node.clone()), 0, 0),
             "{why}"
         );
-        let b = h.ledger.account(&h.account).await.unwrap();
-        assert_eq!((b.balance_micros, b.held_micros), (START_MICROS, 0));
+        h.assert_account_untouched().await;
     }
     assert_eq!(
         MeterError::UpstreamInvalid("the body has no choices".into()).to_string(),
@@ -1340,15 +1300,14 @@ where
         let (node, slot, body) = (node.clone(), slot.clone(), body.clone());
         async move {
             *slot.lock().unwrap() = req.extensions().get::<spine_core::NodeSlot>().cloned();
-            let mut resp = http::Response::new(BoxBody::new(body()));
-            resp.headers_mut().insert(
-                http::header::CONTENT_TYPE,
-                http::HeaderValue::from_static(content_type),
-            );
-            resp.extensions_mut().insert(node);
-            Ok::<_, BoxError>(resp)
+            Ok::<_, BoxError>(node_response(node, content_type, BoxBody::new(body())))
         }
     })
+}
+
+/// The fault recorded on the request's node slot that [`slot_node`] kept.
+fn node_fault(slot: &Mutex<Option<spine_core::NodeSlot>>) -> Option<spine_core::NodeFault> {
+    slot.lock().unwrap().as_ref().unwrap().node_fault()
 }
 
 fn content_event(text: &str) -> Bytes {
@@ -1570,14 +1529,7 @@ async fn an_account_that_cannot_pay_is_refused_before_counting_next_time() {
     ));
     // the next one is refused from memory, before its body is even read: a body that is not
     // JSON would otherwise be a 400
-    let mut req = http::Request::post("/v1/chat/completions")
-        .body(BoxBody::new(
-            http_body_util::Full::new(Bytes::from_static(b"not json"))
-                .map_err(|never| match never {}),
-        ))
-        .unwrap();
-    req.extensions_mut().insert(RequestId::from("p2"));
-    req.extensions_mut().insert(poor.clone());
+    let req = chat_request("p2", poor.clone(), Bytes::from_static(b"not json"));
     let err = svc.clone().oneshot(req).await.unwrap_err();
     assert!(matches!(
         err.downcast_ref::<MeterError>(),
@@ -1604,14 +1556,7 @@ async fn an_account_that_cannot_pay_is_refused_before_counting_next_time() {
     ));
     // after the memory's TTL, the request is judged again (here: a 400 for the body)
     tokio::time::sleep(REFUSED_CREDIT_TTL).await;
-    let mut req = http::Request::post("/v1/chat/completions")
-        .body(BoxBody::new(
-            http_body_util::Full::new(Bytes::from_static(b"not json"))
-                .map_err(|never| match never {}),
-        ))
-        .unwrap();
-    req.extensions_mut().insert(RequestId::from("p3"));
-    req.extensions_mut().insert(poor);
+    let req = chat_request("p3", poor, Bytes::from_static(b"not json"));
     let err = svc.oneshot(req).await.unwrap_err();
     assert!(matches!(
         err.downcast_ref::<MeterError>(),
@@ -1863,15 +1808,8 @@ async fn a_stream_alive_without_progress_is_cut_as_stalled_with_the_delivered_to
         s.billed.completion_tokens,
         smollm_tokenizer().count_text("Hello there")
     );
-    assert_eq!(
-        slot.lock().unwrap().as_ref().unwrap().node_fault(),
-        Some(spine_core::NodeFault::Stalled)
-    );
-    let account = h.ledger.account(&h.account).await.unwrap();
-    assert_eq!(
-        (account.balance_micros, account.held_micros),
-        (START_MICROS, 0)
-    );
+    assert_eq!(node_fault(&slot), Some(spine_core::NodeFault::Stalled));
+    h.assert_account_untouched().await;
 }
 
 #[tokio::test]
@@ -1914,7 +1852,7 @@ async fn a_slow_caller_does_not_make_a_progressing_node_look_stalled() {
     assert_eq!(events.last().unwrap().data(), "[DONE]");
     let (s, _) = h.settled().await;
     assert_eq!(s.outcome, StreamOutcome::Completed);
-    assert_eq!(slot.lock().unwrap().as_ref().unwrap().node_fault(), None);
+    assert_eq!(node_fault(&slot), None);
 }
 
 #[tokio::test]
@@ -1946,15 +1884,8 @@ async fn a_non_streamed_body_that_trickles_is_cut_at_its_total_bound() {
     assert!(matches!(*err, MeterError::UpstreamInvalid(_)), "{err:?}");
     let (s, _) = h.settled().await;
     assert_eq!(s.outcome, StreamOutcome::UpstreamFailed);
-    assert_eq!(
-        slot.lock().unwrap().as_ref().unwrap().node_fault(),
-        Some(spine_core::NodeFault::Broke)
-    );
-    let account = h.ledger.account(&h.account).await.unwrap();
-    assert_eq!(
-        (account.balance_micros, account.held_micros),
-        (START_MICROS, 0)
-    );
+    assert_eq!(node_fault(&slot), Some(spine_core::NodeFault::Broke));
+    h.assert_account_untouched().await;
 }
 
 // --- counting stops early: a prompt that cannot fit or cannot be paid for ------------------
@@ -1997,8 +1928,7 @@ async fn a_large_prompt_past_the_context_or_the_balance_is_refused_before_it_is_
             None
         );
     }
-    let b = h.ledger.account(&h.account).await.unwrap();
-    assert_eq!((b.balance_micros, b.held_micros), (START_MICROS, 0));
+    h.assert_account_untouched().await;
 }
 
 // --- embeddings: an answer outside OpenAI's shape is the node's fault -------------------------
@@ -2035,7 +1965,7 @@ async fn an_invalid_embeddings_answer_is_the_nodes_fault_and_free() {
         req.extensions_mut().insert(AccountId::from("acct"));
         let got = svc.oneshot(req).await;
         let (s, _) = h.settled().await;
-        let fault = slot.lock().unwrap().as_ref().unwrap().node_fault();
+        let fault = node_fault(&slot);
         if i == 0 {
             assert!(got.is_ok());
             assert_eq!(s.outcome, StreamOutcome::Completed);

@@ -11,14 +11,17 @@ use bytes::Bytes;
 use http_body::{Body, Frame};
 use http_body_util::BodyExt;
 use serde_json::{json, Value};
-use spine_core::{AccountId, BoxBody, BoxError, ModelId, OperatorId, RequestId, StreamOutcome};
+use spine_core::{AccountId, BoxBody, BoxError, StreamOutcome};
 use tokio::sync::mpsc;
 use tower::{Layer, ServiceExt};
 
 use super::*;
-use crate::ledger::{SettleResult, Settlement};
-use crate::test_support::smollm_tokenizer;
-use crate::{Price, SqliteLedger};
+use crate::ledger::Settlement;
+use crate::test_support::{
+    chat_request, next_settled, node_response, smollm_catalog, smollm_tokenizer, FundedLedger,
+    RecordedEvents, SettledRx,
+};
+use crate::Price;
 
 const PRICE: Price = Price {
     input_micros_per_mtok: 1_000_000,
@@ -39,24 +42,10 @@ impl Body for Fed {
     }
 }
 
-struct Events(
-    mpsc::UnboundedSender<(Settlement, SettleResult)>,
-    Mutex<Vec<DiscrepancyReport>>,
-);
-
-impl MeterEvents for Events {
-    fn on_settled(&self, s: &Settlement, r: &SettleResult) {
-        let _ = self.0.send((s.clone(), *r));
-    }
-    fn on_discrepancy(&self, report: &DiscrepancyReport) {
-        self.1.lock().unwrap().push(report.clone());
-    }
-}
-
 struct Setup {
     layer: MeterLayer,
-    settled: mpsc::UnboundedReceiver<(Settlement, SettleResult)>,
-    events: Arc<Events>,
+    settled: SettledRx,
+    events: Arc<RecordedEvents>,
     node: spine_core::NodeId,
 }
 
@@ -65,24 +54,9 @@ async fn setup() -> Setup {
 }
 
 async fn setup_with_context(max_context_tokens: u64) -> Setup {
-    let ledger = Arc::new(SqliteLedger::in_memory().await.unwrap());
-    let account = AccountId::from("acct");
-    ledger.create_account(&account).await.unwrap();
-    ledger.add_credits(&account, 1_000_000, "k").await.unwrap();
-    let operator = OperatorId::from("op");
-    ledger.create_operator(&operator).await.unwrap();
-    let node = ledger.register_node(&operator, "pk").await.unwrap();
-    let (tx, settled) = mpsc::unbounded_channel();
-    let events = Arc::new(Events(tx, Mutex::new(Vec::new())));
-    let mut catalog = Catalog::new();
-    catalog.insert(
-        ModelId::from("smollm2"),
-        CatalogEntry {
-            tokenizer: smollm_tokenizer(),
-            price: PRICE,
-            max_context_tokens,
-        },
-    );
+    let FundedLedger { ledger, node, .. } = FundedLedger::new(1_000_000).await;
+    let (events, settled) = RecordedEvents::new();
+    let catalog = smollm_catalog(PRICE, max_context_tokens);
     let layer = MeterLayer::new(ledger, catalog).events(events.clone());
     Setup {
         layer,
@@ -107,32 +81,29 @@ impl Setup {
             let body = body.lock().unwrap().take().unwrap();
             async move {
                 drop(req.into_body().collect().await?);
-                let mut resp = http::Response::new(body);
-                resp.headers_mut().insert(
-                    http::header::CONTENT_TYPE,
-                    http::HeaderValue::from_static(content_type),
-                );
-                resp.extensions_mut().insert(node);
-                Ok::<_, BoxError>(resp)
+                Ok::<_, BoxError>(node_response(node, content_type, body))
             }
         });
         let bytes = Bytes::from(serde_json::to_vec(req).unwrap());
-        let mut req = http::Request::post("/v1/chat/completions")
-            .body(BoxBody::new(
-                http_body_util::Full::new(bytes).map_err(|never| match never {}),
-            ))
-            .unwrap();
-        req.extensions_mut().insert(RequestId::from("r1"));
-        req.extensions_mut().insert(AccountId::from("acct"));
+        let req = chat_request("r1", AccountId::from("acct"), bytes);
         self.layer.layer(inner).oneshot(req).await.unwrap()
     }
 
+    /// Streams `req` to a node whose answer is fed from the returned sender, one read a
+    /// message; dropping the sender ends it.
+    async fn send_fed(
+        &self,
+        req: &Value,
+    ) -> (mpsc::UnboundedSender<Bytes>, http::Response<BoxBody>) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let resp = self
+            .send(req, "text/event-stream", BoxBody::new(Fed(rx)))
+            .await;
+        (tx, resp)
+    }
+
     async fn settled(&mut self) -> Settlement {
-        tokio::time::timeout(Duration::from_secs(10), self.settled.recv())
-            .await
-            .unwrap()
-            .unwrap()
-            .0
+        next_settled(&mut self.settled).await.0
     }
 }
 
@@ -344,14 +315,7 @@ async fn a_stream_past_the_total_bound_bills_what_was_delivered() {
     let mut s = setup().await;
     s.layer = s.layer.clone().max_stream_duration(Duration::from_secs(60));
     let t = smollm_tokenizer();
-    let (tx, rx) = mpsc::unbounded_channel();
-    let resp = s
-        .send(
-            &chat(Some(64), true),
-            "text/event-stream",
-            BoxBody::new(Fed(rx)),
-        )
-        .await;
+    let (tx, resp) = s.send_fed(&chat(Some(64), true)).await;
     tokio::time::pause();
     let start = tokio::time::Instant::now();
     let mut body = resp.into_body();
@@ -458,14 +422,7 @@ async fn next(body: &mut BoxBody) -> Bytes {
 #[tokio::test]
 async fn keepalive_comments_while_the_node_is_silent() {
     let s = setup().await;
-    let (tx, rx) = mpsc::unbounded_channel();
-    let resp = s
-        .send(
-            &chat(Some(64), true),
-            "text/event-stream",
-            BoxBody::new(Fed(rx)),
-        )
-        .await;
+    let (tx, resp) = s.send_fed(&chat(Some(64), true)).await;
     // the hold is placed; from here on time is tokio's paused clock
     tokio::time::pause();
     let start = tokio::time::Instant::now();

@@ -69,6 +69,29 @@ async fn until_depth(r: &NodeRegistry, n: usize) {
     panic!("queue depth {} never reached {n}", depth(r));
 }
 
+/// A queueing registry (`max_wait_secs`, `max_depth`) with one node `a` of one slot, and that
+/// slot, held by a request of `class`.
+async fn one_slot_held(max_wait_secs: u64, max_depth: usize, class: &str) -> (NodeRegistry, Pick) {
+    let r = registry(max_wait_secs, max_depth);
+    r.node_ready(&NodeId::new("a"), &node(1, None, None));
+    let held = acquire(&r, class, Needs::default()).await.unwrap();
+    (r, held)
+}
+
+/// The labels of the next `n` waiters served, in order, each lease released once received.
+async fn serve_next(
+    rx: &mut mpsc::UnboundedReceiver<(usize, Result<InFlightLease, RouteError>)>,
+    n: usize,
+) -> Vec<usize> {
+    let mut served = Vec::new();
+    for _ in 0..n {
+        let (label, lease) = rx.recv().await.unwrap();
+        served.push(label);
+        drop(lease.unwrap());
+    }
+    served
+}
+
 /// Spawns a request of `class` that reports (its label, its lease) once served.
 fn spawn_waiter(
     r: &NodeRegistry,
@@ -128,9 +151,7 @@ async fn a_full_node_queues_and_every_freed_slot_serves_the_next_waiter() {
 
 #[tokio::test(start_paused = true)]
 async fn one_accounts_burst_does_not_starve_anothers_single_request() {
-    let r = registry(3600, 2000);
-    r.node_ready(&NodeId::new("a"), &node(1, None, None));
-    let held = acquire(&r, "burst", Needs::default()).await.unwrap();
+    let (r, held) = one_slot_held(3600, 2000, "burst").await;
     let (tx, mut rx) = mpsc::unbounded_channel();
     for i in 0..1000 {
         spawn_waiter(&r, "burst", i, &tx);
@@ -139,12 +160,7 @@ async fn one_accounts_burst_does_not_starve_anothers_single_request() {
     spawn_waiter(&r, "single", 1000, &tx);
     until_depth(&r, 1001).await;
     drop(held);
-    let mut served = Vec::new();
-    for _ in 0..3 {
-        let (label, lease) = rx.recv().await.unwrap();
-        served.push(label);
-        drop(lease.unwrap());
-    }
+    let served = serve_next(&mut rx, 3).await;
     // the burst's first request (tagged as early as the single one, and first in), then the
     // single request
     assert_eq!(served, vec![0, 1000, 1]);
@@ -152,9 +168,7 @@ async fn one_accounts_burst_does_not_starve_anothers_single_request() {
 
 #[tokio::test(start_paused = true)]
 async fn a_heavier_weight_gets_its_share_while_both_wait() {
-    let r = registry(3600, 100);
-    r.node_ready(&NodeId::new("a"), &node(1, None, None));
-    let held = acquire(&r, "x", Needs::default()).await.unwrap();
+    let (r, held) = one_slot_held(3600, 100, "x").await;
     let (tx, mut rx) = mpsc::unbounded_channel();
     for i in 0..20 {
         let (r2, tx) = (r.clone(), tx.clone());
@@ -187,9 +201,7 @@ async fn a_heavier_weight_gets_its_share_while_both_wait() {
 
 #[tokio::test(start_paused = true)]
 async fn a_request_waits_until_the_deadline_then_gets_retry_after() {
-    let r = registry(30, 100);
-    r.node_ready(&NodeId::new("a"), &node(1, None, None));
-    let _held = acquire(&r, "x", Needs::default()).await.unwrap();
+    let (r, _held) = one_slot_held(30, 100, "x").await;
     let started = Instant::now();
     let got = acquire(&r, "y", Needs::default()).await.map(|p| p.sticky);
     assert_eq!(
@@ -206,9 +218,7 @@ async fn a_request_waits_until_the_deadline_then_gets_retry_after() {
     assert_eq!((q.depth, q.timed_out, q.served), (0, 1, 0));
     assert_eq!(r.inner.waiting.load(Ordering::Acquire), 0);
     // the queue disabled: at once
-    let r = registry(0, 100);
-    r.node_ready(&NodeId::new("a"), &node(1, None, None));
-    let _held = acquire(&r, "x", Needs::default()).await.unwrap();
+    let (r, _held) = one_slot_held(0, 100, "x").await;
     assert_eq!(
         acquire(&r, "y", Needs::default()).await.map(|p| p.sticky),
         Err(RouteError::AtCapacity(ModelId::new("m")))
@@ -218,9 +228,7 @@ async fn a_request_waits_until_the_deadline_then_gets_retry_after() {
 
 #[tokio::test(start_paused = true)]
 async fn retry_after_follows_the_rate_the_queue_drains() {
-    let r = registry(600, 100);
-    r.node_ready(&NodeId::new("a"), &node(1, None, None));
-    let mut held = acquire(&r, "x", Needs::default()).await.unwrap();
+    let (r, mut held) = one_slot_held(600, 100, "x").await;
     let (tx, mut rx) = mpsc::unbounded_channel();
     for i in 0..10 {
         spawn_waiter(&r, "x", i, &tx);
@@ -245,9 +253,7 @@ async fn retry_after_follows_the_rate_the_queue_drains() {
 
 #[tokio::test(start_paused = true)]
 async fn at_the_depth_limit_the_biggest_account_gives_up_its_newest_place() {
-    let r = registry(30, 3);
-    r.node_ready(&NodeId::new("a"), &node(1, None, None));
-    let held = acquire(&r, "x", Needs::default()).await.unwrap();
+    let (r, held) = one_slot_held(30, 3, "x").await;
     let (tx, mut rx) = mpsc::unbounded_channel();
     for i in 0..3 {
         spawn_waiter(&r, "burst", i, &tx);
@@ -268,12 +274,7 @@ async fn at_the_depth_limit_the_biggest_account_gives_up_its_newest_place() {
     assert!(matches!(evicted, Err(RouteError::QueueFull { .. })));
     assert_eq!(depth(&r), 3);
     drop(held);
-    let mut served = Vec::new();
-    for _ in 0..3 {
-        let (label, lease) = rx.recv().await.unwrap();
-        served.push(label);
-        drop(lease.unwrap());
-    }
+    let served = serve_next(&mut rx, 3).await;
     assert_eq!(served, vec![0, 99, 1]);
     let q = &r.queue_snapshot()[0];
     assert_eq!((q.refused_full, q.evicted, q.served), (1, 1, 3));
@@ -281,9 +282,7 @@ async fn at_the_depth_limit_the_biggest_account_gives_up_its_newest_place() {
 
 #[tokio::test(start_paused = true)]
 async fn a_caller_that_leaves_frees_its_place_and_takes_no_slot() {
-    let r = registry(30, 100);
-    r.node_ready(&NodeId::new("a"), &node(1, None, None));
-    let held = acquire(&r, "x", Needs::default()).await.unwrap();
+    let (r, held) = one_slot_held(30, 100, "x").await;
     let leaving = {
         let r = r.clone();
         tokio::spawn(async move { acquire(&r, "x", Needs::default()).await.is_ok() })
@@ -307,9 +306,7 @@ async fn a_caller_that_leaves_frees_its_place_and_takes_no_slot() {
 
 #[tokio::test(start_paused = true)]
 async fn waiters_fail_at_once_when_the_last_node_goes_and_are_served_when_one_joins() {
-    let r = registry(30, 100);
-    r.node_ready(&NodeId::new("a"), &node(1, None, None));
-    let held = acquire(&r, "x", Needs::default()).await.unwrap();
+    let (r, held) = one_slot_held(30, 100, "x").await;
     let (tx, mut rx) = mpsc::unbounded_channel();
     spawn_waiter(&r, "x", 0, &tx);
     until_depth(&r, 1).await;

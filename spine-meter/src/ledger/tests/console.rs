@@ -206,41 +206,16 @@ async fn request_log_pages_filters_and_aggregates(backend: Backend) {
     // 7 requests of `a` (keys k1 / k2 alternating), 1 of `b`
     for i in 0..7 {
         let id = format!("req_{i:02}");
-        store
-            .hold(
-                RequestId::from(id.as_str()),
-                a.clone(),
-                ModelId::from("smollm2"),
-                100,
-            )
-            .await
-            .unwrap();
-        let mut s = settlement(&id, &a, Some(node.clone()), StreamOutcome::Completed);
-        s.key = Some(if i % 2 == 0 { "k1" } else { "k2" }.to_owned());
-        if i == 6 {
-            s.outcome = StreamOutcome::UpstreamFailed;
-        }
-        s.ttft_ms = Some(100 + i);
-        store.settle(s).await.unwrap();
+        hold_and_settle(&*store, &id, &a, &node, |s| {
+            s.key = Some(if i % 2 == 0 { "k1" } else { "k2" }.to_owned());
+            if i == 6 {
+                s.outcome = StreamOutcome::UpstreamFailed;
+            }
+            s.ttft_ms = Some(100 + i);
+        })
+        .await;
     }
-    store
-        .hold(
-            RequestId::from("req_b"),
-            b.clone(),
-            ModelId::from("smollm2"),
-            100,
-        )
-        .await
-        .unwrap();
-    store
-        .settle(settlement(
-            "req_b",
-            &b,
-            Some(node.clone()),
-            StreamOutcome::Completed,
-        ))
-        .await
-        .unwrap();
+    hold_and_settle(&*store, "req_b", &b, &node, |_| {}).await;
 
     // pages of 3: 3 + 3 + 1, no repeats, newest first, never `b`'s
     let all = RequestFilter::default();
@@ -909,35 +884,16 @@ async fn sparse_filters_search_a_bounded_number_of_records(backend: Backend) {
     // has records with `k1` in between
     for i in 0..12 {
         let id = format!("req_{i:02}");
-        store
-            .hold(
-                RequestId::from(id.as_str()),
-                a.clone(),
-                ModelId::from("smollm2"),
-                100,
-            )
-            .await
-            .unwrap();
-        let mut s = settlement(&id, &a, Some(node.clone()), StreamOutcome::Completed);
-        s.key = Some(if i == 1 || i == 10 { "k1" } else { "k2" }.to_owned());
-        if i == 5 {
-            s.outcome = StreamOutcome::UpstreamFailed;
-        }
-        store.settle(s).await.unwrap();
+        hold_and_settle(&*store, &id, &a, &node, |s| {
+            s.key = Some(if i == 1 || i == 10 { "k1" } else { "k2" }.to_owned());
+            if i == 5 {
+                s.outcome = StreamOutcome::UpstreamFailed;
+            }
+        })
+        .await;
         if i % 4 == 0 {
             let id = format!("req_b{i:02}");
-            store
-                .hold(
-                    RequestId::from(id.as_str()),
-                    b.clone(),
-                    ModelId::from("smollm2"),
-                    100,
-                )
-                .await
-                .unwrap();
-            let mut s = settlement(&id, &b, Some(node.clone()), StreamOutcome::Completed);
-            s.key = Some("k1".to_owned());
-            store.settle(s).await.unwrap();
+            hold_and_settle(&*store, &id, &b, &node, |s| s.key = Some("k1".to_owned())).await;
         }
     }
     let k1 = RequestFilter {
@@ -1178,34 +1134,18 @@ async fn platform_days_discrepancies_and_held_credit(backend: Backend) {
         .enumerate()
     {
         let id = format!("p_{i}");
-        store
-            .hold(
-                RequestId::from(id.as_str()),
-                a.clone(),
-                ModelId::from("smollm2"),
-                100,
-            )
-            .await
-            .unwrap();
-        let mut s = settlement(&id, &a, Some(node.clone()), StreamOutcome::Completed);
-        s.earnings_held = held;
-        s.discrepancy = discrepancy;
-        let r = store.settle(s).await.unwrap();
+        let r = hold_and_settle(&*store, &id, &a, &node, |s| {
+            s.earnings_held = held;
+            s.discrepancy = discrepancy;
+        })
+        .await;
         debits += r.debit_micros;
         if !held {
             paid += r.operator_credit_micros;
         }
     }
     // one request in flight of `b`
-    store
-        .hold(
-            RequestId::from("p_live"),
-            b.clone(),
-            ModelId::from("smollm2"),
-            77,
-        )
-        .await
-        .unwrap();
+    place_hold(&*store, "p_live", &b, "smollm2", 77).await;
     let days = c.platform_days(0, i64::MAX, 100).await.unwrap();
     assert_eq!(days.len(), 1, "{days:?}");
     assert_eq!(

@@ -1,0 +1,57 @@
+//! What the `Route` suites (`route.rs`, `readahead.rs`) share: nodes serving the model `m`, and
+//! a chat request as the metering layer hands it on (its `RequestPeek` and `NodeSlot` set).
+
+use bytes::Bytes;
+use http_body_util::{BodyExt as _, Full};
+use spine_core::{
+    BoxBody, EngineKind, ModelDescriptor, ModelId, NodeDescriptor, NodeId, NodeSlot, RequestPeek,
+};
+use spine_router::NodeRegistry;
+
+/// A registry where each of `nodes` is ready, serving `m` with 4 slots.
+pub(crate) fn registry(nodes: &[&str]) -> NodeRegistry {
+    let r = NodeRegistry::new();
+    for n in nodes {
+        r.node_ready(
+            &NodeId::new(*n),
+            &NodeDescriptor {
+                engine: EngineKind::LlamaCpp,
+                models: vec![ModelDescriptor {
+                    id: ModelId::new("m"),
+                    max_context_tokens: None,
+                    endpoints: None,
+                }],
+                vram_mib: 1,
+                max_concurrency: 4,
+                agent_version: "t".into(),
+            },
+        );
+    }
+    r
+}
+
+/// `POST /v1/chat/completions` with the body `{"model":"m"}`, its peek (`stream`, the
+/// `prompt_cache_key` `key`) and an empty node slot, which comes back too.
+pub(crate) fn request_streamed(
+    key: Option<&str>,
+    stream: bool,
+) -> (http::Request<BoxBody>, NodeSlot) {
+    let mut req = http::Request::post("/v1/chat/completions")
+        .body(BoxBody::new(
+            Full::new(Bytes::from_static(b"{\"model\":\"m\"}")).map_err(|n| match n {}),
+        ))
+        .unwrap();
+    req.extensions_mut().insert(RequestPeek {
+        model: ModelId::new("m"),
+        stream,
+        include_usage: false,
+        n: 1,
+        max_tokens: None,
+        prompt_cache_key: key.map(str::to_owned),
+        conversation_key: None,
+        tokenization_constrained: false,
+    });
+    let slot = NodeSlot::new();
+    req.extensions_mut().insert(slot.clone());
+    (req, slot)
+}
