@@ -2,7 +2,8 @@
 //! request, retries on another node while nothing has reached the caller, and holds the node's
 //! in-flight lease in the response body until it ends.
 //!
-//! - `layer`: [`RouteConfig`] and [`RouteLayer`], its builder setters;
+//! - `config`: [`RouteConfig`], [`NotNodeFault`] and the context each request is routed by;
+//! - `layer`: [`RouteLayer`], its builder setters;
 //! - `service`: [`Route`], the tower service, and its policy (see its docs);
 //! - `retry`: the attempts of one request, the admission queue and the scoring of failures that
 //!   may follow the request rather than the node;
@@ -12,6 +13,7 @@
 
 mod body;
 mod commit;
+mod config;
 mod future;
 mod layer;
 mod retry;
@@ -21,8 +23,9 @@ mod tests;
 
 use spine_core::NodeId;
 
+pub use config::{NotNodeFault, RouteConfig, MAX_FULL_REPICKS};
 pub use future::ResponseFuture;
-pub use layer::{NotNodeFault, RouteConfig, RouteLayer, MAX_FULL_REPICKS};
+pub use layer::RouteLayer;
 pub use service::Route;
 
 /// A request extension: nodes the request must not be routed to, as if each had already been

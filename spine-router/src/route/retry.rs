@@ -1,21 +1,20 @@
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::BytesMut;
 use http_body_util::{BodyExt, Full};
 use spine_core::{
-    AccountId, BoxBody, BoxError, BufferedRequest, ClassifyBody, NodeFault, NodeId, NodeSlot,
-    PromptTokens, RequestContext, RequestKind, RequestPeek,
+    AccountId, BoxBody, BoxError, BufferedRequest, NodeFault, NodeId, NodeSlot, PromptTokens,
+    RequestContext, RequestKind, RequestPeek,
 };
 use tokio::time::Instant;
 use tower::Service;
 
 use super::commit::{first_content_timeout, try_commit, within, AnswerFault, Attempt, CommitCtx};
-use super::layer::FULL_REPICK_PAUSE;
-use super::{AvoidNodes, NotNodeFault, RouteConfig, MAX_FULL_REPICKS};
-use crate::affinity::{AffinityKey, AffinityStore, SessionId};
+use super::config::{RouteCtx, FULL_REPICK_PAUSE};
+use super::{AvoidNodes, MAX_FULL_REPICKS};
+use crate::affinity::{AffinityKey, SessionId};
 use crate::{Ask, Needs, NodeRegistry, QueueTicket, QueueWeight, RouteError};
 
 /// Answer-type failures of one request whose scoring waits until its attempts are over.
@@ -47,19 +46,6 @@ impl Deferred {
                 .increment(self.0.len() as u64);
         }
     }
-}
-
-/// What [`route`] needs besides the inner service and the request: the settings a
-/// [`RouteLayer`](super::RouteLayer) is built with, which each [`Route`](super::Route) it makes
-/// holds and hands (cloned) to every request.
-#[derive(Debug, Clone)]
-pub(super) struct RouteCtx {
-    pub(super) registry: NodeRegistry,
-    pub(super) classify: Arc<dyn ClassifyBody>,
-    pub(super) config: RouteConfig,
-    pub(super) not_node_fault: NotNodeFault,
-    pub(super) node_full: NotNodeFault,
-    pub(super) affinity: Option<Arc<dyn AffinityStore>>,
 }
 
 pub(super) async fn route<S>(

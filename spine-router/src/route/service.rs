@@ -3,7 +3,8 @@ use std::task::{Context, Poll};
 use spine_core::{BoxBody, BoxError};
 use tower::{Layer, Service, ServiceExt};
 
-use super::retry::{route, RouteCtx};
+use super::config::RouteCtx;
+use super::retry::route;
 use super::{ResponseFuture, RouteLayer};
 use crate::NodeRegistry;
 

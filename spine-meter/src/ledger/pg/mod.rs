@@ -439,7 +439,7 @@ impl PgLedger {
         // reports are those of one moment, and no concurrent hold can take the same credit
         let row = tx
             .optional(
-                &format!("{} FOR NO KEY UPDATE", money::ACCOUNT_BALANCE),
+                &format!("{} FOR NO KEY UPDATE", sql::accounts::ACCOUNT_BALANCE),
                 &[Arg::Text(hold.account.as_str())],
             )
             .await?;

@@ -6,6 +6,10 @@ use super::{insert, insert_owned, read_text, Arg, Backend, SqlConn, SqlRow};
 use crate::ledger::convert::{now_ms, to_i64};
 use crate::ledger::{AccountBalance, KeyLimits, LedgerError};
 
+/// The account row a hold decides on: `SELECT balance_micros, held_micros` by id (`$1`).
+pub(in crate::ledger) const ACCOUNT_BALANCE: &str =
+    "SELECT balance_micros, held_micros FROM accounts WHERE id = $1";
+
 /// An account row's money (`balance_micros`, `held_micros`).
 pub(in crate::ledger) fn balance_from_row<R: SqlRow>(
     row: &R,
@@ -73,10 +77,7 @@ pub(in crate::ledger) async fn account<B: Backend>(
     let row = b
         .read()
         .await?
-        .optional(
-            super::money::ACCOUNT_BALANCE,
-            &[Arg::Text(account.as_str())],
-        )
+        .optional(ACCOUNT_BALANCE, &[Arg::Text(account.as_str())])
         .await?
         .ok_or_else(|| LedgerError::UnknownAccount(account.clone()))?;
     balance_from_row(&row)

@@ -104,10 +104,6 @@ pub(in crate::ledger) fn hold_refusal<R: SqlRow>(
     }
 }
 
-/// The account row a hold decides on: `SELECT balance_micros, held_micros` by id (`$1`).
-pub(in crate::ledger) const ACCOUNT_BALANCE: &str =
-    "SELECT balance_micros, held_micros FROM accounts WHERE id = $1";
-
 /// Inserts the hold row of a request whose amount was added to its account's `held_micros`
 /// ([`LedgerError::Duplicate`] `"hold"` when the request has one), recording `instance_id`
 /// when there is one.
@@ -347,9 +343,9 @@ async fn settle_once<B: Backend>(
         ],
     )
     .await?;
-    super::console::record_settlement(
+    super::console::rollup::record_settlement(
         &mut *tx,
-        super::console::SettledRow {
+        super::console::rollup::SettledRow {
             account: hold_account.as_str(),
             operator: operator.as_deref(),
             node: s.node.as_ref().map(NodeId::as_str),
@@ -555,7 +551,7 @@ async fn resolve_held_earnings_once<B: Backend>(
         );
         if let (true, Some(op)) = (pay, op.as_deref()) {
             // the console's earnings roll-up counts escrow once it is paid
-            super::console::record_paid_escrow(
+            super::console::rollup::record_paid_escrow(
                 &mut *tx,
                 op,
                 node.as_str(),

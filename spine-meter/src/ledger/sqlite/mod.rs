@@ -385,7 +385,10 @@ impl Backend for SqliteLedger {
             .await?;
         if updated == 0 {
             let row = tx
-                .optional(money::ACCOUNT_BALANCE, &[Arg::Text(hold.account.as_str())])
+                .optional(
+                    sql::accounts::ACCOUNT_BALANCE,
+                    &[Arg::Text(hold.account.as_str())],
+                )
                 .await?;
             tx.rollback().await.map_err(db)?;
             return Err(money::hold_refusal(row, hold));

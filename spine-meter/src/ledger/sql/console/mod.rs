@@ -6,13 +6,12 @@
 
 mod lists;
 mod platform;
-mod rollup;
+pub(in crate::ledger) mod rollup;
 mod store;
 
 pub(in crate::ledger) use platform::{
     platform_days, platform_discrepancies, platform_held, platform_nodes, platform_operators,
 };
-pub(in crate::ledger) use rollup::{record_paid_escrow, record_settlement, SettledRow};
 pub(in crate::ledger) use store::sql_console;
 
 use spine_core::{AccountId, ModelId, NodeId, OperatorId, StreamOutcome, Usage};
