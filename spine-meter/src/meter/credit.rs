@@ -26,9 +26,10 @@ pub const MAX_DELAYED_REFUSALS: usize = 1024;
 /// Body bytes a remembered refusal reads per delay: a refused request whose body is larger is
 /// held back one `refused_credit_delay` per started `REFUSED_BODY_BYTES_PER_DELAY` (a 4 MiB
 /// body, 16 delays: 4 s by default), up to [`MAX_REFUSED_DELAYS`]. Reading and dropping a body
-/// costs the gateway about 0.15 ms of CPU per MiB (the kernel's copy; measured in
-/// `docs/benchmarks.md`), so a closed-loop flood from one connection then costs the same CPU
-/// per second whatever its bodies' size: one small refusal's worth per delay.
+/// costs the gateway 0.15–0.22 ms of CPU per MiB (the kernel's copy; measured in
+/// `docs/benchmarks.md`: 0.7–0.9 ms for 4 MiB, 55 µs for a small body on the same machine), so a
+/// closed-loop flood from one connection then costs about the same CPU per second whatever its
+/// bodies' size: about one small refusal's worth per delay.
 pub const REFUSED_BODY_BYTES_PER_DELAY: usize = 256 * 1024;
 /// Most delays one remembered refusal is held back, whatever its body's size (16: 4 s by
 /// default, a 4 MiB body's share).
