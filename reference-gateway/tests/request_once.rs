@@ -15,8 +15,8 @@ use http_body::{Body, Frame};
 use http_body_util::{BodyExt, Full};
 use serde_json::{json, Value};
 use spine_core::{
-    AccountId, BoxBody, BoxError, BufferedRequest, EngineKind, ModelDescriptor, ModelId,
-    NodeDescriptor, OperatorId, RequestContext, RequestId, RequestKind, StreamOutcome, Usage,
+    AccountId, BoxBody, BoxError, BufferedRequest, ModelId, OperatorId, RequestContext, RequestId,
+    RequestKind, StreamOutcome, Usage,
 };
 use spine_meter::meter::{Catalog, CatalogEntry, MeterLayer};
 use spine_meter::{Ledger, Price, SqliteLedger, TokenCounter, TokenizerError};
@@ -92,20 +92,7 @@ async fn the_body_is_collected_once_and_the_router_sends_the_meters_buffer() {
     ledger.create_operator(&operator).await.unwrap();
     let node = ledger.register_node(&operator, "pk").await.unwrap();
     let registry = NodeRegistry::new();
-    registry.node_ready(
-        &node,
-        &NodeDescriptor {
-            engine: EngineKind::LlamaCpp,
-            models: vec![ModelDescriptor {
-                id: ModelId::new("m"),
-                max_context_tokens: None,
-                endpoints: None,
-            }],
-            vram_mib: 1,
-            max_concurrency: 4,
-            agent_version: "t".into(),
-        },
-    );
+    registry.node_ready(&node, &spine_test_support::node_serving("m", 4));
     let mut catalog = Catalog::new();
     catalog.insert(
         ModelId::new("m"),

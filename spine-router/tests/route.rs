@@ -10,8 +10,7 @@ use std::task::{Context, Poll};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use spine_core::{
-    BodyClassifier, BodySignal, BoxBody, BoxError, ClassifyBody, EngineKind, ModelDescriptor,
-    ModelId, NodeDescriptor, NodeId, NodeSlot,
+    BodyClassifier, BodySignal, BoxBody, BoxError, ClassifyBody, ModelId, NodeId, NodeSlot,
 };
 use spine_router::{AvoidNodes, NodeRegistry, RouteConfig, RouteError, RouteLayer};
 use tower::{Layer, ServiceExt};
@@ -979,22 +978,7 @@ async fn a_huge_stream_idle_timeout_does_not_panic() {
 /// nothing in flight; once "good" frees, the request is served there.
 #[tokio::test]
 async fn a_retry_waiting_in_the_queue_holds_no_slot_of_the_failed_node() {
-    let one_slot = |name: &str| {
-        (
-            NodeId::new(name),
-            NodeDescriptor {
-                engine: EngineKind::LlamaCpp,
-                models: vec![ModelDescriptor {
-                    id: ModelId::new("m"),
-                    max_context_tokens: None,
-                    endpoints: None,
-                }],
-                vram_mib: 1,
-                max_concurrency: 1,
-                agent_version: "t".into(),
-            },
-        )
-    };
+    let one_slot = |name: &str| (NodeId::new(name), spine_test_support::node_serving("m", 1));
     let r = NodeRegistry::new();
     let (good, d) = one_slot("good");
     r.node_ready(&good, &d);

@@ -376,3 +376,19 @@ pub fn workspace_path(path: &str) -> PathBuf {
         .map(|p| p.join(path))
         .unwrap_or_else(|| PathBuf::from(path))
 }
+
+/// A llama.cpp node serving the one model `model` (no context limit, every endpoint) with
+/// `max_concurrency` slots, as the routing tests register it.
+pub fn node_serving(model: &str, max_concurrency: u32) -> spine_core::NodeDescriptor {
+    spine_core::NodeDescriptor {
+        engine: spine_core::EngineKind::LlamaCpp,
+        models: vec![spine_core::ModelDescriptor {
+            id: spine_core::ModelId::new(model),
+            max_context_tokens: None,
+            endpoints: None,
+        }],
+        vram_mib: 1,
+        max_concurrency,
+        agent_version: "t".into(),
+    }
+}

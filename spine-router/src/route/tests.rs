@@ -4,9 +4,7 @@ use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
-use spine_core::{
-    BoxBody, BoxError, EngineKind, ModelDescriptor, ModelId, NodeDescriptor, NodeId, RequestPeek,
-};
+use spine_core::{BoxBody, BoxError, ModelId, NodeId, RequestPeek};
 use tower::{Layer, ServiceExt};
 
 use crate::affinity::{AffinityKey, AffinityStore};
@@ -56,20 +54,7 @@ impl AffinityStore for MapStore {
 fn registry() -> NodeRegistry {
     let r = NodeRegistry::new();
     for n in ["a", "b", "c", "d"] {
-        r.node_ready(
-            &NodeId::new(n),
-            &NodeDescriptor {
-                engine: EngineKind::LlamaCpp,
-                models: vec![ModelDescriptor {
-                    id: ModelId::new("m"),
-                    max_context_tokens: None,
-                    endpoints: None,
-                }],
-                vram_mib: 1,
-                max_concurrency: 64,
-                agent_version: "t".into(),
-            },
-        );
+        r.node_ready(&NodeId::new(n), &spine_test_support::node_serving("m", 64));
     }
     r
 }

@@ -3,29 +3,14 @@
 
 use bytes::Bytes;
 use http_body_util::{BodyExt as _, Full};
-use spine_core::{
-    BoxBody, EngineKind, ModelDescriptor, ModelId, NodeDescriptor, NodeId, NodeSlot, RequestPeek,
-};
+use spine_core::{BoxBody, ModelId, NodeId, NodeSlot, RequestPeek};
 use spine_router::NodeRegistry;
 
 /// A registry where each of `nodes` is ready, serving `m` with 4 slots.
 pub(crate) fn registry(nodes: &[&str]) -> NodeRegistry {
     let r = NodeRegistry::new();
     for n in nodes {
-        r.node_ready(
-            &NodeId::new(*n),
-            &NodeDescriptor {
-                engine: EngineKind::LlamaCpp,
-                models: vec![ModelDescriptor {
-                    id: ModelId::new("m"),
-                    max_context_tokens: None,
-                    endpoints: None,
-                }],
-                vram_mib: 1,
-                max_concurrency: 4,
-                agent_version: "t".into(),
-            },
-        );
+        r.node_ready(&NodeId::new(*n), &spine_test_support::node_serving("m", 4));
     }
     r
 }
