@@ -3,12 +3,14 @@
 //!
 //! # Behaviour
 //!
-//! - [`NodeRegistry::acquire`] picks at once when it can. When every node that could serve the
-//!   request (its model, endpoint and context; [`Needs`]) is at its `max_concurrency`, the request
-//!   joins its model's queue and waits up to [`QueueConfig::max_wait`]; past it,
-//!   [`RouteError::QueueTimeout`]. A model's queue holds at most [`QueueConfig::max_depth`]
-//!   requests; past it, [`RouteError::QueueFull`]. Both carry a `retry_after` computed from the
-//!   queue: its depth times the mean interval between two requests leaving it (clamped to
+//! - [`NodeRegistry::acquire`](crate::NodeRegistry::acquire) picks at once when it can. When
+//!   every node that could serve the request (its model, endpoint and context;
+//!   [`Needs`](crate::Needs)) is at its `max_concurrency`, the request joins its model's queue
+//!   and waits up to [`QueueConfig::max_wait`]; past it,
+//!   [`RouteError::QueueTimeout`](crate::RouteError::QueueTimeout). A model's queue holds at most
+//!   [`QueueConfig::max_depth`] requests; past it,
+//!   [`RouteError::QueueFull`](crate::RouteError::QueueFull). Both carry a `retry_after` computed
+//!   from the queue: its depth times the mean interval between two requests leaving it (clamped to
 //!   1 s…`max_wait`).
 //! - While a model has waiters, new requests for it queue behind them (no barging) and every
 //!   freed slot goes to the queue: when an [`InFlightLease`](crate::InFlightLease) is dropped,
@@ -23,17 +25,26 @@
 //!   ([`QueueTicket::weight`], 1…1,000, e.g. a per-key priority) gives a class that share of
 //!   the slots while several classes wait.
 //! - **At the depth limit** the class with the most waiters gives up its newest place to a
-//!   request of a class with fewer (that waiter gets [`RouteError::QueueFull`]); otherwise the
-//!   newcomer is refused. One account's burst cannot keep another account out of the queue.
+//!   request of a class with fewer (that waiter gets
+//!   [`RouteError::QueueFull`](crate::RouteError::QueueFull)); otherwise the newcomer is refused.
+//!   One account's burst cannot keep another account out of the queue.
 //! - **A caller that leaves** (its future dropped) leaves the queue at once and frees its place;
 //!   the slot it would have had goes to the next waiter. The caller pays nothing: the metering
 //!   layer above places its credit hold before routing and settles it `rejected` when no node
 //!   was picked (held at enqueue, released on leave).
 //! - **A node that goes away** while requests wait: waiters whose model no node serves any more
-//!   (or no node that fits them) fail at once with the matching [`RouteError`], not at the
-//!   deadline; the others keep waiting for the remaining nodes.
+//!   (or no node that fits them) fail at once with the matching
+//!   [`RouteError`](crate::RouteError), not at the deadline; the others keep waiting for the
+//!   remaining nodes.
 //! - A retry (after a node failed before its first byte) never waits: only a request's first
 //!   attempt queues.
+//!
+//! # Parts
+//!
+//! This module keeps the waiters: who waits for which model, in what order, for how long, and
+//! the statistics and metrics of each model's queue. It knows nothing of nodes: the registry
+//! decides whether a request can be served now, what a waiter is answered, and when a slot
+//! frees, and offers it to the waiters through this module.
 //!
 //! # Several gateway instances
 //!
@@ -51,17 +62,14 @@
 //! `failed`), `spine_router_queue_total{result}` (`queued`, `full` and the results above).
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use serde::Serialize;
-use spine_core::{ModelId, NodeId};
+use spine_core::ModelId;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
-
-use crate::registry::{Ask, Needs};
-use crate::{NodeRegistry, Pick, RouteError};
 
 /// Gauge: requests waiting, per model.
 pub const QUEUE_DEPTH_METRIC: &str = "spine_router_queue_depth";
@@ -79,7 +87,8 @@ pub const MAX_QUEUE_WEIGHT: u32 = 1000;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct QueueConfig {
     /// Longest wait for a slot. Default 30 s; `Duration::ZERO` disables the queue (a request
-    /// that finds every node full fails at once with [`RouteError::AtCapacity`]).
+    /// that finds every node full fails at once with
+    /// [`RouteError::AtCapacity`](crate::RouteError::AtCapacity)).
     pub max_wait: Duration,
     /// Most requests waiting per model. Default 1,024; 0 disables the queue.
     pub max_depth: usize,
@@ -95,7 +104,8 @@ impl Default for QueueConfig {
 }
 
 impl QueueConfig {
-    fn enabled(&self) -> bool {
+    /// Whether a request may wait at all (a `max_wait` and a `max_depth` above zero).
+    pub(crate) fn enabled(&self) -> bool {
         !self.max_wait.is_zero() && self.max_depth > 0
     }
 }
@@ -142,16 +152,42 @@ pub struct QueueSnapshot {
     pub retry_after_secs: u64,
 }
 
-type Reply = Result<Pick, RouteError>;
+/// Why a request got no reply from whoever serves the queue.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Unserved {
+    /// The model's queue is at [`QueueConfig::max_depth`] and no place could be freed for the
+    /// request's class, or its place went to another class's request. `retry_after`: the
+    /// queue's estimate of when a place frees (1 s…`max_wait`).
+    Full { retry_after: Duration },
+    /// The request waited until its deadline. `retry_after` as for `Full`.
+    Timeout { retry_after: Duration },
+    /// The queue was dropped while the request waited.
+    Closed,
+}
 
+/// What a waiter is told: the reply of whoever offered it a slot (`R`), or why none came.
+pub(crate) type Answer<R> = Result<R, Unserved>;
+
+/// What whoever serves the queue makes of one waiter when a slot may be free
+/// ([`WaitQueue::wake`]).
 #[derive(Debug)]
-struct Waiter {
+pub(crate) enum Offer<R> {
+    /// Nothing for this one now (the free slots do not fit it): it keeps its place, and the
+    /// waiters behind it are offered the slots.
+    Skip,
+    /// Served: `R` is its reply, and it counts as `served`.
+    Serve(R),
+    /// It can never be served as things stand: `R` is its reply, and it counts as `failed`.
+    Fail(R),
+}
+
+/// One waiting request: its class, when it came, what it asks (`T`) and where its answer goes.
+#[derive(Debug)]
+struct Waiter<T, R> {
     class: Arc<str>,
     enqueued: Instant,
-    preferred: Option<Option<NodeId>>,
-    exclude: Vec<NodeId>,
-    needs: Needs,
-    tx: oneshot::Sender<Reply>,
+    ask: T,
+    tx: oneshot::Sender<Answer<R>>,
 }
 
 #[derive(Debug, Default)]
@@ -160,10 +196,11 @@ struct ClassState {
     last_finish: u64,
 }
 
-#[derive(Debug, Default)]
-struct ModelQueue {
+/// One model's queue and its statistics.
+#[derive(Debug)]
+struct ModelQueue<T, R> {
     /// By (start tag, arrival): the next to serve first.
-    waiters: BTreeMap<(u64, u64), Waiter>,
+    waiters: BTreeMap<(u64, u64), Waiter<T, R>>,
     classes: HashMap<Arc<str>, ClassState>,
     vtime: u64,
     served: u64,
@@ -178,8 +215,26 @@ struct ModelQueue {
     last_mark: Option<Instant>,
 }
 
-impl ModelQueue {
-    fn remove(&mut self, key: (u64, u64)) -> Option<Waiter> {
+impl<T, R> Default for ModelQueue<T, R> {
+    fn default() -> Self {
+        Self {
+            waiters: BTreeMap::new(),
+            classes: HashMap::new(),
+            vtime: 0,
+            served: 0,
+            timed_out: 0,
+            refused_full: 0,
+            evicted: 0,
+            left: 0,
+            wait_ema_ms: None,
+            interval_ema_secs: None,
+            last_mark: None,
+        }
+    }
+}
+
+impl<T, R> ModelQueue<T, R> {
+    fn remove(&mut self, key: (u64, u64)) -> Option<Waiter<T, R>> {
         let w = self.waiters.remove(&key)?;
         if let Some(c) = self.classes.get_mut(&w.class) {
             c.waiting = c.waiting.saturating_sub(1);
@@ -193,6 +248,25 @@ impl ModelQueue {
             self.last_mark = None;
         }
         Some(w)
+    }
+
+    /// The waiter of start tag `key.0`, enqueued at `enqueued`, was served at `now` (and has
+    /// been removed): the virtual time, the count and the wait and interval EMAs move on.
+    fn served_at(&mut self, key: (u64, u64), enqueued: Instant, now: Instant) {
+        self.vtime = self.vtime.max(key.0);
+        self.served += 1;
+        #[allow(clippy::cast_precision_loss)]
+        let waited_ms = now.duration_since(enqueued).as_millis() as f64;
+        self.wait_ema_ms = Some(
+            self.wait_ema_ms
+                .map_or(waited_ms, |e| 0.8 * e + 0.2 * waited_ms),
+        );
+        if let Some(mark) = self.last_mark {
+            let dt = now.duration_since(mark).as_secs_f64();
+            self.interval_ema_secs =
+                Some(self.interval_ema_secs.map_or(dt, |e| 0.8 * e + 0.2 * dt));
+        }
+        self.last_mark = (!self.waiters.is_empty()).then_some(now);
     }
 
     fn retry_after(&self, max_wait: Duration) -> Duration {
@@ -214,12 +288,35 @@ impl ModelQueue {
         let depth = self.waiters.len() as f64;
         metrics::gauge!(QUEUE_DEPTH_METRIC, "model" => model.as_str().to_owned()).set(depth);
     }
+
+    fn snapshot(&self, model: &ModelId, now: Instant, max_wait: Duration) -> QueueSnapshot {
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        let mean_wait_ms = self.wait_ema_ms.map(|m| m.round() as u64);
+        QueueSnapshot {
+            model: model.clone(),
+            depth: self.waiters.len(),
+            accounts_waiting: self.classes.values().filter(|c| c.waiting > 0).count(),
+            oldest_wait_ms: self
+                .waiters
+                .values()
+                .map(|w| now.duration_since(w.enqueued))
+                .max()
+                .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+            served: self.served,
+            timed_out: self.timed_out,
+            refused_full: self.refused_full,
+            evicted: self.evicted,
+            left: self.left,
+            mean_wait_ms,
+            retry_after_secs: self.retry_after(max_wait).as_secs(),
+        }
+    }
 }
 
-/// The queues of one registry.
-#[derive(Debug, Default)]
-pub(crate) struct Queues {
-    models: HashMap<ModelId, ModelQueue>,
+#[derive(Debug)]
+struct Queues<T, R> {
+    models: HashMap<ModelId, ModelQueue<T, R>>,
+    /// Arrivals so far, over all models: the second half of a waiter's key.
     seq: u64,
 }
 
@@ -229,172 +326,86 @@ fn record_wait(model: &ModelId, result: &'static str, since: Instant) {
     metrics::counter!(QUEUE_METRIC, "result" => result).increment(1);
 }
 
-fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+/// The fair waiting lists of one registry, one per model, with their statistics and metrics.
+///
+/// `T`: what a waiter asks for, kept while it waits and shown to whoever offers it a slot
+/// ([`wake`](Self::wake)); `R`: the reply a waiter gets when it is served or fails. The queue
+/// knows nothing of nodes or slots: whoever owns it decides when to enqueue (and what to answer
+/// at once instead), and calls `wake` when capacity may have freed.
+///
+/// Locking: one mutex over all the lists. `enqueue`'s `admit` and `wake`'s closures run under
+/// it (so whoever owns the queue takes its own locks after this one, never before).
+#[derive(Debug)]
+pub(crate) struct WaitQueue<T, R> {
+    config: QueueConfig,
+    queues: Mutex<Queues<T, R>>,
+    /// Requests waiting in any list (read without the lock on every release).
+    waiting: AtomicUsize,
 }
 
-/// A place in a queue; leaves it when dropped (the caller went away).
-struct Place<'r> {
-    registry: &'r NodeRegistry,
-    model: ModelId,
-    key: (u64, u64),
-    rx: oneshot::Receiver<Reply>,
+/// The outcome of [`WaitQueue::enqueue`].
+pub(crate) enum Enqueued<'q, T, R> {
+    /// `admit` answered at once; nothing waits.
+    Answered(R),
+    /// The model's queue is at its depth and no place could be freed for this class; counted
+    /// as `full`. `retry_after` as for [`Unserved::Full`].
+    Full { retry_after: Duration },
+    /// The request has a place. `behind_others`: other requests of the model were waiting
+    /// already (a free slot they cannot use may suit this one: offer it with `wake`).
+    Waiting {
+        place: Place<'q, T, R>,
+        behind_others: bool,
+    },
 }
 
-impl Place<'_> {
-    /// Leaves the queue; `false` when the place was already gone (served, failed or evicted:
-    /// the answer is in `rx`).
-    fn leave(&self, result: &'static str) -> bool {
-        let mut queues = lock(&self.registry.inner.queues);
-        let Some(q) = queues.models.get_mut(&self.model) else {
-            return false;
-        };
-        let Some(w) = q.remove(self.key) else {
-            return false;
-        };
-        match result {
-            "timeout" => q.timed_out += 1,
-            _ => q.left += 1,
-        }
-        q.gauge(&self.model);
-        self.registry.inner.waiting.fetch_sub(1, Ordering::AcqRel);
-        record_wait(&self.model, result, w.enqueued);
-        true
-    }
-}
-
-impl Drop for Place<'_> {
-    fn drop(&mut self) {
-        // the lock is released before `rx` (and any pick sent into it) is dropped
-        self.leave("left");
-    }
-}
-
-impl NodeRegistry {
-    /// Picks a node for `ask`, waiting in the model's admission queue (see [`crate::queue`])
-    /// when every node that could serve it is full. `ticket`: the request's fairness class;
-    /// `None` (or the queue disabled in [`QueueConfig`]) never waits, as
-    /// [`NodeRegistry::pick_preferring`].
-    ///
-    /// # Errors
-    ///
-    /// [`RouteError::NoNodeForModel`], [`RouteError::Unsupported`],
-    /// [`RouteError::ContextLengthExceeded`] at once (or while waiting, when the nodes that could
-    /// serve it go away); [`RouteError::QueueFull`], [`RouteError::QueueTimeout`];
-    /// [`RouteError::AtCapacity`] when not queued.
-    ///
-    /// # Cancel safety
-    ///
-    /// Dropping the future leaves the queue at once; no slot is held for it.
-    pub async fn acquire(
-        &self,
-        ask: Ask<'_>,
-        ticket: Option<&QueueTicket>,
-    ) -> Result<Pick, RouteError> {
-        let deadline = Instant::now() + self.inner.config.queue.max_wait;
-        self.acquire_until(ask, ticket, deadline).await
-    }
-
-    /// As [`acquire`](Self::acquire), waiting at most until `deadline` (and never longer than
-    /// [`QueueConfig::max_wait`]): the several attempts of one request share one deadline. A
-    /// deadline already past does not wait.
-    ///
-    /// # Errors
-    ///
-    /// As [`acquire`](Self::acquire).
-    ///
-    /// # Cancel safety
-    ///
-    /// As [`acquire`](Self::acquire).
-    pub async fn acquire_until(
-        &self,
-        ask: Ask<'_>,
-        ticket: Option<&QueueTicket>,
-        deadline: Instant,
-    ) -> Result<Pick, RouteError> {
-        let config = self.inner.config.queue;
-        let ticket = ticket.filter(|_| Instant::now() < deadline);
-        let Some(ticket) = ticket.filter(|_| config.enabled()) else {
-            return self.pick_inner(ask, Instant::now());
-        };
-        let now = Instant::now();
-        let (place, behind_others) = {
-            let mut queues = lock(&self.inner.queues);
-            let behind_others = queues
-                .models
-                .get(ask.model)
-                .is_some_and(|q| !q.waiters.is_empty());
-            if behind_others {
-                // fail fast when no node could ever serve it; otherwise wait behind the others
-                self.servable(&ask)?;
-            } else {
-                match self.pick_inner(ask, now) {
-                    Err(RouteError::AtCapacity(_)) => {}
-                    other => return other,
-                }
-            }
-            let (tx, rx) = oneshot::channel();
-            let key = self.enqueue(&mut queues, &ask, ticket, tx, now, config)?;
-            (
-                Place {
-                    registry: self,
-                    model: ask.model.clone(),
-                    key,
-                    rx,
-                },
-                behind_others,
-            )
-        };
-        if behind_others {
-            // a slot may be free that the waiters ahead cannot use, or this one is first now
-            self.dispatch_models(std::slice::from_ref(ask.model), false);
-        }
-        self.wait(place, deadline.min(now + config.max_wait), config)
-            .await
-    }
-
-    async fn wait(
-        &self,
-        mut place: Place<'_>,
-        deadline: Instant,
-        config: QueueConfig,
-    ) -> Result<Pick, RouteError> {
-        match tokio::time::timeout_at(deadline, &mut place.rx).await {
-            Ok(Ok(reply)) => reply,
-            // the registry dropped the place without an answer: only when it is itself gone
-            Ok(Err(_)) => Err(RouteError::AtCapacity(place.model.clone())),
-            Err(_) => {
-                if !place.leave("timeout") {
-                    // answered at the deadline: take it
-                    if let Ok(reply) = place.rx.try_recv() {
-                        return reply;
-                    }
-                }
-                let retry_after = lock(&self.inner.queues)
-                    .models
-                    .get(&place.model)
-                    .map_or(Duration::from_secs(1), |q| q.retry_after(config.max_wait));
-                Err(RouteError::QueueTimeout {
-                    model: place.model.clone(),
-                    waited: config.max_wait,
-                    retry_after,
-                })
-            }
+impl<T, R> WaitQueue<T, R> {
+    /// An empty queue with `config`.
+    pub(crate) fn new(config: QueueConfig) -> Self {
+        Self {
+            config,
+            queues: Mutex::new(Queues {
+                models: HashMap::new(),
+                seq: 0,
+            }),
+            waiting: AtomicUsize::new(0),
         }
     }
 
-    fn enqueue(
+    fn lock(&self) -> MutexGuard<'_, Queues<T, R>> {
+        self.queues.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Requests waiting now, in all models' lists (no lock taken).
+    pub(crate) fn waiting(&self) -> usize {
+        self.waiting.load(Ordering::Acquire)
+    }
+
+    /// Puts a request of `ticket`'s class in `model`'s list at `now`, unless `admit` answers it
+    /// at once. `admit` runs under the queue's lock and is told whether others of the model are
+    /// waiting already; it returns what the request asks for (`Ok`, to wait) or its reply
+    /// (`Err`, not to wait). At the depth limit the class with the most waiters gives up its
+    /// newest place (that waiter is answered [`Unserved::Full`]) when it has at least two more
+    /// waiters than this class; otherwise the request is refused ([`Enqueued::Full`]).
+    pub(crate) fn enqueue(
         &self,
-        queues: &mut Queues,
-        ask: &Ask<'_>,
+        model: &ModelId,
         ticket: &QueueTicket,
-        tx: oneshot::Sender<Reply>,
         now: Instant,
-        config: QueueConfig,
-    ) -> Result<(u64, u64), RouteError> {
-        let q = queues.models.entry(ask.model.clone()).or_default();
+        admit: impl FnOnce(bool) -> Result<T, R>,
+    ) -> Enqueued<'_, T, R> {
+        let mut guard = self.lock();
+        let queues = &mut *guard;
+        let behind_others = queues
+            .models
+            .get(model)
+            .is_some_and(|q| !q.waiters.is_empty());
+        let ask = match admit(behind_others) {
+            Ok(ask) => ask,
+            Err(reply) => return Enqueued::Answered(reply),
+        };
+        let q = queues.models.entry(model.clone()).or_default();
         let class: Arc<str> = Arc::from(ticket.class.as_str());
-        if q.waiters.len() >= config.max_depth {
+        if q.waiters.len() >= self.config.max_depth {
             let mine = q.classes.get(&class).map_or(0, |c| c.waiting);
             let biggest = q
                 .classes
@@ -410,24 +421,18 @@ impl NodeRegistry {
                     .map(|(k, _)| *k),
                 _ => None,
             };
-            let retry_after = q.retry_after(config.max_wait);
+            let retry_after = q.retry_after(self.config.max_wait);
             let Some(victim) = victim else {
                 q.refused_full += 1;
                 metrics::counter!(QUEUE_METRIC, "result" => "full").increment(1);
-                return Err(RouteError::QueueFull {
-                    model: ask.model.clone(),
-                    retry_after,
-                });
+                return Enqueued::Full { retry_after };
             };
             if let Some(w) = q.remove(victim) {
                 q.evicted += 1;
-                self.inner.waiting.fetch_sub(1, Ordering::AcqRel);
-                record_wait(ask.model, "evicted", w.enqueued);
-                // an error, no lease: nothing is dropped under the lock but the message
-                let _ = w.tx.send(Err(RouteError::QueueFull {
-                    model: ask.model.clone(),
-                    retry_after,
-                }));
+                self.waiting.fetch_sub(1, Ordering::AcqRel);
+                record_wait(model, "evicted", w.enqueued);
+                // no reply of the server's: nothing is dropped under the lock but the message
+                let _ = w.tx.send(Err(Unserved::Full { retry_after }));
             }
         }
         let weight = u64::from(ticket.weight.clamp(1, MAX_QUEUE_WEIGHT));
@@ -440,127 +445,172 @@ impl NodeRegistry {
         state.waiting += 1;
         queues.seq += 1;
         let key = (start, queues.seq);
+        let (tx, rx) = oneshot::channel();
         q.waiters.insert(
             key,
             Waiter {
                 class,
                 enqueued: now,
-                preferred: ask.preferred.map(|p| p.cloned()),
-                exclude: ask.exclude.to_vec(),
-                needs: ask.needs,
+                ask,
                 tx,
             },
         );
-        q.gauge(ask.model);
-        self.inner.waiting.fetch_add(1, Ordering::AcqRel);
+        q.gauge(model);
+        self.waiting.fetch_add(1, Ordering::AcqRel);
         metrics::counter!(QUEUE_METRIC, "result" => "queued").increment(1);
-        Ok(key)
-    }
-
-    /// Offers free slots to the waiters of `models`, in fair order. `fail_unservable`: also
-    /// scan when no slot is free, failing the waiters no routable node could serve any more.
-    pub(crate) fn dispatch_models(&self, models: &[ModelId], fail_unservable: bool) {
-        for model in models {
-            // picks whose caller left between send and receive are dropped after the lock
-            let mut orphans: Vec<Pick> = Vec::new();
-            {
-                let mut queues = lock(&self.inner.queues);
-                let Some(q) = queues.models.get_mut(model) else {
-                    continue;
-                };
-                if q.waiters.is_empty() {
-                    continue;
-                }
-                let keys: Vec<(u64, u64)> = q.waiters.keys().copied().collect();
-                let now = Instant::now();
-                for key in keys {
-                    if !fail_unservable && self.free_slots(model) == 0 {
-                        break;
-                    }
-                    let Some(w) = q.waiters.get(&key) else {
-                        continue;
-                    };
-                    let ask = Ask {
-                        model,
-                        preferred: w.preferred.as_ref().map(Option::as_ref),
-                        exclude: &w.exclude,
-                        needs: w.needs,
-                    };
-                    let reply = match self.pick_inner(ask, now) {
-                        Err(RouteError::AtCapacity(_)) => continue,
-                        other => other,
-                    };
-                    let Some(w) = q.remove(key) else {
-                        // (cannot happen: the lock is held) never drop a lease under it
-                        if let Ok(pick) = reply {
-                            orphans.push(pick);
-                        }
-                        continue;
-                    };
-                    self.inner.waiting.fetch_sub(1, Ordering::AcqRel);
-                    if reply.is_ok() {
-                        q.vtime = q.vtime.max(key.0);
-                        q.served += 1;
-                        #[allow(clippy::cast_precision_loss)]
-                        let waited_ms = now.duration_since(w.enqueued).as_millis() as f64;
-                        q.wait_ema_ms = Some(
-                            q.wait_ema_ms
-                                .map_or(waited_ms, |e| 0.8 * e + 0.2 * waited_ms),
-                        );
-                        if let Some(mark) = q.last_mark {
-                            let dt = now.duration_since(mark).as_secs_f64();
-                            q.interval_ema_secs =
-                                Some(q.interval_ema_secs.map_or(dt, |e| 0.8 * e + 0.2 * dt));
-                        }
-                        q.last_mark = (!q.waiters.is_empty()).then_some(now);
-                        record_wait(model, "served", w.enqueued);
-                    } else {
-                        record_wait(model, "failed", w.enqueued);
-                    }
-                    if let Err(Ok(pick)) = w.tx.send(reply) {
-                        orphans.push(pick);
-                    }
-                }
-                q.gauge(model);
-            }
-            // each drop frees a slot and dispatches again, outside the lock
-            drop(orphans);
+        Enqueued::Waiting {
+            place: Place {
+                queue: self,
+                model: model.clone(),
+                key,
+                rx,
+            },
+            behind_others,
         }
     }
 
-    /// Every model's queue now, sorted by model.
-    pub fn queue_snapshot(&self) -> Vec<QueueSnapshot> {
-        let queues = lock(&self.inner.queues);
+    /// Offers `model`'s waiters a slot, in fair order: `offer` is asked about each (with the
+    /// time of this round) and says whether it is served, fails or is skipped. Before each,
+    /// `has_slot` is asked whether a slot may still be free; `scan_all` asks every waiter
+    /// regardless (to fail those that can never be served). Both closures run under the queue's
+    /// lock; replies whose caller has left are dropped after it.
+    pub(crate) fn wake(
+        &self,
+        model: &ModelId,
+        scan_all: bool,
+        mut has_slot: impl FnMut() -> bool,
+        mut offer: impl FnMut(&T, Instant) -> Offer<R>,
+    ) {
+        // replies whose caller left between send and receive are dropped after the lock: a
+        // reply may hold a slot, whose release wakes the queue again
+        let mut orphans: Vec<R> = Vec::new();
+        {
+            let mut queues = self.lock();
+            let Some(q) = queues.models.get_mut(model) else {
+                return;
+            };
+            if q.waiters.is_empty() {
+                return;
+            }
+            let keys: Vec<(u64, u64)> = q.waiters.keys().copied().collect();
+            let now = Instant::now();
+            for key in keys {
+                if !scan_all && !has_slot() {
+                    break;
+                }
+                let Some(w) = q.waiters.get(&key) else {
+                    continue;
+                };
+                let (reply, served) = match offer(&w.ask, now) {
+                    Offer::Skip => continue,
+                    Offer::Serve(reply) => (reply, true),
+                    Offer::Fail(reply) => (reply, false),
+                };
+                let Some(w) = q.remove(key) else {
+                    // (cannot happen: the lock is held) never drop a reply under it
+                    orphans.push(reply);
+                    continue;
+                };
+                self.waiting.fetch_sub(1, Ordering::AcqRel);
+                if served {
+                    q.served_at(key, w.enqueued, now);
+                    record_wait(model, "served", w.enqueued);
+                } else {
+                    record_wait(model, "failed", w.enqueued);
+                }
+                if let Err(Ok(reply)) = w.tx.send(Ok(reply)) {
+                    orphans.push(reply);
+                }
+            }
+            q.gauge(model);
+        }
+        drop(orphans);
+    }
+
+    /// Every model's list now, sorted by model.
+    pub(crate) fn snapshot(&self) -> Vec<QueueSnapshot> {
+        let queues = self.lock();
         let now = Instant::now();
-        let max_wait = self.inner.config.queue.max_wait;
         let mut out: Vec<QueueSnapshot> = queues
             .models
             .iter()
-            .map(|(model, q)| {
-                #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
-                let mean_wait_ms = q.wait_ema_ms.map(|m| m.round() as u64);
-                QueueSnapshot {
-                    model: model.clone(),
-                    depth: q.waiters.len(),
-                    accounts_waiting: q.classes.values().filter(|c| c.waiting > 0).count(),
-                    oldest_wait_ms: q
-                        .waiters
-                        .values()
-                        .map(|w| now.duration_since(w.enqueued))
-                        .max()
-                        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
-                    served: q.served,
-                    timed_out: q.timed_out,
-                    refused_full: q.refused_full,
-                    evicted: q.evicted,
-                    left: q.left,
-                    mean_wait_ms,
-                    retry_after_secs: q.retry_after(max_wait).as_secs(),
-                }
-            })
+            .map(|(model, q)| q.snapshot(model, now, self.config.max_wait))
             .collect();
         out.sort_by(|a, b| a.model.cmp(&b.model));
         out
+    }
+
+    /// `model`'s `Retry-After` now: 1 s when nothing of it was ever queued.
+    fn retry_after(&self, model: &ModelId) -> Duration {
+        self.lock()
+            .models
+            .get(model)
+            .map_or(Duration::from_secs(1), |q| {
+                q.retry_after(self.config.max_wait)
+            })
+    }
+}
+
+/// A request's place in a [`WaitQueue`]; leaves it when dropped (the caller went away).
+pub(crate) struct Place<'q, T, R> {
+    queue: &'q WaitQueue<T, R>,
+    model: ModelId,
+    key: (u64, u64),
+    rx: oneshot::Receiver<Answer<R>>,
+}
+
+impl<T, R> Place<'_, T, R> {
+    /// Waits for the answer until `deadline`; past it, leaves the queue (counted as `timeout`)
+    /// and answers [`Unserved::Timeout`], unless the answer came at the deadline.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future drops the place: the request leaves the queue at once (counted as
+    /// `left`), and a reply sent meanwhile is dropped after the queue's lock is released.
+    pub(crate) async fn wait(mut self, deadline: Instant) -> Answer<R> {
+        match tokio::time::timeout_at(deadline, &mut self.rx).await {
+            Ok(Ok(answer)) => answer,
+            // the queue dropped the place without an answer: only when it is itself gone
+            Ok(Err(_)) => Err(Unserved::Closed),
+            Err(_) => {
+                if !self.leave("timeout") {
+                    // answered at the deadline: take it
+                    if let Ok(answer) = self.rx.try_recv() {
+                        return answer;
+                    }
+                }
+                Err(Unserved::Timeout {
+                    retry_after: self.queue.retry_after(&self.model),
+                })
+            }
+        }
+    }
+
+    /// Leaves the queue; `false` when the place was already gone (served, failed or evicted:
+    /// the answer is in `rx`).
+    fn leave(&self, result: &'static str) -> bool {
+        let mut queues = self.queue.lock();
+        let Some(q) = queues.models.get_mut(&self.model) else {
+            return false;
+        };
+        let Some(w) = q.remove(self.key) else {
+            return false;
+        };
+        match result {
+            "timeout" => q.timed_out += 1,
+            _ => q.left += 1,
+        }
+        q.gauge(&self.model);
+        self.queue.waiting.fetch_sub(1, Ordering::AcqRel);
+        record_wait(&self.model, result, w.enqueued);
+        true
+    }
+}
+
+impl<T, R> Drop for Place<'_, T, R> {
+    fn drop(&mut self) {
+        // the lock is released before `rx` (and any reply sent into it) is dropped
+        self.leave("left");
     }
 }
 

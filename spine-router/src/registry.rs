@@ -1,20 +1,29 @@
+//! The node registry (design brief §5): the routable nodes, their capacity and scores, the
+//! affinity table, and the pick. `acquire` holds the picks that may wait in the admission queue
+//! ([`crate::queue`]); `ask` what a request asks of a pick.
+
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock, Weak};
 use std::time::Duration;
 
 use rand::Rng;
 use serde::Serialize;
-use spine_core::{ModelId, ModelTrust, NodeDescriptor, NodeId, RequestKind};
+use spine_core::{ModelId, ModelTrust, NodeDescriptor, NodeId};
 use tokio::time::Instant;
 
 use crate::affinity::{AffinityKey, AffinityTable, StickyOutcome};
-use crate::queue::Queues;
+use crate::queue::WaitQueue;
 use crate::score::{weight, ScoreConfig, ScoreParts, ScoreState};
 
+mod acquire;
+mod ask;
 mod config;
 mod error;
 
+use ask::QueuedAsk;
+
+pub use ask::{Ask, Needs};
 pub use config::RegistryConfig;
 pub use error::RouteError;
 
@@ -57,15 +66,14 @@ struct NodeEntry {
 }
 
 #[derive(Debug)]
-pub(crate) struct Inner {
-    pub(crate) config: RegistryConfig,
+struct Inner {
+    config: RegistryConfig,
     nodes: RwLock<HashMap<NodeId, NodeEntry>>,
     stats: Mutex<HashMap<NodeId, Arc<Mutex<NodeStats>>>>,
     affinity: Mutex<AffinityTable>,
-    /// The admission queues; lock order: `queues`, then `nodes`, then a node's `stats`.
-    pub(crate) queues: Mutex<Queues>,
-    /// Requests waiting in any queue (read without the lock on every release).
-    pub(crate) waiting: AtomicUsize,
+    /// The admission queues, with the requests that wait in them (see [`crate::queue`]); lock
+    /// order: `queue`, then `nodes`, then a node's `stats`.
+    queue: WaitQueue<QueuedAsk, Result<Pick, RouteError>>,
     /// Who says whether a node may serve a model (the auditor); `None`: every node may.
     trust: TrustSlot,
 }
@@ -88,7 +96,7 @@ impl std::fmt::Debug for TrustSlot {
 /// held only for map operations. Time is `tokio::time::Instant` (tests use the paused clock).
 #[derive(Debug, Clone)]
 pub struct NodeRegistry {
-    pub(crate) inner: Arc<Inner>,
+    inner: Arc<Inner>,
 }
 
 impl Default for NodeRegistry {
@@ -149,34 +157,11 @@ impl Drop for InFlightLease {
     fn drop(&mut self) {
         self.counter.fetch_sub(1, Ordering::AcqRel);
         if let Some(inner) = self.registry.upgrade() {
-            if inner.waiting.load(Ordering::Acquire) > 0 {
+            if inner.queue.waiting() > 0 {
                 NodeRegistry { inner }.slots_changed(&self.node, false);
             }
         }
     }
-}
-
-/// What a request needs from a node besides its model: routing filters from the node's
-/// advertised capabilities ([`ModelDescriptor`](spine_core::ModelDescriptor)).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Needs {
-    /// The endpoint; `None`: any node of the model will do.
-    pub kind: Option<RequestKind>,
-    /// The longest prompt, tokens: only nodes whose context window is larger (or unknown) fit.
-    pub prompt_tokens: Option<u64>,
-}
-
-/// One pick asked of the registry: [`NodeRegistry::acquire`].
-#[derive(Clone, Copy, Debug)]
-pub struct Ask<'a> {
-    /// The model.
-    pub model: &'a ModelId,
-    /// The affinity preference, as for [`NodeRegistry::pick_preferring`].
-    pub preferred: Option<Option<&'a NodeId>>,
-    /// Nodes not to pick (tried already).
-    pub exclude: &'a [NodeId],
-    /// Capability filters.
-    pub needs: Needs,
 }
 
 /// The result of [`NodeRegistry::pick_for`].
@@ -260,8 +245,7 @@ impl NodeRegistry {
                 config,
                 nodes: RwLock::default(),
                 stats: Mutex::default(),
-                queues: Mutex::default(),
-                waiting: AtomicUsize::new(0),
+                queue: WaitQueue::new(config.queue),
                 trust: TrustSlot::default(),
             }),
         }
@@ -352,7 +336,7 @@ impl NodeRegistry {
     /// `node`'s free slots changed (a lease dropped, the node joined): serve the queues of its
     /// models. Cheap when nothing waits.
     pub(crate) fn slots_changed(&self, node: &NodeId, fail_unservable: bool) {
-        if self.inner.waiting.load(Ordering::Acquire) == 0 {
+        if self.inner.queue.waiting() == 0 {
             return;
         }
         let models: Vec<ModelId> = {
