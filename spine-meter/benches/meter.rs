@@ -42,7 +42,7 @@ use spine_core::{AccountId, BoxBody, BoxError, ModelId, NodeId, OperatorId, Requ
 use spine_meter::meter::{Catalog, CatalogEntry, MeterLayer};
 use spine_meter::sse::{SseEvent, SseParser};
 use spine_meter::{ModelTokenizer, Price, SqliteLedger};
-use spine_test_support::{full, NodeService, ScriptedBody};
+use spine_test_support::{full, ScriptedBody, UpstreamService};
 use tower::{Layer, Service, ServiceExt};
 
 fn fixture(name: &str) -> Vec<u8> {
@@ -192,7 +192,7 @@ async fn ledger_and_catalog(
 
 /// A node that reads the request's body and answers `body()` as `content_type`, its `NodeId`
 /// in the response's extensions.
-fn node_answering<B, F>(node: NodeId, content_type: &'static str, body: F) -> impl NodeService
+fn node_answering<B, F>(node: NodeId, content_type: &'static str, body: F) -> impl UpstreamService
 where
     B: Body<Data = Bytes, Error = BoxError> + Send + 'static,
     F: Fn() -> B + Clone + Send + 'static,

@@ -13,7 +13,7 @@ use spine_core::{
     BodyClassifier, BodySignal, BoxBody, BoxError, ClassifyBody, ModelId, NodeId, NodeSlot,
 };
 use spine_router::{AvoidNodes, NodeRegistry, RouteConfig, RouteError, RouteLayer};
-use spine_test_support::{full, NodeService, ScriptedBody};
+use spine_test_support::{full, ScriptedBody, UpstreamService};
 use tower::{Layer, ServiceExt};
 
 mod common;
@@ -138,7 +138,7 @@ fn sse(chunks: Vec<Result<&'static str, &'static str>>) -> http::Response<BoxBod
 #[derive(Clone, Default)]
 struct Log(Arc<Mutex<Vec<(NodeId, Bytes)>>>);
 
-fn upstream(scripts: HashMap<&'static str, Script>, log: Log) -> impl NodeService {
+fn upstream(scripts: HashMap<&'static str, Script>, log: Log) -> impl UpstreamService {
     let scripts = Arc::new(scripts);
     tower::service_fn(move |req: http::Request<BoxBody>| {
         let scripts = scripts.clone();

@@ -72,11 +72,12 @@ impl Body for ScriptedBody {
     }
 }
 
-/// The bounds the router's and the meter's layers ask of their inner service, as the suites
-/// fake a node with one: requests and responses with bodies `B` ([`BoxBody`] unless said),
-/// `BoxError`, a `Send` future. Implemented for every such service
-/// (`fn upstream() -> impl NodeService`).
-pub trait NodeService<B = BoxBody>:
+/// The bounds the router's and the meter's layers ask of the service behind them, as the suites
+/// fake a node (upstream of the layer) with one: requests and responses with bodies `B`
+/// ([`BoxBody`] unless said), `BoxError`, a `Send` future. Implemented for every such service
+/// (`fn upstream() -> impl UpstreamService`). Not the node's own local service, which the tunnel
+/// serves: that is `spine_transport::NodeService`.
+pub trait UpstreamService<B = BoxBody>:
     tower::Service<
         http::Request<B>,
         Response = http::Response<B>,
@@ -88,7 +89,7 @@ pub trait NodeService<B = BoxBody>:
 {
 }
 
-impl<S, B> NodeService<B> for S where
+impl<S, B> UpstreamService<B> for S where
     S: tower::Service<
             http::Request<B>,
             Response = http::Response<B>,

@@ -8,7 +8,7 @@
 //! - [`ReplayEngine`]: a fake engine on a real socket replaying recorded bytes in given reads.
 //! - [`FakeEngine`]: fakes of vLLM, Ollama and SGLang following their documented API shapes.
 //! - [`CutProxy`]: a TCP proxy in front of a real server that a test cuts, stalls and restores.
-//! - [`ScriptedBody`], [`full`] and [`NodeService`]: in-memory bodies, and the shape of a fake
+//! - [`ScriptedBody`], [`full`] and [`UpstreamService`]: in-memory bodies, and the shape of a fake
 //!   node behind the router's and the meter's layers.
 #![allow(clippy::print_stdout)]
 
@@ -26,7 +26,7 @@ mod gateway;
 mod pg;
 mod proxy;
 mod replay;
-pub use body::{full, NodeService, ScriptedBody};
+pub use body::{full, ScriptedBody, UpstreamService};
 pub use fakes::{FakeEngine, FakeKind, SeenRequest};
 pub use gateway::{GatewayToml, Ready};
 pub use pg::{pg_server_url, random_hex, with_database, PgDb, DEFAULT_PG_URL};

@@ -13,7 +13,7 @@ use serde_json::{json, Value};
 use spine_core::{
     AccountId, BoxBody, BoxError, ModelId, NodeId, OperatorId, RequestId, StreamOutcome, Usage,
 };
-use spine_test_support::{full, NodeService, ScriptedBody};
+use spine_test_support::{full, ScriptedBody, UpstreamService};
 use tower::{Layer, Service, ServiceExt};
 
 use super::*;
@@ -115,7 +115,7 @@ impl Harness {
         content_type: &'static str,
         body: impl Into<Bytes>,
         end: End,
-    ) -> Meter<impl NodeService> {
+    ) -> Meter<impl UpstreamService> {
         self.layer(2048)
             .audit(tap)
             .layer(self.inner(200, content_type, vec![body.into()], end))
@@ -129,7 +129,7 @@ impl Harness {
         content_type: &'static str,
         reads: Vec<Bytes>,
         end: End,
-    ) -> impl NodeService {
+    ) -> impl UpstreamService {
         let node = self.node.clone();
         let upstream = self.upstream.clone();
         tower::service_fn(move |req: http::Request<BoxBody>| {
@@ -585,7 +585,7 @@ fn pending_inner(
     node: Option<NodeId>,
     reached: Arc<tokio::sync::Notify>,
     fail: bool,
-) -> impl NodeService {
+) -> impl UpstreamService {
     tower::service_fn(move |req: http::Request<BoxBody>| {
         let node = node.clone();
         let reached = reached.clone();
@@ -1260,7 +1260,7 @@ impl Harness {
         layer: MeterLayer,
         content_type: &'static str,
         body: F,
-    ) -> (Meter<impl NodeService>, Slot)
+    ) -> (Meter<impl UpstreamService>, Slot)
     where
         B: Body<Data = Bytes, Error = BoxError> + Send + 'static,
         F: Fn() -> B + Clone + Send + 'static,

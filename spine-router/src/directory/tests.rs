@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 
-use spine_test_support::NodeService;
+use spine_test_support::UpstreamService;
 
 use super::*;
 
@@ -29,7 +29,7 @@ impl NodeDirectory for MapDirectory {
 }
 
 /// Answers with a body naming who served, and the owner it saw.
-fn svc(name: &'static str) -> impl NodeService<String> {
+fn svc(name: &'static str) -> impl UpstreamService<String> {
     tower::service_fn(move |req: http::Request<String>| async move {
         let owner = req
             .extensions()

@@ -4,7 +4,7 @@ use std::sync::{Arc, Mutex};
 
 use http_body_util::BodyExt;
 use spine_core::{BoxBody, BoxError, ModelId, NodeId, RequestPeek};
-use spine_test_support::{full, NodeService};
+use spine_test_support::{full, UpstreamService};
 use tower::{Layer, ServiceExt};
 
 use crate::affinity::{AffinityKey, AffinityStore};
@@ -77,14 +77,14 @@ fn request() -> http::Request<BoxBody> {
 }
 
 /// Answers 200 and says which node it was.
-fn upstream() -> impl NodeService {
+fn upstream() -> impl UpstreamService {
     tower::service_fn(|req: http::Request<BoxBody>| async move {
         let node = req.extensions().get::<NodeId>().cloned().unwrap();
         Ok::<_, BoxError>(http::Response::new(full(node.as_str().to_owned())))
     })
 }
 
-async fn served(svc: &Route<impl NodeService>) -> String {
+async fn served(svc: &Route<impl UpstreamService>) -> String {
     let resp = svc.clone().oneshot(request()).await.unwrap();
     let body = resp.into_body().collect().await.unwrap().to_bytes();
     String::from_utf8(body.to_vec()).unwrap()
