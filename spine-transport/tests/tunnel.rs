@@ -14,9 +14,9 @@ use hyper::body::{Frame, Incoming};
 use spine_core::{BoxBody, ModelId, NodeDescriptor, NodeId};
 use spine_transport::handshake::{AgentMessage, Hello};
 use spine_transport::{
-    client_config_with_ca, self_signed_cert, server_config_from_pem, NodeIdentity, RefusalReason,
-    StaticAuthenticator, TunnelClient, TunnelClientConfig, TunnelError, TunnelEvents, TunnelServer,
-    TunnelServerConfig, Tunnels,
+    client_config_with_ca, self_signed_cert, server_config_from_pem, NodeIdentity, NodeService,
+    RefusalReason, StaticAuthenticator, TunnelClient, TunnelClientConfig, TunnelError,
+    TunnelEvents, TunnelServer, TunnelServerConfig, Tunnels,
 };
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::{TcpListener, TcpStream};
@@ -216,16 +216,7 @@ impl Agent {
         }
     }
 
-    fn service(
-        &self,
-    ) -> impl tower::Service<
-        Request<Incoming>,
-        Response = Response<BoxBody>,
-        Error = Infallible,
-        Future = impl Send + 'static,
-    > + Clone
-           + Send
-           + 'static {
+    fn service(&self) -> impl NodeService {
         let agent = self.clone();
         tower::service_fn(move |req: Request<Incoming>| {
             let agent = agent.clone();
@@ -942,16 +933,7 @@ struct Hangable {
 }
 
 impl Hangable {
-    fn service(
-        &self,
-    ) -> impl tower::Service<
-        Request<Incoming>,
-        Response = Response<BoxBody>,
-        Error = Infallible,
-        Future = impl Send + 'static,
-    > + Clone
-           + Send
-           + 'static {
+    fn service(&self) -> impl NodeService {
         let hung = self.hung.clone();
         tower::service_fn(move |req: Request<Incoming>| {
             let hung = hung.clone();
