@@ -31,20 +31,18 @@
 //! are skipped with a message. Run: `cargo bench -p spine-meter --bench meter`.
 #![allow(missing_docs, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::collections::VecDeque;
 use std::path::PathBuf;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use http_body::{Body, Frame};
+use http_body::Body;
 use http_body_util::BodyExt;
-use spine_core::{AccountId, BoxBody, BoxError, ModelId, OperatorId, RequestId};
+use spine_core::{AccountId, BoxBody, BoxError, ModelId, NodeId, OperatorId, RequestId};
 use spine_meter::meter::{Catalog, CatalogEntry, MeterLayer};
 use spine_meter::sse::{SseEvent, SseParser};
 use spine_meter::{ModelTokenizer, Price, SqliteLedger};
+use spine_test_support::{full, ScriptedBody, UpstreamService};
 use tower::{Layer, Service, ServiceExt};
 
 fn fixture(name: &str) -> Vec<u8> {
@@ -118,20 +116,6 @@ fn sse_parse(c: &mut Criterion) {
     group.finish();
 }
 
-/// A node body that yields each event as its own frame.
-struct Replay(VecDeque<Bytes>);
-
-impl Body for Replay {
-    type Data = Bytes;
-    type Error = BoxError;
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        _cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        Poll::Ready(self.0.pop_front().map(|b| Ok(Frame::data(b))))
-    }
-}
-
 /// llama.cpp-shaped stream of `tokens` content chunks, a finish chunk, a usage chunk, `[DONE]`.
 fn node_stream(tokens: usize) -> Vec<Bytes> {
     let chunk = |choices: &str, extra: &str| {
@@ -161,38 +145,94 @@ fn node_stream(tokens: usize) -> Vec<Bytes> {
     out
 }
 
-fn meter_body(c: &mut Criterion) {
-    let Some(gguf) = model_gguf() else { return };
+/// The SmolLM2 tokenizer and a current-thread runtime, for the groups that meter requests;
+/// `None` without the model.
+fn tokenizer_and_runtime() -> Option<(Arc<ModelTokenizer>, tokio::runtime::Runtime)> {
+    let gguf = model_gguf()?;
     let tokenizer = Arc::new(ModelTokenizer::from_gguf(&gguf).unwrap());
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .unwrap();
+    Some((tokenizer, rt))
+}
+
+/// An in-memory SQLite ledger where `funded` holds more credit than a run spends and each of
+/// `unfunded` nothing, with one node (operator `op`); and a catalog of `smollm2` at `price`
+/// (8192-token context).
+async fn ledger_and_catalog(
+    tokenizer: Arc<ModelTokenizer>,
+    funded: &AccountId,
+    unfunded: &[&AccountId],
+    price: Price,
+) -> (Arc<SqliteLedger>, Catalog, NodeId) {
+    let ledger = Arc::new(SqliteLedger::in_memory().await.unwrap());
+    for account in unfunded {
+        ledger.create_account(account).await.unwrap();
+    }
+    ledger.create_account(funded).await.unwrap();
+    ledger
+        .add_credits(funded, 1_000_000_000_000_000, "bench")
+        .await
+        .unwrap();
+    let operator = OperatorId::from("op");
+    ledger.create_operator(&operator).await.unwrap();
+    let node = ledger.register_node(&operator, "pk").await.unwrap();
+    let mut catalog = Catalog::new();
+    catalog.insert(
+        ModelId::from("smollm2"),
+        CatalogEntry {
+            tokenizer,
+            price,
+            max_context_tokens: 8192,
+        },
+    );
+    (ledger, catalog, node)
+}
+
+/// A node that reads the request's body and answers `body()` as `content_type`, its `NodeId`
+/// in the response's extensions.
+fn node_answering<B, F>(node: NodeId, content_type: &'static str, body: F) -> impl UpstreamService
+where
+    B: Body<Data = Bytes, Error = BoxError> + Send + 'static,
+    F: Fn() -> B + Clone + Send + 'static,
+{
+    tower::service_fn(move |req: http::Request<BoxBody>| {
+        let (node, body) = (node.clone(), body.clone());
+        async move {
+            let _ = req.into_body().collect().await?;
+            let mut resp = http::Response::new(BoxBody::new(body()));
+            resp.headers_mut().insert(
+                http::header::CONTENT_TYPE,
+                http::HeaderValue::from_static(content_type),
+            );
+            resp.extensions_mut().insert(node);
+            Ok::<_, BoxError>(resp)
+        }
+    })
+}
+
+/// `POST /v1/chat/completions` with `body`, as request `id` of `account`.
+fn chat_request(body: &Bytes, account: &AccountId, id: String) -> http::Request<BoxBody> {
+    let mut req = http::Request::post("/v1/chat/completions")
+        .body(full(body.clone()))
+        .unwrap();
+    req.extensions_mut().insert(RequestId::from(id));
+    req.extensions_mut().insert(account.clone());
+    req
+}
+
+fn meter_body(c: &mut Criterion) {
+    let Some((tokenizer, rt)) = tokenizer_and_runtime() else {
+        return;
+    };
     let account = AccountId::from("bench");
-    let (layer, node) = rt.block_on(async {
-        let ledger = Arc::new(SqliteLedger::in_memory().await.unwrap());
-        ledger.create_account(&account).await.unwrap();
-        ledger
-            .add_credits(&account, 1_000_000_000_000_000, "bench")
-            .await
-            .unwrap();
-        let operator = OperatorId::from("op");
-        ledger.create_operator(&operator).await.unwrap();
-        let node = ledger.register_node(&operator, "pk").await.unwrap();
-        let mut catalog = Catalog::new();
-        catalog.insert(
-            ModelId::from("smollm2"),
-            CatalogEntry {
-                tokenizer,
-                price: Price {
-                    input_micros_per_mtok: 1,
-                    output_micros_per_mtok: 1,
-                },
-                max_context_tokens: 8192,
-            },
-        );
-        (MeterLayer::new(ledger, catalog), node)
-    });
+    let price = Price {
+        input_micros_per_mtok: 1,
+        output_micros_per_mtok: 1,
+    };
+    let (ledger, catalog, node) = rt.block_on(ledger_and_catalog(tokenizer, &account, &[], price));
+    let layer = MeterLayer::new(ledger, catalog);
     let mut group = c.benchmark_group("meter_body");
     // request ids must be unique across the whole run (the ledger refuses a second hold)
     let mut i = 0u64;
@@ -202,20 +242,8 @@ fn meter_body(c: &mut Criterion) {
             r#"{{"model":"smollm2","max_tokens":{tokens},"stream":true,"messages":[{{"role":"user","content":"Say the word the, many times."}}]}}"#
         ));
         group.throughput(Throughput::Elements(reads.len() as u64));
-        let node = node.clone();
-        let inner = tower::service_fn(move |req: http::Request<BoxBody>| {
-            let reads = reads.clone();
-            let node = node.clone();
-            async move {
-                let _ = req.into_body().collect().await?;
-                let mut resp = http::Response::new(BoxBody::new(Replay(reads.into())));
-                resp.headers_mut().insert(
-                    http::header::CONTENT_TYPE,
-                    http::HeaderValue::from_static("text/event-stream"),
-                );
-                resp.extensions_mut().insert(node);
-                Ok::<_, BoxError>(resp)
-            }
+        let inner = node_answering(node.clone(), "text/event-stream", move || {
+            ScriptedBody::data(reads.clone())
         });
         let mut svc = layer.layer(inner);
         let settlements = layer.settlements();
@@ -226,15 +254,7 @@ fn meter_body(c: &mut Criterion) {
                 b.iter(|| {
                     rt.block_on(async {
                         i += 1;
-                        let mut req = http::Request::post("/v1/chat/completions")
-                            .body(BoxBody::new(
-                                http_body_util::Full::new(request_body.clone())
-                                    .map_err(|never| match never {}),
-                            ))
-                            .unwrap();
-                        req.extensions_mut()
-                            .insert(RequestId::from(format!("req_{i}")));
-                        req.extensions_mut().insert(account.clone());
+                        let req = chat_request(&request_body, &account, format!("req_{i}"));
                         let resp = svc.ready().await.unwrap().call(req).await.unwrap();
                         let mut body = resp.into_body();
                         let mut frames = 0usize;
@@ -313,38 +333,16 @@ fn token_counting(c: &mut Criterion) {
 }
 
 fn refused_credit(c: &mut Criterion) {
-    let Some(gguf) = model_gguf() else { return };
-    let tokenizer = Arc::new(ModelTokenizer::from_gguf(&gguf).unwrap());
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
+    let Some((tokenizer, rt)) = tokenizer_and_runtime() else {
+        return;
+    };
     let (poor, rich) = (AccountId::from("poor"), AccountId::from("rich"));
-    let (ledger, catalog, node) = rt.block_on(async {
-        let ledger = Arc::new(SqliteLedger::in_memory().await.unwrap());
-        ledger.create_account(&poor).await.unwrap();
-        ledger.create_account(&rich).await.unwrap();
-        ledger
-            .add_credits(&rich, 1_000_000_000_000_000, "bench")
-            .await
-            .unwrap();
-        let operator = OperatorId::from("op");
-        ledger.create_operator(&operator).await.unwrap();
-        let node = ledger.register_node(&operator, "pk").await.unwrap();
-        let mut catalog = Catalog::new();
-        catalog.insert(
-            ModelId::from("smollm2"),
-            CatalogEntry {
-                tokenizer,
-                price: Price {
-                    input_micros_per_mtok: 150_000,
-                    output_micros_per_mtok: 600_000,
-                },
-                max_context_tokens: 8192,
-            },
-        );
-        (ledger, catalog, node)
-    });
+    let price = Price {
+        input_micros_per_mtok: 150_000,
+        output_micros_per_mtok: 600_000,
+    };
+    let (ledger, catalog, node) =
+        rt.block_on(ledger_and_catalog(tokenizer, &rich, &[&poor], price));
     // 4 MiB of prose: far over the context, but the credit check comes first
     let prompt =
         "The quick brown fox jumps over the lazy dog. ".repeat((4 * 1024 * 1024 - 1024) / 45);
@@ -357,31 +355,7 @@ fn refused_credit(c: &mut Criterion) {
     let answer = Bytes::from_static(
         br#"{"id":"c","object":"chat.completion","created":1,"model":"smollm2","choices":[{"index":0,"message":{"role":"assistant","content":"Hi!"},"finish_reason":"stop"}]}"#,
     );
-    let inner = tower::service_fn(move |req: http::Request<BoxBody>| {
-        let (node, answer) = (node.clone(), answer.clone());
-        async move {
-            let _ = req.into_body().collect().await?;
-            let mut resp = http::Response::new(BoxBody::new(
-                http_body_util::Full::new(answer).map_err(|never| match never {}),
-            ));
-            resp.headers_mut().insert(
-                http::header::CONTENT_TYPE,
-                http::HeaderValue::from_static("application/json"),
-            );
-            resp.extensions_mut().insert(node);
-            Ok::<_, BoxError>(resp)
-        }
-    });
-    let request = |body: &Bytes, account: &AccountId, id: String| {
-        let mut req = http::Request::post("/v1/chat/completions")
-            .body(BoxBody::new(
-                http_body_util::Full::new(body.clone()).map_err(|never| match never {}),
-            ))
-            .unwrap();
-        req.extensions_mut().insert(RequestId::from(id));
-        req.extensions_mut().insert(account.clone());
-        req
-    };
+    let inner = node_answering(node, "application/json", move || full(answer.clone()));
     let mut group = c.benchmark_group("refused_credit");
     group.sample_size(10);
     let mut i = 0u64;
@@ -391,7 +365,7 @@ fn refused_credit(c: &mut Criterion) {
             let svc = MeterLayer::new(ledger.clone(), catalog.clone()).layer(inner.clone());
             i += 1;
             let err = rt
-                .block_on(svc.oneshot(request(&big, &poor, format!("f{i}"))))
+                .block_on(svc.oneshot(chat_request(&big, &poor, format!("f{i}"))))
                 .unwrap_err();
             // counted whole, then refused (the prompt is also over the context window: the
             // same work, done before either refusal)
@@ -410,7 +384,7 @@ fn refused_credit(c: &mut Criterion) {
             .ready()
             .await
             .unwrap()
-            .call(request(&small, &poor, "seen".into()))
+            .call(chat_request(&small, &poor, "seen".into()))
             .await
             .unwrap_err();
         assert!(err.to_string().contains("insufficient"), "{err}");
@@ -424,7 +398,7 @@ fn refused_credit(c: &mut Criterion) {
                     svc.ready()
                         .await
                         .unwrap()
-                        .call(request(&big, &poor, format!("r{i}")))
+                        .call(chat_request(&big, &poor, format!("r{i}")))
                         .await
                 })
                 .unwrap_err();
@@ -439,7 +413,7 @@ fn refused_credit(c: &mut Criterion) {
                     .ready()
                     .await
                     .unwrap()
-                    .call(request(&small, &rich, format!("p{i}")))
+                    .call(chat_request(&small, &rich, format!("p{i}")))
                     .await
                     .unwrap();
                 let _ = resp.into_body().collect().await.unwrap();

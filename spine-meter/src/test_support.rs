@@ -198,11 +198,8 @@ pub(crate) fn chat_request(
     account: spine_core::AccountId,
     body: bytes::Bytes,
 ) -> http::Request<spine_core::BoxBody> {
-    use http_body_util::BodyExt as _;
     let mut req = http::Request::post("/v1/chat/completions")
-        .body(spine_core::BoxBody::new(
-            http_body_util::Full::new(body).map_err(|never| match never {}),
-        ))
+        .body(spine_test_support::full(body))
         .unwrap();
     req.extensions_mut().insert(spine_core::RequestId::from(id));
     req.extensions_mut().insert(account);

@@ -9,6 +9,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, StreamBody};
 use spine_core::{BodyClassifier, BodySignal, BoxBody, BoxError, ClassifyBody};
 use spine_router::{NodeRegistry, ReadAheadLayer, RouteLayer};
+use spine_test_support::UpstreamService;
 use tower::{Layer, Service, ServiceExt};
 
 mod common;
@@ -37,14 +38,7 @@ impl ClassifyBody for AnyData {
 }
 
 /// A node generating `FRAMES` events, one every 10 ms (300 ms of generation).
-fn upstream() -> impl Service<
-    http::Request<BoxBody>,
-    Response = http::Response<BoxBody>,
-    Error = BoxError,
-    Future = impl Send,
-> + Clone
-       + Send
-       + 'static {
+fn upstream() -> impl UpstreamService {
     tower::service_fn(|_req: http::Request<BoxBody>| async {
         let frames = futures_util::stream::unfold(0usize, |i| async move {
             if i == FRAMES {

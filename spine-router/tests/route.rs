@@ -2,17 +2,18 @@
 //! same body on every attempt; each attempt recorded against its own node.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
+use http_body_util::BodyExt;
 use spine_core::{
     BodyClassifier, BodySignal, BoxBody, BoxError, ClassifyBody, ModelId, NodeId, NodeSlot,
 };
 use spine_router::{AvoidNodes, NodeRegistry, RouteConfig, RouteError, RouteLayer};
+use spine_test_support::{full, ScriptedBody, UpstreamService};
 use tower::{Layer, ServiceExt};
 
 mod common;
@@ -115,67 +116,29 @@ fn is_gateway_full(e: &BoxError) -> bool {
     e.downcast_ref::<GatewayFull>().is_some()
 }
 
-/// A body that never yields a frame.
-struct Silent;
-
-impl http_body::Body for Silent {
-    type Data = Bytes;
-    type Error = BoxError;
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        _cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<http_body::Frame<Bytes>, BoxError>>> {
-        Poll::Pending
-    }
-}
-
 fn status(code: u16, body: &'static str) -> http::Response<BoxBody> {
     http::Response::builder()
         .status(code)
-        .body(BoxBody::new(
-            Full::new(Bytes::from_static(body.as_bytes())).map_err(|n| match n {}),
-        ))
+        .body(full(body))
         .unwrap()
 }
 
-/// A body of scripted frames: `Ok` is a data frame, `Err` a body error.
-struct Frames(VecDeque<Result<&'static str, &'static str>>);
-
-impl http_body::Body for Frames {
-    type Data = Bytes;
-    type Error = BoxError;
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        _cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<http_body::Frame<Bytes>, BoxError>>> {
-        Poll::Ready(self.0.pop_front().map(|c| match c {
-            Ok(s) => Ok(http_body::Frame::data(Bytes::from_static(s.as_bytes()))),
-            Err(e) => Err(e.into()),
-        }))
-    }
-}
-
+/// A streamed answer of scripted frames: `Ok` is a data frame, `Err` a body error.
 fn sse(chunks: Vec<Result<&'static str, &'static str>>) -> http::Response<BoxBody> {
     http::Response::builder()
         .header("content-type", "text/event-stream")
-        .body(BoxBody::new(Frames(chunks.into_iter().collect())))
+        .body(BoxBody::new(ScriptedBody::frames(
+            chunks
+                .into_iter()
+                .map(|c| c.map(Bytes::from).map_err(|e| e.to_owned())),
+        )))
         .unwrap()
 }
 
 #[derive(Clone, Default)]
 struct Log(Arc<Mutex<Vec<(NodeId, Bytes)>>>);
 
-fn upstream(
-    scripts: HashMap<&'static str, Script>,
-    log: Log,
-) -> impl tower::Service<
-    http::Request<BoxBody>,
-    Response = http::Response<BoxBody>,
-    Error = BoxError,
-    Future = impl Send,
-> + Clone
-       + Send
-       + 'static {
+fn upstream(scripts: HashMap<&'static str, Script>, log: Log) -> impl UpstreamService {
     let scripts = Arc::new(scripts);
     tower::service_fn(move |req: http::Request<BoxBody>| {
         let scripts = scripts.clone();
@@ -201,9 +164,7 @@ fn upstream(
                 ])),
                 Script::Status503 => Ok(http::Response::builder()
                     .status(503)
-                    .body(BoxBody::new(
-                        Full::new(Bytes::from_static(b"busy")).map_err(|n| match n {}),
-                    ))
+                    .body(full("busy"))
                     .unwrap()),
                 Script::Status500 => Ok(status(500, "Failed to parse tools")),
                 Script::ConnectError => Err::<_, BoxError>("connect refused".into()),
@@ -223,7 +184,7 @@ fn upstream(
                 Script::FullTwice => unreachable!("resolved above"),
                 Script::SilentBody => Ok(http::Response::builder()
                     .header("content-type", "text/event-stream")
-                    .body(BoxBody::new(Silent))
+                    .body(BoxBody::new(ScriptedBody::default().hang()))
                     .unwrap()),
                 Script::SilentHead => std::future::pending().await,
             }

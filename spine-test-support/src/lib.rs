@@ -8,6 +8,8 @@
 //! - [`ReplayEngine`]: a fake engine on a real socket replaying recorded bytes in given reads.
 //! - [`FakeEngine`]: fakes of vLLM, Ollama and SGLang following their documented API shapes.
 //! - [`CutProxy`]: a TCP proxy in front of a real server that a test cuts, stalls and restores.
+//! - [`ScriptedBody`], [`full`] and [`UpstreamService`]: in-memory bodies, and the shape of a fake
+//!   node behind the router's and the meter's layers.
 #![allow(clippy::print_stdout)]
 
 use std::path::{Path, PathBuf};
@@ -18,11 +20,13 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Command;
 
+mod body;
 pub mod fakes;
 mod gateway;
 mod pg;
 mod proxy;
 mod replay;
+pub use body::{full, ScriptedBody, UpstreamService};
 pub use fakes::{FakeEngine, FakeKind, SeenRequest};
 pub use gateway::{GatewayToml, Ready};
 pub use pg::{pg_server_url, random_hex, with_database, PgDb, DEFAULT_PG_URL};

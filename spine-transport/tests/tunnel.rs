@@ -14,9 +14,9 @@ use hyper::body::{Frame, Incoming};
 use spine_core::{BoxBody, ModelId, NodeDescriptor, NodeId};
 use spine_transport::handshake::{AgentMessage, Hello};
 use spine_transport::{
-    client_config_with_ca, self_signed_cert, server_config_from_pem, NodeIdentity, RefusalReason,
-    StaticAuthenticator, TunnelClient, TunnelClientConfig, TunnelError, TunnelEvents, TunnelServer,
-    TunnelServerConfig, Tunnels,
+    client_config_with_ca, self_signed_cert, server_config_from_pem, NodeIdentity, NodeService,
+    RefusalReason, StaticAuthenticator, TunnelClient, TunnelClientConfig, TunnelError,
+    TunnelEvents, TunnelServer, TunnelServerConfig, Tunnels,
 };
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::{TcpListener, TcpStream};
@@ -99,6 +99,14 @@ impl Gateway {
         }
     }
 
+    /// A gateway with `config`, and a healthy agent served as its registered node, ready.
+    async fn serving(config: TunnelServerConfig) -> (Self, Agent, ServeTask) {
+        let mut gw = Self::start(config).await;
+        let agent = Agent::new(true);
+        let serve = gw.serve_ready(&agent).await;
+        (gw, agent, serve)
+    }
+
     fn client(&self, identity: NodeIdentity) -> TunnelClient {
         self.client_at(self.port, identity, descriptor())
     }
@@ -168,6 +176,18 @@ impl Gateway {
             .expect("events open")
     }
 
+    /// The next event is the registered node's `node_ready`, with the descriptor it advertised.
+    async fn expect_ready(&mut self) {
+        let ready = Event::Ready(self.node.clone(), descriptor());
+        assert_eq!(self.next_event().await, ready);
+    }
+
+    /// The next event is the registered node's `node_gone`.
+    async fn expect_gone(&mut self) {
+        let gone = Event::Gone(self.node.clone());
+        assert_eq!(self.next_event().await, gone);
+    }
+
     /// A raw TLS + WebSocket connection, for speaking the handshake by hand.
     async fn raw_ws(&self) -> RawWs {
         common::raw_ws(self.port, &self.ca_pem).await
@@ -196,16 +216,7 @@ impl Agent {
         }
     }
 
-    fn service(
-        &self,
-    ) -> impl tower::Service<
-        Request<Incoming>,
-        Response = Response<BoxBody>,
-        Error = Infallible,
-        Future = impl Send + 'static,
-    > + Clone
-           + Send
-           + 'static {
+    fn service(&self) -> impl NodeService {
         let agent = self.clone();
         tower::service_fn(move |req: Request<Incoming>| {
             let agent = agent.clone();
@@ -284,6 +295,15 @@ async fn finish_stream(tx: mpsc::Sender<Bytes>, resp: Response<BoxBody>, last: &
     assert_eq!(&body[..], last);
 }
 
+/// The error `body` fails with, within `within` (never data, never a hang).
+async fn body_error(body: &mut BoxBody, within: Duration) -> spine_core::BoxError {
+    tokio::time::timeout(within, body.frame())
+        .await
+        .expect("the body fails in time")
+        .expect("a frame result")
+        .expect_err("an error, not data")
+}
+
 fn hello_text(hello: Hello) -> Message {
     Message::text(serde_json::to_string(&AgentMessage::Hello(hello)).unwrap())
 }
@@ -297,10 +317,7 @@ async fn handshake_accepted_and_round_trip_with_streamed_body() {
     assert_eq!(session.node_id(), &gw.node);
     let serve = tokio::spawn(session.serve(agent.service()));
 
-    assert_eq!(
-        gw.next_event().await,
-        Event::Ready(gw.node.clone(), descriptor())
-    );
+    gw.expect_ready().await;
     assert_eq!(
         gw.tunnels.connected(),
         vec![(gw.node.clone(), descriptor())]
@@ -348,7 +365,7 @@ async fn handshake_accepted_and_round_trip_with_streamed_body() {
     assert_eq!(rest, Bytes::new());
 
     serve.abort();
-    assert_eq!(gw.next_event().await, Event::Gone(gw.node.clone()));
+    gw.expect_gone().await;
 }
 
 #[tokio::test]
@@ -492,9 +509,7 @@ async fn malformed_and_future_hellos_are_refused() {
 
 #[tokio::test]
 async fn second_session_for_a_live_node_is_refused() {
-    let mut gw = Gateway::start(TunnelServerConfig::default()).await;
-    let agent = Agent::new(true);
-    let serve = gw.serve_ready(&agent).await;
+    let (gw, _agent, serve) = Gateway::serving(TunnelServerConfig::default()).await;
 
     let err = gw.client(gw.identity.clone()).connect().await.unwrap_err();
     assert_eq!(err.refusal(), Some(RefusalReason::DuplicateSession));
@@ -520,13 +535,10 @@ async fn node_ready_only_after_the_health_probe_passes() {
     assert!(gw.tunnels.contains(&gw.node));
 
     agent.healthy.store(true, Ordering::SeqCst);
-    assert_eq!(
-        gw.next_event().await,
-        Event::Ready(gw.node.clone(), descriptor())
-    );
+    gw.expect_ready().await;
     assert_eq!(gw.tunnels.connected().len(), 1);
     serve.abort();
-    assert_eq!(gw.next_event().await, Event::Gone(gw.node.clone()));
+    gw.expect_gone().await;
 }
 
 #[tokio::test]
@@ -545,15 +557,11 @@ async fn node_gone_when_the_agent_drops_and_it_can_come_back() {
     let (tx, resp) = gw.open_stream(&agent).await;
     let mut body = resp.into_body();
     serve.abort();
-    let err = tokio::time::timeout(WAIT, body.frame())
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap_err();
+    let err = body_error(&mut body, WAIT).await;
     assert!(!err.to_string().is_empty());
     drop(tx);
 
-    assert_eq!(gw.next_event().await, Event::Gone(gw.node.clone()));
+    gw.expect_gone().await;
     assert!(gw.tunnels.connected().is_empty());
     let err = gw.send("GET", "/health").await.unwrap_err();
     assert!(err.is_unknown_node());
@@ -563,7 +571,7 @@ async fn node_gone_when_the_agent_drops_and_it_can_come_back() {
     let serve = tokio::spawn(session.serve(agent.service()));
     assert!(matches!(gw.next_event().await, Event::Ready(..)));
     serve.abort();
-    assert_eq!(gw.next_event().await, Event::Gone(gw.node.clone()));
+    gw.expect_gone().await;
 }
 
 #[tokio::test]
@@ -689,12 +697,19 @@ impl FreezableRelay {
     }
 }
 
-/// A relay in front of `gw`, and `agent` served through it as the registered node, ready.
-async fn serve_ready_through_relay(gw: &mut Gateway, agent: &Agent) -> (FreezableRelay, ServeTask) {
-    let relay = FreezableRelay::start(gw.port).await;
-    let relayed = gw.client_at(relay.port, gw.identity.clone(), descriptor());
-    let serve = gw.serve_ready_as(relayed, agent).await;
-    (relay, serve)
+impl Gateway {
+    /// A gateway with `config`, a relay in front of it, and a healthy agent served through the
+    /// relay as the registered node, ready.
+    async fn serving_through_relay(
+        config: TunnelServerConfig,
+    ) -> (Self, Agent, FreezableRelay, ServeTask) {
+        let mut gw = Self::start(config).await;
+        let agent = Agent::new(true);
+        let relay = FreezableRelay::start(gw.port).await;
+        let relayed = gw.client_at(relay.port, gw.identity.clone(), descriptor());
+        let serve = gw.serve_ready_as(relayed, &agent).await;
+        (gw, agent, relay, serve)
+    }
 }
 
 #[tokio::test]
@@ -705,9 +720,7 @@ async fn frozen_agent_is_detected_within_two_ping_intervals_and_in_flight_fails(
     config.keepalive_timeout = Duration::from_millis(500);
     // keep the health loop quiet so only keepalive can notice
     config.health_check_interval = Duration::from_secs(600);
-    let mut gw = Gateway::start(config).await;
-    let agent = Agent::new(true);
-    let (relay, serve) = serve_ready_through_relay(&mut gw, &agent).await;
+    let (mut gw, agent, relay, serve) = Gateway::serving_through_relay(config).await;
 
     let (_tx, resp) = gw.open_stream(&agent).await;
     let mut body = resp.into_body();
@@ -715,13 +728,9 @@ async fn frozen_agent_is_detected_within_two_ping_intervals_and_in_flight_fails(
     relay.freeze();
     let frozen_at = tokio::time::Instant::now();
     // the in-flight body fails with an error (never hangs), and the node is gone
-    let err = tokio::time::timeout(WAIT, body.frame())
-        .await
-        .expect("body fails in time")
-        .expect("a frame result")
-        .expect_err("an error, not data");
+    let err = body_error(&mut body, WAIT).await;
     let failed_after = frozen_at.elapsed();
-    assert_eq!(gw.next_event().await, Event::Gone(gw.node.clone()));
+    gw.expect_gone().await;
     let gone_after = frozen_at.elapsed();
     assert!(
         gone_after <= 2 * ping + Duration::from_millis(300),
@@ -737,9 +746,7 @@ async fn dead_old_session_is_taken_over_by_the_reconnecting_node() {
     let mut config = TunnelServerConfig::default();
     config.takeover_probe_timeout = Duration::from_millis(500);
     config.health_probe_interval = Duration::from_millis(50);
-    let mut gw = Gateway::start(config).await;
-    let agent = Agent::new(true);
-    let (relay, old_serve) = serve_ready_through_relay(&mut gw, &agent).await;
+    let (mut gw, agent, relay, old_serve) = Gateway::serving_through_relay(config).await;
 
     // a stream in flight on the old session
     let (_tx, resp) = gw.open_stream(&agent).await;
@@ -751,18 +758,11 @@ async fn dead_old_session_is_taken_over_by_the_reconnecting_node() {
     let new = gw.client(gw.identity.clone()).connect().await.unwrap();
     let accepted_after = started.elapsed();
     // the replaced session's stream fails at once, not at keepalive
-    let err = tokio::time::timeout(Duration::from_secs(1), old_body.frame())
-        .await
-        .expect("old stream fails promptly")
-        .expect("a frame result")
-        .expect_err("an error");
+    let err = body_error(&mut old_body, Duration::from_secs(1)).await;
     assert!(!err.to_string().is_empty());
     let new_serve = tokio::spawn(new.serve(agent.service()));
-    assert_eq!(gw.next_event().await, Event::Gone(gw.node.clone()));
-    assert_eq!(
-        gw.next_event().await,
-        Event::Ready(gw.node.clone(), descriptor())
-    );
+    gw.expect_gone().await;
+    gw.expect_ready().await;
     let serving_after = started.elapsed();
     assert!(
         accepted_after >= Duration::from_millis(500),
@@ -784,9 +784,7 @@ async fn failing_probes_take_the_node_out_of_routing_and_back() {
     config.health_probe_interval = Duration::from_millis(50);
     config.health_check_interval = Duration::from_millis(100);
     config.health_failures_to_leave = 2;
-    let mut gw = Gateway::start(config).await;
-    let agent = Agent::new(true);
-    let serve = gw.serve_ready(&agent).await;
+    let (mut gw, agent, serve) = Gateway::serving(config).await;
     let status = gw.tunnels.status(&gw.node).unwrap();
     assert_eq!(status.state, spine_transport::TunnelState::Ready);
     assert_eq!(status.max_streams, 4);
@@ -801,7 +799,7 @@ async fn failing_probes_take_the_node_out_of_routing_and_back() {
     );
 
     agent.healthy.store(false, Ordering::SeqCst);
-    assert_eq!(gw.next_event().await, Event::Gone(gw.node.clone()));
+    gw.expect_gone().await;
     let status = gw.tunnels.status(&gw.node).unwrap();
     assert_eq!(status.state, spine_transport::TunnelState::Unhealthy);
     assert!(status.consecutive_probe_failures >= 2);
@@ -810,12 +808,9 @@ async fn failing_probes_take_the_node_out_of_routing_and_back() {
     assert!(gw.tunnels.contains(&gw.node));
 
     agent.healthy.store(true, Ordering::SeqCst);
-    assert_eq!(
-        gw.next_event().await,
-        Event::Ready(gw.node.clone(), descriptor())
-    );
+    gw.expect_ready().await;
     serve.abort();
-    assert_eq!(gw.next_event().await, Event::Gone(gw.node.clone()));
+    gw.expect_gone().await;
 }
 
 #[tokio::test]
@@ -823,9 +818,7 @@ async fn heartbeats_come_with_probes_at_most_once_a_second() {
     let mut config = TunnelServerConfig::default();
     config.health_probe_interval = Duration::from_millis(20);
     config.health_check_interval = Duration::from_millis(20);
-    let mut gw = Gateway::start(config).await;
-    let agent = Agent::new(true);
-    let serve = gw.serve_ready(&agent).await;
+    let (gw, _agent, serve) = Gateway::serving(config).await;
     // ~75 probes pass in 1.5 s; heartbeats are capped at one per second
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let beats = gw.heartbeats.load(Ordering::SeqCst);
@@ -894,9 +887,7 @@ async fn a_busy_node_still_answers_probes_and_stays_routable() {
 async fn a_full_node_is_refused_before_any_byte_and_frees_its_stream() {
     let mut config = TunnelServerConfig::default();
     config.max_streams_per_node = 1;
-    let mut gw = Gateway::start(config).await;
-    let agent = Agent::new(true);
-    let serve = gw.serve_ready(&agent).await;
+    let (gw, agent, serve) = Gateway::serving(config).await;
 
     let (tx, resp) = gw.open_stream(&agent).await;
     assert_eq!(gw.tunnels.status(&gw.node).unwrap().streams_open, 1);
@@ -931,7 +922,7 @@ async fn graceful_shutdown_finishes_in_flight_then_closes() {
     finish_stream(tx, resp, b"last").await;
     let res = tokio::time::timeout(WAIT, serve).await.unwrap().unwrap();
     assert!(res.is_ok(), "{res:?}");
-    assert_eq!(gw.next_event().await, Event::Gone(gw.node.clone()));
+    gw.expect_gone().await;
 }
 
 /// An engine that can hang (SIGSTOP, as the agent sees it): while `hung`, `/health` and new
@@ -942,16 +933,7 @@ struct Hangable {
 }
 
 impl Hangable {
-    fn service(
-        &self,
-    ) -> impl tower::Service<
-        Request<Incoming>,
-        Response = Response<BoxBody>,
-        Error = Infallible,
-        Future = impl Send + 'static,
-    > + Clone
-           + Send
-           + 'static {
+    fn service(&self) -> impl NodeService {
         let hung = self.hung.clone();
         tower::service_fn(move |req: Request<Incoming>| {
             let hung = hung.clone();
@@ -1013,7 +995,7 @@ async fn a_hung_engine_with_requests_in_flight_leaves_routing_within_the_stall_b
         (res.map(|_| ()), tokio::time::Instant::now())
     });
 
-    assert_eq!(gw.next_event().await, Event::Gone(gw.node.clone()));
+    gw.expect_gone().await;
     let left_after = hung_at.elapsed();
     eprintln!("hung node left routing after {left_after:?}");
     // bound: 300 ms quiet + 50 ms tick + 300 ms probe = 650 ms; the regular probes alone would
@@ -1040,10 +1022,7 @@ async fn a_hung_engine_with_requests_in_flight_leaves_routing_within_the_stall_b
 
     // the engine resumes: the next probe passes and the node is back
     engine.hung.store(false, Ordering::SeqCst);
-    assert_eq!(
-        gw.next_event().await,
-        Event::Ready(gw.node.clone(), descriptor())
-    );
+    gw.expect_ready().await;
     drop(slow);
     serve.abort();
 }
@@ -1057,9 +1036,7 @@ async fn quiet_streams_with_a_passing_probe_are_not_a_stall() {
     config.health_check_interval = Duration::from_secs(10);
     config.health_probe_timeout = Duration::from_millis(300);
     config.stall_timeout = Duration::from_millis(100);
-    let mut gw = Gateway::start(config).await;
-    let agent = Agent::new(true);
-    let serve = gw.serve_ready(&agent).await;
+    let (mut gw, agent, serve) = Gateway::serving(config).await;
     let (tx, resp) = gw.open_stream(&agent).await;
     let ok_before = gw
         .tunnels

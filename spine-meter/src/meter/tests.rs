@@ -8,11 +8,12 @@ use std::task::{Context, Poll};
 use crate::Ledger;
 use bytes::Bytes;
 use http_body::{Body, Frame};
-use http_body_util::{BodyExt, Full};
+use http_body_util::BodyExt;
 use serde_json::{json, Value};
 use spine_core::{
     AccountId, BoxBody, BoxError, ModelId, NodeId, OperatorId, RequestId, StreamOutcome, Usage,
 };
+use spine_test_support::{full, ScriptedBody, UpstreamService};
 use tower::{Layer, Service, ServiceExt};
 
 use super::*;
@@ -28,13 +29,7 @@ const PRICE: Price = Price {
     output_micros_per_mtok: 2_000_000,
 };
 
-/// A node body replaying reads; then ends, fails, or hangs forever.
-#[derive(Debug)]
-struct Replay {
-    reads: VecDeque<Bytes>,
-    end: End,
-}
-
+/// How a node's body ends after its reads: it ends, fails, or hangs forever.
 #[derive(Debug, Clone, Copy)]
 enum End {
     Eof,
@@ -42,21 +37,13 @@ enum End {
     Hang,
 }
 
-impl Body for Replay {
-    type Data = Bytes;
-    type Error = BoxError;
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        _cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        if let Some(b) = self.reads.pop_front() {
-            return Poll::Ready(Some(Ok(Frame::data(b))));
-        }
-        match self.end {
-            End::Eof => Poll::Ready(None),
-            End::Error => Poll::Ready(Some(Err("node connection reset".into()))),
-            End::Hang => Poll::Pending,
-        }
+/// A node body replaying `reads`, then ending as `end` says.
+fn replay(reads: Vec<Bytes>, end: End) -> ScriptedBody {
+    let body = ScriptedBody::data(reads);
+    match end {
+        End::Eof => body,
+        End::Error => body.fail("node connection reset"),
+        End::Hang => body.hang(),
     }
 }
 
@@ -120,6 +107,20 @@ impl Harness {
             .events(self.events.clone())
     }
 
+    /// The metering layer (a context window of 2048 tokens) offering to `tap`, over a fake node
+    /// ([`Self::inner`]) answering 200 with `body` in one read as `content_type`, then `end`.
+    fn audited(
+        &self,
+        tap: Arc<dyn crate::audit::AuditTap>,
+        content_type: &'static str,
+        body: impl Into<Bytes>,
+        end: End,
+    ) -> Meter<impl UpstreamService> {
+        self.layer(2048)
+            .audit(tap)
+            .layer(self.inner(200, content_type, vec![body.into()], end))
+    }
+
     /// A fake node: records the upstream body, answers `status` with `reads` then `end`, and
     /// puts its `NodeId` into the response extensions.
     fn inner(
@@ -128,14 +129,7 @@ impl Harness {
         content_type: &'static str,
         reads: Vec<Bytes>,
         end: End,
-    ) -> impl Service<
-        http::Request<BoxBody>,
-        Response = http::Response<BoxBody>,
-        Error = BoxError,
-        Future = impl Send + 'static,
-    > + Clone
-           + Send
-           + 'static {
+    ) -> impl UpstreamService {
         let node = self.node.clone();
         let upstream = self.upstream.clone();
         tower::service_fn(move |req: http::Request<BoxBody>| {
@@ -146,10 +140,7 @@ impl Harness {
                 assert!(req.extensions().get::<spine_core::RequestPeek>().is_some());
                 let body = req.into_body().collect().await?.to_bytes();
                 *upstream.lock().unwrap() = Some(body);
-                let body = BoxBody::new(Replay {
-                    reads: reads.into(),
-                    end,
-                });
+                let body = BoxBody::new(replay(reads, end));
                 let mut resp = node_response(node, content_type, body);
                 *resp.status_mut() = http::StatusCode::from_u16(status).unwrap();
                 Ok::<_, BoxError>(resp)
@@ -157,9 +148,30 @@ impl Harness {
         })
     }
 
+    /// The caller's account.
+    async fn balance(&self) -> crate::AccountBalance {
+        self.ledger.account(&self.account).await.unwrap()
+    }
+
+    /// What the node's operator has earned.
+    async fn operator_earned(&self) -> u64 {
+        self.ledger
+            .operator_earned_micros(&self.operator)
+            .await
+            .unwrap()
+    }
+
+    /// The ledger's record of request `id`.
+    async fn record(&self, id: &str) -> Option<crate::RequestRecord> {
+        self.ledger
+            .request_record(RequestId::from(id))
+            .await
+            .unwrap()
+    }
+
     /// Asserts the caller's account is as it started: nothing debited, nothing held.
     async fn assert_account_untouched(&self) {
-        let b = self.ledger.account(&self.account).await.unwrap();
+        let b = self.balance().await;
         assert_eq!((b.balance_micros, b.held_micros), (START_MICROS, 0));
     }
 
@@ -265,22 +277,14 @@ async fn streamed_capture_without_usage_request_is_forwarded_byte_exact_minus_us
             })
         );
     }
-    let b = h.ledger.account(&h.account).await.unwrap();
+    let b = h.balance().await;
     assert_eq!(
         (b.balance_micros, b.held_micros),
         (START_MICROS - 4 * 58, 0)
     );
-    assert_eq!(
-        h.ledger.operator_earned_micros(&h.operator).await.unwrap(),
-        4 * 40
-    );
+    assert_eq!(h.operator_earned().await, 4 * 40);
     assert_eq!(h.ledger.entries_sum_micros().await.unwrap(), 0);
-    let rec = h
-        .ledger
-        .request_record(RequestId::from("r7"))
-        .await
-        .unwrap()
-        .unwrap();
+    let rec = h.record("r7").await.unwrap();
     assert_eq!(
         (rec.outcome, rec.billed, rec.debit_micros, rec.fee_micros),
         (
@@ -355,7 +359,7 @@ async fn client_drop_mid_stream_pays_prompt_plus_delivered_without_eos() {
         (r.debit_micros, r.operator_credit_micros, r.fee_micros),
         (40, 28, 12)
     );
-    let b = h.ledger.account(&h.account).await.unwrap();
+    let b = h.balance().await;
     assert_eq!((b.balance_micros, b.held_micros), (START_MICROS - 40, 0));
 }
 
@@ -378,10 +382,7 @@ async fn truncated_or_failed_streams_pay_nothing() {
         assert_eq!(s.outcome, StreamOutcome::UpstreamFailed);
         assert_eq!((r.cost_micros, r.debit_micros), (0, 0));
         h.assert_account_untouched().await;
-        assert_eq!(
-            h.ledger.operator_earned_micros(&h.operator).await.unwrap(),
-            0
-        );
+        assert_eq!(h.operator_earned().await, 0);
     }
 }
 
@@ -584,14 +585,7 @@ fn pending_inner(
     node: Option<NodeId>,
     reached: Arc<tokio::sync::Notify>,
     fail: bool,
-) -> impl Service<
-    http::Request<BoxBody>,
-    Response = http::Response<BoxBody>,
-    Error = BoxError,
-    Future = impl Send + 'static,
-> + Clone
-       + Send
-       + 'static {
+) -> impl UpstreamService {
     tower::service_fn(move |req: http::Request<BoxBody>| {
         let node = node.clone();
         let reached = reached.clone();
@@ -653,19 +647,11 @@ async fn caller_gone_after_the_node_was_picked_pays_the_prompt() {
         ),
         (34, 34, 23, 11, 162)
     );
-    let b = h.ledger.account(&h.account).await.unwrap();
+    let b = h.balance().await;
     assert_eq!((b.balance_micros, b.held_micros), (START_MICROS - 34, 0));
-    assert_eq!(
-        h.ledger.operator_earned_micros(&h.operator).await.unwrap(),
-        23
-    );
+    assert_eq!(h.operator_earned().await, 23);
     assert_eq!(h.ledger.entries_sum_micros().await.unwrap(), 0);
-    let rec = h
-        .ledger
-        .request_record(RequestId::from("gone"))
-        .await
-        .unwrap()
-        .unwrap();
+    let rec = h.record("gone").await.unwrap();
     assert_eq!(
         (rec.outcome, rec.node, rec.operator, rec.debit_micros),
         (
@@ -729,13 +715,9 @@ async fn a_non_streamed_answer_over_its_bound_is_the_nodes_fault_and_over_the_bu
     padded.extend_from_slice(b"\"}");
     let padded = Bytes::from(padded);
     let mut h = harness().await;
-    let slot = Arc::new(Mutex::new(None));
-    let svc = h.layer(2048).layer(slot_node(
-        h.node.clone(),
-        slot.clone(),
-        "application/json",
-        move || Full::new(padded.clone()).map_err(|never| -> BoxError { match never {} }),
-    ));
+    let (svc, slot) = h.slot_node(h.layer(2048), "application/json", move || {
+        full(padded.clone())
+    });
     let err = svc
         .oneshot(request("over-bound", &chat(false, None)))
         .await
@@ -755,13 +737,11 @@ async fn a_non_streamed_answer_over_its_bound_is_the_nodes_fault_and_over_the_bu
 
     // within the bound, over a 100-byte buffer: the gateway's limit
     let mut h = harness().await;
-    let slot = Arc::new(Mutex::new(None));
-    let svc = h.layer(2048).max_response_body_bytes(100).layer(slot_node(
-        h.node.clone(),
-        slot.clone(),
+    let (svc, slot) = h.slot_node(
+        h.layer(2048).max_response_body_bytes(100),
         "application/json",
-        move || Full::new(capture.clone()).map_err(|never| -> BoxError { match never {} }),
-    ));
+        move || full(capture.clone()),
+    );
     let err = svc
         .oneshot(request("over-buffer", &chat(false, None)))
         .await
@@ -785,7 +765,7 @@ async fn a_non_streamed_answer_over_its_bound_is_the_nodes_fault_and_over_the_bu
     assert_eq!(s.billed.prompt_tokens, 34);
     assert!(r.debit_micros > 0, "the prompt is paid");
     assert!(!slot.lock().unwrap().as_ref().unwrap().node_fault_reported());
-    let b = h.ledger.account(&h.account).await.unwrap();
+    let b = h.balance().await;
     assert_eq!(
         (b.balance_micros, b.held_micros),
         (START_MICROS - r.debit_micros, 0)
@@ -882,10 +862,7 @@ async fn malformed_or_unsupported_messages_are_400_and_never_forwarded() {
             Some((path.to_owned(), reason)),
             "{body}"
         );
-        assert_eq!(
-            h.ledger.request_record(RequestId::from(id)).await.unwrap(),
-            None
-        );
+        assert_eq!(h.record(&id).await, None);
     }
     assert_eq!(h.upstream.lock().unwrap().as_ref(), None);
     h.assert_account_untouched().await;
@@ -952,13 +929,7 @@ async fn prompt_at_or_over_the_context_is_refused_before_the_node() {
         "the prompt is 34 tokens and the model's context window is 34 tokens"
     );
     assert_eq!(h.upstream.lock().unwrap().as_ref(), None);
-    assert_eq!(
-        h.ledger
-            .request_record(RequestId::from("long"))
-            .await
-            .unwrap(),
-        None
-    );
+    assert_eq!(h.record("long").await, None);
     h.assert_account_untouched().await;
 }
 
@@ -1278,34 +1249,36 @@ impl Body for Endless {
     }
 }
 
-/// A node answering every request with `body()`, keeping the request's [`NodeSlot`].
-fn slot_node<B, F>(
-    node: NodeId,
-    slot: Arc<Mutex<Option<spine_core::NodeSlot>>>,
-    content_type: &'static str,
-    body: F,
-) -> impl Service<
-    http::Request<BoxBody>,
-    Response = http::Response<BoxBody>,
-    Error = BoxError,
-    Future = impl Send + 'static,
-> + Clone
-       + Send
-       + 'static
-where
-    B: Body<Data = Bytes, Error = BoxError> + Send + Sync + 'static,
-    F: Fn() -> B + Clone + Send + 'static,
-{
-    tower::service_fn(move |req: http::Request<BoxBody>| {
-        let (node, slot, body) = (node.clone(), slot.clone(), body.clone());
-        async move {
-            *slot.lock().unwrap() = req.extensions().get::<spine_core::NodeSlot>().cloned();
-            Ok::<_, BoxError>(node_response(node, content_type, BoxBody::new(body())))
-        }
-    })
+/// The slot in which [`Harness::slot_node`] keeps the request's [`NodeSlot`](spine_core::NodeSlot).
+type Slot = Arc<Mutex<Option<spine_core::NodeSlot>>>;
+
+impl Harness {
+    /// `layer` over a node answering every request with `body()`, keeping the request's
+    /// [`NodeSlot`](spine_core::NodeSlot) in the slot that comes back too.
+    fn slot_node<B, F>(
+        &self,
+        layer: MeterLayer,
+        content_type: &'static str,
+        body: F,
+    ) -> (Meter<impl UpstreamService>, Slot)
+    where
+        B: Body<Data = Bytes, Error = BoxError> + Send + 'static,
+        F: Fn() -> B + Clone + Send + 'static,
+    {
+        let (node, slot) = (self.node.clone(), Slot::default());
+        let kept = slot.clone();
+        let svc = layer.layer(tower::service_fn(move |req: http::Request<BoxBody>| {
+            let (node, slot, body) = (node.clone(), kept.clone(), body.clone());
+            async move {
+                *slot.lock().unwrap() = req.extensions().get::<spine_core::NodeSlot>().cloned();
+                Ok::<_, BoxError>(node_response(node, content_type, BoxBody::new(body())))
+            }
+        }));
+        (svc, slot)
+    }
 }
 
-/// The fault recorded on the request's node slot that [`slot_node`] kept.
+/// The fault recorded on the request's node slot that [`Harness::slot_node`] kept.
 fn node_fault(slot: &Mutex<Option<spine_core::NodeSlot>>) -> Option<spine_core::NodeFault> {
     slot.lock().unwrap().as_ref().unwrap().node_fault()
 }
@@ -1327,19 +1300,13 @@ async fn a_node_streaming_past_the_cap_is_cut_at_its_bound_and_faulted() {
     ] {
         let mut h = harness().await;
         let pulled = Arc::new(std::sync::atomic::AtomicU64::new(0));
-        let slot = Arc::new(Mutex::new(None));
         let event = content_event(&text);
         let (ev, p) = (event.clone(), pulled.clone());
-        let svc = h.layer(2048).layer(slot_node(
-            h.node.clone(),
-            slot.clone(),
-            "text/event-stream",
-            move || Endless {
-                event: ev.clone(),
-                left: (1 << 30) / ev.len(),
-                pulled: p.clone(),
-            },
-        ));
+        let (svc, slot) = h.slot_node(h.layer(2048), "text/event-stream", move || Endless {
+            event: ev.clone(),
+            left: (1 << 30) / ev.len(),
+            pulled: p.clone(),
+        });
         let mut req = chat(true, None);
         req["max_tokens"] = json!(64);
         let resp = svc.oneshot(request("big", &req)).await.unwrap();
@@ -1374,18 +1341,14 @@ async fn a_node_streaming_past_the_cap_is_cut_at_its_bound_and_faulted() {
         let (s, _) = h.settled().await;
         assert_eq!(s.outcome, StreamOutcome::UpstreamFailed);
         assert!(slot.lock().unwrap().as_ref().unwrap().node_fault_reported());
-        assert_eq!(h.ledger.account(&h.account).await.unwrap().held_micros, 0);
-        assert_eq!(
-            h.ledger.account(&h.account).await.unwrap().balance_micros,
-            START_MICROS
-        );
+        assert_eq!(h.balance().await.held_micros, 0);
+        assert_eq!(h.balance().await.balance_micros, START_MICROS);
     }
 }
 
 #[tokio::test]
 async fn a_non_streamed_answer_over_the_cap_or_past_n_is_handled() {
     let mut h = harness().await;
-    let slot = Arc::new(Mutex::new(None));
     // 3 choices for n = 1, choice 0 within its cap: the others are removed, choice 0 billed
     let answer = json!({"id":"c","object":"chat.completion","created":1,"model":"smollm2",
         "choices":[
@@ -1395,12 +1358,9 @@ async fn a_non_streamed_answer_over_the_cap_or_past_n_is_handled() {
         "usage":{"prompt_tokens":34,"completion_tokens":2},
         "timings":{"cache_n":12}});
     let body = Bytes::from(answer.to_string());
-    let svc = h.layer(2048).layer(slot_node(
-        h.node.clone(),
-        slot.clone(),
-        "application/json",
-        move || http_body_util::Full::new(body.clone()).map_err(|never| match never {}),
-    ));
+    let (svc, slot) = h.slot_node(h.layer(2048), "application/json", move || {
+        full(body.clone())
+    });
     let resp = svc
         .oneshot(request("n1", &chat(false, None)))
         .await
@@ -1422,12 +1382,9 @@ async fn a_non_streamed_answer_over_the_cap_or_past_n_is_handled() {
         "choices":[{"index":0,"message":{"role":"assistant","content":"word ".repeat(500)},
         "finish_reason":"length"}]});
     let body = Bytes::from(long.to_string());
-    let svc = h.layer(2048).layer(slot_node(
-        h.node.clone(),
-        slot.clone(),
-        "application/json",
-        move || http_body_util::Full::new(body.clone()).map_err(|never| match never {}),
-    ));
+    let (svc, slot) = h.slot_node(h.layer(2048), "application/json", move || {
+        full(body.clone())
+    });
     let mut req = chat(false, None);
     req["max_tokens"] = json!(16);
     let err = svc.oneshot(request("over", &req)).await.unwrap_err();
@@ -1504,7 +1461,7 @@ async fn a_caller_leaving_at_any_point_never_strands_a_hold() {
     tokio::time::timeout(std::time::Duration::from_secs(30), settlements.drain())
         .await
         .unwrap();
-    let b = h.ledger.account(&h.account).await.unwrap();
+    let b = h.balance().await;
     assert_eq!(b.held_micros, 0, "a hold was stranded");
     assert_eq!(h.ledger.entries_sum_micros().await.unwrap(), 0);
 }
@@ -1600,12 +1557,7 @@ async fn completed_requests_offer_choice_zero_text_to_the_audit_tap_and_nothing_
     ]
     .concat();
     // streamed, completed: choice 0's text, cut at the tap's 12 bytes
-    let svc = h.layer(2048).audit(tap.clone()).layer(h.inner(
-        200,
-        "text/event-stream",
-        vec![Bytes::from(streamed.clone())],
-        End::Eof,
-    ));
+    let svc = h.audited(tap.clone(), "text/event-stream", streamed.clone(), End::Eof);
     let resp = svc.oneshot(request("a1", &chat(true, None))).await.unwrap();
     frames(resp.into_body()).await;
     assert_eq!(h.settled().await.0.outcome, StreamOutcome::Completed);
@@ -1623,12 +1575,12 @@ async fn completed_requests_offer_choice_zero_text_to_the_audit_tap_and_nothing_
     let json_body = json!({"id":"c","object":"chat.completion","created":1,"model":"smollm2",
         "choices":[{"index":0,"message":{"role":"assistant","content":"Blue."},"finish_reason":"stop"}],
         "usage":{"prompt_tokens":1,"completion_tokens":2,"total_tokens":3}});
-    let svc = h.layer(2048).audit(tap.clone()).layer(h.inner(
-        200,
+    let svc = h.audited(
+        tap.clone(),
         "application/json",
-        vec![Bytes::from(json_body.to_string())],
+        json_body.to_string(),
         End::Eof,
-    ));
+    );
     let resp = svc
         .oneshot(request("a2", &chat(false, None)))
         .await
@@ -1638,12 +1590,7 @@ async fn completed_requests_offer_choice_zero_text_to_the_audit_tap_and_nothing_
     assert_eq!(tap.0.lock().unwrap()[1].completion, "Blue.");
     // a stream the node broke (no finish): settled upstream_failed, never offered
     let broken = chunk(0, json!({"content":"Red"}), Value::Null);
-    let svc = h.layer(2048).audit(tap.clone()).layer(h.inner(
-        200,
-        "text/event-stream",
-        vec![Bytes::from(broken)],
-        End::Error,
-    ));
+    let svc = h.audited(tap.clone(), "text/event-stream", broken, End::Error);
     let resp = svc.oneshot(request("a3", &chat(true, None))).await.unwrap();
     frames(resp.into_body()).await;
     assert_eq!(h.settled().await.0.outcome, StreamOutcome::UpstreamFailed);
@@ -1654,12 +1601,7 @@ async fn completed_requests_offer_choice_zero_text_to_the_audit_tap_and_nothing_
         "data: [DONE]\n\n".to_owned(),
     ]
     .concat();
-    let svc = h.layer(2048).audit(tap.clone()).layer(h.inner(
-        200,
-        "text/event-stream",
-        vec![Bytes::from(reasoning)],
-        End::Eof,
-    ));
+    let svc = h.audited(tap.clone(), "text/event-stream", reasoning, End::Eof);
     let resp = svc.oneshot(request("a4", &chat(true, None))).await.unwrap();
     frames(resp.into_body()).await;
     assert_eq!(h.settled().await.0.outcome, StreamOutcome::Completed);
@@ -1749,12 +1691,10 @@ fn keepalive_without_progress() -> Vec<Bytes> {
 #[tokio::test]
 async fn a_stream_alive_without_progress_is_cut_as_stalled_with_the_delivered_tokens_recorded() {
     let mut h = harness().await;
-    let slot = Arc::new(Mutex::new(None));
     // real time (the SQLite ledger's worker thread and a paused clock do not mix): short bounds
     let stall = std::time::Duration::from_millis(600);
-    let svc = h.layer(2048).stream_stall_timeout(stall).layer(slot_node(
-        h.node.clone(),
-        slot.clone(),
+    let (svc, slot) = h.slot_node(
+        h.layer(2048).stream_stall_timeout(stall),
         "text/event-stream",
         || {
             Timed::new(
@@ -1768,7 +1708,7 @@ async fn a_stream_alive_without_progress_is_cut_as_stalled_with_the_delivered_to
                 std::time::Duration::from_millis(50),
             )
         },
-    ));
+    );
     let started = tokio::time::Instant::now();
     let resp = svc
         .oneshot(request("stalled", &chat(true, Some(true))))
@@ -1815,16 +1755,14 @@ async fn a_stream_alive_without_progress_is_cut_as_stalled_with_the_delivered_to
 #[tokio::test]
 async fn a_slow_caller_does_not_make_a_progressing_node_look_stalled() {
     let mut h = harness().await;
-    let slot = Arc::new(Mutex::new(None));
     let stall = std::time::Duration::from_millis(400);
     let mut script: Vec<Bytes> = (0..6).map(|i| content_event(&format!(" w{i}"))).collect();
     script.push(chunk_event(
         json!({"index":0,"delta":{},"finish_reason":"stop"}),
     ));
     script.push(Bytes::from_static(b"data: [DONE]\n\n"));
-    let svc = h.layer(2048).stream_stall_timeout(stall).layer(slot_node(
-        h.node.clone(),
-        slot.clone(),
+    let (svc, slot) = h.slot_node(
+        h.layer(2048).stream_stall_timeout(stall),
         "text/event-stream",
         move || {
             let mut script = script.clone();
@@ -1836,7 +1774,7 @@ async fn a_slow_caller_does_not_make_a_progressing_node_look_stalled() {
             }
             Timed::new(with_pings, Vec::new(), std::time::Duration::from_millis(60))
         },
-    ));
+    );
     let resp = svc
         .oneshot(request("slow-reader", &chat(true, None)))
         .await
@@ -1858,11 +1796,9 @@ async fn a_slow_caller_does_not_make_a_progressing_node_look_stalled() {
 #[tokio::test]
 async fn a_non_streamed_body_that_trickles_is_cut_at_its_total_bound() {
     let mut h = harness().await;
-    let slot = Arc::new(Mutex::new(None));
     let bound = std::time::Duration::from_millis(500);
-    let svc = h.layer(2048).response_body_timeout(bound).layer(slot_node(
-        h.node.clone(),
-        slot.clone(),
+    let (svc, slot) = h.slot_node(
+        h.layer(2048).response_body_timeout(bound),
         "application/json",
         || {
             // a byte every 50 ms, forever: never idle, never whole
@@ -1872,7 +1808,7 @@ async fn a_non_streamed_body_that_trickles_is_cut_at_its_total_bound() {
                 std::time::Duration::from_millis(50),
             )
         },
-    ));
+    );
     let started = tokio::time::Instant::now();
     let err = svc
         .oneshot(request("trickle", &chat(false, None)))
@@ -1923,10 +1859,7 @@ async fn a_large_prompt_past_the_context_or_the_balance_is_refused_before_it_is_
     }
     assert_eq!(h.upstream.lock().unwrap().as_ref(), None);
     for id in ["ctx", "poor"] {
-        assert_eq!(
-            h.ledger.request_record(RequestId::from(id)).await.unwrap(),
-            None
-        );
+        assert_eq!(h.record(id).await, None);
     }
     h.assert_account_untouched().await;
 }
@@ -1946,19 +1879,13 @@ async fn an_invalid_embeddings_answer_is_the_nodes_fault_and_free() {
         r#"[[1,2],[3,4]]"#,
     ];
     for (i, answer) in std::iter::once(valid).chain(invalid).enumerate() {
-        let slot = Arc::new(Mutex::new(None));
         let body = Bytes::from_static(answer.as_bytes());
-        let svc = h.layer(2048).layer(slot_node(
-            h.node.clone(),
-            slot.clone(),
-            "application/json",
-            move || Full::new(body.clone()).map_err(|never| match never {}),
-        ));
+        let (svc, slot) = h.slot_node(h.layer(2048), "application/json", move || {
+            full(body.clone())
+        });
         let json = json!({"model":"smollm2","input":["red","green"]});
         let mut req = http::Request::post("/v1/embeddings")
-            .body(BoxBody::new(
-                Full::new(Bytes::from(json.to_string())).map_err(|never| match never {}),
-            ))
+            .body(full(json.to_string()))
             .unwrap();
         let id = format!("emb{i}");
         req.extensions_mut().insert(RequestId::from(id.as_str()));
@@ -1984,14 +1911,9 @@ async fn an_invalid_embeddings_answer_is_the_nodes_fault_and_free() {
         assert_eq!(fault, Some(spine_core::NodeFault::Broke), "{answer}");
     }
     // only the valid answer was paid
-    let a = h.ledger.account(&h.account).await.unwrap();
+    let a = h.balance().await;
     assert_eq!(a.held_micros, 0);
-    let paid = h
-        .ledger
-        .request_record(RequestId::from("emb0"))
-        .await
-        .unwrap()
-        .unwrap();
+    let paid = h.record("emb0").await.unwrap();
     assert_eq!(START_MICROS - a.balance_micros, paid.debit_micros);
 }
 
@@ -2061,12 +1983,7 @@ async fn node_logprobs_are_asked_for_captured_and_never_reach_a_caller_who_did_n
         .concat()
     };
     // the caller did not ask: asked for upstream, captured (bounded at the tap's 2), stripped
-    let svc = h.layer(2048).audit(tap.clone()).layer(h.inner(
-        200,
-        "text/event-stream",
-        vec![Bytes::from(stream(true))],
-        End::Eof,
-    ));
+    let svc = h.audited(tap.clone(), "text/event-stream", stream(true), End::Eof);
     let resp = svc
         .oneshot(request("l1", &chat(true, Some(false))))
         .await
@@ -2104,12 +2021,12 @@ async fn node_logprobs_are_asked_for_captured_and_never_reach_a_caller_who_did_n
         json!({"choices":[choice],"created":1,"model":"smollm2","object":"chat.completion",
             "usage":{"completion_tokens":1,"prompt_tokens":1,"total_tokens":2},"id":"c"})
     };
-    let svc = h.layer(2048).audit(tap.clone()).layer(h.inner(
-        200,
+    let svc = h.audited(
+        tap.clone(),
         "application/json",
-        vec![Bytes::from(answer(true).to_string())],
+        answer(true).to_string(),
         End::Eof,
-    ));
+    );
     let resp = svc
         .oneshot(request("l2", &chat(false, None)))
         .await
@@ -2130,12 +2047,12 @@ async fn node_logprobs_are_asked_for_captured_and_never_reach_a_caller_who_did_n
     // a caller who asked gets them, and the capture reads them; nothing injected
     let mut asked = chat(false, None);
     asked["logprobs"] = json!(true);
-    let svc = h.layer(2048).audit(tap.clone()).layer(h.inner(
-        200,
+    let svc = h.audited(
+        tap.clone(),
         "application/json",
-        vec![Bytes::from(answer(true).to_string())],
+        answer(true).to_string(),
         End::Eof,
-    ));
+    );
     let resp = svc.oneshot(request("l3", &asked)).await.unwrap();
     let body: Value =
         serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap();
@@ -2150,12 +2067,12 @@ async fn node_logprobs_are_asked_for_captured_and_never_reach_a_caller_who_did_n
         .unwrap()
         .is_usable());
     // a node that sent none although asked: captured as such (the auditor's one event)
-    let svc = h.layer(2048).audit(tap.clone()).layer(h.inner(
-        200,
+    let svc = h.audited(
+        tap.clone(),
         "application/json",
-        vec![Bytes::from(answer(false).to_string())],
+        answer(false).to_string(),
         End::Eof,
-    ));
+    );
     let resp = svc
         .oneshot(request("l4", &chat(false, None)))
         .await

@@ -108,10 +108,7 @@ impl Setup {
 }
 
 fn full(v: &Value) -> BoxBody {
-    BoxBody::new(
-        http_body_util::Full::new(Bytes::from(serde_json::to_vec(v).unwrap()))
-            .map_err(|never| match never {}),
-    )
+    spine_test_support::full(serde_json::to_vec(v).unwrap())
 }
 
 fn sse(events: &[Value]) -> BoxBody {
@@ -120,7 +117,7 @@ fn sse(events: &[Value]) -> BoxBody {
         text.push_str(&format!("data: {e}\n\n"));
     }
     text.push_str("data: [DONE]\n\n");
-    BoxBody::new(http_body_util::Full::new(Bytes::from(text)).map_err(|never| match never {}))
+    spine_test_support::full(text)
 }
 
 const PROMPT: u64 = 34; // "Name three colors." rendered

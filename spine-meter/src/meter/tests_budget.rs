@@ -2,30 +2,15 @@
 #![allow(clippy::unwrap_used)]
 use std::sync::Arc;
 
-use bytes::Bytes;
-use spine_core::BoxBody;
+use spine_core::{AccountId, BoxBody};
+use spine_test_support::ScriptedBody;
 
-use super::{collect_limited, MeterError};
+use super::super::config::AccountBodyBytes;
+use super::{collect_limited, AccountShare, MeterError};
 
 /// A body of data frames of the given sizes.
-struct Frames(std::collections::VecDeque<Bytes>);
-
-impl http_body::Body for Frames {
-    type Data = Bytes;
-    type Error = spine_core::BoxError;
-
-    fn poll_frame(
-        mut self: std::pin::Pin<&mut Self>,
-        _cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
-        std::task::Poll::Ready(self.0.pop_front().map(|b| Ok(http_body::Frame::data(b))))
-    }
-}
-
 fn body(parts: &[usize]) -> BoxBody {
-    BoxBody::new(Frames(
-        parts.iter().map(|&n| Bytes::from(vec![b'x'; n])).collect(),
-    ))
+    BoxBody::new(ScriptedBody::data(parts.iter().map(|&n| vec![b'x'; n])))
 }
 
 #[tokio::test]
@@ -57,54 +42,38 @@ async fn a_body_takes_its_kib_from_the_budget_while_it_is_read_and_gives_them_ba
 }
 
 /// Frames of the given sizes, then nothing, ever (a sender that stalls mid-body).
-struct Stalled(std::collections::VecDeque<Bytes>);
-
-impl http_body::Body for Stalled {
-    type Data = Bytes;
-    type Error = spine_core::BoxError;
-
-    fn poll_frame(
-        mut self: std::pin::Pin<&mut Self>,
-        _cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
-        match self.0.pop_front() {
-            Some(b) => std::task::Poll::Ready(Some(Ok(http_body::Frame::data(b)))),
-            None => std::task::Poll::Pending,
-        }
-    }
+fn stalled(parts: &[usize]) -> BoxBody {
+    BoxBody::new(ScriptedBody::data(parts.iter().map(|&n| vec![b'x'; n])).hang())
 }
 
-fn stalled(parts: &[usize]) -> BoxBody {
-    BoxBody::new(Stalled(
-        parts.iter().map(|&n| Bytes::from(vec![b'x'; n])).collect(),
-    ))
+/// [`collect_limited`] of `body` from `account`, whose share of the 1 MiB `budget` in `shares`
+/// is 256 KiB (1 MiB a body).
+async fn collect_shared(
+    body: BoxBody,
+    budget: &Arc<tokio::sync::Semaphore>,
+    shares: &AccountBodyBytes,
+    account: &AccountId,
+) -> Result<bytes::Bytes, MeterError> {
+    let share = AccountShare {
+        bytes: shares,
+        account,
+        limit: 256 * 1024,
+    };
+    collect_limited(body, 1 << 20, budget, 1 << 20, Some(share)).await
 }
 
 #[tokio::test]
 async fn one_account_past_its_share_is_refused_while_others_are_served() {
-    use super::super::config::AccountBodyBytes;
-    use super::AccountShare;
-    use spine_core::AccountId;
     let budget = Arc::new(tokio::sync::Semaphore::new(1024)); // 1 MiB shared
     let shares = Arc::new(AccountBodyBytes::default());
     let (greedy, other) = (AccountId::from("greedy"), AccountId::from("other"));
-    let share = |account: &AccountId| {
-        let (shares, account) = (shares.clone(), account.clone());
-        (shares, account)
-    };
     // the greedy account opens two bodies that stall at 100 KB each (200 KB of its 256 KiB
     // share); a third that needs 80 KB more is refused
     let mut tasks = Vec::new();
     for _ in 0..2 {
-        let (shares, account) = share(&greedy);
-        let budget = budget.clone();
+        let (shares, account, budget) = (shares.clone(), greedy.clone(), budget.clone());
         tasks.push(tokio::spawn(async move {
-            let share = AccountShare {
-                bytes: &shares,
-                account: &account,
-                limit: 256 * 1024,
-            };
-            collect_limited(stalled(&[100_000]), 1 << 20, &budget, 1 << 20, Some(share)).await
+            collect_shared(stalled(&[100_000]), &budget, &shares, &account).await
         }));
     }
     for _ in 0..100 {
@@ -114,19 +83,7 @@ async fn one_account_past_its_share_is_refused_while_others_are_served() {
         tokio::task::yield_now().await;
     }
     assert_eq!(shares.used(&greedy), 200_000);
-    let (s, a) = share(&greedy);
-    let refused = collect_limited(
-        body(&[40_000, 40_000]),
-        1 << 20,
-        &budget,
-        1 << 20,
-        Some(AccountShare {
-            bytes: &s,
-            account: &a,
-            limit: 256 * 1024,
-        }),
-    )
-    .await;
+    let refused = collect_shared(body(&[40_000, 40_000]), &budget, &shares, &greedy).await;
     assert!(
         matches!(
             refused,
@@ -140,20 +97,9 @@ async fn one_account_past_its_share_is_refused_while_others_are_served() {
     // nothing kept by the refused body
     assert_eq!(shares.used(&greedy), 200_000);
     // another account is served meanwhile, from the same shared budget
-    let (s, a) = share(&other);
-    let got = collect_limited(
-        body(&[100_000, 100_000]),
-        1 << 20,
-        &budget,
-        1 << 20,
-        Some(AccountShare {
-            bytes: &s,
-            account: &a,
-            limit: 256 * 1024,
-        }),
-    )
-    .await
-    .unwrap();
+    let got = collect_shared(body(&[100_000, 100_000]), &budget, &shares, &other)
+        .await
+        .unwrap();
     assert_eq!(got.len(), 200_000);
     assert_eq!(shares.used(&other), 0, "given back once whole");
     // the stalled senders go away: their share is given back

@@ -6,13 +6,15 @@
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
+use http_body_util::BodyExt;
 use serde_json::{json, Value};
 use spine_core::{AccountId, BoxBody, BoxError, ModelId, NodeId, RequestId, StreamOutcome, Usage};
+use spine_test_support::full;
 use tower::{Layer, ServiceExt};
 
 use super::*;
 use crate::ledger::{LedgerFuture, RequestRecord, SettleResult, Settlement};
+use crate::test_support::{chat_request, node_response};
 use crate::{Ledger, Price, TokenCounter, TokenizerError};
 
 /// One token per whitespace-separated word; a chat prompt is the words of its messages'
@@ -122,15 +124,11 @@ async fn meters_a_stream_with_the_applications_own_counter() {
     let node = tower::service_fn(move |_req: http::Request<BoxBody>| {
         let body = node_body.clone();
         async move {
-            let mut resp = http::Response::new(BoxBody::new(
-                Full::new(body).map_err(|never| match never {}),
-            ));
-            resp.headers_mut().insert(
-                http::header::CONTENT_TYPE,
-                http::HeaderValue::from_static("text/event-stream"),
-            );
-            resp.extensions_mut().insert(NodeId::from("node-1"));
-            Ok::<_, BoxError>(resp)
+            Ok::<_, BoxError>(node_response(
+                NodeId::from("node-1"),
+                "text/event-stream",
+                full(body),
+            ))
         }
     });
     let layer = MeterLayer::new(ledger.clone(), catalog);
@@ -138,13 +136,11 @@ async fn meters_a_stream_with_the_applications_own_counter() {
     let body = json!({"model":"m","stream":true,"max_tokens":10,
         "stream_options":{"include_usage":true},
         "messages":[{"role":"user","content":"name three colors"}]});
-    let mut req = http::Request::post("/v1/chat/completions")
-        .body(BoxBody::new(
-            Full::new(Bytes::from(body.to_string())).map_err(|never| match never {}),
-        ))
-        .unwrap();
-    req.extensions_mut().insert(RequestId::from("req-1"));
-    req.extensions_mut().insert(AccountId::from("acct"));
+    let req = chat_request(
+        "req-1",
+        AccountId::from("acct"),
+        Bytes::from(body.to_string()),
+    );
 
     let resp = layer.layer(node).oneshot(req).await.unwrap();
     let text = resp.into_body().collect().await.unwrap().to_bytes();

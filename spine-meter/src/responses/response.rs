@@ -337,13 +337,10 @@ impl Converter {
             Value::Null,
             Value::Null,
         );
-        self.emit(out, "response.created", json!({"response": response}));
-        let response = meta.object(
-            "in_progress",
-            Vec::new(),
-            Value::Null,
-            Value::Null,
-            Value::Null,
+        self.emit(
+            out,
+            "response.created",
+            json!({"response": response.clone()}),
         );
         self.emit(out, "response.in_progress", json!({"response": response}));
     }

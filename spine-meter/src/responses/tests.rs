@@ -1,8 +1,8 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use bytes::Bytes;
 use http_body_util::BodyExt;
 use serde_json::{json, Value};
+use spine_test_support::ScriptedBody;
 
 use super::*;
 
@@ -253,23 +253,9 @@ fn a_chat_completion_becomes_a_response_object() {
     assert!(response_from_chat(b"{}", &meta()).is_err());
 }
 
-/// A body that yields one frame per item.
-struct Frames(std::collections::VecDeque<Bytes>);
-
-impl http_body::Body for Frames {
-    type Data = Bytes;
-    type Error = std::convert::Infallible;
-    fn poll_frame(
-        mut self: std::pin::Pin<&mut Self>,
-        _: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
-        std::task::Poll::Ready(self.0.pop_front().map(|b| Ok(http_body::Frame::data(b))))
-    }
-}
-
 /// Runs `chat` (the metered chat stream's frames) through [`ResponsesSse`]; the events' data.
 async fn convert(frames: &[&str]) -> (Vec<Value>, String) {
-    let body = Frames(frames.iter().map(|f| Bytes::from(f.to_string())).collect());
+    let body = ScriptedBody::data(frames.iter().map(|f| f.to_string()));
     let out = ResponsesSse::new(body, meta())
         .collect()
         .await

@@ -442,24 +442,15 @@ mod tests {
 
     use bytes::Bytes;
     use http_body_util::Empty;
-    use spine_core::{EngineKind, ModelDescriptor, ModelId, NodeDescriptor};
+    use spine_core::ModelId;
     use spine_transport::{StaticAuthenticator, TunnelServer, TunnelServerConfig};
     use tokio_util::sync::CancellationToken;
     use tower::ServiceExt;
 
+    use super::super::tests::{desc, raw, REDIS};
     use super::super::{connect_redis, ClusterConfig};
     use super::*;
     use crate::NodeRegistry;
-
-    const REDIS: &str = "redis://127.0.0.1:6379";
-
-    async fn raw() -> redis::aio::MultiplexedConnection {
-        redis::Client::open(REDIS)
-            .unwrap()
-            .get_multiplexed_async_connection()
-            .await
-            .unwrap()
-    }
 
     async fn cmd(conn: &mut redis::aio::MultiplexedConnection, c: &mut redis::Cmd) {
         let _: redis::Value = c.query_async(conn).await.unwrap();
@@ -473,17 +464,7 @@ mod tests {
         owner: &str,
         addr: &str,
     ) {
-        let descriptor = NodeDescriptor {
-            engine: EngineKind::LlamaCpp,
-            models: vec![ModelDescriptor {
-                id: ModelId::new("m"),
-                max_context_tokens: None,
-                endpoints: None,
-            }],
-            vram_mib: 8192,
-            max_concurrency: 4,
-            agent_version: "test".into(),
-        };
+        let descriptor = desc(&["m"]);
         let value = format!("{owner} {}", serde_json::to_string(&descriptor).unwrap());
         cmd(
             conn,

@@ -21,7 +21,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::*;
 
-const REDIS: &str = "redis://127.0.0.1:6379";
+pub(super) const REDIS: &str = "redis://127.0.0.1:6379";
 
 fn prefix(test: &str) -> String {
     static N: AtomicU64 = AtomicU64::new(0);
@@ -32,7 +32,8 @@ fn prefix(test: &str) -> String {
     )
 }
 
-fn desc(models: &[&str]) -> NodeDescriptor {
+/// A llama.cpp node serving `models` (no context limit, every endpoint) with 4 slots on 8 GiB.
+pub(super) fn desc(models: &[&str]) -> NodeDescriptor {
     NodeDescriptor {
         engine: EngineKind::LlamaCpp,
         models: models
@@ -136,7 +137,8 @@ async fn publish_node(
         .unwrap();
 }
 
-async fn raw() -> redis::aio::MultiplexedConnection {
+/// A connection of its own to the real Redis.
+pub(super) async fn raw() -> redis::aio::MultiplexedConnection {
     redis::Client::open(REDIS)
         .unwrap()
         .get_multiplexed_async_connection()
@@ -580,6 +582,35 @@ where
     }
 }
 
+/// `POST` of `body` to `n1` through the internal listener at `addr`, signed for `gw-owner`, tried
+/// until it is relayed (the node may still be warming up for a moment: each try is a fresh
+/// nonce), for 5 s at most: the last try's signature and answer.
+async fn post_signed_until_relayed(
+    addr: std::net::SocketAddr,
+    body: &Bytes,
+) -> (String, (u16, Option<String>, serde_json::Value)) {
+    let until = tokio::time::Instant::now() + Duration::from_secs(5);
+    let mut nonce = 1u8;
+    loop {
+        let auth = signature(
+            SECRET,
+            "gw-owner",
+            wire::unix_ms(),
+            nonce,
+            "POST",
+            "n1",
+            body,
+        );
+        let headers = [("x-spine-node-id", "n1"), ("authorization", auth.as_str())];
+        let answer = h2_request(addr, http::Method::POST, &headers, body.clone()).await;
+        if answer.0 == 200 || tokio::time::Instant::now() >= until {
+            return (auth, answer);
+        }
+        nonce += 1;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// The internal listener relays a request signed for it, and refuses every other with its own
 /// 401 code (and `x-spine-refusal`), before anything reaches the tunnel. Real tunnel, real
 /// internal listener, real Redis.
@@ -595,29 +626,10 @@ async fn internal_listener_checks_the_forwarding_signature() {
         h2_request(addr, http::Method::POST, &headers, body).await
     };
 
-    // correctly signed: relayed, the node gets exactly the body (the node may still be warming
-    // up for a moment: each try is a fresh nonce)
-    let until = tokio::time::Instant::now() + Duration::from_secs(5);
-    let mut nonce = 1u8;
-    let good = loop {
-        let auth = signature(
-            SECRET,
-            "gw-owner",
-            wire::unix_ms(),
-            nonce,
-            "POST",
-            "n1",
-            &body,
-        );
-        let (status, refusal, json) = post(auth.clone(), body.clone()).await;
-        if status == 200 || tokio::time::Instant::now() >= until {
-            assert_eq!((status, refusal), (200, None), "{json}");
-            assert_eq!(json["ok"], true);
-            break auth;
-        }
-        nonce += 1;
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    // correctly signed: relayed, the node gets exactly the body
+    let (good, (status, refusal, json)) = post_signed_until_relayed(addr, &body).await;
+    assert_eq!((status, refusal), (200, None), "{json}");
+    assert_eq!(json["ok"], true);
     assert_eq!(*owner.seen.lock().unwrap(), vec![body.clone()]);
 
     let other = Bytes::from_static(b"{\"model\":\"m\",\"messages\":[],\"max_tokens\":100000}");
@@ -1005,27 +1017,8 @@ async fn a_capture_replayed_after_the_owner_restarts_is_refused() {
     let owner = owner_with_recording_node(&p).await;
     let addr = owner.internal_addr;
     // the captured request: signed for gw-owner, relayed once
-    let until = tokio::time::Instant::now() + Duration::from_secs(5);
-    let mut nonce = 1u8;
-    let captured = loop {
-        let auth = signature(
-            SECRET,
-            "gw-owner",
-            wire::unix_ms(),
-            nonce,
-            "POST",
-            "n1",
-            &body,
-        );
-        let headers = [("x-spine-node-id", "n1"), ("authorization", auth.as_str())];
-        let (status, _, json) = h2_request(addr, http::Method::POST, &headers, body.clone()).await;
-        if status == 200 || tokio::time::Instant::now() >= until {
-            assert_eq!(status, 200, "{json}");
-            break auth;
-        }
-        nonce += 1;
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let (captured, (status, _, json)) = post_signed_until_relayed(addr, &body).await;
+    assert_eq!(status, 200, "{json}");
     // the owner restarts (deploy): same instance id, fresh process state
     drop(owner);
     cleanup(&p).await;

@@ -2,6 +2,8 @@
 
 use std::collections::HashMap;
 
+use spine_test_support::UpstreamService;
+
 use super::*;
 
 /// An in-memory directory; `broken` nodes fail the lookup.
@@ -27,16 +29,7 @@ impl NodeDirectory for MapDirectory {
 }
 
 /// Answers with a body naming who served, and the owner it saw.
-fn svc(
-    name: &'static str,
-) -> impl Service<
-    http::Request<String>,
-    Response = http::Response<String>,
-    Error = BoxError,
-    Future = impl Send,
-> + Clone
-       + Send
-       + 'static {
+fn svc(name: &'static str) -> impl UpstreamService<String> {
     tower::service_fn(move |req: http::Request<String>| async move {
         let owner = req
             .extensions()

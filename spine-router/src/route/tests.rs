@@ -2,9 +2,9 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
+use http_body_util::BodyExt;
 use spine_core::{BoxBody, BoxError, ModelId, NodeId, RequestPeek};
+use spine_test_support::{full, UpstreamService};
 use tower::{Layer, ServiceExt};
 
 use crate::affinity::{AffinityKey, AffinityStore};
@@ -61,9 +61,7 @@ fn registry() -> NodeRegistry {
 
 fn request() -> http::Request<BoxBody> {
     let mut req = http::Request::post("/v1/completions")
-        .body(BoxBody::new(
-            Full::new(Bytes::from_static(b"{}")).map_err(|n| match n {}),
-        ))
+        .body(full("{}"))
         .unwrap();
     req.extensions_mut().insert(RequestPeek {
         model: ModelId::new("m"),
@@ -79,34 +77,14 @@ fn request() -> http::Request<BoxBody> {
 }
 
 /// Answers 200 and says which node it was.
-fn upstream() -> impl tower::Service<
-    http::Request<BoxBody>,
-    Response = http::Response<BoxBody>,
-    Error = BoxError,
-    Future = impl Send,
-> + Clone
-       + Send
-       + 'static {
+fn upstream() -> impl UpstreamService {
     tower::service_fn(|req: http::Request<BoxBody>| async move {
         let node = req.extensions().get::<NodeId>().cloned().unwrap();
-        Ok::<_, BoxError>(http::Response::new(BoxBody::new(
-            Full::new(Bytes::from(node.as_str().to_owned())).map_err(|n| match n {}),
-        )))
+        Ok::<_, BoxError>(http::Response::new(full(node.as_str().to_owned())))
     })
 }
 
-async fn served(
-    svc: &Route<
-        impl tower::Service<
-                http::Request<BoxBody>,
-                Response = http::Response<BoxBody>,
-                Error = BoxError,
-                Future = impl Send + 'static,
-            > + Clone
-            + Send
-            + 'static,
-    >,
-) -> String {
+async fn served(svc: &Route<impl UpstreamService>) -> String {
     let resp = svc.clone().oneshot(request()).await.unwrap();
     let body = resp.into_body().collect().await.unwrap().to_bytes();
     String::from_utf8(body.to_vec()).unwrap()

@@ -1,8 +1,6 @@
 //! What the `Route` suites (`route.rs`, `readahead.rs`) share: nodes serving the model `m`, and
 //! a chat request as the metering layer hands it on (its `RequestPeek` and `NodeSlot` set).
 
-use bytes::Bytes;
-use http_body_util::{BodyExt as _, Full};
 use spine_core::{BoxBody, ModelId, NodeId, NodeSlot, RequestPeek};
 use spine_router::NodeRegistry;
 
@@ -22,9 +20,7 @@ pub(crate) fn request_streamed(
     stream: bool,
 ) -> (http::Request<BoxBody>, NodeSlot) {
     let mut req = http::Request::post("/v1/chat/completions")
-        .body(BoxBody::new(
-            Full::new(Bytes::from_static(b"{\"model\":\"m\"}")).map_err(|n| match n {}),
-        ))
+        .body(spine_test_support::full(r#"{"model":"m"}"#))
         .unwrap();
     req.extensions_mut().insert(RequestPeek {
         model: ModelId::new("m"),
