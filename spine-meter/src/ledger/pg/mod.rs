@@ -350,8 +350,8 @@ sql::sql_store!(PgLedger);
 sql::console::sql_console!(PgLedger);
 
 impl Backend for PgLedger {
-    type Db = Postgres;
-    type Conn = sqlx::PgConnection;
+    type Conn = PoolConnection<Postgres>;
+    type Tx = Transaction<'static, Postgres>;
 
     const ATTEMPTS: u32 = 5;
     const FOR_UPDATE: &'static str = " FOR UPDATE";
@@ -458,7 +458,7 @@ impl PgLedger {
             &[Arg::I64(amount), Arg::Text(hold.account.as_str())],
         )
         .await?;
-        let inserted = money::insert_hold(&mut *tx, hold, self.instance_id.as_deref()).await;
+        let inserted = money::insert_hold(&mut tx, hold, self.instance_id.as_deref()).await;
         sql::finish::<Self>(tx, inserted.is_ok()).await?;
         inserted
     }

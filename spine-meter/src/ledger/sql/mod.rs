@@ -22,9 +22,6 @@ pub(super) mod schema;
 
 use std::future::Future;
 
-use sqlx::pool::PoolConnection;
-use sqlx::Transaction;
-
 use super::convert::{db, now_ms, to_u64};
 use super::{LedgerError, LedgerFuture};
 
@@ -93,7 +90,8 @@ pub(super) trait SqlConn: Send {
     fn batch<'a>(&'a mut self, sql: &'a str) -> LedgerFuture<'a, ()>;
 }
 
-/// Implements [`SqlConn`] for a sqlx connection type and [`SqlRow`] for its row type.
+/// Implements [`SqlConn`] for a sqlx connection type and [`SqlRow`] for its row type, and
+/// [`SqlConn`] (by delegation) and [`TxEnd`] for its pooled connection and its transaction.
 macro_rules! sql_conn {
     ($db:ty, $conn:ty, $row:ty) => {
         fn bind_args<'q>(
@@ -166,6 +164,19 @@ macro_rules! sql_conn {
             }
         }
 
+        $crate::ledger::sql::sql_conn_deref!(sqlx::pool::PoolConnection<$db>, $row);
+        $crate::ledger::sql::sql_conn_deref!(sqlx::Transaction<'static, $db>, $row);
+
+        impl $crate::ledger::sql::TxEnd for sqlx::Transaction<'static, $db> {
+            async fn commit(self) -> Result<(), sqlx::Error> {
+                sqlx::Transaction::commit(self).await
+            }
+
+            async fn rollback(self) -> Result<(), sqlx::Error> {
+                sqlx::Transaction::rollback(self).await
+            }
+        }
+
         impl $crate::ledger::sql::SqlRow for $row {
             fn i64(&self, col: &str) -> Result<i64, $crate::ledger::LedgerError> {
                 sqlx::Row::try_get(self, col).map_err($crate::ledger::LedgerError::Database)
@@ -186,6 +197,53 @@ macro_rules! sql_conn {
     };
 }
 pub(super) use sql_conn;
+
+/// Implements [`SqlConn`] for `$outer`, which dereferences to a connection that implements it
+/// with rows `$row` (a pooled connection, a transaction).
+macro_rules! sql_conn_deref {
+    ($outer:ty, $row:ty) => {
+        impl $crate::ledger::sql::SqlConn for $outer {
+            type Row = $row;
+
+            fn exec<'a>(
+                &'a mut self,
+                sql: &'a str,
+                args: &'a [$crate::ledger::sql::Arg<'a>],
+            ) -> $crate::ledger::LedgerFuture<'a, u64> {
+                (**self).exec(sql, args)
+            }
+
+            fn optional<'a>(
+                &'a mut self,
+                sql: &'a str,
+                args: &'a [$crate::ledger::sql::Arg<'a>],
+            ) -> $crate::ledger::LedgerFuture<'a, Option<$row>> {
+                (**self).optional(sql, args)
+            }
+
+            fn all<'a>(
+                &'a mut self,
+                sql: &'a str,
+                args: &'a [$crate::ledger::sql::Arg<'a>],
+            ) -> $crate::ledger::LedgerFuture<'a, Vec<$row>> {
+                (**self).all(sql, args)
+            }
+
+            fn batch<'a>(&'a mut self, sql: &'a str) -> $crate::ledger::LedgerFuture<'a, ()> {
+                (**self).batch(sql)
+            }
+        }
+    };
+}
+pub(super) use sql_conn_deref;
+
+/// The end of a write transaction ([`Backend::Tx`]): dropped without either, it is rolled back.
+pub(super) trait TxEnd: Send {
+    /// Commits the transaction.
+    fn commit(self) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+    /// Rolls the transaction back.
+    fn rollback(self) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+}
 
 /// A hold to place ([`Ledger::hold`](super::Ledger::hold)): `amount_micros` on `account` for
 /// `request_id`, a request for `model`.
@@ -211,18 +269,19 @@ pub(super) enum Access {
 }
 
 /// A connection of backend `B`.
-pub(super) type Conn<B> = PoolConnection<<B as Backend>::Db>;
+pub(super) type Conn<B> = <B as Backend>::Conn;
 /// A write transaction of backend `B`.
-pub(super) type Tx<B> = Transaction<'static, <B as Backend>::Db>;
+pub(super) type Tx<B> = <B as Backend>::Tx;
 /// A row of backend `B`.
 pub(super) type Row<B> = <<B as Backend>::Conn as SqlConn>::Row;
 
 /// What differs between the SQL stores; everything else is written once in this module.
 pub(super) trait Backend: Send + Sync + 'static {
-    /// sqlx's database.
-    type Db: sqlx::Database<Connection = Self::Conn>;
-    /// One connection of it.
-    type Conn: SqlConn + sqlx::Connection<Database = Self::Db>;
+    /// A connection checked out for reads or for a write of one statement.
+    type Conn: SqlConn;
+    /// A write transaction: statements, then [`TxEnd::commit`] or [`TxEnd::rollback`]; its rows
+    /// are a connection's.
+    type Tx: SqlConn<Row = <Self::Conn as SqlConn>::Row> + TxEnd;
 
     /// How many times a transaction is run while it fails on [`Backend::is_retryable`] errors
     /// (1: never run again).

@@ -6,7 +6,9 @@ use spine_core::{
 };
 
 use super::accounts::balance_from_row;
-use super::{bind, retrying, unique_as, Arg, Backend, HoldRequest, Row, SqlConn, SqlRow};
+use super::{
+    bind, retrying, unique_as, Arg, Backend, HoldRequest, Row, SqlConn, SqlRow, TxEnd as _,
+};
 use crate::ledger::amounts::SettleAmounts;
 use crate::ledger::convert::{db, now_ms, to_i64, to_u64};
 use crate::ledger::{
@@ -303,7 +305,7 @@ async fn settle_once<B: Backend>(
     )
     .await?;
     if let (Some(op), false) = (&operator, held) {
-        credit_operator(&mut *tx, op, credit).await?;
+        credit_operator(&mut tx, op, credit).await?;
     }
     let opt_i64 = |v: Option<u64>| v.map(to_i64).transpose();
     tx.exec(
@@ -344,7 +346,7 @@ async fn settle_once<B: Backend>(
     )
     .await?;
     super::console::rollup::record_settlement(
-        &mut *tx,
+        &mut tx,
         super::console::rollup::SettledRow {
             account: hold_account.as_str(),
             operator: operator.as_deref(),
@@ -374,7 +376,7 @@ async fn settle_once<B: Backend>(
             None => {}
         }
         entries.push(("platform", "platform", fee));
-        insert_entries(&mut *tx, &reference, &entries).await?;
+        insert_entries(&mut tx, &reference, &entries).await?;
     }
     tx.commit().await.map_err(db)?;
     Ok(SettleResult {
@@ -552,7 +554,7 @@ async fn resolve_held_earnings_once<B: Backend>(
         if let (true, Some(op)) = (pay, op.as_deref()) {
             // the console's earnings roll-up counts escrow once it is paid
             super::console::rollup::record_paid_escrow(
-                &mut *tx,
+                &mut tx,
                 op,
                 node.as_str(),
                 model.as_str(),
@@ -565,14 +567,14 @@ async fn resolve_held_earnings_once<B: Backend>(
     }
     let release = crate::ledger::amounts::escrow_release(node, model, pay, credits);
     for (op, credit) in &release.operator_credits {
-        credit_operator(&mut *tx, op, *credit).await?;
+        credit_operator(&mut tx, op, *credit).await?;
     }
     let entries: Vec<(&str, &str, i64)> = release
         .entries
         .iter()
         .map(|(k, id, amount)| (*k, id.as_str(), *amount))
         .collect();
-    insert_entries(&mut *tx, &release.reference, &entries).await?;
+    insert_entries(&mut tx, &release.reference, &entries).await?;
     tx.commit().await.map_err(db)?;
     Ok(HeldEarnings {
         requests: rows.len() as u64,
@@ -644,7 +646,7 @@ async fn add_credits_once<B: Backend>(
     }
     let reference = format!("credit:{idempotency_key}");
     insert_entries(
-        &mut *tx,
+        &mut tx,
         &reference,
         &[
             ("account", account.as_str(), amount),

@@ -4,6 +4,7 @@ use spine_core::{NodeId, OperatorId};
 
 use super::{
     finish, insert, insert_owned, read_text, retrying, unique_as, Arg, Backend, SqlConn, SqlRow,
+    TxEnd as _,
 };
 use crate::ledger::convert::{db, now_ms, to_u64};
 use crate::ledger::{Enrollment, LedgerError, NodeRecord};
@@ -43,7 +44,7 @@ pub(in crate::ledger) async fn operator_earned_micros<B: Backend>(
 /// Inserts a node of `operator`; the id is `node_<n>`, `n` counting registrations (under
 /// [`Backend::NODES_LOCK`], one registration at a time; reads are not blocked).
 async fn insert_node<B: Backend>(
-    c: &mut B::Conn,
+    c: &mut B::Tx,
     operator: &OperatorId,
     public_key_text: &str,
     name: Option<&str>,
@@ -145,7 +146,7 @@ pub(in crate::ledger) async fn redeem_enrollment<B: Backend>(
 /// so two redemptions of one token queue and the second sees the first. Returns the
 /// enrollment and whether anything was written (to commit).
 async fn redeem_in<B: Backend>(
-    c: &mut B::Conn,
+    c: &mut B::Tx,
     token_hash: &str,
     public_key_text: &str,
     name: Option<&str>,

@@ -3,26 +3,28 @@
 //! ([`super::sql`]).
 
 mod api;
+mod conn;
 pub(in crate::ledger) mod migrations;
+mod writer;
 
-use std::future::Future;
 use std::path::Path;
 use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use sqlx::pool::PoolConnection;
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
     SqliteSynchronous,
 };
-use sqlx::{Connection as _, Sqlite, Transaction};
+use sqlx::{Connection as _, Sqlite};
 
 use super::convert::{db, to_i64};
-use super::sql::{self, money, Access, Arg, Backend, HoldRequest, SqlConn as _};
+use super::sql::{self, money, Access, Arg, Backend, HoldRequest, SqlConn as _, TxEnd as _};
 use super::{LedgerError, LedgerFuture};
 #[cfg(doc)]
 use crate::ledger::Store;
+use conn::{StoreConn, StoreTx};
+use writer::Writer;
 
 /// The ledger and gateway store on SQLite.
 ///
@@ -32,15 +34,20 @@ use crate::ledger::Store;
 /// # Writers and readers
 ///
 /// SQLite lets one connection write at a time. A file store ([`SqliteLedger::open`]) therefore
-/// sends every write through **one writer connection** (a pool of exactly one): concurrent holds,
-/// settlements and credits wait for it in the pool's asynchronous FIFO queue, in process, instead
-/// of each taking its own connection, hitting `SQLITE_BUSY` on `BEGIN IMMEDIATE` and sleeping in
-/// SQLite's busy handler (1, 2, 5, 10 … ms per retry, measured as the gateway's bottleneck in
-/// `docs/benchmarks.md`). Write transactions still start with `BEGIN IMMEDIATE` and the 5 s busy
-/// timeout stays, for another process opening the same file (a second gateway on the same
-/// file, a migration). Reads (balances, key lookups, request records, entry sums) run on a
-/// separate pool of four `query_only` connections: in WAL mode readers run beside the
-/// writer and see every transaction committed before their statement began.
+/// sends every write through **one writer connection**: concurrent holds, settlements and
+/// credits wait for it in an asynchronous FIFO queue, in process, instead of each taking its
+/// own connection, hitting `SQLITE_BUSY` on `BEGIN IMMEDIATE` and sleeping in SQLite's busy
+/// handler (1, 2, 5, 10 … ms per retry, measured as the gateway's bottleneck in
+/// `docs/benchmarks.md`). Once it has the connection, a write runs its statements directly in
+/// the calling task (`rusqlite`, on the same SQLite library as sqlx's driver, statements
+/// prepared once): one wait per transaction, where sqlx's driver hands every statement to its
+/// connection thread and back. Write transactions still start with `BEGIN IMMEDIATE` and the
+/// 5 s busy timeout stays, for another process opening the same file (a second gateway on the
+/// same file, a migration); only then does a write wait in SQLite's busy handler, on the
+/// runtime thread that runs it. Reads (balances, key lookups, request records, entry sums) run
+/// on a separate sqlx pool of four `query_only` connections: in WAL mode readers run beside the
+/// writer and see every transaction committed before their statement began. An in-memory
+/// store and a store on a caller's pool write through sqlx.
 ///
 /// # Durability
 ///
@@ -64,7 +71,10 @@ use crate::ledger::Store;
 /// writer's own automatic checkpoint stays as a safety net at 16,384 WAL pages.
 #[derive(Clone, Debug)]
 pub struct SqliteLedger {
-    /// Every write: one connection (or the one shared pool of [`SqliteLedger::with_pool`]).
+    /// A file store's writer connection: every write of [`SqliteLedger::open`]'s store.
+    direct: Option<Writer>,
+    /// Every write of an in-memory or caller's-pool store (one connection, or the shared
+    /// pool of [`SqliteLedger::with_pool`]); a file store's migrations.
     writer: SqlitePool,
     /// Reads; the same pool as `writer` for [`SqliteLedger::in_memory`] and
     /// [`SqliteLedger::with_pool`].
@@ -72,6 +82,9 @@ pub struct SqliteLedger {
     /// The background checkpointer of a file store; aborted when the last clone is dropped.
     checkpointer: Option<Arc<AbortOnDrop>>,
 }
+
+/// How long a connection waits in SQLite's busy handler for another process's write lock.
+const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Reader connections of a file store.
 const READERS: u32 = 4;
@@ -209,7 +222,7 @@ impl SqliteLedger {
             .filename(path)
             .journal_mode(SqliteJournalMode::Wal)
             .synchronous(SqliteSynchronous::Normal)
-            .busy_timeout(Duration::from_secs(5))
+            .busy_timeout(BUSY_TIMEOUT)
             .foreign_keys(true);
         // the writer first: it creates the file, switches it to WAL and migrates it
         let writer_opts = base.clone().create_if_missing(true).pragma(
@@ -230,6 +243,7 @@ impl SqliteLedger {
         })
         .await?;
         let migrated = Self {
+            direct: None,
             writer: writer.clone(),
             reader: writer.clone(),
             checkpointer: None,
@@ -244,7 +258,9 @@ impl SqliteLedger {
         })
         .await?;
         let checkpointer = connect_retrying_busy(|| SqliteConnection::connect_with(&base)).await?;
+        let direct = Writer::open(path, BUSY_TIMEOUT, WRITER_AUTOCHECKPOINT_PAGES)?;
         Ok(Self {
+            direct: Some(direct),
             writer,
             reader,
             checkpointer: Some(Arc::new(spawn_checkpointer(checkpointer))),
@@ -283,6 +299,7 @@ impl SqliteLedger {
     /// [`LedgerError::Database`].
     pub async fn with_pool(pool: SqlitePool) -> Result<Self, LedgerError> {
         let this = Self {
+            direct: None,
             writer: pool.clone(),
             reader: pool,
             checkpointer: None,
@@ -307,7 +324,9 @@ impl SqliteLedger {
         .await
     }
 
-    /// The pool every write goes through (one connection for a file store).
+    /// sqlx's writer pool: every write of an in-memory or caller's-pool store; for a file
+    /// store (whose own writes go through its writer connection) one connection that ran the
+    /// migrations, for the caller's own statements.
     pub fn pool(&self) -> &SqlitePool {
         &self.writer
     }
@@ -323,6 +342,9 @@ impl SqliteLedger {
         if let Some(c) = &self.checkpointer {
             c.0.abort();
         }
+        if let Some(direct) = &self.direct {
+            direct.close().await;
+        }
         self.writer.close().await;
         self.reader.close().await;
     }
@@ -333,8 +355,8 @@ sql::sql_store!(SqliteLedger);
 sql::console::sql_console!(SqliteLedger);
 
 impl Backend for SqliteLedger {
-    type Db = Sqlite;
-    type Conn = SqliteConnection;
+    type Conn = StoreConn;
+    type Tx = StoreTx;
 
     // one writer at a time (`BEGIN IMMEDIATE` on one connection): no deadlock to retry, no
     // lock to take
@@ -352,22 +374,27 @@ impl Backend for SqliteLedger {
         None
     }
 
-    /// Reads on the reader pool, writes on the writer.
-    fn conn(
-        &self,
-        access: Access,
-    ) -> impl Future<Output = Result<PoolConnection<Sqlite>, LedgerError>> + Send {
-        let pool = match access {
-            Access::Read => &self.reader,
-            Access::Write => &self.writer,
-        };
-        async move { pool.acquire().await.map_err(db) }
+    /// Reads on the reader pool; writes on the file store's writer, else on the writer pool.
+    async fn conn(&self, access: Access) -> Result<StoreConn, LedgerError> {
+        match (access, &self.direct) {
+            (Access::Read, _) => self.reader.acquire().await.map(StoreConn::Pool).map_err(db),
+            (Access::Write, Some(direct)) => direct.acquire().await.map(StoreConn::Writer),
+            (Access::Write, None) => self.writer.acquire().await.map(StoreConn::Pool).map_err(db),
+        }
     }
 
     /// `BEGIN IMMEDIATE` on the writer: the write lock is taken at the start, so writers take
     /// turns.
-    async fn begin(&self) -> Result<Transaction<'static, Sqlite>, LedgerError> {
-        self.writer.begin_with("BEGIN IMMEDIATE").await.map_err(db)
+    async fn begin(&self) -> Result<StoreTx, LedgerError> {
+        match &self.direct {
+            Some(direct) => direct.begin().await.map(StoreTx::Writer),
+            None => self
+                .writer
+                .begin_with("BEGIN IMMEDIATE")
+                .await
+                .map(StoreTx::Pool)
+                .map_err(db),
+        }
     }
 
     /// Places a hold: the conditional `UPDATE` adds the amount to `held_micros` only when
@@ -393,7 +420,7 @@ impl Backend for SqliteLedger {
             tx.rollback().await.map_err(db)?;
             return Err(money::hold_refusal(row, hold));
         }
-        let inserted = money::insert_hold(&mut *tx, hold, None).await;
+        let inserted = money::insert_hold(&mut tx, hold, None).await;
         sql::finish::<Self>(tx, inserted.is_ok()).await?;
         inserted
     }

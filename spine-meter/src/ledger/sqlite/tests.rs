@@ -6,6 +6,7 @@
 use spine_core::{AccountId, ModelId, RequestId, StreamOutcome, Usage, UsageSource};
 
 use super::*;
+use crate::ledger::sql::{SqlRow as _, TxEnd as _};
 use crate::ledger::{Ledger, Settlement};
 use crate::price::Price;
 
@@ -303,4 +304,136 @@ async fn migration_9_keeps_the_console_users_sessions_and_links_of_a_version_7_f
         .is_err(),
         "one owner"
     );
+}
+
+/// A file store and its path, in a temp dir kept alive with it.
+async fn file_store() -> (tempfile::TempDir, std::path::PathBuf, SqliteLedger) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ledger.db");
+    let l = SqliteLedger::open(&path).await.unwrap();
+    (dir, path, l)
+}
+
+/// How many `operators` rows a reader sees.
+async fn operators(l: &SqliteLedger) -> i64 {
+    sqlx::query_scalar("SELECT COUNT(*) FROM operators")
+        .fetch_one(l.reader_pool())
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn the_writer_rolls_back_a_transaction_dropped_unfinished_and_goes_on() {
+    let (_dir, _path, l) = file_store().await;
+    let insert = "INSERT INTO operators (id, created_at_ms) VALUES ($1, 0)";
+    {
+        let mut tx = l.begin().await.unwrap();
+        assert!(
+            matches!(tx, StoreTx::Writer(_)),
+            "a file store writes on its writer"
+        );
+        assert_eq!(tx.exec(insert, &[Arg::Text("dropped")]).await.unwrap(), 1);
+        // dropped here: as a caller that went away mid-transaction
+    }
+    let mut tx = l.begin().await.unwrap();
+    assert_eq!(tx.exec(insert, &[Arg::Text("rolled")]).await.unwrap(), 1);
+    tx.rollback().await.unwrap();
+    assert_eq!(operators(&l).await, 0, "neither write is kept");
+    // the connection is usable (not left inside a transaction) and commits are seen by readers
+    let mut tx = l.begin().await.unwrap();
+    tx.exec(insert, &[Arg::Text("kept")]).await.unwrap();
+    tx.commit().await.unwrap();
+    l.create_operator(&spine_core::OperatorId::from("o2"))
+        .await
+        .unwrap();
+    assert_eq!(operators(&l).await, 2);
+    l.close().await;
+}
+
+#[tokio::test]
+async fn the_writer_reports_errors_as_the_sqlx_driver_does() {
+    let (_dir, _path, l) = file_store().await;
+    let op = spine_core::OperatorId::from("o");
+    l.create_operator(&op).await.unwrap();
+    assert!(matches!(
+        l.create_operator(&op).await,
+        Err(LedgerError::Duplicate { what: "operator" })
+    ));
+    let acct = AccountId::from("a");
+    l.create_account(&acct).await.unwrap();
+    l.add_credits(&acct, 1_000, "k").await.unwrap();
+    l.hold(RequestId::from("r"), acct.clone(), ModelId::from("m"), 10)
+        .await
+        .unwrap();
+    assert!(matches!(
+        l.hold(RequestId::from("r"), acct.clone(), ModelId::from("m"), 10)
+            .await,
+        Err(LedgerError::Duplicate { what: "hold" })
+    ));
+    let mut c = l.write().await.unwrap();
+    // a node of an operator that does not exist: the foreign key, code 787
+    let e = c
+        .exec(
+            "INSERT INTO nodes (node_id, operator_id, public_key_text, created_at_ms) VALUES ('n', 'nobody', 'pk', 0)",
+            &[],
+        )
+        .await
+        .unwrap_err();
+    match &e {
+        LedgerError::Database(sqlx::Error::Database(d)) => {
+            assert!(d.is_foreign_key_violation(), "{e:?}");
+            assert_eq!(d.code().as_deref(), Some("787"), "{e}");
+        }
+        other => panic!("{other:?}"),
+    }
+    // a placeholder with no argument is an error, never a silent NULL
+    let e = c
+        .exec(
+            "UPDATE accounts SET held_micros = $2 WHERE id = $1",
+            &[Arg::Text("a")],
+        )
+        .await
+        .unwrap_err();
+    assert!(matches!(e, LedgerError::Database(_)), "{e:?}");
+    // a column of another type does not decode
+    let row = c
+        .optional("SELECT id FROM accounts WHERE id = $1", &[Arg::Text("a")])
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(row.text("id").unwrap(), "a");
+    assert!(row.i64("id").is_err());
+    assert!(row.text("missing").is_err());
+    drop(c);
+    let b = l.account(&acct).await.unwrap();
+    assert_eq!((b.balance_micros, b.held_micros), (1_000, 10));
+    l.close().await;
+    let e = l.create_account(&AccountId::from("b")).await.unwrap_err();
+    assert!(
+        e.is_unavailable(),
+        "a closed store's writes fail unavailable: {e}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_waits_for_another_process_that_holds_the_write_lock() {
+    let (_dir, path, l) = file_store().await;
+    let acct = AccountId::from("a");
+    l.create_account(&acct).await.unwrap();
+    // another process's connection takes the write lock and keeps it for a while
+    let (locked_tx, locked_rx) = std::sync::mpsc::channel();
+    let other = std::thread::spawn(move || {
+        let c = rusqlite::Connection::open(&path).unwrap();
+        c.execute_batch("BEGIN IMMEDIATE; UPDATE accounts SET balance_micros = 7 WHERE id = 'a';")
+            .unwrap();
+        locked_tx.send(()).unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+        c.execute_batch("COMMIT").unwrap();
+    });
+    locked_rx.recv().unwrap();
+    // waits in SQLite's busy handler (5 s at most) instead of failing busy
+    l.add_credits(&acct, 1_000, "k").await.unwrap();
+    other.join().unwrap();
+    assert_eq!(l.account(&acct).await.unwrap().balance_micros, 1_007);
+    l.close().await;
 }

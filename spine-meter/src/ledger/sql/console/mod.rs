@@ -16,7 +16,7 @@ pub(in crate::ledger) use store::sql_console;
 
 use spine_core::{AccountId, ModelId, NodeId, OperatorId, StreamOutcome, Usage};
 
-use super::{bind, insert, insert_owned, Arg, Backend, SqlConn, SqlRow};
+use super::{bind, insert, insert_owned, Arg, Backend, SqlConn, SqlRow, TxEnd as _};
 use crate::ledger::console::{
     ApiKeyInfo, ConsoleRole, ConsoleUser, CreditEntry, EarningsDay, EnrollmentInfo, Page,
     PageCursor, RequestFilter, RequestSummary, UsageDay, MAX_SCANNED_PER_PAGE,
