@@ -392,3 +392,17 @@ pub fn node_serving(model: &str, max_concurrency: u32) -> spine_core::NodeDescri
         agent_version: "t".into(),
     }
 }
+
+/// The standard output of a finished command, once asserted that it exited successfully.
+///
+/// # Panics
+///
+/// The command failed: the message is `what` followed by its standard error.
+pub fn stdout_of(out: std::process::Output, what: &str) -> Vec<u8> {
+    assert!(
+        out.status.success(),
+        "{what}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out.stdout
+}
