@@ -22,14 +22,12 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use common::{
-    add_node, full, header, post_json, serve_fake_llama, sse, sse_data, tenant, FakeBody, Gateway,
-    CREDITS,
+    add_node, full, header, post_json, serve_fake_llama, sse_data, sse_paced, tenant, FakeBody,
+    Gateway, CREDITS, ROLE_CHUNK,
 };
 use hyper::body::Frame;
 use serde_json::{json, Value};
 use spine_test_support::{Engine, LlamaServer};
-
-const ROLE_CHUNK: &str = "data: {\"id\":\"x\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"smollm2\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":null},\"finish_reason\":null}]}\n\n";
 
 /// A fake llama-server whose chat streams send the role chunk and then break (the connection
 /// is cut) before any token. Counts the chat requests.
@@ -44,12 +42,7 @@ async fn break_before_first_token(
                 Ok(Frame::data(Bytes::from_static(ROLE_CHUNK.as_bytes()))),
                 Err(std::io::Error::other("engine crashed")),
             ];
-            let stream = futures_util::stream::unfold(frames.into_iter(), |mut rest| async move {
-                let next = rest.next()?;
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                Some((next, rest))
-            });
-            sse(stream)
+            sse_paced(frames, Duration::from_millis(100))
         }
         _ => full(404, "application/json", r#"{"error":"not found"}"#.into()),
     }

@@ -28,8 +28,8 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use common::{
-    add_node, assert_clean_stream, full, metric, serve_fake_llama, sse, sse_data, tenant, text_of,
-    FakeBody, Gateway, Tenant, CREDITS,
+    add_node, assert_clean_stream, full, metric, serve_fake_llama, sse, sse_data, sse_paced,
+    tenant, text_of, FakeBody, Gateway, Tenant, CREDITS, ROLE_CHUNK,
 };
 use hyper::body::Frame;
 use serde_json::{json, Value};
@@ -67,16 +67,15 @@ async fn hostile_answer(
     match path.as_str() {
         "/v1/chat/completions" => {
             chats.fetch_add(1, Ordering::SeqCst);
-            let role = "data: {\"id\":\"x\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"smollm2\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":null},\"finish_reason\":null}]}\n\n";
             let frames: Vec<Result<Frame<Bytes>, std::io::Error>> = match mode {
                 Hostile::ErrorEventFirst => vec![
-                    Ok(Frame::data(Bytes::from_static(role.as_bytes()))),
+                    Ok(Frame::data(Bytes::from_static(ROLE_CHUNK.as_bytes()))),
                     Ok(Frame::data(Bytes::from_static(
                         b"data: {\"error\":{\"code\":500,\"message\":\"engine exploded\",\"type\":\"server_error\"}}\n\n",
                     ))),
                 ],
                 Hostile::BreakAfterFirstToken => vec![
-                    Ok(Frame::data(Bytes::from_static(role.as_bytes()))),
+                    Ok(Frame::data(Bytes::from_static(ROLE_CHUNK.as_bytes()))),
                     Ok(Frame::data(Bytes::from_static(
                         b"data: {\"id\":\"x\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"smollm2\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hello\"},\"finish_reason\":null}]}\n\n",
                     ))),
@@ -85,12 +84,7 @@ async fn hostile_answer(
             };
             // each frame 200 ms after the previous one, so that the token reaches the gateway
             // before the break (an HTTP/2 reset may drop DATA still queued at the agent)
-            let stream = futures_util::stream::unfold(frames.into_iter(), |mut rest| async move {
-                let next = rest.next()?;
-                tokio::time::sleep(Duration::from_millis(200)).await;
-                Some((next, rest))
-            });
-            sse(stream)
+            sse_paced(frames, Duration::from_millis(200))
         }
         _ => full(404, "application/json", r#"{"error":"not found"}"#.into()),
     }

@@ -16,13 +16,11 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use common::{
     add_node, assert_clean_stream, full, serve_fake_llama, sse, sse_data, tenant, text_of,
-    FakeBody, Gateway, Tenant, CREDITS,
+    FakeBody, Gateway, Tenant, CREDITS, ROLE_CHUNK,
 };
 use hyper::body::Frame;
 use serde_json::{json, Value};
 use spine_test_support::Engine;
-
-const ROLE: &str = "data: {\"id\":\"x\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"smollm2\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":null},\"finish_reason\":null}]}\n\n";
 
 fn content(text: &str) -> String {
     format!(
@@ -71,10 +69,10 @@ async fn answer(state: EngineState, path: String) -> hyper::Response<FakeBody> {
             state.chats.fetch_add(1, Ordering::SeqCst);
             let stall = state.stall.load(Ordering::SeqCst);
             let frames: Vec<String> = if stall {
-                vec![ROLE.into(), content("Hello")]
+                vec![ROLE_CHUNK.into(), content("Hello")]
             } else {
                 vec![
-                    ROLE.into(),
+                    ROLE_CHUNK.into(),
                     content("Hi"),
                     FINISH.into(),
                     "data: [DONE]\n\n".into(),
@@ -261,7 +259,7 @@ async fn a_stream_open_when_the_shutdown_grace_ends_gets_an_error_event_and_sett
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
             let frame = if n == 0 {
-                ROLE.to_owned()
+                ROLE_CHUNK.to_owned()
             } else {
                 content("tok")
             };
@@ -408,7 +406,7 @@ async fn a_stream_kept_alive_without_progress_is_cut_as_stalled_and_scored_as_a_
                 async move {
                     tokio::time::sleep(Duration::from_millis(100)).await;
                     let frame = match n {
-                        0 => ROLE.to_owned(),
+                        0 => ROLE_CHUNK.to_owned(),
                         1 => content("Hello"),
                         _ => alive[(n - 2) % alive.len()].clone(),
                     };

@@ -653,6 +653,25 @@ where
         .unwrap()
 }
 
+/// The first event of a fake engine's chat stream: the assistant's role, no content.
+pub const ROLE_CHUNK: &str = "data: {\"id\":\"x\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"smollm2\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":null},\"finish_reason\":null}]}\n\n";
+
+/// A streamed 200 answer of a fake engine that sends `frames` one at a time, each `gap` after
+/// the previous one (the first `gap` after the headers); an `Err` frame breaks the body there.
+pub fn sse_paced(
+    frames: Vec<Result<hyper::body::Frame<bytes::Bytes>, std::io::Error>>,
+    gap: Duration,
+) -> hyper::Response<FakeBody> {
+    sse(futures_util::stream::unfold(
+        frames.into_iter(),
+        move |mut rest| async move {
+            let next = rest.next()?;
+            tokio::time::sleep(gap).await;
+            Some((next, rest))
+        },
+    ))
+}
+
 /// Serves `answer` as a fake engine over real HTTP/1.1 on a free loopback port; returns its base
 /// URL and the accept loop's task (abort it to stop accepting).
 pub async fn serve_fake_engine<F, Fut>(answer: F) -> (String, tokio::task::JoinHandle<()>)
