@@ -46,34 +46,20 @@ async fn every_admin_call_from_the_command_line() {
     assert_eq!(account, "acct_cli");
     let key = field(&gw, &["keys", "create", &account, "--rpm", "60"], "key").await;
     assert!(key.starts_with("sk-"), "{key}");
-    let (ok, out, err) = admin(
-        &gw,
-        &[
-            "credits",
-            "add",
-            &account,
-            "1000000",
-            "--idempotency-key",
-            "t1",
-        ],
-    )
-    .await;
+    let credits_t1 = [
+        "credits",
+        "add",
+        account.as_str(),
+        "1000000",
+        "--idempotency-key",
+        "t1",
+    ];
+    let (ok, out, err) = admin(&gw, &credits_t1).await;
     assert!(ok, "{err}");
     let v: Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["applied"], true);
     // the same key again adds nothing
-    let (ok, out, _) = admin(
-        &gw,
-        &[
-            "credits",
-            "add",
-            &account,
-            "1000000",
-            "--idempotency-key",
-            "t1",
-        ],
-    )
-    .await;
+    let (ok, out, _) = admin(&gw, &credits_t1).await;
     assert!(ok);
     assert_eq!(
         serde_json::from_str::<Value>(&out).unwrap()["applied"],

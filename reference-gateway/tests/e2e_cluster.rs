@@ -46,7 +46,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use common::console::{csrf_in, Session};
-use common::{keygen, sse_data, Gateway, PgDb, ADMIN_TOKEN, CREDITS, SHARE_BPS};
+use common::{header, keygen, post_json, sse_data, Gateway, PgDb, ADMIN_TOKEN, CREDITS, SHARE_BPS};
 use serde_json::{json, Value};
 use spine_test_support::{random_hex, Child, GatewayToml, Ready};
 use tokio::process::Command;
@@ -1106,10 +1106,7 @@ async fn a_keys_rate_limit_holds_across_instances() {
             )
             .await;
         let s = resp.status().as_u16();
-        let id = resp
-            .headers()
-            .get("x-request-id")
-            .map(|v| v.to_str().unwrap().to_owned());
+        let id = header(&resp, "x-request-id");
         let body: Value = resp.json().await.unwrap_or(Value::Null);
         match s {
             200 => ids.push(id.expect("x-request-id")),
@@ -1301,19 +1298,10 @@ async fn ledger_stays_exact_under_cross_instance_load() {
                 let body = json!({"model": model, "stream": kind != "plain",
                                   "max_tokens": if kind == "cancel" { 64 } else { 8 },
                                   "messages": [{"role": "user", "content": format!("Request {j}.")}]});
-                let mut resp = http
-                    .post(format!("{public}/v1/chat/completions"))
-                    .bearer_auth(&key)
-                    .json(&body)
-                    .send()
-                    .await
-                    .unwrap();
+                let mut resp =
+                    post_json(http, &format!("{public}/v1/chat/completions"), &key, &body).await;
                 let status = resp.status().as_u16();
-                let id = resp
-                    .headers()
-                    .get("x-request-id")
-                    .map(|v| v.to_str().unwrap().to_owned())
-                    .unwrap_or_default();
+                let id = header(&resp, "x-request-id").unwrap_or_default();
                 if kind == "cancel" {
                     // first chunk, then hang up
                     let _ = resp.chunk().await;

@@ -21,12 +21,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use common::{add_node, full, serve_fake_llama, sse, sse_data, tenant, FakeBody, Gateway, CREDITS};
+use common::{
+    add_node, full, header, post_json, serve_fake_llama, sse_data, sse_paced, tenant, FakeBody,
+    Gateway, CREDITS, ROLE_CHUNK,
+};
 use hyper::body::Frame;
 use serde_json::{json, Value};
 use spine_test_support::{Engine, LlamaServer};
-
-const ROLE_CHUNK: &str = "data: {\"id\":\"x\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"smollm2\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":null},\"finish_reason\":null}]}\n\n";
 
 /// A fake llama-server whose chat streams send the role chunk and then break (the connection
 /// is cut) before any token. Counts the chat requests.
@@ -41,12 +42,7 @@ async fn break_before_first_token(
                 Ok(Frame::data(Bytes::from_static(ROLE_CHUNK.as_bytes()))),
                 Err(std::io::Error::other("engine crashed")),
             ];
-            let stream = futures_util::stream::unfold(frames.into_iter(), |mut rest| async move {
-                let next = rest.next()?;
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                Some((next, rest))
-            });
-            sse(stream)
+            sse_paced(frames, Duration::from_millis(100))
         }
         _ => full(404, "application/json", r#"{"error":"not found"}"#.into()),
     }
@@ -193,9 +189,7 @@ async fn an_agent_told_to_stop_while_its_engine_hangs_exits_within_seconds() {
         .expect("the caller's stream ended")
         .unwrap_or_default();
     assert!(!String::from_utf8_lossy(&rest).contains("[DONE]"));
-    let rec = gw.record(&id).await;
-    assert_eq!(rec["outcome"], "upstream_failed", "{rec}");
-    assert_eq!(rec["debit_micros"], 0, "{rec}");
+    gw.failed_unbilled(&id).await;
 }
 
 /// SIGSTOP of a node's engine with its slots full (issue 14): the node leaves routing within the
@@ -546,16 +540,16 @@ async fn fault_matrix(pg: Option<&common::PgDb>) {
         .map(|i| {
             let (http, public, key) = (gw.http.clone(), gw.public.clone(), small_key.clone());
             tokio::spawn(async move {
-                let resp = http
-                    .post(format!("{public}/v1/chat/completions"))
-                    .bearer_auth(&key)
-                    .json(&json!({"model":"smollm2","stream":true,"max_tokens":64,
-                        "messages":[{"role":"user","content":format!("Count to twenty, run {i}.")}]}))
-                    .send()
-                    .await
-                    .unwrap();
+                let resp = post_json(
+                    &http,
+                    &format!("{public}/v1/chat/completions"),
+                    &key,
+                    &json!({"model":"smollm2","stream":true,"max_tokens":64,
+                        "messages":[{"role":"user","content":format!("Count to twenty, run {i}.")}]}),
+                )
+                .await;
                 let status = resp.status().as_u16();
-                let id = resp.headers().get("x-request-id").map(|v| v.to_str().unwrap().to_owned());
+                let id = header(&resp, "x-request-id");
                 let _ = resp.bytes().await;
                 (status, id)
             })
@@ -648,16 +642,14 @@ async fn a_gateway_killed_mid_stream_settles_its_hold_at_the_next_start() {
     let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
     // the node is noted on the hold off the response path, once the answer began
     let ledger = common::LedgerDb::open(dir.path(), None).await;
-    let mut noted = 0;
-    for _ in 0..100 {
-        noted = ledger
-            .int("SELECT COUNT(*) FROM holds WHERE state = 'held' AND node_id IS NOT NULL")
-            .await;
-        if noted == 1 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let noted = ledger
+        .int_once(
+            "SELECT COUNT(*) FROM holds WHERE state = 'held' AND node_id IS NOT NULL",
+            1,
+            100,
+            Duration::from_millis(50),
+        )
+        .await;
     assert_eq!(noted, 1, "the streaming request's hold names its node");
     gw.child.kill().await;
     drop(resp);

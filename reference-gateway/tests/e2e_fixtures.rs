@@ -13,7 +13,7 @@ use common::{cost, Gateway};
 use serde_json::{json, Value};
 use spine_meter::tokenizer::{CompletionRule, GeneratedText};
 use spine_meter::ModelTokenizer;
-use spine_test_support::{workspace_path, Engine, ReplayEngine, Scripted};
+use spine_test_support::{stdout_of, workspace_path, Engine, ReplayEngine, Scripted};
 
 /// One fixture: the request the client sends, the upstream reads, what must happen.
 struct Fixture {
@@ -419,12 +419,8 @@ async fn sdk_parses_every_fixture(responses: bool) {
         .output()
         .await
         .unwrap();
-    assert!(
-        out.status.success(),
-        "sdk_stream_check.py failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let results: Vec<Value> = serde_json::from_slice(&out.stdout).unwrap();
+    let results: Vec<Value> =
+        serde_json::from_slice(&stdout_of(out, "sdk_stream_check.py failed: ")).unwrap();
     assert_eq!(results.len(), all.len());
     for (f, r) in all.iter().zip(&results) {
         let id = &f.id;

@@ -10,7 +10,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{add_node, full, serve_fake_llama, tenant, FakeBody, Gateway};
+use common::{account_with_key, add_node, full, serve_fake_llama, tenant, FakeBody, Gateway};
 use serde_json::{json, Value};
 use spine_test_support::Engine;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
@@ -277,14 +277,7 @@ async fn a_top_up_lifts_a_remembered_refusal_at_once() {
     let gw = Gateway::start(dir.path(), &engine).await;
     let t = tenant(&gw).await;
     let (_node, _agent) = add_node(&gw, dir.path(), &t.operator, &url, "node").await;
-    let (s, acct) = gw.admin_post("/admin/v1/accounts", json!({})).await;
-    assert_eq!(s, 201);
-    let account = acct["id"].as_str().unwrap().to_owned();
-    let (s, key) = gw
-        .admin_post(&format!("/admin/v1/accounts/{account}/keys"), json!({}))
-        .await;
-    assert_eq!(s, 201);
-    let key = key["key"].as_str().unwrap().to_owned();
+    let (account, key) = account_with_key(&gw).await;
     // refused, then refused again from the meter's memory (held back)
     for _ in 0..2 {
         let (status, body) = paid_chat(&gw, &key).await;

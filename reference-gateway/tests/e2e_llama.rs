@@ -12,8 +12,24 @@ use std::time::Duration;
 
 use common::*;
 use serde_json::{json, Value};
-use spine_test_support::{Engine, LlamaServer};
+use spine_test_support::{stdout_of, Engine, LlamaServer};
 use tokio::process::Command;
+
+/// What an OpenAI SDK script (`scripts/openai_chat.py`, `scripts/openai_node.cjs`) reported of
+/// its chats, asserted: `models.retrieve` gave the served model, the non-streamed and streamed
+/// answers have text, and the streamed usage counts `want_prompt` prompt tokens.
+fn assert_sdk_chats(sdk: &Value, want_prompt: u64) {
+    assert_eq!(
+        sdk["retrieved_model"],
+        json!({"id": "smollm2", "object": "model"})
+    );
+    assert!(!sdk["nonstream_text"].as_str().unwrap().is_empty(), "{sdk}");
+    assert!(!sdk["stream_text"].as_str().unwrap().is_empty(), "{sdk}");
+    assert_eq!(
+        sdk["stream_usage"]["prompt_tokens"].as_u64(),
+        Some(want_prompt)
+    );
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chat_through_gateway_tunnel_agent_and_llama_cpp() {
@@ -46,15 +62,11 @@ async fn chat_through_gateway_tunnel_agent_and_llama_cpp() {
     let mut earned = 0u64;
 
     // --- GET /v1/models ----------------------------------------------------------------------
-    let models: Value = http
-        .get(format!("{}/v1/models", gw.public))
-        .bearer_auth(&api_key)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let models = json_of(
+        http.get(format!("{}/v1/models", gw.public))
+            .bearer_auth(&api_key),
+    )
+    .await;
     assert_eq!(models["data"][0]["id"], "smollm2");
 
     // --- non-streamed ------------------------------------------------------------------------
@@ -196,14 +208,10 @@ async fn chat_through_gateway_tunnel_agent_and_llama_cpp() {
     let e: Value = resp.json().await.unwrap();
     assert_eq!(e["error"]["type"], "invalid_request_error");
     // an account without credit gets 402 before anything is forwarded
-    let (_, poor) = gw.admin_post("/admin/v1/accounts", json!({})).await;
-    let poor = poor["id"].as_str().unwrap().to_owned();
-    let (_, poor_key) = gw
-        .admin_post(&format!("/admin/v1/accounts/{poor}/keys"), json!({}))
-        .await;
+    let (poor, poor_key) = account_with_key(&gw).await;
     let resp = http
         .post(format!("{}/v1/chat/completions", gw.public))
-        .bearer_auth(poor_key["key"].as_str().unwrap())
+        .bearer_auth(&poor_key)
         .json(&json!({"model": "smollm2", "messages": messages, "max_tokens": 16}))
         .send()
         .await
@@ -223,26 +231,12 @@ async fn chat_through_gateway_tunnel_agent_and_llama_cpp() {
         .output()
         .await
         .unwrap();
-    assert!(
-        out.status.success(),
-        "openai SDK failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let sdk: Value = serde_json::from_slice(&out.stdout).unwrap();
-    // models.retrieve: the served model, and NotFoundError(model_not_found, param model)
-    assert_eq!(
-        sdk["retrieved_model"],
-        json!({"id": "smollm2", "object": "model"})
-    );
+    let sdk: Value = serde_json::from_slice(&stdout_of(out, "openai SDK failed: ")).unwrap();
+    assert_sdk_chats(&sdk, want_prompt);
+    // NotFoundError(model_not_found, param model)
     assert_eq!(
         sdk["missing_model"],
         json!({"status": 404, "code": "model_not_found", "param": "model"})
-    );
-    assert!(!sdk["nonstream_text"].as_str().unwrap().is_empty(), "{sdk}");
-    assert!(!sdk["stream_text"].as_str().unwrap().is_empty(), "{sdk}");
-    assert_eq!(
-        sdk["stream_usage"]["prompt_tokens"].as_u64(),
-        Some(want_prompt)
     );
     assert_eq!(
         sdk["nonstream_usage"]["prompt_tokens"].as_u64(),
@@ -257,15 +251,7 @@ async fn chat_through_gateway_tunnel_agent_and_llama_cpp() {
     };
     let sdk_spent = sdk_cost(&sdk["nonstream_usage"]) + sdk_cost(&sdk["stream_usage"]);
     // the usage the SDK saw is exactly what was billed
-    let mut after = before;
-    for _ in 0..100 {
-        after = gw.balance(&account).await.0;
-        if before - after == sdk_spent {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert_eq!(before - after, sdk_spent);
+    assert_eq!(gw.spent_since(&account, before, sdk_spent).await, sdk_spent);
 
     // --- the official OpenAI Node SDK, unmodified (issue 16) ----------------------------------
     let before = gw.balance(&account).await.0;
@@ -275,30 +261,13 @@ async fn chat_through_gateway_tunnel_agent_and_llama_cpp() {
         ))
         .arg(format!("{}/v1", gw.public))
         .arg(&api_key)
-        .arg(poor_key["key"].as_str().unwrap())
+        .arg(&poor_key)
         .env("SPINE_NODE_SDK", engine.node_sdk().unwrap())
         .output()
         .await
         .unwrap();
-    assert!(
-        out.status.success(),
-        "openai Node SDK failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let node: Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(
-        node["retrieved_model"],
-        json!({"id": "smollm2", "object": "model"})
-    );
-    assert!(
-        !node["nonstream_text"].as_str().unwrap().is_empty(),
-        "{node}"
-    );
-    assert!(!node["stream_text"].as_str().unwrap().is_empty(), "{node}");
-    assert_eq!(
-        node["stream_usage"]["prompt_tokens"].as_u64(),
-        Some(want_prompt)
-    );
+    let node: Value = serde_json::from_slice(&stdout_of(out, "openai Node SDK failed: ")).unwrap();
+    assert_sdk_chats(&node, want_prompt);
     // each refusal reaches the SDK as its own error class, with OpenAI's code and param
     let errors = &node["errors"];
     assert_eq!(
@@ -353,16 +322,8 @@ async fn chat_through_gateway_tunnel_agent_and_llama_cpp() {
         + sdk_cost(&node["stream_usage"])
         + responses_cost(&responses["nonstream_usage"])
         + responses_cost(&responses["stream_usage"]);
-    let mut after = before;
-    for _ in 0..100 {
-        after = gw.balance(&account).await.0;
-        if before - after == node_spent {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
     assert_eq!(
-        before - after,
+        gw.spent_since(&account, before, node_spent).await,
         node_spent,
         "the Node SDK's usage is what was billed"
     );
@@ -375,16 +336,12 @@ async fn chat_through_gateway_tunnel_agent_and_llama_cpp() {
         ))
         .arg(format!("{}/v1", gw.public))
         .arg(&api_key)
-        .arg(poor_key["key"].as_str().unwrap())
+        .arg(&poor_key)
         .output()
         .await
         .unwrap();
-    assert!(
-        out.status.success(),
-        "openai SDK responses failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let r: Value =
+        serde_json::from_slice(&stdout_of(out, "openai SDK responses failed: ")).unwrap();
     let nonstream = &r["nonstream"];
     assert_eq!(nonstream["object"], "response", "{r}");
     assert!(
@@ -456,14 +413,7 @@ async fn chat_through_gateway_tunnel_agent_and_llama_cpp() {
         helper_usage["output_tokens"].as_u64().unwrap(),
     )
     .0;
-    let mut spent = 0;
-    for _ in 0..100 {
-        spent = before - gw.balance(&account).await.0;
-        if spent == responses_spent {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let spent = gw.spent_since(&account, before, responses_spent).await;
     // exactly the three answers: the refused requests cost nothing
     assert_eq!(spent, responses_spent, "{r}");
 

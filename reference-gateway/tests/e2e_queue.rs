@@ -29,8 +29,8 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use common::{
-    add_node, fake_llama_meta, full, serve_fake_engine, sse, sse_data, tenant, FakeBody, Gateway,
-    Tenant, CREDITS,
+    add_node, fake_llama_meta, full, header, post_json, serve_fake_engine, sse, sse_data, tenant,
+    FakeBody, Gateway, Tenant, CREDITS,
 };
 use http_body_util::BodyExt as _;
 use hyper::body::{Frame, Incoming};
@@ -282,18 +282,9 @@ async fn stream_chat_body(
     body: &Value,
 ) -> (u16, Option<String>, Vec<String>, Duration) {
     let started = Instant::now();
-    let r = http
-        .post(format!("{public}/v1/chat/completions"))
-        .bearer_auth(key)
-        .json(body)
-        .send()
-        .await
-        .unwrap();
+    let r = post_json(http, &format!("{public}/v1/chat/completions"), key, body).await;
     let status = r.status().as_u16();
-    let retry_after = r
-        .headers()
-        .get("retry-after")
-        .map(|v| v.to_str().unwrap().to_owned());
+    let retry_after = header(&r, "retry-after");
     let text = r.text().await.unwrap_or_default();
     (status, retry_after, sse_data(&text), started.elapsed())
 }

@@ -130,13 +130,7 @@ async fn a_refusing_node_is_retried_and_scored_and_two_refusals_pass_through_uns
     let bad_view = gw.node_view(&bad).await.unwrap();
     assert_eq!(bad_view["attempts"], refusals, "{bad_view}");
     assert_eq!(bad_view["failures"], refusals, "{bad_view}");
-    let mut debits = 0;
-    for id in &ids {
-        let rec = gw.record(id).await;
-        assert_eq!(rec["outcome"], "completed", "{rec}");
-        assert_eq!(rec["node"], good.as_str(), "{rec}");
-        debits += rec["debit_micros"].as_u64().unwrap();
-    }
+    let debits = gw.completed_on(&ids, &good).await;
     assert!(debits > 0);
     assert_eq!(
         gw.balance_once_released(&account).await,

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use common::{add_node, metric, tenant, Gateway, LedgerDb, Tenant};
 use serde_json::{json, Value};
-use spine_test_support::{Engine, LlamaServer};
+use spine_test_support::{Child, Engine, LlamaServer};
 
 const TOPICS: &[&str] = &[
     "a lighthouse keeper",
@@ -74,47 +74,89 @@ fn attempts_of(nodes: &Value, node_id: &str) -> u64 {
         .map_or(0, |n| n["attempts"].as_u64().unwrap_or(0))
 }
 
+/// A gateway auditing every completed request against a real reference llama-server, in front
+/// of two real agents of one operator on real llama.cpp: one honest, one serving the model's
+/// weights requantized to Q2_K under the same name.
+struct SubstituteRig {
+    // dropped in this order: the agents, the gateway, its directory, the engines
+    _agents: [Child; 2],
+    gw: Gateway,
+    operator: String,
+    api_key: String,
+    honest_id: String,
+    sub_id: String,
+    dir: tempfile::TempDir,
+    _engines: [LlamaServer; 3],
+}
+
+impl SubstituteRig {
+    /// Starts it with `audit_extra` added to the gateway's `[audit]` table.
+    async fn start(audit_extra: &str) -> Self {
+        let engine = Engine::discover().unwrap();
+        let substitute_gguf = engine.substitute_gguf().unwrap();
+        let reference = LlamaServer::start(&engine, 1).await.unwrap();
+        let honest = LlamaServer::start(&engine, 2).await.unwrap();
+        let substitute = LlamaServer::start_model(&engine, &substitute_gguf, 2, &[])
+            .await
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let gw = Gateway::start_full(
+            dir.path(),
+            &engine,
+            // every completed request audited, so that a test needs few requests
+            &format!(
+                "[audit]\nrate_passing = 1.0\nrate_unverified = 1.0\nrate_suspect = 1.0\n{audit_extra}"
+            ),
+            &format!("reference_url = \"{}\"", reference.url),
+        )
+        .await;
+        let Tenant {
+            operator, api_key, ..
+        } = tenant(&gw).await;
+        let (honest_id, honest_agent) =
+            add_node(&gw, dir.path(), &operator, &honest.url, "honest").await;
+        let (sub_id, sub_agent) =
+            add_node(&gw, dir.path(), &operator, &substitute.url, "substitute").await;
+        Self {
+            _agents: [honest_agent, sub_agent],
+            gw,
+            operator,
+            api_key,
+            honest_id,
+            sub_id,
+            dir,
+            _engines: [reference, honest, substitute],
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_substitute_model_is_failed_and_unrouted_while_the_honest_node_passes() {
-    let engine = Engine::discover().unwrap();
-    let substitute_gguf = engine.substitute_gguf().unwrap();
-    let reference = LlamaServer::start(&engine, 1).await.unwrap();
-    let honest = LlamaServer::start(&engine, 2).await.unwrap();
-    let substitute = LlamaServer::start_model(&engine, &substitute_gguf, 2, &[])
-        .await
-        .unwrap();
-
-    let dir = tempfile::tempdir().unwrap();
-    let gw = Gateway::start_full(
-        dir.path(),
-        &engine,
-        // every completed request audited, so that the test needs few requests
-        "[audit]\nrate_passing = 1.0\nrate_unverified = 1.0\nrate_suspect = 1.0\n",
-        &format!("reference_url = \"{}\"", reference.url),
-    )
-    .await;
-    let Tenant {
-        operator, api_key, ..
-    } = tenant(&gw).await;
-    let (honest_id, _honest_agent) =
-        add_node(&gw, dir.path(), &operator, &honest.url, "honest").await;
-    let (sub_id, _sub_agent) =
-        add_node(&gw, dir.path(), &operator, &substitute.url, "substitute").await;
+    let rig = SubstituteRig::start("").await;
+    let SubstituteRig {
+        gw,
+        operator,
+        api_key,
+        honest_id,
+        sub_id,
+        dir,
+        ..
+    } = &rig;
 
     // traffic until the substitute fails (every answer must be complete: audits never touch
     // the caller's response)
     let started = Instant::now();
     let mut i = 0;
     let failed_at_attempts = loop {
-        chat(&gw, &api_key, i, i % 2 == 0).await;
+        chat(gw, api_key, i, i % 2 == 0).await;
         i += 1;
         let (_, nodes) = gw.admin_get("/admin/v1/nodes").await;
-        if audit_of(&nodes, &sub_id).is_some_and(|a| a["verdict"] == "failed") {
+        if audit_of(&nodes, sub_id).is_some_and(|a| a["verdict"] == "failed") {
             // the router records an attempt when the answer's body is dropped, a moment after
             // the caller's last byte: read the count once the last request's is in
             tokio::time::sleep(Duration::from_secs(2)).await;
             let (_, nodes) = gw.admin_get("/admin/v1/nodes").await;
-            break attempts_of(&nodes, &sub_id);
+            break attempts_of(&nodes, sub_id);
         }
         assert!(
             started.elapsed() < Duration::from_secs(900),
@@ -123,18 +165,18 @@ async fn a_substitute_model_is_failed_and_unrouted_while_the_honest_node_passes(
         );
     };
     let (_, nodes) = gw.admin_get("/admin/v1/nodes").await;
-    let sub = audit_of(&nodes, &sub_id).unwrap();
+    let sub = audit_of(&nodes, sub_id).unwrap();
     println!("substitute failed after {i} requests: {sub}");
     assert!(sub["statistic"].as_f64().unwrap() >= sub["fail_threshold"].as_f64().unwrap());
     assert!(sub["events"].as_u64().unwrap() > 0);
 
     // from now on every request goes to the honest node, and every one succeeds
     for j in 0..8 {
-        chat(&gw, &api_key, i + j, j % 2 == 0).await;
+        chat(gw, api_key, i + j, j % 2 == 0).await;
     }
     let (_, nodes) = gw.admin_get("/admin/v1/nodes").await;
     assert_eq!(
-        attempts_of(&nodes, &sub_id),
+        attempts_of(&nodes, sub_id),
         failed_at_attempts,
         "the failed node was routed again: {nodes:#}"
     );
@@ -142,11 +184,11 @@ async fn a_substitute_model_is_failed_and_unrouted_while_the_honest_node_passes(
     let deadline = Instant::now() + Duration::from_secs(900);
     let honest_audit = loop {
         let (_, nodes) = gw.admin_get("/admin/v1/nodes").await;
-        let a = audit_of(&nodes, &honest_id).expect("the honest node was audited");
+        let a = audit_of(&nodes, honest_id).expect("the honest node was audited");
         if a["verdict"] == "passing" || Instant::now() > deadline {
             break a;
         }
-        chat(&gw, &api_key, i, false).await;
+        chat(gw, api_key, i, false).await;
         i += 1;
     };
     println!("honest node: {honest_audit}");
@@ -175,16 +217,14 @@ async fn a_substitute_model_is_failed_and_unrouted_while_the_honest_node_passes(
     // the books: earnings served while suspect were escrowed, then forfeited at `failed`;
     // the operator earned exactly the credits paid; the entries sum to zero
     let ledger = LedgerDb::open(dir.path(), None).await;
-    let mut still_held = -1;
-    for _ in 0..300 {
-        still_held = ledger
-            .int("SELECT COUNT(*) FROM requests WHERE earnings = 'held'")
-            .await;
-        if still_held == 0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let still_held = ledger
+        .int_once(
+            "SELECT COUNT(*) FROM requests WHERE earnings = 'held'",
+            0,
+            300,
+            Duration::from_millis(100),
+        )
+        .await;
     assert_eq!(still_held, 0, "escrow left after the verdicts");
     let forfeited = ledger
         .int(&format!(
@@ -198,7 +238,7 @@ async fn a_substitute_model_is_failed_and_unrouted_while_the_honest_node_passes(
     let (mut paid, mut earned) = (-1, -2);
     for _ in 0..300 {
         paid = ledger.int(paid_sql).await;
-        earned = gw.earned(&operator).await as i64;
+        earned = gw.earned(operator).await as i64;
         if earned == paid && ledger.int(paid_sql).await == paid {
             break;
         }
@@ -225,7 +265,7 @@ async fn a_substitute_model_is_failed_and_unrouted_while_the_honest_node_passes(
         (200, json!(["smollm2"]))
     );
     let (_, nodes) = gw.admin_get("/admin/v1/nodes").await;
-    assert!(audit_of(&nodes, &sub_id).is_none(), "{nodes:#}");
+    assert!(audit_of(&nodes, sub_id).is_none(), "{nodes:#}");
 }
 
 /// A node with no traffic is challenged (design brief §10): plausible chats on the normal path,
@@ -452,36 +492,22 @@ async fn sampled_chat_with(
 /// never see the logprobs the gateway asked the nodes for, and one who asks gets them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn node_logprobs_fail_a_sampled_substitute_and_callers_never_see_them() {
-    let engine = Engine::discover().unwrap();
-    let substitute_gguf = engine.substitute_gguf().unwrap();
-    let reference = LlamaServer::start(&engine, 1).await.unwrap();
-    let honest = LlamaServer::start(&engine, 2).await.unwrap();
-    let substitute = LlamaServer::start_model(&engine, &substitute_gguf, 2, &[])
-        .await
-        .unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let gw = Gateway::start_full(
-        dir.path(),
-        &engine,
-        "[audit]\nrate_passing = 1.0\nrate_unverified = 1.0\nrate_suspect = 1.0\nnode_logprobs = true\n",
-        &format!("reference_url = \"{}\"", reference.url),
-    )
-    .await;
-    let Tenant {
-        operator, api_key, ..
-    } = tenant(&gw).await;
-    let (honest_id, _honest_agent) =
-        add_node(&gw, dir.path(), &operator, &honest.url, "honest").await;
-    let (sub_id, _sub_agent) =
-        add_node(&gw, dir.path(), &operator, &substitute.url, "substitute").await;
+    let rig = SubstituteRig::start("node_logprobs = true\n").await;
+    let SubstituteRig {
+        gw,
+        api_key,
+        honest_id,
+        sub_id,
+        ..
+    } = &rig;
 
     let started = Instant::now();
     let mut i = 0;
     loop {
-        sampled_chat(&gw, &api_key, i, i % 2 == 0).await;
+        sampled_chat(gw, api_key, i, i % 2 == 0).await;
         i += 1;
         let (_, nodes) = gw.admin_get("/admin/v1/nodes").await;
-        if audit_of(&nodes, &sub_id).is_some_and(|a| a["verdict"] == "failed") {
+        if audit_of(&nodes, sub_id).is_some_and(|a| a["verdict"] == "failed") {
             break;
         }
         assert!(
@@ -491,7 +517,7 @@ async fn node_logprobs_fail_a_sampled_substitute_and_callers_never_see_them() {
         );
     }
     let (_, nodes) = gw.admin_get("/admin/v1/nodes").await;
-    let sub = audit_of(&nodes, &sub_id).unwrap();
+    let sub = audit_of(&nodes, sub_id).unwrap();
     println!("substitute failed after {i} requests: {sub}");
     assert!(sub["events"].as_u64().unwrap() > 0);
 
@@ -501,7 +527,7 @@ async fn node_logprobs_fail_a_sampled_substitute_and_callers_never_see_them() {
     let stops = [json!([" the sea", "ing."]), json!(["\n", "s,"])];
     for j in 0..8 {
         let stop = (j % 2 == 1).then(|| stops[(j / 2) % 2].clone());
-        sampled_chat_with(&gw, &api_key, i + j, j % 4 < 2, stop).await;
+        sampled_chat_with(gw, api_key, i + j, j % 4 < 2, stop).await;
     }
     // every request is audited (rate 1.0): wait for all of them to be judged, one way or another
     let requests = i + 8;
@@ -518,7 +544,7 @@ async fn node_logprobs_fail_a_sampled_substitute_and_callers_never_see_them() {
     let deadline = Instant::now() + Duration::from_secs(600);
     let honest_audit = loop {
         let (_, nodes) = gw.admin_get("/admin/v1/nodes").await;
-        let a = audit_of(&nodes, &honest_id);
+        let a = audit_of(&nodes, honest_id);
         let done = judged(&gw.metrics().await);
         if (done && a.is_some()) || Instant::now() > deadline {
             break a.expect("the honest node was audited");
@@ -572,7 +598,7 @@ async fn node_logprobs_fail_a_sampled_substitute_and_callers_never_see_them() {
         "logprobs": true,
         "top_logprobs": 2,
     });
-    let r = gw.api_post(&api_key, "/v1/chat/completions", &body).await;
+    let r = gw.api_post(api_key, "/v1/chat/completions", &body).await;
     assert_eq!(r.status().as_u16(), 200);
     let v: Value = r.json().await.unwrap();
     let content = v["choices"][0]["logprobs"]["content"].as_array().unwrap();

@@ -239,6 +239,30 @@ struct DumpLine {
     reference_logprobs: Vec<Option<f64>>,
 }
 
+impl DumpLine {
+    /// Reply `reply` of run `run` of the `role` node configured as `spec`: the request `body`
+    /// and the delivered `text`, nothing scored yet.
+    fn new(role: &str, spec: &NodeSpec, run: usize, reply: usize, body: &[u8], text: &str) -> Self {
+        Self {
+            role: role.to_owned(),
+            config: spec.label.to_owned(),
+            run,
+            reply,
+            body: String::from_utf8_lossy(body).into_owned(),
+            text: text.to_owned(),
+            tokens: Vec::new(),
+            node_claims: Vec::new(),
+            reference_logprobs: Vec::new(),
+        }
+    }
+
+    /// Appends the line to `dump`.
+    fn write(&self, dump: &mut std::fs::File) {
+        serde_json::to_writer(&mut *dump, self).unwrap();
+        dump.write_all(b"\n").unwrap();
+    }
+}
+
 /// Where the dump goes: `SPINE_TRUST_DUMP` or `~/.cache/spine/trust/trust-<secs>.jsonl`.
 fn dump_file() -> (PathBuf, std::fs::File) {
     let path = std::env::var_os("SPINE_TRUST_DUMP")
@@ -445,19 +469,12 @@ async fn node_run(
                     }
                 };
                 let line = DumpLine {
-                    role: role.to_owned(),
-                    config: spec.label.to_owned(),
-                    run,
-                    reply,
-                    body: String::from_utf8_lossy(&body).into_owned(),
-                    text: text.clone(),
-                    tokens: Vec::new(),
                     node_claims,
                     reference_logprobs,
+                    ..DumpLine::new(role, spec, run, reply, &body, &text)
                 };
                 reply += 1;
-                serde_json::to_writer(&mut *dump, &line).unwrap();
-                dump.write_all(b"\n").unwrap();
+                line.write(dump);
                 judge.reply_obs(&obs, obs.len() as u64);
                 continue;
             }
@@ -470,19 +487,11 @@ async fn node_run(
             let scored = reference.score(&query).await.unwrap();
             *ref_tokens += scored.len() as u64;
             let line = DumpLine {
-                role: role.to_owned(),
-                config: spec.label.to_owned(),
-                run,
-                reply,
-                body: String::from_utf8_lossy(&body).into_owned(),
-                text: text.clone(),
                 tokens: scored.clone(),
-                node_claims: Vec::new(),
-                reference_logprobs: Vec::new(),
+                ..DumpLine::new(role, spec, run, reply, &body, &text)
             };
             reply += 1;
-            serde_json::to_writer(&mut *dump, &line).unwrap();
-            dump.write_all(b"\n").unwrap();
+            line.write(dump);
             judge.reply(&body, &text, &scored);
         }
     }

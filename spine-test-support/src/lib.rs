@@ -3,6 +3,7 @@
 //! - [`Engine`]: where the real llama.cpp engine and model are (set up by `scripts/setup.sh`).
 //! - [`LlamaServer`]: a real `llama-server` child process on a free port, killed on drop.
 //! - [`Child`]: a spine binary as a child process whose stderr is kept for assertions.
+//! - [`stdout_of`]: a finished command's stdout, once asserted that it succeeded.
 //! - [`GatewayToml`] and [`Ready`]: a test gateway's configuration and its ready line.
 //! - [`PgDb`]: a fresh PostgreSQL database per test, dropped on drop.
 //! - [`ReplayEngine`]: a fake engine on a real socket replaying recorded bytes in given reads.
@@ -395,4 +396,18 @@ pub fn node_serving(model: &str, max_concurrency: u32) -> spine_core::NodeDescri
         max_concurrency,
         agent_version: "t".into(),
     }
+}
+
+/// The standard output of a finished command, once asserted that it exited successfully.
+///
+/// # Panics
+///
+/// The command failed: the message is `what` followed by its standard error.
+pub fn stdout_of(out: std::process::Output, what: &str) -> Vec<u8> {
+    assert!(
+        out.status.success(),
+        "{what}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out.stdout
 }

@@ -42,25 +42,22 @@ fn parses_models_with_context() {
 
 #[test]
 fn nvidia_smi_csv() {
-    assert_eq!(parse_nvidia_smi_memory_total("24564\n"), Some(24564));
-    assert_eq!(parse_nvidia_smi_memory_total("24564\n24564\n"), Some(49128));
-    assert_eq!(
-        parse_nvidia_smi_memory_total("memory.total [MiB]\n8192 MiB\n"),
-        Some(8192)
-    );
-    assert_eq!(parse_nvidia_smi_memory_total("8192 MiB, x\r\n"), Some(8192));
-    assert_eq!(parse_nvidia_smi_memory_total(""), None);
-    assert_eq!(parse_nvidia_smi_memory_total("0\n"), None);
-    assert_eq!(
-        parse_nvidia_smi_memory_total(
-            "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.\n"
+    let overflowing = format!("{}\n{}\n", u64::MAX, 1);
+    for (csv, want) in [
+        ("24564\n", Some(24564)),
+        ("24564\n24564\n", Some(49128)),
+        ("memory.total [MiB]\n8192 MiB\n", Some(8192)),
+        ("8192 MiB, x\r\n", Some(8192)),
+        ("", None),
+        ("0\n", None),
+        (
+            "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.\n",
+            None,
         ),
-        None
-    );
-    assert_eq!(
-        parse_nvidia_smi_memory_total(&format!("{}\n{}\n", u64::MAX, 1)),
-        None
-    );
+        (overflowing.as_str(), None),
+    ] {
+        assert_eq!(parse_nvidia_smi_memory_total(csv), want, "{csv:?}");
+    }
 }
 
 proptest::proptest! {
@@ -76,13 +73,17 @@ proptest::proptest! {
 
 #[test]
 fn ollama_parameters() {
-    assert_eq!(
-        ollama_num_ctx("num_ctx                        4096\nstop \"<|im_end|>\""),
-        Some(4096)
-    );
-    assert_eq!(ollama_num_ctx("stop \"x\"\nnum_ctx 2048"), Some(2048));
-    assert_eq!(ollama_num_ctx("temperature 0.7"), None);
-    assert_eq!(ollama_num_ctx("num_ctx"), None);
+    for (parameters, want) in [
+        (
+            "num_ctx                        4096\nstop \"<|im_end|>\"",
+            Some(4096),
+        ),
+        ("stop \"x\"\nnum_ctx 2048", Some(2048)),
+        ("temperature 0.7", None),
+        ("num_ctx", None),
+    ] {
+        assert_eq!(ollama_num_ctx(parameters), want, "{parameters:?}");
+    }
 }
 
 #[test]

@@ -6,7 +6,7 @@
 )]
 use std::sync::Mutex;
 
-use spine_core::{BoxBody, EngineKind, ModelDescriptor, ModelId, NodeDescriptor, NodeId};
+use spine_core::{BoxBody, NodeDescriptor, NodeId};
 use spine_transport::{
     StaticAuthenticator, TunnelClient, TunnelClientConfig, TunnelServer, TunnelServerConfig,
     Tunnels,
@@ -15,18 +15,9 @@ use tokio::net::TcpListener;
 
 use super::*;
 
+/// One slot of model `m` (what the tunnel's hello carries; its values do not matter here).
 fn descriptor() -> NodeDescriptor {
-    NodeDescriptor {
-        engine: EngineKind::LlamaCpp,
-        models: vec![ModelDescriptor {
-            id: ModelId::new("m"),
-            max_context_tokens: None,
-            endpoints: None,
-        }],
-        vram_mib: 0,
-        max_concurrency: 1,
-        agent_version: "test".into(),
-    }
+    spine_test_support::node_serving("m", 1)
 }
 
 /// A plaintext tunnel listener that knows `identity` as node `n1`.

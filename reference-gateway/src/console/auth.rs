@@ -31,7 +31,7 @@ use spine_meter::limits::RateLimits;
 use spine_meter::LedgerError;
 use spine_transport::PeerAddr;
 
-use super::ConsoleState;
+use super::{ConsoleState, Page};
 
 /// The session cookie's name.
 pub(super) const COOKIE: &str = "spine_console";
@@ -382,19 +382,14 @@ pub(super) async fn signout(
     State(s): State<Arc<ConsoleState>>,
     headers: HeaderMap,
     Form(form): Form<CsrfForm>,
-) -> Response {
-    let (_, token) = match require_post(&s, &headers, form.csrf.as_deref()).await {
-        Ok(found) => found,
-        Err(r) => return r,
-    };
-    if let Err(e) = s.store.revoke_console_session(&token_hash(&token)).await {
-        return s.store_error(&e);
-    }
+) -> Page {
+    let (_, token) = require_post(&s, &headers, form.csrf.as_deref()).await?;
+    s.stored(s.store.revoke_console_session(&token_hash(&token)).await)?;
     let mut r = Redirect::to("/console/signin").into_response();
     if let Some(c) = cookie(&s, "", 0) {
         r.headers_mut().insert(header::SET_COOKIE, c);
     }
-    r
+    Ok(r)
 }
 
 #[cfg(test)]

@@ -21,7 +21,7 @@ use spine_meter::KeyLimits;
 use tower::ServiceExt;
 
 use super::auth::{csrf_token, require_post, require_user};
-use super::{with_role, ConsoleState, PageUser};
+use super::{with_role, ConsoleState, Page, PageUser};
 
 /// Rows per page of the request log and the credit history.
 const PAGE_ROWS: u32 = 50;
@@ -111,13 +111,10 @@ async fn render_keys(
     token: &str,
     account: &AccountId,
     new_key: Option<(String, String)>,
-) -> Response {
-    let page = match s.store.account_keys(account, None, KEYS_LISTED).await {
-        Ok(p) => p,
-        Err(e) => return s.store_error(&e),
-    };
+) -> Page {
+    let page = s.stored(s.store.account_keys(account, None, KEYS_LISTED).await)?;
     let (default_rpm, default_tpm) = s.app.limits.defaults();
-    s.render(
+    Ok(s.render(
         "keys.html",
         minijinja::context! {
             user => PageUser::of(user), csrf => csrf_token(token),
@@ -125,14 +122,12 @@ async fn render_keys(
             keys => key_rows(s, page.rows), new_key => new_key.as_ref().map(|(k, _)| k),
             new_key_name => new_key.as_ref().map(|(_, n)| n),
         },
-    )
+    ))
 }
 
-async fn keys_page(State(s): State<Arc<ConsoleState>>, headers: HeaderMap) -> Response {
-    match builder(&s, &headers).await {
-        Ok((user, token, account)) => render_keys(&s, &user, &token, &account, None).await,
-        Err(r) => r,
-    }
+async fn keys_page(State(s): State<Arc<ConsoleState>>, headers: HeaderMap) -> Page {
+    let (user, token, account) = builder(&s, &headers).await?;
+    render_keys(&s, &user, &token, &account, None).await
 }
 
 #[derive(Deserialize)]
@@ -199,15 +194,10 @@ async fn create_key(
     State(s): State<Arc<ConsoleState>>,
     headers: HeaderMap,
     Form(form): Form<CreateKeyForm>,
-) -> Response {
-    let (user, token, account) = match builder_post(&s, &headers, form.csrf.as_deref()).await {
-        Ok(found) => found,
-        Err(r) => return r,
-    };
-    let limits = match asked_limits(&s, &form.rpm, &form.tpm) {
-        Ok(l) => l,
-        Err(allowed) => return s.error(StatusCode::BAD_REQUEST, &allowed),
-    };
+) -> Page {
+    let (user, token, account) = builder_post(&s, &headers, form.csrf.as_deref()).await?;
+    let limits = asked_limits(&s, &form.rpm, &form.tpm)
+        .map_err(|allowed| s.error(StatusCode::BAD_REQUEST, &allowed))?;
     let name: String = form.name.trim().chars().take(MAX_KEY_NAME_CHARS).collect();
     let key = keys::new_api_key();
     let hint: String = key
@@ -219,25 +209,19 @@ async fn create_key(
         .rev()
         .collect();
     let key_hash = keys::hash_api_key(&key);
-    if let Err(e) = s
-        .store
-        .create_named_api_key(&account, &key_hash, &name, &hint)
-        .await
-    {
-        return s.store_error(&e);
-    }
-    if let Err(e) = s
-        .app
-        .limits
-        .set_key_limits(&KeyHash(key_hash), limits)
-        .await
-    {
-        tracing::error!(error = %e, "cannot save a console key's limits");
-        return s.error(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "The key was created but its limits could not be saved; revoke it and try again.",
-        );
-    }
+    s.stored(
+        s.store
+            .create_named_api_key(&account, &key_hash, &name, &hint)
+            .await,
+    )?;
+    save_key_limits(
+        &s,
+        key_hash,
+        limits,
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "The key was created but its limits could not be saved; revoke it and try again.",
+    )
+    .await?;
     tracing::info!(account = %account, "console key created");
     render_keys(&s, &user, &token, &account, Some((key, name))).await
 }
@@ -255,19 +239,13 @@ async fn revoke_key(
     State(s): State<Arc<ConsoleState>>,
     headers: HeaderMap,
     Form(form): Form<RevokeKeyForm>,
-) -> Response {
-    let (_, _, account) = match builder_post(&s, &headers, form.csrf.as_deref()).await {
-        Ok(found) => found,
-        Err(r) => return r,
-    };
-    match s.store.revoke_api_key(&account, &form.key_hash).await {
-        Ok(true) => {
-            s.app.keys.remove(&form.key_hash);
-            Redirect::to("/console/keys").into_response()
-        }
-        Ok(false) => s.error(StatusCode::NOT_FOUND, "No such key."),
-        Err(e) => s.store_error(&e),
+) -> Page {
+    let (_, _, account) = builder_post(&s, &headers, form.csrf.as_deref()).await?;
+    if !s.stored(s.store.revoke_api_key(&account, &form.key_hash).await)? {
+        return Err(s.error(StatusCode::NOT_FOUND, "No such key."));
     }
+    s.app.keys.remove(&form.key_hash);
+    Ok(Redirect::to("/console/keys").into_response())
 }
 
 #[derive(Deserialize)]
@@ -288,36 +266,64 @@ async fn set_key_limits(
     State(s): State<Arc<ConsoleState>>,
     headers: HeaderMap,
     Form(form): Form<KeyLimitsForm>,
-) -> Response {
-    let (_, _, account) = match builder_post(&s, &headers, form.csrf.as_deref()).await {
-        Ok(found) => found,
-        Err(r) => return r,
-    };
+) -> Page {
+    let (_, _, account) = builder_post(&s, &headers, form.csrf.as_deref()).await?;
     let limits = match asked_limits(&s, &form.rpm, &form.tpm) {
         Ok(l) if l.rpm_limit.is_some() && l.tpm_limit.is_some() => l,
-        Ok(_) => return s.error(StatusCode::BAD_REQUEST, "Give both limits."),
-        Err(allowed) => return s.error(StatusCode::BAD_REQUEST, &allowed),
+        Ok(_) => return Err(s.error(StatusCode::BAD_REQUEST, "Give both limits.")),
+        Err(allowed) => return Err(s.error(StatusCode::BAD_REQUEST, &allowed)),
     };
-    match s.app.store.account_for_key_hash(&form.key_hash).await {
-        Ok(Some(owner)) if owner == account => {}
-        Ok(_) => return s.error(StatusCode::NOT_FOUND, "No such live key."),
-        Err(e) => return s.store_error(&e),
+    owns_live_key(
+        &s,
+        &account,
+        &form.key_hash,
+        StatusCode::NOT_FOUND,
+        "No such live key.",
+    )
+    .await?;
+    save_key_limits(
+        &s,
+        form.key_hash,
+        limits,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "The limits could not be saved; try again.",
+    )
+    .await?;
+    Ok(Redirect::to("/console/keys").into_response())
+}
+
+/// Nothing when `key_hash` is a live key of `account`; else the `status` page with `refusal`
+/// (another account's key, a revoked or unknown one), or the store's error page.
+async fn owns_live_key(
+    s: &ConsoleState,
+    account: &AccountId,
+    key_hash: &str,
+    status: StatusCode,
+    refusal: &str,
+) -> Result<(), Response> {
+    match s.stored(s.app.store.account_for_key_hash(key_hash).await)? {
+        Some(owner) if owner == *account => Ok(()),
+        _ => Err(s.error(status, refusal)),
     }
-    match s
-        .app
+}
+
+/// Saves `limits` for the key `key_hash` (every instance's limiter reads them); when they
+/// cannot be saved, logs why and answers the `status` page with `message`.
+async fn save_key_limits(
+    s: &ConsoleState,
+    key_hash: String,
+    limits: KeyLimits,
+    status: StatusCode,
+    message: &str,
+) -> Result<(), Response> {
+    s.app
         .limits
-        .set_key_limits(&KeyHash(form.key_hash), limits)
+        .set_key_limits(&KeyHash(key_hash), limits)
         .await
-    {
-        Ok(()) => Redirect::to("/console/keys").into_response(),
-        Err(e) => {
+        .map_err(|e| {
             tracing::error!(error = %e, "cannot save a console key's limits");
-            s.error(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "The limits could not be saved; try again.",
-            )
-        }
-    }
+            s.error(status, message)
+        })
 }
 
 #[derive(Deserialize, Default)]
@@ -330,31 +336,22 @@ async fn balance_page(
     State(s): State<Arc<ConsoleState>>,
     headers: HeaderMap,
     Query(q): Query<PageQuery>,
-) -> Response {
-    let (user, token, account) = match builder(&s, &headers).await {
-        Ok(found) => found,
-        Err(r) => return r,
-    };
+) -> Page {
+    let (user, token, account) = builder(&s, &headers).await?;
     let after = q.after.as_deref().and_then(PageCursor::decode);
-    let balance = match s.app.store.account(&account).await {
-        Ok(b) => b,
-        Err(e) => return s.store_error(&e),
-    };
-    let credits = match s
-        .store
-        .account_credits(&account, after.as_ref(), PAGE_ROWS)
-        .await
-    {
-        Ok(p) => p,
-        Err(e) => return s.store_error(&e),
-    };
-    s.render(
+    let balance = s.stored(s.app.store.account(&account).await)?;
+    let credits = s.stored(
+        s.store
+            .account_credits(&account, after.as_ref(), PAGE_ROWS)
+            .await,
+    )?;
+    Ok(s.render(
         "balance.html",
         minijinja::context! {
             user => PageUser::of(&user), csrf => csrf_token(&token), balance => balance,
             credits => credits.rows, next => credits.next.map(|c| super::after_query(&c)),
         },
-    )
+    ))
 }
 
 #[derive(Deserialize, Default)]
@@ -401,11 +398,11 @@ async fn usage_rows(
 ) -> Result<(Vec<UsageRow>, u32), Response> {
     let (since, until, days) = super::day_window(days);
     let names = key_names(s, account).await;
-    let rows = s
-        .store
-        .account_usage(account, since, until, spine_meter::ledger::MAX_PAGE_ROWS)
-        .await
-        .map_err(|e| s.store_error(&e))?;
+    let rows = s.stored(
+        s.store
+            .account_usage(account, since, until, spine_meter::ledger::MAX_PAGE_ROWS)
+            .await,
+    )?;
     Ok((
         rows.into_iter()
             .map(|u| UsageRow {
@@ -434,15 +431,9 @@ async fn usage_page(
     State(s): State<Arc<ConsoleState>>,
     headers: HeaderMap,
     Query(q): Query<UsageQuery>,
-) -> Response {
-    let (user, token, account) = match builder(&s, &headers).await {
-        Ok(found) => found,
-        Err(r) => return r,
-    };
-    let (rows, days) = match usage_rows(&s, &account, q.days).await {
-        Ok(r) => r,
-        Err(r) => return r,
-    };
+) -> Page {
+    let (user, token, account) = builder(&s, &headers).await?;
+    let (rows, days) = usage_rows(&s, &account, q.days).await?;
     // the charts' series: tokens and spend per day (all models and keys), every day of the
     // window
     let (since, until, _) = super::day_window(Some(days));
@@ -475,13 +466,13 @@ async fn usage_page(
             &[("spend", super::as_credits(column(2)))],
         ),
     ];
-    s.render(
+    Ok(s.render(
         "usage.html",
         minijinja::context! {
             user => PageUser::of(&user), csrf => csrf_token(&token), rows => rows, days => days,
             charts => charts,
         },
-    )
+    ))
 }
 
 /// A CSV field: quoted, quotes doubled, and a leading `=`, `+`, `-` or `@` defused (a
@@ -499,15 +490,9 @@ async fn usage_csv(
     State(s): State<Arc<ConsoleState>>,
     headers: HeaderMap,
     Query(q): Query<UsageQuery>,
-) -> Response {
-    let (_, _, account) = match builder(&s, &headers).await {
-        Ok(found) => found,
-        Err(r) => return r,
-    };
-    let (rows, _) = match usage_rows(&s, &account, q.days).await {
-        Ok(r) => r,
-        Err(r) => return r,
-    };
+) -> Page {
+    let (_, _, account) = builder(&s, &headers).await?;
+    let (rows, _) = usage_rows(&s, &account, q.days).await?;
     let mut csv =
         String::from("date,model,key,requests,prompt_tokens,completion_tokens,cost_credits\n");
     for r in rows {
@@ -522,7 +507,7 @@ async fn usage_csv(
             super::credits(r.debit_micros)
         ));
     }
-    (
+    Ok((
         [
             (header::CONTENT_TYPE, "text/csv; charset=utf-8"),
             (
@@ -533,7 +518,7 @@ async fn usage_csv(
         ],
         csv,
     )
-        .into_response()
+        .into_response())
 }
 
 #[derive(Deserialize, Default)]
@@ -611,11 +596,8 @@ async fn requests_page(
     State(s): State<Arc<ConsoleState>>,
     headers: HeaderMap,
     Query(q): Query<RequestsQuery>,
-) -> Response {
-    let (user, token, account) = match builder(&s, &headers).await {
-        Ok(found) => found,
-        Err(r) => return r,
-    };
+) -> Page {
+    let (user, token, account) = builder(&s, &headers).await?;
     let day = q.day.as_deref().and_then(parse_day);
     let filter = RequestFilter {
         key_hash: filter_value(q.key.clone()),
@@ -625,14 +607,11 @@ async fn requests_page(
         until_ms: day.map(|d| (d + 1) * 86_400_000),
     };
     let after = q.after.as_deref().and_then(PageCursor::decode);
-    let page = match s
-        .store
-        .account_requests(&account, &filter, after.as_ref(), PAGE_ROWS)
-        .await
-    {
-        Ok(p) => p,
-        Err(e) => return s.store_error(&e),
-    };
+    let page = s.stored(
+        s.store
+            .account_requests(&account, &filter, after.as_ref(), PAGE_ROWS)
+            .await,
+    )?;
     // fewer rows than a page and a next cursor: the store searched its bound of records and
     // found no more matches there; the next page searches the older ones
     let searched = (page.next.is_some() && page.rows.len() < PAGE_ROWS as usize)
@@ -685,7 +664,7 @@ async fn requests_page(
         }
         serde_urlencoded::to_string(qs).unwrap_or_default()
     });
-    s.render(
+    Ok(s.render(
         "requests.html",
         minijinja::context! {
             user => PageUser::of(&user), csrf => csrf_token(&token), rows => rows, next => next,
@@ -693,21 +672,18 @@ async fn requests_page(
             outcomes => ["completed", "client_cancelled", "upstream_failed", "rejected", "cut_at_bound"],
             models => s.app.catalog_ids.iter().map(ToString::to_string).collect::<Vec<_>>(),
         },
-    )
+    ))
 }
 
-async fn playground_page(State(s): State<Arc<ConsoleState>>, headers: HeaderMap) -> Response {
-    let (user, token, _) = match builder(&s, &headers).await {
-        Ok(found) => found,
-        Err(r) => return r,
-    };
-    s.render(
+async fn playground_page(State(s): State<Arc<ConsoleState>>, headers: HeaderMap) -> Page {
+    let (user, token, _) = builder(&s, &headers).await?;
+    Ok(s.render(
         "playground.html",
         minijinja::context! {
             user => PageUser::of(&user), csrf => csrf_token(&token),
             models => s.app.catalog_ids.iter().map(ToString::to_string).collect::<Vec<_>>(),
         },
-    )
+    ))
 }
 
 #[derive(Deserialize)]
@@ -727,29 +703,23 @@ async fn playground_chat(
     State(s): State<Arc<ConsoleState>>,
     headers: HeaderMap,
     body: axum::body::Bytes,
-) -> Response {
+) -> Page {
     let csrf = headers.get("x-csrf-token").and_then(|v| v.to_str().ok());
-    let (_, _, account) = match builder_post(&s, &headers, csrf).await {
-        Ok(found) => found,
-        Err(r) => return r,
-    };
+    let (_, _, account) = builder_post(&s, &headers, csrf).await?;
     let Ok(form) = serde_json::from_slice::<ChatForm>(&body) else {
-        return s.error(
+        return Err(s.error(
             StatusCode::BAD_REQUEST,
             "Expected {key, model, prompt, max_tokens}.",
-        );
+        ));
     };
-    let key_hash = keys::hash_api_key(form.key.trim());
-    match s.app.store.account_for_key_hash(&key_hash).await {
-        Ok(Some(owner)) if owner == account => {}
-        Ok(_) => {
-            return s.error(
-                StatusCode::FORBIDDEN,
-                "That is not a live key of this account.",
-            )
-        }
-        Err(e) => return s.store_error(&e),
-    }
+    owns_live_key(
+        &s,
+        &account,
+        &keys::hash_api_key(form.key.trim()),
+        StatusCode::FORBIDDEN,
+        "That is not a live key of this account.",
+    )
+    .await?;
     let chat = serde_json::json!({
         "model": form.model,
         "stream": true,
@@ -762,10 +732,10 @@ async fn playground_chat(
         .header(header::CONTENT_TYPE, "application/json")
         .body(Body::from(chat.to_string()))
     else {
-        return s.error(
+        return Err(s.error(
             StatusCode::BAD_REQUEST,
             "The key is not a valid header value.",
-        );
+        ));
     };
     match s.public_api.clone().oneshot(req).await {
         Ok(mut r) => {
@@ -773,7 +743,7 @@ async fn playground_chat(
                 header::CACHE_CONTROL,
                 http::HeaderValue::from_static("no-store"),
             );
-            r
+            Ok(r)
         }
         Err(never) => match never {},
     }

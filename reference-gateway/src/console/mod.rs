@@ -112,6 +112,10 @@ const ASSETS: &[(&str, &str, &[u8])] = &[
     ),
 ];
 
+/// What a console handler answers: its page, or the page that refused or failed in its place
+/// (returned early with `?`). Both are responses; axum sends whichever it is.
+type Page = Result<Response, Response>;
+
 /// The signed-in user `found` ([`auth::require_user`], or [`auth::require_post`] for a
 /// state-changing request) with the id that `role_id` picks from their role; 403 with
 /// `refusal` when it picks none (a user of another role).
@@ -280,6 +284,13 @@ impl ConsoleState {
         } else {
             self.error(StatusCode::INTERNAL_SERVER_ERROR, "Something went wrong.")
         }
+    }
+
+    /// The store's answer `r`, or its error as [`ConsoleState::store_error`]'s page.
+    // the error is the page to send, as from the async handlers that call it (see `with_role`)
+    #[allow(clippy::result_large_err)]
+    fn stored<T>(&self, r: Result<T, spine_meter::LedgerError>) -> Result<T, Response> {
+        r.map_err(|e| self.store_error(&e))
     }
 }
 

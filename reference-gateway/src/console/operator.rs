@@ -15,7 +15,7 @@ use spine_meter::keys;
 use spine_meter::ledger::{ConsoleRole, ConsoleUser, PageCursor};
 
 use super::auth::{csrf_token, require_post, require_user};
-use super::{after_query, with_role, ConsoleState, PageUser};
+use super::{after_query, with_role, ConsoleState, Page, PageUser};
 
 /// How long a token issued from the console stays valid (as the admin API's default: 24 h).
 const ENROLLMENT_TTL_MS: i64 = 24 * 3_600_000;
@@ -154,16 +154,10 @@ pub(super) fn node_row(
     }
 }
 
-async fn nodes_page(State(s): State<Arc<ConsoleState>>, headers: HeaderMap) -> Response {
-    let (user, token, op) = match operator(&s, &headers).await {
-        Ok(found) => found,
-        Err(r) => return r,
-    };
+async fn nodes_page(State(s): State<Arc<ConsoleState>>, headers: HeaderMap) -> Page {
+    let (user, token, op) = operator(&s, &headers).await?;
     // the operator's own nodes (the store), then what this instance knows live of each
-    let records = match s.app.store.operator_nodes(&op).await {
-        Ok(n) => n,
-        Err(e) => return s.store_error(&e),
-    };
+    let records = s.stored(s.app.store.operator_nodes(&op).await)?;
     let live = s.app.registry.snapshot();
     let rows: Vec<NodeRow> = records
         .into_iter()
@@ -173,13 +167,13 @@ async fn nodes_page(State(s): State<Arc<ConsoleState>>, headers: HeaderMap) -> R
             ..node_row(&s, &live, &rec.node_id, rec.name)
         })
         .collect();
-    s.render(
+    Ok(s.render(
         "nodes.html",
         minijinja::context! {
             user => PageUser::of(&user), csrf => csrf_token(&token), nodes => rows,
             platform => false, next => None::<String>,
         },
-    )
+    ))
 }
 
 #[derive(Deserialize, Default)]
@@ -192,38 +186,23 @@ async fn earnings_page(
     State(s): State<Arc<ConsoleState>>,
     headers: HeaderMap,
     Query(q): Query<EarningsQuery>,
-) -> Response {
-    let (user, token, op) = match operator(&s, &headers).await {
-        Ok(found) => found,
-        Err(r) => return r,
-    };
-    let days = q.days.unwrap_or(30).clamp(1, 90);
-    let today = spine_core::unix_time_ms().div_euclid(86_400_000);
-    let rows = match s
-        .store
-        .operator_earnings(
-            &op,
-            (today - i64::from(days) + 1) * 86_400_000,
-            (today + 1) * 86_400_000,
-            spine_meter::ledger::MAX_PAGE_ROWS,
-        )
-        .await
-    {
-        Ok(r) => r,
-        Err(e) => return s.store_error(&e),
-    };
-    let total = match s.app.store.operator_earned_micros(&op).await {
-        Ok(t) => t,
-        Err(e) => return s.store_error(&e),
-    };
+) -> Page {
+    let (user, token, op) = operator(&s, &headers).await?;
+    let (since, until, days) = super::day_window(q.days);
+    let rows = s.stored(
+        s.store
+            .operator_earnings(&op, since, until, spine_meter::ledger::MAX_PAGE_ROWS)
+            .await,
+    )?;
+    let total = s.stored(s.app.store.operator_earned_micros(&op).await)?;
     let window_micros: u64 = rows.iter().map(|r| r.earned_micros).sum();
-    s.render(
+    Ok(s.render(
         "earnings.html",
         minijinja::context! {
             user => PageUser::of(&user), csrf => csrf_token(&token), rows => rows, days => days,
             total_micros => total, window_micros => window_micros,
         },
-    )
+    ))
 }
 
 #[derive(Deserialize, Default)]
@@ -239,31 +218,25 @@ async fn render_enrollments(
     op: &OperatorId,
     after: Option<&PageCursor>,
     issued: Option<String>,
-) -> Response {
-    let page = match s.store.operator_enrollments(op, after, 50).await {
-        Ok(p) => p,
-        Err(e) => return s.store_error(&e),
-    };
+) -> Page {
+    let page = s.stored(s.store.operator_enrollments(op, after, 50).await)?;
     let now = spine_core::unix_time_ms();
-    s.render(
+    Ok(s.render(
         "enrollments.html",
         minijinja::context! {
             user => PageUser::of(user), csrf => csrf_token(token), now_ms => now,
             tokens => page.rows, next => page.next.map(|c| after_query(&c)),
             issued => issued, gateway_url => &s.join_gateway_url,
         },
-    )
+    ))
 }
 
 async fn enrollments_page(
     State(s): State<Arc<ConsoleState>>,
     headers: HeaderMap,
     Query(q): Query<PageQuery>,
-) -> Response {
-    let (user, token, op) = match operator(&s, &headers).await {
-        Ok(found) => found,
-        Err(r) => return r,
-    };
+) -> Page {
+    let (user, token, op) = operator(&s, &headers).await?;
     let after = q.after.as_deref().and_then(PageCursor::decode);
     render_enrollments(&s, &user, &token, &op, after.as_ref(), None).await
 }
@@ -280,21 +253,16 @@ async fn issue_enrollment(
     State(s): State<Arc<ConsoleState>>,
     headers: HeaderMap,
     Form(form): Form<CsrfForm>,
-) -> Response {
-    let (user, token, op) = match operator_post(&s, &headers, form.csrf.as_deref()).await {
-        Ok(found) => found,
-        Err(r) => return r,
-    };
+) -> Page {
+    let (user, token, op) = operator_post(&s, &headers, form.csrf.as_deref()).await?;
     let enrollment = keys::new_enrollment_token();
     let expires = spine_core::unix_time_ms().saturating_add(ENROLLMENT_TTL_MS);
-    if let Err(e) = s
-        .app
-        .store
-        .create_enrollment(&op, &keys::hash_api_key(&enrollment), expires)
-        .await
-    {
-        return s.store_error(&e);
-    }
+    s.stored(
+        s.app
+            .store
+            .create_enrollment(&op, &keys::hash_api_key(&enrollment), expires)
+            .await,
+    )?;
     tracing::info!(operator = %op, "enrollment token issued from the console");
     render_enrollments(&s, &user, &token, &op, None, Some(enrollment)).await
 }
@@ -310,14 +278,11 @@ async fn revoke_enrollment(
     State(s): State<Arc<ConsoleState>>,
     headers: HeaderMap,
     Form(form): Form<RevokeForm>,
-) -> Response {
-    let (_, _, op) = match operator_post(&s, &headers, form.csrf.as_deref()).await {
-        Ok(found) => found,
-        Err(r) => return r,
-    };
-    match s.store.revoke_enrollment(&op, &form.token_hash).await {
-        Ok(true) => Redirect::to("/console/enrollments").into_response(),
-        Ok(false) => s.error(StatusCode::NOT_FOUND, "No such unused token."),
-        Err(e) => s.store_error(&e),
+) -> Page {
+    let (_, _, op) = operator_post(&s, &headers, form.csrf.as_deref()).await?;
+    if s.stored(s.store.revoke_enrollment(&op, &form.token_hash).await)? {
+        Ok(Redirect::to("/console/enrollments").into_response())
+    } else {
+        Err(s.error(StatusCode::NOT_FOUND, "No such unused token."))
     }
 }

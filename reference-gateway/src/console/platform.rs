@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 use spine_meter::ledger::{ConsoleRole, ConsoleUser, PageCursor, MAX_PAGE_ROWS};
 
 use super::auth::{csrf_token, require_user};
-use super::{after_query, ConsoleState, PageUser};
+use super::{after_query, ConsoleState, Page, PageUser};
 
 /// Rows per page of the node and discrepancy lists.
 const PAGE_ROWS: u32 = 50;
@@ -73,20 +73,11 @@ async fn overview_page(
     State(s): State<Arc<ConsoleState>>,
     headers: HeaderMap,
     Query(q): Query<PlatformQuery>,
-) -> Response {
-    let (user, token) = match platform(&s, &headers).await {
-        Ok(found) => found,
-        Err(r) => return r,
-    };
+) -> Page {
+    let (user, token) = platform(&s, &headers).await?;
     let (since, until, days) = super::day_window(q.days);
-    let stored = match s.store.platform_days(since, until, MAX_PAGE_ROWS).await {
-        Ok(d) => d,
-        Err(e) => return s.store_error(&e),
-    };
-    let held = match s.store.platform_held().await {
-        Ok(h) => h,
-        Err(e) => return s.store_error(&e),
-    };
+    let stored = s.stored(s.store.platform_days(since, until, MAX_PAGE_ROWS).await)?;
+    let held = s.stored(s.store.platform_held().await)?;
     let rows: Vec<DayRow> = stored
         .into_iter()
         .map(|d| DayRow {
@@ -144,13 +135,13 @@ async fn overview_page(
         operator_credit_micros: sum(|r| r.operator_credit_micros),
         fee_micros: sum(|r| r.fee_micros),
     };
-    s.render(
+    Ok(s.render(
         "platform.html",
         minijinja::context! {
             user => PageUser::of(&user), csrf => csrf_token(&token), days => days, rows => rows,
             totals => totals, held => held, charts => charts,
         },
-    )
+    ))
 }
 
 /// `GET /console/platform/nodes`: every operator's nodes (50 a page) with what this instance
@@ -160,25 +151,16 @@ async fn nodes_page(
     State(s): State<Arc<ConsoleState>>,
     headers: HeaderMap,
     Query(q): Query<PlatformQuery>,
-) -> Response {
-    let (user, token) = match platform(&s, &headers).await {
-        Ok(found) => found,
-        Err(r) => return r,
-    };
+) -> Page {
+    let (user, token) = platform(&s, &headers).await?;
     let after = q.after.as_deref().and_then(PageCursor::decode);
-    let page = match s.store.platform_nodes(after.as_ref(), PAGE_ROWS).await {
-        Ok(p) => p,
-        Err(e) => return s.store_error(&e),
-    };
+    let page = s.stored(s.store.platform_nodes(after.as_ref(), PAGE_ROWS).await)?;
     let (since, until, days) = super::day_window(q.days);
-    let operators = match s
-        .store
-        .platform_operators(since, until, MAX_PAGE_ROWS)
-        .await
-    {
-        Ok(o) => o,
-        Err(e) => return s.store_error(&e),
-    };
+    let operators = s.stored(
+        s.store
+            .platform_operators(since, until, MAX_PAGE_ROWS)
+            .await,
+    )?;
     let live = s.app.registry.snapshot();
     let nodes: Vec<super::operator::NodeRow> = page
         .rows
@@ -189,14 +171,14 @@ async fn nodes_page(
             row
         })
         .collect();
-    s.render(
+    Ok(s.render(
         "nodes.html",
         minijinja::context! {
             user => PageUser::of(&user), csrf => csrf_token(&token), nodes => nodes,
             platform => true, next => page.next.map(|c| after_query(&c)),
             operators => operators, days => days,
         },
-    )
+    ))
 }
 
 /// `GET /console/platform/discrepancies`: the requests whose node's usage claim disagreed
@@ -205,24 +187,19 @@ async fn discrepancies_page(
     State(s): State<Arc<ConsoleState>>,
     headers: HeaderMap,
     Query(q): Query<PlatformQuery>,
-) -> Response {
-    let (user, token) = match platform(&s, &headers).await {
-        Ok(found) => found,
-        Err(r) => return r,
-    };
+) -> Page {
+    let (user, token) = platform(&s, &headers).await?;
     let after = q.after.as_deref().and_then(PageCursor::decode);
-    match s
-        .store
-        .platform_discrepancies(after.as_ref(), PAGE_ROWS)
-        .await
-    {
-        Ok(page) => s.render(
-            "discrepancies.html",
-            minijinja::context! {
-                user => PageUser::of(&user), csrf => csrf_token(&token), rows => page.rows,
-                next => page.next.map(|c| after_query(&c)),
-            },
-        ),
-        Err(e) => s.store_error(&e),
-    }
+    let page = s.stored(
+        s.store
+            .platform_discrepancies(after.as_ref(), PAGE_ROWS)
+            .await,
+    )?;
+    Ok(s.render(
+        "discrepancies.html",
+        minijinja::context! {
+            user => PageUser::of(&user), csrf => csrf_token(&token), rows => page.rows,
+            next => page.next.map(|c| after_query(&c)),
+        },
+    ))
 }

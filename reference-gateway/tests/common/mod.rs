@@ -125,27 +125,19 @@ impl Gateway {
         }
     }
 
-    pub async fn admin_post(&self, path: &str, body: Value) -> (u16, Value) {
-        let r = self
-            .http
-            .post(format!("{}{path}", self.admin))
+    /// A `method` request to the admin API at `path`, with the admin token.
+    pub fn admin_request(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
+        self.http
+            .request(method, format!("{}{path}", self.admin))
             .bearer_auth(ADMIN_TOKEN)
-            .json(&body)
-            .send()
-            .await
-            .unwrap();
-        (r.status().as_u16(), r.json().await.unwrap())
+    }
+
+    pub async fn admin_post(&self, path: &str, body: Value) -> (u16, Value) {
+        status_and_json(self.admin_request(reqwest::Method::POST, path).json(&body)).await
     }
 
     pub async fn admin_get(&self, path: &str) -> (u16, Value) {
-        let r = self
-            .http
-            .get(format!("{}{path}", self.admin))
-            .bearer_auth(ADMIN_TOKEN)
-            .send()
-            .await
-            .unwrap();
-        (r.status().as_u16(), r.json().await.unwrap())
+        status_and_json(self.admin_request(reqwest::Method::GET, path)).await
     }
 
     pub async fn balance(&self, account: &str) -> (u64, u64) {
@@ -172,6 +164,20 @@ impl Gateway {
         balance
     }
 
+    /// What `account` spent since its balance was `before`, once that is `want` (settlements
+    /// commit just after an answer ends), or as it stands after 5 s.
+    pub async fn spent_since(&self, account: &str, before: u64, want: u64) -> u64 {
+        let mut spent = before - self.balance(account).await.0;
+        for _ in 1..100 {
+            if spent == want {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            spent = before - self.balance(account).await.0;
+        }
+        spent
+    }
+
     pub async fn earned(&self, operator: &str) -> u64 {
         let (_, o) = self
             .admin_get(&format!("/admin/v1/operators/{operator}"))
@@ -182,9 +188,7 @@ impl Gateway {
     /// `GET /metrics` (Prometheus text).
     pub async fn metrics(&self) -> String {
         let r = self
-            .http
-            .get(format!("{}/metrics", self.admin))
-            .bearer_auth(ADMIN_TOKEN)
+            .admin_request(reqwest::Method::GET, "/metrics")
             .send()
             .await
             .unwrap();
@@ -194,13 +198,7 @@ impl Gateway {
 
     /// POST `body` to the public API at `path` with `key`.
     pub async fn api_post(&self, key: &str, path: &str, body: &Value) -> reqwest::Response {
-        self.http
-            .post(format!("{}{path}", self.public))
-            .bearer_auth(key)
-            .json(body)
-            .send()
-            .await
-            .unwrap()
+        post_json(&self.http, &format!("{}{path}", self.public), key, body).await
     }
 
     /// The node's entry in `GET /admin/v1/nodes`, if listed.
@@ -242,6 +240,26 @@ impl Gateway {
         (status, id)
     }
 
+    /// Asserts that every request of `ids` completed on `node`; the sum of their debits.
+    pub async fn completed_on(&self, ids: &[String], node: &str) -> u64 {
+        let mut debits = 0;
+        for id in ids {
+            let rec = self.record(id).await;
+            assert_eq!(rec["outcome"], "completed", "{rec}");
+            assert_eq!(rec["node"], node, "{rec}");
+            debits += rec["debit_micros"].as_u64().unwrap();
+        }
+        debits
+    }
+
+    /// The settled record of `request_id`, asserted `upstream_failed` with nothing debited.
+    pub async fn failed_unbilled(&self, request_id: &str) -> Value {
+        let rec = self.record(request_id).await;
+        assert_eq!(rec["outcome"], "upstream_failed", "{rec}");
+        assert_eq!(rec["debit_micros"], 0, "{rec}");
+        rec
+    }
+
     /// The settled record; settlement runs after the body ends, so poll briefly.
     pub async fn record(&self, request_id: &str) -> Value {
         for _ in 0..100 {
@@ -255,6 +273,40 @@ impl Gateway {
         }
         panic!("request {request_id} was never settled");
     }
+}
+
+/// POSTs `body` as JSON to `url` with the bearer token `key` (a caller's request from a task
+/// that holds no [`Gateway`]).
+pub async fn post_json(
+    http: &reqwest::Client,
+    url: &str,
+    key: &str,
+    body: &Value,
+) -> reqwest::Response {
+    http.post(url)
+        .bearer_auth(key)
+        .json(body)
+        .send()
+        .await
+        .unwrap()
+}
+
+/// The value of the header `name` of `resp`, if it has one.
+pub fn header(resp: &reqwest::Response, name: &str) -> Option<String> {
+    resp.headers()
+        .get(name)
+        .map(|v| v.to_str().unwrap().to_owned())
+}
+
+/// Sends `req`: the answer's status and its body as JSON.
+pub async fn status_and_json(req: reqwest::RequestBuilder) -> (u16, Value) {
+    let r = req.send().await.unwrap();
+    (r.status().as_u16(), r.json().await.unwrap())
+}
+
+/// Sends `req`: the answer's body as JSON, whatever its status.
+pub async fn json_of(req: reqwest::RequestBuilder) -> Value {
+    status_and_json(req).await.1
 }
 
 pub async fn keygen(dir: &Path, name: &str) -> (PathBuf, String) {
@@ -308,16 +360,11 @@ pub struct EngineCounter {
 impl EngineCounter {
     /// Tokens of `text` by the engine's `/tokenize`, special tokens parsed.
     async fn tokenize(&self, text: &str, add_special: bool) -> u64 {
-        let r: Value = self
-            .http
-            .post(format!("{}/tokenize", self.url))
-            .json(&json!({"content": text, "add_special": add_special, "parse_special": true}))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let r =
+            json_of(self.http.post(format!("{}/tokenize", self.url)).json(
+                &json!({"content": text, "add_special": add_special, "parse_special": true}),
+            ))
+            .await;
         r["tokens"].as_array().unwrap().len() as u64
     }
 
@@ -332,16 +379,12 @@ impl EngineCounter {
     }
 
     pub async fn prompt(&self, messages: &Value) -> u64 {
-        let r: Value = self
-            .http
-            .post(format!("{}/apply-template", self.url))
-            .json(&json!({ "messages": messages }))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let r = json_of(
+            self.http
+                .post(format!("{}/apply-template", self.url))
+                .json(&json!({ "messages": messages })),
+        )
+        .await;
         self.tokens(r["prompt"].as_str().unwrap()).await
     }
 
@@ -354,6 +397,47 @@ pub fn cost(prompt: u64, completion: u64) -> (u64, u64, u64) {
     let cost = (prompt * INPUT_PRICE + completion * OUTPUT_PRICE).div_ceil(1_000_000);
     let operator = cost * SHARE_BPS / 10_000;
     (cost, operator, cost - operator)
+}
+
+/// The text a streamed chat delivered: the `delta.content` of its first choice, every event.
+pub fn text_of(events: &[String]) -> String {
+    events
+        .iter()
+        .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+        .filter_map(|v| {
+            v["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(str::to_owned)
+        })
+        .collect()
+}
+
+/// Asserts that a stream's `events` ended with `[DONE]` and none carried an error; `context`
+/// is said on failure.
+pub fn assert_clean_stream(events: &[String], context: &str) {
+    assert_eq!(
+        events.last().map(String::as_str),
+        Some("[DONE]"),
+        "{events:?}"
+    );
+    assert!(
+        events.iter().all(|e| !e.contains("\"error\"")),
+        "{context}{events:?}"
+    );
+}
+
+/// Asserts the money of a settled record `rec`: cost, operator credit and fee as [`cost`] of
+/// `prompt` and `completion` tokens.
+pub fn assert_split(rec: &Value, prompt: u64, completion: u64) {
+    let (c, o, f) = cost(prompt, completion);
+    assert_eq!(
+        (
+            rec["cost_micros"].as_u64(),
+            rec["operator_credit_micros"].as_u64(),
+            rec["fee_micros"].as_u64()
+        ),
+        (Some(c), Some(o), Some(f))
+    );
 }
 
 /// Parses a complete SSE body into its `data:` payloads.
@@ -386,8 +470,8 @@ pub struct Tenant {
     pub api_key: String,
 }
 
-/// A further account on `gw` credited `micros` once, with an API key: `(account, key)`.
-pub async fn account_with_credit(gw: &Gateway, micros: u64) -> (String, String) {
+/// A new account on `gw` with an API key and no credit: `(account, key)`.
+pub async fn account_with_key(gw: &Gateway) -> (String, String) {
     let (s, acct) = gw.admin_post("/admin/v1/accounts", json!({})).await;
     assert_eq!(s, 201);
     let account = acct["id"].as_str().unwrap().to_owned();
@@ -395,6 +479,13 @@ pub async fn account_with_credit(gw: &Gateway, micros: u64) -> (String, String) 
         .admin_post(&format!("/admin/v1/accounts/{account}/keys"), json!({}))
         .await;
     assert_eq!(s, 201);
+    let key = key["key"].as_str().unwrap().to_owned();
+    (account, key)
+}
+
+/// A further account on `gw` credited `micros` once, with an API key: `(account, key)`.
+pub async fn account_with_credit(gw: &Gateway, micros: u64) -> (String, String) {
+    let (account, key) = account_with_key(gw).await;
     let (s, credited) = gw
         .admin_post(
             &format!("/admin/v1/accounts/{account}/credits"),
@@ -402,7 +493,7 @@ pub async fn account_with_credit(gw: &Gateway, micros: u64) -> (String, String) 
         )
         .await;
     assert_eq!((s, credited["applied"].as_bool()), (200, Some(true)));
-    (account, key["key"].as_str().unwrap().to_owned())
+    (account, key)
 }
 
 /// Creates a [`Tenant`] on `gw` through its admin API.
@@ -410,14 +501,7 @@ pub async fn tenant(gw: &Gateway) -> Tenant {
     let (s, op) = gw.admin_post("/admin/v1/operators", json!({})).await;
     assert_eq!(s, 201);
     let operator = op["id"].as_str().unwrap().to_owned();
-    let (s, acct) = gw.admin_post("/admin/v1/accounts", json!({})).await;
-    assert_eq!(s, 201);
-    let account = acct["id"].as_str().unwrap().to_owned();
-    let (s, key) = gw
-        .admin_post(&format!("/admin/v1/accounts/{account}/keys"), json!({}))
-        .await;
-    assert_eq!(s, 201);
-    let api_key = key["key"].as_str().unwrap().to_owned();
+    let (account, api_key) = account_with_key(gw).await;
     let (s, credited) = gw
         .admin_post(
             &format!("/admin/v1/accounts/{account}/credits"),
@@ -569,6 +653,25 @@ where
         .unwrap()
 }
 
+/// The first event of a fake engine's chat stream: the assistant's role, no content.
+pub const ROLE_CHUNK: &str = "data: {\"id\":\"x\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"smollm2\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":null},\"finish_reason\":null}]}\n\n";
+
+/// A streamed 200 answer of a fake engine that sends `frames` one at a time, each `gap` after
+/// the previous one (the first `gap` after the headers); an `Err` frame breaks the body there.
+pub fn sse_paced(
+    frames: Vec<Result<hyper::body::Frame<bytes::Bytes>, std::io::Error>>,
+    gap: Duration,
+) -> hyper::Response<FakeBody> {
+    sse(futures_util::stream::unfold(
+        frames.into_iter(),
+        move |mut rest| async move {
+            let next = rest.next()?;
+            tokio::time::sleep(gap).await;
+            Some((next, rest))
+        },
+    ))
+}
+
 /// Serves `answer` as a fake engine over real HTTP/1.1 on a free loopback port; returns its base
 /// URL and the accept loop's task (abort it to stop accepting).
 pub async fn serve_fake_engine<F, Fut>(answer: F) -> (String, tokio::task::JoinHandle<()>)
@@ -648,6 +751,20 @@ impl LedgerDb {
                 .unwrap(),
             ),
         }
+    }
+
+    /// [`LedgerDb::int`] of `sql`, asked up to `tries` times `every` apart until it is `want`;
+    /// the last answer.
+    pub async fn int_once(&self, sql: &str, want: i64, tries: u32, every: Duration) -> i64 {
+        let mut n = self.int(sql).await;
+        for _ in 1..tries {
+            if n == want {
+                break;
+            }
+            tokio::time::sleep(every).await;
+            n = self.int(sql).await;
+        }
+        n
     }
 
     /// One integer (first row, first column) of `sql`.
@@ -787,14 +904,7 @@ pub async fn audit_ledger_of(
 
 /// How many of a llama-server's slots are generating (`GET /slots`).
 pub async fn llama_slots_busy(http: &reqwest::Client, llama_url: &str) -> usize {
-    let slots: Value = http
-        .get(format!("{llama_url}/slots"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let slots = json_of(http.get(format!("{llama_url}/slots"))).await;
     slots
         .as_array()
         .unwrap()
