@@ -6,7 +6,7 @@
 use spine_core::{AccountId, ModelId, RequestId, StreamOutcome, Usage, UsageSource};
 
 use super::*;
-use crate::ledger::sql::{SqlRow as _, TxEnd as _};
+use crate::ledger::sql::SqlRow as _;
 use crate::ledger::{Ledger, Settlement};
 use crate::price::Price;
 
