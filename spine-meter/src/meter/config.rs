@@ -29,7 +29,7 @@ pub struct CatalogEntry {
 /// Models by the id callers use.
 pub type Catalog = HashMap<ModelId, CatalogEntry>;
 
-/// Everything the metering layer needs. Built by [`MeterLayer`]'s setters.
+/// Everything the metering layer needs. Built by [`MeterLayer`](super::MeterLayer)'s setters.
 #[derive(Clone)]
 pub struct MeterConfig {
     pub(crate) ledger: Arc<dyn Ledger>,
@@ -109,7 +109,8 @@ pub struct MeterConfig {
     /// [`MAX_DELAYED_REFUSALS`](super::MAX_DELAYED_REFUSALS) wait at once).
     pub refused_credit_delay: std::time::Duration,
     /// Most bytes of request bodies being read at once, across every request (default 256 MiB;
-    /// set with [`MeterLayer::max_buffered_request_bytes`]). A request whose body would go over
+    /// set with [`MeterLayer`](super::MeterLayer)'s setter of the same name). A request whose
+    /// body would go over
     /// it is refused ([`MeterError::BodiesOverBudget`](super::MeterError::BodiesOverBudget),
     /// 503): bodies that are sent slowly or never finished hold at most this much memory, not
     /// [`max_request_body_bytes`](Self::max_request_body_bytes) per connection.
@@ -117,7 +118,7 @@ pub struct MeterConfig {
     pub(crate) request_body_budget: Arc<tokio::sync::Semaphore>,
     /// Most bytes of request bodies being read at once for ONE account (default 32 MiB,
     /// [`DEFAULT_MAX_BUFFERED_REQUEST_BYTES_PER_ACCOUNT`]; set with
-    /// [`MeterLayer::max_buffered_request_bytes_per_account`]), within
+    /// [`MeterLayer`](super::MeterLayer)'s setter of the same name), within
     /// [`max_buffered_request_bytes`](Self::max_buffered_request_bytes). A request whose body
     /// would take its account over it is refused
     /// ([`MeterError::AccountBodiesOverBudget`](super::MeterError::AccountBodiesOverBudget),

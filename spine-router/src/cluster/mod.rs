@@ -12,12 +12,12 @@
 //! - reads the directory every 500 ms into its [`NodeRegistry`] as *remote* nodes (a local
 //!   tunnel always wins), skipping nodes whose owner's liveness key is gone;
 //! - dispatches requests for remote nodes to the owner's internal HTTP/2 listener
-//!   ([`ClusterService`](forward::ClusterService): [`spine_router::DirectoryDispatch`] with
-//!   this instance's [`Cluster`] as the [`spine_router::NodeDirectory`], which checks the
+//!   ([`ClusterService`]: [`DirectoryDispatch`](crate::DirectoryDispatch) with
+//!   this instance's [`Cluster`] as the [`NodeDirectory`](crate::NodeDirectory), which checks the
 //!   owner's liveness key), and relays requests other instances forward to it into its own
-//!   tunnels ([`internal`]). Each forwarded request is signed (HMAC-SHA256 keyed with the
-//!   cluster secret, bound to the target instance, a timestamp, a nonce, the head and the body's
-//!   SHA-256); the secret itself never leaves the instance.
+//!   tunnels ([`serve_internal`], [`internal_router`]). Each forwarded request is signed
+//!   (HMAC-SHA256 keyed with the cluster secret, bound to the target instance, a timestamp, a
+//!   nonce, the head and the body's SHA-256); the secret itself never leaves the instance.
 //!
 //! Every Redis call has a [`REDIS_TIMEOUT`] bound. Redis down: local nodes keep serving, remote
 //! nodes age out of the registry after [`REMOTE_TTL`], affinity falls back to the in-memory

@@ -10,7 +10,7 @@ use spine_core::{BoxError, ClassifyBody};
 use crate::affinity::AffinityStore;
 use crate::NodeRegistry;
 
-/// Settings of [`Route`]. [`Default`] gives the documented values.
+/// Settings of [`Route`](super::Route). [`Default`] gives the documented values.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RouteConfig {
     /// Further attempts after the first, each on a node not tried yet for this request. Default 2.
@@ -47,7 +47,7 @@ impl Default for RouteConfig {
 }
 
 /// How many times one request may find its picked node momentarily full
-/// ([`RouteLayer::node_full`]) and pick again, besides [`RouteConfig::max_retries`].
+/// ([`RouteLayer::node_full`](super::RouteLayer::node_full)) and pick again, besides [`RouteConfig::max_retries`].
 pub const MAX_FULL_REPICKS: u32 = 3;
 
 /// The pause before picking again after a node was found momentarily full: long enough for the

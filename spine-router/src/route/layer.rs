@@ -70,7 +70,7 @@ impl RouteLayer {
     /// is not released yet, or the node refused an HTTP/2 stream with `REFUSED_STREAM`, which
     /// RFC 9113 §8.7 says was not processed). Such an attempt is not scored and the node stays a
     /// candidate: after a pause of a few milliseconds the request picks again — waiting in the
-    /// admission queue if every node is full — at most [`MAX_FULL_REPICKS`] times, besides
+    /// admission queue if every node is full — at most [`MAX_FULL_REPICKS`](super::MAX_FULL_REPICKS) times, besides
     /// [`RouteConfig::max_retries`]. An error recognised here is treated as
     /// [`not_node_fault`](Self::not_node_fault) too. By default no error is.
     pub fn node_full(mut self, node_full: NotNodeFault) -> Self {
