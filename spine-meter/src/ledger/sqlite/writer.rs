@@ -132,21 +132,24 @@ impl WriterConn {
         self.run(&mut |c| {
             let mut stmt = c.prepare_cached(sql)?;
             bind(&mut stmt, args)?;
-            let names: Arc<[String]> = stmt.column_names().into_iter().map(String::from).collect();
+            // the names only for a statement whose rows are kept (not for `exec`, the hot path)
+            let names: Option<Arc<[String]>> =
+                (limit > 0).then(|| stmt.column_names().into_iter().map(String::from).collect());
             let readonly = stmt.readonly();
             let mut out = Vec::new();
             let mut rows = stmt.raw_query();
             // every row is stepped, also past `limit`: a statement runs to its end
             while let Some(row) = rows.next()? {
-                if out.len() < limit {
-                    let values = (0..names.len())
-                        .map(|i| row.get_ref(i).map(Value::from))
-                        .collect::<rusqlite::Result<Vec<_>>>()?;
-                    out.push(WriterRow {
-                        names: Arc::clone(&names),
-                        values,
-                    });
-                }
+                let Some(names) = names.as_ref().filter(|_| out.len() < limit) else {
+                    continue;
+                };
+                let values = (0..names.len())
+                    .map(|i| row.get_ref(i).map(Value::from))
+                    .collect::<rusqlite::Result<Vec<_>>>()?;
+                out.push(WriterRow {
+                    names: Arc::clone(names),
+                    values,
+                });
             }
             drop(rows);
             let changed = if readonly { 0 } else { c.changes() };
