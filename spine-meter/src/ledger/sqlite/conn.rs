@@ -6,7 +6,7 @@ use sqlx::pool::PoolConnection;
 use sqlx::sqlite::SqliteRow;
 use sqlx::{Sqlite, Transaction};
 
-use super::writer::{WriterConn, WriterRow, WriterTx};
+use super::writer::{WriterAuto, WriterRow, WriterTx};
 use crate::ledger::sql::{Arg, SqlConn, SqlRow, TxEnd};
 use crate::ledger::{LedgerError, LedgerFuture};
 
@@ -15,8 +15,8 @@ use crate::ledger::{LedgerError, LedgerFuture};
 pub(in crate::ledger) enum StoreConn {
     /// One of sqlx's pools.
     Pool(PoolConnection<Sqlite>),
-    /// The file store's writer.
-    Writer(WriterConn),
+    /// The file store's writer, one write transaction per statement.
+    Writer(WriterAuto),
 }
 
 /// A write transaction of the SQLite store (`BEGIN IMMEDIATE`).

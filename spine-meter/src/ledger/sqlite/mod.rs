@@ -41,8 +41,12 @@ use writer::Writer;
 /// `docs/benchmarks.md`). Once it has the connection, a write runs its statements directly in
 /// the calling task (`rusqlite`, on the same SQLite library as sqlx's driver, statements
 /// prepared once): one wait per transaction, where sqlx's driver hands every statement to its
-/// connection thread and back. Write transactions still start with `BEGIN IMMEDIATE` and the
-/// 5 s busy timeout stays, for another process opening the same file (a second gateway on the
+/// connection thread and back. The writes ready in one scheduler tick are **committed
+/// together** (group commit: each write is a savepoint in one `BEGIN IMMEDIATE` transaction,
+/// and a write returns `Ok` only once that transaction's `COMMIT` succeeded; a failed write is
+/// rolled back to its savepoint alone), so a loaded writer appends its hot pages to the WAL
+/// once per tick instead of once per write. Write transactions still start with
+/// `BEGIN IMMEDIATE` and the 5 s busy timeout stays, for another process opening the same file (a second gateway on the
 /// same file, a migration); only then does a write wait in SQLite's busy handler, on the
 /// runtime thread that runs it. Reads (balances, key lookups, request records, entry sums) run
 /// on a separate sqlx pool of four `query_only` connections: in WAL mode readers run beside the
@@ -378,7 +382,7 @@ impl Backend for SqliteLedger {
     async fn conn(&self, access: Access) -> Result<StoreConn, LedgerError> {
         match (access, &self.direct) {
             (Access::Read, _) => self.reader.acquire().await.map(StoreConn::Pool).map_err(db),
-            (Access::Write, Some(direct)) => direct.acquire().await.map(StoreConn::Writer),
+            (Access::Write, Some(direct)) => Ok(StoreConn::Writer(direct.auto())),
             (Access::Write, None) => self.writer.acquire().await.map(StoreConn::Pool).map_err(db),
         }
     }

@@ -6,7 +6,7 @@
 use spine_core::{AccountId, ModelId, RequestId, StreamOutcome, Usage, UsageSource};
 
 use super::*;
-use crate::ledger::sql::SqlRow as _;
+use crate::ledger::sql::{SqlRow as _, TxEnd};
 use crate::ledger::{Ledger, Settlement};
 use crate::price::Price;
 
@@ -435,5 +435,140 @@ async fn a_write_waits_for_another_process_that_holds_the_write_lock() {
     l.add_credits(&acct, 1_000, "k").await.unwrap();
     other.join().unwrap();
     assert_eq!(l.account(&acct).await.unwrap().balance_micros, 1_007);
+    l.close().await;
+}
+
+/// The file store's writer transaction of `tx`.
+fn writer_tx(tx: StoreTx) -> super::writer::WriterTx {
+    match tx {
+        StoreTx::Writer(t) => t,
+        StoreTx::Pool(_) => panic!("a file store writes on its writer"),
+    }
+}
+
+/// Commits the file store's batches so far.
+async fn commits(l: &SqliteLedger) -> u64 {
+    l.direct.as_ref().unwrap().commits().await
+}
+
+#[tokio::test]
+async fn writes_released_before_a_commit_are_committed_together_and_a_failed_one_alone_is_not() {
+    let (_dir, _path, l) = file_store().await;
+    let insert = "INSERT INTO operators (id, created_at_ms) VALUES ($1, 0)";
+    let before = commits(&l).await;
+    let mut a = writer_tx(l.begin().await.unwrap());
+    a.exec(insert, &[Arg::Text("a")]).await.unwrap();
+    // released into the batch at the call: the connection is free for the next write
+    let a = TxEnd::commit(a);
+    assert_eq!(
+        operators(&l).await,
+        0,
+        "nothing is visible before the batch commits"
+    );
+    let mut b = writer_tx(l.begin().await.unwrap());
+    b.exec(insert, &[Arg::Text("b")]).await.unwrap();
+    let b = TxEnd::commit(b);
+    // a write of the same batch that fails (a duplicate of `a`, which it sees) and is dropped
+    let mut c = writer_tx(l.begin().await.unwrap());
+    c.exec(insert, &[Arg::Text("c")]).await.unwrap();
+    assert!(c.exec(insert, &[Arg::Text("a")]).await.is_err());
+    drop(c);
+    // a write of the same batch that rolls back
+    let mut d = writer_tx(l.begin().await.unwrap());
+    d.exec(insert, &[Arg::Text("d")]).await.unwrap();
+    TxEnd::rollback(d).await.unwrap();
+    let (ra, rb) = tokio::join!(a, b);
+    ra.unwrap();
+    rb.unwrap();
+    assert_eq!(commits(&l).await - before, 1, "one COMMIT for both");
+    let ids: Vec<String> = sqlx::query_scalar("SELECT id FROM operators ORDER BY id")
+        .fetch_all(l.reader_pool())
+        .await
+        .unwrap();
+    assert_eq!(ids, ["a", "b"]);
+    // a lone write (one statement) commits on its own, and no transaction is left open
+    l.create_operator(&spine_core::OperatorId::from("e"))
+        .await
+        .unwrap();
+    assert_eq!(commits(&l).await - before, 2);
+    assert_eq!(operators(&l).await, 3);
+    l.close().await;
+}
+
+#[tokio::test]
+async fn concurrent_ledger_writes_share_commits_and_every_one_is_kept() {
+    let (_dir, _path, l) = file_store().await;
+    let acct = AccountId::from("a");
+    l.create_account(&acct).await.unwrap();
+    l.add_credits(&acct, 1_000_000, "k").await.unwrap();
+    let before = commits(&l).await;
+    let mut holds = tokio::task::JoinSet::new();
+    for i in 0..64 {
+        let (l, acct) = (l.clone(), acct.clone());
+        holds.spawn(async move {
+            l.hold(
+                RequestId::from(format!("r{i}").as_str()),
+                acct,
+                ModelId::from("m"),
+                10,
+            )
+            .await
+        });
+    }
+    while let Some(r) = holds.join_next().await {
+        r.unwrap().unwrap();
+    }
+    let used = commits(&l).await - before;
+    assert!(used < 64, "64 holds ready together took {used} commits");
+    let b = l.account(&acct).await.unwrap();
+    assert_eq!((b.balance_micros, b.held_micros), (1_000_000, 640));
+    l.close().await;
+}
+
+#[tokio::test]
+async fn a_batch_that_sqlite_rolled_back_fails_every_write_it_held() {
+    let (_dir, _path, l) = file_store().await;
+    let insert = "INSERT INTO operators (id, created_at_ms) VALUES ($1, 0)";
+    let mut a = writer_tx(l.begin().await.unwrap());
+    a.exec(insert, &[Arg::Text("a")]).await.unwrap();
+    let a = TxEnd::commit(a);
+    // the next write of the batch meets a transaction rolled back under it (as SQLite does
+    // on an I/O error or a full disk): neither it nor `a` may be reported committed
+    let mut b = writer_tx(l.begin().await.unwrap());
+    b.exec(insert, &[Arg::Text("b")]).await.unwrap();
+    b.batch("ROLLBACK").await.unwrap();
+    assert!(TxEnd::commit(b).await.is_err());
+    assert!(a.await.is_err(), "`a` was rolled back with its batch");
+    assert_eq!(operators(&l).await, 0);
+    // the writer goes on with a new batch
+    l.create_operator(&spine_core::OperatorId::from("c"))
+        .await
+        .unwrap();
+    assert_eq!(operators(&l).await, 1);
+    l.close().await;
+}
+
+#[tokio::test]
+async fn a_released_write_whose_caller_went_away_is_still_committed() {
+    let (_dir, _path, l) = file_store().await;
+    let insert = "INSERT INTO operators (id, created_at_ms) VALUES ($1, 0)";
+    let mut a = writer_tx(l.begin().await.unwrap());
+    a.exec(insert, &[Arg::Text("a")]).await.unwrap();
+    let mut a = Box::pin(TxEnd::commit(a));
+    // polled once (it yields), then dropped: as a caller cancelled after the release
+    let first = std::future::poll_fn(|cx| {
+        std::task::Poll::Ready(std::future::Future::poll(a.as_mut(), cx))
+    })
+    .await;
+    assert!(first.is_pending());
+    drop(a);
+    // the batch is finished by a task of its own, with no other write to do it
+    for _ in 0..1_000 {
+        if operators(&l).await == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(operators(&l).await, 1);
     l.close().await;
 }
