@@ -46,9 +46,10 @@ use writer::Writer;
 /// and a write returns `Ok` only once that transaction's `COMMIT` succeeded; a failed write is
 /// rolled back to its savepoint alone), so a loaded writer appends its hot pages to the WAL
 /// once per tick instead of once per write. Write transactions still start with
-/// `BEGIN IMMEDIATE` and the 5 s busy timeout stays, for another process opening the same file (a second gateway on the
-/// same file, a migration); only then does a write wait in SQLite's busy handler, on the
-/// runtime thread that runs it. Reads (balances, key lookups, request records, entry sums) run
+/// `BEGIN IMMEDIATE` and the 5 s busy timeout stays, for another process writing the same
+/// file (a second gateway on the same file, a migration); only then does a write wait, and it
+/// waits asynchronously (polling `BEGIN IMMEDIATE`), never on the runtime thread; under load
+/// the writer holds the lock across a tick, so such a second writer gets it less often. Reads (balances, key lookups, request records, entry sums) run
 /// on a separate sqlx pool of four `query_only` connections: in WAL mode readers run beside the
 /// writer and see every transaction committed before their statement began. An in-memory
 /// store and a store on a caller's pool write through sqlx.

@@ -41,9 +41,10 @@
 //! unique violation is still [`LedgerError::Duplicate`](crate::ledger::LedgerError::Duplicate)
 //! and a busy file still code 5).
 //!
-//! The one cost: a statement that waits in SQLite's busy handler (only when *another process*
-//! writes the same file) waits on the runtime thread that runs the write, for at most the busy
-//! timeout. Writers in this process never wait there: they queue for the connection first.
+//! Another process writing the same file: `BEGIN IMMEDIATE` waits for its lock asynchronously
+//! (polling, up to the busy timeout), never in SQLite's busy handler on the runtime thread; the
+//! batch holds the write lock across one tick, so under load that process gets it less often.
+//! Writers in this process queue for the connection instead.
 
 use std::path::Path;
 use std::sync::{Arc, OnceLock};
