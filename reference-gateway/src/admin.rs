@@ -40,18 +40,8 @@ pub(crate) fn router(state: Arc<AppState>) -> Router {
         .route("/admin/v1/nodes/{id}/reverify", post(reverify_node))
         .route("/admin/v1/queues", get(list_queues))
         .route("/admin/v1/requests/{id}", get(get_request))
-        .route(
-            "/admin/v1/console/users",
-            post(crate::console::admin::create_user),
-        )
-        .route(
-            "/admin/v1/console/users/{id}/sign-in-link",
-            post(crate::console::admin::create_link),
-        )
-        .route(
-            "/admin/v1/console/users/{id}/revoke-sessions",
-            post(crate::console::admin::revoke_sessions),
-        )
+        // console users and sign-in links (spine_meter::console)
+        .merge(spine_meter::console::admin_routes::<AppState>())
         .route("/metrics", get(render_metrics))
         .method_not_allowed_fallback(|req: Request| async move {
             ApiError::new(

@@ -387,12 +387,12 @@ async fn run(cli: Cli) -> Result<(), MainError> {
             .map_or(config.tunnel_listen.port(), |a| a.port());
         format!("wss://localhost:{port}")
     });
-    let console_state = Arc::new(console::ConsoleState::new(
+    let console_state = Arc::new(console::state(
         state.clone(),
         config.console_secure_cookies,
         join_url,
     )?);
-    let mut console_task = tokio::spawn(console::serve(
+    let mut console_task = tokio::spawn(spine_meter::console::serve(
         console_listener,
         console_state,
         config.listener_limits(config.console_max_connections),

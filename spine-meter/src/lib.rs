@@ -9,11 +9,17 @@
 //! [`SqliteLedger`], the ledger store on one SQLite file; `postgres`: [`PgLedger`], the store for several gateway instances on PostgreSQL (both pull in
 //! sqlx; without either, the [`Ledger`] and [`Store`] traits stay for a store of your own);
 //! `llama-reference`: `audit::LlamaCppReference` (a hyper client to a llama-server).
+//!
+//! Off by default: `console`: the web console (`console`), server-rendered pages for builders,
+//! GPU operators and the platform's staff as an axum `Router` (turns on `tunnel` and `limits`,
+//! and pulls in axum, minijinja, argon2 and spine-router).
 
 pub mod audit;
 #[cfg(feature = "tokenizer")]
 pub mod catalog;
 pub mod classify;
+#[cfg(feature = "console")]
+pub mod console;
 #[cfg(feature = "tokenizer")]
 pub mod gguf;
 pub mod inject;

@@ -2,19 +2,19 @@
 //! traffic, revenue and fees per UTC day with credit held now (`/console/platform`), every
 //! node with this instance's live view (`/console/platform/nodes`), the usage discrepancies
 //! (`/console/platform/discrepancies`). Read only: every query reads the daily roll-ups or a
-//! bounded, keyset-paged range of an index ([`ConsoleStore`](spine_meter::ledger::ConsoleStore)'s
+//! bounded, keyset-paged range of an index ([`ConsoleStore`](crate::ledger::ConsoleStore)'s
 //! `platform_*`), never all request records. Builders and operators get 403 here; a platform
 //! user gets 403 on their pages.
 
 use std::sync::Arc;
 
+use crate::ledger::{ConsoleRole, ConsoleUser, PageCursor, MAX_PAGE_ROWS};
 use axum::extract::{Query, State};
 use axum::response::Response;
 use axum::routing::get;
 use axum::Router;
 use http::{HeaderMap, StatusCode};
 use serde::{Deserialize, Serialize};
-use spine_meter::ledger::{ConsoleRole, ConsoleUser, PageCursor, MAX_PAGE_ROWS};
 
 use super::auth::{csrf_token, require_user};
 use super::{after_query, ConsoleState, Page, PageUser};
@@ -161,7 +161,7 @@ async fn nodes_page(
             .platform_operators(since, until, MAX_PAGE_ROWS)
             .await,
     )?;
-    let live = s.app.registry.snapshot();
+    let live = s.host.registry().snapshot();
     let nodes: Vec<super::operator::NodeRow> = page
         .rows
         .into_iter()

@@ -4,6 +4,8 @@
 
 use std::sync::Arc;
 
+use crate::keys;
+use crate::ledger::{ConsoleRole, ConsoleUser, PageCursor};
 use axum::extract::{Query, State};
 use axum::response::{IntoResponse, Redirect, Response};
 use axum::routing::{get, post};
@@ -11,8 +13,6 @@ use axum::{Form, Router};
 use http::{HeaderMap, StatusCode};
 use serde::{Deserialize, Serialize};
 use spine_core::{NodeId, OperatorId};
-use spine_meter::keys;
-use spine_meter::ledger::{ConsoleRole, ConsoleUser, PageCursor};
 
 use super::auth::{csrf_token, require_post, require_user};
 use super::{after_query, with_role, ConsoleState, Page, PageUser};
@@ -100,11 +100,10 @@ pub(super) fn node_row(
     name: Option<String>,
 ) -> NodeRow {
     let snap = live.iter().find(|n| &n.node_id == node_id);
-    let tunnel = s.app.tunnels.status(node_id);
+    let tunnel = s.host.tunnels().status(node_id);
     let audits = s
-        .app
-        .auditor
-        .as_ref()
+        .host
+        .auditor()
         .map(|a| a.statuses_of(node_id))
         .unwrap_or_default()
         .into_iter()
@@ -121,7 +120,7 @@ pub(super) fn node_row(
         node_id: node_id.to_string(),
         name: name.unwrap_or_default(),
         operator: None,
-        connected: s.app.tunnels.contains(node_id),
+        connected: s.host.tunnels().contains(node_id),
         routable: snap.is_some(),
         models: match (snap, &tunnel) {
             (Some(n), _) => n
@@ -157,8 +156,8 @@ pub(super) fn node_row(
 async fn nodes_page(State(s): State<Arc<ConsoleState>>, headers: HeaderMap) -> Page {
     let (user, token, op) = operator(&s, &headers).await?;
     // the operator's own nodes (the store), then what this instance knows live of each
-    let records = s.stored(s.app.store.operator_nodes(&op).await)?;
-    let live = s.app.registry.snapshot();
+    let records = s.stored(s.host.store().operator_nodes(&op).await)?;
+    let live = s.host.registry().snapshot();
     let rows: Vec<NodeRow> = records
         .into_iter()
         .map(|rec| NodeRow {
@@ -191,10 +190,10 @@ async fn earnings_page(
     let (since, until, days) = super::day_window(q.days);
     let rows = s.stored(
         s.store
-            .operator_earnings(&op, since, until, spine_meter::ledger::MAX_PAGE_ROWS)
+            .operator_earnings(&op, since, until, crate::ledger::MAX_PAGE_ROWS)
             .await,
     )?;
-    let total = s.stored(s.app.store.operator_earned_micros(&op).await)?;
+    let total = s.stored(s.host.store().operator_earned_micros(&op).await)?;
     let window_micros: u64 = rows.iter().map(|r| r.earned_micros).sum();
     Ok(s.render(
         "earnings.html",
@@ -258,8 +257,8 @@ async fn issue_enrollment(
     let enrollment = keys::new_enrollment_token();
     let expires = spine_core::unix_time_ms().saturating_add(ENROLLMENT_TTL_MS);
     s.stored(
-        s.app
-            .store
+        s.host
+            .store()
             .create_enrollment(&op, &keys::hash_api_key(&enrollment), expires)
             .await,
     )?;

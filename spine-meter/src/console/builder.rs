@@ -4,6 +4,12 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use crate::keys;
+use crate::ledger::{
+    ApiKeyInfo, ConsoleRole, ConsoleUser, PageCursor, RequestFilter, MAX_SCANNED_PER_PAGE,
+};
+use crate::limits::KeyHash;
+use crate::KeyLimits;
 use axum::body::Body;
 use axum::extract::{Query, State};
 use axum::response::{IntoResponse, Redirect, Response};
@@ -12,12 +18,6 @@ use axum::{Form, Router};
 use http::{header, HeaderMap, StatusCode};
 use serde::{Deserialize, Serialize};
 use spine_core::AccountId;
-use spine_meter::keys;
-use spine_meter::ledger::{
-    ApiKeyInfo, ConsoleRole, ConsoleUser, PageCursor, RequestFilter, MAX_SCANNED_PER_PAGE,
-};
-use spine_meter::limits::KeyHash;
-use spine_meter::KeyLimits;
 use tower::ServiceExt;
 
 use super::auth::{csrf_token, require_post, require_user};
@@ -90,7 +90,8 @@ struct KeyRow {
 fn key_rows(s: &ConsoleState, keys: Vec<ApiKeyInfo>) -> Vec<KeyRow> {
     keys.into_iter()
         .map(|k| {
-            let (rpm_limit, tpm_limit) = s.app.limits.effective(&KeyHash(k.key_hash.clone()));
+            let (rpm_limit, tpm_limit) =
+                s.host.rate_limits().effective(&KeyHash(k.key_hash.clone()));
             KeyRow {
                 name: k.name.unwrap_or_default(),
                 hint: k.key_hint.map(|h| format!("…{h}")).unwrap_or_default(),
@@ -113,7 +114,7 @@ async fn render_keys(
     new_key: Option<(String, String)>,
 ) -> Page {
     let page = s.stored(s.store.account_keys(account, None, KEYS_LISTED).await)?;
-    let (default_rpm, default_tpm) = s.app.limits.defaults();
+    let (default_rpm, default_tpm) = s.host.rate_limits().defaults();
     Ok(s.render(
         "keys.html",
         minijinja::context! {
@@ -148,7 +149,7 @@ struct CreateKeyForm {
 /// default), within the gateway's defaults ([`RateLimits::within_defaults`]); else what is
 /// allowed, for the 400 page.
 ///
-/// [`RateLimits::within_defaults`]: spine_meter::limits::RateLimits::within_defaults
+/// [`RateLimits::within_defaults`]: crate::limits::RateLimits::within_defaults
 fn asked_limits(s: &ConsoleState, rpm: &str, tpm: &str) -> Result<KeyLimits, String> {
     fn parse(v: &str) -> Result<Option<u64>, ()> {
         match v.trim() {
@@ -173,9 +174,9 @@ fn asked_limits(s: &ConsoleState, rpm: &str, tpm: &str) -> Result<KeyLimits, Str
         _ => None,
     };
     match asked {
-        Some(l) if s.app.limits.within_defaults(l) => Ok(l),
+        Some(l) if s.host.rate_limits().within_defaults(l) => Ok(l),
         _ => {
-            let (rpm, tpm) = s.app.limits.defaults();
+            let (rpm, tpm) = s.host.rate_limits().defaults();
             let allowed = |d: u64| match d {
                 0 => "a whole number (0: unlimited)".to_owned(),
                 d => format!("a whole number from 1 to {d}"),
@@ -244,7 +245,7 @@ async fn revoke_key(
     if !s.stored(s.store.revoke_api_key(&account, &form.key_hash).await)? {
         return Err(s.error(StatusCode::NOT_FOUND, "No such key."));
     }
-    s.app.keys.remove(&form.key_hash);
+    s.host.forget_key(&form.key_hash);
     Ok(Redirect::to("/console/keys").into_response())
 }
 
@@ -301,7 +302,7 @@ async fn owns_live_key(
     status: StatusCode,
     refusal: &str,
 ) -> Result<(), Response> {
-    match s.stored(s.app.store.account_for_key_hash(key_hash).await)? {
+    match s.stored(s.host.store().account_for_key_hash(key_hash).await)? {
         Some(owner) if owner == *account => Ok(()),
         _ => Err(s.error(status, refusal)),
     }
@@ -316,8 +317,8 @@ async fn save_key_limits(
     status: StatusCode,
     message: &str,
 ) -> Result<(), Response> {
-    s.app
-        .limits
+    s.host
+        .rate_limits()
         .set_key_limits(&KeyHash(key_hash), limits)
         .await
         .map_err(|e| {
@@ -339,7 +340,7 @@ async fn balance_page(
 ) -> Page {
     let (user, token, account) = builder(&s, &headers).await?;
     let after = q.after.as_deref().and_then(PageCursor::decode);
-    let balance = s.stored(s.app.store.account(&account).await)?;
+    let balance = s.stored(s.host.store().account(&account).await)?;
     let credits = s.stored(
         s.store
             .account_credits(&account, after.as_ref(), PAGE_ROWS)
@@ -400,7 +401,7 @@ async fn usage_rows(
     let names = key_names(s, account).await;
     let rows = s.stored(
         s.store
-            .account_usage(account, since, until, spine_meter::ledger::MAX_PAGE_ROWS)
+            .account_usage(account, since, until, crate::ledger::MAX_PAGE_ROWS)
             .await,
     )?;
     Ok((
@@ -670,7 +671,7 @@ async fn requests_page(
             user => PageUser::of(&user), csrf => csrf_token(&token), rows => rows, next => next,
             searched => searched, keys => key_options, filter => filter, day => q.day,
             outcomes => ["completed", "client_cancelled", "upstream_failed", "rejected", "cut_at_bound"],
-            models => s.app.catalog_ids.iter().map(ToString::to_string).collect::<Vec<_>>(),
+            models => s.host.models().iter().map(ToString::to_string).collect::<Vec<_>>(),
         },
     ))
 }
@@ -681,7 +682,7 @@ async fn playground_page(State(s): State<Arc<ConsoleState>>, headers: HeaderMap)
         "playground.html",
         minijinja::context! {
             user => PageUser::of(&user), csrf => csrf_token(&token),
-            models => s.app.catalog_ids.iter().map(ToString::to_string).collect::<Vec<_>>(),
+            models => s.host.models().iter().map(ToString::to_string).collect::<Vec<_>>(),
         },
     ))
 }

@@ -3,8 +3,9 @@
 //! - Passwords: argon2id (the `argon2` crate's defaults, RFC 9106's second recommended set:
 //!   19 MiB, 2 passes), PHC strings in the store.
 //! - Sessions: a random 256-bit token in the `spine_console` cookie (`HttpOnly; SameSite=Strict;
-//!   Path=/console`, `Secure` with `console_secure_cookies`); the store keeps only its SHA-256,
-//!   with an expiry ([`SESSION_TTL_MS`]); sign-out and the admin API revoke it.
+//!   Path=/console`, `Secure` with [`ConsoleConfig::secure_cookies`](super::ConsoleConfig)); the
+//!   store keeps only its SHA-256, with an expiry ([`SESSION_TTL_MS`]); sign-out and the admin
+//!   API revoke it.
 //! - CSRF: every state-changing form carries `csrf`, the SHA-256 of a fixed label and the session
 //!   token (a value only a page of this session can know; it is never stored); a POST without
 //!   the right one is refused 403 before anything else is done.
@@ -16,6 +17,9 @@ use std::net::IpAddr;
 use std::num::NonZeroU32;
 use std::sync::Arc;
 
+use crate::ledger::ConsoleUser;
+use crate::limits::RateLimits;
+use crate::LedgerError;
 use argon2::password_hash::{PasswordHash, PasswordHasher, PasswordVerifier, SaltString};
 use argon2::Argon2;
 use axum::extract::{Path, State};
@@ -26,9 +30,6 @@ use governor::{DefaultKeyedRateLimiter, Quota, RateLimiter};
 use http::{header, HeaderMap, HeaderValue, StatusCode};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
-use spine_meter::ledger::ConsoleUser;
-use spine_meter::limits::RateLimits;
-use spine_meter::LedgerError;
 use spine_transport::PeerAddr;
 
 use super::{ConsoleState, Page};
@@ -287,7 +288,11 @@ pub(super) async fn signin(
     if email.len() > 254 || form.password.len() > 1024 {
         return s.error(StatusCode::BAD_REQUEST, "E-mail or password too long.");
     }
-    if !s.limits.allow(&s.app.limits, peer.ip(), Some(email)).await {
+    if !s
+        .limits
+        .allow(s.host.rate_limits(), peer.ip(), Some(email))
+        .await
+    {
         tracing::warn!(ip = %peer.ip(), "console sign-in rate limited");
         let mut r = s.render(
             "signin.html",
@@ -351,7 +356,7 @@ pub(super) async fn link_signin(
     Extension(PeerAddr(peer)): Extension<PeerAddr>,
     Form(form): Form<LinkForm>,
 ) -> Response {
-    if !s.limits.allow(&s.app.limits, peer.ip(), None).await {
+    if !s.limits.allow(s.host.rate_limits(), peer.ip(), None).await {
         return s.error(
             StatusCode::TOO_MANY_REQUESTS,
             "Too many sign-in attempts; wait a minute.",

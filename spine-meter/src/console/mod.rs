@@ -1,20 +1,46 @@
-//! The console (issue 18): server-rendered HTML pages for builders (an account's keys, balance,
-//! usage, requests, a playground), GPU operators (an operator's nodes, earnings, enrollment
-//! tokens) and the platform's staff (every node, traffic, revenue and fees, discrepancies,
-//! credit held), on its own listener (`console_listen`, default `127.0.0.1:8082`).
+//! The web console (`console` feature): server-rendered HTML pages for builders (an account's
+//! keys, balance, usage, requests, a playground), GPU operators (an operator's nodes, earnings,
+//! enrollment tokens) and the platform's staff (every node, traffic, revenue and fees,
+//! discrepancies, credit held), as an [`axum::Router`] an application serves on a listener of
+//! its own ([`serve`]) or mounts in its own app ([`router`]); and the admin API's calls that
+//! create console users and sign-in links ([`admin_routes`]).
 //!
-//! Handlers are thin: the store's [`ConsoleStore`](spine_meter::ledger::ConsoleStore) answers
-//! every query, scoped to the signed-in user's account or operator (a URL never names the
-//! account or operator: it comes from the session, so there is no foreign id to try).
-//! Templates are minijinja with auto-escaping, every template and asset is embedded in the
-//! binary, and pages work without JavaScript except the playground and the charts.
-//! See `docs/console.md`.
+//! Handlers are thin: the store's [`ConsoleStore`] answers every query, scoped to the signed-in
+//! user's account or operator (a URL never names the account or operator: it comes from the
+//! session, so there is no foreign id to try). Templates are minijinja with auto-escaping,
+//! every template and asset is embedded in the binary, and pages work without JavaScript
+//! except the playground and the charts. What the pages show of the running gateway (its rate
+//! limits, key cache, catalog, live nodes, audits) comes from the application through
+//! [`ConsoleHost`]. See `docs/console.md`.
+//!
+//! ```no_run
+//! # async fn run(
+//! #     host: std::sync::Arc<dyn spine_meter::console::ConsoleHost>,
+//! #     public_api: axum::Router,
+//! #     listener: tokio::net::TcpListener,
+//! # ) -> Result<(), Box<dyn std::error::Error>> {
+//! use spine_meter::console::{self, ConsoleConfig, ConsoleState};
+//!
+//! let console = ConsoleState::new(
+//!     host,
+//!     public_api,
+//!     ConsoleConfig { secure_cookies: true, join_gateway_url: "wss://gw.example:8443".into() },
+//! )?;
+//! let stop = tokio_util::sync::CancellationToken::new();
+//! let limits = spine_transport::ListenerLimits::default();
+//! console::serve(listener, std::sync::Arc::new(console), limits, stop).await?;
+//! # Ok(())
+//! # }
+//! ```
 
-pub(crate) mod admin;
+mod admin;
 mod auth;
 mod builder;
+mod host;
 mod operator;
 mod platform;
+#[cfg(test)]
+mod tests;
 
 use std::sync::Arc;
 
@@ -25,22 +51,35 @@ use axum::Router;
 use http::{header, HeaderValue, StatusCode};
 use minijinja::Environment;
 use serde::Serialize;
-use spine_meter::ledger::{ConsoleRole, ConsoleStore, ConsoleUser};
 
-use crate::state::AppState;
+use crate::ledger::{ConsoleRole, ConsoleStore, ConsoleUser};
 
-pub(crate) use auth::SignInLimits;
+pub use admin::{admin_routes, AdminError};
+use auth::SignInLimits;
+pub use host::ConsoleHost;
 
-/// What the console's handlers share.
-pub(crate) struct ConsoleState {
-    pub(crate) app: Arc<AppState>,
-    pub(crate) store: Arc<dyn ConsoleStore>,
+/// How the console is served: what the application's configuration says of it.
+#[derive(Debug, Clone, Default)]
+pub struct ConsoleConfig {
+    /// Add `Secure` to the session cookie: set it when browsers reach the console over HTTPS
+    /// (a TLS-terminating proxy in front of its listener).
+    pub secure_cookies: bool,
+    /// The gateway's tunnel URL as agents dial it (`wss://host:port`), for the
+    /// `reference-agent join --gateway …` command an operator copies from the enrollment page.
+    pub join_gateway_url: String,
+}
+
+/// What the console's handlers share: the application's [`ConsoleHost`], the store's console
+/// queries, the embedded templates, the sign-in rate limits. Build one with
+/// [`ConsoleState::new`], serve it with [`router`] or [`serve`].
+pub struct ConsoleState {
+    host: Arc<dyn ConsoleHost>,
+    store: Arc<dyn ConsoleStore>,
     templates: Environment<'static>,
     /// The gateway's own public API, called in process by the playground.
     public_api: Router,
     limits: SignInLimits,
-    /// Add `Secure` to the session cookie (`console_secure_cookies`: the console is served to
-    /// browsers over TLS by a proxy in front of it).
+    /// Add `Secure` to the session cookie.
     secure_cookies: bool,
     /// The gateway's tunnel URL as agents dial it, for the `join` command the operator copies.
     join_gateway_url: String,
@@ -135,7 +174,7 @@ fn with_role<T>(
 }
 
 /// `after=<cursor>`, URL-encoded: the query of a list's next page.
-fn after_query(cursor: &spine_meter::ledger::PageCursor) -> String {
+fn after_query(cursor: &crate::ledger::PageCursor) -> String {
     serde_urlencoded::to_string([("after", cursor.encode())]).unwrap_or_default()
 }
 
@@ -218,24 +257,26 @@ fn templates() -> Result<Environment<'static>, minijinja::Error> {
 }
 
 impl ConsoleState {
-    /// The console over the gateway's state.
+    /// The console over `host`'s store and live state. `public_api` is the application's
+    /// public API (`POST /v1/chat/completions` with a bearer key), which the playground calls
+    /// in process, so its chats are metered and billed like any caller's.
     ///
     /// # Errors
     ///
     /// A template does not parse (a build defect: they are embedded).
-    pub(crate) fn new(
-        app: Arc<AppState>,
-        secure_cookies: bool,
-        join_gateway_url: String,
+    pub fn new(
+        host: Arc<dyn ConsoleHost>,
+        public_api: Router,
+        config: ConsoleConfig,
     ) -> Result<Self, minijinja::Error> {
         Ok(Self {
-            store: app.store.clone().console(),
-            public_api: crate::api::router(app.clone()),
-            app,
+            store: host.store().clone().console(),
+            host,
+            public_api,
             templates: templates()?,
             limits: SignInLimits::default(),
-            secure_cookies,
-            join_gateway_url,
+            secure_cookies: config.secure_cookies,
+            join_gateway_url: config.join_gateway_url,
         })
     }
 
@@ -274,7 +315,7 @@ impl ConsoleState {
     }
 
     /// A store failure as an error page (the cause logged, not shown).
-    fn store_error(&self, e: &spine_meter::LedgerError) -> Response {
+    fn store_error(&self, e: &crate::LedgerError) -> Response {
         tracing::error!(error = %e, "console store call failed");
         if e.is_unavailable() {
             self.error(
@@ -289,7 +330,7 @@ impl ConsoleState {
     /// The store's answer `r`, or its error as [`ConsoleState::store_error`]'s page.
     // the error is the page to send, as from the async handlers that call it (see `with_role`)
     #[allow(clippy::result_large_err)]
-    fn stored<T>(&self, r: Result<T, spine_meter::LedgerError>) -> Result<T, Response> {
+    fn stored<T>(&self, r: Result<T, crate::LedgerError>) -> Result<T, Response> {
         r.map_err(|e| self.store_error(&e))
     }
 }
@@ -351,8 +392,14 @@ impl<'a> PageUser<'a> {
     }
 }
 
-/// The console's routes.
-pub(crate) fn router(state: Arc<ConsoleState>) -> Router {
+/// The console's routes: `/` (a redirect), `/console/**` and `/favicon.ico`, every answer an
+/// HTML page (errors included) except the assets and the playground's chat stream.
+///
+/// Each request must carry its peer's address as a [`spine_transport::PeerAddr`] extension
+/// (the sign-in rate limit is per client IP; [`serve`] adds it): a sign-in without it is
+/// refused. Mount it at the root of a listener of its own, as its session cookie has
+/// `Path=/console` and its pages link to absolute `/console/…` paths.
+pub fn router(state: Arc<ConsoleState>) -> Router {
     Router::new()
         .route("/", get(|| async { Redirect::to("/console") }))
         .route("/console", get(home))
@@ -436,7 +483,7 @@ async fn asset(
 /// # Errors
 ///
 /// The listener fails.
-pub(crate) async fn serve(
+pub async fn serve(
     listener: tokio::net::TcpListener,
     state: Arc<ConsoleState>,
     limits: spine_transport::ListenerLimits,
@@ -445,60 +492,4 @@ pub(crate) async fn serve(
     spine_transport::LimitedServer::new("console", limits)
         .serve(listener, router(state), shutdown.cancelled_owned())
         .await
-}
-
-#[cfg(test)]
-mod tests {
-    use super::{credits, date, templates, utc};
-
-    #[test]
-    fn dates_times_and_amounts_render_exactly() {
-        assert_eq!(date(0), "1970-01-01");
-        assert_eq!(date(20_424), "2025-12-02");
-        assert_eq!(utc(1_764_633_600_000 + 3_723_000), "2025-12-02 01:02:03");
-        assert_eq!(credits(1_234_567), "1.234567");
-        assert_eq!(credits(5), "0.000005");
-    }
-
-    #[test]
-    fn every_template_parses_and_escapes() -> Result<(), minijinja::Error> {
-        let env = templates()?;
-        let html = env
-            .get_template("error.html")?
-            .render(minijinja::context! {
-                status => 404, message => "<script>x</script>", user => None::<()>, csrf => "",
-            })?;
-        assert!(
-            html.contains("&lt;script&gt;x&lt;&#x2f;script&gt;"),
-            "{html}"
-        );
-        assert!(!html.contains("<script>x"));
-        Ok(())
-    }
-
-    /// A request-log page whose search found no more matches in its bound of records says so
-    /// and links to the older ones (a plain link); a last page has no link.
-    #[test]
-    fn a_searched_request_page_links_to_older_records() -> Result<(), minijinja::Error> {
-        let env = templates()?;
-        let render = |next: Option<&str>, searched: Option<&str>| {
-            env.get_template("requests.html")?
-                .render(minijinja::context! {
-                    user => minijinja::context! { email => "b@x", role => "builder", owner => "a" },
-                    csrf => "", rows => Vec::<()>::new(), next => next, searched => searched,
-                    keys => Vec::<(String, String)>::new(), day => None::<String>,
-                    filter => minijinja::context! { key_hash => "k", model => None::<String>, outcome => None::<String> },
-                    outcomes => ["completed"], models => ["m"],
-                })
-        };
-        let html = render(Some("after=5.r&key=k"), Some("10,000"))?;
-        assert!(
-            html.contains("No more matches in the last 10,000 requests searched — <a href=\"/console/requests?after=5.r&amp;key=k\" id=\"older\">search older →</a>"),
-            "{html}"
-        );
-        let html = render(None, None)?;
-        assert!(!html.contains("id=\"older\""), "{html}");
-        assert!(html.contains("No requests match."), "{html}");
-        Ok(())
-    }
 }
