@@ -1,12 +1,6 @@
 //! The agent stops promptly on SIGTERM while its engine is unreachable (issue 16: it took
 //! 35–37 s, the drain bound, though there was nothing to drain).
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    clippy::print_stdout,
-    missing_docs
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::process::Stdio;
 use std::time::{Duration, Instant};

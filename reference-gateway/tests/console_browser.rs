@@ -10,13 +10,7 @@
 //!
 //! Needs `chromium` and `npm ci` in `reference-gateway/browser` (both done by
 //! `scripts/setup.sh`); fails, rather than skips, without them.
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    clippy::print_stdout,
-    missing_docs
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
 
@@ -50,12 +44,8 @@ async fn builder_and_operator_in_real_chromium() {
     let llama = LlamaServer::start(&engine, 2).await.unwrap();
     let dir = tempfile::tempdir().unwrap();
     // defaults the builder's own key limits must stay within
-    let gw = Gateway::start_with(
-        dir.path(),
-        &engine,
-        "default_rpm_limit = 600\ndefault_tpm_limit = 1000000",
-    )
-    .await;
+    let key_limits = "default_rpm_limit = 600\ndefault_tpm_limit = 1000000";
+    let gw = Gateway::start_with(dir.path(), &engine, key_limits).await;
     let s = setup(&gw, dir.path(), &llama.url).await;
     let password = "a long console password";
     for body in [

@@ -10,7 +10,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use common::{add_node, full, header, post_json, serve_fake_llama, sse, sse_data, tenant, Gateway};
+use common::{
+    add_node, full, gateway_with_node, header, post_json, serve_fake_llama, sse, sse_data, tenant,
+    Gateway,
+};
 use hyper::body::Frame;
 use serde_json::{json, Value};
 use spine_test_support::Engine;
@@ -300,9 +303,7 @@ impl OneNode {
             .await
             .unwrap();
         let dir = tempfile::tempdir().unwrap();
-        let gw = Gateway::start(dir.path(), &engine).await;
-        let t = tenant(&gw).await;
-        let (node, agent) = add_node(&gw, dir.path(), &t.operator, &llama.url, "node").await;
+        let (gw, t, node, agent) = gateway_with_node(dir.path(), &engine, &llama.url, "node").await;
         Self {
             gw,
             t,

@@ -31,13 +31,7 @@
 //! database (dropped at the end) and Redis prefix (`prefix*` deleted at the end); every child
 //! process is killed on drop. The tests of this file run one at a time (they share 2 cores, and
 //! the fail-fast bound is a latency).
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    clippy::print_stdout,
-    missing_docs
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
 
@@ -428,6 +422,7 @@ async fn chat(gw: &Gateway, key: &str, model: &str, max_tokens: u64) -> (u16, Va
 }
 
 impl Cluster {
+    #[allow(clippy::print_stdout)] // reports what it measured
     async fn start(opts: Options) -> Cluster {
         let dir = tempfile::tempdir().unwrap();
         let db = PgDb::create();

@@ -7,7 +7,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{add_node, full, json_of, serve_fake_llama, sse_data, tenant, EngineCounter, Gateway};
+use common::{full, gateway_with_node, json_of, serve_fake_llama, sse_data, EngineCounter};
 use serde_json::{json, Value};
 use spine_core::ENGINE_GENERATION_FIELDS;
 use spine_meter::tokenizer::length_allowance_tokens;
@@ -56,9 +56,7 @@ async fn engine_aliases_are_refused_and_nothing_is_delivered_beyond_the_bill() {
     let engine = Engine::discover().unwrap();
     let llama = LlamaServer::start(&engine, 2).await.unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let gw = Gateway::start(dir.path(), &engine).await;
-    let t = tenant(&gw).await;
-    let (_node, _agent) = add_node(&gw, dir.path(), &t.operator, &llama.url, "node").await;
+    let (gw, t, _node, _agent) = gateway_with_node(dir.path(), &engine, &llama.url, "node").await;
     let (balance_before, _) = gw.balance(&t.account).await;
 
     // every engine field that changes how many tokens or choices are generated: a 400, never
@@ -228,9 +226,7 @@ async fn a_node_padding_length_finishes_is_billed_by_the_delivered_text() {
     })
     .await;
     let dir = tempfile::tempdir().unwrap();
-    let gw = Gateway::start(dir.path(), &engine).await;
-    let t = tenant(&gw).await;
-    let (_node, _agent) = add_node(&gw, dir.path(), &t.operator, &url, "padder").await;
+    let (gw, t, _node, _agent) = gateway_with_node(dir.path(), &engine, &url, "padder").await;
     let text_tokens = tok.count_text(&padding);
     let want = text_tokens + length_allowance_tokens(1000);
     assert!(want < 1000, "{want}");
@@ -286,9 +282,7 @@ async fn a_node_streaming_a_gibibyte_is_cut_at_its_bound_with_bounded_gateway_me
     })
     .await;
     let dir = tempfile::tempdir().unwrap();
-    let gw = Gateway::start(dir.path(), &engine).await;
-    let t = tenant(&gw).await;
-    let (_node, _agent) = add_node(&gw, dir.path(), &t.operator, &url, "flood").await;
+    let (gw, t, _node, _agent) = gateway_with_node(dir.path(), &engine, &url, "flood").await;
     // warm up the paths once with an honest-size answer cut the same way
     let body = json!({"model":"smollm2","messages":[{"role":"user","content":"Hi"}],
         "max_tokens":1000,"stream":true});
@@ -365,9 +359,7 @@ async fn responses_are_reshaped_and_a_tool_call_padder_is_not_paid() {
     })
     .await;
     let dir = tempfile::tempdir().unwrap();
-    let gw = Gateway::start(dir.path(), &engine).await;
-    let t = tenant(&gw).await;
-    let (_node, _agent) = add_node(&gw, dir.path(), &t.operator, &url, "reshaper").await;
+    let (gw, t, _node, _agent) = gateway_with_node(dir.path(), &engine, &url, "reshaper").await;
 
     // a stream to a request that asked for none is the node's fault (the SDK could not read it
     // on the chat path): refused, nothing paid
@@ -478,9 +470,7 @@ async fn a_node_answering_where_the_sdk_does_not_read_is_not_paid_for_it() {
     })
     .await;
     let dir = tempfile::tempdir().unwrap();
-    let gw = Gateway::start(dir.path(), &engine).await;
-    let t = tenant(&gw).await;
-    let (_node, _agent) = add_node(&gw, dir.path(), &t.operator, &url, "misplacer").await;
+    let (gw, t, _node, _agent) = gateway_with_node(dir.path(), &engine, &url, "misplacer").await;
     let shown_tokens = tok.count_text(&shown);
 
     // text beside the message, where the SDK never looks: refused, nothing paid
@@ -537,9 +527,7 @@ async fn a_caller_constraining_tokenization_pays_for_the_tokens_generated() {
     let tok = ModelTokenizer::from_gguf(&engine.model_gguf).unwrap();
     let llama = LlamaServer::start(&engine, 2).await.unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let gw = Gateway::start(dir.path(), &engine).await;
-    let t = tenant(&gw).await;
-    let (_node, _agent) = add_node(&gw, dir.path(), &t.operator, &llama.url, "node").await;
+    let (gw, t, _node, _agent) = gateway_with_node(dir.path(), &engine, &llama.url, "node").await;
     let word = " telecommunications";
     let ids = json_of(
         reqwest::Client::new()
@@ -617,9 +605,7 @@ async fn developer_messages_are_served_and_the_surface_is_an_allowlist() {
     let engine = Engine::discover().unwrap();
     let llama = LlamaServer::start(&engine, 1).await.unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let gw = Gateway::start(dir.path(), &engine).await;
-    let t = tenant(&gw).await;
-    let (_node, _agent) = add_node(&gw, dir.path(), &t.operator, &llama.url, "node").await;
+    let (gw, t, _node, _agent) = gateway_with_node(dir.path(), &engine, &llama.url, "node").await;
     for streamed in [false, true] {
         let body = json!({"model":"smollm2","max_tokens":8,"stream":streamed,
             "stream_options": if streamed { json!({"include_usage": true}) } else { Value::Null },

@@ -10,7 +10,10 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{account_with_key, add_node, full, serve_fake_llama, tenant, FakeBody, Gateway};
+use common::{
+    account_with_key, add_node, full, gateway_with_node, serve_fake_llama, tenant, FakeBody,
+    Gateway,
+};
 use serde_json::{json, Value};
 use spine_test_support::Engine;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
@@ -104,17 +107,22 @@ async fn slowloris(addr: &str) -> Duration {
 }
 
 async fn paid_chat(gw: &Gateway, api_key: &str) -> (u16, Value) {
-    let r = tokio::time::timeout(
-        HANG,
-        gw.api_post(
-            api_key,
-            "/v1/chat/completions",
-            &json!({"model": "smollm2", "max_tokens": 8,
-                    "messages": [{"role": "user", "content": "Hello"}]}),
-        ),
+    post_in_time(
+        gw,
+        api_key,
+        "/v1/chat/completions",
+        &json!({"model": "smollm2", "max_tokens": 8,
+                "messages": [{"role": "user", "content": "Hello"}]}),
     )
     .await
-    .expect("paid request in time");
+}
+
+/// POSTs `body` to the public API at `path` with `api_key`, answered within [`HANG`]: the
+/// status and the JSON body.
+async fn post_in_time(gw: &Gateway, api_key: &str, path: &str, body: &Value) -> (u16, Value) {
+    let r = tokio::time::timeout(HANG, gw.api_post(api_key, path, body))
+        .await
+        .unwrap_or_else(|_| panic!("{path} answered in time"));
     let status = r.status().as_u16();
     (status, r.json().await.unwrap())
 }
@@ -274,9 +282,7 @@ async fn a_top_up_lifts_a_remembered_refusal_at_once() {
     let engine = Engine::discover().unwrap();
     let dir = tempfile::tempdir().unwrap();
     let (url, _task) = serve_fake_llama(|path, _body| fake_llama(path)).await;
-    let gw = Gateway::start(dir.path(), &engine).await;
-    let t = tenant(&gw).await;
-    let (_node, _agent) = add_node(&gw, dir.path(), &t.operator, &url, "node").await;
+    let (gw, _t, _node, _agent) = gateway_with_node(dir.path(), &engine, &url, "node").await;
     let (account, key) = account_with_key(&gw).await;
     // refused, then refused again from the meter's memory (held back)
     for _ in 0..2 {
@@ -285,18 +291,13 @@ async fn a_top_up_lifts_a_remembered_refusal_at_once() {
     }
     // `/v1/responses` (read and translated by the gateway before the meter) goes through the
     // same gate: a body no translation could serve is refused for the credit, not parsed
-    let r = tokio::time::timeout(
-        HANG,
-        gw.api_post(
-            &key,
-            "/v1/responses",
-            &json!({"model": "smollm2", "input": 42}),
-        ),
+    let (status, body) = post_in_time(
+        &gw,
+        &key,
+        "/v1/responses",
+        &json!({"model": "smollm2", "input": 42}),
     )
-    .await
-    .expect("in time");
-    let status = r.status().as_u16();
-    let body: Value = r.json().await.unwrap();
+    .await;
     assert_eq!(
         (status, body["error"]["code"].as_str()),
         (402, Some("insufficient_quota")),
@@ -311,18 +312,13 @@ async fn a_top_up_lifts_a_remembered_refusal_at_once() {
     assert_eq!(s, 200);
     let (status, body) = paid_chat(&gw, &key).await;
     assert_eq!(status, 200, "the next request after the top-up: {body}");
-    let r = tokio::time::timeout(
-        HANG,
-        gw.api_post(
-            &key,
-            "/v1/responses",
-            &json!({"model": "smollm2", "max_output_tokens": 8, "input": "Hello"}),
-        ),
+    let (status, body) = post_in_time(
+        &gw,
+        &key,
+        "/v1/responses",
+        &json!({"model": "smollm2", "max_output_tokens": 8, "input": "Hello"}),
     )
-    .await
-    .expect("in time");
-    let status = r.status().as_u16();
-    let body: Value = r.json().await.unwrap();
+    .await;
     assert_eq!(status, 200, "{body}");
     assert_eq!(body["object"], "response", "{body}");
 }

@@ -455,14 +455,14 @@ async fn sigterm_lets_streams_in_flight_finish_and_settle() {
     let s = setup(&gw, dir.path(), &llama.url).await;
 
     let http = reqwest::Client::new();
-    let resp = http
-        .post(format!("{}/v1/chat/completions", gw.public))
-        .bearer_auth(&s.api_key)
-        .json(&json!({"model": "smollm2", "stream": true, "max_tokens": 200, "logit_bias": {"0": -100, "2": -100},
-                      "messages": [{"role": "user", "content": "Write a long story about a dragon."}]}))
-        .send()
-        .await
-        .unwrap();
+    let resp = post_json(
+        &http,
+        &format!("{}/v1/chat/completions", gw.public),
+        &s.api_key,
+        &json!({"model": "smollm2", "stream": true, "max_tokens": 200, "logit_bias": {"0": -100, "2": -100},
+                "messages": [{"role": "user", "content": "Write a long story about a dragon."}]}),
+    )
+    .await;
     assert_eq!(resp.status(), 200);
     let request_id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
     let mut body = resp.bytes_stream();

@@ -12,13 +12,7 @@
 //!   no hold leaks.
 //! - `a_full_queue_refuses_with_retry_after`: `queue_max_depth = 4`: refusals carry
 //!   `Retry-After`, the others complete, the ledger is balanced.
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    clippy::print_stdout,
-    missing_docs
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
 

@@ -11,13 +11,7 @@
 //!
 //! `affinity_ttft_bench` (ignored; see docs/benchmarks.md) measures TTFT per turn with and
 //! without affinity on a ~2,000-token history.
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    clippy::print_stdout,
-    missing_docs
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
 
@@ -28,8 +22,9 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use common::{
-    add_node, assert_clean_stream, full, metric, serve_fake_llama, sse, sse_data, sse_paced,
-    tenant, text_of, FakeBody, Gateway, Tenant, CREDITS, ROLE_CHUNK,
+    add_node, assert_clean_stream, gateway_with_node, metric, serve_fake_chat_stream,
+    serve_fake_llama, sse, sse_data, tenant, text_of, FakeFrames, Gateway, Tenant, CREDITS,
+    ROLE_CHUNK,
 };
 use hyper::body::Frame;
 use serde_json::{json, Value};
@@ -59,43 +54,35 @@ impl Drop for HostileEngine {
     }
 }
 
-async fn hostile_answer(
-    mode: Hostile,
-    chats: Arc<AtomicU64>,
-    path: String,
-) -> hyper::Response<FakeBody> {
-    match path.as_str() {
-        "/v1/chat/completions" => {
-            chats.fetch_add(1, Ordering::SeqCst);
-            let frames: Vec<Result<Frame<Bytes>, std::io::Error>> = match mode {
-                Hostile::ErrorEventFirst => vec![
-                    Ok(Frame::data(Bytes::from_static(ROLE_CHUNK.as_bytes()))),
-                    Ok(Frame::data(Bytes::from_static(
-                        b"data: {\"error\":{\"code\":500,\"message\":\"engine exploded\",\"type\":\"server_error\"}}\n\n",
-                    ))),
-                ],
-                Hostile::BreakAfterFirstToken => vec![
-                    Ok(Frame::data(Bytes::from_static(ROLE_CHUNK.as_bytes()))),
-                    Ok(Frame::data(Bytes::from_static(
-                        b"data: {\"id\":\"x\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"smollm2\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hello\"},\"finish_reason\":null}]}\n\n",
-                    ))),
-                    Err(std::io::Error::other("node vanished")),
-                ],
-            };
-            // each frame 200 ms after the previous one, so that the token reaches the gateway
-            // before the break (an HTTP/2 reset may drop DATA still queued at the agent)
-            sse_paced(frames, Duration::from_millis(200))
-        }
-        _ => full(404, "application/json", r#"{"error":"not found"}"#.into()),
+/// What the hostile engine streams for a chat completion in `mode`.
+fn hostile_frames(mode: Hostile) -> FakeFrames {
+    match mode {
+        Hostile::ErrorEventFirst => vec![
+            Ok(Frame::data(Bytes::from_static(ROLE_CHUNK.as_bytes()))),
+            Ok(Frame::data(Bytes::from_static(
+                b"data: {\"error\":{\"code\":500,\"message\":\"engine exploded\",\"type\":\"server_error\"}}\n\n",
+            ))),
+        ],
+        Hostile::BreakAfterFirstToken => vec![
+            Ok(Frame::data(Bytes::from_static(ROLE_CHUNK.as_bytes()))),
+            Ok(Frame::data(Bytes::from_static(
+                b"data: {\"id\":\"x\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"smollm2\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hello\"},\"finish_reason\":null}]}\n\n",
+            ))),
+            Err(std::io::Error::other("node vanished")),
+        ],
     }
 }
 
 impl HostileEngine {
     async fn start(mode: Hostile) -> Self {
         let chats = Arc::new(AtomicU64::new(0));
-        let counter = chats.clone();
+        // each frame 200 ms after the previous one, so that the token reaches the gateway
+        // before the break (an HTTP/2 reset may drop DATA still queued at the agent)
         let (url, task) =
-            serve_fake_llama(move |path, _| hostile_answer(mode, counter.clone(), path)).await;
+            serve_fake_chat_stream(chats.clone(), Duration::from_millis(200), move || {
+                hostile_frames(mode)
+            })
+            .await;
         Self { url, chats, task }
     }
 }
@@ -170,9 +157,8 @@ async fn retries_before_the_first_byte_never_after_and_charges_once() {
     let engine = Engine::discover().unwrap();
     let dir = tempfile::tempdir().unwrap();
     let llama = LlamaServer::start(&engine, 2).await.unwrap();
-    let gw = Gateway::start(dir.path(), &engine).await;
-    let t = tenant(&gw).await;
-    let (good, _good_agent) = add_node(&gw, dir.path(), &t.operator, &llama.url, "good").await;
+    let (gw, t, good, _good_agent) =
+        gateway_with_node(dir.path(), &engine, &llama.url, "good").await;
     let before_first = HostileEngine::start(Hostile::ErrorEventFirst).await;
     let (bad, _bad_agent) = add_node(
         &gw,

@@ -2,13 +2,7 @@
 //! reference llama-server, two real agents on real llama.cpp — one honest, one serving the
 //! model's weights requantized to Q2_K under the name `smollm2`. The substitute is `failed` and
 //! gets no more traffic, the honest node is `passing`, and no caller ever sees an error.
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    clippy::print_stdout,
-    missing_docs
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
 

@@ -5,14 +5,11 @@
 //! body it is handed. No network and no model file: a node stand-in and a counter of our own.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
-use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll};
 
 use bytes::Bytes;
-use http_body::{Body, Frame};
-use http_body_util::{BodyExt, Full};
+use http_body_util::BodyExt;
 use serde_json::{json, Value};
 use spine_core::{
     AccountId, BoxBody, BoxError, BufferedRequest, ModelId, OperatorId, RequestContext, RequestId,
@@ -21,37 +18,19 @@ use spine_core::{
 use spine_meter::meter::{Catalog, CatalogEntry, MeterLayer};
 use spine_meter::{Ledger, Price, SqliteLedger, TokenCounter, TokenizerError};
 use spine_router::{NodeRegistry, ReadAheadLayer, RouteLayer};
+use spine_test_support::full;
 use tower::{Layer, ServiceExt};
 
-/// A body that counts the frames polled out of it and the data bytes they carried.
-struct Counting {
-    inner: BoxBody,
-    frames: Arc<AtomicUsize>,
-    data_bytes: Arc<AtomicUsize>,
-}
-
-impl Body for Counting {
-    type Data = Bytes;
-    type Error = BoxError;
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        let polled = Pin::new(&mut self.inner).poll_frame(cx);
-        if let Poll::Ready(Some(Ok(frame))) = &polled {
-            self.frames.fetch_add(1, Ordering::SeqCst);
-            if let Some(data) = frame.data_ref() {
-                self.data_bytes.fetch_add(data.len(), Ordering::SeqCst);
-            }
+/// `inner`, counting the frames polled out of it and the data bytes they carried (its length
+/// and end are `inner`'s).
+fn counting(inner: BoxBody, frames: Arc<AtomicUsize>, data_bytes: Arc<AtomicUsize>) -> BoxBody {
+    BoxBody::new(inner.map_frame(move |frame| {
+        frames.fetch_add(1, Ordering::SeqCst);
+        if let Some(data) = frame.data_ref() {
+            data_bytes.fetch_add(data.len(), Ordering::SeqCst);
         }
-        polled
-    }
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-    fn size_hint(&self) -> http_body::SizeHint {
-        self.inner.size_hint()
-    }
+        frame
+    }))
 }
 
 /// One token per word; a chat prompt is its messages' words plus 2 per message.
@@ -122,9 +101,7 @@ async fn the_body_is_collected_once_and_the_router_sends_the_meters_buffer() {
                 );
                 let resp = http::Response::builder()
                     .header("content-type", "text/event-stream")
-                    .body(BoxBody::new(
-                        Full::new(Bytes::from(sse)).map_err(|never| match never {}),
-                    ))
+                    .body(full(sse))
                     .unwrap();
                 Ok::<_, BoxError>(resp)
             }
@@ -141,13 +118,7 @@ async fn the_body_is_collected_once_and_the_router_sends_the_meters_buffer() {
         tower::util::MapRequestLayer::new(move |req: http::Request<BoxBody>| {
             *handed_down.lock().unwrap() = req.extensions().get::<BufferedRequest>().cloned();
             let frames = below_frames.clone();
-            req.map(|body| {
-                BoxBody::new(Counting {
-                    inner: body,
-                    frames,
-                    data_bytes: Arc::new(AtomicUsize::new(0)),
-                })
-            })
+            req.map(|body| counting(body, frames, Arc::new(AtomicUsize::new(0))))
         })
     };
     let meter = MeterLayer::new(ledger.clone(), catalog);
@@ -165,13 +136,11 @@ async fn the_body_is_collected_once_and_the_router_sends_the_meters_buffer() {
     let caller_frames = Arc::new(AtomicUsize::new(0));
     let caller_bytes = Arc::new(AtomicUsize::new(0));
     let mut req = http::Request::post("/")
-        .body(BoxBody::new(Counting {
-            inner: BoxBody::new(
-                Full::new(Bytes::from(caller_body.clone())).map_err(|never| match never {}),
-            ),
-            frames: caller_frames.clone(),
-            data_bytes: caller_bytes.clone(),
-        }))
+        .body(counting(
+            full(caller_body.clone()),
+            caller_frames.clone(),
+            caller_bytes.clone(),
+        ))
         .unwrap();
     let request_id = RequestId::from("req_once");
     req.extensions_mut().insert(

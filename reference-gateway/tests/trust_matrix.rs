@@ -23,13 +23,7 @@
 //! configuration, run and reply, the request body (its sampling), the delivered text and the
 //! reference's forced positions with their top tokens. `trust_replay` scores dumps again with
 //! other statistics' settings, without the engines.
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    clippy::print_stdout,
-    missing_docs
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::io::Write;
 use std::path::PathBuf;

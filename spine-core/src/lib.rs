@@ -12,7 +12,9 @@
 //! has started (retries before the first byte, design brief §5), and the [`ModelTrust`] through
 //! which the auditor tells the router which nodes failed their model's audit (§10). One request
 //! travels typed once: the edge's [`RequestContext`] and the metering layer's
-//! [`BufferedRequest`] (its body collected and parsed once), read by the layers below.
+//! [`BufferedRequest`] (its body collected and parsed once), read by the layers below. The
+//! service a layer wraps meets [`UpstreamService`]; [`inner_service_accessors!`] writes a
+//! layer's accessors over it.
 //!
 //! It starts no runtime and does no I/O (design brief §3).
 
@@ -21,6 +23,7 @@ mod ids;
 mod node;
 mod peek;
 mod request;
+mod service;
 mod slot;
 mod time;
 mod trust;
@@ -36,6 +39,7 @@ pub use peek::{
     NOT_SERVED, SAMPLING_EXTRAS, TOKENIZATION_CONSTRAINT_FIELDS,
 };
 pub use request::{BufferedRequest, RequestContext};
+pub use service::UpstreamService;
 pub use slot::{NodeFault, NodeSlot, PromptTokens};
 pub use time::unix_time_ms;
 pub use trust::{AuditVerdict, ModelTrust};

@@ -23,8 +23,7 @@
     clippy::unwrap_used,
     clippy::expect_used,
     clippy::print_stdout,
-    clippy::panic,
-    missing_docs
+    clippy::panic
 )]
 
 use std::sync::Arc;

@@ -75,20 +75,7 @@ pub struct ReadAhead<S> {
 }
 
 impl<S> ReadAhead<S> {
-    /// The inner service.
-    pub fn get_ref(&self) -> &S {
-        &self.inner
-    }
-
-    /// The inner service, mutably.
-    pub fn get_mut(&mut self) -> &mut S {
-        &mut self.inner
-    }
-
-    /// Unwraps the inner service.
-    pub fn into_inner(self) -> S {
-        self.inner
-    }
+    spine_core::inner_service_accessors!(inner: S);
 }
 
 impl<S, ReqBody> Service<http::Request<ReqBody>> for ReadAhead<S>

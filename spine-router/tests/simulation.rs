@@ -2,12 +2,7 @@
 //! heartbeats every 10 s; each scenario measures traffic shares in windows and asserts the
 //! outcome the issue states. Run with `--nocapture` to see the measured shares (they are in
 //! docs/benchmarks.md).
-#![allow(
-    clippy::print_stdout,
-    clippy::unwrap_used,
-    clippy::expect_used,
-    missing_docs
-)]
+#![allow(clippy::print_stdout, clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::HashMap;
 use std::time::Duration;

@@ -72,31 +72,73 @@ impl Body for ScriptedBody {
     }
 }
 
-/// The bounds the router's and the meter's layers ask of the service behind them, as the suites
-/// fake a node (upstream of the layer) with one: requests and responses with bodies `B`
-/// ([`BoxBody`] unless said), `BoxError`, a `Send` future. Implemented for every such service
-/// (`fn upstream() -> impl UpstreamService`). Not the node's own local service, which the tunnel
-/// serves: that is `spine_transport::NodeService`.
-pub trait UpstreamService<B = BoxBody>:
-    tower::Service<
-        http::Request<B>,
-        Response = http::Response<B>,
-        Error = BoxError,
-        Future: Send + 'static,
-    > + Clone
-    + Send
-    + 'static
+/// The result of one poll of a body: a frame, an error, the end (`None`), or `Pending`.
+pub type PollFrame = Poll<Option<Result<Frame<Bytes>, BoxError>>>;
+
+/// A body whose every [`Body::poll_frame`] calls `poll` with the task's context: a test's node
+/// or sender that keeps state between frames (a countdown, a timer, a channel) without a
+/// hand-written `Body` impl.
+///
+/// # End of stream
+///
+/// Ends when `poll` returns `Ready(None)`; it is not polled again after that by a well-behaved
+/// reader. Says nothing of its length ([`Body::size_hint`] and [`Body::is_end_stream`] keep their
+/// defaults: unknown, not ended). `Pending` must come with `cx`'s waker registered, as for any
+/// body.
+pub fn body_fn<F>(poll: F) -> BodyFn<F>
+where
+    F: FnMut(&mut Context<'_>) -> PollFrame + Unpin,
 {
+    BodyFn(poll)
 }
 
-impl<S, B> UpstreamService<B> for S where
-    S: tower::Service<
-            http::Request<B>,
-            Response = http::Response<B>,
-            Error = BoxError,
-            Future: Send + 'static,
-        > + Clone
-        + Send
-        + 'static
+/// The body [`body_fn`] makes.
+pub struct BodyFn<F>(F);
+
+impl<F> std::fmt::Debug for BodyFn<F> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("BodyFn")
+    }
+}
+
+impl<F: FnMut(&mut Context<'_>) -> PollFrame + Unpin> Body for BodyFn<F> {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> PollFrame {
+        (self.get_mut().0)(cx)
+    }
+}
+
+/// Sends each of `chunks` on `tx`, one at a time, and asserts that `body` yields it whole as its
+/// next data frame within `wait` each: a stream relayed chunk by chunk (each chunk arrives before
+/// the next one is even produced), not buffered.
+///
+/// # Panics
+///
+/// The channel is closed, a frame is late, the body ends or fails, or a frame is not the chunk
+/// just sent.
+#[allow(clippy::panic)]
+pub async fn assert_streams_each<B>(
+    tx: &tokio::sync::mpsc::Sender<Bytes>,
+    body: &mut B,
+    chunks: &[&'static str],
+    wait: std::time::Duration,
+) where
+    B: Body<Data = Bytes> + Unpin,
+    B::Error: std::fmt::Debug,
 {
+    for chunk in chunks {
+        let chunk = Bytes::from_static(chunk.as_bytes());
+        if tx.send(chunk.clone()).await.is_err() {
+            panic!("the channel of {chunk:?} is closed");
+        }
+        let frame = match tokio::time::timeout(wait, body.frame()).await {
+            Ok(Some(Ok(frame))) => frame,
+            Ok(Some(Err(e))) => panic!("the body failed before {chunk:?}: {e:?}"),
+            Ok(None) => panic!("the body ended before {chunk:?}"),
+            Err(_) => panic!("{chunk:?} not relayed within {wait:?}"),
+        };
+        assert_eq!(frame.into_data().ok(), Some(chunk));
+    }
 }

@@ -9,8 +9,11 @@
 //! - [`ReplayEngine`]: a fake engine on a real socket replaying recorded bytes in given reads.
 //! - [`FakeEngine`]: fakes of vLLM, Ollama and SGLang following their documented API shapes.
 //! - [`CutProxy`]: a TCP proxy in front of a real server that a test cuts, stalls and restores.
-//! - [`ScriptedBody`], [`full`] and [`UpstreamService`]: in-memory bodies, and the shape of a fake
-//!   node behind the router's and the meter's layers.
+//! - [`ScriptedBody`], [`body_fn`], [`full`] and [`UpstreamService`] (spine-core's, re-exported):
+//!   in-memory bodies, and the shape of a fake node behind the router's and the meter's layers.
+//! - [`assert_streams_each`]: a body relays a channel's chunks one by one.
+//! - [`node_serving`], [`node_serving_models`] and [`smollm2_node`]: the descriptor of a
+//!   llama.cpp test node.
 #![allow(clippy::print_stdout)]
 
 use std::path::{Path, PathBuf};
@@ -27,12 +30,13 @@ mod gateway;
 mod pg;
 mod proxy;
 mod replay;
-pub use body::{full, ScriptedBody, UpstreamService};
+pub use body::{assert_streams_each, body_fn, full, BodyFn, PollFrame, ScriptedBody};
 pub use fakes::{FakeEngine, FakeKind, SeenRequest};
 pub use gateway::{GatewayToml, Ready};
 pub use pg::{pg_server_url, random_hex, with_database, PgDb, DEFAULT_PG_URL};
 pub use proxy::CutProxy;
 pub use replay::{ReplayEngine, Scripted};
+pub use spine_core::UpstreamService;
 
 /// A boxed error for test helpers.
 pub type Error = Box<dyn std::error::Error + Send + Sync>;
@@ -395,6 +399,45 @@ pub fn node_serving(model: &str, max_concurrency: u32) -> spine_core::NodeDescri
         vram_mib: 1,
         max_concurrency,
         agent_version: "t".into(),
+    }
+}
+
+/// A llama.cpp node serving each of `models` (no context limit, every endpoint) with
+/// `max_concurrency` slots on `vram_mib` MiB of VRAM, agent version `"test"`.
+pub fn node_serving_models(
+    models: &[&str],
+    max_concurrency: u32,
+    vram_mib: u64,
+) -> spine_core::NodeDescriptor {
+    spine_core::NodeDescriptor {
+        engine: spine_core::EngineKind::LlamaCpp,
+        models: models
+            .iter()
+            .map(|m| spine_core::ModelDescriptor {
+                id: spine_core::ModelId::new(*m),
+                max_context_tokens: None,
+                endpoints: None,
+            })
+            .collect(),
+        vram_mib,
+        max_concurrency,
+        agent_version: "test".into(),
+    }
+}
+
+/// A llama.cpp node serving `smollm2` with a 2048-token context (every endpoint) and 4 slots on
+/// 8 GiB, as agent `agent_version`: the node the tunnel suites handshake as.
+pub fn smollm2_node(agent_version: &str) -> spine_core::NodeDescriptor {
+    spine_core::NodeDescriptor {
+        engine: spine_core::EngineKind::LlamaCpp,
+        models: vec![spine_core::ModelDescriptor {
+            id: spine_core::ModelId::new("smollm2"),
+            max_context_tokens: Some(2048),
+            endpoints: None,
+        }],
+        vram_mib: 8192,
+        max_concurrency: 4,
+        agent_version: agent_version.into(),
     }
 }
 

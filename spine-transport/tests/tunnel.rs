@@ -344,18 +344,13 @@ async fn handshake_accepted_and_round_trip_with_streamed_body() {
     let (tx, resp) = gw.open_stream(&agent).await;
     assert_eq!(resp.status(), StatusCode::OK);
     let mut body = resp.into_body();
-    for chunk in ["data: one\n\n", "data: two\n\n", "data: [DONE]\n\n"] {
-        tx.send(Bytes::from_static(chunk.as_bytes())).await.unwrap();
-        let frame = tokio::time::timeout(WAIT, body.frame())
-            .await
-            .expect("chunk in time")
-            .unwrap()
-            .unwrap();
-        assert_eq!(
-            frame.into_data().unwrap(),
-            Bytes::from_static(chunk.as_bytes())
-        );
-    }
+    spine_test_support::assert_streams_each(
+        &tx,
+        &mut body,
+        &["data: one\n\n", "data: two\n\n", "data: [DONE]\n\n"],
+        WAIT,
+    )
+    .await;
     drop(tx);
     let rest = tokio::time::timeout(WAIT, body.collect())
         .await

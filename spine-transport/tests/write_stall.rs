@@ -10,17 +10,16 @@
 //! did.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, missing_docs)]
 
-use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::task::{Context, Poll};
+use std::task::Poll;
 use std::time::Duration;
 
 use bytes::Bytes;
 use futures_util::{SinkExt as _, StreamExt as _};
 use http::Request;
 use http_body::Frame;
-use http_body_util::BodyExt as _;
+use http_body_util::{BodyExt as _, StreamBody};
 use metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit};
 use spine_core::{BoxError, NodeId};
 use spine_transport::handshake::{decode_gateway_message, AgentMessage, GatewayMessage, Hello};
@@ -85,31 +84,22 @@ fn write_stalls() -> &'static AtomicU64 {
 
 /// A request body of `remaining` bytes, produced as fast as the tunnel takes it, recording how
 /// much was taken and when each chunk was.
-struct Firehose {
+fn firehose(
     chunk: Bytes,
-    remaining: u64,
+    mut remaining: u64,
     pulled: Arc<AtomicU64>,
     pulls: Arc<Mutex<Vec<Instant>>>,
-}
-
-impl http_body::Body for Firehose {
-    type Data = Bytes;
-    type Error = BoxError;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        _cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        if self.remaining == 0 {
+) -> StreamBody<impl futures_util::Stream<Item = Result<Frame<Bytes>, BoxError>>> {
+    StreamBody::new(futures_util::stream::poll_fn(move |_cx| {
+        if remaining == 0 {
             return Poll::Ready(None);
         }
-        let n = self.remaining.min(self.chunk.len() as u64);
-        self.remaining -= n;
-        self.pulled.fetch_add(n, Ordering::SeqCst);
-        self.pulls.lock().unwrap().push(Instant::now());
-        let data = self.chunk.slice(..n as usize);
-        Poll::Ready(Some(Ok(Frame::data(data))))
-    }
+        let n = remaining.min(chunk.len() as u64);
+        remaining -= n;
+        pulled.fetch_add(n, Ordering::SeqCst);
+        pulls.lock().unwrap().push(Instant::now());
+        Poll::Ready(Some(Ok(Frame::data(chunk.slice(..n as usize)))))
+    }))
 }
 
 /// One HTTP/2 frame: 24-bit length, type, flags, 31-bit stream id, payload.
@@ -210,12 +200,12 @@ async fn gateway_kills_a_tunnel_whose_writes_stall_for_5s_on_real_sockets() {
         async move {
             // the session is in the table before its HTTP/2 client is; retry until it is
             for _ in 0..500 {
-                let body = Firehose {
-                    chunk: Bytes::from(vec![b'x'; CHUNK_BYTES]),
-                    remaining: BODY_BYTES,
-                    pulled: pulled.clone(),
-                    pulls: pulls.clone(),
-                };
+                let body = firehose(
+                    Bytes::from(vec![b'x'; CHUNK_BYTES]),
+                    BODY_BYTES,
+                    pulled.clone(),
+                    pulls.clone(),
+                );
                 let req = Request::post("/v1/chat/completions")
                     .body(body.boxed_unsync())
                     .unwrap();

@@ -227,26 +227,19 @@ async fn llama_cpp_adapter_against_the_real_engine() {
         completions: true,
         embeddings: false,
     });
-    check_adapter(
-        &*explicit,
-        EngineKind::LlamaCpp,
-        "/health",
-        "smollm2",
-        Some(4096),
-        no_embeddings,
-    )
-    .await;
     assert!(explicit.request_guard().check_json_and_model);
     let detected = detect(url, engine_client()).await.unwrap();
-    check_adapter(
-        &*detected,
-        EngineKind::LlamaCpp,
-        "/health",
-        "smollm2",
-        Some(4096),
-        no_embeddings,
-    )
-    .await;
+    for adapter in [&*explicit, &*detected] {
+        check_adapter(
+            adapter,
+            EngineKind::LlamaCpp,
+            "/health",
+            "smollm2",
+            Some(4096),
+            no_embeddings,
+        )
+        .await;
+    }
     // with `--embeddings`: the probe's 200 says so
     let server = LlamaServer::start_with_args(&engine, 1, &["--embeddings", "--pooling", "mean"])
         .await

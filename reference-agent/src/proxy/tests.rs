@@ -170,18 +170,13 @@ async fn forwards_allowed_paths_scrubbed_and_streams_the_response() {
     let resp = client().request(req).await.unwrap();
     assert_eq!(resp.status(), StatusCode::OK);
     let mut body = resp.into_body();
-    for chunk in ["data: {\"a\":1}\n\n", "data: [DONE]\n\n"] {
-        tx.send(Bytes::from_static(chunk.as_bytes())).await.unwrap();
-        let frame = tokio::time::timeout(Duration::from_secs(5), body.frame())
-            .await
-            .unwrap()
-            .unwrap()
-            .unwrap();
-        assert_eq!(
-            frame.into_data().unwrap(),
-            Bytes::from_static(chunk.as_bytes())
-        );
-    }
+    spine_test_support::assert_streams_each(
+        &tx,
+        &mut body,
+        &["data: {\"a\":1}\n\n", "data: [DONE]\n\n"],
+        Duration::from_secs(5),
+    )
+    .await;
     drop(tx);
 
     let seen = seen.lock().unwrap().clone();

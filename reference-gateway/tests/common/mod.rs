@@ -1,13 +1,8 @@
 //! The harness the end-to-end tests share: a real `reference-gateway` process, its admin API,
 //! a node (keygen, registration, `reference-agent`) and the engine's own token count.
-#![allow(
-    dead_code,
-    unreachable_pub,
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    missing_docs
-)]
+// every test binary includes this module and uses part of it
+#![allow(dead_code, unreachable_pub)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -529,6 +524,20 @@ pub async fn add_node(
     add_node_with(gw, dir, operator, engine_url, name, 2).await
 }
 
+/// A gateway on `dir` with the defaults ([`Gateway::start`]), its [`Tenant`], and one node named
+/// `name` in front of `engine_url` ([`add_node`]): the start of the single-node tests.
+pub async fn gateway_with_node(
+    dir: &Path,
+    engine: &Engine,
+    engine_url: &str,
+    name: &str,
+) -> (Gateway, Tenant, String, Child) {
+    let gw = Gateway::start(dir, engine).await;
+    let t = tenant(&gw).await;
+    let (node, agent) = add_node(&gw, dir, &t.operator, engine_url, name).await;
+    (gw, t, node, agent)
+}
+
 /// As [`add_node`], the agent advertising `max_concurrency` slots.
 pub async fn add_node_with(
     gw: &Gateway,
@@ -722,6 +731,34 @@ where
                 Some(meta) => meta,
                 None => answer(path, body).await,
             })
+        }
+    })
+    .await
+}
+
+/// The frames of one fake chat stream (an `Err` breaks the body there).
+pub type FakeFrames = Vec<Result<hyper::body::Frame<bytes::Bytes>, std::io::Error>>;
+
+/// Serves a fake llama-server (as [`serve_fake_llama`]) whose every chat completion is a stream
+/// of `frames()` paced `gap` apart ([`sse_paced`]), counted in `chats`; any other path is a 404.
+/// Returns the base URL and the accept loop's task.
+pub async fn serve_fake_chat_stream<F>(
+    chats: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    gap: Duration,
+    frames: F,
+) -> (String, tokio::task::JoinHandle<()>)
+where
+    F: Fn() -> FakeFrames + Clone + Send + Sync + 'static,
+{
+    serve_fake_llama(move |path, _| {
+        let (chats, frames) = (chats.clone(), frames.clone());
+        async move {
+            if path == "/v1/chat/completions" {
+                chats.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                sse_paced(frames(), gap)
+            } else {
+                full(404, "application/json", r#"{"error":"not found"}"#.into())
+            }
         }
     })
     .await

@@ -36,20 +36,7 @@ impl<S> Meter<S> {
         Self { inner, config }
     }
 
-    /// The inner service.
-    pub fn get_ref(&self) -> &S {
-        &self.inner
-    }
-
-    /// The inner service, mutably.
-    pub fn get_mut(&mut self) -> &mut S {
-        &mut self.inner
-    }
-
-    /// Unwraps the inner service.
-    pub fn into_inner(self) -> S {
-        self.inner
-    }
+    spine_core::inner_service_accessors!(inner: S);
 }
 
 /// Settles the request if dropped armed, before the response head: the caller went away (or
@@ -90,11 +77,7 @@ impl Drop for PendingGuard {
 
 impl<S> Service<http::Request<BoxBody>> for Meter<S>
 where
-    S: Service<http::Request<BoxBody>, Response = http::Response<BoxBody>, Error = BoxError>
-        + Clone
-        + Send
-        + 'static,
-    S::Future: Send + 'static,
+    S: spine_core::UpstreamService,
 {
     type Response = http::Response<BoxBody>;
     type Error = BoxError;

@@ -3,7 +3,7 @@
 use std::collections::VecDeque;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll};
+use std::task::Poll;
 
 use crate::Ledger;
 use bytes::Bytes;
@@ -13,7 +13,7 @@ use serde_json::{json, Value};
 use spine_core::{
     AccountId, BoxBody, BoxError, ModelId, NodeId, OperatorId, RequestId, StreamOutcome, Usage,
 };
-use spine_test_support::{full, ScriptedBody, UpstreamService};
+use spine_test_support::{body_fn, full, ScriptedBody, UpstreamService};
 use tower::{Layer, Service, ServiceExt};
 
 use super::*;
@@ -1223,30 +1223,20 @@ async fn completion_tokens_per_choice_are_capped_at_max_tokens() {
 
 // --- issue 13 / 14: hostile nodes, bounded cost, holds owned from the start ---------------------
 
-/// A node body that produces `event` forever (or `limit` times), counting the bytes pulled.
-struct Endless {
+/// A node body that produces `event` `left` times, counting the bytes pulled.
+fn endless(
     event: Bytes,
-    left: usize,
+    mut left: usize,
     pulled: Arc<std::sync::atomic::AtomicU64>,
-}
-
-impl Body for Endless {
-    type Data = Bytes;
-    type Error = BoxError;
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        _cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        if self.left == 0 {
+) -> impl Body<Data = Bytes, Error = BoxError> + Send + 'static {
+    body_fn(move |_cx| {
+        if left == 0 {
             return Poll::Ready(None);
         }
-        self.left -= 1;
-        self.pulled.fetch_add(
-            self.event.len() as u64,
-            std::sync::atomic::Ordering::Relaxed,
-        );
-        Poll::Ready(Some(Ok(Frame::data(self.event.clone()))))
-    }
+        left -= 1;
+        pulled.fetch_add(event.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        Poll::Ready(Some(Ok(Frame::data(event.clone()))))
+    })
 }
 
 /// The slot in which [`Harness::slot_node`] keeps the request's [`NodeSlot`](spine_core::NodeSlot).
@@ -1302,10 +1292,8 @@ async fn a_node_streaming_past_the_cap_is_cut_at_its_bound_and_faulted() {
         let pulled = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let event = content_event(&text);
         let (ev, p) = (event.clone(), pulled.clone());
-        let (svc, slot) = h.slot_node(h.layer(2048), "text/event-stream", move || Endless {
-            event: ev.clone(),
-            left: (1 << 30) / ev.len(),
-            pulled: p.clone(),
+        let (svc, slot) = h.slot_node(h.layer(2048), "text/event-stream", move || {
+            endless(ev.clone(), (1 << 30) / ev.len(), p.clone())
         });
         let mut req = chat(true, None);
         req["max_tokens"] = json!(64);
@@ -1616,54 +1604,33 @@ async fn completed_requests_offer_choice_zero_text_to_the_audit_tap_and_nothing_
 
 /// A node body that sends each event of `script` `every` apart, then (when `cycle` is not
 /// empty) the events of `cycle` in turn, `every` apart, forever; ends after `script` otherwise.
-struct Timed {
-    script: VecDeque<Bytes>,
+fn timed(
+    script: Vec<Bytes>,
     cycle: Vec<Bytes>,
-    next: usize,
     every: std::time::Duration,
-    sleep: Option<Pin<Box<tokio::time::Sleep>>>,
-}
-
-impl Timed {
-    fn new(script: Vec<Bytes>, cycle: Vec<Bytes>, every: std::time::Duration) -> Self {
-        Self {
-            script: script.into(),
-            cycle,
-            next: 0,
-            every,
-            sleep: None,
-        }
-    }
-}
-
-impl Body for Timed {
-    type Data = Bytes;
-    type Error = BoxError;
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        if self.script.is_empty() && self.cycle.is_empty() {
+) -> impl Body<Data = Bytes, Error = BoxError> + Send + 'static {
+    let mut script = VecDeque::from(script);
+    let mut next = 0;
+    let mut sleep: Option<Pin<Box<tokio::time::Sleep>>> = None;
+    body_fn(move |cx| {
+        if script.is_empty() && cycle.is_empty() {
             return Poll::Ready(None);
         }
-        let every = self.every;
-        let sleep = self
-            .sleep
-            .get_or_insert_with(|| Box::pin(tokio::time::sleep(every)));
+        let sleep = sleep.get_or_insert_with(|| Box::pin(tokio::time::sleep(every)));
         if std::future::Future::poll(sleep.as_mut(), cx).is_pending() {
             return Poll::Pending;
         }
         sleep.as_mut().reset(tokio::time::Instant::now() + every);
-        let event = match self.script.pop_front() {
+        let event = match script.pop_front() {
             Some(e) => e,
             None => {
-                let i = self.next % self.cycle.len();
-                self.next += 1;
-                self.cycle[i].clone()
+                let i = next % cycle.len();
+                next += 1;
+                cycle[i].clone()
             }
         };
         Poll::Ready(Some(Ok(Frame::data(event))))
-    }
+    })
 }
 
 fn chunk_event(choice: Value) -> Bytes {
@@ -1697,7 +1664,7 @@ async fn a_stream_alive_without_progress_is_cut_as_stalled_with_the_delivered_to
         h.layer(2048).stream_stall_timeout(stall),
         "text/event-stream",
         || {
-            Timed::new(
+            timed(
                 vec![
                     chunk_event(
                         json!({"index":0,"delta":{"role":"assistant"},"finish_reason":null}),
@@ -1772,7 +1739,7 @@ async fn a_slow_caller_does_not_make_a_progressing_node_look_stalled() {
                 with_pings.push(Bytes::from_static(b": ping\n\n"));
                 with_pings.push(e);
             }
-            Timed::new(with_pings, Vec::new(), std::time::Duration::from_millis(60))
+            timed(with_pings, Vec::new(), std::time::Duration::from_millis(60))
         },
     );
     let resp = svc
@@ -1802,7 +1769,7 @@ async fn a_non_streamed_body_that_trickles_is_cut_at_its_total_bound() {
         "application/json",
         || {
             // a byte every 50 ms, forever: never idle, never whole
-            Timed::new(
+            timed(
                 vec![Bytes::from_static(b"{\"id\":\"x\",")],
                 vec![Bytes::from_static(b" ")],
                 std::time::Duration::from_millis(50),

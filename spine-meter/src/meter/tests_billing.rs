@@ -2,16 +2,15 @@
 //! keepalive on tokio's paused clock.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::pin::Pin;
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body::{Body, Frame};
+use http_body::Frame;
 use http_body_util::BodyExt;
 use serde_json::{json, Value};
 use spine_core::{AccountId, BoxBody, BoxError, StreamOutcome};
+use spine_test_support::body_fn;
 use tokio::sync::mpsc;
 use tower::{Layer, ServiceExt};
 
@@ -29,17 +28,10 @@ const PRICE: Price = Price {
 };
 
 /// A node body fed from a channel: each message is one read; the sender dropped ends it.
-struct Fed(mpsc::UnboundedReceiver<Bytes>);
-
-impl Body for Fed {
-    type Data = Bytes;
-    type Error = BoxError;
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        self.0.poll_recv(cx).map(|o| o.map(|b| Ok(Frame::data(b))))
-    }
+fn fed(mut rx: mpsc::UnboundedReceiver<Bytes>) -> BoxBody {
+    BoxBody::new(body_fn(move |cx| {
+        rx.poll_recv(cx).map(|o| o.map(|b| Ok(Frame::data(b))))
+    }))
 }
 
 struct Setup {
@@ -96,9 +88,7 @@ impl Setup {
         req: &Value,
     ) -> (mpsc::UnboundedSender<Bytes>, http::Response<BoxBody>) {
         let (tx, rx) = mpsc::unbounded_channel();
-        let resp = self
-            .send(req, "text/event-stream", BoxBody::new(Fed(rx)))
-            .await;
+        let resp = self.send(req, "text/event-stream", fed(rx)).await;
         (tx, resp)
     }
 
@@ -217,11 +207,7 @@ async fn a_caller_gone_mid_tool_call_pays_the_arguments_delivered() {
     ))
     .unwrap();
     let resp = s
-        .send(
-            &chat(Some(200), true),
-            "text/event-stream",
-            BoxBody::new(Fed(rx)),
-        )
+        .send(&chat(Some(200), true), "text/event-stream", fed(rx))
         .await;
     let mut body = resp.into_body();
     let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
@@ -465,11 +451,7 @@ async fn a_node_failing_mid_stream_gets_an_openai_error_event() {
     .unwrap();
     drop(tx);
     let resp = s
-        .send(
-            &chat(Some(64), true),
-            "text/event-stream",
-            BoxBody::new(Fed(rx)),
-        )
+        .send(&chat(Some(64), true), "text/event-stream", fed(rx))
         .await;
     let all = resp.into_body().collect().await.unwrap().to_bytes();
     let all = String::from_utf8(all.to_vec()).unwrap();
@@ -491,11 +473,7 @@ async fn ttft_is_the_time_to_the_first_generated_text() {
     let (tx, rx) = mpsc::unbounded_channel();
     let before = tokio::time::Instant::now();
     let resp = s
-        .send(
-            &chat(Some(20), true),
-            "text/event-stream",
-            BoxBody::new(Fed(rx)),
-        )
+        .send(&chat(Some(20), true), "text/event-stream", fed(rx))
         .await;
     let mut body = resp.into_body();
     let chunk = |delta: Value| {

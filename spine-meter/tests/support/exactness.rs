@@ -2,9 +2,9 @@
 //! `examples/exactness.rs` (the full study, `scripts/exactness.sh`): requests sent straight to a
 //! real `llama-server`, the engine's `usage` compared with spine's independent count under the
 //! billing rules (`ModelTokenizer::count_prompt`, `ModelTokenizer::bill_completion`).
+// included by a test and an example, each using part of it
+#![allow(dead_code, unreachable_pub)]
 #![allow(
-    dead_code,
-    unreachable_pub,
     clippy::unwrap_used,
     clippy::expect_used,
     clippy::panic,

@@ -14,7 +14,7 @@ use std::time::Duration;
 use crate::{AffinityKey, AffinityStore, NodeRegistry};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
-use spine_core::{EngineKind, ModelDescriptor, ModelId, NodeDescriptor, NodeId};
+use spine_core::{ModelId, NodeDescriptor, NodeId};
 use spine_transport::{StaticAuthenticator, TunnelServer, TunnelServerConfig};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -34,20 +34,7 @@ fn prefix(test: &str) -> String {
 
 /// A llama.cpp node serving `models` (no context limit, every endpoint) with 4 slots on 8 GiB.
 pub(super) fn desc(models: &[&str]) -> NodeDescriptor {
-    NodeDescriptor {
-        engine: EngineKind::LlamaCpp,
-        models: models
-            .iter()
-            .map(|m| ModelDescriptor {
-                id: ModelId::new(*m),
-                max_context_tokens: None,
-                endpoints: None,
-            })
-            .collect(),
-        vram_mib: 8192,
-        max_concurrency: 4,
-        agent_version: "test".into(),
-    }
+    spine_test_support::node_serving_models(models, 4, 8192)
 }
 
 struct Instance {

@@ -1,21 +1,7 @@
 use super::*;
-use spine_core::{EngineKind, ModelDescriptor};
 
 pub(crate) fn desc(models: &[&str], max_concurrency: u32) -> NodeDescriptor {
-    NodeDescriptor {
-        engine: EngineKind::LlamaCpp,
-        models: models
-            .iter()
-            .map(|m| ModelDescriptor {
-                id: ModelId::new(*m),
-                max_context_tokens: None,
-                endpoints: None,
-            })
-            .collect(),
-        vram_mib: 0,
-        max_concurrency,
-        agent_version: "test".into(),
-    }
+    spine_test_support::node_serving_models(models, max_concurrency, 0)
 }
 
 #[test]

@@ -54,11 +54,7 @@ pub(super) async fn route<S>(
     req: http::Request<BoxBody>,
 ) -> Result<http::Response<BoxBody>, BoxError>
 where
-    S: Service<http::Request<BoxBody>, Response = http::Response<BoxBody>, Error = BoxError>
-        + Clone
-        + Send
-        + 'static,
-    S::Future: Send + 'static,
+    S: spine_core::UpstreamService,
 {
     // the edge's typed context and the metering layer's buffered body, when the stack has them
     // (issue 20): then nothing here is re-derived from the URI, re-collected or re-parsed

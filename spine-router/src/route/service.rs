@@ -119,20 +119,7 @@ impl<S> Route<S> {
         RouteLayer::new(registry).layer(inner)
     }
 
-    /// The inner service.
-    pub fn get_ref(&self) -> &S {
-        &self.inner
-    }
-
-    /// The inner service, mutably.
-    pub fn get_mut(&mut self) -> &mut S {
-        &mut self.inner
-    }
-
-    /// Unwraps the inner service.
-    pub fn into_inner(self) -> S {
-        self.inner
-    }
+    spine_core::inner_service_accessors!(inner: S);
 }
 
 impl<S, E> Service<http::Request<BoxBody>> for Route<S>

@@ -1,20 +1,9 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
-use spine_core::{EngineKind, ModelDescriptor, ModelId};
 
 use super::*;
 
 fn descriptor() -> NodeDescriptor {
-    NodeDescriptor {
-        engine: EngineKind::LlamaCpp,
-        models: vec![ModelDescriptor {
-            id: ModelId::new("smollm2"),
-            max_context_tokens: Some(2048),
-            endpoints: None,
-        }],
-        vram_mib: 8192,
-        max_concurrency: 4,
-        agent_version: "test".into(),
-    }
+    spine_test_support::smollm2_node("test")
 }
 
 fn challenge() -> Challenge {

@@ -3,7 +3,7 @@
 
 use futures_util::StreamExt as _;
 use http::StatusCode;
-use spine_core::{EngineKind, ModelDescriptor, ModelId, NodeDescriptor};
+use spine_core::NodeDescriptor;
 use spine_transport::client_config_with_ca;
 use spine_transport::handshake::{decode_gateway_message, Challenge, GatewayMessage};
 use tokio::net::TcpStream;
@@ -17,17 +17,7 @@ pub(crate) type RawWs = WebSocketStream<TlsStream<TcpStream>>;
 /// A llama.cpp node serving `smollm2` (2048-token context) with 4 slots on 8 GiB, as agent
 /// `agent_version`.
 pub(crate) fn descriptor(agent_version: &str) -> NodeDescriptor {
-    NodeDescriptor {
-        engine: EngineKind::LlamaCpp,
-        models: vec![ModelDescriptor {
-            id: ModelId::new("smollm2"),
-            max_context_tokens: Some(2048),
-            endpoints: None,
-        }],
-        vram_mib: 8192,
-        max_concurrency: 4,
-        agent_version: agent_version.into(),
-    }
+    spine_test_support::smollm2_node(agent_version)
 }
 
 /// TLS to the gateway on 127.0.0.1:`port` as `localhost`, trusting `ca_pem`.
