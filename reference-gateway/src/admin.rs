@@ -17,12 +17,11 @@ use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 use spine_core::{AccountId, ModelId, OperatorId, RequestId};
 
-use crate::api;
-use crate::error::{ledger_error, ApiError};
 use crate::state::AppState;
-use spine_meter::keys;
 use spine_meter::limits::KeyHash;
+use spine_meter::openai_error::ApiError;
 use spine_meter::KeyLimits;
+use spine_meter::{enroll, keys};
 
 pub(crate) fn router(state: Arc<AppState>) -> Router {
     Router::new()
@@ -31,12 +30,19 @@ pub(crate) fn router(state: Arc<AppState>) -> Router {
         .route("/admin/v1/accounts/{id}/keys", post(create_key))
         .route("/admin/v1/accounts/{id}/credits", post(add_credits))
         .route("/admin/v1/operators", post(create_operator))
-        .route("/admin/v1/operators/{id}", get(get_operator))
+        // nodes and their operators (`spine_meter::enroll`)
+        .route(
+            "/admin/v1/operators/{id}",
+            get(enroll::operator).with_state(state.enrollment.clone()),
+        )
         .route(
             "/admin/v1/operators/{id}/enrollments",
-            post(crate::enroll::create_enrollment),
+            post(enroll::create_enrollment).with_state(state.enrollment.clone()),
         )
-        .route("/admin/v1/nodes", post(register_node).get(list_nodes))
+        .route(
+            "/admin/v1/nodes",
+            (post(enroll::register_node).with_state(state.enrollment.clone())).get(list_nodes),
+        )
         .route("/admin/v1/nodes/{id}/reverify", post(reverify_node))
         .route("/admin/v1/queues", get(list_queues))
         .route("/admin/v1/requests/{id}", get(get_request))
@@ -44,12 +50,7 @@ pub(crate) fn router(state: Arc<AppState>) -> Router {
         .merge(spine_meter::console::admin_routes::<AppState>())
         .route("/metrics", get(render_metrics))
         .method_not_allowed_fallback(|req: Request| async move {
-            ApiError::new(
-                StatusCode::METHOD_NOT_ALLOWED,
-                "invalid_request_error",
-                "method_not_allowed",
-                format!("{} is not allowed on {}", req.method(), req.uri().path()),
-            )
+            ApiError::method_not_allowed(req.method(), req.uri().path())
         })
         .fallback(|req: Request| async move {
             ApiError::not_found(format!(
@@ -62,7 +63,7 @@ pub(crate) fn router(state: Arc<AppState>) -> Router {
             state.clone(),
             require_admin,
         ))
-        .layer(axum::middleware::from_fn(api::request_id))
+        .layer(spine_meter::request_id::RequestIdLayer)
         .with_state(state)
 }
 
@@ -120,16 +121,12 @@ async fn create_account(
 ) -> Result<impl IntoResponse, ApiError> {
     let body: CreateBody = parse_body(&body)?;
     let id = AccountId::new(checked_id(body.id, "acct")?);
-    state
-        .store
-        .create_account(&id)
-        .await
-        .map_err(ledger_error)?;
+    state.store.create_account(&id).await?;
     Ok((StatusCode::CREATED, Json(json!({"id": id}))))
 }
 
 async fn account_json(state: &AppState, id: &AccountId) -> Result<Value, ApiError> {
-    let b = state.store.account(id).await.map_err(ledger_error)?;
+    let b = state.store.account(id).await?;
     Ok(json!({
         "id": id,
         "balance_micros": b.balance_micros,
@@ -165,11 +162,7 @@ async fn create_key(
     let account = AccountId::new(id);
     let key = keys::new_api_key();
     let key_hash = keys::hash_api_key(&key);
-    state
-        .store
-        .create_api_key(&account, &key_hash)
-        .await
-        .map_err(ledger_error)?;
+    state.store.create_api_key(&account, &key_hash).await?;
     let key_hash = KeyHash(key_hash);
     state
         .limits
@@ -241,8 +234,7 @@ async fn add_credits(
     let applied = state
         .store
         .add_credits(&account, body.amount_micros, &key)
-        .await
-        .map_err(ledger_error)?;
+        .await?;
     // a refusal remembered on the old balance must not refuse the next request
     state.credit_refusals.credit_added(&account);
     let mut out = account_json(&state, &account).await?;
@@ -256,68 +248,8 @@ async fn create_operator(
 ) -> Result<impl IntoResponse, ApiError> {
     let body: CreateBody = parse_body(&body)?;
     let id = OperatorId::new(checked_id(body.id, "op")?);
-    state
-        .store
-        .create_operator(&id)
-        .await
-        .map_err(ledger_error)?;
+    state.store.create_operator(&id).await?;
     Ok((StatusCode::CREATED, Json(json!({"id": id}))))
-}
-
-async fn get_operator(
-    State(state): State<Arc<AppState>>,
-    Path(id): Path<String>,
-) -> Result<impl IntoResponse, ApiError> {
-    let id = OperatorId::new(id);
-    let earned = state
-        .store
-        .operator_earned_micros(&id)
-        .await
-        .map_err(ledger_error)?;
-    // each node: connected / routable / models now, requests served and credits so far
-    let nodes = crate::enroll::nodes_json(&state, &id).await?;
-    let requests_served: u64 = nodes
-        .iter()
-        .filter_map(|n| n["requests_served"].as_u64())
-        .sum();
-    Ok(Json(json!({
-        "id": id,
-        "earned_micros": earned,
-        "requests_served": requests_served,
-        "nodes": nodes,
-    })))
-}
-
-#[derive(Deserialize, Default)]
-#[serde(deny_unknown_fields)]
-struct RegisterNodeBody {
-    operator_id: String,
-    public_key: String,
-}
-
-async fn register_node(
-    State(state): State<Arc<AppState>>,
-    body: axum::body::Bytes,
-) -> Result<impl IntoResponse, ApiError> {
-    let body: RegisterNodeBody = serde_json::from_slice(&body).map_err(|e| {
-        ApiError::invalid_request(
-            "invalid_json",
-            format!("expected {{\"operator_id\": <id>, \"public_key\": \"ed25519:…\"}}: {e}"),
-        )
-    })?;
-    // Store the canonical text form so the tunnel's lookup matches byte for byte.
-    let key = spine_transport::parse_public_key_text(body.public_key.trim())
-        .map_err(|e| ApiError::invalid_request("invalid_public_key", format!("public_key: {e}")))?;
-    let text = spine_transport::public_key_text(&key);
-    let node = state
-        .store
-        .register_node(&OperatorId::new(body.operator_id), &text)
-        .await
-        .map_err(ledger_error)?;
-    Ok((
-        StatusCode::CREATED,
-        Json(json!({"node_id": node, "public_key": text})),
-    ))
 }
 
 /// The admission queue of each model that has queued a request since the gateway started.
@@ -325,40 +257,16 @@ async fn list_queues(State(state): State<Arc<AppState>>) -> Response {
     Json(json!({ "object": "list", "data": state.registry.queue_snapshot() })).into_response()
 }
 
+/// The routable nodes (`spine_router::NodeView`) with their tunnel's state, streams open and
+/// per-model running status (spine-transport) and their model audits (design brief §10).
 async fn list_nodes(State(state): State<Arc<AppState>>) -> Response {
-    let data: Vec<Value> = state
-        .registry
-        .snapshot()
-        .into_iter()
+    let nodes = state.registry.snapshot();
+    let data: Vec<Value> = nodes
+        .iter()
         .map(|n| {
-            json!({
-                "node_id": n.node_id,
-                "state": "routable",
-                "engine": n.descriptor.engine,
-                "models": n.descriptor.models,
-                "vram_mib": n.descriptor.vram_mib,
-                "max_concurrency": n.descriptor.max_concurrency,
-                "agent_version": n.descriptor.agent_version,
-                "in_flight": n.in_flight,
-                "discrepancies": n.discrepancies,
-                // routing (design brief §5): the score, its parts, the pick weight, attempts
-                // and sticky stats (spine-router)
-                "score": n.score.score,
-                "score_parts": n.score,
-                "weight": n.weight,
-                "attempts": n.attempts,
-                "failures": n.failures,
-                "disconnects": n.disconnects,
-                "sticky": {
-                    "hits": n.sticky_hits,
-                    "misses": n.sticky_misses,
-                    "affinity_entries": n.affinity_entries,
-                },
-                // tunnel state, streams open and per-model running status (spine-transport)
-                "tunnel": state.tunnels.status(&n.node_id),
-                // model audits (design brief §10): verdict, tokens audited, statistic, thresholds
-                "audit": state.audit_json(&n.node_id),
-            })
+            let tunnel = state.tunnels.status(&n.node_id);
+            let audit = state.enrollment.audit_json(&n.node_id);
+            json!(n.view(json!({ "tunnel": tunnel, "audit": audit })))
         })
         .collect();
     Json(json!({"object": "list", "data": data})).into_response()
@@ -411,7 +319,7 @@ async fn get_request(State(state): State<Arc<AppState>>, Path(id): Path<String>)
     {
         Ok(Some(record)) => Json(record).into_response(),
         Ok(None) => ApiError::not_found(format!("no settled request '{id}'")).into_response(),
-        Err(e) => ledger_error(e).into_response(),
+        Err(e) => ApiError::from(e).into_response(),
     }
 }
 

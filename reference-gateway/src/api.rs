@@ -10,22 +10,21 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use http::header::{self, HeaderName, HeaderValue};
+use http::header;
 use http_body_util::BodyExt;
 use serde_json::json;
-use spine_core::{AccountId, BoxBody, BoxError, RequestContext, RequestId, RequestKind};
-use spine_meter::keys::presented_key_hash;
+use spine_core::{BoxBody, BoxError, RequestContext, RequestId, RequestKind};
 use spine_meter::limits::KeyHash;
+use spine_meter::meter::caller_response;
 use spine_meter::metrics::TtftBody;
-use spine_meter::node_error::NodeError;
-use spine_meter::responses::{ReshapeError, ResponsesAnswer, TranslateError};
+use spine_meter::openai_error::ApiError;
+use spine_meter::request_id::RequestIdLayer;
+use spine_meter::responses::ResponsesAnswer;
 use tower::ServiceExt;
 
-use crate::error::ApiError;
+use crate::error::stack_error;
 use crate::metrics::{HTTP_REQUESTS, RATE_LIMITED};
 use crate::state::{AppState, Stack};
-
-pub(crate) const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
 pub(crate) fn router(state: Arc<AppState>) -> Router {
     Router::new()
@@ -38,7 +37,7 @@ pub(crate) fn router(state: Arc<AppState>) -> Router {
         .route("/v1/models/{*id}", get(retrieve_model))
         .fallback(unknown_route)
         .method_not_allowed_fallback(method_not_allowed)
-        .layer(axum::middleware::from_fn(request_id))
+        .layer(RequestIdLayer)
         .layer(axum::middleware::from_fn(count_http))
         .with_state(state)
 }
@@ -65,17 +64,6 @@ async fn count_http(req: Request, next: Next) -> Response {
     resp
 }
 
-/// Gives every request a fresh [`RequestId`] and every response its `x-request-id` header.
-pub(crate) async fn request_id(mut req: Request, next: Next) -> Response {
-    let id = spine_meter::keys::new_request_id();
-    req.extensions_mut().insert(id.clone());
-    let mut resp = next.run(req).await;
-    if let Ok(v) = HeaderValue::from_str(id.as_str()) {
-        resp.headers_mut().insert(X_REQUEST_ID, v);
-    }
-    resp
-}
-
 async fn unknown_route(req: Request) -> ApiError {
     ApiError::not_found(format!(
         "Unknown request URL: {} {}",
@@ -85,38 +73,12 @@ async fn unknown_route(req: Request) -> ApiError {
 }
 
 async fn method_not_allowed(req: Request) -> ApiError {
-    ApiError::new(
-        http::StatusCode::METHOD_NOT_ALLOWED,
-        "invalid_request_error",
-        "method_not_allowed",
-        format!("{} is not allowed on {}", req.method(), req.uri().path()),
-    )
-}
-
-async fn authenticate(state: &AppState, key_hash: Option<String>) -> Result<AccountId, ApiError> {
-    let key_hash = key_hash.ok_or_else(ApiError::unauthorized)?;
-    match state.keys.account_for(&*state.store, &key_hash).await {
-        Ok(Some(account)) => Ok(account),
-        Ok(None) => Err(ApiError::unauthorized()),
-        Err(e) => {
-            tracing::error!(error = %e, "key lookup failed");
-            Err(ApiError::new(
-                http::StatusCode::SERVICE_UNAVAILABLE,
-                "api_error",
-                "ledger_unavailable",
-                "the account store is unavailable",
-            ))
-        }
-    }
+    ApiError::method_not_allowed(req.method(), req.uri().path())
 }
 
 async fn list_models(State(state): State<Arc<AppState>>, req: Request) -> Response {
-    if let Err(e) = authenticate(
-        &state,
-        presented_key_hash(req.headers().get(header::AUTHORIZATION)),
-    )
-    .await
-    {
+    let authorization = req.headers().get(header::AUTHORIZATION);
+    if let Err(e) = state.keys.authenticate(&*state.store, authorization).await {
         return e.into_response();
     }
     let served = state.registry.models();
@@ -141,12 +103,8 @@ async fn retrieve_model(
     id: Result<axum::extract::Path<String>, axum::extract::rejection::PathRejection>,
     req: Request,
 ) -> Response {
-    if let Err(e) = authenticate(
-        &state,
-        presented_key_hash(req.headers().get(header::AUTHORIZATION)),
-    )
-    .await
-    {
+    let authorization = req.headers().get(header::AUTHORIZATION);
+    if let Err(e) = state.keys.authenticate(&*state.store, authorization).await {
         return e.into_response();
     }
     let id = match id {
@@ -204,38 +162,6 @@ enum Surface {
     Responses,
 }
 
-/// The caller's error for a `/v1/responses` body that cannot be translated.
-fn translate_error(e: TranslateError) -> ApiError {
-    match e {
-        TranslateError::TooLarge { .. } => ApiError::new(
-            http::StatusCode::PAYLOAD_TOO_LARGE,
-            "invalid_request_error",
-            "request_too_large",
-            e.to_string(),
-        ),
-        TranslateError::Invalid(e) => {
-            let err = ApiError::invalid_request(e.code, e.message);
-            match e.param {
-                Some(param) => err.with_param(param),
-                None => err,
-            }
-        }
-        e => ApiError::invalid_request("invalid_body", e.to_string()),
-    }
-}
-
-/// An error about a chat member, named as the Responses API names it.
-fn responses_param(err: ApiError) -> ApiError {
-    match err
-        .param
-        .as_deref()
-        .and_then(spine_meter::responses::responses_param)
-    {
-        Some(p) => err.with_param(p),
-        None => err,
-    }
-}
-
 /// A metered chat answer as the Responses answer the caller asked for
 /// ([`ResponsesAnswer::reshape`]); what cannot be re-shaped is the node's failure (502) or the
 /// gateway's (500).
@@ -243,34 +169,21 @@ async fn into_responses_answer(
     resp: http::Response<BoxBody>,
     answer: ResponsesAnswer,
 ) -> http::Response<BoxBody> {
-    let err = match answer.reshape(resp).await {
-        Ok(resp) => return resp,
-        Err(e @ ReshapeError::Incomplete) => ApiError::new(
-            http::StatusCode::BAD_GATEWAY,
-            "api_error",
-            "node_failure",
-            e.to_string(),
-        ),
-        Err(why) => {
-            tracing::error!(reason = %why, "cannot re-shape a metered chat answer as a response");
-            ApiError::internal("cannot build the response object")
-        }
-    };
-    err.into_response()
-        .map(|b| BoxBody::new(b.map_err(BoxError::from)))
+    match answer.reshape(resp).await {
+        Ok(resp) => resp,
+        Err(e) => ApiError::from_reshape(e).into_boxed_response(),
+    }
 }
 
 /// Authenticates, applies the key's RPM limit, and sends the request through the metered stack
 /// to a node at `kind`'s path (a `/v1/responses` request translated first).
 async fn proxy(state: &AppState, req: Request, kind: RequestKind, surface: Surface) -> Response {
     let started = std::time::Instant::now();
-    let key_hash = presented_key_hash(req.headers().get(header::AUTHORIZATION));
-    let account = match authenticate(state, key_hash.clone()).await {
-        Ok(a) => a,
+    let authorization = req.headers().get(header::AUTHORIZATION);
+    let (account, key) = match state.keys.authenticate(&*state.store, authorization).await {
+        Ok((account, key_hash)) => (account, KeyHash(key_hash)),
         Err(e) => return e.into_response(),
     };
-    // authenticated, so the key is known
-    let key = KeyHash(key_hash.unwrap_or_default());
     if let Err(refused) = state.limits.check_rpm(&key).await {
         metrics::counter!(RATE_LIMITED, "limit" => "requests").increment(1);
         return ApiError::rate_limited("requests", refused.message, refused.retry_after_secs)
@@ -304,11 +217,11 @@ async fn proxy(state: &AppState, req: Request, kind: RequestKind, surface: Surfa
             let body = BoxBody::new(body.map_err(BoxError::from));
             let bytes = match state.body_gate.read(&account, body).await {
                 Ok(bytes) => bytes,
-                Err(e) => return ApiError::from_stack(&BoxError::from(e)).into_response(),
+                Err(e) => return ApiError::from(&e).into_response(),
             };
             match spine_meter::responses::translate_body(&bytes, id) {
                 Ok((body, answer)) => (body, Some(answer)),
-                Err(e) => return translate_error(TranslateError::Invalid(e)).into_response(),
+                Err(e) => return ApiError::from(e).into_response(),
             }
         }
     };
@@ -356,27 +269,17 @@ async fn proxy(state: &AppState, req: Request, kind: RequestKind, surface: Surfa
                     into_client_response(resp, started, route).await
                 }
                 Some(_) => {
-                    let err = node_error(resp).await;
-                    responses_param(err).into_response()
+                    let err = ApiError::from_node_response(resp).await;
+                    err.for_responses().into_response()
                 }
                 None => into_client_response(resp, started, route).await,
             }
         }
         Err(e) => {
-            let mut err = ApiError::from_stack(&e);
-            if surface == Surface::Responses {
-                err = responses_param(err);
-            } else if err.param.as_deref() == Some("messages")
-                && kind != RequestKind::ChatCompletions
-            {
-                // the prompt of the other endpoints is `prompt` / `input`
-                let param = if kind == RequestKind::Completions {
-                    "prompt"
-                } else {
-                    "input"
-                };
-                err = err.with_param(param);
-            }
+            let err = match surface {
+                Surface::Responses => stack_error(&e).for_responses(),
+                Surface::Native => stack_error(&e).for_kind(kind),
+            };
             if err.code == "rate_limit_exceeded" {
                 metrics::counter!(RATE_LIMITED, "limit" => "tokens").increment(1);
             }
@@ -386,31 +289,6 @@ async fn proxy(state: &AppState, req: Request, kind: RequestKind, surface: Surfa
             err.into_response()
         }
     }
-}
-
-/// A node's non-2xx answer in OpenAI's error shape: the node's message is kept, its status
-/// mapped ([`NodeError`]): over the context → 400 `context_length_exceeded` (`param`
-/// `messages`); 501 → 400 `unsupported_by_node` (the SDKs retry every 5xx, and asking again
-/// changes nothing); another 4xx keeps its status, `upstream_rejected`; else 502 `node_failure`.
-async fn node_error(resp: http::Response<BoxBody>) -> ApiError {
-    let e = NodeError::read(resp).await;
-    let message = e.to_string();
-    let (status, kind, code) = match e {
-        NodeError::ContextLengthExceeded { .. } => {
-            let e = ApiError::invalid_request("context_length_exceeded", message);
-            return e.with_param("messages");
-        }
-        NodeError::Unsupported { .. } => (
-            http::StatusCode::BAD_REQUEST,
-            "invalid_request_error",
-            "unsupported_by_node",
-        ),
-        NodeError::Rejected { status, .. } => {
-            (status, "invalid_request_error", "upstream_rejected")
-        }
-        _ => (http::StatusCode::BAD_GATEWAY, "api_error", "node_failure"),
-    };
-    ApiError::new(status, kind, code, message)
 }
 
 /// Calls the stack behind a boxed future, which keeps the `dyn Error` lifetimes inside the
@@ -424,35 +302,15 @@ pub(crate) fn call_stack(
     Box::pin(stack.oneshot(req))
 }
 
-/// The node's response as the caller gets it: status, content type and body; the node's other
-/// headers (server, keep-alive, length of a body the meter may rewrite) stay behind.
+/// The node's response as the caller gets it ([`caller_response`]), its body timed
+/// ([`TtftBody`]); a non-2xx answer in OpenAI's shape ([`ApiError::from_node_response`]).
 async fn into_client_response(
     resp: http::Response<BoxBody>,
     started: std::time::Instant,
     route: &'static str,
 ) -> Response {
     if !resp.status().is_success() {
-        return node_error(resp).await.into_response();
+        return ApiError::from_node_response(resp).await.into_response();
     }
-    let (parts, body) = resp.into_parts();
-    let mut out = Response::new(Body::new(TtftBody::new(body, started, route)));
-    *out.status_mut() = parts.status;
-    let content_type = parts.headers.get(header::CONTENT_TYPE).cloned();
-    let is_sse = content_type
-        .as_ref()
-        .and_then(|v| v.to_str().ok())
-        .map(|v| v.starts_with("text/event-stream"))
-        .unwrap_or(false);
-    if let Some(ct) = content_type {
-        out.headers_mut().insert(header::CONTENT_TYPE, ct);
-    }
-    if is_sse {
-        out.headers_mut()
-            .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-        out.headers_mut().insert(
-            HeaderName::from_static("x-accel-buffering"),
-            HeaderValue::from_static("no"),
-        );
-    }
-    out
+    caller_response(resp).map(|body| Body::new(TtftBody::new(body, started, route)))
 }

@@ -217,36 +217,10 @@ pub(crate) struct Config {
     /// As `public_max_connections`, for the console listener.
     pub(crate) console_max_connections: usize,
     /// The model catalog: what callers may ask for, its tokenizer and its price.
-    pub(crate) models: Vec<ModelConfig>,
+    pub(crate) models: Vec<spine_meter::catalog::ModelConfig>,
     /// Audits of nodes' models against a trusted reference (design brief §10); active for the
     /// models that set `reference_url`.
     pub(crate) audit: spine_meter::audit::AuditSettings,
-}
-
-/// One catalog model.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(crate) struct ModelConfig {
-    /// The id callers use in `"model"`; nodes must serve it under the same id.
-    pub(crate) id: String,
-    /// GGUF file to read the tokenizer and chat template from.
-    #[serde(default)]
-    pub(crate) gguf: Option<PathBuf>,
-    /// Price per million prompt tokens, micro-units.
-    pub(crate) input_price_micros_per_mtok: u64,
-    /// Price per million completion tokens, micro-units.
-    pub(crate) output_price_micros_per_mtok: u64,
-    /// Context window in tokens; default from the GGUF.
-    #[serde(default)]
-    pub(crate) max_context_tokens: Option<u64>,
-    /// The model's identity: the SHA-256 of its GGUF (hex). When set, the gateway refuses to
-    /// start unless `gguf` has exactly these bytes (the reference must serve the same file).
-    #[serde(default)]
-    pub(crate) gguf_sha256: Option<String>,
-    /// A llama-server the gateway's operator runs and trusts with this model's exact weights:
-    /// nodes serving the model are audited against it (design brief §10, `[audit]`).
-    #[serde(default)]
-    pub(crate) reference_url: Option<String>,
 }
 
 impl Default for Config {

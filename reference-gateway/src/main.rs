@@ -8,10 +8,8 @@
 mod admin;
 mod admin_cli;
 mod api;
-mod challenge;
 mod config;
 mod console;
-mod enroll;
 mod error;
 mod metrics;
 mod state;
@@ -24,8 +22,8 @@ use spine_core::ModelId;
 use spine_meter::classify::SseClassify;
 use spine_meter::ledger::{drain_at_shutdown, open_store, StoreAuthenticator};
 use spine_meter::limits;
-use spine_meter::meter::{Catalog, MeterLayer};
-use spine_meter::{Price, Store};
+use spine_meter::meter::{drain_streams, MeterLayer};
+use spine_meter::Store;
 use spine_router::cluster;
 use spine_router::{NodeRegistry, QueueConfig, RegistryConfig, RouteConfig};
 use spine_transport::{bind_listener, TunnelServer, TunnelServerConfig};
@@ -103,32 +101,8 @@ async fn run(cli: Cli) -> Result<(), MainError> {
     )
     .await?;
 
-    let mut catalog = Catalog::new();
-    for m in &config.models {
-        let Some(gguf) = &m.gguf else {
-            return Err(format!("model '{}': set `gguf` to load its tokenizer", m.id).into());
-        };
-        let price = Price {
-            input_micros_per_mtok: m.input_price_micros_per_mtok,
-            output_micros_per_mtok: m.output_price_micros_per_mtok,
-        };
-        let sha256 = m.gguf_sha256.as_deref();
-        let entry = spine_meter::catalog::load_entry(gguf, sha256, price, m.max_context_tokens)
-            .map_err(|e| format!("model '{}': {}", m.id, spine_transport::ErrorChain(&e)))?;
-        if catalog.insert(ModelId::new(m.id.as_str()), entry).is_some() {
-            return Err(format!("model '{}' is configured twice", m.id).into());
-        }
-    }
-    let mut catalog_ids: Vec<ModelId> = catalog.keys().cloned().collect();
-    catalog_ids.sort();
-    if catalog_ids.is_empty() {
-        tracing::warn!(
-            "the catalog is empty: no [[models]] in the configuration, so every completion \
-             request will be refused 404 model_not_found (docs/operations.md, `[[models]]`)"
-        );
-    } else {
-        tracing::info!(models = ?catalog_ids, "catalog loaded");
-    }
+    let catalog = spine_meter::catalog::load_catalog(&config.models)?;
+    let catalog_ids = spine_meter::catalog::catalog_ids(&catalog);
 
     let registry = NodeRegistry::with_config(RegistryConfig {
         affinity_ttl: std::time::Duration::from_secs(config.affinity_ttl_secs),
@@ -191,14 +165,7 @@ async fn run(cli: Cli) -> Result<(), MainError> {
     };
     // per-key limits live in the store in both modes (so they survive a switch to several
     // instances); a `key_limits.json` kept by an earlier release is imported once
-    let imported =
-        limits::import_key_limits_file(&config.data_dir.join("key_limits.json"), &*store).await?;
-    if imported > 0 {
-        tracing::info!(
-            keys = imported,
-            "imported per-key limits from key_limits.json into the store (renamed to key_limits.json.imported)"
-        );
-    }
+    limits::import_key_limits_file(&config.data_dir.join("key_limits.json"), &*store).await?;
     // buckets: shared in Redis in multi-instance mode, in this process otherwise
     let limits = Arc::new(match &cluster {
         Some(cluster) => limits::RateLimits::with_redis(
@@ -255,14 +222,10 @@ async fn run(cli: Cli) -> Result<(), MainError> {
         .admission(limits.clone());
     // each catalog model with a `reference_url` is audited against that llama-server
     // (`[audit] node_logprobs`: scored on the nodes' own logprobs, the GGUF's vocabulary)
-    let references = config.models.iter().filter_map(|m| {
-        Some(spine_meter::audit::AuditedModel {
-            model: m.id.as_str(),
-            reference_url: m.reference_url.as_deref()?,
-            gguf: m.gguf.as_deref(),
-            node_logprobs: config.audit.node_logprobs,
-        })
-    });
+    let references = config
+        .models
+        .iter()
+        .filter_map(|m| m.audited(config.audit.node_logprobs));
     let auditor = config.audit.spawn_auditor(references, store.clone())?;
     let meter = match &auditor {
         Some(auditor) => {
@@ -319,12 +282,21 @@ async fn run(cli: Cli) -> Result<(), MainError> {
         registry: registry.clone(),
         tunnels: tunnels.clone(),
         stack,
-        catalog_ids,
+        catalog_ids: catalog_ids.clone(),
         body_gate,
         admin_token: config.admin_token.clone(),
         limits,
-        auditor,
+        auditor: auditor.clone(),
         metrics,
+        enrollment: spine_meter::enroll::NodeEnrollment::new(
+            store.clone(),
+            catalog_ids.clone(),
+            Arc::new(state::Live {
+                registry: registry.clone(),
+                tunnels: tunnels.clone(),
+            }),
+            auditor,
+        ),
     });
 
     let public = bind_listener(config.public_listen)?;
@@ -346,21 +318,30 @@ async fn run(cli: Cli) -> Result<(), MainError> {
         },
     });
     // audit challenges for nodes with little traffic (design brief §10)
-    if let (Some(auditor), Some(account)) = (&state.auditor, &config.audit.challenge_account) {
-        let audited: Vec<ModelId> = config
-            .models
-            .iter()
-            .filter(|m| m.reference_url.is_some())
-            .map(|m| ModelId::new(m.id.as_str()))
-            .collect();
-        let interval = std::time::Duration::from_secs(config.audit.challenge_interval_secs.max(1));
-        tokio::spawn(challenge::run(
-            state.clone(),
-            auditor.clone(),
-            spine_core::AccountId::new(account.as_str()),
-            audited,
-            interval,
-        ));
+    let audited = config.models.iter().filter(|m| m.reference_url.is_some());
+    let audited = audited.map(|m| ModelId::new(m.id.as_str())).collect();
+    let challenges = state
+        .auditor
+        .as_ref()
+        .and_then(|a| config.audit.challenges(a, audited));
+    if let Some(challenges) = challenges {
+        // routed to the challenged node only: every other routable node is avoided
+        let (registry, stack) = (state.registry.clone(), state.stack.clone());
+        let routable = move || {
+            let nodes = registry.snapshot().into_iter();
+            nodes
+                .map(|n| {
+                    (
+                        n.node_id,
+                        n.descriptor.models.into_iter().map(|m| m.id).collect(),
+                    )
+                })
+                .collect()
+        };
+        tokio::spawn(challenges.run(routable, move |mut req, avoid| {
+            req.extensions_mut().insert(spine_router::AvoidNodes(avoid));
+            api::call_stack(stack.clone(), req)
+        }));
     }
     tracing::info!(%ready, "gateway listening");
     println!("{ready}");
@@ -412,8 +393,14 @@ async fn run(cli: Cli) -> Result<(), MainError> {
             spine_transport::TUNNEL_PATH,
             tunnel_server.upgrade_service(),
         )
-        // node enrollment and the node's own status (enroll.rs)
-        .merge(enroll::tunnel_router(state.clone()));
+        // node enrollment and the node's own status (`spine_meter::enroll`)
+        .merge(
+            state
+                .enrollment
+                .clone()
+                .tunnel_router()
+                .layer(spine_meter::request_id::RequestIdLayer),
+        );
     let internal_task = internal_listener.zip(cluster.clone()).map(|(l, c)| {
         tokio::spawn(cluster::serve_internal(
             l,
@@ -454,17 +441,9 @@ async fn run(cli: Cli) -> Result<(), MainError> {
     );
     shutdown.cancel();
     let grace = std::time::Duration::from_secs(config.shutdown_grace_secs);
-    if tokio::time::timeout(grace, &mut public_task).await.is_err() {
-        // each open stream ends with its error event and settles; the connections then close
-        tracing::warn!("streams still open after the grace period; ending them");
-        drain_deadline.cancel();
-        if tokio::time::timeout(DRAIN_CUT_WRITE_BOUND, &mut public_task)
-            .await
-            .is_err()
-        {
-            tracing::warn!("connections still open after their streams were ended; closing them");
-            public_task.abort();
-        }
+    if !drain_streams(&mut public_task, grace, &drain_deadline).await {
+        tracing::warn!("connections still open after their streams were ended; closing them");
+        public_task.abort();
     }
     if let Some(cluster) = &cluster {
         // only now, after the public drain: during the grace period peers could still reach
@@ -486,7 +465,3 @@ async fn run(cli: Cli) -> Result<(), MainError> {
     tracing::info!("gateway stopped");
     Ok(())
 }
-
-/// How long streams ended at the grace period's end get to write their error event to callers
-/// before the public listener is closed under them (a caller that reads nothing is cut).
-const DRAIN_CUT_WRITE_BOUND: std::time::Duration = std::time::Duration::from_secs(5);

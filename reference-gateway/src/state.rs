@@ -2,7 +2,8 @@
 
 use std::sync::Arc;
 
-use spine_core::ModelId;
+use spine_core::{ModelId, NodeId};
+use spine_meter::enroll::{LiveNode, LiveNodes, NodeEnrollment};
 use spine_meter::Store;
 use spine_router::NodeRegistry;
 
@@ -36,14 +37,41 @@ pub(crate) struct AppState {
     pub(crate) auditor: Option<spine_meter::audit::Auditor>,
     /// Renders `GET /metrics`.
     pub(crate) metrics: metrics_exporter_prometheus::PrometheusHandle,
+    /// Node enrollment and the nodes' status (`spine_meter::enroll`) over [`Live`].
+    pub(crate) enrollment: NodeEnrollment,
 }
 
-impl AppState {
-    /// The audit states of `node` (one per audited model), `[]` when nothing is audited.
-    pub(crate) fn audit_json(&self, node: &spine_core::NodeId) -> serde_json::Value {
-        self.auditor.as_ref().map_or_else(
-            || serde_json::json!([]),
-            |a| serde_json::json!(a.statuses_of(node)),
-        )
+/// What is live now for the enrollment handlers: the router's routable nodes and the tunnels
+/// (connected, routable or still in their warm-up probe).
+pub(crate) struct Live {
+    pub(crate) registry: NodeRegistry,
+    pub(crate) tunnels: spine_transport::Tunnels,
+}
+
+impl LiveNodes for Live {
+    fn live(&self, nodes: &[NodeId]) -> Vec<LiveNode> {
+        let routable = self.registry.snapshot();
+        let advertised = self.tunnels.connected();
+        let ids =
+            |models: &[spine_core::ModelDescriptor]| models.iter().map(|m| m.id.clone()).collect();
+        nodes
+            .iter()
+            .map(|node| {
+                let snap = routable.iter().find(|s| s.node_id == *node);
+                LiveNode {
+                    connected: self.tunnels.contains(node),
+                    routable: snap.is_some(),
+                    // the registry holds only the catalog models (main.rs `RegistryEvents`); the
+                    // tunnel keeps what the node advertised
+                    routed_models: snap.map(|s| ids(&s.descriptor.models)).unwrap_or_default(),
+                    advertised_models: advertised
+                        .iter()
+                        .find(|(n, _)| n == node)
+                        .map(|(_, d)| ids(&d.models))
+                        .unwrap_or_default(),
+                    in_flight: snap.map_or(0, |s| s.in_flight),
+                }
+            })
+            .collect()
     }
 }

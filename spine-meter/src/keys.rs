@@ -178,6 +178,41 @@ impl KeyCache {
         }
         Ok(found)
     }
+
+    /// The caller presenting `authorization` (`Bearer <key>`) as an OpenAI-compatible handler
+    /// authenticates it (feature `axum`): its account ([`account_for`](Self::account_for)) and
+    /// the key's SHA-256 (hex).
+    ///
+    /// # Errors
+    ///
+    /// 401 `invalid_api_key` for no key or an unknown one; 503 `ledger_unavailable` when the
+    /// store fails (logged).
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`account_for`](Self::account_for).
+    #[cfg(feature = "axum")]
+    pub async fn authenticate(
+        &self,
+        store: &dyn crate::Store,
+        authorization: Option<&http::HeaderValue>,
+    ) -> Result<(AccountId, String), crate::openai_error::ApiError> {
+        use crate::openai_error::ApiError;
+        let key_hash = presented_key_hash(authorization).ok_or_else(ApiError::unauthorized)?;
+        match self.account_for(store, &key_hash).await {
+            Ok(Some(account)) => Ok((account, key_hash)),
+            Ok(None) => Err(ApiError::unauthorized()),
+            Err(e) => {
+                tracing::error!(error = %e, "key lookup failed");
+                Err(ApiError::new(
+                    http::StatusCode::SERVICE_UNAVAILABLE,
+                    "api_error",
+                    "ledger_unavailable",
+                    "the account store is unavailable",
+                ))
+            }
+        }
+    }
 }
 
 #[cfg(test)]

@@ -3,16 +3,17 @@
 //!
 //! # Features
 //!
-//! All on by default. `tokenizer`: [`ModelTokenizer`] and the [`gguf`] reader, the model's own
+//! On by default: `tokenizer`: [`ModelTokenizer`] and the [`gguf`] reader, the model's own
 //! tokenizer and chat template (the tokenizers crate with onig, minijinja); without it the
 //! metering layer counts with any [`TokenCounter`] the application brings. `sqlite`:
 //! [`SqliteLedger`], the ledger store on one SQLite file; `postgres`: [`PgLedger`], the store for several gateway instances on PostgreSQL (both pull in
 //! sqlx; without either, the [`Ledger`] and [`Store`] traits stay for a store of your own);
-//! `llama-reference`: `audit::LlamaCppReference` (a hyper client to a llama-server).
-//!
-//! Off by default: `console`: the web console (`console`), server-rendered pages for builders,
-//! GPU operators and the platform's staff as an axum `Router` (turns on `tunnel` and `limits`,
-//! and pulls in axum, minijinja, argon2 and spine-router).
+//! `llama-reference`: `audit::LlamaCppReference` (a hyper client to a llama-server). Off by
+//! default: `axum` (`openai_error`: OpenAI's error shape as an axum response), `enroll`
+//! (node enrollment's axum handlers) and `console`: the web console (`console`), server-rendered
+//! pages for builders, GPU operators and the platform's staff as an axum `Router` (turns on
+//! `axum`, `tunnel` and `limits`, and pulls in minijinja, argon2 and spine-router), besides
+//! `limits`, `redis`, `metrics` and `tunnel`.
 
 pub mod audit;
 #[cfg(feature = "tokenizer")]
@@ -20,6 +21,8 @@ pub mod catalog;
 pub mod classify;
 #[cfg(feature = "console")]
 pub mod console;
+#[cfg(feature = "enroll")]
+pub mod enroll;
 #[cfg(feature = "tokenizer")]
 pub mod gguf;
 pub mod inject;
@@ -31,7 +34,10 @@ pub mod meter;
 #[cfg(feature = "metrics")]
 pub mod metrics;
 pub mod node_error;
+#[cfg(feature = "axum")]
+pub mod openai_error;
 pub mod price;
+pub mod request_id;
 pub mod responses;
 pub mod sse;
 pub mod tokenizer;

@@ -20,12 +20,14 @@ mod acquire;
 mod ask;
 mod config;
 mod error;
+mod view;
 
 use ask::QueuedAsk;
 
 pub use ask::{Ask, Needs};
 pub use config::RegistryConfig;
 pub use error::RouteError;
+pub use view::{NodeView, StickyView};
 
 /// Name of the sticky counter (`result` = `hit`, `miss`, `new`; design brief §5).
 pub const STICKY_METRIC: &str = "spine_router_sticky_total";

@@ -26,11 +26,14 @@
 //!   ([`Reference::force`]).
 //! - [`EscrowOnVerdict`] (an [`AuditEvents`]) pays a node's escrowed earnings to its operator
 //!   when it reaches `passing` and keeps them when it reaches `failed`.
+//! - [`Challenges`] sends nodes with little traffic plausible chats ([`challenge_body`]) on the
+//!   normal path, so that their models are audited too.
 //!
 //! Measurements (honest configurations, substitutes, costs) are in `docs/trust.md`.
 
 mod auditor;
 mod challenge;
+mod challenges;
 mod escrow;
 pub mod node_logprobs;
 mod reference;
@@ -44,6 +47,7 @@ pub use auditor::{
     Auditor,
 };
 pub use challenge::challenge_body;
+pub use challenges::{ChallengeFuture, Challenges, CHALLENGE_TIMEOUT};
 pub use escrow::EscrowOnVerdict;
 pub use node_logprobs::{
     align, judge_node_list, parse_node_logprobs, NodeList, NodeLogprobs, NodeLogprobsError,

@@ -82,6 +82,24 @@ impl Default for AuditSettings {
 pub struct AuditSettingsError(String);
 
 impl AuditSettings {
+    /// The challenge loop these settings ask for ([`Challenges`](super::Challenges)): billed to
+    /// `challenge_account`, every `challenge_interval_secs` (at least 1 s), of the audited
+    /// `models`, scored by `auditor`; `None` without a `challenge_account`.
+    pub fn challenges(
+        &self,
+        auditor: &super::Auditor,
+        models: Vec<spine_core::ModelId>,
+    ) -> Option<super::Challenges> {
+        let account = spine_core::AccountId::new(self.challenge_account.as_deref()?);
+        let interval = std::time::Duration::from_secs(self.challenge_interval_secs.max(1));
+        Some(super::Challenges::new(
+            auditor.clone(),
+            account,
+            models,
+            interval,
+        ))
+    }
+
     /// The auditor's configuration: rates checked to lie in 0–1, `max_tokens` at least 2,
     /// `concurrency` and `timeout_secs` at least 1, the SPRT's error rates set.
     ///

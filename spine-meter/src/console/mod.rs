@@ -54,7 +54,7 @@ use serde::Serialize;
 
 use crate::ledger::{ConsoleRole, ConsoleStore, ConsoleUser};
 
-pub use admin::{admin_routes, AdminError};
+pub use admin::admin_routes;
 use auth::SignInLimits;
 pub use host::ConsoleHost;
 

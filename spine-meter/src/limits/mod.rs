@@ -597,7 +597,7 @@ impl Admission for RateLimits {
 /// Imports per-key limits an earlier release kept in `path` (`<data_dir>/key_limits.json`,
 /// single-instance mode) into `store`, then renames the file `key_limits.json.imported` so it is
 /// imported once. A key the store already has limits for keeps the store's. Returns how many
-/// keys were imported (0 when there is no file).
+/// keys were imported (0 when there is no file), and logs it when there were some.
 ///
 /// # Errors
 ///
@@ -635,6 +635,14 @@ pub async fn import_key_limits_file(
             done.display()
         )
     })?;
+    if imported > 0 {
+        tracing::info!(
+            keys = imported,
+            "imported per-key limits from {} into the store (renamed to {})",
+            path.display(),
+            done.display()
+        );
+    }
     Ok(imported)
 }
 

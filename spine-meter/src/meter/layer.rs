@@ -232,3 +232,33 @@ impl BodyGate {
         super::service::read_request_body(&self.0, account, body).await
     }
 }
+
+/// How long streams ended by the drain deadline get to write their error event to callers
+/// before [`drain_streams`] gives up on them (a caller that reads nothing is cut).
+pub const DRAIN_CUT_WRITE_BOUND: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// A shutdown's drain of the metered streams, once the listener serving them stopped accepting:
+/// waits up to `grace` for `served` (the listener's task, done when its connections closed);
+/// past it cancels `drain_deadline` (the layer's [`MeterLayer::drain_deadline`]), so each open
+/// stream ends with its error event and settles `cut_at_bound`, and waits up to
+/// [`DRAIN_CUT_WRITE_BOUND`] more. Whether `served` finished: when not, the caller closes the
+/// connections still open (e.g. aborts the task).
+///
+/// # Cancel safety
+///
+/// Cancel safe: `served` is only polled.
+pub async fn drain_streams<F: std::future::Future + Unpin>(
+    served: &mut F,
+    grace: std::time::Duration,
+    drain_deadline: &tokio_util::sync::CancellationToken,
+) -> bool {
+    if tokio::time::timeout(grace, &mut *served).await.is_ok() {
+        return true;
+    }
+    // each open stream ends with its error event and settles; the connections then close
+    tracing::warn!("streams still open after the grace period; ending them");
+    drain_deadline.cancel();
+    tokio::time::timeout(DRAIN_CUT_WRITE_BOUND, served)
+        .await
+        .is_ok()
+}

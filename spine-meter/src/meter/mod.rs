@@ -112,6 +112,7 @@
 mod admission;
 mod bill;
 mod body;
+mod caller;
 mod config;
 mod credit;
 mod embeddings;
@@ -127,6 +128,7 @@ mod settle;
 pub use admission::{Admission, AdmissionRefusal, AdmissionRequest, AdmitFuture};
 pub use bill::MAX_TOOL_CALLS_PER_CHOICE;
 pub use body::{MeterBody, KEEPALIVE_INTERVAL};
+pub use caller::caller_response;
 pub use config::{
     Catalog, CatalogEntry, MeterConfig, DEFAULT_MAX_BUFFERED_REQUEST_BYTES,
     DEFAULT_MAX_BUFFERED_REQUEST_BYTES_PER_ACCOUNT, DEFAULT_RESPONSE_BODY_TIMEOUT,
@@ -139,7 +141,7 @@ pub use credit::{
 pub use error::MeterError;
 pub use events::{DiscrepancyReport, MeterEvents};
 pub use future::ResponseFuture;
-pub use layer::{BodyGate, MeterLayer};
+pub use layer::{drain_streams, BodyGate, MeterLayer, DRAIN_CUT_WRITE_BOUND};
 pub use service::Meter;
 pub use settle::Settlements;
 
