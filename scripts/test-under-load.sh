@@ -52,5 +52,5 @@ rc=0
 "$@" || rc=$?
 total=0
 for f in "$WORK"/busy-*.count; do [[ -f "$f" ]] && total=$((total + $(cat "$f"))); done
-log "exit $rc after $(( $(date +%s) - start )) s; the busy clients finished $total completions of 256 tokens meanwhile"
+log "exit $rc after $(( $(date +%s) - start )) s; the busy clients finished $total completions (≤ 256 tokens each) meanwhile"
 exit "$rc"
