@@ -13,7 +13,7 @@
 
 use std::sync::Arc;
 
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::response::IntoResponse;
 use axum::routing::post;
 use axum::Json;
@@ -28,7 +28,7 @@ use crate::ledger::{ConsoleRole, ConsoleUser};
 
 use super::auth::{hash_password, new_token, token_hash};
 use super::ConsoleHost;
-use crate::openai_error::ApiError;
+use crate::openai_error::{ApiBody, ApiError, ApiPath};
 
 /// The admin API's console calls (see the [module docs](self)) over `H`'s store, to merge into
 /// the application's admin router: they check no credential themselves, so mount them behind
@@ -83,7 +83,7 @@ async fn issue_link(state: &dyn ConsoleHost, user_id: &str) -> Result<String, Ap
 /// `POST /admin/v1/console/users`.
 async fn create_user<H: ConsoleHost>(
     State(state): State<Arc<H>>,
-    body: axum::body::Bytes,
+    ApiBody(body): ApiBody,
 ) -> Result<impl IntoResponse, ApiError> {
     let body: CreateUserBody = serde_json::from_slice(&body).map_err(|e| {
         ApiError::invalid_request("invalid_json", format!("invalid JSON body: {e}"))
@@ -167,7 +167,7 @@ async fn create_user<H: ConsoleHost>(
 /// `POST /admin/v1/console/users/{id}/sign-in-link`.
 async fn create_link<H: ConsoleHost>(
     State(state): State<Arc<H>>,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
 ) -> Result<impl IntoResponse, ApiError> {
     if !keys::valid_id(&id) {
         return Err(ApiError::not_found("no such console user"));
@@ -181,7 +181,7 @@ async fn create_link<H: ConsoleHost>(
 /// `POST /admin/v1/console/users/{id}/revoke-sessions`.
 async fn revoke_sessions<H: ConsoleHost>(
     State(state): State<Arc<H>>,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
 ) -> Result<impl IntoResponse, ApiError> {
     let revoked = state
         .store()
