@@ -379,7 +379,12 @@ impl From<axum::extract::rejection::PathRejection> for ApiError {
             tracing::error!(error = %e.body_text(), "path parameters do not fit the handler");
             return Self::internal("the route's parameters could not be read");
         }
-        Self::new(e.status(), "invalid_request_error", "invalid_path", e.body_text())
+        Self::new(
+            e.status(),
+            "invalid_request_error",
+            "invalid_path",
+            e.body_text(),
+        )
     }
 }
 

@@ -98,10 +98,7 @@ fn admin(store: &Arc<dyn Store>) -> Router {
             "/admin/v1/operators/{id}/enrollments",
             post(enroll::create_enrollment).with_state(e.clone()),
         )
-        .route(
-            "/admin/v1/nodes",
-            post(enroll::register_node).with_state(e),
-        )
+        .route("/admin/v1/nodes", post(enroll::register_node).with_state(e))
         .merge(console::admin_routes::<Host>().with_state(host(store.clone())))
 }
 
@@ -236,7 +233,12 @@ async fn nul_texts_are_the_callers_400(store: Arc<dyn Store>) {
     )
     .await;
     assert_eq!(status, StatusCode::BAD_REQUEST, "{json}");
-    assert_openai_error(&json, "invalid_request_error", "invalid_text", "create user");
+    assert_openai_error(
+        &json,
+        "invalid_request_error",
+        "invalid_text",
+        "create user",
+    );
     for (method, uri) in [
         ("GET", "/admin/v1/operators/op%00x"),
         ("POST", "/admin/v1/operators/op%00x/enrollments"),
@@ -294,14 +296,15 @@ async fn a_nul_in_the_sign_in_address_is_a_400_page_postgres() {
             .header("content-type", "application/x-www-form-urlencoded")
             .body(Body::from(body))
             .unwrap();
-        req.extensions_mut().insert(spine_transport::PeerAddr(
-            "192.0.2.1:1234".parse().unwrap(),
-        ));
+        req.extensions_mut()
+            .insert(spine_transport::PeerAddr("192.0.2.1:1234".parse().unwrap()));
         req
     };
     let resp = app
         .clone()
-        .oneshot(signin("email=a%00%40x.example&password=correct+horse+battery"))
+        .oneshot(signin(
+            "email=a%00%40x.example&password=correct+horse+battery",
+        ))
         .await
         .unwrap();
     assert_eq!(resp.status(), StatusCode::BAD_REQUEST);
