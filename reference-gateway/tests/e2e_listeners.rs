@@ -355,9 +355,11 @@ async fn an_oversized_enrollment_is_an_openai_shaped_413() {
 
 /// What an anonymous client or a careless admin script can make the tunnel and admin listeners
 /// refuse is in OpenAI's error shape, with each answer's `x-request-id`: a path parameter that
-/// is not UTF-8 (`%FF`; axum's rejection is plain text), an admin body past axum's 2 MB limit
-/// (plain text), a wrong method or URL on the tunnel listener (an empty body), and a NUL in an
-/// id, which PostgreSQL cannot compare (a 400, never a retryable 503).
+/// is not UTF-8 (`%FF`; axum's rejection is plain text), a wrong method or URL on the tunnel
+/// listener (an empty body), and a NUL in an id, which PostgreSQL cannot compare (a 400, never
+/// a retryable 503). (An admin body past the 2 MB limit, answered before it is read, is
+/// `spine-meter`'s `tests/hostile_routes.rs`: over a socket the client may see the connection
+/// closed before the answer.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_tunnel_and_admin_listeners_refuse_in_openais_shape() {
     let engine = Engine::discover().unwrap();
@@ -390,19 +392,6 @@ async fn the_tunnel_and_admin_listeners_refuse_in_openais_shape() {
         let what = format!("{method} {path}");
         let resp = gw.admin_request(method, path).send().await.unwrap();
         openai_error(resp, 400, "invalid_path", &what).await;
-    }
-    for path in [
-        "/admin/v1/accounts",
-        "/admin/v1/operators",
-        "/admin/v1/console/users",
-    ] {
-        let resp = gw
-            .admin_request(Method::POST, path)
-            .body(vec![b' '; 3 << 20])
-            .send()
-            .await
-            .unwrap();
-        openai_error(resp, 413, "request_too_large", path).await;
     }
     let resp = gw
         .admin_request(Method::GET, "/admin/v1/accounts/a%00b")
