@@ -319,3 +319,80 @@ async fn a_nul_in_the_sign_in_address_is_a_400_page_postgres() {
         .unwrap();
     assert_eq!(resp.status(), StatusCode::UNAUTHORIZED);
 }
+
+/// Login CSRF: a page on another site posts its author's e-mail and password to the console's
+/// sign-in form; the visitor's browser would keep the session cookie it answers with, and the
+/// visitor would go on as the attacker (an operator enrolling a GPU under the attacker's
+/// operator). A POST the browser marks `Sec-Fetch-Site: cross-site` (or `same-site`) is
+/// refused 403 before the handler, without a session; the console's own forms
+/// (`same-origin`) and clients that send no such header sign in as before.
+#[tokio::test]
+async fn a_sign_in_posted_from_another_site_is_refused() {
+    let store = sqlite().await;
+    let (status, json) = call(
+        &admin(&store),
+        "POST",
+        "/admin/v1/console/users",
+        json!({"email": "p@x.example", "platform": true, "password": "correct horse battery"})
+            .to_string(),
+    )
+    .await;
+    assert_eq!(status, StatusCode::CREATED, "{json}");
+    let state = ConsoleState::new(host(store), Router::new(), ConsoleConfig::default()).unwrap();
+    let app = console::router(Arc::new(state));
+    let request = |method: &str, uri: &str, site: Option<&str>| {
+        let mut b = Request::builder()
+            .method(method)
+            .uri(uri)
+            .header("content-type", "application/x-www-form-urlencoded");
+        if let Some(site) = site {
+            b = b.header("sec-fetch-site", site);
+        }
+        let body = if method == "POST" {
+            "email=p%40x.example&password=correct+horse+battery"
+        } else {
+            ""
+        };
+        let mut req = b.body(Body::from(body)).unwrap();
+        req.extensions_mut()
+            .insert(spine_transport::PeerAddr("192.0.2.1:1234".parse().unwrap()));
+        req
+    };
+    for (site, link) in [
+        ("cross-site", "/console/signin"),
+        ("same-site", "/console/signin"),
+        ("cross-site", "/console/signin/link"),
+    ] {
+        let resp = app
+            .clone()
+            .oneshot(request("POST", link, Some(site)))
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), StatusCode::FORBIDDEN, "{site} {link}");
+        assert!(resp.headers().get("set-cookie").is_none(), "{site} {link}");
+        assert!(resp.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("text/html"));
+    }
+    // a link from elsewhere still opens the sign-in page (a GET changes nothing)
+    let resp = app
+        .clone()
+        .oneshot(request("GET", "/console/signin", Some("cross-site")))
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    for site in [Some("same-origin"), None] {
+        let resp = app
+            .clone()
+            .oneshot(request("POST", "/console/signin", site))
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), StatusCode::SEE_OTHER, "{site:?}");
+        assert_eq!(resp.headers()["location"], "/console", "{site:?}");
+        assert!(resp.headers()["set-cookie"]
+            .to_str()
+            .unwrap()
+            .starts_with("spine_console="));
+    }
+}

@@ -8,7 +8,9 @@
 //!   API revoke it.
 //! - CSRF: every state-changing form carries `csrf`, the SHA-256 of a fixed label and the session
 //!   token (a value only a page of this session can know; it is never stored); a POST without
-//!   the right one is refused 403 before anything else is done.
+//!   the right one is refused 403 before anything else is done. A state-changing request a
+//!   browser marks as sent by another site (`Sec-Fetch-Site`) is refused 403 before any handler
+//!   ([`refuse_cross_site`]): the sign-in forms too, which have no session to tie a token to.
 //! - Sign-in attempts are rate limited per client IP and per e-mail address (a GCRA: in Redis,
 //!   shared by every instance, when the gateway has one; else governor's, per instance):
 //!   [`SignInLimits`].
@@ -227,6 +229,42 @@ pub(super) async fn require_post(
         Ok(Some(user)) => Ok((user, token)),
         Ok(None) => Err(forbidden()),
         Err(e) => Err(s.store_error(&e)),
+    }
+}
+
+/// Refuses (403) a state-changing request a browser says another site sent
+/// (`Sec-Fetch-Site` other than `same-origin`, or `none` for one the user made), before any
+/// handler. The session cookie is `SameSite=Strict` and every form carries its CSRF token, but
+/// the sign-in forms have no session yet: without this, a page elsewhere could post its
+/// author's e-mail and password and leave the visitor signed in as them (an operator who then
+/// issues an enrollment token and enrolls a GPU gives it to that operator). Clients that send
+/// no `Sec-Fetch-Site` (not a browser, or one too old to) are not refused.
+pub(super) async fn refuse_cross_site(
+    State(s): State<Arc<ConsoleState>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let safe = matches!(
+        *req.method(),
+        http::Method::GET | http::Method::HEAD | http::Method::OPTIONS
+    );
+    let site = req
+        .headers()
+        .get("sec-fetch-site")
+        .map(|v| v.to_str().unwrap_or("?").to_ascii_lowercase());
+    match site.as_deref() {
+        Some(site) if !safe && site != "same-origin" && site != "none" => {
+            tracing::warn!(
+                site,
+                path = req.uri().path(),
+                "console: cross-site request refused"
+            );
+            s.error(
+                StatusCode::FORBIDDEN,
+                "This form was sent from another site; open the console and try again.",
+            )
+        }
+        _ => next.run(req).await,
     }
 }
 

@@ -429,6 +429,10 @@ pub fn router(state: Arc<ConsoleState>) -> Router {
             state.clone(),
             html_errors,
         ))
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            auth::refuse_cross_site,
+        ))
         .with_state(state)
 }
 
