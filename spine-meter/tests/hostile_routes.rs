@@ -396,3 +396,48 @@ async fn a_sign_in_posted_from_another_site_is_refused() {
             .starts_with("spine_console="));
     }
 }
+
+/// `POST /admin/v1/console/users/{id}/sign-in-link` answered every store failure as 404 "no
+/// such console user": an admin script told a user does not exist while the ledger is down.
+/// An unknown user is still 404; a store that cannot be reached is 503 `ledger_unavailable`.
+#[tokio::test]
+async fn a_sign_in_link_during_an_outage_is_a_503_not_a_404() {
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = Arc::new(
+        SqliteLedger::open(dir.path().join("ledger.db"))
+            .await
+            .unwrap(),
+    );
+    let store: Arc<dyn Store> = ledger.clone();
+    let app = admin(&store);
+    let (status, json) = call(
+        &app,
+        "POST",
+        "/admin/v1/console/users",
+        json!({"email": "p@x.example", "platform": true, "password": "correct horse battery"})
+            .to_string(),
+    )
+    .await;
+    assert_eq!(status, StatusCode::CREATED, "{json}");
+    let user = json["user_id"].as_str().unwrap().to_owned();
+    let link = format!("/admin/v1/console/users/{user}/sign-in-link");
+    let (status, json) = call(&app, "POST", &link, "").await;
+    assert_eq!(status, StatusCode::CREATED, "{json}");
+    assert!(json["sign_in_path"]
+        .as_str()
+        .unwrap()
+        .starts_with("/console/signin/link/"));
+    let (status, json) = call(
+        &app,
+        "POST",
+        "/admin/v1/console/users/cu_nobody/sign-in-link",
+        "",
+    )
+    .await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "{json}");
+    assert_openai_error(&json, "invalid_request_error", "not_found", "unknown user");
+    ledger.close().await;
+    let (status, json) = call(&app, "POST", &link, "").await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{json}");
+    assert_openai_error(&json, "api_error", "ledger_unavailable", "outage");
+}
