@@ -11,9 +11,9 @@
 //!   the right one is refused 403 before anything else is done. A state-changing request a
 //!   browser marks as sent by another site (`Sec-Fetch-Site`) is refused 403 before any handler
 //!   ([`refuse_cross_site`]): the sign-in forms too, which have no session to tie a token to.
-//! - Sign-in attempts are rate limited per client IP and per e-mail address (a GCRA: in Redis,
-//!   shared by every instance, when the gateway has one; else governor's, per instance):
-//!   [`SignInLimits`].
+//! - Sign-in attempts are rate limited per client IP (an IPv6 client: its /64) and per e-mail
+//!   address (a GCRA: in Redis, shared by every instance, when the gateway has one; else
+//!   governor's, per instance): [`SignInLimits`].
 
 use std::net::IpAddr;
 use std::num::NonZeroU32;
@@ -69,6 +69,7 @@ impl SignInLimits {
     /// instance ([`RateLimits::check_shared`]); without it, or while Redis fails, each
     /// instance counts its own.
     async fn allow(&self, shared: &RateLimits, ip: IpAddr, email: Option<&str>) -> bool {
+        let ip = client_of(ip);
         // keep the maps bounded: drop keys whose limit has fully recovered
         if self.per_ip.len() > 10_000 {
             self.per_ip.retain_recent();
@@ -98,6 +99,23 @@ impl SignInLimits {
             None => self.per_user.check_key(&email.to_owned()).is_ok(),
         };
         ip_ok && user_ok
+    }
+}
+
+/// The client an address counts as for the per-IP limit: an IPv4 address (also written as
+/// an IPv4-mapped IPv6 one); for IPv6, its /64 prefix, the smallest block a host is given
+/// (every address of an ISP customer's or a cloud VM's /64 is one client: counted per
+/// address, one machine would have 2^64 budgets, and argon2's 19 MiB and tens of
+/// milliseconds per attempt unbounded).
+fn client_of(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V4(_) => ip,
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => IpAddr::V6(std::net::Ipv6Addr::from(
+                u128::from(v6) & !((1u128 << 64) - 1),
+            )),
+        },
     }
 }
 
@@ -437,7 +455,37 @@ pub(super) async fn signout(
 
 #[cfg(test)]
 mod tests {
-    use super::{csrf_ok, csrf_token, hash_password, password_ok};
+    use super::{client_of, csrf_ok, csrf_token, hash_password, password_ok, SignInLimits};
+    use crate::limits::RateLimits;
+    use std::net::IpAddr;
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap_or(IpAddr::from([0, 0, 0, 0]))
+    }
+
+    /// One IPv6 host holds a /64: counted per address it had 2^64 sign-in budgets (each
+    /// attempt an argon2 hash, 19 MiB). Its whole /64 shares the per-IP limit (a burst of 10);
+    /// another /64 and IPv4 clients keep their own; an IPv4-mapped address is its IPv4 client.
+    #[tokio::test]
+    async fn an_ipv6_host_cannot_dodge_the_sign_in_limit_by_changing_address() {
+        let limits = SignInLimits::default();
+        let shared = RateLimits::in_memory(0, 0);
+        for i in 0..10 {
+            let addr = ip(&format!("2001:db8:1:2:{i:x}::{:x}", i * 7 + 1));
+            assert!(limits.allow(&shared, addr, None).await, "attempt {i}");
+        }
+        assert!(
+            !limits
+                .allow(&shared, ip("2001:db8:1:2:ffff::1"), None)
+                .await,
+            "the 11th attempt from the same /64"
+        );
+        assert!(limits.allow(&shared, ip("2001:db8:1:3::1"), None).await);
+        assert!(limits.allow(&shared, ip("192.0.2.7"), None).await);
+        assert_eq!(client_of(ip("::ffff:192.0.2.7")), ip("192.0.2.7"));
+        assert_eq!(client_of(ip("2001:db8:1:2:a:b:c:d")), ip("2001:db8:1:2::"));
+        assert_eq!(client_of(ip("192.0.2.7")), ip("192.0.2.7"));
+    }
 
     #[test]
     fn csrf_tokens_belong_to_one_session() {
