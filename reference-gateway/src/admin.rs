@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use axum::extract::{Path, Request, State};
+use axum::extract::{Request, State};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -19,7 +19,7 @@ use spine_core::{AccountId, ModelId, OperatorId, RequestId};
 
 use crate::state::AppState;
 use spine_meter::limits::KeyHash;
-use spine_meter::openai_error::ApiError;
+use spine_meter::openai_error::{ApiBody, ApiError, ApiPath};
 use spine_meter::KeyLimits;
 use spine_meter::{enroll, keys};
 
@@ -117,7 +117,7 @@ struct CreateBody {
 
 async fn create_account(
     State(state): State<Arc<AppState>>,
-    body: axum::body::Bytes,
+    ApiBody(body): ApiBody,
 ) -> Result<impl IntoResponse, ApiError> {
     let body: CreateBody = parse_body(&body)?;
     let id = AccountId::new(checked_id(body.id, "acct")?);
@@ -135,7 +135,7 @@ async fn account_json(state: &AppState, id: &AccountId) -> Result<Value, ApiErro
     }))
 }
 
-async fn get_account(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
+async fn get_account(State(state): State<Arc<AppState>>, ApiPath(id): ApiPath<String>) -> Response {
     account_json(&state, &AccountId::new(id))
         .await
         .map(Json)
@@ -155,8 +155,8 @@ struct CreateKeyBody {
 
 async fn create_key(
     State(state): State<Arc<AppState>>,
-    Path(id): Path<String>,
-    body: axum::body::Bytes,
+    ApiPath(id): ApiPath<String>,
+    ApiBody(body): ApiBody,
 ) -> Result<impl IntoResponse, ApiError> {
     let body: CreateKeyBody = parse_body(&body)?;
     let account = AccountId::new(id);
@@ -200,9 +200,9 @@ struct CreditsBody {
 
 async fn add_credits(
     State(state): State<Arc<AppState>>,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
     headers: HeaderMap,
-    body: axum::body::Bytes,
+    ApiBody(body): ApiBody,
 ) -> Result<impl IntoResponse, ApiError> {
     let body: CreditsBody = serde_json::from_slice(&body).map_err(|e| {
         ApiError::invalid_request(
@@ -244,7 +244,7 @@ async fn add_credits(
 
 async fn create_operator(
     State(state): State<Arc<AppState>>,
-    body: axum::body::Bytes,
+    ApiBody(body): ApiBody,
 ) -> Result<impl IntoResponse, ApiError> {
     let body: CreateBody = parse_body(&body)?;
     let id = OperatorId::new(checked_id(body.id, "op")?);
@@ -283,8 +283,8 @@ struct ReverifyBody {
 /// (e.g. replaced its weights): its test starts over, `unverified`, and it is routed again.
 async fn reverify_node(
     State(state): State<Arc<AppState>>,
-    Path(id): Path<String>,
-    body: axum::body::Bytes,
+    ApiPath(id): ApiPath<String>,
+    ApiBody(body): ApiBody,
 ) -> Response {
     let body: ReverifyBody = match parse_body(&body) {
         Ok(b) => b,
@@ -311,7 +311,7 @@ async fn reverify_node(
     Json(json!({ "node_id": node, "reverified_models": reset })).into_response()
 }
 
-async fn get_request(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
+async fn get_request(State(state): State<Arc<AppState>>, ApiPath(id): ApiPath<String>) -> Response {
     match state
         .store
         .request_record(RequestId::new(id.as_str()))

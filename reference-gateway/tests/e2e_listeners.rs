@@ -11,8 +11,8 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{
-    account_with_key, add_node, full, gateway_with_node, serve_fake_llama, tenant, FakeBody,
-    Gateway,
+    account_with_key, add_node, full, gateway_with_node, header, serve_fake_llama, tenant,
+    FakeBody, Gateway,
 };
 use serde_json::{json, Value};
 use spine_test_support::Engine;
@@ -351,4 +351,80 @@ async fn an_oversized_enrollment_is_an_openai_shaped_413() {
     assert_eq!(e["error"]["type"], "invalid_request_error", "{e}");
     assert_eq!(e["error"]["code"], "request_too_large", "{e}");
     assert!(e["error"]["message"].is_string(), "{e}");
+}
+
+/// What an anonymous client or a careless admin script can make the tunnel and admin listeners
+/// refuse is in OpenAI's error shape, with each answer's `x-request-id`: a path parameter that
+/// is not UTF-8 (`%FF`; axum's rejection is plain text), a wrong method or URL on the tunnel
+/// listener (an empty body), and a NUL in an id, which PostgreSQL cannot compare (a 400, never
+/// a retryable 503). (An admin body past the 2 MB limit, answered before it is read, is
+/// `spine-meter`'s `tests/hostile_routes.rs`: over a socket the client may see the connection
+/// closed before the answer.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_tunnel_and_admin_listeners_refuse_in_openais_shape() {
+    let engine = Engine::discover().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let gw = Gateway::start(dir.path(), &engine).await;
+    async fn openai_error(resp: reqwest::Response, status: u16, code: &str, what: &str) {
+        assert_eq!(resp.status(), status, "{what}");
+        assert!(
+            header(&resp, "x-request-id").is_some_and(|id| id.starts_with("req_")),
+            "{what}"
+        );
+        let text = resp.text().await.unwrap();
+        let e: Value = serde_json::from_str(&text).unwrap_or_else(|_| panic!("{what}: {text:?}"));
+        assert_eq!(e["error"]["code"], code, "{what}: {e}");
+        assert_eq!(e["error"]["type"], "invalid_request_error", "{what}: {e}");
+        assert!(e["error"]["message"].is_string(), "{what}: {e}");
+        assert!(e["error"].get("param").is_some(), "{what}: {e}");
+    }
+    use reqwest::Method;
+    for (method, path) in [
+        (Method::GET, "/admin/v1/accounts/%FF"),
+        (Method::POST, "/admin/v1/accounts/%FF/keys"),
+        (Method::POST, "/admin/v1/accounts/%FF/credits"),
+        (Method::GET, "/admin/v1/operators/%FF"),
+        (Method::POST, "/admin/v1/operators/%FF/enrollments"),
+        (Method::POST, "/admin/v1/nodes/%FF/reverify"),
+        (Method::GET, "/admin/v1/requests/%FF"),
+        (Method::POST, "/admin/v1/console/users/%FF/revoke-sessions"),
+    ] {
+        let what = format!("{method} {path}");
+        let resp = gw.admin_request(method, path).send().await.unwrap();
+        openai_error(resp, 400, "invalid_path", &what).await;
+    }
+    let resp = gw
+        .admin_request(Method::GET, "/admin/v1/accounts/a%00b")
+        .send()
+        .await
+        .unwrap();
+    openai_error(resp, 400, "invalid_text", "NUL in an account id").await;
+    // the tunnel listener: anyone can reach it
+    let ca = reqwest::Certificate::from_pem(&std::fs::read(&gw.ca_file).unwrap()).unwrap();
+    let client = reqwest::Client::builder()
+        .add_root_certificate(ca)
+        .build()
+        .unwrap();
+    let base = gw
+        .tunnel
+        .replacen("wss://", "https://", 1)
+        .replace("/v1/tunnel", "");
+    let resp = client
+        .get(format!("{base}/v1/enroll"))
+        .send()
+        .await
+        .unwrap();
+    openai_error(resp, 405, "method_not_allowed", "GET /v1/enroll").await;
+    let resp = client
+        .get(format!("{base}/admin/v1/accounts"))
+        .send()
+        .await
+        .unwrap();
+    openai_error(
+        resp,
+        404,
+        "not_found",
+        "an admin URL on the tunnel listener",
+    )
+    .await;
 }

@@ -30,7 +30,7 @@
 
 use std::sync::Arc;
 
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::response::IntoResponse;
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -43,7 +43,7 @@ use spine_transport::node_status::{verify_status_headers, NodeSignatureError};
 
 use crate::audit::Auditor;
 use crate::keys;
-use crate::openai_error::ApiError;
+use crate::openai_error::{ApiBody, ApiError, ApiPath};
 use crate::{LedgerError, Store};
 
 /// Default validity of an enrollment token, seconds (24 h).
@@ -116,7 +116,9 @@ impl NodeEnrollment {
     }
 
     /// `POST /v1/enroll` (bodies up to [`MAX_ENROLL_BODY_BYTES`]) and `GET /v1/node/status`,
-    /// for the listener agents dial. The application adds its own layers (request ids).
+    /// for the listener agents dial, with a fallback (404) and a wrong method (405) in OpenAI's
+    /// error shape: merge it into a router without a fallback of its own. The application adds
+    /// its own layers (request ids).
     pub fn tunnel_router(self) -> Router {
         Router::new()
             .route(
@@ -124,6 +126,18 @@ impl NodeEnrollment {
                 post(enroll).layer(axum::extract::DefaultBodyLimit::max(MAX_ENROLL_BODY_BYTES)),
             )
             .route("/v1/node/status", get(node_status))
+            // anyone can reach this listener: every answer, a wrong URL or method too, is
+            // in OpenAI's error shape (axum's defaults are empty bodies)
+            .method_not_allowed_fallback(|req: axum::extract::Request| async move {
+                ApiError::method_not_allowed(req.method(), req.uri().path())
+            })
+            .fallback(|req: axum::extract::Request| async move {
+                ApiError::not_found(format!(
+                    "Unknown URL: {} {}",
+                    req.method(),
+                    req.uri().path()
+                ))
+            })
             .with_state(self)
     }
 
@@ -196,8 +210,8 @@ struct CreateEnrollmentBody {
 /// store fails.
 pub async fn create_enrollment(
     State(state): State<NodeEnrollment>,
-    Path(id): Path<String>,
-    body: axum::body::Bytes,
+    ApiPath(id): ApiPath<String>,
+    ApiBody(body): ApiBody,
 ) -> Result<impl IntoResponse, ApiError> {
     let body: CreateEnrollmentBody = if body.iter().all(u8::is_ascii_whitespace) {
         CreateEnrollmentBody::default()
@@ -246,7 +260,7 @@ pub async fn create_enrollment(
 /// 404 for an unknown operator, 503 when the store fails.
 pub async fn operator(
     State(state): State<NodeEnrollment>,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
 ) -> Result<impl IntoResponse, ApiError> {
     let id = OperatorId::new(id);
     let earned = state.store.operator_earned_micros(&id).await?;
@@ -280,7 +294,7 @@ struct RegisterNodeBody {
 /// 503 when the store fails.
 pub async fn register_node(
     State(state): State<NodeEnrollment>,
-    body: axum::body::Bytes,
+    ApiBody(body): ApiBody,
 ) -> Result<impl IntoResponse, ApiError> {
     let body: RegisterNodeBody = serde_json::from_slice(&body).map_err(|e| {
         ApiError::invalid_request(

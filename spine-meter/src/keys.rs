@@ -105,6 +105,10 @@ pub const DEFAULT_KEY_CACHE_TTL: std::time::Duration = std::time::Duration::from
 pub struct KeyCache {
     ttl: std::time::Duration,
     map: std::sync::RwLock<std::collections::HashMap<String, (AccountId, std::time::Instant)>>,
+    /// How many keys were [removed](KeyCache::remove) so far (changed under `map`'s write
+    /// lock): a lookup that saw another count when it started does not remember its answer,
+    /// which the store may have given just before the key was revoked.
+    removals: std::sync::atomic::AtomicU64,
 }
 
 impl Default for KeyCache {
@@ -120,6 +124,7 @@ impl KeyCache {
         Self {
             ttl,
             map: Default::default(),
+            removals: std::sync::atomic::AtomicU64::new(0),
         }
     }
 
@@ -134,12 +139,17 @@ impl KeyCache {
             .map(|(account, _)| account.clone())
     }
 
-    /// Forgets `key_hash` (a revoked key): the next use looks it up in the store again.
+    /// Forgets `key_hash` (a revoked key): the next use looks it up in the store again, and a
+    /// lookup already under way (which may have read the key before it was revoked) is not
+    /// remembered.
     pub fn remove(&self, key_hash: &str) {
-        self.map
+        let mut map = self
+            .map
             .write()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .remove(key_hash);
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        map.remove(key_hash);
+        self.removals
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
     }
 
     /// Remembers that `key_hash` belongs to `account`, as of now.
@@ -148,10 +158,30 @@ impl KeyCache {
             .map
             .write()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
+        Self::put(&mut map, key_hash, account);
+    }
+
+    fn put(
+        map: &mut std::collections::HashMap<String, (AccountId, std::time::Instant)>,
+        key_hash: String,
+        account: AccountId,
+    ) {
         if map.len() >= MAX_CACHED_KEYS {
             map.clear();
         }
         map.insert(key_hash, (account, std::time::Instant::now()));
+    }
+
+    /// As [`insert`](Self::insert), unless a key was removed since the count `removals_seen`
+    /// (the lookup's answer may predate a revocation).
+    fn insert_unless_removed(&self, key_hash: String, account: AccountId, removals_seen: u64) {
+        let mut map = self
+            .map
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if self.removals.load(std::sync::atomic::Ordering::SeqCst) == removals_seen {
+            Self::put(&mut map, key_hash, account);
+        }
     }
 
     /// The account of `key_hash`: remembered, else looked up in `store` (and remembered when
@@ -169,12 +199,26 @@ impl KeyCache {
         store: &dyn crate::Store,
         key_hash: &str,
     ) -> Result<Option<AccountId>, crate::LedgerError> {
+        self.account_for_with(key_hash, store.account_for_key_hash(key_hash))
+            .await
+    }
+
+    /// [`account_for`](Self::account_for) with the store's `lookup` of `key_hash` (a lazy
+    /// future, started only on a miss): its answer is remembered only when no key was removed
+    /// while it ran, so a key revoked and [removed](Self::remove) during the lookup is not
+    /// remembered as live.
+    async fn account_for_with(
+        &self,
+        key_hash: &str,
+        lookup: impl std::future::Future<Output = Result<Option<AccountId>, crate::LedgerError>>,
+    ) -> Result<Option<AccountId>, crate::LedgerError> {
         if let Some(account) = self.get(key_hash) {
             return Ok(Some(account));
         }
-        let found = store.account_for_key_hash(key_hash).await?;
+        let removals_seen = self.removals.load(std::sync::atomic::Ordering::SeqCst);
+        let found = lookup.await?;
         if let Some(account) = &found {
-            self.insert(key_hash.to_owned(), account.clone());
+            self.insert_unless_removed(key_hash.to_owned(), account.clone(), removals_seen);
         }
         Ok(found)
     }

@@ -279,7 +279,7 @@ impl From<&MeterError> for ApiError {
 }
 
 /// A ledger error as an admin or enrollment handler answers it: 404 for an unknown id, 409 for
-/// a duplicate or a reused idempotency key, 400 out of range, else 503 `ledger_unavailable`
+/// a duplicate or a reused idempotency key, 400 out of range or for a text with a NUL, else 503 `ledger_unavailable`
 /// (logged; the caller gets no detail).
 impl From<LedgerError> for ApiError {
     fn from(e: LedgerError) -> Self {
@@ -300,6 +300,10 @@ impl From<LedgerError> for ApiError {
                 format!("{e}: the key was already used for another account or amount"),
             ),
             LedgerError::OutOfRange => Self::invalid_request("out_of_range", e.to_string()),
+            LedgerError::InvalidText => Self::invalid_request(
+                "invalid_text",
+                "a text in the request (an id, an address, a key) holds a NUL character",
+            ),
             other => {
                 tracing::error!(error = %other, "ledger error");
                 Self::new(
@@ -362,6 +366,95 @@ impl From<TranslateError> for ApiError {
             ),
             TranslateError::Invalid(e) => Self::from(e),
             e => Self::invalid_request("invalid_body", e.to_string()),
+        }
+    }
+}
+
+/// A path parameter axum could not extract (not valid UTF-8 once percent-decoded, not the
+/// type asked for): 400 `invalid_path` with axum's reason, never axum's plain-text rejection.
+/// (A route whose parameters do not match its handler is the application's fault: 500.)
+impl From<axum::extract::rejection::PathRejection> for ApiError {
+    fn from(e: axum::extract::rejection::PathRejection) -> Self {
+        if e.status().is_server_error() {
+            tracing::error!(error = %e.body_text(), "path parameters do not fit the handler");
+            return Self::internal("the route's parameters could not be read");
+        }
+        Self::new(
+            e.status(),
+            "invalid_request_error",
+            "invalid_path",
+            e.body_text(),
+        )
+    }
+}
+
+/// A body axum could not read: 413 `request_too_large` past the route's limit
+/// (`DefaultBodyLimit`), else `invalid_body` with axum's status and reason, never axum's
+/// plain-text rejection.
+impl From<axum::extract::rejection::BytesRejection> for ApiError {
+    fn from(e: axum::extract::rejection::BytesRejection) -> Self {
+        let status = e.status();
+        if status == StatusCode::PAYLOAD_TOO_LARGE {
+            return Self::new(
+                status,
+                "invalid_request_error",
+                "request_too_large",
+                format!("the request body is too large: {}", e.body_text()),
+            );
+        }
+        Self::new(
+            status,
+            "invalid_request_error",
+            "invalid_body",
+            format!("the body could not be read: {}", e.body_text()),
+        )
+    }
+}
+
+/// axum's [`Path`](axum::extract::Path) whose rejection is an [`ApiError`]
+/// ([`From<PathRejection>`](#impl-From<PathRejection>-for-ApiError)): for handlers that answer
+/// in OpenAI's shape, whatever the URL holds (`%FF` is not a `String`).
+#[derive(Debug, Clone)]
+pub struct ApiPath<T>(pub T);
+
+impl<T, S> axum::extract::FromRequestParts<S> for ApiPath<T>
+where
+    T: serde::de::DeserializeOwned + Send,
+    S: Send + Sync,
+{
+    type Rejection = ApiError;
+
+    async fn from_request_parts(
+        parts: &mut http::request::Parts,
+        state: &S,
+    ) -> Result<Self, Self::Rejection> {
+        match <axum::extract::Path<T> as axum::extract::FromRequestParts<S>>::from_request_parts(
+            parts, state,
+        )
+        .await
+        {
+            Ok(axum::extract::Path(v)) => Ok(Self(v)),
+            Err(e) => Err(ApiError::from(e)),
+        }
+    }
+}
+
+/// The request's body as [`Bytes`](bytes::Bytes) (within the route's `DefaultBodyLimit`), its
+/// rejection an [`ApiError`] ([`From<BytesRejection>`](#impl-From<BytesRejection>-for-ApiError)):
+/// a body past the limit is 413 in OpenAI's shape, not axum's plain text.
+#[derive(Debug, Clone)]
+pub struct ApiBody(pub bytes::Bytes);
+
+impl<S> axum::extract::FromRequest<S> for ApiBody
+where
+    S: Send + Sync,
+{
+    type Rejection = ApiError;
+
+    async fn from_request(req: axum::extract::Request, state: &S) -> Result<Self, Self::Rejection> {
+        match <bytes::Bytes as axum::extract::FromRequest<S>>::from_request(req, state).await {
+            Ok(b) => Ok(Self(b)),
+            Err(e) => Err(ApiError::from(e)),
         }
     }
 }

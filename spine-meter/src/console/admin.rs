@@ -13,7 +13,7 @@
 
 use std::sync::Arc;
 
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::response::IntoResponse;
 use axum::routing::post;
 use axum::Json;
@@ -28,7 +28,7 @@ use crate::ledger::{ConsoleRole, ConsoleUser};
 
 use super::auth::{hash_password, new_token, token_hash};
 use super::ConsoleHost;
-use crate::openai_error::ApiError;
+use crate::openai_error::{ApiBody, ApiError, ApiPath};
 
 /// The admin API's console calls (see the [module docs](self)) over `H`'s store, to merge into
 /// the application's admin router: they check no credential themselves, so mount them behind
@@ -66,24 +66,32 @@ struct CreateUserBody {
     sign_in_link: bool,
 }
 
-/// Issues a sign-in link for `user_id`; the path to open on the console listener.
-async fn issue_link(state: &dyn ConsoleHost, user_id: &str) -> Result<String, ApiError> {
-    let token = new_token().ok_or_else(|| ApiError::internal("no randomness available"))?;
+/// Issues a sign-in link for `user_id` with a fresh `token`; the path to open on the console
+/// listener.
+async fn issue_link(
+    state: &dyn ConsoleHost,
+    user_id: &str,
+    token: &str,
+) -> Result<String, crate::LedgerError> {
     let expires = spine_core::unix_time_ms().saturating_add(LINK_TTL_MS);
     state
         .store()
         .clone()
         .console()
-        .create_console_link(&token_hash(&token), user_id, expires)
-        .await
-        .map_err(ApiError::from)?;
+        .create_console_link(&token_hash(token), user_id, expires)
+        .await?;
     Ok(format!("/console/signin/link/{token}"))
+}
+
+/// A fresh sign-in link token.
+fn link_token() -> Result<String, ApiError> {
+    new_token().ok_or_else(|| ApiError::internal("no randomness available"))
 }
 
 /// `POST /admin/v1/console/users`.
 async fn create_user<H: ConsoleHost>(
     State(state): State<Arc<H>>,
-    body: axum::body::Bytes,
+    ApiBody(body): ApiBody,
 ) -> Result<impl IntoResponse, ApiError> {
     let body: CreateUserBody = serde_json::from_slice(&body).map_err(|e| {
         ApiError::invalid_request("invalid_json", format!("invalid JSON body: {e}"))
@@ -143,7 +151,12 @@ async fn create_user<H: ConsoleHost>(
         .await
         .map_err(ApiError::from)?;
     let sign_in_path = if body.sign_in_link {
-        Some(issue_link(&*state, &user.user_id).await?)
+        let token = link_token()?;
+        Some(
+            issue_link(&*state, &user.user_id, &token)
+                .await
+                .map_err(ApiError::from)?,
+        )
     } else {
         None
     };
@@ -167,21 +180,28 @@ async fn create_user<H: ConsoleHost>(
 /// `POST /admin/v1/console/users/{id}/sign-in-link`.
 async fn create_link<H: ConsoleHost>(
     State(state): State<Arc<H>>,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
 ) -> Result<impl IntoResponse, ApiError> {
     if !keys::valid_id(&id) {
         return Err(ApiError::not_found("no such console user"));
     }
-    let path = issue_link(&*state, &id)
-        .await
-        .map_err(|_| ApiError::not_found("no such console user"))?;
+    let token = link_token()?;
+    // the link's one reference is its user: a refusal is an unknown user, unless the store
+    // could not be reached (503, retry) or the id cannot be stored (400)
+    let path = issue_link(&*state, &id, &token).await.map_err(|e| {
+        if e.is_unavailable() || matches!(e, crate::LedgerError::InvalidText) {
+            ApiError::from(e)
+        } else {
+            ApiError::not_found("no such console user")
+        }
+    })?;
     Ok((StatusCode::CREATED, Json(json!({ "sign_in_path": path }))))
 }
 
 /// `POST /admin/v1/console/users/{id}/revoke-sessions`.
 async fn revoke_sessions<H: ConsoleHost>(
     State(state): State<Arc<H>>,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
 ) -> Result<impl IntoResponse, ApiError> {
     let revoked = state
         .store()

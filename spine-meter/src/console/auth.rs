@@ -8,10 +8,12 @@
 //!   API revoke it.
 //! - CSRF: every state-changing form carries `csrf`, the SHA-256 of a fixed label and the session
 //!   token (a value only a page of this session can know; it is never stored); a POST without
-//!   the right one is refused 403 before anything else is done.
-//! - Sign-in attempts are rate limited per client IP and per e-mail address (a GCRA: in Redis,
-//!   shared by every instance, when the gateway has one; else governor's, per instance):
-//!   [`SignInLimits`].
+//!   the right one is refused 403 before anything else is done. A state-changing request a
+//!   browser marks as sent by another site (`Sec-Fetch-Site`) is refused 403 before any handler
+//!   ([`refuse_cross_site`]): the sign-in forms too, which have no session to tie a token to.
+//! - Sign-in attempts are rate limited per client IP (an IPv6 client: its /64) and per e-mail
+//!   address (a GCRA: in Redis, shared by every instance, when the gateway has one; else
+//!   governor's, per instance): [`SignInLimits`].
 
 use std::net::IpAddr;
 use std::num::NonZeroU32;
@@ -67,6 +69,7 @@ impl SignInLimits {
     /// instance ([`RateLimits::check_shared`]); without it, or while Redis fails, each
     /// instance counts its own.
     async fn allow(&self, shared: &RateLimits, ip: IpAddr, email: Option<&str>) -> bool {
+        let ip = client_of(ip);
         // keep the maps bounded: drop keys whose limit has fully recovered
         if self.per_ip.len() > 10_000 {
             self.per_ip.retain_recent();
@@ -96,6 +99,23 @@ impl SignInLimits {
             None => self.per_user.check_key(&email.to_owned()).is_ok(),
         };
         ip_ok && user_ok
+    }
+}
+
+/// The client an address counts as for the per-IP limit: an IPv4 address (also written as
+/// an IPv4-mapped IPv6 one); for IPv6, its /64 prefix, the smallest block a host is given
+/// (every address of an ISP customer's or a cloud VM's /64 is one client: counted per
+/// address, one machine would have 2^64 budgets, and argon2's 19 MiB and tens of
+/// milliseconds per attempt unbounded).
+fn client_of(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V4(_) => ip,
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => IpAddr::V6(std::net::Ipv6Addr::from(
+                u128::from(v6) & !((1u128 << 64) - 1),
+            )),
+        },
     }
 }
 
@@ -227,6 +247,42 @@ pub(super) async fn require_post(
         Ok(Some(user)) => Ok((user, token)),
         Ok(None) => Err(forbidden()),
         Err(e) => Err(s.store_error(&e)),
+    }
+}
+
+/// Refuses (403) a state-changing request a browser says another site sent
+/// (`Sec-Fetch-Site` other than `same-origin`, or `none` for one the user made), before any
+/// handler. The session cookie is `SameSite=Strict` and every form carries its CSRF token, but
+/// the sign-in forms have no session yet: without this, a page elsewhere could post its
+/// author's e-mail and password and leave the visitor signed in as them (an operator who then
+/// issues an enrollment token and enrolls a GPU gives it to that operator). Clients that send
+/// no `Sec-Fetch-Site` (not a browser, or one too old to) are not refused.
+pub(super) async fn refuse_cross_site(
+    State(s): State<Arc<ConsoleState>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let safe = matches!(
+        *req.method(),
+        http::Method::GET | http::Method::HEAD | http::Method::OPTIONS
+    );
+    let site = req
+        .headers()
+        .get("sec-fetch-site")
+        .map(|v| v.to_str().unwrap_or("?").to_ascii_lowercase());
+    match site.as_deref() {
+        Some(site) if !safe && site != "same-origin" && site != "none" => {
+            tracing::warn!(
+                site,
+                path = req.uri().path(),
+                "console: cross-site request refused"
+            );
+            s.error(
+                StatusCode::FORBIDDEN,
+                "This form was sent from another site; open the console and try again.",
+            )
+        }
+        _ => next.run(req).await,
     }
 }
 
@@ -399,7 +455,37 @@ pub(super) async fn signout(
 
 #[cfg(test)]
 mod tests {
-    use super::{csrf_ok, csrf_token, hash_password, password_ok};
+    use super::{client_of, csrf_ok, csrf_token, hash_password, password_ok, SignInLimits};
+    use crate::limits::RateLimits;
+    use std::net::IpAddr;
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap_or(IpAddr::from([0, 0, 0, 0]))
+    }
+
+    /// One IPv6 host holds a /64: counted per address it had 2^64 sign-in budgets (each
+    /// attempt an argon2 hash, 19 MiB). Its whole /64 shares the per-IP limit (a burst of 10);
+    /// another /64 and IPv4 clients keep their own; an IPv4-mapped address is its IPv4 client.
+    #[tokio::test]
+    async fn an_ipv6_host_cannot_dodge_the_sign_in_limit_by_changing_address() {
+        let limits = SignInLimits::default();
+        let shared = RateLimits::in_memory(0, 0);
+        for i in 0..10 {
+            let addr = ip(&format!("2001:db8:1:2:{i:x}::{:x}", i * 7 + 1));
+            assert!(limits.allow(&shared, addr, None).await, "attempt {i}");
+        }
+        assert!(
+            !limits
+                .allow(&shared, ip("2001:db8:1:2:ffff::1"), None)
+                .await,
+            "the 11th attempt from the same /64"
+        );
+        assert!(limits.allow(&shared, ip("2001:db8:1:3::1"), None).await);
+        assert!(limits.allow(&shared, ip("192.0.2.7"), None).await);
+        assert_eq!(client_of(ip("::ffff:192.0.2.7")), ip("192.0.2.7"));
+        assert_eq!(client_of(ip("2001:db8:1:2:a:b:c:d")), ip("2001:db8:1:2::"));
+        assert_eq!(client_of(ip("192.0.2.7")), ip("192.0.2.7"));
+    }
 
     #[test]
     fn csrf_tokens_belong_to_one_session() {

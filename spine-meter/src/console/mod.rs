@@ -314,8 +314,17 @@ impl ConsoleState {
         r
     }
 
-    /// A store failure as an error page (the cause logged, not shown).
+    /// A store failure as an error page (the cause logged, not shown); a caller's text the store
+    /// refuses ([`LedgerError::InvalidText`](crate::LedgerError::InvalidText)) is a 400.
     fn store_error(&self, e: &crate::LedgerError) -> Response {
+        if matches!(e, crate::LedgerError::InvalidText) {
+            // the caller's text (a form field, a filter) holds a NUL: theirs to fix, nothing
+            // failed
+            return self.error(
+                StatusCode::BAD_REQUEST,
+                "The request holds a character that cannot be used (NUL).",
+            );
+        }
         tracing::error!(error = %e, "console store call failed");
         if e.is_unavailable() {
             self.error(
@@ -419,6 +428,10 @@ pub fn router(state: Arc<ConsoleState>) -> Router {
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
             html_errors,
+        ))
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            auth::refuse_cross_site,
         ))
         .with_state(state)
 }

@@ -75,3 +75,32 @@ fn ids_are_restricted() {
     assert!(!valid_id("../../x y"));
     assert!(!valid_id(&"a".repeat(65)));
 }
+
+/// A key revoked (and [`KeyCache::remove`]d, as the console does) while a request's lookup of
+/// it is under way: the lookup read it live, just before the revocation, so that request
+/// goes on; but its answer must not be remembered, else the revoked key would keep working on
+/// this instance for the cache's whole time to live.
+#[tokio::test]
+async fn a_key_revoked_during_its_lookup_is_not_remembered() -> Result<(), crate::LedgerError> {
+    let cache = KeyCache::new(std::time::Duration::from_secs(3600));
+    let found = cache
+        .account_for_with("h1", async {
+            // the store's answer is on its way; the key is revoked and forgotten meanwhile
+            cache.remove("h1");
+            Ok(Some(AccountId::new("a1")))
+        })
+        .await?;
+    assert_eq!(found, Some(AccountId::new("a1")));
+    assert_eq!(cache.get("h1"), None);
+    // with no removal during the lookup, the answer is remembered as before
+    let found = cache
+        .account_for_with("h2", async { Ok(Some(AccountId::new("a2"))) })
+        .await?;
+    assert_eq!(found, Some(AccountId::new("a2")));
+    assert_eq!(cache.get("h2"), Some(AccountId::new("a2")));
+    // an unknown key is never remembered
+    let found = cache.account_for_with("h3", async { Ok(None) }).await?;
+    assert_eq!(found, None);
+    assert_eq!(cache.get("h3"), None);
+    Ok(())
+}

@@ -142,6 +142,11 @@ pub enum LedgerError {
     /// An amount does not fit the store's signed 64-bit integers.
     #[error("amount out of range")]
     OutOfRange,
+    /// A text (an id, an e-mail address, a filter, an idempotency key) holds a NUL character,
+    /// which PostgreSQL cannot store or compare: refused before the database is asked, by both
+    /// SQL stores alike. Nothing was read or changed.
+    #[error("text holds a NUL character")]
+    InvalidText,
     /// Another live process holds this gateway instance id: the `instances` row was
     /// heartbeat `heartbeat_age_ms` ago by a process other than this one. Instance ids must be
     /// unique; a restart under the same id waits until the previous process's heartbeat is older

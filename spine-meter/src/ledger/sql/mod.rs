@@ -40,6 +40,21 @@ pub(super) enum Arg<'a> {
     Bool(bool),
 }
 
+/// Refuses a statement whose text arguments hold a NUL character
+/// ([`LedgerError::InvalidText`]): PostgreSQL refuses them with an error that would otherwise
+/// read as the database failing (a 503 the caller is told to retry), and SQLite would keep what
+/// PostgreSQL cannot; a caller's text (an e-mail address, a URL's id, a filter) may hold one.
+pub(super) fn storable(args: &[Arg<'_>]) -> Result<(), LedgerError> {
+    let nul = args.iter().any(|a| match a {
+        Arg::Text(t) | Arg::OptText(Some(t)) => t.contains('\0'),
+        _ => false,
+    });
+    if nul {
+        return Err(LedgerError::InvalidText);
+    }
+    Ok(())
+}
+
 /// Appends `new` to a statement's `args` and returns their placeholders (`"$n"`, numbered on
 /// from the arguments already there), for a statement whose text is built as it goes.
 pub(super) fn bind<'a, const N: usize>(args: &mut Vec<Arg<'a>>, new: [Arg<'a>; N]) -> [String; N] {
@@ -120,6 +135,7 @@ macro_rules! sql_conn {
                 args: &'a [$crate::ledger::sql::Arg<'a>],
             ) -> $crate::ledger::LedgerFuture<'a, u64> {
                 Box::pin(async move {
+                    $crate::ledger::sql::storable(args)?;
                     let done = bind_args(sqlx::query(sql), args)
                         .execute(self)
                         .await
@@ -134,6 +150,7 @@ macro_rules! sql_conn {
                 args: &'a [$crate::ledger::sql::Arg<'a>],
             ) -> $crate::ledger::LedgerFuture<'a, Option<$row>> {
                 Box::pin(async move {
+                    $crate::ledger::sql::storable(args)?;
                     bind_args(sqlx::query(sql), args)
                         .fetch_optional(self)
                         .await
@@ -147,6 +164,7 @@ macro_rules! sql_conn {
                 args: &'a [$crate::ledger::sql::Arg<'a>],
             ) -> $crate::ledger::LedgerFuture<'a, Vec<$row>> {
                 Box::pin(async move {
+                    $crate::ledger::sql::storable(args)?;
                     bind_args(sqlx::query(sql), args)
                         .fetch_all(self)
                         .await

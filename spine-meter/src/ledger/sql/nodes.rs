@@ -126,6 +126,19 @@ pub(in crate::ledger) async fn redeem_enrollment<B: Backend>(
     public_key_text: &str,
     name: Option<&str>,
 ) -> Result<Enrollment, LedgerError> {
+    // Anyone who reaches the tunnel listener may redeem: a token that was never issued is
+    // refused on a read, and never waits for (nor holds) the write transaction that billing
+    // shares (SQLite's one writer, a PostgreSQL connection for three round trips).
+    let issued = read_text(
+        b,
+        "SELECT operator_id FROM enrollments WHERE token_hash = $1",
+        &[Arg::Text(token_hash)],
+        "operator_id",
+    )
+    .await?;
+    if issued.is_none() {
+        return Err(LedgerError::UnknownEnrollment);
+    }
     retrying::<B, _, _, _>(|| async {
         let mut tx = b.begin().await?;
         match redeem_in::<B>(&mut tx, token_hash, public_key_text, name).await {

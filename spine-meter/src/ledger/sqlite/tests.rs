@@ -580,3 +580,48 @@ async fn a_released_write_whose_caller_went_away_is_still_committed() {
     assert_eq!(operators(&l).await, 1);
     l.close().await;
 }
+
+/// `POST /v1/enroll` is open to anyone: a token that was never issued is refused on a read,
+/// at once, even while the write lock is held (here by another process): it neither queues
+/// for the writer that holds and settlements share nor takes it. An issued token still
+/// redeems through the write transaction, once the lock is free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unknown_enrollment_token_is_refused_without_the_writer() {
+    let (_dir, path, l) = file_store().await;
+    let op = spine_core::OperatorId::from("op");
+    l.create_operator(&op).await.unwrap();
+    l.create_enrollment(&op, "tok-issued", i64::MAX)
+        .await
+        .unwrap();
+    let (locked_tx, locked_rx) = std::sync::mpsc::channel();
+    let other = std::thread::spawn(move || {
+        let c = rusqlite::Connection::open(&path).unwrap();
+        c.execute_batch("BEGIN IMMEDIATE; UPDATE operators SET earned_micros = 0 WHERE id = 'op';")
+            .unwrap();
+        locked_tx.send(()).unwrap();
+        std::thread::sleep(Duration::from_millis(3_000));
+        c.execute_batch("COMMIT").unwrap();
+    });
+    locked_rx.recv().unwrap();
+    let started = std::time::Instant::now();
+    let refused = l
+        .redeem_enrollment("tok-never-issued", "ed25519:NEW1", None)
+        .await;
+    let took = started.elapsed();
+    assert!(
+        matches!(refused, Err(LedgerError::UnknownEnrollment)),
+        "{refused:?}"
+    );
+    assert!(
+        took < Duration::from_millis(1_500),
+        "an unknown token waited {took:?} for the writer"
+    );
+    // the issued token waits for the lock, then redeems
+    let enrolled = l
+        .redeem_enrollment("tok-issued", "ed25519:NEW1", None)
+        .await
+        .unwrap();
+    assert_eq!(enrolled.operator, op);
+    other.join().unwrap();
+    l.close().await;
+}
