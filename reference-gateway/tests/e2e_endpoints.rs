@@ -400,23 +400,33 @@ async fn limits(gw: &Gateway, s: &Setup, t: &mut Traffic) -> (u64, u64) {
         .await;
     assert_eq!(status, 201);
     let tpm_key = key["key"].as_str().unwrap().to_owned();
-    // 5 + 90 = 95 of 100 reserved; a ban on the end tokens makes it use them all. The bucket refills at
-    // 100/60 tokens/s, so the second request below fits only after ~54 s: far longer than the
-    // first request takes even on a loaded machine.
+    // 5 + 90 = 95 of 100 reserved at admission; a ban on the end tokens makes it use them all.
+    // The bucket refills at 100/60 tokens/s, so a second request of 95 fits only ~54 s after the
+    // first was admitted. It is sent while the first still streams (its first event is in, so it
+    // was admitted and its 95 are reserved): what separates the two is the first's time to first
+    // token, not its whole generation (which took over 50 s in a debug build beside two busy
+    // llama-servers, and let the refill admit the second).
     let long = json!({"model": "smollm2", "prompt": "The capital of France is",
                       "max_tokens": 90, "logit_bias": {"0": -100, "2": -100}});
-    let resp = gw.api_post(&tpm_key, "/v1/completions", &long).await;
-    assert_eq!(resp.status(), 200);
-    let id = request_id(&resp);
-    drop(resp.bytes().await.unwrap());
-    let rec = gw.record(&id).await;
-    let used = rec["billed"]["prompt_tokens"].as_u64().unwrap()
-        + rec["billed"]["completion_tokens"].as_u64().unwrap();
-    assert!(used > 80, "{rec}");
-    t.settled(&rec);
-    t.completions_200 += 1;
-    // the same again needs 95; at most 100 − used + refill is there
-    let before = gw.balance(&s.account).await;
+    let before = gw.balance_once_released(&s.account).await;
+    assert_eq!(before.1, 0, "nothing held before the first");
+    let mut first = gw
+        .api_post(
+            &tpm_key,
+            "/v1/completions",
+            &json!({
+            "model": "smollm2", "prompt": "The capital of France is", "max_tokens": 90,
+            "logit_bias": {"0": -100, "2": -100}, "stream": true,
+            "stream_options": {"include_usage": true}}),
+        )
+        .await;
+    assert_eq!(first.status(), 200);
+    let first_id = request_id(&first);
+    let mut first_body = Vec::new();
+    while first_body.is_empty() {
+        first_body.extend_from_slice(&first.chunk().await.unwrap().expect("a first event"));
+    }
+    // the same again needs 95; at most 5 + refill is there
     let resp = gw.api_post(&tpm_key, "/v1/completions", &long).await;
     assert_eq!(resp.status(), 429);
     let refused_id = request_id(&resp);
@@ -429,12 +439,33 @@ async fn limits(gw: &Gateway, s: &Setup, t: &mut Traffic) -> (u64, u64) {
     let e: Value = resp.json().await.unwrap();
     assert_eq!(e["error"]["type"], "tokens");
     assert_eq!(e["error"]["code"], "rate_limit_exceeded");
-    // refused before the hold: nothing held, no record
-    assert_eq!(gw.balance(&s.account).await, before);
+    // refused before the hold: no record (and below: nothing held or debited but the first's bill)
     let (status, _) = gw
         .admin_get(&format!("/admin/v1/requests/{refused_id}"))
         .await;
     assert_eq!(status, 404);
+    // the first runs to its end and is billed what it used
+    while let Some(chunk) = first.chunk().await.unwrap() {
+        first_body.extend_from_slice(&chunk);
+    }
+    assert!(
+        String::from_utf8(first_body)
+            .unwrap()
+            .ends_with("data: [DONE]\n\n"),
+        "the first stream ends cleanly"
+    );
+    let rec = gw.record(&first_id).await;
+    let used = rec["billed"]["prompt_tokens"].as_u64().unwrap()
+        + rec["billed"]["completion_tokens"].as_u64().unwrap();
+    assert!(used > 80, "{rec}");
+    let debit = rec["debit_micros"].as_u64().unwrap();
+    assert_eq!(
+        gw.balance_once_released(&s.account).await,
+        (before.0 - debit, 0),
+        "only the first was held and debited"
+    );
+    t.settled(&rec);
+    t.completions_200 += 1;
     // a request larger than the whole budget never fits: 429 without Retry-After
     let resp = gw
         .api_post(
