@@ -51,6 +51,10 @@ start=$(date +%s)
 rc=0
 "$@" || rc=$?
 total=0
-for f in "$WORK"/busy-*.count; do [[ -f "$f" ]] && total=$((total + $(cat "$f"))); done
+for f in "$WORK"/busy-*.count; do
+  # a count file may be caught mid-write (empty)
+  count="$(cat "$f" 2>/dev/null || true)"
+  total=$((total + ${count:-0}))
+done
 log "exit $rc after $(( $(date +%s) - start )) s; the busy clients finished $total completions (≤ 256 tokens each) meanwhile"
 exit "$rc"
