@@ -330,15 +330,7 @@ async fn an_oversized_enrollment_is_an_openai_shaped_413() {
     let engine = Engine::discover().unwrap();
     let dir = tempfile::tempdir().unwrap();
     let gw = Gateway::start(dir.path(), &engine).await;
-    let ca = reqwest::Certificate::from_pem(&std::fs::read(&gw.ca_file).unwrap()).unwrap();
-    let client = reqwest::Client::builder()
-        .add_root_certificate(ca)
-        .build()
-        .unwrap();
-    let base = gw
-        .tunnel
-        .replacen("wss://", "https://", 1)
-        .replace("/v1/tunnel", "");
+    let (client, base) = tunnel_listener_client(&gw);
     let body = json!({"token": "x".repeat(20_000), "public_key": "ed25519:x"});
     let resp = client
         .post(format!("{base}/v1/enroll"))
@@ -400,15 +392,7 @@ async fn the_tunnel_and_admin_listeners_refuse_in_openais_shape() {
         .unwrap();
     openai_error(resp, 400, "invalid_text", "NUL in an account id").await;
     // the tunnel listener: anyone can reach it
-    let ca = reqwest::Certificate::from_pem(&std::fs::read(&gw.ca_file).unwrap()).unwrap();
-    let client = reqwest::Client::builder()
-        .add_root_certificate(ca)
-        .build()
-        .unwrap();
-    let base = gw
-        .tunnel
-        .replacen("wss://", "https://", 1)
-        .replace("/v1/tunnel", "");
+    let (client, base) = tunnel_listener_client(&gw);
     let resp = client
         .get(format!("{base}/v1/enroll"))
         .send()
@@ -427,4 +411,19 @@ async fn the_tunnel_and_admin_listeners_refuse_in_openais_shape() {
         "an admin URL on the tunnel listener",
     )
     .await;
+}
+
+/// A client that trusts the gateway's tunnel certificate, and the tunnel listener's
+/// `https://host:port` (where `/v1/enroll` and the node's status are served).
+fn tunnel_listener_client(gw: &Gateway) -> (reqwest::Client, String) {
+    let ca = reqwest::Certificate::from_pem(&std::fs::read(&gw.ca_file).unwrap()).unwrap();
+    let client = reqwest::Client::builder()
+        .add_root_certificate(ca)
+        .build()
+        .unwrap();
+    let base = gw
+        .tunnel
+        .replacen("wss://", "https://", 1)
+        .replace("/v1/tunnel", "");
+    (client, base)
 }

@@ -139,6 +139,17 @@ fn assert_openai_error(json: &Value, kind: &str, code: &str, context: &str) {
     assert_eq!(json.as_object().unwrap().len(), 1, "{context}: {json}");
 }
 
+/// Creates a platform console user with `email` through the admin API: the status and answer.
+async fn create_console_user(app: &Router, email: &str) -> (StatusCode, Value) {
+    call(
+        app,
+        "POST",
+        "/admin/v1/console/users",
+        json!({"email": email, "platform": true, "password": "correct horse battery"}).to_string(),
+    )
+    .await
+}
+
 async fn sqlite() -> Arc<dyn Store> {
     Arc::new(SqliteLedger::in_memory().await.unwrap())
 }
@@ -224,14 +235,7 @@ async fn the_tunnel_listeners_wrong_urls_and_methods_are_openai_errors() {
 /// `invalid_text`.
 async fn nul_texts_are_the_callers_400(store: Arc<dyn Store>) {
     let app = admin(&store);
-    let (status, json) = call(
-        &app,
-        "POST",
-        "/admin/v1/console/users",
-        json!({"email": "a\u{0}@x.example", "platform": true, "password": "correct horse battery"})
-            .to_string(),
-    )
-    .await;
+    let (status, json) = create_console_user(&app, "a\u{0}@x.example").await;
     assert_eq!(status, StatusCode::BAD_REQUEST, "{json}");
     assert_openai_error(
         &json,
@@ -256,14 +260,7 @@ async fn nul_texts_are_the_callers_400(store: Arc<dyn Store>) {
         Err(spine_meter::LedgerError::InvalidText)
     ));
     // honest texts are unchanged
-    let (status, json) = call(
-        &app,
-        "POST",
-        "/admin/v1/console/users",
-        json!({"email": "a@x.example", "platform": true, "password": "correct horse battery"})
-            .to_string(),
-    )
-    .await;
+    let (status, json) = create_console_user(&app, "a@x.example").await;
     assert_eq!(status, StatusCode::CREATED, "{json}");
     assert_eq!(json["email"], "a@x.example");
     let (status, json) = call(&app, "GET", "/admin/v1/operators/nobody", "").await;
@@ -329,14 +326,7 @@ async fn a_nul_in_the_sign_in_address_is_a_400_page_postgres() {
 #[tokio::test]
 async fn a_sign_in_posted_from_another_site_is_refused() {
     let store = sqlite().await;
-    let (status, json) = call(
-        &admin(&store),
-        "POST",
-        "/admin/v1/console/users",
-        json!({"email": "p@x.example", "platform": true, "password": "correct horse battery"})
-            .to_string(),
-    )
-    .await;
+    let (status, json) = create_console_user(&admin(&store), "p@x.example").await;
     assert_eq!(status, StatusCode::CREATED, "{json}");
     let state = ConsoleState::new(host(store), Router::new(), ConsoleConfig::default()).unwrap();
     let app = console::router(Arc::new(state));
@@ -410,14 +400,7 @@ async fn a_sign_in_link_during_an_outage_is_a_503_not_a_404() {
     );
     let store: Arc<dyn Store> = ledger.clone();
     let app = admin(&store);
-    let (status, json) = call(
-        &app,
-        "POST",
-        "/admin/v1/console/users",
-        json!({"email": "p@x.example", "platform": true, "password": "correct horse battery"})
-            .to_string(),
-    )
-    .await;
+    let (status, json) = create_console_user(&app, "p@x.example").await;
     assert_eq!(status, StatusCode::CREATED, "{json}");
     let user = json["user_id"].as_str().unwrap().to_owned();
     let link = format!("/admin/v1/console/users/{user}/sign-in-link");
