@@ -75,16 +75,24 @@ async fn require_admin(State(state): State<Arc<AppState>>, req: Request, next: N
         .and_then(keys::bearer_token)
         .unwrap_or("");
     // Compare digests so the comparison time does not depend on how much of the token matched.
-    if Sha256::digest(presented.as_bytes()) != Sha256::digest(state.admin_token.as_bytes()) {
-        return ApiError::new(
-            StatusCode::UNAUTHORIZED,
-            "invalid_request_error",
-            "invalid_admin_token",
-            "admin API needs 'Authorization: Bearer <admin token>'",
-        )
-        .into_response();
-    }
-    next.run(req).await
+    let mut resp =
+        if Sha256::digest(presented.as_bytes()) != Sha256::digest(state.admin_token.as_bytes()) {
+            ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "invalid_request_error",
+                "invalid_admin_token",
+                "admin API needs 'Authorization: Bearer <admin token>'",
+            )
+            .into_response()
+        } else {
+            next.run(req).await
+        };
+    // admin answers carry new API keys, sign-in links and enrollment tokens: no cache keeps them
+    resp.headers_mut().insert(
+        header::CACHE_CONTROL,
+        header::HeaderValue::from_static("no-store"),
+    );
+    resp
 }
 
 /// Parses an optional JSON body; an empty body is `{}`.

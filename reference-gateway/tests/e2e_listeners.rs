@@ -391,6 +391,23 @@ async fn the_tunnel_and_admin_listeners_refuse_in_openais_shape() {
         .await
         .unwrap();
     openai_error(resp, 400, "invalid_text", "NUL in an account id").await;
+    // admin answers (a new key, a refusal) are never cached
+    let resp = gw
+        .admin_request(Method::POST, "/admin/v1/accounts")
+        .json(&json!({}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 201);
+    assert_eq!(header(&resp, "cache-control").as_deref(), Some("no-store"));
+    let resp = gw
+        .http
+        .get(format!("{}/admin/v1/queues", gw.admin))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 401);
+    assert_eq!(header(&resp, "cache-control").as_deref(), Some("no-store"));
     // the tunnel listener: anyone can reach it
     let (client, base) = tunnel_listener_client(&gw);
     let resp = client

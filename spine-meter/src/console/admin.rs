@@ -26,7 +26,9 @@ use spine_core::{AccountId, OperatorId};
 use crate::keys;
 use crate::ledger::{ConsoleRole, ConsoleUser};
 
-use super::auth::{hash_password, new_token, token_hash};
+use super::auth::{
+    hash_in_turn, hash_password, new_token, password_turns, token_hash, PASSWORD_HASH_WAIT,
+};
 use super::ConsoleHost;
 use crate::openai_error::{ApiBody, ApiError, ApiPath};
 
@@ -129,10 +131,19 @@ async fn create_user<H: ConsoleHost>(
             ))
         }
         Some(p) => Some(
-            tokio::task::spawn_blocking(move || hash_password(&p))
-                .await
-                .map_err(|_| ApiError::internal("password hashing failed"))?
-                .map_err(|_| ApiError::internal("password hashing failed"))?,
+            hash_in_turn(password_turns(), PASSWORD_HASH_WAIT, move || {
+                hash_password(&p)
+            })
+            .await
+            .map_err(|_| {
+                ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "server_error",
+                    "password_hashing_busy",
+                    "password hashing is busy; retry",
+                )
+            })?
+            .map_err(|_| ApiError::internal("password hashing failed"))?,
         ),
         None => None,
     };

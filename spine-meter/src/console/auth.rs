@@ -159,6 +159,47 @@ pub(crate) fn hash_password(password: &str) -> Result<String, argon2::password_h
         .to_string())
 }
 
+/// At most this many argon2 hashes or verifications run at once in this process (each takes
+/// 19 MiB and tens of milliseconds of CPU): sign-ins spread over many addresses, each within its
+/// own rate limit, queue here instead of taking 19 MiB each on up to 512 blocking threads.
+pub const MAX_CONCURRENT_PASSWORD_HASHES: usize = 4;
+
+/// How long a password hash waits for one of the [`MAX_CONCURRENT_PASSWORD_HASHES`] turns
+/// before the request is answered 503 (the console is busy) instead.
+pub const PASSWORD_HASH_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// The console's password hashing is busy: no turn came within the wait.
+#[derive(Debug)]
+pub(crate) struct PasswordHashingBusy;
+
+/// Runs `work` (an argon2 hash or verification) on a blocking thread, at most
+/// `turns.available_permits()` at once; `Err` when no turn came within `wait`, or the work
+/// panicked. The process-wide turns are [`password_turns`].
+///
+/// # Cancel safety
+///
+/// Dropping the future gives its turn back; work already started on its thread finishes there.
+pub(crate) async fn hash_in_turn<T: Send + 'static>(
+    turns: &tokio::sync::Semaphore,
+    wait: std::time::Duration,
+    work: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, PasswordHashingBusy> {
+    let permit = tokio::time::timeout(wait, turns.acquire())
+        .await
+        .map_err(|_| PasswordHashingBusy)?
+        .map_err(|_| PasswordHashingBusy)?;
+    let done = tokio::task::spawn_blocking(work).await;
+    drop(permit);
+    done.map_err(|_| PasswordHashingBusy)
+}
+
+/// The process's turns for password hashing ([`MAX_CONCURRENT_PASSWORD_HASHES`]).
+pub(crate) fn password_turns() -> &'static tokio::sync::Semaphore {
+    static TURNS: std::sync::LazyLock<tokio::sync::Semaphore> =
+        std::sync::LazyLock::new(|| tokio::sync::Semaphore::new(MAX_CONCURRENT_PASSWORD_HASHES));
+    &TURNS
+}
+
 /// Whether `password` matches the stored PHC hash.
 fn password_ok(hash: &str, password: &str) -> bool {
     PasswordHash::new(hash).is_ok_and(|h| {
@@ -367,10 +408,18 @@ pub(super) async fn signin(
         .as_ref()
         .and_then(|u| u.password_hash.clone())
         .unwrap_or_else(|| dummy_hash().to_owned());
-    // argon2 takes tens of milliseconds of CPU: off the async workers
-    let matches = tokio::task::spawn_blocking(move || password_ok(&hash, &password))
-        .await
-        .unwrap_or(false);
+    // argon2 takes tens of milliseconds of CPU and 19 MiB: off the async workers, a few at once
+    let Ok(matches) = hash_in_turn(password_turns(), PASSWORD_HASH_WAIT, move || {
+        password_ok(&hash, &password)
+    })
+    .await
+    else {
+        tracing::warn!("console sign-in: password hashing busy");
+        return s.error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "The console is busy; try again in a moment.",
+        );
+    };
     match user {
         Some(user) if matches && user.password_hash.is_some() => start_session(&s, &user).await,
         _ => {
@@ -503,5 +552,53 @@ mod tests {
         assert!(!password_ok(&h, "correct hors"));
         assert!(!password_ok("not a hash", "x"));
         Ok(())
+    }
+
+    /// No more than the turns run at once, whatever the number of callers; a caller that finds
+    /// no turn within its wait is told busy, and gets one once a turn is free.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn password_hashing_runs_a_few_at_a_time() {
+        use super::hash_in_turn;
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let turns = std::sync::Arc::new(tokio::sync::Semaphore::new(2));
+        let running = std::sync::Arc::new(AtomicUsize::new(0));
+        let most = std::sync::Arc::new(AtomicUsize::new(0));
+        let tasks: Vec<_> = (0..16)
+            .map(|_| {
+                let (turns, running, most) = (turns.clone(), running.clone(), most.clone());
+                tokio::spawn(async move {
+                    hash_in_turn(&turns, std::time::Duration::from_secs(3600), move || {
+                        let now = running.fetch_add(1, Ordering::SeqCst) + 1;
+                        most.fetch_max(now, Ordering::SeqCst);
+                        // stay until another runs beside this one (or 5 s: the last may be alone)
+                        let since = std::time::Instant::now();
+                        while running.load(Ordering::SeqCst) < 2
+                            && since.elapsed() < std::time::Duration::from_secs(5)
+                        {
+                            std::thread::sleep(std::time::Duration::from_millis(1));
+                        }
+                        std::thread::sleep(std::time::Duration::from_millis(2));
+                        running.fetch_sub(1, Ordering::SeqCst);
+                        7
+                    })
+                    .await
+                })
+            })
+            .collect();
+        for t in tasks {
+            assert_eq!(t.await.unwrap().unwrap(), 7);
+        }
+        assert_eq!(
+            most.load(Ordering::SeqCst),
+            2,
+            "at most two at once, and two did run"
+        );
+        // every turn taken: the next caller is told busy once its wait is over
+        let held = turns.clone().acquire_many_owned(2).await.unwrap();
+        let busy = hash_in_turn(&turns, std::time::Duration::from_millis(10), || 1).await;
+        assert!(busy.is_err());
+        drop(held);
+        let ok = hash_in_turn(&turns, std::time::Duration::from_millis(10), || 1).await;
+        assert_eq!(ok.unwrap(), 1);
     }
 }

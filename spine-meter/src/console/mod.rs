@@ -35,6 +35,7 @@
 
 mod admin;
 mod auth;
+pub use auth::{MAX_CONCURRENT_PASSWORD_HASHES, PASSWORD_HASH_WAIT};
 mod builder;
 mod host;
 mod operator;
