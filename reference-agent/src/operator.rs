@@ -252,6 +252,7 @@ pub(crate) async fn join(args: JoinArgs) -> Result<(), AnyError> {
     let mut body = json!({
         "token": args.token,
         "public_key": identity.public_key_text(),
+        "proof": spine_transport::node_status::enrollment_proof(&identity, &args.token),
         "models": offered,
     });
     if let Some(name) = &args.name {

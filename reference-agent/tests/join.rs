@@ -146,7 +146,7 @@ impl Gateway {
             .admin(
                 reqwest::Method::POST,
                 &format!("/admin/v1/accounts/{acct}/credits"),
-                Some(json!({"amount_micros": 1_000_000, "idempotency_key": "join-test"})),
+                Some(json!({"amount_micros": 1_000_000, "idempotency_key": format!("join-test-{acct}")})),
             )
             .await;
         assert_eq!(s, 200);
@@ -302,12 +302,16 @@ async fn join_from_nothing_to_serving_then_status_shows_model_and_earnings() {
     assert_eq!(v["earned_micros"], credit);
     assert_eq!(v["requests_served"], 1);
 
+    use spine_transport::node_status::enrollment_proof;
     // the token is spent: another key is refused; the same key (a retry) gets the same node
     let other = spine_transport::NodeIdentity::generate().unwrap();
     let r = gw
         .tunnel_http
         .post(gw.tunnel_https("/v1/enroll"))
-        .json(&json!({"token": token, "public_key": other.public_key_text()}))
+        .json(
+            &json!({"token": token, "public_key": other.public_key_text(),
+                      "proof": enrollment_proof(&other, &token)}),
+        )
         .send()
         .await
         .unwrap();
@@ -319,7 +323,8 @@ async fn join_from_nothing_to_serving_then_status_shows_model_and_earnings() {
     let r = gw
         .tunnel_http
         .post(gw.tunnel_https("/v1/enroll"))
-        .json(&json!({"token": token, "public_key": own.public_key_text()}))
+        .json(&json!({"token": token, "public_key": own.public_key_text(),
+                      "proof": enrollment_proof(&own, &token)}))
         .send()
         .await
         .unwrap();
@@ -328,9 +333,22 @@ async fn join_from_nothing_to_serving_then_status_shows_model_and_earnings() {
     assert_eq!(again["node_id"], node.as_str());
     for (body, status, code) in [
         (
-            json!({"token": "spine-enroll-nope", "public_key": other.public_key_text()}),
+            json!({"token": "spine-enroll-nope", "public_key": other.public_key_text(),
+                   "proof": enrollment_proof(&other, "spine-enroll-nope")}),
             401,
             "invalid_enrollment_token",
+        ),
+        (
+            json!({"token": token, "public_key": own.public_key_text()}),
+            400,
+            "enrollment_proof_required",
+        ),
+        // another node's key with a proof by a key the sender holds: refused
+        (
+            json!({"token": token, "public_key": own.public_key_text(),
+                   "proof": enrollment_proof(&other, &token)}),
+            401,
+            "invalid_node_signature",
         ),
         (
             json!({"token": token, "public_key": "ed25519:short"}),
@@ -350,6 +368,38 @@ async fn join_from_nothing_to_serving_then_status_shows_model_and_earnings() {
         let e: Value = r.json().await.unwrap();
         assert_eq!(e["error"]["code"], code, "{body}");
     }
+    // key squatting: a token's holder posts a key it does not hold (a node that has not
+    // enrolled yet), so that node's work would be credited to the token's operator: refused,
+    // and the token is not spent by the attempt
+    let (_, fresh_token, _) = gw.provision().await;
+    let victim = spine_transport::NodeIdentity::generate().unwrap();
+    let squatter = spine_transport::NodeIdentity::generate().unwrap();
+    let enroll = |body: Value| {
+        gw.tunnel_http
+            .post(gw.tunnel_https("/v1/enroll"))
+            .json(&body)
+            .send()
+    };
+    let r = enroll(
+        json!({"token": fresh_token, "public_key": victim.public_key_text(),
+                          "proof": enrollment_proof(&squatter, &fresh_token)}),
+    )
+    .await
+    .unwrap();
+    assert_eq!(r.status(), 401);
+    let e: Value = r.json().await.unwrap();
+    assert_eq!(e["error"]["code"], "invalid_node_signature", "{e}");
+    let r = enroll(
+        json!({"token": fresh_token, "public_key": squatter.public_key_text(),
+                          "proof": enrollment_proof(&squatter, &fresh_token)}),
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        r.status(),
+        201,
+        "the refused attempt did not spend the token"
+    );
     // the status endpoint needs the node's signature
     let r = gw
         .tunnel_http

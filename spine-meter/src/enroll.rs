@@ -8,7 +8,7 @@
 //!   enrollment token. Only its SHA-256 is stored, with an expiry (default 24 h, at most 30
 //!   days); it registers one node.
 //! - Tunnel listener ([`NodeEnrollment::tunnel_router`]): `POST /v1/enroll` `{"token",
-//!   "public_key", "node_name"?}` redeems a token: the public key becomes a node of the token's
+//!   "public_key", "proof", "node_name"?}` redeems a token: the public key becomes a node of the token's
 //!   operator (`201 {"node_id", "operator_id", "public_key", "catalog_models"}`). Unknown or
 //!   expired token → 401, used → 409, key already registered → 409, all in OpenAI's error shape
 //!   ([`ApiError`]). Redeeming again with the same key returns the same node, so an agent that
@@ -333,6 +333,11 @@ struct EnrollBody {
     /// joins again with the same token. Absent (older agents): not checked.
     #[serde(default)]
     models: Option<Vec<String>>,
+    /// The node key's signature over the token
+    /// ([`spine_transport::node_status::enrollment_proof`]): proves the enrolling party holds
+    /// the key, so a token cannot register another node's key.
+    #[serde(default)]
+    proof: Option<String>,
 }
 
 /// A node name: 1–64 characters, no control characters.
@@ -397,11 +402,21 @@ async fn enroll(
         ApiError::invalid_request(
             "invalid_json",
             format!(
-                "expected {{\"token\": <enrollment token>, \"public_key\": \"ed25519:…\", \"node_name\": <optional>}}: {e}"
+                "expected {{\"token\": <enrollment token>, \"public_key\": \"ed25519:…\", \"proof\": <signature>, \"node_name\": <optional>}}: {e}"
             ),
         )
     })?;
     let text = canonical_public_key(&body.public_key)?;
+    // checked before the token is looked at: a wrong proof never spends it
+    let Some(proof) = body.proof.as_deref() else {
+        return Err(ApiError::invalid_request(
+            "enrollment_proof_required",
+            "send \"proof\": the node key's signature over the token (spine_transport::node_status::enrollment_proof; reference-agent join sends it)",
+        )
+        .with_param("proof"));
+    };
+    spine_transport::node_status::verify_enrollment_proof(&text, &body.token, proof)
+        .map_err(|e| signature_error(e.code(), &format!("proof: {e}")))?;
     if let Some(name) = &body.node_name {
         if !valid_node_name(name) {
             return Err(ApiError::invalid_request(

@@ -216,8 +216,12 @@ async fn the_tunnel_listeners_wrong_urls_and_methods_are_openai_errors() {
         &app,
         "POST",
         "/v1/enroll",
-        json!({"token": "spine-enroll-nope", "public_key": format!("ed25519:{}", "A".repeat(43))})
-            .to_string(),
+        {
+            let node = spine_transport::NodeIdentity::from_seed(&[3; 32]);
+            json!({"token": "spine-enroll-nope", "public_key": node.public_key_text(),
+                   "proof": spine_transport::node_status::enrollment_proof(&node, "spine-enroll-nope")})
+            .to_string()
+        },
     )
     .await;
     assert_eq!(status, StatusCode::UNAUTHORIZED, "{json}");

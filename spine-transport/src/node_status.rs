@@ -86,6 +86,47 @@ impl NodeSignatureError {
     }
 }
 
+/// The bytes a node signs to enroll with an enrollment token:
+/// `spine-enroll/v1\n<public key text>\n<token>` (the token trimmed). The signature proves the
+/// enrolling party holds the key's private half, so whoever holds a token cannot register
+/// another node's public key under the token's operator (and be credited for that node's work
+/// once it connects). The token is single-use, so a signature seen once cannot be reused.
+pub fn enrollment_signing_message(public_key_text: &str, token: &str) -> String {
+    format!("spine-enroll/v1\n{public_key_text}\n{}", token.trim())
+}
+
+/// The enrollment's `proof`: the base64url (no padding) ed25519 signature by `identity` over
+/// [`enrollment_signing_message`] for `token`.
+pub fn enrollment_proof(identity: &NodeIdentity, token: &str) -> String {
+    let message = enrollment_signing_message(&identity.public_key_text(), token);
+    base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .encode(identity.sign(message.as_bytes()).to_bytes())
+}
+
+/// Checks an enrollment's `proof` for the public key `key_text` and `token`; returns the key
+/// text in its canonical form.
+///
+/// # Errors
+///
+/// [`NodeSignatureError`]: the key or the proof malformed, or a proof that does not verify
+/// (strict ed25519 verification).
+pub fn verify_enrollment_proof(
+    key_text: &str,
+    token: &str,
+    proof: &str,
+) -> Result<String, NodeSignatureError> {
+    let key = parse_public_key_text(key_text.trim()).map_err(|_| NodeSignatureError::BadKey)?;
+    let sig_bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(proof.trim())
+        .map_err(|_| NodeSignatureError::BadEncoding)?;
+    let sig = ed25519_dalek::Signature::from_slice(&sig_bytes)
+        .map_err(|_| NodeSignatureError::BadSignatureBytes)?;
+    let text = public_key_text(&key);
+    key.verify_strict(enrollment_signing_message(&text, token).as_bytes(), &sig)
+        .map_err(|_| NodeSignatureError::DoesNotVerify)?;
+    Ok(text)
+}
+
 /// Checks a status request's signature headers at `now_ms` (Unix ms); returns the node's
 /// public key text in its canonical form.
 ///
@@ -246,5 +287,40 @@ mod tests {
             }
             proptest::prop_assert!(verify_status_headers(&h, now).is_err());
         }
+    }
+
+    /// A proof verifies for its own key and token only: not for another key (the squatting
+    /// it exists to stop), not for another token, and not when altered.
+    #[test]
+    fn enrollment_proofs_bind_the_key_and_the_token() {
+        let own = NodeIdentity::from_seed(&[7; 32]);
+        let other = NodeIdentity::from_seed(&[8; 32]);
+        let proof = enrollment_proof(&own, " spine-enroll-abc ");
+        assert_eq!(
+            verify_enrollment_proof(&own.public_key_text(), "spine-enroll-abc", &proof).unwrap(),
+            own.public_key_text()
+        );
+        assert_eq!(
+            verify_enrollment_proof(&other.public_key_text(), "spine-enroll-abc", &proof),
+            Err(NodeSignatureError::DoesNotVerify)
+        );
+        assert_eq!(
+            verify_enrollment_proof(&own.public_key_text(), "spine-enroll-abd", &proof),
+            Err(NodeSignatureError::DoesNotVerify)
+        );
+        let mut altered = proof.into_bytes();
+        altered[3] = if altered[3] == b'A' { b'B' } else { b'A' };
+        let altered = String::from_utf8(altered).unwrap();
+        assert!(
+            verify_enrollment_proof(&own.public_key_text(), "spine-enroll-abc", &altered).is_err()
+        );
+        assert_eq!(
+            verify_enrollment_proof(&own.public_key_text(), "spine-enroll-abc", "!!"),
+            Err(NodeSignatureError::BadEncoding)
+        );
+        assert_eq!(
+            verify_enrollment_proof("ed25519:short", "spine-enroll-abc", "AAAA"),
+            Err(NodeSignatureError::BadKey)
+        );
     }
 }
