@@ -172,31 +172,40 @@ pub const PASSWORD_HASH_WAIT: std::time::Duration = std::time::Duration::from_se
 #[derive(Debug)]
 pub(crate) struct PasswordHashingBusy;
 
-/// Runs `work` (an argon2 hash or verification) on a blocking thread, at most
-/// `turns.available_permits()` at once; `Err` when no turn came within `wait`, or the work
+/// Runs `work` (an argon2 hash or verification) on a blocking thread, holding one of `turns`'
+/// permits until the work has finished; `Err` when no turn came within `wait`, or the work
 /// panicked. The process-wide turns are [`password_turns`].
 ///
 /// # Cancel safety
 ///
-/// Dropping the future gives its turn back; work already started on its thread finishes there.
+/// Dropping the future while it waits gives nothing up. Once the work has started, its turn is
+/// held by the work itself until it finishes on its thread: a caller that vanishes mid-request
+/// does not free a turn while its hash still runs (which would let disconnecting clients run
+/// any number at once).
 pub(crate) async fn hash_in_turn<T: Send + 'static>(
-    turns: &tokio::sync::Semaphore,
+    turns: &Arc<tokio::sync::Semaphore>,
     wait: std::time::Duration,
     work: impl FnOnce() -> T + Send + 'static,
 ) -> Result<T, PasswordHashingBusy> {
-    let permit = tokio::time::timeout(wait, turns.acquire())
+    let permit = tokio::time::timeout(wait, turns.clone().acquire_owned())
         .await
         .map_err(|_| PasswordHashingBusy)?
         .map_err(|_| PasswordHashingBusy)?;
-    let done = tokio::task::spawn_blocking(work).await;
-    drop(permit);
-    done.map_err(|_| PasswordHashingBusy)
+    tokio::task::spawn_blocking(move || {
+        let out = work();
+        drop(permit);
+        out
+    })
+    .await
+    .map_err(|_| PasswordHashingBusy)
 }
 
 /// The process's turns for password hashing ([`MAX_CONCURRENT_PASSWORD_HASHES`]).
-pub(crate) fn password_turns() -> &'static tokio::sync::Semaphore {
-    static TURNS: std::sync::LazyLock<tokio::sync::Semaphore> =
-        std::sync::LazyLock::new(|| tokio::sync::Semaphore::new(MAX_CONCURRENT_PASSWORD_HASHES));
+pub(crate) fn password_turns() -> &'static Arc<tokio::sync::Semaphore> {
+    static TURNS: std::sync::LazyLock<Arc<tokio::sync::Semaphore>> =
+        std::sync::LazyLock::new(|| {
+            Arc::new(tokio::sync::Semaphore::new(MAX_CONCURRENT_PASSWORD_HASHES))
+        });
     &TURNS
 }
 
@@ -600,5 +609,34 @@ mod tests {
         drop(held);
         let ok = hash_in_turn(&turns, std::time::Duration::from_millis(10), || 1).await;
         assert_eq!(ok.unwrap(), 1);
+        // a caller that vanishes once its hash has started does not free the turn: the work
+        // holds it until it finishes
+        let (started_tx, started_rx) = std::sync::mpsc::channel();
+        let (finish_tx, finish_rx) = std::sync::mpsc::channel::<()>();
+        let caller = {
+            let turns = turns.clone();
+            tokio::spawn(async move {
+                hash_in_turn(&turns, std::time::Duration::from_secs(3600), move || {
+                    started_tx.send(()).unwrap();
+                    finish_rx.recv().unwrap();
+                })
+                .await
+            })
+        };
+        tokio::task::spawn_blocking(move || started_rx.recv().unwrap())
+            .await
+            .unwrap();
+        caller.abort();
+        assert!(caller.await.unwrap_err().is_cancelled());
+        assert_eq!(
+            turns.available_permits(),
+            1,
+            "the running hash keeps its turn"
+        );
+        finish_tx.send(()).unwrap();
+        let _all = tokio::time::timeout(std::time::Duration::from_secs(600), turns.acquire_many(2))
+            .await
+            .expect("the turn comes back once the hash ends")
+            .unwrap();
     }
 }
