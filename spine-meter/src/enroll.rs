@@ -8,8 +8,10 @@
 //!   enrollment token. Only its SHA-256 is stored, with an expiry (default 24 h, at most 30
 //!   days); it registers one node.
 //! - Tunnel listener ([`NodeEnrollment::tunnel_router`]): `POST /v1/enroll` `{"token",
-//!   "public_key", "proof", "node_name"?}` redeems a token: the public key becomes a node of the token's
-//!   operator (`201 {"node_id", "operator_id", "public_key", "catalog_models"}`). Unknown or
+//!   "public_key", "proof", "node_name"?}` redeems a token: the public key becomes a node of
+//!   the token's operator (`201 {"node_id", "operator_id", "public_key", "catalog_models"}`).
+//!   No `proof` (the key's signature over the token) → 400, one that does not verify → 401,
+//!   both before the token is looked at; unknown or
 //!   expired token → 401, used → 409, key already registered → 409, all in OpenAI's error shape
 //!   ([`ApiError`]). Redeeming again with the same key returns the same node, so an agent that
 //!   lost the answer can retry.
