@@ -204,6 +204,9 @@ async fn run(cli: Cli) -> Result<(), MainError> {
         .refused_credit_delay(std::time::Duration::from_millis(
             config.refused_credit_delay_ms,
         ))
+        // every listener is a LimitedServer, which lingers on close: a 402 is answered before
+        // the body is read and the caller still reads it
+        .refuse_unread_bodies(true)
         .max_response_body_bytes(
             usize::try_from(config.max_response_body_bytes).unwrap_or(usize::MAX),
         )

@@ -23,6 +23,13 @@
 //!   clock starts when the socket accepts the last bytes. At the cap such a connection can
 //!   still be evicted, as an idle one.
 //! - **TLS**: the handshake must finish within `tls_handshake_timeout`.
+//! - **Lingering close**: a connection the server ends while its peer is still sending (an
+//!   answer given before the request body was read: a refusal, a 413, a body timeout) has its
+//!   write half shut first, then what the peer still sends is discarded (without a copy on
+//!   Linux) until the peer closes, for at most `lingering_time` (`lingering_timeout` between
+//!   reads): closing at once would reset the connection and the peer, still writing, would see
+//!   a broken pipe instead of the answer. A lingering connection keeps its place under the cap
+//!   but is idle: evictable, and ended at once when the server shuts down.
 //!
 //! Every accepted socket gets `TCP_NODELAY`.
 
@@ -46,7 +53,7 @@ use spine_core::BoxError;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
-use tokio::time::{Instant, Sleep};
+use tokio::time::Instant;
 use tracing::{debug, info, warn, Instrument as _};
 
 use crate::metric;
@@ -68,6 +75,14 @@ pub struct ListenerLimits {
     /// Most connections open at once; at the cap the longest-idle one is closed to make room,
     /// or the new one when none is idle. At least 1. Default 4096.
     pub max_connections: usize,
+    /// How long, in all, a connection the server closed while its peer may still be sending
+    /// (an answer given before the request body was read) keeps discarding what the peer
+    /// sends before the socket is closed, so that the peer reads the answer rather than a TCP
+    /// reset (see the [module docs](self)). Default 30 s (nginx's `lingering_time`).
+    pub lingering_time: Duration,
+    /// Lingering ends when the peer sends nothing for this long. Default 5 s (nginx's
+    /// `lingering_timeout`).
+    pub lingering_timeout: Duration,
 }
 
 impl Default for ListenerLimits {
@@ -78,6 +93,8 @@ impl Default for ListenerLimits {
             idle_timeout: Duration::from_secs(60),
             tls_handshake_timeout: Duration::from_secs(10),
             max_connections: 4096,
+            lingering_time: Duration::from_secs(30),
+            lingering_timeout: Duration::from_secs(5),
         }
     }
 }
@@ -108,115 +125,16 @@ impl ListenerLimits {
         self.max_connections = max;
         self
     }
-}
-
-/// Reading a request body took longer than [`ListenerLimits::body_read_timeout`].
-#[derive(Debug, thiserror::Error)]
-#[error("request body not received within {timeout:?}")]
-pub struct BodyReadTimeout {
-    /// The bound that passed.
-    pub timeout: Duration,
-}
-
-pin_project_lite::pin_project! {
-    /// A request body that must arrive whole before a deadline ([`BodyReadTimeout`] past it).
-    /// The body type [`LimitedServer`] hands its service.
-    pub struct TimedBody {
-        #[pin]
-        inner: Incoming,
-        deadline: Instant,
-        timeout: Duration,
-        sleep: Option<Pin<Box<Sleep>>>,
-        // counts the request as still receiving its body on its connection, until the body
-        // ends, fails or is dropped
-        receiving: Option<Receiving>,
+    /// Sets [`lingering_time`](Self::lingering_time) and
+    /// [`lingering_timeout`](Self::lingering_timeout) (zero: close at once).
+    pub fn lingering(mut self, time: Duration, timeout: Duration) -> Self {
+        self.lingering_time = time;
+        self.lingering_timeout = timeout;
+        self
     }
 }
 
-impl fmt::Debug for TimedBody {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("TimedBody")
-            .field("timeout", &self.timeout)
-            .finish_non_exhaustive()
-    }
-}
-
-impl TimedBody {
-    fn new(inner: Incoming, timeout: Duration, conn: &Arc<Conn>) -> Self {
-        let now = Instant::now();
-        let receiving = (!inner.is_end_stream()).then(|| Receiving::start(conn.clone()));
-        Self {
-            inner,
-            deadline: now
-                .checked_add(timeout)
-                .unwrap_or(now + Duration::from_secs(86_400 * 365)),
-            timeout,
-            sleep: None,
-            receiving,
-        }
-    }
-}
-
-/// A request on a connection whose body has not all arrived: such a connection is as
-/// evictable as an idle one (see [`Registry::evict_oldest_idle`]).
-struct Receiving(Arc<Conn>);
-
-impl Receiving {
-    fn start(conn: Arc<Conn>) -> Self {
-        conn.receiving.fetch_add(1, Ordering::AcqRel);
-        Self(conn)
-    }
-}
-
-impl Drop for Receiving {
-    fn drop(&mut self) {
-        self.0.receiving.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
-impl Body for TimedBody {
-    type Data = Bytes;
-    type Error = BoxError;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        let mut this = self.project();
-        match this.inner.as_mut().poll_frame(cx) {
-            Poll::Ready(frame) => {
-                if !matches!(frame, Some(Ok(_))) || this.inner.is_end_stream() {
-                    this.receiving.take();
-                }
-                return Poll::Ready(frame.map(|f| f.map_err(BoxError::from)));
-            }
-            Poll::Pending => {}
-        }
-        // the timer exists only while a body is actually waited on
-        let deadline = *this.deadline;
-        let sleep = this
-            .sleep
-            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
-        match sleep.as_mut().poll(cx) {
-            Poll::Ready(()) => {
-                this.receiving.take();
-                Poll::Ready(Some(Err(BodyReadTimeout {
-                    timeout: *this.timeout,
-                }
-                .into())))
-            }
-            Poll::Pending => Poll::Pending,
-        }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
-    }
-}
+pub use body::{BodyReadTimeout, TimedBody};
 
 /// One accepted connection, as the cap and the idle bound see it.
 struct Conn {
@@ -629,6 +547,35 @@ impl ConnShared {
         if let Err(e) = tcp.set_nodelay(true) {
             debug!(error = %e, "set TCP_NODELAY failed");
         }
+        let slot = Arc::new(linger::LingerSlot::default());
+        self.serve_tcp(linger::Lingering::new(tcp, slot.clone()), peer, &conn, service)
+            .await;
+        // hyper shut the connection while its peer was still open: discard what it still sends
+        if let Some(tcp) = slot.take() {
+            if !self.limits.lingering_time.is_zero() {
+                debug!("lingering");
+                linger::linger(
+                    tcp,
+                    &conn,
+                    self.limits.lingering_time,
+                    self.limits.lingering_timeout,
+                )
+                .await;
+            }
+        }
+    }
+
+    async fn serve_tcp<S, B>(
+        &self,
+        tcp: linger::Lingering,
+        peer: std::net::SocketAddr,
+        conn: &Arc<Conn>,
+        service: S,
+    ) where
+        S: ListenerService<B>,
+        B: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static,
+    {
+        let conn = conn.clone();
         // below TLS: the socket's writes are the ones a slow reader blocks
         let tcp = io::WriteWatched::new(tcp, conn.clone(), self.epoch);
         match &self.tls {
@@ -759,6 +706,8 @@ impl ConnShared {
     }
 }
 
+mod body;
 mod io;
+mod linger;
 #[cfg(test)]
 mod tests;

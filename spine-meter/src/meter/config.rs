@@ -108,6 +108,13 @@ pub struct MeterConfig {
     /// started share of it, up to [`MAX_REFUSED_DELAYS`](super::MAX_REFUSED_DELAYS) (at most
     /// [`MAX_DELAYED_REFUSALS`](super::MAX_DELAYED_REFUSALS) wait at once).
     pub refused_credit_delay: std::time::Duration,
+    /// Refuse for lack of credit without reading the request body (default `false`: the body
+    /// is read and dropped first). A remembered refusal then costs no copy of the body, and a
+    /// body that declares 64 KiB or more (`Content-Length`) has the balance read before it is read. Set it only when the server
+    /// lingers on close, as [`spine_transport::LimitedServer`] does: a server that closes a
+    /// connection with the body unread resets it, and a caller still writing a large body
+    /// sees a broken pipe instead of the 402.
+    pub refuse_unread_bodies: bool,
     /// Most bytes of request bodies being read at once, across every request (default 256 MiB;
     /// set with [`MeterLayer`](super::MeterLayer)'s setter of the same name). A request whose
     /// body would go over
@@ -232,6 +239,7 @@ impl fmt::Debug for MeterConfig {
             .field("drain_deadline", &self.drain_deadline)
             .field("strip_engine_fields", &self.strip_engine_fields)
             .field("refused_credit_delay", &self.refused_credit_delay)
+            .field("refuse_unread_bodies", &self.refuse_unread_bodies)
             .field(
                 "max_buffered_request_bytes",
                 &self.max_buffered_request_bytes,

@@ -51,6 +51,7 @@ impl MeterLayer {
                 drain_deadline: None,
                 strip_engine_fields: true,
                 refused_credit_delay: super::credit::DEFAULT_REFUSED_CREDIT_DELAY,
+                refuse_unread_bodies: false,
                 max_buffered_request_bytes: DEFAULT_MAX_BUFFERED_REQUEST_BYTES,
                 request_body_budget: body_budget(DEFAULT_MAX_BUFFERED_REQUEST_BYTES),
                 max_buffered_request_bytes_per_account:
@@ -145,6 +146,13 @@ impl MeterLayer {
     /// ([`MeterConfig::refused_credit_delay`]).
     pub fn refused_credit_delay(mut self, delay: std::time::Duration) -> Self {
         self.config.refused_credit_delay = delay;
+        self
+    }
+
+    /// Refuses for lack of credit without reading the request body
+    /// ([`MeterConfig::refuse_unread_bodies`]): only behind a server that lingers on close.
+    pub fn refuse_unread_bodies(mut self, refuse: bool) -> Self {
+        self.config.refuse_unread_bodies = refuse;
         self
     }
 

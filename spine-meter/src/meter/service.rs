@@ -452,13 +452,18 @@ where
 ///
 /// 1. an account that could not pay a moment ago ([`RefusedCredit`](super::credit::RefusedCredit))
 ///    is refused at once: its body is read and dropped (up to the limit, so the caller sees the
-///    402 rather than a broken pipe), the answer held back by `refused_credit_delay` per started
-///    [`REFUSED_BODY_BYTES_PER_DELAY`](super::REFUSED_BODY_BYTES_PER_DELAY) of body;
-/// 2. the body is buffered up to `max_request_body_bytes` within the shared
+///    402 rather than a broken pipe) — or, with
+///    [`refuse_unread_bodies`](super::MeterConfig::refuse_unread_bodies), dropped unread — the
+///    answer held back by `refused_credit_delay` per started
+///    [`REFUSED_BODY_BYTES_PER_DELAY`](super::REFUSED_BODY_BYTES_PER_DELAY) of body (read, or
+///    declared when unread);
+/// 2. with `refuse_unread_bodies`, a body that declares [`PRECHECK_BODY_BYTES`] or more has the
+///    account's balance read before it is read (one that cannot pay is refused and remembered);
+/// 3. the body is buffered up to `max_request_body_bytes` within the shared
 ///    `max_buffered_request_bytes` budget ([`collect_limited`]);
-/// 3. a body of [`PRECHECK_BODY_BYTES`] or more has the account's balance read first: one that
-///    cannot pay the cheapest request is refused (and remembered) before its prompt is parsed,
-///    templated or counted.
+/// 4. a body of [`PRECHECK_BODY_BYTES`] or more whose balance was not read yet has it read
+///    now: one that cannot pay the cheapest request is refused (and remembered) before its
+///    prompt is parsed, templated or counted.
 ///
 /// The metering service runs it on every request; [`MeterLayer::body_gate`](super::MeterLayer::body_gate)
 /// hands it to a handler that must read a body itself before the layer (a translation such as
@@ -493,7 +498,12 @@ async fn read_request_body_and_balance(
         .refused_credit
         .cannot_pay(account, config.min_request_cost_micros)
     {
-        let body_bytes = drain(body, config.max_request_body_bytes).await;
+        let body_bytes = if config.refuse_unread_bodies {
+            // the server lingers on close: the caller reads the 402, its body is never copied
+            declared_bytes(&body, config.max_request_body_bytes)
+        } else {
+            drain(body, config.max_request_body_bytes).await
+        };
         config
             .refused_credit
             .hold_back(config.refused_credit_delay, body_bytes)
@@ -502,6 +512,13 @@ async fn read_request_body_and_balance(
             available_micros,
             needed_micros: config.min_request_cost_micros,
         });
+    }
+    let mut available = None;
+    if config.refuse_unread_bodies
+        && config.min_request_cost_micros > 0
+        && declared_bytes(&body, config.max_request_body_bytes) >= PRECHECK_BODY_BYTES
+    {
+        available = precheck_balance(config, account).await?;
     }
     let bytes = collect_limited(
         body,
@@ -515,20 +532,41 @@ async fn read_request_body_and_balance(
         }),
     )
     .await?;
-    let mut available = None;
-    if bytes.len() >= PRECHECK_BODY_BYTES && config.min_request_cost_micros > 0 {
-        if let Ok(Some(available_micros)) = config.ledger.available_micros(account).await {
-            if available_micros < config.min_request_cost_micros {
-                config.refused_credit.record(account, available_micros);
-                return Err(MeterError::InsufficientCredit {
-                    available_micros,
-                    needed_micros: config.min_request_cost_micros,
-                });
-            }
-            available = Some(available_micros);
-        }
+    if available.is_none()
+        && bytes.len() >= PRECHECK_BODY_BYTES
+        && config.min_request_cost_micros > 0
+    {
+        available = precheck_balance(config, account).await?;
     }
     Ok((bytes, available))
+}
+
+/// The account's available balance ([`Ledger::available_micros`](crate::Ledger::available_micros)),
+/// `None` when the store cannot tell. An account that cannot pay the cheapest request is
+/// refused and remembered ([`RefusedCredit`](super::credit::RefusedCredit)).
+async fn precheck_balance(
+    config: &MeterConfig,
+    account: &AccountId,
+) -> Result<Option<u64>, MeterError> {
+    let Ok(Some(available_micros)) = config.ledger.available_micros(account).await else {
+        return Ok(None);
+    };
+    if available_micros < config.min_request_cost_micros {
+        config.refused_credit.record(account, available_micros);
+        return Err(MeterError::InsufficientCredit {
+            available_micros,
+            needed_micros: config.min_request_cost_micros,
+        });
+    }
+    Ok(Some(available_micros))
+}
+
+/// The size `body` declares (its `Content-Length`, else the least it can be), at most `limit`.
+fn declared_bytes(body: &BoxBody, limit: usize) -> usize {
+    let hint = http_body::Body::size_hint(body);
+    usize::try_from(hint.exact().unwrap_or(hint.lower()))
+        .unwrap_or(usize::MAX)
+        .min(limit)
 }
 
 /// Request bodies from this size on have the caller's balance read before their prompt is

@@ -1509,6 +1509,79 @@ async fn an_account_that_cannot_pay_is_refused_before_counting_next_time() {
     ));
 }
 
+/// A request body that declares `declared` bytes and never sends one: polling it waits forever.
+struct NeverSent {
+    declared: u64,
+}
+
+impl http_body::Body for NeverSent {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: std::pin::Pin<&mut Self>,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, BoxError>>> {
+        std::task::Poll::Pending
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        http_body::SizeHint::with_exact(self.declared)
+    }
+}
+
+#[tokio::test]
+async fn with_refuse_unread_bodies_an_account_that_cannot_pay_is_refused_without_reading_its_body()
+{
+    let h = harness().await;
+    let svc = h
+        .layer(2048)
+        .refused_credit_delay(std::time::Duration::ZERO)
+        .refuse_unread_bodies(true)
+        .layer(h.inner(200, "text/event-stream", Vec::new(), End::Eof));
+    let broke = AccountId::from("broke");
+    h.ledger.create_account(&broke).await.unwrap();
+    let never_sent = |id: &str, declared: u64| {
+        let mut req = http::Request::post("/v1/chat/completions")
+            .body(BoxBody::new(NeverSent { declared }))
+            .unwrap();
+        req.extensions_mut().insert(RequestId::from(id));
+        req.extensions_mut().insert(broke.clone());
+        req
+    };
+    let refused = |res: Result<http::Response<BoxBody>, BoxError>| match res {
+        Err(e) => matches!(
+            e.downcast_ref::<MeterError>(),
+            Some(MeterError::InsufficientCredit {
+                available_micros: 0,
+                needed_micros: 3
+            })
+        ),
+        Ok(_) => false,
+    };
+    // the first request declares a large body (4 MiB): the balance is read before the body,
+    // which is never waited for (reading it would wait forever)
+    let first = tokio::time::timeout(
+        std::time::Duration::from_secs(60),
+        svc.clone().oneshot(never_sent("u1", 4 << 20)),
+    )
+    .await
+    .expect("the refusal waited for the body");
+    assert!(refused(first));
+    // then, remembered: any body, small or large, is refused unread
+    for (id, declared) in [("u2", 16), ("u3", 4 << 20)] {
+        let again = tokio::time::timeout(
+            std::time::Duration::from_secs(60),
+            svc.clone().oneshot(never_sent(id, declared)),
+        )
+        .await
+        .expect("the remembered refusal waited for the body");
+        assert!(refused(again), "{id}");
+    }
+    // nothing was held or recorded for the account
+    assert_eq!(h.ledger.account(&broke).await.unwrap().held_micros, 0);
+}
+
 /// An audit tap that keeps what it is offered.
 #[derive(Default)]
 struct Tap(Mutex<Vec<crate::audit::AuditSample>>);
