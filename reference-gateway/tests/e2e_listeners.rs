@@ -444,3 +444,116 @@ fn tunnel_listener_client(gw: &Gateway) -> (reqwest::Client, String) {
         .replace("/v1/tunnel", "");
     (client, base)
 }
+
+/// What the official Python SDK (no retries) made of one chat request whose user message is
+/// `content_bytes` long: the HTTP status of the `APIStatusError` it raised and its error code,
+/// or the name of any other exception (a connection error: the answer never reached it).
+const SDK_LARGE_BODY: &str = r#"
+import json, sys
+import openai
+from openai import OpenAI
+client = OpenAI(base_url=sys.argv[1], api_key=sys.argv[2], max_retries=0, timeout=120)
+out = []
+for size in sys.argv[3:]:
+    try:
+        client.chat.completions.create(
+            model="smollm2", max_tokens=8,
+            messages=[{"role": "user", "content": "x" * int(size)}])
+        out.append({"status": 200})
+    except openai.APIStatusError as e:
+        code = (e.body or {}).get("code") if isinstance(e.body, dict) else None
+        out.append({"status": e.status_code, "code": code})
+    except Exception as e:
+        out.append({"exception": type(e).__name__, "message": str(e)})
+print(json.dumps(out))
+"#;
+
+/// Answers given before a request body is read reach a caller still sending it: the official
+/// SDK, sending a 4 MiB prompt from a key that cannot pay, gets the 402 (its balance is read
+/// before the body, then the refusal is remembered), and an 8 MiB one the 413 — not a reset
+/// connection (a broken pipe, which the SDKs retry) because the gateway closed a socket with
+/// the body unread: its listeners linger on close. The refusals are answered at once
+/// (`refused_credit_delay_ms = 0`), while the caller is still writing most of its body.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_before_the_body_reach_an_sdk_still_sending_it() {
+    let engine = Engine::discover().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (url, _task) = serve_fake_llama(|path, _body| fake_llama(path)).await;
+    // every refusal answered at once: the caller is still writing most of its body
+    let gw = Gateway::start_with(dir.path(), &engine, "refused_credit_delay_ms = 0").await;
+    let t = tenant(&gw).await;
+    let (_node, _agent) = add_node(&gw, dir.path(), &t.operator, &url, "node").await;
+    let (_account, broke_key) = account_with_key(&gw).await;
+    let sdk = |key: String, sizes: Vec<usize>| {
+        let (python, public) = (engine.python.clone(), gw.public.clone());
+        async move {
+            let out = tokio::time::timeout(
+                HANG * 3,
+                tokio::process::Command::new(python)
+                    .arg("-c")
+                    .arg(SDK_LARGE_BODY)
+                    .arg(format!("{public}/v1"))
+                    .arg(key)
+                    .args(sizes.iter().map(ToString::to_string))
+                    .output(),
+            )
+            .await
+            .expect("the SDK run hung")
+            .unwrap();
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            serde_json::from_slice::<Vec<Value>>(&out.stdout).unwrap()
+        }
+    };
+    let four_mib = (4 << 20) - 4096;
+    // the first refusal reads the balance before the body, the second is remembered
+    let refused = sdk(broke_key.clone(), vec![four_mib, four_mib]).await;
+    let expected = json!({"status": 402, "code": "insufficient_quota"});
+    assert_eq!(refused, [expected.clone(), expected], "what the SDK saw");
+    // a hyper-based client (reqwest) sending the same body: it reads the answer only if its
+    // write was not reset
+    let body = json!({"model": "smollm2", "max_tokens": 8,
+        "messages": [{"role": "user", "content": "x".repeat(four_mib)}]});
+    let client = reqwest::Client::new();
+    for _ in 0..20 {
+        let sent = tokio::time::timeout(
+            HANG,
+            client
+                .post(format!("{}/v1/chat/completions", gw.public))
+                .bearer_auth(&broke_key)
+                .json(&body)
+                .send(),
+        )
+        .await
+        .expect("reqwest hung");
+        let status = sent.map(|r| r.status().as_u16()).map_err(|e| format!("{e:?}"));
+        assert_eq!(status, Ok(402), "what reqwest saw");
+    }
+    // and a body past `max_request_body_bytes`, from a key that can pay: 413, unread
+    let too_large = json!({"model": "smollm2", "max_tokens": 8,
+        "messages": [{"role": "user", "content": "x".repeat(8 << 20)}]});
+    for _ in 0..5 {
+        let sent = tokio::time::timeout(
+            HANG,
+            client
+                .post(format!("{}/v1/chat/completions", gw.public))
+                .bearer_auth(&t.api_key)
+                .json(&too_large)
+                .send(),
+        )
+        .await
+        .expect("reqwest hung");
+        let status = sent.map(|r| r.status().as_u16()).map_err(|e| format!("{e:?}"));
+        assert_eq!(status, Ok(413), "what reqwest saw");
+    }
+    // past `max_request_body_bytes` (4 MiB): refused on its declared length, unread
+    let too_large = sdk(t.api_key.clone(), vec![8 << 20]).await;
+    assert_eq!(
+        too_large,
+        [json!({"status": 413, "code": "request_too_large"})],
+        "what the SDK saw"
+    );
+}
