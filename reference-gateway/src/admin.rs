@@ -19,12 +19,12 @@ use spine_core::{AccountId, ModelId, OperatorId, RequestId};
 
 use crate::state::AppState;
 use spine_meter::limits::KeyHash;
-use spine_meter::openai_error::{ApiBody, ApiError, ApiPath};
+use spine_meter::openai_error::{with_openai_fallbacks, ApiBody, ApiError, ApiPath};
 use spine_meter::KeyLimits;
 use spine_meter::{enroll, keys};
 
 pub(crate) fn router(state: Arc<AppState>) -> Router {
-    Router::new()
+    let routes = Router::new()
         .route("/admin/v1/accounts", post(create_account))
         .route("/admin/v1/accounts/{id}", get(get_account))
         .route("/admin/v1/accounts/{id}/keys", post(create_key))
@@ -48,17 +48,8 @@ pub(crate) fn router(state: Arc<AppState>) -> Router {
         .route("/admin/v1/requests/{id}", get(get_request))
         // console users and sign-in links (spine_meter::console)
         .merge(spine_meter::console::admin_routes::<AppState>())
-        .route("/metrics", get(render_metrics))
-        .method_not_allowed_fallback(|req: Request| async move {
-            ApiError::method_not_allowed(req.method(), req.uri().path())
-        })
-        .fallback(|req: Request| async move {
-            ApiError::not_found(format!(
-                "Unknown admin URL: {} {}",
-                req.method(),
-                req.uri().path()
-            ))
-        })
+        .route("/metrics", get(render_metrics));
+    with_openai_fallbacks(routes, "admin URL")
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
             require_admin,

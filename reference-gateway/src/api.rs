@@ -17,7 +17,7 @@ use spine_core::{BoxBody, BoxError, RequestContext, RequestId, RequestKind};
 use spine_meter::limits::KeyHash;
 use spine_meter::meter::caller_response;
 use spine_meter::metrics::TtftBody;
-use spine_meter::openai_error::ApiError;
+use spine_meter::openai_error::{with_openai_fallbacks, ApiError};
 use spine_meter::request_id::RequestIdLayer;
 use spine_meter::responses::ResponsesAnswer;
 use tower::ServiceExt;
@@ -27,16 +27,15 @@ use crate::metrics::{HTTP_REQUESTS, RATE_LIMITED};
 use crate::state::{AppState, Stack};
 
 pub(crate) fn router(state: Arc<AppState>) -> Router {
-    Router::new()
+    let routes = Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/embeddings", post(embeddings))
         .route("/v1/responses", post(responses))
         .route("/v1/models", get(list_models))
         // model ids may hold '/' (`org/name`): the rest of the path is the id
-        .route("/v1/models/{*id}", get(retrieve_model))
-        .fallback(unknown_route)
-        .method_not_allowed_fallback(method_not_allowed)
+        .route("/v1/models/{*id}", get(retrieve_model));
+    with_openai_fallbacks(routes, "request URL")
         .layer(RequestIdLayer)
         .layer(axum::middleware::from_fn(count_http))
         .with_state(state)
@@ -62,18 +61,6 @@ async fn count_http(req: Request, next: Next) -> Response {
     metrics::counter!(HTTP_REQUESTS, "route" => route, "status" => resp.status().as_u16().to_string())
         .increment(1);
     resp
-}
-
-async fn unknown_route(req: Request) -> ApiError {
-    ApiError::not_found(format!(
-        "Unknown request URL: {} {}",
-        req.method(),
-        req.uri().path()
-    ))
-}
-
-async fn method_not_allowed(req: Request) -> ApiError {
-    ApiError::method_not_allowed(req.method(), req.uri().path())
 }
 
 async fn list_models(State(state): State<Arc<AppState>>, req: Request) -> Response {

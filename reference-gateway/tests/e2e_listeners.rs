@@ -529,7 +529,9 @@ async fn answers_before_the_body_reach_an_sdk_still_sending_it() {
         )
         .await
         .expect("reqwest hung");
-        let status = sent.map(|r| r.status().as_u16()).map_err(|e| format!("{e:?}"));
+        let status = sent
+            .map(|r| r.status().as_u16())
+            .map_err(|e| format!("{e:?}"));
         assert_eq!(status, Ok(402), "what reqwest saw");
     }
     // and a body past `max_request_body_bytes`, from a key that can pay: 413, unread
@@ -546,7 +548,9 @@ async fn answers_before_the_body_reach_an_sdk_still_sending_it() {
         )
         .await
         .expect("reqwest hung");
-        let status = sent.map(|r| r.status().as_u16()).map_err(|e| format!("{e:?}"));
+        let status = sent
+            .map(|r| r.status().as_u16())
+            .map_err(|e| format!("{e:?}"));
         assert_eq!(status, Ok(413), "what reqwest saw");
     }
     // past `max_request_body_bytes` (4 MiB): refused on its declared length, unread

@@ -122,25 +122,15 @@ impl NodeEnrollment {
     /// error shape: merge it into a router without a fallback of its own. The application adds
     /// its own layers (request ids).
     pub fn tunnel_router(self) -> Router {
-        Router::new()
+        let routes = Router::new()
             .route(
                 "/v1/enroll",
                 post(enroll).layer(axum::extract::DefaultBodyLimit::max(MAX_ENROLL_BODY_BYTES)),
             )
-            .route("/v1/node/status", get(node_status))
-            // anyone can reach this listener: every answer, a wrong URL or method too, is
-            // in OpenAI's error shape (axum's defaults are empty bodies)
-            .method_not_allowed_fallback(|req: axum::extract::Request| async move {
-                ApiError::method_not_allowed(req.method(), req.uri().path())
-            })
-            .fallback(|req: axum::extract::Request| async move {
-                ApiError::not_found(format!(
-                    "Unknown URL: {} {}",
-                    req.method(),
-                    req.uri().path()
-                ))
-            })
-            .with_state(self)
+            .route("/v1/node/status", get(node_status));
+        // anyone can reach this listener: every answer, a wrong URL or method too, is in
+        // OpenAI's error shape
+        crate::openai_error::with_openai_fallbacks(routes, "URL").with_state(self)
     }
 
     /// Every node of `operator` as JSON: `node_id`, `name`, `connected` (a live tunnel,

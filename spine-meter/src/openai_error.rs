@@ -477,6 +477,27 @@ fn with_sources(e: &dyn std::error::Error) -> String {
 }
 
 /// The JSON body, the status, and `Retry-After` (its seconds, or 1 on a 503 without them).
+/// Sets `router`'s fallbacks to answers in OpenAI's error shape (axum's defaults are empty
+/// bodies): an unknown URL is a 404 `not_found` ("Unknown `what`: METHOD /path"), a known
+/// URL with a wrong method a 405 `method_not_allowed`. Call it after the routes are added (the
+/// 405 applies to the routes registered before it).
+pub fn with_openai_fallbacks<S>(router: axum::Router<S>, what: &'static str) -> axum::Router<S>
+where
+    S: Clone + Send + Sync + 'static,
+{
+    router
+        .method_not_allowed_fallback(|req: axum::extract::Request| async move {
+            ApiError::method_not_allowed(req.method(), req.uri().path())
+        })
+        .fallback(move |req: axum::extract::Request| async move {
+            ApiError::not_found(format!(
+                "Unknown {what}: {} {}",
+                req.method(),
+                req.uri().path()
+            ))
+        })
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let body = json!({

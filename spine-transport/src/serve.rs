@@ -548,8 +548,13 @@ impl ConnShared {
             debug!(error = %e, "set TCP_NODELAY failed");
         }
         let slot = Arc::new(linger::LingerSlot::default());
-        self.serve_tcp(linger::Lingering::new(tcp, slot.clone()), peer, &conn, service)
-            .await;
+        self.serve_tcp(
+            linger::Lingering::new(tcp, slot.clone()),
+            peer,
+            &conn,
+            service,
+        )
+        .await;
         // hyper shut the connection while its peer was still open: discard what it still sends
         if let Some(tcp) = slot.take() {
             if !self.limits.lingering_time.is_zero() {
@@ -624,14 +629,26 @@ impl ConnShared {
         let tracked = conn.clone();
         let hyper_service = hyper::service::service_fn(move |req: Request<Incoming>| {
             let guard = InFlightGuard(InFlight::start(tracked.clone(), epoch));
-            let mut req = req.map(|b| TimedBody::new(b, body_timeout, &tracked));
+            let (parts, body) = req.into_parts();
+            let (body, whole) = TimedBody::new(body, body_timeout, &tracked);
+            let mut req = Request::from_parts(parts, body);
             req.extensions_mut().insert(PeerAddr(peer));
+            let http1 = req.version() <= http::Version::HTTP_11;
             let call = tower::ServiceExt::oneshot(service.clone(), req);
             async move {
-                let resp = match call.await {
+                let mut resp = match call.await {
                     Ok(resp) => resp,
                     Err(never) => match never {},
                 };
+                // answered before its body was read whole (a refusal): the connection ends
+                // after this answer (the rest of the body is lingered away, not parsed as the
+                // next request), and the peer is told so that it does not send another on it
+                if http1 && whole.is_some_and(|w| !w.load(Ordering::Acquire)) {
+                    resp.headers_mut().insert(
+                        http::header::CONNECTION,
+                        http::HeaderValue::from_static("close"),
+                    );
+                }
                 Ok::<_, Infallible>(resp.map(|inner| TrackedBody {
                     inner,
                     guard: Some(guard),

@@ -104,6 +104,13 @@ async fn an_answer_before_the_body_reaches_a_caller_still_writing_it() {
     );
     assert!(read.starts_with("HTTP/1.1 402"), "{read:?}");
     assert!(read.ends_with("no credit"), "{read:?}");
+    // the caller is told the connection ends here: a client that pooled it would send its
+    // next request into the lingering socket, never answered
+    assert!(
+        read.to_ascii_lowercase()
+            .contains("\r\nconnection: close\r\n"),
+        "{read:?}"
+    );
 
     // the control: closing at once (no lingering) resets the connection under the caller's
     // write, which is what the lingering prevents

@@ -109,11 +109,12 @@ pub struct MeterConfig {
     /// [`MAX_DELAYED_REFUSALS`](super::MAX_DELAYED_REFUSALS) wait at once).
     pub refused_credit_delay: std::time::Duration,
     /// Refuse for lack of credit without reading the request body (default `false`: the body
-    /// is read and dropped first). A remembered refusal then costs no copy of the body, and a
-    /// body that declares 64 KiB or more (`Content-Length`) has the balance read before it is read. Set it only when the server
-    /// lingers on close, as [`spine_transport::LimitedServer`] does: a server that closes a
-    /// connection with the body unread resets it, and a caller still writing a large body
-    /// sees a broken pipe instead of the 402.
+    /// is read and dropped first). A body that declares 64 KiB or more (`Content-Length`) then
+    /// has the balance read before it is read, and a remembered refusal of one costs no copy
+    /// of it (smaller bodies are still read, so that their connection stays open). Set it only
+    /// when the server lingers on close, as [`spine_transport::LimitedServer`] does: a server
+    /// that closes a connection with the body unread resets it, and a caller still writing a
+    /// large body sees a broken pipe instead of the 402.
     pub refuse_unread_bodies: bool,
     /// Most bytes of request bodies being read at once, across every request (default 256 MiB;
     /// set with [`MeterLayer`](super::MeterLayer)'s setter of the same name). A request whose

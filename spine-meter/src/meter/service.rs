@@ -453,7 +453,8 @@ where
 /// 1. an account that could not pay a moment ago ([`RefusedCredit`](super::credit::RefusedCredit))
 ///    is refused at once: its body is read and dropped (up to the limit, so the caller sees the
 ///    402 rather than a broken pipe) — or, with
-///    [`refuse_unread_bodies`](super::MeterConfig::refuse_unread_bodies), dropped unread — the
+///    [`refuse_unread_bodies`](super::MeterConfig::refuse_unread_bodies) and a body that
+///    declares [`PRECHECK_BODY_BYTES`] or more, dropped unread — the
 ///    answer held back by `refused_credit_delay` per started
 ///    [`REFUSED_BODY_BYTES_PER_DELAY`](super::REFUSED_BODY_BYTES_PER_DELAY) of body (read, or
 ///    declared when unread);
@@ -498,9 +499,11 @@ async fn read_request_body_and_balance(
         .refused_credit
         .cannot_pay(account, config.min_request_cost_micros)
     {
-        let body_bytes = if config.refuse_unread_bodies {
+        let declared = declared_bytes(&body, config.max_request_body_bytes);
+        let body_bytes = if config.refuse_unread_bodies && declared >= PRECHECK_BODY_BYTES {
             // the server lingers on close: the caller reads the 402, its body is never copied
-            declared_bytes(&body, config.max_request_body_bytes)
+            // (a smaller one is read: the connection then stays open for the next request)
+            declared
         } else {
             drain(body, config.max_request_body_bytes).await
         };

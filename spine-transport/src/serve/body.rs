@@ -4,7 +4,7 @@
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -49,10 +49,17 @@ impl fmt::Debug for TimedBody {
 }
 
 impl TimedBody {
-    pub(super) fn new(inner: Incoming, timeout: Duration, conn: &Arc<Conn>) -> Self {
+    /// The body, and for a request that has one, a flag set once it has been read whole (a
+    /// response given while it is unset is given before the body was read).
+    pub(super) fn new(
+        inner: Incoming,
+        timeout: Duration,
+        conn: &Arc<Conn>,
+    ) -> (Self, Option<Arc<AtomicBool>>) {
         let now = Instant::now();
         let receiving = (!inner.is_end_stream()).then(|| Receiving::start(conn.clone()));
-        Self {
+        let whole = receiving.as_ref().map(|r| r.whole.clone());
+        let body = Self {
             inner,
             deadline: now
                 .checked_add(timeout)
@@ -60,24 +67,32 @@ impl TimedBody {
             timeout,
             sleep: None,
             receiving,
-        }
+        };
+        (body, whole)
     }
 }
 
 /// A request on a connection whose body has not all arrived: such a connection is as
 /// evictable as an idle one (see [`Registry::evict_oldest_idle`]).
-struct Receiving(Arc<Conn>);
+struct Receiving {
+    conn: Arc<Conn>,
+    /// Set when the body ended whole (not when it failed or was dropped unread).
+    whole: Arc<AtomicBool>,
+}
 
 impl Receiving {
     fn start(conn: Arc<Conn>) -> Self {
         conn.receiving.fetch_add(1, Ordering::AcqRel);
-        Self(conn)
+        Self {
+            conn,
+            whole: Arc::new(AtomicBool::new(false)),
+        }
     }
 }
 
 impl Drop for Receiving {
     fn drop(&mut self) {
-        self.0.receiving.fetch_sub(1, Ordering::AcqRel);
+        self.conn.receiving.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -92,6 +107,16 @@ impl Body for TimedBody {
         let mut this = self.project();
         match this.inner.as_mut().poll_frame(cx) {
             Poll::Ready(frame) => {
+                let ended = match &frame {
+                    None => true,
+                    Some(Ok(_)) => this.inner.is_end_stream(),
+                    Some(Err(_)) => false,
+                };
+                if ended {
+                    if let Some(r) = this.receiving.as_ref() {
+                        r.whole.store(true, Ordering::Release);
+                    }
+                }
                 if !matches!(frame, Some(Ok(_))) || this.inner.is_end_stream() {
                     this.receiving.take();
                 }

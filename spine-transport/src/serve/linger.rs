@@ -185,7 +185,9 @@ pub(super) async fn linger(
             },
             () = conn.close.notified() => return,
         }
-        match tcp.try_io(tokio::io::Interest::READABLE, || discard(&tcp, &mut scratch)) {
+        match tcp.try_io(tokio::io::Interest::READABLE, || {
+            discard(&tcp, &mut scratch)
+        }) {
             Ok(0) => return,
             Ok(_) => {}
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
@@ -196,10 +198,7 @@ pub(super) async fn linger(
 
 /// One read that drops what it reads: without copying on Linux (`MSG_TRUNC`).
 #[cfg(unix)]
-fn discard(
-    tcp: &TcpStream,
-    scratch: &mut [std::mem::MaybeUninit<u8>],
-) -> std::io::Result<usize> {
+fn discard(tcp: &TcpStream, scratch: &mut [std::mem::MaybeUninit<u8>]) -> std::io::Result<usize> {
     #[cfg(target_os = "linux")]
     let flags = rustix::net::RecvFlags::TRUNC;
     #[cfg(not(target_os = "linux"))]
@@ -210,10 +209,7 @@ fn discard(
 }
 
 #[cfg(not(unix))]
-fn discard(
-    tcp: &TcpStream,
-    scratch: &mut [std::mem::MaybeUninit<u8>],
-) -> std::io::Result<usize> {
+fn discard(tcp: &TcpStream, scratch: &mut [std::mem::MaybeUninit<u8>]) -> std::io::Result<usize> {
     let mut buf = [0u8; 4096];
     let _ = scratch;
     tcp.try_read(&mut buf)
