@@ -379,16 +379,11 @@ async fn enroll(
     // past `MAX_ENROLL_BODY_BYTES` (or a body that failed to arrive): OpenAI's error shape,
     // never axum's plain-text rejection
     let body = body.map_err(|e| {
-        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            ApiError::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "invalid_request_error",
-                "request_too_large",
-                format!("an enrollment body is at most {MAX_ENROLL_BODY_BYTES} bytes"),
-            )
-        } else {
-            ApiError::invalid_request("invalid_body", format!("the body could not be read: {e}"))
+        let mut err = ApiError::from(e);
+        if err.status == StatusCode::PAYLOAD_TOO_LARGE {
+            err.message = format!("an enrollment body is at most {MAX_ENROLL_BODY_BYTES} bytes");
         }
+        err
     })?;
     let body: EnrollBody = serde_json::from_slice(&body).map_err(|e| {
         ApiError::invalid_request(
