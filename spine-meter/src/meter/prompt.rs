@@ -205,10 +205,10 @@ pub(super) fn sampling_constraint(
     let set = |field: &str| !matches!(json.get(field), None | Some(Value::Null));
     let token_level = set("allowed_token_ids")
         || match logit_biases(json) {
-            Some(biases) => !biases
-                .iter()
-                .all(|(id, _)| id.is_some_and(|id| counter.is_special_token(id))),
-            None => set("logit_bias"),
+            Some(Ok(biases)) => !biases.iter().all(|(id, _)| counter.is_special_token(*id)),
+            // refused before any node (`logit_bias_unreadable`); counted as token-level
+            Some(Err(())) => true,
+            None => false,
         };
     if token_level {
         return SamplingConstraint::Tokens;
@@ -233,54 +233,73 @@ pub(super) fn sampling_constraint(
 pub(super) const RAISED_CONTROL_TOKEN: &str =
     "no positive bias on a control token (it is generated as no text, so it cannot be metered)";
 
+/// Why a `logit_bias` the engines could read as other tokens than the gateway is refused.
+pub(super) const UNREADABLE_LOGIT_BIAS: &str =
+    "an object mapping token ids (decimal digits, at most 2147483647) to numbers";
+
 /// Whether the request's `logit_bias` raises a control token (a special token of the
 /// vocabulary, [`TokenCounter::is_special_token`]) by a positive bias. The engine then spends
 /// tokens that render as no text: its `length` finish looks unsupported by its text (an honest
-/// node flagged) and the caller pays nothing for the work. Read as llama.cpp reads it: an
-/// object keyed by token id (`strtol`: leading white space and a sign allowed) or an array
-/// of `[id, bias]` pairs.
+/// node flagged) and the caller pays nothing for the work. Only for a `logit_bias` that
+/// [`logit_bias_unreadable`] accepts.
 pub(super) fn raises_control_token(json: &serde_json::Value, counter: &dyn TokenCounter) -> bool {
     logit_biases(json).is_some_and(|biases| {
-        biases.iter().any(|(id, bias)| {
-            id.is_some_and(|id| counter.is_special_token(id)) && bias.is_some_and(|b| b > 0.0)
+        biases.is_ok_and(|biases| {
+            biases
+                .iter()
+                .any(|(id, bias)| counter.is_special_token(*id) && *bias > 0.0)
         })
     })
 }
 
-/// The request's `logit_bias` as llama.cpp reads it: `(token id, bias)` per entry of an
-/// object keyed by token id (`strtol`: leading white space and a sign allowed) or of an array
-/// of `[id, bias]` pairs. An id that is no token id (negative, not a number) is `None`, as is
-/// a bias that is not a number. `None` for a `logit_bias` absent, `null` or of another shape.
-fn logit_biases(json: &serde_json::Value) -> Option<Vec<(Option<u32>, Option<f64>)>> {
+/// Whether the request's `logit_bias` (not `null`) has an entry the engines may read as
+/// another token than the gateway does, so that [`raises_control_token`] cannot vouch for
+/// it: every entry must be a token id of ASCII decimal digits at most `i32::MAX` (OpenAI's
+/// form) mapped to a number (or llama.cpp's `false`, a ban), in an object or in llama.cpp's
+/// array of `[id, bias]` pairs (the id a JSON integer). Each engine reads the rest its own
+/// way: llama.cpp takes an object key with `strtol` into a 32-bit token (`"4294967299"`
+/// and `"-4294967293"` are token 3, `""` is token 0, a key is cut at its first NUL:
+/// `"3\u0000"` is token 3) and an array id as a 32-bit integer (`4294967299` is 3), and
+/// tokenizes any other key as text; vLLM and SGLang read a key with Python's `int` (`"٣"`
+/// and `"3_0"` are ids) and coerce a string bias (`"100"`) to a number.
+pub(super) fn logit_bias_unreadable(json: &serde_json::Value) -> bool {
+    matches!(logit_biases(json), Some(Err(())))
+}
+
+/// The request's `logit_bias` as `(token id, bias)` per entry, `false` (a ban) read as −∞;
+/// `Err` when an entry is not in the form every engine reads alike ([`logit_bias_unreadable`]).
+/// `None` for a `logit_bias` absent or `null`.
+fn logit_biases(json: &serde_json::Value) -> Option<Result<Vec<(u32, f64)>, ()>> {
     use serde_json::Value;
     let id = |id: &str| {
-        id.trim_start()
-            .parse::<i64>()
+        if id.is_empty() || !id.bytes().all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        id.parse::<u32>()
             .ok()
-            .and_then(|id| u32::try_from(id).ok())
+            .filter(|id| i32::try_from(*id).is_ok())
     };
-    match json.get("logit_bias")? {
-        Value::Object(biases) => Some(
-            biases
-                .iter()
-                .map(|(k, bias)| (id(k), bias.as_f64()))
-                .collect(),
-        ),
-        Value::Array(pairs) => Some(
-            pairs
-                .iter()
-                .map(|pair| {
-                    let key = match pair.get(0) {
-                        Some(Value::Number(n)) => id(&n.to_string()),
-                        Some(Value::String(s)) => id(s),
-                        _ => None,
-                    };
-                    (key, pair.get(1).and_then(Value::as_f64))
-                })
-                .collect(),
-        ),
+    let bias = |bias: &Value| match bias {
+        Value::Number(n) => n.as_f64(),
+        Value::Bool(false) => Some(f64::NEG_INFINITY),
         _ => None,
-    }
+    };
+    let entry = |id: Option<u32>, b: Option<&Value>| Some((id?, bias(b?)?));
+    let entries: Option<Vec<(u32, f64)>> = match json.get("logit_bias")? {
+        Value::Null => return None,
+        Value::Object(biases) => biases.iter().map(|(k, b)| entry(id(k), Some(b))).collect(),
+        Value::Array(pairs) => pairs
+            .iter()
+            .map(|pair| match pair.as_array().map(Vec::as_slice) {
+                Some([Value::Number(n), b]) => {
+                    entry(n.as_u64().and_then(|n| id(&n.to_string())), Some(b))
+                }
+                _ => None,
+            })
+            .collect(),
+        _ => None,
+    };
+    Some(entries.ok_or(()))
 }
 
 /// Why a grammar naming tokens is refused.

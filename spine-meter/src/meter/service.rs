@@ -16,8 +16,8 @@ use super::body::{MeterBody, StreamSettings};
 use super::embeddings::meter_embeddings;
 use super::prompt::{
     affordable_prompt_tokens, count_prompts, developer_to_system, grammar_names_tokens,
-    raises_control_token, sampling_constraint, stop_hidden_bytes, PromptLimits,
-    GRAMMAR_NAMES_TOKENS, RAISED_CONTROL_TOKEN,
+    logit_bias_unreadable, raises_control_token, sampling_constraint, stop_hidden_bytes,
+    PromptLimits, GRAMMAR_NAMES_TOKENS, RAISED_CONTROL_TOKEN, UNREADABLE_LOGIT_BIAS,
 };
 use super::settle::{AuditCapture, SettleCtx};
 use super::{AdmissionRequest, CountedUsage, MeterConfig, MeterError, ResponseFuture};
@@ -159,6 +159,13 @@ where
         bytes = serde_json::to_vec(&json)
             .map_err(|e| MeterError::BadRequest(PeekError::NotJson(e.to_string())))?
             .into();
+    }
+    if kind != RequestKind::Embeddings && logit_bias_unreadable(&json) {
+        return Err(MeterError::BadRequest(PeekError::InvalidField {
+            field: "logit_bias",
+            expected: UNREADABLE_LOGIT_BIAS,
+        })
+        .into());
     }
     if kind != RequestKind::Embeddings && raises_control_token(&json, &*entry.tokenizer) {
         return Err(MeterError::BadRequest(PeekError::InvalidField {
@@ -359,19 +366,23 @@ where
         .is_some_and(|v| v.trim_start().starts_with("text/event-stream"));
     let (mut parts, body) = resp.into_parts();
     parts.headers.remove(http::header::CONTENT_LENGTH);
-    if streaming && !stream_requested {
+    if streaming != stream_requested {
         // a stream to a caller that asked for one JSON body: its SDK cannot read it (the Python
-        // SDK hands back a string), so it is not an answer to bill; the node broke the protocol
+        // SDK hands back a string); one JSON body to a caller that asked for a stream: its SDK
+        // reads the body as SSE events and finds none (the Python and Node SDKs yield nothing).
+        // Neither is an answer to bill; the node broke the protocol
         let Some(ctx) = guard.take() else {
             return Err(MeterError::MissingExtension("settlement context").into());
         };
-        tracing::warn!(request_id = %ctx.request_id, "node streamed an answer to a request that asked for none");
+        let why = if streaming {
+            "the node streamed its answer to a request that asked for no stream"
+        } else {
+            "the node answered a request that asked for a stream with no stream"
+        };
+        tracing::warn!(request_id = %ctx.request_id, why, "node answered in the other mode");
         guard.slot.report_node_fault();
         ctx.settle_prompt_only(StreamOutcome::UpstreamFailed);
-        return Err(MeterError::UpstreamInvalid(
-            "the node streamed its answer to a request that asked for no stream".to_owned(),
-        )
-        .into());
+        return Err(MeterError::UpstreamInvalid(why.to_owned()).into());
     }
     if streaming && kind != RequestKind::Embeddings {
         let Some(ctx) = guard.take() else {
