@@ -432,7 +432,8 @@ async fn responses_are_reshaped_and_a_tool_call_padder_is_not_paid() {
 /// or answers in the other mode. A complete chat answer is read from `message` only, a chunk
 /// from `delta` only, a completion from `text` only; text in another member is the node's fault
 /// (never billed), a `null` other member is absent. A stream answering a request that asked for
-/// one JSON body is the node's fault too: the SDK cannot read it.
+/// one JSON body is the node's fault too: the SDK cannot read it; so is one JSON body answering
+/// a request that asked for a stream (the SDK reads SSE events from it and finds none).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_answering_where_the_sdk_does_not_read_is_not_paid_for_it() {
     let engine = Engine::discover().unwrap();
@@ -458,6 +459,8 @@ async fn a_node_answering_where_the_sdk_does_not_read_is_not_paid_for_it() {
                     "choices":[{"index":0,"delta":{"content":"pad ".repeat(500)},"message":{"role":"assistant","content":"Paris."},"finish_reason":"stop"}]}).to_string()),
                 (_, "delta-null") => full(200, "application/json", json!({"id":"p","object":"chat.completion","created":1,"model":"smollm2",
                     "choices":[{"index":0,"delta":null,"message":{"role":"assistant","content":shown},"finish_reason":"stop"}]}).to_string()),
+                (_, "json-for-sse") => full(200, "application/json", json!({"id":"p","object":"chat.completion","created":1,"model":"smollm2",
+                    "choices":[{"index":0,"message":{"role":"assistant","content":shown},"finish_reason":"stop"}]}).to_string()),
                 (_, "sse-for-json") => full(200, "text/event-stream", format!("{}{}data: [DONE]\n\n",
                     chunk(json!({"index":0,"delta":{"content":shown},"finish_reason":null})),
                     chunk(json!({"index":0,"delta":{},"finish_reason":"stop"})))),
@@ -474,8 +477,13 @@ async fn a_node_answering_where_the_sdk_does_not_read_is_not_paid_for_it() {
     let shown_tokens = tok.count_text(&shown);
 
     // text beside the message, where the SDK never looks: refused, nothing paid
-    for mode in ["delta-pad", "sse-for-json"] {
-        let body = json!({"model":"smollm2","messages":[{"role":"user","content":mode}],"max_tokens":2000});
+    for (mode, stream) in [
+        ("delta-pad", false),
+        ("sse-for-json", false),
+        ("json-for-sse", true),
+    ] {
+        let body = json!({"model":"smollm2","messages":[{"role":"user","content":mode}],"max_tokens":2000,
+            "stream":stream});
         let resp = gw.api_post(&t.api_key, "/v1/chat/completions", &body).await;
         assert_eq!(resp.status(), 502, "{mode}");
         let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();

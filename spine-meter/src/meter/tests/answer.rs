@@ -157,3 +157,45 @@ async fn a_stream_past_its_byte_bound_ends_with_a_server_error_event() {
         (StreamOutcome::UpstreamFailed, 0)
     );
 }
+
+/// A caller asked for a stream and the node answered with one complete JSON body: the caller's
+/// SDK reads the body as SSE events and finds none (the Python and Node SDKs yield nothing), so
+/// the caller would pay for an answer it never gets. It is the node's fault, as a stream to a
+/// caller that asked for one body is: `upstream_failed`, nothing paid.
+#[tokio::test]
+async fn one_json_body_answering_a_stream_request_is_the_nodes_fault() {
+    let mut h = harness().await;
+    let body = capture_body("a_chat_nonstream.txt");
+    for (i, req) in [chat(true, None), chat(true, Some(true))]
+        .into_iter()
+        .enumerate()
+    {
+        let svc = h.service(200, "application/json", reads_of(&body, 100), End::Eof);
+        let err = svc
+            .oneshot(request(&format!("json{i}"), &req))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(
+                err.downcast_ref::<MeterError>(),
+                Some(MeterError::UpstreamInvalid(_))
+            ),
+            "{err}"
+        );
+        let (s, r) = h.settled().await;
+        assert_eq!(
+            (s.outcome, r.debit_micros),
+            (StreamOutcome::UpstreamFailed, 0)
+        );
+    }
+    h.assert_account_untouched().await;
+    // the same body answering a request that asked for no stream is served
+    let svc = h.service(200, "application/json", reads_of(&body, 100), End::Eof);
+    let resp = svc
+        .oneshot(request("json-ok", &chat(false, None)))
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    drop(resp);
+    assert_eq!(h.settled().await.0.outcome, StreamOutcome::Completed);
+}
