@@ -199,3 +199,44 @@ async fn one_json_body_answering_a_stream_request_is_the_nodes_fault() {
     drop(resp);
     assert_eq!(h.settled().await.0.outcome, StreamOutcome::Completed);
 }
+
+/// The node's `[DONE]` in another spelling (after two spaces, on a second data line): the
+/// gateway read it as the end, but forwarded as it came an SDK that ends on data starting with
+/// `[DONE]` parses ` [DONE]` or `\n[DONE]` as JSON and raises after the caller paid. The caller
+/// gets the gateway's own `data: [DONE]`.
+#[tokio::test]
+async fn the_nodes_done_reaches_the_caller_in_the_gateways_spelling() {
+    let mut h = harness().await;
+    for (i, done) in [
+        "data:  [DONE]\n\n",
+        "data:\ndata: [DONE]\n\n",
+        "data: [DONE] \r\n\r\n",
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let stream = [
+            chunk(json!({"index":0,"delta":{"content":"Red"},"finish_reason":null})),
+            chunk(json!({"index":0,"delta":{},"finish_reason":"stop"})),
+            done.to_owned(),
+        ]
+        .concat();
+        let svc = h.service(
+            200,
+            "text/event-stream",
+            reads_of(stream.as_bytes(), 64),
+            End::Eof,
+        );
+        let resp = svc
+            .oneshot(request(&format!("done{i}"), &chat(true, None)))
+            .await
+            .unwrap();
+        let frames = frames(resp.into_body()).await;
+        assert_eq!(
+            frames.last().map(|f| f.as_ref()),
+            Some(&b"data: [DONE]\n\n"[..]),
+            "{done:?}"
+        );
+        assert_eq!(h.settled().await.0.outcome, StreamOutcome::Completed);
+    }
+}
