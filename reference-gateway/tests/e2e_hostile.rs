@@ -602,6 +602,36 @@ async fn a_caller_constraining_tokenization_pays_for_the_tokens_generated() {
             "{rec}"
         );
     }
+    // a schema that pins the text (OpenAI's `const`): the honest engine spells it in pieces the
+    // model would never choose (measured: 204 tokens for a 272-byte text that counts 62), and a
+    // `pattern` schema's answer loses the white space the engine generated after the JSON
+    // (measured: `"   "` for 25 tokens); each billed as the engine claims it, unflagged
+    let pinned = "The quick brown fox jumps over the lazy dog. ".repeat(6);
+    for (schema, streamed) in [
+        (json!({"const": pinned}), false),
+        (json!({"const": pinned}), true),
+        (json!({"type": "string", "pattern": "^ +$"}), false),
+    ] {
+        let body = json!({"model":"smollm2","max_tokens":400,"stream":streamed,"temperature":0,
+            "messages":[{"role":"user","content":"Write anything"}],
+            "response_format":{"type":"json_schema","json_schema":{"name":"x","schema":schema}}});
+        let resp = gw.api_post(&t.api_key, "/v1/chat/completions", &body).await;
+        assert_eq!(resp.status(), 200, "{body}");
+        let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
+        let text = resp.text().await.unwrap();
+        let got = delivered(&text, streamed).remove(0);
+        let rec = gw.record(&id).await;
+        assert_eq!(rec["outcome"], "completed", "{rec}");
+        let claimed = rec["claimed"]["completion_tokens"].as_u64().unwrap();
+        let canonical = tok.count_text(&got);
+        // the measured allowance this replaces could not pay for it
+        assert!(
+            claimed > canonical + 1 + 16 + (canonical + 1) / 8,
+            "not pinned enough to tell: {claimed} for {got:?}"
+        );
+        assert_eq!(rec["billed"]["completion_tokens"], claimed, "{rec}");
+        assert_eq!(rec["discrepancy"], false, "{rec}");
+    }
 }
 
 /// The request surface on the real llama.cpp: a `developer` message is served, its prompt

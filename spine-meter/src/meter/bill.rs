@@ -9,7 +9,7 @@ use spine_core::{NodeSlot, RequestKind, StreamOutcome, Usage};
 use super::node_json::{
     engine_error_message, is_engine_error, read_choices, usage_claim, Members, TextMember,
 };
-use super::prompt::{SamplingConstraint, GRAMMAR_ALLOWANCE_DIVISOR, GRAMMAR_ALLOWANCE_TOKENS};
+use super::prompt::{SamplingConstraint, GRAMMAR_HIDDEN_TOKENS};
 use super::settle::{BillNotes, SettleCtx};
 use super::MeterError;
 use crate::tokenizer::GeneratedCount;
@@ -85,11 +85,12 @@ pub(super) enum Cut {
 /// generated the text as more tokens than its canonical tokenization, so the count above is
 /// only a lower bound. The most tokens a choice's text can have been:
 ///
-/// - a grammar on the text ([`SamplingConstraint::Text`]): the count plus
-///   `16 + count / 8` (the measured honest excess with room to spare; [`GRAMMAR_ALLOWANCE_TOKENS`]);
 /// - token-level constraints ([`SamplingConstraint::Tokens`]: a caller that bans every
-///   multi-character token gets a text spelled one character per token): one per byte, plus
-///   the EOS and a held-back UTF-8 tail;
+///   multi-character token gets a text spelled one character per token) and a grammar on the
+///   text ([`SamplingConstraint::Text`]: a text the grammar pins is spelled in pieces the model
+///   would never choose): one per byte, plus the EOS and a held-back UTF-8 tail; a completed
+///   answer under a grammar also [`GRAMMAR_HIDDEN_TOKENS`] (what llama.cpp's response-format
+///   parser takes out around the JSON);
 ///
 /// **Stop strings** ([`SettleCtx::stop_hidden_bytes`], `S` bytes for the longest): a choice
 /// that completed with `stop` or `length` may also have generated a matched (or held-back
@@ -97,11 +98,10 @@ pub(super) enum Cut {
 ///
 /// each within the cap: `U = min(cap, max(count, most))`. A completed answer then bills the
 /// node's claim (`claimed`, the engine's own usage) clamped to `[Σ count, Σ U]`. An answer that
-/// ended early (the caller left; no claim ever comes) bills `Σ U` under token-level
-/// constraints (the most the delivered text can be) and `Σ count` under a grammar (the
-/// allowance is the engine's, not a measure of the text).
+/// ended early (the caller left; no claim ever comes) bills `Σ U` under either constraint (the
+/// most the delivered text can be).
 ///
-/// [`GRAMMAR_ALLOWANCE_TOKENS`]: super::prompt::GRAMMAR_ALLOWANCE_TOKENS
+/// [`GRAMMAR_HIDDEN_TOKENS`]: super::prompt::GRAMMAR_HIDDEN_TOKENS
 pub(super) fn billed_usage(
     ctx: &SettleCtx,
     choices: &BTreeMap<u64, Choice>,
@@ -115,16 +115,14 @@ pub(super) fn billed_usage(
         let count =
             ctx.choice_completion_counted(&c.delivered, c.finish_reason.as_deref(), completed);
         completion_tokens = completion_tokens.saturating_add(count.tokens);
+        let by_bytes = c
+            .delivered
+            .len_bytes()
+            .saturating_add(crate::tokenizer::MAX_HELD_BACK_BYTES + 1);
         let most = match ctx.sampling_constraint {
             SamplingConstraint::None => count.tokens,
-            SamplingConstraint::Text => count
-                .tokens
-                .saturating_add(GRAMMAR_ALLOWANCE_TOKENS)
-                .saturating_add(count.tokens / GRAMMAR_ALLOWANCE_DIVISOR),
-            SamplingConstraint::Tokens => c
-                .delivered
-                .len_bytes()
-                .saturating_add(crate::tokenizer::MAX_HELD_BACK_BYTES + 1),
+            SamplingConstraint::Text if completed => by_bytes.saturating_add(GRAMMAR_HIDDEN_TOKENS),
+            SamplingConstraint::Text | SamplingConstraint::Tokens => by_bytes,
         }
         // a matched stop string (or a partial match held back at `length`): generated, counted
         // by the engine, never delivered; one more for a token across its start
@@ -157,7 +155,7 @@ pub(super) fn billed_usage(
                 .completion_tokens
                 .clamp(completion_tokens, most_tokens.max(completion_tokens)),
             (true, None) => completion_tokens,
-            (false, _) if ctx.sampling_constraint == SamplingConstraint::Tokens => most_tokens,
+            (false, _) if ctx.sampling_constraint != SamplingConstraint::None => most_tokens,
             (false, _) => completion_tokens,
         };
     }

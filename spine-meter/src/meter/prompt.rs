@@ -153,9 +153,12 @@ pub(crate) enum SamplingConstraint {
     /// A grammar on the text (`response_format` other than `text`, llama.cpp's `grammar` /
     /// `json_schema`, vLLM's `guided_*` / `structured_outputs`, SGLang's `regex` / `ebnf`,
     /// Ollama's `format`). A grammar acts on characters, so the canonical tokens of the final
-    /// text are always allowed, but an honest engine still spells it in a few more tokens
-    /// (measured on llama.cpp: up to +18 tokens on a 74-token JSON answer, +3 to +10 typical;
-    /// [`GRAMMAR_ALLOWANCE_TOKENS`], [`GRAMMAR_ALLOWANCE_DIVISOR`]).
+    /// text are allowed, but the engine need not pick them: a text the grammar pins (a schema's
+    /// `const`, a literal) is spelled in pieces the model would never choose (measured on
+    /// llama.cpp: 204 tokens generated for a 272-byte `const` that counts 62), so a text can
+    /// have been up to one token per byte, as under [`SamplingConstraint::Tokens`]; and
+    /// llama.cpp's JSON answer drops what its response-format parser matched around the JSON
+    /// (up to [`GRAMMAR_HIDDEN_TOKENS`]).
     Text,
     /// Token-level constraints: a `logit_bias` on a non-special token, vLLM's
     /// `allowed_token_ids`. A text can then be spelled in up to one token per byte.
@@ -178,15 +181,13 @@ pub(super) fn stop_hidden_bytes(json: &serde_json::Value) -> u64 {
     }
 }
 
-/// Per choice, the fixed part of the tokens an engine may generate above the canonical count
-/// of a grammar-constrained text: 16.
-pub(crate) const GRAMMAR_ALLOWANCE_TOKENS: u64 = 16;
-
-/// Per choice, the proportional part: one token in 8 of the canonical count (12.5 %). With
-/// [`GRAMMAR_ALLOWANCE_TOKENS`]: the most honest excess measured (18 on 74, 10 on 29, 9 on 270
-/// tokens; `docs/metering.md`) fits with room to spare, and a node that pads its claim gains at
-/// most `16 + count / 8` per choice, where it gained up to one token per byte before.
-pub(crate) const GRAMMAR_ALLOWANCE_DIVISOR: u64 = 8;
+/// Per choice, the tokens an engine may generate under a grammar beyond the text it delivers:
+/// llama.cpp's response-format parser takes white space before the JSON, a `` ```json ``
+/// fence and white space after it out of the content (`p.space()` around the schema, each a
+/// `space` rule of at most 22 bytes: `"\n"{1,2} [ \t]{0,20}`), at most
+/// 22 + 7 + 22 + 22 + 3 = 76 bytes, each at least a byte of a token. Measured: a `pattern`
+/// schema delivered `"   "` (5 bytes) for 25 tokens generated, 21 of them trailing white space.
+pub(crate) const GRAMMAR_HIDDEN_TOKENS: u64 = 76;
 
 /// How the request constrains sampling ([`SamplingConstraint`]), from the peek
 /// ([`RequestPeek::tokenization_constrained`]) with one refinement the peek cannot make without
