@@ -240,3 +240,34 @@ async fn the_nodes_done_reaches_the_caller_in_the_gateways_spelling() {
         assert_eq!(h.settled().await.0.outcome, StreamOutcome::Completed);
     }
 }
+
+/// A choice that names a member twice (`message.content` twice): the meter counted the last one,
+/// the choice went to the caller as it came, and SDKs disagree on which duplicate wins (serde's
+/// derived structs refuse the answer). The node's fault, as a duplicate at the top level is.
+#[tokio::test]
+async fn a_choice_naming_a_member_twice_is_the_nodes_fault() {
+    let mut h = harness().await;
+    let body = r#"{"id":"c1","object":"chat.completion","choices":[{"index":0,"finish_reason":"stop","message":{"role":"assistant","content":"Red","content":"Red, green and blue, and a long padding text"}}]}"#;
+    let svc = h.service(
+        200,
+        "application/json",
+        reads_of(body.as_bytes(), 64),
+        End::Eof,
+    );
+    let err = svc
+        .oneshot(request("dup", &chat(false, None)))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err.downcast_ref::<MeterError>(),
+            Some(MeterError::UpstreamInvalid(_))
+        ),
+        "{err}"
+    );
+    let (s, r) = h.settled().await;
+    assert_eq!(
+        (s.outcome, r.debit_micros),
+        (StreamOutcome::UpstreamFailed, 0)
+    );
+}
