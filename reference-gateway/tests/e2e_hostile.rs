@@ -432,8 +432,9 @@ async fn responses_are_reshaped_and_a_tool_call_padder_is_not_paid() {
 /// or answers in the other mode. A complete chat answer is read from `message` only, a chunk
 /// from `delta` only, a completion from `text` only; text in another member is the node's fault
 /// (never billed), a `null` other member is absent. A stream answering a request that asked for
-/// one JSON body is the node's fault too: the SDK cannot read it; so is one JSON body answering
-/// a request that asked for a stream (the SDK reads SSE events from it and finds none).
+/// one JSON body is the node's fault too: the SDK cannot read it. One JSON body answering a
+/// request that asked for a stream goes out as the stream asked for (the SDK would read no SSE
+/// event from it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_answering_where_the_sdk_does_not_read_is_not_paid_for_it() {
     let engine = Engine::discover().unwrap();
@@ -477,13 +478,8 @@ async fn a_node_answering_where_the_sdk_does_not_read_is_not_paid_for_it() {
     let shown_tokens = tok.count_text(&shown);
 
     // text beside the message, where the SDK never looks: refused, nothing paid
-    for (mode, stream) in [
-        ("delta-pad", false),
-        ("sse-for-json", false),
-        ("json-for-sse", true),
-    ] {
-        let body = json!({"model":"smollm2","messages":[{"role":"user","content":mode}],"max_tokens":2000,
-            "stream":stream});
+    for mode in ["delta-pad", "sse-for-json"] {
+        let body = json!({"model":"smollm2","messages":[{"role":"user","content":mode}],"max_tokens":2000});
         let resp = gw.api_post(&t.api_key, "/v1/chat/completions", &body).await;
         assert_eq!(resp.status(), 502, "{mode}");
         let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
@@ -493,6 +489,31 @@ async fn a_node_answering_where_the_sdk_does_not_read_is_not_paid_for_it() {
         assert_eq!(rec["outcome"], "upstream_failed", "{mode}: {rec}");
         assert_eq!(rec["debit_micros"], 0, "{mode}: {rec}");
     }
+    // one JSON body answering a request that asked for a stream: the SDK would read no event
+    // from it; the caller gets the stream it asked for, the text billed
+    let body = json!({"model":"smollm2","messages":[{"role":"user","content":"json-for-sse"}],
+        "max_tokens":2000,"stream":true,"stream_options":{"include_usage":true}});
+    let resp = gw.api_post(&t.api_key, "/v1/chat/completions", &body).await;
+    assert_eq!(resp.status(), 200);
+    assert!(resp.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/event-stream"));
+    let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
+    let text = resp.text().await.unwrap();
+    assert_eq!(delivered(&text, true)[0], shown, "{text}");
+    assert_eq!(
+        sse_data(&text).last().map(String::as_str),
+        Some("[DONE]"),
+        "{text}"
+    );
+    let rec = gw.record(&id).await;
+    assert_eq!(rec["outcome"], "completed", "{rec}");
+    assert_eq!(
+        rec["billed"]["completion_tokens"],
+        shown_tokens + 1,
+        "{rec}"
+    );
     // `delta: null` beside the message: the message, which the SDK shows, is what is billed
     let body = json!({"model":"smollm2","messages":[{"role":"user","content":"delta-null"}],"max_tokens":2000});
     let resp = gw.api_post(&t.api_key, "/v1/chat/completions", &body).await;

@@ -328,6 +328,60 @@ pub(crate) fn meter_json(
     Ok(Bytes::from(out))
 }
 
+/// A metered whole answer ([`meter_json`]'s) as the stream a caller asked for, for a node that
+/// answered a streamed request with one JSON body (the SDKs read no SSE event from it: the
+/// caller would pay for an answer it never gets): one chunk per choice (a chat choice's
+/// `message` as its `delta`, each tool call given its `index`; a completion's choice as is),
+/// each with the answer's `id`, `created`, `model` (and `system_fingerprint`), then the billed
+/// usage chunk when the caller asked for usage, then `[DONE]`.
+pub(crate) fn json_as_stream(body: &[u8], kind: RequestKind, include_usage: bool) -> Bytes {
+    use serde_json::{Map, Value};
+    let answer: Map<String, Value> = serde_json::from_slice(body).unwrap_or_default();
+    let mut head = Map::new();
+    for key in ["id", "created", "model", "system_fingerprint"] {
+        if let Some(v) = answer.get(key) {
+            head.insert(key.to_owned(), v.clone());
+        }
+    }
+    let object = match kind {
+        RequestKind::Completions => "text_completion",
+        _ => "chat.completion.chunk",
+    };
+    head.insert("object".to_owned(), Value::from(object));
+    let chunk = |member: &str, value: Value| {
+        let mut c = head.clone();
+        c.insert(member.to_owned(), value);
+        encode_event(&Value::Object(c).to_string())
+    };
+    let mut out = Vec::new();
+    let choices = answer.get("choices").and_then(Value::as_array);
+    for choice in choices.into_iter().flatten() {
+        let mut choice = choice.clone();
+        if let Some(c) = choice.as_object_mut() {
+            if let Some(mut message) = c.remove("message") {
+                let calls = message.get_mut("tool_calls").and_then(Value::as_array_mut);
+                for (i, call) in calls.into_iter().flatten().enumerate() {
+                    if let Some(call) = call.as_object_mut() {
+                        call.entry("index").or_insert(Value::from(i));
+                    }
+                }
+                c.insert("delta".to_owned(), message);
+            }
+        }
+        out.extend_from_slice(&chunk("choices", Value::Array(vec![choice])));
+    }
+    if include_usage {
+        if let Some(usage) = answer.get("usage") {
+            let mut c = head.clone();
+            c.insert("choices".to_owned(), Value::Array(Vec::new()));
+            c.insert("usage".to_owned(), usage.clone());
+            out.extend_from_slice(&encode_event(&Value::Object(c).to_string()));
+        }
+    }
+    out.extend_from_slice(b"data: [DONE]\n\n");
+    Bytes::from(out)
+}
+
 /// Bytes a whole stream's events may take before the node is cut as at fault:
 /// [`STREAM_BYTES_FLOOR`] plus [`STREAM_BYTES_PER_TOKEN`] for each completion token the
 /// request may bill (`n` × the per-choice cap, with the cap's delivery slack). Text is bounded

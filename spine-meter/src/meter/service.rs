@@ -11,7 +11,7 @@ use spine_core::{
 use tower::Service;
 
 use super::admission::{AdmissionEvents, AdmitGuard};
-use super::bill::meter_json;
+use super::bill::{json_as_stream, meter_json};
 use super::body::{MeterBody, StreamSettings};
 use super::embeddings::meter_embeddings;
 use super::prompt::{
@@ -366,23 +366,19 @@ where
         .is_some_and(|v| v.trim_start().starts_with("text/event-stream"));
     let (mut parts, body) = resp.into_parts();
     parts.headers.remove(http::header::CONTENT_LENGTH);
-    if streaming != stream_requested {
+    if streaming && !stream_requested {
         // a stream to a caller that asked for one JSON body: its SDK cannot read it (the Python
-        // SDK hands back a string); one JSON body to a caller that asked for a stream: its SDK
-        // reads the body as SSE events and finds none (the Python and Node SDKs yield nothing).
-        // Neither is an answer to bill; the node broke the protocol
+        // SDK hands back a string), so it is not an answer to bill; the node broke the protocol
         let Some(ctx) = guard.take() else {
             return Err(MeterError::MissingExtension("settlement context").into());
         };
-        let why = if streaming {
-            "the node streamed its answer to a request that asked for no stream"
-        } else {
-            "the node answered a request that asked for a stream with no stream"
-        };
-        tracing::warn!(request_id = %ctx.request_id, why, "node answered in the other mode");
+        tracing::warn!(request_id = %ctx.request_id, "node streamed an answer to a request that asked for none");
         guard.slot.report_node_fault();
         ctx.settle_prompt_only(StreamOutcome::UpstreamFailed);
-        return Err(MeterError::UpstreamInvalid(why.to_owned()).into());
+        return Err(MeterError::UpstreamInvalid(
+            "the node streamed its answer to a request that asked for no stream".to_owned(),
+        )
+        .into());
     }
     if streaming && kind != RequestKind::Embeddings {
         let Some(ctx) = guard.take() else {
@@ -442,7 +438,7 @@ where
             return Err(e.into());
         }
     };
-    let bytes = if kind == RequestKind::Embeddings {
+    let mut bytes = if kind == RequestKind::Embeddings {
         meter_embeddings(ctx, &bytes, prompts.len(), Some(&guard.slot))?
     } else {
         meter_json(
@@ -453,6 +449,16 @@ where
             Some(&guard.slot),
         )?
     };
+    if stream_requested && kind != RequestKind::Embeddings {
+        // one JSON body answering a request that asked for a stream: the SDKs read no SSE event
+        // from it (the caller would pay for an answer it never gets), so the metered answer
+        // goes out as the stream the caller asked for
+        bytes = json_as_stream(&bytes, kind, include_usage);
+        parts.headers.insert(
+            http::header::CONTENT_TYPE,
+            http::HeaderValue::from_static("text/event-stream"),
+        );
+    }
     Ok(http::Response::from_parts(
         parts,
         BoxBody::new(Full::new(bytes).map_err(|never| match never {})),

@@ -160,44 +160,55 @@ async fn a_stream_past_its_byte_bound_ends_with_a_server_error_event() {
 
 /// A caller asked for a stream and the node answered with one complete JSON body: the caller's
 /// SDK reads the body as SSE events and finds none (the Python and Node SDKs yield nothing), so
-/// the caller would pay for an answer it never gets. It is the node's fault, as a stream to a
-/// caller that asked for one body is: `upstream_failed`, nothing paid.
+/// the caller paid for an answer it never got. The metered answer goes out as the stream the
+/// caller asked for: its text in `delta`s, the billed usage when asked, `[DONE]`.
 #[tokio::test]
-async fn one_json_body_answering_a_stream_request_is_the_nodes_fault() {
+async fn one_json_body_answering_a_stream_request_reaches_the_caller_as_a_stream() {
     let mut h = harness().await;
     let body = capture_body("a_chat_nonstream.txt");
-    for (i, req) in [chat(true, None), chat(true, Some(true))]
-        .into_iter()
-        .enumerate()
-    {
+    let answer: Value = serde_json::from_slice(&body).unwrap();
+    let content = answer["choices"][0]["message"]["content"].as_str().unwrap();
+    for (i, usage) in [None, Some(true)].into_iter().enumerate() {
         let svc = h.service(200, "application/json", reads_of(&body, 100), End::Eof);
-        let err = svc
-            .oneshot(request(&format!("json{i}"), &req))
+        let resp = svc
+            .oneshot(request(&format!("json{i}"), &chat(true, usage)))
             .await
-            .unwrap_err();
-        assert!(
-            matches!(
-                err.downcast_ref::<MeterError>(),
-                Some(MeterError::UpstreamInvalid(_))
-            ),
-            "{err}"
-        );
-        let (s, r) = h.settled().await;
+            .unwrap();
+        assert_eq!(resp.status(), 200);
         assert_eq!(
-            (s.outcome, r.debit_micros),
-            (StreamOutcome::UpstreamFailed, 0)
+            resp.headers()[http::header::CONTENT_TYPE],
+            "text/event-stream"
         );
+        let got = frames(resp.into_body()).await.concat();
+        let events = crate::sse::parse_all(&got).unwrap();
+        let data: Vec<&str> = events.iter().map(|e| e.data()).collect();
+        assert_eq!(data.last(), Some(&"[DONE]"), "{data:?}");
+        let chunks: Vec<Value> = data[..data.len() - 1]
+            .iter()
+            .map(|d| serde_json::from_str(d).unwrap())
+            .collect();
+        let text: String = chunks
+            .iter()
+            .flat_map(|c| c["choices"].as_array().unwrap().clone())
+            .filter_map(|c| c["delta"]["content"].as_str().map(str::to_owned))
+            .collect();
+        assert_eq!(text, content);
+        assert!(chunks
+            .iter()
+            .all(|c| c["object"] == "chat.completion.chunk" && c["choices"].is_array()));
+        let (s, _) = h.settled().await;
+        assert_eq!(s.outcome, StreamOutcome::Completed);
+        let usage_chunks: Vec<&Value> = chunks.iter().filter(|c| c["usage"].is_object()).collect();
+        if usage.is_some() {
+            assert_eq!(usage_chunks.len(), 1);
+            assert_eq!(
+                usage_chunks[0]["usage"]["completion_tokens"],
+                s.billed.completion_tokens
+            );
+        } else {
+            assert!(usage_chunks.is_empty());
+        }
     }
-    h.assert_account_untouched().await;
-    // the same body answering a request that asked for no stream is served
-    let svc = h.service(200, "application/json", reads_of(&body, 100), End::Eof);
-    let resp = svc
-        .oneshot(request("json-ok", &chat(false, None)))
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), 200);
-    drop(resp);
-    assert_eq!(h.settled().await.0.outcome, StreamOutcome::Completed);
 }
 
 /// The node's `[DONE]` in another spelling (after two spaces, on a second data line): the
