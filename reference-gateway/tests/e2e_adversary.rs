@@ -348,6 +348,12 @@ async fn a_caller_raising_a_control_token_is_refused_before_any_node() {
         ("/v1/chat/completions", json!({"3": 100})),
         ("/v1/chat/completions", json!({" 3": 100})),
         ("/v1/chat/completions", json!([[3, 100]])),
+        // llama.cpp reads each of these as token 3 too (`strtol` into a 32-bit token, a key
+        // cut at its NUL, an array id cast to 32 bits): measured, 20 tokens of no text each
+        ("/v1/chat/completions", json!({"4294967299": 100})),
+        ("/v1/chat/completions", json!({"-4294967293": 100})),
+        ("/v1/chat/completions", json!({"3\u{0}": 100})),
+        ("/v1/chat/completions", json!([[4_294_967_299u64, 100]])),
         ("/v1/completions", json!({"1": 50})),
     ] {
         let mut body = if path == "/v1/completions" {

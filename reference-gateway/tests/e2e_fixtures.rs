@@ -372,9 +372,9 @@ async fn every_fixture_through_gateway_tunnel_and_agent() {
     let (_, held) = gw.balance(&s.account).await;
     assert_eq!(held, 0, "every hold released");
     eprintln!("{}", checked.join("\n"));
-    // every fixture checked: the six llama.cpp captures and each hostile case (H01–H32)
+    // every fixture checked: the six llama.cpp captures and each hostile case (H01–H34)
     assert_eq!(checked.len(), fixtures().len());
-    assert_eq!(checked.len(), 6 + 33);
+    assert_eq!(checked.len(), 6 + 35);
 }
 
 /// The official OpenAI Python SDK parses every stream the gateway sends for every fixture:

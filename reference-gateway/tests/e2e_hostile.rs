@@ -432,7 +432,9 @@ async fn responses_are_reshaped_and_a_tool_call_padder_is_not_paid() {
 /// or answers in the other mode. A complete chat answer is read from `message` only, a chunk
 /// from `delta` only, a completion from `text` only; text in another member is the node's fault
 /// (never billed), a `null` other member is absent. A stream answering a request that asked for
-/// one JSON body is the node's fault too: the SDK cannot read it.
+/// one JSON body is the node's fault too: the SDK cannot read it. One JSON body answering a
+/// request that asked for a stream goes out as the stream asked for (the SDK would read no SSE
+/// event from it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_answering_where_the_sdk_does_not_read_is_not_paid_for_it() {
     let engine = Engine::discover().unwrap();
@@ -458,6 +460,8 @@ async fn a_node_answering_where_the_sdk_does_not_read_is_not_paid_for_it() {
                     "choices":[{"index":0,"delta":{"content":"pad ".repeat(500)},"message":{"role":"assistant","content":"Paris."},"finish_reason":"stop"}]}).to_string()),
                 (_, "delta-null") => full(200, "application/json", json!({"id":"p","object":"chat.completion","created":1,"model":"smollm2",
                     "choices":[{"index":0,"delta":null,"message":{"role":"assistant","content":shown},"finish_reason":"stop"}]}).to_string()),
+                (_, "json-for-sse") => full(200, "application/json", json!({"id":"p","object":"chat.completion","created":1,"model":"smollm2",
+                    "choices":[{"index":0,"message":{"role":"assistant","content":shown},"finish_reason":"stop"}]}).to_string()),
                 (_, "sse-for-json") => full(200, "text/event-stream", format!("{}{}data: [DONE]\n\n",
                     chunk(json!({"index":0,"delta":{"content":shown},"finish_reason":null})),
                     chunk(json!({"index":0,"delta":{},"finish_reason":"stop"})))),
@@ -485,6 +489,31 @@ async fn a_node_answering_where_the_sdk_does_not_read_is_not_paid_for_it() {
         assert_eq!(rec["outcome"], "upstream_failed", "{mode}: {rec}");
         assert_eq!(rec["debit_micros"], 0, "{mode}: {rec}");
     }
+    // one JSON body answering a request that asked for a stream: the SDK would read no event
+    // from it; the caller gets the stream it asked for, the text billed
+    let body = json!({"model":"smollm2","messages":[{"role":"user","content":"json-for-sse"}],
+        "max_tokens":2000,"stream":true,"stream_options":{"include_usage":true}});
+    let resp = gw.api_post(&t.api_key, "/v1/chat/completions", &body).await;
+    assert_eq!(resp.status(), 200);
+    assert!(resp.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/event-stream"));
+    let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
+    let text = resp.text().await.unwrap();
+    assert_eq!(delivered(&text, true)[0], shown, "{text}");
+    assert_eq!(
+        sse_data(&text).last().map(String::as_str),
+        Some("[DONE]"),
+        "{text}"
+    );
+    let rec = gw.record(&id).await;
+    assert_eq!(rec["outcome"], "completed", "{rec}");
+    assert_eq!(
+        rec["billed"]["completion_tokens"],
+        shown_tokens + 1,
+        "{rec}"
+    );
     // `delta: null` beside the message: the message, which the SDK shows, is what is billed
     let body = json!({"model":"smollm2","messages":[{"role":"user","content":"delta-null"}],"max_tokens":2000});
     let resp = gw.api_post(&t.api_key, "/v1/chat/completions", &body).await;
@@ -593,6 +622,36 @@ async fn a_caller_constraining_tokenization_pays_for_the_tokens_generated() {
                 <= canonical + 1 + 16 + canonical / 8,
             "{rec}"
         );
+    }
+    // a schema that pins the text (OpenAI's `const`): the honest engine spells it in pieces the
+    // model would never choose (measured: 204 tokens for a 272-byte text that counts 62), and a
+    // `pattern` schema's answer loses the white space the engine generated after the JSON
+    // (measured: `"   "` for 25 tokens); each billed as the engine claims it, unflagged
+    let pinned = "The quick brown fox jumps over the lazy dog. ".repeat(6);
+    for (schema, streamed) in [
+        (json!({"const": pinned}), false),
+        (json!({"const": pinned}), true),
+        (json!({"type": "string", "pattern": "^ +$"}), false),
+    ] {
+        let body = json!({"model":"smollm2","max_tokens":400,"stream":streamed,"temperature":0,
+            "messages":[{"role":"user","content":"Write anything"}],
+            "response_format":{"type":"json_schema","json_schema":{"name":"x","schema":schema}}});
+        let resp = gw.api_post(&t.api_key, "/v1/chat/completions", &body).await;
+        assert_eq!(resp.status(), 200, "{body}");
+        let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
+        let text = resp.text().await.unwrap();
+        let got = delivered(&text, streamed).remove(0);
+        let rec = gw.record(&id).await;
+        assert_eq!(rec["outcome"], "completed", "{rec}");
+        let claimed = rec["claimed"]["completion_tokens"].as_u64().unwrap();
+        let canonical = tok.count_text(&got);
+        // the measured allowance this replaces could not pay for it
+        assert!(
+            claimed > canonical + 1 + 16 + (canonical + 1) / 8,
+            "not pinned enough to tell: {claimed} for {got:?}"
+        );
+        assert_eq!(rec["billed"]["completion_tokens"], claimed, "{rec}");
+        assert_eq!(rec["discrepancy"], false, "{rec}");
     }
 }
 

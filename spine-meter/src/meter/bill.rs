@@ -9,7 +9,7 @@ use spine_core::{NodeSlot, RequestKind, StreamOutcome, Usage};
 use super::node_json::{
     engine_error_message, is_engine_error, read_choices, usage_claim, Members, TextMember,
 };
-use super::prompt::{SamplingConstraint, GRAMMAR_ALLOWANCE_DIVISOR, GRAMMAR_ALLOWANCE_TOKENS};
+use super::prompt::{SamplingConstraint, GRAMMAR_HIDDEN_TOKENS};
 use super::settle::{BillNotes, SettleCtx};
 use super::MeterError;
 use crate::tokenizer::GeneratedCount;
@@ -85,11 +85,12 @@ pub(super) enum Cut {
 /// generated the text as more tokens than its canonical tokenization, so the count above is
 /// only a lower bound. The most tokens a choice's text can have been:
 ///
-/// - a grammar on the text ([`SamplingConstraint::Text`]): the count plus
-///   `16 + count / 8` (the measured honest excess with room to spare; [`GRAMMAR_ALLOWANCE_TOKENS`]);
 /// - token-level constraints ([`SamplingConstraint::Tokens`]: a caller that bans every
-///   multi-character token gets a text spelled one character per token): one per byte, plus
-///   the EOS and a held-back UTF-8 tail;
+///   multi-character token gets a text spelled one character per token) and a grammar on the
+///   text ([`SamplingConstraint::Text`]: a text the grammar pins is spelled in pieces the model
+///   would never choose): one per byte, plus the EOS and a held-back UTF-8 tail; a completed
+///   answer under a grammar also [`GRAMMAR_HIDDEN_TOKENS`] (what llama.cpp's response-format
+///   parser takes out around the JSON);
 ///
 /// **Stop strings** ([`SettleCtx::stop_hidden_bytes`], `S` bytes for the longest): a choice
 /// that completed with `stop` or `length` may also have generated a matched (or held-back
@@ -97,11 +98,10 @@ pub(super) enum Cut {
 ///
 /// each within the cap: `U = min(cap, max(count, most))`. A completed answer then bills the
 /// node's claim (`claimed`, the engine's own usage) clamped to `[Σ count, Σ U]`. An answer that
-/// ended early (the caller left; no claim ever comes) bills `Σ U` under token-level
-/// constraints (the most the delivered text can be) and `Σ count` under a grammar (the
-/// allowance is the engine's, not a measure of the text).
+/// ended early (the caller left; no claim ever comes) bills `Σ U` under either constraint (the
+/// most the delivered text can be).
 ///
-/// [`GRAMMAR_ALLOWANCE_TOKENS`]: super::prompt::GRAMMAR_ALLOWANCE_TOKENS
+/// [`GRAMMAR_HIDDEN_TOKENS`]: super::prompt::GRAMMAR_HIDDEN_TOKENS
 pub(super) fn billed_usage(
     ctx: &SettleCtx,
     choices: &BTreeMap<u64, Choice>,
@@ -115,16 +115,14 @@ pub(super) fn billed_usage(
         let count =
             ctx.choice_completion_counted(&c.delivered, c.finish_reason.as_deref(), completed);
         completion_tokens = completion_tokens.saturating_add(count.tokens);
+        let by_bytes = c
+            .delivered
+            .len_bytes()
+            .saturating_add(crate::tokenizer::MAX_HELD_BACK_BYTES + 1);
         let most = match ctx.sampling_constraint {
             SamplingConstraint::None => count.tokens,
-            SamplingConstraint::Text => count
-                .tokens
-                .saturating_add(GRAMMAR_ALLOWANCE_TOKENS)
-                .saturating_add(count.tokens / GRAMMAR_ALLOWANCE_DIVISOR),
-            SamplingConstraint::Tokens => c
-                .delivered
-                .len_bytes()
-                .saturating_add(crate::tokenizer::MAX_HELD_BACK_BYTES + 1),
+            SamplingConstraint::Text if completed => by_bytes.saturating_add(GRAMMAR_HIDDEN_TOKENS),
+            SamplingConstraint::Text | SamplingConstraint::Tokens => by_bytes,
         }
         // a matched stop string (or a partial match held back at `length`): generated, counted
         // by the engine, never delivered; one more for a token across its start
@@ -157,7 +155,7 @@ pub(super) fn billed_usage(
                 .completion_tokens
                 .clamp(completion_tokens, most_tokens.max(completion_tokens)),
             (true, None) => completion_tokens,
-            (false, _) if ctx.sampling_constraint == SamplingConstraint::Tokens => most_tokens,
+            (false, _) if ctx.sampling_constraint != SamplingConstraint::None => most_tokens,
             (false, _) => completion_tokens,
         };
     }
@@ -328,6 +326,60 @@ pub(crate) fn meter_json(
     }
     ctx.settle_checked(StreamOutcome::Completed, billed, claimed, notes);
     Ok(Bytes::from(out))
+}
+
+/// A metered whole answer ([`meter_json`]'s) as the stream a caller asked for, for a node that
+/// answered a streamed request with one JSON body (the SDKs read no SSE event from it: the
+/// caller would pay for an answer it never gets): one chunk per choice (a chat choice's
+/// `message` as its `delta`, each tool call given its `index`; a completion's choice as is),
+/// each with the answer's `id`, `created`, `model` (and `system_fingerprint`), then the billed
+/// usage chunk when the caller asked for usage, then `[DONE]`.
+pub(crate) fn json_as_stream(body: &[u8], kind: RequestKind, include_usage: bool) -> Bytes {
+    use serde_json::{Map, Value};
+    let answer: Map<String, Value> = serde_json::from_slice(body).unwrap_or_default();
+    let mut head = Map::new();
+    for key in ["id", "created", "model", "system_fingerprint"] {
+        if let Some(v) = answer.get(key) {
+            head.insert(key.to_owned(), v.clone());
+        }
+    }
+    let object = match kind {
+        RequestKind::Completions => "text_completion",
+        _ => "chat.completion.chunk",
+    };
+    head.insert("object".to_owned(), Value::from(object));
+    let chunk = |member: &str, value: Value| {
+        let mut c = head.clone();
+        c.insert(member.to_owned(), value);
+        encode_event(&Value::Object(c).to_string())
+    };
+    let mut out = Vec::new();
+    let choices = answer.get("choices").and_then(Value::as_array);
+    for choice in choices.into_iter().flatten() {
+        let mut choice = choice.clone();
+        if let Some(c) = choice.as_object_mut() {
+            if let Some(mut message) = c.remove("message") {
+                let calls = message.get_mut("tool_calls").and_then(Value::as_array_mut);
+                for (i, call) in calls.into_iter().flatten().enumerate() {
+                    if let Some(call) = call.as_object_mut() {
+                        call.entry("index").or_insert(Value::from(i));
+                    }
+                }
+                c.insert("delta".to_owned(), message);
+            }
+        }
+        out.extend_from_slice(&chunk("choices", Value::Array(vec![choice])));
+    }
+    if include_usage {
+        if let Some(usage) = answer.get("usage") {
+            let mut c = head.clone();
+            c.insert("choices".to_owned(), Value::Array(Vec::new()));
+            c.insert("usage".to_owned(), usage.clone());
+            out.extend_from_slice(&encode_event(&Value::Object(c).to_string()));
+        }
+    }
+    out.extend_from_slice(b"data: [DONE]\n\n");
+    Bytes::from(out)
 }
 
 /// Bytes a whole stream's events may take before the node is cut as at fault:

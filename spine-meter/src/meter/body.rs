@@ -259,11 +259,9 @@ impl State {
             return;
         }
         if data.trim() == "[DONE]" {
-            self.done_raw = Some(if ev.is_data_only() {
-                ev.raw().clone()
-            } else {
-                Bytes::from_static(DONE_EVENT)
-            });
+            // the gateway's own spelling, never the node's: an SDK ends the stream on data that
+            // starts with `[DONE]` and parses any other as JSON (` [DONE]`, `\n[DONE]`: raised)
+            self.done_raw = Some(Bytes::from_static(DONE_EVENT));
             self.upstream_done = true;
             return;
         }

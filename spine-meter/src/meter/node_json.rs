@@ -343,8 +343,7 @@ pub(crate) fn read_choices(
         .into_iter()
         .enumerate()
         .map(|(pos, item)| {
-            let mut c: Value =
-                serde_json::from_str(item.get()).map_err(|_| "a choice is not valid JSON")?;
+            let mut c = unique_value(item.get())?;
             if !c.is_object() {
                 return Err("a choice is not an object");
             }
@@ -412,6 +411,86 @@ pub(crate) fn read_choices(
         }
     }
     Ok(read)
+}
+
+/// `json` as a [`Value`], refusing an object at any depth that names a member twice: the
+/// choice may be passed on as it came, and SDKs disagree on which duplicate wins (serde's
+/// derived structs refuse it), so the text counted (the last one here) might not be the text
+/// shown, or the caller's SDK might fail on an answer it paid for.
+fn unique_value(json: &str) -> Result<Value, &'static str> {
+    use serde::de::DeserializeSeed;
+    let mut de = serde_json::Deserializer::from_str(json);
+    let value = Unique
+        .deserialize(&mut de)
+        .and_then(|v| de.end().map(|()| v))
+        .map_err(|e| {
+            if e.to_string().starts_with(DUPLICATE) {
+                "a choice names a member twice"
+            } else {
+                "a choice is not valid JSON"
+            }
+        })?;
+    Ok(value)
+}
+
+const DUPLICATE: &str = "duplicate member";
+
+/// Reads any JSON value as [`Value`] does, refusing a duplicate member name.
+struct Unique;
+
+impl<'de> serde::de::DeserializeSeed<'de> for Unique {
+    type Value = Value;
+
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for Unique {
+    type Value = Value;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a JSON value")
+    }
+    fn visit_bool<E>(self, v: bool) -> Result<Value, E> {
+        Ok(Value::Bool(v))
+    }
+    fn visit_i64<E>(self, v: i64) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+    fn visit_u64<E>(self, v: u64) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+    fn visit_f64<E>(self, v: f64) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+    fn visit_str<E>(self, v: &str) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+    fn visit_string<E>(self, v: String) -> Result<Value, E> {
+        Ok(Value::String(v))
+    }
+    fn visit_unit<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+        let mut out = Vec::new();
+        while let Some(v) = seq.next_element_seed(Unique)? {
+            out.push(v);
+        }
+        Ok(Value::Array(out))
+    }
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+        let mut out = serde_json::Map::new();
+        while let Some(Key(key)) = map.next_key::<Key<'de>>()? {
+            if out.contains_key(key.as_ref()) {
+                return Err(serde::de::Error::custom(DUPLICATE));
+            }
+            let value = map.next_value_seed(Unique)?;
+            out.insert(key.into_owned(), value);
+        }
+        Ok(Value::Object(out))
+    }
 }
 
 /// Whether every member that carries generated text has its type in OpenAI's shape: `text`,
@@ -591,6 +670,29 @@ mod tests {
                 "{reason}"
             );
         }
+    }
+
+    #[test]
+    fn a_member_named_twice_at_any_depth_is_refused() {
+        let raw = |s: &str| serde_json::value::RawValue::from_string(s.to_owned()).unwrap();
+        for bad in [
+            r#"[{"index":0,"delta":{"content":"Hi","content":"pad pad pad"}}]"#,
+            r#"[{"index":0,"delta":{"content":"Hi","cont\u0065nt":"pad"}}]"#,
+            r#"[{"index":0,"index":1,"delta":{"content":"Hi"}}]"#,
+            r#"[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"name":"f","arguments":"{}","arguments":"{\"a\":1}"}}]}}]"#,
+            r#"[{"index":0,"delta":{"content":"Hi"},"logprobs":{"content":[{"token":"a","token":"b"}]}}]"#,
+        ] {
+            assert_eq!(
+                read_choices(&raw(bad), TextMember::Delta).err(),
+                Some("a choice names a member twice"),
+                "{bad}"
+            );
+        }
+        // one name in two objects is no duplicate
+        let ok = r#"[{"index":0,"delta":{"content":"Hi","tool_calls":[{"index":0,"function":{"name":"f"}},{"index":1,"function":{"name":"g"}}]}}]"#;
+        let read = read_choices(&raw(ok), TextMember::Delta).unwrap();
+        assert_eq!(read[0].raw, &ok[1..ok.len() - 1]);
+        assert!(!read[0].rebuilt);
     }
 
     #[test]

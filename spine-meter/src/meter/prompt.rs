@@ -153,9 +153,12 @@ pub(crate) enum SamplingConstraint {
     /// A grammar on the text (`response_format` other than `text`, llama.cpp's `grammar` /
     /// `json_schema`, vLLM's `guided_*` / `structured_outputs`, SGLang's `regex` / `ebnf`,
     /// Ollama's `format`). A grammar acts on characters, so the canonical tokens of the final
-    /// text are always allowed, but an honest engine still spells it in a few more tokens
-    /// (measured on llama.cpp: up to +18 tokens on a 74-token JSON answer, +3 to +10 typical;
-    /// [`GRAMMAR_ALLOWANCE_TOKENS`], [`GRAMMAR_ALLOWANCE_DIVISOR`]).
+    /// text are allowed, but the engine need not pick them: a text the grammar pins (a schema's
+    /// `const`, a literal) is spelled in pieces the model would never choose (measured on
+    /// llama.cpp: 204 tokens generated for a 272-byte `const` that counts 62), so a text can
+    /// have been up to one token per byte, as under [`SamplingConstraint::Tokens`]; and
+    /// llama.cpp's JSON answer drops what its response-format parser matched around the JSON
+    /// (up to [`GRAMMAR_HIDDEN_TOKENS`]).
     Text,
     /// Token-level constraints: a `logit_bias` on a non-special token, vLLM's
     /// `allowed_token_ids`. A text can then be spelled in up to one token per byte.
@@ -178,15 +181,13 @@ pub(super) fn stop_hidden_bytes(json: &serde_json::Value) -> u64 {
     }
 }
 
-/// Per choice, the fixed part of the tokens an engine may generate above the canonical count
-/// of a grammar-constrained text: 16.
-pub(crate) const GRAMMAR_ALLOWANCE_TOKENS: u64 = 16;
-
-/// Per choice, the proportional part: one token in 8 of the canonical count (12.5 %). With
-/// [`GRAMMAR_ALLOWANCE_TOKENS`]: the most honest excess measured (18 on 74, 10 on 29, 9 on 270
-/// tokens; `docs/metering.md`) fits with room to spare, and a node that pads its claim gains at
-/// most `16 + count / 8` per choice, where it gained up to one token per byte before.
-pub(crate) const GRAMMAR_ALLOWANCE_DIVISOR: u64 = 8;
+/// Per choice, the tokens an engine may generate under a grammar beyond the text it delivers:
+/// llama.cpp's response-format parser takes white space before the JSON, a `` ```json ``
+/// fence and white space after it out of the content (`p.space()` around the schema, each a
+/// `space` rule of at most 22 bytes: `"\n"{1,2} [ \t]{0,20}`), at most
+/// 22 + 7 + 22 + 22 + 3 = 76 bytes, each at least a byte of a token. Measured: a `pattern`
+/// schema delivered `"   "` (5 bytes) for 25 tokens generated, 21 of them trailing white space.
+pub(crate) const GRAMMAR_HIDDEN_TOKENS: u64 = 76;
 
 /// How the request constrains sampling ([`SamplingConstraint`]), from the peek
 /// ([`RequestPeek::tokenization_constrained`]) with one refinement the peek cannot make without
@@ -205,10 +206,10 @@ pub(super) fn sampling_constraint(
     let set = |field: &str| !matches!(json.get(field), None | Some(Value::Null));
     let token_level = set("allowed_token_ids")
         || match logit_biases(json) {
-            Some(biases) => !biases
-                .iter()
-                .all(|(id, _)| id.is_some_and(|id| counter.is_special_token(id))),
-            None => set("logit_bias"),
+            Some(Ok(biases)) => !biases.iter().all(|(id, _)| counter.is_special_token(*id)),
+            // refused before any node (`logit_bias_unreadable`); counted as token-level
+            Some(Err(())) => true,
+            None => false,
         };
     if token_level {
         return SamplingConstraint::Tokens;
@@ -233,54 +234,73 @@ pub(super) fn sampling_constraint(
 pub(super) const RAISED_CONTROL_TOKEN: &str =
     "no positive bias on a control token (it is generated as no text, so it cannot be metered)";
 
+/// Why a `logit_bias` the engines could read as other tokens than the gateway is refused.
+pub(super) const UNREADABLE_LOGIT_BIAS: &str =
+    "an object mapping token ids (decimal digits, at most 2147483647) to numbers";
+
 /// Whether the request's `logit_bias` raises a control token (a special token of the
 /// vocabulary, [`TokenCounter::is_special_token`]) by a positive bias. The engine then spends
 /// tokens that render as no text: its `length` finish looks unsupported by its text (an honest
-/// node flagged) and the caller pays nothing for the work. Read as llama.cpp reads it: an
-/// object keyed by token id (`strtol`: leading white space and a sign allowed) or an array
-/// of `[id, bias]` pairs.
+/// node flagged) and the caller pays nothing for the work. Only for a `logit_bias` that
+/// [`logit_bias_unreadable`] accepts.
 pub(super) fn raises_control_token(json: &serde_json::Value, counter: &dyn TokenCounter) -> bool {
     logit_biases(json).is_some_and(|biases| {
-        biases.iter().any(|(id, bias)| {
-            id.is_some_and(|id| counter.is_special_token(id)) && bias.is_some_and(|b| b > 0.0)
+        biases.is_ok_and(|biases| {
+            biases
+                .iter()
+                .any(|(id, bias)| counter.is_special_token(*id) && *bias > 0.0)
         })
     })
 }
 
-/// The request's `logit_bias` as llama.cpp reads it: `(token id, bias)` per entry of an
-/// object keyed by token id (`strtol`: leading white space and a sign allowed) or of an array
-/// of `[id, bias]` pairs. An id that is no token id (negative, not a number) is `None`, as is
-/// a bias that is not a number. `None` for a `logit_bias` absent, `null` or of another shape.
-fn logit_biases(json: &serde_json::Value) -> Option<Vec<(Option<u32>, Option<f64>)>> {
+/// Whether the request's `logit_bias` (not `null`) has an entry the engines may read as
+/// another token than the gateway does, so that [`raises_control_token`] cannot vouch for
+/// it: every entry must be a token id of ASCII decimal digits at most `i32::MAX` (OpenAI's
+/// form) mapped to a number (or llama.cpp's `false`, a ban), in an object or in llama.cpp's
+/// array of `[id, bias]` pairs (the id a JSON integer). Each engine reads the rest its own
+/// way: llama.cpp takes an object key with `strtol` into a 32-bit token (`"4294967299"`
+/// and `"-4294967293"` are token 3, `""` is token 0, a key is cut at its first NUL:
+/// `"3\u0000"` is token 3) and an array id as a 32-bit integer (`4294967299` is 3), and
+/// tokenizes any other key as text; vLLM and SGLang read a key with Python's `int` (`"٣"`
+/// and `"3_0"` are ids) and coerce a string bias (`"100"`) to a number.
+pub(super) fn logit_bias_unreadable(json: &serde_json::Value) -> bool {
+    matches!(logit_biases(json), Some(Err(())))
+}
+
+/// The request's `logit_bias` as `(token id, bias)` per entry, `false` (a ban) read as −∞;
+/// `Err` when an entry is not in the form every engine reads alike ([`logit_bias_unreadable`]).
+/// `None` for a `logit_bias` absent or `null`.
+fn logit_biases(json: &serde_json::Value) -> Option<Result<Vec<(u32, f64)>, ()>> {
     use serde_json::Value;
     let id = |id: &str| {
-        id.trim_start()
-            .parse::<i64>()
+        if id.is_empty() || !id.bytes().all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        id.parse::<u32>()
             .ok()
-            .and_then(|id| u32::try_from(id).ok())
+            .filter(|id| i32::try_from(*id).is_ok())
     };
-    match json.get("logit_bias")? {
-        Value::Object(biases) => Some(
-            biases
-                .iter()
-                .map(|(k, bias)| (id(k), bias.as_f64()))
-                .collect(),
-        ),
-        Value::Array(pairs) => Some(
-            pairs
-                .iter()
-                .map(|pair| {
-                    let key = match pair.get(0) {
-                        Some(Value::Number(n)) => id(&n.to_string()),
-                        Some(Value::String(s)) => id(s),
-                        _ => None,
-                    };
-                    (key, pair.get(1).and_then(Value::as_f64))
-                })
-                .collect(),
-        ),
+    let bias = |bias: &Value| match bias {
+        Value::Number(n) => n.as_f64(),
+        Value::Bool(false) => Some(f64::NEG_INFINITY),
         _ => None,
-    }
+    };
+    let entry = |id: Option<u32>, b: Option<&Value>| Some((id?, bias(b?)?));
+    let entries: Option<Vec<(u32, f64)>> = match json.get("logit_bias")? {
+        Value::Null => return None,
+        Value::Object(biases) => biases.iter().map(|(k, b)| entry(id(k), Some(b))).collect(),
+        Value::Array(pairs) => pairs
+            .iter()
+            .map(|pair| match pair.as_array().map(Vec::as_slice) {
+                Some([Value::Number(n), b]) => {
+                    entry(n.as_u64().and_then(|n| id(&n.to_string())), Some(b))
+                }
+                _ => None,
+            })
+            .collect(),
+        _ => None,
+    };
+    Some(entries.ok_or(()))
 }
 
 /// Why a grammar naming tokens is refused.

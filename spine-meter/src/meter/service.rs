@@ -11,13 +11,13 @@ use spine_core::{
 use tower::Service;
 
 use super::admission::{AdmissionEvents, AdmitGuard};
-use super::bill::meter_json;
+use super::bill::{json_as_stream, meter_json};
 use super::body::{MeterBody, StreamSettings};
 use super::embeddings::meter_embeddings;
 use super::prompt::{
     affordable_prompt_tokens, count_prompts, developer_to_system, grammar_names_tokens,
-    raises_control_token, sampling_constraint, stop_hidden_bytes, PromptLimits,
-    GRAMMAR_NAMES_TOKENS, RAISED_CONTROL_TOKEN,
+    logit_bias_unreadable, raises_control_token, sampling_constraint, stop_hidden_bytes,
+    PromptLimits, GRAMMAR_NAMES_TOKENS, RAISED_CONTROL_TOKEN, UNREADABLE_LOGIT_BIAS,
 };
 use super::settle::{AuditCapture, SettleCtx};
 use super::{AdmissionRequest, CountedUsage, MeterConfig, MeterError, ResponseFuture};
@@ -159,6 +159,13 @@ where
         bytes = serde_json::to_vec(&json)
             .map_err(|e| MeterError::BadRequest(PeekError::NotJson(e.to_string())))?
             .into();
+    }
+    if kind != RequestKind::Embeddings && logit_bias_unreadable(&json) {
+        return Err(MeterError::BadRequest(PeekError::InvalidField {
+            field: "logit_bias",
+            expected: UNREADABLE_LOGIT_BIAS,
+        })
+        .into());
     }
     if kind != RequestKind::Embeddings && raises_control_token(&json, &*entry.tokenizer) {
         return Err(MeterError::BadRequest(PeekError::InvalidField {
@@ -431,7 +438,7 @@ where
             return Err(e.into());
         }
     };
-    let bytes = if kind == RequestKind::Embeddings {
+    let mut bytes = if kind == RequestKind::Embeddings {
         meter_embeddings(ctx, &bytes, prompts.len(), Some(&guard.slot))?
     } else {
         meter_json(
@@ -442,6 +449,16 @@ where
             Some(&guard.slot),
         )?
     };
+    if stream_requested && kind != RequestKind::Embeddings {
+        // one JSON body answering a request that asked for a stream: the SDKs read no SSE event
+        // from it (the caller would pay for an answer it never gets), so the metered answer
+        // goes out as the stream the caller asked for
+        bytes = json_as_stream(&bytes, kind, include_usage);
+        parts.headers.insert(
+            http::header::CONTENT_TYPE,
+            http::HeaderValue::from_static("text/event-stream"),
+        );
+    }
     Ok(http::Response::from_parts(
         parts,
         BoxBody::new(Full::new(bytes).map_err(|never| match never {})),

@@ -579,10 +579,12 @@ async fn billed_for(req: &Value, content: &str, claimed: u64) -> (u64, bool) {
     (st.billed.completion_tokens, flagged)
 }
 
-/// Under a grammar (JSON mode) an honest engine spells its text in a few more tokens than the
-/// canonical count (measured on llama.cpp: up to +18), so the node's claim is billed within
-/// `16 + count / 8` of the count; a claim padded past that is billed at the bound and flagged.
-/// Token-level constraints (a `logit_bias` on a normal token) keep the byte bound.
+/// Under a grammar (JSON mode) an honest engine may spell its text in more tokens than the
+/// canonical count (measured on llama.cpp: up to +18 on natural answers, 204 for a pinned
+/// 272-byte text that counts 62), and llama.cpp's JSON answer drops up to 76 bytes of white
+/// space and fence around the JSON: the node's claim is billed within one token per byte plus
+/// the EOS, a held-back tail and those 76; a claim padded past that is billed at the bound and
+/// flagged. Token-level constraints (a `logit_bias` on a normal token) keep the byte bound.
 #[tokio::test]
 async fn a_grammar_bills_the_claim_within_the_measured_allowance() {
     let content = r#"{"name": "Tom", "colors": ["red", "green", "blue"], "count": 3}"#;
@@ -605,7 +607,11 @@ async fn a_grammar_bills_the_claim_within_the_measured_allowance() {
     );
     assert_eq!(billed_for(&json_mode, content, most).await, (most, false));
     // a padded claim: billed at the bound, flagged
-    assert_eq!(billed_for(&json_mode, content, 400).await, (most, true));
+    let grammar_bound = content.len() as u64 + 4 + 76;
+    assert_eq!(
+        billed_for(&json_mode, content, 400).await,
+        (grammar_bound, true)
+    );
     // a claim below the count: the count
     assert_eq!(billed_for(&json_mode, content, 1).await.0, count);
 
@@ -620,6 +626,44 @@ async fn a_grammar_bills_the_claim_within_the_measured_allowance() {
         (60, false),
         "within the byte bound: the claim"
     );
+}
+
+/// A schema that pins the text (`const`) makes an honest llama.cpp spell it in pieces the
+/// model would never choose: measured, 204 tokens generated (`stop`) for a 272-byte text that
+/// counts 62. Billed within the measured allowance (`count + 16 + count / 8`) the caller got
+/// 118 tokens free per request and the honest node was flagged as padding. And its JSON
+/// answer drops white space around the JSON: a `pattern` schema delivered `"   "` (5 bytes)
+/// for 25 tokens generated. Both are billed as claimed, unflagged.
+#[tokio::test]
+async fn a_grammar_pinning_its_text_bills_the_tokens_the_engine_generated() {
+    let pinned = format!(
+        "\"{}\"",
+        "The quick brown fox jumps over the lazy dog. ".repeat(6)
+    );
+    let mut req = chat(Some(400), false);
+    req["response_format"] = json!({"type":"json_schema","json_schema":{"name":"x",
+        "schema":{"const":"The quick brown fox jumps over the lazy dog. ".repeat(6)}}});
+    let (count, _) = billed_for(&chat(Some(400), false), &pinned, 0).await;
+    assert!(count + 16 + count / 8 < 204, "{count}");
+    assert_eq!(billed_for(&req, &pinned, 204).await, (204, false));
+    req["response_format"] = json!({"type":"json_schema","json_schema":{"name":"x",
+        "schema":{"type":"string","pattern":"^ +$"}}});
+    assert_eq!(billed_for(&req, "\"   \"", 25).await, (25, false));
+    // a caller who leaves before the end pays by the byte, as under token-level constraints
+    let mut s = setup().await;
+    let (tx, rx) = mpsc::unbounded_channel();
+    let chunk = json!({"choices":[{"index":0,"delta":{"content":pinned},"finish_reason":null}]});
+    tx.send(Bytes::from(format!("data: {chunk}\n\n"))).unwrap();
+    req["stream"] = json!(true);
+    let resp = s.send(&req, "text/event-stream", fed(rx)).await;
+    let mut body = resp.into_body();
+    let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
+    assert!(first.starts_with(b"data: "));
+    drop(body);
+    let st = s.settled().await;
+    assert_eq!(st.outcome, StreamOutcome::ClientCancelled);
+    drop(tx);
+    assert_eq!(st.billed.completion_tokens, pinned.len() as u64 + 4);
 }
 
 /// A `stop` finish on a request with `stop` strings may have generated a matched stop string

@@ -157,3 +157,128 @@ async fn a_stream_past_its_byte_bound_ends_with_a_server_error_event() {
         (StreamOutcome::UpstreamFailed, 0)
     );
 }
+
+/// A caller asked for a stream and the node answered with one complete JSON body: the caller's
+/// SDK reads the body as SSE events and finds none (the Python and Node SDKs yield nothing), so
+/// the caller paid for an answer it never got. The metered answer goes out as the stream the
+/// caller asked for: its text in `delta`s, the billed usage when asked, `[DONE]`.
+#[tokio::test]
+async fn one_json_body_answering_a_stream_request_reaches_the_caller_as_a_stream() {
+    let mut h = harness().await;
+    let body = capture_body("a_chat_nonstream.txt");
+    let answer: Value = serde_json::from_slice(&body).unwrap();
+    let content = answer["choices"][0]["message"]["content"].as_str().unwrap();
+    for (i, usage) in [None, Some(true)].into_iter().enumerate() {
+        let svc = h.service(200, "application/json", reads_of(&body, 100), End::Eof);
+        let resp = svc
+            .oneshot(request(&format!("json{i}"), &chat(true, usage)))
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        assert_eq!(
+            resp.headers()[http::header::CONTENT_TYPE],
+            "text/event-stream"
+        );
+        let got = frames(resp.into_body()).await.concat();
+        let events = crate::sse::parse_all(&got).unwrap();
+        let data: Vec<&str> = events.iter().map(|e| e.data()).collect();
+        assert_eq!(data.last(), Some(&"[DONE]"), "{data:?}");
+        let chunks: Vec<Value> = data[..data.len() - 1]
+            .iter()
+            .map(|d| serde_json::from_str(d).unwrap())
+            .collect();
+        let text: String = chunks
+            .iter()
+            .flat_map(|c| c["choices"].as_array().unwrap().clone())
+            .filter_map(|c| c["delta"]["content"].as_str().map(str::to_owned))
+            .collect();
+        assert_eq!(text, content);
+        assert!(chunks
+            .iter()
+            .all(|c| c["object"] == "chat.completion.chunk" && c["choices"].is_array()));
+        let (s, _) = h.settled().await;
+        assert_eq!(s.outcome, StreamOutcome::Completed);
+        let usage_chunks: Vec<&Value> = chunks.iter().filter(|c| c["usage"].is_object()).collect();
+        if usage.is_some() {
+            assert_eq!(usage_chunks.len(), 1);
+            assert_eq!(
+                usage_chunks[0]["usage"]["completion_tokens"],
+                s.billed.completion_tokens
+            );
+        } else {
+            assert!(usage_chunks.is_empty());
+        }
+    }
+}
+
+/// The node's `[DONE]` in another spelling (after two spaces, on a second data line): the
+/// gateway read it as the end, but forwarded as it came an SDK that ends on data starting with
+/// `[DONE]` parses ` [DONE]` or `\n[DONE]` as JSON and raises after the caller paid. The caller
+/// gets the gateway's own `data: [DONE]`.
+#[tokio::test]
+async fn the_nodes_done_reaches_the_caller_in_the_gateways_spelling() {
+    let mut h = harness().await;
+    for (i, done) in [
+        "data:  [DONE]\n\n",
+        "data:\ndata: [DONE]\n\n",
+        "data: [DONE] \r\n\r\n",
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let stream = [
+            chunk(json!({"index":0,"delta":{"content":"Red"},"finish_reason":null})),
+            chunk(json!({"index":0,"delta":{},"finish_reason":"stop"})),
+            done.to_owned(),
+        ]
+        .concat();
+        let svc = h.service(
+            200,
+            "text/event-stream",
+            reads_of(stream.as_bytes(), 64),
+            End::Eof,
+        );
+        let resp = svc
+            .oneshot(request(&format!("done{i}"), &chat(true, None)))
+            .await
+            .unwrap();
+        let frames = frames(resp.into_body()).await;
+        assert_eq!(
+            frames.last().map(|f| f.as_ref()),
+            Some(&b"data: [DONE]\n\n"[..]),
+            "{done:?}"
+        );
+        assert_eq!(h.settled().await.0.outcome, StreamOutcome::Completed);
+    }
+}
+
+/// A choice that names a member twice (`message.content` twice): the meter counted the last one,
+/// the choice went to the caller as it came, and SDKs disagree on which duplicate wins (serde's
+/// derived structs refuse the answer). The node's fault, as a duplicate at the top level is.
+#[tokio::test]
+async fn a_choice_naming_a_member_twice_is_the_nodes_fault() {
+    let mut h = harness().await;
+    let body = r#"{"id":"c1","object":"chat.completion","choices":[{"index":0,"finish_reason":"stop","message":{"role":"assistant","content":"Red","content":"Red, green and blue, and a long padding text"}}]}"#;
+    let svc = h.service(
+        200,
+        "application/json",
+        reads_of(body.as_bytes(), 64),
+        End::Eof,
+    );
+    let err = svc
+        .oneshot(request("dup", &chat(false, None)))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err.downcast_ref::<MeterError>(),
+            Some(MeterError::UpstreamInvalid(_))
+        ),
+        "{err}"
+    );
+    let (s, r) = h.settled().await;
+    assert_eq!(
+        (s.outcome, r.debit_micros),
+        (StreamOutcome::UpstreamFailed, 0)
+    );
+}

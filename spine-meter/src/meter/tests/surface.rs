@@ -87,3 +87,70 @@ async fn an_assistant_message_last_is_a_refused_prefill() {
     }
     assert_eq!(h.upstream.lock().unwrap().as_ref(), None);
 }
+
+/// A `logit_bias` entry an engine reads as another token than the gateway: llama.cpp's
+/// `strtol` into a 32-bit token (`"4294967299"`, `"-4294967293"` and the array id
+/// `4294967299` are token 3, `<repo_name>`, a control token; `""` is token 0; a key cut at
+/// its NUL), Python's `int` in vLLM and SGLang (`"٣"` is 3), their coercion of a string
+/// bias. Each raised a control token past the check that refuses `{"3": 100}`: the node then
+/// generates tokens shown as no text, billed nothing and flagged. Every such entry is
+/// refused before any node; the OpenAI form and llama.cpp's integer pairs are served.
+#[tokio::test]
+async fn a_logit_bias_an_engine_reads_as_another_token_is_refused_before_the_node() {
+    let h = harness().await;
+    for bias in [
+        json!({"4294967299": 100}),
+        json!({"-4294967293": 100}),
+        json!({"": 100}),
+        json!({"3\u{0}": 100}),
+        json!({"\u{663}": 100}),
+        json!({"3_0": 100}),
+        json!({"+3": 100}),
+        json!({"3": "100"}),
+        json!({"3": true}),
+        json!([[4294967299u64, 100]]),
+        json!([[-4294967293i64, 100]]),
+        json!([["3", 100]]),
+        json!("odd"),
+    ] {
+        let mut body = chat(true, None);
+        body["logit_bias"] = bias.clone();
+        let svc = h.service(200, "text/event-stream", Vec::new(), End::Eof);
+        let err = svc.oneshot(request("bias", &body)).await.unwrap_err();
+        assert!(
+            matches!(
+                err.downcast_ref::<MeterError>(),
+                Some(MeterError::BadRequest(
+                    spine_core::PeekError::InvalidField {
+                        field: "logit_bias",
+                        ..
+                    }
+                ))
+            ),
+            "{bias}: {err}"
+        );
+    }
+    assert_eq!(h.upstream.lock().unwrap().as_ref(), None);
+    h.assert_account_untouched().await;
+    let body = capture_body("a_chat_nonstream.txt");
+    for (i, bias) in [
+        json!({"2": -100, "0": false}),
+        json!({"0002": -100, "1000": 5}),
+        json!([[2, -100], [1000, 5.5]]),
+        json!({}),
+        json!(null),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut req = chat(false, None);
+        req["logit_bias"] = bias.clone();
+        let svc = h.service(200, "application/json", reads_of(&body, 100), End::Eof);
+        let resp = svc.oneshot(request(&format!("served{i}"), &req)).await;
+        assert_eq!(
+            resp.map(|r| r.status()).ok(),
+            Some(http::StatusCode::OK),
+            "{bias}"
+        );
+    }
+}
