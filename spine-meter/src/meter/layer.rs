@@ -237,7 +237,7 @@ impl BodyGate {
         account: &spine_core::AccountId,
         body: spine_core::BoxBody,
     ) -> Result<bytes::Bytes, MeterError> {
-        super::service::read_request_body(&self.0, account, body).await
+        super::request_body::read_request_body(&self.0, account, body).await
     }
 }
 

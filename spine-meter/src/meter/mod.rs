@@ -122,6 +122,7 @@ mod future;
 mod layer;
 pub(crate) mod node_json;
 mod prompt;
+mod request_body;
 mod service;
 mod settle;
 
