@@ -78,7 +78,7 @@ pub struct ListenerLimits {
     /// How long, in all, a connection the server closed while its peer may still be sending
     /// (an answer given before the request body was read) keeps discarding what the peer
     /// sends before the socket is closed, so that the peer reads the answer rather than a TCP
-    /// reset (see the [module docs](self)). Default 30 s (nginx's `lingering_time`).
+    /// reset (see [`LimitedServer`]). Default 30 s (nginx's `lingering_time`).
     pub lingering_time: Duration,
     /// Lingering ends when the peer sends nothing for this long. Default 5 s (nginx's
     /// `lingering_timeout`).

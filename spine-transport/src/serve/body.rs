@@ -17,7 +17,8 @@ use tokio::time::{Instant, Sleep};
 
 use super::Conn;
 
-/// Reading a request body took longer than [`ListenerLimits::body_read_timeout`].
+/// Reading a request body took longer than
+/// [`ListenerLimits::body_read_timeout`](super::ListenerLimits::body_read_timeout).
 #[derive(Debug, thiserror::Error)]
 #[error("request body not received within {timeout:?}")]
 pub struct BodyReadTimeout {
