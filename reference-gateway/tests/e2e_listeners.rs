@@ -518,41 +518,29 @@ async fn answers_before_the_body_reach_an_sdk_still_sending_it() {
     let body = json!({"model": "smollm2", "max_tokens": 8,
         "messages": [{"role": "user", "content": "x".repeat(four_mib)}]});
     let client = reqwest::Client::new();
-    for _ in 0..20 {
-        let sent = tokio::time::timeout(
-            HANG,
-            client
-                .post(format!("{}/v1/chat/completions", gw.public))
-                .bearer_auth(&broke_key)
-                .json(&body)
-                .send(),
-        )
-        .await
-        .expect("reqwest hung");
-        let status = sent
-            .map(|r| r.status().as_u16())
-            .map_err(|e| format!("{e:?}"));
-        assert_eq!(status, Ok(402), "what reqwest saw");
-    }
+    // `times` chats with `body` from `key` on one pooled client, each answered `status`
+    let expect_each = |key: String, body: Value, times: usize, status: u16| {
+        let (client, url) = (client.clone(), format!("{}/v1/chat/completions", gw.public));
+        async move {
+            for _ in 0..times {
+                let sent = tokio::time::timeout(
+                    HANG,
+                    client.post(&url).bearer_auth(&key).json(&body).send(),
+                )
+                .await
+                .expect("reqwest hung");
+                let got = sent
+                    .map(|r| r.status().as_u16())
+                    .map_err(|e| format!("{e:?}"));
+                assert_eq!(got, Ok(status), "what reqwest saw");
+            }
+        }
+    };
+    expect_each(broke_key.clone(), body, 20, 402).await;
     // and a body past `max_request_body_bytes`, from a key that can pay: 413, unread
     let too_large = json!({"model": "smollm2", "max_tokens": 8,
         "messages": [{"role": "user", "content": "x".repeat(8 << 20)}]});
-    for _ in 0..5 {
-        let sent = tokio::time::timeout(
-            HANG,
-            client
-                .post(format!("{}/v1/chat/completions", gw.public))
-                .bearer_auth(&t.api_key)
-                .json(&too_large)
-                .send(),
-        )
-        .await
-        .expect("reqwest hung");
-        let status = sent
-            .map(|r| r.status().as_u16())
-            .map_err(|e| format!("{e:?}"));
-        assert_eq!(status, Ok(413), "what reqwest saw");
-    }
+    expect_each(t.api_key.clone(), too_large, 5, 413).await;
     // past `max_request_body_bytes` (4 MiB): refused on its declared length, unread
     let too_large = sdk(t.api_key.clone(), vec![8 << 20]).await;
     assert_eq!(
