@@ -151,6 +151,10 @@ struct Conn {
     write_blocked: AtomicBool,
     /// Fired to close the connection: at once when idle, gracefully otherwise.
     close: Notify,
+    /// Set (before `close` fires) once the connection is told to close: a notification taken
+    /// while it was busy is not seen again, and the lingering after its graceful end must not
+    /// start.
+    closing: AtomicBool,
     /// Fired when a request ends, so the connection's idle deadline is computed afresh.
     request_ended: Notify,
     /// The connection's place under the cap: released when it ends, or handed to a new
@@ -167,6 +171,12 @@ impl Conn {
     /// A request in flight, or a response still draining into a slow socket.
     fn is_busy(&self) -> bool {
         self.in_flight.load(Ordering::Acquire) > 0 || self.write_blocked.load(Ordering::Acquire)
+    }
+
+    /// Tells the connection to close (evicted, or the server shutting down).
+    fn tell_close(&self) {
+        self.closing.store(true, Ordering::Release);
+        self.close.notify_one();
     }
 
     fn take_permit(&self) -> Option<OwnedSemaphorePermit> {
@@ -288,7 +298,7 @@ impl Registry {
                 .min_by_key(|(_, c)| c.idle_since_ms.load(Ordering::Relaxed))
                 .map(|(id, _)| *id)?;
             let victim = conns.remove(&id)?;
-            victim.close.notify_one();
+            victim.tell_close();
             if let Some(permit) = victim.take_permit() {
                 return Some(permit);
             }
@@ -298,7 +308,7 @@ impl Registry {
 
     fn close_all(&self) {
         for c in self.lock().values() {
-            c.close.notify_one();
+            c.tell_close();
         }
     }
 }
@@ -496,6 +506,7 @@ impl LimitedServer {
                 idle_since_ms: AtomicU64::new(ms_since(shared.epoch)),
                 write_blocked: AtomicBool::new(false),
                 close: Notify::new(),
+                closing: AtomicBool::new(false),
                 request_ended: Notify::new(),
                 permit: Mutex::new(Some(permit)),
             });

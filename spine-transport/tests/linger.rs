@@ -38,13 +38,25 @@ async fn start(
     oneshot::Sender<()>,
     tokio::task::JoinHandle<()>,
 ) {
+    start_with(limits, app()).await
+}
+
+/// [`start`] serving `router`.
+async fn start_with(
+    limits: ListenerLimits,
+    router: axum::Router,
+) -> (
+    std::net::SocketAddr,
+    oneshot::Sender<()>,
+    tokio::task::JoinHandle<()>,
+) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (stop, stopped) = oneshot::channel::<()>();
     let server = tokio::spawn(async move {
         LimitedServer::new("test", limits)
             .http1_only()
-            .serve(listener, app(), async move {
+            .serve(listener, router, async move {
                 let _ = stopped.await;
             })
             .await
@@ -194,4 +206,58 @@ async fn a_lingering_connection_makes_room_at_the_cap() {
     tokio::time::timeout(HANG, reset)
         .await
         .expect("the evicted connection kept lingering");
+}
+
+#[tokio::test]
+async fn a_connection_busy_when_the_server_shuts_down_does_not_linger_past_it() {
+    // a request in flight when the shutdown comes: the connection ends gracefully after its
+    // answer (hyper shuts the write half), its peer keeps the socket open and silent
+    let started = std::sync::Arc::new(tokio::sync::Notify::new());
+    let release = std::sync::Arc::new(tokio::sync::Notify::new());
+    let router = {
+        let (started, release) = (started.clone(), release.clone());
+        axum::Router::new().route(
+            "/slow",
+            get(move || async move {
+                started.notify_one();
+                release.notified().await;
+                "done"
+            }),
+        )
+    };
+    let long = Duration::from_secs(600);
+    let (addr, stop, server) =
+        start_with(ListenerLimits::default().lingering(long, long), router).await;
+    let mut tcp = TcpStream::connect(addr).await.unwrap();
+    tcp.write_all(b"GET /slow HTTP/1.1\r\nhost: x\r\n\r\n")
+        .await
+        .unwrap();
+    tokio::time::timeout(HANG, started.notified())
+        .await
+        .expect("the request never reached the handler");
+    stop.send(()).unwrap();
+    // the listener is dropped just before every connection is told to close (one task, no
+    // await between): once a connect is refused, this one has been told
+    tokio::time::timeout(HANG, async {
+        while TcpStream::connect(addr).await.is_ok() {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("the listener was never dropped");
+    release.notify_one();
+    let mut seen = Vec::new();
+    tokio::time::timeout(HANG, tcp.read_to_end(&mut seen))
+        .await
+        .expect("no answer")
+        .unwrap();
+    let seen = String::from_utf8_lossy(&seen);
+    assert!(seen.starts_with("HTTP/1.1 200"), "{seen}");
+    assert!(seen.ends_with("done"), "{seen}");
+    // `tcp` stays open and silent: the server must not linger on it now that it shuts down
+    tokio::time::timeout(HANG, server)
+        .await
+        .expect("the server waited for a connection lingering after the shutdown")
+        .unwrap();
+    drop(tcp);
 }

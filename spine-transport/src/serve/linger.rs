@@ -173,6 +173,11 @@ pub(super) async fn linger(
     lingering_time: Duration,
     lingering_timeout: Duration,
 ) {
+    // told to close already (that notification was taken while the connection was busy): no
+    // lingering; a later one is stored by `notify_one` and seen below
+    if conn.closing.load(std::sync::atomic::Ordering::Acquire) {
+        return;
+    }
     let end = Instant::now() + lingering_time;
     let mut scratch = Box::<[u8]>::new_uninit_slice(DISCARD_BYTES);
     loop {
