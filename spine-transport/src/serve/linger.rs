@@ -156,7 +156,7 @@ impl AsyncWrite for Lingering {
 }
 
 /// Bytes one discarding read may drop. The buffer is never written on Linux (`MSG_TRUNC`), so
-/// its pages are never touched.
+/// its (zero) pages are never touched.
 const DISCARD_BYTES: usize = 256 * 1024;
 
 /// Discards what the peer of `tcp` (its write half already shut) still sends, until it closes,
@@ -179,9 +179,16 @@ pub(super) async fn linger(
         return;
     }
     let end = Instant::now() + lingering_time;
-    let mut scratch = Box::<[u8]>::new_uninit_slice(DISCARD_BYTES);
+    // zeroed (calloc: fresh zero pages, never touched as the kernel never writes them), so
+    // that no slice over uninitialised bytes is ever made
+    let mut scratch = vec![0u8; DISCARD_BYTES];
     loop {
-        let wait = end.min(Instant::now() + lingering_timeout);
+        let now = Instant::now();
+        // checked here too: a peer that keeps the socket full never lets `readable` wait
+        if now >= end {
+            return;
+        }
+        let wait = end.min(now + lingering_timeout);
         tokio::select! {
             ready = tokio::time::timeout_at(wait, tcp.readable()) => match ready {
                 Ok(Ok(())) => {}
@@ -203,7 +210,7 @@ pub(super) async fn linger(
 
 /// One read that drops what it reads: without copying on Linux (`MSG_TRUNC`).
 #[cfg(unix)]
-fn discard(tcp: &TcpStream, scratch: &mut [std::mem::MaybeUninit<u8>]) -> std::io::Result<usize> {
+fn discard(tcp: &TcpStream, scratch: &mut [u8]) -> std::io::Result<usize> {
     #[cfg(target_os = "linux")]
     let flags = rustix::net::RecvFlags::TRUNC;
     #[cfg(not(target_os = "linux"))]
@@ -214,8 +221,6 @@ fn discard(tcp: &TcpStream, scratch: &mut [std::mem::MaybeUninit<u8>]) -> std::i
 }
 
 #[cfg(not(unix))]
-fn discard(tcp: &TcpStream, scratch: &mut [std::mem::MaybeUninit<u8>]) -> std::io::Result<usize> {
-    let mut buf = [0u8; 4096];
-    let _ = scratch;
-    tcp.try_read(&mut buf)
+fn discard(tcp: &TcpStream, scratch: &mut [u8]) -> std::io::Result<usize> {
+    tcp.try_read(scratch)
 }
