@@ -7,7 +7,9 @@ mod common;
 
 use std::time::Duration;
 
-use common::{full, gateway_with_node, json_of, serve_fake_llama, sse_data, EngineCounter};
+use common::{
+    full, gateway_with_node, json_of, serve_fake_llama, sse_data, EngineCounter, Gateway,
+};
 use serde_json::{json, Value};
 use spine_core::ENGINE_GENERATION_FIELDS;
 use spine_meter::tokenizer::length_allowance_tokens;
@@ -49,6 +51,22 @@ fn delivered(body: &str, streamed: bool) -> Vec<String> {
         }
     }
     out
+}
+
+/// POSTs the chat `body` (`streamed` as it says) with `api_key`, asserts a 200 and returns
+/// choice 0's delivered text and the request's record.
+async fn chat_and_record(
+    gw: &Gateway,
+    api_key: &str,
+    body: &Value,
+    streamed: bool,
+) -> (String, Value) {
+    let resp = gw.api_post(api_key, "/v1/chat/completions", body).await;
+    assert_eq!(resp.status(), 200, "streamed {streamed}: {body}");
+    let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
+    let text = resp.text().await.unwrap();
+    let got = delivered(&text, streamed).remove(0);
+    (got, gw.record(&id).await)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -576,11 +594,7 @@ async fn a_caller_constraining_tokenization_pays_for_the_tokens_generated() {
             "max_tokens":MAX,"stream":streamed,"temperature":0,
             "grammar": format!("root ::= (\"{word}\")+"),
             "logit_bias": {ids[0].to_string(): -100}});
-        let resp = gw.api_post(&t.api_key, "/v1/chat/completions", &body).await;
-        assert_eq!(resp.status(), 200, "streamed {streamed}");
-        let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
-        let text = resp.text().await.unwrap();
-        let got = delivered(&text, streamed).remove(0);
+        let (got, rec) = chat_and_record(&gw, &t.api_key, &body, streamed).await;
         assert!(got.starts_with(word), "{got:?}");
         let canonical = tok.count_text(&got);
         // the text was spelled in more tokens than it counts: the old bill is below the work
@@ -588,7 +602,6 @@ async fn a_caller_constraining_tokenization_pays_for_the_tokens_generated() {
             canonical + length_allowance_tokens(MAX) < MAX,
             "not constrained enough to tell: {canonical} for {got:?}"
         );
-        let rec = gw.record(&id).await;
         assert_eq!(rec["outcome"], "completed", "{rec}");
         assert_eq!(rec["claimed"]["completion_tokens"], MAX, "{rec}");
         assert_eq!(
@@ -604,12 +617,7 @@ async fn a_caller_constraining_tokenization_pays_for_the_tokens_generated() {
             "seed": i,
             "messages":[{"role":"user","content":"Describe a cat as JSON with name, age and color."}],
             "response_format":{"type":"json_object"}});
-        let resp = gw.api_post(&t.api_key, "/v1/chat/completions", &body).await;
-        assert_eq!(resp.status(), 200, "streamed {streamed}");
-        let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
-        let text = resp.text().await.unwrap();
-        let got = delivered(&text, streamed).remove(0);
-        let rec = gw.record(&id).await;
+        let (got, rec) = chat_and_record(&gw, &t.api_key, &body, streamed).await;
         assert_eq!(rec["outcome"], "completed", "{rec}");
         assert_eq!(rec["discrepancy"], false, "{rec}");
         assert_eq!(
@@ -636,12 +644,7 @@ async fn a_caller_constraining_tokenization_pays_for_the_tokens_generated() {
         let body = json!({"model":"smollm2","max_tokens":400,"stream":streamed,"temperature":0,
             "messages":[{"role":"user","content":"Write anything"}],
             "response_format":{"type":"json_schema","json_schema":{"name":"x","schema":schema}}});
-        let resp = gw.api_post(&t.api_key, "/v1/chat/completions", &body).await;
-        assert_eq!(resp.status(), 200, "{body}");
-        let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
-        let text = resp.text().await.unwrap();
-        let got = delivered(&text, streamed).remove(0);
-        let rec = gw.record(&id).await;
+        let (got, rec) = chat_and_record(&gw, &t.api_key, &body, streamed).await;
         assert_eq!(rec["outcome"], "completed", "{rec}");
         let claimed = rec["claimed"]["completion_tokens"].as_u64().unwrap();
         let canonical = tok.count_text(&got);

@@ -3,6 +3,32 @@
 
 use super::*;
 
+/// Asserts that the metered answer `res` was refused as the node's fault
+/// ([`MeterError::UpstreamInvalid`]) and settled `upstream_failed` with nothing debited.
+async fn assert_free_node_fault(
+    h: &mut Harness,
+    res: Result<http::Response<BoxBody>, BoxError>,
+    what: &str,
+) {
+    let err = match res {
+        Err(err) => err,
+        Ok(resp) => panic!("{what}: answered {}", resp.status()),
+    };
+    assert!(
+        matches!(
+            err.downcast_ref::<MeterError>(),
+            Some(MeterError::UpstreamInvalid(_))
+        ),
+        "{what}: {err}"
+    );
+    let (s, r) = h.settled().await;
+    assert_eq!(
+        (s.outcome, r.debit_micros),
+        (StreamOutcome::UpstreamFailed, 0),
+        "{what}"
+    );
+}
+
 #[tokio::test]
 async fn a_non_streamed_answer_reaches_the_caller_with_openais_members_only() {
     let mut h = harness().await;
@@ -48,19 +74,10 @@ async fn a_choice_that_is_not_openais_is_the_nodes_fault() {
         let answer = json!({"id":"c1","object":"chat.completion","choices":[choice]});
         let body = serde_json::to_vec(&answer).unwrap();
         let svc = h.service(200, "application/json", reads_of(&body, 64), End::Eof);
-        let err = svc
+        let res = svc
             .oneshot(request(&format!("bad{i}"), &chat(false, None)))
-            .await
-            .unwrap_err();
-        assert!(
-            matches!(
-                err.downcast_ref::<MeterError>(),
-                Some(MeterError::UpstreamInvalid(_))
-            ),
-            "{answer}: {err}"
-        );
-        let (s, r) = h.settled().await;
-        assert_eq!((s.outcome, r.debit_micros), (StreamOutcome::UpstreamFailed, 0));
+            .await;
+        assert_free_node_fault(&mut h, res, &answer.to_string()).await;
     }
     // 128 bytes is still an id
     let mut h = harness().await;
@@ -265,20 +282,6 @@ async fn a_choice_naming_a_member_twice_is_the_nodes_fault() {
         reads_of(body.as_bytes(), 64),
         End::Eof,
     );
-    let err = svc
-        .oneshot(request("dup", &chat(false, None)))
-        .await
-        .unwrap_err();
-    assert!(
-        matches!(
-            err.downcast_ref::<MeterError>(),
-            Some(MeterError::UpstreamInvalid(_))
-        ),
-        "{err}"
-    );
-    let (s, r) = h.settled().await;
-    assert_eq!(
-        (s.outcome, r.debit_micros),
-        (StreamOutcome::UpstreamFailed, 0)
-    );
+    let res = svc.oneshot(request("dup", &chat(false, None))).await;
+    assert_free_node_fault(&mut h, res, body).await;
 }
