@@ -302,8 +302,15 @@ pub struct LlamaServer {
 }
 
 impl LlamaServer {
-    /// Starts `llama-server -m <gguf> --alias smollm2 -c 2048 -np <parallel>` and waits until
-    /// `GET /health` answers 200 (at most 120 s).
+    /// Starts `llama-server -m <gguf> --alias smollm2 -c 4096 -np <parallel> -t 1` and waits
+    /// until `GET /health` answers 200 (at most 120 s).
+    ///
+    /// One thread per server (`SPINE_TEST_LLAMA_THREADS` overrides it): a test binary runs two
+    /// tests at once and a trust test starts three servers, so on a 2-core machine several
+    /// servers share the cores. With more than one thread, every op of every token ends at a
+    /// barrier between the server's threads, which spin (`--poll 50`, the default) and then wait
+    /// for a sibling the kernel has descheduled: seen in CI as a 135M model's TTFT of 3 s and a
+    /// reference that could not score 64 tokens in 120 s. One thread has no barrier.
     ///
     /// # Errors
     ///
@@ -346,7 +353,8 @@ impl LlamaServer {
             .arg(gguf)
             .args(["--alias", "smollm2", "--host", "127.0.0.1"])
             .args(["--port", &port.to_string()])
-            .args(["-c", "4096", "-np", &parallel.to_string(), "-t", "2"])
+            .args(["-c", "4096", "-np", &parallel.to_string()])
+            .args(["-t", &llama_threads(), "--poll", "0"])
             .args(extra);
         let child = Child::spawn("llama-server", cmd)?;
         let url = format!("http://127.0.0.1:{port}");
@@ -355,6 +363,15 @@ impl LlamaServer {
             .map_err(|e| format!("{e}; llama-server stderr:\n{}", child.stderr_tail(30)))?;
         Ok(Self { child, url })
     }
+}
+
+/// The `-t` of the tests' llama-servers: `SPINE_TEST_LLAMA_THREADS`, else 1 (see
+/// [`LlamaServer::start`]).
+fn llama_threads() -> String {
+    std::env::var("SPINE_TEST_LLAMA_THREADS")
+        .ok()
+        .filter(|t| t.parse::<u16>().is_ok_and(|n| n > 0))
+        .unwrap_or_else(|| "1".to_owned())
 }
 
 /// Polls `url` until it answers 2xx.

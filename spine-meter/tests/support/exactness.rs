@@ -258,8 +258,12 @@ pub fn start_engine(bin: &Path, gguf: &Path) -> Engine {
             "4096",
             "-np",
             "2",
+            // one thread, no polling: two tests' servers share 2 cores without barrier stalls
+            // (see spine_test_support::LlamaServer::start)
             "-t",
-            "2",
+            "1",
+            "--poll",
+            "0",
         ])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
