@@ -146,6 +146,17 @@ pub trait TokenCounter: fmt::Debug + Send + Sync {
         let _ = id;
         false
     }
+
+    /// The text token `id` stands for when generated alone (a leading space included), when
+    /// the counter knows it and it is whole UTF-8 (`None` for a byte-fallback piece, an
+    /// unknown id, or a special token). The meter bounds what a `logit_bias` can make an
+    /// engine spell otherwise by the occurrences of the biased tokens' texts
+    /// (`docs/metering.md`, "Constrained sampling"). The default knows no token: every
+    /// `logit_bias` on a normal token then keeps the byte bound.
+    fn token_text(&self, id: u32) -> Option<String> {
+        let _ = id;
+        None
+    }
 }
 
 /// A shared counter counts as the counter it shares (so `&Arc<ModelTokenizer>` is a
@@ -173,6 +184,10 @@ impl<T: TokenCounter + ?Sized> TokenCounter for std::sync::Arc<T> {
 
     fn is_special_token(&self, id: u32) -> bool {
         (**self).is_special_token(id)
+    }
+
+    fn token_text(&self, id: u32) -> Option<String> {
+        (**self).token_text(id)
     }
 }
 

@@ -9,7 +9,7 @@ use spine_core::{NodeSlot, RequestKind, StreamOutcome, Usage};
 use super::node_json::{
     engine_error_message, is_engine_error, read_choices, usage_claim, Members, TextMember,
 };
-use super::prompt::{SamplingConstraint, GRAMMAR_HIDDEN_TOKENS};
+use super::constraint::{natural_most, PinnedCount, SamplingConstraint, GRAMMAR_HIDDEN_TOKENS};
 use super::settle::{BillNotes, SettleCtx};
 use super::MeterError;
 use crate::tokenizer::GeneratedCount;
@@ -25,6 +25,8 @@ pub const MAX_TOOL_CALLS_PER_CHOICE: usize = 128;
 pub(super) struct Choice {
     pub(super) delivered: GeneratedCount,
     pub(super) finish_reason: Option<String>,
+    /// The pinned texts' occurrences in `delivered` ([`SamplingConstraint::Pinned`]).
+    pub(super) pinned: PinnedCount,
 }
 
 pub(super) fn usage_json(u: &Usage) -> String {
@@ -119,10 +121,15 @@ pub(super) fn billed_usage(
             .delivered
             .len_bytes()
             .saturating_add(crate::tokenizer::MAX_HELD_BACK_BYTES + 1);
-        let most = match ctx.sampling_constraint {
+        let hidden = |grammar: bool| if grammar && completed { GRAMMAR_HIDDEN_TOKENS } else { 0 };
+        let most = match &ctx.sampling_constraint {
             SamplingConstraint::None => count.tokens,
-            SamplingConstraint::Text if completed => by_bytes.saturating_add(GRAMMAR_HIDDEN_TOKENS),
-            SamplingConstraint::Text | SamplingConstraint::Tokens => by_bytes,
+            SamplingConstraint::Pinned(pinned) => natural_most(count.tokens)
+                .saturating_add(c.pinned.allowance(&ctx.sampling_constraint))
+                .min(by_bytes)
+                .saturating_add(hidden(pinned.grammar)),
+            SamplingConstraint::Text => by_bytes.saturating_add(hidden(true)),
+            SamplingConstraint::Tokens => by_bytes,
         }
         // a matched stop string (or a partial match held back at `length`): generated, counted
         // by the engine, never delivered; one more for a token across its start
@@ -149,13 +156,13 @@ pub(super) fn billed_usage(
             .wrapper_allowance_tokens
             .saturating_add(c.delivered.wrapper_allowance_tokens());
     }
-    if ctx.sampling_constraint != SamplingConstraint::None || ctx.stop_hidden_bytes > 0 {
+    if ctx.sampling_constraint.is_constrained() || ctx.stop_hidden_bytes > 0 {
         completion_tokens = match (completed, claimed) {
             (true, Some(claim)) => claim
                 .completion_tokens
                 .clamp(completion_tokens, most_tokens.max(completion_tokens)),
             (true, None) => completion_tokens,
-            (false, _) if ctx.sampling_constraint != SamplingConstraint::None => most_tokens,
+            (false, _) if ctx.sampling_constraint.is_constrained() => most_tokens,
             (false, _) => completion_tokens,
         };
     }
@@ -282,6 +289,7 @@ pub(crate) fn meter_json(
         let choice = choices.entry(c.index).or_default();
         choice.finish_reason = c.finish_reason.take();
         choice.delivered.push(&*tokenizer, &c.generated);
+        choice.pinned.push(&ctx.sampling_constraint, &c.generated);
         if let Some(capture) = ctx.audit.as_mut() {
             capture.push(c.index, &c.generated);
             capture.push_logprobs(c.index, c.logprobs.as_ref());

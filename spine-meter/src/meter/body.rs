@@ -651,6 +651,7 @@ impl State {
             for (index, text) in &out.text {
                 let choice = self.choices.entry(*index).or_default();
                 choice.delivered.push(&*self.tokenizer, text);
+                choice.pinned.push(&ctx.sampling_constraint, text);
                 if let Some(capture) = ctx.audit.as_mut() {
                     capture.push(*index, text);
                 }

@@ -114,6 +114,7 @@ mod bill;
 mod body;
 mod caller;
 mod config;
+mod constraint;
 mod credit;
 mod embeddings;
 mod error;

@@ -2,7 +2,7 @@
 //! independent count of each prompt (design brief §6).
 
 use spine_core::{
-    prompt_inputs, validate_chat_messages, PeekError, PromptSegment, RequestKind, RequestPeek,
+    prompt_inputs, validate_chat_messages, PeekError, PromptSegment, RequestKind,
 };
 
 use spine_core::Usage;
@@ -143,28 +143,6 @@ pub(super) fn affordable_prompt_tokens(price: &crate::Price, available_micros: u
     u64::try_from(t).unwrap_or(u64::MAX)
 }
 
-/// How a request constrains sampling, as far as billing is concerned
-/// ([`super::bill::billed_usage`]; `docs/metering.md`, "Constrained sampling").
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(crate) enum SamplingConstraint {
-    /// Nothing constrains which tokens spell the text: the independent count is the bill.
-    #[default]
-    None,
-    /// A grammar on the text (`response_format` other than `text`, llama.cpp's `grammar` /
-    /// `json_schema`, vLLM's `guided_*` / `structured_outputs`, SGLang's `regex` / `ebnf`,
-    /// Ollama's `format`). A grammar acts on characters, so the canonical tokens of the final
-    /// text are allowed, but the engine need not pick them: a text the grammar pins (a schema's
-    /// `const`, a literal) is spelled in pieces the model would never choose (measured on
-    /// llama.cpp: 204 tokens generated for a 272-byte `const` that counts 62), so a text can
-    /// have been up to one token per byte, as under [`SamplingConstraint::Tokens`]; and
-    /// llama.cpp's JSON answer drops what its response-format parser matched around the JSON
-    /// (up to [`GRAMMAR_HIDDEN_TOKENS`]).
-    Text,
-    /// Token-level constraints: a `logit_bias` on a non-special token, vLLM's
-    /// `allowed_token_ids`. A text can then be spelled in up to one token per byte.
-    Tokens,
-}
-
 /// The longest of the request's `stop` strings, UTF-8 bytes (0 without): what an engine may
 /// generate for a choice and never send. OpenAI's semantics, which llama.cpp, vLLM and SGLang
 /// follow: a matched stop string ends the choice and is not returned, though its tokens were
@@ -178,54 +156,6 @@ pub(super) fn stop_hidden_bytes(json: &serde_json::Value) -> u64 {
         Some(Value::Array(stops)) => stops.iter().map(len).max().unwrap_or(0),
         Some(stop) => len(stop),
         None => 0,
-    }
-}
-
-/// Per choice, the tokens an engine may generate under a grammar beyond the text it delivers:
-/// llama.cpp's response-format parser takes white space before the JSON, a `` ```json ``
-/// fence and white space after it out of the content (`p.space()` around the schema, each a
-/// `space` rule of at most 22 bytes: `"\n"{1,2} [ \t]{0,20}`), at most
-/// 22 + 7 + 22 + 22 + 3 = 76 bytes, each at least a byte of a token. Measured: a `pattern`
-/// schema delivered `"   "` (5 bytes) for 25 tokens generated, 21 of them trailing white space.
-pub(crate) const GRAMMAR_HIDDEN_TOKENS: u64 = 76;
-
-/// How the request constrains sampling ([`SamplingConstraint`]), from the peek
-/// ([`RequestPeek::tokenization_constrained`]) with one refinement the peek cannot make without
-/// the vocabulary: a `logit_bias` that only biases special tokens (EOS banned to make an
-/// answer run to its limit, the usual use) cannot make the engine spell a text in other
-/// tokens, so it does not count.
-pub(super) fn sampling_constraint(
-    peek: &RequestPeek,
-    json: &serde_json::Value,
-    counter: &dyn TokenCounter,
-) -> SamplingConstraint {
-    use serde_json::Value;
-    if !peek.tokenization_constrained {
-        return SamplingConstraint::None;
-    }
-    let set = |field: &str| !matches!(json.get(field), None | Some(Value::Null));
-    let token_level = set("allowed_token_ids")
-        || match logit_biases(json) {
-            Some(Ok(biases)) => !biases.iter().all(|(id, _)| counter.is_special_token(*id)),
-            // refused before any node (`logit_bias_unreadable`); counted as token-level
-            Some(Err(())) => true,
-            None => false,
-        };
-    if token_level {
-        return SamplingConstraint::Tokens;
-    }
-    let grammar = spine_core::TOKENIZATION_CONSTRAINT_FIELDS
-        .iter()
-        .filter(|field| !matches!(**field, "logit_bias" | "allowed_token_ids"))
-        .any(|field| match (json.get(*field), *field) {
-            (None | Some(Value::Null), _) => false,
-            (Some(v), "response_format") => v.get("type").and_then(Value::as_str) != Some("text"),
-            _ => true,
-        });
-    if grammar {
-        SamplingConstraint::Text
-    } else {
-        SamplingConstraint::None
     }
 }
 
@@ -270,7 +200,7 @@ pub(super) fn logit_bias_unreadable(json: &serde_json::Value) -> bool {
 /// The request's `logit_bias` as `(token id, bias)` per entry, `false` (a ban) read as −∞;
 /// `Err` when an entry is not in the form every engine reads alike ([`logit_bias_unreadable`]).
 /// `None` for a `logit_bias` absent or `null`.
-fn logit_biases(json: &serde_json::Value) -> Option<Result<Vec<(u32, f64)>, ()>> {
+pub(super) fn logit_biases(json: &serde_json::Value) -> Option<Result<Vec<(u32, f64)>, ()>> {
     use serde_json::Value;
     let id = |id: &str| {
         if id.is_empty() || !id.bytes().all(|b| b.is_ascii_digit()) {

@@ -106,7 +106,7 @@ pub(crate) struct SettleCtx {
     pub(crate) max_tokens: Option<u64>,
     /// How the request constrains sampling: with a constraint the delivered text's count is
     /// a lower bound only (see [`super::bill::billed_usage`]).
-    pub(crate) sampling_constraint: super::prompt::SamplingConstraint,
+    pub(crate) sampling_constraint: super::constraint::SamplingConstraint,
     /// Most UTF-8 bytes an engine may generate for a choice and never send because of the
     /// request's `stop` strings: the longest one's bytes (0 without). A matched stop string is
     /// generated and counted but not delivered; a partial match is held back and, when

@@ -41,6 +41,18 @@ impl GeneratedText {
         (self.reasoning.is_empty() && self.tool_calls.is_empty()).then_some(self.content.as_str())
     }
 
+    /// Each piece of text with a key of its own (content 0, reasoning 1, then each tool
+    /// call's name and arguments): pieces are separate texts, streamed each in its order.
+    pub fn for_each_piece(&self, mut f: impl FnMut(u64, &str)) {
+        f(0, &self.content);
+        f(1, &self.reasoning);
+        for (index, call) in &self.tool_calls {
+            let key = index.saturating_mul(2).saturating_add(2);
+            f(key, &call.name);
+            f(key.saturating_add(1), &call.arguments);
+        }
+    }
+
     /// Plain `content` text.
     pub fn from_content(content: &str) -> Self {
         Self {

@@ -429,6 +429,15 @@ impl TokenCounter for ModelTokenizer {
             .id_to_token(id)
             .is_some_and(|t| self.tokenizer.get_added_vocabulary().is_special_token(&t))
     }
+
+    fn token_text(&self, id: u32) -> Option<String> {
+        if self.is_special_token(id) {
+            return None;
+        }
+        // the byte-level decoder maps a piece that is not whole UTF-8 to U+FFFD
+        let text = self.tokenizer.decode(&[id], false).ok()?;
+        (!text.is_empty() && !text.contains('\u{fffd}')).then_some(text)
+    }
 }
 
 /// A message as llama.cpp hands it to a string-content template.
