@@ -6,10 +6,10 @@ use std::collections::BTreeMap;
 use bytes::Bytes;
 use spine_core::{NodeSlot, RequestKind, StreamOutcome, Usage};
 
+use super::constraint::{natural_most, PinnedCount, SamplingConstraint, GRAMMAR_HIDDEN_TOKENS};
 use super::node_json::{
     engine_error_message, is_engine_error, read_choices, usage_claim, Members, TextMember,
 };
-use super::constraint::{natural_most, PinnedCount, SamplingConstraint, GRAMMAR_HIDDEN_TOKENS};
 use super::settle::{BillNotes, SettleCtx};
 use super::MeterError;
 use crate::tokenizer::GeneratedCount;
@@ -121,7 +121,13 @@ pub(super) fn billed_usage(
             .delivered
             .len_bytes()
             .saturating_add(crate::tokenizer::MAX_HELD_BACK_BYTES + 1);
-        let hidden = |grammar: bool| if grammar && completed { GRAMMAR_HIDDEN_TOKENS } else { 0 };
+        let hidden = |grammar: bool| {
+            if grammar && completed {
+                GRAMMAR_HIDDEN_TOKENS
+            } else {
+                0
+            }
+        };
         let most = match &ctx.sampling_constraint {
             SamplingConstraint::None => count.tokens,
             SamplingConstraint::Pinned(pinned) => natural_most(count.tokens)

@@ -135,7 +135,10 @@ pub(crate) fn sampling_constraint(
         match field {
             "logit_bias" => match super::prompt::logit_biases(json) {
                 Some(Ok(biases)) => {
-                    for (id, _) in biases.iter().filter(|(id, _)| !counter.is_special_token(*id)) {
+                    for (id, _) in biases
+                        .iter()
+                        .filter(|(id, _)| !counter.is_special_token(*id))
+                    {
                         token_level = true;
                         match counter.token_text(*id) {
                             Some(text) if biases.len() <= MAX_PINNED_TEXTS => {
@@ -227,9 +230,9 @@ fn schema_texts(schema: &Value, depth: usize, texts: &mut BTreeSet<Box<str>>) ->
     if depth > 32 || texts.len() > MAX_PINNED_TEXTS {
         return false;
     }
-    members.iter().all(|(k, v)| {
-        SCHEMA_KEYWORDS.contains(&k.as_str()) && schema_member(k, v, depth, texts)
-    })
+    members
+        .iter()
+        .all(|(k, v)| SCHEMA_KEYWORDS.contains(&k.as_str()) && schema_member(k, v, depth, texts))
 }
 
 /// A `const` or `enum` value: pinned as its JSON text when a string, number, boolean or
@@ -405,7 +408,11 @@ mod tests {
         assert_eq!(count(&["e"], &pieces), 400 * 4);
         assert_eq!(count(&["aa"], &["aaaaa"]), 2 * 5);
         let text = "Paris is nice. ".repeat(40);
-        let split: Vec<&str> = text.as_bytes().chunks(7).map(|c| std::str::from_utf8(c).unwrap()).collect();
+        let split: Vec<&str> = text
+            .as_bytes()
+            .chunks(7)
+            .map(|c| std::str::from_utf8(c).unwrap())
+            .collect();
         assert_eq!(count(&["Paris is nice."], &split), 40 * 17);
         assert_eq!(count(&["aa"], &["a", "a", "a", "a", "a"]), 2 * 5);
         assert_eq!(count(&["é"], &["éé", "xé"]), 3 * 5);

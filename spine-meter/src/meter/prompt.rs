@@ -1,9 +1,7 @@
 //! The prompt side of a request: what the node reads (`developer` sent as `system`) and the
 //! independent count of each prompt (design brief §6).
 
-use spine_core::{
-    prompt_inputs, validate_chat_messages, PeekError, PromptSegment, RequestKind,
-};
+use spine_core::{prompt_inputs, validate_chat_messages, PeekError, PromptSegment, RequestKind};
 
 use spine_core::Usage;
 

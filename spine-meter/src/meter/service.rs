@@ -13,12 +13,12 @@ use tower::Service;
 use super::admission::{AdmissionEvents, AdmitGuard};
 use super::bill::{json_as_stream, meter_json};
 use super::body::{MeterBody, StreamSettings};
-use super::embeddings::meter_embeddings;
 use super::constraint::sampling_constraint;
+use super::embeddings::meter_embeddings;
 use super::prompt::{
     affordable_prompt_tokens, count_prompts, developer_to_system, grammar_names_tokens,
-    logit_bias_unreadable, raises_control_token, stop_hidden_bytes,
-    PromptLimits, GRAMMAR_NAMES_TOKENS, RAISED_CONTROL_TOKEN, UNREADABLE_LOGIT_BIAS,
+    logit_bias_unreadable, raises_control_token, stop_hidden_bytes, PromptLimits,
+    GRAMMAR_NAMES_TOKENS, RAISED_CONTROL_TOKEN, UNREADABLE_LOGIT_BIAS,
 };
 use super::request_body::read_request_body_and_balance;
 use super::settle::{AuditCapture, SettleCtx};

@@ -21,6 +21,7 @@ use crate::test_support::{
     RecordedEvents, SettledRx,
 };
 use crate::Price;
+use crate::TokenCounter as _;
 
 const PRICE: Price = Price {
     input_micros_per_mtok: 1_000_000,
@@ -579,12 +580,13 @@ async fn billed_for(req: &Value, content: &str, claimed: u64) -> (u64, bool) {
     (st.billed.completion_tokens, flagged)
 }
 
-/// Under a grammar (JSON mode) an honest engine may spell its text in more tokens than the
-/// canonical count (measured on llama.cpp: up to +18 on natural answers, 204 for a pinned
-/// 272-byte text that counts 62), and llama.cpp's JSON answer drops up to 76 bytes of white
-/// space and fence around the JSON: the node's claim is billed within one token per byte plus
-/// the EOS, a held-back tail and those 76; a claim padded past that is billed at the bound and
-/// flagged. Token-level constraints (a `logit_bias` on a normal token) keep the byte bound.
+/// Under a grammar (JSON mode) an honest engine may spell its text in a few more tokens than
+/// the canonical count (measured on llama.cpp: up to +9 on natural `json_object` answers,
+/// +18 on `json_schema` ones), and llama.cpp's JSON answer drops up to 76 bytes of white space
+/// and fence around the JSON: JSON mode pins no text, so the node's claim is billed within
+/// `count + count / 8 + 16` plus those 76; a claim padded past that is billed at the bound and
+/// flagged. A `logit_bias` on a normal token bounds it the same way plus the occurrences of
+/// the token's text (bytes + 3 each).
 #[tokio::test]
 async fn a_grammar_bills_the_claim_within_the_measured_allowance() {
     let content = r#"{"name": "Tom", "colors": ["red", "green", "blue"], "count": 3}"#;
@@ -606,25 +608,30 @@ async fn a_grammar_bills_the_claim_within_the_measured_allowance() {
         (count + 10, false)
     );
     assert_eq!(billed_for(&json_mode, content, most).await, (most, false));
+    assert_eq!(
+        billed_for(&json_mode, content, most + 76).await,
+        (most + 76, false)
+    );
     // a padded claim: billed at the bound, flagged
-    let grammar_bound = content.len() as u64 + 4 + 76;
     assert_eq!(
         billed_for(&json_mode, content, 400).await,
-        (grammar_bound, true)
+        (most + 76, true)
     );
     // a claim below the count: the count
     assert_eq!(billed_for(&json_mode, content, 1).await.0, count);
 
     let mut banned = plain.clone();
     banned["logit_bias"] = json!({"1000": -100});
+    let text = smollm_tokenizer().token_text(1000).unwrap();
+    let pinned = content.matches(&*text).count() as u64 * (text.len() as u64 + 3);
+    let bound = (most + pinned).min(content.len() as u64 + 4);
     let (billed, flagged) = billed_for(&banned, content, 400).await;
-    let bytes_bound = content.len() as u64 + 4;
-    assert_eq!((billed, flagged), (bytes_bound.min(400), true));
-    let (billed, flagged) = billed_for(&banned, content, 60).await;
+    assert_eq!((billed, flagged), (bound, true), "{text:?}");
+    let (billed, flagged) = billed_for(&banned, content, bound).await;
     assert_eq!(
         (billed, flagged),
-        (60, false),
-        "within the byte bound: the claim"
+        (bound, false),
+        "within the bound: the claim"
     );
 }
 
@@ -696,4 +703,107 @@ async fn a_stop_string_bills_the_claim_within_its_bytes() {
         billed_for(&with_stop, content, 400).await,
         (count + "THE END".len() as u64 + 1, true)
     );
+}
+
+/// A JSON answer as an attacker's node answered it on real llama.cpp (305 bytes, counting
+/// 69): padded to 382 tokens (one per byte, + the EOS and a held-back tail) it was billed 382,
+/// unflagged, under JSON mode or a negligible `logit_bias`. JSON mode pins no text: the
+/// claim is billed at `count + count / 8 + 16 + 76` and flagged.
+const PADDED_JSON: &str = r#"{"city": "Paris", "country": "France", "population": 2102650, "landmarks": ["Eiffel Tower", "Louvre Museum", "Notre-Dame Cathedral", "Arc de Triomphe"], "description": "Paris is the capital of France, known for its art, fashion, gastronomy and culture.", "founded": "3rd century BC", "river": "Seine"}"#;
+
+#[tokio::test]
+async fn a_json_mode_padding_claim_is_billed_at_the_json_bound_and_flagged() {
+    let (count, _) = billed_for(&chat(Some(800), false), PADDED_JSON, 0).await;
+    let most = count + count / 8 + 16 + 76;
+    let padded = PADDED_JSON.len() as u64 + 4 + 76;
+    assert!(most < padded, "{most} {padded}");
+    let mut req = chat(Some(800), false);
+    req["response_format"] = json!({"type": "json_object"});
+    assert_eq!(billed_for(&req, PADDED_JSON, padded).await, (most, true));
+    // Ollama's `format: "json"` and llama.cpp's `json_schema` with no pinned text: the same
+    let mut req = chat(Some(800), false);
+    req["format"] = json!("json");
+    assert_eq!(billed_for(&req, PADDED_JSON, padded).await, (most, true));
+    // an honest engine's natural answer (measured: +9 on 270) is billed as claimed
+    assert_eq!(
+        billed_for(&req, PADDED_JSON, count + 9).await,
+        (count + 9, false)
+    );
+}
+
+/// A negligible `logit_bias` (`{"1234": -1}`) bounds the claim by the natural allowance plus
+/// the occurrences of the biased token's text, not by the bytes.
+#[tokio::test]
+async fn a_tiny_logit_bias_padding_claim_is_clamped() {
+    let (count, _) = billed_for(&chat(Some(800), false), PADDED_JSON, 0).await;
+    let text = smollm_tokenizer().token_text(1234).unwrap();
+    let pinned = PADDED_JSON.matches(&*text).count() as u64 * (text.len() as u64 + 3);
+    let most = count + count / 8 + 16 + pinned;
+    let padded = PADDED_JSON.len() as u64 + 4;
+    assert!(most < padded, "{most} {padded} {text:?}");
+    let mut req = chat(Some(800), false);
+    req["logit_bias"] = json!({"1234": -1});
+    assert_eq!(billed_for(&req, PADDED_JSON, padded).await, (most, true));
+    assert_eq!(billed_for(&req, PADDED_JSON, most).await, (most, false));
+}
+
+/// +100 on the one-letter token `e` makes an honest llama.cpp emit `e` token after token:
+/// measured, 400 tokens generated for a 400-byte text that counts 200. Each `e` is a pinned
+/// text (1 byte + 3): the claim is billed as made.
+#[tokio::test]
+async fn a_bias_on_a_one_letter_token_bills_the_tokens_generated() {
+    let t = smollm_tokenizer();
+    let e = (0..60_000u32)
+        .find(|id| t.token_text(*id).as_deref() == Some("e"))
+        .unwrap();
+    let text = "e".repeat(400);
+    let mut req = chat(Some(400), false);
+    req["logit_bias"] = json!({ e.to_string(): 100 });
+    assert_eq!(billed_for(&req, &text, 400).await, (400, false));
+}
+
+/// A schema of keywords that pin no free text pins its property names and `const` / `enum`
+/// values: each occurrence in the answer may cost its bytes + 3 more tokens. Measured on
+/// llama.cpp (T = 0): a `const` of 272 bytes counting 62 generated 204 tokens; an array of 12
+/// `const` `"Paris is nice."` 130 for a text counting 66. Both billed as claimed; a padded
+/// claim is billed at the bound and flagged.
+#[tokio::test]
+async fn a_schema_pinning_its_text_bills_the_honest_claim() {
+    let fox = "The quick brown fox jumps over the lazy dog. ".repeat(6);
+    let note =
+        "Foxes are small omnivorous mammals with a narrow snout and a bushy tail. ".repeat(5);
+    let answer = format!(r#"{{"motto": "{fox}", "note": "{note}"}}"#);
+    let (count, _) = billed_for(&chat(Some(800), false), &answer, 0).await;
+    let mut req = chat(Some(800), false);
+    req["response_format"] = json!({"type":"json_schema","json_schema":{"name":"m","strict":true,
+        "schema":{"type":"object","properties":{"motto":{"type":"string","const":fox},
+                  "note":{"type":"string"}},
+                  "required":["motto","note"],"additionalProperties":false}}});
+    // the measured excess of the `const` alone (204 − 62), plus a natural answer's
+    let honest = count + 142 + 18;
+    assert_eq!(billed_for(&req, &answer, honest).await, (honest, false));
+    let most = count + count / 8 + 16 + (fox.len() as u64 + 3) + (5 + 3) + (4 + 3) + 76;
+    assert!(most < answer.len() as u64 + 4 + 76);
+    assert_eq!(billed_for(&req, &answer, 1000).await, (most, true));
+
+    let paris = format!("[{}]", vec![r#""Paris is nice.""#; 12].join(", "));
+    let mut req = chat(Some(800), false);
+    req["json_schema"] = json!({"type":"array","items":{"const":"Paris is nice."},
+        "minItems":12,"maxItems":12});
+    assert_eq!(billed_for(&req, &paris, 130).await, (130, false));
+}
+
+/// A schema with a keyword that can pin any text (`pattern`, `format`, `anyOf`, ...) keeps
+/// the byte bound: `"^ +$"` made an honest llama.cpp spell `"   "` in 25 tokens.
+#[tokio::test]
+async fn a_schema_with_a_pattern_keeps_the_byte_bound() {
+    let mut req = chat(Some(800), false);
+    req["response_format"] = json!({"type":"json_schema","json_schema":{"name":"x",
+        "schema":{"type":"object","properties":{"a":{"type":"string","pattern":"^x+$"}}}}});
+    let answer = format!(r#"{{"a": "{}"}}"#, "x".repeat(200));
+    let bound = answer.len() as u64 + 4 + 76;
+    assert_eq!(billed_for(&req, &answer, bound).await, (bound, false));
+    req["response_format"] = json!({"type":"json_schema","json_schema":{"name":"x",
+        "schema":{"anyOf":[{"const":"a"},{"type":"string"}]}}});
+    assert_eq!(billed_for(&req, &answer, bound).await, (bound, false));
 }
