@@ -87,12 +87,17 @@ pub(super) enum Cut {
 /// generated the text as more tokens than its canonical tokenization, so the count above is
 /// only a lower bound. The most tokens a choice's text can have been:
 ///
-/// - token-level constraints ([`SamplingConstraint::Tokens`]: a caller that bans every
-///   multi-character token gets a text spelled one character per token) and a grammar on the
-///   text ([`SamplingConstraint::Text`]: a text the grammar pins is spelled in pieces the model
-///   would never choose): one per byte, plus the EOS and a held-back UTF-8 tail; a completed
-///   answer under a grammar also [`GRAMMAR_HIDDEN_TOKENS`] (what llama.cpp's response-format
-///   parser takes out around the JSON);
+/// - a constraint that pins only known texts ([`SamplingConstraint::Pinned`]: JSON mode, a
+///   schema of plain keywords, a `logit_bias` on tokens whose texts are known):
+///   [`natural_most`]`(count)` plus, for each pinned text the choice delivered, its bytes + 3
+///   ([`PinnedCount::allowance`]), at most the byte bound below; a completed answer under a
+///   grammar also [`GRAMMAR_HIDDEN_TOKENS`];
+/// - a constraint that can pin any text ([`SamplingConstraint::Text`]: a text the grammar pins
+///   is spelled in pieces the model would never choose) and token-level constraints the meter
+///   cannot read ([`SamplingConstraint::Tokens`]: a caller that bans every multi-character
+///   token gets a text spelled one character per token): one per byte, plus the EOS and a
+///   held-back UTF-8 tail; a completed answer under a grammar also [`GRAMMAR_HIDDEN_TOKENS`]
+///   (what llama.cpp's response-format parser takes out around the JSON);
 ///
 /// **Stop strings** ([`SettleCtx::stop_hidden_bytes`], `S` bytes for the longest): a choice
 /// that completed with `stop` or `length` may also have generated a matched (or held-back
@@ -103,7 +108,6 @@ pub(super) enum Cut {
 /// ended early (the caller left; no claim ever comes) bills `Σ U` under either constraint (the
 /// most the delivered text can be).
 ///
-/// [`GRAMMAR_HIDDEN_TOKENS`]: super::prompt::GRAMMAR_HIDDEN_TOKENS
 pub(super) fn billed_usage(
     ctx: &SettleCtx,
     choices: &BTreeMap<u64, Choice>,

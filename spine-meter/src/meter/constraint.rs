@@ -167,11 +167,8 @@ pub(crate) fn sampling_constraint(
                 grammar = true;
                 readable &= v.as_str() == Some("json") || schema_texts(v, 0, &mut texts);
             }
-            _ => {
-                grammar = true;
-                token_level |= field == "allowed_token_ids";
-                readable = false;
-            }
+            "allowed_token_ids" => (token_level, readable) = (true, false),
+            _ => (grammar, readable) = (true, false),
         }
     }
     let bytes: usize = texts.iter().map(|t| t.len()).sum();
@@ -416,5 +413,118 @@ mod tests {
         assert_eq!(count(&["Paris is nice."], &split), 40 * 17);
         assert_eq!(count(&["aa"], &["a", "a", "a", "a", "a"]), 2 * 5);
         assert_eq!(count(&["é"], &["éé", "xé"]), 3 * 5);
+    }
+
+    /// A counter that knows every id below 1000 as `t<id>`, 1 and 2 as special.
+    #[derive(Debug)]
+    struct Ids;
+
+    impl TokenCounter for Ids {
+        fn count_prompt(&self, _: &Value) -> Result<u64, crate::tokenizer::TokenizerError> {
+            Ok(1)
+        }
+        fn count_text(&self, text: &str) -> u64 {
+            text.len() as u64
+        }
+        fn max_token_bytes(&self) -> u64 {
+            8
+        }
+        fn is_special_token(&self, id: u32) -> bool {
+            id == 1 || id == 2
+        }
+        fn token_text(&self, id: u32) -> Option<String> {
+            (id < 1000 && !self.is_special_token(id)).then(|| format!("t{id}"))
+        }
+    }
+
+    fn of(extra: Value) -> SamplingConstraint {
+        let mut body = serde_json::json!({"model":"m","messages":[{"role":"user","content":"x"}]});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let bytes = serde_json::to_vec(&body).unwrap();
+        let peek = RequestPeek::from_json(&bytes).unwrap();
+        sampling_constraint(&peek, &body, &Ids)
+    }
+
+    fn pinned(texts: &[&str], grammar: bool) -> SamplingConstraint {
+        SamplingConstraint::Pinned(Arc::new(Pinned {
+            texts: texts.iter().map(|t| Box::from(*t)).collect(),
+            grammar,
+        }))
+    }
+
+    #[test]
+    fn what_a_constraint_can_pin() {
+        use serde_json::json;
+        assert_eq!(of(json!({})), SamplingConstraint::None);
+        assert_eq!(
+            of(json!({"response_format":{"type":"text"}})),
+            SamplingConstraint::None
+        );
+        assert_eq!(
+            of(json!({"logit_bias":{"2":-100}})),
+            SamplingConstraint::None
+        );
+        assert_eq!(
+            of(json!({"response_format":{"type":"json_object"}})),
+            pinned(&[], true)
+        );
+        assert_eq!(of(json!({"format":"json"})), pinned(&[], true));
+        assert_eq!(
+            of(json!({"logit_bias":{"7":-1,"2":-100}})),
+            pinned(&["t7"], false)
+        );
+        assert_eq!(
+            of(json!({"logit_bias":{"7":-1},"response_format":{"type":"json_object"}})),
+            pinned(&["t7"], true)
+        );
+        let schema = json!({"type":"object","properties":{"a\"b":{"enum":["x\ny", 3, null]},
+            "c":{"type":"array","items":{"const":true},"minItems":2}},"required":["c"],
+            "additionalProperties":false,"title":"T","$schema":"s"});
+        let texts = ["3", "a\"b", "a\\\"b", "c", "null", "true", "x\ny", "x\\ny"];
+        assert_eq!(
+            of(json!({"response_format":{"type":"json_schema",
+                "json_schema":{"name":"n","strict":true,"schema":schema}}})),
+            pinned(&texts, true)
+        );
+        assert_eq!(of(json!({"json_schema": schema})), pinned(&texts, true));
+        assert_eq!(of(json!({"format": schema})), pinned(&texts, true));
+        for schema in [
+            json!({"type":"string","pattern":"^a+$"}),
+            json!({"type":"object","properties":{"a":{"type":"string","format":"date"}}}),
+            json!({"anyOf":[{"const":"a"}]}),
+            json!({"type":"object","additionalProperties":{"type":"string"}}),
+            json!({"const":{"a":"b"}}),
+            json!({"$ref":"#/$defs/a","$defs":{"a":{"type":"string"}}}),
+            json!({"type":"string","minLength":3}),
+            json!({"enum": (0..300).map(|i| format!("v{i}")).collect::<Vec<_>>()}),
+            json!({"const": "x".repeat(17 * 1024)}),
+        ] {
+            assert_eq!(
+                of(json!({"json_schema": schema})),
+                SamplingConstraint::Text,
+                "{schema}"
+            );
+        }
+        assert_eq!(
+            of(json!({"response_format":{"type":"json_schema","json_schema":{"name":"n"}}})),
+            SamplingConstraint::Text
+        );
+        assert_eq!(
+            of(json!({"grammar":"root ::= \"a\""})),
+            SamplingConstraint::Text
+        );
+        assert_eq!(
+            of(json!({"grammar":"root ::= \"a\"","logit_bias":{"7":-1}})),
+            SamplingConstraint::Text
+        );
+        assert_eq!(
+            of(json!({"logit_bias":{"5000":-1}})),
+            SamplingConstraint::Tokens
+        );
+        let many: serde_json::Map<String, Value> =
+            (10..400).map(|i| (i.to_string(), json!(-1))).collect();
+        assert_eq!(of(json!({"logit_bias": many})), SamplingConstraint::Tokens);
     }
 }

@@ -786,7 +786,7 @@ async fn a_schema_pinning_its_text_bills_the_honest_claim() {
     assert!(most < answer.len() as u64 + 4 + 76);
     assert_eq!(billed_for(&req, &answer, 1000).await, (most, true));
 
-    let paris = format!("[{}]", vec![r#""Paris is nice.""#; 12].join(", "));
+    let paris = format!("[{}]", [r#""Paris is nice.""#; 12].join(", "));
     let mut req = chat(Some(800), false);
     req["json_schema"] = json!({"type":"array","items":{"const":"Paris is nice."},
         "minItems":12,"maxItems":12});
