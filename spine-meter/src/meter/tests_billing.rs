@@ -705,9 +705,9 @@ async fn a_stop_string_bills_the_claim_within_its_bytes() {
     );
 }
 
-/// A JSON answer as an attacker's node answered it on real llama.cpp (305 bytes, counting
-/// 69): padded to 382 tokens (one per byte, + the EOS and a held-back tail) it was billed 382,
-/// unflagged, under JSON mode or a negligible `logit_bias`. JSON mode pins no text: the
+/// A JSON answer of 301 bytes, like the one a hostile node behind the real agent answered on
+/// llama.cpp (305 bytes counting 69, claimed 382 and billed 382, unflagged, under JSON mode or
+/// a negligible `logit_bias`): the claim padded to the byte bound. JSON mode pins no text: the
 /// claim is billed at `count + count / 8 + 16 + 76` and flagged.
 const PADDED_JSON: &str = r#"{"city": "Paris", "country": "France", "population": 2102650, "landmarks": ["Eiffel Tower", "Louvre Museum", "Notre-Dame Cathedral", "Arc de Triomphe"], "description": "Paris is the capital of France, known for its art, fashion, gastronomy and culture.", "founded": "3rd century BC", "river": "Seine"}"#;
 
@@ -717,6 +717,7 @@ async fn a_json_mode_padding_claim_is_billed_at_the_json_bound_and_flagged() {
     let most = count + count / 8 + 16 + 76;
     let padded = PADDED_JSON.len() as u64 + 4 + 76;
     assert!(most < padded, "{most} {padded}");
+    eprintln!("count {count}, JSON-mode bound {most}, byte bound {padded}");
     let mut req = chat(Some(800), false);
     req["response_format"] = json!({"type": "json_object"});
     assert_eq!(billed_for(&req, PADDED_JSON, padded).await, (most, true));

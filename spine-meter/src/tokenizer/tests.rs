@@ -844,3 +844,33 @@ fn a_prompt_far_over_the_limit_is_refused_after_one_piece_at_most() {
         text.len()
     );
 }
+
+/// A token's text is what it decodes to alone (a leading space included); a special token or
+/// a byte-fallback piece that is not whole UTF-8 has none (the meter then keeps the byte bound
+/// for a `logit_bias` on it).
+#[test]
+fn a_token_text_is_its_decoded_piece() {
+    let t = tok();
+    let ids = t
+        .tokenizer
+        .encode(" the", false)
+        .unwrap()
+        .get_ids()
+        .to_vec();
+    assert_eq!(ids.len(), 1, "{ids:?}");
+    assert_eq!(
+        TokenCounter::token_text(&*t, ids[0]).as_deref(),
+        Some(" the")
+    );
+    let end = t.tokenizer.token_to_id("<|im_end|>").unwrap();
+    assert_eq!(TokenCounter::token_text(&*t, end), None);
+    let half = t
+        .tokenizer
+        .encode("\u{1d11e}", false)
+        .unwrap()
+        .get_ids()
+        .to_vec();
+    assert!(half.len() > 1, "{half:?}");
+    assert_eq!(TokenCounter::token_text(&*t, half[0]), None, "{half:?}");
+    assert_eq!(TokenCounter::token_text(&*t, u32::MAX), None);
+}
