@@ -111,7 +111,7 @@ pub(super) fn billed_usage(
     let mut notes = BillNotes::default();
     let mut completion_tokens = 0u64;
     let mut most_tokens = 0u64;
-    for (i, c) in choices.values().enumerate() {
+    for (i, (&index, c)) in choices.iter().enumerate() {
         let count =
             ctx.choice_completion_counted(&c.delivered, c.finish_reason.as_deref(), completed);
         completion_tokens = completion_tokens.saturating_add(count.tokens);
@@ -136,6 +136,21 @@ pub(super) fn billed_usage(
         most_tokens = most_tokens.saturating_add(count.tokens.max(most));
         if i == 0 && choices.len() > 1 {
             notes.first_choice_completion_tokens = Some(count.tokens);
+        }
+        if let (Some(each), Some(claim)) = (&ctx.prompt_tokens_each, claimed) {
+            let prompt = usize::try_from(index / u64::from(ctx.n_per_prompt.max(1)))
+                .ok()
+                .and_then(|p| each.get(p).copied());
+            if let Some(prompt) = prompt {
+                let off = |(p, c): (u64, u64)| {
+                    p.abs_diff(claim.prompt_tokens)
+                        .saturating_add(c.abs_diff(claim.completion_tokens))
+                };
+                let task = (prompt, count.tokens);
+                if notes.nearest_task.is_none_or(|t| off(task) < off(t)) {
+                    notes.nearest_task = Some(task);
+                }
+            }
         }
         notes.length_unsupported |= count.length_unsupported;
         if completed && c.finish_reason.as_deref() == Some("length") && !count.length_unsupported {

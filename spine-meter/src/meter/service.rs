@@ -283,6 +283,8 @@ where
         price: entry.price,
         share_bps: config.operator_share_bps,
         prompt_tokens,
+        prompt_tokens_each: (prompts.len() > 1).then(|| prompts.as_slice().into()),
+        n_per_prompt: peek.n,
         n: choices,
         max_completion_tokens_per_choice: per_choice,
         max_tokens: peek.max_tokens,

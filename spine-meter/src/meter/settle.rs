@@ -96,6 +96,14 @@ pub(crate) struct SettleCtx {
     pub(crate) price: Price,
     pub(crate) share_bps: u16,
     pub(crate) prompt_tokens: u64,
+    /// With more than one prompt (`/v1/completions`): each prompt's tokens, in order. llama.cpp
+    /// generates each (prompt, choice) as a task of its own and its `usage` is one task's alone
+    /// (non-streamed: the first, prompt 0 / choice 0, whose answer gets the others' choices
+    /// appended; streamed: every task's final chunk carries its own, the latest wins), so a
+    /// claim matching one task's prompt and choice is not a discrepancy.
+    pub(crate) prompt_tokens_each: Option<Arc<[u64]>>,
+    /// Choices asked for per prompt (`n`); choice `i` answers prompt `i / n_per_prompt`.
+    pub(crate) n_per_prompt: u32,
     /// Choices the caller asked for (`n`): choice indexes `>= n` are never billed.
     pub(crate) n: u32,
     /// Most completion tokens billed per choice: `max(1, min(max_tokens, context − prompt))`,
@@ -210,6 +218,9 @@ pub(crate) struct BillNotes {
     /// llama.cpp's `usage` for `n > 1` is the first choice's alone (measured; its server copies
     /// the first result's usage), so a claim matching it is not a discrepancy either.
     pub(crate) first_choice_completion_tokens: Option<u64>,
+    /// With several prompts and a claim: the (prompt, billed completion) tokens of the one
+    /// (prompt, choice) task nearest to the claim (see [`SettleCtx::prompt_tokens_each`]).
+    pub(crate) nearest_task: Option<(u64, u64)>,
     /// Tokens a node may claim above the bill for `length` finishes whose text has the bytes
     /// to be `max_tokens` tokens (summed `cap − billed` of such choices): the bill follows the
     /// text, but a claim of `max_tokens` is then not a lie worth flagging.
@@ -324,15 +335,24 @@ impl SettleCtx {
                             self.tolerance_bps,
                         )
                     };
-                    beyond(
-                        c.prompt_tokens,
-                        billed.prompt_tokens,
-                        self.tolerance_tokens,
-                        self.tolerance_bps,
-                    ) || (completion_off(billed.completion_tokens)
-                        && notes
-                            .first_choice_completion_tokens
-                            .is_none_or(completion_off))
+                    let prompt_off = |billed_prompt: u64| {
+                        beyond(
+                            c.prompt_tokens,
+                            billed_prompt,
+                            self.tolerance_tokens,
+                            self.tolerance_bps,
+                        )
+                    };
+                    let first_choice_off = notes
+                        .first_choice_completion_tokens
+                        .is_none_or(completion_off);
+                    // several prompts: llama.cpp's usage is one (prompt, choice) task's
+                    let one_task_matches = notes.nearest_task.is_some_and(|(p, completion)| {
+                        !prompt_off(p) && !completion_off(completion)
+                    });
+                    !one_task_matches
+                        && (prompt_off(billed.prompt_tokens)
+                            || (completion_off(billed.completion_tokens) && first_choice_off))
                 }));
         if discrepancy {
             self.events.on_discrepancy(&DiscrepancyReport {

@@ -1,0 +1,98 @@
+//! Choices against what was asked: several prompts (llama.cpp's usage is one task's), `n`'s
+//! range, a requested choice missing, content after a choice finished, index-less choices.
+
+use super::*;
+
+/// `/v1/completions` with the two prompts of the report: `"x"` and a sentence repeated.
+fn two_prompts(stream: bool) -> Value {
+    let mut v = json!({"model":"smollm2","max_tokens":1,
+        "prompt":["x","the cat sat on the mat the cat sat on the mat the cat sat on the mat the cat sat on the mat the cat sat on the mat the cat sat on the mat the cat sat on the mat the cat sat on the mat "]});
+    if stream {
+        v["stream"] = json!(true);
+    }
+    v
+}
+
+/// `POST /v1/completions` with `body`.
+fn cmpl_request(id: &str, body: &Value) -> http::Request<BoxBody> {
+    let mut req = request(id, body);
+    *req.uri_mut() = http::Uri::from_static("/v1/completions");
+    req
+}
+
+/// One completion choice as llama.cpp answers it (one task: one prompt, one choice).
+fn cmpl_choice(index: u64, text: &str, finish: Option<&str>) -> Value {
+    json!({"text":text,"index":index,"logprobs":null,"finish_reason":finish})
+}
+
+#[tokio::test]
+async fn a_claim_for_the_first_prompt_of_several_is_not_a_discrepancy() {
+    // non-streamed, as llama.cpp answers several prompts (server-context.cpp: the first task's
+    // result with the other tasks' choices appended; its usage is task 0's)
+    let answer = |usage: Value| {
+        json!({"id":"c","object":"text_completion","created":1,"model":"smollm2",
+            "choices":[cmpl_choice(0, " the", Some("length")), cmpl_choice(1, " the", Some("length"))],
+            "usage":usage})
+    };
+    // (claimed prompt, claimed completion, flagged)
+    for (prompt, completion, flagged) in
+        [(1, 1, false), (50, 2, false), (1, 40, true), (20, 1, true)]
+    {
+        let mut h = harness().await;
+        let body = serde_json::to_vec(&answer(json!({"prompt_tokens":prompt,
+            "completion_tokens":completion,"total_tokens":prompt + completion})))
+        .unwrap();
+        let svc = h.service(200, "application/json", vec![body.into()], End::Eof);
+        let resp = svc
+            .oneshot(cmpl_request("multi", &two_prompts(false)))
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        drop(frames(resp.into_body()).await);
+        let (s, _) = h.settled().await;
+        assert_eq!(
+            (
+                s.outcome,
+                s.billed.prompt_tokens,
+                s.billed.completion_tokens,
+                s.discrepancy
+            ),
+            (StreamOutcome::Completed, 50, 2, flagged),
+            "claim {prompt}/{completion}"
+        );
+    }
+    // streamed: every task's final chunk carries that task's usage; the latest is the claim,
+    // whichever task finished last
+    for last in [0u64, 1] {
+        let mut h = harness().await;
+        let usage = |i: u64| {
+            let p = if i == 0 { 1 } else { 49 };
+            json!({"prompt_tokens":p,"completion_tokens":1,"total_tokens":p + 1})
+        };
+        let chunk = |i: u64| {
+            format!(
+                "data: {}\n\n",
+                json!({"id":"c","object":"text_completion","created":1,"model":"smollm2",
+                    "choices":[cmpl_choice(i, " the", Some("length"))],"usage":usage(i)})
+            )
+        };
+        let stream = [chunk(1 - last), chunk(last), "data: [DONE]\n\n".to_owned()].concat();
+        let svc = h.service(200, "text/event-stream", vec![stream.into()], End::Eof);
+        let resp = svc
+            .oneshot(cmpl_request("multis", &two_prompts(true)))
+            .await
+            .unwrap();
+        drop(frames(resp.into_body()).await);
+        let (s, _) = h.settled().await;
+        assert_eq!(
+            (
+                s.outcome,
+                s.billed.prompt_tokens,
+                s.billed.completion_tokens,
+                s.discrepancy
+            ),
+            (StreamOutcome::Completed, 50, 2, false),
+            "task {last} last"
+        );
+    }
+}
