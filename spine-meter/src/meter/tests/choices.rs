@@ -96,3 +96,33 @@ async fn a_claim_for_the_first_prompt_of_several_is_not_a_discrepancy() {
         );
     }
 }
+
+#[tokio::test]
+async fn n_past_openais_bound_is_refused_before_any_node_and_any_hold() {
+    let h = harness().await;
+    for n in [129u64, 2_147_483_648] {
+        let mut body = chat(false, None);
+        body["n"] = json!(n);
+        let svc = h.service(200, "application/json", Vec::new(), End::Eof);
+        let err = svc.oneshot(request("n", &body)).await.unwrap_err();
+        let meter = err.downcast_ref::<MeterError>().expect("a meter error");
+        assert!(
+            matches!(
+                meter,
+                MeterError::BadRequest(spine_core::PeekError::InvalidField { field: "n", .. })
+            ),
+            "n {n}: {meter}"
+        );
+        #[cfg(feature = "axum")]
+        {
+            let api = crate::openai_error::ApiError::from(meter);
+            assert_eq!(
+                (api.status.as_u16(), api.kind, api.param.as_deref()),
+                (400, "invalid_request_error", Some("n")),
+                "n {n}"
+            );
+        }
+    }
+    assert_eq!(h.upstream.lock().unwrap().as_ref(), None);
+    h.assert_account_untouched().await;
+}
