@@ -181,6 +181,18 @@ pub(super) fn billed_usage(
     (usage, notes)
 }
 
+/// Why an answer whose requested choices are `choices` lacks one the caller asked for, if it
+/// does: `completed` needs every requested choice (`index < n`) to finish, and a node that
+/// answers fewer than `n` is at fault.
+pub(super) fn missing_choice(ctx: &SettleCtx, choices: &BTreeMap<u64, Choice>) -> Option<String> {
+    let asked = u64::from(ctx.n);
+    let missing = (0..asked).find(|i| !choices.contains_key(i))?;
+    Some(format!(
+        "the node answered {} of the {asked} choices asked for (choice {missing} is missing)",
+        choices.len()
+    ))
+}
+
 /// Why a streamed choice that delivered `delivered` is past what it may deliver, if it is.
 pub(super) fn over_limit_streamed(
     ctx: &SettleCtx,
@@ -235,8 +247,8 @@ pub(super) fn over_limit(
 /// Meters a complete non-streamed 2xx response body and settles.
 ///
 /// A usable completion — one JSON object without duplicate members, not an engine error, whose
-/// `choices` is an array of objects with at least one requested choice, every requested choice
-/// with a `finish_reason` and within its token cap — settles `completed` and comes back with
+/// `choices` is an array of objects with every requested choice (`index < n`), each with a
+/// `finish_reason` and within its token cap — settles `completed` and comes back with
 /// `usage` rewritten to the billed counts, choices past `n` removed and (when `strip`) members
 /// outside OpenAI's shape removed. Anything else settles `upstream_failed` (the caller pays
 /// nothing), is reported on `slot` as the node's fault, and is a
@@ -316,6 +328,10 @@ pub(crate) fn meter_json(
     }
     if let Some((index, _)) = choices.iter().find(|(_, c)| c.finish_reason.is_none()) {
         let why = format!("choice {index} has no finish_reason");
+        let (billed, _) = billed_usage(&ctx, &choices, false, claimed.as_ref());
+        return fail(ctx, billed, claimed, why);
+    }
+    if let Some(why) = missing_choice(&ctx, &choices) {
         let (billed, _) = billed_usage(&ctx, &choices, false, claimed.as_ref());
         return fail(ctx, billed, claimed, why);
     }

@@ -455,8 +455,10 @@ impl State {
         if let Some(cut) = over {
             return self.cut(cut);
         }
+        // every requested choice must have come and finished (`index < n`: no other is kept)
         let completed = !self.error_seen
             && !self.choices.is_empty()
+            && super::bill::missing_choice(ctx, &self.choices).is_none()
             && self.choices.values().all(|c| c.finish_reason.is_some());
         let (billed, notes) = billed_usage(ctx, &self.choices, completed, self.claimed.as_ref());
         if completed {

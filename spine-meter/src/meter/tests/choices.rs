@@ -126,3 +126,55 @@ async fn n_past_openais_bound_is_refused_before_any_node_and_any_hold() {
     assert_eq!(h.upstream.lock().unwrap().as_ref(), None);
     h.assert_account_untouched().await;
 }
+
+#[tokio::test]
+async fn a_node_answering_fewer_choices_than_n_is_at_fault() {
+    // non-streamed: n = 3, one choice back
+    let mut h = harness().await;
+    let mut body = chat(false, None);
+    body["n"] = json!(3);
+    let answer = json!({"id":"c","object":"chat.completion","created":1,"model":"smollm2",
+        "choices":[{"index":0,"finish_reason":"stop","message":{"role":"assistant","content":"Red"}}],
+        "usage":{"prompt_tokens":34,"completion_tokens":2,"total_tokens":36}});
+    let svc = h.service(
+        200,
+        "application/json",
+        vec![serde_json::to_vec(&answer).unwrap().into()],
+        End::Eof,
+    );
+    let res = svc.oneshot(request("fewer", &body)).await;
+    super::answer::assert_free_node_fault(&mut h, res, "one of three choices").await;
+    // choices 0 and 2 of three: the missing one in the middle counts too
+    let mut h = harness().await;
+    let answer = json!({"id":"c","object":"chat.completion","choices":[
+        {"index":0,"finish_reason":"stop","message":{"role":"assistant","content":"Red"}},
+        {"index":2,"finish_reason":"stop","message":{"role":"assistant","content":"Blue"}}]});
+    let svc = h.service(
+        200,
+        "application/json",
+        vec![serde_json::to_vec(&answer).unwrap().into()],
+        End::Eof,
+    );
+    let res = svc.oneshot(request("gap", &body)).await;
+    super::answer::assert_free_node_fault(&mut h, res, "choices 0 and 2 of three").await;
+
+    // streamed: one choice of three finishes, then [DONE]
+    let mut h = harness().await;
+    body["stream"] = json!(true);
+    let stream = [
+        "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Red\"},\"finish_reason\":null}]}\n\n",
+        "data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\n",
+        "data: [DONE]\n\n",
+    ]
+    .concat();
+    let svc = h.service(200, "text/event-stream", vec![stream.into()], End::Eof);
+    let resp = svc.oneshot(request("fewers", &body)).await.unwrap();
+    let got = String::from_utf8(frames(resp.into_body()).await.concat().to_vec()).unwrap();
+    assert!(got.contains("upstream_failed"), "{got}");
+    assert!(!got.contains("[DONE]"), "{got}");
+    let (s, r) = h.settled().await;
+    assert_eq!(
+        (s.outcome, r.debit_micros),
+        (StreamOutcome::UpstreamFailed, 0)
+    );
+}
