@@ -323,6 +323,13 @@ impl State {
                 }
             }
             let choice = self.choices.entry(c.index).or_default();
+            if choice.finish_reason.is_some() && !c.generated.is_empty() {
+                // generated after the choice ended: never forwarded nor billed
+                return self.node_fault(&format!(
+                    "the node sent content for choice {} after its finish_reason",
+                    c.index
+                ));
+            }
             // a finish is progress once per choice: a node repeating one it already sent (or
             // sending another) makes none, and is cut at the stall bound like any keep-alive
             if (c.finish_reason.is_some() && choice.finish_reason.is_none())

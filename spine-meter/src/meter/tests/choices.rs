@@ -178,3 +178,60 @@ async fn a_node_answering_fewer_choices_than_n_is_at_fault() {
         (StreamOutcome::UpstreamFailed, 0)
     );
 }
+
+#[tokio::test]
+async fn content_after_a_choices_finish_is_the_nodes_fault_never_forwarded_or_billed() {
+    let after = "pad ".repeat(10);
+    let ok = [
+        "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Red\"},\"finish_reason\":null}]}\n\n".to_owned(),
+        "data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\n".to_owned(),
+    ];
+    for late in [
+        json!({"index":0,"delta":{"content":after},"finish_reason":null}),
+        json!({"index":0,"delta":{"content":after},"finish_reason":"stop"}),
+        json!({"index":0,"delta":{"tool_calls":[{"index":0,"id":"c","type":"function",
+            "function":{"name":"f","arguments":"{}"}}]},"finish_reason":null}),
+    ] {
+        let mut h = harness().await;
+        let stream = [
+            ok[0].clone(),
+            ok[1].clone(),
+            format!("data: {}\n\n", json!({"choices":[late]})),
+            "data: [DONE]\n\n".to_owned(),
+        ]
+        .concat();
+        let svc = h.service(200, "text/event-stream", vec![stream.into()], End::Eof);
+        let resp = svc
+            .oneshot(request("late", &chat(true, None)))
+            .await
+            .unwrap();
+        let got = String::from_utf8(frames(resp.into_body()).await.concat().to_vec()).unwrap();
+        assert!(!got.contains("pad") && !got.contains("tool_calls"), "{got}");
+        assert!(
+            got.contains("upstream_failed") && !got.contains("[DONE]"),
+            "{got}"
+        );
+        let (s, r) = h.settled().await;
+        assert_eq!(
+            (s.outcome, s.billed.completion_tokens, r.debit_micros),
+            (StreamOutcome::UpstreamFailed, 1, 0),
+            "{late}"
+        );
+    }
+    // the finish repeated without content is no fault
+    let mut h = harness().await;
+    let stream = [
+        ok[0].clone(),
+        ok[1].clone(),
+        ok[1].clone(),
+        "data: [DONE]\n\n".to_owned(),
+    ]
+    .concat();
+    let svc = h.service(200, "text/event-stream", vec![stream.into()], End::Eof);
+    let resp = svc
+        .oneshot(request("again", &chat(true, None)))
+        .await
+        .unwrap();
+    drop(frames(resp.into_body()).await);
+    assert_eq!(h.settled().await.0.outcome, StreamOutcome::Completed);
+}
