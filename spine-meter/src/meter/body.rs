@@ -287,6 +287,10 @@ impl State {
         let read = match members.get("choices") {
             Some(raw) if raw.get().trim() != "null" => {
                 match read_choices(raw, TextMember::of(self.settings.kind, true)) {
+                    Ok(read) if read.iter().any(|c| !c.indexed) => {
+                        return self
+                            .node_fault("the node sent an invalid chunk: a choice has no index")
+                    }
                     Ok(read) => read,
                     Err(why) => {
                         return self.node_fault(&format!("the node sent an invalid chunk: {why}"))

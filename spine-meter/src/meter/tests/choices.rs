@@ -235,3 +235,73 @@ async fn content_after_a_choices_finish_is_the_nodes_fault_never_forwarded_or_bi
     drop(frames(resp.into_body()).await);
     assert_eq!(h.settled().await.0.outcome, StreamOutcome::Completed);
 }
+
+#[tokio::test]
+async fn a_streamed_choice_without_an_index_is_the_nodes_fault() {
+    for first in [
+        // forwarded as it came before
+        json!([{"delta":{"content":"Red"},"finish_reason":null}]),
+        json!([{"index":null,"delta":{"content":"Red"},"finish_reason":null}]),
+        // the second index-less choice was silently dropped
+        json!([{"delta":{"content":"Red"},"finish_reason":null},
+            {"delta":{"content":"Blue"},"finish_reason":null}]),
+    ] {
+        let mut h = harness().await;
+        let stream = [
+            format!("data: {}\n\n", json!({"choices":first})),
+            "data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\n"
+                .to_owned(),
+            "data: [DONE]\n\n".to_owned(),
+        ]
+        .concat();
+        let svc = h.service(200, "text/event-stream", vec![stream.into()], End::Eof);
+        let resp = svc
+            .oneshot(request("noindex", &chat(true, None)))
+            .await
+            .unwrap();
+        let got = String::from_utf8(frames(resp.into_body()).await.concat().to_vec()).unwrap();
+        assert!(
+            !got.contains("Red") && got.contains("upstream_failed"),
+            "{got}"
+        );
+        let (s, r) = h.settled().await;
+        assert_eq!(
+            (s.outcome, r.debit_micros),
+            (StreamOutcome::UpstreamFailed, 0),
+            "{first}"
+        );
+    }
+}
+
+#[test]
+fn a_choice_index_past_u64_is_out_of_range_and_a_fraction_not_an_integer() {
+    use super::super::node_json::{read_choices, TextMember};
+    let read = |index: &str| {
+        let raw = serde_json::value::RawValue::from_string(format!(
+            r#"[{{"index":{index},"delta":{{"content":"x"}},"finish_reason":null}}]"#
+        ))
+        .unwrap();
+        read_choices(&raw, TextMember::Delta).map(|r| r[0].index)
+    };
+    for index in [
+        "1099511627776.0",
+        "1.099511627776e12",
+        "18446744073709551616",
+        "-1",
+    ] {
+        assert_eq!(
+            read(index),
+            Err("a choice's index is out of range"),
+            "{index}"
+        );
+    }
+    for index in ["1.5", "\"0\"", "true"] {
+        assert_eq!(
+            read(index),
+            Err("a choice's index is not an integer"),
+            "{index}"
+        );
+    }
+    // an index the caller did not ask for is read, and dropped later (never billed)
+    assert_eq!(read("1099511627776"), Ok(1_099_511_627_776));
+}
