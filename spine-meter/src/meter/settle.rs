@@ -109,6 +109,8 @@ pub(crate) struct SettleCtx {
     /// Most completion tokens billed per choice: `max(1, min(max_tokens, context − prompt))`,
     /// the per-choice part of the hold.
     pub(crate) max_completion_tokens_per_choice: u64,
+    /// The shortest prompt's tokens (the one with the most room for a completion).
+    pub(crate) shortest_prompt_tokens: u64,
     /// The request's own `max_tokens` / `max_completion_tokens`, when it set one (the `length`
     /// rule applies only then).
     pub(crate) max_tokens: Option<u64>,
@@ -239,6 +241,19 @@ impl SettleCtx {
             self.ttft_ms =
                 Some(u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX));
         }
+    }
+
+    /// Caps each choice's completion by the routed node's context window for the model
+    /// ([`spine_core::NodeSlot::context_tokens`]), as admission capped it by the catalog's:
+    /// `max(1, min(L, context − shortest prompt))`. Only ever lowers the cap (the hold stays).
+    pub(crate) fn limit_to_node_context(&mut self, context_tokens: u64) {
+        if self.max_completion_tokens_per_choice == 0 {
+            return; // embeddings
+        }
+        let room = context_tokens
+            .saturating_sub(self.shortest_prompt_tokens)
+            .max(1);
+        self.max_completion_tokens_per_choice = self.max_completion_tokens_per_choice.min(room);
     }
 
     /// Whether choice `index` is one the caller asked for (`index < n`).

@@ -305,3 +305,58 @@ fn a_choice_index_past_u64_is_out_of_range_and_a_fraction_not_an_integer() {
     // an index the caller did not ask for is read, and dropped later (never billed)
     assert_eq!(read("1099511627776"), Ok(1_099_511_627_776));
 }
+
+#[tokio::test]
+async fn the_routed_nodes_context_caps_the_completion_like_the_catalogs() {
+    use crate::TokenCounter;
+    // the catalog says 2048; the routed node's slot holds 60: a 34-token prompt leaves 26
+    let tokenizer = crate::test_support::smollm_tokenizer();
+    let mut text = String::new();
+    for i in 0.. {
+        let next = format!("{text}red {i}, ");
+        if tokenizer.count_text(&next) > 26 {
+            break;
+        }
+        text = next;
+    }
+    let generated = tokenizer.count_text(&text);
+    assert!(generated >= 24, "{generated}");
+    for node_context in [None, Some(60u64)] {
+        let mut h = harness().await;
+        let answer = json!({"id":"c","object":"chat.completion","created":1,"model":"smollm2",
+            "choices":[{"index":0,"finish_reason":"length",
+                "message":{"role":"assistant","content":text}}],
+            "usage":{"prompt_tokens":34,"completion_tokens":generated,"total_tokens":34 + generated}});
+        let body = Bytes::from(serde_json::to_vec(&answer).unwrap());
+        let node = h.node.clone();
+        let inner = tower::service_fn(move |req: http::Request<BoxBody>| {
+            let (node, body) = (node.clone(), body.clone());
+            async move {
+                if let Some(slot) = req.extensions().get::<spine_core::NodeSlot>() {
+                    slot.set(node.clone());
+                    slot.set_context_tokens(node_context);
+                }
+                let body = BoxBody::new(replay(vec![body], End::Eof));
+                Ok::<_, BoxError>(node_response(node, "application/json", body))
+            }
+        });
+        let svc = h.layer(2048).layer(inner);
+        let resp = svc
+            .oneshot(request("ctx", &chat(false, None)))
+            .await
+            .unwrap();
+        drop(frames(resp.into_body()).await);
+        let (s, _) = h.settled().await;
+        assert_eq!(s.billed.prompt_tokens, 34);
+        match node_context {
+            // the catalog's cap (64): a text of fewer bytes than 64 tokens cannot be a
+            // `length` finish, so the honest node is flagged
+            None => assert!(s.discrepancy, "{:?}", s.billed),
+            // the node's cap: the node filled its slot, billed as claimed, not flagged
+            Some(_) => assert_eq!(
+                (s.outcome, s.billed.completion_tokens, s.discrepancy),
+                (StreamOutcome::Completed, 26.min(generated + 5), false),
+            ),
+        }
+    }
+}
