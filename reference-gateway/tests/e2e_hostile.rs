@@ -133,6 +133,9 @@ async fn engine_aliases_are_refused_and_nothing_is_delivered_beyond_the_bill() {
             "top_logprobs",
         ),
         (json!({"n_probs": 100}), "unsupported_parameter", "n_probs"),
+        // OpenAI's bound on n: 2^31 placed a hold of 10.5e12 µ
+        (json!({"n": 129}), "invalid_request", "n"),
+        (json!({"n": 2_147_483_648u64}), "invalid_request", "n"),
         // a limit engines would read as a wrapped 32-bit integer
         (
             json!({"max_tokens": 4_294_967_297u64}),
@@ -714,4 +717,32 @@ async fn developer_messages_are_served_and_the_surface_is_an_allowlist() {
         assert_eq!(e["error"]["param"], param, "{e}");
     }
     assert_eq!(gw.balance(&t.account).await, (balance, 0));
+}
+
+/// Several prompts in one `/v1/completions` request: llama.cpp's usage is one task's (prompt 0
+/// and choice 0 non-streamed; the task that finished last streamed). The gateway bills every
+/// prompt and choice and does not flag the honest node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn several_prompts_are_billed_whole_and_do_not_flag_an_honest_node() {
+    let engine = Engine::discover().unwrap();
+    let llama = LlamaServer::start(&engine, 2).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (gw, t, _node, _agent) = gateway_with_node(dir.path(), &engine, &llama.url, "node").await;
+    let long = "the cat sat on the mat ".repeat(8);
+    for streamed in [false, true] {
+        for _ in 0..2 {
+            let body = json!({"model":"smollm2","prompt":["x", long],"max_tokens":1,
+                "stream":streamed});
+            let resp = gw.api_post(&t.api_key, "/v1/completions", &body).await;
+            assert_eq!(resp.status(), 200, "{body}");
+            let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
+            let text = resp.text().await.unwrap();
+            assert_eq!(delivered(&text, streamed).len(), 2, "{text}");
+            let rec = gw.record(&id).await;
+            assert_eq!(rec["outcome"], "completed", "{rec}");
+            assert_eq!(rec["billed"]["prompt_tokens"], 50, "{rec}");
+            assert_eq!(rec["billed"]["completion_tokens"], 2, "{rec}");
+            assert_eq!(rec["discrepancy"], false, "streamed {streamed}: {rec}");
+        }
+    }
 }

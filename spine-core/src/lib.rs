@@ -35,7 +35,7 @@ pub use node::{Endpoints, EngineKind, ModelDescriptor, NodeDescriptor};
 pub use peek::{
     conversation_key, prompt_inputs, validate_chat_messages, JsonKey, PeekError, PromptSegment,
     RequestKind, RequestPeek, CHAT_COMPLETIONS_MEMBERS, COMPLETIONS_MEMBERS, EMBEDDINGS_MEMBERS,
-    ENGINE_GENERATION_FIELDS, MAX_COMPLETION_LOGPROBS, MAX_MAX_TOKENS, MAX_TOP_LOGPROBS,
+    ENGINE_GENERATION_FIELDS, MAX_COMPLETION_LOGPROBS, MAX_MAX_TOKENS, MAX_N, MAX_TOP_LOGPROBS,
     NOT_SERVED, SAMPLING_EXTRAS, TOKENIZATION_CONSTRAINT_FIELDS,
 };
 pub use request::{BufferedRequest, RequestContext};

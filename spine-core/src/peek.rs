@@ -300,6 +300,10 @@ pub const MAX_TOP_LOGPROBS: u64 = 20;
 /// OpenAI's bound on `logprobs` as a number (`/v1/completions`).
 pub const MAX_COMPLETION_LOGPROBS: u64 = 5;
 
+/// OpenAI's bound on `n` (it answers a larger one with 400): the hold grows with it, and an
+/// `n` of 2^31 placed a hold of 10,512,791,450,425 µ.
+pub const MAX_N: u32 = 128;
+
 /// The largest `max_tokens` / `max_completion_tokens` accepted: engines read it as a 32-bit
 /// signed integer (llama.cpp's `n_predict`), and a larger one wraps.
 pub const MAX_MAX_TOKENS: u64 = i32::MAX as u64;
@@ -596,8 +600,16 @@ impl RequestPeek {
                 expected: REASONING_EFFORT_EXPECTED,
             });
         }
-        let n: u32 =
+        let n: u64 =
             at_least_one(parse_opt(fields.get("n"), "n", AT_LEAST_ONE)?, "n")?.unwrap_or(1);
+        // OpenAI's bound, before any node and any hold
+        let n = u32::try_from(n)
+            .ok()
+            .filter(|n| *n <= MAX_N)
+            .ok_or(PeekError::InvalidField {
+                field: "n",
+                expected: "an integer between 1 and 128",
+            })?;
         // ≥ 1, as OpenAI requires; and when both are set they must agree, because engines
         // disagree on which one wins (llama.cpp and vLLM: max_completion_tokens; SGLang:
         // `max_completion_tokens or max_tokens`, so a 0 there falls through to the other)

@@ -1,4 +1,4 @@
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use crate::NodeId;
@@ -64,6 +64,8 @@ type FaultHook = Box<dyn FnOnce(NodeFault) + Send>;
 #[derive(Default)]
 struct SlotInner {
     node: Mutex<Option<NodeId>>,
+    /// The recorded node's context window for the request's model; 0: unknown.
+    context_tokens: AtomicU64,
     /// 0: no fault; else [`NodeFault::to_u8`] of the first one reported.
     fault: AtomicU8,
     on_fault: Mutex<Option<FaultHook>>,
@@ -87,6 +89,21 @@ impl NodeSlot {
     /// Records `node`, replacing any node recorded before.
     pub fn set(&self, node: NodeId) {
         *self.0.node.lock().unwrap_or_else(PoisonError::into_inner) = Some(node);
+    }
+
+    /// Records the context window the recorded node reports for the request's model (`None`:
+    /// unknown), replacing any recorded before: the metering layer caps each choice's
+    /// completion by it, as it caps it by the catalog's (an engine's slot that fills ends the
+    /// choice with `length` before `max_tokens`).
+    pub fn set_context_tokens(&self, tokens: Option<u64>) {
+        self.0
+            .context_tokens
+            .store(tokens.unwrap_or(0), Ordering::Release);
+    }
+
+    /// The context window recorded with [`NodeSlot::set_context_tokens`], if known.
+    pub fn context_tokens(&self) -> Option<u64> {
+        Some(self.0.context_tokens.load(Ordering::Acquire)).filter(|t| *t > 0)
     }
 
     /// The node's answer broke the rules (see the type's docs): the router scores the attempt

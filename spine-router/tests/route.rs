@@ -1013,3 +1013,23 @@ async fn avoided_nodes_are_never_picked_and_a_request_avoiding_all_fails() {
     ));
     assert!(svc.clone().oneshot(req).await.is_err());
 }
+
+#[tokio::test]
+async fn the_slot_carries_the_routed_nodes_context_for_the_model() {
+    // the metering layer caps each choice's completion by the node's own context
+    for context in [Some(2048u64), None] {
+        let r = NodeRegistry::new();
+        let mut node = spine_test_support::node_serving("m", 4);
+        node.models[0].max_context_tokens = context;
+        r.node_ready(&NodeId::new("good"), &node);
+        let svc = RouteLayer::new(r).classify(Arc::new(Words)).layer(upstream(
+            [("good", Script::Ok)].into_iter().collect(),
+            Log::default(),
+        ));
+        let (req, slot) = request_streamed(None, true);
+        let resp = svc.oneshot(req).await.unwrap();
+        drop(resp.into_body().collect().await);
+        assert_eq!(slot.get(), Some(NodeId::new("good")));
+        assert_eq!(slot.context_tokens(), context);
+    }
+}

@@ -780,3 +780,26 @@ fn a_chat_ending_with_the_assistant_is_a_refused_prefill() {
         Ok(())
     );
 }
+
+#[test]
+fn n_is_refused_outside_openais_range() {
+    for n in ["129", "2147483648", "4294967297", "-1"] {
+        let body = format!(r#"{{"model":"m","n":{n}}}"#);
+        let err = RequestPeek::from_json(body.as_bytes()).unwrap_err();
+        assert!(
+            matches!(err, PeekError::InvalidField { field: "n", .. }),
+            "n {n}: {err:?}"
+        );
+    }
+    assert_eq!(
+        RequestPeek::from_json(br#"{"model":"m","n":129}"#),
+        Err(PeekError::InvalidField {
+            field: "n",
+            expected: "an integer between 1 and 128"
+        })
+    );
+    for n in [1, 2, MAX_N] {
+        let body = format!(r#"{{"model":"m","n":{n}}}"#);
+        assert_eq!(RequestPeek::from_json(body.as_bytes()).unwrap().n, n);
+    }
+}

@@ -117,7 +117,7 @@ pub(super) fn billed_usage(
     let mut notes = BillNotes::default();
     let mut completion_tokens = 0u64;
     let mut most_tokens = 0u64;
-    for (i, c) in choices.values().enumerate() {
+    for (i, (&index, c)) in choices.iter().enumerate() {
         let count =
             ctx.choice_completion_counted(&c.delivered, c.finish_reason.as_deref(), completed);
         completion_tokens = completion_tokens.saturating_add(count.tokens);
@@ -154,6 +154,21 @@ pub(super) fn billed_usage(
         if i == 0 && choices.len() > 1 {
             notes.first_choice_completion_tokens = Some(count.tokens);
         }
+        if let (Some(each), Some(claim)) = (&ctx.prompt_tokens_each, claimed) {
+            let prompt = usize::try_from(index / u64::from(ctx.n_per_prompt.max(1)))
+                .ok()
+                .and_then(|p| each.get(p).copied());
+            if let Some(prompt) = prompt {
+                let off = |(p, c): (u64, u64)| {
+                    p.abs_diff(claim.prompt_tokens)
+                        .saturating_add(c.abs_diff(claim.completion_tokens))
+                };
+                let task = (prompt, count.tokens);
+                if notes.nearest_task.is_none_or(|t| off(task) < off(t)) {
+                    notes.nearest_task = Some(task);
+                }
+            }
+        }
         notes.length_unsupported |= count.length_unsupported;
         if completed && c.finish_reason.as_deref() == Some("length") && !count.length_unsupported {
             notes.length_claim_allowance_tokens =
@@ -181,6 +196,18 @@ pub(super) fn billed_usage(
         completion_tokens,
     };
     (usage, notes)
+}
+
+/// Why an answer whose requested choices are `choices` lacks one the caller asked for, if it
+/// does: `completed` needs every requested choice (`index < n`) to finish, and a node that
+/// answers fewer than `n` is at fault.
+pub(super) fn missing_choice(ctx: &SettleCtx, choices: &BTreeMap<u64, Choice>) -> Option<String> {
+    let asked = u64::from(ctx.n);
+    let missing = (0..asked).find(|i| !choices.contains_key(i))?;
+    Some(format!(
+        "the node answered {} of the {asked} choices asked for (choice {missing} is missing)",
+        choices.len()
+    ))
 }
 
 /// Why a streamed choice that delivered `delivered` is past what it may deliver, if it is.
@@ -237,8 +264,8 @@ pub(super) fn over_limit(
 /// Meters a complete non-streamed 2xx response body and settles.
 ///
 /// A usable completion — one JSON object without duplicate members, not an engine error, whose
-/// `choices` is an array of objects with at least one requested choice, every requested choice
-/// with a `finish_reason` and within its token cap — settles `completed` and comes back with
+/// `choices` is an array of objects with every requested choice (`index < n`), each with a
+/// `finish_reason` and within its token cap — settles `completed` and comes back with
 /// `usage` rewritten to the billed counts, choices past `n` removed and (when `strip`) members
 /// outside OpenAI's shape removed. Anything else settles `upstream_failed` (the caller pays
 /// nothing), is reported on `slot` as the node's fault, and is a
@@ -319,6 +346,10 @@ pub(crate) fn meter_json(
     }
     if let Some((index, _)) = choices.iter().find(|(_, c)| c.finish_reason.is_none()) {
         let why = format!("choice {index} has no finish_reason");
+        let (billed, _) = billed_usage(&ctx, &choices, false, claimed.as_ref());
+        return fail(ctx, billed, claimed, why);
+    }
+    if let Some(why) = missing_choice(&ctx, &choices) {
         let (billed, _) = billed_usage(&ctx, &choices, false, claimed.as_ref());
         return fail(ctx, billed, claimed, why);
     }

@@ -287,6 +287,10 @@ impl State {
         let read = match members.get("choices") {
             Some(raw) if raw.get().trim() != "null" => {
                 match read_choices(raw, TextMember::of(self.settings.kind, true)) {
+                    Ok(read) if read.iter().any(|c| !c.indexed) => {
+                        return self
+                            .node_fault("the node sent an invalid chunk: a choice has no index")
+                    }
                     Ok(read) => read,
                     Err(why) => {
                         return self.node_fault(&format!("the node sent an invalid chunk: {why}"))
@@ -323,6 +327,13 @@ impl State {
                 }
             }
             let choice = self.choices.entry(c.index).or_default();
+            if choice.finish_reason.is_some() && !c.generated.is_empty() {
+                // generated after the choice ended: never forwarded nor billed
+                return self.node_fault(&format!(
+                    "the node sent content for choice {} after its finish_reason",
+                    c.index
+                ));
+            }
             // a finish is progress once per choice: a node repeating one it already sent (or
             // sending another) makes none, and is cut at the stall bound like any keep-alive
             if (c.finish_reason.is_some() && choice.finish_reason.is_none())
@@ -455,8 +466,10 @@ impl State {
         if let Some(cut) = over {
             return self.cut(cut);
         }
+        // every requested choice must have come and finished (`index < n`: no other is kept)
         let completed = !self.error_seen
             && !self.choices.is_empty()
+            && super::bill::missing_choice(ctx, &self.choices).is_none()
             && self.choices.values().all(|c| c.finish_reason.is_some());
         let (billed, notes) = billed_usage(ctx, &self.choices, completed, self.claimed.as_ref());
         if completed {

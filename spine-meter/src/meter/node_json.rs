@@ -134,7 +134,11 @@ impl<'a> Members<'a> {
 
 /// One choice of a chunk or completion: where it goes and what it carries.
 pub(crate) struct ChoiceRead {
+    /// The choice's `index`; without one, its position in the array.
     pub(crate) index: u64,
+    /// Whether the node gave the choice an `index` (a stream's choices must carry one: the
+    /// position in a chunk says nothing about which choice it continues).
+    pub(crate) indexed: bool,
     pub(crate) generated: GeneratedText,
     pub(crate) finish_reason: Option<String>,
     /// The choice as the caller gets it: rebuilt from OpenAI's members ([`openai_choice`]).
@@ -354,9 +358,10 @@ pub(crate) fn read_choices(
                 }
             }
             check_text_types(&c)?;
+            let indexed = c.get("index").is_some_and(|v| !v.is_null());
             let index = match c.get("index") {
                 None | Some(Value::Null) => pos as u64,
-                Some(v) => v.as_u64().ok_or("a choice's index is not an integer")?,
+                Some(v) => v.as_u64().ok_or_else(|| index_error(v))?,
             };
             // reasoning in both members must be the same text (vLLM sent both while it moved
             // from one to the other): otherwise one of them is text the caller's client does
@@ -392,6 +397,7 @@ pub(crate) fn read_choices(
             };
             Ok(ChoiceRead {
                 index,
+                indexed,
                 generated,
                 finish_reason,
                 raw,
@@ -411,6 +417,17 @@ pub(crate) fn read_choices(
         }
     }
     Ok(read)
+}
+
+/// Why `v`, a choice's `index` that is not a `u64`, is refused: an integer out of range
+/// (negative, or past `u64`, or written as `1099511627776.0`), or not an integer at all.
+fn index_error(v: &Value) -> &'static str {
+    let integral = v.is_i64() || v.as_f64().is_some_and(|f| f.fract() == 0.0);
+    if integral {
+        "a choice's index is out of range"
+    } else {
+        "a choice's index is not an integer"
+    }
 }
 
 /// `json` as a [`Value`], refusing an object at any depth that names a member twice: the

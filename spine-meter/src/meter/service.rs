@@ -284,8 +284,11 @@ where
         price: entry.price,
         share_bps: config.operator_share_bps,
         prompt_tokens,
+        prompt_tokens_each: (prompts.len() > 1).then(|| prompts.as_slice().into()),
+        n_per_prompt: peek.n,
         n: choices,
         max_completion_tokens_per_choice: per_choice,
+        shortest_prompt_tokens: prompts.iter().copied().min().unwrap_or(0),
         max_tokens: peek.max_tokens,
         sampling_constraint: sampling_constraint(&peek, &json, &*entry.tokenizer),
         stop_hidden_bytes: stop_hidden_bytes(&json),
@@ -354,6 +357,9 @@ where
         if let Some(ctx) = guard.ctx.as_mut() {
             ctx.node = Some(node.clone());
         }
+    }
+    if let (Some(context), Some(ctx)) = (guard.slot.context_tokens(), guard.ctx.as_mut()) {
+        ctx.limit_to_node_context(context);
     }
     if !resp.status().is_success() {
         if let Some(ctx) = guard.take() {

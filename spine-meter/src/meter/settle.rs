@@ -96,11 +96,21 @@ pub(crate) struct SettleCtx {
     pub(crate) price: Price,
     pub(crate) share_bps: u16,
     pub(crate) prompt_tokens: u64,
+    /// With more than one prompt (`/v1/completions`): each prompt's tokens, in order. llama.cpp
+    /// generates each (prompt, choice) as a task of its own and its `usage` is one task's alone
+    /// (non-streamed: the first, prompt 0 / choice 0, whose answer gets the others' choices
+    /// appended; streamed: every task's final chunk carries its own, the latest wins), so a
+    /// claim matching one task's prompt and choice is not a discrepancy.
+    pub(crate) prompt_tokens_each: Option<Arc<[u64]>>,
+    /// Choices asked for per prompt (`n`); choice `i` answers prompt `i / n_per_prompt`.
+    pub(crate) n_per_prompt: u32,
     /// Choices the caller asked for (`n`): choice indexes `>= n` are never billed.
     pub(crate) n: u32,
     /// Most completion tokens billed per choice: `max(1, min(max_tokens, context − prompt))`,
     /// the per-choice part of the hold.
     pub(crate) max_completion_tokens_per_choice: u64,
+    /// The shortest prompt's tokens (the one with the most room for a completion).
+    pub(crate) shortest_prompt_tokens: u64,
     /// The request's own `max_tokens` / `max_completion_tokens`, when it set one (the `length`
     /// rule applies only then).
     pub(crate) max_tokens: Option<u64>,
@@ -210,6 +220,9 @@ pub(crate) struct BillNotes {
     /// llama.cpp's `usage` for `n > 1` is the first choice's alone (measured; its server copies
     /// the first result's usage), so a claim matching it is not a discrepancy either.
     pub(crate) first_choice_completion_tokens: Option<u64>,
+    /// With several prompts and a claim: the (prompt, billed completion) tokens of the one
+    /// (prompt, choice) task nearest to the claim (see [`SettleCtx::prompt_tokens_each`]).
+    pub(crate) nearest_task: Option<(u64, u64)>,
     /// Tokens a node may claim above the bill for `length` finishes whose text has the bytes
     /// to be `max_tokens` tokens (summed `cap − billed` of such choices): the bill follows the
     /// text, but a claim of `max_tokens` is then not a lie worth flagging.
@@ -228,6 +241,19 @@ impl SettleCtx {
             self.ttft_ms =
                 Some(u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX));
         }
+    }
+
+    /// Caps each choice's completion by the routed node's context window for the model
+    /// ([`spine_core::NodeSlot::context_tokens`]), as admission capped it by the catalog's:
+    /// `max(1, min(L, context − shortest prompt))`. Only ever lowers the cap (the hold stays).
+    pub(crate) fn limit_to_node_context(&mut self, context_tokens: u64) {
+        if self.max_completion_tokens_per_choice == 0 {
+            return; // embeddings
+        }
+        let room = context_tokens
+            .saturating_sub(self.shortest_prompt_tokens)
+            .max(1);
+        self.max_completion_tokens_per_choice = self.max_completion_tokens_per_choice.min(room);
     }
 
     /// Whether choice `index` is one the caller asked for (`index < n`).
@@ -324,15 +350,24 @@ impl SettleCtx {
                             self.tolerance_bps,
                         )
                     };
-                    beyond(
-                        c.prompt_tokens,
-                        billed.prompt_tokens,
-                        self.tolerance_tokens,
-                        self.tolerance_bps,
-                    ) || (completion_off(billed.completion_tokens)
-                        && notes
-                            .first_choice_completion_tokens
-                            .is_none_or(completion_off))
+                    let prompt_off = |billed_prompt: u64| {
+                        beyond(
+                            c.prompt_tokens,
+                            billed_prompt,
+                            self.tolerance_tokens,
+                            self.tolerance_bps,
+                        )
+                    };
+                    let first_choice_off = notes
+                        .first_choice_completion_tokens
+                        .is_none_or(completion_off);
+                    // several prompts: llama.cpp's usage is one (prompt, choice) task's
+                    let one_task_matches = notes.nearest_task.is_some_and(|(p, completion)| {
+                        !prompt_off(p) && !completion_off(completion)
+                    });
+                    !one_task_matches
+                        && (prompt_off(billed.prompt_tokens)
+                            || (completion_off(billed.completion_tokens) && first_choice_off))
                 }));
         if discrepancy {
             self.events.on_discrepancy(&DiscrepancyReport {

@@ -1959,6 +1959,7 @@ async fn an_invalid_embeddings_answer_is_the_nodes_fault_and_free() {
 }
 
 mod answer;
+mod choices;
 mod surface;
 
 /// An audit tap that audits `smollm2` on its nodes' own logprobs.

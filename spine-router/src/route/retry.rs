@@ -185,6 +185,12 @@ where
         tracing::debug!(node = %node, attempt, sticky = pick.sticky.as_str(), "routed");
         if let Some(slot) = parts.extensions.get::<NodeSlot>() {
             slot.set(node.clone());
+            // the node's own context for the model: the metering layer caps completions by it
+            slot.set_context_tokens(
+                registry
+                    .descriptor(&node)
+                    .and_then(|d| d.model(&peek.model).and_then(|m| m.max_context_tokens)),
+            );
         }
         let mut req = http::Request::new(BoxBody::new(
             Full::new(body_bytes.clone()).map_err(|never| match never {}),

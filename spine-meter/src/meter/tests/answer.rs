@@ -5,7 +5,7 @@ use super::*;
 
 /// Asserts that the metered answer `res` was refused as the node's fault
 /// ([`MeterError::UpstreamInvalid`]) and settled `upstream_failed` with nothing debited.
-async fn assert_free_node_fault(
+pub(super) async fn assert_free_node_fault(
     h: &mut Harness,
     res: Result<http::Response<BoxBody>, BoxError>,
     what: &str,
