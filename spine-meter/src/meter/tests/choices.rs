@@ -130,33 +130,37 @@ async fn n_past_openais_bound_is_refused_before_any_node_and_any_hold() {
 #[tokio::test]
 async fn a_node_answering_fewer_choices_than_n_is_at_fault() {
     // non-streamed: n = 3, one choice back
-    let mut h = harness().await;
     let mut body = chat(false, None);
     body["n"] = json!(3);
-    let answer = json!({"id":"c","object":"chat.completion","created":1,"model":"smollm2",
+    let json_answer_is_a_free_node_fault = |answer: Value, what: &'static str| {
+        let body = body.clone();
+        async move {
+            let mut h = harness().await;
+            let svc = h.service(
+                200,
+                "application/json",
+                vec![serde_json::to_vec(&answer).unwrap().into()],
+                End::Eof,
+            );
+            let res = svc.oneshot(request(&what.replace(' ', "-"), &body)).await;
+            super::answer::assert_free_node_fault(&mut h, res, what).await;
+        }
+    };
+    json_answer_is_a_free_node_fault(
+        json!({"id":"c","object":"chat.completion","created":1,"model":"smollm2",
         "choices":[{"index":0,"finish_reason":"stop","message":{"role":"assistant","content":"Red"}}],
-        "usage":{"prompt_tokens":34,"completion_tokens":2,"total_tokens":36}});
-    let svc = h.service(
-        200,
-        "application/json",
-        vec![serde_json::to_vec(&answer).unwrap().into()],
-        End::Eof,
-    );
-    let res = svc.oneshot(request("fewer", &body)).await;
-    super::answer::assert_free_node_fault(&mut h, res, "one of three choices").await;
+        "usage":{"prompt_tokens":34,"completion_tokens":2,"total_tokens":36}}),
+        "one of three choices",
+    )
+    .await;
     // choices 0 and 2 of three: the missing one in the middle counts too
-    let mut h = harness().await;
-    let answer = json!({"id":"c","object":"chat.completion","choices":[
+    json_answer_is_a_free_node_fault(
+        json!({"id":"c","object":"chat.completion","choices":[
         {"index":0,"finish_reason":"stop","message":{"role":"assistant","content":"Red"}},
-        {"index":2,"finish_reason":"stop","message":{"role":"assistant","content":"Blue"}}]});
-    let svc = h.service(
-        200,
-        "application/json",
-        vec![serde_json::to_vec(&answer).unwrap().into()],
-        End::Eof,
-    );
-    let res = svc.oneshot(request("gap", &body)).await;
-    super::answer::assert_free_node_fault(&mut h, res, "choices 0 and 2 of three").await;
+        {"index":2,"finish_reason":"stop","message":{"role":"assistant","content":"Blue"}}]}),
+        "choices 0 and 2 of three",
+    )
+    .await;
 
     // streamed: one choice of three finishes, then [DONE]
     let mut h = harness().await;
