@@ -87,13 +87,13 @@ pub(super) enum Cut {
 /// generated the text as more tokens than its canonical tokenization, so the count above is
 /// only a lower bound. The most tokens a choice's text can have been:
 ///
-/// - a constraint that pins only known texts ([`SamplingConstraint::Pinned`]: JSON mode, a
-///   schema of plain keywords, a `logit_bias` on tokens whose texts are known):
-///   [`natural_most`]`(count)` plus, for each pinned text the choice delivered, its bytes + 3
-///   ([`PinnedCount::allowance`]), at most the byte bound below; a completed answer under a
-///   grammar also [`GRAMMAR_HIDDEN_TOKENS`];
-/// - a constraint that can pin any text ([`SamplingConstraint::Text`]: a text the grammar pins
-///   is spelled in pieces the model would never choose) and token-level constraints the meter
+/// - a `logit_bias` on normal tokens whose texts are known, no grammar
+///   ([`SamplingConstraint::Pinned`]): [`natural_most`]`(count)` plus, for each occurrence of a
+///   biased token's text the choice delivered, its bytes + 3 ([`PinnedCount::allowance`]), at
+///   most the byte bound below;
+/// - a grammar on the text ([`SamplingConstraint::Text`]: a text the grammar pins is spelled
+///   in pieces the model would never choose, and JSON's structure is spelled in more tokens
+///   than its canonical count even when nothing is pinned) and token-level constraints the meter
 ///   cannot read ([`SamplingConstraint::Tokens`]: a caller that bans every multi-character
 ///   token gets a text spelled one character per token): one per byte, plus the EOS and a
 ///   held-back UTF-8 tail; a completed answer under a grammar also [`GRAMMAR_HIDDEN_TOKENS`]
@@ -125,20 +125,13 @@ pub(super) fn billed_usage(
             .delivered
             .len_bytes()
             .saturating_add(crate::tokenizer::MAX_HELD_BACK_BYTES + 1);
-        let hidden = |grammar: bool| {
-            if grammar && completed {
-                GRAMMAR_HIDDEN_TOKENS
-            } else {
-                0
-            }
-        };
         let most = match &ctx.sampling_constraint {
             SamplingConstraint::None => count.tokens,
-            SamplingConstraint::Pinned(pinned) => natural_most(count.tokens)
+            SamplingConstraint::Pinned(_) => natural_most(count.tokens)
                 .saturating_add(c.pinned.allowance(&ctx.sampling_constraint))
-                .min(by_bytes)
-                .saturating_add(hidden(pinned.grammar)),
-            SamplingConstraint::Text => by_bytes.saturating_add(hidden(true)),
+                .min(by_bytes),
+            SamplingConstraint::Text if completed => by_bytes.saturating_add(GRAMMAR_HIDDEN_TOKENS),
+            SamplingConstraint::Text => by_bytes,
             SamplingConstraint::Tokens => by_bytes,
         }
         // a matched stop string (or a partial match held back at `length`): generated, counted

@@ -19,18 +19,23 @@ pub(crate) enum SamplingConstraint {
     /// Nothing constrains which tokens spell the text: the independent count is the bill.
     #[default]
     None,
-    /// A constraint that can pin only known texts ([`Pinned`]): JSON mode, a JSON schema of
-    /// keywords that pin no free text, a `logit_bias` on tokens whose texts are known. An
-    /// honest engine's natural answer is at most [`natural_most`] tokens; each pinned text
-    /// it delivered may have been spelled in up to its bytes + 3 tokens more.
+    /// A `logit_bias` on at most [`MAX_PINNED_TEXTS`] normal tokens whose texts are known
+    /// ([`Pinned`]), and no grammar. An honest engine's natural answer is at most
+    /// [`natural_most`] tokens; each occurrence of a biased token's text it delivered may have
+    /// been spelled in up to its bytes + 3 tokens more.
     Pinned(Arc<Pinned>),
-    /// A grammar that can pin any text (GBNF `grammar`, a schema with `pattern` or any
-    /// keyword off [`SCHEMA_KEYWORDS`], `regex`, `ebnf`, `guided_*`, `structured_outputs`).
-    /// A pinned text is spelled in pieces the model would never choose (measured on
-    /// llama.cpp: 204 tokens generated for a 272-byte `const` that counts 62; GBNF
-    /// `root ::= [ ]+` 100 for a text counting 4), so a text can have been up to one token per
-    /// byte, as under [`SamplingConstraint::Tokens`]; and llama.cpp's JSON answer drops what
-    /// its response-format parser matched around the JSON (up to [`GRAMMAR_HIDDEN_TOKENS`]).
+    /// A grammar on the text: GBNF `grammar`, `response_format` other than `text` (JSON mode
+    /// and every `json_schema`), llama.cpp's `json_schema`, Ollama's `format`, `regex`, `ebnf`,
+    /// `guided_*`, `structured_outputs`. A text the grammar pins is spelled in pieces the
+    /// model would never choose (measured on llama.cpp: 204 tokens generated for a 272-byte
+    /// `const` that counts 62; GBNF `root ::= [ ]+` 100 for a text counting 4), and even a
+    /// grammar that pins no text spells JSON's structure in more tokens than its canonical
+    /// count (measured 2026-12-04: a schema of an array of 200 booleans, 915 tokens generated
+    /// for a 1,402-byte text that `count + count / 8 + 16` bounded at 620; a `json_object`
+    /// answer of `null`s, 2,000 generated, bounded at 1,634). So a text can have been up to
+    /// one token per byte, as under [`SamplingConstraint::Tokens`]; and llama.cpp's JSON
+    /// answer drops what its response-format parser matched around the JSON (up to
+    /// [`GRAMMAR_HIDDEN_TOKENS`]).
     Text,
     /// Token-level constraints the meter cannot read: vLLM's `allowed_token_ids`, a
     /// `logit_bias` of more than [`MAX_PINNED_TEXTS`] entries or on a token whose text the
@@ -48,12 +53,8 @@ impl SamplingConstraint {
 /// The texts a [`SamplingConstraint::Pinned`] request can pin.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub(crate) struct Pinned {
-    /// The pinned texts (deduplicated, none empty): property names, string `const` / `enum`
-    /// values as they appear in JSON text, biased tokens' texts.
+    /// The biased tokens' texts (deduplicated, none empty).
     pub(crate) texts: Box<[Box<str>]>,
-    /// A grammar on the text (JSON mode or a schema): a completed answer may also have
-    /// generated [`GRAMMAR_HIDDEN_TOKENS`] the response-format parser took out.
-    pub(crate) grammar: bool,
 }
 
 /// Per choice, the tokens an engine may generate under a grammar beyond the text it delivers:
@@ -64,7 +65,7 @@ pub(crate) struct Pinned {
 /// schema delivered `"   "` (5 bytes) for 25 tokens generated, 21 of them trailing white space.
 pub(crate) const GRAMMAR_HIDDEN_TOKENS: u64 = 76;
 
-/// Most pinned texts one request may name (`logit_bias` entries, schema literals): past it
+/// Most pinned texts one request may name (`logit_bias` entries): past it
 /// the byte bound applies. Keeps the occurrence count bounded (each delivered byte is looked
 /// at once per text).
 pub(crate) const MAX_PINNED_TEXTS: usize = 256;
@@ -85,37 +86,16 @@ pub(crate) fn natural_most(count: u64) -> u64 {
     count.saturating_add(count / 8).saturating_add(16)
 }
 
-/// JSON-schema keywords that pin no free text: a schema using only these (and `properties`'
-/// names, `const` / `enum` values, which are collected as pinned texts) is
-/// [`SamplingConstraint::Pinned`]. Any other keyword (`pattern`, `format`, `minLength`,
-/// `minimum`, `anyOf`, `$ref`, `patternProperties`, ...) makes it [`SamplingConstraint::Text`].
-pub(crate) const SCHEMA_KEYWORDS: [&str; 12] = [
-    "type",
-    "properties",
-    "required",
-    "items",
-    "additionalProperties",
-    "description",
-    "title",
-    "enum",
-    "const",
-    "minItems",
-    "maxItems",
-    "$schema",
-];
-
 /// How the request constrains sampling ([`SamplingConstraint`]), from the peek
 /// ([`RequestPeek::tokenization_constrained`]) and the body:
 ///
 /// - a `logit_bias` that only biases special tokens (EOS banned, the usual use) does not
 ///   count; one on normal tokens pins their texts when the counter knows each
 ///   ([`TokenCounter::token_text`]) and there are at most [`MAX_PINNED_TEXTS`];
-/// - `response_format` `json_object` pins no text; `json_schema` (OpenAI's wrapper with
-///   `name`, `strict`, `description`, `schema`), llama.cpp's `json_schema` and Ollama's
-///   `format` (`"json"` or a schema) pin the literals of a schema of [`SCHEMA_KEYWORDS`];
-/// - anything else the peek marks (`allowed_token_ids`, `grammar`, `regex`, a schema with
-///   another keyword) falls back to the byte bound: [`SamplingConstraint::Text`] when a
-///   grammar is set, else [`SamplingConstraint::Tokens`].
+/// - any grammar on the text (JSON mode and schemas included) is [`SamplingConstraint::Text`],
+///   whatever else the request sets;
+/// - `allowed_token_ids`, or a `logit_bias` the meter cannot read, is
+///   [`SamplingConstraint::Tokens`].
 pub(crate) fn sampling_constraint(
     peek: &RequestPeek,
     json: &Value,
@@ -152,131 +132,21 @@ pub(crate) fn sampling_constraint(
                 Some(Err(())) => (token_level, readable) = (true, false),
                 None => {}
             },
-            "response_format" => match v.get("type").and_then(Value::as_str) {
-                Some("text") => {}
-                _ => {
-                    grammar = true;
-                    readable &= response_format_texts(v, &mut texts);
-                }
-            },
-            "json_schema" => {
-                grammar = true;
-                readable &= schema_texts(v, 0, &mut texts);
-            }
-            "format" => {
-                grammar = true;
-                readable &= v.as_str() == Some("json") || schema_texts(v, 0, &mut texts);
-            }
+            // a grammar, JSON mode and plain schemas included: see `SamplingConstraint::Text`
+            "response_format" if v.get("type").and_then(Value::as_str) == Some("text") => {}
             "allowed_token_ids" => (token_level, readable) = (true, false),
-            _ => (grammar, readable) = (true, false),
+            _ => grammar = true,
         }
     }
     let bytes: usize = texts.iter().map(|t| t.len()).sum();
     readable &= texts.len() <= MAX_PINNED_TEXTS && bytes <= MAX_PINNED_BYTES;
-    match (readable, grammar, token_level) {
-        (_, false, false) => SamplingConstraint::None,
-        (true, grammar, _) => SamplingConstraint::Pinned(Arc::new(Pinned {
+    match (grammar, token_level, readable) {
+        (true, _, _) => SamplingConstraint::Text,
+        (false, false, _) => SamplingConstraint::None,
+        (false, true, true) => SamplingConstraint::Pinned(Arc::new(Pinned {
             texts: texts.into_iter().collect(),
-            grammar,
         })),
-        (false, true, _) => SamplingConstraint::Text,
-        (false, false, true) => SamplingConstraint::Tokens,
-    }
-}
-
-/// Collects the texts an OpenAI `response_format` pins; `false` when it may pin others.
-fn response_format_texts(v: &Value, texts: &mut BTreeSet<Box<str>>) -> bool {
-    let Some(members) = v.as_object() else {
-        return false;
-    };
-    match members.get("type").and_then(Value::as_str) {
-        // llama.cpp reads a `schema` beside `json_object` too
-        Some("json_object") => members.iter().all(|(k, s)| match k.as_str() {
-            "type" => true,
-            "schema" => schema_texts(s, 0, texts),
-            _ => false,
-        }),
-        Some("json_schema") => {
-            let Some(wrapper) = members
-                .iter()
-                .all(|(k, _)| matches!(k.as_str(), "type" | "json_schema"))
-                .then(|| members.get("json_schema").and_then(Value::as_object))
-                .flatten()
-            else {
-                return false;
-            };
-            wrapper.contains_key("schema")
-                && wrapper.iter().all(|(k, s)| match k.as_str() {
-                    "name" | "strict" | "description" => true,
-                    "schema" => schema_texts(s, 0, texts),
-                    _ => false,
-                })
-        }
-        _ => false,
-    }
-}
-
-/// Collects the texts a JSON schema pins (property names, `const` and `enum` values, as they
-/// appear in JSON text); `false` when it uses a keyword off [`SCHEMA_KEYWORDS`], nests deeper
-/// than 32, or pins a value other than a string, number, boolean or `null`.
-fn schema_texts(schema: &Value, depth: usize, texts: &mut BTreeSet<Box<str>>) -> bool {
-    let Some(members) = schema.as_object() else {
-        // `true` / `false` schemas (any value, none)
-        return schema.is_boolean();
-    };
-    if depth > 32 || texts.len() > MAX_PINNED_TEXTS {
-        return false;
-    }
-    members
-        .iter()
-        .all(|(k, v)| SCHEMA_KEYWORDS.contains(&k.as_str()) && schema_member(k, v, depth, texts))
-}
-
-/// A `const` or `enum` value: pinned as its JSON text when a string, number, boolean or
-/// `null`; `false` for an object or array.
-fn pin_literal(v: &Value, texts: &mut BTreeSet<Box<str>>) -> bool {
-    match v {
-        Value::String(s) => {
-            pin_string(s, texts);
-            true
-        }
-        Value::Number(_) | Value::Bool(_) | Value::Null => {
-            texts.insert(v.to_string().into_boxed_str());
-            true
-        }
-        _ => false,
-    }
-}
-
-/// One member of a schema, its key one of [`SCHEMA_KEYWORDS`] ([`schema_texts`]).
-fn schema_member(k: &str, v: &Value, depth: usize, texts: &mut BTreeSet<Box<str>>) -> bool {
-    match k {
-        "required" => v.is_array(),
-        "additionalProperties" => v.is_boolean(),
-        "properties" => v.as_object().is_some_and(|props| {
-            props.iter().all(|(name, s)| {
-                pin_string(name, texts);
-                schema_texts(s, depth + 1, texts)
-            })
-        }),
-        "items" => v.is_object() && schema_texts(v, depth + 1, texts),
-        "const" => pin_literal(v, texts),
-        "enum" => v
-            .as_array()
-            .is_some_and(|vs| vs.iter().all(|v| pin_literal(v, texts))),
-        // `type`, `description`, `title`, `$schema`, `minItems`, `maxItems`
-        _ => true,
-    }
-}
-
-/// A pinned string as the text may show it: JSON-escaped (as in a JSON answer), and as is.
-fn pin_string(s: &str, texts: &mut BTreeSet<Box<str>>) {
-    let escaped = Value::from(s).to_string();
-    let escaped = &escaped[1..escaped.len() - 1];
-    for t in [escaped, s] {
-        if !t.is_empty() {
-            texts.insert(t.into());
-        }
+        (false, true, false) => SamplingConstraint::Tokens,
     }
 }
 
@@ -387,7 +257,6 @@ mod tests {
     fn count(texts: &[&str], chunks: &[&str]) -> u64 {
         let constraint = SamplingConstraint::Pinned(Arc::new(Pinned {
             texts: texts.iter().map(|t| Box::from(*t)).collect(),
-            grammar: false,
         }));
         let mut c = PinnedCount::default();
         for chunk in chunks {
@@ -447,10 +316,9 @@ mod tests {
         sampling_constraint(&peek, &body, &Ids)
     }
 
-    fn pinned(texts: &[&str], grammar: bool) -> SamplingConstraint {
+    fn pinned(texts: &[&str]) -> SamplingConstraint {
         SamplingConstraint::Pinned(Arc::new(Pinned {
             texts: texts.iter().map(|t| Box::from(*t)).collect(),
-            grammar,
         }))
     }
 
@@ -466,51 +334,23 @@ mod tests {
             of(json!({"logit_bias":{"2":-100}})),
             SamplingConstraint::None
         );
-        assert_eq!(
-            of(json!({"response_format":{"type":"json_object"}})),
-            pinned(&[], true)
-        );
-        assert_eq!(of(json!({"format":"json"})), pinned(&[], true));
-        assert_eq!(
-            of(json!({"logit_bias":{"7":-1,"2":-100}})),
-            pinned(&["t7"], false)
-        );
-        assert_eq!(
-            of(json!({"logit_bias":{"7":-1},"response_format":{"type":"json_object"}})),
-            pinned(&["t7"], true)
-        );
-        let schema = json!({"type":"object","properties":{"a\"b":{"enum":["x\ny", 3, null]},
-            "c":{"type":"array","items":{"const":true},"minItems":2}},"required":["c"],
-            "additionalProperties":false,"title":"T","$schema":"s"});
-        let texts = ["3", "a\"b", "a\\\"b", "c", "null", "true", "x\ny", "x\\ny"];
-        assert_eq!(
-            of(json!({"response_format":{"type":"json_schema",
-                "json_schema":{"name":"n","strict":true,"schema":schema}}})),
-            pinned(&texts, true)
-        );
-        assert_eq!(of(json!({"json_schema": schema})), pinned(&texts, true));
-        assert_eq!(of(json!({"format": schema})), pinned(&texts, true));
-        for schema in [
-            json!({"type":"string","pattern":"^a+$"}),
-            json!({"type":"object","properties":{"a":{"type":"string","format":"date"}}}),
-            json!({"anyOf":[{"const":"a"}]}),
-            json!({"type":"object","additionalProperties":{"type":"string"}}),
-            json!({"const":{"a":"b"}}),
-            json!({"$ref":"#/$defs/a","$defs":{"a":{"type":"string"}}}),
-            json!({"type":"string","minLength":3}),
-            json!({"enum": (0..300).map(|i| format!("v{i}")).collect::<Vec<_>>()}),
-            json!({"const": "x".repeat(17 * 1024)}),
+        assert_eq!(of(json!({"logit_bias":{"7":-1,"2":-100}})), pinned(&["t7"]));
+        // every grammar on the text is `Text`, JSON mode and plain schemas included, with or
+        // without a logit_bias beside it
+        let schema = json!({"type":"object","properties":{"a":{"type":"array",
+            "items":{"type":"boolean"},"minItems":200}},"required":["a"]});
+        for grammar in [
+            json!({"response_format":{"type":"json_object"}}),
+            json!({"response_format":{"type":"json_object"},"logit_bias":{"7":-1}}),
+            json!({"format":"json"}),
+            json!({"format": schema}),
+            json!({"json_schema": schema}),
+            json!({"response_format":{"type":"json_schema",
+                "json_schema":{"name":"n","strict":true,"schema":schema}}}),
+            json!({"json_schema":{"type":"string","pattern":"^a+$"}}),
         ] {
-            assert_eq!(
-                of(json!({"json_schema": schema})),
-                SamplingConstraint::Text,
-                "{schema}"
-            );
+            assert_eq!(of(grammar.clone()), SamplingConstraint::Text, "{grammar}");
         }
-        assert_eq!(
-            of(json!({"response_format":{"type":"json_schema","json_schema":{"name":"n"}}})),
-            SamplingConstraint::Text
-        );
         assert_eq!(
             of(json!({"grammar":"root ::= \"a\""})),
             SamplingConstraint::Text

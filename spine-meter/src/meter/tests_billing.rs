@@ -580,13 +580,14 @@ async fn billed_for(req: &Value, content: &str, claimed: u64) -> (u64, bool) {
     (st.billed.completion_tokens, flagged)
 }
 
-/// Under a grammar (JSON mode) an honest engine may spell its text in a few more tokens than
-/// the canonical count (measured on llama.cpp: up to +9 on natural `json_object` answers,
-/// +18 on `json_schema` ones), and llama.cpp's JSON answer drops up to 76 bytes of white space
-/// and fence around the JSON: JSON mode pins no text, so the node's claim is billed within
-/// `count + count / 8 + 16` plus those 76; a claim padded past that is billed at the bound and
-/// flagged. A `logit_bias` on a normal token bounds it the same way plus the occurrences of
-/// the token's text (bytes + 3 each).
+/// Under a grammar (JSON mode) an honest engine may spell its text in more tokens than the
+/// canonical count (measured on llama.cpp: up to +9 on natural `json_object` answers, 915 for
+/// an array of booleans counting far fewer, 204 for a pinned 272-byte text that counts 62), and
+/// llama.cpp's JSON answer drops up to 76 bytes of white space and fence around the JSON: the
+/// node's claim is billed within one token per byte plus the EOS, a held-back tail and those
+/// 76; a claim padded past that is billed at the bound and flagged. A `logit_bias` on a normal
+/// token (no grammar) bounds it by `count + count / 8 + 16` plus the occurrences of the
+/// token's text (bytes + 3 each).
 #[tokio::test]
 async fn a_grammar_bills_the_claim_within_the_measured_allowance() {
     let content = r#"{"name": "Tom", "colors": ["red", "green", "blue"], "count": 3}"#;
@@ -608,14 +609,11 @@ async fn a_grammar_bills_the_claim_within_the_measured_allowance() {
         (count + 10, false)
     );
     assert_eq!(billed_for(&json_mode, content, most).await, (most, false));
-    assert_eq!(
-        billed_for(&json_mode, content, most + 76).await,
-        (most + 76, false)
-    );
     // a padded claim: billed at the bound, flagged
+    let grammar_bound = content.len() as u64 + 4 + 76;
     assert_eq!(
         billed_for(&json_mode, content, 400).await,
-        (most + 76, true)
+        (grammar_bound, true)
     );
     // a claim below the count: the count
     assert_eq!(billed_for(&json_mode, content, 1).await.0, count);
@@ -706,30 +704,43 @@ async fn a_stop_string_bills_the_claim_within_its_bytes() {
 }
 
 /// A JSON answer of 301 bytes, like the one a hostile node behind the real agent answered on
-/// llama.cpp (305 bytes counting 69, claimed 382 and billed 382, unflagged, under JSON mode or
-/// a negligible `logit_bias`): the claim padded to the byte bound. JSON mode pins no text: the
-/// claim is billed at `count + count / 8 + 16 + 76` and flagged.
+/// llama.cpp (305 bytes counting 69, claimed 382 and billed 382, unflagged, under a negligible
+/// `logit_bias`).
 const PADDED_JSON: &str = r#"{"city": "Paris", "country": "France", "population": 2102650, "landmarks": ["Eiffel Tower", "Louvre Museum", "Notre-Dame Cathedral", "Arc de Triomphe"], "description": "Paris is the capital of France, known for its art, fashion, gastronomy and culture.", "founded": "3rd century BC", "river": "Seine"}"#;
 
+/// JSON's structure, pinned by no literal, is spelled in more tokens than its canonical count:
+/// measured 2026-12-04 on the real llama.cpp behind the real agent, a schema of an array of
+/// 200 booleans (`minItems` 200, default temperature) generated 915 tokens for 1,402 bytes of
+/// `false, false, …`, which `count + count / 8 + 16` had billed at 620 and flagged (295 free
+/// tokens for the caller, an honest node accused). Under a grammar, JSON mode and plain
+/// schemas included, the honest claim is billed within the byte bound, unflagged.
 #[tokio::test]
-async fn a_json_mode_padding_claim_is_billed_at_the_json_bound_and_flagged() {
-    let (count, _) = billed_for(&chat(Some(800), false), PADDED_JSON, 0).await;
-    let most = count + count / 8 + 16 + 76;
-    let padded = PADDED_JSON.len() as u64 + 4 + 76;
-    assert!(most < padded, "{most} {padded}");
-    eprintln!("count {count}, JSON-mode bound {most}, byte bound {padded}");
-    let mut req = chat(Some(800), false);
-    req["response_format"] = json!({"type": "json_object"});
-    assert_eq!(billed_for(&req, PADDED_JSON, padded).await, (most, true));
-    // Ollama's `format: "json"` and llama.cpp's `json_schema` with no pinned text: the same
-    let mut req = chat(Some(800), false);
-    req["format"] = json!("json");
-    assert_eq!(billed_for(&req, PADDED_JSON, padded).await, (most, true));
-    // an honest engine's natural answer (measured: +9 on 270) is billed as claimed
-    assert_eq!(
-        billed_for(&req, PADDED_JSON, count + 9).await,
-        (count + 9, false)
+async fn json_modes_structure_is_billed_as_the_engine_generated_it() {
+    let answer = format!("{{\"a\": [{}]}}", ["false"; 200].join(", "));
+    let (count, _) = billed_for(&chat(Some(2000), false), &answer, 0).await;
+    let claim = answer.len() as u64 * 2 / 3;
+    assert!(
+        claim > count + count / 8 + 16 + 76,
+        "{claim} {count}: the claim must lie past the allowance for a count"
     );
+    let schema = json!({"type":"object","properties":{"a":{"type":"array",
+        "items":{"type":"boolean"},"minItems":200}},"required":["a"]});
+    for constraint in [
+        json!({"response_format": {"type": "json_object"}}),
+        json!({"response_format": {"type":"json_schema","json_schema":{"name":"b","schema":schema}}}),
+        json!({"json_schema": schema}),
+        json!({"format": schema}),
+    ] {
+        let mut req = chat(Some(2000), false);
+        for (k, v) in constraint.as_object().unwrap() {
+            req[k] = v.clone();
+        }
+        assert_eq!(
+            billed_for(&req, &answer, claim).await,
+            (claim, false),
+            "{constraint}"
+        );
+    }
 }
 
 /// A negligible `logit_bias` (`{"1234": -1}`) bounds the claim by the natural allowance plus
@@ -761,37 +772,6 @@ async fn a_bias_on_a_one_letter_token_bills_the_tokens_generated() {
     let mut req = chat(Some(400), false);
     req["logit_bias"] = json!({ e.to_string(): 100 });
     assert_eq!(billed_for(&req, &text, 400).await, (400, false));
-}
-
-/// A schema of keywords that pin no free text pins its property names and `const` / `enum`
-/// values: each occurrence in the answer may cost its bytes + 3 more tokens. Measured on
-/// llama.cpp (T = 0): a `const` of 272 bytes counting 62 generated 204 tokens; an array of 12
-/// `const` `"Paris is nice."` 130 for a text counting 66. Both billed as claimed; a padded
-/// claim is billed at the bound and flagged.
-#[tokio::test]
-async fn a_schema_pinning_its_text_bills_the_honest_claim() {
-    let fox = "The quick brown fox jumps over the lazy dog. ".repeat(6);
-    let note =
-        "Foxes are small omnivorous mammals with a narrow snout and a bushy tail. ".repeat(5);
-    let answer = format!(r#"{{"motto": "{fox}", "note": "{note}"}}"#);
-    let (count, _) = billed_for(&chat(Some(800), false), &answer, 0).await;
-    let mut req = chat(Some(800), false);
-    req["response_format"] = json!({"type":"json_schema","json_schema":{"name":"m","strict":true,
-        "schema":{"type":"object","properties":{"motto":{"type":"string","const":fox},
-                  "note":{"type":"string"}},
-                  "required":["motto","note"],"additionalProperties":false}}});
-    // the measured excess of the `const` alone (204 − 62), plus a natural answer's
-    let honest = count + 142 + 18;
-    assert_eq!(billed_for(&req, &answer, honest).await, (honest, false));
-    let most = count + count / 8 + 16 + (fox.len() as u64 + 3) + (5 + 3) + (4 + 3) + 76;
-    assert!(most < answer.len() as u64 + 4 + 76);
-    assert_eq!(billed_for(&req, &answer, 1000).await, (most, true));
-
-    let paris = format!("[{}]", [r#""Paris is nice.""#; 12].join(", "));
-    let mut req = chat(Some(800), false);
-    req["json_schema"] = json!({"type":"array","items":{"const":"Paris is nice."},
-        "minItems":12,"maxItems":12});
-    assert_eq!(billed_for(&req, &paris, 130).await, (130, false));
 }
 
 /// A schema with a keyword that can pin any text (`pattern`, `format`, `anyOf`, ...) keeps
