@@ -25,6 +25,13 @@ fn cmpl_choice(index: u64, text: &str, finish: Option<&str>) -> Value {
     json!({"text":text,"index":index,"logprobs":null,"finish_reason":finish})
 }
 
+/// A streamed chat (`n` 1) answered with `stream` as the node's whole body: what the caller got.
+async fn streamed_chat(h: &mut Harness, id: &str, stream: String) -> String {
+    let svc = h.service(200, "text/event-stream", vec![stream.into()], End::Eof);
+    let resp = svc.oneshot(request(id, &chat(true, None))).await.unwrap();
+    String::from_utf8(frames(resp.into_body()).await.concat().to_vec()).unwrap()
+}
+
 #[tokio::test]
 async fn a_claim_for_the_first_prompt_of_several_is_not_a_discrepancy() {
     // non-streamed, as llama.cpp answers several prompts (server-context.cpp: the first task's
@@ -204,12 +211,7 @@ async fn content_after_a_choices_finish_is_the_nodes_fault_never_forwarded_or_bi
             "data: [DONE]\n\n".to_owned(),
         ]
         .concat();
-        let svc = h.service(200, "text/event-stream", vec![stream.into()], End::Eof);
-        let resp = svc
-            .oneshot(request("late", &chat(true, None)))
-            .await
-            .unwrap();
-        let got = String::from_utf8(frames(resp.into_body()).await.concat().to_vec()).unwrap();
+        let got = streamed_chat(&mut h, "late", stream).await;
         assert!(!got.contains("pad") && !got.contains("tool_calls"), "{got}");
         assert!(
             got.contains("upstream_failed") && !got.contains("[DONE]"),
@@ -231,12 +233,7 @@ async fn content_after_a_choices_finish_is_the_nodes_fault_never_forwarded_or_bi
         "data: [DONE]\n\n".to_owned(),
     ]
     .concat();
-    let svc = h.service(200, "text/event-stream", vec![stream.into()], End::Eof);
-    let resp = svc
-        .oneshot(request("again", &chat(true, None)))
-        .await
-        .unwrap();
-    drop(frames(resp.into_body()).await);
+    streamed_chat(&mut h, "again", stream).await;
     assert_eq!(h.settled().await.0.outcome, StreamOutcome::Completed);
 }
 
@@ -258,12 +255,7 @@ async fn a_streamed_choice_without_an_index_is_the_nodes_fault() {
             "data: [DONE]\n\n".to_owned(),
         ]
         .concat();
-        let svc = h.service(200, "text/event-stream", vec![stream.into()], End::Eof);
-        let resp = svc
-            .oneshot(request("noindex", &chat(true, None)))
-            .await
-            .unwrap();
-        let got = String::from_utf8(frames(resp.into_body()).await.concat().to_vec()).unwrap();
+        let got = streamed_chat(&mut h, "noindex", stream).await;
         assert!(
             !got.contains("Red") && got.contains("upstream_failed"),
             "{got}"
@@ -363,4 +355,39 @@ async fn the_routed_nodes_context_caps_the_completion_like_the_catalogs() {
             ),
         }
     }
+}
+
+/// A complete answer's choice without an `index` keeps its place (its position is its index)
+/// and reaches the caller with that `index`, which the caller's SDK reads (it was forwarded
+/// without one).
+#[tokio::test]
+async fn a_complete_answers_choice_without_an_index_reaches_the_caller_with_its_position() {
+    let mut h = harness().await;
+    let mut body = chat(false, None);
+    body["n"] = json!(2);
+    let answer = json!({"id":"c","object":"chat.completion","created":1,"model":"smollm2",
+        "choices":[
+            {"finish_reason":"stop","message":{"role":"assistant","content":"Red"}},
+            {"index":null,"finish_reason":"stop","message":{"role":"assistant","content":"Blue"}}]});
+    let svc = h.service(
+        200,
+        "application/json",
+        vec![serde_json::to_vec(&answer).unwrap().into()],
+        End::Eof,
+    );
+    let resp = svc.oneshot(request("noindex-json", &body)).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let got: Value = serde_json::from_slice(&frames(resp.into_body()).await.concat()).unwrap();
+    let indexes: Vec<_> = got["choices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| (c["index"].as_u64(), c["message"]["content"].as_str()))
+        .collect();
+    assert_eq!(
+        indexes,
+        [(Some(0), Some("Red")), (Some(1), Some("Blue"))],
+        "{got}"
+    );
+    assert_eq!(h.settled().await.0.outcome, StreamOutcome::Completed);
 }
