@@ -80,6 +80,13 @@ pub(crate) fn stack_error(err: &BoxError) -> ApiError {
                     kind.path()
                 ),
             ),
+            RouteError::SeveralChoicesUnsupported { model, n } => ApiError::invalid_request(
+                "unsupported_value",
+                format!(
+                    "no node serving model '{model}' generates several choices per request (n = {n}); send n = 1"
+                ),
+            )
+            .with_param("n"),
             RouteError::FirstContentTimeout(d) => ApiError::new(
                 StatusCode::GATEWAY_TIMEOUT,
                 "api_error",
@@ -236,5 +243,23 @@ mod tests {
         // a wiring bug stays a 500
         let err: BoxError = Box::new(RouteError::MissingPeek);
         assert_eq!(stack_error(&err).status, StatusCode::INTERNAL_SERVER_ERROR);
+    }
+
+    /// `n` > 1 with only engines that generate one choice: the caller's 400 naming `n`, not a
+    /// node failure the SDKs would retry.
+    #[test]
+    fn several_choices_no_node_generates_is_a_400_on_n() {
+        let err: BoxError = Box::new(RouteError::SeveralChoicesUnsupported {
+            model: spine_core::ModelId::new("smollm2"),
+            n: 3,
+        });
+        let api = stack_error(&err);
+        assert_eq!(api.status, StatusCode::BAD_REQUEST);
+        assert_eq!(
+            (api.kind, api.code),
+            ("invalid_request_error", "unsupported_value")
+        );
+        assert_eq!(api.param.as_deref(), Some("n"));
+        assert!(api.message.contains("n = 3"), "{}", api.message);
     }
 }

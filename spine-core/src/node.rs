@@ -30,6 +30,16 @@ impl EngineKind {
             Self::Sglang => "sglang",
         }
     }
+
+    /// Whether the engine generates `n` > 1 choices for one request.
+    ///
+    /// Ollama's OpenAI-compatible paths do not read `n` (its `docs/openai.md` lists `n` as an
+    /// unsupported request field) and answer with one choice; llama.cpp (`n` / `n_cmpl`), vLLM and
+    /// SGLang generate `n`. The router sends a request for several choices only to engines that
+    /// generate them, so an honest node that cannot is never asked to (and never scored for it).
+    pub fn generates_several_choices(&self) -> bool {
+        !matches!(self, Self::Ollama)
+    }
 }
 
 /// One model a node serves.

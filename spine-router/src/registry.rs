@@ -593,13 +593,15 @@ impl NodeRegistry {
     }
 
     /// The nodes that could serve `ask` if they had a free slot, or why none could: no node
-    /// serves the model, none answers the endpoint, none has the context for the prompt.
+    /// serves the model, none answers the endpoint, none generates `n` > 1 choices, none has the
+    /// context for the prompt.
     fn candidates<'n>(
         &self,
         nodes: &'n HashMap<NodeId, NodeEntry>,
         ask: &Ask<'_>,
     ) -> Result<Vec<(&'n NodeId, &'n NodeEntry)>, RouteError> {
         let mut any_model = false;
+        let mut any_kind = false;
         let mut serving: Vec<(&NodeId, &NodeEntry, Option<u64>)> = Vec::new();
         for (id, e) in nodes {
             if ask.exclude.contains(id) {
@@ -614,11 +616,20 @@ impl NodeRegistry {
             }
             any_model = true;
             if ask.needs.kind.is_none_or(|k| m.serves_kind(k)) {
-                serving.push((id, e, m.max_context_tokens));
+                any_kind = true;
+                if ask.needs.choices <= 1 || e.descriptor.engine.generates_several_choices() {
+                    serving.push((id, e, m.max_context_tokens));
+                }
             }
         }
         if !any_model {
             return Err(RouteError::NoNodeForModel(ask.model.clone()));
+        }
+        if serving.is_empty() && any_kind {
+            return Err(RouteError::SeveralChoicesUnsupported {
+                model: ask.model.clone(),
+                n: ask.needs.choices,
+            });
         }
         if serving.is_empty() {
             return Err(match ask.needs.kind {

@@ -8,6 +8,11 @@ pub struct Needs {
     pub kind: Option<RequestKind>,
     /// The longest prompt, tokens: only nodes whose context window is larger (or unknown) fit.
     pub prompt_tokens: Option<u64>,
+    /// Choices per prompt (`n`); 0 and 1 both mean one. Above one, only nodes whose engine
+    /// generates several choices fit ([`EngineKind::generates_several_choices`]).
+    ///
+    /// [`EngineKind::generates_several_choices`]: spine_core::EngineKind::generates_several_choices
+    pub choices: u32,
 }
 
 /// One pick asked of the registry: [`NodeRegistry::acquire`](crate::NodeRegistry::acquire).

@@ -71,4 +71,13 @@ pub enum RouteError {
         /// The endpoint asked for.
         kind: RequestKind,
     },
+    /// Nodes serve the model and the endpoint, but none runs an engine that generates several
+    /// choices for one request (`n` > 1; Ollama does not).
+    #[error("no node serving model '{model}' generates n = {n} choices per request")]
+    SeveralChoicesUnsupported {
+        /// The model.
+        model: ModelId,
+        /// The `n` asked for.
+        n: u32,
+    },
 }

@@ -105,6 +105,7 @@ where
             Some(b) => Some(b.prompt_tokens),
             None => req.extensions().get::<PromptTokens>().map(|p| p.0),
         },
+        choices: peek.n,
     };
     // fairness class of the admission queue: the account (all unauthenticated callers share one)
     let ticket = QueueTicket {

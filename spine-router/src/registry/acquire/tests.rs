@@ -350,6 +350,7 @@ async fn a_waiter_the_freed_node_cannot_serve_does_not_block_the_next() {
             let needs = Needs {
                 kind: None,
                 prompt_tokens: Some(5000),
+                choices: 1,
             };
             let got = acquire(&r, "long", needs).await.map(|p| p.lease);
             let _ = tx.send((0, got));
@@ -376,6 +377,7 @@ async fn capabilities_filter_the_candidates() {
     let needs = |prompt| Needs {
         kind: Some(RequestKind::ChatCompletions),
         prompt_tokens: Some(prompt),
+        choices: 1,
     };
     for _ in 0..20 {
         let p = r.pick_inner(ask(&m, needs(4000)), Instant::now()).unwrap();
@@ -393,6 +395,7 @@ async fn capabilities_filter_the_candidates() {
     let embeddings = Needs {
         kind: Some(RequestKind::Embeddings),
         prompt_tokens: Some(5),
+        choices: 1,
     };
     assert_eq!(
         r.pick_inner(ask(&m, embeddings), Instant::now())
@@ -420,6 +423,52 @@ async fn capabilities_filter_the_candidates() {
             .unwrap();
         assert_eq!(p.lease.node().as_str(), "old");
     }
+}
+
+#[tokio::test]
+async fn several_choices_go_only_to_engines_that_generate_them() {
+    let r = registry(30, 100);
+    let ollama = NodeDescriptor {
+        engine: EngineKind::Ollama,
+        ..node(4, None, None)
+    };
+    r.node_ready(&NodeId::new("ollama"), &ollama);
+    let m = ModelId::new("m");
+    let choices = |n| Needs {
+        kind: Some(RequestKind::ChatCompletions),
+        prompt_tokens: Some(5),
+        choices: n,
+    };
+    // only an engine that ignores n: refused at once, from the pick and from the queue
+    let refused = Err(RouteError::SeveralChoicesUnsupported {
+        model: m.clone(),
+        n: 2,
+    });
+    assert_eq!(
+        r.pick_inner(ask(&m, choices(2)), Instant::now())
+            .map(|p| p.sticky),
+        refused
+    );
+    assert_eq!(
+        acquire(&r, "x", choices(2)).await.map(|p| p.sticky),
+        refused
+    );
+    // one choice (or an unset 0) still goes to it
+    for n in [0, 1] {
+        let p = r.pick_inner(ask(&m, choices(n)), Instant::now()).unwrap();
+        assert_eq!(p.lease.node().as_str(), "ollama");
+    }
+    r.node_ready(&NodeId::new("llama"), &node(4, None, None));
+    for _ in 0..20 {
+        let p = r.pick_inner(ask(&m, choices(3)), Instant::now()).unwrap();
+        assert_eq!(p.lease.node().as_str(), "llama");
+    }
+    let mut seen = std::collections::HashSet::new();
+    for _ in 0..50 {
+        let p = r.pick_inner(ask(&m, choices(1)), Instant::now()).unwrap();
+        seen.insert(p.lease.node().as_str().to_owned());
+    }
+    assert_eq!(seen.len(), 2, "n = 1 goes to both engines: {seen:?}");
 }
 
 #[test]
