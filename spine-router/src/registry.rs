@@ -674,8 +674,11 @@ impl NodeRegistry {
         }
     }
 
-    /// One pick, no waiting: the sticky node if it fits, has a free slot and is not overloaded
-    /// (see [`RegistryConfig::affinity_yield_load`]), else a load-aware weighted pick.
+    /// One pick, no waiting: among the candidates with a free slot, only those at or above
+    /// [`RegistryConfig::healthy_score`] when there are any (or, on a share
+    /// [`RegistryConfig::probe_share`] of picks, only those below it); then the sticky node if
+    /// it is among them and not overloaded (see [`RegistryConfig::affinity_yield_load`]), else a
+    /// load-aware weighted pick.
     ///
     /// Sticky statistics are counted only when a node is picked (a request that waits in the
     /// queue is not counted once per try).
@@ -687,17 +690,29 @@ impl NodeRegistry {
             Some(None) => StickyOutcome::New,
             Some(Some(_)) => StickyOutcome::Miss,
         };
-        let mut free: Vec<(&NodeId, &NodeEntry, f64, f64)> = candidates
-            .into_iter()
-            .filter_map(|(id, e)| {
-                let load = load_of(e)?;
-                let score = lock(&e.stats)
-                    .score
-                    .parts(&self.inner.config.score, now)
-                    .score;
-                Some((id, e, weight(self.capped_vram(e), score), load))
-            })
-            .collect();
+        let mut free: Vec<(&NodeId, &NodeEntry, f64, f64)> = Vec::new();
+        let mut scores: Vec<f64> = Vec::new();
+        for (id, e) in candidates {
+            let Some(load) = load_of(e) else { continue };
+            let score = lock(&e.stats)
+                .score
+                .parts(&self.inner.config.score, now)
+                .score;
+            free.push((id, e, weight(self.capped_vram(e), score), load));
+            scores.push(score);
+        }
+        // tiers: a node under the healthy score gets only a probe share of the picks while a
+        // healthier one has a free slot (its claimed VRAM could otherwise outweigh any score:
+        // `weight` lowers it 5× at most); the probes let a recovered node prove it
+        let healthy = self.inner.config.healthy_score;
+        let (above, below) = scores.iter().fold((false, false), |(a, b), s| {
+            (a || *s >= healthy, b || *s < healthy)
+        });
+        if above && below {
+            let probe = rand::rng().random_bool(self.inner.config.probe_share.clamp(0.0, 1.0));
+            let mut keep = scores.iter().map(|s| (*s >= healthy) != probe);
+            free.retain(|_| keep.next().unwrap_or(true));
+        }
         let preferred = match ask.preferred {
             Some(Some(node)) => Some(node),
             _ => None,

@@ -1,5 +1,7 @@
 //! Property: the weighted pick's frequencies match `weight / Σ weights` (design brief §5) for
-//! any VRAM sizes and score histories.
+//! any VRAM sizes and score histories, within each tier: when nodes both at or above and below
+//! the healthy score (`RegistryConfig::healthy_score`, 0.5) have a free slot, those below share
+//! `probe_share` (2 %) of the picks and the others the rest.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
 use std::collections::HashMap;
@@ -45,25 +47,36 @@ proptest! {
                 registry.record_disconnect(&id);
             }
         }
-        let weights: HashMap<NodeId, f64> = registry
-            .snapshot()
-            .into_iter()
-            .map(|s| (s.node_id, s.weight))
+        let snapshot = registry.snapshot();
+        let tier_total = |healthy: bool| -> f64 {
+            snapshot.iter().filter(|s| (s.score.score >= 0.5) == healthy).map(|s| s.weight).sum()
+        };
+        let (above, below) = (tier_total(true), tier_total(false));
+        let tiered = above > 0.0 && below > 0.0;
+        // each node's expected share of the picks
+        let shares: HashMap<NodeId, f64> = snapshot
+            .iter()
+            .map(|s| {
+                let p = match (tiered, s.score.score >= 0.5) {
+                    (false, _) => s.weight / (above + below),
+                    (true, true) => 0.98 * s.weight / above,
+                    (true, false) => 0.02 * s.weight / below,
+                };
+                (s.node_id.clone(), p)
+            })
             .collect();
-        let total: f64 = weights.values().sum();
         let mut counts: HashMap<NodeId, u32> = HashMap::new();
         for _ in 0..PICKS {
             let lease = registry.pick(&ModelId::new("m")).unwrap();
             *counts.entry(lease.node().clone()).or_default() += 1;
         }
-        for (id, w) in &weights {
-            let p = w / total;
+        for (id, &p) in &shares {
             let observed = f64::from(counts.get(id).copied().unwrap_or(0)) / f64::from(PICKS);
             // binomial: 5 standard deviations (false alarm < 1e-6 per node)
             let sd = (p * (1.0 - p) / f64::from(PICKS)).sqrt();
             prop_assert!(
                 (observed - p).abs() <= 5.0 * sd + 1e-4,
-                "node {id}: expected {p:.4}, observed {observed:.4} (weights {weights:?})"
+                "node {id}: expected {p:.4}, observed {observed:.4} (shares {shares:?})"
             );
         }
     }

@@ -13,9 +13,10 @@ pub struct RegistryConfig {
     pub affinity_ttl: Duration,
     /// Most affinity entries kept (about 100 bytes each). Default 1,000,000.
     pub max_affinity_entries: usize,
-    /// Most VRAM, MiB, a node's self-reported `vram_mib` counts for in its pick weight: a node
-    /// cannot take nearly all traffic by claiming huge VRAM in its hello. Default 196,608
-    /// (192 GiB).
+    /// Most VRAM, MiB, a node's self-reported `vram_mib` counts for in its pick weight.
+    /// Default 196,608 (192 GiB). The claim is not verified: under the cap a healthy node that
+    /// claims more gets more traffic; a failing one is held to
+    /// [`probe_share`](Self::probe_share) by [`healthy_score`](Self::healthy_score).
     pub max_vram_mib: u64,
     /// The admission queue used when every candidate node is full (see [`crate::queue`]).
     pub queue: QueueConfig,
@@ -29,6 +30,19 @@ pub struct RegistryConfig {
     /// draw among the nodes with a free slot, and a sticky node yields only when full (the pick
     /// before load-aware picks; kept to measure one against the other). Default `true`.
     pub load_aware_pick: bool,
+    /// Score below which a node gets only [`probe_share`](Self::probe_share) of the picks
+    /// while a candidate at or above it has a free slot (all of them when none has). Default
+    /// 0.5: an honest node's score stays above 0.7 whatever its latency and heartbeat age
+    /// (`0.5·success + 0.3·latency + 0.2·uptime`) and falls below 0.5 only under failures or
+    /// usage discrepancies (about three in a row), so a failing node cannot keep a model's
+    /// traffic by claiming more VRAM than the others: its score lowers its weight 5× at most.
+    /// 0: no tiers.
+    pub healthy_score: f64,
+    /// Share of picks, in [0, 1], that go to the candidates below
+    /// [`healthy_score`](Self::healthy_score) when both tiers have a free slot: enough traffic
+    /// for a recovered node's successes to lift its score back (at 200 requests/s, 4 a second).
+    /// Default 0.02.
+    pub probe_share: f64,
 }
 
 impl Default for RegistryConfig {
@@ -41,6 +55,8 @@ impl Default for RegistryConfig {
             queue: QueueConfig::default(),
             affinity_yield_load: 0.75,
             load_aware_pick: true,
+            healthy_score: 0.5,
+            probe_share: 0.02,
         }
     }
 }

@@ -99,6 +99,87 @@ fn claimed_vram_is_capped_in_the_weight() {
     assert_eq!(RegistryConfig::default().max_vram_mib, 196_608);
 }
 
+/// The attacker's case: a node flagged for usage discrepancies (score ≈ 0.25) that claims the
+/// VRAM cap kept every request of its model against an honest node claiming none, because the
+/// score lowers a weight 5× at most. Now it gets what the healthy node has no slot for, and
+/// the probe share.
+#[tokio::test(start_paused = true)]
+async fn a_failing_node_gets_traffic_only_when_the_healthy_ones_are_full() {
+    // no probes first: the tiers alone
+    let r = NodeRegistry::with_config(RegistryConfig {
+        probe_share: 0.0,
+        ..RegistryConfig::default()
+    });
+    let m = ModelId::new("m");
+    let mut liar = desc(&["m"], 100);
+    liar.vram_mib = u64::MAX;
+    let honest = desc(&["m"], 2);
+    r.node_ready(&NodeId::new("liar"), &liar);
+    r.node_ready(&NodeId::new("honest"), &honest);
+    for _ in 0..5 {
+        r.record_discrepancy(&NodeId::new("liar"));
+    }
+    let liar_score = r.score(&NodeId::new("liar")).map(|s| s.score);
+    assert!(liar_score.is_some_and(|s| s < 0.5), "{liar_score:?}");
+    let snap = r.snapshot();
+    let weight_of = |id: &str| {
+        snap.iter()
+            .find(|n| n.node_id.as_str() == id)
+            .map_or(0.0, |n| n.weight)
+    };
+    // the weight alone still favours it by far: the tier is what decides
+    assert!(weight_of("liar") > 1000.0 * weight_of("honest"), "{snap:?}");
+    for _ in 0..200 {
+        let lease = r.pick(&m);
+        assert_eq!(lease.map(|l| l.node().clone()), Ok(NodeId::new("honest")));
+    }
+    // a conversation sticky to the failing node moves too
+    let key = AffinityKey::PromptCacheKey("c".into());
+    r.remember(&m, &key, &NodeId::new("liar"));
+    let sticky = r.pick_for(&m, Some(&key), &[]);
+    assert_eq!(
+        sticky.map(|p| (p.lease.node().clone(), p.sticky)),
+        Ok((NodeId::new("honest"), StickyOutcome::Miss))
+    );
+    // the honest node full (2 slots): the failing one takes the overflow rather than a refusal
+    let held: Vec<_> = (0..2).map(|_| r.pick(&m)).collect();
+    assert!(held
+        .iter()
+        .all(|l| l.as_ref().is_ok_and(|l| l.node().as_str() == "honest")));
+    assert_eq!(
+        r.pick(&m).map(|l| l.node().clone()),
+        Ok(NodeId::new("liar"))
+    );
+    drop(held);
+    // the default probe share: about 2 % of picks go to it while it is below the healthy score
+    let r = NodeRegistry::new();
+    r.node_ready(&NodeId::new("liar"), &liar);
+    r.node_ready(&NodeId::new("honest"), &honest);
+    for _ in 0..5 {
+        r.record_discrepancy(&NodeId::new("liar"));
+    }
+    let probes = (0..10_000)
+        .filter(|_| r.pick(&m).is_ok_and(|l| l.node().as_str() == "liar"))
+        .count();
+    // binomial(10,000, 0.02): 200 ± 14
+    assert!((100..300).contains(&probes), "{probes}");
+    // with tiers off (`healthy_score` 0) the weight decides again: one request at a time (both
+    // idle, so the first draw wins), the liar takes nearly all
+    let r = NodeRegistry::with_config(RegistryConfig {
+        healthy_score: 0.0,
+        ..RegistryConfig::default()
+    });
+    r.node_ready(&NodeId::new("liar"), &liar);
+    r.node_ready(&NodeId::new("honest"), &honest);
+    for _ in 0..5 {
+        r.record_discrepancy(&NodeId::new("liar"));
+    }
+    let liar_picks = (0..100)
+        .filter(|_| r.pick(&m).is_ok_and(|l| l.node().as_str() == "liar"))
+        .count();
+    assert!(liar_picks > 90, "{liar_picks}");
+}
+
 #[tokio::test(start_paused = true)]
 async fn affinity_hit_miss_and_overwrite() {
     let r = NodeRegistry::new();
