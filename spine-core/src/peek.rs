@@ -14,12 +14,12 @@ pub use fields::{
 };
 use fields::{Member, MembersError};
 pub use messages::validate_chat_messages;
-pub use tags::{
-    check_metadata, check_user, MAX_METADATA_KEY_CHARS, MAX_METADATA_PAIRS, MAX_METADATA_VALUE_CHARS,
-    MAX_USER_CHARS,
-};
 #[cfg(test)]
 use messages::CONTENT_EXPECTED;
+pub use tags::{
+    check_metadata, check_user, MAX_METADATA_KEY_CHARS, MAX_METADATA_PAIRS,
+    MAX_METADATA_VALUE_CHARS, MAX_USER_CHARS,
+};
 
 /// The fields of an OpenAI request body the gateway needs, read without touching the rest.
 ///
@@ -558,7 +558,10 @@ impl RequestPeek {
         fields.check_logprobs()?;
         // forwarded to the node and never counted: bounded (`peek/tags.rs`)
         for (name, check) in [
-            ("metadata", check_metadata as fn(&Value) -> Result<(), PeekError>),
+            (
+                "metadata",
+                check_metadata as fn(&Value) -> Result<(), PeekError>,
+            ),
             ("user", check_user),
         ] {
             if let Some(raw) = fields.get(name) {

@@ -563,7 +563,11 @@ mod tests {
         });
         assert_eq!(
             (api.status, api.kind, api.param.as_deref()),
-            (StatusCode::BAD_REQUEST, "invalid_request_error", Some("dimensions"))
+            (
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                Some("dimensions")
+            )
         );
         let api = ApiError::from(&MeterError::EmbeddingsTooLarge { limit_bytes: 9 });
         assert_eq!(

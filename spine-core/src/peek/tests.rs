@@ -815,7 +815,10 @@ fn metadata_and_user_are_bounded_where_accepted() {
         .join(",");
     let long_user = format!(r#""{}""#, "u".repeat(257));
     let cases = [
-        (RequestKind::ChatCompletions, r#""messages":[{"role":"user","content":"hi"}]"#),
+        (
+            RequestKind::ChatCompletions,
+            r#""messages":[{"role":"user","content":"hi"}]"#,
+        ),
         (RequestKind::Completions, r#""prompt":"hi""#),
         (RequestKind::Embeddings, r#""input":"hi""#),
     ];
@@ -825,12 +828,24 @@ fn metadata_and_user_are_bounded_where_accepted() {
             Err(PeekError::InvalidField { field, .. }) => Some(field),
             _ => None,
         };
-        assert_eq!(field(&format!(r#""user":{long_user}"#)), Some("user"), "{kind:?}");
+        assert_eq!(
+            field(&format!(r#""user":{long_user}"#)),
+            Some("user"),
+            "{kind:?}"
+        );
         let ok = format!(r#""user":"{}""#, "u".repeat(256));
         assert!(RequestPeek::for_endpoint(kind, body(&ok).as_bytes()).is_ok());
         if kind == RequestKind::ChatCompletions {
-            for meta in [big_meta.clone(), format!("{{{many}}}"), r#"{"k":1}"#.to_owned()] {
-                assert_eq!(field(&format!(r#""metadata":{meta}"#)), Some("metadata"), "{meta}");
+            for meta in [
+                big_meta.clone(),
+                format!("{{{many}}}"),
+                r#"{"k":1}"#.to_owned(),
+            ] {
+                assert_eq!(
+                    field(&format!(r#""metadata":{meta}"#)),
+                    Some("metadata"),
+                    "{meta}"
+                );
             }
             let ok = r#""metadata":{"k":"v"}"#;
             assert!(RequestPeek::for_endpoint(kind, body(ok).as_bytes()).is_ok());

@@ -44,7 +44,10 @@ pub(super) fn answer_bytes_bound(inputs: usize, dimensions: Option<u64>, base64:
     };
     let vector = if base64 {
         // 4 characters per 3 bytes, padded, and the quotes
-        d.saturating_mul(4).div_ceil(3).saturating_mul(4).saturating_add(2)
+        d.saturating_mul(4)
+            .div_ceil(3)
+            .saturating_mul(4)
+            .saturating_add(2)
     } else {
         d.saturating_mul(NUMBER_BYTES)
     };

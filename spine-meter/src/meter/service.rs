@@ -422,7 +422,9 @@ where
     // fault; one within it but past what the gateway buffers is the gateway's limit.
     let bound = guard.ctx.as_ref().map_or(0, |ctx| {
         if kind == RequestKind::Embeddings {
-            let base64 = json.get("encoding_format").and_then(serde_json::Value::as_str)
+            let base64 = json
+                .get("encoding_format")
+                .and_then(serde_json::Value::as_str)
                 == Some("base64");
             super::embeddings::answer_bytes_bound(prompts.len(), dimensions, base64)
         } else {

@@ -463,6 +463,9 @@ fn metadata_and_user_are_bounded() {
         ("user", json!("u".repeat(256))),
     ] {
         let body = json!({"model": "m", "input": "hi", member: value});
-        assert!(chat_request(body.to_string().as_bytes()).is_ok(), "{member}");
+        assert!(
+            chat_request(body.to_string().as_bytes()).is_ok(),
+            "{member}"
+        );
     }
 }

@@ -41,18 +41,22 @@ fn refusal(err: &BoxError) -> (u16, Option<String>, String) {
 #[tokio::test]
 async fn more_inputs_than_openai_allows_are_refused_before_the_node() {
     let h = harness().await;
-    let svc = h.layer(2048).layer(h.inner(
-        200,
-        "application/json",
-        vec![answer(2049)],
-        End::Eof,
-    ));
+    let svc = h
+        .layer(2048)
+        .layer(h.inner(200, "application/json", vec![answer(2049)], End::Eof));
     let err = svc
-        .oneshot(embed("many", &json!({"model":"smollm2","input":vec!["a"; 2049]})))
+        .oneshot(embed(
+            "many",
+            &json!({"model":"smollm2","input":vec!["a"; 2049]}),
+        ))
         .await
         .unwrap_err();
     let (status, param, message) = refusal(&err);
-    assert_eq!((status, param.as_deref()), (400, Some("input")), "{message}");
+    assert_eq!(
+        (status, param.as_deref()),
+        (400, Some("input")),
+        "{message}"
+    );
     assert!(message.contains("at most 2048"), "{message}");
     assert_eq!(h.upstream.lock().unwrap().as_ref(), None);
     assert_eq!(h.record("many").await, None);
@@ -66,18 +70,22 @@ async fn more_inputs_than_openai_allows_are_refused_before_the_node() {
 async fn inputs_whose_answer_cannot_fit_the_buffer_are_refused_before_the_node() {
     assert_eq!(smollm_tokenizer().embedding_dimensions(), Some(576));
     let h = harness().await;
-    let svc = h.layer(2048).layer(h.inner(
-        200,
-        "application/json",
-        vec![answer(1400)],
-        End::Eof,
-    ));
+    let svc = h
+        .layer(2048)
+        .layer(h.inner(200, "application/json", vec![answer(1400)], End::Eof));
     let err = svc
-        .oneshot(embed("big", &json!({"model":"smollm2","input":vec!["a"; 1400]})))
+        .oneshot(embed(
+            "big",
+            &json!({"model":"smollm2","input":vec!["a"; 1400]}),
+        ))
         .await
         .unwrap_err();
     let (status, param, message) = refusal(&err);
-    assert_eq!((status, param.as_deref()), (400, Some("input")), "{message}");
+    assert_eq!(
+        (status, param.as_deref()),
+        (400, Some("input")),
+        "{message}"
+    );
     assert!(message.contains("at most 1144 inputs"), "{message}");
     assert!(!message.contains("stream\": true"), "{message}");
     assert_eq!(h.upstream.lock().unwrap().as_ref(), None);
@@ -87,12 +95,9 @@ async fn inputs_whose_answer_cannot_fit_the_buffer_are_refused_before_the_node()
     // what fits goes to the node: 1,144 inputs as numbers, 1,400 in base64
     for (id, inputs, format) in [("fits", 1144, "float"), ("b64", 1400, "base64")] {
         let mut h = harness().await;
-        let svc = h.layer(2048).layer(h.inner(
-            200,
-            "application/json",
-            vec![answer(inputs)],
-            End::Eof,
-        ));
+        let svc =
+            h.layer(2048)
+                .layer(h.inner(200, "application/json", vec![answer(inputs)], End::Eof));
         let body = json!({"model":"smollm2","input":vec!["a"; inputs],"encoding_format":format});
         let resp = svc.oneshot(embed(id, &body)).await.unwrap();
         assert_eq!(resp.status(), 200);
@@ -105,12 +110,9 @@ async fn inputs_whose_answer_cannot_fit_the_buffer_are_refused_before_the_node()
 async fn dimensions_other_than_the_models_own_are_refused() {
     let mut h = harness().await;
     for (id, dimensions) in [("d4", json!(4)), ("d0", json!(0)), ("dx", json!("576"))] {
-        let svc = h.layer(2048).layer(h.inner(
-            200,
-            "application/json",
-            vec![answer(1)],
-            End::Eof,
-        ));
+        let svc = h
+            .layer(2048)
+            .layer(h.inner(200, "application/json", vec![answer(1)], End::Eof));
         let body = json!({"model":"smollm2","input":"a","dimensions":dimensions});
         let err = svc.oneshot(embed(id, &body)).await.unwrap_err();
         let (status, param, message) = refusal(&err);
@@ -125,12 +127,9 @@ async fn dimensions_other_than_the_models_own_are_refused() {
     h.assert_account_untouched().await;
     // the model's own length (or null) is what the node returns anyway
     for (id, dimensions) in [("d576", json!(576)), ("dnull", Value::Null)] {
-        let svc = h.layer(2048).layer(h.inner(
-            200,
-            "application/json",
-            vec![answer(1)],
-            End::Eof,
-        ));
+        let svc = h
+            .layer(2048)
+            .layer(h.inner(200, "application/json", vec![answer(1)], End::Eof));
         let body = json!({"model":"smollm2","input":"a","dimensions":dimensions});
         assert!(svc.oneshot(embed(id, &body)).await.is_ok(), "{id}");
         assert_eq!(h.settled().await.0.outcome, StreamOutcome::Completed);
@@ -208,7 +207,10 @@ async fn an_embeddings_answer_over_the_buffer_is_never_charged() {
         .max_response_body_bytes(100);
     let (svc, slot) = h.slot_node(layer, "application/json", move || full(answer(2)));
     let err = svc
-        .oneshot(embed("cut", &json!({"model":"smollm2","input":["red","green"]})))
+        .oneshot(embed(
+            "cut",
+            &json!({"model":"smollm2","input":["red","green"]}),
+        ))
         .await
         .unwrap_err();
     let (status, _, message) = refusal(&err);
@@ -239,7 +241,10 @@ async fn the_answer_is_rebuilt_from_openais_members_only() {
         full(body.clone())
     });
     let resp = svc
-        .oneshot(embed("strip", &json!({"model":"smollm2","input":["red","green"]})))
+        .oneshot(embed(
+            "strip",
+            &json!({"model":"smollm2","input":["red","green"]}),
+        ))
         .await
         .unwrap();
     let got: Value =
