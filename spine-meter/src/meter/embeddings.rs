@@ -22,10 +22,11 @@ pub(crate) const MAX_INPUTS: usize = 2048;
 
 /// Most bytes one vector element takes as JSON text, its separator included. llama.cpp writes
 /// each `float` widened to a double, shortest round trip (nlohmann::json): at most 17
-/// significant digits, a sign, a point and an exponent, 24 characters
-/// (`-1.4012984643248171e-45`); Python's and Go's encoders write no more. Measured on
-/// llama.cpp (SmolLM2-135M, 576 dimensions, 2,048 inputs): 25,304,073 bytes, 21.45 bytes an
-/// element, the longest number 23 characters.
+/// significant digits with a sign, a point and a two-digit exponent or up to three leading
+/// zeros (`-1.4012984643248171e-45`, `-0.00012318301945924759`: 23 characters); 24 are
+/// allowed. Measured on llama.cpp (SmolLM2-135M, 576 dimensions, 2,048 inputs): 25,304,073
+/// bytes, 21.45 bytes an element, the longest number 23 characters; in base64, 6,450,185 bytes
+/// (bound 6,823,936).
 const NUMBER_BYTES: u64 = 25;
 /// Bytes of one `data` item besides its vector (`{"embedding":[],"index":2047,"object":
 /// "embedding"},` is 52), with room.
