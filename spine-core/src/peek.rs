@@ -6,6 +6,7 @@ use crate::ModelId;
 
 mod fields;
 mod messages;
+mod tags;
 
 pub use fields::{
     JsonKey, CHAT_COMPLETIONS_MEMBERS, COMPLETIONS_MEMBERS, EMBEDDINGS_MEMBERS, NOT_SERVED,
@@ -15,6 +16,10 @@ use fields::{Member, MembersError};
 pub use messages::validate_chat_messages;
 #[cfg(test)]
 use messages::CONTENT_EXPECTED;
+pub use tags::{
+    check_metadata, check_user, MAX_METADATA_KEY_CHARS, MAX_METADATA_PAIRS,
+    MAX_METADATA_VALUE_CHARS, MAX_USER_CHARS,
+};
 
 /// The fields of an OpenAI request body the gateway needs, read without touching the rest.
 ///
@@ -551,6 +556,20 @@ impl RequestPeek {
         };
         fields.check_allowed(kind.unwrap_or_else(|| fields.infer_kind()))?;
         fields.check_logprobs()?;
+        // forwarded to the node and never counted: bounded (`peek/tags.rs`)
+        for (name, check) in [
+            (
+                "metadata",
+                check_metadata as fn(&Value) -> Result<(), PeekError>,
+            ),
+            ("user", check_user),
+        ] {
+            if let Some(raw) = fields.get(name) {
+                let value: Value = serde_json::from_str(raw.get())
+                    .map_err(|e| PeekError::NotJson(e.to_string()))?;
+                check(&value)?;
+            }
+        }
         // the prompt echoed back arrives as completion text the caller did not ask to generate
         // (vLLM sends it as the first chunk): neither a fair bill nor within the hold's cap
         if parse_opt::<bool>(fields.get("echo"), "echo", "a boolean")?.unwrap_or(false) {

@@ -223,6 +223,15 @@ impl From<&MeterError> for ApiError {
                 "request_too_large",
                 e.to_string(),
             ),
+            MeterError::EmbeddingsRefused { param, message } => {
+                Self::invalid_request("invalid_request", message.clone()).with_param(*param)
+            }
+            MeterError::EmbeddingsTooLarge { .. } => Self::new(
+                StatusCode::BAD_GATEWAY,
+                "server_error",
+                "response_too_large",
+                e.to_string(),
+            ),
             MeterError::AnswerTooLarge { .. } => Self::new(
                 StatusCode::BAD_GATEWAY,
                 "server_error",
@@ -544,6 +553,28 @@ mod tests {
         let json: serde_json::Value = serde_json::from_slice(&body).unwrap();
         assert_eq!(json["error"]["code"], "ledger_unavailable");
         assert_eq!(json["error"]["type"], "api_error");
+    }
+
+    #[test]
+    fn embeddings_refusals_are_400_with_their_param_and_a_cut_answer_502() {
+        let api = ApiError::from(&MeterError::EmbeddingsRefused {
+            param: "dimensions",
+            message: "no".to_owned(),
+        });
+        assert_eq!(
+            (api.status, api.kind, api.param.as_deref()),
+            (
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                Some("dimensions")
+            )
+        );
+        let api = ApiError::from(&MeterError::EmbeddingsTooLarge { limit_bytes: 9 });
+        assert_eq!(
+            (api.status, api.code),
+            (StatusCode::BAD_GATEWAY, "response_too_large")
+        );
+        assert!(!api.message.contains("stream\":"), "{}", api.message);
     }
 
     #[test]

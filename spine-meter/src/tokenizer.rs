@@ -124,6 +124,15 @@ pub trait TokenCounter: fmt::Debug + Send + Sync {
     /// value only loosens that bound).
     fn max_token_bytes(&self) -> u64;
 
+    /// The length of the model's embedding vectors, when the counter knows it
+    /// ([`ModelTokenizer`](crate::ModelTokenizer): the GGUF's `<arch>.embedding_length`). Bounds
+    /// an honest `/v1/embeddings` answer's size before any node is asked (a request whose answer
+    /// cannot fit the gateway's buffer is refused 400) and checks `dimensions`. The default
+    /// knows none: the answer then keeps the per-vector byte bound and `dimensions` is refused.
+    fn embedding_dimensions(&self) -> Option<u64> {
+        None
+    }
+
     /// A byte index `cut` of `text`, at most `text.len() − keep_bytes` and above
     /// `scanned_through`, such that for ANY text `rest` appended later
     /// `count_text(text[..cut]) + count_text(text[cut..] + rest) == count_text(text + rest)`;
@@ -176,6 +185,10 @@ impl<T: TokenCounter + ?Sized> TokenCounter for std::sync::Arc<T> {
 
     fn max_token_bytes(&self) -> u64 {
         (**self).max_token_bytes()
+    }
+
+    fn embedding_dimensions(&self) -> Option<u64> {
+        (**self).embedding_dimensions()
     }
 
     fn stable_cut(&self, text: &str, keep_bytes: usize, scanned_through: usize) -> Option<usize> {

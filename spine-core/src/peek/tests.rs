@@ -803,3 +803,52 @@ fn n_is_refused_outside_openais_range() {
         assert_eq!(RequestPeek::from_json(body.as_bytes()).unwrap().n, n);
     }
 }
+
+/// `metadata` and `user` are forwarded and never counted: bounded on every endpoint that takes
+/// them (OpenAI's metadata limits; 256 characters of `user`).
+#[test]
+fn metadata_and_user_are_bounded_where_accepted() {
+    let big_meta = format!(r#"{{"k":"{}"}}"#, "v".repeat(513));
+    let many = (0..17)
+        .map(|i| format!(r#""k{i}":"v""#))
+        .collect::<Vec<_>>()
+        .join(",");
+    let long_user = format!(r#""{}""#, "u".repeat(257));
+    let cases = [
+        (
+            RequestKind::ChatCompletions,
+            r#""messages":[{"role":"user","content":"hi"}]"#,
+        ),
+        (RequestKind::Completions, r#""prompt":"hi""#),
+        (RequestKind::Embeddings, r#""input":"hi""#),
+    ];
+    for (kind, prompt) in cases {
+        let body = |extra: &str| format!(r#"{{"model":"m",{prompt},{extra}}}"#);
+        let field = |extra: &str| match RequestPeek::for_endpoint(kind, body(extra).as_bytes()) {
+            Err(PeekError::InvalidField { field, .. }) => Some(field),
+            _ => None,
+        };
+        assert_eq!(
+            field(&format!(r#""user":{long_user}"#)),
+            Some("user"),
+            "{kind:?}"
+        );
+        let ok = format!(r#""user":"{}""#, "u".repeat(256));
+        assert!(RequestPeek::for_endpoint(kind, body(&ok).as_bytes()).is_ok());
+        if kind == RequestKind::ChatCompletions {
+            for meta in [
+                big_meta.clone(),
+                format!("{{{many}}}"),
+                r#"{"k":1}"#.to_owned(),
+            ] {
+                assert_eq!(
+                    field(&format!(r#""metadata":{meta}"#)),
+                    Some("metadata"),
+                    "{meta}"
+                );
+            }
+            let ok = r#""metadata":{"k":"v"}"#;
+            assert!(RequestPeek::for_endpoint(kind, body(ok).as_bytes()).is_ok());
+        }
+    }
+}

@@ -48,10 +48,13 @@ pub struct MeterConfig {
     pub max_request_body_bytes: usize,
     /// Largest non-streamed response body buffered, bytes. Default 16 MiB. An answer larger than
     /// the request could honestly make (the stream byte bound of its cap: 1 MiB + 8 KiB a token
-    /// of `n` × cap; embeddings 1 MiB + 256 KiB a vector) is the node's fault,
-    /// [`MeterError::UpstreamInvalid`](super::MeterError::UpstreamInvalid); one within that
-    /// bound but over this limit is the gateway's,
-    /// [`MeterError::AnswerTooLarge`](super::MeterError::AnswerTooLarge).
+    /// of `n` × cap; embeddings from the model's vector length, else 1 MiB + 256 KiB a vector)
+    /// is the node's fault, [`MeterError::UpstreamInvalid`](super::MeterError::UpstreamInvalid);
+    /// one within that bound but over this limit is the gateway's,
+    /// [`MeterError::AnswerTooLarge`](super::MeterError::AnswerTooLarge) (embeddings:
+    /// [`MeterError::EmbeddingsTooLarge`](super::MeterError::EmbeddingsTooLarge), free). An
+    /// embeddings request whose honest answer cannot fit it is refused before the node
+    /// ([`MeterError::EmbeddingsRefused`](super::MeterError::EmbeddingsRefused)).
     pub max_response_body_bytes: usize,
     /// Absolute discrepancy tolerance, tokens. Default 2.
     pub discrepancy_tolerance_tokens: u64,

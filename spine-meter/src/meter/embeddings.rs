@@ -1,4 +1,9 @@
 //! Metering a non-streamed `/v1/embeddings` response: input tokens only.
+//!
+//! Before any hold ([`admit`]): at most [`MAX_INPUTS`] inputs (OpenAI's limit), `dimensions`
+//! only as the model's own vector length, and no more inputs than an honest answer of the
+//! model's vectors can fit the gateway's buffer ([`answer_bytes_bound`]). After the node
+//! ([`meter_embeddings`]): the answer checked and rebuilt from OpenAI's members only.
 
 use bytes::Bytes;
 use indexmap::IndexMap;
@@ -11,6 +16,96 @@ use super::MeterError;
 
 type JsonMap = IndexMap<String, Box<RawValue>>;
 
+/// OpenAI's limit on the inputs of one embeddings request: more is refused 400 (`param`
+/// `input`) before anything is counted.
+pub(crate) const MAX_INPUTS: usize = 2048;
+
+/// Most bytes one vector element takes as JSON text, its separator included. llama.cpp writes
+/// each `float` widened to a double, shortest round trip (nlohmann::json): at most 17
+/// significant digits with a sign, a point and a two-digit exponent or up to three leading
+/// zeros (`-1.4012984643248171e-45`, `-0.00012318301945924759`: 23 characters); 24 are
+/// allowed. Measured on llama.cpp (SmolLM2-135M, 576 dimensions, 2,048 inputs): 25,304,073
+/// bytes, 21.45 bytes an element, the longest number 23 characters; in base64, 6,450,185 bytes
+/// (bound 6,823,936).
+const NUMBER_BYTES: u64 = 25;
+/// Bytes of one `data` item besides its vector (`{"embedding":[],"index":2047,"object":
+/// "embedding"},` is 52), with room.
+const ITEM_BYTES: u64 = 256;
+/// Bytes of the answer besides `data` (`object`, `model`, `usage`), with room.
+const ENVELOPE_BYTES: u64 = 4096;
+
+/// The most bytes an honest answer of `inputs` vectors of `dimensions` elements can take
+/// (`base64`: `encoding_format: "base64"`, 4 bytes an element in base64). Past it the node is at
+/// fault. `dimensions` unknown: 1 MiB plus 256 KiB a vector (8,192 dimensions as JSON numbers
+/// are ≈ 170 KB).
+pub(super) fn answer_bytes_bound(inputs: usize, dimensions: Option<u64>, base64: bool) -> u64 {
+    let inputs = u64::try_from(inputs).unwrap_or(u64::MAX);
+    let Some(d) = dimensions else {
+        return (1u64 << 20).saturating_add(inputs.saturating_mul(256 * 1024));
+    };
+    let vector = if base64 {
+        // 4 characters per 3 bytes, padded, and the quotes
+        d.saturating_mul(4)
+            .div_ceil(3)
+            .saturating_mul(4)
+            .saturating_add(2)
+    } else {
+        d.saturating_mul(NUMBER_BYTES)
+    };
+    ENVELOPE_BYTES.saturating_add(inputs.saturating_mul(ITEM_BYTES.saturating_add(vector)))
+}
+
+/// Refuses, before anything is held or forwarded, an embeddings request of `inputs` inputs
+/// (already at most [`MAX_INPUTS`]) for a model whose vectors have `dimensions` elements (when
+/// known) that the gateway cannot honestly answer:
+///
+/// - `dimensions` (OpenAI: shorten the vectors) other than the model's own length: llama.cpp
+///   ignores it and would return full vectors, so only the length it returns anyway is
+///   accepted, and none when the length is unknown (400, `param` `dimensions`);
+/// - an honest answer ([`answer_bytes_bound`]) larger than `buffer_bytes`, the most the gateway
+///   buffers of a non-streamed answer: embeddings cannot be streamed, so such a request could
+///   only end in a 502 after the node's work (400, `param` `input`, naming how many inputs fit).
+pub(super) fn admit(
+    json: &Value,
+    inputs: usize,
+    dimensions: Option<u64>,
+    buffer_bytes: usize,
+) -> Result<(), MeterError> {
+    let asked = json.get("dimensions").filter(|v| !v.is_null());
+    if let Some(asked) = asked {
+        if dimensions.is_none() || asked.as_u64() != dimensions {
+            let message = match dimensions {
+                Some(d) => format!(
+                    "This model does not support specifying dimensions: its vectors have {d} \
+                     dimensions ('dimensions' may only be {d})."
+                ),
+                None => "This model does not support specifying dimensions.".to_owned(),
+            };
+            return Err(MeterError::EmbeddingsRefused {
+                param: "dimensions",
+                message,
+            });
+        }
+    }
+    let base64 = json.get("encoding_format").and_then(Value::as_str) == Some("base64");
+    let buffer = u64::try_from(buffer_bytes).unwrap_or(u64::MAX);
+    if dimensions.is_some() && answer_bytes_bound(inputs, dimensions, base64) > buffer {
+        let fit = (0..=inputs)
+            .rev()
+            .find(|&n| answer_bytes_bound(n, dimensions, base64) <= buffer)
+            .unwrap_or(0);
+        return Err(MeterError::EmbeddingsRefused {
+            param: "input",
+            message: format!(
+                "{inputs} inputs can make an answer larger than the {buffer_bytes} bytes this \
+                 gateway buffers (embeddings cannot be streamed): send at most {fit} inputs per \
+                 request for this model"
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// Meters a complete 2xx `/v1/embeddings` body and settles.
 ///
 /// A usable answer is OpenAI's shape: a JSON object without a non-null `error`, whose `data` is
@@ -18,11 +113,14 @@ type JsonMap = IndexMap<String, Box<RawValue>>;
 /// JSON numbers (or, for `encoding_format: "base64"`, a base64 string of whole little-endian
 /// `f32`s), every vector of the same dimension, and an `index` (when present) that is an
 /// integer below `inputs`, each index once. It settles `completed` with the independent input
-/// count and 0 completion tokens, and comes back with `usage` rewritten to
-/// `{"prompt_tokens": billed, "total_tokens": billed}` (OpenAI's embeddings usage shape). The
-/// node's `usage.prompt_tokens` is kept as its claim. Anything else is the node's fault: the
-/// fault is reported on `slot` (the router scores it), the request settles `upstream_failed`
-/// (the caller pays nothing) and it is a [`MeterError::UpstreamInvalid`] (502).
+/// count and 0 completion tokens, and comes back rebuilt from OpenAI's members only:
+/// `{"object":"list","data":[{"object":"embedding","index":i,"embedding":…}],"model":…,
+/// "usage":{"prompt_tokens":billed,"total_tokens":billed}}` — `model` the catalog id the caller
+/// asked for, `index` the node's or the item's position, the vector as the node wrote it; any
+/// other member of the node's is dropped. The node's `usage.prompt_tokens` is kept as its
+/// claim. Anything else is the node's fault: the fault is reported on `slot` (the router scores
+/// it), the request settles `upstream_failed` (the caller pays nothing) and it is a
+/// [`MeterError::UpstreamInvalid`] (502).
 pub(crate) fn meter_embeddings(
     ctx: SettleCtx,
     body: &[u8],
@@ -41,7 +139,7 @@ pub(crate) fn meter_embeddings(
         ctx.settle(StreamOutcome::UpstreamFailed, billed, claimed);
         Err(MeterError::UpstreamInvalid(why))
     };
-    let Ok(mut map) = serde_json::from_slice::<JsonMap>(body) else {
+    let Ok(map) = serde_json::from_slice::<JsonMap>(body) else {
         return fail(ctx, None, "the body is not a JSON object".to_owned());
     };
     let claimed = map
@@ -59,28 +157,41 @@ pub(crate) fn meter_embeddings(
         .get("data")
         .ok_or_else(|| "no `data` member".to_owned())
         .and_then(|data| check_data(data, inputs));
-    if let Err(why) = checked {
-        return fail(
-            ctx,
-            claimed,
-            format!("not an embeddings answer for {inputs} inputs: {why}"),
-        );
+    let vectors = match checked {
+        Ok(vectors) => vectors,
+        Err(why) => {
+            return fail(
+                ctx,
+                claimed,
+                format!("not an embeddings answer for {inputs} inputs: {why}"),
+            )
+        }
+    };
+    let model = match serde_json::to_string(ctx.model.as_str()) {
+        Ok(m) => m,
+        Err(e) => return fail(ctx, claimed, format!("cannot encode the model: {e}")),
+    };
+    let mut out = String::with_capacity(body.len().min(1 << 30));
+    out.push_str("{\"object\":\"list\",\"data\":[");
+    for (at, (index, embedding)) in vectors.iter().enumerate() {
+        if at > 0 {
+            out.push(',');
+        }
+        out.push_str("{\"object\":\"embedding\",\"index\":");
+        out.push_str(&index.to_string());
+        out.push_str(",\"embedding\":");
+        out.push_str(embedding.get());
+        out.push('}');
     }
-    let usage = format!(
-        "{{\"prompt_tokens\":{0},\"total_tokens\":{0}}}",
+    out.push_str("],\"model\":");
+    out.push_str(&model);
+    out.push_str(&format!(
+        ",\"usage\":{{\"prompt_tokens\":{0},\"total_tokens\":{0}}}}}",
         billed.prompt_tokens
-    );
-    let usage = match RawValue::from_string(usage) {
-        Ok(u) => u,
-        Err(e) => return fail(ctx, claimed, format!("cannot encode usage: {e}")),
-    };
-    map.insert("usage".to_owned(), usage);
-    let bytes = match serde_json::to_vec(&map) {
-        Ok(v) => Bytes::from(v),
-        Err(e) => return fail(ctx, claimed, format!("cannot re-encode the body: {e}")),
-    };
+    ));
+    drop(vectors);
     ctx.settle(StreamOutcome::Completed, billed, claimed);
-    Ok(bytes)
+    Ok(Bytes::from(out))
 }
 
 /// One item of `data` as read for checking: the vector stays raw until [`vector_len`].
@@ -92,8 +203,9 @@ struct Item<'a> {
     index: Option<&'a RawValue>,
 }
 
-/// Checks `data` (see [`meter_embeddings`]); the reason when it is not usable.
-fn check_data(data: &RawValue, inputs: usize) -> Result<(), String> {
+/// Checks `data` (see [`meter_embeddings`]): each item's index (the node's, else its position)
+/// and vector, in the node's order; the reason when it is not usable.
+fn check_data(data: &RawValue, inputs: usize) -> Result<Vec<(usize, &RawValue)>, String> {
     let not_objects = || "`data` is not an array of objects".to_owned();
     let raw: Vec<&RawValue> = serde_json::from_str(data.get()).map_err(|_| not_objects())?;
     let items = raw
@@ -111,6 +223,7 @@ fn check_data(data: &RawValue, inputs: usize) -> Result<(), String> {
     }
     let mut seen = vec![false; inputs];
     let mut dimension = None;
+    let mut vectors = Vec::with_capacity(items.len());
     for (i, item) in items.iter().enumerate() {
         let Some(embedding) = item.embedding else {
             return Err(format!("item {i} has no `embedding`"));
@@ -143,9 +256,21 @@ fn check_data(data: &RawValue, inputs: usize) -> Result<(), String> {
             if std::mem::replace(slot, true) {
                 return Err(format!("index {at} appears twice"));
             }
+            vectors.push((at, embedding));
+        } else {
+            vectors.push((i, embedding));
         }
     }
-    Ok(())
+    // positions taken for index-less items must not repeat a given index
+    let mut taken = vec![false; inputs];
+    for (at, _) in &vectors {
+        if let Some(slot) = taken.get_mut(*at) {
+            if std::mem::replace(slot, true) {
+                return Err(format!("index {at} appears twice"));
+            }
+        }
+    }
+    Ok(vectors)
 }
 
 /// The dimension of one `embedding`: an array of JSON numbers (each read as an `f64`, nothing
@@ -202,7 +327,7 @@ mod tests {
     use serde_json::value::RawValue;
 
     fn check(data: &str, inputs: usize) -> Result<(), String> {
-        check_data(&RawValue::from_string(data.to_owned()).unwrap(), inputs)
+        check_data(&RawValue::from_string(data.to_owned()).unwrap(), inputs).map(|_| ())
     }
 
     #[test]

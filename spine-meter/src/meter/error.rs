@@ -101,6 +101,30 @@ pub enum MeterError {
         /// `max_response_body_bytes`, bytes.
         limit_bytes: usize,
     },
+    /// An embeddings request the gateway cannot honestly answer, refused before anything is
+    /// held or forwarded (400 with `param`): more than 2,048 inputs (OpenAI's limit; `input`),
+    /// `dimensions` other than the model's own vector length (`dimensions`), or more inputs
+    /// than an honest answer of the model's vectors can fit the gateway's buffer (`input`).
+    #[error("{message}")]
+    EmbeddingsRefused {
+        /// The member at fault.
+        param: &'static str,
+        /// What the caller is told.
+        message: String,
+    },
+    /// An embeddings answer larger than the gateway buffers, from a request whose honest
+    /// answer could be that large (the model's vector length unknown): the gateway's limit,
+    /// 502 `response_too_large`. Embeddings cannot be streamed, so the caller is told to send
+    /// fewer inputs; it received nothing and pays nothing (settled `cut_at_bound` at 0 tokens,
+    /// the operator earns nothing, the node is not scored).
+    #[error(
+        "the embeddings answer is larger than the {limit_bytes} bytes this gateway buffers \
+         (embeddings cannot be streamed): send fewer inputs per request; nothing was charged"
+    )]
+    EmbeddingsTooLarge {
+        /// `max_response_body_bytes`, bytes.
+        limit_bytes: usize,
+    },
     /// Reading the node's non-streamed response body failed (502). Settled `upstream_failed`.
     #[error("cannot read the node's response body")]
     UpstreamBody(#[source] BoxError),

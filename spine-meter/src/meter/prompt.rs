@@ -65,6 +65,16 @@ pub(super) fn count_prompts(
         }
     };
     let prompts = prompt_inputs(json, field).map_err(MeterError::BadRequest)?;
+    if kind == RequestKind::Embeddings && prompts.len() > super::embeddings::MAX_INPUTS {
+        return Err(MeterError::EmbeddingsRefused {
+            param: "input",
+            message: format!(
+                "'input' has {} items: at most {} inputs per request",
+                prompts.len(),
+                super::embeddings::MAX_INPUTS
+            ),
+        });
+    }
     let mut counts = Vec::with_capacity(prompts.len());
     let mut total = 0u64;
     for segments in &prompts {

@@ -201,6 +201,11 @@ where
         }
         .into());
     }
+    let dimensions = entry.tokenizer.embedding_dimensions();
+    if kind == RequestKind::Embeddings {
+        let buffer = config.max_response_body_bytes;
+        super::embeddings::admit(&json, prompts.len(), dimensions, buffer)?;
+    }
     let prompt_tokens = prompts.iter().copied().fold(0u64, u64::saturating_add);
     let prompt_count = u32::try_from(prompts.len()).unwrap_or(u32::MAX);
     // choices: n per prompt (OpenAI; llama.cpp indexes them prompt-major: p·n + j);
@@ -417,7 +422,11 @@ where
     // fault; one within it but past what the gateway buffers is the gateway's limit.
     let bound = guard.ctx.as_ref().map_or(0, |ctx| {
         if kind == RequestKind::Embeddings {
-            embeddings_bytes_bound(prompts.len())
+            let base64 = json
+                .get("encoding_format")
+                .and_then(serde_json::Value::as_str)
+                == Some("base64");
+            super::embeddings::answer_bytes_bound(prompts.len(), dimensions, base64)
         } else {
             super::bill::stream_bytes_bound(ctx)
         }
@@ -433,6 +442,12 @@ where
     };
     let bytes = match read {
         Ok(bytes) => bytes,
+        Err(ResponseRead::OverLimit) if bound > ceiling && kind == RequestKind::Embeddings => {
+            // nothing delivered, and nothing the caller could do but send fewer inputs: free
+            tracing::warn!(request_id = %ctx.request_id, limit, "embeddings answer over the gateway's buffer");
+            ctx.settle(StreamOutcome::CutAtBound, Usage::default(), None);
+            return Err(MeterError::EmbeddingsTooLarge { limit_bytes: limit }.into());
+        }
         Err(ResponseRead::OverLimit) if bound > ceiling => {
             tracing::warn!(request_id = %ctx.request_id, limit, "non-streamed answer over the gateway's buffer");
             ctx.settle_prompt_only(StreamOutcome::CutAtBound);
@@ -575,17 +590,6 @@ async fn within<F: Future>(bound: std::time::Duration, fut: F) -> Option<F::Outp
         return Some(fut.await);
     }
     tokio::time::timeout(bound, fut).await.ok()
-}
-
-/// Bytes an embeddings answer of `inputs` vectors may take before the node is at fault: 1 MiB
-/// plus 256 KiB a vector (a vector of 8,192 dimensions as JSON numbers is ≈ 170 KB).
-fn embeddings_bytes_bound(inputs: usize) -> u64 {
-    const PER_VECTOR: u64 = 256 * 1024;
-    (1u64 << 20).saturating_add(
-        u64::try_from(inputs)
-            .unwrap_or(u64::MAX)
-            .saturating_mul(PER_VECTOR),
-    )
 }
 
 type ResponseFutureBytes = Pin<Box<dyn Future<Output = Result<bytes::Bytes, ResponseRead>> + Send>>;

@@ -1960,6 +1960,7 @@ async fn an_invalid_embeddings_answer_is_the_nodes_fault_and_free() {
 
 mod answer;
 mod choices;
+mod embeddings;
 mod surface;
 
 /// An audit tap that audits `smollm2` on its nodes' own logprobs.

@@ -58,6 +58,17 @@ const IGNORED: &[&str] = &[
     "stream_options",
 ];
 
+/// `metadata` and `user` within [`spine_core::check_metadata`] / [`spine_core::check_user`]
+/// (any other member passes); the caller's message when not.
+fn key_bound(key: &str, value: &Value) -> Result<(), String> {
+    match key {
+        "metadata" => spine_core::check_metadata(value),
+        "user" => spine_core::check_user(value),
+        _ => Ok(()),
+    }
+    .map_err(|e| e.to_string())
+}
+
 /// Translates a Responses API request body into a chat completion request.
 ///
 /// Served: `model`, `input` (a string, or message items — roles `user`, `assistant`, `system`,
@@ -147,6 +158,8 @@ pub fn chat_request(body: &[u8]) -> Result<ChatTranslation, ResponsesError> {
         ));
     }
     for (key, value) in &req {
+        // echoed (three times in a stream), forwarded, never counted: bounded as on chat
+        key_bound(key, value).map_err(|message| ResponsesError::invalid(key.as_str(), message))?;
         match key.as_str() {
             "model" | "input" | "instructions" => {}
             "stream" => match value {
@@ -191,17 +204,9 @@ pub fn chat_request(body: &[u8]) -> Result<ChatTranslation, ResponsesError> {
                     echo.insert(key.clone(), value.clone());
                 }
             }
-            "metadata" => match value {
-                Value::Null | Value::Object(_) => {
-                    echo.insert(key.clone(), value.clone());
-                }
-                _ => {
-                    return Err(ResponsesError::invalid(
-                        "metadata",
-                        "`metadata` must be an object",
-                    ))
-                }
-            },
+            "metadata" => {
+                echo.insert(key.clone(), value.clone());
+            }
             "tools" => match value {
                 Value::Null => {}
                 Value::Array(tools) => {

@@ -435,3 +435,37 @@ fn a_member_given_twice_is_refused_as_on_chat() {
     // nested objects are the translation's own business (rebuilt, never forwarded as sent)
     assert!(chat_request(br#"{"model":"m","input":"hi","metadata":{"a":"1"}}"#).is_ok());
 }
+
+/// `metadata` and `user` are echoed (three times in a stream) and never counted: OpenAI's
+/// metadata limits and 256 characters of `user`, as on chat.
+#[test]
+fn metadata_and_user_are_bounded() {
+    let pairs = |n: usize| -> Value {
+        Value::Object((0..n).map(|i| (format!("k{i}"), json!("v"))).collect())
+    };
+    for (member, value) in [
+        ("metadata", pairs(17)),
+        ("metadata", json!({"k".repeat(65): "v"})),
+        ("metadata", json!({"k": "v".repeat(513)})),
+        ("metadata", json!({"k": 1})),
+        ("metadata", json!("k")),
+        ("user", json!("u".repeat(257))),
+        ("user", json!(7)),
+    ] {
+        let body = json!({"model": "m", "input": "hi", member: value});
+        let e = chat_request(body.to_string().as_bytes()).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some(member), "{body}");
+        assert_eq!(e.code, "invalid_request");
+    }
+    for (member, value) in [
+        ("metadata", pairs(16)),
+        ("metadata", json!({"k".repeat(64): "v".repeat(512)})),
+        ("user", json!("u".repeat(256))),
+    ] {
+        let body = json!({"model": "m", "input": "hi", member: value});
+        assert!(
+            chat_request(body.to_string().as_bytes()).is_ok(),
+            "{member}"
+        );
+    }
+}

@@ -32,6 +32,8 @@ pub struct ModelTokenizer {
     bos_token: String,
     eos_token: String,
     context_length_tokens: Option<u64>,
+    /// The length of the model's embedding vectors from the GGUF (`<arch>.embedding_length`).
+    embedding_length: Option<u64>,
     /// The longest token of the vocabulary, UTF-8 bytes of its vocabulary string (for a
     /// byte-level vocabulary an upper bound of the bytes it decodes to), at least 1.
     max_token_bytes: u64,
@@ -138,6 +140,9 @@ impl ModelTokenizer {
                 .and_then(|arch| meta.get_u64(&format!("{arch}.context_length"))),
         )?;
         built.fast = fast;
+        built.embedding_length = meta
+            .get_str("general.architecture")
+            .and_then(|arch| meta.get_u64(&format!("{arch}.embedding_length")));
         Ok(built)
     }
 
@@ -199,6 +204,7 @@ impl ModelTokenizer {
             bos_token,
             eos_token,
             context_length_tokens,
+            embedding_length: None,
             max_token_bytes,
             fast: None,
         })
@@ -226,6 +232,12 @@ impl ModelTokenizer {
     /// The model's context window from the GGUF (`<arch>.context_length`), tokens.
     pub fn context_length_tokens(&self) -> Option<u64> {
         self.context_length_tokens
+    }
+
+    /// The length of the model's embedding vectors from the GGUF (`<arch>.embedding_length`):
+    /// what llama.cpp's `/v1/embeddings` returns per input with pooling (`mean`, `cls`, `last`).
+    pub fn embedding_length(&self) -> Option<u64> {
+        self.embedding_length
     }
 
     /// The EOS token's text.
@@ -416,6 +428,10 @@ impl TokenCounter for ModelTokenizer {
 
     fn max_token_bytes(&self) -> u64 {
         self.max_token_bytes
+    }
+
+    fn embedding_dimensions(&self) -> Option<u64> {
+        self.embedding_length
     }
 
     fn stable_cut(&self, text: &str, keep_bytes: usize, scanned_through: usize) -> Option<usize> {

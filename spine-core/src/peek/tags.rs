@@ -1,0 +1,103 @@
+//! Bounds on the caller's tags that are forwarded or echoed but never counted: `metadata`
+//! (OpenAI's documented limits) and `user` (this gateway's). Unbounded, they would only make a
+//! node read, and a `/v1/responses` answer echo (three times when streamed), megabytes nobody
+//! pays for.
+
+use serde_json::Value;
+
+use super::PeekError;
+
+/// OpenAI's limit on `metadata` pairs.
+pub const MAX_METADATA_PAIRS: usize = 16;
+/// OpenAI's limit on a `metadata` key, characters.
+pub const MAX_METADATA_KEY_CHARS: usize = 64;
+/// OpenAI's limit on a `metadata` value (a string), characters.
+pub const MAX_METADATA_VALUE_CHARS: usize = 512;
+/// This gateway's limit on `user`, characters (OpenAI documents none; it is an end-user id).
+pub const MAX_USER_CHARS: usize = 256;
+
+const METADATA_EXPECTED: &str = "an object of at most 16 pairs, each key at most 64 characters \
+                                 and each value a string of at most 512 characters";
+const USER_EXPECTED: &str = "a string of at most 256 characters";
+
+/// `metadata` as OpenAI bounds it (`null` passes): at most [`MAX_METADATA_PAIRS`] pairs, keys
+/// of at most [`MAX_METADATA_KEY_CHARS`] characters, values strings of at most
+/// [`MAX_METADATA_VALUE_CHARS`].
+///
+/// # Errors
+///
+/// [`PeekError::InvalidField`] for `metadata`.
+pub fn check_metadata(metadata: &Value) -> Result<(), PeekError> {
+    let bad = PeekError::InvalidField {
+        field: "metadata",
+        expected: METADATA_EXPECTED,
+    };
+    match metadata {
+        Value::Null => Ok(()),
+        Value::Object(pairs) if pairs.len() <= MAX_METADATA_PAIRS => {
+            let fits = pairs.iter().all(|(k, v)| {
+                k.chars().count() <= MAX_METADATA_KEY_CHARS
+                    && v.as_str()
+                        .is_some_and(|v| v.chars().count() <= MAX_METADATA_VALUE_CHARS)
+            });
+            if fits {
+                Ok(())
+            } else {
+                Err(bad)
+            }
+        }
+        _ => Err(bad),
+    }
+}
+
+/// `user` (`null` passes): a string of at most [`MAX_USER_CHARS`] characters.
+///
+/// # Errors
+///
+/// [`PeekError::InvalidField`] for `user`.
+pub fn check_user(user: &Value) -> Result<(), PeekError> {
+    match user {
+        Value::Null => Ok(()),
+        Value::String(s) if s.chars().count() <= MAX_USER_CHARS => Ok(()),
+        _ => Err(PeekError::InvalidField {
+            field: "user",
+            expected: USER_EXPECTED,
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn metadata_and_user_are_bounded() {
+        let pairs = |n: usize| Value::Object((0..n).map(|i| (i.to_string(), json!("v"))).collect());
+        for ok in [
+            Value::Null,
+            json!({}),
+            pairs(16),
+            json!({"k".repeat(64): "v".repeat(512)}),
+            json!({"é".repeat(64): "日".repeat(512)}),
+        ] {
+            assert_eq!(check_metadata(&ok), Ok(()), "{ok}");
+        }
+        for bad in [
+            pairs(17),
+            json!({"k".repeat(65): "v"}),
+            json!({"k": "v".repeat(513)}),
+            json!({"k": 1}),
+            json!({"k": {"nested": "v"}}),
+            json!(["k"]),
+            json!("k"),
+        ] {
+            assert!(check_metadata(&bad).is_err(), "{bad}");
+        }
+        assert_eq!(check_user(&json!("u".repeat(256))), Ok(()));
+        assert_eq!(check_user(&Value::Null), Ok(()));
+        assert!(check_user(&json!("u".repeat(257))).is_err());
+        assert!(check_user(&json!(1)).is_err());
+    }
+}
