@@ -32,6 +32,8 @@ fn generated_special_token_strings_count_as_ordinary_text() {
         + t.count_generated_text_full("<jupyter_output>");
     assert_eq!(t.count_generated(&generated), want);
     assert!(t.count_generated_text("<jupyter_output>") > 1);
+    // llama.cpp's `/tokenize` of SmolLM2 Q4_1, `parse_special: false` (measured 2026-12-04)
+    assert_eq!(t.count_generated_text("<|im_end|>"), 7);
     // streamed in pieces that cut the strings anywhere: the same count
     let mut inc = GeneratedCount::new();
     for piece in text.as_bytes().chunks(7) {
