@@ -746,3 +746,38 @@ async fn several_prompts_are_billed_whole_and_do_not_flag_an_honest_node() {
         }
     }
 }
+
+/// A caller prompting with ordinary tokens that spell `<|im_end|>` gets it back as text: the
+/// real llama.cpp renders a sampled control token as no text, so every such string it delivers
+/// was generated as several ordinary tokens, and is billed as ordinary text (it was billed as one
+/// token each: 32 + allowance for the 200 tokens generated; `docs/metering.md`, "Special tokens
+/// in generated text").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn special_token_text_a_node_generated_is_billed_as_ordinary_text() {
+    let engine = Engine::discover().unwrap();
+    let tok = ModelTokenizer::from_gguf(&engine.model_gguf).unwrap();
+    let llama = LlamaServer::start(&engine, 2).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (gw, t, _node, _agent) = gateway_with_node(dir.path(), &engine, &llama.url, "node").await;
+    const MAX: u64 = 200;
+    let prompt: Vec<u32> = [44, 108, 306, 79, 486, 108, 46].repeat(30);
+    for streamed in [false, true] {
+        let body = json!({"model":"smollm2","prompt":prompt,"max_tokens":MAX,"temperature":0,
+            "stream":streamed});
+        let resp = gw.api_post(&t.api_key, "/v1/completions", &body).await;
+        assert_eq!(resp.status(), 200, "streamed {streamed}");
+        let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
+        let got = delivered(&resp.text().await.unwrap(), streamed).remove(0);
+        let rec = gw.record(&id).await;
+        eprintln!("streamed {streamed}: {} bytes, {rec}", got.len());
+        assert!(got.matches("<|im_end|>").count() >= 10, "{got:?}");
+        let claimed = rec["claimed"]["completion_tokens"].as_u64().unwrap();
+        let billed = rec["billed"]["completion_tokens"].as_u64().unwrap();
+        let as_specials = tok.count_text(&got) + length_allowance_tokens(MAX);
+        assert_eq!(rec["outcome"], "completed", "{rec}");
+        assert!(billed >= tok.count_generated_text(&got), "{rec}");
+        assert!(billed > 3 * as_specials, "billed as specials again: {rec}");
+        assert!(billed + claimed / 8 >= claimed, "{rec}");
+        assert_eq!(rec["discrepancy"], false, "{rec}");
+    }
+}

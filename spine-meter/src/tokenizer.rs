@@ -9,7 +9,9 @@
 //!   parsed and no BOS added (measured against `llama-server`, see `fixtures/README.md`);
 //! - **completion tokens**: the text the engine generated, as delivered ([`GeneratedText`]:
 //!   `content`, `reasoning_content` and each tool call's function `name` and `arguments`),
-//!   tokenized the same way, plus one EOS token when the choice's `finish_reason` is `"stop"` or
+//!   tokenized WITHOUT parsing special tokens (a `<|im_end|>` in delivered text is ordinary
+//!   text: llama.cpp renders a sampled control token as no text; `docs/metering.md`, "Special
+//!   tokens in generated text"), plus one EOS token when the choice's `finish_reason` is `"stop"` or
 //!   `"tool_calls"` (llama.cpp counts the EOS it sampled); a `"length"` finish bills exactly
 //!   `max_tokens` when the delivered text supports it ([`bill_counted`]).
 //!
@@ -115,8 +117,26 @@ pub trait TokenCounter: fmt::Debug + Send + Sync {
     }
 
     /// Tokens of `text`, special tokens parsed, no BOS or EOS added (0 for `""`). Infallible:
-    /// text a counter cannot encode should count as an upper bound (e.g. its bytes).
+    /// text a counter cannot encode should count as an upper bound (e.g. its bytes). The meter
+    /// counts PROMPT text with it (a rendered chat template, a completions or embeddings
+    /// prompt), where a special-token string is the special token.
     fn count_text(&self, text: &str) -> u64;
+
+    /// Tokens of text a node GENERATED and delivered (content, reasoning, refusal, tool-call
+    /// names and arguments, completions text), special-token strings counted as the ordinary
+    /// text they spell, no BOS or EOS added (0 for `""`). llama.cpp renders a control token it
+    /// samples as no text (unless started with `--special`, or the token is a tool-call
+    /// grammar's preserved token), so a `<|im_end|>` in its output was spelled with ordinary
+    /// tokens and parsing it as one token would undercount (`docs/metering.md`, "Special
+    /// tokens in generated text"). Every count of delivered text goes through this method
+    /// ([`IncrementalText`], [`GeneratedCount`]); [`stable_cut`](Self::stable_cut) must hold
+    /// for it as for [`count_text`](Self::count_text).
+    ///
+    /// The default is [`count_text`](Self::count_text): right for a counter that parses no
+    /// special tokens; one that does should override it.
+    fn count_generated_text(&self, text: &str) -> u64 {
+        self.count_text(text)
+    }
 
     /// The longest token of the vocabulary, UTF-8 bytes, at least 1: a text of `B` bytes is at
     /// least `B / max_token_bytes` tokens, however it is tokenized. Bounds what a choice capped
@@ -135,7 +155,8 @@ pub trait TokenCounter: fmt::Debug + Send + Sync {
 
     /// A byte index `cut` of `text`, at most `text.len() − keep_bytes` and above
     /// `scanned_through`, such that for ANY text `rest` appended later
-    /// `count_text(text[..cut]) + count_text(text[cut..] + rest) == count_text(text + rest)`;
+    /// `count_text(text[..cut]) + count_text(text[cut..] + rest) == count_text(text + rest)`,
+    /// and the same of [`count_generated_text`](Self::count_generated_text);
     /// `None` when there is none. Lets [`IncrementalText`] count a streamed text and drop the
     /// counted part. Positions up to `scanned_through` were already looked at with no cut found
     /// (a counter may skip them); `keep_bytes` stay uncounted, more than any special token.
@@ -181,6 +202,10 @@ impl<T: TokenCounter + ?Sized> TokenCounter for std::sync::Arc<T> {
 
     fn count_text(&self, text: &str) -> u64 {
         (**self).count_text(text)
+    }
+
+    fn count_generated_text(&self, text: &str) -> u64 {
+        (**self).count_generated_text(text)
     }
 
     fn max_token_bytes(&self) -> u64 {
@@ -294,7 +319,7 @@ pub struct CompletionRule {
 pub struct CompletionCount {
     /// Completion tokens billed.
     pub tokens: u64,
-    /// Tokens of the generated text alone (the counter's [`TokenCounter::count_text`] of each
+    /// Tokens of the generated text alone (the counter's [`TokenCounter::count_generated_text`] of each
     /// piece).
     pub text_tokens: u64,
     /// The choice finished with `"length"` but its text cannot be `max_tokens` tokens (fewer
@@ -396,7 +421,8 @@ const INCREMENTAL_STEP_BYTES: usize = 2048;
 
 /// A text that arrives in pieces (one choice's `content` in a stream), counted as it flows
 /// without keeping all of it: its total is always exactly
-/// [`TokenCounter::count_text`] of the whole text.
+/// [`TokenCounter::count_generated_text`] of the whole text (special-token strings counted as
+/// ordinary text: it counts what a node generated).
 ///
 /// How: the text is cut where the counter says the count of the whole is the sum of the counts
 /// of the parts ([`TokenCounter::stable_cut`]). For [`ModelTokenizer`](crate::ModelTokenizer)'s
@@ -445,7 +471,7 @@ impl IncrementalText {
             let head = self.tail.get(..cut).unwrap_or_default();
             self.committed_tokens = self
                 .committed_tokens
-                .saturating_add(tokenizer.count_text(head));
+                .saturating_add(tokenizer.count_generated_text(head));
             self.tail.drain(..cut);
             self.next_try_bytes = self.tail.len() + INCREMENTAL_STEP_BYTES;
             self.counted_tail = None;
@@ -457,11 +483,11 @@ impl IncrementalText {
         self.total_bytes
     }
 
-    /// Exact tokens of everything pushed ([`TokenCounter::count_text`] of the whole text).
+    /// Exact tokens of everything pushed ([`TokenCounter::count_generated_text`] of the whole text).
     pub fn tokens(&self, tokenizer: &dyn TokenCounter) -> u64 {
         let tail = match self.counted_tail {
             Some((len, n)) if len == self.tail.len() => n,
-            _ => tokenizer.count_text(&self.tail),
+            _ => tokenizer.count_generated_text(&self.tail),
         };
         self.committed_tokens.saturating_add(tail)
     }
@@ -492,7 +518,7 @@ impl IncrementalText {
             None => true,
         };
         if due {
-            self.counted_tail = Some((self.tail.len(), tokenizer.count_text(&self.tail)));
+            self.counted_tail = Some((self.tail.len(), tokenizer.count_generated_text(&self.tail)));
         }
     }
 }
@@ -529,7 +555,7 @@ impl GeneratedCount {
             .chain(self.tool_calls.values().flat_map(|(n, a)| [n, a]))
     }
 
-    /// Exact tokens of everything pushed: the counter's [`TokenCounter::count_text`] of each
+    /// Exact tokens of everything pushed: the counter's [`TokenCounter::count_generated_text`] of each
     /// piece, summed.
     pub fn tokens(&self, tokenizer: &dyn TokenCounter) -> u64 {
         self.pieces()
@@ -590,5 +616,7 @@ impl GeneratedCount {
 
 #[cfg(all(test, feature = "tokenizer"))]
 mod tests;
+#[cfg(all(test, feature = "tokenizer"))]
+mod tests_generated;
 #[cfg(all(test, feature = "tokenizer"))]
 mod tests_template;

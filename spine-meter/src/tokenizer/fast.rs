@@ -160,9 +160,16 @@ impl FastCounter {
         })
     }
 
-    /// Tokens of `text` (non-empty); `None` when the model refuses a word (the caller then
-    /// takes the full pipeline, which reports the same way).
-    pub(super) fn count<'t>(&self, model: &ModelWrapper, text: &'t str) -> Option<u64> {
+    /// Tokens of `text` (non-empty), special-token strings split out as one token each when
+    /// `parse_special`, else counted as the ordinary text they spell (llama.cpp's
+    /// `parse_special = false`); `None` when the model refuses a word (the caller then takes
+    /// the full pipeline, which reports the same way).
+    pub(super) fn count<'t>(
+        &self,
+        model: &ModelWrapper,
+        text: &'t str,
+        parse_special: bool,
+    ) -> Option<u64> {
         let mut total = 0u64;
         let mut special_tokens = 0u64;
         // words this count has seen that the shared cache has not: counted once each (a text
@@ -187,7 +194,7 @@ impl FastCounter {
             let bytes = text.as_bytes();
             let (mut start, mut i) = (0usize, 0usize);
             while i < bytes.len() {
-                if self.special_first[usize::from(bytes[i])] {
+                if parse_special && self.special_first[usize::from(bytes[i])] {
                     let rest = &bytes[i..];
                     if let Some(s) = self
                         .specials

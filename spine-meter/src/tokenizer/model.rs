@@ -28,6 +28,10 @@ const TOKEN_TYPE_USER_DEFINED: i64 = 4;
 #[derive(Debug)]
 pub struct ModelTokenizer {
     pub(super) tokenizer: Tokenizer,
+    /// The same tokenizer without its added (special) tokens: the full-pipeline reference of
+    /// [`count_generated_text`](Self::count_generated_text), where special-token strings are
+    /// ordinary text.
+    plain: Tokenizer,
     env: minijinja::Environment<'static>,
     bos_token: String,
     eos_token: String,
@@ -191,6 +195,7 @@ impl ModelTokenizer {
         );
         env.add_template_owned(TEMPLATE_NAME, template)
             .map_err(TokenizerError::Template)?;
+        let plain = without_added_tokens(&tokenizer)?;
         let max_token_bytes = tokenizer
             .get_vocab(true)
             .keys()
@@ -200,6 +205,7 @@ impl ModelTokenizer {
             .max(1);
         Ok(Self {
             tokenizer,
+            plain,
             env,
             bos_token,
             eos_token,
@@ -325,7 +331,7 @@ impl ModelTokenizer {
             return 0;
         }
         if let Some(fast) = &self.fast {
-            if let Some(n) = fast.count(self.tokenizer.get_model(), text) {
+            if let Some(n) = fast.count(self.tokenizer.get_model(), text, true) {
                 return n;
             }
         }
@@ -345,23 +351,57 @@ impl ModelTokenizer {
         }
     }
 
-    /// Completion tokens of one choice: tokens of the delivered `text`, plus one for the EOS the
-    /// engine sampled when `finish_reason` is `"stop"` (llama.cpp's convention).
+    /// Tokens of text the engine generated and delivered: special-token strings (`<|im_end|>`)
+    /// are ordinary text here, tokenized as llama.cpp's `common_tokenize(…, parse_special =
+    /// false)` tokenizes them except that user-defined tokens are not split out either (see
+    /// [`TokenCounter::count_generated_text`]). llama.cpp renders a control token it samples
+    /// as no text, so such a string in its output was spelled with ordinary tokens.
+    ///
+    /// The fast path when built from a GGUF, else [`count_generated_text_full`](Self::count_generated_text_full)
+    /// (which it equals).
+    pub fn count_generated_text(&self, text: &str) -> u64 {
+        if text.is_empty() {
+            return 0;
+        }
+        if let Some(fast) = &self.fast {
+            if let Some(n) = fast.count(self.tokenizer.get_model(), text, false) {
+                return n;
+            }
+        }
+        self.count_generated_text_full(text)
+    }
+
+    /// [`count_generated_text`](Self::count_generated_text) through the full pipeline of the
+    /// tokenizer without its added tokens: the reference, kept for tests and fuzzing.
+    pub fn count_generated_text_full(&self, text: &str) -> u64 {
+        if text.is_empty() {
+            return 0;
+        }
+        match self.plain.encode_fast(text, false) {
+            Ok(enc) => enc.len() as u64,
+            Err(_) => text.len() as u64,
+        }
+    }
+
+    /// Completion tokens of one choice: tokens of the delivered `text`
+    /// ([`count_generated_text`](Self::count_generated_text)), plus one for the EOS the engine
+    /// sampled when `finish_reason` is `"stop"` (llama.cpp's convention).
     pub fn completion_tokens(&self, text: &str, finish_reason: Option<&str>) -> u64 {
-        self.count_text(text) + u64::from(finish_reason == Some("stop"))
+        self.count_generated_text(text) + u64::from(finish_reason == Some("stop"))
     }
 
     /// Tokens of everything a choice generated: `content`, `reasoning_content`, and each tool
-    /// call's `name` and `arguments`, each piece tokenized on its own (see [`GeneratedText`] for
-    /// what this leaves out).
+    /// call's `name` and `arguments`, each piece tokenized on its own with special-token
+    /// strings as ordinary text ([`count_generated_text`](Self::count_generated_text); see
+    /// [`GeneratedText`] for what this leaves out).
     pub fn count_generated(&self, generated: &GeneratedText) -> u64 {
         let calls = generated
             .tool_calls
             .values()
-            .map(|c| self.count_text(&c.name) + self.count_text(&c.arguments))
+            .map(|c| self.count_generated_text(&c.name) + self.count_generated_text(&c.arguments))
             .fold(0u64, u64::saturating_add);
-        self.count_text(&generated.content)
-            .saturating_add(self.count_text(&generated.reasoning))
+        self.count_generated_text(&generated.content)
+            .saturating_add(self.count_generated_text(&generated.reasoning))
             .saturating_add(calls)
     }
 
@@ -426,6 +466,10 @@ impl TokenCounter for ModelTokenizer {
         ModelTokenizer::count_text(self, text)
     }
 
+    fn count_generated_text(&self, text: &str) -> u64 {
+        ModelTokenizer::count_generated_text(self, text)
+    }
+
     fn max_token_bytes(&self) -> u64 {
         self.max_token_bytes
     }
@@ -454,6 +498,18 @@ impl TokenCounter for ModelTokenizer {
         let text = self.tokenizer.decode(&[id], false).ok()?;
         (!text.is_empty() && !text.contains('\u{fffd}')).then_some(text)
     }
+}
+
+/// `tokenizer` without its added tokens (the `added_tokens` of its JSON form emptied): every
+/// special-token string is then split and merged as ordinary text.
+fn without_added_tokens(tokenizer: &Tokenizer) -> Result<Tokenizer, TokenizerError> {
+    let err = |e: &dyn std::fmt::Display| TokenizerError::Tokenizers(e.to_string());
+    let mut json: Value = serde_json::from_str(&tokenizer.to_string(false).map_err(|e| err(&e))?)
+        .map_err(|e| err(&e))?;
+    if let Some(added) = json.get_mut("added_tokens") {
+        *added = Value::Array(Vec::new());
+    }
+    Tokenizer::from_bytes(json.to_string()).map_err(|e| err(&e))
 }
 
 /// A message as llama.cpp hands it to a string-content template.
