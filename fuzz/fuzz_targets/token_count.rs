@@ -2,9 +2,11 @@
 //! cache) returns exactly what the tokenizers crate's full pipeline returns
 //! (`ModelTokenizer::count_text_full`, `encode(..).len()`) on arbitrary UTF-8 — a billing
 //! invariant. Invalid UTF-8 input is counted after lossy decoding (still arbitrary UTF-8, with
-//! U+FFFD). Counting twice checks the warm-cache path too. The same text fed in pieces to the
-//! streaming counter (`tokenizer::IncrementalText`, cut at the first byte's multiples) totals
-//! exactly the same.
+//! U+FFFD). Counting twice checks the warm-cache path too. The same holds for generated text
+//! (`count_generated_text`, special-token strings as ordinary text, against
+//! `count_generated_text_full`), and the text fed in pieces to the streaming counter
+//! (`tokenizer::IncrementalText`, cut at the first byte's multiples, which counts generated
+//! text) totals exactly that.
 //!
 //! Needs the SmolLM2 GGUF: `SPINE_MODEL_GGUF`, default
 //! `~/.cache/spine/models/SmolLM2-135M-Instruct.Q4_1.gguf` (`scripts/setup.sh`). Seed it with the
@@ -39,6 +41,8 @@ fuzz_target!(|data: &[u8]| {
     let full = t.count_text_full(&text);
     assert_eq!(t.count_text(&text), full, "{text:?}");
     assert_eq!(t.count_text(&text), full, "{text:?} (warm cache)");
+    let generated = t.count_generated_text_full(&text);
+    assert_eq!(t.count_generated_text(&text), generated, "{text:?} (generated)");
     let step = usize::from(data.first().copied().unwrap_or(1)).max(1);
     let mut inc = IncrementalText::default();
     let mut start = 0;
@@ -50,5 +54,5 @@ fuzz_target!(|data: &[u8]| {
         inc.push(t, &text[start..end]);
         start = end;
     }
-    assert_eq!(inc.tokens(t), full, "{text:?} in pieces of {step}");
+    assert_eq!(inc.tokens(t), generated, "{text:?} in pieces of {step}");
 });
