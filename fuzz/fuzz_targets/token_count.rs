@@ -42,7 +42,11 @@ fuzz_target!(|data: &[u8]| {
     assert_eq!(t.count_text(&text), full, "{text:?}");
     assert_eq!(t.count_text(&text), full, "{text:?} (warm cache)");
     let generated = t.count_generated_text_full(&text);
-    assert_eq!(t.count_generated_text(&text), generated, "{text:?} (generated)");
+    assert_eq!(
+        t.count_generated_text(&text),
+        generated,
+        "{text:?} (generated)"
+    );
     let step = usize::from(data.first().copied().unwrap_or(1)).max(1);
     let mut inc = IncrementalText::default();
     let mut start = 0;
