@@ -221,7 +221,6 @@ fn check_data(data: &RawValue, inputs: usize) -> Result<Vec<(usize, &RawValue)>,
     if items.len() != inputs {
         return Err(format!("{} vectors in `data`", items.len()));
     }
-    let mut seen = vec![false; inputs];
     let mut dimension = None;
     let mut vectors = Vec::with_capacity(items.len());
     for (i, item) in items.iter().enumerate() {
@@ -250,18 +249,12 @@ fn check_data(data: &RawValue, inputs: usize) -> Result<Vec<(usize, &RawValue)>,
                 .ok_or_else(|| {
                     format!("item {i} has index {} (not below {inputs})", index.get())
                 })?;
-            let Some(slot) = seen.get_mut(at) else {
-                return Err(format!("item {i} has index {at}"));
-            };
-            if std::mem::replace(slot, true) {
-                return Err(format!("index {at} appears twice"));
-            }
             vectors.push((at, embedding));
         } else {
             vectors.push((i, embedding));
         }
     }
-    // positions taken for index-less items must not repeat a given index
+    // each index once, whether the node's or an index-less item's position
     let mut taken = vec![false; inputs];
     for (at, _) in &vectors {
         if let Some(slot) = taken.get_mut(*at) {

@@ -38,28 +38,26 @@ fn refusal(err: &BoxError) -> (u16, Option<String>, String) {
     }
 }
 
+/// Sends `body` as request `id` and checks it was refused 400 on `param` before any node was
+/// asked and before anything was recorded; returns the message.
+async fn refused_before_the_node(h: &Harness, id: &str, body: &Value, param: &str) -> String {
+    let svc = h
+        .layer(2048)
+        .layer(h.inner(200, "application/json", vec![answer(1)], End::Eof));
+    let err = svc.oneshot(embed(id, body)).await.unwrap_err();
+    let (status, got, message) = refusal(&err);
+    assert_eq!((status, got.as_deref()), (400, Some(param)), "{message}");
+    assert_eq!(h.upstream.lock().unwrap().as_ref(), None, "{id}");
+    assert_eq!(h.record(id).await, None, "{id}");
+    message
+}
+
 #[tokio::test]
 async fn more_inputs_than_openai_allows_are_refused_before_the_node() {
     let h = harness().await;
-    let svc = h
-        .layer(2048)
-        .layer(h.inner(200, "application/json", vec![answer(2049)], End::Eof));
-    let err = svc
-        .oneshot(embed(
-            "many",
-            &json!({"model":"smollm2","input":vec!["a"; 2049]}),
-        ))
-        .await
-        .unwrap_err();
-    let (status, param, message) = refusal(&err);
-    assert_eq!(
-        (status, param.as_deref()),
-        (400, Some("input")),
-        "{message}"
-    );
+    let body = json!({"model":"smollm2","input":vec!["a"; 2049]});
+    let message = refused_before_the_node(&h, "many", &body, "input").await;
     assert!(message.contains("at most 2048"), "{message}");
-    assert_eq!(h.upstream.lock().unwrap().as_ref(), None);
-    assert_eq!(h.record("many").await, None);
     h.assert_account_untouched().await;
 }
 
@@ -70,26 +68,10 @@ async fn more_inputs_than_openai_allows_are_refused_before_the_node() {
 async fn inputs_whose_answer_cannot_fit_the_buffer_are_refused_before_the_node() {
     assert_eq!(smollm_tokenizer().embedding_dimensions(), Some(576));
     let h = harness().await;
-    let svc = h
-        .layer(2048)
-        .layer(h.inner(200, "application/json", vec![answer(1400)], End::Eof));
-    let err = svc
-        .oneshot(embed(
-            "big",
-            &json!({"model":"smollm2","input":vec!["a"; 1400]}),
-        ))
-        .await
-        .unwrap_err();
-    let (status, param, message) = refusal(&err);
-    assert_eq!(
-        (status, param.as_deref()),
-        (400, Some("input")),
-        "{message}"
-    );
+    let body = json!({"model":"smollm2","input":vec!["a"; 1400]});
+    let message = refused_before_the_node(&h, "big", &body, "input").await;
     assert!(message.contains("at most 1144 inputs"), "{message}");
     assert!(!message.contains("stream\": true"), "{message}");
-    assert_eq!(h.upstream.lock().unwrap().as_ref(), None);
-    assert_eq!(h.record("big").await, None);
     h.assert_account_untouched().await;
 
     // what fits goes to the node: 1,144 inputs as numbers, 1,400 in base64
@@ -110,19 +92,9 @@ async fn inputs_whose_answer_cannot_fit_the_buffer_are_refused_before_the_node()
 async fn dimensions_other_than_the_models_own_are_refused() {
     let mut h = harness().await;
     for (id, dimensions) in [("d4", json!(4)), ("d0", json!(0)), ("dx", json!("576"))] {
-        let svc = h
-            .layer(2048)
-            .layer(h.inner(200, "application/json", vec![answer(1)], End::Eof));
         let body = json!({"model":"smollm2","input":"a","dimensions":dimensions});
-        let err = svc.oneshot(embed(id, &body)).await.unwrap_err();
-        let (status, param, message) = refusal(&err);
-        assert_eq!(
-            (status, param.as_deref()),
-            (400, Some("dimensions")),
-            "{message}"
-        );
+        let message = refused_before_the_node(&h, id, &body, "dimensions").await;
         assert!(message.contains("576"), "{message}");
-        assert_eq!(h.upstream.lock().unwrap().as_ref(), None);
     }
     h.assert_account_untouched().await;
     // the model's own length (or null) is what the node returns anyway
