@@ -24,13 +24,22 @@ fuzz_target!(|bytes: &[u8]| {
     let mut i = 0;
     while i < bytes.len() && tokens.len() < 512 {
         let len = usize::from(bytes[i] % 4);
-        let piece = text.get(i..(i + len).min(text.len())).unwrap_or(&[]).to_vec();
+        let piece = text
+            .get(i..(i + len).min(text.len()))
+            .unwrap_or(&[])
+            .to_vec();
         let lp = |k: usize| -f64::from(bytes.get(i + k).copied().unwrap_or(0)) / 16.0;
         tokens.push(ScoredToken {
             bytes: piece.clone(),
             top: vec![
-                TopToken { bytes: piece, logprob: lp(1) },
-                TopToken { bytes: bytes.get(i..i + 1).unwrap_or(&[]).to_vec(), logprob: lp(2) },
+                TopToken {
+                    bytes: piece,
+                    logprob: lp(1),
+                },
+                TopToken {
+                    bytes: bytes.get(i..i + 1).unwrap_or(&[]).to_vec(),
+                    logprob: lp(2),
+                },
             ],
         });
         i += len.max(1);
@@ -45,7 +54,12 @@ fuzz_target!(|bytes: &[u8]| {
             let config = SprtConfig::default();
             let mut test = Sprt::default();
             for o in obs {
-                if let Observation::Sampled { surprisal, bound, cap } = o {
+                if let Observation::Sampled {
+                    surprisal,
+                    bound,
+                    cap,
+                } = o
+                {
                     assert!(cap > 0.0 && (0.0..=cap).contains(&surprisal));
                     assert!((0.0..=cap).contains(&bound));
                 }

@@ -6,34 +6,13 @@
 //!
 //! Needs the SmolLM2 GGUF like `token_count`.
 #![no_main]
-use std::path::PathBuf;
-use std::sync::{Arc, OnceLock};
+mod common;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, StreamBody};
 use libfuzzer_sys::fuzz_target;
-use spine_core::{AccountId, BoxBody, BoxError, ModelId, NodeId, RequestId};
-use spine_meter::meter::{Catalog, CatalogEntry, MeterLayer};
-use spine_meter::{ModelTokenizer, Price, SqliteLedger};
+use spine_core::{BoxBody, BoxError, NodeId, RequestId};
 use tower::{Layer, ServiceExt};
-
-fn tokenizer() -> Arc<ModelTokenizer> {
-    static TOK: OnceLock<Arc<ModelTokenizer>> = OnceLock::new();
-    TOK.get_or_init(|| {
-        let path = std::env::var_os("SPINE_MODEL_GGUF").map_or_else(
-            || {
-                PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
-                    .join(".cache/spine/models/SmolLM2-135M-Instruct.Q4_1.gguf")
-            },
-            PathBuf::from,
-        );
-        Arc::new(
-            ModelTokenizer::from_gguf(&path)
-                .unwrap_or_else(|e| panic!("{}: {e} (set SPINE_MODEL_GGUF)", path.display())),
-        )
-    })
-    .clone()
-}
 
 fuzz_target!(|data: &[u8]| {
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -41,23 +20,7 @@ fuzz_target!(|data: &[u8]| {
         .build()
         .expect("runtime");
     rt.block_on(async {
-        let ledger = Arc::new(SqliteLedger::in_memory().await.expect("ledger"));
-        let account = AccountId::from("a");
-        ledger.create_account(&account).await.expect("account");
-        ledger.add_credits(&account, 1 << 40, "k").await.expect("credits");
-        let mut catalog = Catalog::new();
-        catalog.insert(
-            ModelId::from("m"),
-            CatalogEntry {
-                tokenizer: tokenizer(),
-                price: Price {
-                    input_micros_per_mtok: 1,
-                    output_micros_per_mtok: 1,
-                },
-                max_context_tokens: 2048,
-            },
-        );
-        let layer = MeterLayer::new(ledger.clone(), catalog);
+        let (layer, ledger, account) = common::metered().await;
         let settlements = layer.settlements();
         // the first byte sets the read size
         let step = usize::from(data.first().copied().unwrap_or(1)).max(1);

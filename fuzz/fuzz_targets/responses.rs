@@ -47,7 +47,10 @@ fuzz_target!(|bytes: &[u8]| {
     let text = String::from_utf8(out).unwrap();
     let mut ends = 0;
     let mut seq = 0;
-    for block in text.split("\n\n").filter(|b| !b.is_empty() && !b.starts_with(':')) {
+    for block in text
+        .split("\n\n")
+        .filter(|b| !b.is_empty() && !b.starts_with(':'))
+    {
         let mut lines = block.lines();
         let kind = lines.next().unwrap().strip_prefix("event: ").unwrap();
         let data: serde_json::Value =
@@ -56,7 +59,10 @@ fuzz_target!(|bytes: &[u8]| {
         assert_eq!(data["type"], kind);
         assert_eq!(data["sequence_number"], seq);
         seq += 1;
-        if matches!(kind, "response.completed" | "response.incomplete" | "response.failed") {
+        if matches!(
+            kind,
+            "response.completed" | "response.incomplete" | "response.failed"
+        ) {
             ends += 1;
         }
     }

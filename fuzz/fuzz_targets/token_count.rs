@@ -13,31 +13,15 @@
 //! fixture texts:
 //! `cargo fuzz run token_count fuzz/corpus/token_count fixtures/llama.cpp`.
 #![no_main]
-use std::path::PathBuf;
-use std::sync::OnceLock;
+mod common;
 
 use libfuzzer_sys::fuzz_target;
 use spine_meter::tokenizer::IncrementalText;
-use spine_meter::ModelTokenizer;
-
-fn tokenizer() -> &'static ModelTokenizer {
-    static TOK: OnceLock<ModelTokenizer> = OnceLock::new();
-    TOK.get_or_init(|| {
-        let path = std::env::var_os("SPINE_MODEL_GGUF").map_or_else(
-            || {
-                PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
-                    .join(".cache/spine/models/SmolLM2-135M-Instruct.Q4_1.gguf")
-            },
-            PathBuf::from,
-        );
-        ModelTokenizer::from_gguf(&path)
-            .unwrap_or_else(|e| panic!("{}: {e} (set SPINE_MODEL_GGUF)", path.display()))
-    })
-}
 
 fuzz_target!(|data: &[u8]| {
     let text = String::from_utf8_lossy(data);
-    let t = tokenizer();
+    let tok = common::tokenizer();
+    let t = &*tok;
     let full = t.count_text_full(&text);
     assert_eq!(t.count_text(&text), full, "{text:?}");
     assert_eq!(t.count_text(&text), full, "{text:?} (warm cache)");

@@ -1,0 +1,55 @@
+//! Shared by the fuzz targets that need the real tokenizer or a metered service: the SmolLM2
+//! GGUF's tokenizer (`SPINE_MODEL_GGUF`, default
+//! `~/.cache/spine/models/SmolLM2-135M-Instruct.Q4_1.gguf`, from `scripts/setup.sh`) and a
+//! `MeterLayer` over an in-memory ledger with one funded account.
+#![allow(dead_code)]
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
+
+use spine_core::{AccountId, ModelId};
+use spine_meter::meter::{Catalog, CatalogEntry, MeterLayer};
+use spine_meter::{ModelTokenizer, Price, SqliteLedger};
+
+/// The SmolLM2 tokenizer, loaded once per process.
+pub fn tokenizer() -> Arc<ModelTokenizer> {
+    static TOK: OnceLock<Arc<ModelTokenizer>> = OnceLock::new();
+    TOK.get_or_init(|| {
+        let path = std::env::var_os("SPINE_MODEL_GGUF").map_or_else(
+            || {
+                PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
+                    .join(".cache/spine/models/SmolLM2-135M-Instruct.Q4_1.gguf")
+            },
+            PathBuf::from,
+        );
+        Arc::new(
+            ModelTokenizer::from_gguf(&path)
+                .unwrap_or_else(|e| panic!("{}: {e} (set SPINE_MODEL_GGUF)", path.display())),
+        )
+    })
+    .clone()
+}
+
+/// A `MeterLayer` for model `m` (context 2,048, 1 µ per million tokens) over a fresh in-memory
+/// ledger, with account `a` credited 2^40 µ: (layer, ledger, account).
+pub async fn metered() -> (MeterLayer, Arc<SqliteLedger>, AccountId) {
+    let ledger = Arc::new(SqliteLedger::in_memory().await.expect("ledger"));
+    let account = AccountId::from("a");
+    ledger.create_account(&account).await.expect("account");
+    ledger
+        .add_credits(&account, 1 << 40, "k")
+        .await
+        .expect("credits");
+    let mut catalog = Catalog::new();
+    catalog.insert(
+        ModelId::from("m"),
+        CatalogEntry {
+            tokenizer: tokenizer(),
+            price: Price {
+                input_micros_per_mtok: 1,
+                output_micros_per_mtok: 1,
+            },
+            max_context_tokens: 2048,
+        },
+    );
+    (MeterLayer::new(ledger.clone(), catalog), ledger, account)
+}
