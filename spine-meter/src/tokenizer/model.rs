@@ -327,28 +327,14 @@ impl ModelTokenizer {
     /// [`count_text_full`](Self::count_text_full) returns (property-tested and fuzzed against
     /// it); anything it cannot decide falls back to the full pipeline.
     pub fn count_text(&self, text: &str) -> u64 {
-        if text.is_empty() {
-            return 0;
-        }
-        if let Some(fast) = &self.fast {
-            if let Some(n) = fast.count(self.tokenizer.get_model(), text, true) {
-                return n;
-            }
-        }
-        self.count_text_full(text)
+        self.count_fast_or_full(text, true)
     }
 
     /// Tokens of `text` through the tokenizers crate's full pipeline (`encode`, building the
     /// `Encoding`): the reference [`count_text`](Self::count_text) must equal, kept for tests,
     /// fuzzing and benchmarks.
     pub fn count_text_full(&self, text: &str) -> u64 {
-        if text.is_empty() {
-            return 0;
-        }
-        match self.tokenizer.encode_fast(text, false) {
-            Ok(enc) => enc.len() as u64,
-            Err(_) => text.len() as u64,
-        }
+        encoded_len(&self.tokenizer, text)
     }
 
     /// Tokens of text the engine generated and delivered: special-token strings (`<|im_end|>`)
@@ -360,27 +346,31 @@ impl ModelTokenizer {
     /// The fast path when built from a GGUF, else [`count_generated_text_full`](Self::count_generated_text_full)
     /// (which it equals).
     pub fn count_generated_text(&self, text: &str) -> u64 {
+        self.count_fast_or_full(text, false)
+    }
+
+    /// The fast path ([`FastCounter`]), special tokens parsed or not, else the full pipeline
+    /// of the tokenizer with them or without them; 0 for `""`.
+    fn count_fast_or_full(&self, text: &str, parse_special: bool) -> u64 {
         if text.is_empty() {
             return 0;
         }
         if let Some(fast) = &self.fast {
-            if let Some(n) = fast.count(self.tokenizer.get_model(), text, false) {
+            if let Some(n) = fast.count(self.tokenizer.get_model(), text, parse_special) {
                 return n;
             }
         }
-        self.count_generated_text_full(text)
+        if parse_special {
+            self.count_text_full(text)
+        } else {
+            self.count_generated_text_full(text)
+        }
     }
 
     /// [`count_generated_text`](Self::count_generated_text) through the full pipeline of the
     /// tokenizer without its added tokens: the reference, kept for tests and fuzzing.
     pub fn count_generated_text_full(&self, text: &str) -> u64 {
-        if text.is_empty() {
-            return 0;
-        }
-        match self.plain.encode_fast(text, false) {
-            Ok(enc) => enc.len() as u64,
-            Err(_) => text.len() as u64,
-        }
+        encoded_len(&self.plain, text)
     }
 
     /// Completion tokens of one choice: tokens of the delivered `text`
@@ -536,4 +526,16 @@ fn normalize_message(msg: &Value) -> Value {
     };
     out.insert("content".into(), Value::String(content));
     Value::Object(out)
+}
+
+/// Tokens of `text` through `tokenizer`'s full pipeline (`encode`, no BOS/EOS added); input it
+/// cannot encode counts as its byte length, an upper bound; 0 for `""`.
+fn encoded_len(tokenizer: &Tokenizer, text: &str) -> u64 {
+    if text.is_empty() {
+        return 0;
+    }
+    match tokenizer.encode_fast(text, false) {
+        Ok(enc) => enc.len() as u64,
+        Err(_) => text.len() as u64,
+    }
 }
