@@ -6,7 +6,9 @@
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
-use spine_core::{AccountId, ModelId};
+use bytes::Bytes;
+use http_body_util::{BodyExt, StreamBody};
+use spine_core::{AccountId, BoxBody, BoxError, ModelId, NodeId, RequestId};
 use spine_meter::meter::{Catalog, CatalogEntry, MeterLayer};
 use spine_meter::{ModelTokenizer, Price, SqliteLedger};
 
@@ -52,4 +54,48 @@ pub async fn metered() -> (MeterLayer, Arc<SqliteLedger>, AccountId) {
         },
     );
     (MeterLayer::new(ledger.clone(), catalog), ledger, account)
+}
+
+/// A node (as a service) that answers every request 200 with `data`, as `content_type`, cut
+/// into reads of the first byte's value (at least 1), tagged as node `n`.
+pub fn node_answering(
+    data: &[u8],
+    content_type: &'static str,
+) -> impl tower::Service<
+    http::Request<BoxBody>,
+    Response = http::Response<BoxBody>,
+    Error = BoxError,
+    Future = impl Send,
+> + Clone {
+    let step = usize::from(data.first().copied().unwrap_or(1)).max(1);
+    let reads: Vec<Bytes> = data.chunks(step).map(Bytes::copy_from_slice).collect();
+    tower::service_fn(move |_req: http::Request<BoxBody>| {
+        let reads = reads.clone();
+        async move {
+            let frames = futures_util::stream::iter(
+                reads
+                    .into_iter()
+                    .map(|b| Ok::<_, BoxError>(http_body::Frame::data(b))),
+            );
+            let mut resp = http::Response::new(BoxBody::new(StreamBody::new(frames)));
+            resp.headers_mut().insert(
+                http::header::CONTENT_TYPE,
+                http::HeaderValue::from_static(content_type),
+            );
+            resp.extensions_mut().insert(NodeId::from("n"));
+            Ok::<_, BoxError>(resp)
+        }
+    })
+}
+
+/// `POST path` with `body`, as request `r` of `account`.
+pub fn request(path: &str, body: &'static [u8], account: &AccountId) -> http::Request<BoxBody> {
+    let mut req = http::Request::post(path)
+        .body(BoxBody::new(
+            http_body_util::Full::new(Bytes::from_static(body)).map_err(|never| match never {}),
+        ))
+        .expect("request");
+    req.extensions_mut().insert(RequestId::from("r"));
+    req.extensions_mut().insert(account.clone());
+    req
 }

@@ -10,10 +10,8 @@
 #![no_main]
 mod common;
 
-use bytes::Bytes;
-use http_body_util::{BodyExt, StreamBody};
+use http_body_util::BodyExt;
 use libfuzzer_sys::fuzz_target;
-use spine_core::{BoxBody, BoxError, NodeId, RequestId};
 use spine_meter::meter::MeterError;
 use tower::{Layer, ServiceExt};
 
@@ -25,34 +23,9 @@ fuzz_target!(|data: &[u8]| {
     rt.block_on(async {
         let (layer, ledger, account) = common::metered().await;
         let settlements = layer.settlements();
-        // the first byte sets the read size
-        let step = usize::from(data.first().copied().unwrap_or(1)).max(1);
-        let reads: Vec<Bytes> = data.chunks(step).map(Bytes::copy_from_slice).collect();
-        let node = tower::service_fn(move |_req: http::Request<BoxBody>| {
-            let reads = reads.clone();
-            async move {
-                let frames = futures_util::stream::iter(
-                    reads
-                        .into_iter()
-                        .map(|b| Ok::<_, BoxError>(http_body::Frame::data(b))),
-                );
-                let mut resp = http::Response::new(BoxBody::new(StreamBody::new(frames)));
-                resp.headers_mut().insert(
-                    http::header::CONTENT_TYPE,
-                    http::HeaderValue::from_static("application/json"),
-                );
-                resp.extensions_mut().insert(NodeId::from("n"));
-                Ok::<_, BoxError>(resp)
-            }
-        });
+        let node = common::node_answering(data, "application/json");
         let body = br#"{"model":"m","input":["hello there","a"]}"#;
-        let mut req = http::Request::post("/v1/embeddings")
-            .body(BoxBody::new(
-                http_body_util::Full::new(Bytes::from_static(body)).map_err(|never| match never {}),
-            ))
-            .expect("request");
-        req.extensions_mut().insert(RequestId::from("r"));
-        req.extensions_mut().insert(account.clone());
+        let req = common::request("/v1/embeddings", body, &account);
         // a refused answer is a `MeterError`, which the gateway answers in OpenAI's error shape
         // (`openai_error::ApiError::from`, tested there)
         let resp = match layer.layer(node).oneshot(req).await {
