@@ -278,6 +278,15 @@ async fn first_bytes_only(
     (id, resp)
 }
 
+/// The `delta.content` of every chunk of an SSE body, concatenated (what a caller reads).
+fn delivered_content(sse: &str) -> String {
+    sse.lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .filter_map(|ev| ev["choices"][0]["delta"]["content"].as_str().map(str::to_owned))
+        .collect()
+}
+
 async fn node_in_flight(gw: &Gateway, node: &str) -> u64 {
     gw.node(node).await["in_flight"].as_u64().unwrap()
 }
@@ -371,8 +380,9 @@ async fn slow_readers_leave_the_node_slots_free_once_generation_ends() {
         let text = String::from_utf8_lossy(&rest);
         assert!(
             text.trim_end().ends_with("data: [DONE]"),
-            "{id}: ...{}",
-            &text[text.len().saturating_sub(300)..]
+            "{id}: ...{}\n(the text it delivered: {:?})",
+            &text[text.len().saturating_sub(600)..],
+            delivered_content(&text)
         );
         let rec = gw.record(&id).await;
         assert_eq!(rec["outcome"], "completed", "{rec}");

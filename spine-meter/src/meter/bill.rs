@@ -232,26 +232,35 @@ pub(super) fn over_limit(
     exact: bool,
 ) -> Option<String> {
     let limit = ctx.delivery_limit_tokens();
-    let over = format!(
-        "the node sent more than the {} completion tokens a choice may have",
-        ctx.max_completion_tokens_per_choice
-    );
+    let over = |tokens: Option<u64>, delivered: &GeneratedCount| {
+        let counted = tokens.map_or_else(String::new, |t| format!("{t} tokens, "));
+        format!(
+            "the node sent more than the {} completion tokens a choice may have ({counted}{} \
+             bytes of text counted against a limit of {limit} tokens)",
+            ctx.max_completion_tokens_per_choice,
+            delivered.len_bytes()
+        )
+    };
     if delivered.len_bytes() > ctx.delivery_limit_bytes() {
-        return Some(over);
+        return Some(over(None, delivered));
     }
     if exact {
-        return (delivered.tokens(tokenizer) > limit).then_some(over);
+        let tokens = delivered.tokens(tokenizer);
+        return (tokens > limit).then(|| over(Some(tokens), delivered));
     }
     if delivered.tokens_upper_bound() <= limit {
         return None;
     }
     delivered.refresh(tokenizer);
-    if delivered.tokens_upper_bound() <= limit {
+    let bound = delivered.tokens_upper_bound();
+    if bound <= limit {
         return None;
     }
     // the bound may be loose (a tail not counted since it last grew): decide only when it is
     // the exact count; otherwise a later event (or the end, on the exact count) decides
-    delivered.bound_is_exact().then_some(over)
+    delivered
+        .bound_is_exact()
+        .then(|| over(Some(bound), delivered))
 }
 
 /// Meters a complete non-streamed 2xx response body and settles.
