@@ -17,8 +17,9 @@ pub use messages::validate_chat_messages;
 #[cfg(test)]
 use messages::CONTENT_EXPECTED;
 pub use tags::{
-    check_metadata, check_user, MAX_METADATA_KEY_CHARS, MAX_METADATA_PAIRS,
-    MAX_METADATA_VALUE_CHARS, MAX_USER_CHARS,
+    check_metadata, check_output_constraint, check_tool_count, check_user, MAX_METADATA_KEY_CHARS,
+    MAX_METADATA_PAIRS, MAX_METADATA_VALUE_CHARS, MAX_OUTPUT_CONSTRAINT_BYTES, MAX_TOOLS,
+    MAX_USER_CHARS,
 };
 
 /// The fields of an OpenAI request body the gateway needs, read without touching the rest.
@@ -568,6 +569,20 @@ impl RequestPeek {
                 let value: Value = serde_json::from_str(raw.get())
                     .map_err(|e| PeekError::NotJson(e.to_string()))?;
                 check(&value)?;
+            }
+        }
+        // an array's length without building its values (another type is the endpoint's error)
+        if let Some(raw) = fields.get("tools") {
+            if let Ok(tools) = serde_json::from_str::<Vec<serde::de::IgnoredAny>>(raw.get()) {
+                check_tool_count(tools.len())?;
+            }
+        }
+        for name in TOKENIZATION_CONSTRAINT_FIELDS {
+            if name == "logit_bias" {
+                continue;
+            }
+            if let Some(raw) = fields.get(name) {
+                check_output_constraint(name, raw.get())?;
             }
         }
         // the prompt echoed back arrives as completion text the caller did not ask to generate

@@ -1,7 +1,9 @@
-//! Bounds on the caller's tags that are forwarded or echoed but never counted: `metadata`
-//! (OpenAI's documented limits) and `user` (this gateway's). Unbounded, they would only make a
-//! node read, and a `/v1/responses` answer echo (three times when streamed), megabytes nobody
-//! pays for.
+//! Bounds on what the caller sends that is forwarded or echoed but never counted: `metadata`
+//! (OpenAI's documented limits), `user` (this gateway's) and the output constraints (a
+//! `response_format`, an engine's `grammar` …: this gateway's). Unbounded, they would only make a
+//! node read (and compile into a grammar), and a `/v1/responses` answer echo (three times when
+//! streamed), megabytes nobody pays for. Also the number of `tools` (OpenAI's limit; their text
+//! is counted in the prompt).
 
 use serde_json::Value;
 
@@ -15,6 +17,17 @@ pub const MAX_METADATA_KEY_CHARS: usize = 64;
 pub const MAX_METADATA_VALUE_CHARS: usize = 512;
 /// This gateway's limit on `user`, characters (OpenAI documents none; it is an end-user id).
 pub const MAX_USER_CHARS: usize = 256;
+
+/// OpenAI's limit on `tools` ("a max of 128 functions are supported"), on chat and on
+/// `/v1/responses`.
+pub const MAX_TOOLS: usize = 128;
+/// This gateway's limit on the JSON text of one output constraint member (`response_format`,
+/// llama.cpp's `grammar` / `json_schema`, vLLM's `guided_*`, Ollama's `format`, the Responses
+/// API's `text`; the members of [`TOKENIZATION_CONSTRAINT_FIELDS`](super::TOKENIZATION_CONSTRAINT_FIELDS)
+/// but `logit_bias`), bytes: 128 KiB. A node turns it into a grammar and no one pays for its
+/// size. OpenAI bounds a structured-output schema at 120,000 characters of property names,
+/// definition names and enum values; this leaves room for the structure around them.
+pub const MAX_OUTPUT_CONSTRAINT_BYTES: usize = 128 * 1024;
 
 const METADATA_EXPECTED: &str = "an object of at most 16 pairs, each key at most 64 characters \
                                  and each value a string of at most 512 characters";
@@ -66,6 +79,40 @@ pub fn check_user(user: &Value) -> Result<(), PeekError> {
     }
 }
 
+/// `count` entries of `tools`: at most [`MAX_TOOLS`].
+///
+/// # Errors
+///
+/// [`PeekError::InvalidField`] for `tools`.
+pub fn check_tool_count(count: usize) -> Result<(), PeekError> {
+    if count <= MAX_TOOLS {
+        Ok(())
+    } else {
+        Err(PeekError::InvalidField {
+            field: "tools",
+            expected: "an array of at most 128 tools",
+        })
+    }
+}
+
+/// An output constraint member `field` whose JSON text is `json`: at most
+/// [`MAX_OUTPUT_CONSTRAINT_BYTES`] bytes.
+///
+/// # Errors
+///
+/// [`PeekError::InvalidField`] for `field`.
+pub fn check_output_constraint(field: &'static str, json: &str) -> Result<(), PeekError> {
+    if json.len() <= MAX_OUTPUT_CONSTRAINT_BYTES {
+        Ok(())
+    } else {
+        Err(PeekError::InvalidField {
+            field,
+            expected: "at most 131072 bytes of JSON (this gateway's limit on an output \
+                       constraint: a schema or grammar)",
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
@@ -99,5 +146,24 @@ mod tests {
         assert_eq!(check_user(&Value::Null), Ok(()));
         assert!(check_user(&json!("u".repeat(257))).is_err());
         assert!(check_user(&json!(1)).is_err());
+    }
+
+    #[test]
+    fn tools_and_output_constraints_are_bounded() {
+        assert_eq!(check_tool_count(128), Ok(()));
+        assert!(check_tool_count(129).is_err());
+        let schema = |bytes: usize| format!("\"{}\"", "x".repeat(bytes - 2));
+        assert_eq!(
+            check_output_constraint("grammar", &schema(MAX_OUTPUT_CONSTRAINT_BYTES)),
+            Ok(())
+        );
+        assert_eq!(
+            check_output_constraint("grammar", &schema(MAX_OUTPUT_CONSTRAINT_BYTES + 1)),
+            Err(PeekError::InvalidField {
+                field: "grammar",
+                expected: "at most 131072 bytes of JSON (this gateway's limit on an output \
+                           constraint: a schema or grammar)",
+            })
+        );
     }
 }

@@ -852,3 +852,51 @@ fn metadata_and_user_are_bounded_where_accepted() {
         }
     }
 }
+
+/// Output constraints (`response_format`, an engine's `grammar`, …) are compiled by the node
+/// and never counted: each at most 128 KiB of JSON; `tools` at most OpenAI's 128. Both on chat,
+/// the constraints on text completions too (where they are accepted).
+#[test]
+fn tools_and_output_constraints_are_bounded_where_accepted() {
+    let schema = |bytes: usize| {
+        let wrap = r#"{"type":"json_schema","json_schema":{"name":"n","schema":{"description":""}}}"#;
+        let pad = "d".repeat(bytes - wrap.len());
+        wrap.replace(r#""description":"""#, &format!(r#""description":"{pad}""#))
+    };
+    let tools = |n: usize| {
+        let one = r#"{"type":"function","function":{"name":"f"}}"#;
+        format!("[{}]", vec![one; n].join(","))
+    };
+    let max = crate::MAX_OUTPUT_CONSTRAINT_BYTES;
+    for (kind, prompt) in [
+        (
+            RequestKind::ChatCompletions,
+            r#""messages":[{"role":"user","content":"hi"}]"#,
+        ),
+        (RequestKind::Completions, r#""prompt":"hi""#),
+    ] {
+        let body = |extra: &str| format!(r#"{{"model":"m",{prompt},{extra}}}"#);
+        let peek = |extra: &str| RequestPeek::for_endpoint(kind, body(extra).as_bytes());
+        for member in ["grammar", "json_schema", "guided_json"] {
+            let at = format!(r#""{member}":"{}""#, "g".repeat(max - 2));
+            assert!(peek(&at).is_ok(), "{kind:?} {member}");
+            let over = format!(r#""{member}":"{}""#, "g".repeat(max - 1));
+            assert!(
+                matches!(peek(&over), Err(PeekError::InvalidField { field, .. }) if field == member),
+                "{kind:?} {member}"
+            );
+        }
+        if kind == RequestKind::ChatCompletions {
+            assert!(peek(&format!(r#""response_format":{}"#, schema(max))).is_ok());
+            assert!(matches!(
+                peek(&format!(r#""response_format":{}"#, schema(max + 1))),
+                Err(PeekError::InvalidField { field: "response_format", .. })
+            ));
+            assert!(peek(&format!(r#""tools":{}"#, tools(128))).is_ok());
+            assert!(matches!(
+                peek(&format!(r#""tools":{}"#, tools(129))),
+                Err(PeekError::InvalidField { field: "tools", .. })
+            ));
+        }
+    }
+}

@@ -58,12 +58,17 @@ const IGNORED: &[&str] = &[
     "stream_options",
 ];
 
-/// `metadata` and `user` within [`spine_core::check_metadata`] / [`spine_core::check_user`]
-/// (any other member passes); the caller's message when not.
+/// `metadata`, `user`, `tools` and `text` within [`spine_core::check_metadata`],
+/// [`spine_core::check_user`], [`spine_core::check_tool_count`] and
+/// [`spine_core::check_output_constraint`] (any other member passes); the caller's message when
+/// not.
 fn key_bound(key: &str, value: &Value) -> Result<(), String> {
     match key {
         "metadata" => spine_core::check_metadata(value),
         "user" => spine_core::check_user(value),
+        "tools" => spine_core::check_tool_count(value.as_array().map_or(0, Vec::len)),
+        // the translated `response_format` is checked again on the chat path; the echo is not
+        "text" => spine_core::check_output_constraint("text", &value.to_string()),
         _ => Ok(()),
     }
     .map_err(|e| e.to_string())

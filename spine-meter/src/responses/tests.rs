@@ -436,6 +436,32 @@ fn a_member_given_twice_is_refused_as_on_chat() {
     assert!(chat_request(br#"{"model":"m","input":"hi","metadata":{"a":"1"}}"#).is_ok());
 }
 
+/// `text` (its format's schema) is echoed three times in a stream and never counted: at most
+/// 128 KiB of JSON, as an output constraint on chat; `tools` at most OpenAI's 128.
+#[test]
+fn text_format_and_tools_are_bounded() {
+    let text = |pad: usize| json!({"format": {"type": "json_schema", "name": "n", "schema": {"description": "d".repeat(pad)}}});
+    let fixed = text(0).to_string().len();
+    let max = spine_core::MAX_OUTPUT_CONSTRAINT_BYTES;
+    let tools = |n: usize| json!(vec![json!({"type": "function", "name": "f"}); n]);
+    for (member, value, ok) in [
+        ("text", text(max - fixed), true),
+        ("text", text(max - fixed + 1), false),
+        ("tools", tools(128), true),
+        ("tools", tools(129), false),
+    ] {
+        let body = json!({"model": "m", "input": "hi", member: value});
+        let got = chat_request(body.to_string().as_bytes());
+        if ok {
+            assert!(got.is_ok(), "{member}");
+        } else {
+            let e = got.unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(member));
+            assert_eq!(e.code, "invalid_request");
+        }
+    }
+}
+
 /// `metadata` and `user` are echoed (three times in a stream) and never counted: OpenAI's
 /// metadata limits and 256 characters of `user`, as on chat.
 #[test]
