@@ -6,7 +6,9 @@
 //! (`count_generated_text`, special-token strings as ordinary text, against
 //! `count_generated_text_full`), and the text fed in pieces to the streaming counter
 //! (`tokenizer::IncrementalText`, cut at the first byte's multiples, which counts generated
-//! text) totals exactly that.
+//! text) totals exactly that. The fewest tokens that spell generated text
+//! (`count_generated_text_and_fewest`, what a choice's cap is judged on) are at most its count
+//! and add up across the same pieces.
 //!
 //! Needs the SmolLM2 GGUF: `SPINE_MODEL_GGUF`, default
 //! `~/.cache/spine/models/SmolLM2-135M-Instruct.Q4_1.gguf` (`scripts/setup.sh`). Seed it with the
@@ -43,4 +45,10 @@ fuzz_target!(|data: &[u8]| {
         start = end;
     }
     assert_eq!(inc.tokens(t), generated, "{text:?} in pieces of {step}");
+    // the fewest spelling (what the cap is judged on): with the count, at most the count, and
+    // additive across the streaming counter's cuts
+    let (count, fewest) = t.count_generated_text_and_fewest(&text);
+    assert_eq!(count, generated, "{text:?} (count beside the fewest)");
+    assert!(fewest <= count, "{text:?}: fewest {fewest} > count {count}");
+    assert_eq!(inc.fewest(t), fewest, "{text:?} fewest in pieces of {step}");
 });

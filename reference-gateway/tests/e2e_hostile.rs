@@ -781,3 +781,42 @@ async fn special_token_text_a_node_generated_is_billed_as_ordinary_text() {
         assert_eq!(rec["discrepancy"], false, "{rec}");
     }
 }
+
+/// A caller's `logit_bias` that makes the real llama.cpp write text counting more tokens than
+/// it generated (token 478, `"ell"`, over and over: about 1.5 tokens each when counted) was
+/// cut as the honest node's fault past `max_tokens`: the caller read the answer free
+/// (`upstream_failed`) and the node was scored. The cap is judged on the fewest tokens that
+/// spell the text: the answer completes, the caller pays the tokens generated, the node is
+/// neither faulted nor flagged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn text_a_caller_biases_to_count_past_the_cap_is_billed_not_free() {
+    let engine = Engine::discover().unwrap();
+    let tok = ModelTokenizer::from_gguf(&engine.model_gguf).unwrap();
+    let llama = LlamaServer::start(&engine, 2).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (gw, t, node, _agent) = gateway_with_node(dir.path(), &engine, &llama.url, "node").await;
+    const MAX: u64 = 200;
+    for streamed in [false, true] {
+        let body = json!({"model":"smollm2","max_tokens":MAX,"temperature":0,"stream":streamed,
+            "logit_bias":{"478":13,"2":-100,"0":-100},
+            "messages":[{"role":"user","content":"Write a haiku about the sea."}]});
+        let resp = gw.api_post(&t.api_key, "/v1/chat/completions", &body).await;
+        assert_eq!(resp.status(), 200, "streamed {streamed}");
+        let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
+        let text = resp.text().await.unwrap();
+        assert!(!text.contains("\"error\""), "streamed {streamed}: {text}");
+        let got = delivered(&text, streamed).remove(0);
+        let rec = gw.record(&id).await;
+        eprintln!("streamed {streamed}: {} bytes, {rec}", got.len());
+        // the case: counted past the cap and its slack, generated within it
+        let (count, fewest) = tok.count_generated_text_and_fewest(&got);
+        assert!(count > MAX + MAX / 10, "{count}: {got:?}");
+        assert!(fewest <= MAX, "{fewest}");
+        assert_eq!(rec["outcome"], "completed", "{rec}");
+        assert_eq!(rec["billed"]["completion_tokens"], MAX, "{rec}");
+        assert_eq!(rec["discrepancy"], false, "{rec}");
+        assert!(rec["debit_micros"].as_u64().unwrap() > 0, "{rec}");
+    }
+    let n = gw.node(&node).await;
+    assert_eq!((&n["failures"], &n["discrepancies"]), (&json!(0), &json!(0)), "{n}");
+}

@@ -138,6 +138,22 @@ pub trait TokenCounter: fmt::Debug + Send + Sync {
         self.count_text(text)
     }
 
+    /// [`count_generated_text`](Self::count_generated_text) of `text` and the fewest tokens of
+    /// the vocabulary that spell it: `(count, fewest)`, `fewest <= count`. An engine samples
+    /// tokens, not the tokenizer's spelling, so text it generated in `N` tokens can count more
+    /// than `N` (measured on SmolLM2: `"ell"` repeated, which a caller's `logit_bias` can ask
+    /// for, counts about 1.5 tokens per `ell`; 1,085 of its tokens count 1.3× or more
+    /// repeated), never fewer than `fewest`. The meter BILLS `count` and judges whether a
+    /// choice went past its cap on `fewest` (the node's fault only when no spelling fits).
+    /// [`stable_cut`](Self::stable_cut) must hold for `fewest` as for `count`.
+    ///
+    /// The default is `(count, count)`: right for a counter that knows no other spelling
+    /// (its judgment of a cap is then the count's).
+    fn count_generated_text_and_fewest(&self, text: &str) -> (u64, u64) {
+        let count = self.count_generated_text(text);
+        (count, count)
+    }
+
     /// The longest token of the vocabulary, UTF-8 bytes, at least 1: a text of `B` bytes is at
     /// least `B / max_token_bytes` tokens, however it is tokenized. Bounds what a choice capped
     /// at `L` tokens may deliver before it is cut off: `L × max_token_bytes` bytes (a larger
@@ -208,6 +224,10 @@ impl<T: TokenCounter + ?Sized> TokenCounter for std::sync::Arc<T> {
         (**self).count_generated_text(text)
     }
 
+    fn count_generated_text_and_fewest(&self, text: &str) -> (u64, u64) {
+        (**self).count_generated_text_and_fewest(text)
+    }
+
     fn max_token_bytes(&self) -> u64 {
         (**self).max_token_bytes()
     }
@@ -251,8 +271,25 @@ impl<T: TokenCounter + ?Sized> TokenCounter for std::sync::Arc<T> {
 ///   have stopped it, or an unknown reason): `min(T, L)`.
 ///
 /// The rules need no tokenizer: `T` comes from whichever [`TokenCounter`] metered the text.
+/// Whether the text supports a `length` finish is judged here on `T` itself; see
+/// [`bill_counted_spelled`] to judge it on the fewest tokens that spell the text.
 pub fn bill_counted(
     text_tokens: u64,
+    bytes: u64,
+    finish_reason: Option<&str>,
+    rule: CompletionRule,
+) -> CompletionCount {
+    bill_counted_spelled(text_tokens, text_tokens, bytes, finish_reason, rule)
+}
+
+/// [`bill_counted`], with whether the text could be `L` tokens judged on `fewest_tokens`, the
+/// fewest tokens that spell it ([`TokenCounter::count_generated_text_and_fewest`]; at most
+/// `text_tokens`) instead of its count: an honest engine that generated `L` tokens may have
+/// written text that counts more (a caller's `logit_bias` can ask for it), and that is no
+/// reason to flag the node. What is billed still follows `text_tokens`.
+pub fn bill_counted_spelled(
+    text_tokens: u64,
+    fewest_tokens: u64,
     bytes: u64,
     finish_reason: Option<&str>,
     rule: CompletionRule,
@@ -271,7 +308,7 @@ pub fn bill_counted(
         Some("stop" | "tool_calls") if text_tokens < cap => count.tokens = text_tokens + 1,
         Some("length") if rule.max_tokens.is_some() => {
             let slack = LENGTH_SLACK_TOKENS.max(cap / 50);
-            count.length_unsupported = text_tokens > cap.saturating_add(slack)
+            count.length_unsupported = fewest_tokens.min(text_tokens) > cap.saturating_add(slack)
                 || cap > bytes.saturating_add(MAX_HELD_BACK_BYTES);
             // a finish the text cannot support earns no allowance: the node is paid for the
             // tokens it delivered, not for a `length` it claims
@@ -438,11 +475,14 @@ const INCREMENTAL_STEP_BYTES: usize = 2048;
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct IncrementalText {
     committed_tokens: u64,
+    /// The fewest tokens that spell the counted part
+    /// ([`TokenCounter::count_generated_text_and_fewest`]).
+    committed_fewest: u64,
     tail: String,
     /// Tail length at which the next cut is tried.
     next_try_bytes: usize,
-    /// `(tail length, its tokens)` when the tail was last counted.
-    counted_tail: Option<(usize, u64)>,
+    /// `(tail length, its tokens, the fewest that spell it)` when the tail was last counted.
+    counted_tail: Option<(usize, u64, u64)>,
     total_bytes: u64,
     /// Tail positions up to this one were looked at and are no cut, whatever follows (see
     /// [`TokenCounter::stable_cut`]): each byte is looked at once, however long a text without a
@@ -469,9 +509,9 @@ impl IncrementalText {
         if let Some(cut) = found {
             self.no_cut_through = 0;
             let head = self.tail.get(..cut).unwrap_or_default();
-            self.committed_tokens = self
-                .committed_tokens
-                .saturating_add(tokenizer.count_generated_text(head));
+            let (tokens, fewest) = tokenizer.count_generated_text_and_fewest(head);
+            self.committed_tokens = self.committed_tokens.saturating_add(tokens);
+            self.committed_fewest = self.committed_fewest.saturating_add(fewest);
             self.tail.drain(..cut);
             self.next_try_bytes = self.tail.len() + INCREMENTAL_STEP_BYTES;
             self.counted_tail = None;
@@ -486,17 +526,36 @@ impl IncrementalText {
     /// Exact tokens of everything pushed ([`TokenCounter::count_generated_text`] of the whole text).
     pub fn tokens(&self, tokenizer: &dyn TokenCounter) -> u64 {
         let tail = match self.counted_tail {
-            Some((len, n)) if len == self.tail.len() => n,
+            Some((len, n, _)) if len == self.tail.len() => n,
             _ => tokenizer.count_generated_text(&self.tail),
         };
         self.committed_tokens.saturating_add(tail)
+    }
+
+    /// The fewest tokens that spell everything pushed (at most [`tokens`](Self::tokens)): a
+    /// lower bound on what the engine generated to write it.
+    pub fn fewest(&self, tokenizer: &dyn TokenCounter) -> u64 {
+        let tail = match self.counted_tail {
+            Some((len, _, f)) if len == self.tail.len() => f,
+            _ => tokenizer.count_generated_text_and_fewest(&self.tail).1,
+        };
+        self.committed_fewest.saturating_add(tail)
+    }
+
+    /// At least [`fewest`](Self::fewest), cheaply, as [`tokens_upper_bound`](Self::tokens_upper_bound).
+    pub fn fewest_upper_bound(&self) -> u64 {
+        let tail = match self.counted_tail {
+            Some((len, _, f)) if len <= self.tail.len() => f + (self.tail.len() - len) as u64,
+            _ => self.tail.len() as u64,
+        };
+        self.committed_fewest.saturating_add(tail)
     }
 
     /// At least [`tokens`](Self::tokens), cheaply: the tail's last count plus one token per
     /// byte added since (the tail counted as its bytes when never counted).
     pub fn tokens_upper_bound(&self) -> u64 {
         let tail = match self.counted_tail {
-            Some((len, n)) if len <= self.tail.len() => n + (self.tail.len() - len) as u64,
+            Some((len, n, _)) if len <= self.tail.len() => n + (self.tail.len() - len) as u64,
             _ => self.tail.len() as u64,
         };
         self.committed_tokens.saturating_add(tail)
@@ -506,7 +565,7 @@ impl IncrementalText {
     /// counted since it last grew, or is empty).
     pub fn bound_is_exact(&self) -> bool {
         self.tail.is_empty()
-            || matches!(self.counted_tail, Some((len, _)) if len == self.tail.len())
+            || matches!(self.counted_tail, Some((len, ..)) if len == self.tail.len())
     }
 
     /// Counts the tail now when it grew by an eighth (at least 256 bytes) since its last count,
@@ -514,11 +573,12 @@ impl IncrementalText {
     /// tail is counted O(1) times per byte.
     pub fn refresh(&mut self, tokenizer: &dyn TokenCounter) {
         let due = match self.counted_tail {
-            Some((len, _)) => self.tail.len() >= len + (self.tail.len() / 8).max(256),
+            Some((len, ..)) => self.tail.len() >= len + (self.tail.len() / 8).max(256),
             None => true,
         };
         if due {
-            self.counted_tail = Some((self.tail.len(), tokenizer.count_generated_text(&self.tail)));
+            let (tokens, fewest) = tokenizer.count_generated_text_and_fewest(&self.tail);
+            self.counted_tail = Some((self.tail.len(), tokens, fewest));
         }
     }
 }
@@ -567,6 +627,21 @@ impl GeneratedCount {
     pub fn tokens_upper_bound(&self) -> u64 {
         self.pieces()
             .map(IncrementalText::tokens_upper_bound)
+            .fold(0u64, u64::saturating_add)
+    }
+
+    /// The fewest tokens that spell everything pushed, each piece on its own
+    /// ([`IncrementalText::fewest`]): what the node generated at the least.
+    pub fn fewest(&self, tokenizer: &dyn TokenCounter) -> u64 {
+        self.pieces()
+            .map(|p| p.fewest(tokenizer))
+            .fold(0u64, u64::saturating_add)
+    }
+
+    /// At least [`fewest`](Self::fewest), cheaply ([`IncrementalText::fewest_upper_bound`]).
+    pub fn fewest_upper_bound(&self) -> u64 {
+        self.pieces()
+            .map(IncrementalText::fewest_upper_bound)
             .fold(0u64, u64::saturating_add)
     }
 

@@ -224,7 +224,11 @@ pub(super) fn over_limit_streamed(
 }
 
 /// Why a choice that delivered `delivered` is past the tokens it may deliver, if it is: the
-/// node's fault (the engine was told the cap).
+/// node's fault (the engine was told the cap). Judged on the FEWEST tokens that spell what was
+/// delivered ([`TokenCounter::count_generated_text_and_fewest`]), not on its count: an engine
+/// samples tokens, and an honest one can write text that counts more tokens than it generated
+/// (a caller's `logit_bias` can ask for such text: it must not make an honest node look at
+/// fault, nor make the answer free). The bill still follows the count, within the cap.
 pub(super) fn over_limit(
     ctx: &SettleCtx,
     tokenizer: &dyn TokenCounter,
@@ -232,11 +236,11 @@ pub(super) fn over_limit(
     exact: bool,
 ) -> Option<String> {
     let limit = ctx.delivery_limit_tokens();
-    let over = |tokens: Option<u64>, delivered: &GeneratedCount| {
-        let counted = tokens.map_or_else(String::new, |t| format!("{t} tokens, "));
+    let over = |fewest: Option<u64>, delivered: &GeneratedCount| {
+        let spelled = fewest.map_or_else(String::new, |f| format!(" at least {f} tokens in"));
         format!(
-            "the node sent more than the {} completion tokens a choice may have ({counted}{} \
-             bytes of text counted against a limit of {limit} tokens)",
+            "the node sent more than the {} completion tokens a choice may have (it delivered{spelled} \
+             {} bytes of text; the limit is {limit} tokens)",
             ctx.max_completion_tokens_per_choice,
             delivered.len_bytes()
         )
@@ -245,14 +249,14 @@ pub(super) fn over_limit(
         return Some(over(None, delivered));
     }
     if exact {
-        let tokens = delivered.tokens(tokenizer);
-        return (tokens > limit).then(|| over(Some(tokens), delivered));
+        let fewest = delivered.fewest(tokenizer);
+        return (fewest > limit).then(|| over(Some(fewest), delivered));
     }
-    if delivered.tokens_upper_bound() <= limit {
+    if delivered.fewest_upper_bound() <= limit {
         return None;
     }
     delivered.refresh(tokenizer);
-    let bound = delivered.tokens_upper_bound();
+    let bound = delivered.fewest_upper_bound();
     if bound <= limit {
         return None;
     }

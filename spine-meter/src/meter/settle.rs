@@ -262,16 +262,18 @@ impl SettleCtx {
     }
 
     /// Completion tokens billed for one choice (module docs, "Billing";
-    /// [`bill_counted`](crate::tokenizer::bill_counted)): EOS and the `length` rule only when `completed`; never
-    /// more than the per-choice cap.
+    /// [`bill_counted_spelled`](crate::tokenizer::bill_counted_spelled), the `length` finish
+    /// judged on the fewest tokens that spell the text): EOS and the `length` rule only when
+    /// `completed`; never more than the per-choice cap.
     pub(crate) fn choice_completion_counted(
         &self,
         generated: &GeneratedCount,
         finish_reason: Option<&str>,
         completed: bool,
     ) -> CompletionCount {
-        crate::tokenizer::bill_counted(
+        crate::tokenizer::bill_counted_spelled(
             generated.tokens(&*self.tokenizer),
+            generated.fewest(&*self.tokenizer),
             // a `length` finish may have generated a held-back partial stop string as well
             generated.len_bytes().saturating_add(self.stop_hidden_bytes),
             finish_reason,
@@ -284,7 +286,8 @@ impl SettleCtx {
     }
 
     /// Most completion tokens a choice may DELIVER before the node is cut off as over its cap:
-    /// the per-choice cap plus `max(16, cap / 10)` (an honest engine stops at `max_tokens`
+    /// the per-choice cap plus `max(16, cap / 10)`, judged on the fewest tokens that spell the
+    /// delivered text (an honest engine stops at `max_tokens`
     /// generated tokens, whose text may count a few more: `docs/metering.md`).
     pub(crate) fn delivery_limit_tokens(&self) -> u64 {
         let cap = self.max_completion_tokens_per_choice;

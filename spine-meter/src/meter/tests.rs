@@ -2123,3 +2123,50 @@ async fn node_logprobs_are_asked_for_captured_and_never_reach_a_caller_who_did_n
     let none = samples[3].node_logprobs.as_ref().unwrap();
     assert!(!none.seen && !none.is_usable());
 }
+
+/// Text an honest engine generated within its cap may COUNT more tokens than the cap: a
+/// caller's `logit_bias {"478": 13}` makes llama.cpp write `"ell"` (token 478) over and over,
+/// one token each, about 1.5 tokens each when counted. Judged on the fewest tokens that spell
+/// it, such a stream is within the cap: completed, billed the cap (what was generated), no
+/// fault and no discrepancy for the node. (Judged on the count, it was cut as the node's
+/// fault and settled `upstream_failed`: the caller paid nothing for what it read.)
+#[tokio::test]
+async fn text_that_counts_past_the_cap_but_spells_within_it_is_billed_not_cut() {
+    const CAP: u64 = 64;
+    let mut stream = Vec::new();
+    for _ in 0..CAP {
+        stream.extend_from_slice(&content_event("ell"));
+    }
+    let last = json!({"id":"c1","object":"chat.completion.chunk","created":1,"model":"smollm2",
+        "choices":[{"index":0,"delta":{},"finish_reason":"length"}]});
+    stream.extend_from_slice(format!("data: {last}\n\ndata: [DONE]\n\n").as_bytes());
+    let stream = Bytes::from(stream);
+    let tok = smollm_tokenizer();
+    let text = "ell".repeat(CAP as usize);
+    // past the cap and its slack (64 + 16) as counted, within it at the fewest
+    assert!(tok.count_generated_text(&text) > CAP + 16);
+    assert!(tok.count_generated_text_and_fewest(&text).1 <= CAP);
+    let mut h = harness().await;
+    let (svc, slot) = h.slot_node(h.layer(2048), "text/event-stream", move || {
+        full(stream.clone())
+    });
+    let mut req = chat(true, None);
+    req["max_tokens"] = json!(CAP);
+    let resp = svc.oneshot(request("ell", &req)).await.unwrap();
+    let got = frames(resp.into_body()).await.concat();
+    let events = crate::sse::parse_all(&got).unwrap();
+    assert_eq!(events.last().unwrap().data(), "[DONE]");
+    let mut delivered = String::new();
+    for e in &events[..events.len() - 1] {
+        let v: Value = serde_json::from_str(e.data()).unwrap();
+        assert!(v.get("error").is_none(), "{v}");
+        delivered.push_str(v["choices"][0]["delta"]["content"].as_str().unwrap_or(""));
+    }
+    assert_eq!(delivered, text);
+    let (s, r) = h.settled().await;
+    assert_eq!(s.outcome, StreamOutcome::Completed);
+    assert_eq!(s.billed.completion_tokens, CAP);
+    assert!(!s.discrepancy);
+    assert!(r.debit_micros > 0 && r.operator_credit_micros > 0);
+    assert_eq!(node_fault(&slot), None);
+}

@@ -23,6 +23,9 @@ pub(super) const WORD_CACHE_ENTRIES: usize = 1 << 16;
 pub(super) const WORD_CACHE_INSERTS_PER_COUNT: usize = WORD_CACHE_ENTRIES / 16;
 /// Longest word (UTF-8 bytes) the count cache keeps.
 pub(super) const WORD_CACHE_MAX_BYTES: usize = 48;
+/// Longest split (byte-level characters) whose fewest spelling is searched exactly
+/// ([`FastCounter::fewest_tokens`]); a longer one gets a weaker lower bound.
+pub(super) const FEWEST_SEARCH_MAX_CHARS: usize = 1024;
 
 /// Counts tokens without the tokenizers crate's per-call pipeline, for the pipeline
 /// [`ModelTokenizer::from_gguf_metadata`] builds: no normalizer; special tokens (not
@@ -46,7 +49,10 @@ pub(super) struct FastCounter {
     pub(super) regex: SysRegex,
     /// GPT-2's byte → character map (tokenizers' `bytes_char`).
     pub(super) byte_chars: [char; 256],
-    pub(super) cache: RwLock<HashMap<Box<str>, u32>>,
+    /// Word → (BPE tokens, fewest tokens of the vocabulary that spell it).
+    pub(super) cache: RwLock<HashMap<Box<str>, (u32, u32)>>,
+    /// The longest token of the vocabulary, in byte-level characters (set on first use).
+    pub(super) longest_token_chars: std::sync::OnceLock<usize>,
 }
 
 impl std::fmt::Debug for FastCounter {
@@ -97,6 +103,7 @@ impl FastCounter {
             regex,
             byte_chars: byte_level_chars(),
             cache: RwLock::new(HashMap::new()),
+            longest_token_chars: std::sync::OnceLock::new(),
         })
     }
 
@@ -170,23 +177,40 @@ impl FastCounter {
         text: &'t str,
         parse_special: bool,
     ) -> Option<u64> {
+        self.count_and_fewest(model, text, parse_special)
+            .map(|(n, _)| n)
+    }
+
+    /// [`count`](Self::count), and the fewest tokens of the vocabulary that spell `text` (the
+    /// sum over its splits of [`fewest_tokens`](Self::fewest_tokens); special tokens 1 each when
+    /// `parse_special`): `(count, fewest)`, `fewest <= count`. One scan; the word cache keeps
+    /// both numbers.
+    pub(super) fn count_and_fewest<'t>(
+        &self,
+        model: &ModelWrapper,
+        text: &'t str,
+        parse_special: bool,
+    ) -> Option<(u64, u64)> {
         let mut total = 0u64;
+        let mut fewest = 0u64;
         let mut special_tokens = 0u64;
         // words this count has seen that the shared cache has not: counted once each (a text
         // repeating a new word runs BPE on it once), added to the cache afterwards
-        let mut misses: HashMap<&'t str, u32> = HashMap::new();
+        let mut misses: HashMap<&'t str, (u32, u32)> = HashMap::new();
         {
             let cache = self.cache.read().unwrap_or_else(PoisonError::into_inner);
             let mut word = |w: &'t str| -> Option<()> {
-                if let Some(&n) = cache.get(w).or_else(|| misses.get(w)) {
+                if let Some(&(n, f)) = cache.get(w).or_else(|| misses.get(w)) {
                     total += u64::from(n);
+                    fewest += u64::from(f);
                     return Some(());
                 }
-                let n = self.bpe_count(model, w)?;
+                let (n, f) = self.bpe_count_and_fewest(model, w)?;
                 total += n;
+                fewest += f;
                 if w.len() <= WORD_CACHE_MAX_BYTES {
-                    if let Ok(n) = u32::try_from(n) {
-                        misses.insert(w, n);
+                    if let (Ok(n), Ok(f)) = (u32::try_from(n), u32::try_from(f)) {
+                        misses.insert(w, (n, f));
                     }
                 }
                 Some(())
@@ -215,13 +239,14 @@ impl FastCounter {
             self.segment(text.get(start..)?, &mut word)?;
         }
         let total = total.saturating_add(special_tokens);
+        let fewest = fewest.saturating_add(special_tokens);
         if !misses.is_empty() {
             let mut cache = match self.cache.try_write() {
                 Ok(c) => c,
                 Err(TryLockError::Poisoned(e)) => e.into_inner(),
                 // another count holds the lock: skip caching this time (speed only; counts are
                 // exact either way)
-                Err(TryLockError::WouldBlock) => return Some(total),
+                Err(TryLockError::WouldBlock) => return Some((total, fewest)),
             };
             let adding = misses.len().min(WORD_CACHE_INSERTS_PER_COUNT);
             let over = (cache.len() + adding).saturating_sub(WORD_CACHE_ENTRIES);
@@ -235,7 +260,7 @@ impl FastCounter {
                 cache.insert(w.into(), n);
             }
         }
-        Some(total)
+        Some((total, fewest))
     }
 
     /// Text between special tokens: `Digits` (each numeric character on its own) then the
@@ -300,13 +325,70 @@ impl FastCounter {
         Some(())
     }
 
-    /// BPE tokens of one split: the model on its byte-level form.
-    pub(super) fn bpe_count(&self, model: &ModelWrapper, w: &str) -> Option<u64> {
+    /// BPE tokens of one split (the model on its byte-level form), and the fewest tokens of
+    /// the vocabulary that spell it ([`fewest_tokens`](Self::fewest_tokens)).
+    pub(super) fn bpe_count_and_fewest(&self, model: &ModelWrapper, w: &str) -> Option<(u64, u64)> {
         let mut mapped = String::with_capacity(w.len() * 2);
         for &b in w.as_bytes() {
             mapped.push(self.byte_chars[usize::from(b)]);
         }
-        model.tokenize(&mapped).ok().map(|t| t.len() as u64)
+        let count = model.tokenize(&mapped).ok()?.len() as u64;
+        Some((count, self.fewest_tokens(model, &mapped, count)))
+    }
+
+    /// The fewest tokens of the vocabulary whose concatenation is `mapped` (a split in its
+    /// byte-level form) that BPE counts `count`: a lower bound on how many tokens any engine
+    /// sampled to write it, whose sampled spelling need not be BPE's (BPE's is one spelling,
+    /// so the result is at most `count`; e.g. `"ell"` repeated is about 1.5 BPE tokens per
+    /// `ell` and 1 at the fewest). The vocabulary was learned within the pre-tokenizer's
+    /// splits, so no token spans two of them and the fewest of a text is the sum over its
+    /// splits.
+    ///
+    /// 1 when `mapped` is a token; `count` when `count <= 2`; else a shortest path over the
+    /// split's characters (each step a vocabulary token), `O(chars × longest token)` lookups,
+    /// for splits of at most [`FEWEST_SEARCH_MAX_CHARS`] characters; a longer split gets the
+    /// weaker bound `⌈chars / longest token⌉`.
+    pub(super) fn fewest_tokens(&self, model: &ModelWrapper, mapped: &str, count: u64) -> u64 {
+        if count <= 1 {
+            return count;
+        }
+        if model.token_to_id(mapped).is_some() {
+            return 1;
+        }
+        if count == 2 {
+            return 2;
+        }
+        let longest = *self.longest_token_chars.get_or_init(|| {
+            model
+                .get_vocab()
+                .keys()
+                .map(|t| t.chars().count())
+                .max()
+                .unwrap_or(1)
+                .max(1)
+        });
+        let at: Vec<usize> = mapped
+            .char_indices()
+            .map(|(i, _)| i)
+            .chain(std::iter::once(mapped.len()))
+            .collect();
+        let chars = at.len() - 1;
+        if chars > FEWEST_SEARCH_MAX_CHARS {
+            return (chars.div_ceil(longest) as u64).clamp(1, count);
+        }
+        let mut best = vec![u64::MAX; chars + 1];
+        best[0] = 0;
+        for i in 0..chars {
+            if best[i] == u64::MAX {
+                continue;
+            }
+            for k in 1..=longest.min(chars - i) {
+                if model.token_to_id(&mapped[at[i]..at[i + k]]).is_some() {
+                    best[i + k] = best[i + k].min(best[i] + 1);
+                }
+            }
+        }
+        best[chars].min(count)
     }
 }
 

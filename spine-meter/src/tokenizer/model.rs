@@ -349,6 +349,22 @@ impl ModelTokenizer {
         self.count_fast_or_full(text, false)
     }
 
+    /// [`count_generated_text`](Self::count_generated_text) and the fewest tokens of the
+    /// vocabulary that spell `text` ([`TokenCounter::count_generated_text_and_fewest`]); the
+    /// fewest is searched on the fast path only (built from a GGUF), else it is the count.
+    pub fn count_generated_text_and_fewest(&self, text: &str) -> (u64, u64) {
+        if text.is_empty() {
+            return (0, 0);
+        }
+        if let Some(fast) = &self.fast {
+            if let Some(both) = fast.count_and_fewest(self.tokenizer.get_model(), text, false) {
+                return both;
+            }
+        }
+        let count = self.count_generated_text_full(text);
+        (count, count)
+    }
+
     /// The fast path ([`FastCounter`]), special tokens parsed or not, else the full pipeline
     /// of the tokenizer with them or without them; 0 for `""`.
     fn count_fast_or_full(&self, text: &str, parse_special: bool) -> u64 {
@@ -458,6 +474,10 @@ impl TokenCounter for ModelTokenizer {
 
     fn count_generated_text(&self, text: &str) -> u64 {
         ModelTokenizer::count_generated_text(self, text)
+    }
+
+    fn count_generated_text_and_fewest(&self, text: &str) -> (u64, u64) {
+        ModelTokenizer::count_generated_text_and_fewest(self, text)
     }
 
     fn max_token_bytes(&self) -> u64 {

@@ -261,6 +261,12 @@ fn incremental_counts_equal_the_whole_count_on_long_texts() {
             let cuts: Vec<usize> = (step..text.len()).step_by(step).collect();
             let inc = incremental(&t, text, &cuts);
             assert_eq!(inc.tokens(&t), whole, "step {step} on {:?}", &text[..40]);
+            assert_eq!(
+                inc.fewest(&t),
+                t.count_generated_text_and_fewest(text).1,
+                "step {step} on {:?}",
+                &text[..40]
+            );
             assert_eq!(inc.len_bytes(), text.len() as u64);
         }
     }
@@ -503,6 +509,12 @@ proptest::proptest! {
             inc.push(&t, p);
         }
         proptest::prop_assert_eq!(inc.tokens(&t), t.count_generated_text(&whole), "{:?}", parts);
+        // the fewest spelling is additive at the same cuts, and at most the count
+        let (count, fewest) = t.count_generated_text_and_fewest(&whole);
+        proptest::prop_assert_eq!(count, t.count_generated_text(&whole));
+        proptest::prop_assert!(fewest <= count);
+        proptest::prop_assert_eq!(inc.fewest(&t), fewest, "{:?}", parts);
+        proptest::prop_assert!(inc.fewest_upper_bound() >= fewest);
     }
 
     #[test]
@@ -873,4 +885,29 @@ fn a_token_text_is_its_decoded_piece() {
     assert!(half.len() > 1, "{half:?}");
     assert_eq!(TokenCounter::token_text(&*t, half[0]), None, "{half:?}");
     assert_eq!(TokenCounter::token_text(&*t, u32::MAX), None);
+}
+
+/// An engine samples tokens, not BPE's spelling: `"ell"` (token 478) repeated is what a
+/// caller's `logit_bias {"478": 13}` makes llama.cpp write (the attacker's case), one token per
+/// `ell` generated, about 1.5 per `ell` counted. The fewest spelling finds the engine's count
+/// (at most), so the meter can tell such text from a node that generated past its cap.
+#[test]
+fn the_fewest_spelling_is_at_most_what_the_engine_generated() {
+    let t = tok();
+    assert_eq!(t.tokenizer.token_to_id("ell"), Some(478));
+    let text = "ell".repeat(200);
+    let (count, fewest) = t.count_generated_text_and_fewest(&text);
+    assert!(count >= 280, "{count}");
+    assert!(fewest <= 200, "{fewest}");
+    // BPE's spelling of ordinary text is already the fewest, or nearly
+    let prose = "The quick brown fox jumps over the lazy dog, and it's 12 o'clock. ".repeat(20);
+    let (count, fewest) = t.count_generated_text_and_fewest(&prose);
+    assert!(fewest <= count && fewest * 100 >= count * 95, "{count} {fewest}");
+    // a split longer than the exact search gets the weaker bound: still at most the count
+    let long = "ell".repeat(2000);
+    let (count, fewest) = t.count_generated_text_and_fewest(&long);
+    assert!(fewest <= 2000 && fewest >= 1, "{count} {fewest}");
+    // the streamed count agrees, whatever the pieces
+    let inc = incremental(&t, &text, &(1..text.len()).step_by(5).collect::<Vec<_>>());
+    assert_eq!(inc.fewest(&t), t.count_generated_text_and_fewest(&text).1);
 }
