@@ -27,6 +27,9 @@ pub(super) struct Choice {
     pub(super) finish_reason: Option<String>,
     /// The pinned texts' occurrences in `delivered` ([`SamplingConstraint::Pinned`]).
     pub(super) pinned: PinnedCount,
+    /// Tool calls begun in the stream so far (read, delivered or not): the next new one must
+    /// have this index.
+    pub(super) tool_calls_begun: u64,
 }
 
 pub(super) fn usage_json(u: &Usage) -> String {
@@ -458,3 +461,31 @@ pub(crate) fn stream_bytes_bound(ctx: &SettleCtx) -> u64 {
 pub(crate) const STREAM_BYTES_FLOOR: u64 = 1 << 20;
 /// See [`stream_bytes_bound`]: 8 KiB a token.
 pub(crate) const STREAM_BYTES_PER_TOKEN: u64 = 8 * 1024;
+
+/// Why tool-call deltas `heads` (index, carries a head) of choice `index` break the stream's
+/// order, given what `choice` has begun; counts the calls they begin.
+pub(super) fn tool_call_heads_fault(
+    index: u64,
+    heads: &[(u64, bool)],
+    choice: &mut Choice,
+) -> Option<String> {
+    for &(call, head) in heads {
+        let next = choice.tool_calls_begun;
+        match call.cmp(&next) {
+            std::cmp::Ordering::Less => {}
+            std::cmp::Ordering::Equal if head => choice.tool_calls_begun += 1,
+            std::cmp::Ordering::Equal => {
+                return Some(format!(
+                    "the node began tool call {call} of choice {index} without its id, type \
+                     function and function name"
+                ))
+            }
+            std::cmp::Ordering::Greater => {
+                return Some(format!(
+                    "the node sent tool call {call} of choice {index} before tool call {next}"
+                ))
+            }
+        }
+    }
+    None
+}

@@ -12,7 +12,7 @@ use spine_core::{BoxError, NodeFault, NodeSlot, RequestKind, StreamOutcome, Usag
 
 use super::bill::{
     billed_usage, bound_event, bytes_bound_event, encode_event, error_event, over_limit_streamed,
-    stream_bytes_bound, usage_json, Choice, Cut,
+    stream_bytes_bound, tool_call_heads_fault, usage_json, Choice, Cut,
 };
 use super::node_json::{
     engine_error_message, is_engine_error, is_null, read_choices, usage_claim, Members, TextMember,
@@ -327,6 +327,11 @@ impl State {
                 }
             }
             let choice = self.choices.entry(c.index).or_default();
+            // a call's first delta names it (an SDK reads its id, type and name there), and
+            // calls begin at index 0, 1, 2, … (an SDK indexes a list by them: a gap crashes it)
+            if let Some(why) = tool_call_heads_fault(c.index, &c.tool_call_heads, choice) {
+                return self.node_fault(&why);
+            }
             if choice.finish_reason.is_some() && !c.generated.is_empty() {
                 // generated after the choice ended: never forwarded nor billed
                 return self.node_fault(&format!(

@@ -150,6 +150,10 @@ pub(crate) struct ChoiceRead {
     pub(crate) rebuilt: bool,
     /// The choice's `logprobs` member, when not null.
     pub(crate) logprobs: Option<Value>,
+    /// Each tool call of a stream chunk's `delta`, in order: its `index`, and whether it
+    /// carries what the first delta of a call must (an `id`, `type` `function` and a
+    /// function `name`); the stream's state decides which is a call's first delta.
+    pub(crate) tool_call_heads: Vec<(u64, bool)>,
 }
 
 impl ChoiceRead {
@@ -221,12 +225,19 @@ fn retain(object: &mut serde_json::Map<String, Value>, allowed: &[&str]) -> bool
 /// `token_ids`, `prompt_logprobs`, `matched_stop`, a message's `function_call` or `audio` are
 /// dropped), after checking the values the caller's SDK reads as enumerations: `finish_reason`
 /// one of [`FINISH_REASONS`] or null, `role` `assistant`, a tool call's `type` `function` and
-/// its `id` at most [`MAX_TOOL_CALL_ID_BYTES`]. Whether a member was dropped.
+/// its `id` at most [`MAX_TOOL_CALL_ID_BYTES`]. Every tool call of a complete `message` has
+/// what an SDK reads of it (an `id`, `type` `function`, a function `name`; an `index`, if any,
+/// its position); a `delta`'s each have an `index`, and whether each carries a call's head is
+/// pushed to `heads`. Whether a member was dropped.
 ///
 /// # Errors
 ///
 /// Why the choice is not OpenAI's: the node's fault.
-fn openai_choice(c: &mut Value, member: TextMember) -> Result<bool, &'static str> {
+fn openai_choice(
+    c: &mut Value,
+    member: TextMember,
+    heads: &mut Vec<(u64, bool)>,
+) -> Result<bool, &'static str> {
     let Some(choice) = c.as_object_mut() else {
         return Err("a choice is not an object");
     };
@@ -253,10 +264,34 @@ fn openai_choice(c: &mut Value, member: TextMember) -> Result<bool, &'static str
     let Some(calls) = part.get_mut("tool_calls").and_then(Value::as_array_mut) else {
         return Ok(dropped);
     };
-    for call in calls {
+    for (position, call) in calls.iter_mut().enumerate() {
         let Some(call) = call.as_object_mut() else {
             return Err("a tool call is not an object");
         };
+        let head = call.get("type").is_some_and(|t| t == "function")
+            && call
+                .get("id")
+                .and_then(Value::as_str)
+                .is_some_and(|id| !id.is_empty())
+            && call
+                .get("function")
+                .and_then(|f| f.get("name"))
+                .and_then(Value::as_str)
+                .is_some_and(|name| !name.is_empty());
+        let index = call.get("index").and_then(Value::as_u64);
+        match member {
+            TextMember::Message if !head => {
+                return Err("a tool call lacks its id, type function or function name")
+            }
+            TextMember::Message if index.is_some_and(|i| i != position as u64) => {
+                return Err("a message's tool call indexes are not 0, 1, 2, …")
+            }
+            TextMember::Delta => match index {
+                Some(index) => heads.push((index, head)),
+                None => return Err("a streamed tool call has no index"),
+            },
+            _ => {}
+        }
         match call.get("type") {
             None | Some(Value::Null) => {}
             Some(t) if t == "function" => {}
@@ -396,7 +431,8 @@ pub(crate) fn read_choices(
                 // forwarded (a complete answer): the caller's SDK reads `index`
                 c["index"] = Value::from(index);
             }
-            let rebuilt = openai_choice(&mut c, member)? || !indexed;
+            let mut tool_call_heads = Vec::new();
+            let rebuilt = openai_choice(&mut c, member, &mut tool_call_heads)? || !indexed;
             let raw = if rebuilt {
                 c.to_string()
             } else {
@@ -410,6 +446,7 @@ pub(crate) fn read_choices(
                 raw,
                 rebuilt,
                 logprobs,
+                tool_call_heads,
             })
         })
         .collect::<Result<_, _>>()?;

@@ -2170,3 +2170,112 @@ async fn text_that_counts_past_the_cap_but_spells_within_it_is_billed_not_cut() 
     assert!(r.debit_micros > 0 && r.operator_credit_micros > 0);
     assert_eq!(node_fault(&slot), None);
 }
+
+/// Tool calls an SDK cannot read are the node's fault, as any other malformed chunk: a call
+/// whose first delta lacks its `id`, `type` or function `name` (the SDK shows `None`s, the
+/// Responses API a nameless call), calls that skip an index (the SDK's stream helper indexes a
+/// list by it: `IndexError`), a streamed call without `index`; and in a complete answer, a
+/// call without `id`, `type` or `name`. Settled `upstream_failed` (nothing paid), node
+/// faulted. Calls begun in order, continued by argument-only deltas, complete.
+#[tokio::test]
+async fn tool_calls_an_sdk_cannot_read_are_the_nodes_fault() {
+    let chunk = |delta: Value, finish: Value| {
+        let c = json!({"id":"c1","object":"chat.completion.chunk","created":1,"model":"smollm2",
+            "choices":[{"index":0,"delta":delta,"finish_reason":finish}]});
+        format!("data: {c}\n\n")
+    };
+    let call = |index: u64, id: &str, name: &str, args: &str| {
+        json!({"index": index, "id": id, "type": "function",
+            "function": {"name": name, "arguments": args}})
+    };
+    let more = |index: u64, args: &str| json!({"index": index, "function": {"arguments": args}});
+    let end = chunk(json!({}), json!("tool_calls")) + "data: [DONE]\n\n";
+    let streams = [
+        // a gap: 0, then 3
+        (
+            vec![
+                json!({"tool_calls": [call(0, "a", "f", "{}")]}),
+                json!({"tool_calls": [call(3, "b", "g", "{}")]}),
+            ],
+            Some("before tool call 1"),
+        ),
+        // a call begun without id, type and name
+        (
+            vec![json!({"tool_calls": [{"index": 0, "function": {"arguments": "{\"x\":1}"}}]})],
+            Some("without its id"),
+        ),
+        // no index
+        (
+            vec![
+                json!({"tool_calls": [{"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}),
+            ],
+            Some("has no index"),
+        ),
+        // in order, continued: fine
+        (
+            vec![
+                json!({"tool_calls": [call(0, "a", "f", "")]}),
+                json!({"tool_calls": [more(0, "{\"x\":")]}),
+                json!({"tool_calls": [more(0, "1}"), call(1, "b", "g", "{}")]}),
+            ],
+            None,
+        ),
+    ];
+    for (deltas, fault) in streams {
+        let body: String = deltas
+            .iter()
+            .map(|d| chunk(d.clone(), Value::Null))
+            .collect::<String>()
+            + &end;
+        let body = Bytes::from(body);
+        let mut h = harness().await;
+        let (svc, slot) = h.slot_node(h.layer(2048), "text/event-stream", move || {
+            full(body.clone())
+        });
+        let resp = svc
+            .oneshot(request("calls", &chat(true, None)))
+            .await
+            .unwrap();
+        let got = frames(resp.into_body()).await.concat();
+        let events = crate::sse::parse_all(&got).unwrap();
+        let last: Value = serde_json::from_str(events.last().unwrap().data()).unwrap_or_default();
+        let (s, r) = h.settled().await;
+        match fault {
+            Some(why) => {
+                let message = last["error"]["message"].as_str().unwrap_or_default();
+                assert!(message.contains(why), "{why}: {last}");
+                assert_eq!(
+                    (s.outcome, r.debit_micros),
+                    (StreamOutcome::UpstreamFailed, 0)
+                );
+                assert!(node_fault(&slot).is_some());
+            }
+            None => {
+                assert_eq!(events.last().unwrap().data(), "[DONE]");
+                assert_eq!(s.outcome, StreamOutcome::Completed);
+                assert_eq!(node_fault(&slot), None);
+            }
+        }
+    }
+    // a complete answer's call without its id: a 502, nothing paid
+    let answer = json!({"id":"c1","object":"chat.completion","created":1,"model":"smollm2",
+        "choices":[{"index":0,"finish_reason":"tool_calls","message":{"role":"assistant",
+            "content":null,"tool_calls":[{"type":"function","function":{"name":"f","arguments":"{}"}}]}}],
+        "usage":{"prompt_tokens":34,"completion_tokens":5,"total_tokens":39}});
+    let answer = Bytes::from(answer.to_string());
+    let mut h = harness().await;
+    let (svc, slot) = h.slot_node(h.layer(2048), "application/json", move || {
+        full(answer.clone())
+    });
+    let err = svc
+        .oneshot(request("answer", &chat(false, None)))
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("lacks its id"), "{err}");
+    let (s, r) = h.settled().await;
+    assert_eq!(
+        (s.outcome, r.debit_micros),
+        (StreamOutcome::UpstreamFailed, 0)
+    );
+    assert!(slot.lock().unwrap().as_ref().unwrap().node_fault_reported());
+}

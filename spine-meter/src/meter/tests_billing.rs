@@ -204,7 +204,7 @@ async fn a_caller_gone_mid_tool_call_pays_the_arguments_delivered() {
     let t = smollm_tokenizer();
     let (tx, rx) = mpsc::unbounded_channel();
     tx.send(Bytes::from(
-        "data: {\"choices\":[{\"index\":0,\"delta\":{\"tool_calls\":[{\"index\":0,\"function\":{\"name\":\"get_weather\",\"arguments\":\"{\\\"city\\\":\"}}]},\"finish_reason\":null}]}\n\n",
+        "data: {\"choices\":[{\"index\":0,\"delta\":{\"tool_calls\":[{\"index\":0,\"id\":\"call_1\",\"type\":\"function\",\"function\":{\"name\":\"get_weather\",\"arguments\":\"{\\\"city\\\":\"}}]},\"finish_reason\":null}]}\n\n",
     ))
     .unwrap();
     let resp = s

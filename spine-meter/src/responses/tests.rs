@@ -376,11 +376,12 @@ async fn a_chat_error_event_or_a_cut_stream_fails_the_response() {
 #[tokio::test]
 async fn the_converter_reads_what_the_meter_reads() {
     // members the meter forwards unread (a number out of f64's range, a lone surrogate) do
-    // not stop the text; a padded [DONE] still completes; calls without `index` stay apart
-    // and get distinct call ids whatever ids the node gave them
+    // not stop the text; a padded [DONE] still completes; calls stay apart and get distinct
+    // call ids whatever ids the node gave them (a streamed call without `index` is the node's
+    // fault: `meter::tests`)
     let (events, _) = convert(&[
         "data: {\"id\":\"\\ud800\",\"created\":1e400,\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hi\"},\"finish_reason\":null}]}\n\n",
-        "data: {\"choices\":[{\"index\":0,\"delta\":{\"tool_calls\":[{\"id\":\"same\",\"function\":{\"name\":\"a\",\"arguments\":\"{}\"}},{\"id\":\"same\",\"function\":{\"name\":\"b\",\"arguments\":\"{}\"}}]},\"finish_reason\":\"tool_calls\"}]}\n\n",
+        "data: {\"choices\":[{\"index\":0,\"delta\":{\"tool_calls\":[{\"index\":0,\"id\":\"same\",\"type\":\"function\",\"function\":{\"name\":\"a\",\"arguments\":\"{}\"}},{\"index\":1,\"id\":\"same\",\"type\":\"function\",\"function\":{\"name\":\"b\",\"arguments\":\"{}\"}}]},\"finish_reason\":\"tool_calls\"}]}\n\n",
         "data:  [DONE] \n\n",
     ])
     .await;

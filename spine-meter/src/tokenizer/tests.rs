@@ -902,7 +902,10 @@ fn the_fewest_spelling_is_at_most_what_the_engine_generated() {
     // BPE's spelling of ordinary text is already the fewest, or nearly
     let prose = "The quick brown fox jumps over the lazy dog, and it's 12 o'clock. ".repeat(20);
     let (count, fewest) = t.count_generated_text_and_fewest(&prose);
-    assert!(fewest <= count && fewest * 100 >= count * 95, "{count} {fewest}");
+    assert!(
+        fewest <= count && fewest * 100 >= count * 95,
+        "{count} {fewest}"
+    );
     // a split longer than the exact search gets the weaker bound: still at most the count
     let long = "ell".repeat(2000);
     let (count, fewest) = t.count_generated_text_and_fewest(&long);
