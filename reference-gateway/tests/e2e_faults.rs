@@ -283,7 +283,11 @@ fn delivered_content(sse: &str) -> String {
     sse.lines()
         .filter_map(|l| l.strip_prefix("data: "))
         .filter_map(|d| serde_json::from_str::<Value>(d).ok())
-        .filter_map(|ev| ev["choices"][0]["delta"]["content"].as_str().map(str::to_owned))
+        .filter_map(|ev| {
+            ev["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(str::to_owned)
+        })
         .collect()
 }
 

@@ -818,5 +818,9 @@ async fn text_a_caller_biases_to_count_past_the_cap_is_billed_not_free() {
         assert!(rec["debit_micros"].as_u64().unwrap() > 0, "{rec}");
     }
     let n = gw.node(&node).await;
-    assert_eq!((&n["failures"], &n["discrepancies"]), (&json!(0), &json!(0)), "{n}");
+    assert_eq!(
+        (&n["failures"], &n["discrepancies"]),
+        (&json!(0), &json!(0)),
+        "{n}"
+    );
 }

@@ -859,7 +859,8 @@ fn metadata_and_user_are_bounded_where_accepted() {
 #[test]
 fn tools_and_output_constraints_are_bounded_where_accepted() {
     let schema = |bytes: usize| {
-        let wrap = r#"{"type":"json_schema","json_schema":{"name":"n","schema":{"description":""}}}"#;
+        let wrap =
+            r#"{"type":"json_schema","json_schema":{"name":"n","schema":{"description":""}}}"#;
         let pad = "d".repeat(bytes - wrap.len());
         wrap.replace(r#""description":"""#, &format!(r#""description":"{pad}""#))
     };
@@ -890,7 +891,10 @@ fn tools_and_output_constraints_are_bounded_where_accepted() {
             assert!(peek(&format!(r#""response_format":{}"#, schema(max))).is_ok());
             assert!(matches!(
                 peek(&format!(r#""response_format":{}"#, schema(max + 1))),
-                Err(PeekError::InvalidField { field: "response_format", .. })
+                Err(PeekError::InvalidField {
+                    field: "response_format",
+                    ..
+                })
             ));
             assert!(peek(&format!(r#""tools":{}"#, tools(128))).is_ok());
             assert!(matches!(
