@@ -261,6 +261,15 @@ fn openai_choice(
         Some(_) => return Err("a choice's role is not assistant"),
     }
     dropped |= retain(part, &MESSAGE_MEMBERS);
+    // OpenAI's annotations are its web search's citations, which no engine here serves: text
+    // in them would reach the caller uncounted, so only an empty list passes
+    if part
+        .get("annotations")
+        .is_some_and(|a| !a.is_null() && a.as_array().is_none_or(|a| !a.is_empty()))
+    {
+        part.remove("annotations");
+        dropped = true;
+    }
     let Some(calls) = part.get_mut("tool_calls").and_then(Value::as_array_mut) else {
         return Ok(dropped);
     };
@@ -575,6 +584,29 @@ mod tests {
             kept,
             r#"{"id":"c","timings":{"cache_n":5},"choices":[1,2],"usage":{"a":1},"model":"m"}"#
         );
+    }
+
+    /// Annotations are OpenAI's web-search citations: text in them would reach the caller
+    /// uncounted (an attacker's node put 80 tokens in a title, billed 0), so only an empty
+    /// list (or null) is kept.
+    #[test]
+    fn annotations_with_content_are_dropped() {
+        let read = |delta: &str| {
+            let raw = format!(r#"[{{"index":0,"delta":{delta}}}]"#);
+            let raw: Box<RawValue> = serde_json::from_str(&raw).unwrap();
+            read_choices(&raw, TextMember::Delta).unwrap().remove(0)
+        };
+        let c = read(
+            r#"{"content":"Hi","annotations":[{"type":"url_citation","url_citation":{"title":"free text"}}]}"#,
+        );
+        assert!(c.rebuilt && !c.raw.contains("free text"), "{}", c.raw);
+        for kept in [
+            r#"{"content":"Hi","annotations":[]}"#,
+            r#"{"content":"Hi","annotations":null}"#,
+        ] {
+            let c = read(kept);
+            assert!(!c.rebuilt && c.raw.contains("annotations"), "{}", c.raw);
+        }
     }
 
     #[test]
