@@ -171,10 +171,10 @@ impl FastCounter {
     /// `parse_special`, else counted as the ordinary text they spell (llama.cpp's
     /// `parse_special = false`); `None` when the model refuses a word (the caller then takes
     /// the full pipeline, which reports the same way).
-    pub(super) fn count<'t>(
+    pub(super) fn count(
         &self,
         model: &ModelWrapper,
-        text: &'t str,
+        text: &str,
         parse_special: bool,
     ) -> Option<u64> {
         self.count_and_fewest(model, text, parse_special)

@@ -909,7 +909,7 @@ fn the_fewest_spelling_is_at_most_what_the_engine_generated() {
     // a split longer than the exact search gets the weaker bound: still at most the count
     let long = "ell".repeat(2000);
     let (count, fewest) = t.count_generated_text_and_fewest(&long);
-    assert!(fewest <= 2000 && fewest >= 1, "{count} {fewest}");
+    assert!((1..=2000).contains(&fewest), "{count} {fewest}");
     // the streamed count agrees, whatever the pieces
     let inc = incremental(&t, &text, &(1..text.len()).step_by(5).collect::<Vec<_>>());
     assert_eq!(inc.fewest(&t), t.count_generated_text_and_fewest(&text).1);
