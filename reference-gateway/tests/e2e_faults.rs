@@ -278,19 +278,6 @@ async fn first_bytes_only(
     (id, resp)
 }
 
-/// The `delta.content` of every chunk of an SSE body, concatenated (what a caller reads).
-fn delivered_content(sse: &str) -> String {
-    sse.lines()
-        .filter_map(|l| l.strip_prefix("data: "))
-        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
-        .filter_map(|ev| {
-            ev["choices"][0]["delta"]["content"]
-                .as_str()
-                .map(str::to_owned)
-        })
-        .collect()
-}
-
 async fn node_in_flight(gw: &Gateway, node: &str) -> u64 {
     gw.node(node).await["in_flight"].as_u64().unwrap()
 }
@@ -386,7 +373,12 @@ async fn slow_readers_leave_the_node_slots_free_once_generation_ends() {
             text.trim_end().ends_with("data: [DONE]"),
             "{id}: ...{}\n(the text it delivered: {:?})",
             &text[text.len().saturating_sub(600)..],
-            delivered_content(&text)
+            common::text_of(
+                &text
+                    .lines()
+                    .filter_map(|l| l.strip_prefix("data: ").map(str::to_owned))
+                    .collect::<Vec<_>>()
+            )
         );
         let rec = gw.record(&id).await;
         assert_eq!(rec["outcome"], "completed", "{rec}");
