@@ -23,6 +23,8 @@ pub(super) const WORD_CACHE_ENTRIES: usize = 1 << 16;
 pub(super) const WORD_CACHE_INSERTS_PER_COUNT: usize = WORD_CACHE_ENTRIES / 16;
 /// Longest word (UTF-8 bytes) the count cache keeps.
 pub(super) const WORD_CACHE_MAX_BYTES: usize = 48;
+/// A cached word's fewest spelling not searched yet (counted for a prompt).
+pub(super) const FEWEST_UNKNOWN: u32 = u32::MAX;
 /// Longest split (byte-level characters) whose fewest spelling is searched exactly
 /// ([`FastCounter::fewest_tokens`]); a longer one gets a weaker lower bound.
 pub(super) const FEWEST_SEARCH_MAX_CHARS: usize = 1024;
@@ -177,19 +179,30 @@ impl FastCounter {
         text: &str,
         parse_special: bool,
     ) -> Option<u64> {
-        self.count_and_fewest(model, text, parse_special)
-            .map(|(n, _)| n)
+        self.scan(model, text, parse_special, false).map(|(n, _)| n)
     }
 
     /// [`count`](Self::count), and the fewest tokens of the vocabulary that spell `text` (the
     /// sum over its splits of [`fewest_tokens`](Self::fewest_tokens); special tokens 1 each when
     /// `parse_special`): `(count, fewest)`, `fewest <= count`. One scan; the word cache keeps
     /// both numbers.
-    pub(super) fn count_and_fewest<'t>(
+    pub(super) fn count_and_fewest(
+        &self,
+        model: &ModelWrapper,
+        text: &str,
+        parse_special: bool,
+    ) -> Option<(u64, u64)> {
+        self.scan(model, text, parse_special, true)
+    }
+
+    /// The count, and the fewest spelling when `want_fewest` (else the count again: a prompt
+    /// never pays for the search, whose cost a caller's text could otherwise choose).
+    fn scan<'t>(
         &self,
         model: &ModelWrapper,
         text: &'t str,
         parse_special: bool,
+        want_fewest: bool,
     ) -> Option<(u64, u64)> {
         let mut total = 0u64;
         let mut fewest = 0u64;
@@ -200,15 +213,24 @@ impl FastCounter {
         {
             let cache = self.cache.read().unwrap_or_else(PoisonError::into_inner);
             let mut word = |w: &'t str| -> Option<()> {
-                if let Some(&(n, f)) = cache.get(w).or_else(|| misses.get(w)) {
-                    total += u64::from(n);
-                    fewest += u64::from(f);
-                    return Some(());
-                }
-                let (n, f) = self.bpe_count_and_fewest(model, w)?;
+                let known = cache.get(w).or_else(|| misses.get(w)).copied();
+                let (n, f, learned) = match known {
+                    Some((n, f)) if f != FEWEST_UNKNOWN || !want_fewest => {
+                        (u64::from(n), u64::from(f), false)
+                    }
+                    // counted for a prompt before: search its fewest spelling now
+                    Some((n, _)) => {
+                        let n = u64::from(n);
+                        (n, self.fewest_tokens(model, &self.byte_level(w), n), true)
+                    }
+                    None => {
+                        let (n, f) = self.bpe_count_and_fewest(model, w, want_fewest)?;
+                        (n, f, true)
+                    }
+                };
                 total += n;
-                fewest += f;
-                if w.len() <= WORD_CACHE_MAX_BYTES {
+                fewest += if f == u64::from(FEWEST_UNKNOWN) { n } else { f };
+                if learned && w.len() <= WORD_CACHE_MAX_BYTES {
                     if let (Ok(n), Ok(f)) = (u32::try_from(n), u32::try_from(f)) {
                         misses.insert(w, (n, f));
                     }
@@ -327,13 +349,30 @@ impl FastCounter {
 
     /// BPE tokens of one split (the model on its byte-level form), and the fewest tokens of
     /// the vocabulary that spell it ([`fewest_tokens`](Self::fewest_tokens)).
-    pub(super) fn bpe_count_and_fewest(&self, model: &ModelWrapper, w: &str) -> Option<(u64, u64)> {
+    /// Without `want_fewest` the fewest is [`FEWEST_UNKNOWN`].
+    pub(super) fn bpe_count_and_fewest(
+        &self,
+        model: &ModelWrapper,
+        w: &str,
+        want_fewest: bool,
+    ) -> Option<(u64, u64)> {
+        let mapped = self.byte_level(w);
+        let count = model.tokenize(&mapped).ok()?.len() as u64;
+        let fewest = if want_fewest {
+            self.fewest_tokens(model, &mapped, count)
+        } else {
+            u64::from(FEWEST_UNKNOWN)
+        };
+        Some((count, fewest))
+    }
+
+    /// `w`'s byte-level form (each byte its GPT-2 character).
+    fn byte_level(&self, w: &str) -> String {
         let mut mapped = String::with_capacity(w.len() * 2);
         for &b in w.as_bytes() {
             mapped.push(self.byte_chars[usize::from(b)]);
         }
-        let count = model.tokenize(&mapped).ok()?.len() as u64;
-        Some((count, self.fewest_tokens(model, &mapped, count)))
+        mapped
     }
 
     /// The fewest tokens of the vocabulary whose concatenation is `mapped` (a split in its
