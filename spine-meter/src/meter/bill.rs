@@ -9,6 +9,7 @@ use spine_core::{NodeSlot, RequestKind, StreamOutcome, Usage};
 use super::constraint::{natural_most, PinnedCount, SamplingConstraint, GRAMMAR_HIDDEN_TOKENS};
 use super::node_json::{
     engine_error_message, is_engine_error, read_choices, usage_claim, Members, TextMember,
+    ToolCallHead,
 };
 use super::settle::{BillNotes, SettleCtx};
 use super::MeterError;
@@ -27,9 +28,10 @@ pub(super) struct Choice {
     pub(super) finish_reason: Option<String>,
     /// The pinned texts' occurrences in `delivered` ([`SamplingConstraint::Pinned`]).
     pub(super) pinned: PinnedCount,
-    /// Tool calls begun in the stream so far (read, delivered or not): the next new one must
-    /// have this index.
-    pub(super) tool_calls_begun: u64,
+    /// Whether each tool call begun in the stream so far (read, delivered or not) has been
+    /// named: the next new call must have index `tool_calls_named.len()`, and every call a
+    /// name by the end.
+    pub(super) tool_calls_named: Vec<bool>,
 }
 
 pub(super) fn usage_json(u: &Usage) -> String {
@@ -462,22 +464,31 @@ pub(crate) const STREAM_BYTES_FLOOR: u64 = 1 << 20;
 /// See [`stream_bytes_bound`]: 8 KiB a token.
 pub(crate) const STREAM_BYTES_PER_TOKEN: u64 = 8 * 1024;
 
-/// Why tool-call deltas `heads` (index, carries a head) of choice `index` break the stream's
-/// order, given what `choice` has begun; counts the calls they begin.
+/// Why tool-call deltas `heads` of choice `index` break the stream's order, given what
+/// `choice` has begun: a new call must come next in order (0, 1, 2, …: an SDK indexes a list
+/// by it, and a gap crashed the Python SDK's stream helper) and carry its `id` and `type`
+/// (an SDK reads them from a call's first delta). Records the calls begun and named.
 pub(super) fn tool_call_heads_fault(
     index: u64,
-    heads: &[(u64, bool)],
+    heads: &[ToolCallHead],
     choice: &mut Choice,
 ) -> Option<String> {
-    for &(call, head) in heads {
-        let next = choice.tool_calls_begun;
+    for head in heads {
+        let (call, next) = (head.index, choice.tool_calls_named.len() as u64);
         match call.cmp(&next) {
-            std::cmp::Ordering::Less => {}
-            std::cmp::Ordering::Equal if head => choice.tool_calls_begun += 1,
+            std::cmp::Ordering::Less => {
+                if let Some(named) = usize::try_from(call)
+                    .ok()
+                    .and_then(|c| choice.tool_calls_named.get_mut(c))
+                {
+                    *named |= head.named;
+                }
+            }
+            std::cmp::Ordering::Equal if head.begins => choice.tool_calls_named.push(head.named),
             std::cmp::Ordering::Equal => {
                 return Some(format!(
-                    "the node began tool call {call} of choice {index} without its id, type \
-                     function and function name"
+                    "the node began tool call {call} of choice {index} without its id and type \
+                     function"
                 ))
             }
             std::cmp::Ordering::Greater => {
@@ -488,4 +499,15 @@ pub(super) fn tool_call_heads_fault(
         }
     }
     None
+}
+
+/// Why a stream whose `choices` ended is not a usable answer for its tool calls: a call that
+/// never got a function name (an SDK shows `None`, the Responses API a nameless call).
+pub(super) fn unnamed_tool_call(choices: &BTreeMap<u64, Choice>) -> Option<String> {
+    choices.iter().find_map(|(index, c)| {
+        let call = c.tool_calls_named.iter().position(|named| !named)?;
+        Some(format!(
+            "the node never named tool call {call} of choice {index}"
+        ))
+    })
 }

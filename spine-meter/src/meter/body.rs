@@ -12,7 +12,7 @@ use spine_core::{BoxError, NodeFault, NodeSlot, RequestKind, StreamOutcome, Usag
 
 use super::bill::{
     billed_usage, bound_event, bytes_bound_event, encode_event, error_event, over_limit_streamed,
-    stream_bytes_bound, tool_call_heads_fault, usage_json, Choice, Cut,
+    stream_bytes_bound, tool_call_heads_fault, unnamed_tool_call, usage_json, Choice, Cut,
 };
 use super::node_json::{
     engine_error_message, is_engine_error, is_null, read_choices, usage_claim, Members, TextMember,
@@ -327,8 +327,7 @@ impl State {
                 }
             }
             let choice = self.choices.entry(c.index).or_default();
-            // a call's first delta names it (an SDK reads its id, type and name there), and
-            // calls begin at index 0, 1, 2, … (an SDK indexes a list by them: a gap crashes it)
+            // tool calls begin in order, each with its id and type (`bill::tool_call_heads_fault`)
             if let Some(why) = tool_call_heads_fault(c.index, &c.tool_call_heads, choice) {
                 return self.node_fault(&why);
             }
@@ -385,9 +384,8 @@ impl State {
         self.queue.push_back(Out { bytes, text });
     }
 
-    /// Keeps the latest value of each of `id`, `object`, `created`, `model`,
-    /// `system_fingerprint` the chunk has (allocating only when a value changes: they are the
-    /// same on every chunk of a stream).
+    /// Keeps the latest `id`, `object`, `created`, `model`, `system_fingerprint` of the chunk
+    /// (allocating only when a value changes: they are the same on every chunk of a stream).
     fn remember_meta(&mut self, members: &Members<'_>) {
         const KEYS: [&str; 5] = ["id", "object", "created", "model", "system_fingerprint"];
         for key in KEYS {
@@ -470,6 +468,9 @@ impl State {
         }
         if let Some(cut) = over {
             return self.cut(cut);
+        }
+        if let Some(why) = unnamed_tool_call(&self.choices) {
+            return self.node_fault(&why);
         }
         // every requested choice must have come and finished (`index < n`: no other is kept)
         let completed = !self.error_seen

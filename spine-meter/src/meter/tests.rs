@@ -2172,10 +2172,11 @@ async fn text_that_counts_past_the_cap_but_spells_within_it_is_billed_not_cut() 
 }
 
 /// Tool calls an SDK cannot read are the node's fault, as any other malformed chunk: a call
-/// whose first delta lacks its `id`, `type` or function `name` (the SDK shows `None`s, the
-/// Responses API a nameless call), calls that skip an index (the SDK's stream helper indexes a
-/// list by it: `IndexError`), a streamed call without `index`; and in a complete answer, a
-/// call without `id`, `type` or `name`. Settled `upstream_failed` (nothing paid), node
+/// whose first delta lacks its `id` or `type`, or that never gets a function `name` (the SDK
+/// shows `None`s, the Responses API a nameless call; a name in a later delta is fine, as
+/// llama.cpp may send it), calls that skip an index (the SDK's stream helper indexes a list by
+/// it: `IndexError`), a streamed call without `index`; and in a complete answer, a call without
+/// `id`, `type` or `name`. Settled `upstream_failed` (nothing paid), node
 /// faulted. Calls begun in order, continued by argument-only deltas, complete.
 #[tokio::test]
 async fn tool_calls_an_sdk_cannot_read_are_the_nodes_fault() {
@@ -2219,6 +2220,21 @@ async fn tool_calls_an_sdk_cannot_read_are_the_nodes_fault() {
                 json!({"tool_calls": [more(0, "1}"), call(1, "b", "g", "{}")]}),
             ],
             None,
+        ),
+        // named in a later delta, as llama.cpp does once its parser has read the name: fine
+        (
+            vec![
+                json!({"tool_calls": [{"index": 0, "id": "a", "type": "function"}]}),
+                json!({"tool_calls": [call(0, "a", "get_weather", "{}")]}),
+            ],
+            None,
+        ),
+        // never named
+        (
+            vec![
+                json!({"tool_calls": [{"index": 0, "id": "a", "type": "function", "function": {"arguments": "{}"}}]}),
+            ],
+            Some("never named tool call 0"),
         ),
     ];
     for (deltas, fault) in streams {
