@@ -91,13 +91,11 @@ pub enum MeterError {
     /// A non-streamed answer the request could honestly make (within its byte bound, relative
     /// to its cap of completion tokens) is larger than the gateway buffers
     /// (`max_response_body_bytes`; 502 `response_too_large`, the caller told to stream it).
-    /// The gateway's limit, not the node's fault: settled `cut_at_bound` at 0 tokens (nothing
-    /// was delivered, so the caller pays nothing, the prompt neither; the operator earns
-    /// nothing; the node is not scored).
+    /// The gateway's limit, not the node's fault: settled `cut_at_bound` (the caller pays the
+    /// prompt, nothing was delivered; the operator earns nothing; the node is not scored).
     #[error(
         "the answer is larger than the {limit_bytes} bytes this gateway buffers for a non-streamed \
-         response; ask for it with \"stream\": true (or lower max_tokens, n or top_logprobs); \
-         nothing was charged"
+         response; ask for it with \"stream\": true (or lower max_tokens, n or top_logprobs)"
     )]
     AnswerTooLarge {
         /// `max_response_body_bytes`, bytes.

@@ -449,10 +449,8 @@ where
             return Err(MeterError::EmbeddingsTooLarge { limit_bytes: limit }.into());
         }
         Err(ResponseRead::OverLimit) if bound > ceiling => {
-            // the gateway's limit, not the caller's fault nor the node's: nothing delivered,
-            // nothing charged (the prompt neither)
             tracing::warn!(request_id = %ctx.request_id, limit, "non-streamed answer over the gateway's buffer");
-            ctx.settle(StreamOutcome::CutAtBound, Usage::default(), None);
+            ctx.settle_prompt_only(StreamOutcome::CutAtBound);
             return Err(MeterError::AnswerTooLarge { limit_bytes: limit }.into());
         }
         Err(read) => {
