@@ -339,8 +339,8 @@ impl OneNode {
 /// bias on special tokens only is taken for an EOS ban) and billed what it saw: 0 completion
 /// tokens, and flagged the honest node's `length` as unsupported by its text (a discrepancy
 /// that lowers its score). A caller could so get the work free and mark every node a liar.
-/// Raising a control token is refused before any node (400 naming `logit_bias`); banning one
-/// (the EOS ban) is still served.
+/// Raising a control token is refused before any node (400 naming `logit_bias`), as is a bias
+/// on an id past the vocabulary; banning a control token (the EOS ban) is still served.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_caller_raising_a_control_token_is_refused_before_any_node() {
     let one = OneNode::start().await;
@@ -355,6 +355,11 @@ async fn a_caller_raising_a_control_token_is_refused_before_any_node() {
         ("/v1/chat/completions", json!({"3\u{0}": 100})),
         ("/v1/chat/completions", json!([[4_294_967_299u64, 100]])),
         ("/v1/completions", json!({"1": 50})),
+        // ids past SmolLM2's 49,152: llama.cpp ignores them, the meter would read them as
+        // tokens it cannot spell and bill the claim within the loosest bound (GPT-2's EOS,
+        // 50256, is a ban clients send out of habit; a hostile node was paid 800 for 159)
+        ("/v1/chat/completions", json!({"50256": -100})),
+        ("/v1/completions", json!({"49152": -100})),
     ] {
         let mut body = if path == "/v1/completions" {
             json!({"model":"smollm2","prompt":"Say hi"})

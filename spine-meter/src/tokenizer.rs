@@ -193,6 +193,14 @@ pub trait TokenCounter: fmt::Debug + Send + Sync {
         false
     }
 
+    /// How many token ids the model's vocabulary has (ids `0..vocab_size`), when the counter
+    /// knows: a `logit_bias` on an id past it is refused (400), as OpenAI refuses one, where
+    /// llama.cpp would ignore it and the meter, reading it as a token it cannot spell, would
+    /// bill the node's claim within the loosest bound. The default knows none.
+    fn vocab_size(&self) -> Option<u64> {
+        None
+    }
+
     /// The text token `id` stands for when generated alone (a leading space included), when
     /// the counter knows it and it is whole UTF-8 (`None` for a byte-fallback piece, an
     /// unknown id, or a special token). The meter bounds what a `logit_bias` can make an
@@ -242,6 +250,10 @@ impl<T: TokenCounter + ?Sized> TokenCounter for std::sync::Arc<T> {
 
     fn is_special_token(&self, id: u32) -> bool {
         (**self).is_special_token(id)
+    }
+
+    fn vocab_size(&self) -> Option<u64> {
+        (**self).vocab_size()
     }
 
     fn token_text(&self, id: u32) -> Option<String> {

@@ -191,6 +191,21 @@ pub(super) fn raises_control_token(json: &serde_json::Value, counter: &dyn Token
     })
 }
 
+/// Why a `logit_bias` on an id past the vocabulary is refused.
+pub(super) const UNKNOWN_TOKEN_BIAS: &str = "token ids of the model's vocabulary";
+
+/// Whether the request's `logit_bias` names a token id at or past the counter's
+/// [`TokenCounter::vocab_size`] (when it knows one). Only for a `logit_bias` that
+/// [`logit_bias_unreadable`] accepts.
+pub(super) fn biases_unknown_token(json: &serde_json::Value, counter: &dyn TokenCounter) -> bool {
+    let Some(size) = counter.vocab_size() else {
+        return false;
+    };
+    logit_biases(json).is_some_and(|biases| {
+        biases.is_ok_and(|biases| biases.iter().any(|(id, _)| u64::from(*id) >= size))
+    })
+}
+
 /// Whether the request's `logit_bias` (not `null`) has an entry the engines may read as
 /// another token than the gateway does, so that [`raises_control_token`] cannot vouch for
 /// it: every entry must be a token id of ASCII decimal digits at most `i32::MAX` (OpenAI's

@@ -16,9 +16,10 @@ use super::body::{MeterBody, StreamSettings};
 use super::constraint::sampling_constraint;
 use super::embeddings::meter_embeddings;
 use super::prompt::{
-    affordable_prompt_tokens, count_prompts, developer_to_system, grammar_names_tokens,
-    logit_bias_unreadable, raises_control_token, stop_hidden_bytes, PromptLimits,
-    GRAMMAR_NAMES_TOKENS, RAISED_CONTROL_TOKEN, UNREADABLE_LOGIT_BIAS,
+    affordable_prompt_tokens, biases_unknown_token, count_prompts, developer_to_system,
+    grammar_names_tokens, logit_bias_unreadable, raises_control_token, stop_hidden_bytes,
+    PromptLimits, GRAMMAR_NAMES_TOKENS, RAISED_CONTROL_TOKEN, UNKNOWN_TOKEN_BIAS,
+    UNREADABLE_LOGIT_BIAS,
 };
 use super::request_body::read_request_body_and_balance;
 use super::settle::{AuditCapture, SettleCtx};
@@ -166,6 +167,13 @@ where
         return Err(MeterError::BadRequest(PeekError::InvalidField {
             field: "logit_bias",
             expected: UNREADABLE_LOGIT_BIAS,
+        })
+        .into());
+    }
+    if kind != RequestKind::Embeddings && biases_unknown_token(&json, &*entry.tokenizer) {
+        return Err(MeterError::BadRequest(PeekError::InvalidField {
+            field: "logit_bias",
+            expected: UNKNOWN_TOKEN_BIAS,
         })
         .into());
     }

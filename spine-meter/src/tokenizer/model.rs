@@ -500,6 +500,10 @@ impl TokenCounter for ModelTokenizer {
             .is_some_and(|t| self.tokenizer.get_added_vocabulary().is_special_token(&t))
     }
 
+    fn vocab_size(&self) -> Option<u64> {
+        Some(self.tokenizer.get_vocab_size(true) as u64)
+    }
+
     fn token_text(&self, id: u32) -> Option<String> {
         if self.is_special_token(id) {
             return None;
