@@ -341,9 +341,11 @@ pub(crate) fn meter_json(
         if let Some(capture) = ctx.audit.as_mut() {
             capture.push(c.index, &c.generated);
             capture.push_logprobs(c.index, c.logprobs.as_ref());
-            if capture.strip_logprobs {
-                stripped |= c.strip_logprobs(kind);
-            }
+        }
+        // the caller's answer has the log-probabilities it asked for, no others (a node's
+        // unasked ones, or those asked for an audit, are text outside the bill)
+        if !ctx.caller_logprobs {
+            stripped |= c.strip_logprobs(kind);
         }
         kept.push(c.raw);
     }

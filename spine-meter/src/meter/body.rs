@@ -322,9 +322,9 @@ impl State {
             }
             if let Some(capture) = ctx.audit.as_mut() {
                 capture.push_logprobs(c.index, c.logprobs.as_ref());
-                if capture.strip_logprobs {
-                    stripped |= c.strip_logprobs(self.settings.kind);
-                }
+            }
+            if !ctx.caller_logprobs {
+                stripped |= c.strip_logprobs(self.settings.kind);
             }
             let choice = self.choices.entry(c.index).or_default();
             // tool calls begin in order, each with its id and type (`bill::tool_call_heads_fault`)

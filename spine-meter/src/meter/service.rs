@@ -293,6 +293,7 @@ where
         ttft_ms: None,
         model: peek.model.clone(),
         node: None,
+        caller_logprobs,
         tokenizer: entry.tokenizer.clone(),
         price: entry.price,
         share_bps: config.operator_share_bps,
@@ -318,7 +319,7 @@ where
                     .get::<crate::audit::AuditAlways>()
                     .is_some();
                 if inject_logprobs || (node_logprobs && caller_logprobs) {
-                    capture.capture_logprobs(tap.max_node_tokens(), inject_logprobs);
+                    capture.capture_logprobs(tap.max_node_tokens());
                 }
                 Box::new(capture)
             }),

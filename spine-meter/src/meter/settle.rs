@@ -92,6 +92,9 @@ pub(crate) struct SettleCtx {
     pub(crate) ttft_ms: Option<u64>,
     pub(crate) model: ModelId,
     pub(crate) node: Option<NodeId>,
+    /// Whether the caller asked for log-probabilities: a node's that it did not ask for are
+    /// removed from what it receives (text it would get outside the bill).
+    pub(crate) caller_logprobs: bool,
     pub(crate) tokenizer: Arc<dyn TokenCounter>,
     pub(crate) price: Price,
     pub(crate) share_bps: u16,
@@ -143,8 +146,6 @@ pub(crate) struct AuditCapture {
     pub(crate) always: bool,
     /// Choice 0's logprobs, when the tap audits the model on its nodes' own logprobs.
     node_logprobs: Option<NodeLogprobs>,
-    /// The logprobs were added for the audit: removed from what the caller receives.
-    pub(crate) strip_logprobs: bool,
 }
 
 impl AuditCapture {
@@ -159,15 +160,14 @@ impl AuditCapture {
             plain: true,
             always: false,
             node_logprobs: None,
-            strip_logprobs: false,
         }
     }
 
-    /// Captures choice 0's logprobs (at most `max_tokens` entries); `strip`: they were added
-    /// for the audit and are removed from the caller's answer.
-    pub(crate) fn capture_logprobs(&mut self, max_tokens: usize, strip: bool) {
+    /// Captures choice 0's logprobs (at most `max_tokens` entries). Logprobs added for the
+    /// audit are removed from the caller's answer as any it did not ask for
+    /// ([`SettleCtx::caller_logprobs`]).
+    pub(crate) fn capture_logprobs(&mut self, max_tokens: usize) {
         self.node_logprobs = Some(NodeLogprobs::new(max_tokens));
-        self.strip_logprobs = strip;
     }
 
     /// Appends choice `index`'s `logprobs` member, when captured (only choice 0 is kept).

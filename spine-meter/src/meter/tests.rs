@@ -2298,3 +2298,49 @@ async fn tool_calls_an_sdk_cannot_read_are_the_nodes_fault() {
     );
     assert!(slot.lock().unwrap().as_ref().unwrap().node_fault_reported());
 }
+
+/// Log-probabilities the caller did not ask for are removed from what it receives, streamed
+/// and not: a node's unasked ones are text outside the bill (an attacker's node sent 300
+/// entries of 1,000 bytes for a 5-token answer, billed 2). Asked for, they pass.
+#[tokio::test]
+async fn logprobs_the_caller_did_not_ask_for_are_removed() {
+    let lp = json!({"content":[{"token":"Hi","logprob":-0.1,"bytes":[72,105],
+        "top_logprobs":[{"token":"x".repeat(1000),"logprob":-9.0,"bytes":[]}]}]});
+    let chunk = json!({"id":"c1","object":"chat.completion.chunk","created":1,"model":"smollm2",
+        "choices":[{"index":0,"delta":{"content":"Hi"},"logprobs":lp,"finish_reason":null}]});
+    let last = json!({"id":"c1","object":"chat.completion.chunk","created":1,"model":"smollm2",
+        "choices":[{"index":0,"delta":{},"finish_reason":"stop"}]});
+    let stream = Bytes::from(format!("data: {chunk}\n\ndata: {last}\n\ndata: [DONE]\n\n"));
+    let answer = json!({"id":"c1","object":"chat.completion","created":1,"model":"smollm2",
+        "choices":[{"index":0,"finish_reason":"stop","logprobs":lp,
+            "message":{"role":"assistant","content":"Hi"}}],
+        "usage":{"prompt_tokens":34,"completion_tokens":2,"total_tokens":36}});
+    let answer = Bytes::from(answer.to_string());
+    for asked in [false, true] {
+        for streamed in [true, false] {
+            let mut h = harness().await;
+            let (body, ct) = if streamed {
+                (stream.clone(), "text/event-stream")
+            } else {
+                (answer.clone(), "application/json")
+            };
+            let (svc, _slot) = h.slot_node(h.layer(2048), ct, move || full(body.clone()));
+            let mut req = chat(streamed, None);
+            if asked {
+                req["logprobs"] = json!(true);
+                req["top_logprobs"] = json!(1);
+            }
+            let resp = svc.oneshot(request("lp", &req)).await.unwrap();
+            let got = frames(resp.into_body()).await.concat();
+            let got = String::from_utf8(got).unwrap();
+            assert_eq!(
+                got.contains(&"x".repeat(1000)),
+                asked,
+                "asked {asked}, streamed {streamed}"
+            );
+            assert!(got.contains("Hi"));
+            let (s, _) = h.settled().await;
+            assert_eq!(s.outcome, StreamOutcome::Completed);
+        }
+    }
+}
