@@ -99,3 +99,41 @@ pub fn request(path: &str, body: &'static [u8], account: &AccountId) -> http::Re
     req.extensions_mut().insert(account.clone());
     req
 }
+
+/// One request through the metered service on a fresh runtime: `body` to `path`, answered by
+/// a node sending `data` as `content_type` ([`node_answering`]). `check` reads the outcome —
+/// the response's status and whole body, or the layer's error — then the request must have
+/// settled with nothing held.
+pub fn meter_once(
+    data: &[u8],
+    content_type: &'static str,
+    path: &str,
+    body: &'static [u8],
+    check: impl FnOnce(Result<(http::StatusCode, Bytes), BoxError>),
+) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .expect("runtime");
+    rt.block_on(async {
+        let (layer, ledger, account) = metered().await;
+        let settlements = layer.settlements();
+        let node = node_answering(data, content_type);
+        let req = request(path, body, &account);
+        let outcome = match tower::ServiceExt::oneshot(tower::Layer::layer(&layer, node), req).await
+        {
+            Ok(resp) => {
+                let status = resp.status();
+                let out = resp.into_body().collect().await.expect("body").to_bytes();
+                Ok((status, out))
+            }
+            Err(e) => Err(e),
+        };
+        check(outcome);
+        settlements.drain().await;
+        assert_eq!(
+            ledger.account(&account).await.expect("balance").held_micros,
+            0
+        );
+    });
+}

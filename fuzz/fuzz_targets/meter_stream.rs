@@ -8,35 +8,31 @@
 #![no_main]
 mod common;
 
-use http_body_util::BodyExt;
 use libfuzzer_sys::fuzz_target;
-use tower::{Layer, ServiceExt};
 
 fuzz_target!(|data: &[u8]| {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_time()
-        .build()
-        .expect("runtime");
-    rt.block_on(async {
-        let (layer, ledger, account) = common::metered().await;
-        let settlements = layer.settlements();
-        let node = common::node_answering(data, "text/event-stream");
-        let body = br#"{"model":"m","stream":true,"max_tokens":32,"n":2,"messages":[{"role":"user","content":"hi"}]}"#;
-        let req = common::request("/v1/chat/completions", body, &account);
-        let resp = layer.layer(node).oneshot(req).await.expect("response");
-        let out = resp.into_body().collect().await.expect("body").to_bytes();
-        for event in spine_meter::sse::parse_all(&out).expect("the caller's stream parses") {
-            let data = event.data();
-            assert!(event.is_utf8(), "{out:?}");
-            if data == "[DONE]" {
-                continue;
+    let body = br#"{"model":"m","stream":true,"max_tokens":32,"n":2,"messages":[{"role":"user","content":"hi"}]}"#;
+    common::meter_once(
+        data,
+        "text/event-stream",
+        "/v1/chat/completions",
+        body,
+        |outcome| {
+            let (_, out) = outcome.expect("response");
+            for event in spine_meter::sse::parse_all(&out).expect("the caller's stream parses") {
+                let data = event.data();
+                assert!(event.is_utf8(), "{out:?}");
+                if data == "[DONE]" {
+                    continue;
+                }
+                let v: serde_json::Value =
+                    serde_json::from_str(data).unwrap_or_else(|e| panic!("{e}: {data:?}"));
+                assert!(v.is_object(), "{data:?}");
+                assert!(
+                    v.get("error").is_some() || v["choices"].is_array(),
+                    "{data:?}"
+                );
             }
-            let v: serde_json::Value =
-                serde_json::from_str(data).unwrap_or_else(|e| panic!("{e}: {data:?}"));
-            assert!(v.is_object(), "{data:?}");
-            assert!(v.get("error").is_some() || v["choices"].is_array(), "{data:?}");
-        }
-        settlements.drain().await;
-        assert_eq!(ledger.account(&account).await.expect("balance").held_micros, 0);
-    });
+        },
+    );
 });
