@@ -105,20 +105,29 @@ fn claimed_vram_is_capped_in_the_weight() {
 /// the probe share.
 #[tokio::test(start_paused = true)]
 async fn a_failing_node_gets_traffic_only_when_the_healthy_ones_are_full() {
+    let m = ModelId::new("m");
+    // a liar claiming all the VRAM there is, flagged 5 times, beside an honest 2-slot node
+    let with = |config: RegistryConfig| {
+        let r = NodeRegistry::with_config(config);
+        let mut liar = desc(&["m"], 100);
+        liar.vram_mib = u64::MAX;
+        r.node_ready(&NodeId::new("liar"), &liar);
+        r.node_ready(&NodeId::new("honest"), &desc(&["m"], 2));
+        for _ in 0..5 {
+            r.record_discrepancy(&NodeId::new("liar"));
+        }
+        r
+    };
+    let liar_picks = |r: &NodeRegistry, picks: usize| {
+        (0..picks)
+            .filter(|_| r.pick(&m).is_ok_and(|l| l.node().as_str() == "liar"))
+            .count()
+    };
     // no probes first: the tiers alone
-    let r = NodeRegistry::with_config(RegistryConfig {
+    let r = with(RegistryConfig {
         probe_share: 0.0,
         ..RegistryConfig::default()
     });
-    let m = ModelId::new("m");
-    let mut liar = desc(&["m"], 100);
-    liar.vram_mib = u64::MAX;
-    let honest = desc(&["m"], 2);
-    r.node_ready(&NodeId::new("liar"), &liar);
-    r.node_ready(&NodeId::new("honest"), &honest);
-    for _ in 0..5 {
-        r.record_discrepancy(&NodeId::new("liar"));
-    }
     let liar_score = r.score(&NodeId::new("liar")).map(|s| s.score);
     assert!(liar_score.is_some_and(|s| s < 0.5), "{liar_score:?}");
     let snap = r.snapshot();
@@ -152,32 +161,17 @@ async fn a_failing_node_gets_traffic_only_when_the_healthy_ones_are_full() {
     );
     drop(held);
     // the default probe share: about 2 % of picks go to it while it is below the healthy score
-    let r = NodeRegistry::new();
-    r.node_ready(&NodeId::new("liar"), &liar);
-    r.node_ready(&NodeId::new("honest"), &honest);
-    for _ in 0..5 {
-        r.record_discrepancy(&NodeId::new("liar"));
-    }
-    let probes = (0..10_000)
-        .filter(|_| r.pick(&m).is_ok_and(|l| l.node().as_str() == "liar"))
-        .count();
+    let probes = liar_picks(&with(RegistryConfig::default()), 10_000);
     // binomial(10,000, 0.02): 200 ± 14
     assert!((100..300).contains(&probes), "{probes}");
     // with tiers off (`healthy_score` 0) the weight decides again: one request at a time (both
     // idle, so the first draw wins), the liar takes nearly all
-    let r = NodeRegistry::with_config(RegistryConfig {
+    let tiers_off = RegistryConfig {
         healthy_score: 0.0,
         ..RegistryConfig::default()
-    });
-    r.node_ready(&NodeId::new("liar"), &liar);
-    r.node_ready(&NodeId::new("honest"), &honest);
-    for _ in 0..5 {
-        r.record_discrepancy(&NodeId::new("liar"));
-    }
-    let liar_picks = (0..100)
-        .filter(|_| r.pick(&m).is_ok_and(|l| l.node().as_str() == "liar"))
-        .count();
-    assert!(liar_picks > 90, "{liar_picks}");
+    };
+    let picks = liar_picks(&with(tiers_off), 100);
+    assert!(picks > 90, "{picks}");
 }
 
 #[tokio::test(start_paused = true)]
