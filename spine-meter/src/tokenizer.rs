@@ -627,34 +627,31 @@ impl GeneratedCount {
             .chain(self.tool_calls.values().flat_map(|(n, a)| [n, a]))
     }
 
+    /// `of` each piece, summed (saturating).
+    fn sum(&self, of: impl Fn(&IncrementalText) -> u64) -> u64 {
+        self.pieces().map(of).fold(0u64, u64::saturating_add)
+    }
+
     /// Exact tokens of everything pushed: the counter's [`TokenCounter::count_generated_text`] of each
     /// piece, summed.
     pub fn tokens(&self, tokenizer: &dyn TokenCounter) -> u64 {
-        self.pieces()
-            .map(|p| p.tokens(tokenizer))
-            .fold(0u64, u64::saturating_add)
+        self.sum(|p| p.tokens(tokenizer))
     }
 
     /// At least [`tokens`](Self::tokens), cheaply ([`IncrementalText::tokens_upper_bound`]).
     pub fn tokens_upper_bound(&self) -> u64 {
-        self.pieces()
-            .map(IncrementalText::tokens_upper_bound)
-            .fold(0u64, u64::saturating_add)
+        self.sum(IncrementalText::tokens_upper_bound)
     }
 
     /// The fewest tokens that spell everything pushed, each piece on its own
     /// ([`IncrementalText::fewest`]): what the node generated at the least.
     pub fn fewest(&self, tokenizer: &dyn TokenCounter) -> u64 {
-        self.pieces()
-            .map(|p| p.fewest(tokenizer))
-            .fold(0u64, u64::saturating_add)
+        self.sum(|p| p.fewest(tokenizer))
     }
 
     /// At least [`fewest`](Self::fewest), cheaply ([`IncrementalText::fewest_upper_bound`]).
     pub fn fewest_upper_bound(&self) -> u64 {
-        self.pieces()
-            .map(IncrementalText::fewest_upper_bound)
-            .fold(0u64, u64::saturating_add)
+        self.sum(IncrementalText::fewest_upper_bound)
     }
 
     /// Whether [`tokens_upper_bound`](Self::tokens_upper_bound) is the exact count.
@@ -674,9 +671,7 @@ impl GeneratedCount {
 
     /// UTF-8 bytes of everything pushed.
     pub fn len_bytes(&self) -> u64 {
-        self.pieces()
-            .map(IncrementalText::len_bytes)
-            .fold(0u64, u64::saturating_add)
+        self.sum(IncrementalText::len_bytes)
     }
 
     /// How many tool calls.
