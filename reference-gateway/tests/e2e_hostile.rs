@@ -815,7 +815,12 @@ async fn text_a_caller_biases_to_count_past_the_cap_is_billed_not_free() {
         assert_eq!(rec["outcome"], "completed", "{rec}");
         assert_eq!(rec["billed"]["completion_tokens"], MAX, "{rec}");
         assert_eq!(rec["discrepancy"], false, "{rec}");
-        assert!(rec["debit_micros"].as_u64().unwrap() > 0, "{rec}");
+        let prompt = rec["billed"]["prompt_tokens"].as_u64().unwrap();
+        assert_eq!(
+            rec["debit_micros"].as_u64(),
+            Some(common::cost(prompt, MAX).0),
+            "{rec}"
+        );
     }
     let n = gw.node(&node).await;
     assert_eq!(
