@@ -9,7 +9,7 @@ use spine_core::{NodeSlot, RequestKind, StreamOutcome, Usage};
 use super::constraint::{natural_most, PinnedCount, SamplingConstraint, GRAMMAR_HIDDEN_TOKENS};
 use super::node_json::{
     engine_error_message, is_engine_error, read_choices, usage_claim, Members, TextMember,
-    ToolCallHead,
+    ToolCallEdit, ToolCallHead,
 };
 use super::settle::{BillNotes, SettleCtx};
 use super::MeterError;
@@ -28,10 +28,10 @@ pub(super) struct Choice {
     pub(super) finish_reason: Option<String>,
     /// The pinned texts' occurrences in `delivered` ([`SamplingConstraint::Pinned`]).
     pub(super) pinned: PinnedCount,
-    /// Whether each tool call begun in the stream so far (read, delivered or not) has been
-    /// named: the next new call must have index `tool_calls_named.len()`, and every call a
-    /// name by the end.
-    pub(super) tool_calls_named: Vec<bool>,
+    /// The function name of each tool call begun in the stream so far (read, delivered or
+    /// not), as the caller's SDK appended it (empty until named): the next new call must have
+    /// index `tool_call_names.len()`, and every call a name by the end.
+    pub(super) tool_call_names: Vec<String>,
 }
 
 pub(super) fn usage_json(u: &Usage) -> String {
@@ -466,48 +466,81 @@ pub(crate) const STREAM_BYTES_FLOOR: u64 = 1 << 20;
 /// See [`stream_bytes_bound`]: 8 KiB a token.
 pub(crate) const STREAM_BYTES_PER_TOKEN: u64 = 8 * 1024;
 
-/// Why tool-call deltas `heads` of choice `index` break the stream's order, given what
-/// `choice` has begun: a new call must come next in order (0, 1, 2, …: an SDK indexes a list
-/// by it, and a gap crashed the Python SDK's stream helper) and carry its `id` and `type`
-/// (an SDK reads them from a call's first delta). Records the calls begun and named.
-pub(super) fn tool_call_heads_fault(
+/// Checks tool-call deltas `heads` of choice `index` against what `choice` has begun, and
+/// says how to rewrite them so that the caller's SDK reads each call's head once.
+///
+/// A new call must come next in order (0, 1, 2, …: an SDK indexes a list by it, and a gap
+/// crashed the Python SDK's stream helper) and carry its `id` and `type` (an SDK reads them
+/// from a call's first delta). A later delta of a begun call: an `id` is removed (the call
+/// keeps its first; the SDK would append the new one to it); a `name` equal to the call's is
+/// removed and one that extends it is cut to the new part (llama.cpp's
+/// `common_chat_msg_diff::compute_diffs` re-sends the id and name when a call's id changes,
+/// and the Python SDK appends every string it reads, giving `get_weatherget_weather`); any
+/// other name is a further piece of the name, kept as the SDK would append it. A name removed
+/// is neither delivered nor billed. Records the calls begun and their names.
+///
+/// # Errors
+///
+/// Why the deltas break the stream's order: the node's fault.
+pub(super) fn tool_call_heads(
     index: u64,
     heads: &[ToolCallHead],
     choice: &mut Choice,
-) -> Option<String> {
+) -> Result<Vec<ToolCallEdit>, String> {
+    let mut edits = Vec::new();
     for head in heads {
-        let (call, next) = (head.index, choice.tool_calls_named.len() as u64);
+        let (call, next) = (head.index, choice.tool_call_names.len() as u64);
         match call.cmp(&next) {
             std::cmp::Ordering::Less => {
-                if let Some(named) = usize::try_from(call)
+                let Some(sent) = usize::try_from(call)
                     .ok()
-                    .and_then(|c| choice.tool_calls_named.get_mut(c))
-                {
-                    *named |= head.named;
+                    .and_then(|c| choice.tool_call_names.get_mut(c))
+                else {
+                    continue;
+                };
+                let mut edit = ToolCallEdit {
+                    position: head.position,
+                    drop_id: head.has_id,
+                    name: None,
+                };
+                if let Some(name) = &head.name {
+                    if sent.is_empty() {
+                        sent.clone_from(name);
+                    } else if let Some(grown) = name.strip_prefix(sent.as_str()) {
+                        edit.name = Some(grown.to_owned());
+                        sent.clone_from(name);
+                    } else {
+                        sent.push_str(name);
+                    }
+                }
+                if edit.drop_id || edit.name.is_some() {
+                    edits.push(edit);
                 }
             }
-            std::cmp::Ordering::Equal if head.begins => choice.tool_calls_named.push(head.named),
+            std::cmp::Ordering::Equal if head.begins => choice
+                .tool_call_names
+                .push(head.name.clone().unwrap_or_default()),
             std::cmp::Ordering::Equal => {
-                return Some(format!(
+                return Err(format!(
                     "the node began tool call {call} of choice {index} without its id and type \
                      function"
                 ))
             }
             std::cmp::Ordering::Greater => {
-                return Some(format!(
+                return Err(format!(
                     "the node sent tool call {call} of choice {index} before tool call {next}"
                 ))
             }
         }
     }
-    None
+    Ok(edits)
 }
 
 /// Why a stream whose `choices` ended is not a usable answer for its tool calls: a call that
 /// never got a function name (an SDK shows `None`, the Responses API a nameless call).
 pub(super) fn unnamed_tool_call(choices: &BTreeMap<u64, Choice>) -> Option<String> {
     choices.iter().find_map(|(index, c)| {
-        let call = c.tool_calls_named.iter().position(|named| !named)?;
+        let call = c.tool_call_names.iter().position(String::is_empty)?;
         Some(format!(
             "the node never named tool call {call} of choice {index}"
         ))

@@ -12,7 +12,7 @@ use spine_core::{BoxError, NodeFault, NodeSlot, RequestKind, StreamOutcome, Usag
 
 use super::bill::{
     billed_usage, bound_event, bytes_bound_event, encode_event, error_event, over_limit_streamed,
-    stream_bytes_bound, tool_call_heads_fault, unnamed_tool_call, usage_json, Choice, Cut,
+    stream_bytes_bound, tool_call_heads, unnamed_tool_call, usage_json, Choice, Cut,
 };
 use super::node_json::{
     engine_error_message, is_engine_error, is_null, read_choices, usage_claim, Members, TextMember,
@@ -308,7 +308,7 @@ impl State {
         self.remember_meta(&members);
         let n_read = read.len();
         let mut progressed = false;
-        let rebuilt = read.iter().any(|c| c.rebuilt);
+        let mut rebuilt = read.iter().any(|c| c.rebuilt);
         let mut kept: Vec<String> = Vec::new();
         let mut text = Vec::new();
         let mut stripped = false;
@@ -327,9 +327,15 @@ impl State {
                 stripped |= c.strip_logprobs(self.settings.kind);
             }
             let choice = self.choices.entry(c.index).or_default();
-            // tool calls begin in order, each with its id and type (`bill::tool_call_heads_fault`)
-            if let Some(why) = tool_call_heads_fault(c.index, &c.tool_call_heads, choice) {
-                return self.node_fault(&why);
+            // tool calls begin in order, each with its id and type, and the caller reads each
+            // call's head once (`bill::tool_call_heads`)
+            match tool_call_heads(c.index, &c.tool_call_heads, choice) {
+                Ok(edits) if edits.is_empty() => {}
+                Ok(edits) => {
+                    c.edit_tool_calls(&edits);
+                    rebuilt = true;
+                }
+                Err(why) => return self.node_fault(&why),
             }
             if choice.finish_reason.is_some() && !c.generated.is_empty() {
                 // generated after the choice ended: never forwarded nor billed

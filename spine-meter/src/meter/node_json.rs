@@ -158,6 +158,43 @@ pub(crate) struct ChoiceRead {
 }
 
 impl ChoiceRead {
+    /// Applies `edits` to the choice's `delta.tool_calls` and reads its generated text again
+    /// from what is left (a name removed is neither delivered nor billed). Rare: only a node
+    /// that re-sends a call's head gets here, so the choice is parsed again.
+    pub(crate) fn edit_tool_calls(&mut self, edits: &[ToolCallEdit]) {
+        let Ok(mut c) = serde_json::from_str::<Value>(&self.raw) else {
+            return;
+        };
+        let Some(delta) = c.get_mut("delta") else {
+            return;
+        };
+        if let Some(calls) = delta.get_mut("tool_calls").and_then(Value::as_array_mut) {
+            for edit in edits {
+                let Some(call) = calls.get_mut(edit.position).and_then(Value::as_object_mut) else {
+                    continue;
+                };
+                if edit.drop_id {
+                    call.remove("id");
+                }
+                let function = call.get_mut("function").and_then(Value::as_object_mut);
+                match (&edit.name, function) {
+                    (Some(name), Some(f)) if name.is_empty() => {
+                        f.remove("name");
+                    }
+                    (Some(name), Some(f)) => {
+                        f.insert("name".to_owned(), Value::from(name.as_str()));
+                    }
+                    _ => {}
+                }
+            }
+        }
+        let mut generated = GeneratedText::new();
+        generated.push_message_json(delta);
+        self.generated = generated;
+        self.raw = c.to_string();
+        self.rebuilt = true;
+    }
+
     /// Removes the choice's logprobs from what the caller receives (they were added for an
     /// audit): a chat choice loses its `logprobs` member, a completion's becomes `null`, as
     /// llama.cpp answers without them. Whether the raw choice changed.
@@ -299,8 +336,19 @@ fn openai_choice(
             TextMember::Delta => match index {
                 Some(index) => heads.push(ToolCallHead {
                     index,
+                    position,
                     begins,
-                    named,
+                    has_id: call
+                        .get("id")
+                        .and_then(Value::as_str)
+                        .is_some_and(|id| !id.is_empty()),
+                    name: named.then(|| {
+                        call.get("function")
+                            .and_then(|f| f.get("name"))
+                            .and_then(Value::as_str)
+                            .unwrap_or_default()
+                            .to_owned()
+                    }),
                 }),
                 None => return Err("a streamed tool call has no index"),
             },
@@ -345,14 +393,31 @@ fn openai_choice(
 }
 
 /// What a streamed tool-call delta carries of its call's head ([`ChoiceRead::tool_call_heads`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct ToolCallHead {
     /// The call's `index`.
     pub(crate) index: u64,
+    /// The delta's position in the chunk's `tool_calls` array.
+    pub(crate) position: usize,
     /// An `id` and `type` `function`.
     pub(crate) begins: bool,
-    /// A non-empty function `name`.
-    pub(crate) named: bool,
+    /// A non-empty `id`.
+    pub(crate) has_id: bool,
+    /// The function `name`, when a non-empty one.
+    pub(crate) name: Option<String>,
+}
+
+/// How the gateway rewrites one streamed tool-call delta before the caller gets it
+/// ([`ChoiceRead::edit_tool_calls`]): an SDK appends every `id` and `name` string it reads to
+/// the call's, so a call's head is sent once (see `bill::tool_call_heads`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct ToolCallEdit {
+    /// The delta's position in the chunk's `tool_calls` array.
+    pub(crate) position: usize,
+    /// Remove the delta's `id` (the call already has one).
+    pub(crate) drop_id: bool,
+    /// Replace the delta's function `name` with this text (empty: remove it).
+    pub(crate) name: Option<String>,
 }
 
 /// The member of a choice that carries its text, as the caller's SDK reads it: a completion's

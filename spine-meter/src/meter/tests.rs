@@ -2300,6 +2300,81 @@ async fn tool_calls_an_sdk_cannot_read_are_the_nodes_fault() {
     assert!(slot.lock().unwrap().as_ref().unwrap().node_fault_reported());
 }
 
+/// A tool call's head (`id`, function `name`) re-sent in a later delta — llama.cpp's
+/// `compute_diffs` re-sends both when a call's id changes, and a node may send a longer name —
+/// reaches the caller's SDK once: it appends every string it reads, so the forwarded stream
+/// must accumulate (as the Python SDK does) to one id and one name. What was removed is not
+/// billed: the debit equals that of the same stream sent without the repeats.
+#[tokio::test]
+async fn a_tool_calls_head_reaches_the_sdk_once() {
+    let chunk = |delta: Value, finish: Value| {
+        let c = json!({"id":"c1","object":"chat.completion.chunk","created":1,"model":"smollm2",
+            "choices":[{"index":0,"delta":{"tool_calls":[delta]},"finish_reason":finish}]});
+        format!("data: {c}\n\n")
+    };
+    let end = format!(
+        "data: {}\n\ndata: [DONE]\n\n",
+        json!({"id":"c1","object":"chat.completion.chunk","created":1,"model":"smollm2",
+            "choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]})
+    );
+    let head = json!({"index":0,"id":"call_1","type":"function",
+        "function":{"name":"get_weather","arguments":""}});
+    let resent = [
+        head.clone(),
+        json!({"index":0,"id":"call_1","type":"function",
+            "function":{"name":"get_weather","arguments":"{\"city\":"}}),
+        json!({"index":0,"id":"call_2","function":{"name":"get_weather_v2","arguments":"\"Paris\"}"}}),
+    ];
+    let clean = [
+        head,
+        json!({"index":0,"function":{"arguments":"{\"city\":"}}),
+        json!({"index":0,"function":{"name":"_v2","arguments":"\"Paris\"}"}}),
+    ];
+    let mut debits = Vec::new();
+    for deltas in [resent, clean] {
+        let body: String = deltas
+            .iter()
+            .map(|d| chunk(d.clone(), Value::Null))
+            .collect::<String>()
+            + &end;
+        let body = Bytes::from(body);
+        let mut h = harness().await;
+        let (svc, slot) = h.slot_node(h.layer(2048), "text/event-stream", move || {
+            full(body.clone())
+        });
+        let resp = svc
+            .oneshot(request("heads", &chat(true, None)))
+            .await
+            .unwrap();
+        let got = frames(resp.into_body()).await.concat();
+        // the Python SDK's `accumulate_delta`: strings are appended, `index` and `type` replaced
+        let (mut id, mut name, mut arguments) = (String::new(), String::new(), String::new());
+        for event in crate::sse::parse_all(&got).unwrap() {
+            let Ok(c) = serde_json::from_str::<Value>(event.data()) else {
+                continue;
+            };
+            for call in c["choices"][0]["delta"]["tool_calls"]
+                .as_array()
+                .into_iter()
+                .flatten()
+            {
+                id.push_str(call["id"].as_str().unwrap_or_default());
+                name.push_str(call["function"]["name"].as_str().unwrap_or_default());
+                arguments.push_str(call["function"]["arguments"].as_str().unwrap_or_default());
+            }
+        }
+        assert_eq!(
+            (id.as_str(), name.as_str(), arguments.as_str()),
+            ("call_1", "get_weather_v2", "{\"city\":\"Paris\"}")
+        );
+        let (s, r) = h.settled().await;
+        assert_eq!(s.outcome, StreamOutcome::Completed);
+        assert_eq!(node_fault(&slot), None);
+        debits.push(r.debit_micros);
+    }
+    assert_eq!(debits[0], debits[1], "a removed repeat is not billed");
+}
+
 /// Log-probabilities the caller did not ask for are removed from what it receives, streamed
 /// and not: a node's unasked ones are text outside the bill (an attacker's node sent 300
 /// entries of 1,000 bytes for a 5-token answer, billed 2). Asked for, they pass.
