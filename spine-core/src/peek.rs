@@ -17,9 +17,9 @@ pub use messages::validate_chat_messages;
 #[cfg(test)]
 use messages::CONTENT_EXPECTED;
 pub use tags::{
-    check_metadata, check_output_constraint, check_tool_count, check_user, MAX_METADATA_KEY_CHARS,
-    MAX_METADATA_PAIRS, MAX_METADATA_VALUE_CHARS, MAX_OUTPUT_CONSTRAINT_BYTES, MAX_TOOLS,
-    MAX_USER_CHARS,
+    check_metadata, check_output_constraint, check_tool_count, check_tools, check_user,
+    MAX_METADATA_KEY_CHARS, MAX_METADATA_PAIRS, MAX_METADATA_VALUE_CHARS,
+    MAX_OUTPUT_CONSTRAINT_BYTES, MAX_TOOLS, MAX_USER_CHARS,
 };
 
 /// The fields of an OpenAI request body the gateway needs, read without touching the rest.
@@ -571,11 +571,12 @@ impl RequestPeek {
                 check(&value)?;
             }
         }
-        // an array's length without building its values (another type is the endpoint's error)
+        // compiled by the node, counted only by a template that renders them: bounded
         if let Some(raw) = fields.get("tools") {
-            if let Ok(tools) = serde_json::from_str::<Vec<serde::de::IgnoredAny>>(raw.get()) {
-                check_tool_count(tools.len())?;
-            }
+            check_tools(raw.get())?;
+        }
+        if let Some(raw) = fields.get("tool_choice") {
+            check_output_constraint("tool_choice", raw.get())?;
         }
         for name in TOKENIZATION_CONSTRAINT_FIELDS {
             if name == "logit_bias" {

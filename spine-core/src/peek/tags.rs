@@ -95,6 +95,25 @@ pub fn check_tool_count(count: usize) -> Result<(), PeekError> {
     }
 }
 
+/// A request's `tools` whose JSON text is `json`: at most [`MAX_TOOLS`] tools (see
+/// [`check_tool_count`]), each at most [`MAX_OUTPUT_CONSTRAINT_BYTES`] of JSON (an engine
+/// compiles a tool's `parameters` schema into a grammar, as it does an output constraint, and
+/// a template that ignores tools counts none of it). Not an array: passes (the endpoint's
+/// error).
+///
+/// # Errors
+///
+/// [`PeekError::InvalidField`] for `tools`.
+pub fn check_tools(json: &str) -> Result<(), PeekError> {
+    let Ok(tools) = serde_json::from_str::<Vec<&serde_json::value::RawValue>>(json) else {
+        return Ok(());
+    };
+    check_tool_count(tools.len())?;
+    tools
+        .iter()
+        .try_for_each(|tool| check_output_constraint("tools", tool.get()))
+}
+
 /// An output constraint member `field` whose JSON text is `json`: at most
 /// [`MAX_OUTPUT_CONSTRAINT_BYTES`] bytes.
 ///

@@ -901,6 +901,32 @@ fn tools_and_output_constraints_are_bounded_where_accepted() {
                 peek(&format!(r#""tools":{}"#, tools(129))),
                 Err(PeekError::InvalidField { field: "tools", .. })
             ));
+            // each tool's schema, and `tool_choice`, as an output constraint
+            let tool = |bytes: usize| {
+                let wrap = r#"{"type":"function","function":{"name":"f","parameters":{"description":""}}}"#;
+                let pad = "d".repeat(bytes - wrap.len());
+                wrap.replace(r#""description":"""#, &format!(r#""description":"{pad}""#))
+            };
+            assert!(peek(&format!(r#""tools":[{},{}]"#, tool(max), tool(max))).is_ok());
+            assert!(matches!(
+                peek(&format!(r#""tools":[{},{}]"#, tool(100), tool(max + 1))),
+                Err(PeekError::InvalidField { field: "tools", .. })
+            ));
+            let choice = |bytes: usize| {
+                let wrap = r#"{"type":"function","function":{"name":""}}"#;
+                wrap.replace(
+                    r#""name":"""#,
+                    &format!(r#""name":"{}""#, "n".repeat(bytes - wrap.len())),
+                )
+            };
+            assert!(peek(&format!(r#""tool_choice":{}"#, choice(max))).is_ok());
+            assert!(matches!(
+                peek(&format!(r#""tool_choice":{}"#, choice(max + 1))),
+                Err(PeekError::InvalidField {
+                    field: "tool_choice",
+                    ..
+                })
+            ));
         }
     }
 }

@@ -58,15 +58,16 @@ const IGNORED: &[&str] = &[
     "stream_options",
 ];
 
-/// `metadata`, `user`, `tools` and `text` within [`spine_core::check_metadata`],
-/// [`spine_core::check_user`], [`spine_core::check_tool_count`] and
+/// `metadata`, `user`, `tools`, `tool_choice` and `text` within
+/// [`spine_core::check_metadata`], [`spine_core::check_user`], [`spine_core::check_tools`] and
 /// [`spine_core::check_output_constraint`] (any other member passes); the caller's message when
 /// not.
 fn key_bound(key: &str, value: &Value) -> Result<(), String> {
     match key {
         "metadata" => spine_core::check_metadata(value),
         "user" => spine_core::check_user(value),
-        "tools" => spine_core::check_tool_count(value.as_array().map_or(0, Vec::len)),
+        "tools" => spine_core::check_tools(&value.to_string()),
+        "tool_choice" => spine_core::check_output_constraint("tool_choice", &value.to_string()),
         // the translated `response_format` is checked again on the chat path; the echo is not
         "text" => spine_core::check_output_constraint("text", &value.to_string()),
         _ => Ok(()),

@@ -450,6 +450,17 @@ fn text_format_and_tools_are_bounded() {
         ("text", text(max - fixed + 1), false),
         ("tools", tools(128), true),
         ("tools", tools(129), false),
+        (
+            "tools",
+            json!([{"type": "function", "name": "f", "parameters": {"description": "d".repeat(max)}}]),
+            false,
+        ),
+        (
+            "tool_choice",
+            json!({"type": "function", "name": "n".repeat(max)}),
+            false,
+        ),
+        ("tool_choice", json!("auto"), true),
     ] {
         let body = json!({"model": "m", "input": "hi", member: value});
         let got = chat_request(body.to_string().as_bytes());
