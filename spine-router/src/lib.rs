@@ -73,8 +73,8 @@ pub use readahead::{
     read_ahead, ReadAhead, ReadAheadFuture, ReadAheadLayer, DEFAULT_READ_AHEAD_BYTES,
 };
 pub use registry::{
-    Ask, InFlightLease, Needs, NodeRegistry, NodeSnapshot, NodeView, Pick, RegistryConfig,
-    RouteError, StickyView, ATTEMPTS_METRIC, STICKY_METRIC,
+    Ask, InFlightLease, Needs, NodeRegistry, NodeSnapshot, NodeView, Overload, Pick,
+    RegistryConfig, RouteError, StickyView, ATTEMPTS_METRIC, STICKY_METRIC,
 };
 pub use route::{
     AvoidNodes, NotNodeFault, ResponseFuture, Route, RouteConfig, RouteLayer, MAX_FULL_REPICKS,

@@ -19,14 +19,19 @@ use crate::score::{weight, ScoreConfig, ScoreParts, ScoreState};
 mod acquire;
 mod ask;
 mod config;
+mod draw;
 mod error;
+mod limit;
 mod view;
 
 use ask::QueuedAsk;
+use draw::weighted_draw;
+use limit::ConcurrencyLimit;
 
 pub use ask::{Ask, Needs};
 pub use config::RegistryConfig;
 pub use error::RouteError;
+pub use limit::Overload;
 pub use view::{NodeView, StickyView};
 
 /// Name of the sticky counter (`result` = `hit`, `miss`, `new`; design brief §5).
@@ -44,6 +49,8 @@ struct NodeStats {
     discrepancies: u64,
     sticky_hits: u64,
     sticky_misses: u64,
+    /// The learned concurrency limit, kept across reconnects ([`limit`]).
+    limit: Arc<ConcurrencyLimit>,
 }
 
 impl NodeStats {
@@ -56,6 +63,7 @@ impl NodeStats {
             discrepancies: 0,
             sticky_hits: 0,
             sticky_misses: 0,
+            limit: Arc::default(),
         }
     }
 }
@@ -64,6 +72,8 @@ impl NodeStats {
 struct NodeEntry {
     descriptor: NodeDescriptor,
     in_flight: Arc<AtomicU32>,
+    /// The node's learned concurrency limit (shared with its stats).
+    limit: Arc<ConcurrencyLimit>,
     stats: Arc<Mutex<NodeStats>>,
 }
 
@@ -117,6 +127,9 @@ pub struct NodeSnapshot {
     pub descriptor: NodeDescriptor,
     /// Requests currently being served by the node through this gateway.
     pub in_flight: u32,
+    /// The learned concurrency limit the node is routed by: at most its claimed
+    /// `max_concurrency`, lowered when it shows overload (`registry::limit`).
+    pub concurrency_limit: u32,
     /// The score and its parts now.
     pub score: ScoreParts,
     /// `max(min(vram_mib, max_vram_mib), 1)·(0.2 + 0.8·score)`: the node's relative chance in a
@@ -184,44 +197,16 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// [`RegistryConfig::affinity_yield_load`] to yield to it.
 const STICKY_YIELD_MARGIN: f64 = 0.5;
 
-/// `in_flight / max_concurrency` of a node with a free slot; `None` when it is full.
+/// `in_flight / limit` of a node with a free slot, `limit` its learned concurrency limit
+/// (at most its `max_concurrency`, see [`limit`]); `None` when it is full.
 fn load_of(entry: &NodeEntry) -> Option<f64> {
-    let max = entry.descriptor.max_concurrency;
+    let max = entry.concurrency_limit();
     let n = entry.in_flight.load(Ordering::Acquire);
     (n < max).then(|| f64::from(n) / f64::from(max))
 }
 
-/// An index drawn with probability proportional to the weights (element 2), skipping `not`;
-/// `None` when nothing is left to draw.
-fn weighted_draw<A, B, D>(items: &[(A, B, f64, D)], not: Option<usize>) -> Option<usize> {
-    let eligible = |i: usize| Some(i) != not;
-    let count = (0..items.len()).filter(|&i| eligible(i)).count();
-    if count == 0 {
-        return None;
-    }
-    let total: f64 = (0..items.len())
-        .filter(|&i| eligible(i))
-        .map(|i| items[i].2)
-        .sum();
-    let mut rng = rand::rng();
-    if !(total.is_finite() && total > 0.0) {
-        let k = rng.random_range(0..count);
-        return (0..items.len()).filter(|&i| eligible(i)).nth(k);
-    }
-    let mut r = rng.random_range(0.0..total);
-    let mut last = None;
-    for i in (0..items.len()).filter(|&i| eligible(i)) {
-        last = Some(i);
-        if r < items[i].2 {
-            return Some(i);
-        }
-        r -= items[i].2;
-    }
-    last
-}
-
 fn reserve(entry: &NodeEntry) -> bool {
-    let max = entry.descriptor.max_concurrency;
+    let max = entry.concurrency_limit();
     entry
         .in_flight
         .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
@@ -299,7 +284,11 @@ impl NodeRegistry {
     /// Requests already in flight on the node keep counting against it.
     pub fn node_ready(&self, node: &NodeId, descriptor: &NodeDescriptor) {
         let stats = self.stats_of(node);
-        lock(&stats).score.seen(Instant::now());
+        let limit = {
+            let mut s = lock(&stats);
+            s.score.seen(Instant::now());
+            s.limit.clone()
+        };
         let mut nodes = self.inner.nodes.write().unwrap_or_else(|e| e.into_inner());
         let in_flight = nodes
             .get(node)
@@ -310,6 +299,7 @@ impl NodeRegistry {
             NodeEntry {
                 descriptor: descriptor.clone(),
                 in_flight,
+                limit,
                 stats,
             },
         );
@@ -359,8 +349,7 @@ impl NodeRegistry {
             .filter(|(id, e)| e.descriptor.serves(model) && self.trusted(id, model))
             .map(|(_, e)| {
                 u64::from(
-                    e.descriptor
-                        .max_concurrency
+                    e.concurrency_limit()
                         .saturating_sub(e.in_flight.load(Ordering::Acquire)),
                 )
             })
@@ -421,6 +410,7 @@ impl NodeRegistry {
                 s.score.ttft(cfg, ttft);
             }
         });
+        self.limit_success(node);
     }
 
     /// An attempt on `node` failed without a mid-request disconnect: connect failure, 5xx / 408 /
@@ -474,6 +464,7 @@ impl NodeRegistry {
                     node_id: id.clone(),
                     descriptor: e.descriptor.clone(),
                     in_flight: e.in_flight.load(Ordering::Acquire),
+                    concurrency_limit: e.concurrency_limit(),
                     weight: weight(self.capped_vram(e), score.score),
                     score,
                     attempts: s.attempts,
@@ -494,13 +485,13 @@ impl NodeRegistry {
     /// flight on it until the returned lease is dropped. Load-aware (power of two choices): two
     /// nodes are drawn at random with probability proportional to their weight
     /// `max(min(vram_mib, max_vram_mib), 1)·(0.2 + 0.8·score)` (design brief §5), and the one
-    /// with the lower load `in_flight / max_concurrency` is taken (equal loads: the first draw,
+    /// with the lower load `in_flight / limit` (the learned concurrency limit) is taken (equal loads: the first draw,
     /// so idle nodes are picked by weight alone). Never waits: see [`NodeRegistry::acquire`].
     ///
     /// # Errors
     ///
     /// [`RouteError::NoNodeForModel`] when no routable node serves the model,
-    /// [`RouteError::AtCapacity`] when all that do are at their `max_concurrency`.
+    /// [`RouteError::AtCapacity`] when all that do are at their learned concurrency limit.
     pub fn pick(&self, model: &ModelId) -> Result<InFlightLease, RouteError> {
         self.pick_for(model, None, &[]).map(|p| p.lease)
     }

@@ -483,6 +483,14 @@ async fn a_429_is_retried_and_scored() {
     assert_eq!(log.0.lock().unwrap().len(), 2);
     assert_eq!(stats(&r, "a"), (1, 1, 0));
     assert_eq!(stats(&r, "b"), (1, 1, 0));
+    // a node that says it is full is sent fewer at once (`registry::limit`): one in flight of
+    // 4 claimed, halved to at least 1
+    for node in ["a", "b"] {
+        assert_eq!(r.concurrency_limit(&NodeId::new(node)), Some(1), "{node}");
+    }
+    // a 404 is no overload signal
+    let (r, _, _, _) = run_one(&[("a", Script::Status404), ("b", Script::Status404)], 1).await;
+    assert_eq!(r.concurrency_limit(&NodeId::new("a")), Some(4));
 }
 
 #[tokio::test]
@@ -578,6 +586,11 @@ async fn a_silent_node_times_out_and_is_retried_elsewhere() {
         assert_eq!(stats(&r, "m2"), (1, 1, 0), "{silent:?}");
         assert!(started.elapsed() >= std::time::Duration::from_secs(240));
         assert!(r.snapshot().iter().all(|s| s.in_flight == 0));
+        // late with no other request in flight: slow, not queueing (`registry::limit`)
+        assert!(
+            r.snapshot().iter().all(|s| s.concurrency_limit == 4),
+            "{silent:?}"
+        );
         // with a healthy node the request ends there, whichever order the nodes are tried in
         let (r, _, out, _) =
             run_one(&[("m1", silent), ("m2", silent), ("good", Script::Ok)], 2).await;
@@ -1032,4 +1045,84 @@ async fn the_slot_carries_the_routed_nodes_context_for_the_model() {
         assert_eq!(slot.get(), Some(NodeId::new("good")));
         assert_eq!(slot.context_tokens(), context);
     }
+}
+
+/// Nodes that each serve `slots` requests at once, one second each (more wait in the node's
+/// own queue, as an engine with fewer slots than it claims does), whatever they claim.
+fn queueing_upstream(slots: &[(&'static str, usize)]) -> impl UpstreamService {
+    let slots: Arc<HashMap<&'static str, Arc<tokio::sync::Semaphore>>> = Arc::new(
+        slots
+            .iter()
+            .map(|(n, k)| (*n, Arc::new(tokio::sync::Semaphore::new(*k))))
+            .collect(),
+    );
+    tower::service_fn(move |req: http::Request<BoxBody>| {
+        let slots = slots.clone();
+        async move {
+            let node = req.extensions().get::<NodeId>().cloned().unwrap();
+            let _permit = slots[node.as_str()].clone().acquire_owned().await?;
+            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+            Ok::<_, BoxError>(sse(vec![Ok("data: tok\n\n"), Ok("data: end\n\n")]))
+        }
+    })
+}
+
+/// A node claims 256 slots and serves one request at a time, beside an honest node of 4. The
+/// first burst of 20 streamed requests finds the lie out: requests queued at the liar past the
+/// first-content deadline are retried elsewhere. A burst half an hour later (its score has had
+/// time to recover) is held to the liar's learned limit (`registry::limit`): no request waits
+/// for the deadline again, and every one is answered.
+#[tokio::test(start_paused = true)]
+async fn a_node_that_lies_about_its_concurrency_delays_one_burst_not_the_next() {
+    let r = NodeRegistry::new();
+    let (liar, honest) = (NodeId::new("liar"), NodeId::new("honest"));
+    r.node_ready(&liar, &spine_test_support::node_serving("m", 256));
+    r.node_ready(&honest, &spine_test_support::node_serving("m", 4));
+    let svc = RouteLayer::new(r.clone())
+        .classify(Arc::new(Words))
+        .config(RouteConfig {
+            first_content_timeout: std::time::Duration::from_secs(10),
+            max_retries: 2,
+            ..RouteConfig::default()
+        })
+        .layer(queueing_upstream(&[("liar", 1), ("honest", 4)]));
+    let burst = || {
+        futures_util::future::join_all((0..20).map(|_| {
+            let svc = svc.clone();
+            async move {
+                let resp = svc.oneshot(request_streamed(None, true).0).await?;
+                resp.into_body().collect().await?;
+                Ok::<_, BoxError>(())
+            }
+        }))
+    };
+    let failures = |r: &NodeRegistry| stats(r, "liar").1;
+    for answered in burst().await {
+        answered.unwrap();
+    }
+    let first = failures(&r);
+    assert!(first > 0, "the first burst waited on the liar's queue");
+    let limit = r.concurrency_limit(&liar).unwrap();
+    assert!(limit < 10, "learned {limit}");
+    tokio::time::advance(std::time::Duration::from_secs(30 * 60)).await;
+    let before = stats(&r, "liar").0;
+    for answered in burst().await {
+        answered.unwrap();
+    }
+    println!(
+        "first burst: {first} timed out at the liar, learned limit {limit}; second burst: {} \
+         attempts at the liar, {} timed out, limit {:?}",
+        stats(&r, "liar").0 - before,
+        failures(&r) - first,
+        r.concurrency_limit(&liar)
+    );
+    assert!(
+        stats(&r, "liar").0 > before,
+        "the liar still serves what it can"
+    );
+    assert_eq!(
+        failures(&r),
+        first,
+        "no request of the second burst timed out"
+    );
 }

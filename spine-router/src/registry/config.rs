@@ -43,6 +43,10 @@ pub struct RegistryConfig {
     /// for a recovered node's successes to lift its score back (at 200 requests/s, 4 a second).
     /// Default 0.02.
     pub probe_share: f64,
+    /// Least time between two decreases of a node's learned concurrency limit (see
+    /// [`NodeRegistry::record_overload`](crate::NodeRegistry::record_overload)): the requests
+    /// of one burst that time out together lower it once. Default 5 s.
+    pub overload_backoff: Duration,
 }
 
 impl Default for RegistryConfig {
@@ -57,6 +61,7 @@ impl Default for RegistryConfig {
             load_aware_pick: true,
             healthy_score: 0.5,
             probe_share: 0.02,
+            overload_backoff: Duration::from_secs(5),
         }
     }
 }

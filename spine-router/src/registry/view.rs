@@ -25,8 +25,11 @@ pub struct NodeView<'a, E: Serialize> {
     pub models: &'a [ModelDescriptor],
     /// Its self-reported VRAM, MiB.
     pub vram_mib: u64,
-    /// The concurrency the tunnel enforces.
+    /// The concurrency the tunnel enforces (the node's claim).
     pub max_concurrency: u32,
+    /// The concurrency it is routed by: learned, at most `max_concurrency` (lowered when it
+    /// shows overload).
+    pub concurrency_limit: u32,
     /// The agent's version.
     pub agent_version: &'a str,
     /// Requests in flight on it through this gateway.
@@ -73,6 +76,7 @@ impl NodeSnapshot {
             models: &self.descriptor.models,
             vram_mib: self.descriptor.vram_mib,
             max_concurrency: self.descriptor.max_concurrency,
+            concurrency_limit: self.concurrency_limit,
             agent_version: &self.descriptor.agent_version,
             in_flight: self.in_flight,
             discrepancies: self.discrepancies,

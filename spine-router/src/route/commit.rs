@@ -10,7 +10,7 @@ use tokio::time::Instant;
 use super::body::{RoutedBody, Watch};
 use super::{NotNodeFault, RouteConfig};
 use crate::idle::IdleTimer;
-use crate::{InFlightLease, NodeRegistry, RouteError};
+use crate::{InFlightLease, NodeRegistry, Overload, RouteError};
 
 /// How one attempt ended before commit.
 pub(super) enum Attempt {
@@ -63,6 +63,14 @@ pub(super) async fn within<F: Future>(deadline: Option<Instant>, fut: F) -> Opti
 
 pub(super) fn first_content_timeout(config: &RouteConfig) -> BoxError {
     RouteError::FirstContentTimeout(config.first_content_timeout).into()
+}
+
+/// Whether `e` is [`first_content_timeout`]'s.
+fn is_first_content_timeout(e: &BoxError) -> bool {
+    matches!(
+        e.downcast_ref::<RouteError>(),
+        Some(RouteError::FirstContentTimeout(_))
+    )
 }
 
 /// Whether a failed non-2xx head is an answer-type failure (scored only once the request's other
@@ -135,12 +143,23 @@ pub(super) async fn try_commit(
             if not_node_fault(&e) {
                 tracing::debug!(node = %node, error = %e, "refused by the gateway; not scored");
             } else {
+                if is_first_content_timeout(&e) {
+                    // no response head in time: the node queues what it was sent
+                    registry.record_overload(&node, Overload::Late);
+                }
                 registry.record_failure(&node);
             }
             return Attempt::Failed(Err(e), None);
         }
     };
     if !resp.status().is_success() {
+        if matches!(
+            resp.status(),
+            http::StatusCode::TOO_MANY_REQUESTS | http::StatusCode::SERVICE_UNAVAILABLE
+        ) {
+            // the node says it is full
+            registry.record_overload(&node, Overload::Refused);
+        }
         let fault = answer_fault_status(resp.status());
         if fault.is_none() {
             registry.record_failure(&node);
@@ -168,7 +187,9 @@ pub(super) async fn try_commit(
     let mut ended = false;
     let signal = loop {
         let Some(next) = within(deadline, body.frame()).await else {
-            // accepted, then silent: the node's fault, retried elsewhere
+            // accepted, then silent: the node's fault (it queues what it was sent), retried
+            // elsewhere
+            registry.record_overload(&node, Overload::Late);
             registry.record_failure(&node);
             return Attempt::Failed(Err(first_content_timeout(config)), None);
         };
