@@ -12,7 +12,7 @@ use spine_core::{BoxError, NodeFault, NodeSlot, RequestKind, StreamOutcome, Usag
 
 use super::bill::{
     billed_usage, bound_event, bytes_bound_event, encode_event, error_event, over_limit_streamed,
-    stream_bytes_bound, tool_call_heads, unnamed_tool_call, usage_json, Choice, Cut,
+    stream_bytes_bound, tool_call_heads, unnamed_tool_call, Choice, Cut,
 };
 use super::node_json::{
     engine_error_message, is_engine_error, is_null, read_choices, usage_claim, Members, TextMember,
@@ -20,6 +20,7 @@ use super::node_json::{
 use super::settle::SettleCtx;
 use stall::StallClock;
 
+mod meta;
 mod stall;
 mod timers;
 use crate::sse::{SseEvent, SseParser};
@@ -390,71 +391,8 @@ impl State {
         self.queue.push_back(Out { bytes, text });
     }
 
-    /// Keeps the latest `id`, `object`, `created`, `model`, `system_fingerprint` of the chunk
-    /// (allocating only when a value changes: they are the same on every chunk of a stream).
-    fn remember_meta(&mut self, members: &Members<'_>) {
-        const KEYS: [&str; 5] = ["id", "object", "created", "model", "system_fingerprint"];
-        for key in KEYS {
-            let Some(value) = members.get(key) else {
-                continue;
-            };
-            match self.meta.iter_mut().find(|(k, _)| *k == key) {
-                Some((_, old)) if old.get() == value.get() => {}
-                Some((_, old)) => *old = value.to_owned(),
-                None => self.meta.push((key, value.to_owned())),
-            }
-        }
-    }
-
     fn billed(&self, ctx: &SettleCtx, completed: bool) -> Usage {
         billed_usage(ctx, &self.choices, completed, self.claimed.as_ref()).0
-    }
-
-    /// The usage chunk sent before `[DONE]` when the caller asked for usage: the stream's
-    /// `id`, `object`, `created`, `model` (and `system_fingerprint` when the node sent one),
-    /// `choices: []` and the billed `usage`.
-    fn usage_chunk(&self, billed: &Usage) -> Bytes {
-        let meta = |key: &str| {
-            self.meta
-                .iter()
-                .find(|(k, _)| *k == key)
-                .map(|(_, v)| v.get().to_owned())
-        };
-        let request_id = self
-            .ctx
-            .as_ref()
-            .map(|c| c.request_id.as_str().to_owned())
-            .unwrap_or_default();
-        let id = meta("id")
-            .filter(|v| v.starts_with('"'))
-            .unwrap_or_else(|| {
-                serde_json::to_string(&format!("chatcmpl-{request_id}")).unwrap_or_default()
-            });
-        let object = meta("object")
-            .filter(|v| v.starts_with('"'))
-            .unwrap_or_else(|| format!("\"{}\"", self.settings.chunk_object()));
-        let created = meta("created")
-            .filter(|v| v.bytes().all(|b| b.is_ascii_digit()) && !v.is_empty())
-            .unwrap_or_else(|| (spine_core::unix_time_ms() / 1000).to_string());
-        let model = meta("model")
-            .filter(|v| v.starts_with('"'))
-            .or_else(|| {
-                self.ctx
-                    .as_ref()
-                    .and_then(|c| serde_json::to_string(c.model.as_str()).ok())
-            })
-            .unwrap_or_else(|| "\"\"".to_owned());
-        let mut json =
-            format!("{{\"id\":{id},\"object\":{object},\"created\":{created},\"model\":{model},");
-        if let Some(fp) = meta("system_fingerprint") {
-            json.push_str("\"system_fingerprint\":");
-            json.push_str(&fp);
-            json.push(',');
-        }
-        json.push_str("\"choices\":[],\"usage\":");
-        json.push_str(&usage_json(billed));
-        json.push('}');
-        encode_event(&json)
     }
 
     /// The node's stream ended (every queued event already delivered): decide, queue the tail,
