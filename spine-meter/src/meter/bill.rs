@@ -368,12 +368,16 @@ pub(crate) fn meter_json(
     }
     let (billed, notes) = billed_usage(&ctx, &choices, true, claimed.as_ref());
     let usage = usage_json(&billed);
+    // the caller's catalog model, not the node's own name for what it serves (its word, and
+    // llama.cpp's may be a file path)
+    let model = serde_json::to_string(ctx.model.as_str()).unwrap_or_default();
     let mut has_usage = false;
     let mut out = members.encode(strip, |name| match name {
         "usage" => {
             has_usage = true;
             Some(Some(usage.clone()))
         }
+        "model" => Some(Some(model.clone())),
         "choices" if dropped || stripped => Some(Some(format!("[{}]", kept.join(",")))),
         _ => None,
     });

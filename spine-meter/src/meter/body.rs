@@ -144,9 +144,12 @@ struct State {
     parser: Box<SseParser>,
     settings: StreamSettings,
     tokenizer: Arc<dyn TokenCounter>,
-    /// The latest `id`, `object`, `created`, `model`, `system_fingerprint` the node sent (raw
-    /// JSON), for the usage chunk.
+    /// The latest `id`, `object`, `created`, `system_fingerprint` the node sent (raw JSON), for
+    /// the usage chunk.
     meta: Vec<(&'static str, Box<RawValue>)>,
+    /// The catalog model the caller asked for, as a JSON string: every chunk's `model` (the
+    /// node's own name for what it serves is its word, and may be a file path).
+    model_json: String,
     done_raw: Option<Bytes>,
     ctx: Option<SettleCtx>,
     choices: BTreeMap<u64, Choice>,
@@ -218,6 +221,7 @@ impl<B> MeterBody<B> {
                 tokenizer: ctx.tokenizer.clone(),
                 settings,
                 meta: Vec::new(),
+                model_json: serde_json::to_string(ctx.model.as_str()).unwrap_or_default(),
                 done_raw: None,
                 ctx: Some(ctx),
                 choices: BTreeMap::new(),
@@ -375,15 +379,19 @@ impl State {
         }
         let strip = self.settings.strip_engine_fields && members.has_engine_fields();
         let dropped = rebuilt || stripped || kept.len() != n_read;
-        let rewrite = strip || has_usage || dropped || !ev.is_data_only();
+        let renamed = members
+            .get("model")
+            .is_some_and(|m| m.get() != self.model_json);
+        let rewrite = strip || has_usage || dropped || renamed || !ev.is_data_only();
         let bytes = if !rewrite {
             ev.raw().clone()
-        } else if !strip && !has_usage && !dropped {
+        } else if !strip && !has_usage && !dropped && !renamed {
             encode_event(data)
         } else {
             let json = members.encode(self.settings.strip_engine_fields, |name| match name {
                 "usage" if has_usage => Some(None),
                 "choices" if dropped => Some(Some(format!("[{}]", kept.join(",")))),
+                "model" if renamed => Some(Some(self.model_json.clone())),
                 _ => None,
             });
             encode_event(&json)

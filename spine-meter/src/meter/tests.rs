@@ -217,6 +217,14 @@ fn cost(u: Usage) -> u64 {
     PRICE.cost_micros(&u)
 }
 
+/// `event` of the llama.cpp capture as the caller gets it: the model named as it asked.
+fn callers_model(event: &str) -> String {
+    event.replace(
+        r#""model":"models/SmolLM2-135M-Instruct.Q4_1.gguf""#,
+        r#""model":"smollm2""#,
+    )
+}
+
 #[tokio::test]
 async fn streamed_capture_without_usage_request_is_forwarded_byte_exact_minus_usage() {
     let mut h = harness().await;
@@ -227,8 +235,9 @@ async fn streamed_capture_without_usage_request_is_forwarded_byte_exact_minus_us
         let svc = h.service(200, "text/event-stream", reads_of(&body, read), End::Eof);
         let resp = svc.oneshot(request(&id, &chat(true, None))).await.unwrap();
         let got = frames(resp.into_body()).await;
-        // one frame per event; the usage-only chunk withheld; everything else byte-exact
-        let mut want: Vec<String> = events.clone();
+        // one frame per event; the usage-only chunk withheld; everything else byte-exact but
+        // the model, the caller's catalog name (llama.cpp without `--alias` sends its file path)
+        let mut want: Vec<String> = events.iter().map(|e| callers_model(e)).collect();
         want.retain(|e| !e.contains("\"usage\""));
         let got: Vec<String> = got
             .iter()
@@ -315,7 +324,7 @@ async fn streamed_capture_with_usage_request_gets_one_billed_usage_chunk() {
         .iter()
         .map(|b| String::from_utf8(b.to_vec()).unwrap())
         .collect();
-    let mut want = events.clone();
+    let mut want: Vec<String> = events.iter().map(|e| callers_model(e)).collect();
     let usage_at = want.iter().position(|e| e.contains("\"usage\"")).unwrap();
     // the gateway's own usage chunk: the stream's id, object, created, model and fingerprint,
     // `choices: []`, the billed usage — nothing else of the node's chunk (its timings)
@@ -2419,4 +2428,54 @@ async fn logprobs_the_caller_did_not_ask_for_are_removed() {
             assert_eq!(s.outcome, StreamOutcome::Completed);
         }
     }
+}
+
+/// The answer names the catalog model the caller asked for, not the node's own name for what it
+/// serves (its word; llama.cpp without `--alias` sends its file path): every chunk and the
+/// usage chunk of a stream, and a complete answer.
+#[tokio::test]
+async fn the_answer_names_the_callers_model_not_the_nodes() {
+    let node_model = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+    let chunk = |delta: Value, finish: Value| {
+        let c = json!({"id":"c1","object":"chat.completion.chunk","created":1,"model":node_model,
+            "choices":[{"index":0,"delta":delta,"finish_reason":finish}]});
+        format!("data: {c}\n\n")
+    };
+    let body = chunk(json!({"role":"assistant","content":"Red"}), Value::Null)
+        + &chunk(json!({}), json!("stop"))
+        + "data: [DONE]\n\n";
+    let body = Bytes::from(body);
+    let mut h = harness().await;
+    let (svc, _) = h.slot_node(h.layer(2048), "text/event-stream", move || {
+        full(body.clone())
+    });
+    let resp = svc
+        .oneshot(request("model", &chat(true, Some(true))))
+        .await
+        .unwrap();
+    let got = frames(resp.into_body()).await.concat();
+    let chunks: Vec<Value> = crate::sse::parse_all(&got)
+        .unwrap()
+        .iter()
+        .filter_map(|e| serde_json::from_str(e.data()).ok())
+        .collect();
+    assert_eq!(chunks.len(), 3, "two chunks and the usage chunk");
+    for c in &chunks {
+        assert_eq!(c["model"], "smollm2", "{c}");
+    }
+    assert_eq!(h.settled().await.0.outcome, StreamOutcome::Completed);
+    let answer = json!({"id":"c1","object":"chat.completion","created":1,"model":node_model,
+        "choices":[{"index":0,"finish_reason":"stop","message":{"role":"assistant","content":"Red"}}],
+        "usage":{"prompt_tokens":34,"completion_tokens":1,"total_tokens":35}});
+    let answer = Bytes::from(answer.to_string());
+    let mut h = harness().await;
+    let (svc, _) = h.slot_node(h.layer(2048), "application/json", move || {
+        full(answer.clone())
+    });
+    let resp = svc
+        .oneshot(request("model", &chat(false, None)))
+        .await
+        .unwrap();
+    let body: Value = serde_json::from_slice(&frames(resp.into_body()).await.concat()).unwrap();
+    assert_eq!(body["model"], "smollm2", "{body}");
 }

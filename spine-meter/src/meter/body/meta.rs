@@ -1,4 +1,4 @@
-//! The stream's identity (`id`, `object`, `created`, `model`, `system_fingerprint`) as the
+//! The stream's identity (`id`, `object`, `created`, `system_fingerprint`) as the
 //! node's chunks gave it, and the usage chunk the gateway builds from it.
 
 use bytes::Bytes;
@@ -9,10 +9,10 @@ use super::super::node_json::Members;
 use super::State;
 
 impl State {
-    /// Keeps the latest `id`, `object`, `created`, `model`, `system_fingerprint` of the chunk
+    /// Keeps the latest `id`, `object`, `created`, `system_fingerprint` of the chunk
     /// (allocating only when a value changes: they are the same on every chunk of a stream).
     pub(super) fn remember_meta(&mut self, members: &Members<'_>) {
-        const KEYS: [&str; 5] = ["id", "object", "created", "model", "system_fingerprint"];
+        const KEYS: [&str; 4] = ["id", "object", "created", "system_fingerprint"];
         for key in KEYS {
             let Some(value) = members.get(key) else {
                 continue;
@@ -26,7 +26,8 @@ impl State {
     }
 
     /// The usage chunk sent before `[DONE]` when the caller asked for usage: the stream's
-    /// `id`, `object`, `created`, `model` (and `system_fingerprint` when the node sent one),
+    /// `id`, `object`, `created`, the caller's catalog `model` (and `system_fingerprint` when the
+    /// node sent one),
     /// `choices: []` and the billed `usage`.
     pub(super) fn usage_chunk(&self, billed: &Usage) -> Bytes {
         let meta = |key: &str| {
@@ -51,14 +52,7 @@ impl State {
         let created = meta("created")
             .filter(|v| v.bytes().all(|b| b.is_ascii_digit()) && !v.is_empty())
             .unwrap_or_else(|| (spine_core::unix_time_ms() / 1000).to_string());
-        let model = meta("model")
-            .filter(|v| v.starts_with('"'))
-            .or_else(|| {
-                self.ctx
-                    .as_ref()
-                    .and_then(|c| serde_json::to_string(c.model.as_str()).ok())
-            })
-            .unwrap_or_else(|| "\"\"".to_owned());
+        let model = &self.model_json;
         let mut json =
             format!("{{\"id\":{id},\"object\":{object},\"created\":{created},\"model\":{model},");
         if let Some(fp) = meta("system_fingerprint") {
