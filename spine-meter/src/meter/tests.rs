@@ -2478,4 +2478,5 @@ async fn the_answer_names_the_callers_model_not_the_nodes() {
         .unwrap();
     let body: Value = serde_json::from_slice(&frames(resp.into_body()).await.concat()).unwrap();
     assert_eq!(body["model"], "smollm2", "{body}");
+    assert_eq!(h.settled().await.0.outcome, StreamOutcome::Completed);
 }
