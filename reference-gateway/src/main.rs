@@ -112,6 +112,7 @@ async fn run(cli: Cli) -> Result<(), MainError> {
             max_depth: config.queue_max_depth,
         },
         load_aware_pick: config.load_aware_pick,
+        limit_growth_max_ttft: std::time::Duration::from_secs(config.first_token_timeout_secs) / 2,
         ..RegistryConfig::default()
     });
     let cluster_slot: Arc<std::sync::OnceLock<cluster::Cluster>> = Arc::default();

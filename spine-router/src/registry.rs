@@ -410,7 +410,7 @@ impl NodeRegistry {
                 s.score.ttft(cfg, ttft);
             }
         });
-        self.limit_success(node);
+        self.limit_success(node, ttft);
     }
 
     /// An attempt on `node` failed without a mid-request disconnect: connect failure, 5xx / 408 /

@@ -47,6 +47,13 @@ pub struct RegistryConfig {
     /// [`NodeRegistry::record_overload`](crate::NodeRegistry::record_overload)): the requests
     /// of one burst that time out together lower it once. Default 5 s.
     pub overload_backoff: Duration,
+    /// Longest time to first token of a success that counts towards growing a node's learned
+    /// concurrency limit: a later first token is a request that waited in the node's queue, and
+    /// starts the count again (without it a node that serves fewer requests than it claims
+    /// grows back to the deadline and times out again). Default 60 s, half the router's default first-content
+    /// deadline; the reference gateway sets half of its `first_token_timeout_secs`.
+    /// Non-streamed successes (no TTFT) always count; `Duration::ZERO`: every success does.
+    pub limit_growth_max_ttft: Duration,
 }
 
 impl Default for RegistryConfig {
@@ -62,6 +69,7 @@ impl Default for RegistryConfig {
             healthy_score: 0.5,
             probe_share: 0.02,
             overload_backoff: Duration::from_secs(5),
+            limit_growth_max_ttft: Duration::from_secs(60),
         }
     }
 }

@@ -17,7 +17,9 @@
 //!   halving per round trip is TCP's rule too;
 //! - **increase:** a success while the node was using its limit (`in_flight ≥ limit − 1`, TCP's
 //!   "cwnd-limited" rule: room never used proves nothing) adds `1 / limit`, i.e. one slot per
-//!   `limit` such successes, up to the claim.
+//!   `limit` such successes in a row, up to the claim; a success whose first token came later
+//!   than [`RegistryConfig::limit_growth_max_ttft`] waited in the node's queue: it breaks the
+//!   row (the credit starts again), so a node that queues stops growing short of the deadline.
 //!
 //! The load a pick compares is `in_flight / limit`, and a node at its limit takes no more
 //! requests (they wait in the gateway's queue or go to another node). The limit is kept while a
@@ -28,6 +30,7 @@
 //! arrive).
 //!
 //! [`RegistryConfig::overload_backoff`]: crate::RegistryConfig::overload_backoff
+//! [`RegistryConfig::limit_growth_max_ttft`]: crate::RegistryConfig::limit_growth_max_ttft
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Mutex;
@@ -101,6 +104,12 @@ impl ConcurrencyLimit {
         lowered != limit
     }
 
+    /// A success whose first token was late: the row of successes that grows the limit starts
+    /// again.
+    fn queued(&self) {
+        lock(&self.state).credit = 0;
+    }
+
     /// A success with `in_flight` requests on the node (this one included): one slot more per
     /// `limit` successes while the node uses its limit, up to `claimed`. Whether it grew.
     fn succeeded(&self, claimed: u32, in_flight: u32) -> bool {
@@ -160,14 +169,21 @@ impl NodeRegistry {
         }
     }
 
-    /// A success on `node`: grows its learned limit when it was in use (module docs).
-    pub(super) fn limit_success(&self, node: &NodeId) {
+    /// A success on `node` with its time to first token (streamed): grows its learned limit
+    /// when it was in use and the first token came in time (module docs).
+    pub(super) fn limit_success(&self, node: &NodeId, ttft: Option<Duration>) {
+        let max_ttft = self.inner.config.limit_growth_max_ttft;
+        let late = !max_ttft.is_zero() && ttft.is_some_and(|t| t > max_ttft);
         let grown = {
             let nodes = self.inner.nodes.read().unwrap_or_else(|e| e.into_inner());
             let Some(entry) = nodes.get(node) else {
                 return;
             };
             let in_flight = entry.in_flight.load(Ordering::Acquire);
+            if late {
+                entry.limit.queued();
+                return;
+            }
             entry
                 .limit
                 .succeeded(entry.descriptor.max_concurrency, in_flight)

@@ -48,8 +48,9 @@ async fn a_node_that_queues_what_it_claims_is_held_to_half_of_what_it_was_sent()
     assert_eq!(r.concurrency_limit(&liar), Some(1));
 }
 
-/// The limit grows one slot per `limit` successes while the node uses it, never while it has
-/// room to spare, up to the claim; it survives a reconnect, as the score does.
+/// The limit grows one slot per `limit` successes in a row while the node uses it (a late first
+/// token starts the row again), never while it has room to spare, up to the claim; it survives
+/// a reconnect, as the score does.
 #[tokio::test(start_paused = true)]
 async fn the_limit_grows_back_only_while_it_is_used() {
     let (r, node) = (NodeRegistry::new(), NodeId::new("n"));
@@ -62,7 +63,12 @@ async fn the_limit_grows_back_only_while_it_is_used() {
     let one = leases(&r, 1);
     r.record_success(&node, None);
     assert_eq!(r.concurrency_limit(&node), Some(2));
-    r.record_success(&node, None);
+    // a first token later than `limit_growth_max_ttft` (60 s) waited in the node's queue: the
+    // row starts again
+    r.record_success(&node, Some(Duration::from_secs(61)));
+    r.record_success(&node, Some(Duration::from_secs(1)));
+    assert_eq!(r.concurrency_limit(&node), Some(2));
+    r.record_success(&node, Some(Duration::from_secs(1)));
     assert_eq!(r.concurrency_limit(&node), Some(3));
     // one in flight under 3: room to spare, no growth however many successes
     for _ in 0..50 {
