@@ -9,7 +9,7 @@ use spine_core::{NodeSlot, RequestKind, StreamOutcome, Usage};
 use super::constraint::{natural_most, PinnedCount, SamplingConstraint, GRAMMAR_HIDDEN_TOKENS};
 use super::node_json::{
     engine_error_message, is_engine_error, read_choices, usage_claim, Members, TextMember,
-    ToolCallEdit, ToolCallHead,
+    ToolCallEdit, ToolCallEdits, ToolCallHead,
 };
 use super::settle::{BillNotes, SettleCtx};
 use super::MeterError;
@@ -28,10 +28,24 @@ pub(super) struct Choice {
     pub(super) finish_reason: Option<String>,
     /// The pinned texts' occurrences in `delivered` ([`SamplingConstraint::Pinned`]).
     pub(super) pinned: PinnedCount,
-    /// The function name of each tool call begun in the stream so far (read, delivered or
-    /// not), as the caller's SDK appended it (empty until named): the next new call must have
-    /// index `tool_call_names.len()`, and every call a name by the end.
-    pub(super) tool_call_names: Vec<String>,
+    /// Each tool call begun in the stream so far (read, delivered or not): the next new call
+    /// must have index `tool_calls.len()`, and every call a name by the end.
+    pub(super) tool_calls: Vec<CallHead>,
+}
+
+/// A streamed tool call's name as the node gave it so far, and whether the caller has it
+/// ([`tool_call_heads`]).
+#[derive(Debug, Default)]
+pub(super) struct CallHead {
+    /// The node's latest non-empty name for the call.
+    name: String,
+    /// Whether `name` went to the caller (once; never again).
+    given: bool,
+    /// Whether the call's arguments have begun.
+    arguments: bool,
+    /// Whether they began before any name (a name read after them may still grow: it waits
+    /// for the call's end).
+    arguments_first: bool,
 }
 
 pub(super) fn usage_json(u: &Usage) -> String {
@@ -471,17 +485,24 @@ pub(crate) const STREAM_BYTES_FLOOR: u64 = 1 << 20;
 pub(crate) const STREAM_BYTES_PER_TOKEN: u64 = 8 * 1024;
 
 /// Checks tool-call deltas `heads` of choice `index` against what `choice` has begun, and
-/// says how to rewrite them so that the caller's SDK reads each call's head once.
+/// says how to rewrite them so that both official SDKs read each call alike: the Python SDK
+/// appends every `id` and `name` string of a call's deltas, the Node SDK keeps the last one.
 ///
-/// A new call must come next in order (0, 1, 2, …: an SDK indexes a list by it, and a gap
-/// crashed the Python SDK's stream helper) and carry its `id` and `type` (an SDK reads them
-/// from a call's first delta). A later delta of a begun call: an `id` is removed (the call
-/// keeps its first; the SDK would append the new one to it); a `name` equal to the call's is
-/// removed and one that extends it is cut to the new part (llama.cpp's
-/// `common_chat_msg_diff::compute_diffs` re-sends the id and name when a call's id changes,
-/// and the Python SDK appends every string it reads, giving `get_weatherget_weather`); any
-/// other name is a further piece of the name, kept as the SDK would append it. A name removed
-/// is neither delivered nor billed. Records the calls begun and their names.
+/// - A new call must come next in order (0, 1, 2, …: an SDK indexes a list by it, and a gap
+///   crashed the Python SDK's stream helper) and carry its `id` and `type` (an SDK reads them
+///   from a call's first delta); a call gets no delta once the next one began (the Python
+///   helper had already announced its arguments done).
+/// - A later delta loses any `id` and `type` (the first gave them; a `type` null made the
+///   Python helper fail), and gets a `function` object if it had none (the helper asserts one).
+/// - The name reaches the caller **once, whole**. A node's later name replaces its earlier
+///   one (llama.cpp's `common_chat_msg_diff::compute_diffs` re-sends the grown name whole
+///   while its parser reads it). So the gateway holds a call's name until it is whole: until
+///   the call's arguments begin (a JSON name is read before them), or, when they began first,
+///   until the call ends (the next call begins, or `finish`); it is then given in that delta
+///   (or in a delta of its own). Any name after that is removed. A name removed is neither
+///   delivered nor billed; the one given is both.
+///
+/// `finish`: whether the choice finishes in this chunk.
 ///
 /// # Errors
 ///
@@ -489,41 +510,35 @@ pub(crate) const STREAM_BYTES_PER_TOKEN: u64 = 8 * 1024;
 pub(super) fn tool_call_heads(
     index: u64,
     heads: &[ToolCallHead],
+    finish: bool,
     choice: &mut Choice,
-) -> Result<Vec<ToolCallEdit>, String> {
-    let mut edits = Vec::new();
+) -> Result<ToolCallEdits, String> {
+    let mut edits = ToolCallEdits::default();
     for head in heads {
-        let (call, next) = (head.index, choice.tool_call_names.len() as u64);
+        let next = choice.tool_calls.len() as u64;
+        let call = head.index;
+        let mut edit = ToolCallEdit {
+            position: head.position,
+            add_function: !head.has_function,
+            ..ToolCallEdit::default()
+        };
         match call.cmp(&next) {
-            std::cmp::Ordering::Less => {
-                let Some(sent) = usize::try_from(call)
-                    .ok()
-                    .and_then(|c| choice.tool_call_names.get_mut(c))
-                else {
-                    continue;
-                };
-                let mut edit = ToolCallEdit {
-                    position: head.position,
-                    drop_id: head.has_id,
-                    name: None,
-                };
-                if let Some(name) = &head.name {
-                    if sent.is_empty() {
-                        sent.clone_from(name);
-                    } else if let Some(grown) = name.strip_prefix(sent.as_str()) {
-                        edit.name = Some(grown.to_owned());
-                        sent.clone_from(name);
-                    } else {
-                        sent.push_str(name);
+            std::cmp::Ordering::Less if call + 1 < next => {
+                return Err(format!(
+                    "the node sent tool call {call} of choice {index} after tool call {} began",
+                    next - 1
+                ))
+            }
+            std::cmp::Ordering::Less => edit.drop_head = head.has_id || head.has_type,
+            std::cmp::Ordering::Equal if head.begins => {
+                // the call before it ended: its name, if still held, goes first
+                if let Some(last) = choice.tool_calls.last_mut() {
+                    if let Some(name) = last.release() {
+                        edits.inserts.push((head.position, call - 1, name));
                     }
                 }
-                if edit.drop_id || edit.name.is_some() {
-                    edits.push(edit);
-                }
+                choice.tool_calls.push(CallHead::default());
             }
-            std::cmp::Ordering::Equal if head.begins => choice
-                .tool_call_names
-                .push(head.name.clone().unwrap_or_default()),
             std::cmp::Ordering::Equal => {
                 return Err(format!(
                     "the node began tool call {call} of choice {index} without its id and type \
@@ -536,15 +551,60 @@ pub(super) fn tool_call_heads(
                 ))
             }
         }
+        let Some(state) = choice.tool_calls.last_mut() else {
+            continue;
+        };
+        edit.name = state.read(head);
+        if edit.drop_head || edit.add_function || edit.name.is_some() {
+            edits.entries.push(edit);
+        }
+    }
+    if finish {
+        if let Some(last) = choice.tool_calls.last_mut() {
+            if let Some(name) = last.release() {
+                edits.append = Some((choice.tool_calls.len() as u64 - 1, name));
+            }
+        }
     }
     Ok(edits)
+}
+
+impl CallHead {
+    /// Reads one delta of the call: what its `name` member must become (`Some("")`: removed),
+    /// `None` to leave it as it is.
+    fn read(&mut self, head: &ToolCallHead) -> Option<String> {
+        if head.has_arguments && !self.arguments {
+            self.arguments = true;
+            self.arguments_first = self.name.is_empty() && head.name.is_none();
+        }
+        if self.given {
+            return head.name.as_ref().map(|_| String::new());
+        }
+        if let Some(name) = &head.name {
+            self.name.clone_from(name);
+        }
+        if self.arguments && !self.arguments_first && !self.name.is_empty() {
+            self.given = true;
+            return (head.name.as_deref() != Some(self.name.as_str())).then(|| self.name.clone());
+        }
+        head.name.as_ref().map(|_| String::new())
+    }
+
+    /// The call ended: its name, if held, to give now.
+    fn release(&mut self) -> Option<String> {
+        if self.given || self.name.is_empty() {
+            return None;
+        }
+        self.given = true;
+        Some(self.name.clone())
+    }
 }
 
 /// Why a stream whose `choices` ended is not a usable answer for its tool calls: a call that
 /// never got a function name (an SDK shows `None`, the Responses API a nameless call).
 pub(super) fn unnamed_tool_call(choices: &BTreeMap<u64, Choice>) -> Option<String> {
     choices.iter().find_map(|(index, c)| {
-        let call = c.tool_call_names.iter().position(String::is_empty)?;
+        let call = c.tool_calls.iter().position(|call| call.name.is_empty())?;
         Some(format!(
             "the node never named tool call {call} of choice {index}"
         ))

@@ -158,6 +158,10 @@ struct State {
     upstream_done: bool,
     /// Bytes of the node's SSE events so far (bounded by [`stream_bytes_bound`]).
     node_bytes: u64,
+    /// Choices 0, 1, … that have begun in what the caller received: a chat choice that begins
+    /// before a lower one is preceded by an empty delta of each lower one (the Python SDK's
+    /// stream helper files choices by arrival, and failed with `IndexError`).
+    choices_begun: u64,
     queue: VecDeque<Out>,
     scratch: Vec<SseEvent>,
     keepalive: Option<Pin<Box<tokio::time::Sleep>>>,
@@ -229,6 +233,7 @@ impl<B> MeterBody<B> {
                 error_seen: false,
                 upstream_done: false,
                 node_bytes: 0,
+                choices_begun: 0,
                 queue: VecDeque::new(),
                 scratch: Vec::new(),
                 keepalive: None,
@@ -331,10 +336,25 @@ impl State {
             if !ctx.caller_logprobs {
                 stripped |= c.strip_logprobs(self.settings.kind);
             }
+            if c.index >= self.choices_begun {
+                if self.settings.kind != RequestKind::Completions {
+                    for lower in self.choices_begun..c.index {
+                        kept.push(format!(
+                            "{{\"index\":{lower},\"delta\":{{}},\"finish_reason\":null}}"
+                        ));
+                    }
+                }
+                self.choices_begun = c.index + 1;
+            }
             let choice = self.choices.entry(c.index).or_default();
             // tool calls begin in order, each with its id and type, and the caller reads each
             // call's head once (`bill::tool_call_heads`)
-            match tool_call_heads(c.index, &c.tool_call_heads, choice) {
+            match tool_call_heads(
+                c.index,
+                &c.tool_call_heads,
+                c.finish_reason.is_some() && choice.finish_reason.is_none(),
+                choice,
+            ) {
                 Ok(edits) if edits.is_empty() => {}
                 Ok(edits) => {
                     c.edit_tool_calls(&edits);

@@ -159,34 +159,61 @@ pub(crate) struct ChoiceRead {
 
 impl ChoiceRead {
     /// Applies `edits` to the choice's `delta.tool_calls` and reads its generated text again
-    /// from what is left (a name removed is neither delivered nor billed). Rare: only a node
-    /// that re-sends a call's head gets here, so the choice is parsed again.
-    pub(crate) fn edit_tool_calls(&mut self, edits: &[ToolCallEdit]) {
+    /// from what is left (a name removed is neither delivered nor billed, one given is both).
+    /// Rare: only a call's held name or a node that re-sends a call's head gets here, so the
+    /// choice is parsed again.
+    pub(crate) fn edit_tool_calls(&mut self, edits: &ToolCallEdits) {
         let Ok(mut c) = serde_json::from_str::<Value>(&self.raw) else {
             return;
         };
-        let Some(delta) = c.get_mut("delta") else {
+        let Some(choice) = c.as_object_mut() else {
             return;
         };
-        if let Some(calls) = delta.get_mut("tool_calls").and_then(Value::as_array_mut) {
-            for edit in edits {
-                let Some(call) = calls.get_mut(edit.position).and_then(Value::as_object_mut) else {
-                    continue;
-                };
-                if edit.drop_id {
+        let delta = choice
+            .entry("delta")
+            .or_insert_with(|| Value::Object(serde_json::Map::new()));
+        if !delta.is_object() {
+            *delta = Value::Object(serde_json::Map::new());
+        }
+        let held = |index: u64, name: &str| serde_json::json!({"index": index, "function": {"name": name}});
+        let old = match delta.get_mut("tool_calls").map(Value::take) {
+            Some(Value::Array(calls)) => calls,
+            _ => Vec::new(),
+        };
+        let mut calls = Vec::with_capacity(old.len() + edits.inserts.len() + 1);
+        for (position, mut call) in old.into_iter().enumerate() {
+            for (_, index, name) in edits.inserts.iter().filter(|(p, ..)| *p == position) {
+                calls.push(held(*index, name));
+            }
+            if let (Some(edit), Some(call)) = (
+                edits.entries.iter().find(|e| e.position == position),
+                call.as_object_mut(),
+            ) {
+                if edit.drop_head {
                     call.remove("id");
+                    call.remove("type");
                 }
-                let function = call.get_mut("function").and_then(Value::as_object_mut);
-                match (&edit.name, function) {
-                    (Some(name), Some(f)) if name.is_empty() => {
+                if edit.add_function {
+                    call.insert("function".to_owned(), Value::Object(serde_json::Map::new()));
+                }
+                if let (Some(name), Some(f)) = (
+                    &edit.name,
+                    call.get_mut("function").and_then(Value::as_object_mut),
+                ) {
+                    if name.is_empty() {
                         f.remove("name");
-                    }
-                    (Some(name), Some(f)) => {
+                    } else {
                         f.insert("name".to_owned(), Value::from(name.as_str()));
                     }
-                    _ => {}
                 }
             }
+            calls.push(call);
+        }
+        if let Some((index, name)) = &edits.append {
+            calls.push(held(*index, name));
+        }
+        if !calls.is_empty() {
+            delta["tool_calls"] = Value::Array(calls);
         }
         let mut generated = GeneratedText::new();
         generated.push_message_json(delta);
@@ -334,22 +361,28 @@ fn openai_choice(
                 return Err("a message's tool call indexes are not 0, 1, 2, …")
             }
             TextMember::Delta => match index {
-                Some(index) => heads.push(ToolCallHead {
-                    index,
-                    position,
-                    begins,
-                    has_id: call
-                        .get("id")
-                        .and_then(Value::as_str)
-                        .is_some_and(|id| !id.is_empty()),
-                    name: named.then(|| {
-                        call.get("function")
-                            .and_then(|f| f.get("name"))
+                Some(index) => {
+                    let function = call.get("function").filter(|f| f.is_object());
+                    heads.push(ToolCallHead {
+                        index,
+                        position,
+                        begins,
+                        has_id: call.contains_key("id"),
+                        has_type: call.contains_key("type"),
+                        has_function: function.is_some(),
+                        name: named.then(|| {
+                            function
+                                .and_then(|f| f.get("name"))
+                                .and_then(Value::as_str)
+                                .unwrap_or_default()
+                                .to_owned()
+                        }),
+                        has_arguments: function
+                            .and_then(|f| f.get("arguments"))
                             .and_then(Value::as_str)
-                            .unwrap_or_default()
-                            .to_owned()
-                    }),
-                }),
+                            .is_some_and(|a| !a.is_empty()),
+                    });
+                }
                 None => return Err("a streamed tool call has no index"),
             },
             _ => {}
@@ -401,23 +434,50 @@ pub(crate) struct ToolCallHead {
     pub(crate) position: usize,
     /// An `id` and `type` `function`.
     pub(crate) begins: bool,
-    /// A non-empty `id`.
+    /// An `id` member (any value).
     pub(crate) has_id: bool,
+    /// A `type` member (any value).
+    pub(crate) has_type: bool,
+    /// A `function` object.
+    pub(crate) has_function: bool,
     /// The function `name`, when a non-empty one.
     pub(crate) name: Option<String>,
+    /// Non-empty function `arguments` text.
+    pub(crate) has_arguments: bool,
 }
 
-/// How the gateway rewrites one streamed tool-call delta before the caller gets it
-/// ([`ChoiceRead::edit_tool_calls`]): an SDK appends every `id` and `name` string it reads to
-/// the call's, so a call's head is sent once (see `bill::tool_call_heads`).
+/// How the gateway rewrites one chunk's streamed tool-call deltas of a choice before the caller
+/// gets them ([`ChoiceRead::edit_tool_calls`]), so that the official SDKs read each call the
+/// same way (see `bill::tool_call_heads`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct ToolCallEdits {
+    /// Changes to the deltas in the chunk.
+    pub(crate) entries: Vec<ToolCallEdit>,
+    /// `(position, index, name)`: a delta `{"index": index, "function": {"name": name}}` to
+    /// insert before the delta at `position` (a call's held name, given before the next call).
+    pub(crate) inserts: Vec<(usize, u64, String)>,
+    /// `(index, name)`: the same, after the chunk's deltas (the choice finishes).
+    pub(crate) append: Option<(u64, String)>,
+}
+
+impl ToolCallEdits {
+    /// Whether nothing is to change.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.entries.is_empty() && self.inserts.is_empty() && self.append.is_none()
+    }
+}
+
+/// The changes to one delta ([`ToolCallEdits`]).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub(crate) struct ToolCallEdit {
     /// The delta's position in the chunk's `tool_calls` array.
     pub(crate) position: usize,
-    /// Remove the delta's `id` (the call already has one).
-    pub(crate) drop_id: bool,
+    /// Remove the delta's `id` and `type` (the call's first delta gave them).
+    pub(crate) drop_head: bool,
     /// Replace the delta's function `name` with this text (empty: remove it).
     pub(crate) name: Option<String>,
+    /// Give the delta a `function` object (the Python SDK asserts one in every delta).
+    pub(crate) add_function: bool,
 }
 
 /// The member of a choice that carries its text, as the caller's SDK reads it: a completion's

@@ -2249,6 +2249,15 @@ async fn tool_calls_an_sdk_cannot_read_are_the_nodes_fault() {
             ],
             Some("never named tool call 0"),
         ),
+        // a call continued after the next began (the Python helper had announced it done)
+        (
+            vec![
+                json!({"tool_calls": [call(0, "a", "f", "{")]}),
+                json!({"tool_calls": [call(1, "b", "g", "{}")]}),
+                json!({"tool_calls": [more(0, "}")]}),
+            ],
+            Some("after tool call 1 began"),
+        ),
     ];
     for (deltas, fault) in streams {
         let body: String = deltas
@@ -2309,13 +2318,65 @@ async fn tool_calls_an_sdk_cannot_read_are_the_nodes_fault() {
     assert!(slot.lock().unwrap().as_ref().unwrap().node_fault_reported());
 }
 
-/// A tool call's head (`id`, function `name`) re-sent in a later delta — llama.cpp's
-/// `compute_diffs` re-sends both when a call's id changes, and a node may send a longer name —
-/// reaches the caller's SDK once: it appends every string it reads, so the forwarded stream
-/// must accumulate (as the Python SDK does) to one id and one name. What was removed is not
-/// billed: the debit equals that of the same stream sent without the repeats.
+/// A tool call as an SDK shows it: `(id, name, arguments)`.
+type SdkCall = (String, String, String);
+
+/// What the official SDKs make of a streamed chat answer's tool calls: the Python SDK's
+/// `accumulate_delta` appends every `id` and `name` string (and asserts a `function` in every
+/// delta), the Node SDK's `ChatCompletionStream` keeps the last one. `(id, name, arguments)`
+/// per call, for each SDK; `None` when the Python helper would fail.
+fn sdk_tool_calls(events: &[u8]) -> (Option<Vec<SdkCall>>, Vec<SdkCall>) {
+    let (mut python, mut node) = (Some(Vec::<SdkCall>::new()), Vec::<SdkCall>::new());
+    for event in crate::sse::parse_all(events).unwrap() {
+        let Ok(c) = serde_json::from_str::<Value>(event.data()) else {
+            continue;
+        };
+        for call in c["choices"][0]["delta"]["tool_calls"]
+            .as_array()
+            .into_iter()
+            .flatten()
+        {
+            let i = call["index"].as_u64().unwrap() as usize;
+            let text = |v: &Value| v.as_str().unwrap_or_default().to_owned();
+            let (id, name, args) = (
+                text(&call["id"]),
+                text(&call["function"]["name"]),
+                text(&call["function"]["arguments"]),
+            );
+            if call.get("function").is_none_or(Value::is_null) {
+                python = None;
+            }
+            if let Some(p) = python.as_mut() {
+                if p.len() <= i {
+                    p.resize(i + 1, Default::default());
+                }
+                p[i].0.push_str(&id);
+                p[i].1.push_str(&name);
+                p[i].2.push_str(&args);
+            }
+            if node.len() <= i {
+                node.resize(i + 1, Default::default());
+            }
+            if !id.is_empty() {
+                node[i].0 = id;
+            }
+            if !name.is_empty() {
+                node[i].1 = name;
+            }
+            node[i].2.push_str(&args);
+        }
+    }
+    (python, node)
+}
+
+/// However a node spells a streamed call's head — llama.cpp re-sends a grown name whole
+/// (`compute_diffs`) and re-sends id and name when the id changes; a node may send later
+/// names, ids, a `type` null, a delta without `function`, arguments before the name, a call
+/// without arguments — the forwarded stream reads the same in both official SDKs (the Python
+/// SDK appends what the Node SDK replaces): one id, the whole name, the arguments. A name the
+/// gateway removed is not billed: a node padding later names is billed as the clean stream.
 #[tokio::test]
-async fn a_tool_calls_head_reaches_the_sdk_once() {
+async fn a_tool_calls_head_reads_alike_in_both_sdks() {
     let chunk = |delta: Value, finish: Value| {
         let c = json!({"id":"c1","object":"chat.completion.chunk","created":1,"model":"smollm2",
             "choices":[{"index":0,"delta":{"tool_calls":[delta]},"finish_reason":finish}]});
@@ -2326,21 +2387,76 @@ async fn a_tool_calls_head_reaches_the_sdk_once() {
         json!({"id":"c1","object":"chat.completion.chunk","created":1,"model":"smollm2",
             "choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]})
     );
-    let head = json!({"index":0,"id":"call_1","type":"function",
-        "function":{"name":"get_weather","arguments":""}});
-    let resent = [
-        head.clone(),
+    let head = |name: &str, args: &str| {
         json!({"index":0,"id":"call_1","type":"function",
-            "function":{"name":"get_weather","arguments":"{\"city\":"}}),
-        json!({"index":0,"id":"call_2","function":{"name":"get_weather_v2","arguments":"\"Paris\"}"}}),
+        "function":{"name":name,"arguments":args}})
+    };
+    let later = |name: Option<&str>, args: &str| match name {
+        Some(n) => json!({"index":0,"function":{"name":n,"arguments":args}}),
+        None => json!({"index":0,"function":{"arguments":args}}),
+    };
+    let pad = "lorem ipsum dolor sit amet ".repeat(8);
+    let want =
+        |name: &str, args: &str| vec![("call_1".to_owned(), name.to_owned(), args.to_owned())];
+    let cases: Vec<(&str, Vec<Value>, Vec<SdkCall>)> = vec![
+        (
+            "llama.cpp's grown name, re-sent whole with the id",
+            vec![
+                head("get", ""),
+                json!({"index":0,"id":"call_1","type":"function","function":{"name":"get_weather","arguments":"{\"city\":"}}),
+                later(None, "\"Paris\"}"),
+            ],
+            want("get_weather", "{\"city\":\"Paris\"}"),
+        ),
+        (
+            "a changed id and the same name after the arguments began",
+            vec![
+                head("get_weather", "{\"city\":"),
+                json!({"index":0,"id":"call_2","type":"function","function":{"name":"get_weather","arguments":"\"Paris\"}"}}),
+            ],
+            want("get_weather", "{\"city\":\"Paris\"}"),
+        ),
+        (
+            "padding names after the name was given",
+            vec![
+                head("get_weather", "{}"),
+                later(Some(&pad), ""),
+                later(Some(&pad), ""),
+                later(Some("get_weather"), ""),
+            ],
+            want("get_weather", "{}"),
+        ),
+        (
+            "arguments before the name, the name grown",
+            vec![
+                json!({"index":0,"id":"call_1","type":"function","function":{"arguments":"{}"}}),
+                later(Some("get_wea"), ""),
+                later(Some("get_weather"), ""),
+            ],
+            want("get_weather", "{}"),
+        ),
+        (
+            "a call without arguments",
+            vec![head("get_time", "")],
+            want("get_time", ""),
+        ),
+        (
+            "a later delta with type null, one without function",
+            vec![
+                head("get_weather", "{"),
+                json!({"index":0,"type":null,"function":{"arguments":"}"}}),
+                json!({"index":0}),
+            ],
+            want("get_weather", "{}"),
+        ),
     ];
-    let clean = [
-        head,
-        json!({"index":0,"function":{"arguments":"{\"city\":"}}),
-        json!({"index":0,"function":{"name":"_v2","arguments":"\"Paris\"}"}}),
-    ];
+    let clean = vec![head("get_weather", "{}")];
     let mut debits = Vec::new();
-    for deltas in [resent, clean] {
+    for (case, deltas, want) in
+        cases
+            .into_iter()
+            .chain([("clean", clean, want("get_weather", "{}"))])
+    {
         let body: String = deltas
             .iter()
             .map(|d| chunk(d.clone(), Value::Null))
@@ -2356,78 +2472,21 @@ async fn a_tool_calls_head_reaches_the_sdk_once() {
             .await
             .unwrap();
         let got = frames(resp.into_body()).await.concat();
-        // the Python SDK's `accumulate_delta`: strings are appended, `index` and `type` replaced
-        let (mut id, mut name, mut arguments) = (String::new(), String::new(), String::new());
-        for event in crate::sse::parse_all(&got).unwrap() {
-            let Ok(c) = serde_json::from_str::<Value>(event.data()) else {
-                continue;
-            };
-            for call in c["choices"][0]["delta"]["tool_calls"]
-                .as_array()
-                .into_iter()
-                .flatten()
-            {
-                id.push_str(call["id"].as_str().unwrap_or_default());
-                name.push_str(call["function"]["name"].as_str().unwrap_or_default());
-                arguments.push_str(call["function"]["arguments"].as_str().unwrap_or_default());
-            }
-        }
-        assert_eq!(
-            (id.as_str(), name.as_str(), arguments.as_str()),
-            ("call_1", "get_weather_v2", "{\"city\":\"Paris\"}")
-        );
+        let (python, node) = sdk_tool_calls(&got);
+        assert_eq!(python.as_ref(), Some(&want), "{case}: Python SDK");
+        assert_eq!(node, want, "{case}: Node SDK");
         let (s, r) = h.settled().await;
-        assert_eq!(s.outcome, StreamOutcome::Completed);
-        assert_eq!(node_fault(&slot), None);
-        debits.push(r.debit_micros);
+        assert_eq!(s.outcome, StreamOutcome::Completed, "{case}");
+        assert_eq!(node_fault(&slot), None, "{case}");
+        debits.push((case, r.debit_micros));
     }
-    assert_eq!(debits[0], debits[1], "a removed repeat is not billed");
-}
-
-/// Log-probabilities the caller did not ask for are removed from what it receives, streamed
-/// and not: a node's unasked ones are text outside the bill (an attacker's node sent 300
-/// entries of 1,000 bytes for a 5-token answer, billed 2). Asked for, they pass.
-#[tokio::test]
-async fn logprobs_the_caller_did_not_ask_for_are_removed() {
-    let lp = json!({"content":[{"token":"Hi","logprob":-0.1,"bytes":[72,105],
-        "top_logprobs":[{"token":"x".repeat(1000),"logprob":-9.0,"bytes":[]}]}]});
-    let chunk = json!({"id":"c1","object":"chat.completion.chunk","created":1,"model":"smollm2",
-        "choices":[{"index":0,"delta":{"content":"Hi"},"logprobs":lp,"finish_reason":null}]});
-    let last = json!({"id":"c1","object":"chat.completion.chunk","created":1,"model":"smollm2",
-        "choices":[{"index":0,"delta":{},"finish_reason":"stop"}]});
-    let stream = Bytes::from(format!("data: {chunk}\n\ndata: {last}\n\ndata: [DONE]\n\n"));
-    let answer = json!({"id":"c1","object":"chat.completion","created":1,"model":"smollm2",
-        "choices":[{"index":0,"finish_reason":"stop","logprobs":lp,
-            "message":{"role":"assistant","content":"Hi"}}],
-        "usage":{"prompt_tokens":34,"completion_tokens":2,"total_tokens":36}});
-    let answer = Bytes::from(answer.to_string());
-    for asked in [false, true] {
-        for streamed in [true, false] {
-            let mut h = harness().await;
-            let (body, ct) = if streamed {
-                (stream.clone(), "text/event-stream")
-            } else {
-                (answer.clone(), "application/json")
-            };
-            let (svc, _slot) = h.slot_node(h.layer(2048), ct, move || full(body.clone()));
-            let mut req = chat(streamed, None);
-            if asked {
-                req["logprobs"] = json!(true);
-                req["top_logprobs"] = json!(1);
-            }
-            let resp = svc.oneshot(request("lp", &req)).await.unwrap();
-            let got = frames(resp.into_body()).await.concat();
-            let got = String::from_utf8(got).unwrap();
-            assert_eq!(
-                got.contains(&"x".repeat(1000)),
-                asked,
-                "asked {asked}, streamed {streamed}"
-            );
-            assert!(got.contains("Hi"));
-            let (s, _) = h.settled().await;
-            assert_eq!(s.outcome, StreamOutcome::Completed);
-        }
-    }
+    let clean = debits.last().unwrap().1;
+    let padded = debits
+        .iter()
+        .find(|(c, _)| c.starts_with("padding"))
+        .unwrap()
+        .1;
+    assert_eq!(padded, clean, "removed names are not billed: {debits:?}");
 }
 
 /// The answer names the catalog model the caller asked for, not the node's own name for what it
@@ -2479,4 +2538,50 @@ async fn the_answer_names_the_callers_model_not_the_nodes() {
     let body: Value = serde_json::from_slice(&frames(resp.into_body()).await.concat()).unwrap();
     assert_eq!(body["model"], "smollm2", "{body}");
     assert_eq!(h.settled().await.0.outcome, StreamOutcome::Completed);
+}
+
+/// With `n` = 2, a node that begins choice 1 before choice 0: the caller's stream begins the
+/// choices in order (an empty delta of choice 0 comes first), as the Python SDK's stream helper
+/// files choices by arrival (it failed with `IndexError`); both are delivered and billed.
+#[tokio::test]
+async fn choices_begin_in_order_for_the_caller() {
+    let chunk = |index: u64, delta: Value, finish: Value| {
+        let c = json!({"id":"c1","object":"chat.completion.chunk","created":1,"model":"smollm2",
+            "choices":[{"index":index,"delta":delta,"finish_reason":finish}]});
+        format!("data: {c}\n\n")
+    };
+    let body = chunk(1, json!({"role":"assistant","content":"Blue"}), Value::Null)
+        + &chunk(0, json!({"role":"assistant","content":"Red"}), Value::Null)
+        + &chunk(1, json!({}), json!("stop"))
+        + &chunk(0, json!({}), json!("stop"))
+        + "data: [DONE]\n\n";
+    let body = Bytes::from(body);
+    let mut h = harness().await;
+    let (svc, slot) = h.slot_node(h.layer(2048), "text/event-stream", move || {
+        full(body.clone())
+    });
+    let mut req = chat(true, None);
+    req["n"] = json!(2);
+    let resp = svc.oneshot(request("order", &req)).await.unwrap();
+    let got = frames(resp.into_body()).await.concat();
+    let mut begun = 0u64;
+    let mut text = [String::new(), String::new()];
+    for event in crate::sse::parse_all(&got).unwrap() {
+        let Ok(c) = serde_json::from_str::<Value>(event.data()) else {
+            continue;
+        };
+        for choice in c["choices"].as_array().into_iter().flatten() {
+            let index = choice["index"].as_u64().unwrap();
+            assert!(
+                index <= begun,
+                "choice {index} began before choice {begun}: {c}"
+            );
+            begun = begun.max(index + 1);
+            text[index as usize].push_str(choice["delta"]["content"].as_str().unwrap_or_default());
+        }
+    }
+    assert_eq!(text, ["Red".to_owned(), "Blue".to_owned()]);
+    let (s, _) = h.settled().await;
+    assert_eq!(s.outcome, StreamOutcome::Completed);
+    assert_eq!(node_fault(&slot), None);
 }

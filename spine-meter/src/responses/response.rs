@@ -447,6 +447,9 @@ impl Converter {
                 }
                 i
             }
+            // a call's first delta carries no name while the gateway holds it until whole
+            // (`meter::bill::tool_call_heads`): the item opens with its name
+            None if name.is_empty() && arguments.is_empty() => return,
             None => {
                 let call_id = meta.item_id("call", self.items.len());
                 let item = Item::FunctionCall {
