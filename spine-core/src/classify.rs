@@ -36,6 +36,14 @@ pub trait BodyClassifier: Send {
 pub trait ClassifyBody: Send + Sync + std::fmt::Debug + 'static {
     /// A classifier for a body with this `Content-Type` header value (`None` when absent).
     fn classifier(&self, content_type: Option<&str>) -> Box<dyn BodyClassifier>;
+
+    /// A classifier for the answer to a request for `choices` choices (its `n`): content of a
+    /// choice past them is none of the caller's (the metering layer drops it), so it must not
+    /// count as the answer's first content. Default: [`classifier`](Self::classifier).
+    fn classifier_for(&self, content_type: Option<&str>, choices: u32) -> Box<dyn BodyClassifier> {
+        let _ = choices;
+        self.classifier(content_type)
+    }
 }
 
 /// Classifies without parsing: the first non-empty chunk is content, a body that ends with no

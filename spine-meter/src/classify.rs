@@ -14,9 +14,16 @@ pub struct SseClassify;
 
 impl ClassifyBody for SseClassify {
     fn classifier(&self, content_type: Option<&str>) -> Box<dyn BodyClassifier> {
+        self.classifier_for(content_type, spine_core::MAX_N)
+    }
+
+    fn classifier_for(&self, content_type: Option<&str>, choices: u32) -> Box<dyn BodyClassifier> {
         let sse = content_type.is_some_and(|v| v.trim_start().starts_with("text/event-stream"));
         if sse {
-            Box::new(SseClassifier::default())
+            Box::new(SseClassifier {
+                choices: u64::from(choices.max(1)),
+                ..SseClassifier::default()
+            })
         } else {
             Box::new(FirstBytes::default())
         }
@@ -33,12 +40,29 @@ impl ClassifyBody for SseClassify {
 /// - anything else (role-only deltas, usage chunks, data that is not JSON) is pending.
 ///
 /// After content, only a later error event changes the answer (to failed).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct SseClassifier {
     parser: SseParser,
     events: Vec<SseEvent>,
     content: bool,
     failed: bool,
+    /// Choices the caller asked for: content of choice `choices` or later is not its answer
+    /// (a node's "first token" for a choice the meter drops, sent to look prompt while it
+    /// queued the request, was taken as the answer's start).
+    choices: u64,
+}
+
+impl Default for SseClassifier {
+    /// For a request of at most [`MAX_N`](spine_core::MAX_N) choices.
+    fn default() -> Self {
+        Self {
+            parser: SseParser::default(),
+            events: Vec::new(),
+            content: false,
+            failed: false,
+            choices: u64::from(spine_core::MAX_N),
+        }
+    }
 }
 
 impl SseClassifier {
@@ -72,7 +96,7 @@ impl SseClassifier {
                 self.failed = true;
                 continue;
             }
-            if !self.content && has_content(&value) {
+            if !self.content && has_content(&value, self.choices) {
                 self.content = true;
             }
         }
@@ -83,11 +107,18 @@ fn non_empty_str(v: Option<&Value>) -> bool {
     v.and_then(Value::as_str).is_some_and(|s| !s.is_empty())
 }
 
-fn has_content(chunk: &Value) -> bool {
+fn has_content(chunk: &Value, asked: u64) -> bool {
     let Some(choices) = chunk.get("choices").and_then(Value::as_array) else {
         return false;
     };
-    choices.iter().any(|choice| {
+    choices.iter().enumerate().any(|(position, choice)| {
+        let index = match choice.get("index") {
+            None | Some(Value::Null) => position as u64,
+            Some(i) => i.as_u64().unwrap_or(u64::MAX),
+        };
+        if index >= asked {
+            return false;
+        }
         let delta = choice.get("delta");
         non_empty_str(choice.get("text"))
             || choice.get("finish_reason").is_some_and(|f| !f.is_null())
@@ -138,6 +169,23 @@ mod tests {
         let mut c = SseClassify.classifier(Some("text/event-stream; charset=utf-8"));
         let signals = chunks.iter().map(|ch| c.feed(ch.as_bytes())).collect();
         (signals, c.finish())
+    }
+
+    /// Content of a choice the caller did not ask for (the meter drops it) is not the answer's
+    /// first content: a node sent one for choice 7 of an `n` = 1 request to look prompt while
+    /// it queued the request, and dodged the first-content deadline.
+    #[test]
+    fn content_of_a_choice_not_asked_for_is_not_first_content() {
+        use BodySignal::{Content, Pending};
+        let chunk = |index: u64| {
+            format!("data: {{\"choices\":[{{\"index\":{index},\"delta\":{{\"content\":\"zz\"}}}}]}}\n\n")
+        };
+        let mut c = SseClassify.classifier_for(Some("text/event-stream"), 1);
+        assert_eq!(c.feed(chunk(7).as_bytes()), Pending);
+        assert_eq!(c.feed(chunk(1).as_bytes()), Pending);
+        assert_eq!(c.feed(chunk(0).as_bytes()), Content);
+        let mut c = SseClassify.classifier_for(Some("text/event-stream"), 2);
+        assert_eq!(c.feed(chunk(1).as_bytes()), Content);
     }
 
     #[test]

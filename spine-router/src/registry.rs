@@ -166,6 +166,11 @@ impl InFlightLease {
     pub fn node(&self) -> &NodeId {
         &self.node
     }
+
+    /// Requests in flight on the node through this gateway now, this one included.
+    pub fn node_in_flight(&self) -> u32 {
+        self.counter.load(Ordering::Acquire)
+    }
 }
 
 impl Drop for InFlightLease {

@@ -515,13 +515,14 @@ async fn a_long_non_streamed_answer_is_not_cut_by_the_first_token_deadline() {
     body.unwrap();
     assert_eq!(log.0.lock().unwrap().len(), 1);
     assert_eq!(stats(&r, "slow"), (1, 0, 0));
-    // the same answer to a streamed request is cut at 120 s and scored
+    // the same answer to a streamed request is cut at 120 s; late on the only node it tried,
+    // nothing shows another node would have been faster: not scored
     let (r, _, out, _) = run_one_streamed(&[("slow", Script::SlowWholeAnswer)], 0, true).await;
     assert!(matches!(
         out.unwrap_err().downcast_ref::<RouteError>(),
         Some(RouteError::FirstContentTimeout(_))
     ));
-    assert_eq!(stats(&r, "slow"), (1, 1, 0));
+    assert_eq!(stats(&r, "slow"), (0, 0, 0));
 }
 
 #[tokio::test]
@@ -570,7 +571,9 @@ async fn a_node_momentarily_full_is_picked_again_not_given_up() {
 #[tokio::test(start_paused = true)]
 async fn a_silent_node_times_out_and_is_retried_elsewhere() {
     for silent in [Script::SilentBody, Script::SilentHead] {
-        // both silent: each tried once, each failed after the deadline, then a timeout error
+        // both silent: each tried once, each late after the deadline, then a timeout error;
+        // late on every node it tried, the request may be slow itself (a caller's long
+        // prompt): no node scored
         let started = tokio::time::Instant::now();
         let (r, log, out, _) = run_one(&[("m1", silent), ("m2", silent)], 1).await;
         let err = out.unwrap_err();
@@ -582,8 +585,8 @@ async fn a_silent_node_times_out_and_is_retried_elsewhere() {
             "{silent:?}: {err}"
         );
         assert_eq!(log.0.lock().unwrap().len(), 2, "{silent:?}");
-        assert_eq!(stats(&r, "m1"), (1, 1, 0), "{silent:?}");
-        assert_eq!(stats(&r, "m2"), (1, 1, 0), "{silent:?}");
+        assert_eq!(stats(&r, "m1"), (0, 0, 0), "{silent:?}");
+        assert_eq!(stats(&r, "m2"), (0, 0, 0), "{silent:?}");
         assert!(started.elapsed() >= std::time::Duration::from_secs(240));
         assert!(r.snapshot().iter().all(|s| s.in_flight == 0));
         // late with no other request in flight: slow, not queueing (`registry::limit`)

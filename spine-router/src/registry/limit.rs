@@ -11,8 +11,10 @@
 //!   overload, so a burst to a new node is not slowed);
 //! - **decrease:** an overload signal ([`Overload`]) — an attempt that sent nothing within the
 //!   first-content deadline while the node had other requests in flight (one slow request
-//!   shows no queue), or a node's `429` / `503` answer — sets it to half of
-//!   `min(limit, in_flight)` (at least 1), at most once per
+//!   shows no queue), counted only once another node served that request (late on every node
+//!   it tried, the request itself is slow: a caller's long prompt must not shrink honest
+//!   nodes), or a node's `429` / `503` answer — sets it to half of `min(limit, in_flight)`
+//!   (the late request counted in; at least 1), at most once per
 //!   [`RegistryConfig::overload_backoff`]: the requests of one burst time out together, and one
 //!   halving per round trip is TCP's rule too;
 //! - **increase:** a success while the node was using its limit (`in_flight ≥ limit − 1`, TCP's
@@ -46,9 +48,13 @@ use super::{lock, NodeEntry, NodeRegistry};
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Overload {
-    /// An attempt sent no first content within the first-content deadline: a sign of a queue
-    /// only while the node had other requests in flight.
-    Late,
+    /// An attempt sent no first content within the first-content deadline, and another node
+    /// then served the request: a sign of a queue only while the node had other requests in
+    /// flight.
+    Late {
+        /// Requests the node had in flight when the attempt was late, itself included.
+        in_flight: u32,
+    },
     /// The node answered `429` or `503`: it says it is full.
     Refused,
 }
@@ -141,7 +147,8 @@ impl NodeEntry {
 
 impl NodeRegistry {
     /// `node` showed overload (`why`): lowers its learned concurrency limit (module docs of
-    /// `registry::limit`), unless `why` is [`Overload::Late`] with no other request in flight.
+    /// `registry::limit`), unless `why` is [`Overload::Late`] with no other request in flight
+    /// then.
     /// Does not score the node (the caller records the failure).
     pub fn record_overload(&self, node: &NodeId, why: Overload) {
         let lowered = {
@@ -149,10 +156,11 @@ impl NodeRegistry {
             let Some(entry) = nodes.get(node) else {
                 return;
             };
-            let in_flight = entry.in_flight.load(Ordering::Acquire);
-            if why == Overload::Late && in_flight < 2 {
-                return;
-            }
+            let in_flight = match why {
+                Overload::Late { in_flight } if in_flight < 2 => return,
+                Overload::Late { in_flight } => in_flight,
+                Overload::Refused => entry.in_flight.load(Ordering::Acquire),
+            };
             let claimed = entry.descriptor.max_concurrency;
             entry
                 .limit

@@ -44,6 +44,12 @@ pub(super) enum AnswerFault {
         /// Whether the node sent no byte at all.
         empty: bool,
     },
+    /// No first content within the first-content deadline. Late on every node it tried, the
+    /// request itself is slow (a caller's long prompt): no node is scored, and no node's
+    /// learned concurrency limit lowered (a caller cannot shrink an honest node for free); once
+    /// another node serves it, each late node was queueing or failing: scored, and its limit
+    /// lowered (`registry::limit`). The requests the node had in flight then, this one included.
+    Late(u32),
     /// The node called the request itself wrong: 400, 413 or 422 (any of the three: one node
     /// may say 400 where another says 422 for the same bad request). A hostile or
     /// misconfigured node can refuse every request to draw none of the work and keep its score,
@@ -112,6 +118,8 @@ pub(super) struct CommitCtx<'a> {
     pub(super) node_full: NotNodeFault,
     pub(super) started: Instant,
     pub(super) deadline: Option<Instant>,
+    /// The choices the request asks for (`n`): content of another is not its first content.
+    pub(super) choices: u32,
 }
 
 /// Reads a 2xx body up to its first content; records a failed attempt, except an answer-type
@@ -132,6 +140,7 @@ pub(super) async fn try_commit(
         node_full,
         started,
         deadline,
+        choices,
     } = ctx;
     let node = lease.node().clone();
     let resp = match result {
@@ -140,13 +149,13 @@ pub(super) async fn try_commit(
             if node_full(&e) {
                 return Attempt::Full(e);
             }
+            if is_first_content_timeout(&e) {
+                // no response head in time: scored once another node serves the request
+                return Attempt::Failed(Err(e), Some(AnswerFault::Late(lease.node_in_flight())));
+            }
             if not_node_fault(&e) {
                 tracing::debug!(node = %node, error = %e, "refused by the gateway; not scored");
             } else {
-                if is_first_content_timeout(&e) {
-                    // no response head in time: the node queues what it was sent
-                    registry.record_overload(&node, Overload::Late);
-                }
                 registry.record_failure(&node);
             }
             return Attempt::Failed(Err(e), None);
@@ -179,7 +188,7 @@ pub(super) async fn try_commit(
     let streamed = content_type
         .as_deref()
         .is_some_and(|v| v.trim_start().starts_with("text/event-stream"));
-    let mut classifier = classify.classifier(content_type.as_deref());
+    let mut classifier = classify.classifier_for(content_type.as_deref(), choices);
     let (mut parts, mut body) = resp.into_parts();
     parts.extensions.insert(node.clone());
     let mut prefix: VecDeque<Frame<Bytes>> = VecDeque::new();
@@ -187,11 +196,11 @@ pub(super) async fn try_commit(
     let mut ended = false;
     let signal = loop {
         let Some(next) = within(deadline, body.frame()).await else {
-            // accepted, then silent: the node's fault (it queues what it was sent), retried
-            // elsewhere
-            registry.record_overload(&node, Overload::Late);
-            registry.record_failure(&node);
-            return Attempt::Failed(Err(first_content_timeout(config)), None);
+            // accepted, then silent: retried elsewhere, scored once another node serves it
+            return Attempt::Failed(
+                Err(first_content_timeout(config)),
+                Some(AnswerFault::Late(lease.node_in_flight())),
+            );
         };
         match next {
             Some(Ok(frame)) => {

@@ -15,7 +15,7 @@ use super::commit::{first_content_timeout, try_commit, within, AnswerFault, Atte
 use super::config::{RouteCtx, FULL_REPICK_PAUSE};
 use super::{AvoidNodes, MAX_FULL_REPICKS};
 use crate::affinity::{AffinityKey, SessionId};
-use crate::{Ask, Needs, NodeRegistry, QueueTicket, QueueWeight, RouteError};
+use crate::{Ask, Needs, NodeRegistry, Overload, QueueTicket, QueueWeight, RouteError};
 
 /// Answer-type failures of one request whose scoring waits until its attempts are over.
 #[derive(Default)]
@@ -25,7 +25,10 @@ impl Deferred {
     /// A later attempt on another node committed: the request was servable, so every earlier
     /// answer-type failure was the node's fault.
     fn node_faults(self, registry: &NodeRegistry) {
-        for (node, _) in self.0 {
+        for (node, fault) in self.0 {
+            if let AnswerFault::Late(in_flight) = fault {
+                registry.record_overload(&node, Overload::Late { in_flight });
+            }
             registry.record_failure(&node);
         }
     }
@@ -226,6 +229,7 @@ where
             node_full,
             started,
             deadline,
+            choices: peek.n,
         };
         match try_commit(result, pick.lease, ctx).await {
             Attempt::Committed(resp) => {
@@ -258,10 +262,16 @@ where
                 if let Some(fault) = fault {
                     // the same answer from two nodes, or a refusal beside another answer-type
                     // failure (llama.cpp's 500 "Failed to parse tools" where another engine
-                    // says 400), follows the request: no third node, no one scored
-                    let seen = deferred.0.iter().any(|(_, f)| {
-                        *f == fault || *f == AnswerFault::Refused || fault == AnswerFault::Refused
-                    });
+                    // says 400), follows the request: no third node, no one scored (a late
+                    // node is no answer: the next node is still tried)
+                    let answer_type = |f: AnswerFault| !matches!(f, AnswerFault::Late(_));
+                    let seen = answer_type(fault)
+                        && deferred.0.iter().any(|(_, f)| {
+                            answer_type(*f)
+                                && (*f == fault
+                                    || *f == AnswerFault::Refused
+                                    || fault == AnswerFault::Refused)
+                        });
                     deferred.0.push((node.clone(), fault));
                     if seen {
                         deferred.unscored("request_fault");

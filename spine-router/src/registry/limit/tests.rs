@@ -11,38 +11,37 @@ fn leases(r: &NodeRegistry, n: usize) -> Vec<crate::InFlightLease> {
         .collect()
 }
 
-/// A node that claims 256 slots and times out with 19 requests in flight is held to 9 (half of
-/// what it was sent), once per backoff however many time out together; the claim no longer
+/// A node that claims 256 slots and was late with 19 requests in flight is held to 9 (half of
+/// what it was sent), once per backoff however many were late together; the claim no longer
 /// decides: at 9 in flight it takes no more.
 #[tokio::test(start_paused = true)]
 async fn a_node_that_queues_what_it_claims_is_held_to_half_of_what_it_was_sent() {
     let (r, liar) = (NodeRegistry::new(), NodeId::new("liar"));
+    let late = |in_flight| Overload::Late { in_flight };
     r.node_ready(&liar, &desc(&["m"], 256));
     assert_eq!(r.concurrency_limit(&liar), Some(256));
-    let mut held = leases(&r, 19);
     for _ in 0..10 {
-        r.record_overload(&liar, Overload::Late);
+        r.record_overload(&liar, late(19));
     }
     assert_eq!(r.concurrency_limit(&liar), Some(9));
     assert_eq!(r.snapshot()[0].concurrency_limit, 9);
-    held.truncate(9);
+    let held = leases(&r, 9);
     assert_eq!(
         r.pick(&ModelId::new("m")).map(|l| l.node().clone()),
         Err(RouteError::AtCapacity(ModelId::new("m")))
     );
+    drop(held);
     // within the backoff: no second halving; after it, half of min(limit, in flight)
     tokio::time::advance(Duration::from_secs(4)).await;
-    r.record_overload(&liar, Overload::Late);
+    r.record_overload(&liar, late(9));
     assert_eq!(r.concurrency_limit(&liar), Some(9));
     tokio::time::advance(Duration::from_secs(2)).await;
-    r.record_overload(&liar, Overload::Late);
+    r.record_overload(&liar, late(9));
     assert_eq!(r.concurrency_limit(&liar), Some(4));
-    // one request late with nothing else in flight shows no queue; a refusal then still
-    // leaves one slot
-    held.clear();
-    let _one = leases(&r, 1);
+    // one request late with nothing else in flight shows no queue; a refusal still leaves one
+    // slot
     tokio::time::advance(Duration::from_secs(6)).await;
-    r.record_overload(&liar, Overload::Late);
+    r.record_overload(&liar, late(1));
     assert_eq!(r.concurrency_limit(&liar), Some(4));
     r.record_overload(&liar, Overload::Refused);
     assert_eq!(r.concurrency_limit(&liar), Some(1));
@@ -55,10 +54,8 @@ async fn a_node_that_queues_what_it_claims_is_held_to_half_of_what_it_was_sent()
 async fn the_limit_grows_back_only_while_it_is_used() {
     let (r, node) = (NodeRegistry::new(), NodeId::new("n"));
     r.node_ready(&node, &desc(&["m"], 4));
-    let held = leases(&r, 4);
-    r.record_overload(&node, Overload::Late);
+    r.record_overload(&node, Overload::Late { in_flight: 4 });
     assert_eq!(r.concurrency_limit(&node), Some(2));
-    drop(held);
     // one request in flight under a limit of 2 uses it (in flight ≥ limit − 1)
     let one = leases(&r, 1);
     r.record_success(&node, None);
@@ -101,10 +98,8 @@ async fn a_pick_compares_load_against_the_learned_limit() {
     let r = NodeRegistry::new();
     let (liar, honest) = (NodeId::new("liar"), NodeId::new("honest"));
     r.node_ready(&liar, &desc(&["m"], 256));
-    let held = leases(&r, 8);
-    r.record_overload(&liar, Overload::Late);
+    r.record_overload(&liar, Overload::Late { in_flight: 8 });
     assert_eq!(r.concurrency_limit(&liar), Some(4));
-    drop(held);
     let _three = leases(&r, 3);
     r.node_ready(&honest, &desc(&["m"], 4));
     // the liar is at 3 / 4; the honest node takes the next one, and the liar the one after
