@@ -61,6 +61,9 @@ impl NodeFault {
 /// What the router runs when a node fault is reported: scores the attempt.
 type FaultHook = Box<dyn FnOnce(NodeFault) + Send>;
 
+/// What the router runs when a stream's longest pause is reported.
+type PauseHook = Box<dyn FnOnce(std::time::Duration) + Send>;
+
 #[derive(Default)]
 struct SlotInner {
     node: Mutex<Option<NodeId>>,
@@ -69,6 +72,9 @@ struct SlotInner {
     /// 0: no fault; else [`NodeFault::to_u8`] of the first one reported.
     fault: AtomicU8,
     on_fault: Mutex<Option<FaultHook>>,
+    on_pause: Mutex<Option<PauseHook>>,
+    /// The longest pause reported, µs + 1 (0: none reported).
+    pause_us: AtomicU64,
 }
 
 impl std::fmt::Debug for SlotInner {
@@ -171,6 +177,42 @@ impl NodeSlot {
     /// The first node fault reported on any clone, if any.
     pub fn node_fault(&self) -> Option<NodeFault> {
         NodeFault::from_u8(self.0.fault.load(Ordering::Acquire))
+    }
+
+    /// The metering layer's word, once a streamed answer ended well, on the longest time the
+    /// node went without progress (new text, a finish) after its first content, excluding time
+    /// the caller held a frame: runs the hook set with [`NodeSlot::on_pause`] (once). A long
+    /// pause is a request that waited in the node's queue after a first token sent at once
+    /// (the router lowers the node's learned concurrency limit).
+    pub fn report_pause(&self, longest: std::time::Duration) {
+        let us = u64::try_from(longest.as_micros()).unwrap_or(u64::MAX - 1);
+        self.0.pause_us.store(us + 1, Ordering::Release);
+        let hook = self
+            .0
+            .on_pause
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(hook) = hook {
+            hook(longest);
+        }
+    }
+
+    /// The pause reported with [`NodeSlot::report_pause`], if one was.
+    pub fn longest_pause(&self) -> Option<std::time::Duration> {
+        match self.0.pause_us.load(Ordering::Acquire) {
+            0 => None,
+            us => Some(std::time::Duration::from_micros(us - 1)),
+        }
+    }
+
+    /// Sets what [`NodeSlot::report_pause`] runs, replacing an earlier hook.
+    pub fn on_pause(&self, hook: impl FnOnce(std::time::Duration) + Send + 'static) {
+        *self
+            .0
+            .on_pause
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(Box::new(hook));
     }
 
     /// The node recorded, if any.

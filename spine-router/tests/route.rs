@@ -1132,3 +1132,89 @@ async fn a_node_that_lies_about_its_concurrency_delays_one_burst_not_the_next() 
     );
     assert_eq!(failures(&r), first, "no request of a later burst timed out");
 }
+
+/// Nodes whose every stream sends its first token at once, then waits for one of the node's
+/// `slots` (one second each) before the rest: never late for the first-content deadline.
+fn early_token_upstream(slots: &[(&'static str, usize)]) -> impl UpstreamService {
+    let slots: Arc<HashMap<&'static str, Arc<tokio::sync::Semaphore>>> = Arc::new(
+        slots
+            .iter()
+            .map(|(n, k)| (*n, Arc::new(tokio::sync::Semaphore::new(*k))))
+            .collect(),
+    );
+    tower::service_fn(move |req: http::Request<BoxBody>| {
+        let node = req.extensions().get::<NodeId>().cloned().unwrap();
+        let slots = slots[node.as_str()].clone();
+        async move {
+            use futures_util::StreamExt;
+            let first = futures_util::stream::once(async {
+                Ok::<_, BoxError>(http_body::Frame::data(Bytes::from_static(b"data: tok\n\n")))
+            });
+            let rest = futures_util::stream::once(async move {
+                let _permit = slots.acquire_owned().await?;
+                tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+                Ok::<_, BoxError>(http_body::Frame::data(Bytes::from_static(b"data: end\n\n")))
+            });
+            let body = http_body_util::StreamBody::new(first.chain(rest));
+            Ok::<_, BoxError>(
+                http::Response::builder()
+                    .header("content-type", "text/event-stream")
+                    .body(BoxBody::new(body))
+                    .unwrap(),
+            )
+        }
+    })
+}
+
+/// A node that claims 256 slots, sends every request's first token at once and then serves
+/// them one at a time, beside an honest node of 4: never late, but its streams pause while
+/// they wait. The metering layer reports a stream's longest pause (here: the time from its
+/// head to its end, which is what it measures on this stream) and a pause longer than
+/// `limit_growth_max_ttft` lowers the node's learned limit, so the next burst waits far less.
+#[tokio::test(start_paused = true)]
+async fn a_node_that_sends_first_tokens_at_once_and_queues_is_held_to_what_it_serves() {
+    let r = NodeRegistry::with_config(spine_router::RegistryConfig {
+        limit_growth_max_ttft: std::time::Duration::from_secs(5),
+        ..spine_router::RegistryConfig::default()
+    });
+    let liar = NodeId::new("liar");
+    r.node_ready(&liar, &spine_test_support::node_serving("m", 256));
+    r.node_ready(
+        &NodeId::new("honest"),
+        &spine_test_support::node_serving("m", 4),
+    );
+    let svc = RouteLayer::new(r.clone())
+        .classify(Arc::new(Words))
+        .config(RouteConfig {
+            first_content_timeout: std::time::Duration::from_secs(10),
+            ..RouteConfig::default()
+        })
+        .layer(early_token_upstream(&[("liar", 1), ("honest", 4)]));
+    let burst = || {
+        futures_util::future::join_all((0..16).map(|_| {
+            let svc = svc.clone();
+            async move {
+                let (req, slot) = request_streamed(None, true);
+                let started = tokio::time::Instant::now();
+                let resp = svc.oneshot(req).await?;
+                resp.into_body().collect().await?;
+                slot.report_pause(started.elapsed());
+                Ok::<_, BoxError>(started.elapsed())
+            }
+        }))
+    };
+    let slowest = |answers: Vec<Result<std::time::Duration, BoxError>>| {
+        answers.into_iter().map(Result::unwrap).max().unwrap()
+    };
+    let first = slowest(burst().await);
+    let limit = r.concurrency_limit(&liar).unwrap();
+    tokio::time::advance(std::time::Duration::from_secs(60)).await;
+    let second = slowest(burst().await);
+    println!(
+        "slowest answer: first burst {first:?}, learned limit {limit}; second burst {second:?}, \
+         limit {:?}",
+        r.concurrency_limit(&liar)
+    );
+    assert!(limit < 16, "learned {limit}");
+    assert!(second * 2 < first, "{second:?} against {first:?}");
+}

@@ -469,6 +469,10 @@ impl State {
             if let Some(ctx) = self.ctx.take() {
                 ctx.settle_checked(StreamOutcome::Completed, billed, self.claimed, notes);
             }
+            // a long pause after the first token: the request waited in the node's queue
+            if let (Some(slot), Some(stall)) = (&self.settings.slot, &self.stall) {
+                slot.report_pause(stall.longest_pause());
+            }
         } else {
             if !self.error_seen {
                 // ended early: the node's fault

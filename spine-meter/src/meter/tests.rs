@@ -2585,3 +2585,41 @@ async fn choices_begin_in_order_for_the_caller() {
     assert_eq!(s.outcome, StreamOutcome::Completed);
     assert_eq!(node_fault(&slot), None);
 }
+
+/// A stream that paused after its first content (a node that sends the first token at once and
+/// then queues the request): the metering layer reports the longest time without progress
+/// between its first content and its end to the router through the `NodeSlot` (which lowers
+/// the node's learned concurrency limit on a long one); keepalives, empty deltas and usage
+/// chunks are no progress.
+#[tokio::test]
+async fn the_longest_pause_after_the_first_content_is_reported() {
+    let mut h = harness().await;
+    // real time (the SQLite ledger's worker thread and a paused clock do not mix)
+    let every = std::time::Duration::from_millis(40);
+    let mut script = vec![
+        chunk_event(json!({"index":0,"delta":{"role":"assistant"},"finish_reason":null})),
+        content_event("Hi"),
+    ];
+    script.extend(keepalive_without_progress());
+    script.extend([
+        content_event(" there"),
+        chunk_event(json!({"index":0,"delta":{},"finish_reason":"stop"})),
+        Bytes::from_static(b"data: [DONE]\n\n"),
+    ]);
+    let (svc, slot) = h.slot_node(
+        h.layer(2048)
+            .stream_stall_timeout(std::time::Duration::from_secs(30)),
+        "text/event-stream",
+        move || timed(script.clone(), Vec::new(), every),
+    );
+    let resp = svc
+        .oneshot(request("pause", &chat(true, None)))
+        .await
+        .unwrap();
+    frames(resp.into_body()).await;
+    assert_eq!(h.settled().await.0.outcome, StreamOutcome::Completed);
+    let pause = slot.lock().unwrap().as_ref().unwrap().longest_pause();
+    // " there" came six events (5 without progress) after "Hi", 40 ms apart
+    let pause = pause.expect("reported");
+    assert!(pause >= every * 5, "{pause:?}");
+}

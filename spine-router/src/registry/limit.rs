@@ -9,7 +9,9 @@
 //!
 //! - it starts at the claim (an honest node is never held below what it says until it shows
 //!   overload, so a burst to a new node is not slowed);
-//! - **decrease:** an overload signal ([`Overload`]) — an attempt that sent nothing within the
+//! - **decrease:** an overload signal ([`Overload`]) — a streamed answer that paused after its
+//!   first token longer than a first token may take (its request waited in the node's queue),
+//!   an attempt that sent nothing within the
 //!   first-content deadline while the node had other requests in flight (one slow request
 //!   shows no queue), counted only once another node served that request (late on every node
 //!   it tried, the request itself is slow: a caller's long prompt must not shrink honest
@@ -57,6 +59,10 @@ pub enum Overload {
     },
     /// The node answered `429` or `503`: it says it is full.
     Refused,
+    /// A streamed answer paused longer than a first token may take
+    /// ([`NodeRegistry::record_pause`]): a sign of a queue while the node has other requests
+    /// in flight.
+    Paused,
 }
 
 /// A node's learned concurrency limit (module docs). Shared by the node's registry entries
@@ -96,6 +102,8 @@ impl ConcurrencyLimit {
     /// Whether the limit changed.
     fn overloaded(&self, claimed: u32, in_flight: u32, now: Instant, backoff: Duration) -> bool {
         let mut state = lock(&self.state);
+        // whatever the backoff, the row of successes that grows the limit starts again
+        state.credit = 0;
         if state
             .last_decrease
             .is_some_and(|at| now.saturating_duration_since(at) < backoff)
@@ -160,6 +168,11 @@ impl NodeRegistry {
                 Overload::Late { in_flight } if in_flight < 2 => return,
                 Overload::Late { in_flight } => in_flight,
                 Overload::Refused => entry.in_flight.load(Ordering::Acquire),
+                // this answer's lease may be gone: the others in flight, and it
+                Overload::Paused => match entry.in_flight.load(Ordering::Acquire) {
+                    0 => return,
+                    n => n + 1,
+                },
             };
             let claimed = entry.descriptor.max_concurrency;
             entry
@@ -175,6 +188,21 @@ impl NodeRegistry {
         if let Some(limit) = lowered {
             tracing::info!(node = %node, limit, ?why, "node overloaded: concurrency limit lowered");
         }
+    }
+
+    /// A streamed answer of `node` ended well after going `longest` without progress at most
+    /// once its first content came: past [`RegistryConfig::limit_growth_max_ttft`] (when set)
+    /// it waited in the node's queue, an overload signal as a late first token is (a node that
+    /// sends every request's first token at once and serves them one at a time is never late).
+    /// Not scored: the answer was whole.
+    ///
+    /// [`RegistryConfig::limit_growth_max_ttft`]: crate::RegistryConfig::limit_growth_max_ttft
+    pub fn record_pause(&self, node: &NodeId, longest: Duration) {
+        let max = self.inner.config.limit_growth_max_ttft;
+        if max.is_zero() || longest <= max {
+            return;
+        }
+        self.record_overload(node, Overload::Paused);
     }
 
     /// A success on `node` with its time to first token (streamed): grows its learned limit

@@ -237,11 +237,15 @@ where
                 if let Some(slot) = parts.extensions.get::<NodeSlot>() {
                     // the metering layer found the committed answer broke the rules (a failure)
                     // or made no progress for its stall bound (a mid-request disconnect)
-                    let (registry, node) = (registry.clone(), node.clone());
+                    let (registry_f, node_f) = (registry.clone(), node.clone());
                     slot.on_node_fault(move |fault| match fault {
-                        NodeFault::Stalled => registry.record_disconnect(&node),
-                        _ => registry.record_failure(&node),
+                        NodeFault::Stalled => registry_f.record_disconnect(&node_f),
+                        _ => registry_f.record_failure(&node_f),
                     });
+                    // a stream that paused long after its first token waited in the node's
+                    // queue (a first token sent at once dodges the first-content deadline)
+                    let (registry, node) = (registry.clone(), node.clone());
+                    slot.on_pause(move |longest| registry.record_pause(&node, longest));
                 }
                 if let Some(key) = &key {
                     registry.remember(&peek.model, key, &node);

@@ -19,6 +19,10 @@ pub(in crate::meter) struct StallClock {
     sleep: Option<Pin<Box<tokio::time::Sleep>>>,
     /// When the last frame went to the caller (its next poll resumes the clock).
     handed_out: Option<tokio::time::Instant>,
+    /// Whether the stream made progress yet (its first content).
+    progressed: bool,
+    /// The longest time between two progresses, caller-held time excluded.
+    longest_pause: Duration,
 }
 
 impl StallClock {
@@ -29,13 +33,30 @@ impl StallClock {
             started: false,
             sleep: None,
             handed_out: None,
+            progressed: false,
+            longest_pause: Duration::ZERO,
         })
+    }
+
+    /// The longest time the stream went without progress between its first content and its
+    /// last, time the caller held a frame excluded.
+    pub(in crate::meter) fn longest_pause(&self) -> Duration {
+        self.longest_pause
     }
 
     /// New text or a finish: the node made progress.
     pub(in crate::meter) fn progress(&mut self) {
         if self.started {
-            self.at = tokio::time::Instant::now().checked_add(self.timeout);
+            let now = tokio::time::Instant::now();
+            if self.progressed {
+                // `at` is the last progress plus the timeout (moved by caller-held time)
+                let left = self
+                    .at
+                    .map_or(Duration::ZERO, |at| at.saturating_duration_since(now));
+                self.longest_pause = self.longest_pause.max(self.timeout.saturating_sub(left));
+            }
+            self.progressed = true;
+            self.at = now.checked_add(self.timeout);
         }
     }
 
