@@ -1050,15 +1050,22 @@ async fn the_slot_carries_the_routed_nodes_context_for_the_model() {
     }
 }
 
-/// Nodes that each serve `slots` requests at once, one second each (more wait in the node's
-/// own queue, as an engine with fewer slots than it claims does), whatever they claim.
-fn queueing_upstream(slots: &[(&'static str, usize)]) -> impl UpstreamService {
-    let slots: Arc<HashMap<&'static str, Arc<tokio::sync::Semaphore>>> = Arc::new(
+/// Each node's slots: a semaphore of `k` permits per `(node, k)`.
+fn node_slots(
+    slots: &[(&'static str, usize)],
+) -> Arc<HashMap<&'static str, Arc<tokio::sync::Semaphore>>> {
+    Arc::new(
         slots
             .iter()
             .map(|(n, k)| (*n, Arc::new(tokio::sync::Semaphore::new(*k))))
             .collect(),
-    );
+    )
+}
+
+/// Nodes that each serve `slots` requests at once, one second each (more wait in the node's
+/// own queue, as an engine with fewer slots than it claims does), whatever they claim.
+fn queueing_upstream(slots: &[(&'static str, usize)]) -> impl UpstreamService {
+    let slots = node_slots(slots);
     tower::service_fn(move |req: http::Request<BoxBody>| {
         let slots = slots.clone();
         async move {
@@ -1136,12 +1143,7 @@ async fn a_node_that_lies_about_its_concurrency_delays_one_burst_not_the_next() 
 /// Nodes whose every stream sends its first token at once, then waits for one of the node's
 /// `slots` (one second each) before the rest: never late for the first-content deadline.
 fn early_token_upstream(slots: &[(&'static str, usize)]) -> impl UpstreamService {
-    let slots: Arc<HashMap<&'static str, Arc<tokio::sync::Semaphore>>> = Arc::new(
-        slots
-            .iter()
-            .map(|(n, k)| (*n, Arc::new(tokio::sync::Semaphore::new(*k))))
-            .collect(),
-    );
+    let slots = node_slots(slots);
     tower::service_fn(move |req: http::Request<BoxBody>| {
         let node = req.extensions().get::<NodeId>().cloned().unwrap();
         let slots = slots[node.as_str()].clone();

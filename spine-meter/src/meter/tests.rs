@@ -1722,6 +1722,13 @@ fn chunk_event(choice: Value) -> Bytes {
     Bytes::from(format!("data: {chunk}\n\n"))
 }
 
+/// [`chunk_event`] of choice `index` with `delta` and `finish_reason` `finish`, as text.
+fn delta_event(index: u64, delta: Value, finish: Value) -> String {
+    let chunk = json!({"id":"c1","object":"chat.completion.chunk","created":1,"model":"smollm2",
+        "choices":[{"index":index,"delta":delta,"finish_reason":finish}]});
+    format!("data: {chunk}\n\n")
+}
+
 /// What a hostile node keeps a stream alive with, none of it progress: a comment, an empty
 /// delta, a role-only chunk, a usage-only chunk, a chunk with no choice.
 fn keepalive_without_progress() -> Vec<Bytes> {
@@ -2193,11 +2200,7 @@ async fn text_that_counts_past_the_cap_but_spells_within_it_is_billed_not_cut() 
 /// faulted. Calls begun in order, continued by argument-only deltas, complete.
 #[tokio::test]
 async fn tool_calls_an_sdk_cannot_read_are_the_nodes_fault() {
-    let chunk = |delta: Value, finish: Value| {
-        let c = json!({"id":"c1","object":"chat.completion.chunk","created":1,"model":"smollm2",
-            "choices":[{"index":0,"delta":delta,"finish_reason":finish}]});
-        format!("data: {c}\n\n")
-    };
+    let chunk = |delta: Value, finish: Value| delta_event(0, delta, finish);
     let call = |index: u64, id: &str, name: &str, args: &str| {
         json!({"index": index, "id": id, "type": "function",
             "function": {"name": name, "arguments": args}})
@@ -2377,16 +2380,8 @@ fn sdk_tool_calls(events: &[u8]) -> (Option<Vec<SdkCall>>, Vec<SdkCall>) {
 /// gateway removed is not billed: a node padding later names is billed as the clean stream.
 #[tokio::test]
 async fn a_tool_calls_head_reads_alike_in_both_sdks() {
-    let chunk = |delta: Value, finish: Value| {
-        let c = json!({"id":"c1","object":"chat.completion.chunk","created":1,"model":"smollm2",
-            "choices":[{"index":0,"delta":{"tool_calls":[delta]},"finish_reason":finish}]});
-        format!("data: {c}\n\n")
-    };
-    let end = format!(
-        "data: {}\n\ndata: [DONE]\n\n",
-        json!({"id":"c1","object":"chat.completion.chunk","created":1,"model":"smollm2",
-            "choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]})
-    );
+    let chunk = |call: Value, finish: Value| delta_event(0, json!({"tool_calls": [call]}), finish);
+    let end = delta_event(0, json!({}), json!("tool_calls")) + "data: [DONE]\n\n";
     let head = |name: &str, args: &str| {
         json!({"index":0,"id":"call_1","type":"function",
         "function":{"name":name,"arguments":args}})
@@ -2545,11 +2540,7 @@ async fn the_answer_names_the_callers_model_not_the_nodes() {
 /// files choices by arrival (it failed with `IndexError`); both are delivered and billed.
 #[tokio::test]
 async fn choices_begin_in_order_for_the_caller() {
-    let chunk = |index: u64, delta: Value, finish: Value| {
-        let c = json!({"id":"c1","object":"chat.completion.chunk","created":1,"model":"smollm2",
-            "choices":[{"index":index,"delta":delta,"finish_reason":finish}]});
-        format!("data: {c}\n\n")
-    };
+    let chunk = delta_event;
     let body = chunk(1, json!({"role":"assistant","content":"Blue"}), Value::Null)
         + &chunk(0, json!({"role":"assistant","content":"Red"}), Value::Null)
         + &chunk(1, json!({}), json!("stop"))
