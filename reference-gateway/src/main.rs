@@ -113,6 +113,7 @@ async fn run(cli: Cli) -> Result<(), MainError> {
         },
         load_aware_pick: config.load_aware_pick,
         limit_growth_max_ttft: std::time::Duration::from_secs(config.first_token_timeout_secs) / 2,
+        overload_pause: std::time::Duration::from_secs(config.first_token_timeout_secs),
         ..RegistryConfig::default()
     });
     let cluster_slot: Arc<std::sync::OnceLock<cluster::Cluster>> = Arc::default();

@@ -33,12 +33,13 @@ pub use classify::{BodyClassifier, BodySignal, ClassifyBody, FirstBytes};
 pub use ids::{AccountId, ModelId, NodeId, OperatorId, RequestId};
 pub use node::{Endpoints, EngineKind, ModelDescriptor, NodeDescriptor};
 pub use peek::{
-    check_metadata, check_output_constraint, check_tool_count, check_tools, check_user,
+    check_metadata, check_output_constraint, check_stop, check_tool_count, check_tools, check_user,
     conversation_key, prompt_inputs, validate_chat_messages, JsonKey, PeekError, PromptSegment,
     RequestKind, RequestPeek, CHAT_COMPLETIONS_MEMBERS, COMPLETIONS_MEMBERS, EMBEDDINGS_MEMBERS,
     ENGINE_GENERATION_FIELDS, MAX_COMPLETION_LOGPROBS, MAX_MAX_TOKENS, MAX_METADATA_KEY_CHARS,
-    MAX_METADATA_PAIRS, MAX_METADATA_VALUE_CHARS, MAX_N, MAX_OUTPUT_CONSTRAINT_BYTES, MAX_TOOLS,
-    MAX_TOP_LOGPROBS, MAX_USER_CHARS, NOT_SERVED, SAMPLING_EXTRAS, TOKENIZATION_CONSTRAINT_FIELDS,
+    MAX_METADATA_PAIRS, MAX_METADATA_VALUE_CHARS, MAX_N, MAX_OUTPUT_CONSTRAINT_BYTES,
+    MAX_STOP_BYTES, MAX_STOP_SEQUENCES, MAX_TOOLS, MAX_TOP_LOGPROBS, MAX_USER_CHARS, NOT_SERVED,
+    SAMPLING_EXTRAS, TOKENIZATION_CONSTRAINT_FIELDS,
 };
 pub use request::{BufferedRequest, RequestContext};
 pub use service::UpstreamService;

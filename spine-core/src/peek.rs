@@ -17,9 +17,9 @@ pub use messages::validate_chat_messages;
 #[cfg(test)]
 use messages::CONTENT_EXPECTED;
 pub use tags::{
-    check_metadata, check_output_constraint, check_tool_count, check_tools, check_user,
+    check_metadata, check_output_constraint, check_stop, check_tool_count, check_tools, check_user,
     MAX_METADATA_KEY_CHARS, MAX_METADATA_PAIRS, MAX_METADATA_VALUE_CHARS,
-    MAX_OUTPUT_CONSTRAINT_BYTES, MAX_TOOLS, MAX_USER_CHARS,
+    MAX_OUTPUT_CONSTRAINT_BYTES, MAX_STOP_BYTES, MAX_STOP_SEQUENCES, MAX_TOOLS, MAX_USER_CHARS,
 };
 
 /// The fields of an OpenAI request body the gateway needs, read without touching the rest.
@@ -577,6 +577,9 @@ impl RequestPeek {
         }
         if let Some(raw) = fields.get("tool_choice") {
             check_output_constraint("tool_choice", raw.get())?;
+        }
+        if let Some(raw) = fields.get("stop") {
+            check_stop(raw.get())?;
         }
         for name in TOKENIZATION_CONSTRAINT_FIELDS {
             if name == "logit_bias" {

@@ -1172,11 +1172,11 @@ fn early_token_upstream(slots: &[(&'static str, usize)]) -> impl UpstreamService
 /// them one at a time, beside an honest node of 4: never late, but its streams pause while
 /// they wait. The metering layer reports a stream's longest pause (here: the time from its
 /// head to its end, which is what it measures on this stream) and a pause longer than
-/// `limit_growth_max_ttft` lowers the node's learned limit, so the next burst waits far less.
+/// `overload_pause` lowers the node's learned limit, so the next burst waits far less.
 #[tokio::test(start_paused = true)]
 async fn a_node_that_sends_first_tokens_at_once_and_queues_is_held_to_what_it_serves() {
     let r = NodeRegistry::with_config(spine_router::RegistryConfig {
-        limit_growth_max_ttft: std::time::Duration::from_secs(5),
+        overload_pause: std::time::Duration::from_secs(10),
         ..spine_router::RegistryConfig::default()
     });
     let liar = NodeId::new("liar");

@@ -29,6 +29,42 @@ pub const MAX_TOOLS: usize = 128;
 /// definition names and enum values; this leaves room for the structure around them.
 pub const MAX_OUTPUT_CONSTRAINT_BYTES: usize = 128 * 1024;
 
+/// Most `stop` sequences (OpenAI allows 4; engines take more).
+pub const MAX_STOP_SEQUENCES: usize = 16;
+
+/// Longest `stop` sequence, bytes. An engine holds back generated text that could be the start
+/// of a stop sequence until it knows (llama.cpp's `find_partial_stop_string`), so a stop
+/// sequence bounds how long a stream may go without visible progress: a caller with a
+/// 3,205-character stop and a grammar that generated its prefix made an honest node's stream
+/// look stalled for 20 s (cut as the node's fault, the caller paying nothing).
+pub const MAX_STOP_BYTES: usize = 128;
+
+/// A request's `stop` whose JSON text is `json`: null, a string, or an array of at most
+/// [`MAX_STOP_SEQUENCES`] strings, each at most [`MAX_STOP_BYTES`].
+///
+/// # Errors
+///
+/// [`PeekError::InvalidField`] for `stop`.
+pub fn check_stop(json: &str) -> Result<(), PeekError> {
+    let short = |s: &str| s.len() <= MAX_STOP_BYTES;
+    let ok = match serde_json::from_str::<Value>(json) {
+        Ok(Value::Null) => true,
+        Ok(Value::String(s)) => short(&s),
+        Ok(Value::Array(stops)) => {
+            stops.len() <= MAX_STOP_SEQUENCES && stops.iter().all(|s| s.as_str().is_some_and(short))
+        }
+        _ => false,
+    };
+    if ok {
+        Ok(())
+    } else {
+        Err(PeekError::InvalidField {
+            field: "stop",
+            expected: "a string or an array of at most 16 strings, each at most 128 bytes",
+        })
+    }
+}
+
 const METADATA_EXPECTED: &str = "an object of at most 16 pairs, each key at most 64 characters \
                                  and each value a string of at most 512 characters";
 const USER_EXPECTED: &str = "a string of at most 256 characters";

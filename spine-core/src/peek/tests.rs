@@ -930,3 +930,45 @@ fn tools_and_output_constraints_are_bounded_where_accepted() {
         }
     }
 }
+
+/// `stop` is at most 16 sequences of at most 128 bytes each (an engine holds back text that may
+/// start a stop sequence, so its length bounds a stream's pause), on chat and completions.
+#[test]
+fn stop_sequences_are_bounded() {
+    for (kind, prompt) in [
+        (
+            RequestKind::ChatCompletions,
+            r#""messages":[{"role":"user","content":"hi"}]"#,
+        ),
+        (RequestKind::Completions, r#""prompt":"hi""#),
+    ] {
+        let peek = |stop: &Value| {
+            let body = format!(r#"{{"model":"m",{prompt},"stop":{stop}}}"#);
+            RequestPeek::for_endpoint(kind, body.as_bytes())
+        };
+        let max = crate::MAX_STOP_BYTES;
+        for ok in [
+            Value::Null,
+            serde_json::json!("\n\n"),
+            serde_json::json!("s".repeat(max)),
+            serde_json::json!(vec!["é".repeat(max / 2); crate::MAX_STOP_SEQUENCES]),
+        ] {
+            assert!(peek(&ok).is_ok(), "{kind:?} {ok}");
+        }
+        for bad in [
+            serde_json::json!("s".repeat(max + 1)),
+            serde_json::json!(["ok", "s".repeat(max + 1)]),
+            serde_json::json!(vec!["x"; crate::MAX_STOP_SEQUENCES + 1]),
+            serde_json::json!([1]),
+            serde_json::json!(7),
+        ] {
+            assert!(
+                matches!(
+                    peek(&bad),
+                    Err(PeekError::InvalidField { field: "stop", .. })
+                ),
+                "{kind:?} {bad}"
+            );
+        }
+    }
+}

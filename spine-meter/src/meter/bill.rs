@@ -538,6 +538,7 @@ pub(super) fn tool_call_heads(
                     }
                 }
                 choice.tool_calls.push(CallHead::default());
+                edit.add_arguments = !head.arguments_member;
             }
             std::cmp::Ordering::Equal => {
                 return Err(format!(
@@ -555,7 +556,7 @@ pub(super) fn tool_call_heads(
             continue;
         };
         edit.name = state.read(head);
-        if edit.drop_head || edit.add_function || edit.name.is_some() {
+        if edit.drop_head || edit.add_function || edit.add_arguments || edit.name.is_some() {
             edits.entries.push(edit);
         }
     }

@@ -196,6 +196,12 @@ impl ChoiceRead {
                 if edit.add_function {
                     call.insert("function".to_owned(), Value::Object(serde_json::Map::new()));
                 }
+                if let (true, Some(f)) = (
+                    edit.add_arguments,
+                    call.get_mut("function").and_then(Value::as_object_mut),
+                ) {
+                    f.insert("arguments".to_owned(), Value::from(""));
+                }
                 if let (Some(name), Some(f)) = (
                     &edit.name,
                     call.get_mut("function").and_then(Value::as_object_mut),
@@ -381,6 +387,9 @@ fn openai_choice(
                             .and_then(|f| f.get("arguments"))
                             .and_then(Value::as_str)
                             .is_some_and(|a| !a.is_empty()),
+                        arguments_member: function
+                            .and_then(|f| f.get("arguments"))
+                            .is_some_and(Value::is_string),
                     });
                 }
                 None => return Err("a streamed tool call has no index"),
@@ -444,6 +453,8 @@ pub(crate) struct ToolCallHead {
     pub(crate) name: Option<String>,
     /// Non-empty function `arguments` text.
     pub(crate) has_arguments: bool,
+    /// A function `arguments` string (empty or not).
+    pub(crate) arguments_member: bool,
 }
 
 /// How the gateway rewrites one chunk's streamed tool-call deltas of a choice before the caller
@@ -478,6 +489,9 @@ pub(crate) struct ToolCallEdit {
     pub(crate) name: Option<String>,
     /// Give the delta a `function` object (the Python SDK asserts one in every delta).
     pub(crate) add_function: bool,
+    /// Give the delta's function an empty `arguments` (a call's first delta: the Python SDK
+    /// keeps `None` for a call whose deltas never carry one, the Node SDK `""`).
+    pub(crate) add_arguments: bool,
 }
 
 /// The member of a choice that carries its text, as the caller's SDK reads it: a completion's

@@ -2330,6 +2330,8 @@ type SdkCall = (String, String, String);
 /// per call, for each SDK; `None` when the Python helper would fail.
 fn sdk_tool_calls(events: &[u8]) -> (Option<Vec<SdkCall>>, Vec<SdkCall>) {
     let (mut python, mut node) = (Some(Vec::<SdkCall>::new()), Vec::<SdkCall>::new());
+    // the Python SDK keeps `None` for arguments no delta carried
+    let mut python_arguments = std::collections::BTreeSet::new();
     for event in crate::sse::parse_all(events).unwrap() {
         let Ok(c) = serde_json::from_str::<Value>(event.data()) else {
             continue;
@@ -2349,6 +2351,9 @@ fn sdk_tool_calls(events: &[u8]) -> (Option<Vec<SdkCall>>, Vec<SdkCall>) {
             if call.get("function").is_none_or(Value::is_null) {
                 python = None;
             }
+            if call["function"]["arguments"].is_string() {
+                python_arguments.insert(i);
+            }
             if let Some(p) = python.as_mut() {
                 if p.len() <= i {
                     p.resize(i + 1, Default::default());
@@ -2367,6 +2372,13 @@ fn sdk_tool_calls(events: &[u8]) -> (Option<Vec<SdkCall>>, Vec<SdkCall>) {
                 node[i].1 = name;
             }
             node[i].2.push_str(&args);
+        }
+    }
+    if let Some(p) = python.as_mut() {
+        for (i, call) in p.iter_mut().enumerate() {
+            if !python_arguments.contains(&i) {
+                call.2 = "None".to_owned();
+            }
         }
     }
     (python, node)
@@ -2433,6 +2445,11 @@ async fn a_tool_calls_head_reads_alike_in_both_sdks() {
         (
             "a call without arguments",
             vec![head("get_time", "")],
+            want("get_time", ""),
+        ),
+        (
+            "a call whose deltas never carry arguments",
+            vec![json!({"index":0,"id":"call_1","type":"function","function":{"name":"get_time"}})],
             want("get_time", ""),
         ),
         (

@@ -10,7 +10,9 @@
 //! - it starts at the claim (an honest node is never held below what it says until it shows
 //!   overload, so a burst to a new node is not slowed);
 //! - **decrease:** an overload signal ([`Overload`]) — a streamed answer that paused after its
-//!   first token longer than a first token may take (its request waited in the node's queue),
+//!   first token longer than a first token may take
+//!   ([`RegistryConfig::overload_pause`](crate::RegistryConfig::overload_pause): its request
+//!   waited in the node's queue),
 //!   an attempt that sent nothing within the
 //!   first-content deadline while the node had other requests in flight (one slow request
 //!   shows no queue), counted only once another node served that request (late on every node
@@ -191,14 +193,14 @@ impl NodeRegistry {
     }
 
     /// A streamed answer of `node` ended well after going `longest` without progress at most
-    /// once its first content came: past [`RegistryConfig::limit_growth_max_ttft`] (when set)
-    /// it waited in the node's queue, an overload signal as a late first token is (a node that
+    /// once its first content came: past [`RegistryConfig::overload_pause`] (when set) it
+    /// waited in the node's queue, an overload signal as a late first token is (a node that
     /// sends every request's first token at once and serves them one at a time is never late).
     /// Not scored: the answer was whole.
     ///
-    /// [`RegistryConfig::limit_growth_max_ttft`]: crate::RegistryConfig::limit_growth_max_ttft
+    /// [`RegistryConfig::overload_pause`]: crate::RegistryConfig::overload_pause
     pub fn record_pause(&self, node: &NodeId, longest: Duration) {
-        let max = self.inner.config.limit_growth_max_ttft;
+        let max = self.inner.config.overload_pause;
         if max.is_zero() || longest <= max {
             return;
         }
