@@ -498,10 +498,11 @@ async fn stop_string_run(last: u32, max_tokens: u32, stream: bool) -> (Value, u6
 /// delivers `, 30, 31, …, 36, `). The gateway billed 0 completion tokens and flagged the honest
 /// node (a `length` finish whose 0 bytes cannot be 30 tokens): any caller could so mark every
 /// node a liar and have its work for nothing. The `length` rule now allows for the longest
-/// stop string held back, and the claim is billed within it.
+/// stop string held back, and the claim is billed within it. (Stop sequences are now at most
+/// 128 bytes: the run uses `", 30, 31, …, 59"`, 120 bytes, which the 30 tokens never pass.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stop_string_held_back_does_not_flag_an_honest_node() {
-    let (rec, discrepancies) = stop_string_run(200, 30, true).await;
+    let (rec, discrepancies) = stop_string_run(60, 30, true).await;
     assert_eq!(rec["claimed"]["completion_tokens"], 30, "{rec}");
     // the tokens it generated are paid: the held-back text was the caller's stop string
     assert_eq!(rec["billed"]["completion_tokens"], 30, "{rec}");
