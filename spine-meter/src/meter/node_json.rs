@@ -150,18 +150,17 @@ pub(crate) struct ChoiceRead {
     pub(crate) rebuilt: bool,
     /// The choice's `logprobs` member, when not null.
     pub(crate) logprobs: Option<Value>,
-    /// Each tool call of a stream chunk's `delta`, in order: its `index`, whether it carries
-    /// what the first delta of a call must (an `id` and `type` `function`), and whether it
-    /// carries a function `name` (llama.cpp may name a call in a later delta, once its parser
-    /// has read the name); the stream's state decides which is a call's first delta.
+    /// What each tool-call delta of a stream chunk's `delta` carries of its call's head, in
+    /// order ([`ToolCallHead`]); the stream's state decides which is a call's first delta and
+    /// how the deltas are rewritten (`bill::tool_call_heads`).
     pub(crate) tool_call_heads: Vec<ToolCallHead>,
 }
 
 impl ChoiceRead {
     /// Applies `edits` to the choice's `delta.tool_calls` and reads its generated text again
     /// from what is left (a name removed is neither delivered nor billed, one given is both).
-    /// Rare: only a call's held name or a node that re-sends a call's head gets here, so the
-    /// choice is parsed again.
+    /// Only tool-call chunks get here (about two per call: the delta whose name is held, the
+    /// one it is given in), so the choice is parsed again rather than edited in place.
     pub(crate) fn edit_tool_calls(&mut self, edits: &ToolCallEdits) {
         let Ok(mut c) = serde_json::from_str::<Value>(&self.raw) else {
             return;

@@ -9,18 +9,17 @@
 //!
 //! - it starts at the claim (an honest node is never held below what it says until it shows
 //!   overload, so a burst to a new node is not slowed);
-//! - **decrease:** an overload signal ([`Overload`]) — a streamed answer that paused after its
-//!   first token longer than a first token may take
-//!   ([`RegistryConfig::overload_pause`](crate::RegistryConfig::overload_pause): its request
-//!   waited in the node's queue),
-//!   an attempt that sent nothing within the
-//!   first-content deadline while the node had other requests in flight (one slow request
-//!   shows no queue), counted only once another node served that request (late on every node
-//!   it tried, the request itself is slow: a caller's long prompt must not shrink honest
-//!   nodes), or a node's `429` / `503` answer — sets it to half of `min(limit, in_flight)`
-//!   (the late request counted in; at least 1), at most once per
-//!   [`RegistryConfig::overload_backoff`]: the requests of one burst time out together, and one
-//!   halving per round trip is TCP's rule too;
+//! - **decrease:** an overload signal ([`Overload`]) sets it to half of `min(limit, in_flight)`
+//!   (at least 1), at most once per [`RegistryConfig::overload_backoff`] (the requests of one
+//!   burst time out together, and one halving per round trip is TCP's rule too). The signals:
+//!   - an attempt that sent nothing within the first-content deadline while the node had other
+//!     requests in flight (one slow request shows no queue), counted only once another node
+//!     served that request (late on every node it tried, the request itself is slow: a caller's
+//!     long prompt must not shrink honest nodes);
+//!   - a streamed answer that paused after its first token longer than a first token may take
+//!     ([`RegistryConfig::overload_pause`]: it waited in the node's queue after a first token
+//!     sent at once);
+//!   - a node's `429` / `503` answer;
 //! - **increase:** a success while the node was using its limit (`in_flight ≥ limit − 1`, TCP's
 //!   "cwnd-limited" rule: room never used proves nothing) adds `1 / limit`, i.e. one slot per
 //!   `limit` such successes in a row, up to the claim; a success whose first token came later
@@ -31,11 +30,12 @@
 //! requests (they wait in the gateway's queue or go to another node). The limit is kept while a
 //! node reconnects, as its score is.
 //!
-//! Known gap: only streamed requests have a first-content deadline; a node that queues
-//! non-streamed requests is slow, never late, and its limit is not lowered (its answers still
-//! arrive).
+//! Known gap: only streamed requests have a first-content deadline and pauses; a node that
+//! queues non-streamed requests is slow, never late, and its limit is not lowered (its answers
+//! still arrive).
 //!
 //! [`RegistryConfig::overload_backoff`]: crate::RegistryConfig::overload_backoff
+//! [`RegistryConfig::overload_pause`]: crate::RegistryConfig::overload_pause
 //! [`RegistryConfig::limit_growth_max_ttft`]: crate::RegistryConfig::limit_growth_max_ttft
 
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -115,7 +115,6 @@ impl ConcurrencyLimit {
         let limit = self.of(claimed);
         let lowered = (limit.min(in_flight) / 2).max(1);
         state.last_decrease = Some(now);
-        state.credit = 0;
         self.limit.store(lowered, Ordering::Release);
         lowered != limit
     }
