@@ -1062,6 +1062,31 @@ fn node_slots(
     )
 }
 
+/// A registry of `config` where a node `liar` claims 256 slots beside `honest` claiming 4, and
+/// a route over `upstream` with a 10 s first-content deadline (and the default 2 retries).
+fn liar_beside_honest<U: UpstreamService>(
+    config: spine_router::RegistryConfig,
+    upstream: U,
+) -> (NodeRegistry, spine_router::Route<U>) {
+    let r = NodeRegistry::with_config(config);
+    r.node_ready(
+        &NodeId::new("liar"),
+        &spine_test_support::node_serving("m", 256),
+    );
+    r.node_ready(
+        &NodeId::new("honest"),
+        &spine_test_support::node_serving("m", 4),
+    );
+    let svc = RouteLayer::new(r.clone())
+        .classify(Arc::new(Words))
+        .config(RouteConfig {
+            first_content_timeout: std::time::Duration::from_secs(10),
+            ..RouteConfig::default()
+        })
+        .layer(upstream);
+    (r, svc)
+}
+
 /// Nodes that each serve `slots` requests at once, one second each (more wait in the node's
 /// own queue, as an engine with fewer slots than it claims does), whatever they claim.
 fn queueing_upstream(slots: &[(&'static str, usize)]) -> impl UpstreamService {
@@ -1086,21 +1111,14 @@ fn queueing_upstream(slots: &[(&'static str, usize)]) -> impl UpstreamService {
 /// rule the limit grew back to 11 and timed out at bursts 12 and 26).
 #[tokio::test(start_paused = true)]
 async fn a_node_that_lies_about_its_concurrency_delays_one_burst_not_the_next() {
-    let r = NodeRegistry::with_config(spine_router::RegistryConfig {
-        limit_growth_max_ttft: std::time::Duration::from_secs(5),
-        ..spine_router::RegistryConfig::default()
-    });
-    let (liar, honest) = (NodeId::new("liar"), NodeId::new("honest"));
-    r.node_ready(&liar, &spine_test_support::node_serving("m", 256));
-    r.node_ready(&honest, &spine_test_support::node_serving("m", 4));
-    let svc = RouteLayer::new(r.clone())
-        .classify(Arc::new(Words))
-        .config(RouteConfig {
-            first_content_timeout: std::time::Duration::from_secs(10),
-            max_retries: 2,
-            ..RouteConfig::default()
-        })
-        .layer(queueing_upstream(&[("liar", 1), ("honest", 4)]));
+    let (r, svc) = liar_beside_honest(
+        spine_router::RegistryConfig {
+            limit_growth_max_ttft: std::time::Duration::from_secs(5),
+            ..spine_router::RegistryConfig::default()
+        },
+        queueing_upstream(&[("liar", 1), ("honest", 4)]),
+    );
+    let liar = NodeId::new("liar");
     let burst = || {
         futures_util::future::join_all((0..20).map(|_| {
             let svc = svc.clone();
@@ -1175,23 +1193,14 @@ fn early_token_upstream(slots: &[(&'static str, usize)]) -> impl UpstreamService
 /// `overload_pause` lowers the node's learned limit, so the next burst waits far less.
 #[tokio::test(start_paused = true)]
 async fn a_node_that_sends_first_tokens_at_once_and_queues_is_held_to_what_it_serves() {
-    let r = NodeRegistry::with_config(spine_router::RegistryConfig {
-        overload_pause: std::time::Duration::from_secs(10),
-        ..spine_router::RegistryConfig::default()
-    });
-    let liar = NodeId::new("liar");
-    r.node_ready(&liar, &spine_test_support::node_serving("m", 256));
-    r.node_ready(
-        &NodeId::new("honest"),
-        &spine_test_support::node_serving("m", 4),
+    let (r, svc) = liar_beside_honest(
+        spine_router::RegistryConfig {
+            overload_pause: std::time::Duration::from_secs(10),
+            ..spine_router::RegistryConfig::default()
+        },
+        early_token_upstream(&[("liar", 1), ("honest", 4)]),
     );
-    let svc = RouteLayer::new(r.clone())
-        .classify(Arc::new(Words))
-        .config(RouteConfig {
-            first_content_timeout: std::time::Duration::from_secs(10),
-            ..RouteConfig::default()
-        })
-        .layer(early_token_upstream(&[("liar", 1), ("honest", 4)]));
+    let liar = NodeId::new("liar");
     let burst = || {
         futures_util::future::join_all((0..16).map(|_| {
             let svc = svc.clone();
