@@ -131,8 +131,13 @@ impl LlamaCppReference {
     /// A reference at `base_url` (`http://host:port`, plain HTTP: a reference runs beside the
     /// gateway), listing `n_probs` top tokens per position (default 40).
     pub fn new(base_url: impl Into<String>) -> Self {
+        // llama-server closes a connection idle for 5 s (cpp-httplib's keep-alive timeout): a
+        // pooled connection that old may be closing as an audit's request goes out, which would
+        // make the audit inconclusive
         let client =
             hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+                .pool_timer(hyper_util::rt::TokioTimer::new())
+                .pool_idle_timeout(std::time::Duration::from_secs(2))
                 .build_http();
         Self {
             base: base_url.into().trim_end_matches('/').to_owned(),
