@@ -653,7 +653,8 @@ async fn text_observations(
 }
 
 /// The node's claimed logprobs against the reference's ([`super::node_logprobs`]): one event
-/// for a missing, misaligned or short list, else one observation per scored position.
+/// for a missing, misaligned or short list, else one observation per scored position (a list
+/// in another vocabulary: both, [`NodeList::Foreign`]).
 async fn node_logprob_observations(
     inner: &Inner,
     vocab: &TokenVocabulary,
@@ -666,6 +667,7 @@ async fn node_logprob_observations(
         counter.fetch_add(1, Ordering::Relaxed);
         Ok(vec![missing_observation()])
     };
+    let mut out = Vec::new();
     let aligned = match judge_node_list(
         vocab,
         node,
@@ -674,6 +676,15 @@ async fn node_logprob_observations(
         config.max_tokens,
     ) {
         NodeList::Aligned(a) => a,
+        NodeList::Foreign { at, by_bytes } => {
+            tracing::info!(request_id = %sample.request_id, node = %sample.node, at = at.0, "node logprobs in another vocabulary: scored by their bytes");
+            inner
+                .counters
+                .node_logprobs_missing
+                .fetch_add(1, Ordering::Relaxed);
+            out.push(missing_observation());
+            by_bytes
+        }
         NodeList::Short {
             covered_bytes,
             delivered_bytes,
@@ -687,29 +698,36 @@ async fn node_logprob_observations(
         }
     };
     if aligned.scored() == 0 {
-        return Ok(Vec::new());
+        return Ok(out);
     }
     let query = ForceQuery {
         model: sample.model.clone(),
         prompt,
         tokens: aligned.tokens,
     };
-    let reference = match tokio::time::timeout(config.timeout, inner.reference.force(&query)).await
-    {
-        Ok(Ok(r)) => r,
-        Ok(Err(e)) => return Err(e.to_string()),
-        Err(_) => return Err(format!("the reference took over {:?}", config.timeout)),
-    };
-    if reference.len() != aligned.logprobs.len() {
-        return Err(format!(
+    let forced = match tokio::time::timeout(config.timeout, inner.reference.force(&query)).await {
+        Ok(Ok(r)) if r.len() == aligned.logprobs.len() => Ok(r),
+        Ok(Ok(r)) => Err(format!(
             "the reference forced {} of {} tokens",
-            reference.len(),
+            r.len(),
             aligned.logprobs.len()
-        ));
-    }
-    Ok(logprob_observations(
+        )),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err(format!("the reference took over {:?}", config.timeout)),
+    };
+    let reference = match forced {
+        Ok(r) => r,
+        // a list in another vocabulary is an event without the reference
+        Err(e) if !out.is_empty() => {
+            tracing::info!(request_id = %sample.request_id, node = %sample.node, error = %e, "reference failed: the foreign list's event only");
+            return Ok(out);
+        }
+        Err(e) => return Err(e),
+    };
+    out.extend(logprob_observations(
         &aligned.logprobs,
         &reference,
         config.score.logprob_event_nats,
-    ))
+    ));
+    Ok(out)
 }

@@ -43,12 +43,15 @@
 //! token-id grammar: the reference feeds it as prompt ([`ForcedToken::split`]); its position is
 //! never scored.
 
-use std::collections::HashMap;
-
 use serde_json::Value;
 
 use super::reference::ForcedToken;
 use super::sprt::Observation;
+
+mod vocab;
+#[cfg(test)]
+use vocab::{gpt2_bytes, spm_bytes};
+pub use vocab::{TokenVocabulary, VocabularyError};
 
 /// The |Δ| recorded for the one event of an audit whose node was asked for logprobs and sent
 /// none, or sent a list that is not its delivered text, nats.
@@ -212,162 +215,6 @@ fn logprob_of(v: Option<&Value>) -> Result<f64, NodeLogprobsError> {
         .filter(|lp| lp.is_finite() && *lp <= 1e-3)
         .ok_or(NodeLogprobsError::Entry)?;
     Ok(lp.min(0.0))
-}
-
-/// Why a vocabulary could not be read.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum VocabularyError {
-    /// The GGUF could not be read.
-    #[cfg(feature = "tokenizer")]
-    #[error("reading the gguf")]
-    Gguf(#[source] crate::gguf::GgufError),
-    /// The GGUF has no `tokenizer.ggml.tokens`.
-    #[error("the gguf lists no tokenizer tokens")]
-    NoTokens,
-    /// `tokenizer.ggml.model` is not one whose token texts this reader decodes.
-    #[error("tokenizer model '{0}' is not supported (gpt2 and llama are)")]
-    Unsupported(String),
-}
-
-/// The reference model's vocabulary by token bytes: maps a node's token to the reference's id.
-///
-/// Only normal, user-defined and byte tokens are kept (control tokens such as the
-/// end-of-generation token are never forced: llama.cpp answers 500 when a grammar holds one);
-/// a byte string two tokens share keeps the lower id.
-#[derive(Clone, Debug, Default)]
-pub struct TokenVocabulary {
-    by_bytes: HashMap<Vec<u8>, u32>,
-    /// Each id's bytes (empty: not kept).
-    by_id: Vec<Vec<u8>>,
-    /// Byte strings two kept tokens share (their id is ambiguous without the node's `id`).
-    shared: std::collections::HashSet<Vec<u8>>,
-    max_token_bytes: usize,
-}
-
-impl TokenVocabulary {
-    /// Reads `tokenizer.ggml.tokens`, `tokenizer.ggml.token_type` and `tokenizer.ggml.model`
-    /// from a GGUF's header.
-    ///
-    /// # Errors
-    ///
-    /// [`VocabularyError`] when the file cannot be read or its tokenizer is not one this reader
-    /// decodes (`gpt2`: byte-level BPE; `llama`: SentencePiece with `▁` and `<0xXX>` byte
-    /// tokens).
-    #[cfg(feature = "tokenizer")]
-    pub fn from_gguf(path: impl AsRef<std::path::Path>) -> Result<Self, VocabularyError> {
-        let meta = crate::gguf::GgufMetadata::open(path).map_err(VocabularyError::Gguf)?;
-        let tokens = meta
-            .get_strings("tokenizer.ggml.tokens")
-            .ok_or(VocabularyError::NoTokens)?;
-        let types = meta.get_ints("tokenizer.ggml.token_type");
-        let model = meta.get_str("tokenizer.ggml.model").unwrap_or("gpt2");
-        Self::from_tokens(model, tokens, types.as_deref())
-    }
-
-    /// A vocabulary from a tokenizer model name (`gpt2` or `llama`), its token texts as the
-    /// GGUF stores them, and their types (GGUF: 1 normal, 3 control, 4 user-defined, 6 byte;
-    /// `None`: all kept).
-    ///
-    /// # Errors
-    ///
-    /// [`VocabularyError::Unsupported`] for another model.
-    pub fn from_tokens(
-        model: &str,
-        tokens: &[String],
-        types: Option<&[i64]>,
-    ) -> Result<Self, VocabularyError> {
-        let decode: fn(&str) -> Option<Vec<u8>> = match model {
-            "gpt2" => gpt2_bytes,
-            "llama" => spm_bytes,
-            other => return Err(VocabularyError::Unsupported(other.to_owned())),
-        };
-        let mut v = Self {
-            by_bytes: HashMap::with_capacity(tokens.len()),
-            by_id: Vec::with_capacity(tokens.len()),
-            ..Self::default()
-        };
-        for (id, text) in tokens.iter().enumerate() {
-            let kept = types
-                .and_then(|t| t.get(id))
-                .is_none_or(|t| matches!(t, 1 | 4 | 6));
-            let Ok(id) = u32::try_from(id) else { break };
-            let bytes = decode(text)
-                .filter(|b| kept && !b.is_empty())
-                .unwrap_or_default();
-            if !bytes.is_empty() {
-                v.max_token_bytes = v.max_token_bytes.max(bytes.len());
-                if v.by_bytes.contains_key(&bytes) {
-                    v.shared.insert(bytes.clone());
-                } else {
-                    v.by_bytes.insert(bytes.clone(), id);
-                }
-            }
-            v.by_id.push(bytes);
-        }
-        Ok(v)
-    }
-
-    /// The bytes of token `id` (`None`: out of range, or not kept: a control token).
-    pub fn bytes(&self, id: u32) -> Option<&[u8]> {
-        self.by_id
-            .get(usize::try_from(id).ok()?)
-            .map(Vec::as_slice)
-            .filter(|b| !b.is_empty())
-    }
-
-    /// The most bytes one kept token spells.
-    pub fn max_token_bytes(&self) -> usize {
-        self.max_token_bytes
-    }
-
-    /// The id of the token whose bytes are `bytes`.
-    pub fn id(&self, bytes: &[u8]) -> Option<u32> {
-        self.by_bytes.get(bytes).copied()
-    }
-
-    /// Tokens kept.
-    pub fn len(&self) -> usize {
-        self.by_bytes.len()
-    }
-
-    /// Whether no token was kept.
-    pub fn is_empty(&self) -> bool {
-        self.by_bytes.is_empty()
-    }
-}
-
-/// GPT-2's byte-level alphabet: the printable bytes stand for themselves, the other 68 bytes
-/// for U+0100 onwards in byte order.
-fn gpt2_bytes(text: &str) -> Option<Vec<u8>> {
-    fn printable(b: u32) -> bool {
-        (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || (0xae..=0xff).contains(&b)
-    }
-    text.chars()
-        .map(|c| {
-            let c = u32::from(c);
-            if printable(c) {
-                return u8::try_from(c).ok();
-            }
-            let n = c.checked_sub(256)?;
-            (0u32..256)
-                .filter(|b| !printable(*b))
-                .nth(usize::try_from(n).ok()?)
-                .and_then(|b| u8::try_from(b).ok())
-        })
-        .collect()
-}
-
-/// SentencePiece: `▁` is a space, `<0xAB>` one byte.
-fn spm_bytes(text: &str) -> Option<Vec<u8>> {
-    if let Some(hex) = text
-        .strip_prefix("<0x")
-        .and_then(|t| t.strip_suffix('>'))
-        .filter(|h| h.len() == 2)
-    {
-        return u8::from_str_radix(hex, 16).ok().map(|b| vec![b]);
-    }
-    Some(text.replace('\u{2581}', " ").into_bytes())
 }
 
 /// The node's tokens mapped to reference ids, with its claims: one entry per token the
@@ -727,6 +574,19 @@ pub enum NodeList {
     },
     /// The tokens to force and the node's claims ([`align`]).
     Aligned(AlignedTokens),
+    /// The list spells the delivered text, but its token ids are not the catalog vocabulary's
+    /// tokens of those bytes: another model's vocabulary (an honest llama.cpp on the catalog's
+    /// GGUF never sends one). One event, counted as missing, **and** the list read again by
+    /// its bytes alone (an entry that is one vocabulary token is scored; any other is split
+    /// by longest match and fed as context), whose positions are scored like an aligned
+    /// list's: the node's claims against the reference's logprobs of the same bytes. Measured (`docs/trust.md`): Gemma 3 270M served as SmolLM2
+    /// reaches `failed` in its first audited reply this way, in four without.
+    Foreign {
+        /// Where the ids stopped reading ([`align`]'s error).
+        at: Misaligned,
+        /// The list read by its bytes (at least one scored position).
+        by_bytes: AlignedTokens,
+    },
 }
 
 /// Judges a node's captured list against its delivered `text` for a request `request_body`
@@ -755,8 +615,69 @@ pub fn judge_node_list(
     }
     match align(vocab, &capture.tokens, text, max_tokens) {
         Ok(a) => NodeList::Aligned(a),
+        // the bytes spell the text (`covered_bytes`), the ids do not read: read the bytes alone
+        Err(at) if capture.tokens.iter().any(|t| t.id.is_some()) => {
+            let by_bytes = align_by_bytes(vocab, &capture.tokens, text, max_tokens);
+            if by_bytes.scored() > 0 {
+                NodeList::Foreign { at, by_bytes }
+            } else {
+                NodeList::Misaligned(at)
+            }
+        }
         Err(e) => NodeList::Misaligned(e),
     }
+}
+
+/// A list in another vocabulary read by its bytes ([`NodeList::Foreign`]): an entry that is
+/// one vocabulary token (spelled by no other) is scored with its claim; any other entry's bytes
+/// are split into vocabulary tokens by longest match and fed as unscored context. This is no
+/// claim about what the node sampled (an honest llama.cpp on the catalog's GGUF never sends
+/// such a list), only a way to put a substitute's claims before the reference. Stops at
+/// `max_tokens`, at the end of `text`, or at bytes no vocabulary token spells.
+fn align_by_bytes(
+    vocab: &TokenVocabulary,
+    tokens: &[NodeToken],
+    text: &[u8],
+    max_tokens: usize,
+) -> AlignedTokens {
+    let mut out = AlignedTokens::default();
+    let mut offset = 0usize;
+    for t in tokens.iter().filter(|t| !t.bytes.is_empty()) {
+        let Meets::Spells(n) = meets(&t.bytes, &text[offset..]) else {
+            break;
+        };
+        // the delivered bytes (an invalid entry arrives as U+FFFD)
+        let piece = &text[offset..offset + n];
+        let entry: Vec<(u32, Option<f64>)> =
+            match vocab.id(piece).filter(|_| !vocab.shared.contains(piece)) {
+                Some(id) => vec![(id, Some(t.logprob))],
+                None => match split_longest(vocab, piece) {
+                    Some(ids) => ids.into_iter().map(|id| (id, None)).collect(),
+                    None => break,
+                },
+            };
+        if out.tokens.len() + entry.len() > max_tokens {
+            break;
+        }
+        for (id, claim) in entry {
+            out.push(vocab, id, claim);
+        }
+        offset += n;
+    }
+    out
+}
+
+/// `bytes` as vocabulary tokens, longest match first; `None` when some byte has none.
+fn split_longest(vocab: &TokenVocabulary, mut bytes: &[u8]) -> Option<Vec<u32>> {
+    let mut ids = Vec::new();
+    while !bytes.is_empty() {
+        let (len, id) = (1..=vocab.max_token_bytes().min(bytes.len()))
+            .rev()
+            .find_map(|l| vocab.id(&bytes[..l]).map(|id| (l, id)))?;
+        ids.push(id);
+        bytes = &bytes[len..];
+    }
+    Some(ids)
 }
 
 /// One observation per position both sides scored: `node` the node's claims (`None`: not

@@ -924,6 +924,58 @@ async fn a_node_that_sends_no_logprobs_or_a_list_that_is_not_its_text_gets_one_e
     assert_eq!(a.counters().inconclusive, 1);
 }
 
+/// A sample of `n` tokens " w0", " w1", … whose node names each with an `id` of another
+/// vocabulary (`1000 + i`) and claims logprob −0.5.
+fn foreign_sample(node: &str, n: usize) -> AuditSample {
+    let text: String = (0..n).map(|i| format!(" w{i}")).collect();
+    let json = serde_json::json!({
+        "content": (0..n)
+            .map(|i| serde_json::json!({"id": 1000 + i, "token": format!(" w{i}"), "logprob": -0.5}))
+            .collect::<Vec<_>>()
+    });
+    let mut capture = NodeLogprobs::new(256);
+    capture.push(Some(&json));
+    AuditSample {
+        node_logprobs: Some(capture),
+        ..sample(node, &text)
+    }
+}
+
+#[tokio::test]
+async fn a_list_in_another_vocabulary_is_one_event_and_is_scored_by_its_bytes() {
+    // the claims agree with the reference: one event (the ids), then 8 clean positions
+    let a = node_logprobs_auditor(-0.5);
+    a.audit_now(foreign_sample("a", 8)).await;
+    let s = &a.statuses_of(&NodeId::new("a"))[0];
+    assert_eq!((s.tokens_audited, s.events), (9, 1));
+    assert_eq!(a.counters().node_logprobs_missing, 1);
+    assert_eq!(a.counters().node_logprobs_audits, 1);
+
+    // claims 3.5 nats off: every position an event as well, failed in the first audit
+    let a = node_logprobs_auditor(-4.0);
+    let v = a.audit_now(foreign_sample("b", 8)).await;
+    assert_eq!(v, Some(AuditVerdict::Failed));
+    let s = &a.statuses_of(&NodeId::new("b"))[0];
+    assert_eq!(s.events, s.tokens_audited);
+    assert!(s.events >= 4, "{s:?}");
+
+    // the same list with the catalog's own ids (0..n) is aligned as is: no event
+    let a = node_logprobs_auditor(-0.5);
+    let mut own = foreign_sample("c", 8);
+    let json = serde_json::json!({
+        "content": (0..8)
+            .map(|i| serde_json::json!({"id": i, "token": format!(" w{i}"), "logprob": -0.5}))
+            .collect::<Vec<_>>()
+    });
+    let mut capture = NodeLogprobs::new(256);
+    capture.push(Some(&json));
+    own.node_logprobs = Some(capture);
+    a.audit_now(own).await;
+    let s = &a.statuses_of(&NodeId::new("c"))[0];
+    assert_eq!((s.tokens_audited, s.events), (8, 0));
+    assert_eq!(a.counters().node_logprobs_missing, 0);
+}
+
 /// A sample whose node lists the first `listed` of `n` words, for a request `body`, captured
 /// with a bound of `bound` entries.
 fn short_sample(

@@ -338,3 +338,56 @@ fn capture_is_bounded_and_records_malformed_lists() {
     assert_eq!(c.error, Some(NodeLogprobsError::Shape));
     assert!(!c.is_usable());
 }
+
+#[test]
+fn a_list_in_another_vocabulary_is_read_by_its_bytes() {
+    let v = vocab();
+    let body = br#"{"messages":[]}"#;
+    let list = |ids: [u64; 3]| {
+        let json = serde_json::json!({"content": [
+            {"id": ids[0], "token": "Hello", "logprob": -0.1},
+            {"id": ids[1], "token": " world", "logprob": -0.2},
+            {"id": ids[2], "token": "!", "logprob": -0.3},
+        ]});
+        let mut c = NodeLogprobs::new(16);
+        c.push(Some(&json));
+        c
+    };
+    // the catalog's own ids: aligned
+    let own = judge_node_list(&v, &list([0, 1, 2]), b"Hello world!", body, 16);
+    assert!(
+        matches!(own, NodeList::Aligned(ref a) if ids(a) == vec![0, 1, 2]),
+        "{own:?}"
+    );
+    // another vocabulary's ids over the same bytes: foreign, the bytes aligned
+    let foreign = judge_node_list(&v, &list([7000, 81, 9]), b"Hello world!", body, 16);
+    let NodeList::Foreign { at, by_bytes } = foreign else {
+        panic!("{foreign:?}")
+    };
+    assert_eq!(at, Misaligned(0));
+    assert_eq!(ids(&by_bytes), vec![0, 1, 2]);
+    assert_eq!(by_bytes.logprobs, vec![Some(-0.1), Some(-0.2), Some(-0.3)]);
+    // an entry that is no single vocabulary token is split by longest match and fed as
+    // context; the entries after it are scored
+    let json = serde_json::json!({"content": [
+        {"id": 7000, "token": "Hello world", "logprob": -0.1},
+        {"id": 7001, "token": "!", "logprob": -0.3},
+    ]});
+    let mut c = NodeLogprobs::new(16);
+    c.push(Some(&json));
+    let NodeList::Foreign { by_bytes, .. } = judge_node_list(&v, &c, b"Hello world!", body, 16)
+    else {
+        panic!()
+    };
+    assert_eq!(ids(&by_bytes), vec![0, 1, 2]);
+    assert_eq!(by_bytes.logprobs, vec![None, None, Some(-0.3)]);
+    // bytes no token spells: nothing scored, misaligned
+    let json = serde_json::json!({"content": [
+        {"id": 7000, "token": "Hxy", "logprob": -0.1},
+        {"id": 7001, "token": "!", "logprob": -0.1},
+    ]});
+    let mut c = NodeLogprobs::new(16);
+    c.push(Some(&json));
+    let judged = judge_node_list(&v, &c, b"Hxy!", body, 16);
+    assert!(matches!(judged, NodeList::Misaligned(_)), "{judged:?}");
+}
