@@ -126,7 +126,8 @@ impl SubstituteRig {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_substitute_model_is_failed_and_unrouted_while_the_honest_node_passes() {
-    let rig = SubstituteRig::start("").await;
+    // the text statistic (node logprobs, the default, are the test below)
+    let rig = SubstituteRig::start("node_logprobs = false\n").await;
     let SubstituteRig {
         gw,
         operator,
@@ -481,12 +482,12 @@ async fn sampled_chat_with(
     text
 }
 
-/// Node logprobs (`[audit] node_logprobs = true`, `docs/trust.md`): on sampled traffic the
-/// Q2_K substitute is `failed` on its own token choices while the honest node is not; callers
-/// never see the logprobs the gateway asked the nodes for, and one who asks gets them.
+/// Node logprobs (`[audit] node_logprobs`, the default; `docs/trust.md`): on sampled traffic
+/// the Q2_K substitute is `failed` on its own token choices while the honest node is not;
+/// callers never see the logprobs the gateway asked the nodes for, and one who asks gets them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn node_logprobs_fail_a_sampled_substitute_and_callers_never_see_them() {
-    let rig = SubstituteRig::start("node_logprobs = true\n").await;
+    let rig = SubstituteRig::start("").await;
     let SubstituteRig {
         gw,
         api_key,

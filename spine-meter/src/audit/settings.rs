@@ -38,8 +38,11 @@ pub struct AuditSettings {
     pub challenge_interval_secs: u64,
     /// Score the audited models on their nodes' own logprobs ([`super::node_logprobs`]): the
     /// gateway asks nodes for them (callers never see logprobs they did not ask for); each
-    /// audited model then needs its `gguf` (the reference vocabulary). Default `false`: the
-    /// delivered text is re-tokenized and scored ([`super::score`]).
+    /// audited model then needs its `gguf` (the reference vocabulary). Default `true` when
+    /// spine-meter has its `tokenizer` feature (the GGUF reader): measured in `docs/trust.md`,
+    /// it fails the substitutes within a few hundred audited tokens where the text statistic
+    /// did not on sampled traffic, and costs a node no measurable CPU. `false`: the delivered
+    /// text is re-tokenized and scored ([`super::score`]).
     pub node_logprobs: bool,
 }
 
@@ -70,7 +73,7 @@ impl Default for AuditSettings {
             timeout_secs: d.timeout.as_secs(),
             challenge_account: None,
             challenge_interval_secs: 600,
-            node_logprobs: false,
+            node_logprobs: cfg!(feature = "tokenizer"),
         }
     }
 }
