@@ -8,7 +8,10 @@
 //!   `SPINE_TRUST_HONEST_TOKENS` (audited tokens per honest run, default 2,000);
 //! - `SPINE_TRUST_SUBSTITUTE_RUNS` (per substitute, default 10) and
 //!   `SPINE_TRUST_SUBSTITUTE_TOKENS` (audited tokens per substitute run, default 300; a run
-//!   goes on past `failed` so that every run's dump has the same length);
+//!   ends at `failed`, or with `SPINE_TRUST_FULL_SUBSTITUTE_RUNS=1` goes on so that every
+//!   run's dump has the same length);
+//! - `SPINE_TRUST_REFERENCE_SLOTS` (default 8): the reference's slots, and how many replies it
+//!   scores at once while the node generates the next ones (the judge takes them in order);
 //! - `SPINE_TRUST_FIRST_RUN` (the first run's index, default 0: runs `first..first + runs`
 //!   have their own prompts and seeds, so several invocations add runs, not repeats);
 //! - `SPINE_TRUST_Q8_GGUF`, `SPINE_TRUST_GEMMA_GGUF` (optional substitutes);
@@ -31,7 +34,7 @@ use std::path::PathBuf;
 use bytes::Bytes;
 use serde_json::{json, Value};
 use spine_core::{AuditVerdict, ModelId, RequestKind};
-use spine_meter::audit::node_logprobs::{logprob_observations, missing_observation};
+use spine_meter::audit::node_logprobs::{logprob_observations, missing_observation, AlignedTokens};
 use spine_meter::audit::{
     auditable, judge_node_list, observations, ForceQuery, LlamaCppReference, NodeList,
     NodeLogprobs, Observation, Reference, ReferenceQuery, ScoreConfig, ScoredToken, Sprt,
@@ -73,6 +76,8 @@ struct NodeSpec {
     temperature: Option<f64>,
     /// Canned text instead of an engine.
     canned: bool,
+    /// Streamed replies (`stream: true`), read as the meter reads them.
+    stream: bool,
 }
 
 fn honest(label: &'static str) -> NodeSpec {
@@ -86,6 +91,7 @@ fn honest(label: &'static str) -> NodeSpec {
         cache_prompt: true,
         temperature: None,
         canned: false,
+        stream: false,
     }
 }
 
@@ -141,6 +147,36 @@ async fn generate(
     // engine-only field: sent to the node, not part of what the audit reads
     let mut sent = body.clone();
     sent["cache_prompt"] = json!(spec.cache_prompt);
+    if spec.stream {
+        sent["stream"] = json!(true);
+        let sse = http
+            .post(format!("{url}/v1/chat/completions"))
+            .json(&sent)
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        // the content deltas in order, and each chunk's logprobs as the meter's capture takes
+        // them (one `push` per chunk)
+        let mut text = String::new();
+        let mut claims = vocab.map(|_| NodeLogprobs::new(256));
+        for data in sse.lines().filter_map(|l| l.strip_prefix("data: ")) {
+            if data == "[DONE]" {
+                break;
+            }
+            let chunk: Value = serde_json::from_str(data).unwrap();
+            let choice = &chunk["choices"][0];
+            if let Some(t) = choice["delta"]["content"].as_str() {
+                text.push_str(t);
+            }
+            if let Some(c) = claims.as_mut() {
+                c.push(choice.get("logprobs"));
+            }
+        }
+        return (bytes, text, claims);
+    }
     let v: Value = http
         .post(format!("{url}/v1/chat/completions"))
         .json(&sent)
@@ -302,6 +338,12 @@ struct RunResult {
     unscored_before_split: u64,
     short_replies: u64,
     missing_replies: u64,
+    /// Node-logprob mode: replies whose list was in another vocabulary ([`NodeList::Foreign`]).
+    foreign_replies: u64,
+    /// Tokens the node delivered in the audited replies (node-logprob mode: its list's
+    /// entries), and that count at the end of the reply that reached `failed`.
+    delivered_tokens: u64,
+    delivered_to_fail: Option<u64>,
 }
 
 /// The auditor's statistic and test over one node-run's replies, in order.
@@ -341,9 +383,11 @@ impl Judge {
         }
     }
 
-    /// One audited reply in node-logprob mode: its observations, `positions` audited tokens.
-    fn reply_obs(&mut self, obs: &[Observation], positions: u64) {
+    /// One audited reply in node-logprob mode: its observations, `positions` audited tokens,
+    /// `delivered` tokens the node delivered.
+    fn reply_obs(&mut self, obs: &[Observation], positions: u64, delivered: u64) {
         self.out.audited_tokens += positions;
+        self.out.delivered_tokens += delivered;
         for o in obs {
             if let Observation::Logprob { delta, .. } = o {
                 self.out.max_delta = self.out.max_delta.max(*delta);
@@ -356,6 +400,7 @@ impl Judge {
         }
         if v == AuditVerdict::Failed && self.out.tokens_to_fail.is_none() {
             self.out.tokens_to_fail = Some(self.out.audited_tokens);
+            self.out.delivered_to_fail = Some(self.out.delivered_tokens);
         }
     }
 
@@ -366,6 +411,38 @@ impl Judge {
         self.out.statistic = self.sprt.llr;
         self.out
     }
+}
+
+/// What the reference's scoring of one reply gives the judge.
+enum Scoring {
+    /// Node-logprob mode: the observations and the dump's per-position claims and reference
+    /// logprobs.
+    Logprobs {
+        obs: Vec<Observation>,
+        node_claims: Vec<Option<f64>>,
+        reference_logprobs: Vec<Option<f64>>,
+        /// The reference's forced positions (for its CPU per position).
+        forced: u64,
+    },
+    /// Text mode: the reference's forced positions over the delivered text.
+    Text(Vec<ScoredToken>),
+}
+
+/// One reply on its way to the judge: its place in the run and the scoring under way.
+struct Pending {
+    body: Bytes,
+    text: String,
+    /// Tokens the node delivered in the reply.
+    delivered: u64,
+    scoring: tokio::task::JoinHandle<Scoring>,
+}
+
+/// The run's settings: how many replies the reference scores at once, whether the run ends at
+/// `failed` (substitutes: the tokens to `failed` are what is measured).
+#[derive(Clone, Copy, Debug)]
+struct RunSettings {
+    scoring_concurrency: usize,
+    stop_at_failed: bool,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -379,8 +456,14 @@ async fn node_run(
     dump: &mut std::fs::File,
     ref_tokens: &mut u64,
     vocab: Option<&TokenVocabulary>,
+    settings: RunSettings,
 ) -> RunResult {
-    let http = reqwest::Client::new();
+    // llama-server closes a connection idle for 5 s (cpp-httplib's keep-alive): never reuse one
+    // that old, the node may be closing it as the next request goes out
+    let http = reqwest::Client::builder()
+        .pool_idle_timeout(std::time::Duration::from_secs(2))
+        .build()
+        .unwrap();
     let server = if spec.canned {
         None
     } else {
@@ -403,8 +486,14 @@ async fn node_run(
     let mut judge = Judge::new(ScoreConfig::default(), SprtConfig::default());
     let mut i = run * 7;
     let mut reply = 0;
-    while judge.out.audited_tokens < token_budget {
-        // `concurrency` replies generated at once (load on the node), audited in order
+    // audited tokens of the replies generated so far, before their scoring is back (node
+    // logprobs: the aligned positions; text: a byte estimate): generation stops at the budget
+    let mut generated = 0u64;
+    let mut pending: std::collections::VecDeque<Pending> = std::collections::VecDeque::new();
+    let done = |judge: &Judge| settings.stop_at_failed && judge.out.tokens_to_fail.is_some();
+    while generated < token_budget && !done(&judge) {
+        // `concurrency` replies generated at once (load on the node), scored while the next
+        // ones are generated, judged in order
         let batch: Vec<(Bytes, String, Option<NodeLogprobs>)> = futures_util::future::join_all(
             (0..spec.concurrency)
                 .map(|k| {
@@ -427,79 +516,145 @@ async fn node_run(
                 continue;
             }
             let req = auditable(RequestKind::ChatCompletions, &body).unwrap();
-            if let (Some(vocab), Some(claims)) = (vocab, claims) {
+            let reference = reference.clone();
+            // tokens delivered: the node's list's entries (node logprobs), else about four
+            // bytes a token
+            let delivered = claims.as_ref().map_or(text.len() / 4, |c| c.tokens.len()) as u64;
+            let scoring = if let (Some(vocab), Some(claims)) = (vocab, claims) {
                 // the auditor's own judgment of the list (`judge_node_list`)
                 let judged = judge_node_list(vocab, &claims, text.as_bytes(), &body, 256);
                 judge.out.replies += 1;
                 let before = positions_before_split(vocab, &claims, text.as_bytes());
                 judge.out.positions_before_split += before;
                 judge.out.unscored_before_split += u64::from(before == 0);
-                let (obs, node_claims, reference_logprobs) = match judged {
-                    NodeList::Aligned(a) if a.scored() == 0 => {
-                        judge.out.unscored_replies += 1;
-                        (Vec::new(), a.logprobs, Vec::new())
-                    }
-                    NodeList::Aligned(a) => {
-                        let query = ForceQuery {
-                            model: ModelId::new("smollm2"),
-                            prompt: req.prompt,
-                            tokens: a.tokens,
-                        };
-                        let r = reference.force(&query).await.unwrap();
-                        *ref_tokens += r.len() as u64;
-                        let obs = logprob_observations(&a.logprobs, &r, 1.0);
-                        if obs.is_empty() {
-                            judge.out.unscored_replies += 1;
-                        }
-                        (obs, a.logprobs, r)
+                // the events without the reference (a list missing, short, or in another
+                // vocabulary) and the positions to force
+                let (lead, aligned) = match judged {
+                    NodeList::Aligned(a) => (None, a),
+                    NodeList::Foreign { by_bytes, .. } => {
+                        judge.out.foreign_replies += 1;
+                        (Some(missing_observation()), by_bytes)
                     }
                     NodeList::Short { .. } => {
                         judge.out.short_replies += 1;
-                        (vec![missing_observation()], Vec::new(), Vec::new())
+                        (Some(missing_observation()), AlignedTokens::default())
                     }
                     _ => {
                         judge.out.missing_replies += 1;
-                        (vec![missing_observation()], Vec::new(), Vec::new())
+                        (Some(missing_observation()), AlignedTokens::default())
                     }
                 };
-                let line = DumpLine {
-                    node_claims,
-                    reference_logprobs,
-                    ..DumpLine::new(role, spec, run, reply, &body, &text)
+                if lead.is_none() && aligned.scored() == 0 {
+                    judge.out.unscored_replies += 1;
+                }
+                // the budget counts what the node delivered when nothing is scored
+                generated += (aligned.scored() as u64).max(delivered * u64::from(lead.is_some()));
+                let query = ForceQuery {
+                    model: ModelId::new("smollm2"),
+                    prompt: req.prompt,
+                    tokens: aligned.tokens,
                 };
-                reply += 1;
-                line.write(dump);
-                judge.reply_obs(&obs, obs.len() as u64);
-                continue;
-            }
-            let query = ReferenceQuery {
-                model: ModelId::new("smollm2"),
-                prompt: req.prompt,
-                completion: text.clone(),
-                max_tokens: 256,
+                tokio::spawn(async move {
+                    let mut obs: Vec<Observation> = lead.into_iter().collect();
+                    let r = if aligned.logprobs.iter().any(Option::is_some) {
+                        reference.force(&query).await.unwrap()
+                    } else {
+                        Vec::new()
+                    };
+                    obs.extend(logprob_observations(&aligned.logprobs, &r, 1.0));
+                    Scoring::Logprobs {
+                        obs,
+                        node_claims: aligned.logprobs,
+                        forced: r.len() as u64,
+                        reference_logprobs: r,
+                    }
+                })
+            } else {
+                generated += delivered;
+                let query = ReferenceQuery {
+                    model: ModelId::new("smollm2"),
+                    prompt: req.prompt,
+                    completion: text.clone(),
+                    max_tokens: 256,
+                };
+                tokio::spawn(async move { Scoring::Text(reference.score(&query).await.unwrap()) })
             };
-            let scored = reference.score(&query).await.unwrap();
-            *ref_tokens += scored.len() as u64;
-            let line = DumpLine {
-                tokens: scored.clone(),
-                ..DumpLine::new(role, spec, run, reply, &body, &text)
-            };
-            reply += 1;
-            line.write(dump);
-            judge.reply(&body, &text, &scored);
+            pending.push_back(Pending {
+                body,
+                text,
+                delivered,
+                scoring,
+            });
         }
+        while pending.len() >= settings.scoring_concurrency.max(1) {
+            let p = pending.pop_front().unwrap();
+            judge_reply(&mut judge, p, role, spec, run, &mut reply, dump, ref_tokens).await;
+        }
+    }
+    while let Some(p) = pending.pop_front() {
+        judge_reply(&mut judge, p, role, spec, run, &mut reply, dump, ref_tokens).await;
     }
     dump.flush().unwrap();
     judge.finish()
+}
+
+/// Waits for `p`'s scoring, writes its dump line and gives it to the judge.
+#[allow(clippy::too_many_arguments)]
+async fn judge_reply(
+    judge: &mut Judge,
+    p: Pending,
+    role: &str,
+    spec: &NodeSpec,
+    run: usize,
+    reply: &mut usize,
+    dump: &mut std::fs::File,
+    ref_tokens: &mut u64,
+) {
+    let line = DumpLine::new(role, spec, run, *reply, &p.body, &p.text);
+    *reply += 1;
+    match p.scoring.await.unwrap() {
+        Scoring::Logprobs {
+            obs,
+            node_claims,
+            reference_logprobs,
+            forced,
+        } => {
+            *ref_tokens += forced;
+            DumpLine {
+                node_claims,
+                reference_logprobs,
+                ..line
+            }
+            .write(dump);
+            judge.reply_obs(&obs, obs.len() as u64, p.delivered);
+        }
+        Scoring::Text(scored) => {
+            *ref_tokens += scored.len() as u64;
+            judge.reply(&p.body, &p.text, &scored);
+            DumpLine {
+                tokens: scored,
+                ..line
+            }
+            .write(dump);
+        }
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "minutes of CPU; run scripts/trust-matrix.sh"]
 async fn trust_matrix() {
     let engine = Engine::discover().unwrap();
-    let reference_server = LlamaServer::start_with_args(&engine, 1, &["-t", "1", "-fa", "on"])
-        .await
-        .unwrap();
+    // the reference scores `reference_slots` replies at once (one batch per decode step: about
+    // 1.7x less CPU per position at 8 than one at a time, measured on this machine)
+    let reference_slots = env_usize("SPINE_TRUST_REFERENCE_SLOTS", 8).max(1);
+    let context = (1024 * reference_slots).to_string();
+    let reference_server = LlamaServer::start_with_args(
+        &engine,
+        u32::try_from(reference_slots).unwrap(),
+        &["-t", "1", "-fa", "on", "-c", &context],
+    )
+    .await
+    .unwrap();
     let reference = LlamaCppReference::new(reference_server.url.clone());
     let ref_pid = reference_server.child.id().unwrap();
     let mut ref_tokens = 0u64;
@@ -516,6 +671,22 @@ async fn trust_matrix() {
         .then(|| TokenVocabulary::from_gguf(&engine.model_gguf).unwrap());
     let vocab = vocab.as_ref();
     println!("node logprobs: {}", vocab.is_some());
+    let honest_settings = RunSettings {
+        scoring_concurrency: reference_slots,
+        stop_at_failed: false,
+    };
+    // a substitute run ends at `failed` unless every run's dump should have the same length
+    // (`SPINE_TRUST_FULL_SUBSTITUTE_RUNS=1`, for replays of one node's joined traffic)
+    let full_substitute_runs = env_usize("SPINE_TRUST_FULL_SUBSTITUTE_RUNS", 0) == 1;
+    let substitute_settings = RunSettings {
+        stop_at_failed: !full_substitute_runs,
+        // a run that ends at `failed` should not generate far past it
+        scoring_concurrency: if full_substitute_runs {
+            reference_slots
+        } else {
+            2
+        },
+    };
 
     let mut honest_specs = vec![
         honest("greedy -t 2 -np 1 fa on"),
@@ -560,6 +731,20 @@ async fn trust_matrix() {
             cache_prompt: false,
             ..honest("seeded T=0.8 -t 1 -np 4 fa on, 4 concurrent, no prompt cache")
         },
+        NodeSpec {
+            threads: "1",
+            flash_attn: "off",
+            stream: true,
+            ..honest("greedy -t 1 -np 1 fa off, streamed")
+        },
+        NodeSpec {
+            temperature: Some(0.9),
+            parallel: 4,
+            concurrency: 4,
+            flash_attn: "off",
+            stream: true,
+            ..honest("seeded T=0.9 -t 2 -np 4 fa off, 4 concurrent, streamed")
+        },
     ];
     if let Ok(only) = std::env::var("SPINE_TRUST_ONLY") {
         honest_specs.retain(|s| s.label.contains(only.as_str()));
@@ -580,6 +765,7 @@ async fn trust_matrix() {
                 &mut dump,
                 &mut ref_tokens,
                 vocab,
+                honest_settings,
             )
             .await;
             honest_total += 1;
@@ -652,6 +838,7 @@ async fn trust_matrix() {
     for spec in &subs {
         let mut caught = 0;
         let mut to_fail = Vec::new();
+        let (mut delivered_within, mut delivered_to_fail) = (0, Vec::new());
         for run in first_run..first_run + sub_runs {
             let r = node_run(
                 &engine,
@@ -663,6 +850,7 @@ async fn trust_matrix() {
                 &mut dump,
                 &mut ref_tokens,
                 vocab,
+                substitute_settings,
             )
             .await;
             if let Some(t) = r.tokens_to_fail {
@@ -670,20 +858,31 @@ async fn trust_matrix() {
                 caught += usize::from(t <= sub_tokens);
                 to_fail.push(t);
             }
+            if let Some(t) = r.delivered_to_fail {
+                delivered_within += usize::from(t <= sub_tokens);
+                delivered_to_fail.push(t);
+            }
             println!(
-                "| substitute: {} | {run} | {} | {} | {} | {:?} | {:?} | {:?} |",
+                "| substitute: {} | {run} | {} | {} | {} | {:?} | {:?} | {:?} | delivered {} tokens, {:?} to failed; replies {}, missing {}, short {}, foreign {} |",
                 spec.label,
                 r.audited_tokens,
                 r.observations,
                 r.events,
                 r.verdict,
                 r.tokens_to_pass,
-                r.tokens_to_fail
+                r.tokens_to_fail,
+                r.delivered_tokens,
+                r.delivered_to_fail,
+                r.replies,
+                r.missing_replies,
+                r.short_replies,
+                r.foreign_replies,
             );
         }
         to_fail.sort_unstable();
+        delivered_to_fail.sort_unstable();
         summary.push(format!(
-            "{}: failed in {caught}/{sub_runs} runs within {sub_tokens} audited tokens, {}/{sub_runs} at all; tokens to failed (sorted): {to_fail:?}",
+            "{}: failed in {caught}/{sub_runs} runs within {sub_tokens} audited tokens, {}/{sub_runs} at all; tokens to failed (sorted): {to_fail:?}; node logprobs: within {sub_tokens} delivered tokens {delivered_within}/{sub_runs}, delivered tokens to failed (sorted): {delivered_to_fail:?}",
             spec.label,
             to_fail.len(),
         ));
