@@ -326,7 +326,7 @@ impl EngineProxy {
             }
         };
         let (mut parts, body) = req.into_parts();
-        // a body read whole here can be sent again (see `stale_connection`)
+        // a body read whole here can be sent again (see `spine_core::closed_before_answer`)
         let mut replay: Option<Bytes> = None;
         let body = if parts.method == Method::GET || parts.method == Method::HEAD {
             // never a body on GET/HEAD: a naive engine could read it as the next request
@@ -360,7 +360,7 @@ impl EngineProxy {
         let in_flight = InFlight::start(&self.activity);
         let mut answer = self.client.request(upstream(body)).await;
         if let (Err(e), Some(bytes)) = (&answer, replay) {
-            if stale_connection(e) {
+            if spine_core::closed_before_answer(e) {
                 // a pooled keep-alive connection the engine closed as the request went out
                 // (llama.cpp closes idle ones after 5 s): the engine never read it; once more
                 // on a fresh connection
@@ -399,21 +399,6 @@ impl EngineProxy {
 /// A body of bytes already read.
 fn full(bytes: Bytes) -> BoxBody {
     Full::new(bytes).map_err(|e| match e {}).boxed_unsync()
-}
-
-/// Whether the engine request failed because its pooled connection was closed under it before
-/// any answer (hyper: "connection closed before message completed", or the request canceled
-/// with its connection): the race between reusing an idle keep-alive connection and the
-/// engine closing it. Nothing was answered, so the request may be sent again.
-fn stale_connection(err: &hyper_util::client::legacy::Error) -> bool {
-    let mut source: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(err);
-    while let Some(e) = source {
-        if let Some(h) = e.downcast_ref::<hyper::Error>() {
-            return h.is_incomplete_message() || h.is_canceled();
-        }
-        source = e.source();
-    }
-    false
 }
 
 impl tower::Service<Request<Incoming>> for EngineProxy {

@@ -42,7 +42,7 @@ pub use peek::{
     SAMPLING_EXTRAS, TOKENIZATION_CONSTRAINT_FIELDS,
 };
 pub use request::{BufferedRequest, RequestContext};
-pub use service::UpstreamService;
+pub use service::{closed_before_answer, UpstreamService};
 pub use slot::{NodeFault, NodeSlot, PromptTokens};
 pub use time::unix_time_ms;
 pub use trust::{AuditVerdict, ModelTrust};

@@ -72,3 +72,20 @@ macro_rules! inner_service_accessors {
         }
     };
 }
+
+/// Whether a client request failed because its connection closed before any answer: hyper's
+/// "connection closed before message completed" (`is_incomplete_message`) or the request
+/// canceled with its connection (`is_canceled`), anywhere in `err`'s source chain. This is the
+/// race between reusing an idle keep-alive connection and the server closing it (llama.cpp's
+/// HTTP server closes one idle for 5 s, and measured in `docs/trust.md`, sometimes one a stream
+/// just ended on); nothing was answered, so the request may be sent again.
+pub fn closed_before_answer(err: &(dyn std::error::Error + 'static)) -> bool {
+    let mut next = Some(err);
+    while let Some(e) = next {
+        if let Some(h) = e.downcast_ref::<hyper::Error>() {
+            return h.is_incomplete_message() || h.is_canceled();
+        }
+        next = e.source();
+    }
+    false
+}

@@ -158,17 +158,21 @@ impl LlamaCppReference {
         body: serde_json::Value,
     ) -> Result<serde_json::Value, ReferenceError> {
         use http_body_util::BodyExt;
-        let req = http::Request::post(format!("{}{path}", self.base))
-            .header(http::header::CONTENT_TYPE, "application/json")
-            .body(http_body_util::Full::new(bytes::Bytes::from(
-                body.to_string(),
-            )))
-            .map_err(|e| ReferenceError::Unavailable(e.to_string()))?;
-        let resp = self
-            .client
-            .request(req)
-            .await
-            .map_err(|e| ReferenceError::Unavailable(format!("{path}: {e}")))?;
+        let body = bytes::Bytes::from(body.to_string());
+        let mut resent = false;
+        let resp = loop {
+            let req = http::Request::post(format!("{}{path}", self.base))
+                .header(http::header::CONTENT_TYPE, "application/json")
+                .body(http_body_util::Full::new(body.clone()))
+                .map_err(|e| ReferenceError::Unavailable(e.to_string()))?;
+            match self.client.request(req).await {
+                Ok(resp) => break resp,
+                // the connection closed under the request before any answer (the server closing
+                // a keep-alive connection as it went out): scoring is idempotent, send it once more
+                Err(e) if !resent && spine_core::closed_before_answer(&e) => resent = true,
+                Err(e) => return Err(ReferenceError::Unavailable(format!("{path}: {e}"))),
+            }
+        };
         let status = resp.status();
         let body = http_body_util::Limited::new(resp.into_body(), Self::MAX_ANSWER_BYTES)
             .collect()
