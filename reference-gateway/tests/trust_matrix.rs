@@ -111,6 +111,28 @@ fn cpu_ticks(pid: u32) -> u64 {
         + f.get(12).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0)
 }
 
+/// Posts a chat to the node, sent again (at most twice) when the connection failed before any
+/// answer: llama-server may close a keep-alive connection as the next request goes out (the
+/// agent resends in the same case, `spine_core::closed_before_answer`).
+async fn send(http: &reqwest::Client, url: &str, body: &Value) -> reqwest::Response {
+    let mut tries = 0;
+    loop {
+        match http
+            .post(format!("{url}/v1/chat/completions"))
+            .json(body)
+            .send()
+            .await
+        {
+            Ok(r) => return r,
+            Err(e) if tries < 2 => {
+                eprintln!("resending after: {e:?}");
+                tries += 1;
+            }
+            Err(e) => panic!("{e:?}"),
+        }
+    }
+}
+
 /// One generated reply: the request body as the node got it, and the text.
 async fn generate(
     http: &reqwest::Client,
@@ -149,15 +171,7 @@ async fn generate(
     sent["cache_prompt"] = json!(spec.cache_prompt);
     if spec.stream {
         sent["stream"] = json!(true);
-        let sse = http
-            .post(format!("{url}/v1/chat/completions"))
-            .json(&sent)
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let sse = send(http, url, &sent).await.text().await.unwrap();
         // the content deltas in order, and each chunk's logprobs as the meter's capture takes
         // them (one `push` per chunk)
         let mut text = String::new();
@@ -177,15 +191,7 @@ async fn generate(
         }
         return (bytes, text, claims);
     }
-    let v: Value = http
-        .post(format!("{url}/v1/chat/completions"))
-        .json(&sent)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let v: Value = send(http, url, &sent).await.json().await.unwrap();
     let text = v["choices"][0]["message"]["content"]
         .as_str()
         .unwrap_or_default()

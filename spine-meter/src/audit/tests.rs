@@ -865,10 +865,21 @@ fn node_logprobs_auditor(reference_logprob: f64) -> Auditor {
 
 /// A sample of `n` tokens " w0", " w1", … whose node claims logprob −0.5 for each.
 fn logprob_sample(node: &str, n: usize) -> AuditSample {
+    listed_sample(node, n, |_| None)
+}
+
+/// As [`logprob_sample`], the node naming token `i` with the id `id(i)` (`None`: no `id`).
+fn listed_sample(node: &str, n: usize, id: impl Fn(usize) -> Option<usize>) -> AuditSample {
     let text: String = (0..n).map(|i| format!(" w{i}")).collect();
     let json = serde_json::json!({
         "content": (0..n)
-            .map(|i| serde_json::json!({"token": format!(" w{i}"), "logprob": -0.5}))
+            .map(|i| {
+                let mut entry = serde_json::json!({"token": format!(" w{i}"), "logprob": -0.5});
+                if let Some(id) = id(i) {
+                    entry["id"] = serde_json::json!(id);
+                }
+                entry
+            })
             .collect::<Vec<_>>()
     });
     let mut capture = NodeLogprobs::new(256);
@@ -927,18 +938,7 @@ async fn a_node_that_sends_no_logprobs_or_a_list_that_is_not_its_text_gets_one_e
 /// A sample of `n` tokens " w0", " w1", … whose node names each with an `id` of another
 /// vocabulary (`1000 + i`) and claims logprob −0.5.
 fn foreign_sample(node: &str, n: usize) -> AuditSample {
-    let text: String = (0..n).map(|i| format!(" w{i}")).collect();
-    let json = serde_json::json!({
-        "content": (0..n)
-            .map(|i| serde_json::json!({"id": 1000 + i, "token": format!(" w{i}"), "logprob": -0.5}))
-            .collect::<Vec<_>>()
-    });
-    let mut capture = NodeLogprobs::new(256);
-    capture.push(Some(&json));
-    AuditSample {
-        node_logprobs: Some(capture),
-        ..sample(node, &text)
-    }
+    listed_sample(node, n, |i| Some(1000 + i))
 }
 
 #[tokio::test]
@@ -961,16 +961,7 @@ async fn a_list_in_another_vocabulary_is_one_event_and_is_scored_by_its_bytes() 
 
     // the same list with the catalog's own ids (0..n) is aligned as is: no event
     let a = node_logprobs_auditor(-0.5);
-    let mut own = foreign_sample("c", 8);
-    let json = serde_json::json!({
-        "content": (0..8)
-            .map(|i| serde_json::json!({"id": i, "token": format!(" w{i}"), "logprob": -0.5}))
-            .collect::<Vec<_>>()
-    });
-    let mut capture = NodeLogprobs::new(256);
-    capture.push(Some(&json));
-    own.node_logprobs = Some(capture);
-    a.audit_now(own).await;
+    a.audit_now(listed_sample("c", 8, Some)).await;
     let s = &a.statuses_of(&NodeId::new("c"))[0];
     assert_eq!((s.tokens_audited, s.events), (8, 0));
     assert_eq!(a.counters().node_logprobs_missing, 0);
