@@ -196,7 +196,8 @@ pub trait TokenCounter: fmt::Debug + Send + Sync {
     /// How many token ids the model's vocabulary has (ids `0..vocab_size`), when the counter
     /// knows: a `logit_bias` on an id past it is refused (400), as OpenAI refuses one, where
     /// llama.cpp would ignore it and the meter, reading it as a token it cannot spell, would
-    /// bill the node's claim within the loosest bound. The default knows none.
+    /// bill the node's claim within the loosest bound. The default knows none. Asked once per
+    /// request that has a `logit_bias`: keep it a stored number, not a computation.
     fn vocab_size(&self) -> Option<u64> {
         None
     }

@@ -198,11 +198,12 @@ pub(super) const UNKNOWN_TOKEN_BIAS: &str = "token ids of the model's vocabulary
 /// [`TokenCounter::vocab_size`] (when it knows one). Only for a `logit_bias` that
 /// [`logit_bias_unreadable`] accepts.
 pub(super) fn biases_unknown_token(json: &serde_json::Value, counter: &dyn TokenCounter) -> bool {
-    let Some(size) = counter.vocab_size() else {
-        return false;
-    };
     logit_biases(json).is_some_and(|biases| {
-        biases.is_ok_and(|biases| biases.iter().any(|(id, _)| u64::from(*id) >= size))
+        biases.is_ok_and(|biases| {
+            counter
+                .vocab_size()
+                .is_some_and(|size| biases.iter().any(|(id, _)| u64::from(*id) >= size))
+        })
     })
 }
 

@@ -41,6 +41,9 @@ pub struct ModelTokenizer {
     /// The longest token of the vocabulary, UTF-8 bytes of its vocabulary string (for a
     /// byte-level vocabulary an upper bound of the bytes it decodes to), at least 1.
     max_token_bytes: u64,
+    /// Token ids of the vocabulary, added tokens included (read once: `tokenizers`'
+    /// `get_vocab_size` builds the whole vocabulary map at each call).
+    vocab_size: u64,
     /// The counting fast path, for tokenizers built from a GGUF (whose pipeline it reproduces).
     pub(super) fast: Option<FastCounter>,
 }
@@ -203,6 +206,7 @@ impl ModelTokenizer {
             .max()
             .unwrap_or(1)
             .max(1);
+        let vocab_size = tokenizer.get_vocab_size(true) as u64;
         Ok(Self {
             tokenizer,
             plain,
@@ -212,6 +216,7 @@ impl ModelTokenizer {
             context_length_tokens,
             embedding_length: None,
             max_token_bytes,
+            vocab_size,
             fast: None,
         })
     }
@@ -501,7 +506,7 @@ impl TokenCounter for ModelTokenizer {
     }
 
     fn vocab_size(&self) -> Option<u64> {
-        Some(self.tokenizer.get_vocab_size(true) as u64)
+        Some(self.vocab_size)
     }
 
     fn token_text(&self, id: u32) -> Option<String> {
