@@ -25,3 +25,7 @@ if [[ -n "${BENCH_OPEN_RATE:-}" ]]; then
 taskset -c "$HARNESS_CPU" "$BIN/spine-load" run --name spine --scenario non_streamed --url "$PUBLIC/v1/chat/completions" \
   --api-key "$SPINE_KEY" --cpu-pid "$GATEWAY_PID" --cpu-pid "$AGENT_PID" --rate "$BENCH_OPEN_RATE" --duration-secs 5 --warmup-secs 1 --max-tokens 16 --max-in-flight 512
 fi
+# the ledger's group commits since the start (warm-up included: writes per commit), and the
+# bytes the gateway wrote through write(2)-like calls (WAL frames and sockets, /proc/<pid>/io)
+admin GET /metrics | grep -E '^spine_ledger_(commits|committed_writes)_total' || true
+grep -E '^(wchar|syscw)' "/proc/$GATEWAY_PID/io" || true

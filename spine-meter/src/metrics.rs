@@ -9,6 +9,8 @@
 //! | `spine_usage_discrepancies_total` | `node` | node claims beyond the tolerance (design brief §6) |
 //! | `spine_settlement_errors_total` | | failed settlement attempts (each is retried) |
 //! | `spine_ttft_seconds` | `route` | time to first byte of a 2xx body (streamed: the first event) |
+//! | `spine_ledger_commits_total` | | the SQLite file store's group commits (each one `COMMIT` of a batch of writes) |
+//! | `spine_ledger_committed_writes_total` | | write transactions committed by them (÷ commits = writes per batch) |
 //! | `spine_audit_verdict` | `node`, `model`, `verdict` | gauge: 1 for the (node, model)'s current verdict, 0 for the others (design brief §10) |
 //! | `spine_audit_tokens` | `node`, `model` | gauge: completion tokens audited |
 //! | `spine_audit_statistic` | `node`, `model` | gauge: the test statistic Λ (fails at `spine_audit_fail_threshold`) |
@@ -38,6 +40,11 @@ pub const BILLED_COMPLETION: &str = "spine_billed_completion_tokens_total";
 pub const DISCREPANCIES: &str = "spine_usage_discrepancies_total";
 /// `spine_settlement_errors_total`.
 pub const SETTLE_ERRORS: &str = "spine_settlement_errors_total";
+/// `spine_ledger_commits_total`: the SQLite file store's group commits.
+pub const LEDGER_COMMITS: &str = "spine_ledger_commits_total";
+/// `spine_ledger_committed_writes_total`: write transactions committed by
+/// [`LEDGER_COMMITS`].
+pub const LEDGER_COMMITTED_WRITES: &str = "spine_ledger_committed_writes_total";
 /// `spine_ttft_seconds{route}` (a histogram).
 pub const TTFT: &str = "spine_ttft_seconds";
 /// Buckets of [`TTFT`], seconds.

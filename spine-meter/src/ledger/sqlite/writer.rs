@@ -136,7 +136,7 @@ impl Writer {
         conn.busy_timeout(busy_timeout).map_err(to_ledger)?;
         conn.execute_batch(&format!(
             "PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL; PRAGMA foreign_keys = ON;
-             PRAGMA wal_autocheckpoint = {autocheckpoint_pages};"
+             PRAGMA wal_autocheckpoint = {autocheckpoint_pages}; PRAGMA temp_store = MEMORY;"
         ))
         .map_err(to_ledger)?;
         conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
@@ -307,6 +307,12 @@ impl WriterConn {
             Some(c) => match c.prepare_cached("COMMIT").and_then(|mut s| s.raw_execute()) {
                 Ok(_) => {
                     inner.commits += 1;
+                    #[cfg(feature = "metrics")]
+                    {
+                        metrics::counter!(crate::metrics::LEDGER_COMMITS).increment(1);
+                        metrics::counter!(crate::metrics::LEDGER_COMMITTED_WRITES)
+                            .increment(open.released as u64);
+                    }
                     Ok(())
                 }
                 Err(e) => {
