@@ -78,9 +78,26 @@ pub fn new_id(prefix: &str) -> String {
     format!("{prefix}_{}", hex::encode(random_bytes::<12>()))
 }
 
-/// A fresh request id (`req_` and 24 hex digits).
+/// A fresh request id: `req_` and 24 hex digits, the first 12 the milliseconds since the Unix
+/// epoch (48 bits, big-endian, as in a UUIDv7, RFC 9562 §5.7) and the last 12 random (48 bits).
+///
+/// Time first, so that ids sort by creation and the ledger's indexes keyed by request id (the
+/// holds', the request records', the ledger entries' `ref`) grow at their right edge: a batch of
+/// settlements then changes a few shared pages of each index instead of one random page per
+/// settlement (SQLite appends every changed page to its WAL at each commit; issue 17,
+/// `docs/benchmarks.md`). A request id is a name, not a secret (the caller and the node see
+/// it); two ids collide only when made in the same millisecond with the same 48 random bits.
 pub fn new_request_id() -> RequestId {
-    RequestId::new(new_id("req"))
+    let ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis());
+    // the low 48 bits: good until the year 10889
+    let ms = (ms as u64 & 0xffff_ffff_ffff).to_be_bytes();
+    let random = random_bytes::<6>();
+    let mut id = [0u8; 12];
+    id[..6].copy_from_slice(&ms[2..]);
+    id[6..].copy_from_slice(&random);
+    RequestId::new(format!("req_{}", hex::encode(id)))
 }
 
 /// Most keys [`KeyCache`] remembers; when full it starts over (it is only a shortcut).

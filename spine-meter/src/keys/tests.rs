@@ -104,3 +104,30 @@ async fn a_key_revoked_during_its_lookup_is_not_remembered() -> Result<(), crate
     assert_eq!(cache.get("h3"), None);
     Ok(())
 }
+
+#[test]
+fn request_ids_start_with_their_millisecond_and_sort_by_creation() {
+    let before_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    let a = new_request_id();
+    std::thread::sleep(std::time::Duration::from_millis(2));
+    let b = new_request_id();
+    for id in [&a, &b] {
+        assert!(valid_id(id.as_str()), "{id}");
+        assert_eq!(id.as_str().len(), "req_".len() + 24);
+    }
+    let ms_of = |id: &RequestId| u64::from_str_radix(&id.as_str()[4..16], 16).unwrap();
+    assert!(
+        ms_of(&a) >= before_ms && ms_of(&a) <= before_ms + 60_000,
+        "{a}"
+    );
+    assert!(ms_of(&b) > ms_of(&a));
+    assert!(b.as_str() > a.as_str(), "{a} {b}");
+    // the random half differs between ids of the same millisecond
+    let same_ms: std::collections::HashSet<String> = (0..1_000)
+        .map(|_| new_request_id().as_str().to_owned())
+        .collect();
+    assert_eq!(same_ms.len(), 1_000);
+}
