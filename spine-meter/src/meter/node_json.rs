@@ -10,6 +10,7 @@ use spine_core::{JsonKey as Key, RequestKind, Usage};
 
 use crate::tokenizer::GeneratedText;
 
+mod plain;
 mod unique;
 use unique::unique_value;
 
@@ -548,69 +549,7 @@ pub(crate) fn read_choices(
         .into_iter()
         .enumerate()
         .map(|(pos, item)| {
-            let mut c = unique_value(item.get())?;
-            if !c.is_object() {
-                return Err("a choice is not an object");
-            }
-            let present = |k: &str| c.get(k).is_some_and(|v| !v.is_null());
-            for other in [TextMember::Text, TextMember::Delta, TextMember::Message] {
-                if other != member && present(other.name()) {
-                    return Err(member.misplaced(other));
-                }
-            }
-            check_text_types(&c)?;
-            let indexed = c.get("index").is_some_and(|v| !v.is_null());
-            let index = match c.get("index") {
-                None | Some(Value::Null) => pos as u64,
-                Some(v) => v.as_u64().ok_or_else(|| index_error(v))?,
-            };
-            // reasoning in both members must be the same text (vLLM sent both while it moved
-            // from one to the other): otherwise one of them is text the caller's client does
-            // not show, counted or not
-            for part in ["delta", "message"] {
-                let reasoning =
-                    |k: &str| c.get(part).and_then(|p| p.get(k)).and_then(Value::as_str);
-                if let (Some(a), Some(b)) = (reasoning("reasoning_content"), reasoning("reasoning"))
-                {
-                    if a != b {
-                        return Err("a choice carries two different reasoning texts");
-                    }
-                }
-            }
-            let mut generated = GeneratedText::new();
-            match (member, c.get(member.name())) {
-                (TextMember::Text, Some(Value::String(t))) => generated.push_content(t),
-                (TextMember::Delta | TextMember::Message, Some(part)) if part.is_object() => {
-                    generated.push_message_json(part);
-                }
-                _ => {}
-            }
-            let finish_reason = c
-                .get("finish_reason")
-                .and_then(Value::as_str)
-                .map(str::to_owned);
-            let logprobs = c.get("logprobs").filter(|l| !l.is_null()).cloned();
-            if !indexed {
-                // forwarded (a complete answer): the caller's SDK reads `index`
-                c["index"] = Value::from(index);
-            }
-            let mut tool_call_heads = Vec::new();
-            let rebuilt = openai_choice(&mut c, member, &mut tool_call_heads)? || !indexed;
-            let raw = if rebuilt {
-                c.to_string()
-            } else {
-                item.get().to_owned()
-            };
-            Ok(ChoiceRead {
-                index,
-                indexed,
-                generated,
-                finish_reason,
-                raw,
-                rebuilt,
-                logprobs,
-                tool_call_heads,
-            })
+            plain::read_plain(item.get(), member).map_or_else(|| read_choice(pos, item, member), Ok)
         })
         .collect::<Result<_, _>>()?;
     // one index twice in one array: an SDK reads `choices[i]` for choice `i` (or the first
@@ -624,6 +563,76 @@ pub(crate) fn read_choices(
         }
     }
     Ok(read)
+}
+
+/// One choice of `choices` at position `pos`, read the general way (every form and every
+/// error; [`read_choices`] tries the plain streamed form first, `plain::read_plain`).
+fn read_choice(
+    pos: usize,
+    item: &RawValue,
+    member: TextMember,
+) -> Result<ChoiceRead, &'static str> {
+    let mut c = unique_value(item.get())?;
+    if !c.is_object() {
+        return Err("a choice is not an object");
+    }
+    let present = |k: &str| c.get(k).is_some_and(|v| !v.is_null());
+    for other in [TextMember::Text, TextMember::Delta, TextMember::Message] {
+        if other != member && present(other.name()) {
+            return Err(member.misplaced(other));
+        }
+    }
+    check_text_types(&c)?;
+    let indexed = c.get("index").is_some_and(|v| !v.is_null());
+    let index = match c.get("index") {
+        None | Some(Value::Null) => pos as u64,
+        Some(v) => v.as_u64().ok_or_else(|| index_error(v))?,
+    };
+    // reasoning in both members must be the same text (vLLM sent both while it moved
+    // from one to the other): otherwise one of them is text the caller's client does
+    // not show, counted or not
+    for part in ["delta", "message"] {
+        let reasoning = |k: &str| c.get(part).and_then(|p| p.get(k)).and_then(Value::as_str);
+        if let (Some(a), Some(b)) = (reasoning("reasoning_content"), reasoning("reasoning")) {
+            if a != b {
+                return Err("a choice carries two different reasoning texts");
+            }
+        }
+    }
+    let mut generated = GeneratedText::new();
+    match (member, c.get(member.name())) {
+        (TextMember::Text, Some(Value::String(t))) => generated.push_content(t),
+        (TextMember::Delta | TextMember::Message, Some(part)) if part.is_object() => {
+            generated.push_message_json(part);
+        }
+        _ => {}
+    }
+    let finish_reason = c
+        .get("finish_reason")
+        .and_then(Value::as_str)
+        .map(str::to_owned);
+    let logprobs = c.get("logprobs").filter(|l| !l.is_null()).cloned();
+    if !indexed {
+        // forwarded (a complete answer): the caller's SDK reads `index`
+        c["index"] = Value::from(index);
+    }
+    let mut tool_call_heads = Vec::new();
+    let rebuilt = openai_choice(&mut c, member, &mut tool_call_heads)? || !indexed;
+    let raw = if rebuilt {
+        c.to_string()
+    } else {
+        item.get().to_owned()
+    };
+    Ok(ChoiceRead {
+        index,
+        indexed,
+        generated,
+        finish_reason,
+        raw,
+        rebuilt,
+        logprobs,
+        tool_call_heads,
+    })
 }
 
 /// Why `v`, a choice's `index` that is not a `u64`, is refused: an integer out of range

@@ -250,3 +250,180 @@ fn only_the_member_the_callers_sdk_reads_is_counted() {
         TextMember::Message
     );
 }
+
+/// Reads `choice` both ways and checks that the plain path, when it answers, answers as the
+/// general path does; returns whether it answered.
+fn plain_agrees_with_general(choice: &str) -> bool {
+    let Some(plain) = plain::read_plain(choice, TextMember::Delta) else {
+        return false;
+    };
+    let raw: Box<RawValue> = serde_json::from_str(choice).unwrap();
+    let general = read_choice(0, &raw, TextMember::Delta).unwrap_or_else(|e| {
+        panic!("the plain path took {choice} which the general path refuses: {e}")
+    });
+    assert_eq!(plain.index, general.index, "{choice}");
+    assert_eq!(plain.indexed, general.indexed, "{choice}");
+    assert_eq!(plain.generated, general.generated, "{choice}");
+    assert_eq!(plain.finish_reason, general.finish_reason, "{choice}");
+    assert_eq!(plain.raw, general.raw, "{choice}");
+    assert_eq!(plain.rebuilt, general.rebuilt, "{choice}");
+    assert_eq!(plain.logprobs, general.logprobs, "{choice}");
+    assert_eq!(plain.tool_call_heads, general.tool_call_heads, "{choice}");
+    true
+}
+
+#[test]
+fn every_streamed_choice_of_the_llama_cpp_captures_takes_the_plain_path() {
+    let mut choices = 0;
+    for entry in std::fs::read_dir(crate::test_support::fixtures_dir().join("llama.cpp")).unwrap() {
+        let text = std::fs::read_to_string(entry.unwrap().path()).unwrap();
+        for data in text.lines().filter_map(|l| l.strip_prefix("data: ")) {
+            let Ok(chunk) = serde_json::from_str::<Value>(data) else {
+                continue;
+            };
+            if chunk["object"] != "chat.completion.chunk" {
+                continue;
+            }
+            for choice in chunk["choices"].as_array().unwrap() {
+                let choice = choice.to_string();
+                assert!(plain_agrees_with_general(&choice), "{choice}");
+                choices += 1;
+            }
+        }
+    }
+    assert!(choices >= 30, "{choices} streamed choices in the captures");
+}
+
+#[test]
+fn choices_off_the_plain_form_are_left_to_the_general_path() {
+    for choice in [
+        r#"{"index":0,"delta":{"content":"a"},"extra":1}"#,
+        r#"{"index":0,"delta":{"content":"a","content":"b"}}"#,
+        r#"{"index":0,"index":1,"delta":{}}"#,
+        r#"{"delta":{"content":"a"}}"#,
+        r#"{"index":null,"delta":{"content":"a"}}"#,
+        r#"{"index":-1,"delta":{}}"#,
+        r#"{"index":1.0,"delta":{}}"#,
+        r#"{"index":0,"delta":{"role":"user","content":"a"}}"#,
+        r#"{"index":0,"delta":{"content":"a"},"finish_reason":"done"}"#,
+        r#"{"index":0,"delta":{"content":"a"},"logprobs":{"content":[]}}"#,
+        r#"{"index":0,"delta":{"reasoning_content":"a"}}"#,
+        r#"{"index":0,"delta":{"tool_calls":[]}}"#,
+        r#"{"index":0,"delta":null}"#,
+        r#"{"index":0,"delta":{"content":1}}"#,
+        r#"{"index":0,"text":"a","delta":{}}"#,
+    ] {
+        assert!(
+            plain::read_plain(choice, TextMember::Delta).is_none(),
+            "{choice}"
+        );
+    }
+    // escaped names and strings are the same members and text
+    assert!(plain_agrees_with_general(
+        r#"{"\u0069ndex":2,"delta":{"role":"assist\u0061nt","content":"a\nb\u00e9\ud83d\ude00"},"finish_reason":"st\u006fp","logprobs":null}"#
+    ));
+    assert!(plain::read_plain(
+        r#"{"index":0,"delta":{"content":"a"}}"#,
+        TextMember::Message
+    )
+    .is_none());
+}
+
+/// Pieces the differential property builds choices from: every member the general path
+/// reads, values of every type, names written with escapes, and members named twice.
+fn choice_member() -> impl proptest::strategy::Strategy<Value = String> {
+    use proptest::prelude::*;
+    let name = prop::sample::select(vec![
+        "index",
+        "delta",
+        "finish_reason",
+        "logprobs",
+        "text",
+        "message",
+        "extra",
+        r"\u0069ndex",
+    ]);
+    let delta_name = prop::sample::select(vec![
+        "role",
+        "content",
+        "refusal",
+        "tool_calls",
+        "reasoning_content",
+        "reasoning",
+        "x",
+        r"c\u006fntent",
+    ]);
+    let scalar = prop::sample::select(vec![
+        "0",
+        "3",
+        "-1",
+        "1.0",
+        "1e0",
+        "null",
+        "true",
+        r#""0""#,
+        "18446744073709551615",
+        "18446744073709551616",
+        r#""assistant""#,
+        r#""user""#,
+        r#""stop""#,
+        r#""length""#,
+        r#""done""#,
+        r#""hi""#,
+        r#""a\nb\u00e9""#,
+        "[]",
+        "{}",
+        r#"{"content":[]}"#,
+    ]);
+    let delta = prop::collection::vec((delta_name, scalar.clone()), 0..4).prop_map(|members| {
+        let body: Vec<String> = members
+            .iter()
+            .map(|(k, v)| format!(r#""{k}":{v}"#))
+            .collect();
+        format!("{{{}}}", body.join(","))
+    });
+    let value = prop_oneof![scalar.prop_map(str::to_owned), delta];
+    (name, value).prop_map(|(k, v)| format!(r#""{k}":{v}"#))
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(4096))]
+    #[test]
+    fn plain_reads_as_the_general_path(
+        index in proptest::sample::select(vec!["0", "1", "3", "255", "18446744073709551615"]),
+        role in proptest::option::of(proptest::sample::select(vec![r#""assistant""#, "null"])),
+        content in proptest::option::of(proptest::sample::select(vec![
+            r#""x""#, r#""""#, "null", r#""a\nb\u00e9\ud83d\ude00""#, r#"" the""#,
+        ])),
+        finish in proptest::option::of(proptest::sample::select(vec![
+            "null", r#""stop""#, r#""length""#, r#""tool_calls""#,
+        ])),
+        logprobs_null in proptest::bool::ANY,
+        extra in proptest::collection::vec(choice_member(), 0..3),
+        extra_count in 0usize..4,
+    ) {
+        // a plain choice (the path's own form, all of it varied), then up to two members of
+        // anything: the plain path must answer as the general path or leave it alone
+        let mut delta = Vec::new();
+        if let Some(r) = role {
+            delta.push(format!(r#""role":{r}"#));
+        }
+        if let Some(c) = content {
+            delta.push(format!(r#""content":{c}"#));
+        }
+        let mut all = vec![format!(r#""index":{index}"#), format!(r#""delta":{{{}}}"#, delta.join(","))];
+        if let Some(f) = finish {
+            all.push(format!(r#""finish_reason":{f}"#));
+        }
+        if logprobs_null {
+            all.push(r#""logprobs":null"#.to_owned());
+        }
+        all.extend(extra.into_iter().take(extra_count.saturating_sub(1)));
+        let choice = format!("{{{}}}", all.join(","));
+        let taken = plain_agrees_with_general(&choice);
+        // the plain form itself is always taken
+        if extra_count <= 1 {
+            proptest::prop_assert!(taken, "{}", choice);
+        }
+    }
+}
