@@ -2,7 +2,8 @@
 # Closed-loop, non-streamed measurement through spine only (the spine pieces of scripts/bench.sh):
 # mock engine on CPU $HARNESS_CPU, gateway + agent on CPU $SUT_CPU, 64 connections for [secs].
 # Used to compare two builds side by side (e.g. before/after a change), see docs/benchmarks.md.
-# usage: [BENCH_BIN=<dir with release binaries, default target/release>] scripts/bench_closed_loop.sh [secs]
+# usage: [BENCH_BIN=<dir with release binaries, default target/release>] [BENCH_PG=1: the ledger on
+#        PostgreSQL at 127.0.0.1:5432, a fresh database] scripts/bench_closed_loop.sh [secs]
 set -euo pipefail
 # shellcheck source=scripts/lib.sh
 source "$(dirname "$0")/lib.sh"
@@ -13,6 +14,13 @@ SUT_CPU="${SUT_CPU:-1}"
 BIN="${BENCH_BIN:-${CARGO_TARGET_DIR:-$ROOT/target}/release}"
 SPINE_KEEP="${BENCH_KEEP:-}"
 spine_workdir closed
+if [[ -n "${BENCH_PG:-}" ]]; then
+  # the ledger on PostgreSQL (127.0.0.1:5432, trust auth): a fresh database, dropped at the end
+  BENCH_DB="spine_bench_$$_$RANDOM"
+  psql -h 127.0.0.1 -U postgres -d postgres -Atqc "CREATE DATABASE $BENCH_DB" >/dev/null
+  trap 'spine_cleanup; psql -h 127.0.0.1 -U postgres -d postgres -Atqc "DROP DATABASE IF EXISTS $BENCH_DB WITH (FORCE)" >/dev/null' EXIT
+  GATEWAY_EXTRA_TOML="database_url = \"postgres://postgres@127.0.0.1:5432/$BENCH_DB\""
+fi
 bench_start_mock "$BIN"
 bench_start_spine "$BIN"
 
@@ -29,3 +37,4 @@ fi
 # bytes the gateway wrote through write(2)-like calls (WAL frames and sockets, /proc/<pid>/io)
 admin GET /metrics | grep -E '^spine_ledger_(commits|committed_writes)_total' || true
 grep -E '^(wchar|syscw)' "/proc/$GATEWAY_PID/io" || true
+for p in "$GATEWAY_PID" "$AGENT_PID"; do echo "pid $p $(grep -E '^VmRSS' "/proc/$p/status" | tr -s ' \t' ' ')"; done

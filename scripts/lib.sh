@@ -86,6 +86,7 @@ admin_listen = "127.0.0.1:0"
 console_listen = "127.0.0.1:0"
 admin_token = "$ADMIN_TOKEN"
 data_dir = "$WORK/data"
+${GATEWAY_EXTRA_TOML:-}
 
 $models
 TOML
