@@ -1,5 +1,6 @@
 //! The common streamed choice read without a JSON tree: `{"index": N, "delta": {"content":
-//! "…"}, "finish_reason": null}` and the forms llama.cpp, vLLM and SGLang send of it.
+//! "…"}, "finish_reason": null, "logprobs": …}` and the forms llama.cpp, vLLM and SGLang send
+//! of it.
 //!
 //! Why: a stream's chunk is read once per token; reading its choice as a [`Value`](serde_json::Value)
 //! (an ordered map per object, every key and string copied) was the meter's largest cost per
@@ -11,8 +12,9 @@
 use std::borrow::Cow;
 
 use serde::Deserialize;
+use serde_json::value::RawValue;
 
-use super::{ChoiceRead, TextMember, FINISH_REASONS};
+use super::{unique_value, ChoiceRead, TextMember, FINISH_REASONS};
 use crate::tokenizer::GeneratedText;
 
 /// A streamed chat choice with OpenAI's members only; any other member, a member named twice
@@ -25,9 +27,10 @@ struct PlainChoice<'a> {
     delta: PlainDelta<'a>,
     #[serde(borrow, default)]
     finish_reason: Option<Cow<'a, str>>,
-    /// Only `null` (or absent): a list of logprobs is read the general way.
-    #[serde(default, rename = "logprobs")]
-    _logprobs: Option<Never>,
+    /// Read as the general path reads the whole choice ([`unique_value`]) when not null: the
+    /// audit asks nodes for them, so an audited model's every chunk carries them.
+    #[serde(borrow, default)]
+    logprobs: Option<&'a RawValue>,
 }
 
 /// A `delta` with a role and content only.
@@ -40,15 +43,6 @@ struct PlainDelta<'a> {
     content: Option<Cow<'a, str>>,
 }
 
-/// Deserializes from nothing: `Option<Never>` accepts only `null` or an absent member.
-enum Never {}
-
-impl<'de> Deserialize<'de> for Never {
-    fn deserialize<D: serde::Deserializer<'de>>(_: D) -> Result<Self, D::Error> {
-        Err(serde::de::Error::custom("not null"))
-    }
-}
-
 /// `choice` (one element of a chunk's `choices`, valid JSON) read as the general path would,
 /// when it has the plain streamed form; `None` for any other choice or member.
 pub(super) fn read_plain(choice: &str, member: TextMember) -> Option<ChoiceRead> {
@@ -59,7 +53,7 @@ pub(super) fn read_plain(choice: &str, member: TextMember) -> Option<ChoiceRead>
         index,
         delta,
         finish_reason,
-        ..
+        logprobs,
     } = serde_json::from_str(choice).ok()?;
     if delta.role.as_deref().is_some_and(|r| r != "assistant") {
         return None;
@@ -70,6 +64,11 @@ pub(super) fn read_plain(choice: &str, member: TextMember) -> Option<ChoiceRead>
     {
         return None;
     }
+    // a member named twice inside is the general path's error to give
+    let logprobs = match logprobs {
+        Some(raw) => Some(unique_value(raw.get()).ok()?),
+        None => None,
+    };
     let mut generated = GeneratedText::new();
     if let Some(text) = &delta.content {
         generated.push_content(text);
@@ -81,7 +80,7 @@ pub(super) fn read_plain(choice: &str, member: TextMember) -> Option<ChoiceRead>
         finish_reason: finish_reason.map(Cow::into_owned),
         raw: choice.to_owned(),
         rebuilt: false,
-        logprobs: None,
+        logprobs,
         tool_call_heads: Vec::new(),
     })
 }
