@@ -13,18 +13,24 @@ use std::borrow::Cow;
 
 use serde::Deserialize;
 use serde_json::value::RawValue;
+use serde_json::Value;
 
 use super::{unique_value, ChoiceRead, TextMember, FINISH_REASONS};
 use crate::tokenizer::GeneratedText;
 
 /// A streamed chat choice with OpenAI's members only; any other member, a member named twice
 /// or a value of another type fails to deserialize (serde's derived structs refuse both).
+///
+/// A derived struct also reads a JSON **array**, field by field (`[0, {"content": "hi"}]`),
+/// which the general path refuses and a caller's SDK cannot read: so the choice and its `delta`
+/// are taken only when they are objects ([`is_object`]).
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct PlainChoice<'a> {
     index: u64,
+    /// A [`PlainDelta`] once checked to be an object.
     #[serde(borrow)]
-    delta: PlainDelta<'a>,
+    delta: &'a RawValue,
     #[serde(borrow, default)]
     finish_reason: Option<Cow<'a, str>>,
     /// Read as the general path reads the whole choice ([`unique_value`]) when not null: the
@@ -46,7 +52,7 @@ struct PlainDelta<'a> {
 /// `choice` (one element of a chunk's `choices`, valid JSON) read as the general path would,
 /// when it has the plain streamed form; `None` for any other choice or member.
 pub(super) fn read_plain(choice: &str, member: TextMember) -> Option<ChoiceRead> {
-    if member != TextMember::Delta {
+    if member != TextMember::Delta || !is_object(choice) {
         return None;
     }
     let PlainChoice {
@@ -55,6 +61,10 @@ pub(super) fn read_plain(choice: &str, member: TextMember) -> Option<ChoiceRead>
         finish_reason,
         logprobs,
     } = serde_json::from_str(choice).ok()?;
+    if !is_object(delta.get()) {
+        return None;
+    }
+    let delta: PlainDelta<'_> = serde_json::from_str(delta.get()).ok()?;
     if delta.role.as_deref().is_some_and(|r| r != "assistant") {
         return None;
     }
@@ -64,9 +74,14 @@ pub(super) fn read_plain(choice: &str, member: TextMember) -> Option<ChoiceRead>
     {
         return None;
     }
-    // a member named twice inside is the general path's error to give
+    // a member named twice inside is the general path's error to give; read one level down,
+    // as the general path reads it inside the choice, so that the same nesting is too deep
+    // (serde_json allows 127 levels in one read)
     let logprobs = match logprobs {
-        Some(raw) => Some(unique_value(raw.get()).ok()?),
+        Some(raw) => match unique_value(&format!("[{}]", raw.get())).ok()? {
+            Value::Array(mut one) => Some(one.pop()?),
+            _ => return None,
+        },
         None => None,
     };
     let mut generated = GeneratedText::new();
@@ -83,4 +98,9 @@ pub(super) fn read_plain(choice: &str, member: TextMember) -> Option<ChoiceRead>
         logprobs,
         tool_call_heads: Vec::new(),
     })
+}
+
+/// Whether `json` (one valid JSON value) is an object.
+fn is_object(json: &str) -> bool {
+    json.trim_start().starts_with('{')
 }

@@ -312,6 +312,12 @@ fn choices_off_the_plain_form_are_left_to_the_general_path() {
         r#"{"index":0,"delta":null}"#,
         r#"{"index":0,"delta":{"content":1}}"#,
         r#"{"index":0,"text":"a","delta":{}}"#,
+        // a derived struct reads arrays field by field: the general path refuses them
+        r#"{"index":0,"delta":[null,"hi"]}"#,
+        r#"{"index":0,"delta":["assistant","hi"],"finish_reason":null}"#,
+        r#"{"index":0,"delta":[]}"#,
+        r#"[0,{"content":"hi"}]"#,
+        r#"[0,[null,"hi"],"stop",null]"#,
     ] {
         assert!(
             plain::read_plain(choice, TextMember::Delta).is_none(),
@@ -327,6 +333,21 @@ fn choices_off_the_plain_form_are_left_to_the_general_path() {
         TextMember::Message
     )
     .is_none());
+}
+
+/// serde_json reads 127 nested levels in one parse, and the general path reads a choice's
+/// `logprobs` one level down, inside the choice: the plain path must find the same nesting
+/// too deep, and take the shallower ones.
+#[test]
+fn logprobs_nested_as_deep_as_the_general_path_allows_and_one_deeper() {
+    for depth in [1, 100, 125, 126, 127, 128] {
+        let deep = format!("{}{}", "[".repeat(depth), "]".repeat(depth));
+        let choice = format!(r#"{{"index":0,"delta":{{"content":"x"}},"logprobs":{deep}}}"#);
+        let raw: Box<RawValue> = serde_json::from_str(&choice).unwrap();
+        let general = read_choice(0, &raw, TextMember::Delta);
+        assert_eq!(general.is_ok(), depth <= 126, "depth {depth}");
+        assert_eq!(plain_agrees_with_general(&choice), general.is_ok(), "depth {depth}");
+    }
 }
 
 /// Pieces the differential property builds choices from: every member the general path
@@ -409,6 +430,7 @@ proptest::proptest! {
         ])),
         extra in proptest::collection::vec(choice_member(), 0..3),
         extra_count in 0usize..4,
+        as_array in proptest::sample::select(vec![None, None, None, None, None, None, Some("delta"), Some("choice")]),
     ) {
         // a plain choice (the path's own form, all of it varied), then up to two members of
         // anything: the plain path must answer as the general path or leave it alone
@@ -419,7 +441,16 @@ proptest::proptest! {
         if let Some(c) = content {
             delta.push(format!(r#""content":{c}"#));
         }
-        let mut all = vec![format!(r#""index":{index}"#), format!(r#""delta":{{{}}}"#, delta.join(","))];
+        // or the same values as an array, which serde's derived structs would read in order
+        let values = |members: &[String]| {
+            members.iter().map(|m| m.split_once(':').unwrap().1.to_owned()).collect::<Vec<_>>()
+        };
+        let delta = if as_array == Some("delta") {
+            format!("[{}]", values(&delta).join(","))
+        } else {
+            format!("{{{}}}", delta.join(","))
+        };
+        let mut all = vec![format!(r#""index":{index}"#), format!(r#""delta":{delta}"#)];
         if let Some(f) = finish {
             all.push(format!(r#""finish_reason":{f}"#));
         }
@@ -427,10 +458,17 @@ proptest::proptest! {
             all.push(format!(r#""logprobs":{l}"#));
         }
         all.extend(extra.into_iter().take(extra_count.saturating_sub(1)));
-        let choice = format!("{{{}}}", all.join(","));
+        let choice = if as_array == Some("choice") {
+            format!("[{}]", values(&all).join(","))
+        } else {
+            format!("{{{}}}", all.join(","))
+        };
         let taken = plain_agrees_with_general(&choice);
         // the plain form itself is always taken (logprobs without a member named twice)
-        if extra_count <= 1 && !logprobs.is_some_and(|l| l.contains(r#""logprob":0"#)) {
+        if as_array.is_none()
+            && extra_count <= 1
+            && !logprobs.is_some_and(|l| l.contains(r#""logprob":0"#))
+        {
             proptest::prop_assert!(taken, "{}", choice);
         }
     }
