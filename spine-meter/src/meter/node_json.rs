@@ -612,6 +612,9 @@ fn read_choice(
         .and_then(Value::as_str)
         .map(str::to_owned);
     let logprobs = c.get("logprobs").filter(|l| !l.is_null()).cloned();
+    if let Some(l) = &logprobs {
+        check_logprobs_nesting(l)?;
+    }
     if !indexed {
         // forwarded (a complete answer): the caller's SDK reads `index`
         c["index"] = Value::from(index);
@@ -633,6 +636,29 @@ fn read_choice(
         logprobs,
         tool_call_heads,
     })
+}
+
+/// The deepest `logprobs` a choice may carry, in nested arrays and objects, the `logprobs`
+/// value itself counted: OpenAI's chat form is 6 deep (`logprobs.content[].top_logprobs[]
+/// .bytes[]`), the completions form 3. Deeper would be relayed to a caller who asked for
+/// logprobs as a chunk that a JSON reader with a nesting limit refuses (serde_json's is 128,
+/// so async-openai's: the chunk, `choices` and the choice leave 125), after it was billed.
+const MAX_LOGPROBS_NESTING: usize = 8;
+
+/// [`MAX_LOGPROBS_NESTING`] checked.
+fn check_logprobs_nesting(logprobs: &Value) -> Result<(), &'static str> {
+    /// Arrays and objects nested in `v`, `v` included (a scalar is 0).
+    fn nesting(v: &Value) -> usize {
+        match v {
+            Value::Array(a) => 1 + a.iter().map(nesting).max().unwrap_or(0),
+            Value::Object(o) => 1 + o.values().map(nesting).max().unwrap_or(0),
+            _ => 0,
+        }
+    }
+    if nesting(logprobs) > MAX_LOGPROBS_NESTING {
+        return Err("a choice's logprobs nest deeper than OpenAI's");
+    }
+    Ok(())
 }
 
 /// Why `v`, a choice's `index` that is not a `u64`, is refused: an integer out of range

@@ -15,7 +15,7 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 use serde_json::Value;
 
-use super::{unique_value, ChoiceRead, TextMember, FINISH_REASONS};
+use super::{check_logprobs_nesting, unique_value, ChoiceRead, TextMember, FINISH_REASONS};
 use crate::tokenizer::GeneratedText;
 
 /// A streamed chat choice with OpenAI's members only; any other member, a member named twice
@@ -84,6 +84,12 @@ pub(super) fn read_plain(choice: &str, member: TextMember) -> Option<ChoiceRead>
         },
         None => None,
     };
+    if logprobs
+        .as_ref()
+        .is_some_and(|l| check_logprobs_nesting(l).is_err())
+    {
+        return None;
+    }
     let mut generated = GeneratedText::new();
     if let Some(text) = &delta.content {
         generated.push_content(text);
