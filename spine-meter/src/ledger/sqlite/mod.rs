@@ -3,6 +3,7 @@
 //! ([`super::sql`]).
 
 mod api;
+mod checkpoint;
 mod conn;
 pub(in crate::ledger) mod migrations;
 mod writer;
@@ -23,6 +24,7 @@ use super::sql::{self, money, Access, Arg, Backend, HoldRequest, SqlConn as _, T
 use super::{LedgerError, LedgerFuture};
 #[cfg(doc)]
 use crate::ledger::Store;
+use checkpoint::{spawn_checkpointer, AbortOnDrop, WalSize, WRITER_AUTOCHECKPOINT_PAGES};
 use conn::{StoreConn, StoreTx};
 use writer::Writer;
 
@@ -71,9 +73,12 @@ use writer::Writer;
 /// `synchronous_commit = on`.
 ///
 /// Checkpoints (copying the WAL into the database file, two fsyncs) run on a background task
-/// with its own connection every 250 ms (`PRAGMA wal_checkpoint(PASSIVE)`,
-/// which never blocks the writer), so the writer does not stall for them after a commit; the
-/// writer's own automatic checkpoint stays as a safety net at 16,384 WAL pages.
+/// with its own connection every 250 ms (`PRAGMA wal_checkpoint(PASSIVE)`, which never blocks
+/// the writer), so the writer does not stall for them after a commit. Once the WAL holds
+/// 16,384 pages, the writer checkpoints the rest itself after a commit, on a blocking thread,
+/// so that its next transaction starts the WAL over; SQLite's automatic checkpoint, which
+/// would run on the runtime thread inside a `COMMIT`, is only a safety net at 65,536 pages
+/// (`checkpoint.rs` has the details).
 #[derive(Clone, Debug)]
 pub struct SqliteLedger {
     /// A file store's writer connection: every write of [`SqliteLedger::open`]'s store.
@@ -93,41 +98,6 @@ const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Reader connections of a file store.
 const READERS: u32 = 4;
-
-/// How often a file store's background task checkpoints the WAL.
-const CHECKPOINT_INTERVAL: Duration = Duration::from_millis(250);
-
-/// The writer connection's `wal_autocheckpoint` (pages): a safety net, reached only when the
-/// background checkpoints fall behind (SQLite's default is 1,000).
-const WRITER_AUTOCHECKPOINT_PAGES: u32 = 16_384;
-
-/// Aborts a task when dropped.
-#[derive(Debug)]
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
-
-/// Checkpoints the WAL every [`CHECKPOINT_INTERVAL`] on its own connection until aborted.
-fn spawn_checkpointer(mut conn: SqliteConnection) -> AbortOnDrop {
-    let task = async move {
-        let mut tick = tokio::time::interval(CHECKPOINT_INTERVAL);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tick.tick().await;
-            if let Err(e) = sqlx::query("PRAGMA wal_checkpoint(PASSIVE)")
-                .execute(&mut conn)
-                .await
-            {
-                tracing::debug!(error = %e, "ledger WAL checkpoint failed; retried next tick");
-            }
-        }
-    };
-    AbortOnDrop(tokio::spawn(task))
-}
 
 /// How long [`SqliteLedger::open`] keeps retrying a connection SQLite refuses as busy.
 const OPEN_BUSY_DEADLINE: Duration = Duration::from_secs(10);
@@ -263,12 +233,13 @@ impl SqliteLedger {
         })
         .await?;
         let checkpointer = connect_retrying_busy(|| SqliteConnection::connect_with(&base)).await?;
-        let direct = Writer::open(path, BUSY_TIMEOUT, WRITER_AUTOCHECKPOINT_PAGES)?;
+        let wal = WalSize::new(checkpoint::RESTART_AFTER_FRAMES);
+        let direct = Writer::open(path, BUSY_TIMEOUT, WRITER_AUTOCHECKPOINT_PAGES, wal.clone())?;
         Ok(Self {
             direct: Some(direct),
             writer,
             reader,
-            checkpointer: Some(Arc::new(spawn_checkpointer(checkpointer))),
+            checkpointer: Some(Arc::new(spawn_checkpointer(checkpointer, wal))),
         })
     }
 

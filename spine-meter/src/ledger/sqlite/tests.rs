@@ -122,6 +122,49 @@ async fn the_background_task_checkpoints_the_wal_into_the_database_file() {
     l.close().await;
 }
 
+/// The WAL header's checkpoint sequence number (bytes 12..16, big-endian), which SQLite
+/// increments each time a write starts the WAL over.
+fn wal_restarts(path: &std::path::Path) -> u32 {
+    let wal = std::fs::read(path.with_extension("db-wal")).unwrap();
+    u32::from_be_bytes(wal[12..16].try_into().unwrap())
+}
+
+/// Under writes that never pause, the background checkpoint never finds the WAL idle, so the
+/// WAL would only grow: once the background has seen it reach the threshold, the writer
+/// checkpoints after its next commit and the write after that starts the WAL over.
+#[tokio::test]
+async fn the_writer_starts_the_wal_over_once_the_background_saw_it_reach_the_threshold() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ledger.db");
+    let mut l = SqliteLedger::open(&path).await.unwrap();
+    // no background checkpoint: nothing copies the WAL back unless the writer does; and a
+    // writer whose WAL size the test sets
+    l.checkpointer.take();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    l.direct.take().unwrap().close().await;
+    let wal = WalSize::new(1_000);
+    let writer = Writer::open(&path, BUSY_TIMEOUT, WRITER_AUTOCHECKPOINT_PAGES, wal.clone());
+    l.direct = Some(writer.unwrap());
+    let acct = AccountId::from("a");
+    l.create_account(&acct).await.unwrap();
+    let before = wal_restarts(&path);
+    // below the threshold: the WAL goes on growing
+    wal.record(999);
+    l.add_credits(&acct, 1, "k1").await.unwrap();
+    l.add_credits(&acct, 1, "k2").await.unwrap();
+    assert_eq!(wal_restarts(&path), before);
+    // at it: the next commit is followed by the writer's checkpoint, the write after by a
+    // WAL started over
+    wal.record(1_000);
+    l.add_credits(&acct, 1, "k3").await.unwrap();
+    assert!(!wal.take_restart(), "the writer took the restart");
+    l.add_credits(&acct, 1, "k4").await.unwrap();
+    assert_eq!(wal_restarts(&path), before + 1);
+    // and every write is there
+    assert_eq!(l.account(&acct).await.unwrap().balance_micros, 4);
+    l.close().await;
+}
+
 /// What an application crash leaves is what the files hold while the store is open: a copy of
 /// them then must have every committed settlement (the WAL is replayed on open).
 #[tokio::test]

@@ -56,6 +56,7 @@ use rusqlite::types::Value;
 use rusqlite::{Connection, OpenFlags};
 use tokio::sync::{Mutex, OwnedMutexGuard};
 
+use super::checkpoint::{checkpoint_to_restart, WalSize};
 use crate::ledger::sql::{Arg, SqlConn, TxEnd};
 
 mod row;
@@ -85,6 +86,8 @@ pub(in crate::ledger) struct Inner {
     commits: u64,
     /// How long `BEGIN IMMEDIATE` waits for another connection's write lock (asynchronously).
     busy_timeout: Duration,
+    /// When to checkpoint after a commit so that the WAL starts over (`checkpoint.rs`).
+    wal: WalSize,
 }
 
 /// The open batch: its outcome, to come, and how many writes it holds.
@@ -129,6 +132,7 @@ impl Writer {
         path: &Path,
         busy_timeout: Duration,
         autocheckpoint_pages: u32,
+        wal: WalSize,
     ) -> Result<Self, LedgerError> {
         let conn = Connection::open_with_flags(
             path,
@@ -147,6 +151,7 @@ impl Writer {
             open: None,
             commits: 0,
             busy_timeout,
+            wal,
         }))))
     }
 
@@ -212,7 +217,12 @@ impl Writer {
         if is_open {
             WriterConn::finish_batch_of(&mut guard);
         }
-        drop(guard);
+        if is_open && guard.wal.take_restart() {
+            // the batch's writes have their outcome; later writes wait for the connection
+            tokio::task::spawn_blocking(move || guard.conn.as_ref().map(checkpoint_to_restart));
+        } else {
+            drop(guard);
+        }
         match batch.0.get() {
             Some(done) => done.as_ref().map_err(CommitFailure::to_sqlx).copied(),
             None => Err(sqlx::Error::Protocol(
