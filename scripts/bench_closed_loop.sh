@@ -3,7 +3,9 @@
 # mock engine on CPU $HARNESS_CPU, gateway + agent on CPU $SUT_CPU, 64 connections for [secs].
 # Used to compare two builds side by side (e.g. before/after a change), see docs/benchmarks.md.
 # usage: [BENCH_BIN=<dir with release binaries, default target/release>] [BENCH_PG=1: the ledger on
-#        PostgreSQL at 127.0.0.1:5432, a fresh database] scripts/bench_closed_loop.sh [secs]
+#        PostgreSQL at 127.0.0.1:5432, a fresh database] [SKIP_CLOSED=1] [BENCH_OPEN_RATE=<req/s>
+#        BENCH_OPEN_SECS=<secs, default 5> BENCH_RSS_EVERY=<secs>: an open loop after the closed
+#        one, with each process's RSS sampled while it runs] scripts/bench_closed_loop.sh [secs]
 set -euo pipefail
 # shellcheck source=scripts/lib.sh
 source "$(dirname "$0")/lib.sh"
@@ -29,12 +31,24 @@ taskset -c "$HARNESS_CPU" "$BIN/spine-load" run --name spine --scenario warmup -
   --api-key "$SPINE_KEY" --concurrency 64 --duration-secs 2 --max-tokens 16 >/dev/null
 [[ -n "${SKIP_CLOSED:-}" ]] || taskset -c "$HARNESS_CPU" "$BIN/spine-load" run --name spine --scenario max_throughput --url "$PUBLIC/v1/chat/completions" \
   --api-key "$SPINE_KEY" --cpu-pid "$GATEWAY_PID" --cpu-pid "$AGENT_PID" --concurrency 64 --duration-secs "$SECS" --max-tokens 16
+rss() { for p in "$GATEWAY_PID" "$AGENT_PID"; do echo "pid $p $(grep -E '^VmRSS' "/proc/$p/status" | tr -s ' \t' ' ')"; done; }
 if [[ -n "${BENCH_OPEN_RATE:-}" ]]; then
-taskset -c "$HARNESS_CPU" "$BIN/spine-load" run --name spine --scenario non_streamed --url "$PUBLIC/v1/chat/completions" \
-  --api-key "$SPINE_KEY" --cpu-pid "$GATEWAY_PID" --cpu-pid "$AGENT_PID" --rate "$BENCH_OPEN_RATE" --duration-secs 5 --warmup-secs 1 --max-tokens 16 --max-in-flight 512
+  taskset -c "$HARNESS_CPU" "$BIN/spine-load" run --name spine --scenario non_streamed --url "$PUBLIC/v1/chat/completions" \
+    --api-key "$SPINE_KEY" --cpu-pid "$GATEWAY_PID" --cpu-pid "$AGENT_PID" --rate "$BENCH_OPEN_RATE" \
+    --duration-secs "${BENCH_OPEN_SECS:-5}" --warmup-secs 1 --max-tokens 16 --max-in-flight 512 &
+  LOAD_PID=$!
+  # BENCH_RSS_EVERY=<secs>: each process's RSS every that many seconds while the open loop runs
+  while [[ -n "${BENCH_RSS_EVERY:-}" ]] && kill -0 "$LOAD_PID" 2>/dev/null; do
+    sleep "$BENCH_RSS_EVERY"
+    echo "rss at +$SECONDS s: $(rss | tr '\n' ' ')"
+  done
+  wait "$LOAD_PID"
 fi
 # the ledger's group commits since the start (warm-up included: writes per commit), and the
 # bytes the gateway wrote through write(2)-like calls (WAL frames and sockets, /proc/<pid>/io)
 admin GET /metrics | grep -E '^spine_ledger_(commits|committed_writes)_total' || true
 grep -E '^(wchar|syscw)' "/proc/$GATEWAY_PID/io" || true
-for p in "$GATEWAY_PID" "$AGENT_PID"; do echo "pid $p $(grep -E '^VmRSS' "/proc/$p/status" | tr -s ' \t' ' ')"; done
+rss
+# the SQLite ledger's WAL file: its size is the most it held (SQLite writes it from the start
+# again after a restart, and does not shrink it)
+for f in "$WORK"/data/*-wal; do [[ -e "$f" ]] && echo "wal $(basename "$f") $(stat -c %s "$f") bytes"; done
