@@ -50,6 +50,7 @@ const ENV_KEYS: &[(&str, Kind)] = &[
     ("key_cache_ttl_secs", Kind::Int),
     ("max_buffered_request_bytes", Kind::Int),
     ("max_buffered_request_bytes_per_account", Kind::Int),
+    ("max_unsettled_requests", Kind::Int),
     ("max_response_body_bytes", Kind::Int),
     ("response_body_timeout_secs", Kind::Int),
     ("node_stall_timeout_secs", Kind::Int),
@@ -166,6 +167,9 @@ pub(crate) struct Config {
     /// Most bytes of request bodies being read at once for one account (429
     /// `rate_limit_exceeded` past it; other accounts are served).
     pub(crate) max_buffered_request_bytes_per_account: u64,
+    /// Most answered requests whose settlement is not committed yet; at it, new requests wait
+    /// for the ledger (up to 10 s, then 503 `server_busy`).
+    pub(crate) max_unsettled_requests: u64,
     /// Most bytes of one non-streamed answer buffered (502 `response_too_large` past it, when
     /// the request could honestly be answered with more).
     pub(crate) max_response_body_bytes: u64,
@@ -263,6 +267,7 @@ impl Default for Config {
             key_cache_ttl_secs: 10,
             max_buffered_request_bytes: 256 * 1024 * 1024,
             max_buffered_request_bytes_per_account: 32 * 1024 * 1024,
+            max_unsettled_requests: spine_meter::meter::DEFAULT_MAX_UNSETTLED_REQUESTS as u64,
             max_response_body_bytes: 16 * 1024 * 1024,
             response_body_timeout_secs: 120,
             node_stall_timeout_secs: 5,

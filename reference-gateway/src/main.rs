@@ -218,6 +218,10 @@ async fn run(cli: Cli) -> Result<(), MainError> {
         .max_buffered_request_bytes_per_account(
             usize::try_from(config.max_buffered_request_bytes_per_account).unwrap_or(usize::MAX),
         )
+        .max_unsettled_requests(
+            usize::try_from(config.max_unsettled_requests).unwrap_or(usize::MAX),
+            spine_meter::meter::UNSETTLED_WAIT,
+        )
         // each usage discrepancy also lowers the node's score
         .events(Arc::new({
             let registry = registry.clone();

@@ -238,7 +238,7 @@ impl From<&MeterError> for ApiError {
                 "response_too_large",
                 e.to_string(),
             ),
-            MeterError::BodiesOverBudget { .. } => Self::new(
+            MeterError::BodiesOverBudget { .. } | MeterError::SettlementsBehind { .. } => Self::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "server_error",
                 "server_busy",

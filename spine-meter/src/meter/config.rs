@@ -137,7 +137,23 @@ pub struct MeterConfig {
     /// and the other accounts keep the rest of the shared budget.
     pub max_buffered_request_bytes_per_account: usize,
     pub(crate) account_body_bytes: Arc<AccountBodyBytes>,
+    /// Most answered requests whose settlement is not committed yet (default 1,024,
+    /// [`DEFAULT_MAX_UNSETTLED_REQUESTS`]). At the limit a new request waits before its hold
+    /// until a settlement commits, at most [`unsettled_wait`](Self::unsettled_wait), then is
+    /// refused ([`MeterError::SettlementsBehind`](super::MeterError::SettlementsBehind), 503).
+    /// Why: the caller is answered before the settlement commits (the ledger's latency is not
+    /// the caller's), so a crash loses the pending settlements (their holds are swept unpaid
+    /// at the restart); a ledger slower than the traffic (measured: PostgreSQL at 2,000 req/s,
+    /// `docs/benchmarks.md`) would otherwise let that backlog, and the memory it holds, grow
+    /// without bound.
+    pub max_unsettled_requests: usize,
+    /// How long a request waits for room among the unsettled requests (default
+    /// [`UNSETTLED_WAIT`](super::UNSETTLED_WAIT), 10 s).
+    pub unsettled_wait: std::time::Duration,
 }
+
+/// Default of [`MeterConfig::max_unsettled_requests`]: 1,024.
+pub const DEFAULT_MAX_UNSETTLED_REQUESTS: usize = 1_024;
 
 /// Default of [`MeterConfig::max_buffered_request_bytes_per_account`]: 32 MiB.
 pub const DEFAULT_MAX_BUFFERED_REQUEST_BYTES_PER_ACCOUNT: usize = 32 * 1024 * 1024;

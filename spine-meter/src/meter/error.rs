@@ -48,6 +48,17 @@ pub enum MeterError {
         /// The account's share, bytes.
         limit_bytes: usize,
     },
+    /// Answered requests whose settlement is not committed yet are at the limit
+    /// ([`MeterConfig::max_unsettled_requests`](super::MeterConfig::max_unsettled_requests))
+    /// and stayed there for [`MeterConfig::unsettled_wait`](super::MeterConfig::unsettled_wait) (503 `server_busy`): the
+    /// ledger is behind, and the request is refused before anything is held or forwarded.
+    #[error(
+        "the ledger is behind: {limit} answered requests are not settled yet; retry shortly"
+    )]
+    SettlementsBehind {
+        /// The limit, requests.
+        limit: usize,
+    },
     /// The model is not in the catalog (404).
     #[error("unknown model {0}")]
     UnknownModel(ModelId),

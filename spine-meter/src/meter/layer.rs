@@ -4,8 +4,8 @@ use tower::Layer;
 
 use super::config::{
     body_budget, Catalog, MeterConfig, DEFAULT_MAX_BUFFERED_REQUEST_BYTES,
-    DEFAULT_MAX_BUFFERED_REQUEST_BYTES_PER_ACCOUNT, DEFAULT_RESPONSE_BODY_TIMEOUT,
-    DEFAULT_STREAM_STALL_TIMEOUT,
+    DEFAULT_MAX_BUFFERED_REQUEST_BYTES_PER_ACCOUNT, DEFAULT_MAX_UNSETTLED_REQUESTS,
+    DEFAULT_RESPONSE_BODY_TIMEOUT, DEFAULT_STREAM_STALL_TIMEOUT,
 };
 use super::{Admission, Meter, MeterError, MeterEvents, Settlements};
 use crate::Ledger;
@@ -57,6 +57,8 @@ impl MeterLayer {
                 max_buffered_request_bytes_per_account:
                     DEFAULT_MAX_BUFFERED_REQUEST_BYTES_PER_ACCOUNT,
                 account_body_bytes: Arc::default(),
+                max_unsettled_requests: DEFAULT_MAX_UNSETTLED_REQUESTS,
+                unsettled_wait: super::UNSETTLED_WAIT,
             },
         }
     }
@@ -78,6 +80,15 @@ impl MeterLayer {
     pub fn max_buffered_request_bytes(mut self, bytes: usize) -> Self {
         self.config.max_buffered_request_bytes = bytes;
         self.config.request_body_budget = body_budget(bytes);
+        self
+    }
+
+    /// Sets the most answered requests left unsettled ([`MeterConfig::max_unsettled_requests`];
+    /// at least 1) and how long a request waits for room among them
+    /// ([`MeterConfig::unsettled_wait`]).
+    pub fn max_unsettled_requests(mut self, requests: usize, wait: std::time::Duration) -> Self {
+        self.config.max_unsettled_requests = requests.max(1);
+        self.config.unsettled_wait = wait;
         self
     }
 

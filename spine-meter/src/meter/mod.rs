@@ -133,8 +133,8 @@ pub use body::{MeterBody, KEEPALIVE_INTERVAL};
 pub use caller::caller_response;
 pub use config::{
     Catalog, CatalogEntry, MeterConfig, DEFAULT_MAX_BUFFERED_REQUEST_BYTES,
-    DEFAULT_MAX_BUFFERED_REQUEST_BYTES_PER_ACCOUNT, DEFAULT_RESPONSE_BODY_TIMEOUT,
-    DEFAULT_STREAM_STALL_TIMEOUT,
+    DEFAULT_MAX_BUFFERED_REQUEST_BYTES_PER_ACCOUNT, DEFAULT_MAX_UNSETTLED_REQUESTS,
+    DEFAULT_RESPONSE_BODY_TIMEOUT, DEFAULT_STREAM_STALL_TIMEOUT,
 };
 pub use credit::{
     CreditRefusals, DEFAULT_REFUSED_CREDIT_DELAY, MAX_DELAYED_REFUSALS, MAX_REFUSED_DELAYS,
@@ -145,7 +145,7 @@ pub use events::{DiscrepancyReport, MeterEvents};
 pub use future::ResponseFuture;
 pub use layer::{drain_streams, BodyGate, MeterLayer, DRAIN_CUT_WRITE_BOUND};
 pub use service::Meter;
-pub use settle::Settlements;
+pub use settle::{Settlements, UNSETTLED_WAIT};
 
 /// A response extension on a streamed answer: the usage the metering layer had counted when the
 /// answer began (the prompt; 0 completion tokens). A binary may note it on the request's hold

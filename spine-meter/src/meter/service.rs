@@ -513,6 +513,11 @@ async fn hold_owned(
     hold_micros: u64,
     mut admitted: AdmitGuard,
 ) -> Result<PendingGuard, MeterError> {
+    // a ledger behind the traffic: wait for it before holding (see `max_unsettled_requests`)
+    let limit = config.max_unsettled_requests;
+    if !config.settlements.wait_for_room(limit, config.unsettled_wait).await {
+        return Err(MeterError::SettlementsBehind { limit });
+    }
     let (tx, rx) = tokio::sync::oneshot::channel::<Result<PendingGuard, LedgerError>>();
     let ledger = config.ledger.clone();
     let refused = config.refused_credit.clone();

@@ -18,13 +18,50 @@ use crate::{Ledger, Price, Settlement, TokenCounter};
 /// A settlement the ledger refuses (e.g. PostgreSQL unreachable) is retried with backoff until it
 /// commits; [`Settlements::pending_request_ids`] names those not committed yet, so a shutdown
 /// that cannot wait for them can log them instead of dropping them silently.
+///
+/// It also bounds them: a request answered before its settlement commits is one a crash of
+/// the gateway leaves unpaid (its hold is swept, nothing charged), so while
+/// [`MeterConfig::max_unsettled_requests`](super::MeterConfig::max_unsettled_requests) are
+/// pending, new requests wait before their hold ([`Settlements::wait_for_room`]).
 #[derive(Clone, Debug, Default)]
 pub struct Settlements {
     tracker: tokio_util::task::TaskTracker,
     pending: Arc<std::sync::Mutex<std::collections::BTreeSet<spine_core::RequestId>>>,
+    /// Woken at each commit.
+    committed: Arc<tokio::sync::Notify>,
 }
 
+/// How long a request waits for room among the unsettled requests before it is refused
+/// ([`MeterError::SettlementsBehind`](super::MeterError::SettlementsBehind), 503): 10 s.
+pub const UNSETTLED_WAIT: Duration = Duration::from_secs(10);
+
 impl Settlements {
+    /// Answered requests whose settlement is not committed yet.
+    pub fn unsettled(&self) -> usize {
+        self.pending.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    /// Waits while `max` or more requests are unsettled, at most `bound`; `false` if they
+    /// still were then.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: it only waits.
+    pub(crate) async fn wait_for_room(&self, max: usize, bound: Duration) -> bool {
+        let room = async {
+            loop {
+                let committed = self.committed.notified();
+                tokio::pin!(committed);
+                committed.as_mut().enable();
+                if self.unsettled() < max {
+                    return;
+                }
+                committed.await;
+            }
+        };
+        tokio::time::timeout(bound, room).await.is_ok()
+    }
+
     /// Settlements not yet committed to the ledger.
     pub fn pending(&self) -> usize {
         self.tracker.len()
@@ -41,17 +78,19 @@ impl Settlements {
     }
 
     pub(crate) fn mark_pending(&self, request_id: &spine_core::RequestId) {
-        self.pending
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(request_id.clone());
+        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        pending.insert(request_id.clone());
+        #[cfg(feature = "metrics")]
+        metrics::gauge!(crate::metrics::UNSETTLED_REQUESTS).set(pending.len() as f64);
     }
 
     pub(crate) fn mark_committed(&self, request_id: &spine_core::RequestId) {
-        self.pending
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(request_id);
+        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        pending.remove(request_id);
+        #[cfg(feature = "metrics")]
+        metrics::gauge!(crate::metrics::UNSETTLED_REQUESTS).set(pending.len() as f64);
+        drop(pending);
+        self.committed.notify_waiters();
     }
 
     /// Waits until every settlement spawned so far, and any spawned while waiting, is committed.

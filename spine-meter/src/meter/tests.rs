@@ -1425,6 +1425,94 @@ impl Ledger for SlowHold {
     }
 }
 
+/// A ledger behind the traffic: each settlement waits for a permit of the test's gate.
+#[derive(Debug)]
+struct GatedSettle(Arc<SqliteLedger>, Arc<tokio::sync::Semaphore>);
+
+impl Ledger for GatedSettle {
+    fn hold(
+        &self,
+        request_id: RequestId,
+        account: AccountId,
+        model: ModelId,
+        amount_micros: u64,
+    ) -> crate::ledger::LedgerFuture<'_, ()> {
+        self.0.hold(request_id, account, model, amount_micros)
+    }
+    fn release(&self, request_id: RequestId) -> crate::ledger::LedgerFuture<'_, ()> {
+        self.0.release(request_id)
+    }
+    fn settle(&self, settlement: Settlement) -> crate::ledger::LedgerFuture<'_, SettleResult> {
+        Box::pin(async move {
+            self.1.acquire().await.unwrap().forget();
+            self.0.settle(settlement).await
+        })
+    }
+    fn request_record(
+        &self,
+        request_id: RequestId,
+    ) -> crate::ledger::LedgerFuture<'_, Option<crate::ledger::RequestRecord>> {
+        self.0.request_record(request_id)
+    }
+}
+
+/// A streamed request through `svc`, read to its end.
+async fn streamed<S: UpstreamService>(svc: Meter<S>, id: &'static str) -> Result<(), BoxError> {
+    let resp = svc.oneshot(request(id, &chat(true, None))).await?;
+    frames(resp.into_body()).await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ledger_behind_the_traffic_makes_new_requests_wait_before_their_hold() {
+    let h = harness().await;
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let ledger = Arc::new(GatedSettle(h.ledger.clone(), gate.clone()));
+    let body = capture_body("b_chat_stream_usage.txt");
+    let layer = |wait| {
+        MeterLayer::new(ledger.clone(), catalog(2048))
+            .events(h.events.clone())
+            .max_unsettled_requests(1, wait)
+    };
+    let node = || h.inner(200, "text/event-stream", reads_of(&body, 64), End::Eof);
+    // a short wait: the second request, with one answered and unsettled, is refused (503)
+    // before its hold
+    let short = layer(std::time::Duration::from_millis(100));
+    let (settlements, svc) = (short.settlements(), short.layer(node()));
+    streamed(svc.clone(), "a1").await.unwrap();
+    assert_eq!(settlements.unsettled(), 1);
+    let held = h.balance().await.held_micros;
+    let refused = streamed(svc.clone(), "a2").await.unwrap_err();
+    assert!(
+        matches!(
+            refused.downcast_ref::<MeterError>(),
+            Some(MeterError::SettlementsBehind { limit: 1 })
+        ),
+        "{refused}"
+    );
+    assert_eq!(h.balance().await.held_micros, held, "no hold for the refused one");
+    gate.add_permits(1);
+    settlements.drain().await;
+    assert!(h.record("a1").await.is_some());
+    assert!(h.record("a2").await.is_none());
+    // a long wait: the second request waits for the first's settlement, then is served
+    let long = layer(std::time::Duration::from_secs(600));
+    let (settlements, svc) = (long.settlements(), long.layer(node()));
+    streamed(svc.clone(), "b1").await.unwrap();
+    let second = streamed(svc.clone(), "b2");
+    tokio::pin!(second);
+    let early = tokio::time::timeout(std::time::Duration::from_millis(300), &mut second).await;
+    assert!(early.is_err(), "served while the ledger was behind");
+    assert_eq!(settlements.unsettled(), 1);
+    gate.add_permits(1);
+    second.await.unwrap();
+    gate.add_permits(1);
+    settlements.drain().await;
+    assert!(h.record("b2").await.is_some());
+    assert_eq!(h.balance().await.held_micros, 0);
+    assert_eq!(h.ledger.entries_sum_micros().await.unwrap(), 0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_caller_leaving_at_any_point_never_strands_a_hold() {
     // 300 streamed requests, each dropped 0–3 ms after it was sent (while its hold is being
