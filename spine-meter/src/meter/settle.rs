@@ -27,7 +27,7 @@ use crate::{Ledger, Price, Settlement, TokenCounter};
 pub struct Settlements {
     tracker: tokio_util::task::TaskTracker,
     pending: Arc<std::sync::Mutex<std::collections::BTreeSet<spine_core::RequestId>>>,
-    /// Woken at each commit.
+    /// One waiter woken at each commit.
     committed: Arc<tokio::sync::Notify>,
 }
 
@@ -90,7 +90,9 @@ impl Settlements {
         #[cfg(feature = "metrics")]
         metrics::gauge!(crate::metrics::UNSETTLED_REQUESTS).set(pending.len() as f64);
         drop(pending);
-        self.committed.notify_waiters();
+        // one settlement's room for one waiter (it re-checks; a waiter dropped after being
+        // woken passes the wake-up on), not a wake-up of every waiter at every commit
+        self.committed.notify_one();
     }
 
     /// Waits until every settlement spawned so far, and any spawned while waiting, is committed.
