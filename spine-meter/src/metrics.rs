@@ -11,7 +11,7 @@
 //! | `spine_ttft_seconds` | `route` | time to first byte of a 2xx body (streamed: the first event) |
 //! | `spine_ledger_commits_total` | | the SQLite file store's group commits (each one `COMMIT` of a batch of writes) |
 //! | `spine_ledger_committed_writes_total` | | write transactions committed by them (÷ commits = writes per batch) |
-//! | `spine_unsettled_requests` | | gauge: answered requests whose settlement is not committed yet (at `MeterConfig::max_unsettled_requests`, new requests wait) |
+//! | `spine_unsettled_requests` | | gauge: answered requests whose settlement is not committed yet (with the holds being placed, bounded by `MeterConfig::max_unsettled_requests`) |
 //! | `spine_audit_verdict` | `node`, `model`, `verdict` | gauge: 1 for the (node, model)'s current verdict, 0 for the others (design brief §10) |
 //! | `spine_audit_tokens` | `node`, `model` | gauge: completion tokens audited |
 //! | `spine_audit_statistic` | `node`, `model` | gauge: the test statistic Λ (fails at `spine_audit_fail_threshold`) |

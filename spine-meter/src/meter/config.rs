@@ -137,7 +137,8 @@ pub struct MeterConfig {
     /// and the other accounts keep the rest of the shared budget.
     pub max_buffered_request_bytes_per_account: usize,
     pub(crate) account_body_bytes: Arc<AccountBodyBytes>,
-    /// Most answered requests whose settlement is not committed yet (default 1,024,
+    /// Most requests whose ledger write is not committed yet: answered requests whose
+    /// settlement is not, and holds being placed (default 1,024,
     /// [`DEFAULT_MAX_UNSETTLED_REQUESTS`]). At the limit a new request waits before its hold
     /// until a settlement commits, at most [`unsettled_wait`](Self::unsettled_wait), then is
     /// refused ([`MeterError::SettlementsBehind`](super::MeterError::SettlementsBehind), 503).

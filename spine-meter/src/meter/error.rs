@@ -48,12 +48,12 @@ pub enum MeterError {
         /// The account's share, bytes.
         limit_bytes: usize,
     },
-    /// Answered requests whose settlement is not committed yet are at the limit
+    /// Requests whose hold or settlement is not committed yet are at the limit
     /// ([`MeterConfig::max_unsettled_requests`](super::MeterConfig::max_unsettled_requests))
     /// and stayed there for [`MeterConfig::unsettled_wait`](super::MeterConfig::unsettled_wait) (503 `server_busy`): the
     /// ledger is behind, and the request is refused before anything is held or forwarded.
     #[error(
-        "the ledger is behind: {limit} answered requests are not settled yet; retry shortly"
+        "the ledger is behind: {limit} requests wait for their hold or settlement; retry shortly"
     )]
     SettlementsBehind {
         /// The limit, requests.

@@ -83,7 +83,7 @@ impl MeterLayer {
         self
     }
 
-    /// Sets the most answered requests left unsettled ([`MeterConfig::max_unsettled_requests`];
+    /// Sets the most requests whose hold or settlement is not committed ([`MeterConfig::max_unsettled_requests`];
     /// at least 1) and how long a request waits for room among them
     /// ([`MeterConfig::unsettled_wait`]).
     pub fn max_unsettled_requests(mut self, requests: usize, wait: std::time::Duration) -> Self {

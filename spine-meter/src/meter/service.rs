@@ -523,6 +523,7 @@ async fn hold_owned(
     let refused = config.refused_credit.clone();
     let settlements = config.settlements.clone();
     let runtime = ctx.runtime.clone();
+    let in_flight = settlements.hold_in_flight();
     settlements.spawn_on(
         async move {
             let placed = ledger
@@ -533,6 +534,7 @@ async fn hold_owned(
                     hold_micros,
                 )
                 .await;
+            drop(in_flight);
             let answer = match placed {
                 Ok(()) => {
                     refused.forget(&ctx.account);

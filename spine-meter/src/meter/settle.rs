@@ -27,8 +27,22 @@ use crate::{Ledger, Price, Settlement, TokenCounter};
 pub struct Settlements {
     tracker: tokio_util::task::TaskTracker,
     pending: Arc<std::sync::Mutex<std::collections::BTreeSet<spine_core::RequestId>>>,
+    /// Holds being placed (asked of the ledger, not answered yet).
+    holds_in_flight: Arc<std::sync::atomic::AtomicUsize>,
     /// One waiter woken at each commit.
     committed: Arc<tokio::sync::Notify>,
+}
+
+/// One hold being placed, counted by [`Settlements::unsettled`] until dropped.
+#[derive(Debug)]
+pub(crate) struct HoldInFlight(Settlements);
+
+impl Drop for HoldInFlight {
+    fn drop(&mut self) {
+        let holds = &self.0.holds_in_flight;
+        holds.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+        self.0.committed.notify_one();
+    }
 }
 
 /// How long a request waits for room among the unsettled requests before it is refused
@@ -36,9 +50,20 @@ pub struct Settlements {
 pub const UNSETTLED_WAIT: Duration = Duration::from_secs(10);
 
 impl Settlements {
-    /// Answered requests whose settlement is not committed yet.
+    /// Requests whose ledger write is not committed yet: answered requests whose settlement
+    /// is not, and holds being placed (a request that passed [`Settlements::wait_for_room`]
+    /// and waits for its hold is one the ledger is behind on too, and is answered once it has
+    /// it).
     pub fn unsettled(&self) -> usize {
-        self.pending.lock().unwrap_or_else(|e| e.into_inner()).len()
+        let settlements = self.pending.lock().unwrap_or_else(|e| e.into_inner()).len();
+        settlements + self.holds_in_flight.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Counts a hold being placed until the guard is dropped.
+    pub(crate) fn hold_in_flight(&self) -> HoldInFlight {
+        let holds = &self.holds_in_flight;
+        holds.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        HoldInFlight(self.clone())
     }
 
     /// Waits while `max` or more requests are unsettled, at most `bound`; `false` if they
