@@ -797,7 +797,9 @@ async fn killed_under_load(pg: Option<&common::PgDb>) {
          settlements committed then, {kept} after the restart; {swept} holds swept, \
          {answered_swept} of them answered 200 before the kill (their tokens went unpaid)",
         sent.load(Ordering::Relaxed),
-        rate.map_or("16 closed-loop callers".to_owned(), |r| format!("open loop at {r} req/s")),
+        rate.map_or("16 closed-loop callers".to_owned(), |r| format!(
+            "open loop at {r} req/s"
+        )),
         answered.len(),
         answered.len() as f64 / load_secs
     );

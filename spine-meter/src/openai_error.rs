@@ -238,12 +238,14 @@ impl From<&MeterError> for ApiError {
                 "response_too_large",
                 e.to_string(),
             ),
-            MeterError::BodiesOverBudget { .. } | MeterError::SettlementsBehind { .. } => Self::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "server_error",
-                "server_busy",
-                e.to_string(),
-            ),
+            MeterError::BodiesOverBudget { .. } | MeterError::SettlementsBehind { .. } => {
+                Self::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "server_error",
+                    "server_busy",
+                    e.to_string(),
+                )
+            }
             MeterError::AccountBodiesOverBudget { .. } => {
                 Self::rate_limited("requests", e.to_string(), Some(1))
             }

@@ -515,7 +515,11 @@ async fn hold_owned(
 ) -> Result<PendingGuard, MeterError> {
     // a ledger behind the traffic: wait for it before holding (see `max_unsettled_requests`)
     let limit = config.max_unsettled_requests;
-    if !config.settlements.wait_for_room(limit, config.unsettled_wait).await {
+    if !config
+        .settlements
+        .wait_for_room(limit, config.unsettled_wait)
+        .await
+    {
         return Err(MeterError::SettlementsBehind { limit });
     }
     let (tx, rx) = tokio::sync::oneshot::channel::<Result<PendingGuard, LedgerError>>();

@@ -56,7 +56,10 @@ impl Settlements {
     /// it).
     pub fn unsettled(&self) -> usize {
         let settlements = self.pending.lock().unwrap_or_else(|e| e.into_inner()).len();
-        settlements + self.holds_in_flight.load(std::sync::atomic::Ordering::Relaxed)
+        settlements
+            + self
+                .holds_in_flight
+                .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Counts a hold being placed until the guard is dropped.

@@ -1490,7 +1490,11 @@ async fn a_ledger_behind_the_traffic_makes_new_requests_wait_before_their_hold()
         ),
         "{refused}"
     );
-    assert_eq!(h.balance().await.held_micros, held, "no hold for the refused one");
+    assert_eq!(
+        h.balance().await.held_micros,
+        held,
+        "no hold for the refused one"
+    );
     gate.add_permits(1);
     settlements.drain().await;
     assert!(h.record("a1").await.is_some());

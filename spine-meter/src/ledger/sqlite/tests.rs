@@ -143,7 +143,12 @@ async fn the_writer_starts_the_wal_over_once_the_background_saw_it_reach_the_thr
     tokio::time::sleep(Duration::from_millis(300)).await;
     l.direct.take().unwrap().close().await;
     let wal = WalSize::new(1_000);
-    let writer = Writer::open(&path, BUSY_TIMEOUT, WRITER_AUTOCHECKPOINT_PAGES, wal.clone());
+    let writer = Writer::open(
+        &path,
+        BUSY_TIMEOUT,
+        WRITER_AUTOCHECKPOINT_PAGES,
+        wal.clone(),
+    );
     l.direct = Some(writer.unwrap());
     let acct = AccountId::from("a");
     l.create_account(&acct).await.unwrap();

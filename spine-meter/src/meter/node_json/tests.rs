@@ -349,7 +349,11 @@ fn logprobs_nested_deeper_than_openais_are_refused_on_both_paths() {
         let raw: Box<RawValue> = serde_json::from_str(&choice).unwrap();
         let general = read_choice(0, &raw, TextMember::Delta);
         assert_eq!(general.is_ok(), depth <= 8, "depth {depth}");
-        assert_eq!(plain_agrees_with_general(&choice), general.is_ok(), "depth {depth}");
+        assert_eq!(
+            plain_agrees_with_general(&choice),
+            general.is_ok(),
+            "depth {depth}"
+        );
     }
 }
 
