@@ -1394,42 +1394,17 @@ async fn a_non_streamed_answer_over_the_cap_or_past_n_is_handled() {
     assert!(slot.lock().unwrap().as_ref().unwrap().node_fault_reported());
 }
 
-/// A ledger whose holds take a while (a busy database), so a caller can leave mid-hold.
+/// A ledger behind the traffic: its holds take `hold_delay` (a busy database, so a caller
+/// can leave mid-hold), and each settlement first waits for a permit of `settle_gate`, when
+/// there is one.
 #[derive(Debug)]
-struct SlowHold(Arc<SqliteLedger>, std::time::Duration);
-
-impl Ledger for SlowHold {
-    fn hold(
-        &self,
-        request_id: RequestId,
-        account: AccountId,
-        model: ModelId,
-        amount_micros: u64,
-    ) -> crate::ledger::LedgerFuture<'_, ()> {
-        Box::pin(async move {
-            tokio::time::sleep(self.1).await;
-            self.0.hold(request_id, account, model, amount_micros).await
-        })
-    }
-    fn release(&self, request_id: RequestId) -> crate::ledger::LedgerFuture<'_, ()> {
-        self.0.release(request_id)
-    }
-    fn settle(&self, settlement: Settlement) -> crate::ledger::LedgerFuture<'_, SettleResult> {
-        self.0.settle(settlement)
-    }
-    fn request_record(
-        &self,
-        request_id: RequestId,
-    ) -> crate::ledger::LedgerFuture<'_, Option<crate::ledger::RequestRecord>> {
-        self.0.request_record(request_id)
-    }
+struct SlowLedger {
+    inner: Arc<SqliteLedger>,
+    hold_delay: std::time::Duration,
+    settle_gate: Option<Arc<tokio::sync::Semaphore>>,
 }
 
-/// A ledger behind the traffic: each settlement waits for a permit of the test's gate.
-#[derive(Debug)]
-struct GatedSettle(Arc<SqliteLedger>, Arc<tokio::sync::Semaphore>);
-
-impl Ledger for GatedSettle {
+impl Ledger for SlowLedger {
     fn hold(
         &self,
         request_id: RequestId,
@@ -1437,22 +1412,29 @@ impl Ledger for GatedSettle {
         model: ModelId,
         amount_micros: u64,
     ) -> crate::ledger::LedgerFuture<'_, ()> {
-        self.0.hold(request_id, account, model, amount_micros)
+        Box::pin(async move {
+            tokio::time::sleep(self.hold_delay).await;
+            self.inner
+                .hold(request_id, account, model, amount_micros)
+                .await
+        })
     }
     fn release(&self, request_id: RequestId) -> crate::ledger::LedgerFuture<'_, ()> {
-        self.0.release(request_id)
+        self.inner.release(request_id)
     }
     fn settle(&self, settlement: Settlement) -> crate::ledger::LedgerFuture<'_, SettleResult> {
         Box::pin(async move {
-            self.1.acquire().await.unwrap().forget();
-            self.0.settle(settlement).await
+            if let Some(gate) = &self.settle_gate {
+                gate.acquire().await.unwrap().forget();
+            }
+            self.inner.settle(settlement).await
         })
     }
     fn request_record(
         &self,
         request_id: RequestId,
     ) -> crate::ledger::LedgerFuture<'_, Option<crate::ledger::RequestRecord>> {
-        self.0.request_record(request_id)
+        self.inner.request_record(request_id)
     }
 }
 
@@ -1467,7 +1449,11 @@ async fn streamed<S: UpstreamService>(svc: Meter<S>, id: &'static str) -> Result
 async fn a_ledger_behind_the_traffic_makes_new_requests_wait_before_their_hold() {
     let h = harness().await;
     let gate = Arc::new(tokio::sync::Semaphore::new(0));
-    let ledger = Arc::new(GatedSettle(h.ledger.clone(), gate.clone()));
+    let ledger = Arc::new(SlowLedger {
+        inner: h.ledger.clone(),
+        hold_delay: std::time::Duration::ZERO,
+        settle_gate: Some(gate.clone()),
+    });
     let body = capture_body("b_chat_stream_usage.txt");
     let layer = |wait| {
         MeterLayer::new(ledger.clone(), catalog(2048))
@@ -1522,10 +1508,11 @@ async fn a_caller_leaving_at_any_point_never_strands_a_hold() {
     // 300 streamed requests, each dropped 0–3 ms after it was sent (while its hold is being
     // placed, at the node, or mid-stream): every hold is released while the gateway runs
     let h = harness().await;
-    let ledger = Arc::new(SlowHold(
-        h.ledger.clone(),
-        std::time::Duration::from_millis(1),
-    ));
+    let ledger = Arc::new(SlowLedger {
+        inner: h.ledger.clone(),
+        hold_delay: std::time::Duration::from_millis(1),
+        settle_gate: None,
+    });
     let layer = MeterLayer::new(ledger, catalog(2048)).events(h.events.clone());
     let settlements = layer.settlements();
     let body = capture_body("b_chat_stream_usage.txt");
