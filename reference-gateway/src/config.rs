@@ -167,7 +167,8 @@ pub(crate) struct Config {
     /// Most bytes of request bodies being read at once for one account (429
     /// `rate_limit_exceeded` past it; other accounts are served).
     pub(crate) max_buffered_request_bytes_per_account: u64,
-    /// Most requests whose hold or settlement is not committed yet; at it, new requests wait
+    /// Most requests whose hold or settlement is not committed yet (0: no bound); at it, new
+    /// requests wait
     /// for the ledger (up to 10 s, then 503 `server_busy`).
     pub(crate) max_unsettled_requests: u64,
     /// Most bytes of one non-streamed answer buffered (502 `response_too_large` past it, when

@@ -11,7 +11,7 @@
 //! | `spine_ttft_seconds` | `route` | time to first byte of a 2xx body (streamed: the first event) |
 //! | `spine_ledger_commits_total` | | the SQLite file store's group commits (each one `COMMIT` of a batch of writes) |
 //! | `spine_ledger_committed_writes_total` | | write transactions committed by them (÷ commits = writes per batch) |
-//! | `spine_unsettled_requests` | | gauge: answered requests whose settlement is not committed yet (with the holds being placed, bounded by `MeterConfig::max_unsettled_requests`) |
+//! | `spine_unsettled_requests` | | gauge: requests whose hold or settlement is not committed yet (bounded by `MeterConfig::max_unsettled_requests`) |
 //! | `spine_audit_verdict` | `node`, `model`, `verdict` | gauge: 1 for the (node, model)'s current verdict, 0 for the others (design brief §10) |
 //! | `spine_audit_tokens` | `node`, `model` | gauge: completion tokens audited |
 //! | `spine_audit_statistic` | `node`, `model` | gauge: the test statistic Λ (fails at `spine_audit_fail_threshold`) |
@@ -46,8 +46,8 @@ pub const LEDGER_COMMITS: &str = "spine_ledger_commits_total";
 /// `spine_ledger_committed_writes_total`: write transactions committed by
 /// [`LEDGER_COMMITS`].
 pub const LEDGER_COMMITTED_WRITES: &str = "spine_ledger_committed_writes_total";
-/// `spine_unsettled_requests`: answered requests whose settlement is not committed yet
-/// (a gauge; bounded by `MeterConfig::max_unsettled_requests`).
+/// `spine_unsettled_requests`: requests whose hold or settlement is not committed yet (a
+/// gauge; bounded by `MeterConfig::max_unsettled_requests`).
 pub const UNSETTLED_REQUESTS: &str = "spine_unsettled_requests";
 /// `spine_ttft_seconds{route}` (a histogram).
 pub const TTFT: &str = "spine_ttft_seconds";

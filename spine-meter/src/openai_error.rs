@@ -246,7 +246,8 @@ impl From<&MeterError> for ApiError {
                     e.to_string(),
                 )
             }
-            MeterError::AccountBodiesOverBudget { .. } => {
+            MeterError::AccountBodiesOverBudget { .. }
+            | MeterError::AccountSettlementsBehind { .. } => {
                 Self::rate_limited("requests", e.to_string(), Some(1))
             }
             MeterError::UnknownModel(m) => Self::new(

@@ -139,7 +139,10 @@ pub struct MeterConfig {
     pub(crate) account_body_bytes: Arc<AccountBodyBytes>,
     /// Most requests whose ledger write is not committed yet: answered requests whose
     /// settlement is not, and holds being placed (default 1,024,
-    /// [`DEFAULT_MAX_UNSETTLED_REQUESTS`]). At the limit a new request waits before its hold
+    /// [`DEFAULT_MAX_UNSETTLED_REQUESTS`]; `usize::MAX`: no bound). One account may have a
+    /// quarter of them; past that its request is refused at once
+    /// ([`MeterError::AccountSettlementsBehind`](super::MeterError::AccountSettlementsBehind),
+    /// 429). At the limit a new request waits before its hold
     /// until a settlement commits, at most [`unsettled_wait`](Self::unsettled_wait), then is
     /// refused ([`MeterError::SettlementsBehind`](super::MeterError::SettlementsBehind), 503).
     /// Why: the caller is answered before the settlement commits (the ledger's latency is not

@@ -59,6 +59,16 @@ pub enum MeterError {
         /// The limit, requests.
         limit: usize,
     },
+    /// The caller's account has its share of that limit (a quarter) waiting for the ledger
+    /// (429 `rate_limit_exceeded`, `Retry-After: 1`): refused at once, before anything is
+    /// held or forwarded, so that one account cannot fill the limit for every other.
+    #[error(
+        "this account has {limit} requests waiting for their hold or settlement; retry shortly"
+    )]
+    AccountSettlementsBehind {
+        /// The account's share, requests.
+        limit: usize,
+    },
     /// The model is not in the catalog (404).
     #[error("unknown model {0}")]
     UnknownModel(ModelId),

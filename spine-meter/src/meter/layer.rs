@@ -83,11 +83,11 @@ impl MeterLayer {
         self
     }
 
-    /// Sets the most requests whose hold or settlement is not committed ([`MeterConfig::max_unsettled_requests`];
-    /// at least 1) and how long a request waits for room among them
-    /// ([`MeterConfig::unsettled_wait`]).
+    /// Sets the most requests whose hold or settlement is not committed
+    /// ([`MeterConfig::max_unsettled_requests`]; 0: no bound) and how long a request waits for
+    /// room among them ([`MeterConfig::unsettled_wait`]).
     pub fn max_unsettled_requests(mut self, requests: usize, wait: std::time::Duration) -> Self {
-        self.config.max_unsettled_requests = requests.max(1);
+        self.config.max_unsettled_requests = if requests == 0 { usize::MAX } else { requests };
         self.config.unsettled_wait = wait;
         self
     }

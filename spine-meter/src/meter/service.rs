@@ -22,7 +22,7 @@ use super::prompt::{
     UNREADABLE_LOGIT_BIAS,
 };
 use super::request_body::read_request_body_and_balance;
-use super::settle::{AuditCapture, SettleCtx};
+use super::settle::{AuditCapture, NoRoom, SettleCtx};
 use super::{AdmissionRequest, CountedUsage, MeterConfig, MeterError, ResponseFuture};
 use crate::{inject_include_usage, LedgerError};
 
@@ -515,19 +515,22 @@ async fn hold_owned(
 ) -> Result<PendingGuard, MeterError> {
     // a ledger behind the traffic: wait for it before holding (see `max_unsettled_requests`)
     let limit = config.max_unsettled_requests;
-    if !config
+    let in_flight = match config
         .settlements
-        .wait_for_room(limit, config.unsettled_wait)
+        .wait_for_room(&ctx.account, limit, config.unsettled_wait)
         .await
     {
-        return Err(MeterError::SettlementsBehind { limit });
-    }
+        Ok(in_flight) => in_flight,
+        Err(NoRoom::Full) => return Err(MeterError::SettlementsBehind { limit }),
+        Err(NoRoom::AccountShare(limit)) => {
+            return Err(MeterError::AccountSettlementsBehind { limit })
+        }
+    };
     let (tx, rx) = tokio::sync::oneshot::channel::<Result<PendingGuard, LedgerError>>();
     let ledger = config.ledger.clone();
     let refused = config.refused_credit.clone();
     let settlements = config.settlements.clone();
     let runtime = ctx.runtime.clone();
-    let in_flight = settlements.hold_in_flight();
     settlements.spawn_on(
         async move {
             let placed = ledger

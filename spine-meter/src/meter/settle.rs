@@ -12,7 +12,6 @@ use crate::audit::{AuditSample, AuditTap, NodeLogprobs};
 use crate::tokenizer::{CompletionCount, CompletionRule, GeneratedCount, GeneratedText};
 use crate::{Ledger, Price, Settlement, TokenCounter};
 
-/// What the end hook needs to settle one request.
 /// Settlement tasks in flight (spawned when a response body ends); cheap to clone, shared.
 ///
 /// A settlement the ledger refuses (e.g. PostgreSQL unreachable) is retried with backoff until it
@@ -21,73 +20,145 @@ use crate::{Ledger, Price, Settlement, TokenCounter};
 ///
 /// It also bounds them: a request answered before its settlement commits is one a crash of
 /// the gateway leaves unpaid (its hold is swept, nothing charged), so while
-/// [`MeterConfig::max_unsettled_requests`](super::MeterConfig::max_unsettled_requests) are
-/// pending, new requests wait before their hold ([`Settlements::wait_for_room`]).
+/// [`MeterConfig::max_unsettled_requests`](super::MeterConfig::max_unsettled_requests) requests
+/// wait for their hold or their settlement, new requests wait before their hold, and an
+/// account with a quarter of them is refused at once ([`Settlements::wait_for_room`]).
 #[derive(Clone, Debug, Default)]
 pub struct Settlements {
     tracker: tokio_util::task::TaskTracker,
-    pending: Arc<std::sync::Mutex<std::collections::BTreeSet<spine_core::RequestId>>>,
-    /// Holds being placed (asked of the ledger, not answered yet).
-    holds_in_flight: Arc<std::sync::atomic::AtomicUsize>,
+    unsettled: Arc<std::sync::Mutex<Unsettled>>,
     /// One waiter woken at each commit.
     committed: Arc<tokio::sync::Notify>,
 }
 
+/// Requests whose ledger write is not committed yet.
+#[derive(Debug, Default)]
+struct Unsettled {
+    /// Answered requests whose settlement is not committed yet, and their accounts.
+    settlements: std::collections::BTreeMap<RequestId, AccountId>,
+    /// Holds being placed (asked of the ledger, not answered yet).
+    holds: usize,
+    /// Both, per account (no entry at 0).
+    per_account: std::collections::HashMap<AccountId, usize>,
+}
+
+impl Unsettled {
+    fn total(&self) -> usize {
+        self.settlements.len() + self.holds
+    }
+
+    fn add(&mut self, account: &AccountId) {
+        *self.per_account.entry(account.clone()).or_default() += 1;
+    }
+
+    fn remove(&mut self, account: &AccountId) {
+        if let Some(n) = self.per_account.get_mut(account) {
+            *n -= 1;
+            if *n == 0 {
+                self.per_account.remove(account);
+            }
+        }
+    }
+
+    /// The gauge of [`Settlements::unsettled`].
+    fn publish(&self) {
+        #[cfg(feature = "metrics")]
+        metrics::gauge!(crate::metrics::UNSETTLED_REQUESTS).set(self.total() as f64);
+    }
+}
+
 /// One hold being placed, counted by [`Settlements::unsettled`] until dropped.
 #[derive(Debug)]
-pub(crate) struct HoldInFlight(Settlements);
+pub(crate) struct HoldInFlight {
+    settlements: Settlements,
+    account: AccountId,
+}
 
 impl Drop for HoldInFlight {
     fn drop(&mut self) {
-        let holds = &self.0.holds_in_flight;
-        holds.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
-        self.0.committed.notify_one();
+        let mut u = self.settlements.lock();
+        u.holds -= 1;
+        u.remove(&self.account);
+        u.publish();
+        drop(u);
+        self.settlements.committed.notify_one();
     }
+}
+
+/// Why [`Settlements::wait_for_room`] gave no room.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum NoRoom {
+    /// The account has its share of the bound: refused at once.
+    AccountShare(usize),
+    /// The bound stayed full for the whole wait.
+    Full,
 }
 
 /// How long a request waits for room among the unsettled requests before it is refused
 /// ([`MeterError::SettlementsBehind`](super::MeterError::SettlementsBehind), 503): 10 s.
 pub const UNSETTLED_WAIT: Duration = Duration::from_secs(10);
 
+/// One account's share of a bound of `max` unsettled requests: a quarter (at least 1), so that
+/// one account cannot fill the bound and make every other account wait.
+pub(crate) fn account_share(max: usize) -> usize {
+    (max / 4).max(1)
+}
+
 impl Settlements {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Unsettled> {
+        self.unsettled.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Requests whose ledger write is not committed yet: answered requests whose settlement
     /// is not, and holds being placed (a request that passed [`Settlements::wait_for_room`]
     /// and waits for its hold is one the ledger is behind on too, and is answered once it has
-    /// it).
+    /// it). Requests between their hold and their answer are not counted: the bound is soft
+    /// by the requests in flight at the nodes.
     pub fn unsettled(&self) -> usize {
-        let settlements = self.pending.lock().unwrap_or_else(|e| e.into_inner()).len();
-        settlements
-            + self
-                .holds_in_flight
-                .load(std::sync::atomic::Ordering::Relaxed)
+        self.lock().total()
     }
 
-    /// Counts a hold being placed until the guard is dropped.
-    pub(crate) fn hold_in_flight(&self) -> HoldInFlight {
-        let holds = &self.holds_in_flight;
-        holds.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        HoldInFlight(self.clone())
-    }
-
-    /// Waits while `max` or more requests are unsettled, at most `bound`; `false` if they
-    /// still were then.
+    /// Room for one more hold of `account`: the hold counted until the guard is dropped.
+    /// Refused at once ([`NoRoom::AccountShare`]) while the account has
+    /// [`account_share`]`(max)`; otherwise waits while `max` or more requests are unsettled,
+    /// at most `bound` ([`NoRoom::Full`]). `max` of `usize::MAX` is no bound.
     ///
     /// # Cancel safety
     ///
-    /// Cancel safe: it only waits.
-    pub(crate) async fn wait_for_room(&self, max: usize, bound: Duration) -> bool {
+    /// Cancel safe: nothing is counted until it returns.
+    pub(crate) async fn wait_for_room(
+        &self,
+        account: &AccountId,
+        max: usize,
+        bound: Duration,
+    ) -> Result<HoldInFlight, NoRoom> {
+        let share = account_share(max);
         let room = async {
             loop {
                 let committed = self.committed.notified();
                 tokio::pin!(committed);
                 committed.as_mut().enable();
-                if self.unsettled() < max {
-                    return;
+                {
+                    let mut u = self.lock();
+                    if u.per_account.get(account).copied().unwrap_or(0) >= share {
+                        return Err(NoRoom::AccountShare(share));
+                    }
+                    if u.total() < max {
+                        u.holds += 1;
+                        u.add(account);
+                        u.publish();
+                        return Ok(HoldInFlight {
+                            settlements: self.clone(),
+                            account: account.clone(),
+                        });
+                    }
                 }
                 committed.await;
             }
         };
-        tokio::time::timeout(bound, room).await.is_ok()
+        tokio::time::timeout(bound, room)
+            .await
+            .unwrap_or(Err(NoRoom::Full))
     }
 
     /// Settlements not yet committed to the ledger.
@@ -97,27 +168,27 @@ impl Settlements {
 
     /// The request ids whose settlement is not committed yet, in id order.
     pub fn pending_request_ids(&self) -> Vec<spine_core::RequestId> {
-        self.pending
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-            .cloned()
-            .collect()
+        self.lock().settlements.keys().cloned().collect()
     }
 
-    pub(crate) fn mark_pending(&self, request_id: &spine_core::RequestId) {
-        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
-        pending.insert(request_id.clone());
-        #[cfg(feature = "metrics")]
-        metrics::gauge!(crate::metrics::UNSETTLED_REQUESTS).set(pending.len() as f64);
+    pub(crate) fn mark_pending(&self, request_id: &RequestId, account: &AccountId) {
+        let mut u = self.lock();
+        if u.settlements
+            .insert(request_id.clone(), account.clone())
+            .is_none()
+        {
+            u.add(account);
+        }
+        u.publish();
     }
 
-    pub(crate) fn mark_committed(&self, request_id: &spine_core::RequestId) {
-        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
-        pending.remove(request_id);
-        #[cfg(feature = "metrics")]
-        metrics::gauge!(crate::metrics::UNSETTLED_REQUESTS).set(pending.len() as f64);
-        drop(pending);
+    pub(crate) fn mark_committed(&self, request_id: &RequestId) {
+        let mut u = self.lock();
+        if let Some(account) = u.settlements.remove(request_id) {
+            u.remove(&account);
+        }
+        u.publish();
+        drop(u);
         // one settlement's room for one waiter (it re-checks; a waiter dropped after being
         // woken passes the wake-up on), not a wake-up of every waiter at every commit
         self.committed.notify_one();
@@ -142,6 +213,7 @@ impl Settlements {
     }
 }
 
+/// What the end hook needs to settle one request.
 #[derive(Clone)]
 pub(crate) struct SettleCtx {
     pub(crate) ledger: Arc<dyn Ledger>,
@@ -492,7 +564,7 @@ impl SettleCtx {
         let runtime = self.runtime;
         let refused_credit = self.refused_credit;
         let settlements = self.settlements.clone();
-        settlements.mark_pending(&settlement.request_id);
+        settlements.mark_pending(&settlement.request_id, &settlement.account);
         self.settlements.spawn_on(
             async move {
                 let mut backoff = Duration::from_millis(50);

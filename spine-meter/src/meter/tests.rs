@@ -1438,16 +1438,37 @@ impl Ledger for SlowLedger {
     }
 }
 
-/// A streamed request through `svc`, read to its end.
-async fn streamed<S: UpstreamService>(svc: Meter<S>, id: &'static str) -> Result<(), BoxError> {
-    let resp = svc.oneshot(request(id, &chat(true, None))).await?;
+/// A streamed request of `account` through `svc`, read to its end.
+async fn streamed<S: UpstreamService>(
+    svc: Meter<S>,
+    account: &'static str,
+    id: &'static str,
+) -> Result<(), BoxError> {
+    let body = Bytes::from(serde_json::to_vec(&chat(true, None)).unwrap());
+    let resp = svc
+        .oneshot(chat_request(id, AccountId::from(account), body))
+        .await?;
     frames(resp.into_body()).await;
     Ok(())
+}
+
+/// The [`MeterError`] of a refused request.
+fn meter_error(e: &BoxError) -> Option<&MeterError> {
+    e.downcast_ref::<MeterError>()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_ledger_behind_the_traffic_makes_new_requests_wait_before_their_hold() {
     let h = harness().await;
+    for other in ["b", "c"] {
+        let account = AccountId::from(other);
+        h.ledger.create_account(&account).await.unwrap();
+        let key = format!("credit-{other}");
+        h.ledger
+            .add_credits(&account, START_MICROS, &key)
+            .await
+            .unwrap();
+    }
     let gate = Arc::new(tokio::sync::Semaphore::new(0));
     let ledger = Arc::new(SlowLedger {
         inner: h.ledger.clone(),
@@ -1455,24 +1476,24 @@ async fn a_ledger_behind_the_traffic_makes_new_requests_wait_before_their_hold()
         settle_gate: Some(gate.clone()),
     });
     let body = capture_body("b_chat_stream_usage.txt");
-    let layer = |wait| {
+    let layer = |max, wait| {
         MeterLayer::new(ledger.clone(), catalog(2048))
             .events(h.events.clone())
-            .max_unsettled_requests(1, wait)
+            .max_unsettled_requests(max, wait)
     };
     let node = || h.inner(200, "text/event-stream", reads_of(&body, 64), End::Eof);
-    // a short wait: the second request, with one answered and unsettled, is refused (503)
-    // before its hold
-    let short = layer(std::time::Duration::from_millis(100));
+    // a bound of 2, so a share of 1 an account: with `acct`'s answer unsettled, its next
+    // request is refused at once (429), before its hold
+    let short = layer(2, std::time::Duration::from_millis(100));
     let (settlements, svc) = (short.settlements(), short.layer(node()));
-    streamed(svc.clone(), "a1").await.unwrap();
+    streamed(svc.clone(), "acct", "a1").await.unwrap();
     assert_eq!(settlements.unsettled(), 1);
     let held = h.balance().await.held_micros;
-    let refused = streamed(svc.clone(), "a2").await.unwrap_err();
+    let refused = streamed(svc.clone(), "acct", "a2").await.unwrap_err();
     assert!(
         matches!(
-            refused.downcast_ref::<MeterError>(),
-            Some(MeterError::SettlementsBehind { limit: 1 })
+            meter_error(&refused),
+            Some(MeterError::AccountSettlementsBehind { limit: 1 })
         ),
         "{refused}"
     );
@@ -1481,24 +1502,39 @@ async fn a_ledger_behind_the_traffic_makes_new_requests_wait_before_their_hold()
         held,
         "no hold for the refused one"
     );
-    gate.add_permits(1);
+    // another account's request is taken (one of two); with two unsettled, a third account
+    // waits, and past the wait is refused (503), before its hold
+    streamed(svc.clone(), "b", "a3").await.unwrap();
+    assert_eq!(settlements.unsettled(), 2);
+    let refused = streamed(svc.clone(), "c", "a4").await.unwrap_err();
+    assert!(
+        matches!(
+            meter_error(&refused),
+            Some(MeterError::SettlementsBehind { limit: 2 })
+        ),
+        "{refused}"
+    );
+    gate.add_permits(2);
     settlements.drain().await;
-    assert!(h.record("a1").await.is_some());
-    assert!(h.record("a2").await.is_none());
-    // a long wait: the second request waits for the first's settlement, then is served
-    let long = layer(std::time::Duration::from_secs(600));
+    assert_eq!(settlements.unsettled(), 0);
+    for (id, recorded) in [("a1", true), ("a2", false), ("a3", true), ("a4", false)] {
+        assert_eq!(h.record(id).await.is_some(), recorded, "{id}");
+    }
+    // a long wait: the third account waits for a settlement, then is served
+    let long = layer(2, std::time::Duration::from_secs(600));
     let (settlements, svc) = (long.settlements(), long.layer(node()));
-    streamed(svc.clone(), "b1").await.unwrap();
-    let second = streamed(svc.clone(), "b2");
-    tokio::pin!(second);
-    let early = tokio::time::timeout(std::time::Duration::from_millis(300), &mut second).await;
+    streamed(svc.clone(), "acct", "b1").await.unwrap();
+    streamed(svc.clone(), "b", "b2").await.unwrap();
+    let third = streamed(svc.clone(), "c", "b3");
+    tokio::pin!(third);
+    let early = tokio::time::timeout(std::time::Duration::from_millis(300), &mut third).await;
     assert!(early.is_err(), "served while the ledger was behind");
-    assert_eq!(settlements.unsettled(), 1);
+    assert_eq!(settlements.unsettled(), 2);
     gate.add_permits(1);
-    second.await.unwrap();
-    gate.add_permits(1);
+    third.await.unwrap();
+    gate.add_permits(2);
     settlements.drain().await;
-    assert!(h.record("b2").await.is_some());
+    assert!(h.record("b3").await.is_some());
     assert_eq!(h.balance().await.held_micros, 0);
     assert_eq!(h.ledger.entries_sum_micros().await.unwrap(), 0);
 }

@@ -106,7 +106,12 @@ pub(super) fn spawn_checkpointer(mut conn: SqliteConnection, wal: WalSize) -> Ab
 /// The writer's checkpoint after a commit (see the module docs): passive, on `conn` with no
 /// transaction open. Blocking: call it on a blocking thread.
 pub(super) fn checkpoint_to_restart(conn: &rusqlite::Connection) {
-    if let Err(e) = conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(())) {
-        tracing::warn!(error = %e, "the ledger writer's WAL checkpoint failed");
+    match conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(())) {
+        Ok(()) => {}
+        // the background checkpoint is running (one at a time): its next pass asks again
+        Err(e) if e.sqlite_error_code() == Some(rusqlite::ErrorCode::DatabaseBusy) => {
+            tracing::debug!(error = %e, "the ledger writer's WAL checkpoint was busy");
+        }
+        Err(e) => tracing::warn!(error = %e, "the ledger writer's WAL checkpoint failed"),
     }
 }
