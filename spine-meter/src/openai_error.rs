@@ -581,6 +581,33 @@ mod tests {
     }
 
     #[test]
+    fn a_ledger_behind_the_traffic_is_a_503_and_an_account_over_its_share_a_429() {
+        let full = ApiError::from(&MeterError::SettlementsBehind { limit: 1_024 });
+        assert_eq!(
+            (full.status, full.kind, full.code, full.retry_after_secs),
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                "server_busy",
+                None
+            )
+        );
+        let resp =
+            ApiError::from(&MeterError::AccountSettlementsBehind { limit: 256 }).into_response();
+        assert_eq!(resp.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(resp.headers()[http::header::RETRY_AFTER], "1");
+        let share = ApiError::from(&MeterError::AccountSettlementsBehind { limit: 256 });
+        assert_eq!(
+            (share.kind, share.code),
+            ("requests", "rate_limit_exceeded")
+        );
+        assert_eq!(
+            share.message,
+            "this account has 256 requests waiting for their hold or settlement; retry shortly"
+        );
+    }
+
+    #[test]
     fn retry_after_rounds_up_to_whole_seconds() {
         use std::time::Duration;
         assert_eq!(ceil_secs(Duration::from_millis(1)), 1);
