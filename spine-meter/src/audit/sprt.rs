@@ -122,7 +122,10 @@ pub struct SprtConfig {
     pub sampled_bets: [f64; BETS],
     /// Highest event rate of an honest node at a node-logprob position (|Δ| above
     /// [`ScoreConfig::logprob_event_nats`](super::ScoreConfig::logprob_event_nats); an
-    /// assumption the honest runs of `docs/trust.md` measured far below). Default 0.005.
+    /// assumption). Default 0.001: the honest runs of `docs/trust.md` had 3 events in
+    /// 230,089 positions (one-sided 95 % bound 3.4·10⁻⁵, 29× under it); 0.005 before, which
+    /// let a substitute whose first reply agreed with the model climb back from the floor
+    /// too slowly (greedy Q2_K: 34 of 35 runs failed within 300 audited tokens).
     pub logprob_p0: f64,
     /// The event rate of a substitute the node-logprob likelihood ratio is designed for.
     /// Default 0.10.
@@ -137,7 +140,7 @@ impl Default for SprtConfig {
             greedy_p0: 0.002,
             greedy_p1: 0.08,
             sampled_bets: [0.3, 0.5, 0.7, 0.9],
-            logprob_p0: 0.005,
+            logprob_p0: 0.001,
             logprob_p1: 0.10,
         }
     }

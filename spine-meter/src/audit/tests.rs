@@ -852,7 +852,9 @@ impl Reference for ForcingReference {
 }
 
 fn node_logprobs_auditor(reference_logprob: f64) -> Auditor {
-    let tokens: Vec<String> = (0..40).map(|i| format!("Ġw{i}")).collect();
+    // the words, and a byte token as every byte-level vocabulary has (0xF0, id 40)
+    let mut tokens: Vec<String> = (0..40).map(|i| format!("Ġw{i}")).collect();
+    tokens.push("ð".to_owned());
     let vocab = TokenVocabulary::from_tokens("gpt2", &tokens, None).unwrap();
     let vocabularies = std::collections::HashMap::from([(ModelId::new("m"), Arc::new(vocab))]);
     Auditor::spawn_with_node_logprobs(
@@ -906,12 +908,12 @@ async fn node_logprobs_score_the_nodes_claims_against_the_reference() {
     assert_eq!(honest.counters().node_logprobs_audits, 2);
 
     // claims 3.5 nats off the reference's: every position an event, failed within one audit
-    // (ln(1e5) / ln 20 ≈ 3.8 events)
+    // (ln(1e5) / ln(0.10 / 0.001) = 2.5 events: the third)
     let substitute = node_logprobs_auditor(-4.0);
     let v = substitute.audit_now(logprob_sample("b", 10)).await;
     assert_eq!(v, Some(AuditVerdict::Failed));
     let s = &substitute.statuses_of(&NodeId::new("b"))[0];
-    assert_eq!((s.tokens_audited, s.events), (4, 4));
+    assert_eq!((s.tokens_audited, s.events), (3, 3));
     assert_eq!(model, s.model);
 }
 
@@ -928,7 +930,7 @@ async fn a_node_that_sends_no_logprobs_or_a_list_that_is_not_its_text_gets_one_e
     a.audit_now(wrong).await;
     let s = &a.statuses_of(&NodeId::new("a"))[0];
     assert_eq!((s.tokens_audited, s.events), (2, 2));
-    assert!((s.statistic - 2.0 * (0.10f64 / 0.005).ln()).abs() < 1e-9);
+    assert!((s.statistic - 2.0 * (0.10f64 / 0.001).ln()).abs() < 1e-9);
     assert_eq!(a.counters().node_logprobs_missing, 2);
     // no capture (the tap was not asked): the text statistic, here inconclusive
     a.audit_now(sample("c", " w1")).await;
@@ -955,9 +957,9 @@ async fn a_list_in_another_vocabulary_is_one_event_and_is_scored_by_its_bytes() 
     let a = node_logprobs_auditor(-4.0);
     let v = a.audit_now(foreign_sample("b", 8)).await;
     assert_eq!(v, Some(AuditVerdict::Failed));
-    // the ids' event and three positions: 4 × ln 20 ≥ ln(1e5), the test stops there
+    // the ids' event and two positions: 3 × ln 100 ≥ ln(1e5), the test stops there
     let s = &a.statuses_of(&NodeId::new("b"))[0];
-    assert_eq!((s.tokens_audited, s.events), (4, 4));
+    assert_eq!((s.tokens_audited, s.events), (3, 3));
 
     // the same list with the catalog's own ids (0..n) is aligned as is: no event
     let a = node_logprobs_auditor(-0.5);
@@ -1024,7 +1026,8 @@ async fn a_list_that_stops_short_of_the_text_gets_one_event() {
     assert_eq!((s.tokens_audited, s.events), (1, 1));
     assert_eq!(a.counters().node_logprobs_short, 1);
 
-    // a character cut at max_tokens: its bytes arrive as U+FFFD, never listed
+    // a character cut at max_tokens: its bytes arrive as U+FFFD, never listed (a token that
+    // begins with a byte that is no whole character: the byte token 0xF0)
     let a = node_logprobs_auditor(-0.5);
     let mut cut = short_sample("a", 4, 4, 256, CHAT);
     cut.completion.push('\u{fffd}');
