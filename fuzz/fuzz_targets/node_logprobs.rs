@@ -56,7 +56,7 @@ fuzz_target!(|bytes: &[u8]| {
         let covered = covered_bytes(&tokens, text);
         if let Ok(c) = covered {
             assert!(c <= text.len());
-            let _ = honest_tail(&text[c..], usize::from(text.len() % 4), 8);
+            let _ = honest_tail(&text[c..], usize::from(text.len() % 4), &vocab);
         }
         let aligned = align(&vocab, &tokens, text, 32);
         // bytes that spell the text fail alignment only through an id that does not read

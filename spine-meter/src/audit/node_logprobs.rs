@@ -34,8 +34,10 @@
 //! - The end-of-generation token gets an empty entry (or one carrying held text) whose id is a
 //!   control token: alignment ends there.
 //! - Non-streamed answers that stopped at a stop word drop as many entries from the end of the
-//!   list as the stop word has tokens; at `max_tokens` the bytes of a character cut at the end
-//!   are never listed. Beyond that slack ([`honest_tail`]), a list that covers less of the
+//!   list as the stop word has tokens; a generation that ended inside an incomplete UTF-8
+//!   sequence (a character cut at `max_tokens`, or a lone lead byte sampled before the last
+//!   token or two) never lists the tokens held since it began (all of them held: no
+//!   `logprobs` at all). Beyond that slack ([`honest_tail`]), a list that covers less of the
 //!   delivered text than the node delivered ([`covered_bytes`]) is *short*: one event, as a
 //!   missing list.
 //!
@@ -507,10 +509,22 @@ pub fn covered_bytes(tokens: &[NodeToken], text: &[u8]) -> Result<usize, Misalig
 /// spells) unlisted, for a request whose longest stop word is `stop_bytes` long (0: none), with
 /// a vocabulary whose longest token is `max_token_bytes`.
 ///
-/// The slack, from the pinned llama.cpp (`server-context.cpp`):
+/// The slack, from the pinned llama.cpp (`server-context.cpp`, `server-task.cpp`):
 ///
-/// - at the `max_tokens` limit, a character cut at the end is never listed; a non-streamed
-///   answer sends its bytes, which JSON makes replacement characters: at most 3 U+FFFD;
+/// - a generation that ends (at `max_tokens`, or by its end-of-generation token) while the text
+///   ends in an *incomplete* sequence — a lead byte among its last 3 bytes without all of its
+///   continuation bytes (`validate_utf8`) — never lists the tokens held since that sequence
+///   began: the token that brought the lead byte (at most `max_token_bytes`, the bytes before
+///   the lead byte at most one less) and those after it (at most 2 bytes: the lead byte stays
+///   among the last 3). A non-streamed chat answer either drops the incomplete sequence
+///   (measured: `" \xD0"` delivered as `" "`) or sends it, JSON (nlohmann's `replace`) writing
+///   one U+FFFD per invalid sequence (measured: `"\xF0s"` as `"\u{fffd}s"`). So the tail up
+///   to its first U+FFFD (all of it when it has none) is the valid start of a vocabulary token
+///   whose next byte is invalid there ([`TokenVocabulary::begins_broken_token`]), and the
+///   tail is at most `max_token_bytes + 2` raw bytes (each U+FFFD counted as the one raw byte
+///   it stands for at least). At a high temperature a model samples such tokens
+///   (`docs/trust.md`, seeded T = 1.0). Not covered: a chain of tokens that each bring a new
+///   lead byte before the last one left the last 3 bytes (none in the measured replies);
 /// - with stop words: a non-streamed answer that stopped at one drops the last entries, as many
 ///   as the stop word has tokens (at most `stop_bytes + 1`), each carrying at most one token and
 ///   the text held before it; one that ended while a partial stop string held text sends that
@@ -519,21 +533,48 @@ pub fn covered_bytes(tokens: &[NodeToken], text: &[u8]) -> Result<usize, Misalig
 ///
 /// A chat template that adds its own stop strings (llama.cpp: Laguna, Ling 3) is not covered:
 /// none of the catalog's does.
-pub fn honest_tail(tail: &[u8], stop_bytes: usize, max_token_bytes: usize) -> bool {
-    const REPLACEMENT: &[u8] = "\u{fffd}".as_bytes();
-    if tail.is_empty() {
-        return true;
-    }
-    if tail.len() <= 3 * REPLACEMENT.len()
-        && tail.chunks(REPLACEMENT.len()).all(|c| c == REPLACEMENT)
-    {
-        return true;
-    }
+pub fn honest_tail(tail: &[u8], stop_bytes: usize, vocab: &TokenVocabulary) -> bool {
+    tail.is_empty()
+        || held_incomplete(tail, vocab)
+        || stop_word_slack(tail, stop_bytes, vocab.max_token_bytes())
+}
+
+/// Whether `tail` is within the slack a request's stop words leave an honest llama.cpp
+/// ([`honest_tail`]).
+fn stop_word_slack(tail: &[u8], stop_bytes: usize, max_token_bytes: usize) -> bool {
     stop_bytes > 0
         && tail.len()
             <= (stop_bytes + 2)
                 .saturating_mul(max_token_bytes)
                 .saturating_add(stop_bytes + 3)
+}
+
+/// Whether a non-empty `tail` may be the tokens an honest llama.cpp held at the end of
+/// generation behind an incomplete UTF-8 sequence, as its chat answer delivers them
+/// ([`honest_tail`]).
+fn held_incomplete(tail: &[u8], vocab: &TokenVocabulary) -> bool {
+    const REPLACEMENT: &[u8] = "\u{fffd}".as_bytes();
+    let Ok(text) = std::str::from_utf8(tail) else {
+        return false;
+    };
+    let first = tail
+        .windows(REPLACEMENT.len())
+        .position(|w| w == REPLACEMENT);
+    if !vocab.begins_broken_token(&tail[..first.unwrap_or(tail.len())]) {
+        return false;
+    }
+    // a U+FFFD stands for at least one raw byte
+    let raw: usize = text
+        .chars()
+        .map(|c| {
+            if c == char::REPLACEMENT_CHARACTER {
+                1
+            } else {
+                c.len_utf8()
+            }
+        })
+        .sum();
+    raw <= vocab.max_token_bytes().saturating_add(2)
 }
 
 /// The longest stop word of a request body's `stop` (a string or an array of strings), bytes;
@@ -599,7 +640,13 @@ pub fn judge_node_list(
     request_body: &[u8],
     max_tokens: usize,
 ) -> NodeList {
+    let max_token_bytes = vocab.max_token_bytes();
     if !capture.is_usable() {
+        // every token held behind an incomplete sequence at the end: llama.cpp lists none and
+        // leaves `logprobs` out ([`honest_tail`])
+        if capture.error.is_none() && capture.tokens.is_empty() && held_incomplete(text, vocab) {
+            return NodeList::Aligned(AlignedTokens::default());
+        }
         return NodeList::Unusable;
     }
     let covered = match covered_bytes(&capture.tokens, text) {
@@ -607,7 +654,15 @@ pub fn judge_node_list(
         Err(e) => return NodeList::Misaligned(e),
     };
     let stop_bytes = longest_stop_bytes(request_body);
-    if !capture.is_full() && !honest_tail(&text[covered..], stop_bytes, vocab.max_token_bytes()) {
+    let tail = &text[covered..];
+    // a list that spells nothing of the text held nothing behind an incomplete sequence:
+    // llama.cpp would have listed no entry at all (above); only the stop words' slack is left
+    let honest = if covered == 0 {
+        tail.is_empty() || stop_word_slack(tail, stop_bytes, max_token_bytes)
+    } else {
+        honest_tail(tail, stop_bytes, vocab)
+    };
+    if !capture.is_full() && !honest {
         return NodeList::Short {
             covered_bytes: covered,
             delivered_bytes: text.len(),

@@ -281,20 +281,50 @@ fn coverage_counts_what_the_list_spells() {
 }
 
 #[test]
-fn an_honest_tail_is_a_cut_character_or_within_the_stop_words_slack() {
-    assert!(honest_tail(b"", 0, 10));
-    assert!(honest_tail("\u{fffd}".as_bytes(), 0, 10));
-    assert!(honest_tail("\u{fffd}\u{fffd}\u{fffd}".as_bytes(), 0, 10));
-    assert!(!honest_tail(
-        "\u{fffd}\u{fffd}\u{fffd}\u{fffd}".as_bytes(),
-        0,
-        10
-    ));
-    assert!(!honest_tail(b"x", 0, 10));
-    assert!(!honest_tail(b" world", 0, 10));
+fn an_honest_tail_is_a_token_held_behind_an_incomplete_character_or_within_the_stop_words_slack() {
+    // tokens that end in a byte beginning no whole character: "\xF0", " \xD0", "abcdefghi\xC3"
+    let tokens: Vec<String> = [
+        "ð",
+        "ĠÐ",
+        "abcdefghiÃ",
+        "s",
+        "Hello",
+        "Ġworld",
+        "0123456789",
+    ]
+    .iter()
+    .map(|s| (*s).to_owned())
+    .collect();
+    let v = TokenVocabulary::from_tokens("gpt2", &tokens, None).unwrap();
+    assert_eq!(v.max_token_bytes(), 10);
+    assert!(v.begins_broken_token(b"") && v.begins_broken_token(b" "));
+    assert!(v.begins_broken_token(b"abcdefghi") && !v.begins_broken_token(b"Hello"));
+    let honest = |tail: &str| honest_tail(tail.as_bytes(), 0, &v);
+    assert!(honest(""));
+    assert!(honest("\u{fffd}"));
+    assert!(honest("\u{fffd}\u{fffd}\u{fffd}"));
+    // a lone lead byte sampled, then a token or two while it stays among the last 3 bytes:
+    // "\xF0ab" is incomplete for llama.cpp (`validate_utf8`), JSON delivers "\u{fffd}ab"
+    assert!(honest("\u{fffd}ab"));
+    assert!(honest("\u{fffd}é"));
+    assert!(honest(" \u{fffd}x"));
+    // the held tokens: one of at most 10 raw bytes and 2 bytes more (a U+FFFD counted as one)
+    assert!(honest(&"\u{fffd}".repeat(12)));
+    assert!(!honest(&"\u{fffd}".repeat(13)));
+    assert!(honest("abcdefghi\u{fffd}xy"));
+    assert!(!honest("abcdefghi\u{fffd}xyz"));
+    // text before the U+FFFD that no token begins with before a broken byte
+    assert!(!honest("xyz\u{fffd}"));
+    // the chat answer dropped the incomplete sequence (" \xD0" delivered as " "): what is left
+    // is the held token's bytes before it
+    assert!(honest(" "));
+    assert!(honest("abcdefghi"));
+    assert!(!honest(" world"));
+    assert!(!honest("x"));
+    assert!(!honest_tail(&[0xf0, b'a'], 0, &v));
     // a stop word of 2 bytes, tokens of at most 10: (2 + 2) * 10 + 2 + 3 = 45 bytes
-    assert!(honest_tail(&[b'x'; 45], 2, 10));
-    assert!(!honest_tail(&[b'x'; 46], 2, 10));
+    assert!(honest_tail(&[b'x'; 45], 2, &v));
+    assert!(!honest_tail(&[b'x'; 46], 2, &v));
     assert_eq!(longest_stop_bytes(br#"{"stop":"\n\n"}"#), 2);
     assert_eq!(longest_stop_bytes(br#"{"stop":["a","END"]}"#), 3);
     assert_eq!(longest_stop_bytes(br#"{"stop":null}"#), 0);
@@ -390,4 +420,44 @@ fn a_list_in_another_vocabulary_is_read_by_its_bytes() {
     c.push(Some(&json));
     let judged = judge_node_list(&v, &c, b"Hxy!", body, 16);
     assert!(matches!(judged, NodeList::Misaligned(_)), "{judged:?}");
+}
+
+/// What the pinned llama-server answered (non-streamed, `max_tokens` 2, a `logit_bias` that
+/// made it sample the lone byte 0xF0 and then "s"): content "\u{fffd}s" and no `logprobs` —
+/// the text "\xF0s" still ended in an incomplete sequence for `validate_utf8`, so both tokens
+/// were held when the limit came. Neither that nor, after listed tokens, the same tail is an
+/// event; a list that spells nothing of such a text is short (llama.cpp sends none).
+#[test]
+fn tokens_held_behind_a_lone_lead_byte_at_the_end_are_not_short() {
+    let v = vocab();
+    let body = br#"{"messages":[]}"#;
+    let none = NodeLogprobs::new(16);
+    let judged = judge_node_list(&v, &none, "\u{fffd}s".as_bytes(), body, 16);
+    assert!(
+        matches!(judged, NodeList::Aligned(ref a) if a.scored() == 0),
+        "{judged:?}"
+    );
+    let judged = judge_node_list(&v, &none, "Hello world".as_bytes(), body, 16);
+    assert_eq!(judged, NodeList::Unusable);
+    let json = serde_json::json!({"content": [{"id": 3, "token": "", "logprob": -0.1}]});
+    let mut empty_entry = NodeLogprobs::new(16);
+    empty_entry.push(Some(&json));
+    let judged = judge_node_list(&v, &empty_entry, "Hello world\u{fffd}".as_bytes(), body, 16);
+    assert!(matches!(judged, NodeList::Short { .. }), "{judged:?}");
+    let json = serde_json::json!({"content": [
+        {"id": 0, "token": "Hello", "logprob": -0.1, "bytes": b"Hello".to_vec()},
+        {"id": 1, "token": " world", "logprob": -0.2, "bytes": b" world".to_vec()},
+    ]});
+    let mut c = NodeLogprobs::new(16);
+    c.push(Some(&json));
+    let text = "Hello world\u{fffd}s";
+    let judged = judge_node_list(&v, &c, text.as_bytes(), body, 16);
+    assert!(
+        matches!(judged, NodeList::Aligned(ref a) if a.scored() == 2),
+        "{judged:?}"
+    );
+    // more than a token and two bytes: the list had to go on
+    let text = "Hello world\u{fffd}sion sion sion sion";
+    let judged = judge_node_list(&v, &c, text.as_bytes(), body, 16);
+    assert!(matches!(judged, NodeList::Short { .. }), "{judged:?}");
 }

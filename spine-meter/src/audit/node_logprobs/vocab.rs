@@ -30,6 +30,10 @@ pub struct TokenVocabulary {
     by_id: Vec<Vec<u8>>,
     /// Byte strings two kept tokens share (their id is ambiguous without the node's `id`).
     pub(super) shared: std::collections::HashSet<Vec<u8>>,
+    /// Each kept token's bytes before a byte ≥ 0x80 that begins no whole character there (a
+    /// lead byte whose character the token does not finish, or a stray byte), where the bytes
+    /// before it are valid UTF-8 ([`Self::begins_broken_token`]).
+    before_broken: std::collections::HashSet<Vec<u8>>,
     max_token_bytes: usize,
 }
 
@@ -85,6 +89,9 @@ impl TokenVocabulary {
                 .unwrap_or_default();
             if !bytes.is_empty() {
                 v.max_token_bytes = v.max_token_bytes.max(bytes.len());
+                if let Err(e) = std::str::from_utf8(&bytes) {
+                    v.before_broken.insert(bytes[..e.valid_up_to()].to_vec());
+                }
                 if v.by_bytes.contains_key(&bytes) {
                     v.shared.insert(bytes.clone());
                 } else {
@@ -102,6 +109,14 @@ impl TokenVocabulary {
             .get(usize::try_from(id).ok()?)
             .map(Vec::as_slice)
             .filter(|b| !b.is_empty())
+    }
+
+    /// Whether some kept token is `text` followed by a byte that begins no whole character
+    /// there (what the token's bytes before its first invalid UTF-8 byte are): the token an
+    /// honest llama.cpp held at the end of its text behind an incomplete sequence starts so
+    /// (`honest_tail`).
+    pub fn begins_broken_token(&self, text: &[u8]) -> bool {
+        self.before_broken.contains(text)
     }
 
     /// The most bytes one kept token spells.
