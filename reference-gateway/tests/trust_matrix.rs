@@ -34,7 +34,9 @@ use std::path::PathBuf;
 use bytes::Bytes;
 use serde_json::{json, Value};
 use spine_core::{AuditVerdict, ModelId, RequestKind};
-use spine_meter::audit::node_logprobs::{logprob_observations, missing_observation, AlignedTokens};
+use spine_meter::audit::node_logprobs::{
+    logprob_observations, missing_observation, AlignedTokens, NodeToken,
+};
 use spine_meter::audit::{
     auditable, judge_node_list, observations, ForceQuery, LlamaCppReference, NodeList,
     NodeLogprobs, Observation, Reference, ReferenceQuery, ScoreConfig, ScoredToken, Sprt,
@@ -273,6 +275,20 @@ struct DumpLine {
     node_claims: Vec<Option<f64>>,
     #[serde(default)]
     reference_logprobs: Vec<Option<f64>>,
+    /// Node-logprob mode: the one event the list itself got (`short`, `missing`, `foreign`),
+    /// and then the node's list as captured, to be read again (`None`: an aligned list).
+    #[serde(default)]
+    lead: Option<String>,
+    #[serde(default)]
+    node_list: Vec<DumpEntry>,
+}
+
+/// One entry of a node's list as captured ([`spine_meter::audit::node_logprobs::NodeToken`]).
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+struct DumpEntry {
+    bytes: Vec<u8>,
+    logprob: f64,
+    id: Option<u64>,
 }
 
 impl DumpLine {
@@ -289,6 +305,8 @@ impl DumpLine {
             tokens: Vec::new(),
             node_claims: Vec::new(),
             reference_logprobs: Vec::new(),
+            lead: None,
+            node_list: Vec::new(),
         }
     }
 
@@ -427,6 +445,9 @@ enum Scoring {
         obs: Vec<Observation>,
         node_claims: Vec<Option<f64>>,
         reference_logprobs: Vec<Option<f64>>,
+        /// The list's own event and the list ([`DumpLine::lead`]).
+        lead: Option<&'static str>,
+        node_list: Vec<DumpEntry>,
         /// The reference's forced positions (for its CPU per position).
         forced: u64,
     },
@@ -539,16 +560,29 @@ async fn node_run(
                     NodeList::Aligned(a) => (None, a),
                     NodeList::Foreign { by_bytes, .. } => {
                         judge.out.foreign_replies += 1;
-                        (Some(missing_observation()), by_bytes)
+                        (Some("foreign"), by_bytes)
                     }
                     NodeList::Short { .. } => {
                         judge.out.short_replies += 1;
-                        (Some(missing_observation()), AlignedTokens::default())
+                        (Some("short"), AlignedTokens::default())
                     }
                     _ => {
                         judge.out.missing_replies += 1;
-                        (Some(missing_observation()), AlignedTokens::default())
+                        (Some("missing"), AlignedTokens::default())
                     }
+                };
+                let node_list = if lead.is_some() {
+                    claims
+                        .tokens
+                        .iter()
+                        .map(|t| DumpEntry {
+                            bytes: t.bytes.clone(),
+                            logprob: t.logprob,
+                            id: t.id,
+                        })
+                        .collect()
+                } else {
+                    Vec::new()
                 };
                 if lead.is_none() && aligned.scored() == 0 {
                     judge.out.unscored_replies += 1;
@@ -561,7 +595,8 @@ async fn node_run(
                     tokens: aligned.tokens,
                 };
                 tokio::spawn(async move {
-                    let mut obs: Vec<Observation> = lead.into_iter().collect();
+                    let mut obs: Vec<Observation> =
+                        lead.iter().map(|_| missing_observation()).collect();
                     let r = if aligned.logprobs.iter().any(Option::is_some) {
                         reference.force(&query).await.unwrap()
                     } else {
@@ -573,6 +608,8 @@ async fn node_run(
                         node_claims: aligned.logprobs,
                         forced: r.len() as u64,
                         reference_logprobs: r,
+                        lead,
+                        node_list,
                     }
                 })
             } else {
@@ -623,12 +660,16 @@ async fn judge_reply(
             obs,
             node_claims,
             reference_logprobs,
+            lead,
+            node_list,
             forced,
         } => {
             *ref_tokens += forced;
             DumpLine {
                 node_claims,
                 reference_logprobs,
+                lead: lead.map(str::to_owned),
+                node_list,
                 ..line
             }
             .write(dump);
@@ -907,6 +948,26 @@ async fn trust_matrix() {
     assert_eq!(honest_failed, 0, "an honest node was failed");
 }
 
+/// Whether a dump line's list, judged short when it was dumped, is short by today's rule (its
+/// positions were not scored then: a list no longer short adds no observation in a replay).
+fn still_short(vocab: &TokenVocabulary, d: &DumpLine) -> bool {
+    let mut capture = NodeLogprobs::new(256);
+    capture.seen = true;
+    capture.tokens = d
+        .node_list
+        .iter()
+        .map(|e| NodeToken {
+            bytes: e.bytes.clone(),
+            logprob: e.logprob,
+            id: e.id,
+        })
+        .collect();
+    matches!(
+        judge_node_list(vocab, &capture, d.text.as_bytes(), d.body.as_bytes(), 256),
+        NodeList::Short { .. }
+    )
+}
+
 /// (role, configuration, run) of a dump line.
 type RunKey = (String, String, usize);
 
@@ -916,12 +977,15 @@ fn env_f64(name: &str) -> Option<f64> {
 
 /// Scores trust-matrix dumps again with the auditor's statistic and test, without engines:
 /// `SPINE_TRUST_REPLAY=<dump.jsonl>[,<dump.jsonl>…]`. Settings (defaults: the auditor's):
-/// `SPINE_REPLAY_ALPHA`, `SPINE_REPLAY_BETA`, `SPINE_REPLAY_P0`, `SPINE_REPLAY_P1`,
+/// `SPINE_REPLAY_ALPHA`, `SPINE_REPLAY_BETA`, `SPINE_REPLAY_P0`, `SPINE_REPLAY_P1` (greedy
+/// positions of the text statistic), `SPINE_REPLAY_LOGPROB_P0`, `SPINE_REPLAY_LOGPROB_P1`
+/// (node-logprob positions), `SPINE_REPLAY_EVENT_NATS` (a node-logprob event's |Δ|),
 /// `SPINE_REPLAY_BETS` (four, comma-separated), `SPINE_REPLAY_CAP` (nats),
 /// `SPINE_REPLAY_MARGIN`; `SPINE_REPLAY_STREAM=1` joins each configuration's runs into one
 /// node's traffic (tokens to `failed` over many replies), once from each run on (the runs in
 /// order, wrapping around: as many streams as runs); `SPINE_REPLAY_BUDGET` (audited tokens of
-/// the "within" column, default 300).
+/// the "within" column, default 300). With `SPINE_MODEL_GGUF` set, a list the dump judged short
+/// is judged again with today's rule.
 #[test]
 #[ignore = "reads a trust-matrix dump; see the docs"]
 fn trust_replay() {
@@ -934,6 +998,9 @@ fn trust_replay() {
     if let Some(v) = env_f64("SPINE_REPLAY_MARGIN") {
         score.greedy_margin = v;
     }
+    if let Some(v) = env_f64("SPINE_REPLAY_EVENT_NATS") {
+        score.logprob_event_nats = v;
+    }
     sprt = sprt.with_error_rates(
         env_f64("SPINE_REPLAY_ALPHA").unwrap_or(sprt.alpha),
         env_f64("SPINE_REPLAY_BETA").unwrap_or(sprt.beta),
@@ -944,12 +1011,22 @@ fn trust_replay() {
     if let Some(v) = env_f64("SPINE_REPLAY_P1") {
         sprt.greedy_p1 = v;
     }
+    if let Some(v) = env_f64("SPINE_REPLAY_LOGPROB_P0") {
+        sprt.logprob_p0 = v;
+    }
+    if let Some(v) = env_f64("SPINE_REPLAY_LOGPROB_P1") {
+        sprt.logprob_p1 = v;
+    }
     if let Ok(v) = std::env::var("SPINE_REPLAY_BETS") {
         let bets: Vec<f64> = v.split(',').map(|x| x.trim().parse().unwrap()).collect();
         sprt.sampled_bets = bets.try_into().expect("four bets");
     }
     assert!(sprt.is_valid(), "{sprt:?}");
     let stream = std::env::var("SPINE_REPLAY_STREAM").is_ok_and(|v| v == "1");
+    // the catalog's vocabulary: a list judged short is judged again with today's rule
+    let vocab = std::env::var("SPINE_MODEL_GGUF")
+        .ok()
+        .map(|p| TokenVocabulary::from_gguf(p).unwrap());
     let budget = env_usize("SPINE_REPLAY_BUDGET", 300) as u64;
     println!("score: {score:?}\nsprt: {sprt:?}\nstream: {stream}");
     // (role, config, run) → replies, in the dump's order
@@ -1001,7 +1078,11 @@ fn trust_replay() {
     for (key, list) in &jobs {
         let mut judge = Judge::new(score, sprt);
         for d in list {
-            judge.reply(d.body.as_bytes(), &d.text, &d.tokens);
+            if let Some(obs) = logprob_line(d, vocab.as_ref(), &score) {
+                judge.reply_obs(&obs, obs.len() as u64, d.node_claims.len() as u64);
+            } else {
+                judge.reply(d.body.as_bytes(), &d.text, &d.tokens);
+            }
             if judge.sprt.rejected && key.0 == "substitute" {
                 break;
             }
@@ -1049,4 +1130,93 @@ fn trust_replay() {
         );
     }
     println!("honest runs failed: {honest_failed}");
+    if let Some(n) = std::env::var("SPINE_REPLAY_BOOTSTRAP")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        bootstrap(&order, &replies, vocab.as_ref(), &score, &sprt, n, budget);
+    }
+}
+
+/// A node-logprob dump line's observations: the list's own event (a list dumped as short
+/// that today's rule does not judge short has none), then the claims against the reference;
+/// `None` for a text-statistic line.
+fn logprob_line(
+    d: &DumpLine,
+    vocab: Option<&TokenVocabulary>,
+    score: &ScoreConfig,
+) -> Option<Vec<Observation>> {
+    if d.lead.is_none() && d.node_claims.is_empty() {
+        return None;
+    }
+    let lead = d
+        .lead
+        .as_deref()
+        .filter(|l| *l != "short" || vocab.is_none_or(|v| still_short(v, d)));
+    let mut obs: Vec<Observation> = lead.iter().map(|_| missing_observation()).collect();
+    obs.extend(logprob_observations(
+        &d.node_claims,
+        &d.reference_logprobs,
+        score.logprob_event_nats,
+    ));
+    Some(obs)
+}
+
+/// `SPINE_REPLAY_BOOTSTRAP=<n>`: per configuration, `n` runs of node-logprob replies drawn at
+/// random (with replacement) from all of its replies in the dumps, each judged by a fresh test
+/// until `failed` or past `budget` audited tokens; prints the share failed within the budget.
+/// An estimate of the detection rate over reply orders the dump's runs did not happen to have
+/// (replies taken as independent; a run's replies share a node and a prompt style).
+fn bootstrap(
+    order: &[RunKey],
+    replies: &std::collections::HashMap<RunKey, Vec<DumpLine>>,
+    vocab: Option<&TokenVocabulary>,
+    score: &ScoreConfig,
+    sprt: &SprtConfig,
+    n: usize,
+    budget: u64,
+) {
+    let mut groups: Vec<((String, String), Vec<Vec<Observation>>)> = Vec::new();
+    for key in order {
+        let group = (key.0.clone(), key.1.clone());
+        let obs = replies[key]
+            .iter()
+            .filter_map(|d| logprob_line(d, vocab, score));
+        match groups.iter_mut().find(|(g, _)| *g == group) {
+            Some((_, v)) => v.extend(obs),
+            None => groups.push((group, obs.collect())),
+        }
+    }
+    // xorshift64*: a fixed seed, the same draws on every machine
+    let mut state = 0x9e37_79b9_7f4a_7c15_u64;
+    let mut next = |bound: usize| {
+        state ^= state >> 12;
+        state ^= state << 25;
+        state ^= state >> 27;
+        (state.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 33) as usize % bound
+    };
+    // a pool of replies with no position would never reach the budget
+    for ((role, config), pool) in groups
+        .iter()
+        .filter(|(_, p)| p.iter().any(|o| !o.is_empty()))
+    {
+        let mut within = 0usize;
+        for _ in 0..n {
+            let mut test = Sprt::default();
+            let mut audited = 0u64;
+            while audited <= budget && !test.rejected {
+                let obs = &pool[next(pool.len())];
+                audited += obs.len() as u64;
+                for o in obs {
+                    test.observe(sprt, *o);
+                }
+            }
+            within += usize::from(test.rejected && audited <= budget);
+        }
+        println!(
+            "bootstrap: {role}: {config}: {} replies; {within} of {n} runs failed within {budget} audited tokens ({:.2} %)",
+            pool.len(),
+            100.0 * within as f64 / n as f64
+        );
+    }
 }

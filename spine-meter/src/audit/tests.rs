@@ -534,21 +534,33 @@ fn sprt_false_alarm_at_rates() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(100_000);
     let cfg = SprtConfig::default();
+    // SPINE_SPRT_MODE=logprob: node-logprob positions (an event: |Δ| over the threshold)
+    let logprob = env("SPINE_SPRT_MODE").is_some_and(|m| m == "logprob");
     let rates: Vec<f64> = env("SPINE_SPRT_P")
         .map(|v| v.split(',').filter_map(|p| p.trim().parse().ok()).collect())
-        .unwrap_or_else(|| vec![cfg.greedy_p0]);
+        .unwrap_or_else(|| {
+            vec![if logprob {
+                cfg.logprob_p0
+            } else {
+                cfg.greedy_p0
+            }]
+        });
     let mut rng = rand::rngs::StdRng::seed_from_u64(19);
     for &p in &rates {
         let failed = (0..runs)
             .filter(|_| {
                 let mut t = Sprt::default();
                 for _ in 0..tokens {
-                    t.observe(
-                        &cfg,
-                        Observation::Greedy {
-                            event: rng.random_bool(p),
-                        },
-                    );
+                    let event = rng.random_bool(p);
+                    let o = if logprob {
+                        Observation::Logprob {
+                            delta: if event { 3.0 } else { 0.0 },
+                            event,
+                        }
+                    } else {
+                        Observation::Greedy { event }
+                    };
+                    t.observe(&cfg, o);
                     if t.rejected {
                         break;
                     }
@@ -557,7 +569,8 @@ fn sprt_false_alarm_at_rates() {
             })
             .count();
         println!(
-            "greedy events at p = {p}: {failed} of {runs} runs of {tokens} clear positions failed ({:.2e}; bound at p ≤ p0: {:.2e})",
+            "{} events at p = {p}: {failed} of {runs} runs of {tokens} positions failed ({:.2e}; bound at p ≤ p0: {:.2e})",
+            if logprob { "node-logprob" } else { "greedy" },
             failed as f64 / runs as f64,
             cfg.false_fail_bound(tokens as u64)
         );
