@@ -337,11 +337,7 @@ pub fn align(
         let entry = if std::str::from_utf8(&t.bytes).is_ok() {
             entry_tokens(vocab, t, &held, text, offset)
         } else {
-            // a token that makes the text invalid UTF-8 (a stray continuation byte), delivered
-            // as U+FFFD: fed as context when the entry is exactly its token
-            t.id.and_then(|id| u32::try_from(id).ok())
-                .filter(|id| held.is_empty() && vocab.bytes(*id) == Some(&t.bytes[..]))
-                .map(|id| vec![(id, None)])
+            invalid_entry_tokens(vocab, t, &held)
         };
         let Some(entry) = entry else {
             break;
@@ -426,6 +422,33 @@ fn entry_tokens(
     Some(out)
 }
 
+/// The tokens of a non-empty entry that is not valid UTF-8 (the answer's JSON delivered its
+/// invalid bytes as U+FFFD, [`meets`]), with their claims: an entry ending in its `id`'s bytes
+/// whose bytes before them are tokens llama.cpp held behind a lead byte that never got its
+/// character (`validate_utf8` kept the text incomplete: the lead byte's token and at most 2
+/// bytes more), split as [`held_back_split`] splits (no cut is checked against the text: it
+/// holds U+FFFD there) and fed as context; the entry's own token is scored unless it is itself
+/// not valid UTF-8 (a stray byte: fed as context). `None` when it cannot be read.
+fn invalid_entry_tokens(
+    vocab: &TokenVocabulary,
+    t: &NodeToken,
+    held: &[(u32, f64)],
+) -> Option<Vec<(u32, Option<f64>)>> {
+    if !held.is_empty() {
+        return None;
+    }
+    let id = u32::try_from(t.id?).ok()?;
+    let prefix = t.bytes.strip_suffix(vocab.bytes(id)?)?;
+    let mut out: Vec<(u32, Option<f64>)> = Vec::new();
+    if !prefix.is_empty() {
+        let ids = fewest_token_split(vocab, prefix, |_| true)?;
+        out.extend(ids.into_iter().map(|h| (h, None)));
+    }
+    // `AlignedTokens::push` drops the claim of a token that is not valid UTF-8
+    out.push((id, Some(t.logprob)));
+    Some(out)
+}
+
 /// The split of `prefix` (at `offset` of `text`) into the vocabulary tokens llama.cpp held
 /// back: every cut after a token falls inside a UTF-8 character of `text` (a byte of `text`
 /// that is a continuation byte follows it); the split with the fewest tokens, when exactly one
@@ -436,12 +459,25 @@ fn held_back_split(
     text: &[u8],
     offset: usize,
 ) -> Option<Vec<u32>> {
-    // cuts other than the start lie inside one character (at most 3 bytes after its first)
-    if prefix.len() > vocab.max_token_bytes() + 3 {
-        return None;
-    }
     let inside = |j: usize| text.get(offset + j).is_some_and(|b| b & 0xc0 == 0x80);
     if !inside(prefix.len()) {
+        return None;
+    }
+    fewest_token_split(vocab, prefix, inside)
+}
+
+/// The split of `prefix` into vocabulary tokens with the fewest tokens, every cut after a
+/// token at a `j` where `cut_ok(j)`, when exactly one split has that count (a byte string two
+/// ids share counts twice); `None` when there is none, or it is not unique, or `prefix` is
+/// longer than held tokens can be (a token and 3 bytes).
+fn fewest_token_split(
+    vocab: &TokenVocabulary,
+    prefix: &[u8],
+    cut_ok: impl Fn(usize) -> bool,
+) -> Option<Vec<u32>> {
+    // cuts other than the start lie inside one character (at most 3 bytes after its first),
+    // or after a lead byte that never got its character (at most 2 bytes after it)
+    if prefix.len() > vocab.max_token_bytes() + 3 {
         return None;
     }
     // best[j]: (fewest tokens spelling prefix[..j], ways with that count capped at 2, the
@@ -449,7 +485,7 @@ fn held_back_split(
     let mut best: Vec<Option<(usize, u8, usize, u32)>> = vec![None; prefix.len() + 1];
     best[0] = Some((0, 1, 0, 0));
     for j in 1..=prefix.len() {
-        if !inside(j) {
+        if j < prefix.len() && !cut_ok(j) {
             continue;
         }
         let lo = j.saturating_sub(vocab.max_token_bytes());

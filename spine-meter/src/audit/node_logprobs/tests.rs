@@ -461,3 +461,49 @@ fn tokens_held_behind_a_lone_lead_byte_at_the_end_are_not_short() {
     let judged = judge_node_list(&v, &c, text.as_bytes(), body, 16);
     assert!(matches!(judged, NodeList::Short { .. }), "{judged:?}");
 }
+
+/// What the pinned llama-server listed after a lone lead byte mid-text (the byte token 0xF0,
+/// then "s" and "ion"): one entry, bytes `F0 73 69 6F 6E`, the id of "ion"; the answer
+/// delivered "\u{fffd}sion". The held tokens are fed as context and the list goes on.
+#[test]
+fn tokens_held_behind_a_lone_lead_byte_mid_text_are_context_and_the_list_goes_on() {
+    let tokens: Vec<String> = ["ð", "s", "ion", "Hello"]
+        .iter()
+        .map(|s| (*s).to_owned())
+        .collect();
+    let v = TokenVocabulary::from_tokens("gpt2", &tokens, None).unwrap();
+    let json = serde_json::json!({"content": [
+        {"id": 3, "token": "Hello", "logprob": -0.1, "bytes": b"Hello".to_vec()},
+        {"id": 2, "token": "", "logprob": -0.2, "bytes": [0xf0, b's', b'i', b'o', b'n']},
+        {"id": 3, "token": "Hello", "logprob": -0.3, "bytes": b"Hello".to_vec()},
+    ]});
+    let mut c = NodeLogprobs::new(16);
+    c.push(Some(&json));
+    let text = "Hello\u{fffd}sionHello";
+    let a = align(&v, &c.tokens, text.as_bytes(), 16).unwrap();
+    let ids: Vec<u32> = a.tokens.iter().map(|t| t.id).collect();
+    assert_eq!(ids, vec![3, 0, 1, 2, 3]);
+    assert_eq!(
+        a.logprobs,
+        vec![Some(-0.1), None, None, Some(-0.2), Some(-0.3)]
+    );
+    // the lone byte is fed as context, never forced (the grammar cannot force it)
+    assert!(a.tokens[1].split && !a.tokens[1].scored);
+    // an entry that is its own stray byte: context, as before
+    let json = serde_json::json!({"content": [
+        {"id": 0, "token": "", "logprob": -0.2, "bytes": [0xf0]},
+        {"id": 3, "token": "Hello", "logprob": -0.3, "bytes": b"Hello".to_vec()},
+    ]});
+    let mut c = NodeLogprobs::new(16);
+    c.push(Some(&json));
+    let a = align(&v, &c.tokens, "\u{fffd}Hello".as_bytes(), 16).unwrap();
+    assert_eq!(a.logprobs, vec![None, Some(-0.3)]);
+    // held bytes that no unique split spells: alignment stops there, no event
+    let json = serde_json::json!({"content": [
+        {"id": 2, "token": "", "logprob": -0.2, "bytes": [0xf0, b'x', b'i', b'o', b'n']},
+    ]});
+    let mut c = NodeLogprobs::new(16);
+    c.push(Some(&json));
+    let a = align(&v, &c.tokens, "\u{fffd}xion".as_bytes(), 16).unwrap();
+    assert_eq!(a.scored(), 0);
+}
