@@ -334,6 +334,13 @@ pub fn align(
                 None => break,
             }
         }
+        if held.is_empty() && !held_as_llama_cpp_holds(vocab, t) {
+            // not what an honest llama.cpp lists, except as its last entry (a stop word's)
+            if i + 1 < tokens.len() {
+                return Err(Misaligned(offset));
+            }
+            break;
+        }
         let entry = if std::str::from_utf8(&t.bytes).is_ok() {
             entry_tokens(vocab, t, &held, text, offset)
         } else {
@@ -422,12 +429,37 @@ fn entry_tokens(
     Some(out)
 }
 
+/// Whether the bytes `b` end in an incomplete UTF-8 sequence as llama.cpp's `validate_utf8`
+/// sees it (`server-common.cpp`): a lead byte among the last 3 bytes with fewer bytes after it
+/// than its character needs (every lead byte there is looked at, not only the last).
+pub fn ends_incomplete(b: &[u8]) -> bool {
+    (1..=b.len().min(4)).any(|i| {
+        let c = b[b.len() - i];
+        (c & 0xe0 == 0xc0 && i < 2) || (c & 0xf0 == 0xe0 && i < 3) || (c & 0xf8 == 0xf0 && i < 4)
+    })
+}
+
+/// Whether a non-empty entry with an `id` (no empty entries before it) holds back tokens only as
+/// the pinned llama.cpp does: it lists a token only once the text is complete
+/// ([`ends_incomplete`]), so an entry never ends incomplete, and the bytes before its own
+/// token's (tokens it held) always do.
+fn held_as_llama_cpp_holds(vocab: &TokenVocabulary, t: &NodeToken) -> bool {
+    let Some(own) =
+        t.id.and_then(|id| u32::try_from(id).ok())
+            .and_then(|id| vocab.bytes(id))
+    else {
+        return true;
+    };
+    let prefix = t.bytes.strip_suffix(own).unwrap_or_default();
+    !ends_incomplete(&t.bytes) && (prefix.is_empty() || ends_incomplete(prefix))
+}
+
 /// The tokens of a non-empty entry that is not valid UTF-8 (the answer's JSON delivered its
 /// invalid bytes as U+FFFD, [`meets`]), with their claims: an entry ending in its `id`'s bytes
 /// whose bytes before them are tokens llama.cpp held behind a lead byte that never got its
 /// character (`validate_utf8` kept the text incomplete: the lead byte's token and at most 2
-/// bytes more), split as [`held_back_split`] splits (no cut is checked against the text: it
-/// holds U+FFFD there) and fed as context; the entry's own token is scored unless it is itself
+/// bytes more), split as [`held_back_split`] splits (every cut where the held bytes so far end
+/// incomplete, [`ends_incomplete`]: the text holds U+FFFD there) and fed as context; the entry's own token is scored unless it is itself
 /// not valid UTF-8 (a stray byte: fed as context). `None` when it cannot be read.
 fn invalid_entry_tokens(
     vocab: &TokenVocabulary,
@@ -441,7 +473,8 @@ fn invalid_entry_tokens(
     let prefix = t.bytes.strip_suffix(vocab.bytes(id)?)?;
     let mut out: Vec<(u32, Option<f64>)> = Vec::new();
     if !prefix.is_empty() {
-        let ids = fewest_token_split(vocab, prefix, |_| true)?;
+        // llama.cpp held each of them because the text was still incomplete after it
+        let ids = fewest_token_split(vocab, prefix, |j| ends_incomplete(&prefix[..j]))?;
         out.extend(ids.into_iter().map(|h| (h, None)));
     }
     // `AlignedTokens::push` drops the claim of a token that is not valid UTF-8

@@ -203,12 +203,15 @@ fn align_stops_where_the_held_tokens_are_not_known() {
     let text = "x中!".as_bytes();
     let toks = [entry("x中".as_bytes(), 5, -0.5), entry(b"!", 2, -0.2)];
     assert!(align(&v, &toks, text, 10).unwrap().tokens.is_empty());
-    // a prefix ending at a character boundary: llama.cpp would have listed it
+    // a prefix ending at a character boundary: llama.cpp would have listed it, so before the
+    // last entry it is not what llama.cpp sends; as the last, alignment stops there
     let toks = [entry(b"Hello world", 1, -0.5), entry(b"!", 2, -0.1)];
-    assert!(align(&v, &toks, b"Hello world!", 10)
-        .unwrap()
-        .tokens
-        .is_empty());
+    assert_eq!(align(&v, &toks, b"Hello world!", 10), Err(Misaligned(0)));
+    let toks = [entry(b"!", 2, -0.1), entry(b"Hello world", 1, -0.5)];
+    assert_eq!(
+        ids(&align(&v, &toks, b"!Hello world", 10).unwrap()),
+        vec![2]
+    );
     // an id whose bytes do not end the entry, an id out of range, a control token: the
     // last entry stops alignment (a stop word's token, the end of generation), an earlier
     // one is not what llama.cpp sends
@@ -467,7 +470,7 @@ fn tokens_held_behind_a_lone_lead_byte_at_the_end_are_not_short() {
 /// delivered "\u{fffd}sion". The held tokens are fed as context and the list goes on.
 #[test]
 fn tokens_held_behind_a_lone_lead_byte_mid_text_are_context_and_the_list_goes_on() {
-    let tokens: Vec<String> = ["ð", "s", "ion", "Hello"]
+    let tokens: Vec<String> = ["ð", "s", "ion", "Hello", "Ģ", "Hi", "i"]
         .iter()
         .map(|s| (*s).to_owned())
         .collect();
@@ -489,15 +492,46 @@ fn tokens_held_behind_a_lone_lead_byte_mid_text_are_context_and_the_list_goes_on
     );
     // the lone byte is fed as context, never forced (the grammar cannot force it)
     assert!(a.tokens[1].split && !a.tokens[1].scored);
-    // an entry that is its own stray byte: context, as before
+    // an entry that is its own stray continuation byte: context, as before
     let json = serde_json::json!({"content": [
-        {"id": 0, "token": "", "logprob": -0.2, "bytes": [0xf0]},
+        {"id": 4, "token": "", "logprob": -0.2, "bytes": [0x80]},
         {"id": 3, "token": "Hello", "logprob": -0.3, "bytes": b"Hello".to_vec()},
     ]});
     let mut c = NodeLogprobs::new(16);
     c.push(Some(&json));
     let a = align(&v, &c.tokens, "\u{fffd}Hello".as_bytes(), 16).unwrap();
     assert_eq!(a.logprobs, vec![None, Some(-0.3)]);
+    // what llama.cpp never lists, before its last entry: an entry that ends in an incomplete
+    // sequence (it holds such a token), held bytes that do not end incomplete (it held
+    // nothing then) — valid text or not
+    let not_held = |entries: serde_json::Value, text: &str| {
+        let mut c = NodeLogprobs::new(16);
+        c.push(Some(&serde_json::json!({ "content": entries })));
+        align(&v, &c.tokens, text.as_bytes(), 16)
+    };
+    let hello = serde_json::json!({"id": 3, "token": "Hello", "logprob": -0.3});
+    let lone = serde_json::json!({"id": 0, "token": "", "logprob": -0.2, "bytes": [0xf0]});
+    assert_eq!(
+        not_held(serde_json::json!([lone, hello]), "\u{fffd}Hello"),
+        Err(Misaligned(0))
+    );
+    let hidden = serde_json::json!({"id": 0, "token": "", "logprob": -0.2,
+        "bytes": [b'H', b'e', b'l', b'l', b'o', 0xf0]});
+    assert_eq!(
+        not_held(
+            serde_json::json!([hello, hidden, hello]),
+            "HelloHello\u{fffd}Hello"
+        ),
+        Err(Misaligned(5))
+    );
+    let hi = serde_json::json!({"id": 6, "token": "Hi", "logprob": -0.2, "bytes": b"Hi".to_vec()});
+    assert_eq!(
+        not_held(serde_json::json!([hi, hello]), "HiHello"),
+        Err(Misaligned(0))
+    );
+    // as the last entry (a stop word's token is cut): alignment stops, no event
+    let a = not_held(serde_json::json!([hello, lone]), "Hello\u{fffd}").unwrap();
+    assert_eq!(a.logprobs, vec![Some(-0.3)]);
     // held bytes that no unique split spells: alignment stops there, no event
     let json = serde_json::json!({"content": [
         {"id": 2, "token": "", "logprob": -0.2, "bytes": [0xf0, b'x', b'i', b'o', b'n']},
