@@ -4,7 +4,7 @@
 # Used to compare two builds side by side (e.g. before/after a change), see docs/benchmarks.md.
 # usage: [BENCH_BIN=<dir with release binaries, default target/release>] [BENCH_PG=1: the ledger on
 #        PostgreSQL at 127.0.0.1:5432, a fresh database] [SKIP_CLOSED=1] [BENCH_OPEN_RATE=<req/s>
-#        BENCH_OPEN_SECS=<secs, default 5> BENCH_RSS_EVERY=<secs>: an open loop after the closed
+#        BENCH_OPEN_SECS=<secs, default 5> BENCH_RSS_EVERY=<secs> BENCH_SLOW_MICROS=<µs>: an open loop after the closed
 #        one, with each process's RSS sampled while it runs] scripts/bench_closed_loop.sh [secs]
 set -euo pipefail
 # shellcheck source=scripts/lib.sh
@@ -35,7 +35,8 @@ rss() { for p in "$GATEWAY_PID" "$AGENT_PID"; do echo "pid $p $(grep -E '^VmRSS'
 if [[ -n "${BENCH_OPEN_RATE:-}" ]]; then
   taskset -c "$HARNESS_CPU" "$BIN/spine-load" run --name spine --scenario non_streamed --url "$PUBLIC/v1/chat/completions" \
     --api-key "$SPINE_KEY" --cpu-pid "$GATEWAY_PID" --cpu-pid "$AGENT_PID" --rate "$BENCH_OPEN_RATE" \
-    --duration-secs "${BENCH_OPEN_SECS:-5}" --warmup-secs 1 --max-tokens 16 --max-in-flight 512 &
+    --duration-secs "${BENCH_OPEN_SECS:-5}" --warmup-secs 1 --max-tokens 16 --max-in-flight 512 \
+    ${BENCH_SLOW_MICROS:+--slow-micros "$BENCH_SLOW_MICROS"} &
   LOAD_PID=$!
   # BENCH_RSS_EVERY=<secs>: each process's RSS every that many seconds while the open loop runs
   while [[ -n "${BENCH_RSS_EVERY:-}" ]] && kill -0 "$LOAD_PID" 2>/dev/null; do

@@ -83,6 +83,9 @@ pub struct RunConfig {
     pub body: Bytes,
     /// Whether the body asks for a stream (the response must then end with `[DONE]`).
     pub stream: bool,
+    /// Open loop: requests at least this slow (µs) are listed in [`Report::slow_requests`]
+    /// with their scheduled time, to see whether the tail comes in bursts. `None`: none listed.
+    pub slow_micros: Option<u64>,
 }
 
 /// A chat completion request body: one short user message, `max_tokens`, streamed or not
@@ -174,7 +177,14 @@ pub struct Report {
     /// [`Report::sustained`], stored for scripts reading the JSON line.
     #[serde(default)]
     pub sustained: bool,
+    /// Open loop with [`RunConfig::slow_micros`]: `(scheduled send − start of the run, latency)`
+    /// of each slow request, µs, in the order they finished (at most [`MAX_SLOW_LISTED`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub slow_requests: Vec<(u64, u64)>,
 }
+
+/// Most slow requests one report lists.
+pub const MAX_SLOW_LISTED: usize = 100_000;
 
 impl Report {
     /// One human-readable line: counts, rates and latency percentiles.
@@ -243,6 +253,7 @@ struct Shared {
     dropped: AtomicU64,
     events: AtomicU64,
     in_flight: AtomicUsize,
+    slow: Mutex<Vec<(u64, u64)>>,
 }
 
 impl Shared {
@@ -435,6 +446,7 @@ pub async fn run(
         dropped: AtomicU64::new(0),
         events: AtomicU64::new(0),
         in_flight: AtomicUsize::new(0),
+        slow: Mutex::new(Vec::new()),
     });
     let cpu_before = cpu_total(watch_pids);
     let started = Instant::now();
@@ -471,6 +483,9 @@ pub async fn run(
         event_delay: Percentiles::of(&h.event_delay),
         watched_cpu_secs: cpu_before.zip(cpu_after).map(|(b, a)| a - b),
         sustained: false,
+        slow_requests: std::mem::take(
+            &mut *shared.slow.lock().unwrap_or_else(PoisonError::into_inner),
+        ),
     };
     report.sustained = report.sustained();
     Ok(report)
@@ -523,6 +538,15 @@ async fn open_loop(
             let sample = tokio::time::timeout(cfg.timeout, one(&client, &target, &cfg, due))
                 .await
                 .unwrap_or_default();
+            if sample.ok && cfg.slow_micros.is_some_and(|t| sample.latency_micros >= t) {
+                let mut slow = shared.slow.lock().unwrap_or_else(PoisonError::into_inner);
+                if slow.len() < MAX_SLOW_LISTED {
+                    slow.push((
+                        micros(due.saturating_duration_since(origin)),
+                        sample.latency_micros,
+                    ));
+                }
+            }
             shared.record(sample);
             shared.in_flight.fetch_sub(1, Ordering::Relaxed);
         });
@@ -602,6 +626,7 @@ mod tests {
             event_delay: Percentiles::default(),
             watched_cpu_secs: None,
             sustained: false,
+            slow_requests: Vec::new(),
         };
         assert!(r.sustained());
         r.dropped = 2;
@@ -639,6 +664,7 @@ mod tests {
             max_in_flight: 100,
             body: chat_body("smollm2", true, 8),
             stream: true,
+            slow_micros: Some(0),
         };
         let r = run(&c, &target, "stream", &open, &[std::process::id()])
             .await
@@ -652,6 +678,10 @@ mod tests {
         assert_eq!(r.itl_gap.count, 50 * 7);
         assert_eq!(r.ttft.count, 50);
         assert!(r.watched_cpu_secs.is_some());
+        // every request is at least 0 µs slow: each listed once, at its scheduled time
+        let mut at: Vec<u64> = r.slow_requests.iter().map(|(t, _)| t / 5_000).collect();
+        at.sort_unstable();
+        assert_eq!(at, (0..50).collect::<Vec<u64>>());
         let closed = RunConfig {
             mode: Mode::Closed { concurrency: 4 },
             stream: false,

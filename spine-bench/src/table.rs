@@ -351,6 +351,7 @@ mod tests {
             event_delay: Percentiles::default(),
             watched_cpu_secs: None,
             sustained: false,
+            slow_requests: Vec::new(),
         }
     }
 

@@ -76,6 +76,10 @@ struct RunArgs {
     /// Seconds of unrecorded warm-up at the same load first.
     #[arg(long, default_value_t = 0.0)]
     warmup_secs: f64,
+    /// Open loop: list each request at least this slow (µs) with its scheduled time in the
+    /// report's `slow_requests`.
+    #[arg(long)]
+    slow_micros: Option<u64>,
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -113,12 +117,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 max_in_flight: a.max_in_flight,
                 body: load::chat_body(&a.model, a.stream, a.max_tokens),
                 stream: a.stream,
+                slow_micros: a.slow_micros,
             };
             let report = rt.block_on(async {
                 let client = load::client(a.concurrency.max(64));
                 if a.warmup_secs > 0.0 {
                     let warm = RunConfig {
                         duration: Duration::from_secs_f64(a.warmup_secs),
+                        slow_micros: None,
                         ..cfg.clone()
                     };
                     load::run(&client, &target, "warmup", &warm, &[]).await?;
