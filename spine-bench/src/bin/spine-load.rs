@@ -21,7 +21,7 @@ struct Args {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// One measurement; prints one JSON line.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Markdown tables from a file of `run` lines.
     Table {
         /// File with one JSON report per line.
