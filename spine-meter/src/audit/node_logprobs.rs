@@ -292,12 +292,33 @@ const MAX_HELD: usize = 64;
 /// # Errors
 ///
 /// [`Misaligned`] when an entry's bytes are not the text at its place, or an entry that is not
-/// the last has such an `id` (an honest llama.cpp never sends one).
+/// the last has such an `id`, ends in an incomplete UTF-8 sequence, or (a request without stop
+/// words: [`align_for`]) holds bytes that do not end in one — an honest llama.cpp never sends
+/// such entries.
 pub fn align(
     vocab: &TokenVocabulary,
     tokens: &[NodeToken],
     text: &[u8],
     max_tokens: usize,
+) -> Result<AlignedTokens, Misaligned> {
+    align_for(vocab, tokens, text, max_tokens, false)
+}
+
+/// [`align`] for a request with (`stop_words`) or without stop words. A streamed llama.cpp
+/// answer sends no entry for a token a partial stop string held (its chunk has no content):
+/// the next entry carries the held text before its own token's, text that need not end in an
+/// incomplete sequence (measured: `" as the"` with the id of `" the"`, stop words `"\n"` and
+/// `"s,"`). With stop words such a prefix stops alignment without an error.
+///
+/// # Errors
+///
+/// As [`align`].
+pub fn align_for(
+    vocab: &TokenVocabulary,
+    tokens: &[NodeToken],
+    text: &[u8],
+    max_tokens: usize,
+    stop_words: bool,
 ) -> Result<AlignedTokens, Misaligned> {
     let mut out = AlignedTokens::default();
     let mut offset = 0usize;
@@ -337,7 +358,7 @@ pub fn align(
                 None => break,
             }
         }
-        if held.is_empty() && !held_as_llama_cpp_holds(vocab, t) {
+        if held.is_empty() && !held_as_llama_cpp_holds(vocab, t, stop_words) {
             // not what an honest llama.cpp lists, except as its last entry (a stop word's)
             if i + 1 < tokens.len() {
                 return Err(Misaligned(offset));
@@ -444,9 +465,9 @@ pub fn ends_incomplete(b: &[u8]) -> bool {
 
 /// Whether a non-empty entry with an `id` (no empty entries before it) holds back tokens only as
 /// the pinned llama.cpp does: it lists a token only once the text is complete
-/// ([`ends_incomplete`]), so an entry never ends incomplete, and the bytes before its own
-/// token's (tokens it held) always do.
-fn held_as_llama_cpp_holds(vocab: &TokenVocabulary, t: &NodeToken) -> bool {
+/// ([`ends_incomplete`]), so an entry never ends incomplete, and, for a request without stop
+/// words, the bytes before its own token's (tokens it held) always do ([`align_for`]).
+fn held_as_llama_cpp_holds(vocab: &TokenVocabulary, t: &NodeToken, stop_words: bool) -> bool {
     let Some(own) =
         t.id.and_then(|id| u32::try_from(id).ok())
             .and_then(|id| vocab.bytes(id))
@@ -454,7 +475,7 @@ fn held_as_llama_cpp_holds(vocab: &TokenVocabulary, t: &NodeToken) -> bool {
         return true;
     };
     let prefix = t.bytes.strip_suffix(own).unwrap_or_default();
-    !ends_incomplete(&t.bytes) && (prefix.is_empty() || ends_incomplete(prefix))
+    !ends_incomplete(&t.bytes) && (stop_words || prefix.is_empty() || ends_incomplete(prefix))
 }
 
 /// The tokens of a non-empty entry that is not valid UTF-8 (the answer's JSON delivered its
@@ -631,7 +652,7 @@ pub fn judge_node_list(
             delivered_bytes: text.len(),
         };
     }
-    match align(vocab, &capture.tokens, text, max_tokens) {
+    match align_for(vocab, &capture.tokens, text, max_tokens, stop_bytes > 0) {
         Ok(a) => NodeList::Aligned(a),
         // the bytes spell the text (`covered_bytes`), the ids do not read: read the bytes alone
         Err(at) if capture.tokens.iter().any(|t| t.id.is_some()) => {

@@ -541,3 +541,28 @@ fn tokens_held_behind_a_lone_lead_byte_mid_text_are_context_and_the_list_goes_on
     let a = align(&v, &c.tokens, "\u{fffd}xion".as_bytes(), 16).unwrap();
     assert_eq!(a.scored(), 0);
 }
+
+/// A streamed llama.cpp answer to a request with stop words sends no entry for a token a
+/// partial stop string held: the next entry carries its text (measured: `" as the"` with the id
+/// of `" the"`, stop words `"\n"` and `"s,"`). Not an event with stop words; without them
+/// llama.cpp holds nothing so, and the list is not its text.
+#[test]
+fn held_text_of_a_streamed_partial_stop_string_is_no_event() {
+    let v = vocab();
+    let json = serde_json::json!({"content": [
+        {"id": 0, "token": "Hello", "logprob": -0.1},
+        {"id": 2, "token": " world!", "logprob": -0.2},
+        {"id": 0, "token": "Hello", "logprob": -0.3},
+    ]});
+    let mut c = NodeLogprobs::new(16);
+    c.push(Some(&json));
+    let text = b"Hello world!Hello";
+    let with_stop = br#"{"messages":[],"stream":true,"stop":[" wor"]}"#;
+    let judged = judge_node_list(&v, &c, text, with_stop, 16);
+    assert!(
+        matches!(judged, NodeList::Aligned(ref a) if a.scored() == 1),
+        "{judged:?}"
+    );
+    let judged = judge_node_list(&v, &c, text, br#"{"messages":[]}"#, 16);
+    assert!(matches!(judged, NodeList::Foreign { .. }), "{judged:?}");
+}
