@@ -625,10 +625,15 @@ pub fn judge_node_list(
     max_tokens: usize,
 ) -> NodeList {
     let max_token_bytes = vocab.max_token_bytes();
+    let stop_bytes = longest_stop_bytes(request_body);
     if !capture.is_usable() {
-        // every token held behind an incomplete sequence at the end: llama.cpp lists none and
-        // leaves `logprobs` out ([`honest_tail`])
-        if capture.error.is_none() && capture.tokens.is_empty() && held_incomplete(text, vocab) {
+        // every token held behind an incomplete sequence at the end, or every entry dropped
+        // with the stop word's (`send_final_response`): llama.cpp leaves `logprobs` out
+        // ([`honest_tail`])
+        if capture.error.is_none()
+            && capture.tokens.is_empty()
+            && (held_incomplete(text, vocab) || stop_word_slack(text, stop_bytes, max_token_bytes))
+        {
             return NodeList::Aligned(AlignedTokens::default());
         }
         return NodeList::Unusable;
@@ -637,7 +642,6 @@ pub fn judge_node_list(
         Ok(c) => c,
         Err(e) => return NodeList::Misaligned(e),
     };
-    let stop_bytes = longest_stop_bytes(request_body);
     let tail = &text[covered..];
     // a list that spells nothing of the text held nothing behind an incomplete sequence:
     // llama.cpp would have listed no entry at all (above); only the stop words' slack is left

@@ -442,6 +442,10 @@ fn tokens_held_behind_a_lone_lead_byte_at_the_end_are_not_short() {
     );
     let judged = judge_node_list(&v, &none, "Hello world".as_bytes(), body, 16);
     assert_eq!(judged, NodeList::Unusable);
+    // every entry dropped with a stop word's (a reply of one word and the stop word): no event
+    let stop = br#"{"messages":[],"stop":["\n"]}"#;
+    let judged = judge_node_list(&v, &none, "Hello".as_bytes(), stop, 16);
+    assert!(matches!(judged, NodeList::Aligned(_)), "{judged:?}");
     let json = serde_json::json!({"content": [{"id": 3, "token": "", "logprob": -0.1}]});
     let mut empty_entry = NodeLogprobs::new(16);
     empty_entry.push(Some(&json));
