@@ -968,6 +968,9 @@ fn still_short(vocab: &TokenVocabulary, d: &DumpLine) -> bool {
     )
 }
 
+/// (role, configuration) of a dump line.
+type RoleConfig = (String, String);
+
 /// (role, configuration, run) of a dump line.
 type RunKey = (String, String, usize);
 
@@ -1167,6 +1170,7 @@ fn logprob_line(
 /// until `failed` or past `budget` audited tokens; prints the share failed within the budget.
 /// An estimate of the detection rate over reply orders the dump's runs did not happen to have
 /// (replies taken as independent; a run's replies share a node and a prompt style).
+#[allow(clippy::print_stdout)] // a measurement's output
 fn bootstrap(
     order: &[RunKey],
     replies: &std::collections::HashMap<RunKey, Vec<DumpLine>>,
@@ -1176,7 +1180,8 @@ fn bootstrap(
     n: usize,
     budget: u64,
 ) {
-    let mut groups: Vec<((String, String), Vec<Vec<Observation>>)> = Vec::new();
+    // (role, configuration) → every reply's observations
+    let mut groups: Vec<(RoleConfig, Vec<Vec<Observation>>)> = Vec::new();
     for key in order {
         let group = (key.0.clone(), key.1.clone());
         let obs = replies[key]
