@@ -5,7 +5,9 @@
 # usage: [BENCH_BIN=<dir with release binaries, default target/release>] [BENCH_PG=1: the ledger on
 #        PostgreSQL at 127.0.0.1:5432, a fresh database] [SKIP_CLOSED=1] [BENCH_OPEN_RATE=<req/s>
 #        BENCH_OPEN_SECS=<secs, default 5> BENCH_RSS_EVERY=<secs> BENCH_SLOW_MICROS=<µs>: an open loop after the closed
-#        one, with each process's RSS sampled while it runs] scripts/bench_closed_loop.sh [secs]
+#        one, with each process's RSS sampled while it runs] [BENCH_STREAM_RATE=<streams/s>
+#        BENCH_STREAM_SECS=<secs, default 10>: bench.sh's streaming per-event latency scenario (64
+#        events paced 1 ms apart), direct then spine] scripts/bench_closed_loop.sh [secs]
 set -euo pipefail
 # shellcheck source=scripts/lib.sh
 source "$(dirname "$0")/lib.sh"
@@ -44,6 +46,17 @@ if [[ -n "${BENCH_OPEN_RATE:-}" ]]; then
     echo "rss at +$SECONDS s: $(rss | tr '\n' ' ')"
   done
   wait "$LOAD_PID"
+fi
+if [[ -n "${BENCH_STREAM_RATE:-}" ]]; then
+  mock_config '{"itl_micros": 1000, "ttft_micros": 1000}'
+  for target in direct spine; do
+    if [[ $target == direct ]]; then url="$MOCK/v1/chat/completions" key=() pids=(--cpu-pid "$MOCK_PID")
+    else url="$PUBLIC/v1/chat/completions" key=(--api-key "$SPINE_KEY") pids=(--cpu-pid "$GATEWAY_PID" --cpu-pid "$AGENT_PID"); fi
+    taskset -c "$HARNESS_CPU" "$BIN/spine-load" run --name "$target" --scenario stream_latency --url "$url" \
+      "${key[@]}" "${pids[@]}" --stream --rate "$BENCH_STREAM_RATE" --duration-secs "${BENCH_STREAM_SECS:-10}" \
+      --warmup-secs 1 --max-tokens 64 ${BENCH_SLOW_MICROS:+--slow-micros "$BENCH_SLOW_MICROS"}
+  done
+  mock_config '{"itl_micros": 0, "ttft_micros": 0}'
 fi
 # the ledger's group commits since the start (warm-up included: writes per commit), and the
 # bytes the gateway wrote through write(2)-like calls (WAL frames and sockets, /proc/<pid>/io)

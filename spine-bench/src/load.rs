@@ -84,7 +84,9 @@ pub struct RunConfig {
     /// Whether the body asks for a stream (the response must then end with `[DONE]`).
     pub stream: bool,
     /// Open loop: requests at least this slow (µs) are listed in [`Report::slow_requests`]
-    /// with their scheduled time, to see whether the tail comes in bursts. `None`: none listed.
+    /// with their scheduled time, and stream events whose delay (arrival − the engine's
+    /// `x_sent_ns` stamp) is at least this in [`Report::slow_events`], to see whether the tail
+    /// comes in bursts and where in a stream. `None`: none listed.
     pub slow_micros: Option<u64>,
 }
 
@@ -181,6 +183,11 @@ pub struct Report {
     /// of each slow request, µs, in the order they finished (at most [`MAX_SLOW_LISTED`]).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub slow_requests: Vec<(u64, u64)>,
+    /// Open loop with [`RunConfig::slow_micros`], streamed: `(scheduled send of the stream −
+    /// start of the run, µs; the event's index among the stream's stamped events; its delay,
+    /// µs)` of each slow event (at most [`MAX_SLOW_LISTED`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub slow_events: Vec<(u64, u32, u64)>,
 }
 
 /// Most slow requests one report lists.
@@ -254,6 +261,7 @@ struct Shared {
     events: AtomicU64,
     in_flight: AtomicUsize,
     slow: Mutex<Vec<(u64, u64)>>,
+    slow_events: Mutex<Vec<(u64, u32, u64)>>,
 }
 
 impl Shared {
@@ -447,6 +455,7 @@ pub async fn run(
         events: AtomicU64::new(0),
         in_flight: AtomicUsize::new(0),
         slow: Mutex::new(Vec::new()),
+        slow_events: Mutex::new(Vec::new()),
     });
     let cpu_before = cpu_total(watch_pids);
     let started = Instant::now();
@@ -485,6 +494,12 @@ pub async fn run(
         sustained: false,
         slow_requests: std::mem::take(
             &mut *shared.slow.lock().unwrap_or_else(PoisonError::into_inner),
+        ),
+        slow_events: std::mem::take(
+            &mut *shared
+                .slow_events
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner),
         ),
     };
     report.sustained = report.sustained();
@@ -538,13 +553,22 @@ async fn open_loop(
             let sample = tokio::time::timeout(cfg.timeout, one(&client, &target, &cfg, due))
                 .await
                 .unwrap_or_default();
-            if sample.ok && cfg.slow_micros.is_some_and(|t| sample.latency_micros >= t) {
-                let mut slow = shared.slow.lock().unwrap_or_else(PoisonError::into_inner);
-                if slow.len() < MAX_SLOW_LISTED {
-                    slow.push((
-                        micros(due.saturating_duration_since(origin)),
-                        sample.latency_micros,
-                    ));
+            if let Some(t) = cfg.slow_micros.filter(|_| sample.ok) {
+                let at = micros(due.saturating_duration_since(origin));
+                if sample.latency_micros >= t {
+                    let mut slow = shared.slow.lock().unwrap_or_else(PoisonError::into_inner);
+                    if slow.len() < MAX_SLOW_LISTED {
+                        slow.push((at, sample.latency_micros));
+                    }
+                }
+                let mut slow = shared
+                    .slow_events
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner);
+                for (i, &d) in sample.delays_micros.iter().enumerate() {
+                    if d >= t && slow.len() < MAX_SLOW_LISTED {
+                        slow.push((at, u32::try_from(i).unwrap_or(u32::MAX), d));
+                    }
                 }
             }
             shared.record(sample);
@@ -627,6 +651,7 @@ mod tests {
             watched_cpu_secs: None,
             sustained: false,
             slow_requests: Vec::new(),
+            slow_events: Vec::new(),
         };
         assert!(r.sustained());
         r.dropped = 2;
@@ -682,6 +707,11 @@ mod tests {
         let mut at: Vec<u64> = r.slow_requests.iter().map(|(t, _)| t / 5_000).collect();
         at.sort_unstable();
         assert_eq!(at, (0..50).collect::<Vec<u64>>());
+        // and every stamped event of each stream, with its index in the stream
+        assert_eq!(r.slow_events.len(), 50 * 8);
+        for i in 0..8 {
+            assert_eq!(r.slow_events.iter().filter(|e| e.1 == i).count(), 50);
+        }
         let closed = RunConfig {
             mode: Mode::Closed { concurrency: 4 },
             stream: false,

@@ -352,6 +352,7 @@ mod tests {
             watched_cpu_secs: None,
             sustained: false,
             slow_requests: Vec::new(),
+            slow_events: Vec::new(),
         }
     }
 

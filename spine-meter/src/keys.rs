@@ -87,13 +87,17 @@ pub fn new_id(prefix: &str) -> String {
 /// settlement (SQLite appends every changed page to its WAL at each commit; issue 17,
 /// `docs/benchmarks.md`). A request id is a name, not a secret (the caller and the node see
 /// it); two ids collide only when made in the same millisecond with the same 48 random bits.
+///
+/// The random bits come from the thread's CSPRNG (`rand::rng()`, ChaCha seeded and reseeded
+/// from the OS), not from a `getrandom` system call per request: that call was one of the five
+/// system calls a lone request paid (issue 17, `docs/benchmarks.md`).
 pub fn new_request_id() -> RequestId {
     let ms = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis());
     // the low 48 bits: good until the year 10889
     let ms = (ms as u64 & 0xffff_ffff_ffff).to_be_bytes();
-    let random = random_bytes::<6>();
+    let random: [u8; 6] = rand::Rng::random(&mut rand::rng());
     let mut id = [0u8; 12];
     id[..6].copy_from_slice(&ms[2..]);
     id[6..].copy_from_slice(&random);
