@@ -370,12 +370,19 @@ async fn audit_latency_bench() {
         .unwrap_or(40usize);
     let (mut lat_on, mut lat_off) = (Vec::new(), Vec::new());
     for i in 0..rounds {
-        for (gw, key, lat) in [
+        // both sides send round `i`'s prompt to the one node, and the second finds it in the
+        // node's prompt cache: which side goes first alternates, or that side pays every
+        // prompt's evaluation (measured: on/off 1.146 at p50 with "on" always first)
+        let mut sides = [
             (&on, &t_on.api_key, &mut lat_on),
             (&off, &t_off.api_key, &mut lat_off),
-        ] {
+        ];
+        if i % 2 == 1 {
+            sides.reverse();
+        }
+        for (gw, key, lat) in sides {
             let t = Instant::now();
-            chat(gw, key, i, i % 2 == 0).await;
+            chat(gw, key, i, (i / 2) % 2 == 0).await;
             lat.push(t.elapsed().as_secs_f64() * 1000.0);
         }
     }
