@@ -322,6 +322,176 @@ async fn an_idle_node_is_challenged_billed_to_the_platform_and_passes() {
     assert!(gw.earned(&operator).await > 0);
 }
 
+/// A node that tells challenges from its callers' requests and serves the real model only to
+/// challenges: an HTTP proxy in front of two llama-servers. It is given a perfect oracle — the
+/// test's callers' prompts end in `"(<n>)"`, which no challenge does — the strongest form of
+/// the cheat (design brief §10: challenges only add coverage; audits of real traffic, chosen
+/// after the fact, catch it).
+struct ChallengeAwareNode {
+    url: String,
+    /// Chat requests sent to the real model (the ones that looked like challenges).
+    to_model: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    /// Chat requests sent to the substitute (the callers').
+    to_substitute: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    _server: tokio::task::JoinHandle<()>,
+}
+
+impl ChallengeAwareNode {
+    async fn start(model_url: String, substitute_url: String) -> Self {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        use std::sync::Arc;
+        let client = reqwest::Client::new();
+        let (to_model, to_substitute) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+        let counts = (Arc::clone(&to_model), Arc::clone(&to_substitute));
+        let app = axum::Router::new().fallback(move |req: axum::extract::Request| {
+            let (client, model_url, substitute_url) =
+                (client.clone(), model_url.clone(), substitute_url.clone());
+            let (to_model, to_substitute) = (Arc::clone(&counts.0), Arc::clone(&counts.1));
+            async move {
+                let (parts, body) = req.into_parts();
+                let bytes = axum::body::to_bytes(body, 1 << 20)
+                    .await
+                    .unwrap_or_default();
+                let content = serde_json::from_slice::<Value>(&bytes)
+                    .ok()
+                    .and_then(|v| v["messages"][0]["content"].as_str().map(str::to_owned));
+                let base = match content {
+                    Some(c) if c.ends_with(')') && c.contains(". (") => {
+                        to_substitute.fetch_add(1, Ordering::Relaxed);
+                        substitute_url
+                    }
+                    Some(_) => {
+                        to_model.fetch_add(1, Ordering::Relaxed);
+                        model_url
+                    }
+                    None => model_url,
+                };
+                let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+                let mut upstream = client.request(parts.method, format!("{base}{path}"));
+                if let Some(ct) = parts.headers.get(http::header::CONTENT_TYPE) {
+                    upstream = upstream.header(http::header::CONTENT_TYPE, ct);
+                }
+                let Ok(resp) = upstream.body(bytes).send().await else {
+                    return http::Response::builder()
+                        .status(502)
+                        .body(axum::body::Body::empty())
+                        .unwrap();
+                };
+                let mut answer = http::Response::builder().status(resp.status());
+                if let Some(ct) = resp.headers().get(http::header::CONTENT_TYPE) {
+                    answer = answer.header(http::header::CONTENT_TYPE, ct);
+                }
+                answer
+                    .body(axum::body::Body::from_stream(resp.bytes_stream()))
+                    .unwrap()
+            }
+        });
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let server = tokio::spawn(async move {
+            axum::serve(listener, app).await.unwrap();
+        });
+        Self {
+            url,
+            to_model,
+            to_substitute,
+            _server: server,
+        }
+    }
+}
+
+/// The issue's fifth substitute: a node that serves the right model only to requests that look
+/// like challenges (here it knows them perfectly) and Q2_K to its callers. Challenges alone
+/// make it `passing`; the audits of its callers' traffic then fail it, and no caller sees an
+/// error on the way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_serves_the_model_only_to_challenges_is_failed_by_audits_of_its_traffic() {
+    let engine = Engine::discover().unwrap();
+    let substitute_gguf = engine.substitute_gguf().unwrap();
+    let reference = LlamaServer::start(&engine, 1).await.unwrap();
+    let model = LlamaServer::start(&engine, 2).await.unwrap();
+    let substitute = LlamaServer::start_model(&engine, &substitute_gguf, 2, &[])
+        .await
+        .unwrap();
+    let node = ChallengeAwareNode::start(model.url.clone(), substitute.url.clone()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let gw = Gateway::start_full(
+        dir.path(),
+        &engine,
+        "[audit]\nrate_passing = 1.0\nrate_unverified = 1.0\nrate_suspect = 1.0\n\
+         challenge_account = \"acct_challenges\"\nchallenge_interval_secs = 1\n",
+        &format!("reference_url = \"{}\"", reference.url),
+    )
+    .await;
+    let (s, _) = gw
+        .admin_post("/admin/v1/accounts", json!({"id": "acct_challenges"}))
+        .await;
+    assert_eq!(s, 201);
+    let (s, _) = gw
+        .admin_post(
+            "/admin/v1/accounts/acct_challenges/credits",
+            json!({"amount_micros": 1_000_000, "idempotency_key": "challenges-1"}),
+        )
+        .await;
+    assert_eq!(s, 200);
+    let Tenant {
+        operator, api_key, ..
+    } = tenant(&gw).await;
+    let (node_id, _agent) = add_node(&gw, dir.path(), &operator, &node.url, "cheat").await;
+
+    // no caller yet: challenges only, every one answered by the real model
+    let started = Instant::now();
+    let on_challenges = loop {
+        let (_, nodes) = gw.admin_get("/admin/v1/nodes").await;
+        if let Some(a) = audit_of(&nodes, &node_id) {
+            if a["verdict"] == "passing" {
+                break a;
+            }
+            assert_ne!(a["verdict"], "failed", "{a}");
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(900),
+            "challenges never made the node pass; nodes: {nodes:#}\ngateway:\n{}",
+            gw.child.stderr_tail(40)
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    use std::sync::atomic::Ordering;
+    let challenged = node.to_model.load(Ordering::Relaxed);
+    println!("after challenges only ({challenged} answered by the model): {on_challenges}");
+    assert!(challenged >= 1);
+    assert_eq!(node.to_substitute.load(Ordering::Relaxed), 0);
+
+    // callers now: their requests get Q2_K, and their audits fail the node
+    let mut i = 0;
+    let failed = loop {
+        chat(&gw, &api_key, i, i % 2 == 0).await;
+        i += 1;
+        let (_, nodes) = gw.admin_get("/admin/v1/nodes").await;
+        let a = audit_of(&nodes, &node_id).unwrap();
+        if a["verdict"] == "failed" {
+            break a;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(1800),
+            "the node was not failed after {i} caller requests: {a}\ngateway:\n{}",
+            gw.child.stderr_tail(40)
+        );
+    };
+    println!(
+        "failed after {i} caller requests ({} sent to Q2_K, {} to the model in all): {failed}",
+        node.to_substitute.load(Ordering::Relaxed),
+        node.to_model.load(Ordering::Relaxed)
+    );
+    assert!(node.to_substitute.load(Ordering::Relaxed) >= 1);
+    assert!(failed["statistic"].as_f64().unwrap() >= failed["fail_threshold"].as_f64().unwrap());
+    let m = gw.metrics().await;
+    assert!(
+        metric(&m, "spine_audit_challenges_total{result=\"answered\"}") >= 1.0,
+        "{m}"
+    );
+}
+
 fn pin_to_core(pid: u32, core: u32) {
     let ok = std::process::Command::new("taskset")
         .args(["-a", "-p", "-c", &core.to_string(), &pid.to_string()])
