@@ -263,6 +263,42 @@ async fn a_substitute_model_is_failed_and_unrouted_while_the_honest_node_passes(
     assert!(audit_of(&nodes, sub_id).is_none(), "{nodes:#}");
 }
 
+/// Creates the platform's challenge account `acct_challenges` with 1,000,000 µ of credit.
+async fn fund_challenge_account(gw: &Gateway) {
+    let (s, _) = gw
+        .admin_post("/admin/v1/accounts", json!({"id": "acct_challenges"}))
+        .await;
+    assert_eq!(s, 201);
+    let (s, _) = gw
+        .admin_post(
+            "/admin/v1/accounts/acct_challenges/credits",
+            json!({"amount_micros": 1_000_000, "idempotency_key": "challenges-1"}),
+        )
+        .await;
+    assert_eq!(s, 200);
+}
+
+/// Waits (at most 900 s, a hang's bound) until challenges alone make `node_id` `passing`, and
+/// returns its audit view; panics if it is `failed` first.
+async fn passing_on_challenges(gw: &Gateway, node_id: &str) -> Value {
+    let started = Instant::now();
+    loop {
+        let (_, nodes) = gw.admin_get("/admin/v1/nodes").await;
+        if let Some(a) = audit_of(&nodes, node_id) {
+            if a["verdict"] == "passing" {
+                return a;
+            }
+            assert_ne!(a["verdict"], "failed", "{a}");
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(900),
+            "challenges never made the node pass; nodes: {nodes:#}\ngateway:\n{}",
+            gw.child.stderr_tail(40)
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
 /// A node with no traffic is challenged (design brief §10): plausible chats on the normal path,
 /// billed to the platform's challenge account, audited every time; the node's model passes
 /// without a single caller request, and its operator is paid for the work.
@@ -279,36 +315,11 @@ async fn an_idle_node_is_challenged_billed_to_the_platform_and_passes() {
         &format!("reference_url = \"{}\"", reference.url),
     )
     .await;
-    let (s, _) = gw
-        .admin_post("/admin/v1/accounts", json!({"id": "acct_challenges"}))
-        .await;
-    assert_eq!(s, 201);
-    let (s, _) = gw
-        .admin_post(
-            "/admin/v1/accounts/acct_challenges/credits",
-            json!({"amount_micros": 1_000_000, "idempotency_key": "challenges-1"}),
-        )
-        .await;
-    assert_eq!(s, 200);
+    fund_challenge_account(&gw).await;
     let Tenant { operator, .. } = tenant(&gw).await;
     let (node_id, _agent) = add_node(&gw, dir.path(), &operator, &honest.url, "idle").await;
 
-    let started = Instant::now();
-    let audit = loop {
-        let (_, nodes) = gw.admin_get("/admin/v1/nodes").await;
-        if let Some(a) = audit_of(&nodes, &node_id) {
-            if a["verdict"] == "passing" {
-                break a;
-            }
-            assert_ne!(a["verdict"], "failed", "{a}");
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(900),
-            "the idle node never passed; nodes: {nodes:#}\ngateway:\n{}",
-            gw.child.stderr_tail(40)
-        );
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    };
+    let audit = passing_on_challenges(&gw, &node_id).await;
     println!("idle node after challenges: {audit}");
     assert!(audit["audits"].as_u64().unwrap() >= 1, "{audit}");
     let m = gw.metrics().await;
@@ -423,17 +434,7 @@ async fn a_node_that_serves_the_model_only_to_challenges_is_failed_by_audits_of_
         &format!("reference_url = \"{}\"", reference.url),
     )
     .await;
-    let (s, _) = gw
-        .admin_post("/admin/v1/accounts", json!({"id": "acct_challenges"}))
-        .await;
-    assert_eq!(s, 201);
-    let (s, _) = gw
-        .admin_post(
-            "/admin/v1/accounts/acct_challenges/credits",
-            json!({"amount_micros": 1_000_000, "idempotency_key": "challenges-1"}),
-        )
-        .await;
-    assert_eq!(s, 200);
+    fund_challenge_account(&gw).await;
     let Tenant {
         operator, api_key, ..
     } = tenant(&gw).await;
@@ -441,21 +442,7 @@ async fn a_node_that_serves_the_model_only_to_challenges_is_failed_by_audits_of_
 
     // no caller yet: challenges only, every one answered by the real model
     let started = Instant::now();
-    let on_challenges = loop {
-        let (_, nodes) = gw.admin_get("/admin/v1/nodes").await;
-        if let Some(a) = audit_of(&nodes, &node_id) {
-            if a["verdict"] == "passing" {
-                break a;
-            }
-            assert_ne!(a["verdict"], "failed", "{a}");
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(900),
-            "challenges never made the node pass; nodes: {nodes:#}\ngateway:\n{}",
-            gw.child.stderr_tail(40)
-        );
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    };
+    let on_challenges = passing_on_challenges(&gw, &node_id).await;
     use std::sync::atomic::Ordering;
     let challenged = node.to_model.load(Ordering::Relaxed);
     println!("after challenges only ({challenged} answered by the model): {on_challenges}");
