@@ -77,7 +77,8 @@ struct RunArgs {
     #[arg(long, default_value_t = 0.0)]
     warmup_secs: f64,
     /// Open loop: list each request at least this slow (µs) with its scheduled time in the
-    /// report's `slow_requests`.
+    /// report's `slow_requests`, and each streamed event delayed at least this much, with its
+    /// index in its stream, in `slow_events`.
     #[arg(long)]
     slow_micros: Option<u64>,
 }
