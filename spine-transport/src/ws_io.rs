@@ -28,6 +28,11 @@ pub const DEFAULT_MAX_WRITE_MESSAGE_BYTES: usize = 64 * 1024;
 ///   [`max_write_message_bytes`](Self::with_max_write_message_bytes) bytes (a longer buffer is
 ///   written partially, as `AsyncWrite` allows). Flush flushes the WebSocket; shutdown sends a
 ///   close message.
+/// - A flush after writes is put off once: the first `poll_flush` wakes its own task and
+///   answers `Pending`, so every task already ready runs first and the frames they queue (other
+///   streams' events, on a busy tunnel) leave with these in one flush; the next `poll_flush`
+///   flushes. Alone on the runtime, that costs one more poll of the connection task and no
+///   waiting. (With the WebSocket's write buffer on, see `ws_config`, a flush is what writes.)
 /// - With a [write timeout](Self::with_write_timeout), a write or flush that stays blocked for
 ///   that long fails with [`io::ErrorKind::TimedOut`], which kills the connection above it
 ///   (design brief §4: any write blocked 5 s kills the tunnel); the stall is counted in the
@@ -47,6 +52,10 @@ pub struct WsIo<S> {
     write_deadline: Option<Pin<Box<tokio::time::Sleep>>>,
     /// The sink's last `poll_ready` was `Pending`: its next `Ready` means a flush completed.
     sink_blocked: bool,
+    /// Messages were written since the last completed flush.
+    unflushed: bool,
+    /// The next `poll_flush` flushes: this one was put off once already.
+    flush_put_off: bool,
     activity: Option<Arc<AtomicU64>>,
     ping_interval: Option<tokio::time::Interval>,
     ping_due: bool,
@@ -65,6 +74,8 @@ impl<S> WsIo<S> {
             write_timeout: None,
             write_deadline: None,
             sink_blocked: false,
+            unflushed: false,
+            flush_put_off: false,
             activity: None,
             ping_interval: None,
             ping_due: false,
@@ -300,13 +311,23 @@ where
         Pin::new(&mut this.ws)
             .start_send(Message::Binary(Bytes::copy_from_slice(&buf[..n])))
             .map_err(to_io)?;
+        this.unflushed = true;
         Poll::Ready(Ok(n))
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
+        if this.unflushed && !this.flush_put_off {
+            // the tasks ready now run before this one is polled again (a task that wakes
+            // itself goes to the back of tokio's run queue)
+            this.flush_put_off = true;
+            cx.waker().wake_by_ref();
+            return Poll::Pending;
+        }
         match Pin::new(&mut this.ws).poll_flush(cx) {
             Poll::Ready(r) => {
+                this.unflushed = false;
+                this.flush_put_off = false;
                 this.write_deadline = None;
                 this.sink_blocked = false;
                 Poll::Ready(r.map_err(to_io))

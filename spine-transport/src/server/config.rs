@@ -108,13 +108,16 @@ impl TunnelServerConfig {
 }
 
 /// The WebSocket settings both ends use: `max_message_bytes` for messages and frames,
-/// `read_buffer_bytes` read chunks, no write batching (each message is written at once; the
-/// HTTP/2 layer above batches), and at most 4 × the message limit queued for writing.
+/// `read_buffer_bytes` read chunks, messages kept in the write buffer until a flush (or until
+/// 64 KiB wait: [`WsIo`](crate::WsIo) puts a flush off by one turn of the scheduler, so the
+/// messages that other tasks queue meanwhile leave in the same `writev`), and at most 4 × the
+/// message limit queued for writing.
 pub(crate) fn ws_config(max_message_bytes: usize, read_buffer_bytes: usize) -> WebSocketConfig {
+    let max_write_buffer = max_message_bytes.saturating_mul(4).max(128 * 1024);
     WebSocketConfig::default()
         .max_message_size(Some(max_message_bytes))
         .max_frame_size(Some(max_message_bytes))
         .read_buffer_size(read_buffer_bytes.max(256))
-        .write_buffer_size(0)
-        .max_write_buffer_size(max_message_bytes.saturating_mul(4).max(64 * 1024))
+        .write_buffer_size(64 * 1024)
+        .max_write_buffer_size(max_write_buffer)
 }
