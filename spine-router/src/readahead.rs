@@ -4,6 +4,9 @@
 //! [`ReadAheadLayer`] sits above [`Route`](crate::Route) (below the metering layer): each
 //! response body is pumped by a task of its own into a buffer of at most
 //! [`ReadAheadLayer::new`]'s `max_buffer_bytes`, and the caller's side reads from that buffer.
+//! The data frames the node's body has ready together, as many as the buffer has room for, are
+//! joined into one (never a wait for more), so a busy stream pays the buffer's per-frame costs
+//! once per batch of events rather than once per event.
 //! When the node's stream ends, the task drops the node's body at once, which releases the
 //! node's in-flight lease and its tunnel stream: the slot is free when generation ends, not when
 //! the caller has read everything. While the buffer is full the task stops reading, so a caller
@@ -142,40 +145,118 @@ type Buffered = (Result<Frame<Bytes>, BoxError>, Option<OwnedSemaphorePermit>);
 
 /// Reads `body` into `tx` while the buffer has room; ends (dropping `body`) when `body` ends or
 /// breaks, or when the reader is gone.
+/// What a data frame of `len` bytes counts for in the buffer.
+fn cost(len: usize, budget: usize) -> u32 {
+    u32::try_from(len.max(FRAME_OVERHEAD_BYTES).min(budget)).unwrap_or(u32::MAX)
+}
+
+/// Most bytes joined into one buffered frame: 16 KiB.
+const JOIN_MAX_BYTES: usize = 16 * 1024;
+
 async fn pump(
     mut body: BoxBody,
     tx: mpsc::UnboundedSender<Buffered>,
     permits: Arc<Semaphore>,
     budget: usize,
 ) {
+    // a frame read from the node that found no room in the buffer, or followed data
+    let mut held: Option<Result<Frame<Bytes>, BoxError>> = None;
     loop {
-        let next = tokio::select! {
-            next = body.frame() => next,
-            () = tx.closed() => return,
+        let next = match held.take() {
+            Some(frame) => Some(frame),
+            None => tokio::select! {
+                next = body.frame() => next,
+                () = tx.closed() => return,
+            },
         };
-        match next {
+        let frame = match next {
             None => return,
-            Some(Ok(frame)) => {
-                let cost = frame
-                    .data_ref()
-                    .map_or(0, Bytes::len)
-                    .max(FRAME_OVERHEAD_BYTES)
-                    .min(budget);
-                let cost = u32::try_from(cost).unwrap_or(u32::MAX);
-                let permit = tokio::select! {
-                    permit = permits.clone().acquire_many_owned(cost) => permit.ok(),
-                    () = tx.closed() => return,
-                };
-                if tx.send((Ok(frame), permit)).is_err() {
-                    return;
-                }
-            }
+            Some(Ok(frame)) => frame,
             Some(Err(e)) => {
                 let _ = tx.send((Err(e), None));
                 return;
             }
+        };
+        let first_cost = cost(frame.data_ref().map_or(0, Bytes::len), budget);
+        let mut permit = tokio::select! {
+            permit = permits.clone().acquire_many_owned(first_cost) => permit.ok(),
+            () = tx.closed() => return,
+        };
+        let (frame, ended) = match frame.into_data() {
+            Ok(first) => {
+                join_ready(&mut body, first, &permits, &mut permit, budget, &mut held).await
+            }
+            Err(frame) => (frame, false),
+        };
+        if tx.send((Ok(frame), permit)).is_err() || ended {
+            return;
         }
     }
+}
+
+/// `first` and the data frames `body` has ready now (polled once each, never awaited) that fit
+/// in the buffer's room, joined into one frame of at most [`JOIN_MAX_BYTES`] plus one frame;
+/// their permits are merged into `permit`. A frame that does not fit, a non-data frame or an
+/// error goes to `held`. Also says whether `body` ended.
+///
+/// So a busy stream pays the buffer's per-frame costs (a permit, a channel send, a wake-up of
+/// the caller's connection, a chunk written to the caller) once per batch of events, and a
+/// frame that arrives alone is passed on at once.
+async fn join_ready(
+    body: &mut BoxBody,
+    first: Bytes,
+    permits: &Arc<Semaphore>,
+    permit: &mut Option<OwnedSemaphorePermit>,
+    budget: usize,
+    held: &mut Option<Result<Frame<Bytes>, BoxError>>,
+) -> (Frame<Bytes>, bool) {
+    let mut joined: Option<bytes::BytesMut> = None;
+    let mut len = first.len();
+    let mut ended = false;
+    while len < JOIN_MAX_BYTES && !body.is_end_stream() {
+        // one poll: `Pending` leaves the pump's waker with the body (at worst a spurious wake)
+        let polled =
+            std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut *body).poll_frame(cx))).await;
+        let next = match polled {
+            Poll::Pending => break,
+            Poll::Ready(None) => {
+                ended = true;
+                break;
+            }
+            Poll::Ready(Some(next)) => next,
+        };
+        let data = match next.map(Frame::into_data) {
+            Ok(Ok(data)) => data,
+            Ok(Err(frame)) => {
+                *held = Some(Ok(frame));
+                break;
+            }
+            Err(e) => {
+                *held = Some(Err(e));
+                break;
+            }
+        };
+        let Ok(more) = permits
+            .clone()
+            .try_acquire_many_owned(cost(data.len(), budget))
+        else {
+            *held = Some(Ok(Frame::data(data)));
+            break;
+        };
+        match permit {
+            Some(permit) => permit.merge(more),
+            None => *permit = Some(more),
+        }
+        let buf = joined.get_or_insert_with(|| {
+            let mut buf = bytes::BytesMut::with_capacity(JOIN_MAX_BYTES);
+            buf.extend_from_slice(&first);
+            buf
+        });
+        buf.extend_from_slice(&data);
+        len = buf.len();
+    }
+    let data = joined.map_or(first, bytes::BytesMut::freeze);
+    (Frame::data(data), ended)
 }
 
 /// The caller's side of a read-ahead body: frames as the pump buffered them.

@@ -59,19 +59,20 @@ async fn the_buffer_is_bounded() {
     // 100 frames of 1,000 bytes into a 10,000-byte buffer
     let mut body = read_ahead(node_body(100, 1000, sent.clone(), ended_tx), 10_000);
     tokio::time::sleep(Duration::from_millis(200)).await;
-    // 10 frames fill it; the 11th was read from the node and waits for room
+    // 10 frames fill it (joined into one: they were ready together); the 11th was read
+    // from the node and waits for room
     assert_eq!(sent.load(Ordering::SeqCst), 11);
     assert!(
         ended_rx.try_recv().is_err(),
         "the node body must still be held"
     );
-    // the caller takes one frame: one more is read
+    // the caller takes what was buffered: room for ten more, the 11th among them
     let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
-    assert_eq!(first.len(), 1000);
+    assert_eq!(first.len(), 10_000);
     tokio::time::sleep(Duration::from_millis(200)).await;
-    assert_eq!(sent.load(Ordering::SeqCst), 12);
+    assert_eq!(sent.load(Ordering::SeqCst), 21);
     let rest = body.collect().await.unwrap().to_bytes();
-    assert_eq!(rest.len(), 99_000);
+    assert_eq!(rest.len(), 90_000);
 }
 
 #[tokio::test(start_paused = true)]
@@ -104,4 +105,44 @@ async fn an_error_comes_after_the_frames_before_it() {
     assert_eq!(err.to_string(), "node broke");
     assert!(body.frame().await.is_none());
     assert!(body.is_end_stream());
+}
+
+#[tokio::test(start_paused = true)]
+async fn frames_ready_together_are_joined_and_a_frame_alone_is_not_held_back() {
+    let (node_tx, node_rx) =
+        tokio::sync::mpsc::unbounded_channel::<Result<Frame<Bytes>, BoxError>>();
+    for part in ["a", "b", "c"] {
+        node_tx
+            .send(Ok(Frame::data(Bytes::from_static(part.as_bytes()))))
+            .unwrap();
+    }
+    let stream = futures_util::stream::unfold(node_rx, |mut rx| async move {
+        rx.recv().await.map(|frame| (frame, rx))
+    });
+    let mut body = read_ahead(BoxBody::new(StreamBody::new(stream)), 4096);
+    let wait = Duration::from_secs(10);
+    let joined = tokio::time::timeout(wait, body.frame()).await.unwrap();
+    assert_eq!(&joined.unwrap().unwrap().into_data().unwrap()[..], b"abc");
+    // one frame, the node's body still open: passed on without waiting for more
+    node_tx
+        .send(Ok(Frame::data(Bytes::from_static(b"d"))))
+        .unwrap();
+    let alone = tokio::time::timeout(wait, body.frame()).await.unwrap();
+    assert_eq!(&alone.unwrap().unwrap().into_data().unwrap()[..], b"d");
+    // trailers after data come after it, then the end
+    node_tx
+        .send(Ok(Frame::data(Bytes::from_static(b"e"))))
+        .unwrap();
+    node_tx
+        .send(Ok(Frame::trailers(http::HeaderMap::new())))
+        .unwrap();
+    drop(node_tx);
+    let e = tokio::time::timeout(wait, body.frame()).await.unwrap();
+    assert_eq!(&e.unwrap().unwrap().into_data().unwrap()[..], b"e");
+    let trailers = tokio::time::timeout(wait, body.frame()).await.unwrap();
+    assert!(trailers.unwrap().unwrap().is_trailers());
+    assert!(tokio::time::timeout(wait, body.frame())
+        .await
+        .unwrap()
+        .is_none());
 }
