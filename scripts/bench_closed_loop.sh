@@ -7,7 +7,9 @@
 #        BENCH_OPEN_SECS=<secs, default 5> BENCH_RSS_EVERY=<secs> BENCH_SLOW_MICROS=<µs>: an open loop after the closed
 #        one, with each process's RSS sampled while it runs] [BENCH_STREAM_RATE=<streams/s>
 #        BENCH_STREAM_SECS=<secs, default 10>: bench.sh's streaming per-event latency scenario (64
-#        events paced 1 ms apart), direct then spine] scripts/bench_closed_loop.sh [secs]
+#        events paced 1 ms apart), direct then spine] [BENCH_STREAM_THROUGHPUT=1: bench.sh's streaming
+#        closed loop (16 streams of 1,000 unpaced events) through spine, [secs] long, with
+#        the gateway's and agent's CPU] scripts/bench_closed_loop.sh [secs]
 set -euo pipefail
 # shellcheck source=scripts/lib.sh
 source "$(dirname "$0")/lib.sh"
@@ -46,6 +48,11 @@ if [[ -n "${BENCH_OPEN_RATE:-}" ]]; then
     echo "rss at +$SECONDS s: $(rss | tr '\n' ' ')"
   done
   wait "$LOAD_PID"
+fi
+if [[ -n "${BENCH_STREAM_THROUGHPUT:-}" ]]; then
+  taskset -c "$HARNESS_CPU" "$BIN/spine-load" run --name spine --scenario stream_throughput --url "$PUBLIC/v1/chat/completions" \
+    --api-key "$SPINE_KEY" --cpu-pid "$GATEWAY_PID" --cpu-pid "$AGENT_PID" --stream --concurrency 16 \
+    --duration-secs "$SECS" --timeout-secs 60 --max-tokens 1000
 fi
 if [[ -n "${BENCH_STREAM_RATE:-}" ]]; then
   mock_config '{"itl_micros": 1000, "ttft_micros": 1000}'

@@ -7,8 +7,11 @@
 # over all instances and gateway + agent CPU per request (all instances' processes).
 # Needs PostgreSQL at 127.0.0.1:5432 (trust auth) and Redis at $SPINE_TEST_REDIS_URL (default
 # redis://127.0.0.1:6379): scripts/services.sh starts both. The database and the key prefix are
-# removed at the end.
-# usage: [BENCH_BIN=<dir with release binaries, default target/release>]
+# removed at the end. BENCH_ACCOUNTS=<k> (default 1) bills k accounts instead of one: each
+# instance's connections are split over k load generators, one per account's key (a fleet's
+# traffic spreads over many accounts; one account is the worst case, every hold and settlement
+# locking the same row).
+# usage: [BENCH_BIN=<dir with release binaries, default target/release>] [BENCH_ACCOUNTS=<k>]
 #        scripts/bench_cluster.sh [instances, default 2] [secs, default 10]
 set -euo pipefail
 # shellcheck source=scripts/lib.sh
@@ -53,7 +56,11 @@ gguf = \"$SPINE_MODEL_GGUF\"
 input_price_micros_per_mtok = 150000
 output_price_micros_per_mtok = 600000"
   if [[ "$i" == 0 ]]; then
-    create_tenant 1000000000000
+    KEYS=()
+    for _ in $(seq 1 "${BENCH_ACCOUNTS:-1}"); do
+      create_tenant 1000000000000
+      KEYS+=("$API_KEY")
+    done
   fi
   start_agent "$BIN" "$MOCK" 1024
   PUBLICS+=("$PUBLIC")
@@ -67,40 +74,46 @@ PROMPT_TOKENS="$(curl -fsS -H "Authorization: Bearer $API_KEY" -H 'content-type:
   "${PUBLICS[0]}/v1/chat/completions" | json_get usage prompt_tokens)"
 mock_config "{\"prompt_tokens\": $PROMPT_TOKENS}"
 log "$N instances up on database $DB (gateway and agent pids ${SUT[*]}, CPU $SUT_CPU)"
-load() { # <instance> <scenario> <concurrency> <secs> [--cpu-pid …]
-  local i="$1" scenario="$2" conc="$3" secs="$4"
-  shift 4
+load() { # <instance> <key> <scenario> <concurrency> <secs> [--cpu-pid …]
+  local i="$1" key="$2" scenario="$3" conc="$4" secs="$5"
+  shift 5
   taskset -c "$HARNESS_CPU" "$BIN/spine-load" run --name "spine-$i" --scenario "$scenario" \
-    --url "${PUBLICS[$i]}/v1/chat/completions" --api-key "$API_KEY" --concurrency "$conc" \
+    --url "${PUBLICS[$i]}/v1/chat/completions" --api-key "$key" --concurrency "$conc" \
     --duration-secs "$secs" --max-tokens 16 "$@"
 }
+K="${#KEYS[@]}"
 # (`wait` for the load generators by pid: a bare `wait` would wait for the gateways too)
 LOADS=()
 for i in $(seq 0 $((N - 1))); do
-  load "$i" warmup 8 2 >/dev/null &
-  LOADS+=($!)
+  for k in "${KEYS[@]}"; do
+    load "$i" "$k" warmup $(((8 + K - 1) / K)) 2 >/dev/null &
+    LOADS+=($!)
+  done
 done
 wait "${LOADS[@]}"
 CPU_ARGS=()
 for p in "${SUT[@]}"; do CPU_ARGS+=(--cpu-pid "$p"); done
 LOADS=()
 for i in $(seq 0 $((N - 1))); do
-  if [[ "$i" == 0 ]]; then
-    load "$i" "cluster_$N" $((64 / N)) "$SECS" "${CPU_ARGS[@]}" >"$BASE/load$i.json" &
-  else
-    load "$i" "cluster_$N" $((64 / N)) "$SECS" >"$BASE/load$i.json" &
-  fi
-  LOADS+=($!)
+  for j in $(seq 0 $((K - 1))); do
+    if [[ "$i$j" == 00 ]]; then
+      load "$i" "${KEYS[$j]}" "cluster_$N" $((64 / N / K)) "$SECS" "${CPU_ARGS[@]}" >"$BASE/load$i-$j.json" &
+    else
+      load "$i" "${KEYS[$j]}" "cluster_$N" $((64 / N / K)) "$SECS" >"$BASE/load$i-$j.json" &
+    fi
+    LOADS+=($!)
+  done
 done
 wait "${LOADS[@]}"
 cat "$BASE"/load*.json
-"$PY" - "$N" "$BASE"/load*.json <<'PY'
+"$PY" - "$N" "$K" "$BASE"/load0-0.json "$BASE"/load*.json <<'PY'
 import json, sys
-n, reports = sys.argv[1], [json.load(open(p)) for p in sys.argv[2:]]
+n, k, first = sys.argv[1], sys.argv[2], sys.argv[3]
+reports = [json.load(open(p)) for p in sorted(set(sys.argv[4:]))]
 ok = sum(r["ok"] for r in reports)
 errors = sum(r["errors"] for r in reports)
 secs = max(r["elapsed_secs"] for r in reports)
-cpu = reports[0]["watched_cpu_secs"]
-print(f"{n} instance(s): {ok / secs:.0f} req/s in all, {errors} errors, "
+cpu = json.load(open(first))["watched_cpu_secs"]
+print(f"{n} instance(s), {k} account(s): {ok / secs:.0f} req/s in all, {errors} errors, "
       f"{cpu / ok * 1e6:.0f} us of gateway + agent CPU per request ({cpu:.2f} CPU-s)")
 PY
