@@ -295,18 +295,6 @@ async fn settle_once<B: Backend>(
     let credit = to_i64(operator_credit_micros)?;
     let fee = to_i64(fee_micros)?;
     let held = s.earnings_held && operator.is_some() && credit > 0;
-    tx.exec(
-        "UPDATE accounts SET balance_micros = balance_micros - $1, held_micros = held_micros - $2 WHERE id = $3",
-        &[
-            Arg::I64(debit),
-            Arg::I64(to_i64(hold_micros)?),
-            Arg::Text(hold_account.as_str()),
-        ],
-    )
-    .await?;
-    if let (Some(op), false) = (&operator, held) {
-        credit_operator(&mut tx, op, credit).await?;
-    }
     let opt_i64 = |v: Option<u64>| v.map(to_i64).transpose();
     tx.exec(
         "INSERT INTO requests (request_id, account_id, model, outcome, node_id, operator_id,
@@ -345,6 +333,37 @@ async fn settle_once<B: Backend>(
         ],
     )
     .await?;
+    if debit > 0 {
+        let reference = format!("request:{}", s.request_id);
+        let mut entries = vec![("account", hold_account.as_str(), -debit)];
+        let escrow = s
+            .node
+            .as_ref()
+            .map(crate::ledger::amounts::escrow_party)
+            .unwrap_or_default();
+        match &operator {
+            Some(_) if held => entries.push(("platform", escrow.as_str(), credit)),
+            Some(op) => entries.push(("operator", op, credit)),
+            None => {}
+        }
+        entries.push(("platform", "platform", fee));
+        insert_entries(&mut tx, &reference, &entries).await?;
+    }
+    // the rows every settlement of this account (and of this operator) updates come last, so
+    // their locks are held from here to the commit only: under one account's concurrent
+    // traffic on PostgreSQL, their lock time bounds its settlements per second
+    tx.exec(
+        "UPDATE accounts SET balance_micros = balance_micros - $1, held_micros = held_micros - $2 WHERE id = $3",
+        &[
+            Arg::I64(debit),
+            Arg::I64(to_i64(hold_micros)?),
+            Arg::Text(hold_account.as_str()),
+        ],
+    )
+    .await?;
+    if let (Some(op), false) = (&operator, held) {
+        credit_operator(&mut tx, op, credit).await?;
+    }
     super::console::rollup::record_settlement(
         &mut tx,
         super::console::rollup::SettledRow {
@@ -362,22 +381,6 @@ async fn settle_once<B: Backend>(
         },
     )
     .await?;
-    if debit > 0 {
-        let reference = format!("request:{}", s.request_id);
-        let mut entries = vec![("account", hold_account.as_str(), -debit)];
-        let escrow = s
-            .node
-            .as_ref()
-            .map(crate::ledger::amounts::escrow_party)
-            .unwrap_or_default();
-        match &operator {
-            Some(_) if held => entries.push(("platform", escrow.as_str(), credit)),
-            Some(op) => entries.push(("operator", op, credit)),
-            None => {}
-        }
-        entries.push(("platform", "platform", fee));
-        insert_entries(&mut tx, &reference, &entries).await?;
-    }
     tx.commit().await.map_err(db)?;
     Ok(SettleResult {
         cost_micros,
