@@ -113,7 +113,7 @@ create_tenant() {
   ACCOUNT="$(admin POST /admin/v1/accounts '{}' | json_get id)"
   API_KEY="$(admin POST "/admin/v1/accounts/$ACCOUNT/keys" '{}' | json_get key)"
   admin POST "/admin/v1/accounts/$ACCOUNT/credits" \
-    "{\"amount_micros\": $1, \"idempotency_key\": \"$LOG_TAG-topup\"}" >/dev/null
+    "{\"amount_micros\": $1, \"idempotency_key\": \"$LOG_TAG-topup-$ACCOUNT\"}" >/dev/null
 }
 
 start_agent() {
