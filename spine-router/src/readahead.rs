@@ -150,7 +150,7 @@ fn cost(len: usize, budget: usize) -> u32 {
     u32::try_from(len.max(FRAME_OVERHEAD_BYTES).min(budget)).unwrap_or(u32::MAX)
 }
 
-/// Most bytes joined into one buffered frame: 16 KiB.
+/// What the frames joined into one buffered frame count for at most (see `join_ready`): 16 KiB.
 const JOIN_MAX_BYTES: usize = 16 * 1024;
 
 async fn pump(
@@ -195,9 +195,13 @@ async fn pump(
 }
 
 /// `first` and the data frames `body` has ready now (polled once each, never awaited) that fit
-/// in the buffer's room, joined into one frame of at most [`JOIN_MAX_BYTES`] plus one frame;
-/// their permits are merged into `permit`. A frame that does not fit, a non-data frame or an
-/// error goes to `held`. Also says whether `body` ended.
+/// in the buffer's room, joined into one frame; their permits are merged into `permit`. The
+/// join stops once its frames count for [`JOIN_MAX_BYTES`] (each at least
+/// `FRAME_OVERHEAD_BYTES`, so a flood of empty frames ends it too). A frame that does not fit, a
+/// non-data frame or an error goes to `held`. Also says whether `body` ended.
+///
+/// The joined frame is one allocation of exactly its length, so what it holds is what its
+/// permits count (a buffer with spare capacity would hold more memory than it is charged for).
 ///
 /// So a busy stream pays the buffer's per-frame costs (a permit, a channel send, a wake-up of
 /// the caller's connection, a chunk written to the caller) once per batch of events, and a
@@ -210,10 +214,10 @@ async fn join_ready(
     budget: usize,
     held: &mut Option<Result<Frame<Bytes>, BoxError>>,
 ) -> (Frame<Bytes>, bool) {
-    let mut joined: Option<bytes::BytesMut> = None;
-    let mut len = first.len();
+    let mut counted = cost(first.len(), budget) as usize;
+    let mut parts: Vec<Bytes> = Vec::new();
     let mut ended = false;
-    while len < JOIN_MAX_BYTES && !body.is_end_stream() {
+    while counted < JOIN_MAX_BYTES && !body.is_end_stream() {
         // one poll: `Pending` leaves the pump's waker with the body (at worst a spurious wake)
         let polled =
             std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut *body).poll_frame(cx))).await;
@@ -236,10 +240,8 @@ async fn join_ready(
                 break;
             }
         };
-        let Ok(more) = permits
-            .clone()
-            .try_acquire_many_owned(cost(data.len(), budget))
-        else {
+        let data_cost = cost(data.len(), budget);
+        let Ok(more) = permits.clone().try_acquire_many_owned(data_cost) else {
             *held = Some(Ok(Frame::data(data)));
             break;
         };
@@ -247,16 +249,19 @@ async fn join_ready(
             Some(permit) => permit.merge(more),
             None => *permit = Some(more),
         }
-        let buf = joined.get_or_insert_with(|| {
-            let mut buf = bytes::BytesMut::with_capacity(JOIN_MAX_BYTES);
-            buf.extend_from_slice(&first);
-            buf
-        });
-        buf.extend_from_slice(&data);
-        len = buf.len();
+        counted = counted.saturating_add(data_cost as usize);
+        parts.push(data);
     }
-    let data = joined.map_or(first, bytes::BytesMut::freeze);
-    (Frame::data(data), ended)
+    if parts.is_empty() {
+        return (Frame::data(first), ended);
+    }
+    let len = first.len() + parts.iter().map(Bytes::len).sum::<usize>();
+    let mut joined = Vec::with_capacity(len);
+    joined.extend_from_slice(&first);
+    for part in &parts {
+        joined.extend_from_slice(part);
+    }
+    (Frame::data(Bytes::from(joined)), ended)
 }
 
 /// The caller's side of a read-ahead body: frames as the pump buffered them.

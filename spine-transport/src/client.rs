@@ -452,8 +452,11 @@ impl TunnelClient {
             }
             None => BoxedIo(Box::new(tcp)),
         };
-        let ws_config =
-            crate::server::ws_config(config.max_ws_message_bytes, config.ws_read_buffer_bytes);
+        let ws_config = crate::server::ws_config(
+            config.max_ws_message_bytes,
+            config.ws_read_buffer_bytes,
+            config.max_write_message_bytes,
+        );
         let (mut ws, _resp) = within(
             timeout,
             tokio_tungstenite::client_async_with_config(target.url.as_str(), io, Some(ws_config)),

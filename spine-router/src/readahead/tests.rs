@@ -122,7 +122,11 @@ async fn frames_ready_together_are_joined_and_a_frame_alone_is_not_held_back() {
     let mut body = read_ahead(BoxBody::new(StreamBody::new(stream)), 4096);
     let wait = Duration::from_secs(10);
     let joined = tokio::time::timeout(wait, body.frame()).await.unwrap();
-    assert_eq!(&joined.unwrap().unwrap().into_data().unwrap()[..], b"abc");
+    let joined = joined.unwrap().unwrap().into_data().unwrap();
+    assert_eq!(&joined[..], b"abc");
+    // one allocation of exactly its length: the memory it holds is what its permits count
+    let joined = joined.try_into_mut().unwrap();
+    assert_eq!(joined.capacity(), 3);
     // one frame, the node's body still open: passed on without waiting for more
     node_tx
         .send(Ok(Frame::data(Bytes::from_static(b"d"))))

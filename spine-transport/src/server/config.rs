@@ -103,21 +103,42 @@ impl TunnelServerConfig {
     /// The WebSocket settings for accepted tunnels: message and frame limits, a small read
     /// buffer, and writes flushed per message.
     pub(crate) fn ws_config(&self) -> WebSocketConfig {
-        ws_config(self.max_ws_message_bytes, self.ws_read_buffer_bytes)
+        ws_config(
+            self.max_ws_message_bytes,
+            self.ws_read_buffer_bytes,
+            self.max_write_message_bytes,
+        )
     }
 }
 
+/// How many bytes of messages the WebSocket keeps before it writes them without waiting for a
+/// flush: 16 KiB. A busy tunnel's batch leaves in writes of at least this size; an idle
+/// tunnel's write buffer (a `Vec` that tungstenite never shrinks) stays near one message.
+const WS_WRITE_BUFFER_BYTES: usize = 16 * 1024;
+
 /// The WebSocket settings both ends use: `max_message_bytes` for messages and frames,
 /// `read_buffer_bytes` read chunks, messages kept in the write buffer until a flush (or until
-/// 64 KiB wait: [`WsIo`](crate::WsIo) puts a flush off by one turn of the scheduler, so the
-/// messages that other tasks queue meanwhile leave in the same `writev`), and at most 4 × the
-/// message limit queued for writing.
-pub(crate) fn ws_config(max_message_bytes: usize, read_buffer_bytes: usize) -> WebSocketConfig {
-    let max_write_buffer = max_message_bytes.saturating_mul(4).max(128 * 1024);
+/// [`WS_WRITE_BUFFER_BYTES`] wait: [`WsIo`](crate::WsIo) puts a flush off by one turn of the
+/// scheduler, so the messages that other tasks queue meanwhile leave in the same `writev`), and
+/// at most 4 × the message limit queued for writing — never less than the write buffer plus one
+/// message of `max_write_message_bytes` (and its frame header), which the sink takes while it
+/// is ready.
+pub(crate) fn ws_config(
+    max_message_bytes: usize,
+    read_buffer_bytes: usize,
+    max_write_message_bytes: usize,
+) -> WebSocketConfig {
+    let one_more_message = WS_WRITE_BUFFER_BYTES
+        .saturating_add(max_write_message_bytes)
+        .saturating_add(64);
+    let max_write_buffer = max_message_bytes
+        .saturating_mul(4)
+        .max(64 * 1024)
+        .max(one_more_message.saturating_mul(2));
     WebSocketConfig::default()
         .max_message_size(Some(max_message_bytes))
         .max_frame_size(Some(max_message_bytes))
         .read_buffer_size(read_buffer_bytes.max(256))
-        .write_buffer_size(64 * 1024)
+        .write_buffer_size(WS_WRITE_BUFFER_BYTES)
         .max_write_buffer_size(max_write_buffer)
 }

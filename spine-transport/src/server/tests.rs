@@ -22,3 +22,20 @@ async fn session_task_state_stays_small() {
     let bytes = std::mem::size_of_val(&fut);
     assert!(bytes <= 6 * 1024, "run_session future is {bytes} bytes");
 }
+
+#[test]
+fn the_write_buffer_always_takes_one_more_message_than_it_keeps() {
+    // a small incoming message limit must not make the sink refuse a message it is ready for
+    // (tungstenite fails a write past `max_write_buffer_size`, which would end the tunnel)
+    for (max_message, max_write_message) in [
+        (1024, 64 * 1024),
+        (32 * 1024, 64 * 1024),
+        (1 << 20, 1 << 20),
+    ] {
+        let config = super::ws_config(max_message, 4096, max_write_message);
+        assert!(
+            config.max_write_buffer_size >= config.write_buffer_size + max_write_message + 14,
+            "{max_message} {max_write_message}: {config:?}"
+        );
+    }
+}
