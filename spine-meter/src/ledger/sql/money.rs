@@ -351,7 +351,8 @@ async fn settle_once<B: Backend>(
     }
     // the rows every settlement of this account (and of this operator) updates come last, so
     // their locks are held from here to the commit only: under one account's concurrent
-    // traffic on PostgreSQL, their lock time bounds its settlements per second
+    // traffic on PostgreSQL, their lock time bounds its settlements per second (in the order
+    // accounts, roll-ups, operators)
     tx.exec(
         "UPDATE accounts SET balance_micros = balance_micros - $1, held_micros = held_micros - $2 WHERE id = $3",
         &[
@@ -361,9 +362,6 @@ async fn settle_once<B: Backend>(
         ],
     )
     .await?;
-    if let (Some(op), false) = (&operator, held) {
-        credit_operator(&mut tx, op, credit).await?;
-    }
     super::console::rollup::record_settlement(
         &mut tx,
         super::console::rollup::SettledRow {
@@ -381,6 +379,10 @@ async fn settle_once<B: Backend>(
         },
     )
     .await?;
+    // after the roll-ups: `resolve_held_earnings` locks `earnings_daily`, then `operators`
+    if let (Some(op), false) = (&operator, held) {
+        credit_operator(&mut tx, op, credit).await?;
+    }
     tx.commit().await.map_err(db)?;
     Ok(SettleResult {
         cost_micros,

@@ -6,9 +6,9 @@
 //! sums over nodes and the nodes page ([`Store::operator_nodes`](crate::ledger::Store::operator_nodes))
 //! over days and models. Credit held in escrow is added to `earnings_daily` when it is paid
 //! ([`record_paid_escrow`]), never when it is forfeited. A settlement writes one row of each
-//! (the node is a key column of the earnings row, not a third table); both upserts touch rows
-//! of the account and the operator whose balance rows the same transaction already updates, so
-//! they add no new lock order.
+//! (the node is a key column of the earnings row, not a third table). A settlement locks the
+//! account's row, then these two, then the operator's row; paying escrow
+//! (`resolve_held_earnings`) locks `earnings_daily`, then the operator's row: one order.
 
 use super::super::{Arg, SqlConn};
 use crate::ledger::LedgerError;
