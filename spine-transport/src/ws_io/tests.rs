@@ -176,3 +176,59 @@ async fn blocked_write_times_out() {
     assert_eq!(err.kind(), io::ErrorKind::TimedOut);
     assert_eq!(started.elapsed(), Duration::from_secs(5));
 }
+
+/// Counts its wake-ups.
+struct CountingWaker(std::sync::atomic::AtomicUsize);
+
+impl std::task::Wake for CountingWaker {
+    fn wake(self: Arc<Self>) {
+        self.0.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+#[tokio::test]
+async fn a_flush_after_writes_is_put_off_once_and_then_writes() {
+    let (a, b) = tokio::io::duplex(64 * 1024);
+    let config = crate::server::ws_config(1 << 20, 4096, DEFAULT_MAX_WRITE_MESSAGE_BYTES);
+    let ws = WebSocketStream::from_raw_socket(a, Role::Client, Some(config)).await;
+    let mut peer = WebSocketStream::from_raw_socket(b, Role::Server, None).await;
+    let mut io = WsIo::new(ws);
+    let counter = Arc::new(CountingWaker(std::sync::atomic::AtomicUsize::new(0)));
+    let waker = std::task::Waker::from(counter.clone());
+    let mut cx = Context::from_waker(&waker);
+
+    // nothing written: nothing to put off
+    assert!(matches!(
+        Pin::new(&mut io).poll_flush(&mut cx),
+        Poll::Ready(Ok(()))
+    ));
+    assert_eq!(counter.0.load(Ordering::SeqCst), 0);
+
+    assert!(matches!(
+        Pin::new(&mut io).poll_write(&mut cx, b"abc"),
+        Poll::Ready(Ok(3))
+    ));
+    // the first flush wakes its own task and waits one turn; the message stays buffered
+    assert!(Pin::new(&mut io).poll_flush(&mut cx).is_pending());
+    assert_eq!(counter.0.load(Ordering::SeqCst), 1);
+    let early = tokio::time::timeout(Duration::from_millis(50), peer.next()).await;
+    assert!(
+        early.is_err(),
+        "the message left before the flush: {early:?}"
+    );
+    // the next one writes it
+    assert!(matches!(
+        Pin::new(&mut io).poll_flush(&mut cx),
+        Poll::Ready(Ok(()))
+    ));
+    assert_eq!(
+        peer.next().await.unwrap().unwrap(),
+        Message::binary(&b"abc"[..])
+    );
+    // and the one after that has nothing left to put off
+    assert!(matches!(
+        Pin::new(&mut io).poll_flush(&mut cx),
+        Poll::Ready(Ok(()))
+    ));
+    assert_eq!(counter.0.load(Ordering::SeqCst), 1);
+}
