@@ -1,8 +1,10 @@
 //! The PostgreSQL ledger store (several gateway instances, one database): its connections, its
-//! locks and how it places a hold; the statements are the shared ones ([`super::sql`]).
+//! locks, how it places a hold and how it writes a settlement ([`settle`]); the
+//! other statements are the shared ones ([`super::sql`]).
 
 mod instances;
 pub(in crate::ledger) mod migrations;
+mod settle;
 
 use std::future::Future;
 use std::str::FromStr;
@@ -386,6 +388,13 @@ impl Backend for PgLedger {
         hold: HoldRequest<'a>,
     ) -> impl Future<Output = Result<(), LedgerError>> + Send + 'a {
         self.hold_fast(hold)
+    }
+
+    fn settle_writes<'a>(
+        tx: &'a mut Self::Tx,
+        writes: money::SettlementWrites<'a>,
+    ) -> impl Future<Output = Result<(), LedgerError>> + Send + 'a {
+        settle::settle_writes(tx, writes)
     }
 }
 

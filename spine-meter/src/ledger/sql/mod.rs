@@ -350,6 +350,17 @@ pub(super) trait Backend: Send + Sync + 'static {
         &'a self,
         hold: HoldRequest<'a>,
     ) -> impl Future<Output = Result<(), LedgerError>> + Send + 'a;
+
+    /// Writes what a settlement decided ([`money::SettlementWrites`]: the request's record, its
+    /// ledger entries, then the account's, the roll-ups' and the operator's rows, in that order)
+    /// in its transaction `tx`; by default one statement each
+    /// ([`money::settle_writes_in_turn`]).
+    fn settle_writes<'a>(
+        tx: &'a mut Self::Tx,
+        writes: money::SettlementWrites<'a>,
+    ) -> impl Future<Output = Result<(), LedgerError>> + Send + 'a {
+        money::settle_writes_in_turn(tx, writes)
+    }
 }
 
 /// Runs `once` again while it fails on a deadlock or a serialization failure

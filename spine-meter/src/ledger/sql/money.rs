@@ -48,17 +48,30 @@ pub(super) async fn insert_entries<C: SqlConn + ?Sized>(
     if entries.is_empty() {
         return Ok(());
     }
+    let mut args = Vec::with_capacity(entries.len() * 5);
+    let sql = entries_insert(&mut args, reference, entries);
+    c.exec(&sql, &args).await?;
+    Ok(())
+}
+
+/// The `INSERT` of ledger entries `(party kind, party id, amount)` under one reference, in
+/// order, its values appended to `args` (numbered on from those already there, [`bind`]).
+/// `entries` is not empty.
+pub(in crate::ledger) fn entries_insert<'a>(
+    args: &mut Vec<Arg<'a>>,
+    reference: &'a str,
+    entries: &[(&'a str, &'a str, i64)],
+) -> String {
     let mut sql = String::from(
         "INSERT INTO ledger_entries (ref, party_kind, party_id, amount_micros, created_at_ms) VALUES ",
     );
     let now = now_ms();
-    let mut args = Vec::with_capacity(entries.len() * 5);
     for (i, &(party_kind, party_id, amount_micros)) in entries.iter().enumerate() {
         if i > 0 {
             sql.push_str(", ");
         }
         let row = bind(
-            &mut args,
+            args,
             [
                 Arg::Text(reference),
                 Arg::Text(party_kind),
@@ -69,7 +82,91 @@ pub(super) async fn insert_entries<C: SqlConn + ?Sized>(
         );
         sql.push_str(&format!("({})", row.join(", ")));
     }
-    c.exec(&sql, &args).await?;
+    sql
+}
+
+/// The columns of a request's record, in [`SettlementWrites::record`]'s order.
+pub(in crate::ledger) const REQUEST_COLUMNS: &str = "request_id, account_id, model, outcome, node_id, operator_id,
+    billed_prompt_tokens, billed_completion_tokens, claimed_prompt_tokens, claimed_completion_tokens,
+    usage_source, discrepancy, input_micros_per_mtok, output_micros_per_mtok, share_bps,
+    cost_micros, debit_micros, operator_credit_micros, fee_micros, hold_micros, created_at_ms, swept,
+    earnings, key_hash, duration_ms, ttft_ms";
+
+/// What a settlement writes once it has decided, in this order: the request's record, its
+/// ledger entries, then its [`SettlementTail`] ([`Backend::settle_writes`]).
+#[derive(Debug)]
+pub(in crate::ledger) struct SettlementWrites<'a> {
+    /// The request's record, one value per column of [`REQUEST_COLUMNS`].
+    pub(in crate::ledger) record: [Arg<'a>; 26],
+    /// The ledger entries' reference (`request:<id>`).
+    pub(in crate::ledger) reference: &'a str,
+    /// The ledger entries `(party kind, party id, amount)`; none when nothing was debited.
+    pub(in crate::ledger) entries: Vec<(&'a str, &'a str, i64)>,
+    pub(in crate::ledger) tail: SettlementTail<'a>,
+}
+
+/// Writes `w` with one statement each for the record and the entries, then
+/// [`settle_tail_in_turn`] ([`Backend::settle_writes`]'s default).
+///
+/// # Errors
+///
+/// [`LedgerError::Database`].
+pub(in crate::ledger) async fn settle_writes_in_turn<C: SqlConn + ?Sized>(
+    tx: &mut C,
+    w: SettlementWrites<'_>,
+) -> Result<(), LedgerError> {
+    static RECORD_INSERT: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+        let values: Vec<String> = (1..=26).map(|i| format!("${i}")).collect();
+        format!(
+            "INSERT INTO requests ({REQUEST_COLUMNS}) VALUES ({})",
+            values.join(", ")
+        )
+    });
+    tx.exec(&RECORD_INSERT, &w.record).await?;
+    insert_entries(tx, w.reference, &w.entries).await?;
+    settle_tail_in_turn(tx, w.tail).await
+}
+
+/// The rows a settlement updates that other settlements update too (the account's, its
+/// roll-ups', the operator's), written last and in this order: accounts, `usage_daily`,
+/// `earnings_daily`, operators (the order paying escrow locks the last two in).
+#[derive(Clone, Copy, Debug)]
+pub(in crate::ledger) struct SettlementTail<'a> {
+    /// Taken from the account's balance.
+    pub(in crate::ledger) debit_micros: i64,
+    /// Released from the account's holds.
+    pub(in crate::ledger) hold_micros: i64,
+    /// The request as the roll-ups count it (its account, operator, node, model, key, day).
+    pub(in crate::ledger) rollup: super::console::rollup::SettledRow<'a>,
+    /// Credited to the operator's earnings now; `None` without an operator or when the credit
+    /// is held in escrow.
+    pub(in crate::ledger) operator_credit_micros: Option<i64>,
+}
+
+/// Writes `tail` with one statement per row, in its order (part of
+/// [`settle_writes_in_turn`]).
+///
+/// # Errors
+///
+/// [`LedgerError::Database`].
+async fn settle_tail_in_turn<C: SqlConn + ?Sized>(
+    tx: &mut C,
+    tail: SettlementTail<'_>,
+) -> Result<(), LedgerError> {
+    tx.exec(
+        "UPDATE accounts SET balance_micros = balance_micros - $1, held_micros = held_micros - $2 WHERE id = $3",
+        &[
+            Arg::I64(tail.debit_micros),
+            Arg::I64(tail.hold_micros),
+            Arg::Text(tail.rollup.account),
+        ],
+    )
+    .await?;
+    super::console::rollup::record_settlement(tx, tail.rollup).await?;
+    // after the roll-ups: `resolve_held_earnings` locks `earnings_daily`, then `operators`
+    if let (Some(op), Some(credit)) = (tail.rollup.operator, tail.operator_credit_micros) {
+        credit_operator(tx, op, credit).await?;
+    }
     Ok(())
 }
 
@@ -296,14 +393,24 @@ async fn settle_once<B: Backend>(
     let fee = to_i64(fee_micros)?;
     let held = s.earnings_held && operator.is_some() && credit > 0;
     let opt_i64 = |v: Option<u64>| v.map(to_i64).transpose();
-    tx.exec(
-        "INSERT INTO requests (request_id, account_id, model, outcome, node_id, operator_id,
-            billed_prompt_tokens, billed_completion_tokens, claimed_prompt_tokens, claimed_completion_tokens,
-            usage_source, discrepancy, input_micros_per_mtok, output_micros_per_mtok, share_bps,
-            cost_micros, debit_micros, operator_credit_micros, fee_micros, hold_micros, created_at_ms, swept,
-            earnings, key_hash, duration_ms, ttft_ms)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24, $25, $26)",
-        &[
+    let reference = format!("request:{}", s.request_id);
+    let escrow = s
+        .node
+        .as_ref()
+        .map(crate::ledger::amounts::escrow_party)
+        .unwrap_or_default();
+    let mut entries = Vec::new();
+    if debit > 0 {
+        entries.push(("account", hold_account.as_str(), -debit));
+        match &operator {
+            Some(_) if held => entries.push(("platform", escrow.as_str(), credit)),
+            Some(op) => entries.push(("operator", op.as_str(), credit)),
+            None => {}
+        }
+        entries.push(("platform", "platform", fee));
+    }
+    let writes = SettlementWrites {
+        record: [
             Arg::Text(s.request_id.as_str()),
             Arg::Text(hold_account.as_str()),
             Arg::Text(s.model.as_str()),
@@ -331,58 +438,31 @@ async fn settle_once<B: Backend>(
             Arg::OptI64(duration_ms),
             Arg::OptI64(opt_i64(s.ttft_ms)?),
         ],
-    )
-    .await?;
-    if debit > 0 {
-        let reference = format!("request:{}", s.request_id);
-        let mut entries = vec![("account", hold_account.as_str(), -debit)];
-        let escrow = s
-            .node
-            .as_ref()
-            .map(crate::ledger::amounts::escrow_party)
-            .unwrap_or_default();
-        match &operator {
-            Some(_) if held => entries.push(("platform", escrow.as_str(), credit)),
-            Some(op) => entries.push(("operator", op, credit)),
-            None => {}
-        }
-        entries.push(("platform", "platform", fee));
-        insert_entries(&mut tx, &reference, &entries).await?;
-    }
-    // the rows every settlement of this account (and of this operator) updates come last, so
-    // their locks are held from here to the commit only: under one account's concurrent
-    // traffic on PostgreSQL, their lock time bounds its settlements per second (in the order
-    // accounts, roll-ups, operators)
-    tx.exec(
-        "UPDATE accounts SET balance_micros = balance_micros - $1, held_micros = held_micros - $2 WHERE id = $3",
-        &[
-            Arg::I64(debit),
-            Arg::I64(to_i64(hold_micros)?),
-            Arg::Text(hold_account.as_str()),
-        ],
-    )
-    .await?;
-    super::console::rollup::record_settlement(
-        &mut tx,
-        super::console::rollup::SettledRow {
-            account: hold_account.as_str(),
-            operator: operator.as_deref(),
-            node: s.node.as_ref().map(NodeId::as_str),
-            model: s.model.as_str(),
-            key: s.key.as_deref(),
-            created_at_ms: settled_at_ms,
-            completed: s.outcome == StreamOutcome::Completed,
-            prompt_tokens: to_i64(s.billed.prompt_tokens)?,
-            completion_tokens: to_i64(s.billed.completion_tokens)?,
+        reference: &reference,
+        entries,
+        // the rows every settlement of this account (and of this operator) updates come
+        // last, so their locks are held from there to the commit only: under one account's
+        // concurrent traffic on PostgreSQL, their lock time bounds its settlements per second
+        tail: SettlementTail {
             debit_micros: debit,
-            paid_micros: if held { 0 } else { credit },
+            hold_micros: to_i64(hold_micros)?,
+            rollup: super::console::rollup::SettledRow {
+                account: hold_account.as_str(),
+                operator: operator.as_deref(),
+                node: s.node.as_ref().map(NodeId::as_str),
+                model: s.model.as_str(),
+                key: s.key.as_deref(),
+                created_at_ms: settled_at_ms,
+                completed: s.outcome == StreamOutcome::Completed,
+                prompt_tokens: to_i64(s.billed.prompt_tokens)?,
+                completion_tokens: to_i64(s.billed.completion_tokens)?,
+                debit_micros: debit,
+                paid_micros: if held { 0 } else { credit },
+            },
+            operator_credit_micros: (operator.is_some() && !held).then_some(credit),
         },
-    )
-    .await?;
-    // after the roll-ups: `resolve_held_earnings` locks `earnings_daily`, then `operators`
-    if let (Some(op), false) = (&operator, held) {
-        credit_operator(&mut tx, op, credit).await?;
-    }
+    };
+    B::settle_writes(&mut tx, writes).await?;
     tx.commit().await.map_err(db)?;
     Ok(SettleResult {
         cost_micros,

@@ -10,11 +10,47 @@
 //! account's row, then these two, then the operator's row; paying escrow
 //! (`resolve_held_earnings`) locks `earnings_daily`, then the operator's row: one order.
 
+use std::sync::LazyLock;
+
 use super::super::{Arg, SqlConn};
 use crate::ledger::LedgerError;
 
 /// Milliseconds per UTC day: a record's day is `created_at_ms / MS_PER_DAY`.
 pub(in crate::ledger) const MS_PER_DAY: i64 = 86_400_000;
+
+/// The head of the `usage_daily` upsert: its columns are account, day, model, key, requests,
+/// prompt tokens, completion tokens, debit (values follow: a `VALUES` list, or a `SELECT` in
+/// PostgreSQL's one-statement settlement tail).
+pub(in crate::ledger) const USAGE_INSERT: &str = "INSERT INTO usage_daily (account_id, day, model, key_hash, requests, prompt_tokens, completion_tokens, debit_micros)";
+
+/// The tail of the `usage_daily` upsert: a row already there is added to.
+pub(in crate::ledger) const USAGE_CONFLICT: &str =
+    "ON CONFLICT (account_id, day, model, key_hash) DO UPDATE SET
+    requests = usage_daily.requests + excluded.requests,
+    prompt_tokens = usage_daily.prompt_tokens + excluded.prompt_tokens,
+    completion_tokens = usage_daily.completion_tokens + excluded.completion_tokens,
+    debit_micros = usage_daily.debit_micros + excluded.debit_micros";
+
+/// The head of the `earnings_daily` upsert: its columns are operator, day, model, node, requests
+/// served, completion tokens, credit paid.
+pub(in crate::ledger) const EARNINGS_INSERT: &str = "INSERT INTO earnings_daily (operator_id, day, model, node_id, requests_served, completion_tokens, earned_micros)";
+
+/// The tail of the `earnings_daily` upsert: a row already there is added to.
+pub(in crate::ledger) const EARNINGS_CONFLICT: &str =
+    "ON CONFLICT (operator_id, day, model, node_id) DO UPDATE SET
+    requests_served = earnings_daily.requests_served + excluded.requests_served,
+    completion_tokens = earnings_daily.completion_tokens + excluded.completion_tokens,
+    earned_micros = earnings_daily.earned_micros + excluded.earned_micros";
+
+/// The `usage_daily` upsert of one settlement, on both stores.
+static USAGE_UPSERT: LazyLock<String> = LazyLock::new(|| {
+    format!("{USAGE_INSERT} VALUES ($1, $2, $3, $4, 1, $5, $6, $7) {USAGE_CONFLICT}")
+});
+
+/// The `earnings_daily` upsert of one settlement or escrow payment, on both stores.
+static EARNINGS_UPSERT: LazyLock<String> = LazyLock::new(|| {
+    format!("{EARNINGS_INSERT} VALUES ($1, $2, $3, $4, $5, $6, $7) {EARNINGS_CONFLICT}")
+});
 
 /// One settled request, as the roll-ups count it.
 #[derive(Clone, Copy, Debug)]
@@ -46,13 +82,7 @@ pub(in crate::ledger) async fn record_settlement<C: SqlConn + ?Sized>(
 ) -> Result<(), LedgerError> {
     let day = r.created_at_ms.div_euclid(MS_PER_DAY);
     tx.exec(
-        "INSERT INTO usage_daily (account_id, day, model, key_hash, requests, prompt_tokens, completion_tokens, debit_micros)
-         VALUES ($1, $2, $3, $4, 1, $5, $6, $7)
-         ON CONFLICT (account_id, day, model, key_hash) DO UPDATE SET
-            requests = usage_daily.requests + 1,
-            prompt_tokens = usage_daily.prompt_tokens + excluded.prompt_tokens,
-            completion_tokens = usage_daily.completion_tokens + excluded.completion_tokens,
-            debit_micros = usage_daily.debit_micros + excluded.debit_micros",
+        &USAGE_UPSERT,
         &[
             Arg::Text(r.account),
             Arg::I64(day),
@@ -127,12 +157,7 @@ async fn add_earnings<C: SqlConn + ?Sized>(
     earned_micros: i64,
 ) -> Result<(), LedgerError> {
     tx.exec(
-        "INSERT INTO earnings_daily (operator_id, day, model, node_id, requests_served, completion_tokens, earned_micros)
-         VALUES ($1, $2, $3, $4, $5, $6, $7)
-         ON CONFLICT (operator_id, day, model, node_id) DO UPDATE SET
-            requests_served = earnings_daily.requests_served + excluded.requests_served,
-            completion_tokens = earnings_daily.completion_tokens + excluded.completion_tokens,
-            earned_micros = earnings_daily.earned_micros + excluded.earned_micros",
+        &EARNINGS_UPSERT,
         &[
             Arg::Text(key.operator),
             Arg::I64(key.day),
