@@ -13,7 +13,8 @@
 //! `FROM (SELECT count(*) FROM <previous>)` — which makes the previous one run to completion
 //! first: those rows are locked in the tail's order (accounts, `usage_daily`,
 //! `earnings_daily`, operators), the order paying escrow takes too. The record and the entries
-//! are new rows no other transaction waits on; their order does not matter.
+//! are new rows no other transaction waits on: they are written first (the account's update
+//! reads them too), so no shared row is locked while they are.
 
 use sqlx::{Postgres, Transaction};
 
@@ -43,12 +44,16 @@ pub(super) async fn settle_writes(
 fn statement<'a>(args: &mut Vec<Arg<'a>>, w: SettlementWrites<'a>) -> String {
     let record = bind(args, w.record);
     let mut sql = format!(
-        "WITH request AS (INSERT INTO requests ({REQUEST_COLUMNS}) VALUES ({}))",
+        "WITH request AS (INSERT INTO requests ({REQUEST_COLUMNS}) VALUES ({}) RETURNING 1)",
         record.join(", ")
     );
+    // the new rows first: the shared rows' locks are taken after them (a sub-statement nobody
+    // reads runs at the end of the statement, inside those locks)
+    let mut written = "(SELECT count(*) FROM request)".to_owned();
     if !w.entries.is_empty() {
         let entries = entries_insert(args, w.reference, &w.entries);
-        sql.push_str(&format!(", entries AS ({entries})"));
+        sql.push_str(&format!(", entries AS ({entries} RETURNING 1)"));
+        written.push_str(" + (SELECT count(*) FROM entries)");
     }
     let t = w.tail;
     let r = t.rollup;
@@ -69,6 +74,7 @@ fn statement<'a>(args: &mut Vec<Arg<'a>>, w: SettlementWrites<'a>) -> String {
         ",
          account AS (
             UPDATE accounts SET balance_micros = balance_micros - {debit}, held_micros = held_micros - {hold}
+            FROM (SELECT {written}) AS after_records
             WHERE id = {account} RETURNING 1),
          usage AS (
             {USAGE_INSERT}
