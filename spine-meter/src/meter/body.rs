@@ -172,6 +172,8 @@ struct State {
     drain_wait: Option<Pin<Box<tokio_util::sync::WaitForCancellationFutureOwned>>>,
     /// The bound on a stream without progress; `None` when disabled.
     stall: Option<StallClock>,
+    /// The clock read at the start of the current poll ([`MeterBody::poll_frame`]).
+    now: tokio::time::Instant,
 }
 
 impl fmt::Debug for State {
@@ -241,6 +243,7 @@ impl<B> MeterBody<B> {
                 deadline_started: false,
                 drain_wait: None,
                 stall: StallClock::new(settings_stall),
+                now: tokio::time::Instant::now(),
             },
         }
     }
@@ -386,7 +389,7 @@ impl State {
         }
         if progressed {
             if let Some(stall) = self.stall.as_mut() {
-                stall.progress();
+                stall.progress(self.now);
             }
         }
         if n_read > 0 && kept.is_empty() {
@@ -637,7 +640,7 @@ impl State {
     /// The next frame for the caller: the bytes of `out`, after counting its text into its
     /// choices; a choice pushed past its cap is not delivered (the node's fault instead).
     fn deliver(&mut self, out: Out) -> Bytes {
-        self.reset_keepalive();
+        self.reset_keepalive(self.now);
         if out.text.is_empty() {
             return out.bytes;
         }
@@ -693,14 +696,17 @@ where
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let mut this = self.project();
         let state: &mut State = this.state;
+        // one reading of the clock per poll serves its timers (the keepalive's restart, the
+        // stall clock's): its events are handled within microseconds of it
+        state.now = tokio::time::Instant::now();
         if let Some(stall) = state.stall.as_mut() {
-            stall.resumed();
+            stall.resumed(state.now);
         }
         loop {
             if let Some(out) = state.queue.pop_front() {
                 let bytes = state.deliver(out);
                 if let Some(stall) = state.stall.as_mut() {
-                    stall.handed_out();
+                    stall.handed_out(state.now);
                 }
                 return Poll::Ready(Some(Ok(Frame::data(bytes))));
             }
@@ -734,7 +740,7 @@ where
                 Poll::Pending => {
                     if state.keepalive_due(cx) {
                         if let Some(stall) = state.stall.as_mut() {
-                            stall.handed_out();
+                            stall.handed_out(state.now);
                         }
                         return Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(
                             KEEPALIVE_EVENT,

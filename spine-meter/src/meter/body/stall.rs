@@ -44,10 +44,9 @@ impl StallClock {
         self.longest_pause
     }
 
-    /// New text or a finish: the node made progress.
-    pub(in crate::meter) fn progress(&mut self) {
+    /// New text or a finish at `now`: the node made progress.
+    pub(in crate::meter) fn progress(&mut self, now: tokio::time::Instant) {
         if self.started {
-            let now = tokio::time::Instant::now();
             if self.progressed {
                 // `at` is the last progress plus the timeout (moved by caller-held time)
                 let left = self
@@ -60,17 +59,17 @@ impl StallClock {
         }
     }
 
-    /// A frame goes to the caller: the clock stops until its next poll.
-    pub(in crate::meter) fn handed_out(&mut self) {
+    /// A frame goes to the caller at `now`: the clock stops until its next poll.
+    pub(in crate::meter) fn handed_out(&mut self, now: tokio::time::Instant) {
         if self.started {
-            self.handed_out = Some(tokio::time::Instant::now());
+            self.handed_out = Some(now);
         }
     }
 
-    /// The caller polls again: the time it held the frame does not count.
-    pub(in crate::meter) fn resumed(&mut self) {
+    /// The caller polls again at `now`: the time it held the frame does not count.
+    pub(in crate::meter) fn resumed(&mut self, now: tokio::time::Instant) {
         if let Some(out) = self.handed_out.take() {
-            let held = tokio::time::Instant::now().saturating_duration_since(out);
+            let held = now.saturating_duration_since(out);
             self.at = self.at.and_then(|at| at.checked_add(held));
         }
     }

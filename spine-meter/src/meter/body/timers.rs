@@ -6,12 +6,11 @@ use std::task::Context;
 use super::{State, KEEPALIVE_INTERVAL};
 
 impl State {
-    /// The keepalive timer restarts after every frame the client gets.
-    pub(super) fn reset_keepalive(&mut self) {
+    /// The keepalive timer restarts after every frame the client gets (`now`: the poll's
+    /// reading of the clock).
+    pub(super) fn reset_keepalive(&mut self, now: tokio::time::Instant) {
         if let Some(sleep) = self.keepalive.as_mut() {
-            sleep
-                .as_mut()
-                .reset(tokio::time::Instant::now() + KEEPALIVE_INTERVAL);
+            sleep.as_mut().reset(now + KEEPALIVE_INTERVAL);
         }
     }
 
@@ -28,7 +27,7 @@ impl State {
             return false;
         };
         if sleep.as_mut().poll(cx).is_ready() {
-            self.reset_keepalive();
+            self.reset_keepalive(self.now);
             // register the waker on the restarted timer
             if let Some(sleep) = self.keepalive.as_mut() {
                 let _ = sleep.as_mut().poll(cx);
