@@ -49,18 +49,20 @@ fn statement<'a>(args: &mut Vec<Arg<'a>>, w: SettlementWrites<'a>) -> String {
     );
     // the new rows first: the shared rows' locks are taken after them (a sub-statement nobody
     // reads runs at the end of the statement, inside those locks)
-    let mut written = "(SELECT count(*) FROM request)".to_owned();
+    // (each read is an aggregate: PostgreSQL folds a plain subquery whose column nobody uses
+    // away, and the sub-statement with it)
+    let mut written = "(SELECT count(*) FROM request) AS after_request".to_owned();
     if !w.entries.is_empty() {
         let entries = entries_insert(args, w.reference, &w.entries);
         sql.push_str(&format!(", entries AS ({entries} RETURNING 1)"));
-        written.push_str(" + (SELECT count(*) FROM entries)");
+        written.push_str(", (SELECT count(*) FROM entries) AS after_entries");
     }
     let t = w.tail;
     let r = t.rollup;
     let [debit, hold, account, day, model, key, prompt, completion] = bind(
         args,
         [
-            Arg::I64(t.debit_micros),
+            Arg::I64(r.debit_micros),
             Arg::I64(t.hold_micros),
             Arg::Text(r.account),
             Arg::I64(r.created_at_ms.div_euclid(MS_PER_DAY)),
@@ -74,7 +76,7 @@ fn statement<'a>(args: &mut Vec<Arg<'a>>, w: SettlementWrites<'a>) -> String {
         ",
          account AS (
             UPDATE accounts SET balance_micros = balance_micros - {debit}, held_micros = held_micros - {hold}
-            FROM (SELECT {written}) AS after_records
+            FROM {written}
             WHERE id = {account} RETURNING 1),
          usage AS (
             {USAGE_INSERT}
@@ -116,4 +118,101 @@ fn statement<'a>(args: &mut Vec<Arg<'a>>, w: SettlementWrites<'a>) -> String {
     }
     sql.push_str(&format!(" SELECT count(*) FROM {last}"));
     sql
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+    use super::*;
+    use crate::ledger::pg::PgLedger;
+    use crate::ledger::sql::console::rollup::SettledRow;
+    use crate::ledger::sql::money::SettlementTail;
+    use crate::ledger::sql::{Backend as _, SqlRow as _};
+
+    /// PostgreSQL's plan of the statement reads each sub-statement from the next one, so none
+    /// is left to run at the end of the statement: a plain subquery whose column nobody uses is
+    /// folded away with the sub-statement it reads, which then ran last, inside the shared
+    /// rows' locks (found in review; this test failed with that form).
+    #[tokio::test]
+    async fn the_plan_chains_every_write_new_rows_first() {
+        let db = spine_test_support::PgDb::create();
+        let ledger = PgLedger::connect(&db.url).await.unwrap();
+        let text = Arg::Text;
+        let int = Arg::I64;
+        let writes = SettlementWrites {
+            record: [
+                text("r1"),
+                text("acct"),
+                text("m"),
+                text("completed"),
+                Arg::OptText(Some("node")),
+                Arg::OptText(Some("op")),
+                int(10),
+                int(5),
+                Arg::OptI64(None),
+                Arg::OptI64(None),
+                text("counted"),
+                Arg::Bool(false),
+                int(1),
+                int(2),
+                int(8000),
+                int(10),
+                int(10),
+                int(8),
+                int(2),
+                int(20),
+                int(0),
+                Arg::OptText(None),
+                Arg::OptText(None),
+                Arg::OptText(None),
+                Arg::OptI64(None),
+                Arg::OptI64(None),
+            ],
+            reference: "request:r1",
+            entries: vec![
+                ("account", "acct", -10),
+                ("operator", "op", 8),
+                ("platform", "platform", 2),
+            ],
+            tail: SettlementTail {
+                hold_micros: 20,
+                rollup: SettledRow {
+                    account: "acct",
+                    operator: Some("op"),
+                    node: Some("node"),
+                    model: "m",
+                    key: None,
+                    created_at_ms: 0,
+                    completed: true,
+                    prompt_tokens: 10,
+                    completion_tokens: 5,
+                    debit_micros: 10,
+                    paid_micros: 8,
+                },
+                operator_credit_micros: Some(8),
+            },
+        };
+        let mut args = Vec::new();
+        let sql = statement(&mut args, writes);
+        let plan: Vec<String> = ledger
+            .write()
+            .await
+            .unwrap()
+            .all(&format!("EXPLAIN (VERBOSE) {sql}"), &args)
+            .await
+            .unwrap()
+            .iter()
+            .map(|row| row.text("QUERY PLAN").unwrap())
+            .collect();
+        let plan = plan.join("\n");
+        for cte in [
+            "request", "entries", "account", "usage", "earnings", "operator",
+        ] {
+            assert!(
+                plan.contains(&format!("CTE Scan on {cte}")),
+                "nothing reads `{cte}`: it would run at the end of the statement\n{plan}"
+            );
+        }
+    }
 }

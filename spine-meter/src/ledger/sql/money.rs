@@ -132,11 +132,10 @@ pub(in crate::ledger) async fn settle_writes_in_turn<C: SqlConn + ?Sized>(
 /// `earnings_daily`, operators (the order paying escrow locks the last two in).
 #[derive(Clone, Copy, Debug)]
 pub(in crate::ledger) struct SettlementTail<'a> {
-    /// Taken from the account's balance.
-    pub(in crate::ledger) debit_micros: i64,
     /// Released from the account's holds.
     pub(in crate::ledger) hold_micros: i64,
-    /// The request as the roll-ups count it (its account, operator, node, model, key, day).
+    /// The request as the roll-ups count it (its account, operator, node, model, key, day, and
+    /// the debit, which is also taken from the account's balance).
     pub(in crate::ledger) rollup: super::console::rollup::SettledRow<'a>,
     /// Credited to the operator's earnings now; `None` without an operator or when the credit
     /// is held in escrow.
@@ -156,7 +155,7 @@ async fn settle_tail_in_turn<C: SqlConn + ?Sized>(
     tx.exec(
         "UPDATE accounts SET balance_micros = balance_micros - $1, held_micros = held_micros - $2 WHERE id = $3",
         &[
-            Arg::I64(tail.debit_micros),
+            Arg::I64(tail.rollup.debit_micros),
             Arg::I64(tail.hold_micros),
             Arg::Text(tail.rollup.account),
         ],
@@ -444,7 +443,6 @@ async fn settle_once<B: Backend>(
         // last, so their locks are held from there to the commit only: under one account's
         // concurrent traffic on PostgreSQL, their lock time bounds its settlements per second
         tail: SettlementTail {
-            debit_micros: debit,
             hold_micros: to_i64(hold_micros)?,
             rollup: super::console::rollup::SettledRow {
                 account: hold_account.as_str(),
