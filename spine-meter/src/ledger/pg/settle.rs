@@ -104,12 +104,11 @@ fn statement<'a>(args: &mut Vec<Arg<'a>>, w: SettlementWrites<'a>) -> String {
             {EARNINGS_CONFLICT} RETURNING 1)"
         ));
         last = "earnings";
-        if let Some(credit) = t.operator_credit_micros {
-            let [credit] = bind(args, [Arg::I64(credit)]);
+        if t.credit_operator {
             sql.push_str(&format!(
                 ",
          operator AS (
-            UPDATE operators SET earned_micros = earned_micros + {credit}
+            UPDATE operators SET earned_micros = earned_micros + {paid}
             FROM (SELECT count(*) FROM earnings) AS after_earnings
             WHERE id = {op} RETURNING 1)"
             ));
@@ -190,7 +189,7 @@ mod tests {
                     debit_micros: 10,
                     paid_micros: 8,
                 },
-                operator_credit_micros: Some(8),
+                credit_operator: true,
             },
         };
         let mut args = Vec::new();

@@ -137,9 +137,9 @@ pub(in crate::ledger) struct SettlementTail<'a> {
     /// The request as the roll-ups count it (its account, operator, node, model, key, day, and
     /// the debit, which is also taken from the account's balance).
     pub(in crate::ledger) rollup: super::console::rollup::SettledRow<'a>,
-    /// Credited to the operator's earnings now; `None` without an operator or when the credit
-    /// is held in escrow.
-    pub(in crate::ledger) operator_credit_micros: Option<i64>,
+    /// Whether the operator's earnings are credited now (the roll-up's `paid_micros`); false
+    /// without an operator or when the credit is held in escrow.
+    pub(in crate::ledger) credit_operator: bool,
 }
 
 /// Writes `tail` with one statement per row, in its order (part of
@@ -163,8 +163,8 @@ async fn settle_tail_in_turn<C: SqlConn + ?Sized>(
     .await?;
     super::console::rollup::record_settlement(tx, tail.rollup).await?;
     // after the roll-ups: `resolve_held_earnings` locks `earnings_daily`, then `operators`
-    if let (Some(op), Some(credit)) = (tail.rollup.operator, tail.operator_credit_micros) {
-        credit_operator(tx, op, credit).await?;
+    if let (Some(op), true) = (tail.rollup.operator, tail.credit_operator) {
+        credit_operator(tx, op, tail.rollup.paid_micros).await?;
     }
     Ok(())
 }
@@ -457,7 +457,7 @@ async fn settle_once<B: Backend>(
                 debit_micros: debit,
                 paid_micros: if held { 0 } else { credit },
             },
-            operator_credit_micros: (operator.is_some() && !held).then_some(credit),
+            credit_operator: operator.is_some() && !held,
         },
     };
     B::settle_writes(&mut tx, writes).await?;
