@@ -696,8 +696,8 @@ where
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let mut this = self.project();
         let state: &mut State = this.state;
-        // one reading of the clock per poll serves its timers (the keepalive's restart, the
-        // stall clock's): its events are handled within microseconds of it
+        // one reading of the clock per poll serves the keepalive's restart and the stall
+        // clock's resume and progress (an earlier reading only makes the stall bound stricter)
         state.now = tokio::time::Instant::now();
         if let Some(stall) = state.stall.as_mut() {
             stall.resumed(state.now);
@@ -706,7 +706,10 @@ where
             if let Some(out) = state.queue.pop_front() {
                 let bytes = state.deliver(out);
                 if let Some(stall) = state.stall.as_mut() {
-                    stall.handed_out(state.now);
+                    // a fresh reading: this poll's work on the node's bytes is the node's time,
+                    // not the caller's (with the poll's start, a node that keeps the gateway
+                    // busy had its time credited as the caller's and was never cut)
+                    stall.handed_out(tokio::time::Instant::now());
                 }
                 return Poll::Ready(Some(Ok(Frame::data(bytes))));
             }
@@ -740,7 +743,7 @@ where
                 Poll::Pending => {
                     if state.keepalive_due(cx) {
                         if let Some(stall) = state.stall.as_mut() {
-                            stall.handed_out(state.now);
+                            stall.handed_out(tokio::time::Instant::now());
                         }
                         return Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(
                             KEEPALIVE_EVENT,

@@ -1924,6 +1924,63 @@ async fn a_stream_alive_without_progress_is_cut_as_stalled_with_the_delivered_to
     h.assert_account_untouched().await;
 }
 
+/// A node that keeps the gateway busy — each of its frames costs the gateway time to take in
+/// (here 10 ms, a sleep inside the node body's poll), a frame that makes no progress every
+/// other poll — is cut at the stall bound: the time a poll spends on the node's bytes is the
+/// node's, not the caller's. (With the hand-out stamped at the poll's start, that time was
+/// credited as the caller's and the stream ran on to the total bound: this test timed out.)
+#[tokio::test]
+async fn a_node_that_keeps_the_gateway_busy_without_progress_is_cut_as_stalled() {
+    let mut h = harness().await;
+    let stall = std::time::Duration::from_millis(300);
+    let (svc, slot) = h.slot_node(
+        h.layer(2048).stream_stall_timeout(stall),
+        "text/event-stream",
+        || {
+            let mut script = VecDeque::from(vec![
+                chunk_event(json!({"index":0,"delta":{"role":"assistant"},"finish_reason":null})),
+                content_event("Hello there"),
+            ]);
+            let idle =
+                chunk_event(json!({"index":0,"delta":{"role":"assistant"},"finish_reason":null}));
+            let mut ready = false;
+            body_fn(move |cx| {
+                ready = !ready;
+                if !ready {
+                    // yield, so the runtime's timers run (no time passes here)
+                    cx.waker().wake_by_ref();
+                    return Poll::Pending;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(10));
+                let event = script.pop_front().unwrap_or_else(|| idle.clone());
+                Poll::Ready(Some(Ok(Frame::data(event))))
+            })
+        },
+    );
+    let resp = svc
+        .oneshot(request("busy-stall", &chat(true, Some(true))))
+        .await
+        .unwrap();
+    // far above the bound: only a stream that is never cut reaches it
+    let got = tokio::time::timeout(stall * 100, frames(resp.into_body()))
+        .await
+        .expect("the stream was not cut at the stall bound")
+        .concat();
+    let events = crate::sse::parse_all(&got).unwrap();
+    let last: Value = serde_json::from_str(events.last().unwrap().data()).unwrap();
+    assert_eq!(last["error"]["code"], "upstream_failed", "{last}");
+    assert!(
+        last["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("no progress"),
+        "{last}"
+    );
+    assert_eq!(h.settled().await.0.outcome, StreamOutcome::UpstreamFailed);
+    assert_eq!(node_fault(&slot), Some(spine_core::NodeFault::Stalled));
+    h.assert_account_untouched().await;
+}
+
 #[tokio::test]
 async fn a_slow_caller_does_not_make_a_progressing_node_look_stalled() {
     let mut h = harness().await;

@@ -78,10 +78,12 @@ impl StallClock {
     /// call, when a tokio runtime is there; without one the bound is not kept).
     pub(in crate::meter) fn passed(&mut self, cx: &mut Context<'_>) -> bool {
         if !self.started {
-            self.started = true;
+            // not started without a runtime: progress then sets no deadline that a later call
+            // would need a runtime's timer to wait for
             if tokio::runtime::Handle::try_current().is_err() {
                 return false;
             }
+            self.started = true;
             self.at = tokio::time::Instant::now().checked_add(self.timeout);
         }
         let Some(at) = self.at else {
@@ -103,5 +105,28 @@ impl StallClock {
             }
             sleep.as_mut().reset(at);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::task::{Context, Waker};
+    use std::time::Duration;
+
+    use super::StallClock;
+
+    /// Without a tokio runtime the bound is not kept, and polling it after progress does not
+    /// panic (it used to start anyway, and the next call made a timer outside a runtime).
+    #[test]
+    fn without_a_runtime_the_clock_never_starts_and_never_panics() {
+        let mut clock = StallClock::new(Duration::from_millis(1)).expect("a bound");
+        let mut cx = Context::from_waker(Waker::noop());
+        assert!(!clock.passed(&mut cx));
+        clock.progress(tokio::time::Instant::now());
+        clock.handed_out(tokio::time::Instant::now());
+        clock.resumed(tokio::time::Instant::now());
+        std::thread::sleep(Duration::from_millis(5));
+        assert!(!clock.passed(&mut cx));
+        assert_eq!(clock.longest_pause(), Duration::ZERO);
     }
 }
