@@ -155,7 +155,32 @@ impl SseParser {
     ///
     /// [`SseError`] when a cap is exceeded. Events completed earlier in the same read are already
     /// in `out`.
-    pub fn feed(&mut self, mut input: &[u8], out: &mut Vec<SseEvent>) -> Result<(), SseError> {
+    pub fn feed(&mut self, input: &[u8], out: &mut Vec<SseEvent>) -> Result<(), SseError> {
+        self.feed_from(input, None, out)
+    }
+
+    /// [`SseParser::feed`] of a read held in [`Bytes`]: the same events, but an event that
+    /// arrives whole in `input` as one `data:` line ended by `\n\n` (how llama.cpp, vLLM,
+    /// SGLang and Ollama send each chunk) keeps a slice of `input` as its [`SseEvent::raw`]
+    /// instead of a copy.
+    ///
+    /// Such an event's raw bytes share `input`'s allocation, which lives as long as any event
+    /// made from it.
+    ///
+    /// # Errors
+    ///
+    /// As [`SseParser::feed`].
+    pub fn feed_bytes(&mut self, input: &Bytes, out: &mut Vec<SseEvent>) -> Result<(), SseError> {
+        self.feed_from(input, Some(input), out)
+    }
+
+    /// `input`, whose bytes are `shared`'s when given.
+    fn feed_from(
+        &mut self,
+        mut input: &[u8],
+        shared: Option<&Bytes>,
+        out: &mut Vec<SseEvent>,
+    ) -> Result<(), SseError> {
         if input.is_empty() {
             return Ok(());
         }
@@ -173,7 +198,18 @@ impl SseParser {
                 }
             }
         }
-        while let Some(pos) = input.iter().position(|&b| b == b'\r' || b == b'\n') {
+        loop {
+            // between events: a whole plain event is taken in one piece (`whole_data_event`)
+            if self.line.is_empty() && self.raw.is_empty() && self.pending_cr == PendingCr::None {
+                let offset = shared.map_or(0, |all| all.len() - input.len());
+                if let Some(used) = self.whole_data_event(input, shared, offset, out) {
+                    input = &input[used..];
+                    continue;
+                }
+            }
+            let Some(pos) = memchr::memchr2(b'\r', b'\n', input) else {
+                break;
+            };
             self.push_line_bytes(&input[..pos])?;
             let is_cr = input[pos] == b'\r';
             let mut consumed = pos + 1;
@@ -193,6 +229,46 @@ impl SseParser {
             input = &input[consumed..];
         }
         self.push_line_bytes(input)
+    }
+
+    /// The event at the start of `input` when it is one `data:` line ended by `\n\n`, valid
+    /// UTF-8 and within the caps: pushed onto `out` as the line-by-line reading would push it
+    /// (its raw bytes sliced from `shared` at `offset` when given), and the bytes it used
+    /// returned. `None` (nothing read) for anything else, which the line-by-line reading then
+    /// decides, errors included. Called only between events.
+    fn whole_data_event(
+        &mut self,
+        input: &[u8],
+        shared: Option<&Bytes>,
+        offset: usize,
+        out: &mut Vec<SseEvent>,
+    ) -> Option<usize> {
+        let value = input.strip_prefix(b"data:")?;
+        let end = b"data:".len() + memchr::memchr2(b'\r', b'\n', value)?;
+        // one line, then the blank line that dispatches it; the caps as `push_line_bytes` and
+        // `end_line` apply them (the line, then the event's raw bytes with both line endings)
+        if input.get(end..end + 2) != Some(b"\n\n")
+            || end > self.max_line_bytes
+            || end + 3 > self.max_event_bytes
+        {
+            return None;
+        }
+        let value = &input[b"data:".len()..end];
+        let data = std::str::from_utf8(value.strip_prefix(b" ").unwrap_or(value)).ok()?;
+        let used = end + 2;
+        let raw = match shared {
+            Some(all) => all.slice(offset..offset + used),
+            None => Bytes::copy_from_slice(&input[..used]),
+        };
+        // a first line that starts with `data:` carries no byte order mark
+        self.first_line = false;
+        out.push(SseEvent {
+            data: data.to_owned(),
+            raw,
+            data_only: true,
+            utf8: true,
+        });
+        Some(used)
     }
 
     /// Ends the input: a last unterminated line is taken as a line, and an event still open is
@@ -461,6 +537,73 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Every byte in a read of its own: no event is ever whole in one read, so each is read
+    /// line by line (`SseParser::whole_data_event` never applies).
+    fn parse_byte_by_byte(stream: &[u8], p: &mut SseParser) -> Result<Vec<SseEvent>, SseError> {
+        let mut out = Vec::new();
+        for b in stream {
+            p.feed(std::slice::from_ref(b), &mut out)?;
+        }
+        p.finish(&mut out)?;
+        Ok(out)
+    }
+
+    #[test]
+    fn whole_events_read_in_one_piece_are_the_events_read_line_by_line() {
+        let mut streams = fixture_streams();
+        streams.extend([
+            b"data: a\n\ndata:b\n\ndata:  c\n\ndata:\n\ndata: \xff\n\ndata: d\r\n\r\n".to_vec(),
+            b"data: a\n\n: c\n\ndata: b\ndata: c\n\nid: 1\ndata: e\n\ndata: [DONE]\n\n".to_vec(),
+            b"data: a\n\n\n\ndata: b\n\r\ndata: c\n\n".to_vec(),
+        ]);
+        for stream in streams {
+            let shared = Bytes::from(stream.clone());
+            let mut p = SseParser::new();
+            let mut whole = Vec::new();
+            p.feed_bytes(&shared, &mut whole).unwrap();
+            p.finish(&mut whole).unwrap();
+            let lines = parse_byte_by_byte(&stream, &mut SseParser::new()).unwrap();
+            assert_eq!(whole, lines, "{}", String::from_utf8_lossy(&stream));
+        }
+        // at the caps' edges: the same events, or an error for both (which cap a line breaks
+        // first depends on how it was split into reads, on either path)
+        let event = b"data: 0123456789\n\n";
+        for max_line in 10..20 {
+            for max_event in 14..24 {
+                let mut p = SseParser::with_limits(max_line, max_event);
+                let mut whole = Vec::new();
+                let fed = p.feed_bytes(&Bytes::from_static(event), &mut whole);
+                let fed = fed.and_then(|()| p.finish(&mut whole)).map(|()| whole);
+                let lines =
+                    parse_byte_by_byte(event, &mut SseParser::with_limits(max_line, max_event));
+                match (fed, lines) {
+                    (Ok(fed), Ok(lines)) => assert_eq!(fed, lines, "caps {max_line}, {max_event}"),
+                    (fed, lines) => assert!(
+                        fed.is_err() && lines.is_err(),
+                        "caps {max_line}, {max_event}"
+                    ),
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_whole_event_shares_the_reads_allocation() {
+        let read = Bytes::from_static(b"data: {\"a\":1}\n\ndata: x\ndata: y\n\n");
+        let mut out = Vec::new();
+        SseParser::new().feed_bytes(&read, &mut out).unwrap();
+        assert_eq!(datas(&out), ["{\"a\":1}", "x\ny"]);
+        let within = |raw: &Bytes| read.as_ptr_range().contains(&raw.as_ptr());
+        assert!(
+            within(out[0].raw()),
+            "the one-line event is a slice of the read"
+        );
+        assert!(
+            !within(out[1].raw()),
+            "a two-line event is read line by line"
+        );
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! What a response is billed and when a choice must be cut, shared by the streamed body
 //! ([`super::body`]) and the non-streamed path ([`meter_json`]); the gateway's own error events.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 
 use bytes::Bytes;
@@ -339,7 +340,7 @@ pub(crate) fn meter_json(
     };
     let tokenizer = ctx.tokenizer.clone();
     let mut choices: BTreeMap<u64, Choice> = BTreeMap::new();
-    let mut kept: Vec<String> = Vec::with_capacity(read.len());
+    let mut kept: Vec<Cow<'_, str>> = Vec::with_capacity(read.len());
     let dropped = read
         .iter()
         .any(|c| c.rebuilt || !ctx.is_requested_choice(c.index));

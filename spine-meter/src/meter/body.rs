@@ -1,3 +1,4 @@
+use std::borrow::Cow;
 use std::collections::{BTreeMap, VecDeque};
 use std::fmt;
 use std::pin::Pin;
@@ -322,7 +323,7 @@ impl State {
         let n_read = read.len();
         let mut progressed = false;
         let mut rebuilt = read.iter().any(|c| c.rebuilt);
-        let mut kept: Vec<String> = Vec::new();
+        let mut kept: Vec<Cow<'_, str>> = Vec::new();
         let mut text = Vec::new();
         let mut stripped = false;
         for mut c in read {
@@ -342,9 +343,9 @@ impl State {
             if c.index >= self.choices_begun {
                 if self.settings.kind != RequestKind::Completions {
                     for lower in self.choices_begun..c.index {
-                        kept.push(format!(
+                        kept.push(Cow::Owned(format!(
                             "{{\"index\":{lower},\"delta\":{{}},\"finish_reason\":null}}"
-                        ));
+                        )));
                     }
                 }
                 self.choices_begun = c.index + 1;
@@ -493,9 +494,9 @@ impl State {
         }
     }
 
-    fn on_data(&mut self, data: &[u8]) {
+    fn on_data(&mut self, data: &Bytes) {
         let mut events = std::mem::take(&mut self.scratch);
-        let res = self.parser.feed(data, &mut events);
+        let res = self.parser.feed_bytes(data, &mut events);
         for ev in &events {
             self.on_event(ev);
         }

@@ -137,7 +137,7 @@ impl<'a> Members<'a> {
 }
 
 /// One choice of a chunk or completion: where it goes and what it carries.
-pub(crate) struct ChoiceRead {
+pub(crate) struct ChoiceRead<'a> {
     /// The choice's `index`; without one, its position in the array.
     pub(crate) index: u64,
     /// Whether the node gave the choice an `index` (a stream's choices must carry one: the
@@ -145,8 +145,10 @@ pub(crate) struct ChoiceRead {
     pub(crate) indexed: bool,
     pub(crate) generated: GeneratedText,
     pub(crate) finish_reason: Option<String>,
-    /// The choice as the caller gets it: rebuilt from OpenAI's members ([`openai_choice`]).
-    pub(crate) raw: String,
+    /// The choice as the caller gets it: rebuilt from OpenAI's members ([`openai_choice`]),
+    /// or the node's bytes when nothing was dropped (borrowed: most chunks are forwarded as
+    /// they came, and this is never read).
+    pub(crate) raw: Cow<'a, str>,
     /// Whether `raw` differs from the node's choice (a member was dropped).
     pub(crate) rebuilt: bool,
     /// The choice's `logprobs` member, when not null.
@@ -157,7 +159,7 @@ pub(crate) struct ChoiceRead {
     pub(crate) tool_call_heads: Vec<ToolCallHead>,
 }
 
-impl ChoiceRead {
+impl ChoiceRead<'_> {
     /// Applies `edits` to the choice's `delta.tool_calls` and reads its generated text again
     /// from what is left (a name removed is neither delivered nor billed, one given is both).
     /// Only tool-call chunks get here (about two per call: the delta whose name is held, the
@@ -224,7 +226,7 @@ impl ChoiceRead {
         let mut generated = GeneratedText::new();
         generated.push_message_json(delta);
         self.generated = generated;
-        self.raw = c.to_string();
+        self.raw = Cow::Owned(c.to_string());
         self.rebuilt = true;
     }
 
@@ -244,7 +246,7 @@ impl ChoiceRead {
             "logprobs" => Some(Some("null".to_owned())),
             _ => None,
         });
-        self.raw = stripped;
+        self.raw = Cow::Owned(stripped);
         true
     }
 }
@@ -539,13 +541,13 @@ impl TextMember {
 /// `member` ([`TextMember::of`]: a completion's `text`, a chat chunk's `delta`, a complete chat
 /// answer's `message`). Only `member` is read: text in a member the caller's SDK does not read
 /// is text the caller never sees, so a choice with it is the node's fault, never billed.
-pub(crate) fn read_choices(
-    raw: &RawValue,
+pub(crate) fn read_choices<'a>(
+    raw: &'a RawValue,
     member: TextMember,
-) -> Result<Vec<ChoiceRead>, &'static str> {
-    let items: Vec<&RawValue> =
+) -> Result<Vec<ChoiceRead<'a>>, &'static str> {
+    let items: Vec<&'a RawValue> =
         serde_json::from_str(raw.get()).map_err(|_| "its choices are not an array")?;
-    let read: Vec<ChoiceRead> = items
+    let read: Vec<ChoiceRead<'a>> = items
         .into_iter()
         .enumerate()
         .map(|(pos, item)| {
@@ -567,11 +569,11 @@ pub(crate) fn read_choices(
 
 /// One choice of `choices` at position `pos`, read the general way (every form and every
 /// error; [`read_choices`] tries the plain streamed form first, `plain::read_plain`).
-fn read_choice(
+fn read_choice<'a>(
     pos: usize,
-    item: &RawValue,
+    item: &'a RawValue,
     member: TextMember,
-) -> Result<ChoiceRead, &'static str> {
+) -> Result<ChoiceRead<'a>, &'static str> {
     let mut c = unique_value(item.get())?;
     if !c.is_object() {
         return Err("a choice is not an object");
@@ -622,9 +624,9 @@ fn read_choice(
     let mut tool_call_heads = Vec::new();
     let rebuilt = openai_choice(&mut c, member, &mut tool_call_heads)? || !indexed;
     let raw = if rebuilt {
-        c.to_string()
+        Cow::Owned(c.to_string())
     } else {
-        item.get().to_owned()
+        Cow::Borrowed(item.get())
     };
     Ok(ChoiceRead {
         index,

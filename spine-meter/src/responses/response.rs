@@ -137,7 +137,7 @@ fn function_call_item(id: &str, status: &str, call_id: &str, name: &str, argumen
 /// ([`read_choices`]: `delta` or `message`, refusal as content, the longer reasoning member,
 /// a tool call's place when it has no `index`): what is shown is what is counted. `None` when
 /// there is no such choice (the meter lets no other chat object through).
-fn choice_zero(members: &Members<'_>, member: TextMember) -> Option<ChoiceRead> {
+fn choice_zero<'a>(members: &Members<'a>, member: TextMember) -> Option<ChoiceRead<'a>> {
     let raw = members.get("choices")?;
     let choices = read_choices(raw, member).ok()?;
     choices.into_iter().find(|c| c.index == 0)

@@ -51,7 +51,7 @@ struct PlainDelta<'a> {
 
 /// `choice` (one element of a chunk's `choices`, valid JSON) read as the general path would,
 /// when it has the plain streamed form; `None` for any other choice or member.
-pub(super) fn read_plain(choice: &str, member: TextMember) -> Option<ChoiceRead> {
+pub(super) fn read_plain(choice: &str, member: TextMember) -> Option<ChoiceRead<'_>> {
     if member != TextMember::Delta || !is_object(choice) {
         return None;
     }
@@ -99,7 +99,7 @@ pub(super) fn read_plain(choice: &str, member: TextMember) -> Option<ChoiceRead>
         indexed: true,
         generated,
         finish_reason: finish_reason.map(Cow::into_owned),
-        raw: choice.to_owned(),
+        raw: Cow::Borrowed(choice),
         rebuilt: false,
         logprobs,
         tool_call_heads: Vec::new(),
