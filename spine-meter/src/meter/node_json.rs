@@ -545,6 +545,10 @@ pub(crate) fn read_choices<'a>(
     raw: &'a RawValue,
     member: TextMember,
 ) -> Result<Vec<ChoiceRead<'a>>, &'static str> {
+    // a stream's chunk: one plain choice, read in one pass
+    if let Some(one) = plain::read_one_plain(raw.get(), member) {
+        return Ok(vec![one]);
+    }
     let items: Vec<&'a RawValue> =
         serde_json::from_str(raw.get()).map_err(|_| "its choices are not an array")?;
     let read: Vec<ChoiceRead<'a>> = items

@@ -55,12 +55,68 @@ pub(super) fn read_plain(choice: &str, member: TextMember) -> Option<ChoiceRead<
     if member != TextMember::Delta || !is_object(choice) {
         return None;
     }
+    plain_choice(serde_json::from_str(choice).ok()?, choice)
+}
+
+/// `choices` (a member's value, valid JSON) read as the general path would, when it is an
+/// array of exactly one choice in the plain streamed form (a stream's every chunk): the array
+/// and its choice are read in one pass, where [`read_plain`] after the general path's split of
+/// the array reads the choice's bytes twice more. `None` for anything else.
+pub(super) fn read_one_plain(choices: &str, member: TextMember) -> Option<ChoiceRead<'_>> {
+    // the one choice's own bytes: the array's, less its brackets and JSON's whitespace (what
+    // the general path's split of the array gives), once the array is known to hold one value
+    let choice = choices
+        .trim_matches(JSON_WHITESPACE)
+        .strip_prefix('[')?
+        .strip_suffix(']')?
+        .trim_matches(JSON_WHITESPACE);
+    if member != TextMember::Delta || !is_object(choice) {
+        return None;
+    }
+    let OneChoice(parsed) = serde_json::from_str(choices).ok()?;
+    plain_choice(parsed, choice)
+}
+
+/// JSON's insignificant whitespace (RFC 8259 §2).
+const JSON_WHITESPACE: [char; 4] = [' ', '\t', '\n', '\r'];
+
+/// A JSON array of exactly one [`PlainChoice`] (an array of any other length fails).
+struct OneChoice<'a>(PlainChoice<'a>);
+
+impl<'de: 'a, 'a> Deserialize<'de> for OneChoice<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = OneChoice<'de>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("an array of one choice")
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<OneChoice<'de>, A::Error> {
+                let Some(choice) = seq.next_element()? else {
+                    return Err(serde::de::Error::invalid_length(0, &self));
+                };
+                if seq.next_element::<serde::de::IgnoredAny>()?.is_some() {
+                    return Err(serde::de::Error::invalid_length(2, &self));
+                }
+                Ok(OneChoice(choice))
+            }
+        }
+        d.deserialize_seq(V)
+    }
+}
+
+/// The plain choice `parsed` from the bytes `choice` (an object), checked as the general path
+/// checks it; `None` when it is not plain after all.
+fn plain_choice<'a>(parsed: PlainChoice<'a>, choice: &'a str) -> Option<ChoiceRead<'a>> {
     let PlainChoice {
         index,
         delta,
         finish_reason,
         logprobs,
-    } = serde_json::from_str(choice).ok()?;
+    } = parsed;
     if !is_object(delta.get()) {
         return None;
     }

@@ -270,7 +270,50 @@ fn plain_agrees_with_general(choice: &str) -> bool {
     assert_eq!(plain.rebuilt, general.rebuilt, "{choice}");
     assert_eq!(plain.logprobs, general.logprobs, "{choice}");
     assert_eq!(plain.tool_call_heads, general.tool_call_heads, "{choice}");
+    // the same choice alone in a chunk's array, read in one pass, whatever the whitespace
+    for choices in [format!("[{choice}]"), format!(" [\n {choice}\t\r] ")] {
+        let one = plain::read_one_plain(&choices, TextMember::Delta)
+            .unwrap_or_else(|| panic!("{choices} was not read in one pass"));
+        assert_eq!(one.index, plain.index, "{choices}");
+        assert_eq!(one.generated, plain.generated, "{choices}");
+        assert_eq!(one.finish_reason, plain.finish_reason, "{choices}");
+        assert_eq!(one.raw, plain.raw, "{choices}");
+        assert_eq!(one.logprobs, plain.logprobs, "{choices}");
+        let raw: Box<RawValue> = serde_json::from_str(&choices).unwrap();
+        assert_eq!(
+            read_choices(&raw, TextMember::Delta).unwrap()[0].raw,
+            general.raw
+        );
+    }
     true
+}
+
+#[test]
+fn only_an_array_of_one_plain_choice_is_read_in_one_pass() {
+    let plain = r#"{"index":0,"delta":{"content":"a"},"finish_reason":null}"#;
+    assert!(plain_agrees_with_general(plain));
+    for choices in [
+        "[]".to_owned(),
+        format!("[{plain},{plain}]"),
+        format!("[{plain}, 1]"),
+        format!("[[{plain}]]"),
+        plain.to_owned(),
+        format!("[{}]", r#"[0,{"content":"hi"}]"#),
+        format!("[{}]", r#"{"index":0,"delta":{"content":"a"},"extra":1}"#),
+    ] {
+        assert!(
+            plain::read_one_plain(&choices, TextMember::Delta).is_none(),
+            "{choices}"
+        );
+    }
+    assert!(plain::read_one_plain(&format!("[{plain}]"), TextMember::Text).is_none());
+    // two choices are still read, the general way
+    let two: Box<RawValue> = serde_json::from_str(&format!(
+        "[{plain},{}]",
+        plain.replace("\"index\":0", "\"index\":1")
+    ))
+    .unwrap();
+    assert_eq!(read_choices(&two, TextMember::Delta).unwrap().len(), 2);
 }
 
 #[test]
@@ -322,6 +365,10 @@ fn choices_off_the_plain_form_are_left_to_the_general_path() {
     ] {
         assert!(
             plain::read_plain(choice, TextMember::Delta).is_none(),
+            "{choice}"
+        );
+        assert!(
+            plain::read_one_plain(&format!("[{choice}]"), TextMember::Delta).is_none(),
             "{choice}"
         );
     }
