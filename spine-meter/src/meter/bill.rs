@@ -9,8 +9,8 @@ use spine_core::{NodeSlot, RequestKind, StreamOutcome, Usage};
 
 use super::constraint::{natural_most, PinnedCount, SamplingConstraint, GRAMMAR_HIDDEN_TOKENS};
 use super::node_json::{
-    engine_error_message, is_engine_error, read_choices, usage_claim, Members, TextMember,
-    ToolCallEdit, ToolCallEdits, ToolCallHead,
+    engine_error_message, is_engine_error, read_choices, usage_claim, ChoicesRead, Members,
+    TextMember, ToolCallEdit, ToolCallEdits, ToolCallHead,
 };
 use super::settle::{BillNotes, SettleCtx};
 use super::MeterError;
@@ -336,7 +336,7 @@ pub(crate) fn meter_json(
         Some(Err(why)) => {
             return fail(ctx, nothing, claimed, format!("the body is invalid: {why}"))
         }
-        None => Vec::new(),
+        None => ChoicesRead::new(),
     };
     let tokenizer = ctx.tokenizer.clone();
     let mut choices: BTreeMap<u64, Choice> = BTreeMap::new();

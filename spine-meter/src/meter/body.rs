@@ -9,6 +9,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use serde_json::value::RawValue;
+use smallvec::SmallVec;
 use spine_core::{BoxError, NodeFault, NodeSlot, RequestKind, StreamOutcome, Usage};
 
 use super::bill::{
@@ -138,7 +139,8 @@ pin_project_lite::pin_project! {
 
 struct Out {
     bytes: Bytes,
-    text: Vec<(u64, GeneratedText)>,
+    /// Each choice's text in the event (a stream's event carries one).
+    text: SmallVec<[(u64, GeneratedText); 1]>,
 }
 
 struct State {
@@ -311,7 +313,7 @@ impl State {
                     }
                 }
             }
-            _ if has_usage => Vec::new(),
+            _ if has_usage => SmallVec::new(),
             _ => return self.node_fault("the node sent a chunk without choices"),
         };
         if read.is_empty() && has_usage {
@@ -323,8 +325,8 @@ impl State {
         let n_read = read.len();
         let mut progressed = false;
         let mut rebuilt = read.iter().any(|c| c.rebuilt);
-        let mut kept: Vec<Cow<'_, str>> = Vec::new();
-        let mut text = Vec::new();
+        let mut kept: SmallVec<[Cow<'_, str>; 1]> = SmallVec::new();
+        let mut text = SmallVec::new();
         let mut stripped = false;
         for mut c in read {
             let Some(ctx) = self.ctx.as_mut() else {
@@ -459,7 +461,7 @@ impl State {
                 let bytes = self.usage_chunk(&billed);
                 self.queue.push_back(Out {
                     bytes,
-                    text: Vec::new(),
+                    text: SmallVec::new(),
                 });
             }
             let done = self
@@ -468,7 +470,7 @@ impl State {
                 .unwrap_or_else(|| Bytes::from_static(DONE_EVENT));
             self.queue.push_back(Out {
                 bytes: done,
-                text: Vec::new(),
+                text: SmallVec::new(),
             });
             if let Some(ctx) = self.ctx.take() {
                 ctx.settle_checked(StreamOutcome::Completed, billed, self.claimed, notes);
@@ -485,7 +487,7 @@ impl State {
                 }
                 self.queue.push_back(Out {
                     bytes: Bytes::from_static(TRUNCATED_EVENT),
-                    text: Vec::new(),
+                    text: SmallVec::new(),
                 });
             }
             if let Some(ctx) = self.ctx.take() {
@@ -600,7 +602,7 @@ impl State {
                 let bytes = self.usage_chunk(&billed);
                 self.queue.push_back(Out {
                     bytes,
-                    text: Vec::new(),
+                    text: SmallVec::new(),
                 });
             }
             if let Some(ctx) = self.ctx.take() {
@@ -609,7 +611,7 @@ impl State {
         }
         self.queue.push_back(Out {
             bytes: event,
-            text: Vec::new(),
+            text: SmallVec::new(),
         });
     }
 

@@ -6,6 +6,7 @@ use std::fmt;
 
 use serde_json::value::RawValue;
 use serde_json::Value;
+use smallvec::SmallVec;
 use spine_core::{JsonKey as Key, RequestKind, Usage};
 
 use crate::tokenizer::GeneratedText;
@@ -54,9 +55,14 @@ pub(crate) fn is_null(raw: Option<&RawValue>) -> bool {
 
 /// A JSON object's members in order, values raw, refusing duplicate names (engines and SDKs
 /// disagree on which duplicate wins, so an object with one is ambiguous).
-pub(crate) struct Members<'a>(Vec<(Key<'a>, &'a RawValue)>);
+///
+/// Held inline up to [`INLINE_MEMBERS`] members (a chunk has 5–7): a stream reads one per event.
+pub(crate) struct Members<'a>(SmallVec<[(Key<'a>, &'a RawValue); INLINE_MEMBERS]>);
 
-impl<'de: 'a, 'a> serde::Deserialize<'de> for Members<'a> {
+/// Members of an object held without an allocation ([`Members`]).
+const INLINE_MEMBERS: usize = 8;
+
+impl<'de> serde::Deserialize<'de> for Members<'de> {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         struct V;
         impl<'de> serde::de::Visitor<'de> for V {
@@ -68,7 +74,8 @@ impl<'de: 'a, 'a> serde::Deserialize<'de> for Members<'a> {
                 self,
                 mut map: A,
             ) -> Result<Members<'de>, A::Error> {
-                let mut members: Vec<(Key<'de>, &'de RawValue)> = Vec::with_capacity(8);
+                let mut members: SmallVec<[(Key<'de>, &'de RawValue); INLINE_MEMBERS]> =
+                    SmallVec::new();
                 while let Some(key) = map.next_key::<Key<'de>>()? {
                     if members.iter().any(|(k, _)| k.0 == key.0) {
                         return Err(serde::de::Error::custom("duplicate member"));
@@ -246,6 +253,7 @@ impl ChoiceRead<'_> {
             "logprobs" => Some(Some("null".to_owned())),
             _ => None,
         });
+        drop(members);
         self.raw = Cow::Owned(stripped);
         true
     }
@@ -534,6 +542,10 @@ impl TextMember {
     }
 }
 
+/// A chunk's or completion's choices ([`read_choices`]): a stream's chunk carries one, held
+/// without an allocation.
+pub(crate) type ChoicesRead<'a> = SmallVec<[ChoiceRead<'a>; 1]>;
+
 /// The choices of a chunk or completion, each rebuilt from OpenAI's members
 /// ([`openai_choice`]); `Err` when `choices` is not an array of objects, an `index` is not a
 /// non-negative integer, a choice is not OpenAI's (`finish_reason`, `role`, a tool call's
@@ -544,14 +556,14 @@ impl TextMember {
 pub(crate) fn read_choices<'a>(
     raw: &'a RawValue,
     member: TextMember,
-) -> Result<Vec<ChoiceRead<'a>>, &'static str> {
+) -> Result<ChoicesRead<'a>, &'static str> {
     // a stream's chunk: one plain choice, read in one pass
     if let Some(one) = plain::read_one_plain(raw.get(), member) {
-        return Ok(vec![one]);
+        return Ok(smallvec::smallvec![one]);
     }
     let items: Vec<&'a RawValue> =
         serde_json::from_str(raw.get()).map_err(|_| "its choices are not an array")?;
-    let read: Vec<ChoiceRead<'a>> = items
+    let read: ChoicesRead<'a> = items
         .into_iter()
         .enumerate()
         .map(|(pos, item)| {
