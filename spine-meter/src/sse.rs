@@ -155,32 +155,11 @@ impl SseParser {
     ///
     /// [`SseError`] when a cap is exceeded. Events completed earlier in the same read are already
     /// in `out`.
-    pub fn feed(&mut self, input: &[u8], out: &mut Vec<SseEvent>) -> Result<(), SseError> {
-        self.feed_from(input, None, out)
-    }
-
-    /// [`SseParser::feed`] of a read held in [`Bytes`]: the same events, but an event that
-    /// arrives whole in `input` as one `data:` line ended by `\n\n` (how llama.cpp, vLLM,
-    /// SGLang and Ollama send each chunk) keeps a slice of `input` as its [`SseEvent::raw`]
-    /// instead of a copy.
     ///
-    /// Such an event's raw bytes share `input`'s allocation, which lives as long as any event
-    /// made from it.
-    ///
-    /// # Errors
-    ///
-    /// As [`SseParser::feed`].
-    pub fn feed_bytes(&mut self, input: &Bytes, out: &mut Vec<SseEvent>) -> Result<(), SseError> {
-        self.feed_from(input, Some(input), out)
-    }
-
-    /// `input`, whose bytes are `shared`'s when given.
-    fn feed_from(
-        &mut self,
-        mut input: &[u8],
-        shared: Option<&Bytes>,
-        out: &mut Vec<SseEvent>,
-    ) -> Result<(), SseError> {
+    /// An event that arrives whole in one read as one `data:` line ended by `\n\n` (how
+    /// llama.cpp, vLLM, SGLang and Ollama send each chunk) is taken in one piece; any other is
+    /// read line by line. Either way the events are the same, for every split into reads.
+    pub fn feed(&mut self, mut input: &[u8], out: &mut Vec<SseEvent>) -> Result<(), SseError> {
         if input.is_empty() {
             return Ok(());
         }
@@ -201,8 +180,7 @@ impl SseParser {
         loop {
             // between events: a whole plain event is taken in one piece (`whole_data_event`)
             if self.line.is_empty() && self.raw.is_empty() && self.pending_cr == PendingCr::None {
-                let offset = shared.map_or(0, |all| all.len() - input.len());
-                if let Some(used) = self.whole_data_event(input, shared, offset, out) {
+                if let Some(used) = self.whole_data_event(input, out) {
                     input = &input[used..];
                     continue;
                 }
@@ -232,17 +210,14 @@ impl SseParser {
     }
 
     /// The event at the start of `input` when it is one `data:` line ended by `\n\n`, valid
-    /// UTF-8 and within the caps: pushed onto `out` as the line-by-line reading would push it
-    /// (its raw bytes sliced from `shared` at `offset` when given), and the bytes it used
-    /// returned. `None` (nothing read) for anything else, which the line-by-line reading then
-    /// decides, errors included. Called only between events.
-    fn whole_data_event(
-        &mut self,
-        input: &[u8],
-        shared: Option<&Bytes>,
-        offset: usize,
-        out: &mut Vec<SseEvent>,
-    ) -> Option<usize> {
+    /// UTF-8 and within the caps: pushed onto `out` as the line-by-line reading would push it,
+    /// and the bytes it used returned. `None` (nothing read) for anything else, which the
+    /// line-by-line reading then decides, errors included. Called only between events.
+    ///
+    /// The raw bytes are copied, never a slice of the read: an event is forwarded and may wait
+    /// in the caller's send buffers, which count it by its length, and a slice would keep the
+    /// whole read (or the HTTP/2 buffer it came from) alive with it.
+    fn whole_data_event(&mut self, input: &[u8], out: &mut Vec<SseEvent>) -> Option<usize> {
         let value = input.strip_prefix(b"data:")?;
         let end = b"data:".len() + memchr::memchr2(b'\r', b'\n', value)?;
         // one line, then the blank line that dispatches it; the caps as `push_line_bytes` and
@@ -256,10 +231,7 @@ impl SseParser {
         let value = &input[b"data:".len()..end];
         let data = std::str::from_utf8(value.strip_prefix(b" ").unwrap_or(value)).ok()?;
         let used = end + 2;
-        let raw = match shared {
-            Some(all) => all.slice(offset..offset + used),
-            None => Bytes::copy_from_slice(&input[..used]),
-        };
+        let raw = Bytes::copy_from_slice(&input[..used]);
         // a first line that starts with `data:` carries no byte order mark
         self.first_line = false;
         out.push(SseEvent {
@@ -559,22 +531,20 @@ mod tests {
             b"data: a\n\n\n\ndata: b\n\r\ndata: c\n\n".to_vec(),
         ]);
         for stream in streams {
-            let shared = Bytes::from(stream.clone());
-            let mut p = SseParser::new();
-            let mut whole = Vec::new();
-            p.feed_bytes(&shared, &mut whole).unwrap();
-            p.finish(&mut whole).unwrap();
+            let whole = parse_all(&stream).unwrap();
             let lines = parse_byte_by_byte(&stream, &mut SseParser::new()).unwrap();
             assert_eq!(whole, lines, "{}", String::from_utf8_lossy(&stream));
         }
-        // at the caps' edges: the same events, or an error for both (which cap a line breaks
-        // first depends on how it was split into reads, on either path)
+        // at the caps' edges (an event ended by LFs): the same events, or an error for both
+        // (which cap a line breaks first depends on how it was split into reads, on either
+        // path; with a CR ending a line, even whether a cap is broken does, on the line-by-line
+        // path alone, by one byte)
         let event = b"data: 0123456789\n\n";
         for max_line in 10..20 {
             for max_event in 14..24 {
                 let mut p = SseParser::with_limits(max_line, max_event);
                 let mut whole = Vec::new();
-                let fed = p.feed_bytes(&Bytes::from_static(event), &mut whole);
+                let fed = p.feed(event, &mut whole);
                 let fed = fed.and_then(|()| p.finish(&mut whole)).map(|()| whole);
                 let lines =
                     parse_byte_by_byte(event, &mut SseParser::with_limits(max_line, max_event));
@@ -587,23 +557,6 @@ mod tests {
                 }
             }
         }
-    }
-
-    #[test]
-    fn a_whole_event_shares_the_reads_allocation() {
-        let read = Bytes::from_static(b"data: {\"a\":1}\n\ndata: x\ndata: y\n\n");
-        let mut out = Vec::new();
-        SseParser::new().feed_bytes(&read, &mut out).unwrap();
-        assert_eq!(datas(&out), ["{\"a\":1}", "x\ny"]);
-        let within = |raw: &Bytes| read.as_ptr_range().contains(&raw.as_ptr());
-        assert!(
-            within(out[0].raw()),
-            "the one-line event is a slice of the read"
-        );
-        assert!(
-            !within(out[1].raw()),
-            "a two-line event is read line by line"
-        );
     }
 
     #[test]

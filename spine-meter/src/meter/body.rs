@@ -496,9 +496,9 @@ impl State {
         }
     }
 
-    fn on_data(&mut self, data: &Bytes) {
+    fn on_data(&mut self, data: &[u8]) {
         let mut events = std::mem::take(&mut self.scratch);
-        let res = self.parser.feed_bytes(data, &mut events);
+        let res = self.parser.feed(data, &mut events);
         for ev in &events {
             self.on_event(ev);
         }

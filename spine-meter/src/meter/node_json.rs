@@ -563,11 +563,16 @@ pub(crate) fn read_choices<'a>(
     }
     let items: Vec<&'a RawValue> =
         serde_json::from_str(raw.get()).map_err(|_| "its choices are not an array")?;
+    // one choice that is not plain (the one-pass reading above said so: a reasoning or tool
+    // call delta) is read the general way at once
+    let alone = items.len() == 1;
     let read: ChoicesRead<'a> = items
         .into_iter()
         .enumerate()
-        .map(|(pos, item)| {
-            plain::read_plain(item.get(), member).map_or_else(|| read_choice(pos, item, member), Ok)
+        .map(|(pos, item)| match alone {
+            true => read_choice(pos, item, member),
+            false => plain::read_plain(item.get(), member)
+                .map_or_else(|| read_choice(pos, item, member), Ok),
         })
         .collect::<Result<_, _>>()?;
     // one index twice in one array: an SDK reads `choices[i]` for choice `i` (or the first
