@@ -791,7 +791,7 @@ where
             return Box::pin(std::future::ready(Ok(resp)));
         }
         let fut = self.inner.call(req);
-        Box::pin(async move { fut.await.map_err(Into::into) })
+        Box::pin(async move { fut.await.map_err(Into::into).map(crate::join::joined) })
     }
 }
 

@@ -34,6 +34,7 @@ mod client;
 mod error;
 pub mod handshake;
 mod identity;
+mod join;
 mod listen;
 #[cfg(feature = "logging")]
 pub mod logging;

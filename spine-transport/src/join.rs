@@ -1,0 +1,300 @@
+//! An agent's answer bodies on the tunnel: data frames that are ready together go down it as
+//! one.
+//!
+//! Why: an engine streams one chunk per token (llama.cpp, vLLM, SGLang and Ollama write each
+//! SSE event as an HTTP/1.1 chunk), and hyper's HTTP/1 client hands a body over one chunk per
+//! turn of its connection task. Passed on as they come, each token is one HTTP/2 DATA frame on
+//! the tunnel, and the gateway pays per frame as well: decoding, flow control, its read-ahead
+//! buffer (issue 17, `docs/benchmarks.md`). [`JoinReady`] gives the engine's connection one
+//! turn of the scheduler after each chunk (as `WsIo` puts off a flush by one) and joins what it
+//! hands over meanwhile, so a burst of tokens crosses the tunnel as one frame while a token
+//! that arrives alone goes on at once, one turn later.
+
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http::Response;
+use http_body::{Body, Frame, SizeHint};
+use spine_core::{BoxBody, BoxError};
+
+/// What one joined frame holds at most, bytes (one frame past it ends the join).
+const JOIN_MAX_BYTES: usize = 16 * 1024;
+
+/// `response` with its body's ready data frames joined ([`JoinReady`]).
+pub(crate) fn joined(response: Response<BoxBody>) -> Response<BoxBody> {
+    response.map(|inner| BoxBody::new(JoinReady::new(inner)))
+}
+
+pin_project_lite::pin_project! {
+    /// A body whose data frames that arrive within one turn of the scheduler of each other are
+    /// handed on as one frame of at most [`JOIN_MAX_BYTES`] (plus the last frame joined).
+    ///
+    /// After each data frame it wakes its task and answers `Pending` once, so that the tasks
+    /// already ready (the engine's connection among them) run first; it then takes every frame
+    /// that came meanwhile, and hands the join on when a poll of the inner body finds nothing.
+    /// Trailers, an error and the end come after the data before them, in order. Holds at most
+    /// one join and one frame; dropping it drops them (cancel safe: nothing else is pending).
+    pub(crate) struct JoinReady<B> {
+        #[pin]
+        inner: B,
+        // data frames taken and not handed on yet
+        parts: Vec<Bytes>,
+        // their bytes
+        parts_len: usize,
+        // a frame (trailers) or an error that came after `parts`
+        held: Option<Result<Frame<Bytes>, BoxError>>,
+        // the inner body ended
+        ended: bool,
+    }
+}
+
+impl<B> JoinReady<B> {
+    /// `inner`, its ready frames joined.
+    pub(crate) fn new(inner: B) -> Self {
+        Self {
+            inner,
+            parts: Vec::new(),
+            parts_len: 0,
+            held: None,
+            ended: false,
+        }
+    }
+}
+
+/// `parts` as one frame: the one part as it is, several copied into one allocation of exactly
+/// their length.
+fn one_frame(parts: &mut Vec<Bytes>, parts_len: &mut usize) -> Frame<Bytes> {
+    let len = std::mem::take(parts_len);
+    if parts.len() == 1 {
+        return Frame::data(parts.pop().unwrap_or_default());
+    }
+    let mut one = Vec::with_capacity(len);
+    for part in parts.drain(..) {
+        one.extend_from_slice(&part);
+    }
+    Frame::data(Bytes::from(one))
+}
+
+impl<B> Body for JoinReady<B>
+where
+    B: Body<Data = Bytes, Error = BoxError>,
+{
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let mut this = self.project();
+        if this.parts.is_empty() {
+            if let Some(held) = this.held.take() {
+                return Poll::Ready(Some(held));
+            }
+            if *this.ended {
+                return Poll::Ready(None);
+            }
+        }
+        loop {
+            if *this.ended || this.held.is_some() || *this.parts_len >= JOIN_MAX_BYTES {
+                return Poll::Ready(Some(Ok(one_frame(this.parts, this.parts_len))));
+            }
+            match this.inner.as_mut().poll_frame(cx) {
+                Poll::Pending if this.parts.is_empty() => return Poll::Pending,
+                // nothing more came during the turn: the join goes on (the inner body keeps
+                // the waker: at worst one spurious wake-up)
+                Poll::Pending => {
+                    return Poll::Ready(Some(Ok(one_frame(this.parts, this.parts_len))))
+                }
+                Poll::Ready(None) => {
+                    *this.ended = true;
+                    if this.parts.is_empty() {
+                        return Poll::Ready(None);
+                    }
+                }
+                Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
+                    Ok(data) => {
+                        *this.parts_len = this.parts_len.saturating_add(data.len());
+                        this.parts.push(data);
+                        if this.inner.is_end_stream() {
+                            *this.ended = true;
+                        } else if *this.parts_len < JOIN_MAX_BYTES {
+                            // one turn for the tasks already ready (the engine's connection)
+                            cx.waker().wake_by_ref();
+                            return Poll::Pending;
+                        }
+                    }
+                    Err(frame) if this.parts.is_empty() => return Poll::Ready(Some(Ok(frame))),
+                    Err(frame) => *this.held = Some(Ok(frame)),
+                },
+                Poll::Ready(Some(Err(e))) if this.parts.is_empty() => {
+                    return Poll::Ready(Some(Err(e)))
+                }
+                Poll::Ready(Some(Err(e))) => *this.held = Some(Err(e)),
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.parts.is_empty() && self.held.is_none() && (self.ended || self.inner.is_end_stream())
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        if self.ended {
+            return SizeHint::with_exact(self.parts_len as u64);
+        }
+        let inner = self.inner.size_hint();
+        let taken = self.parts_len as u64;
+        let mut hint = SizeHint::new();
+        if let Some(upper) = inner.upper() {
+            hint.set_upper(upper.saturating_add(taken));
+        }
+        hint.set_lower(
+            inner
+                .lower()
+                .saturating_add(taken)
+                .min(hint.upper().unwrap_or(u64::MAX)),
+        );
+        hint
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+    use std::collections::VecDeque;
+
+    use http_body_util::BodyExt as _;
+
+    use super::*;
+
+    /// A body that gives its frames one per poll, each after `pending_between` polls answered
+    /// `Pending` (a wake-up each), as hyper's HTTP/1 client does.
+    struct Script {
+        frames: VecDeque<Result<Frame<Bytes>, BoxError>>,
+        pending_between: usize,
+        pending_left: usize,
+        polls: usize,
+    }
+
+    impl Body for Script {
+        type Data = Bytes;
+        type Error = BoxError;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+            self.polls += 1;
+            if self.pending_left > 0 {
+                self.pending_left -= 1;
+                cx.waker().wake_by_ref();
+                return Poll::Pending;
+            }
+            self.pending_left = self.pending_between;
+            Poll::Ready(self.frames.pop_front())
+        }
+    }
+
+    fn script(frames: Vec<Result<Frame<Bytes>, BoxError>>, pending_between: usize) -> Script {
+        Script {
+            frames: frames.into(),
+            pending_between,
+            pending_left: 0,
+            polls: 0,
+        }
+    }
+
+    fn data(s: &'static str) -> Result<Frame<Bytes>, BoxError> {
+        Ok(Frame::data(Bytes::from_static(s.as_bytes())))
+    }
+
+    async fn frames(body: JoinReady<Script>) -> Vec<Result<Frame<Bytes>, String>> {
+        let mut body = Box::pin(body);
+        let mut out = Vec::new();
+        while let Some(frame) = body.frame().await {
+            out.push(frame.map_err(|e| e.to_string()));
+        }
+        assert!(body.is_end_stream());
+        out
+    }
+
+    fn as_data(frames: &[Result<Frame<Bytes>, String>]) -> Vec<String> {
+        frames
+            .iter()
+            .map(|f| match f {
+                Ok(f) => match f.data_ref() {
+                    Some(d) => String::from_utf8_lossy(d).into_owned(),
+                    None => "<trailers>".to_owned(),
+                },
+                Err(e) => format!("<error {e}>"),
+            })
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn frames_ready_together_go_as_one_and_a_frame_alone_is_not_held() {
+        // ready one after another: joined
+        let got = frames(JoinReady::new(script(
+            vec![data("a"), data("b"), data("c")],
+            0,
+        )))
+        .await;
+        assert_eq!(as_data(&got), ["abc"]);
+        // each after a pending poll (nothing came during the turn): one by one
+        let got = frames(JoinReady::new(script(
+            vec![data("a"), data("b"), data("c")],
+            1,
+        )))
+        .await;
+        assert_eq!(as_data(&got), ["a", "b", "c"]);
+    }
+
+    #[tokio::test]
+    async fn trailers_and_errors_come_after_the_data_before_them() {
+        let trailers = Ok(Frame::trailers(http::HeaderMap::new()));
+        let got = frames(JoinReady::new(script(
+            vec![data("a"), data("b"), trailers, data("c")],
+            0,
+        )))
+        .await;
+        assert_eq!(as_data(&got), ["ab", "<trailers>", "c"]);
+        let got = frames(JoinReady::new(script(
+            vec![data("a"), Err("boom".into()), data("c")],
+            0,
+        )))
+        .await;
+        assert_eq!(as_data(&got), ["a", "<error boom>", "c"]);
+    }
+
+    #[tokio::test]
+    async fn a_join_is_bounded() {
+        let big = || Ok(Frame::data(Bytes::from(vec![b'x'; 6 * 1024])));
+        let got = frames(JoinReady::new(script(
+            vec![big(), big(), big(), big(), big()],
+            0,
+        )))
+        .await;
+        let lens: Vec<usize> = got
+            .iter()
+            .map(|f| f.as_ref().unwrap().data_ref().unwrap().len())
+            .collect();
+        // 6 + 6 + 6 KiB reach the bound; the rest is the next join
+        assert_eq!(lens, [18 * 1024, 12 * 1024]);
+    }
+
+    #[tokio::test]
+    async fn the_size_hint_counts_what_is_joined_and_not_handed_on() {
+        let body = http_body_util::Full::new(Bytes::from_static(b"hello"))
+            .map_err(|e| match e {})
+            .boxed_unsync();
+        let mut joined = Box::pin(JoinReady::new(body));
+        assert_eq!(joined.size_hint().exact(), Some(5));
+        let frame = joined.frame().await.unwrap().unwrap();
+        assert_eq!(frame.data_ref().map(Bytes::len), Some(5));
+        assert!(joined.is_end_stream());
+        assert!(joined.frame().await.is_none());
+    }
+}
