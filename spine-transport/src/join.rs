@@ -18,8 +18,15 @@ use http::Response;
 use http_body::{Body, Frame, SizeHint};
 use spine_core::{BoxBody, BoxError};
 
-/// What one joined frame holds at most, bytes (one frame past it ends the join).
+/// What one joined frame holds at most, bytes, unless its first frame alone is larger: the
+/// gateway's HTTP/2 frames carry at most 16 KiB (RFC 9113's default `SETTINGS_MAX_FRAME_SIZE`,
+/// which hyper keeps), so a join never becomes two frames on the tunnel.
 const JOIN_MAX_BYTES: usize = 16 * 1024;
+
+/// How many frames one join takes at most: so that a frame is held at most this many turns of
+/// the scheduler (an engine with a backlog hands over a chunk every turn), and empty or tiny
+/// frames end a join as surely as large ones.
+const JOIN_MAX_FRAMES: usize = 32;
 
 /// `response` with its body's ready data frames joined ([`JoinReady`]) when it is an event
 /// stream (`text/event-stream`); any other answer as it is (a complete answer comes in one or a
@@ -29,30 +36,35 @@ pub(crate) fn joined(response: Response<BoxBody>) -> Response<BoxBody> {
     let streamed = response
         .headers()
         .get(http::header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| {
-            v.trim_start()
-                .get(..TEXT_EVENT_STREAM.len())
-                .is_some_and(|t| t.eq_ignore_ascii_case(TEXT_EVENT_STREAM))
-        });
+        .is_some_and(|v| is_event_stream(v.as_bytes()));
     if !streamed {
         return response;
     }
     response.map(|inner| BoxBody::new(JoinReady::new(inner)))
 }
 
-/// The media type of an SSE stream (WHATWG HTML, "Server-sent events").
-const TEXT_EVENT_STREAM: &str = "text/event-stream";
+/// Whether a `Content-Type` value is `text/event-stream` (any case, parameters allowed).
+fn is_event_stream(value: &[u8]) -> bool {
+    const TYPE: &[u8] = b"text/event-stream";
+    let value = value.trim_ascii_start();
+    value.len() >= TYPE.len()
+        && value[..TYPE.len()].eq_ignore_ascii_case(TYPE)
+        && value
+            .get(TYPE.len())
+            .is_none_or(|b| *b == b';' || b.is_ascii_whitespace())
+}
 
 pin_project_lite::pin_project! {
     /// A body whose data frames that arrive within one turn of the scheduler of each other are
-    /// handed on as one frame of at most [`JOIN_MAX_BYTES`] (plus the last frame joined).
+    /// handed on as one frame of at most [`JOIN_MAX_BYTES`] and [`JOIN_MAX_FRAMES`] frames.
     ///
     /// After each data frame it wakes its task and answers `Pending` once, so that the tasks
     /// already ready (the engine's connection among them) run first; it then takes every frame
-    /// that came meanwhile, and hands the join on when a poll of the inner body finds nothing.
-    /// Trailers, an error and the end come after the data before them, in order. Holds at most
-    /// one join and one frame; dropping it drops them (cancel safe: nothing else is pending).
+    /// that came meanwhile, and hands the join on when a poll of the inner body finds nothing
+    /// or a bound is reached. So a frame that arrives alone goes on one turn later, and none is
+    /// held more than [`JOIN_MAX_FRAMES`] turns. Trailers, an error and the end come after the
+    /// data before them, in order. Holds at most one join and one frame; dropping it drops them
+    /// (cancel safe: nothing else is pending).
     pub(crate) struct JoinReady<B> {
         #[pin]
         inner: B,
@@ -60,6 +72,8 @@ pin_project_lite::pin_project! {
         parts: Vec<Bytes>,
         // their bytes
         parts_len: usize,
+        // a data frame that would have taken the join past its bound: the next join's first
+        next: Option<Bytes>,
         // a frame (trailers) or an error that came after `parts`
         held: Option<Result<Frame<Bytes>, BoxError>>,
         // the inner body ended
@@ -74,9 +88,16 @@ impl<B> JoinReady<B> {
             inner,
             parts: Vec::new(),
             parts_len: 0,
+            next: None,
             held: None,
             ended: false,
         }
+    }
+
+    /// Bytes taken from the inner body and not handed on yet.
+    fn taken_len(&self) -> u64 {
+        let next = self.next.as_ref().map_or(0, Bytes::len);
+        self.parts_len.saturating_add(next) as u64
     }
 }
 
@@ -110,12 +131,22 @@ where
             if let Some(held) = this.held.take() {
                 return Poll::Ready(Some(held));
             }
-            if *this.ended {
-                return Poll::Ready(None);
+            match this.next.take() {
+                Some(next) => {
+                    *this.parts_len = next.len();
+                    this.parts.push(next);
+                }
+                None if *this.ended => return Poll::Ready(None),
+                None => {}
             }
         }
         loop {
-            if *this.ended || this.held.is_some() || *this.parts_len >= JOIN_MAX_BYTES {
+            if *this.ended
+                || this.held.is_some()
+                || this.next.is_some()
+                || *this.parts_len >= JOIN_MAX_BYTES
+                || this.parts.len() >= JOIN_MAX_FRAMES
+            {
                 return Poll::Ready(Some(Ok(one_frame(this.parts, this.parts_len))));
             }
             match this.inner.as_mut().poll_frame(cx) {
@@ -132,12 +163,21 @@ where
                     }
                 }
                 Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
+                    Ok(data)
+                        if !this.parts.is_empty()
+                            && this.parts_len.saturating_add(data.len()) > JOIN_MAX_BYTES =>
+                    {
+                        *this.ended = this.inner.is_end_stream();
+                        *this.next = Some(data);
+                    }
                     Ok(data) => {
                         *this.parts_len = this.parts_len.saturating_add(data.len());
                         this.parts.push(data);
                         if this.inner.is_end_stream() {
                             *this.ended = true;
-                        } else if *this.parts_len < JOIN_MAX_BYTES {
+                        } else if *this.parts_len < JOIN_MAX_BYTES
+                            && this.parts.len() < JOIN_MAX_FRAMES
+                        {
                             // one turn for the tasks already ready (the engine's connection)
                             cx.waker().wake_by_ref();
                             return Poll::Pending;
@@ -155,15 +195,18 @@ where
     }
 
     fn is_end_stream(&self) -> bool {
-        self.parts.is_empty() && self.held.is_none() && (self.ended || self.inner.is_end_stream())
+        self.parts.is_empty()
+            && self.next.is_none()
+            && self.held.is_none()
+            && (self.ended || self.inner.is_end_stream())
     }
 
     fn size_hint(&self) -> SizeHint {
+        let taken = self.taken_len();
         if self.ended {
-            return SizeHint::with_exact(self.parts_len as u64);
+            return SizeHint::with_exact(taken);
         }
         let inner = self.inner.size_hint();
-        let taken = self.parts_len as u64;
         let mut hint = SizeHint::new();
         if let Some(upper) = inner.upper() {
             hint.set_upper(upper.saturating_add(taken));
@@ -299,8 +342,19 @@ mod tests {
             .iter()
             .map(|f| f.as_ref().unwrap().data_ref().unwrap().len())
             .collect();
-        // 6 + 6 + 6 KiB reach the bound; the rest is the next join
-        assert_eq!(lens, [18 * 1024, 12 * 1024]);
+        // a third 6 KiB would pass the bound: it starts the next join
+        assert_eq!(lens, [12 * 1024, 12 * 1024, 6 * 1024]);
+        // at most JOIN_MAX_FRAMES frames, empty ones counted: a frame is held a bounded
+        // number of turns however small the frames behind it
+        let mut frames_in = vec![data("a")];
+        frames_in.extend((0..40).map(|_| data("")));
+        frames_in.push(data("b"));
+        let got = frames(JoinReady::new(script(frames_in, 0))).await;
+        // "a" and 31 empty frames, then 9 and "b" (without the bound: one frame, "ab")
+        assert_eq!(as_data(&got), ["a", "b"]);
+        let tiny: Vec<_> = (0..40).map(|_| data("x")).collect();
+        let got = frames(JoinReady::new(script(tiny, 0))).await;
+        assert_eq!(as_data(&got), ["x".repeat(32), "x".repeat(8)]);
     }
 
     #[tokio::test]
@@ -314,6 +368,10 @@ mod tests {
         for (content_type, parts) in [
             (Some("text/event-stream"), 1),
             (Some("Text/Event-Stream; charset=utf-8"), 1),
+            (Some(" text/event-stream;charset=utf-8"), 1),
+            (Some("text/event-stream x"), 1),
+            (Some("text/event-streamx"), 2),
+            (Some("text/event"), 2),
             (Some("application/json"), 2),
             (None, 2),
         ] {
