@@ -200,8 +200,9 @@ async fn pump(
 /// `FRAME_OVERHEAD_BYTES`, so a flood of empty frames ends it too). A frame that does not fit, a
 /// non-data frame or an error goes to `held`. Also says whether `body` ended.
 ///
-/// The joined frame is one allocation of exactly its length, so what it holds is what its
-/// permits count (a buffer with spare capacity would hold more memory than it is charged for).
+/// The frame is one allocation of exactly its length, joined or alone, so what it holds is what
+/// its permits count (a buffer with spare capacity, or a slice of a larger one, would hold more
+/// memory than it is charged for).
 ///
 /// So a busy stream pays the buffer's per-frame costs (a permit, a channel send, a wake-up of
 /// the caller's connection, a chunk written to the caller) once per batch of events, and a
@@ -253,7 +254,10 @@ async fn join_ready(
         parts.push(data);
     }
     if parts.is_empty() {
-        return (Frame::data(first), ended);
+        // copied too: the node's frame is a slice of the HTTP/2 connection's read buffer, and
+        // would keep all of it alive while it waits here, counted by its length (a node sending
+        // tiny frames between fillers could hold many times the buffer's bound)
+        return (Frame::data(Bytes::copy_from_slice(&first)), ended);
     }
     let len = first.len() + parts.iter().map(Bytes::len).sum::<usize>();
     let mut joined = Vec::with_capacity(len);

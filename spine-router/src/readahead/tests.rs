@@ -127,12 +127,17 @@ async fn frames_ready_together_are_joined_and_a_frame_alone_is_not_held_back() {
     // one allocation of exactly its length: the memory it holds is what its permits count
     let joined = joined.try_into_mut().unwrap();
     assert_eq!(joined.capacity(), 3);
-    // one frame, the node's body still open: passed on without waiting for more
+    // one frame, the node's body still open: passed on without waiting for more, in an
+    // allocation of its own (the node's was a slice of a larger buffer)
+    let read_buffer = Bytes::from(vec![b'd'; 8192]);
     node_tx
-        .send(Ok(Frame::data(Bytes::from_static(b"d"))))
+        .send(Ok(Frame::data(read_buffer.slice(..1))))
         .unwrap();
+    drop(read_buffer);
     let alone = tokio::time::timeout(wait, body.frame()).await.unwrap();
-    assert_eq!(&alone.unwrap().unwrap().into_data().unwrap()[..], b"d");
+    let alone = alone.unwrap().unwrap().into_data().unwrap();
+    assert_eq!(&alone[..], b"d");
+    assert_eq!(alone.try_into_mut().unwrap().capacity(), 1);
     // trailers after data come after it, then the end
     node_tx
         .send(Ok(Frame::data(Bytes::from_static(b"e"))))
