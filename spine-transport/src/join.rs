@@ -228,51 +228,37 @@ mod tests {
     use std::collections::VecDeque;
 
     use http_body_util::BodyExt as _;
+    use spine_test_support::body_fn;
 
     use super::*;
 
-    /// A body that gives its frames one per poll, each after `pending_between` polls answered
-    /// `Pending` (a wake-up each), as hyper's HTTP/1 client does.
-    struct Script {
-        frames: VecDeque<Result<Frame<Bytes>, BoxError>>,
+    /// A body that gives `frames` one per poll, each after `pending_between` polls answered
+    /// `Pending` (a wake-up each), as hyper's HTTP/1 client does; then the end.
+    fn script(
+        frames: Vec<Result<Frame<Bytes>, BoxError>>,
         pending_between: usize,
-        pending_left: usize,
-        polls: usize,
-    }
-
-    impl Body for Script {
-        type Data = Bytes;
-        type Error = BoxError;
-
-        fn poll_frame(
-            mut self: Pin<&mut Self>,
-            cx: &mut Context<'_>,
-        ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-            self.polls += 1;
-            if self.pending_left > 0 {
-                self.pending_left -= 1;
+    ) -> impl Body<Data = Bytes, Error = BoxError> + Unpin {
+        let mut frames: VecDeque<_> = frames.into();
+        let mut pending_left = 0;
+        body_fn(move |cx| {
+            if pending_left > 0 {
+                pending_left -= 1;
                 cx.waker().wake_by_ref();
                 return Poll::Pending;
             }
-            self.pending_left = self.pending_between;
-            Poll::Ready(self.frames.pop_front())
-        }
-    }
-
-    fn script(frames: Vec<Result<Frame<Bytes>, BoxError>>, pending_between: usize) -> Script {
-        Script {
-            frames: frames.into(),
-            pending_between,
-            pending_left: 0,
-            polls: 0,
-        }
+            pending_left = pending_between;
+            Poll::Ready(frames.pop_front())
+        })
     }
 
     fn data(s: &'static str) -> Result<Frame<Bytes>, BoxError> {
         Ok(Frame::data(Bytes::from_static(s.as_bytes())))
     }
 
-    async fn frames(body: JoinReady<Script>) -> Vec<Result<Frame<Bytes>, String>> {
+    async fn frames<B>(body: JoinReady<B>) -> Vec<Result<Frame<Bytes>, String>>
+    where
+        B: Body<Data = Bytes, Error = BoxError>,
+    {
         let mut body = Box::pin(body);
         let mut out = Vec::new();
         while let Some(frame) = body.frame().await {
