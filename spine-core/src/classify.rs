@@ -80,5 +80,28 @@ impl ClassifyBody for FirstBytes {
     }
 }
 
+/// Whether `headers` say the body is a Server-Sent Events stream: a `Content-Type` of
+/// `text/event-stream` ([`is_event_stream`]).
+pub fn is_event_stream_response(headers: &http::HeaderMap) -> bool {
+    headers
+        .get(http::header::CONTENT_TYPE)
+        .is_some_and(|v| is_event_stream(v.as_bytes()))
+}
+
+/// Whether a `Content-Type` value is `text/event-stream` (WHATWG HTML, "Server-sent events"):
+/// the media type in any case (RFC 9110 §8.3.1), after optional whitespace, then the value's
+/// end, whitespace or parameters (`; charset=utf-8`). `text/event-streamx` is not. Every part of
+/// spine that tells a stream from a complete answer asks this, so the meter, the router's
+/// classifier, the ledger's record and the tunnel agree on every node's header.
+pub fn is_event_stream(value: &[u8]) -> bool {
+    const TYPE: &[u8] = b"text/event-stream";
+    let value = value.trim_ascii_start();
+    value.len() >= TYPE.len()
+        && value[..TYPE.len()].eq_ignore_ascii_case(TYPE)
+        && value
+            .get(TYPE.len())
+            .is_none_or(|b| *b == b';' || b.is_ascii_whitespace())
+}
+
 #[cfg(test)]
 mod tests;

@@ -29,7 +29,9 @@ mod time;
 mod trust;
 mod usage;
 
-pub use classify::{BodyClassifier, BodySignal, ClassifyBody, FirstBytes};
+pub use classify::{
+    is_event_stream, is_event_stream_response, BodyClassifier, BodySignal, ClassifyBody, FirstBytes,
+};
 pub use ids::{AccountId, ModelId, NodeId, OperatorId, RequestId};
 pub use node::{Endpoints, EngineKind, ModelDescriptor, NodeDescriptor};
 pub use peek::{
@@ -47,6 +49,23 @@ pub use slot::{NodeFault, NodeSlot, PromptTokens};
 pub use time::unix_time_ms;
 pub use trust::{AuditVerdict, ModelTrust};
 pub use usage::{StreamOutcome, Usage, UsageSource};
+
+/// `parts` copied, in order, into one allocation of exactly their length: what a joined or kept
+/// frame holds is then what it is counted for (a slice of a larger buffer, or a buffer with
+/// spare capacity, would hold more memory than its length says).
+pub fn concat_exact<'a, I>(parts: I) -> bytes::Bytes
+where
+    I: IntoIterator<Item = &'a bytes::Bytes>,
+    I::IntoIter: Clone,
+{
+    let parts = parts.into_iter();
+    let len = parts.clone().map(bytes::Bytes::len).sum();
+    let mut one = Vec::with_capacity(len);
+    for part in parts {
+        one.extend_from_slice(part);
+    }
+    bytes::Bytes::from(one)
+}
 
 /// A type-erased error, as tower and hyper use it.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;

@@ -18,7 +18,7 @@ impl ClassifyBody for SseClassify {
     }
 
     fn classifier_for(&self, content_type: Option<&str>, choices: u32) -> Box<dyn BodyClassifier> {
-        let sse = content_type.is_some_and(|v| v.trim_start().starts_with("text/event-stream"));
+        let sse = content_type.is_some_and(|v| spine_core::is_event_stream(v.as_bytes()));
         if sse {
             Box::new(SseClassifier {
                 choices: u64::from(choices.max(1)),

@@ -253,19 +253,11 @@ async fn join_ready(
         counted = counted.saturating_add(data_cost as usize);
         parts.push(data);
     }
-    if parts.is_empty() {
-        // copied too: the node's frame is a slice of the HTTP/2 connection's read buffer, and
-        // would keep all of it alive while it waits here, counted by its length (a node sending
-        // tiny frames between fillers could hold many times the buffer's bound)
-        return (Frame::data(Bytes::copy_from_slice(&first)), ended);
-    }
-    let len = first.len() + parts.iter().map(Bytes::len).sum::<usize>();
-    let mut joined = Vec::with_capacity(len);
-    joined.extend_from_slice(&first);
-    for part in &parts {
-        joined.extend_from_slice(part);
-    }
-    (Frame::data(Bytes::from(joined)), ended)
+    // a frame alone is copied too: the node's frame is a slice of the HTTP/2 connection's read
+    // buffer, and would keep all of it alive while it waits here, counted by its length (a node
+    // sending tiny frames between fillers could hold many times the buffer's bound)
+    let joined = spine_core::concat_exact(std::iter::once(&first).chain(&parts));
+    (Frame::data(joined), ended)
 }
 
 /// The caller's side of a read-ahead body: frames as the pump buffered them.

@@ -131,11 +131,7 @@ pub fn note_serving_node<B>(
     request_id: Option<RequestId>,
     resp: &http::Response<B>,
 ) {
-    let streamed = resp
-        .headers()
-        .get(http::header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.starts_with("text/event-stream"));
+    let streamed = spine_core::is_event_stream_response(resp.headers());
     let node = resp.extensions().get::<NodeId>().cloned();
     let known = resp
         .extensions()

@@ -14,11 +14,7 @@ pub fn caller_response<B>(resp: http::Response<B>) -> http::Response<B> {
     let mut out = http::Response::new(body);
     *out.status_mut() = parts.status;
     let content_type = parts.headers.get(header::CONTENT_TYPE).cloned();
-    let is_sse = content_type
-        .as_ref()
-        .and_then(|v| v.to_str().ok())
-        .map(|v| v.starts_with("text/event-stream"))
-        .unwrap_or(false);
+    let is_sse = spine_core::is_event_stream_response(&parts.headers);
     if let Some(ct) = content_type {
         out.headers_mut().insert(header::CONTENT_TYPE, ct);
     }

@@ -381,11 +381,7 @@ where
         }
         return Ok(resp);
     }
-    let streaming = resp
-        .headers()
-        .get(http::header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.trim_start().starts_with("text/event-stream"));
+    let streaming = spine_core::is_event_stream_response(resp.headers());
     let (mut parts, body) = resp.into_parts();
     parts.headers.remove(http::header::CONTENT_LENGTH);
     if streaming && !stream_requested {

@@ -1860,6 +1860,24 @@ fn keepalive_without_progress() -> Vec<Bytes> {
     ]
 }
 
+/// The events of a caller's stream `got` that a stall cut: no `[DONE]`, and last the error
+/// event of a node that made no progress (`upstream_failed`, `upstream_error`).
+fn ended_as_stalled(got: &[u8]) -> Vec<crate::sse::SseEvent> {
+    let events = crate::sse::parse_all(got).unwrap();
+    assert!(events.iter().all(|e| e.data() != "[DONE]"));
+    let last: Value = serde_json::from_str(events.last().unwrap().data()).unwrap();
+    assert_eq!(last["error"]["code"], "upstream_failed", "{last}");
+    assert_eq!(last["error"]["type"], "upstream_error", "{last}");
+    assert!(
+        last["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("no progress"),
+        "{last}"
+    );
+    events
+}
+
 #[tokio::test]
 async fn a_stream_alive_without_progress_is_cut_as_stalled_with_the_delivered_tokens_recorded() {
     let mut h = harness().await;
@@ -1891,18 +1909,7 @@ async fn a_stream_alive_without_progress_is_cut_as_stalled_with_the_delivered_to
     // cut once the bound passed after the last text (sent at 0.1 s), not before
     assert!(took >= stall, "{took:?}");
     assert!(took < stall * 8, "{took:?}");
-    let events = crate::sse::parse_all(&got).unwrap();
-    assert!(events.iter().all(|e| e.data() != "[DONE]"));
-    let last: Value = serde_json::from_str(events.last().unwrap().data()).unwrap();
-    assert_eq!(last["error"]["code"], "upstream_failed", "{last}");
-    assert_eq!(last["error"]["type"], "upstream_error", "{last}");
-    assert!(
-        last["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("no progress"),
-        "{last}"
-    );
+    let events = ended_as_stalled(&got);
     let delivered: String = events
         .iter()
         .filter_map(|e| serde_json::from_str::<Value>(e.data()).ok())
@@ -1966,16 +1973,7 @@ async fn a_node_that_keeps_the_gateway_busy_without_progress_is_cut_as_stalled()
         .await
         .expect("the stream was not cut at the stall bound")
         .concat();
-    let events = crate::sse::parse_all(&got).unwrap();
-    let last: Value = serde_json::from_str(events.last().unwrap().data()).unwrap();
-    assert_eq!(last["error"]["code"], "upstream_failed", "{last}");
-    assert!(
-        last["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("no progress"),
-        "{last}"
-    );
+    ended_as_stalled(&got);
     assert_eq!(h.settled().await.0.outcome, StreamOutcome::UpstreamFailed);
     assert_eq!(node_fault(&slot), Some(spine_core::NodeFault::Stalled));
     h.assert_account_untouched().await;

@@ -185,9 +185,7 @@ pub(super) async fn try_commit(
         .get(http::header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned);
-    let streamed = content_type
-        .as_deref()
-        .is_some_and(|v| v.trim_start().starts_with("text/event-stream"));
+    let streamed = spine_core::is_event_stream_response(resp.headers());
     let mut classifier = classify.classifier_for(content_type.as_deref(), choices);
     let (mut parts, mut body) = resp.into_parts();
     parts.extensions.insert(node.clone());
