@@ -157,6 +157,11 @@ pub struct Report {
     pub ok: u64,
     /// Requests that failed (status, transport, timeout, missing `[DONE]`).
     pub errors: u64,
+    /// `errors` by the answer's HTTP status (`0`: no answer head — a transport error or a
+    /// timeout before it; a `200` whose body failed or lacked `[DONE]` counts under `200`), so
+    /// a report says what failed (e.g. 429 refusals vs 503 overload).
+    #[serde(default)]
+    pub error_statuses: std::collections::BTreeMap<u16, u64>,
     /// Open loop: scheduled requests not sent because `max_in_flight` were outstanding.
     pub dropped: u64,
     /// `ok / elapsed_secs`.
@@ -208,7 +213,21 @@ impl Report {
             self.latency.p50_micros / 1000.0,
             self.latency.p99_micros / 1000.0,
             if self.sustained() { "" } else { " (not sustained)" }
-        )
+        ) + &if self.error_statuses.is_empty() {
+            String::new()
+        } else {
+            format!(" | errors by status {}", self.error_statuses_text())
+        }
+    }
+
+    /// The errors by HTTP status, `"429: 12, 0: 1"` (`0`: no answer head); `""` without errors.
+    pub fn error_statuses_text(&self) -> String {
+        let by: Vec<String> = self
+            .error_statuses
+            .iter()
+            .map(|(status, n)| format!("{status}: {n}"))
+            .collect();
+        by.join(", ")
     }
 
     /// Whether the target kept up: at most 1 % errors and drops, and, in open loop, at least
@@ -245,6 +264,8 @@ fn histogram() -> Result<Histogram<u64>, hdrhistogram::CreationError> {
 #[derive(Debug, Default)]
 struct Sample {
     ok: bool,
+    /// The answer's HTTP status; 0 before an answer head arrived.
+    status: u16,
     latency_micros: u64,
     ttft_micros: Option<u64>,
     gaps_micros: Vec<u64>,
@@ -257,6 +278,7 @@ struct Shared {
     hist: Mutex<Histograms>,
     ok: AtomicU64,
     errors: AtomicU64,
+    error_statuses: Mutex<std::collections::BTreeMap<u16, u64>>,
     dropped: AtomicU64,
     events: AtomicU64,
     in_flight: AtomicUsize,
@@ -268,6 +290,12 @@ impl Shared {
     fn record(&self, s: Sample) {
         if !s.ok {
             self.errors.fetch_add(1, Ordering::Relaxed);
+            *self
+                .error_statuses
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .entry(s.status)
+                .or_default() += 1;
             return;
         }
         self.ok.fetch_add(1, Ordering::Relaxed);
@@ -351,6 +379,7 @@ async fn one(client: &HttpClient, target: &Target, cfg: &RunConfig, start: Insta
     let Ok(resp) = client.request(req).await else {
         return sample;
     };
+    sample.status = resp.status().as_u16();
     let success = resp.status().is_success();
     let mut body = resp.into_body();
     let mut pending: Vec<u8> = Vec::new();
@@ -451,6 +480,7 @@ pub async fn run(
         }),
         ok: AtomicU64::new(0),
         errors: AtomicU64::new(0),
+        error_statuses: Mutex::new(std::collections::BTreeMap::new()),
         dropped: AtomicU64::new(0),
         events: AtomicU64::new(0),
         in_flight: AtomicUsize::new(0),
@@ -482,6 +512,12 @@ pub async fn run(
         elapsed_secs: secs,
         ok,
         errors: shared.errors.load(Ordering::Relaxed),
+        error_statuses: std::mem::take(
+            &mut *shared
+                .error_statuses
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner),
+        ),
         dropped: shared.dropped.load(Ordering::Relaxed),
         ok_per_sec: ok as f64 / secs,
         events,
@@ -640,6 +676,7 @@ mod tests {
             elapsed_secs: 1.0,
             ok: 99,
             errors: 0,
+            error_statuses: Default::default(),
             dropped: 0,
             ok_per_sec: 99.0,
             events: 0,
@@ -723,6 +760,22 @@ mod tests {
         assert_eq!(r.errors, 0);
         assert_eq!(r.latency.count, r.ok);
         assert!(r.sustained());
+        assert!(r.error_statuses.is_empty(), "{r:?}");
+        // every answer a 404: each failure counted under its status
+        let missing = Target {
+            url: format!("http://{}/v1/no-such-path", engine.addr())
+                .parse()
+                .unwrap(),
+            ..target
+        };
+        let r = run(&c, &missing, "missing", &closed, &[]).await.unwrap();
+        assert_eq!(r.ok, 0);
+        assert!(r.errors > 0);
+        assert_eq!(
+            r.error_statuses,
+            std::collections::BTreeMap::from([(404, r.errors)])
+        );
+        assert!(!r.sustained());
         engine.shutdown();
     }
 }

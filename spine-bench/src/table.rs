@@ -118,8 +118,11 @@ pub fn render(reports: &[Report]) -> String {
                         added_p99.push(None);
                         let _ = write!(
                             row,
-                            " saturated ({:.0} req/s done, {} errors, {} dropped) |",
-                            r.ok_per_sec, r.errors, r.dropped
+                            " saturated ({:.0} req/s done, {} errors{}, {} dropped) |",
+                            r.ok_per_sec,
+                            r.errors,
+                            statuses(r),
+                            r.dropped
                         );
                     }
                     (None, _) => {
@@ -312,6 +315,14 @@ pub fn render(reports: &[Report]) -> String {
     s
 }
 
+/// `" (429: 12, 0: 1)"`: a report's errors by HTTP status; `""` without.
+fn statuses(r: &Report) -> String {
+    if r.error_statuses.is_empty() {
+        return String::new();
+    }
+    format!(" ({})", r.error_statuses_text())
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -334,6 +345,7 @@ mod tests {
             elapsed_secs: 1.0,
             ok: ok_per_sec as u64,
             errors: 0,
+            error_statuses: Default::default(),
             dropped: 0,
             ok_per_sec,
             events: 0,
@@ -421,5 +433,24 @@ mod tests {
             "{t}"
         );
         assert!(t.contains("spine/litellm max throughput = 62.50×"), "{t}");
+    }
+
+    #[test]
+    fn a_saturated_rate_says_what_its_errors_were() {
+        let open = Mode::Open {
+            rate_per_sec: 3000.0,
+        };
+        let mut spine = report("spine", "non_streamed", open, 2900.0, 500.0, 900.0);
+        spine.errors = 410;
+        spine.error_statuses = [(0, 2), (429, 408)].into();
+        let reports = vec![
+            report("direct", "non_streamed", open, 3000.0, 200.0, 400.0),
+            spine,
+        ];
+        let t = render(&reports);
+        assert!(
+            t.contains("| 3000 | 0.20 / 0.40 | saturated (2900 req/s done, 410 errors (0: 2, 429: 408), 0 dropped) |"),
+            "{t}"
+        );
     }
 }
