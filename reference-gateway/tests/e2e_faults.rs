@@ -153,14 +153,12 @@ async fn an_agent_told_to_stop_while_its_engine_hangs_exits_within_seconds() {
     let took = told.elapsed();
     println!("the agent exited {took:.2?} after SIGTERM with its engine hung: {status:?}");
     assert!(status.is_some(), "still running after {took:?}");
-    assert!(
-        agent
-            .stderr_lines()
-            .iter()
-            .any(|l| l.contains("engine stopped answering")),
-        "{}",
-        agent.stderr_tail(20)
-    );
+    // its last lines may still be in the pipe when the exit is seen: waited for, not read once
+    // (CI once found the line missing from an agent that had exited after 4 s)
+    agent
+        .wait_for_stderr("engine stopped answering", Duration::from_secs(10))
+        .await
+        .unwrap();
     let rest = tokio::time::timeout(Duration::from_secs(60), resp.bytes())
         .await
         .expect("the caller's stream ended")
