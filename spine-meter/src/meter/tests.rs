@@ -1308,16 +1308,7 @@ async fn a_node_streaming_past_the_cap_is_cut_at_its_bound_and_faulted() {
         req["max_tokens"] = json!(64);
         let resp = svc.oneshot(request("big", &req)).await.unwrap();
         let got = frames(resp.into_body()).await.concat();
-        let events = crate::sse::parse_all(&got).unwrap();
-        let last: Value = serde_json::from_str(events.last().unwrap().data()).unwrap();
-        assert_eq!(last["error"]["code"], "upstream_failed", "{last}");
-        assert!(
-            last["error"]["message"]
-                .as_str()
-                .unwrap()
-                .contains("completion tokens a choice may have"),
-            "{last}"
-        );
+        let events = ended_with_upstream_error(&got, "completion tokens a choice may have");
         let mut delivered = String::new();
         for e in &events[..events.len() - 1] {
             let v: Value = serde_json::from_str(e.data()).unwrap();
@@ -1860,22 +1851,25 @@ fn keepalive_without_progress() -> Vec<Bytes> {
     ]
 }
 
-/// The events of a caller's stream `got` that a stall cut: no `[DONE]`, and last the error
-/// event of a node that made no progress (`upstream_failed`, `upstream_error`).
-fn ended_as_stalled(got: &[u8]) -> Vec<crate::sse::SseEvent> {
+/// The events of a caller's stream `got` that the gateway cut for the node's fault: no
+/// `[DONE]`, and last an error event (`upstream_failed`, `upstream_error`) whose message
+/// contains `why`.
+fn ended_with_upstream_error(got: &[u8], why: &str) -> Vec<crate::sse::SseEvent> {
     let events = crate::sse::parse_all(got).unwrap();
     assert!(events.iter().all(|e| e.data() != "[DONE]"));
     let last: Value = serde_json::from_str(events.last().unwrap().data()).unwrap();
     assert_eq!(last["error"]["code"], "upstream_failed", "{last}");
     assert_eq!(last["error"]["type"], "upstream_error", "{last}");
     assert!(
-        last["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("no progress"),
+        last["error"]["message"].as_str().unwrap().contains(why),
         "{last}"
     );
     events
+}
+
+/// The events of a caller's stream `got` that a stall cut (a node that made no progress).
+fn ended_as_stalled(got: &[u8]) -> Vec<crate::sse::SseEvent> {
+    ended_with_upstream_error(got, "no progress")
 }
 
 #[tokio::test]
